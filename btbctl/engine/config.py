@@ -1,0 +1,100 @@
+"""Validated configuration shared by ``dry-run``, ``sweep`` and (later) ``up``.
+
+One config tree (pydantic). Every field has a docstring; a bad value raises :class:`ConfigError` naming the key and
+what is valid (see :func:`validate`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.costmodel import (
+    DEFAULT_HBM_EFFICIENCY,
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_MEM_FRACTION,
+    DEFAULT_MFU,
+    ReplicaCost,
+    default_chunked_prefill_tokens,
+    gpu_preset,
+    model_preset,
+)
+from btbctl.engine.errors import ConfigError
+
+Fidelity = Literal["realistic", "infersim"]
+FIDELITIES = ("realistic", "infersim")
+
+
+class ClusterConfig(BaseModel):
+    """A fleet of identical replicas. Defaults: the published BTB setting, 4 replicas of Llama-3.3-70B on
+    4xH100 with 400 Gb/s (50 GB/s) of NIC per GPU (REFERENCE.md s1, s2)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "llama-3.3-70b"
+    """Model preset name (``btbctl presets``)."""
+    gpu: str = "h100"
+    """GPU preset name (``btbctl presets``)."""
+    gpus_per_replica: int = Field(4, ge=1, le=64)
+    """TP degree: GPUs per replica."""
+    replicas: int = Field(4, ge=1, le=1024)
+    """Replicas in the fleet."""
+    nic_gbps: float = Field(400.0, gt=0)
+    """NIC bandwidth per GPU, gigabits per second (400 = ConnectX-7 400G = 50 GB/s, the Infer-Sim H100 figure)."""
+    mem_fraction: float = Field(DEFAULT_MEM_FRACTION, gt=0, le=1)
+    """Fraction of HBM for weights + KV (SGLang ``--mem-fraction-static``)."""
+    chunked_prefill_tokens: int | None = Field(None, ge=64)
+    """Prefill chunk size in tokens (SGLang ``--chunked-prefill-size``); None = SGLang's default for the GPU."""
+    max_running: int = Field(DEFAULT_MAX_RUNNING, ge=1)
+    """Most requests a replica runs at once (SGLang ``--max-running-requests``)."""
+    mfu: float = Field(DEFAULT_MFU, gt=0, le=1)
+    """Achieved fraction of peak FLOP/s in prefill."""
+    hbm_efficiency: float = Field(DEFAULT_HBM_EFFICIENCY, gt=0, le=1)
+    """Achieved fraction of HBM bandwidth in decode."""
+
+    def replica_cost(self, *, attention_term: bool = True, mem_fraction: float | None = None,
+                     step_overhead_s: float | None = None) -> ReplicaCost:
+        """The cost model of one replica. Raises :class:`ConfigError` for unknown presets or a model that does not
+        fit its GPUs."""
+        kw = {}
+        if step_overhead_s is not None:
+            kw["step_overhead_s"] = step_overhead_s
+        return ReplicaCost(
+            model=model_preset(self.model),
+            gpu=gpu_preset(self.gpu),
+            gpus_per_replica=self.gpus_per_replica,
+            nic_gbps=self.nic_gbps,
+            mem_fraction=self.mem_fraction if mem_fraction is None else mem_fraction,
+            mfu=self.mfu,
+            hbm_efficiency=self.hbm_efficiency,
+            attention_term=attention_term,
+            **kw,
+        )
+
+    def chunk_tokens(self) -> int:
+        """The effective prefill chunk size in tokens."""
+        if self.chunked_prefill_tokens is not None:
+            return self.chunked_prefill_tokens
+        return default_chunked_prefill_tokens(gpu_preset(self.gpu))
+
+
+def validate(model_cls: type[BaseModel], data: dict, path: str | None = None, prefix: str = ""):
+    """Build ``model_cls`` from ``data``; turn the first pydantic error into a one-line :class:`ConfigError` that
+    names the dotted key and what is valid."""
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        if prefix:
+            key = f"{prefix}.{key}"
+        msg = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":
+            fields = ", ".join(model_cls.model_fields)
+            msg = f"unknown key; valid keys: {fields}"
+        raise ConfigError(key, msg, path) from None
+
+
+__all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "validate"]

@@ -1,0 +1,37 @@
+"""Errors the engine raises for bad user input.
+
+Every user-facing failure is a :class:`BtbctlError`. The CLI prints ``str(err)`` as one line on stderr and exits
+with status 2 (no traceback unless ``BTBCTL_DEBUG=1``). Anything else that escapes is a bug.
+"""
+
+from __future__ import annotations
+
+
+class BtbctlError(Exception):
+    """A user error: bad input, bad config, an impossible request. ``str()`` is one self-contained line."""
+
+    exit_code = 2
+
+
+class TraceFormatError(BtbctlError):
+    """A trace file that cannot be read. The message names the file and, where known, the 1-based line."""
+
+    def __init__(self, path: str | None, message: str, line: int | None = None) -> None:
+        self.path = path
+        self.line = line
+        self.reason = message
+        where = path or "<trace>"
+        if line is not None:
+            where = f"{where}:{line}"
+        super().__init__(f"{where}: {message}")
+
+
+class ConfigError(BtbctlError):
+    """A bad setting. The message names the key (and file, if any) and what would be valid."""
+
+    def __init__(self, key: str, message: str, path: str | None = None) -> None:
+        self.key = key
+        self.path = path
+        self.reason = message
+        where = f"{path}: " if path else ""
+        super().__init__(f"{where}{key}: {message}")

@@ -1,0 +1,90 @@
+"""The routing-policy protocol and the fleet view policies read.
+
+A policy is asked, for each arriving request, which replica serves it. It sees the fleet only through a
+:class:`FleetView` (loads, what each replica's prefix cache holds, copies in flight) and may ask the fleet to copy a
+prefix's KV cache between replicas through :meth:`FleetView.replicate` (BTB-style policies). Time is always passed
+in (``now_s``); no policy reads the wall clock, so the same code runs live (gateway) and simulated.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import ClassVar, Hashable, Protocol, Sequence
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.trace.model import Request
+
+
+class FleetView(Protocol):
+    """What a policy may read about the fleet (and the one action it may take: start a copy).
+
+    Replicas are numbered ``0 .. n_replicas - 1``.
+    """
+
+    @property
+    def n_replicas(self) -> int:
+        """Number of replicas."""
+
+    def load(self, replica: int) -> int:
+        """Requests the router has in flight to ``replica`` (running + waiting there)."""
+
+    def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """How many leading blocks of ``chain`` are computed and resident in ``replica``'s KV cache now."""
+
+    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """How many leading blocks of ``chain`` are resident *or on their way* to ``replica`` (being prefilled
+        there or arriving by copy). Always >= :meth:`cached_blocks`."""
+
+    def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        """Whether a copy of (a prefix ending with) ``chain[-1]`` towards ``replica`` is in flight."""
+
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float) -> bool:
+        """Start copying the KV cache of ``chain``'s blocks from ``source`` to ``target``. Returns False when the
+        fleet refuses (same replica, a copy already in flight, no room). The target serves the blocks as cached
+        only once they have all arrived."""
+
+    def expected_wait_s(self, replica: int) -> float:
+        """Estimated seconds of queued prefill work ahead of a new request on ``replica`` (0 when idle)."""
+
+
+class Policy:
+    """Base class of routing policies; subclasses set ``name`` and implement :meth:`route`.
+
+    Args:
+        n_replicas: fleet size.
+        rng: the policy's own seeded random source (ties, sampling); never the global ``random``.
+        constants: BTB's four constants (ignored by policies that do not use them).
+    """
+
+    name: ClassVar[str] = ""
+    #: One line for ``btbctl dry-run --help`` and reports.
+    summary: ClassVar[str] = ""
+
+    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None) -> None:
+        self.n_replicas = n_replicas
+        self.rng = rng
+        self.constants = constants or BtbConstants()
+
+    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+        """Return the replica index that serves ``req``."""
+        raise NotImplementedError
+
+    def on_finish(self, req: Request, replica: int, now_s: float) -> None:
+        """Hook: ``req`` finished on ``replica`` (no-op by default)."""
+
+    def set_constants(self, constants: BtbConstants) -> None:
+        """Retune at run time; takes effect from the next request."""
+        self.constants = constants
+
+    def stats(self) -> dict:
+        """Counters for reports (e.g. detector fires); empty by default."""
+        return {}
+
+
+def least_loaded(view: FleetView, candidates: Sequence[int], rng: random.Random | None = None) -> int:
+    """The candidate with the lowest load; ties go to a random one when ``rng`` is given, else to the first."""
+    best = min(view.load(r) for r in candidates)
+    tied = [r for r in candidates if view.load(r) == best]
+    if rng is None or len(tied) == 1:
+        return tied[0]
+    return rng.choice(tied)
