@@ -1,0 +1,98 @@
+"""The single output sink of the CLI: results to stdout (human or JSON), diagnostics to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Any, Callable
+
+
+class Format(str, Enum):
+    """Output format of commands that report."""
+
+    human = "human"
+    json = "json"
+
+
+class Output:
+    """Where every command prints.
+
+    ``result`` writes the command's result to stdout: JSON (stable keys, sorted as given, two-space indent) in
+    ``json`` mode, else whatever ``human`` renders with a rich console. ``info``/``warn`` go to stderr.
+    """
+
+    def __init__(self, fmt: Format | str = Format.human, quiet: bool = False) -> None:
+        self.format = Format(fmt)
+        self.quiet = quiet
+        self._out = None
+        self._err = None
+
+    @property
+    def console(self):
+        """Rich console on stdout (human results)."""
+        if self._out is None:
+            from rich.console import Console
+
+            self._out = Console(highlight=False)
+        return self._out
+
+    @property
+    def err_console(self):
+        """Rich console on stderr (diagnostics, progress)."""
+        if self._err is None:
+            from rich.console import Console
+
+            self._err = Console(stderr=True, highlight=False)
+        return self._err
+
+    def result(self, data: Any, human: Callable[[Any], None] | None = None) -> None:
+        if self.format is Format.json or human is None:
+            sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+            sys.stdout.flush()
+        else:
+            human(data)
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.err_console.print(message)
+
+    def warn(self, message: str) -> None:
+        self.err_console.print(f"[yellow]warning:[/yellow] {message}")
+
+    def progress(self, description: str, total: int):
+        """A context manager yielding ``advance(n)``; a rich progress bar on stderr when it is a terminal and the
+        format is human, a no-op otherwise."""
+        return _Progress(self, description, total)
+
+
+class _Progress:
+    def __init__(self, out: Output, description: str, total: int) -> None:
+        self.out, self.description, self.total = out, description, total
+        self._bar = None
+
+    def __enter__(self):
+        if self.out.quiet or not self.out.err_console.is_terminal:
+            return lambda n=1: None
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                             TimeElapsedColumn(), console=self.out.err_console, transient=True)
+        self._bar.__enter__()
+        task = self._bar.add_task(self.description, total=self.total)
+        return lambda n=1: self._bar.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+        return False
+
+
+def _json_default(o):
+    if hasattr(o, "model_dump"):
+        return o.model_dump()
+    if hasattr(o, "as_dict"):
+        return o.as_dict()
+    if isinstance(o, Enum):
+        return o.value
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
