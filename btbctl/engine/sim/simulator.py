@@ -1,0 +1,681 @@
+"""Discrete-event simulator of a GPU fleet serving a trace under one routing policy (``realistic`` fidelity).
+
+Model (deterministic for a seed; events ordered by ``(time, priority, sequence)``):
+
+* **Replica** = one model instance, TP over ``gpus_per_replica`` GPUs (capacities from
+  :class:`~btbctl.engine.costmodel.ReplicaCost`). KV budget = ``mem_fraction`` x HBM - weights, in tokens.
+* **Prefix cache**: block-level, LRU over unpinned blocks (:class:`~btbctl.engine.sim.cache.PrefixCache`).
+* **Scheduler** (SGLang-like, prefill first): each iteration forms a prefill batch of at most
+  ``chunked_prefill_tokens`` new tokens: first the request being chunked, then waiting requests in FCFS order
+  while a request slot (``max_running``) and KV space exist (head-of-line blocking on memory, as SGLang).
+  A request whose next uncached block is being computed on this replica (by an earlier request's prefill) or is
+  arriving by copy *waits* for it instead of recomputing it, without holding up the requests behind it.
+  Blocks become cached (usable by later requests and copyable) at the end of the chunk that computes them.
+  When no prefill batch can be formed, all running requests take decode steps together.
+  Step times: prefill = FLOPs (linear + attention term) at ``mfu`` of peak, floored by one weight read; decode =
+  weights + all running KV read at ``hbm_efficiency`` of HBM bandwidth; plus a fixed per-step overhead.
+  Decode runs are simulated in closed form up to the next completion and cut at a step boundary when new work
+  arrives.
+* **TTFT** = end of the prefill step that computes the prompt's last token - arrival.
+* **Copies** (BTB replication): over full-duplex NICs with max-min fair sharing
+  (:mod:`btbctl.engine.sim.network`); a copy sends only blocks the source has computed and the target uses the
+  blocks only when the whole copy has arrived. Space for the copy is reserved at the target when it starts.
+
+The simulator never reads the wall clock; the policy sees the fleet only through :class:`SimFleetView`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Callable, Hashable, Sequence
+
+from btbctl.engine.config import ClusterConfig
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.costmodel import ReplicaCost
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.sim.cache import PrefixCache
+from btbctl.engine.sim.network import Copy, Network
+from btbctl.engine.stats import summarize
+from btbctl.engine.trace.model import Request, Trace
+
+# event kinds, in tie-break priority order (lower runs first at equal times)
+_EV_COPY = 0
+_EV_STEP = 1
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """Outcome of one simulated request. Times in seconds from trace start; token counts in tokens."""
+
+    request_id: str
+    kind: str
+    arrival_s: float
+    replica: int
+    ttft_s: float
+    queue_wait_s: float
+    cached_tokens: int
+    prefill_tokens: int
+    finish_s: float
+    input_tokens: int = 0
+    recomputed_prefix_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _Req:
+    """Mutable state of a request inside the simulator."""
+
+    __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "matched",
+                 "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq")
+
+    def __init__(self, req: Request, seq: int) -> None:
+        self.req = req
+        self.chain = req.block_hashes
+        self.rep = -1
+        self.admitted_s = math.nan
+        self.computed = 0  # prompt tokens computed or reused
+        self.next_block = 0  # first block index not yet committed to the cache by this request
+        self.cached_tokens = 0
+        self.matched = 0
+        self.ttft_s = math.nan
+        self.private = 0
+        self.new_blocks = 0
+        self.recomputed = 0
+        self.finish_g = 0
+        self.join_s = 0
+        self.seq = seq
+
+
+class _Replica:
+    __slots__ = ("idx", "cache", "waiting", "prefilling", "decoding", "n_decoding", "dec_s", "dec_g", "pending",
+                 "busy", "step_kind", "step_start", "step_end", "step_m", "step_payload", "version", "copies_in")
+
+    def __init__(self, idx: int, cache: PrefixCache) -> None:
+        self.idx = idx
+        self.cache = cache
+        self.waiting: list[_Req] = []
+        self.prefilling: list[_Req] = []
+        self.decoding: list[tuple[int, int, _Req]] = []  # heap (finish_g, seq, req)
+        self.n_decoding = 0
+        self.dec_s = 0  # sum over decoding seqs of (context at join - G at join); KV tokens = dec_s + n * dec_g
+        self.dec_g = 0  # decode steps taken so far on this replica
+        self.pending: dict[Hashable, object] = {}  # block hash -> owner (_Req computing it, or Copy bringing it)
+        self.busy = False
+        self.step_kind = ""
+        self.step_start = 0.0
+        self.step_end = 0.0
+        self.step_m = 0
+        self.step_payload: list = []
+        self.version = 0
+        self.copies_in: dict[Hashable, Copy] = {}
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + self.n_decoding
+
+
+@dataclass
+class SimResult:
+    """Per-request records plus counters of one policy's run."""
+
+    policy: str
+    records: list[RequestRecord]
+    replications: int
+    replicated_bytes: float
+    copies_started: int
+    copies_refused: int
+    policy_stats: dict
+    fidelity: str = "realistic"
+    percentile_method: str = "linear"
+
+    def summary(self) -> dict:
+        """The stable summary used by ``dry-run --format json`` (see the README for the schema)."""
+        recs = self.records
+        by_kind: dict[str, list[float]] = {}
+        for r in recs:
+            by_kind.setdefault(r.kind, []).append(r.ttft_s)
+        total_in = sum(r.input_tokens for r in recs)
+        cached = sum(r.cached_tokens for r in recs)
+        return {
+            "policy": self.policy,
+            "requests": len(recs),
+            "ttft_s": summarize((r.ttft_s for r in recs), self.percentile_method),
+            "by_kind": {
+                k: {"requests": len(v), "ttft_s": summarize(v, self.percentile_method)}
+                for k, v in sorted(by_kind.items())
+            },
+            "prefix_hit_ratio": (cached / total_in) if total_in else 0.0,
+            "replications": self.replications,
+            "replicated_bytes": self.replicated_bytes,
+            "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in recs),
+        }
+
+
+class SimFleetView:
+    """The :class:`~btbctl.engine.policies.base.FleetView` the simulator hands to policies."""
+
+    def __init__(self, sim: "Simulator") -> None:
+        self._sim = sim
+
+    @property
+    def n_replicas(self) -> int:
+        return len(self._sim.replicas)
+
+    def load(self, replica: int) -> int:
+        return self._sim.replicas[replica].load
+
+    def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return self._sim.replicas[replica].cache.match(chain)
+
+    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        rep = self._sim.replicas[replica]
+        n = rep.cache.match(chain)
+        pending = rep.pending
+        while n < len(chain) and chain[n] in pending:
+            n += 1
+        return n
+
+    def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return bool(chain) and chain[-1] in self._sim.replicas[replica].copies_in
+
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float) -> bool:
+        return self._sim.start_copy(tuple(chain), source, target, now_s)
+
+    def expected_wait_s(self, replica: int) -> float:
+        return self._sim.expected_wait_s(replica)
+
+    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
+        """Seconds until the in-flight copy of ``chain`` to ``replica`` completes at current rates (None: none in
+        flight or stalled behind the source's prefill)."""
+        c = self._sim.replicas[replica].copies_in.get(chain[-1]) if chain else None
+        if c is None or c.rate <= 0:
+            return None
+        return (c.total_bytes - c.sent_bytes) / c.rate
+
+    @property
+    def cost(self) -> ReplicaCost:
+        return self._sim.cost
+
+    @property
+    def block_tokens(self) -> int:
+        return self._sim.block_tokens
+
+
+class Simulator:
+    """One policy over one trace on one fleet.
+
+    Args:
+        trace: the requests.
+        policy: a :class:`~btbctl.engine.policies.base.Policy` instance (fresh; it keeps routing state).
+        cluster: fleet configuration.
+        constants: BTB constants (handed to the policy by the caller; kept here for reports).
+        progress: called with the number of requests finished since the previous call.
+    """
+
+    def __init__(self, trace: Trace, policy, cluster: ClusterConfig, constants: BtbConstants,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.trace = trace
+        self.policy = policy
+        self.cluster = cluster
+        self.constants = constants
+        self.cost = cluster.replica_cost()
+        self.block_tokens = trace.block_tokens
+        self.chunk_tokens = cluster.chunk_tokens()
+        self.max_running = cluster.max_running
+        self.bytes_per_block = self.block_tokens * self.cost.model.kv_bytes_per_token
+        self.fleet_blocks: dict[Hashable, int] = {}  # block -> replicas holding it (for recompute accounting)
+        self.replicas = [
+            _Replica(i, PrefixCache(self.cost.kv_budget_tokens, self.block_tokens, self._on_insert, self._on_evict))
+            for i in range(cluster.replicas)
+        ]
+        self.net = Network(cluster.replicas, self.cost.nic_bytes_per_s)
+        self.view = SimFleetView(self)
+        self.heap: list = []
+        self._seq = 0
+        self._cid = 0
+        self.now = 0.0
+        self.records: list[RequestRecord] = []
+        self.progress = progress
+        self._since_progress = 0
+        self.replications = 0
+        self.replicated_bytes = 0.0
+        self.copies_started = 0
+        self.copies_refused = 0
+        # per-token prefill cost without attention, for expected-wait estimates
+        self._s_per_token = 2.0 * self.cost.model.active_params / (self.cost.flops * self.cost.mfu)
+        # decode step-time coefficients: t = max(a + b*K, c*n) + overhead
+        bw = self.cost.hbm_bytes_per_s * self.cost.hbm_efficiency
+        self._dec_a = self.cost.model.active_params * self.cost.model.dtype_bytes / bw
+        self._dec_b = self.cost.model.kv_bytes_per_token / bw
+        self._dec_c = 2.0 * self.cost.model.active_params / (self.cost.flops * self.cost.mfu)
+        self._dec_oh = self.cost.step_overhead_s
+
+    # -- bookkeeping ------------------------------------------------------------------------------------------
+    def _on_insert(self, h: Hashable) -> None:
+        self.fleet_blocks[h] = self.fleet_blocks.get(h, 0) + 1
+
+    def _on_evict(self, h: Hashable) -> None:
+        c = self.fleet_blocks.get(h, 0) - 1
+        if c > 0:
+            self.fleet_blocks[h] = c
+        else:
+            self.fleet_blocks.pop(h, None)
+
+    def _push(self, t: float, kind: int, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (t, kind, self._seq, payload))
+
+    # -- main loop --------------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        reqs = self.trace.requests
+        i, n = 0, len(reqs)
+        heap = self.heap
+        while i < n or heap:
+            if i < n and (not heap or reqs[i].arrival_s <= heap[0][0]):
+                r = reqs[i]
+                i += 1
+                self.now = max(self.now, r.arrival_s)
+                self._arrive(_Req(r, i))
+                continue
+            t, kind, _, payload = heapq.heappop(heap)
+            self.now = t
+            if kind == _EV_STEP:
+                rep, version = payload
+                if version == rep.version:
+                    self._end_step(rep)
+            else:
+                copy, version = payload
+                if version == copy.version:
+                    self._copy_event(copy)
+        if self.progress and self._since_progress:
+            self.progress(self._since_progress)
+        unfinished = n - len(self.records)
+        if unfinished:
+            raise RuntimeError(f"simulation ended with {unfinished} unfinished requests")  # a bug, not user input
+        self.records.sort(key=lambda rec: (rec.arrival_s, rec.request_id))
+        return SimResult(
+            policy=getattr(self.policy, "name", type(self.policy).__name__),
+            records=self.records,
+            replications=self.replications,
+            replicated_bytes=self.replicated_bytes,
+            copies_started=self.copies_started,
+            copies_refused=self.copies_refused,
+            policy_stats=self.policy.stats(),
+        )
+
+    def _arrive(self, rq: _Req) -> None:
+        r = self.policy.route(rq.req, self.view, self.now)
+        if not 0 <= r < len(self.replicas):
+            raise RuntimeError(f"policy {self.policy.name} returned replica {r}")
+        rq.rep = r
+        rep = self.replicas[r]
+        rep.waiting.append(rq)
+        self._kick(rep)
+
+    def _kick(self, rep: _Replica) -> None:
+        """New work may be admissible on ``rep``: start a step if idle, or cut a decode run at the next step."""
+        if not rep.busy:
+            self._start_step(rep)
+        elif rep.step_kind == "decode" and rep.step_m > 1:
+            elapsed = self.now - rep.step_start
+            m = self._decode_steps_covering(rep, elapsed)
+            if m < rep.step_m:
+                rep.step_m = m
+                rep.step_end = rep.step_start + self._decode_time(rep, m)
+                rep.version += 1
+                self._push(rep.step_end, _EV_STEP, (rep, rep.version))
+
+    # -- scheduling -------------------------------------------------------------------------------------------
+    def _start_step(self, rep: _Replica) -> None:
+        batch = self._form_prefill(rep)
+        if batch:
+            flops = 0.0
+            for rq, new in batch:
+                flops += self.cost.prefill_flops(new, rq.computed)
+            dt = self.cost.prefill_flops_time_s(flops)
+            rep.busy, rep.step_kind, rep.step_payload = True, "prefill", batch
+            rep.step_start, rep.step_end = self.now, self.now + dt
+            rep.version += 1
+            self._push(rep.step_end, _EV_STEP, (rep, rep.version))
+            return
+        if rep.n_decoding:
+            m = rep.decoding[0][0] - rep.dec_g  # steps until the next completion
+            rep.busy, rep.step_kind, rep.step_m = True, "decode", max(1, m)
+            rep.step_start = self.now
+            rep.step_end = self.now + self._decode_time(rep, rep.step_m)
+            rep.version += 1
+            self._push(rep.step_end, _EV_STEP, (rep, rep.version))
+            return
+        rep.busy = False
+        rep.step_kind = ""
+
+    def _form_prefill(self, rep: _Replica) -> list[tuple[_Req, int]]:
+        budget = self.chunk_tokens
+        batch: list[tuple[_Req, int]] = []
+        for rq in rep.prefilling:
+            if budget <= 0:
+                break
+            new = min(budget, rq.req.input_tokens - rq.computed)
+            if new > 0:
+                batch.append((rq, new))
+                budget -= new
+        if budget <= 0:
+            return batch
+        waiting = rep.waiting
+        keep: list[_Req] = []
+        admitted_any = False
+        stop = False
+        for idx, rq in enumerate(waiting):
+            if stop or budget <= 0 or len(rep.prefilling) + rep.n_decoding >= self.max_running:
+                keep.extend(waiting[idx:])
+                break
+            verdict = self._try_admit(rep, rq)
+            if verdict == "blocked":
+                keep.append(rq)
+                continue
+            if verdict == "nomem":
+                keep.extend(waiting[idx:])
+                stop = True
+                break
+            admitted_any = True
+            new = min(budget, rq.req.input_tokens - rq.computed)
+            batch.append((rq, new))
+            budget -= new
+        if admitted_any or stop:
+            rep.waiting = keep
+        return batch
+
+    def _try_admit(self, rep: _Replica, rq: _Req) -> str:
+        """Admit ``rq`` on ``rep`` if its next block is not being computed/copied here and KV space exists."""
+        chain = rq.chain
+        cache = rep.cache
+        bt = self.block_tokens
+        matched = cache.match(chain)
+        if matched < len(chain) and chain[matched] in rep.pending:
+            return "blocked"
+        inp = rq.req.input_tokens
+        n_blocks = len(chain)
+        new_blocks = n_blocks - matched
+        tail = max(0, inp - n_blocks * bt)  # prompt tokens without a block hash (private)
+        private = tail + rq.req.output_tokens
+        need = new_blocks * bt + private
+        # pin what we reuse before evicting, so it cannot be evicted under us
+        cache.pin(chain, matched)
+        if not cache.make_room(need):
+            cache.unpin(chain, matched)
+            return "nomem"  # space frees up when running requests or copies finish (sizes are checked up front)
+        cache.reserve_blocks(new_blocks)
+        cache.private_tokens += private
+        rq.private = private
+        rq.matched = matched
+        rq.new_blocks = new_blocks
+        cached_tokens = min(matched * bt, inp - 1)
+        rq.cached_tokens = cached_tokens
+        rq.computed = cached_tokens
+        rq.next_block = matched
+        rq.admitted_s = self.now
+        fleet = self.fleet_blocks
+        recomputed = 0
+        for k in range(matched, n_blocks):
+            h = chain[k]
+            rep.pending[h] = rq
+            if h in fleet:
+                recomputed += max(0, min(bt, inp - k * bt))
+        rq.recomputed = recomputed
+        rep.prefilling.append(rq)
+        return "ok"
+
+    def _end_step(self, rep: _Replica) -> None:
+        if rep.step_kind == "prefill":
+            self._end_prefill(rep)
+        else:
+            self._end_decode(rep)
+        rep.busy = False
+        self._start_step(rep)
+
+    def _end_prefill(self, rep: _Replica) -> None:
+        bt = self.block_tokens
+        cache = rep.cache
+        done: list[_Req] = []
+        committed = False
+        for rq, new in rep.step_payload:
+            rq.computed += new
+            chain = rq.chain
+            inp = rq.req.input_tokens
+            upto = len(chain) if rq.computed >= inp else min(len(chain), rq.computed // bt)
+            for k in range(rq.next_block, upto):
+                h = chain[k]
+                if rep.pending.get(h) is rq:
+                    del rep.pending[h]
+                cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+                committed = True
+            rq.next_block = max(rq.next_block, upto)
+            if rq.computed >= inp:
+                done.append(rq)
+        rep.step_payload = []
+        if done:
+            keep = [rq for rq in rep.prefilling if rq.computed < rq.req.input_tokens]
+            rep.prefilling = keep
+        for rq in done:
+            rq.ttft_s = self.now - rq.req.arrival_s
+            out = rq.req.output_tokens
+            if out <= 1:
+                self._finish(rep, rq)
+            else:
+                rq.join_s = rep.dec_g
+                rq.finish_g = rep.dec_g + out - 1
+                heapq.heappush(rep.decoding, (rq.finish_g, rq.seq, rq))
+                rep.n_decoding += 1
+                rep.dec_s += rq.req.input_tokens + 1 - rep.dec_g
+        if committed and self.net.active:
+            self._source_progress(rep.idx)
+
+    def _end_decode(self, rep: _Replica) -> None:
+        m = rep.step_m
+        rep.dec_g += m
+        dec = rep.decoding
+        while dec and dec[0][0] <= rep.dec_g:
+            _, _, rq = heapq.heappop(dec)
+            rep.n_decoding -= 1
+            rep.dec_s -= rq.req.input_tokens + 1 - rq.join_s
+            self._finish(rep, rq)
+
+    def _finish(self, rep: _Replica, rq: _Req) -> None:
+        cache = rep.cache
+        cache.unpin(rq.chain, len(rq.chain))
+        cache.private_tokens -= rq.private
+        self.policy.on_finish(rq.req, rep.idx, self.now)
+        req = rq.req
+        self.records.append(RequestRecord(
+            request_id=req.request_id, kind=req.kind, arrival_s=req.arrival_s, replica=rep.idx,
+            ttft_s=rq.ttft_s, queue_wait_s=rq.admitted_s - req.arrival_s, cached_tokens=rq.cached_tokens,
+            prefill_tokens=req.input_tokens - rq.cached_tokens, finish_s=self.now, input_tokens=req.input_tokens,
+            recomputed_prefix_tokens=rq.recomputed,
+        ))
+        if self.progress:
+            self._since_progress += 1
+            if self._since_progress >= 256:
+                self.progress(self._since_progress)
+                self._since_progress = 0
+
+    # -- decode closed form -----------------------------------------------------------------------------------
+    def _decode_time(self, rep: _Replica, m: int) -> float:
+        """Seconds for ``m`` decode steps of the current batch (KV grows by n tokens per step)."""
+        n = rep.n_decoding
+        k0 = rep.dec_s + n * rep.dec_g
+        a = self._dec_a + self._dec_b * k0
+        slope = self._dec_b * n
+        c = self._dec_c * n
+        # steps j = 0..m-1 cost max(a + slope*j, c)
+        if slope > 0:
+            j0 = min(m, max(0, math.ceil((c - a) / slope)))
+        else:
+            j0 = m if c > a else 0
+        total = j0 * c + (m - j0) * a + slope * ((m - 1) * m / 2 - (j0 - 1) * j0 / 2)
+        return total + m * self._dec_oh
+
+    def _decode_steps_covering(self, rep: _Replica, elapsed: float) -> int:
+        """Smallest step count m >= 1 whose cumulative time reaches ``elapsed`` (the step in progress)."""
+        lo, hi = 1, rep.step_m
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._decode_time(rep, mid) >= elapsed - 1e-12:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    # -- estimates for policies -------------------------------------------------------------------------------
+    def expected_wait_s(self, replica: int) -> float:
+        """Prefill work queued ahead on ``replica`` (uncached prompt tokens at the linear per-token cost), plus the
+        remainder of the current step."""
+        rep = self.replicas[replica]
+        tokens = 0
+        for rq in rep.prefilling:
+            tokens += rq.req.input_tokens - rq.computed
+        cache = rep.cache
+        bt = self.block_tokens
+        for rq in rep.waiting:
+            tokens += max(1, rq.req.input_tokens - cache.match(rq.chain) * bt)
+        rest = max(0.0, rep.step_end - self.now) if rep.busy else 0.0
+        return tokens * self._s_per_token + rest
+
+    # -- copies -----------------------------------------------------------------------------------------------
+    def start_copy(self, chain: tuple, source: int, target: int, now_s: float) -> bool:
+        """Start copying ``chain``'s KV from ``source`` to ``target`` (see :meth:`SimFleetView.replicate`)."""
+        n = len(self.replicas)
+        if not (0 <= source < n and 0 <= target < n) or source == target or not chain:
+            self.copies_refused += 1
+            return False
+        src, dst = self.replicas[source], self.replicas[target]
+        view = self.view
+        if chain[-1] in dst.copies_in or view.pending_blocks(target, chain) == len(chain):
+            self.copies_refused += 1
+            return False
+        if view.pending_blocks(source, chain) < len(chain):
+            self.copies_refused += 1  # the source neither holds nor is computing the whole prefix
+            return False
+        offset = dst.cache.match(chain)
+        send = len(chain) - offset
+        dst.cache.pin(chain, offset)
+        if not dst.cache.make_room(send * self.block_tokens):
+            dst.cache.unpin(chain, offset)
+            self.copies_refused += 1
+            return False
+        dst.cache.reserve_blocks(send)
+        self._cid += 1
+        c = Copy(cid=self._cid, src=source, dst=target, chain=chain, offset=offset,
+                 bytes_per_block=self.bytes_per_block, started_s=now_s, total_bytes=send * self.bytes_per_block,
+                 t_last=now_s)
+        for k in range(offset, len(chain)):
+            dst.pending[chain[k]] = c
+        dst.copies_in[chain[-1]] = c
+        have = src.cache.match(chain)
+        src.cache.pin(chain, have)
+        c.src_pinned = have
+        c.avail_bytes = max(0, have - offset) * self.bytes_per_block
+        self.net.advance(now_s)
+        self.net.active.append(c)
+        self.copies_started += 1
+        self._reschedule_copies()
+        return True
+
+    def _source_progress(self, source: int) -> None:
+        """The source committed blocks: copies trailing its prefill may send more."""
+        src = self.replicas[source]
+        changed = False
+        for c in self.net.active:
+            if c.src != source or c.src_pinned >= len(c.chain):
+                continue
+            have = src.cache.match(c.chain)
+            if have > c.src_pinned:
+                if not changed:
+                    self.net.advance(self.now)
+                    changed = True
+                src.cache.pin(c.chain[c.src_pinned:have], have - c.src_pinned)
+                c.src_pinned = have
+                c.avail_bytes = max(0, have - c.offset) * c.bytes_per_block
+        if changed:
+            self._reschedule_copies()
+
+    def _reschedule_copies(self) -> None:
+        self.net.reallocate()
+        for c in self.net.active:
+            c.version += 1
+            eta = c.eta_s()
+            if eta is not None:
+                self._push(self.now + eta, _EV_COPY, (c, c.version))
+
+    def _copy_event(self, c: Copy) -> None:
+        self.net.advance(self.now)
+        for done in [x for x in self.net.active if x.finished]:  # copies sharing a bottleneck end together
+            self._complete_copy(done)
+        self._reschedule_copies()
+
+    def _complete_copy(self, c: Copy) -> None:
+        self.net.active.remove(c)
+        c.done_s = self.now
+        src, dst = self.replicas[c.src], self.replicas[c.dst]
+        src.cache.unpin(c.chain, c.src_pinned)
+        chain = c.chain
+        for k in range(c.offset, len(chain)):
+            h = chain[k]
+            if dst.pending.get(h) is c:
+                del dst.pending[h]
+            dst.cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+        dst.cache.unpin(chain, len(chain))  # deepest first, so LRU evicts leaves before their ancestors
+        dst.copies_in.pop(chain[-1], None)
+        self.replications += 1
+        self.replicated_bytes += c.total_bytes
+        self._kick(dst)
+        self._kick(src)  # unpinned source blocks may make room for a request waiting on memory
+        if self.net.active:
+            self._source_progress(c.dst)  # copies chained behind this one may send more
+
+
+def check_fits(trace: Trace, kv_budget_tokens: int) -> None:
+    """Raise :class:`ConfigError` if some request's prompt + output cannot fit in one replica's KV budget."""
+    bt = trace.block_tokens
+    worst = None
+    for r in trace.requests:
+        need = max(len(r.block_hashes) * bt, r.input_tokens) + r.output_tokens
+        if need > kv_budget_tokens and (worst is None or need > worst[0]):
+            worst = (need, r.request_id)
+    if worst is not None:
+        raise ConfigError(
+            "gpus_per_replica",
+            f"request {worst[1]} needs {worst[0]} tokens of KV cache but a replica holds {kv_budget_tokens}; "
+            "use more GPUs per replica, a larger GPU or a higher mem_fraction",
+        )
+
+
+def simulate(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbConstants, *, seed: int = 42,
+             fidelity: str = "realistic", progress: Callable[[int], None] | None = None) -> SimResult:
+    """Simulate ``trace`` on ``cluster`` routed by the policy named ``policy``.
+
+    Args:
+        trace: requests (sorted by arrival).
+        policy: registry name (``btbctl.engine.policies.POLICIES``).
+        cluster: the fleet.
+        constants: BTB's four constants (used by BTB-style policies).
+        seed: seeds the policy's random source; same inputs and seed give identical results.
+        fidelity: ``realistic`` (this module's model).
+        progress: called with increments of finished requests.
+
+    Raises:
+        ConfigError: unknown policy or fidelity, unknown presets, a model that does not fit.
+    """
+    from btbctl.engine.policies import make_policy
+
+    if fidelity != "realistic":
+        raise ConfigError("fidelity", f"unknown or unavailable fidelity {fidelity!r}; valid: realistic")
+    cost = cluster.replica_cost()  # validate before building anything
+    check_fits(trace, cost.kv_budget_tokens)
+    pol = make_policy(policy, cluster.replicas, random.Random(seed), constants)
+    if hasattr(pol, "configure"):
+        pol.configure(block_tokens=trace.block_tokens)
+    return Simulator(trace, pol, cluster, constants, progress=progress).run()
