@@ -1,0 +1,173 @@
+"""Simulator behaviour on hand-made traces, checked against the cost model."""
+
+import math
+import random
+
+import pytest
+
+from btbctl.engine.config import ClusterConfig
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies.base import Policy
+from btbctl.engine.sim.simulator import Simulator, check_fits
+from btbctl.engine.trace.model import Request, Trace
+
+BT = 256
+CLUSTER = ClusterConfig(model="llama-3.3-70b", gpu="h100", gpus_per_replica=4, replicas=2)
+COST = CLUSTER.replica_cost()
+CHUNK = CLUSTER.chunk_tokens()
+
+
+class Scripted(Policy):
+    """Routes by a function of the request; optionally asks for copies on arrival."""
+
+    name = "scripted"
+
+    def __init__(self, n, route_fn, on_arrival=None):
+        super().__init__(n, random.Random(0), BtbConstants())
+        self.route_fn = route_fn
+        self.on_arrival = on_arrival
+
+    def route(self, req, view, now_s):
+        if self.on_arrival:
+            self.on_arrival(req, view, now_s)
+        return self.route_fn(req)
+
+
+def chain(tag, n):
+    return tuple(f"{tag}-{k}" for k in range(n))
+
+
+def req(rid, t, prefix, suffix_tag, out=1, suffix_blocks=1):
+    blocks = prefix + chain(f"{rid}-{suffix_tag}", suffix_blocks)
+    return Request(rid, t, len(blocks) * BT, out, blocks, "burst")
+
+
+def run(reqs, route_fn=lambda r: 0, on_arrival=None, cluster=CLUSTER):
+    tr = Trace(list(reqs), BT, "generated")
+    sim = Simulator(tr, Scripted(cluster.replicas, route_fn, on_arrival), cluster, BtbConstants())
+    res = sim.run()
+    return sim, {r.request_id: r for r in res.records}, res
+
+
+def chunked_prefill_time(tokens, context=0):
+    t, done = 0.0, 0
+    while done < tokens:
+        c = min(CHUNK, tokens - done)
+        t += COST.prefill_time_s(c, context + done)
+        done += c
+    return t
+
+
+def test_single_request_ttft_is_chunked_prefill_time():
+    r = req("a", 1.0, chain("p", 79), "s")  # 80 blocks = 20,480 tokens -> chunks 8192, 8192, 4096
+    _, recs, _ = run([r])
+    assert recs["a"].ttft_s == pytest.approx(chunked_prefill_time(80 * BT))
+    assert recs["a"].cached_tokens == 0 and recs["a"].queue_wait_s == 0
+
+
+def test_same_prefix_waits_for_the_prefill_in_progress_instead_of_recomputing():
+    p = chain("p", 64)  # 16,384 tokens = two full chunks
+    a, b = req("a", 0.0, p, "s"), req("b", 0.001, p, "s")
+    _, recs, res = run([a, b])
+    assert recs["b"].cached_tokens == 64 * BT
+    assert res.summary()["recomputed_prefix_tokens"] == 0
+    # b was admitted once a's two prefix chunks were committed, and rode in a's last step with its own block
+    prefix_done = chunked_prefill_time(64 * BT)
+    assert recs["b"].queue_wait_s == pytest.approx(prefix_done - 0.001)
+    assert recs["b"].finish_s == pytest.approx(recs["a"].finish_s)
+
+
+def test_new_request_shares_the_budget_of_the_last_partial_chunk():
+    # SGLang-like: the request being chunked takes the chunk budget first; a newcomer gets what is left
+    long_r = req("long", 0.0, chain("p", 79), "s")  # 20,480 tokens: chunks 8192, 8192, 4096
+    short = req("short", 0.01, (), "x")
+    _, recs, _ = run([long_r, short])
+    assert recs["short"].finish_s == pytest.approx(recs["long"].finish_s)
+    assert recs["short"].queue_wait_s == pytest.approx(COST.prefill_time_s(CHUNK) +
+                                                       COST.prefill_time_s(CHUNK, CHUNK) - 0.01)
+
+
+def test_decode_closed_form_matches_step_by_step_sum():
+    out = 300
+    r = req("a", 0.0, chain("p", 7), "s", out=out)
+    _, recs, _ = run([r])
+    kv = 8 * BT + 1
+    steps = sum(COST.decode_step_time_s(1, kv + j) for j in range(out - 1))
+    assert recs["a"].finish_s - recs["a"].ttft_s == pytest.approx(steps, rel=1e-9)
+
+
+def test_arrival_cuts_a_decode_run_at_the_next_step_boundary():
+    long_decode = req("dec", 0.0, chain("p", 3), "s", out=2000)
+    late = req("late", 5.0, (), "x")
+    _, recs, _ = run([long_decode, late])
+    step = COST.decode_step_time_s(1, 5000)
+    assert recs["late"].ttft_s < COST.prefill_time_s(BT) + 2 * step
+    assert recs["dec"].finish_s > recs["late"].finish_s
+
+
+def test_copy_trails_the_source_prefill_and_target_uses_it_only_after_arrival():
+    p = chain("p", 128)
+    events = {}
+
+    def on_arrival(r, view, now):
+        if r.request_id == "b":
+            events["started"] = view.replicate(p, 0, 1, now)
+
+    a = req("a", 0.0, p, "s")
+    b = req("b", 0.1, p, "s")
+    sim, recs, res = run([a, b], route_fn=lambda r: 0 if r.request_id == "a" else 1, on_arrival=on_arrival)
+    assert events["started"] is True
+    assert res.replications == 1
+    assert res.replicated_bytes == pytest.approx(128 * BT * COST.model.kv_bytes_per_token)
+    # b reused the whole copied prefix, and could not start before the source had computed it
+    assert recs["b"].cached_tokens == 128 * BT
+    copy_s = 128 * BT * COST.model.kv_bytes_per_token / COST.nic_bytes_per_s
+    source_done = recs["a"].ttft_s  # a's prompt includes the prefix; its last chunk ends at a's TTFT
+    assert recs["b"].finish_s >= source_done + copy_s / 16 - 1e-9
+    assert sim.replicas[1].cache.match(p) == 128
+
+
+def test_copy_is_refused_when_source_lacks_the_prefix_or_target_has_it():
+    p = chain("p", 8)
+    verdicts = []
+
+    def on_arrival(r, view, now):
+        verdicts.append(view.replicate(p, 1, 0, now))  # replica 1 has nothing
+        verdicts.append(view.replicate(p, 0, 0, now))  # same replica
+
+    run([req("a", 0.0, p, "s")], on_arrival=on_arrival)
+    assert verdicts == [False, False]
+
+
+def test_every_request_finishes_exactly_once_under_memory_pressure():
+    tiny = ClusterConfig(model="llama-3.1-8b", gpu="a100", gpus_per_replica=1, replicas=2, mem_fraction=0.3)
+    budget = tiny.replica_cost().kv_budget_tokens
+    rng = random.Random(1)
+    reqs = []
+    for i in range(300):
+        p = chain(f"p{rng.randrange(20)}", rng.randrange(1, 40))
+        reqs.append(req(f"r{i}", rng.uniform(0, 30), p, "s", out=rng.randrange(1, 50)))
+    sim, recs, res = run(reqs, route_fn=lambda r: int(r.request_id[1:]) % 2, cluster=tiny)
+    assert sorted(recs) == sorted(r.request_id for r in reqs)
+    assert all(rec.ttft_s > 0 and math.isfinite(rec.ttft_s) for rec in recs.values())
+    assert sum(rep.cache.evictions for rep in sim.replicas) > 0
+    for rep in sim.replicas:
+        assert rep.cache.used_tokens <= budget
+        assert rep.cache.private_tokens == 0 and rep.cache.reserved_blocks == 0 and not rep.cache.refs
+
+
+def test_deterministic_for_a_seed():
+    rng = random.Random(3)
+    reqs = [req(f"r{i}", rng.uniform(0, 5), chain(f"p{i % 3}", 20), "s", out=5) for i in range(60)]
+    pick = lambda r: hash(r.request_id) % 2  # noqa: E731  (str hash is salted per process, not per call)
+    _, a, _ = run(reqs, route_fn=pick)
+    _, b, _ = run(reqs, route_fn=pick)
+    assert [x.as_dict() for x in a.values()] == [x.as_dict() for x in b.values()]
+
+
+def test_request_larger_than_kv_budget_is_a_config_error():
+    budget = COST.kv_budget_tokens
+    r = Request("huge", 0.0, budget + 10, 1, (), "background")
+    with pytest.raises(ConfigError, match="gpus_per_replica"):
+        check_fits(Trace([r], BT, "generated"), budget)
