@@ -72,6 +72,14 @@ class Policy:
     def on_finish(self, req: Request, replica: int, now_s: float) -> None:
         """Hook: ``req`` finished on ``replica`` (no-op by default)."""
 
+    def configure(self, *, block_tokens: int | None = None) -> None:
+        """Hook: facts about the workload, given before the first request (no-op by default).
+
+        Args:
+            block_tokens: tokens per block of the requests' ``block_hashes`` (the trace's or gateway's block size);
+                policies that turn matched blocks into matched tokens use it.
+        """
+
     def set_constants(self, constants: BtbConstants) -> None:
         """Retune at run time; takes effect from the next request."""
         self.constants = constants

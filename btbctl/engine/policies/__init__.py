@@ -1,0 +1,59 @@
+"""Routing policies: a registry by name and a factory.
+
+Every policy implements :class:`~btbctl.engine.policies.base.Policy`; each module's docstring states its rule,
+thresholds and sources. Importing this package loads only the pure-Python policy modules.
+"""
+
+from __future__ import annotations
+
+import random
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies.base import FleetView, Policy, least_loaded
+from btbctl.engine.policies.btb import Btb
+from btbctl.engine.policies.cache_aware import CacheAware
+from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill
+from btbctl.engine.policies.least_load import LeastLoad
+from btbctl.engine.policies.power_of_two import PowerOfTwo
+from btbctl.engine.policies.random_policy import RandomPolicy
+from btbctl.engine.policies.round_robin import RoundRobin
+
+#: Policy classes by registry name (``Policy.name``).
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, CacheAware, CacheAwareSpill, Btb)
+}
+
+#: The policies a dry-run compares when none are named, in report order.
+DEFAULT_POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb")
+
+
+def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
+                block_tokens: int | None = None) -> Policy:
+    """A fresh policy by registry name.
+
+    Args:
+        name: a key of :data:`POLICIES`.
+        n_replicas: fleet size (>= 1).
+        rng: the policy's own seeded random source.
+        constants: BTB's four constants (default: the published ones); only BTB-style policies use them.
+        block_tokens: tokens per block of the workload's hash chains, passed to :meth:`Policy.configure`
+            (policies that do not need it ignore it).
+
+    Raises:
+        ConfigError: unknown ``name`` (the message lists the valid ones) or ``n_replicas`` < 1.
+    """
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ConfigError("policy", f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+    if not isinstance(n_replicas, int) or n_replicas < 1:
+        raise ConfigError("replicas", f"must be an integer >= 1, got {n_replicas!r}")
+    policy = cls(n_replicas, rng, constants)
+    if block_tokens is not None:
+        policy.configure(block_tokens=block_tokens)
+    return policy
+
+
+__all__ = ["POLICIES", "DEFAULT_POLICIES", "make_policy", "Policy", "FleetView", "least_loaded", "RoundRobin",
+           "RandomPolicy", "LeastLoad", "PowerOfTwo", "CacheAware", "CacheAwareSpill", "Btb"]

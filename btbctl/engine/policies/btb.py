@@ -1,0 +1,158 @@
+"""``btb``: Biting the Bullet's published rule: detect a burst, replicate its prefix, spread it over the copies.
+
+Rule (Birmiwal & Bhat, "Biting the Bullet", 2026-07-22, policy ``early_rdma``; REFERENCE.md s1), per request:
+
+1. Feed the prompt's chain to the :class:`~btbctl.engine.detector.BurstDetector`: the prefix is the first
+   ``Y = prefix_blocks`` block hashes; it turns hot when ``X = threshold`` arrivals fall inside the trailing
+   ``Z = window_s`` seconds, and stays active while arrivals keep coming with gaps under ``window_s`` (the
+   detector's docstring defines "active"). Prompts shorter than Y blocks never trigger.
+2. While the prefix is active (on the arrival that fires it and on every later one, so a failed copy or an
+   evicted holder is topped up): make sure ``min(M, n_replicas)`` replicas (``M = replicas``) hold it.
+   *Holders* have all Y blocks computed (``view.cached_blocks(r, prefix) >= Y``); *covered* replicas have a copy
+   of it in flight (``view.copy_in_flight``) or are computing it (``view.pending_blocks(r, prefix) >= Y``).
+   While holders + covered < M, copy to the least-loaded replicas that are neither (ties random), one
+   ``view.replicate(prefix, source, target, now_s)`` per target; a refused copy moves on to the next candidate.
+   The source is the least-loaded holder; when no replica holds all Y blocks yet (the first request is still
+   prefilling) it is the least-loaded replica computing them, as the published simulator copied from the replica
+   computing the prefix; the fleet must then make the copy trail the source's compute. With no holder and nobody
+   computing it, nothing is copied until a later arrival finds a source.
+3. Routing: while the prefix is active, the request goes to the least-loaded holder (ties random). With no holder
+   yet, and for every other request, it falls back to cache-aware routing
+   (:class:`~btbctl.engine.policies.cache_aware.CacheAware`, sglang-router 0.3.2 defaults); the cache-aware tree
+   also records the requests BTB routes itself, so its affinity stays consistent.
+
+Published defaults: X = 2, Y = 256 blocks (of 256 tokens), Z = 1.0 s, M = 4
+(:class:`~btbctl.engine.constants.BtbConstants`). No rollback on misprediction: copies age out of the replicas'
+caches by LRU. ``set_constants`` retunes the detector and M live.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.detector import BurstDetector
+from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.policies.cache_aware import DEFAULT_BLOCK_TOKENS, CacheAware
+from btbctl.engine.trace.model import Request
+
+
+class Btb(Policy):
+    """The published BTB rule over a cache-aware fallback (see the module docstring).
+
+    Args:
+        n_replicas: fleet size.
+        rng: seeded random source (ties among holders and among copy targets).
+        constants: the four constants (default: the published ones).
+        block_tokens: tokens per block, for the cache-aware fallback's match ratio (default 256; :meth:`configure`
+            may set it).
+        max_tracked: the detector's bound on tracked prefixes (default 65,536).
+
+    Attributes:
+        detector: the :class:`~btbctl.engine.detector.BurstDetector` (for heat views).
+        fallback: the inner :class:`~btbctl.engine.policies.cache_aware.CacheAware` policy.
+    """
+
+    name = "btb"
+    summary = "BTB (published): X arrivals of a Y-block prefix in Z s -> copy to M replicas, route to holders"
+
+    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS, max_tracked: int = 65536) -> None:
+        super().__init__(n_replicas, rng, constants)
+        self.detector = BurstDetector(self.constants, max_tracked=max_tracked)
+        self.fallback = CacheAware(n_replicas, rng, self.constants, block_tokens=block_tokens)
+        self._copies = 0
+        self._refused = 0
+        self._no_source = 0
+        self._holder_routes = 0
+        self._fallback_routes = 0
+
+    def configure(self, *, block_tokens: int | None = None) -> None:
+        """Pass the workload's block size to the cache-aware fallback."""
+        self.fallback.configure(block_tokens=block_tokens)
+
+    def set_constants(self, constants: BtbConstants) -> None:
+        """Retune live: the detector and M follow from the next request (a new Y drops the detector's state)."""
+        super().set_constants(constants)
+        self.detector.set_constants(constants)
+
+    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+        chain = req.block_hashes
+        det = self.detector.observe(chain, now_s)
+        if det is not None:
+            holders = self._ensure_replicas(det.prefix, view, now_s)
+            if holders:
+                self._holder_routes += 1
+                choice = self._least_loaded(view, holders)
+                self.fallback.record(chain, choice, now_s)
+                return choice
+            self._fallback_routes += 1
+        return self.fallback.route(req, view, now_s)
+
+    def _least_loaded(self, view: FleetView, candidates: Sequence[int]) -> int:
+        if len(candidates) == 1:
+            return candidates[0]
+        best = None
+        tied: list[int] = []
+        for r in candidates:
+            x = view.load(r)
+            if best is None or x < best:
+                best = x
+                tied = [r]
+            elif x == best:
+                tied.append(r)
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    def _ensure_replicas(self, prefix: tuple, view: FleetView, now_s: float) -> list[int]:
+        """Top up copies of ``prefix`` towards M replicas; returns the replicas holding all of it now."""
+        y = len(prefix)
+        n = self.n_replicas
+        holders: list[int] = []
+        computing: list[int] = []
+        free: list[int] = []
+        covered = 0
+        for r in range(n):
+            if view.cached_blocks(r, prefix) >= y:
+                holders.append(r)
+            elif view.copy_in_flight(r, prefix):
+                covered += 1
+            elif view.pending_blocks(r, prefix) >= y:
+                computing.append(r)
+                covered += 1
+            else:
+                free.append(r)
+        need = min(self.constants.replicas, n) - len(holders) - covered
+        if need <= 0 or not free:
+            return holders
+        if holders:
+            source = self._least_loaded(view, holders)
+        elif computing:
+            source = self._least_loaded(view, computing)
+        else:
+            self._no_source += 1
+            return holders
+        rng = self.rng
+        order = sorted(free, key=lambda r: (view.load(r), rng.random()))
+        for target in order:
+            if view.replicate(prefix, source, target, now_s):
+                self._copies += 1
+                need -= 1
+                if need == 0:
+                    break
+            else:
+                self._refused += 1
+        return holders
+
+    def stats(self) -> dict:
+        """``fires`` (detector activations), ``copies_requested`` (copies the fleet accepted), ``copies_refused``,
+        ``no_source`` (hot arrivals with nothing to copy from yet), ``holder_routes`` (requests sent to a holder),
+        ``fallback_routes`` (active-prefix requests with no holder yet), ``tracked_prefixes``, and the
+        cache-aware fallback's counters prefixed ``cache_aware_``. All values are integers."""
+        det = self.detector.stats()
+        out = {"fires": det["fires"], "copies_requested": self._copies, "copies_refused": self._refused,
+               "no_source": self._no_source, "holder_routes": self._holder_routes,
+               "fallback_routes": self._fallback_routes, "tracked_prefixes": det["tracked"]}
+        for k, v in self.fallback.stats().items():
+            out[f"cache_aware_{k}"] = v
+        return out

@@ -1,0 +1,300 @@
+"""``cache_aware``: the SGLang router's cache-aware rule as shipped in ``sglang-router`` 0.3.2.
+
+Rule (REFERENCE.md s4; smg-project/smg ``src/policies/cache_aware.rs`` at the 0.3.2 release), per request:
+
+1. ``load(r)`` = requests the router itself has in flight to replica ``r`` (``view.load``).
+2. If ``max_load - min_load > balance_abs_threshold`` **and** ``max_load > balance_rel_threshold * min_load``
+   (the fleet is imbalanced): send to the least-loaded replica (ties: the first, i.e. lowest index).
+3. Otherwise match the prompt against the router's own approximate prefix tree; if
+   ``matched tokens / input tokens > cache_threshold`` send to the replica that created the deepest matched node
+   (if that replica's entry was evicted there, the node's oldest remaining tenant); else to the least-loaded
+   replica (ties: the first).
+4. In every case insert the prompt into the tree under the chosen replica.
+
+Thresholds (the router's CLI defaults): ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
+``balance_rel_threshold`` 1.5; eviction every 60 s down to ``max_tree_size`` = 2**26 characters per worker.
+
+The tree. The router matches characters of the request text; here the tree is over **block hashes** (the only
+prompt content a trace has). Because hashes are prefix-chained (the ``k``-th hash identifies the whole prefix
+through block ``k``), the tree is a dict ``block hash -> node`` and a match is the longest leading run of the
+chain whose hashes are known; since the tree is prefix-closed (see :meth:`BlockPrefixTree.match`), a binary
+search finds it in O(log blocks) dict lookups. Matched tokens = ``min(matched blocks x block_tokens,
+input_tokens)`` (every block is full except possibly the last, so a fully matched prompt has ratio 1). Each node
+records its creator and all its tenants (replicas that inserted it), so the same tree serves the spill variant.
+Eviction is per tenant, least recently used first, leaves before their parents, every ``eviction_interval_s``
+seconds of the time passed in (60 s, as the router), down to ``max_blocks_per_worker``; as a memory guard a
+tenant that grows past twice the bound is trimmed at once. The default bound converts the router's 2**26
+characters at about 4 characters per token (a common rule of thumb for English text with BPE tokenizers; an
+approximation) into blocks: ``2**24 // block_tokens`` (65,536 blocks of 256 tokens).
+
+Consequence (REFERENCE.md s4): a hot prefix sticks to its first replica until the fleet-wide spread passes 64
+requests.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.trace.model import Request
+
+#: ``--cache-threshold`` default of sglang-router 0.3.2 (REFERENCE.md s4).
+CACHE_THRESHOLD = 0.3
+#: ``--balance-abs-threshold`` default of sglang-router 0.3.2 (REFERENCE.md s4).
+BALANCE_ABS_THRESHOLD = 64
+#: ``--balance-rel-threshold`` default of sglang-router 0.3.2 (REFERENCE.md s4).
+BALANCE_REL_THRESHOLD = 1.5
+#: ``--eviction-interval`` default of sglang-router 0.3.2, seconds (REFERENCE.md s4).
+EVICTION_INTERVAL_S = 60.0
+#: ``--max-tree-size`` default of sglang-router 0.3.2, characters per worker (REFERENCE.md s4).
+MAX_TREE_CHARS = 2**26
+#: Characters per token used to turn :data:`MAX_TREE_CHARS` into blocks (rule of thumb; an approximation).
+CHARS_PER_TOKEN = 4
+#: Default block size in tokens when the workload's is not given (btb-mixed-trace-v1 and BTB's Y block).
+DEFAULT_BLOCK_TOKENS = 256
+
+
+def default_max_blocks_per_worker(block_tokens: int) -> int:
+    """The router's per-worker tree bound (:data:`MAX_TREE_CHARS`) in blocks of ``block_tokens`` tokens."""
+    return max(1, MAX_TREE_CHARS // CHARS_PER_TOKEN // block_tokens)
+
+
+class _Node:
+    __slots__ = ("creator", "tenants")
+
+    def __init__(self, creator: int) -> None:
+        self.creator = creator
+        self.tenants: dict[int, None] = {creator: None}  # insertion order = oldest tenant first
+
+
+class BlockPrefixTree:
+    """The router-side approximate prefix tree over prefix-chained block hashes, shared by all replicas.
+
+    Args:
+        n_replicas: replicas (tenants are ``0 .. n_replicas - 1``).
+        max_blocks_per_worker: per-tenant bound enforced by :meth:`evict` (>= 1).
+
+    Nodes are keyed by block hash; a node's tenants are the replicas that inserted a prompt through it, in the
+    order they did (the creator first unless its entry was evicted). The tree reflects routing decisions, not
+    the replicas' real caches (it is "approximate" exactly as the router's).
+    """
+
+    def __init__(self, n_replicas: int, max_blocks_per_worker: int) -> None:
+        self.nodes: dict[Hashable, _Node] = {}
+        # per tenant: block hash -> None, least recently used first
+        self._lru: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in range(n_replicas)]
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self.evicted_blocks = 0
+
+    def match(self, chain: Sequence[Hashable]) -> tuple[int, _Node | None]:
+        """The longest known prefix of ``chain``: ``(matched blocks, deepest matched node or None)``.
+
+        Cost: O(log len(chain)) dict lookups. Binary search is valid because the tree is *prefix-closed*: a
+        prompt's chain always starts at block 0 and :meth:`insert` refreshes a tenant's blocks deepest first, so a
+        block is never less recently used than its descendants for any tenant; LRU eviction therefore removes
+        descendants before their ancestors, and a known block implies all its ancestors are known.
+        """
+        nodes = self.nodes
+        n = len(chain)
+        if n == 0:
+            return 0, None
+        node = nodes.get(chain[-1])
+        if node is not None:
+            return n, node
+        if chain[0] not in nodes:
+            return 0, None
+        lo, hi = 1, n - 1  # chain[lo - 1] is known, chain[hi] is not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if chain[mid] in nodes:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo, nodes[chain[lo - 1]]
+
+    def match_linear(self, chain: Sequence[Hashable]) -> tuple[int, _Node | None]:
+        """:meth:`match` by a forward walk (O(matched blocks)); the reference the binary search must agree with."""
+        nodes = self.nodes
+        node = None
+        n = 0
+        for h in chain:
+            nxt = nodes.get(h)
+            if nxt is None:
+                break
+            node = nxt
+            n += 1
+        return n, node
+
+    @staticmethod
+    def owner(node: _Node) -> int:
+        """The replica a hit on ``node`` goes to under the 0.3.2 rule: its creator, or its oldest tenant."""
+        if node.creator in node.tenants:
+            return node.creator
+        return next(iter(node.tenants))
+
+    def insert(self, chain: Sequence[Hashable], replica: int) -> None:
+        """Record that ``replica`` was sent a prompt with block hashes ``chain`` (refreshes its LRU entries;
+        parents end up more recent than children, so eviction takes leaves first)."""
+        if not chain:
+            return
+        nodes = self.nodes
+        lru = self._lru[replica]
+        for h in reversed(chain):
+            node = nodes.get(h)
+            if node is None:
+                nodes[h] = _Node(replica)
+                lru[h] = None
+            elif replica in node.tenants:
+                lru.move_to_end(h)
+            else:
+                node.tenants[replica] = None
+                lru[h] = None
+        if len(lru) > 2 * self.max_blocks_per_worker:
+            self._evict_tenant(replica)
+
+    def evict(self) -> None:
+        """Trim every tenant to ``max_blocks_per_worker`` blocks, least recently used first."""
+        for r in range(len(self._lru)):
+            self._evict_tenant(r)
+
+    def _evict_tenant(self, replica: int) -> None:
+        lru = self._lru[replica]
+        nodes = self.nodes
+        bound = self.max_blocks_per_worker
+        while len(lru) > bound:
+            h, _ = lru.popitem(last=False)
+            node = nodes[h]
+            del node.tenants[replica]
+            if not node.tenants:
+                del nodes[h]
+            self.evicted_blocks += 1
+
+    def tenant_blocks(self, replica: int) -> int:
+        """Blocks recorded for ``replica``."""
+        return len(self._lru[replica])
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+class CacheAware(Policy):
+    """The sglang-router 0.3.2 cache-aware rule over a block-hash tree (see the module docstring).
+
+    Args:
+        n_replicas: fleet size.
+        rng: seeded random source (unused by this rule, whose ties go to the first replica; kept for subclasses).
+        constants: BTB constants (unused).
+        cache_threshold: minimum match ratio (exclusive) for affinity routing, in [0, 1] (default 0.3).
+        balance_abs_threshold: requests; imbalance needs ``max - min`` above it (default 64).
+        balance_rel_threshold: imbalance needs ``max > rel x min`` (default 1.5, >= 1).
+        block_tokens: tokens per block of the requests' hash chains (default 256; :meth:`configure` may set it).
+        max_blocks_per_worker: per-replica tree bound in blocks (default: :func:`default_max_blocks_per_worker`).
+        eviction_interval_s: seconds of (passed-in) time between evictions (default 60).
+
+    Raises:
+        ConfigError: a threshold out of range.
+    """
+
+    name = "cache_aware"
+    summary = "SGLang router 0.3.2: longest prefix match (ratio > 0.3) unless load spread > 64 and > 1.5x"
+
+    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
+                 cache_threshold: float = CACHE_THRESHOLD,
+                 balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 max_blocks_per_worker: int | None = None,
+                 eviction_interval_s: float = EVICTION_INTERVAL_S) -> None:
+        super().__init__(n_replicas, rng, constants)
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ConfigError("cache_threshold", f"must be within [0, 1], got {cache_threshold!r}")
+        if balance_abs_threshold < 0:
+            raise ConfigError("balance_abs_threshold", f"must be >= 0, got {balance_abs_threshold!r}")
+        if not (balance_rel_threshold >= 1.0 and math.isfinite(balance_rel_threshold)):
+            raise ConfigError("balance_rel_threshold", f"must be finite and >= 1, got {balance_rel_threshold!r}")
+        if max_blocks_per_worker is not None and max_blocks_per_worker < 1:
+            raise ConfigError("max_blocks_per_worker", f"must be >= 1, got {max_blocks_per_worker!r}")
+        if not eviction_interval_s > 0:
+            raise ConfigError("eviction_interval_s", f"must be > 0, got {eviction_interval_s!r}")
+        self.cache_threshold = float(cache_threshold)
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = float(balance_rel_threshold)
+        self.eviction_interval_s = float(eviction_interval_s)
+        self._explicit_max = max_blocks_per_worker
+        self.block_tokens = self._check_block_tokens(block_tokens)
+        self.tree = BlockPrefixTree(n_replicas, max_blocks_per_worker or default_max_blocks_per_worker(
+            self.block_tokens))
+        self._next_evict_s: float | None = None
+        self._hits = 0
+        self._misses = 0
+        self._imbalanced = 0
+
+    @staticmethod
+    def _check_block_tokens(block_tokens: int) -> int:
+        if not isinstance(block_tokens, int) or block_tokens < 1:
+            raise ConfigError("block_tokens", f"must be an integer >= 1, got {block_tokens!r}")
+        return block_tokens
+
+    def configure(self, *, block_tokens: int | None = None) -> None:
+        """Set the workload's block size (tokens per hash); the default tree bound follows it."""
+        if block_tokens is None:
+            return
+        self.block_tokens = self._check_block_tokens(block_tokens)
+        if self._explicit_max is None:
+            self.tree.max_blocks_per_worker = default_max_blocks_per_worker(self.block_tokens)
+
+    # -- shared pieces ------------------------------------------------------------------------------------------
+
+    def match_ratio(self, req: Request, matched_blocks: int) -> float:
+        """Matched tokens / input tokens for ``matched_blocks`` leading blocks of ``req`` (0 for empty input)."""
+        if matched_blocks <= 0 or req.input_tokens <= 0:
+            return 0.0
+        return min(matched_blocks * self.block_tokens, req.input_tokens) / req.input_tokens
+
+    def maybe_evict(self, now_s: float) -> None:
+        """Run the periodic eviction when ``eviction_interval_s`` has passed since the previous one."""
+        if self._next_evict_s is None:
+            self._next_evict_s = now_s + self.eviction_interval_s
+        elif now_s >= self._next_evict_s:
+            self.tree.evict()
+            self._next_evict_s = now_s + self.eviction_interval_s
+
+    def record(self, chain: Sequence[Hashable], replica: int, now_s: float) -> None:
+        """Insert ``chain`` under ``replica`` without routing (for a policy that chose the replica itself)."""
+        self.maybe_evict(now_s)
+        self.tree.insert(chain, replica)
+
+    # -- the rule -----------------------------------------------------------------------------------------------
+
+    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+        self.maybe_evict(now_s)
+        n = self.n_replicas
+        loads = [view.load(r) for r in range(n)]
+        max_load = max(loads)
+        min_load = min(loads)
+        chain = req.block_hashes
+        if (max_load - min_load > self.balance_abs_threshold
+                and max_load > min_load * self.balance_rel_threshold):
+            self._imbalanced += 1
+            choice = loads.index(min_load)
+        else:
+            matched, node = self.tree.match(chain)
+            if node is not None and self.match_ratio(req, matched) > self.cache_threshold:
+                self._hits += 1
+                choice = BlockPrefixTree.owner(node)
+            else:
+                self._misses += 1
+                choice = loads.index(min_load)
+        self.tree.insert(chain, choice)
+        return choice
+
+    def stats(self) -> dict:
+        """``hits`` (affinity routes), ``misses`` (ratio at or under the threshold), ``imbalanced`` (shortest-queue
+        routes), ``tree_blocks`` (nodes now), ``evicted_blocks`` (tenant entries evicted)."""
+        return {"hits": self._hits, "misses": self._misses, "imbalanced": self._imbalanced,
+                "tree_blocks": len(self.tree), "evicted_blocks": self.tree.evicted_blocks}
