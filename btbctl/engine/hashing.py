@@ -1,0 +1,84 @@
+"""How live prompts become block-hash chains (gateway, emulated worker, ``btbctl bench`` and ``replicate`` agree).
+
+* **Tokens.** When a request carries ``input_ids`` they are the tokens. For text there is no tokenizer here (the
+  gateway must not depend on the model's), so text is cut into pseudo-tokens of :data:`BYTES_PER_TOKEN` UTF-8
+  bytes (about the 4 characters per token of BPE tokenizers on English text, OpenAI's rule of thumb). Equal text
+  gives equal tokens, and so equal hashes, which is all prefix matching needs.
+* **Blocks.** Tokens are grouped in blocks (pages) of ``block_tokens``; only *full* blocks are hashed, as SGLang's
+  radix cache only caches full pages when ``--page-size`` > 1.
+* **Chain hashes.** ``h[k] = xxh3_64(h[k-1] || tokens of block k)`` as 16 hex digits (``h[-1]`` = empty), so a hash
+  identifies the whole prefix through its block, like the Mooncake traces' ``hash_ids``.
+* **Prefix id.** The id users type (``btbctl replicate --prefix``) is the hash of a prefix's last block; any
+  unambiguous leading part of it (at least :data:`MIN_PREFIX_ID_CHARS` hex digits) is accepted.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import xxhash
+
+#: UTF-8 bytes per pseudo-token for text prompts.
+BYTES_PER_TOKEN = 4
+#: Shortest accepted prefix-id abbreviation, hex digits.
+MIN_PREFIX_ID_CHARS = 8
+#: Token ids are packed as little-endian uint32 for hashing.
+_TOKEN = struct.Struct("<I")
+
+
+def text_to_tokens(text: str) -> list[int]:
+    """Pseudo-tokens of ``text``: each group of :data:`BYTES_PER_TOKEN` UTF-8 bytes read as a little-endian
+    integer (the last group zero-padded). Empty text gives ``[]``."""
+    data = text.encode("utf-8")
+    pad = (-len(data)) % BYTES_PER_TOKEN
+    if pad:
+        data += b"\0" * pad
+    return [int.from_bytes(data[i:i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)]
+
+
+def tokens_to_text(tokens: Sequence[int]) -> str:
+    """Inverse of :func:`text_to_tokens` for tokens it produced (used to synthesise prompts)."""
+    data = b"".join(int(t).to_bytes(BYTES_PER_TOKEN, "little") for t in tokens)
+    return data.rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def chain_hashes(tokens: Sequence[int], block_tokens: int) -> list[str]:
+    """Chain hashes of the full blocks of ``tokens`` (16 hex digits each). Raises ValueError for
+    ``block_tokens < 1``."""
+    if block_tokens < 1:
+        raise ValueError("block_tokens must be >= 1")
+    out: list[str] = []
+    prev = b""
+    n_full = len(tokens) // block_tokens
+    for k in range(n_full):
+        blk = tokens[k * block_tokens:(k + 1) * block_tokens]
+        h = xxhash.xxh3_64(prev)
+        h.update(b"".join(_TOKEN.pack(t & 0xFFFFFFFF) for t in blk))
+        prev = h.digest()
+        out.append(prev.hex())
+    return out
+
+
+def block_payload(block_hash: str, nbytes: int) -> bytes:
+    """Deterministic content of a KV block in the emulated worker's store: ``nbytes`` bytes of the PCG64 raw bit
+    stream seeded with the block's chain hash (NumPy keeps bit-generator streams fixed across releases), so any copy
+    can be verified against its hash alone."""
+    import numpy as np
+
+    seed = int(block_hash, 16) if _is_hex(block_hash) else int.from_bytes(xxhash.xxh3_64_digest(block_hash), "big")
+    words = np.random.PCG64(seed).random_raw((nbytes + 7) // 8)
+    return words.astype("<u8").tobytes()[:nbytes]
+
+
+def _is_hex(s: str) -> bool:
+    try:
+        int(s, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def payload_digest(data: bytes) -> str:
+    """Integrity digest of a block's bytes on the wire (xxh3_64, 16 hex digits)."""
+    return xxhash.xxh3_64_hexdigest(data)
