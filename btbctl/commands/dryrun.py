@@ -1,0 +1,284 @@
+"""``btbctl dry-run``: simulate a fleet and a trace under several routing policies and compare TTFT.
+
+Settings come from the defaults (the published BTB setting), then an optional TOML file (``-c``), then the flags;
+a flag overrides the file. Engine modules are imported inside the command so ``btbctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+from btbctl.commands.output import Format, Output
+
+#: Dotted config key -> the flag that sets it (errors about a value that came from a flag name the flag).
+_FLAGS = {
+    "trace.path": "--trace",
+    "trace.format": "--trace-format",
+    "trace.generate.bursts": "--bursts",
+    "trace.generate.burst_size": "--burst-size",
+    "trace.generate.spread_s": "--spread-s",
+    "trace.generate.decoys": "--decoys",
+    "cluster.model": "--model",
+    "cluster.gpu": "--gpu",
+    "cluster.gpus_per_replica": "--gpus-per-replica",
+    "cluster.replicas": "--replicas",
+    "cluster.nic_gbps": "--nic-gbps",
+    "btb.prefix_blocks": "--prefix-blocks",
+    "btb.threshold": "--threshold",
+    "btb.window_s": "--window-s",
+    "btb.replicas": "--btb-replicas",
+    "policies": "--policies",
+    "seed": "--seed",
+    "fidelity": "--fidelity",
+    "requests_out": "--requests-out",
+}
+
+
+@app.command("dry-run")
+def dry_run(
+    config: Annotated[Optional[str], typer.Option(
+        "-c", "--config", metavar="FILE",
+        help="TOML config (see examples/). Relative trace paths in it resolve against its folder; flags override "
+             "its values.")] = None,
+    trace: Annotated[Optional[str], typer.Option(
+        "--trace", metavar="PATH", help="Trace file (relative to the current directory). Default: a generated "
+                                        "Bursted window.")] = None,
+    trace_format: Annotated[Optional[str], typer.Option(
+        "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")] = None,
+    bursts: Annotated[Optional[int], typer.Option(
+        "--bursts", help="Generated trace: number of bursts [default: 8].")] = None,
+    burst_size: Annotated[Optional[int], typer.Option(
+        "--burst-size", help="Generated trace: requests per burst [default: 500].")] = None,
+    spread_s: Annotated[Optional[float], typer.Option(
+        "--spread-s", help="Generated trace: seconds over which one burst arrives [default: 60]; 1 is the "
+                           "adversarial variant.")] = None,
+    decoys: Annotated[Optional[int], typer.Option(
+        "--decoys", help="Generated trace: single requests with their own long prefix [default: 120].")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Model preset (btbctl presets) [default: llama-3.3-70b].")] = None,
+    gpu: Annotated[Optional[str], typer.Option(
+        "--gpu", help="GPU preset (btbctl presets) [default: h100].")] = None,
+    gpus_per_replica: Annotated[Optional[int], typer.Option(
+        "--gpus-per-replica", help="GPUs per replica, tensor parallel [default: 4].")] = None,
+    replicas: Annotated[Optional[int], typer.Option(
+        "--replicas", help="Replicas in the fleet [default: 4].")] = None,
+    nic_gbps: Annotated[Optional[float], typer.Option(
+        "--nic-gbps", help="NIC bandwidth per GPU, Gb/s [default: 400].")] = None,
+    policies: Annotated[Optional[str], typer.Option(
+        "--policies", metavar="A,B,C",
+        help="Comma-separated routing policies, in report order [default: round_robin,least_load,cache_aware,"
+             "cache_aware_spill,btb].")] = None,
+    prefix_blocks: Annotated[Optional[int], typer.Option(
+        "--prefix-blocks", help="BTB Y: prefix length matched and copied, in trace blocks [default: 256].")] = None,
+    threshold: Annotated[Optional[int], typer.Option(
+        "--threshold", help="BTB X: arrivals of a prefix inside the window that fire replication "
+                            "[default: 2].")] = None,
+    window_s: Annotated[Optional[float], typer.Option(
+        "--window-s", help="BTB Z: trailing detection window, seconds [default: 1.0].")] = None,
+    btb_replicas: Annotated[Optional[int], typer.Option(
+        "--btb-replicas", help="BTB M: replicas that should hold a hot prefix, holder included (not the fleet "
+                               "size, see --replicas) [default: 4].")] = None,
+    seed: Annotated[Optional[int], typer.Option(
+        "--seed", help="Seed of the simulator and the trace generator [default: 42].")] = None,
+    fidelity: Annotated[Optional[str], typer.Option(
+        "--fidelity", help="Simulator profile: realistic or infersim [default: realistic].")] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+    requests_out: Annotated[Optional[str], typer.Option(
+        "--requests-out", metavar="PATH",
+        help="Also write one JSON line per request per policy (arrival_s, policy, replica, ttft_s, queue_wait_s, "
+             "cached_tokens, kind, request_id).")] = None,
+) -> None:
+    """Simulate a fleet and a trace under several routing policies and compare time to first token."""
+    from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, load_trace, run_dry_run
+    from btbctl.engine.errors import ConfigError
+
+    out = Output(fmt)
+    policy_list = None
+    if policies is not None:
+        policy_list = [p.strip() for p in policies.split(",") if p.strip()]
+    overrides = {
+        "trace.path": trace, "trace.format": trace_format,
+        "trace.generate.bursts": bursts, "trace.generate.burst_size": burst_size,
+        "trace.generate.spread_s": spread_s, "trace.generate.decoys": decoys,
+        "cluster.model": model, "cluster.gpu": gpu, "cluster.gpus_per_replica": gpus_per_replica,
+        "cluster.replicas": replicas, "cluster.nic_gbps": nic_gbps,
+        "btb.prefix_blocks": prefix_blocks, "btb.threshold": threshold, "btb.window_s": window_s,
+        "btb.replicas": btb_replicas,
+        "policies": policy_list, "seed": seed, "fidelity": fidelity,
+    }
+    given = {k for k, v in overrides.items() if v is not None}
+    if requests_out is not None:
+        given.add("requests_out")
+    cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
+    # --trace replaces the file's trace path and format; its generate section stays only for an overlay.
+    unset: tuple[str, ...] = ()
+    if trace is not None:
+        unset = ("trace.format",) if cfg.trace.overlay else ("trace.format", "trace.generate")
+    try:
+        cfg = cfg.with_overrides(overrides, unset=unset)
+        cfg.check()
+        trace_obj = load_trace(cfg)
+        total = len(trace_obj) * len(cfg.policies)
+        with out.progress(f"simulating {len(cfg.policies)} policies", total) as advance:
+            report = run_dry_run(cfg, progress=advance, requests_out=requests_out, trace=trace_obj)
+    except ConfigError as e:
+        raise _flag_error(e, given) from None
+    out.result(report, lambda r: render_human(out, r))
+
+
+def _flag_error(e, given: set[str]):
+    """Rename a config key to the flag that set it, when the value came from a flag."""
+    from btbctl.engine.errors import ConfigError
+
+    key = e.key
+    while key and key not in _FLAGS:  # policies.1 -> policies
+        key = key.rpartition(".")[0]
+    if key in given:
+        return ConfigError(_FLAGS[key], e.reason, e.path)
+    return e
+
+
+# -- human rendering --------------------------------------------------------------------------------------------
+
+def _f(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _t(x) -> str:
+    """Seconds with 4 significant digits up to 1000 s (at most 5 characters below that), so tables fit 80 columns."""
+    if x is None:
+        return "-"
+    if abs(x) < 10:
+        return f"{x:.3f}"
+    if abs(x) < 100:
+        return f"{x:.2f}"
+    return f"{x:.1f}"
+
+
+def header_line(r: dict) -> str:
+    """One line naming the trace, the fleet, the constants and the fidelity of a dry-run report."""
+    t, c, k = r["trace"], r["cluster"], r["constants"]
+    src = t["path"] if t["path"] is not None else "generated Bursted window"
+    span = _f(t["span_s"], 1)
+    return (f"trace: {src} ({t['format']}, {t['requests']:,} requests over {span} s, {t['block_tokens']}-token "
+            f"blocks) | fleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
+            f"{c['nic_gbps']:g} Gb/s per GPU | BTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
+            f"window_s={float(k['window_s'])!r} replicas={k['replicas']} | fidelity: {r['fidelity']}, seed {r['seed']}")
+
+
+def _table(title: str):
+    """A compact rich table (no outer edge, one space between columns) that fits 80 columns."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0),
+                 pad_edge=False)
+
+
+def _mtok(tokens: int) -> str:
+    return f"{tokens / 1e6:.2f}"
+
+
+def render_human(out: Output, r: dict) -> None:
+    """Print a dry-run report: header line, summary table, per-kind table, TTFT percentile chart."""
+    from rich.text import Text
+
+    con = out.console
+    con.print(header_line(r))
+
+    tab = _table("TTFT by policy (seconds)")
+    tab.caption = ("hit % = prompt tokens served from cache; copies = KV replications; GB moved = bytes they "
+                   "copied / 1e9; recomp Mtok = prefix tokens recomputed, millions")
+    tab.caption_justify = "left"
+    tab.add_column("policy", no_wrap=True)
+    for name in ("reqs", "mean", "p50", "p95", "p99", "max", "hit\n%", "copies", "GB\nmoved", "recomp\nMtok"):
+        tab.add_column(name, justify="right")
+    for s in r["results"]:
+        tt = s["ttft_s"]
+        hit = s.get("prefix_hit_ratio")
+        tab.add_row(
+            s["policy"], f"{s['requests']:,}", _t(tt["mean"]), _t(tt["p50"]), _t(tt["p95"]), _t(tt["p99"]),
+            _t(tt["max"]), "-" if hit is None else f"{100 * hit:.1f}", f"{s['replications']:,}",
+            _f(s["replicated_bytes"] / 1e9, 1), _mtok(s["recomputed_prefix_tokens"]),
+        )
+    con.print(tab)
+
+    kinds: list[str] = []
+    for s in r["results"]:
+        for kind in s.get("by_kind", {}):
+            if kind not in kinds:
+                kinds.append(kind)
+    if kinds:
+        kt = _table("TTFT by request kind (seconds)")
+        kt.add_column("policy", no_wrap=True)
+        for kind in kinds:
+            kt.add_column(f"{kind}\nmean", justify="right")
+            kt.add_column(f"{kind}\np95", justify="right")
+        for s in r["results"]:
+            row = [s["policy"]]
+            for kind in kinds:
+                bk = s.get("by_kind", {}).get(kind)
+                row += ["-", "-"] if bk is None else [_t(bk["ttft_s"]["mean"]), _t(bk["ttft_s"]["p95"])]
+            kt.add_row(*row)
+        con.print(kt)
+
+    width = min(con.width, 80)
+    chart = ttft_chart(r, width=width)
+    if chart:
+        con.print(Text.from_ansi(chart), no_wrap=True, crop=True)
+        for line in chart_key(r, width):
+            con.print(line, no_wrap=True, crop=False)
+
+
+def ttft_chart(r: dict, width: int = 80, height: int = 18) -> str:
+    """A plotext bar chart of TTFT p50 / p95 / p99 (seconds), one group of three bars per policy, as text with ANSI
+    colours; '' when a percentile is missing. Policy names label the x axis when they fit, else numbers with a key
+    line under the chart. Works with plotext 6 (figure API) and 5 (functional API)."""
+    import plotext as plt
+
+    names = [s["policy"] for s in r["results"]]
+    series = [[s["ttft_s"][q] for s in r["results"]] for q in ("p50", "p95", "p99")]
+    if not names or any(v is None for vals in series for v in vals):
+        return ""
+    fits = not chart_key(r, width)
+    ticks = names if fits else [str(i + 1) for i in range(len(names))]
+    title = "TTFT p50 | p95 | p99 per policy, seconds (bars left to right)"
+    if hasattr(plt, "figure") and hasattr(plt.figure, "draw"):  # plotext >= 6
+        fig = plt.figure
+        fig.clear()
+        fig.theme("simple")
+        fig.draw(fig.bar(ticks, series))
+        fig.legend(active=False)
+        fig.plot_size(width, height)
+        fig.title(title)
+        text = fig.build().string()
+        fig.clear()
+    else:  # plotext 5
+        plt.clear_figure()
+        plt.theme("clear")
+        plt.multiple_bar(ticks, series)
+        plt.plotsize(width, height)
+        plt.title(title)
+        text = plt.build()
+        plt.clear_figure()
+    return text.rstrip("\n")
+
+
+def chart_key(r: dict, width: int = 80) -> list[str]:
+    """Lines mapping the chart's numbered x ticks to policy names (empty when the names label the axis)."""
+    names = [s["policy"] for s in r["results"]]
+    if not names or max(len(n) for n in names) < (width - 8) // len(names):
+        return []
+    lines, cur = [], ""
+    for i, n in enumerate(names):
+        item = f"{i + 1} {n}"
+        if cur and len(cur) + 2 + len(item) > width:
+            lines.append(cur)
+            cur = item
+        else:
+            cur = f"{cur}  {item}" if cur else item
+    lines.append(cur)
+    return lines
