@@ -171,3 +171,35 @@ def test_request_larger_than_kv_budget_is_a_config_error():
     r = Request("huge", 0.0, budget + 10, 1, (), "background")
     with pytest.raises(ConfigError, match="gpus_per_replica"):
         check_fits(Trace([r], BT, "generated"), budget)
+
+
+def test_incremental_use_matches_batch_replay_and_reports_hooks():
+    p = chain("p", 40)
+    reqs = [req("a", 0.0, p, "s", out=3), req("b", 0.5, p, "s", out=2)]
+    _, batch, _ = run([Request(**{f: getattr(r, f) for f in r.__slots__}) for r in reqs])
+    live = Simulator(Trace([], BT, "live"), Scripted(2, lambda r: 0), CLUSTER, BtbConstants())
+    firsts, finishes = [], []
+    live.on_first_token = lambda r, rep, ttft, cached: firsts.append((r.request_id, rep, ttft, cached))
+    live.on_finish = lambda rec: finishes.append(rec)
+    for r in reqs:
+        live.advance_to(r.arrival_s)
+        live.submit(r)
+    while live.next_event_s() is not None:
+        live.advance_to(live.next_event_s())
+    got = {rec.request_id: rec for rec in finishes}
+    for rid in ("a", "b"):
+        assert got[rid].ttft_s == pytest.approx(batch[rid].ttft_s)
+        assert got[rid].finish_s == pytest.approx(batch[rid].finish_s)
+    assert [f[0] for f in firsts] == ["a", "b"] and firsts[1][3] == 40 * BT
+
+
+def test_insert_prefix_makes_blocks_resident_for_the_next_request():
+    p = chain("p", 30)
+    live = Simulator(Trace([], BT, "live"), Scripted(2, lambda r: 1), CLUSTER, BtbConstants())
+    assert live.insert_prefix(1, p) == 30
+    assert live.insert_prefix(1, p) == 0
+    live.submit(req("x", 0.0, p, "s"))
+    while live.next_event_s() is not None:
+        live.advance_to(live.next_event_s())
+    assert live.records[0].cached_tokens == 30 * BT
+    assert live.replica_state(1)["cached_blocks"] == 31

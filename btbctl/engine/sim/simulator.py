@@ -241,6 +241,9 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.progress = progress
         self._since_progress = 0
+        #: live hooks: ``on_first_token(req, replica, ttft_s, cached_tokens)`` and ``on_finish(record)``
+        self.on_first_token: Callable[[Request, int, float, int], None] | None = None
+        self.on_finish: Callable[[RequestRecord], None] | None = None
         self.replications = 0
         self.replicated_bytes = 0.0
         self.copies_started = 0
@@ -271,6 +274,7 @@ class Simulator:
 
     # -- main loop --------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
+        """Replay the whole trace to completion and return the result."""
         reqs = self.trace.requests
         i, n = 0, len(reqs)
         heap = self.heap
@@ -281,22 +285,17 @@ class Simulator:
                 self.now = max(self.now, r.arrival_s)
                 self._arrive(_Req(r, i))
                 continue
-            t, kind, _, payload = heapq.heappop(heap)
-            self.now = t
-            if kind == _EV_STEP:
-                rep, version = payload
-                if version == rep.version:
-                    self._end_step(rep)
-            else:
-                copy, version = payload
-                if version == copy.version:
-                    self._copy_event(copy)
+            self._pop_event()
         if self.progress and self._since_progress:
             self.progress(self._since_progress)
         unfinished = n - len(self.records)
         if unfinished:
             raise RuntimeError(f"simulation ended with {unfinished} unfinished requests")  # a bug, not user input
         self.records.sort(key=lambda rec: (rec.arrival_s, rec.request_id))
+        return self.result()
+
+    def result(self) -> SimResult:
+        """Records and counters so far."""
         return SimResult(
             policy=getattr(self.policy, "name", type(self.policy).__name__),
             records=self.records,
@@ -306,6 +305,75 @@ class Simulator:
             copies_refused=self.copies_refused,
             policy_stats=self.policy.stats(),
         )
+
+    def _pop_event(self) -> None:
+        t, kind, _, payload = heapq.heappop(self.heap)
+        self.now = max(self.now, t)
+        if kind == _EV_STEP:
+            rep, version = payload
+            if version == rep.version:
+                self._end_step(rep)
+        else:
+            copy, version = payload
+            if version == copy.version:
+                self._copy_event(copy)
+
+    # -- incremental (live) use: the emulated worker drives the same model in (scaled) real time ---------------
+    def submit(self, req: Request, replica: int | None = None) -> None:
+        """A request arrives at the current time ``self.now`` (its ``arrival_s`` is overwritten). Routed by the
+        policy unless ``replica`` is given."""
+        self._seq += 1
+        req.arrival_s = self.now
+        rq = _Req(req, self._seq)
+        if replica is None:
+            self._arrive(rq)
+            return
+        rq.rep = replica
+        rep = self.replicas[replica]
+        rep.waiting.append(rq)
+        self._kick(rep)
+
+    def next_event_s(self) -> float | None:
+        """Time of the next pending event (None when idle)."""
+        return self.heap[0][0] if self.heap else None
+
+    def advance_to(self, t: float) -> None:
+        """Process every event due at or before ``t``; afterwards ``now == max(now, t)``."""
+        while self.heap and self.heap[0][0] <= t:
+            self._pop_event()
+        self.now = max(self.now, t)
+
+    def insert_prefix(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """Make ``chain`` resident on ``replica`` (blocks that arrived from outside the model, e.g. a verified
+        copy in the live worker). Returns the number of blocks inserted; 0 when they do not fit."""
+        rep = self.replicas[replica]
+        chain = tuple(chain)
+        have = rep.cache.match(chain)
+        add = len(chain) - have
+        if add <= 0:
+            return 0
+        rep.cache.pin(chain, have)
+        if not rep.cache.make_room(add * self.block_tokens):
+            rep.cache.unpin(chain, have)
+            return 0
+        rep.cache.reserve_blocks(add)
+        for k in range(have, len(chain)):
+            rep.cache.commit_block(chain[k], chain[k - 1] if k else None, pinned=True)
+        rep.cache.unpin(chain, len(chain))
+        self._kick(rep)
+        return add
+
+    def replica_state(self, replica: int) -> dict:
+        """Counters of one replica for live views: ``running``, ``waiting``, ``used_tokens``,
+        ``capacity_tokens``, ``cached_blocks``."""
+        rep = self.replicas[replica]
+        return {
+            "running": len(rep.prefilling) + rep.n_decoding,
+            "waiting": len(rep.waiting),
+            "used_tokens": rep.cache.used_tokens,
+            "capacity_tokens": rep.cache.capacity_tokens,
+            "cached_blocks": len(rep.cache),
+        }
 
     def _arrive(self, rq: _Req) -> None:
         r = self.policy.route(rq.req, self.view, self.now)
@@ -462,6 +530,8 @@ class Simulator:
             rep.prefilling = keep
         for rq in done:
             rq.ttft_s = self.now - rq.req.arrival_s
+            if self.on_first_token is not None:
+                self.on_first_token(rq.req, rep.idx, rq.ttft_s, rq.cached_tokens)
             out = rq.req.output_tokens
             if out <= 1:
                 self._finish(rep, rq)
@@ -490,12 +560,15 @@ class Simulator:
         cache.private_tokens -= rq.private
         self.policy.on_finish(rq.req, rep.idx, self.now)
         req = rq.req
-        self.records.append(RequestRecord(
+        record = RequestRecord(
             request_id=req.request_id, kind=req.kind, arrival_s=req.arrival_s, replica=rep.idx,
             ttft_s=rq.ttft_s, queue_wait_s=rq.admitted_s - req.arrival_s, cached_tokens=rq.cached_tokens,
             prefill_tokens=req.input_tokens - rq.cached_tokens, finish_s=self.now, input_tokens=req.input_tokens,
             recomputed_prefix_tokens=rq.recomputed,
-        ))
+        )
+        self.records.append(record)
+        if self.on_finish is not None:
+            self.on_finish(record)
         if self.progress:
             self._since_progress += 1
             if self._since_progress >= 256:
