@@ -431,3 +431,21 @@ def test_mooncake_example_on_the_public_trace(capsys):
     rr, ca = r["results"]
     # the trace reuses prefixes across requests, so routing by prefix finds more of them in cache
     assert 0 < rr["prefix_hit_ratio"] < ca["prefix_hit_ratio"]
+
+
+def test_cli_import_leaves_the_engine_for_later():
+    probe = ("import sys, btbctl.commands.app; "
+             "print(sorted(m for m in ('btbctl.engine.sim', 'btbctl.engine.dryrun', 'btbctl.engine.policies', "
+             "'plotext') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_help_shows_defaults_and_the_two_replica_flags(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run(capsys, "dry-run", "--help")
+    assert code == 0
+    for needle in ("--config", "--btb-replicas", "--replicas", "--spread-s", "--requests-out", "(default: 4)",
+                   "not the fleet size"):
+        assert needle in out, needle

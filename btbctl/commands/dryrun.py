@@ -49,42 +49,42 @@ def dry_run(
     trace_format: Annotated[Optional[str], typer.Option(
         "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")] = None,
     bursts: Annotated[Optional[int], typer.Option(
-        "--bursts", help="Generated trace: number of bursts [default: 8].")] = None,
+        "--bursts", help="Generated trace: number of bursts (default: 8).")] = None,
     burst_size: Annotated[Optional[int], typer.Option(
-        "--burst-size", help="Generated trace: requests per burst [default: 500].")] = None,
+        "--burst-size", help="Generated trace: requests per burst (default: 500).")] = None,
     spread_s: Annotated[Optional[float], typer.Option(
-        "--spread-s", help="Generated trace: seconds over which one burst arrives [default: 60]; 1 is the "
+        "--spread-s", help="Generated trace: seconds over which one burst arrives (default: 60); 1 is the "
                            "adversarial variant.")] = None,
     decoys: Annotated[Optional[int], typer.Option(
-        "--decoys", help="Generated trace: single requests with their own long prefix [default: 120].")] = None,
+        "--decoys", help="Generated trace: single requests with their own long prefix (default: 120).")] = None,
     model: Annotated[Optional[str], typer.Option(
-        "--model", help="Model preset (btbctl presets) [default: llama-3.3-70b].")] = None,
+        "--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")] = None,
     gpu: Annotated[Optional[str], typer.Option(
-        "--gpu", help="GPU preset (btbctl presets) [default: h100].")] = None,
+        "--gpu", help="GPU preset (btbctl presets) (default: h100).")] = None,
     gpus_per_replica: Annotated[Optional[int], typer.Option(
-        "--gpus-per-replica", help="GPUs per replica, tensor parallel [default: 4].")] = None,
+        "--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")] = None,
     replicas: Annotated[Optional[int], typer.Option(
-        "--replicas", help="Replicas in the fleet [default: 4].")] = None,
+        "--replicas", help="Replicas in the fleet (default: 4).")] = None,
     nic_gbps: Annotated[Optional[float], typer.Option(
-        "--nic-gbps", help="NIC bandwidth per GPU, Gb/s [default: 400].")] = None,
+        "--nic-gbps", help="NIC bandwidth per GPU, Gb/s (default: 400).")] = None,
     policies: Annotated[Optional[str], typer.Option(
         "--policies", metavar="A,B,C",
-        help="Comma-separated routing policies, in report order [default: round_robin,least_load,cache_aware,"
-             "cache_aware_spill,btb].")] = None,
+        help="Comma-separated routing policies, in report order (default: round_robin,least_load,cache_aware,"
+             "cache_aware_spill,btb).")] = None,
     prefix_blocks: Annotated[Optional[int], typer.Option(
-        "--prefix-blocks", help="BTB Y: prefix length matched and copied, in trace blocks [default: 256].")] = None,
+        "--prefix-blocks", help="BTB Y: prefix length matched and copied, in trace blocks (default: 256).")] = None,
     threshold: Annotated[Optional[int], typer.Option(
         "--threshold", help="BTB X: arrivals of a prefix inside the window that fire replication "
-                            "[default: 2].")] = None,
+                            "(default: 2).")] = None,
     window_s: Annotated[Optional[float], typer.Option(
-        "--window-s", help="BTB Z: trailing detection window, seconds [default: 1.0].")] = None,
+        "--window-s", help="BTB Z: trailing detection window, seconds (default: 1.0).")] = None,
     btb_replicas: Annotated[Optional[int], typer.Option(
         "--btb-replicas", help="BTB M: replicas that should hold a hot prefix, holder included (not the fleet "
-                               "size, see --replicas) [default: 4].")] = None,
+                               "size, see --replicas) (default: 4).")] = None,
     seed: Annotated[Optional[int], typer.Option(
-        "--seed", help="Seed of the simulator and the trace generator [default: 42].")] = None,
+        "--seed", help="Seed of the simulator and the trace generator (default: 42).")] = None,
     fidelity: Annotated[Optional[str], typer.Option(
-        "--fidelity", help="Simulator profile: realistic or infersim [default: realistic].")] = None,
+        "--fidelity", help="Simulator profile: realistic or infersim (default: realistic).")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
     requests_out: Annotated[Optional[str], typer.Option(
         "--requests-out", metavar="PATH",
