@@ -303,8 +303,9 @@ def _section_model(loc: list[str]) -> type[BaseModel] | None:
 def load_dryrun_config(path: str | os.PathLike) -> DryRunConfig:
     """Read a dry-run config from a TOML file.
 
-    A relative ``trace.path`` resolves against the folder holding the config file. The cluster is checked too
-    (presets exist, the model fits its GPUs).
+    A relative ``trace.path`` resolves against the folder holding the config file. :meth:`DryRunConfig.check`
+    runs too (presets exist, the model fits its GPUs, the generator's settings agree), so a config that loads can
+    be simulated.
 
     Raises:
         ConfigError: the file cannot be read, is not valid TOML (message names the file and line), or a key is
