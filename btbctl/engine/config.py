@@ -92,9 +92,30 @@ def validate(model_cls: type[BaseModel], data: dict, path: str | None = None, pr
             key = f"{prefix}.{key}"
         msg = err.get("msg", "invalid value")
         if err.get("type") == "extra_forbidden":
-            fields = ", ".join(model_cls.model_fields)
+            owner = _model_at(model_cls, tuple(err.get("loc", ()))[:-1])
+            fields = ", ".join(owner.model_fields)
             msg = f"unknown key; valid keys: {fields}"
         raise ConfigError(key, msg, path) from None
+
+
+def _model_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel]:
+    """The (nested) pydantic model that owns the key at ``loc`` (list indices and Optional unwrapped)."""
+    import typing
+
+    cls = model_cls
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            continue  # a list index or dict key: stay on the element model found so far
+        ann = field.annotation
+        candidates = [ann, *typing.get_args(ann)]
+        for arg in list(candidates):
+            candidates.extend(typing.get_args(arg))
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            break
+        cls = nested[0]
+    return cls
 
 
 __all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "validate"]

@@ -35,7 +35,7 @@ import sys
 import time
 from typing import IO, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from btbctl import __version__
@@ -275,29 +275,7 @@ class DryRunConfig(BaseModel):
 def validate_config(data: dict, path: str | None = None) -> DryRunConfig:
     """Build a :class:`DryRunConfig` from plain data (parsed TOML). Raises :class:`ConfigError` naming ``path``, the
     dotted key of the first problem and what is valid; an unknown key lists the valid keys of its own section."""
-    try:
-        return DryRunConfig.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err.get("type") == "extra_forbidden":
-            loc = [str(p) for p in err.get("loc", ())]
-            section = _section_model(loc[:-1])
-            if section is not None:
-                raise ConfigError(".".join(loc), f"unknown key; valid keys: {', '.join(section.model_fields)}",
-                                  path) from None
-    return validate(DryRunConfig, data, path)  # raises the ConfigError for any other problem
-
-
-def _section_model(loc: list[str]) -> type[BaseModel] | None:
-    """The config model class at the dotted location ``loc`` (``[]`` is :class:`DryRunConfig`), or None."""
-    model: type[BaseModel] = DryRunConfig
-    for part in loc:
-        field = model.model_fields.get(part)
-        ann = field.annotation if field is not None else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
-    return model
+    return validate(DryRunConfig, data, path)
 
 
 def load_dryrun_config(path: str | os.PathLike) -> DryRunConfig:
