@@ -9,10 +9,32 @@ in (``now_s``); no policy reads the wall clock, so the same code runs live (gate
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import ClassVar, Hashable, Protocol, Sequence
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.trace.model import Request
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStatus:
+    """A KV-cache copy in flight towards a replica (:meth:`FleetView.copy_status`).
+
+    Attributes:
+        source: the replica sending it.
+        total_bytes: bytes the copy moves (the blocks the target lacked when it started).
+        sent_bytes: bytes delivered so far.
+        available_bytes: bytes the source has computed so far (a copy trails a source still prefilling);
+            <= ``total_bytes``.
+        rate_bytes_per_s: current sending rate, bytes/s; 0 while the copy waits for the source's compute.
+    """
+
+    source: int
+    total_bytes: float
+    sent_bytes: float
+    available_bytes: float
+    rate_bytes_per_s: float
 
 
 class FleetView(Protocol):
@@ -38,13 +60,40 @@ class FleetView(Protocol):
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         """Whether a copy of (a prefix ending with) ``chain[-1]`` towards ``replica`` is in flight."""
 
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float) -> bool:
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
+                  hot_since_s: float | None = None) -> bool:
         """Start copying the KV cache of ``chain``'s blocks from ``source`` to ``target``. Returns False when the
         fleet refuses (same replica, a copy already in flight, no room). The target serves the blocks as cached
-        only once they have all arrived."""
+        only once they have all arrived. ``hot_since_s`` (optional): when the policy saw the need for the copy
+        (e.g. its detector fired), seconds; reports measure time to warm from it (default ``now_s``)."""
 
     def expected_wait_s(self, replica: int) -> float:
         """Estimated seconds of queued prefill work ahead of a new request on ``replica`` (0 when idle)."""
+
+    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
+        """Seconds until the in-flight copy of ``chain`` towards ``replica`` completes at current rates (None: no
+        copy in flight, or it is stalled behind the source's prefill)."""
+
+    def queued_prefill_s(self, replica: int) -> float:
+        """Seconds of prefill compute queued on ``replica`` ahead of a new request, counting for each queued request
+        only the prompt tokens it must compute itself (attention included). O(1)."""
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
+        """The in-flight copy of ``chain`` (keyed by its last block) towards ``replica``, or None."""
+
+    def nic_copies(self, replica: int) -> int:
+        """Copies in flight sending from or received by ``replica`` (they share its NIC)."""
+
+    def kv_headroom_tokens(self, replica: int) -> int:
+        """KV-cache tokens ``replica`` could free for a new copy now (free + evictable)."""
+
+    @property
+    def cost(self) -> ReplicaCost:
+        """The cost model of one replica (all replicas are alike)."""
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block of the chains the policy sees."""
 
 
 class Policy:

@@ -36,6 +36,7 @@ from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies.base import CopyStatus
 from btbctl.engine.sim.cache import PrefixCache
 from btbctl.engine.sim.network import Copy, Network
 from btbctl.engine.stats import summarize
@@ -70,7 +71,7 @@ class _Req:
     """Mutable state of a request inside the simulator."""
 
     __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "matched",
-                 "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq")
+                 "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq", "est_flops")
 
     def __init__(self, req: Request, seq: int) -> None:
         self.req = req
@@ -88,11 +89,13 @@ class _Req:
         self.finish_g = 0
         self.join_s = 0
         self.seq = seq
+        self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
 
 
 class _Replica:
     __slots__ = ("idx", "cache", "waiting", "prefilling", "decoding", "n_decoding", "dec_s", "dec_g", "pending",
-                 "busy", "step_kind", "step_start", "step_end", "step_m", "step_payload", "version", "copies_in")
+                 "busy", "step_kind", "step_start", "step_end", "step_m", "step_payload", "version", "copies_in",
+                 "queued_flops", "copied", "copy_lens")
 
     def __init__(self, idx: int, cache: PrefixCache) -> None:
         self.idx = idx
@@ -112,6 +115,9 @@ class _Replica:
         self.step_payload: list = []
         self.version = 0
         self.copies_in: dict[Hashable, Copy] = {}
+        self.queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
+        self.copied: dict[Hashable, Copy] = {}  # block hash -> the completed copy that brought it here
+        self.copy_lens: set[int] = set()  # chain lengths of copies completed here
 
     @property
     def load(self) -> int:
@@ -131,16 +137,26 @@ class SimResult:
     policy_stats: dict
     fidelity: str = "realistic"
     percentile_method: str = "linear"
+    #: Completed copies that no request reused afterwards (None: the fidelity profile does not track it).
+    wasted_replications: int | None = None
+    #: Per completed copy, seconds from the moment the policy saw the need for it (``hot_since_s`` of
+    #: :meth:`SimFleetView.replicate`, default the copy's start) to the arrival of its last byte (None: not tracked).
+    time_to_warm_s: list[float] | None = None
 
-    def summary(self) -> dict:
-        """The stable summary used by ``dry-run --format json`` (see the README for the schema)."""
+    def summary(self, replication_details: bool = False) -> dict:
+        """The stable summary used by ``dry-run --format json`` (see the README for the schema).
+
+        With ``replication_details`` four keys follow the stable ones: ``copies_started`` and ``copies_refused``
+        (copy requests the fleet accepted or refused), ``wasted_replications`` (completed copies never reused; None
+        when not tracked) and ``time_to_warm_s`` (mean/p50/p95/p99/max seconds over completed copies, NaN when
+        there were none; None when not tracked)."""
         recs = self.records
         by_kind: dict[str, list[float]] = {}
         for r in recs:
             by_kind.setdefault(r.kind, []).append(r.ttft_s)
         total_in = sum(r.input_tokens for r in recs)
         cached = sum(r.cached_tokens for r in recs)
-        return {
+        out = {
             "policy": self.policy,
             "requests": len(recs),
             "ttft_s": summarize((r.ttft_s for r in recs), self.percentile_method),
@@ -153,6 +169,13 @@ class SimResult:
             "replicated_bytes": self.replicated_bytes,
             "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in recs),
         }
+        if replication_details:
+            out["copies_started"] = self.copies_started
+            out["copies_refused"] = self.copies_refused
+            out["wasted_replications"] = self.wasted_replications
+            out["time_to_warm_s"] = (None if self.time_to_warm_s is None
+                                     else summarize(self.time_to_warm_s, self.percentile_method))
+        return out
 
 
 class SimFleetView:
@@ -182,8 +205,9 @@ class SimFleetView:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self._sim.replicas[replica].copies_in
 
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float) -> bool:
-        return self._sim.start_copy(tuple(chain), source, target, now_s)
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
+                  hot_since_s: float | None = None) -> bool:
+        return self._sim.start_copy(tuple(chain), source, target, now_s, hot_since_s)
 
     def expected_wait_s(self, replica: int) -> float:
         return self._sim.expected_wait_s(replica)
@@ -195,6 +219,39 @@ class SimFleetView:
         if c is None or c.rate <= 0:
             return None
         return (c.total_bytes - c.sent_bytes) / c.rate
+
+    def queued_prefill_s(self, replica: int) -> float:
+        """Seconds of prefill compute queued on ``replica`` ahead of a new request: for every waiting or
+        prefilling request, the FLOPs (attention term included, at its context) of the prompt tokens it still has
+        to compute (before admission: those not resident, computing or arriving there when it was routed), at the
+        replica's achieved FLOP/s; minus the elapsed part of a prefill step in progress, plus the rest of one
+        decode step in progress (decode runs yield to new prefill work at the next step). O(1)."""
+        sim = self._sim
+        rep = sim.replicas[replica]
+        s = rep.queued_flops / (sim.cost.flops * sim.cost.mfu) if rep.queued_flops > 0 else 0.0
+        if rep.busy:
+            if rep.step_kind == "prefill":
+                s = max(0.0, s - (sim.now - rep.step_start))
+            else:
+                s += max(0.0, min(rep.step_end - sim.now, sim._decode_time(rep, 1)))
+        return s
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
+        """The in-flight copy of ``chain`` (keyed by its last block) towards ``replica``, or None."""
+        c = self._sim.replicas[replica].copies_in.get(chain[-1]) if chain else None
+        if c is None:
+            return None
+        return CopyStatus(source=c.src, total_bytes=c.total_bytes, sent_bytes=c.sent_bytes,
+                          available_bytes=min(c.avail_bytes, c.total_bytes), rate_bytes_per_s=c.rate)
+
+    def nic_copies(self, replica: int) -> int:
+        """Copies in flight that send from or receive at ``replica`` (they share its NIC)."""
+        return sum(1 for c in self._sim.net.active if c.src == replica or c.dst == replica)
+
+    def kv_headroom_tokens(self, replica: int) -> int:
+        """KV-cache tokens ``replica`` could give a new copy now: free plus evictable (unpinned) tokens."""
+        cache = self._sim.replicas[replica].cache
+        return max(0, cache.free_tokens) + cache.evictable_tokens
 
     @property
     def cost(self) -> ReplicaCost:
@@ -248,6 +305,7 @@ class Simulator:
         self.replicated_bytes = 0.0
         self.copies_started = 0
         self.copies_refused = 0
+        self.completed_copies: list[Copy] = []
         # per-token prefill cost without attention, for expected-wait estimates
         self._s_per_token = 2.0 * self.cost.model.active_params / (self.cost.flops * self.cost.mfu)
         # decode step-time coefficients: t = max(a + b*K, c*n) + overhead
@@ -304,6 +362,8 @@ class Simulator:
             copies_started=self.copies_started,
             copies_refused=self.copies_refused,
             policy_stats=self.policy.stats(),
+            wasted_replications=sum(1 for c in self.completed_copies if not c.meta["used"]),
+            time_to_warm_s=[c.done_s - c.meta["hot_since_s"] for c in self.completed_copies],
         )
 
     def _pop_event(self) -> None:
@@ -330,6 +390,7 @@ class Simulator:
             return
         rq.rep = replica
         rep = self.replicas[replica]
+        self._estimate_work(rep, rq)
         rep.waiting.append(rq)
         self._kick(rep)
 
@@ -381,8 +442,16 @@ class Simulator:
             raise RuntimeError(f"policy {self.policy.name} returned replica {r}")
         rq.rep = r
         rep = self.replicas[r]
+        self._estimate_work(rep, rq)
         rep.waiting.append(rq)
         self._kick(rep)
+
+    def _estimate_work(self, rep: _Replica, rq: _Req) -> None:
+        """Queued-work estimate of a new request: the prompt tokens beyond what ``rep`` holds or is computing or
+        receiving for it (those it waits for instead), at their context."""
+        have = min(self.view.pending_blocks(rep.idx, rq.chain) * self.block_tokens, rq.req.input_tokens - 1)
+        rq.est_flops = self.cost.prefill_flops(rq.req.input_tokens - have, have)
+        rep.queued_flops += rq.est_flops
 
     def _kick(self, rep: _Replica) -> None:
         """New work may be admissible on ``rep``: start a step if idle, or cut a decode run at the next step."""
@@ -487,6 +556,11 @@ class Simulator:
         rq.next_block = matched
         rq.admitted_s = self.now
         fleet = self.fleet_blocks
+        est = self.cost.prefill_flops(inp - cached_tokens, cached_tokens)
+        rep.queued_flops += est - rq.est_flops
+        rq.est_flops = est
+        if matched and rep.copied:
+            self._note_copy_use(rep, chain, matched)
         recomputed = 0
         for k in range(matched, n_blocks):
             h = chain[k]
@@ -510,7 +584,11 @@ class Simulator:
         cache = rep.cache
         done: list[_Req] = []
         committed = False
+        copied = rep.copied
         for rq, new in rep.step_payload:
+            f = self.cost.prefill_flops(new, rq.computed)
+            rq.est_flops -= f
+            rep.queued_flops -= f
             rq.computed += new
             chain = rq.chain
             inp = rq.req.input_tokens
@@ -520,11 +598,17 @@ class Simulator:
                 if rep.pending.get(h) is rq:
                     del rep.pending[h]
                 cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+                if copied:
+                    copied.pop(h, None)
                 committed = True
             rq.next_block = max(rq.next_block, upto)
             if rq.computed >= inp:
                 done.append(rq)
+                rep.queued_flops -= rq.est_flops
+                rq.est_flops = 0.0
         rep.step_payload = []
+        if not rep.waiting and len(done) == len(rep.prefilling):
+            rep.queued_flops = 0.0  # nothing queued any more: drop float residue
         if done:
             keep = [rq for rq in rep.prefilling if rq.computed < rq.req.input_tokens]
             rep.prefilling = keep
@@ -618,8 +702,10 @@ class Simulator:
         return tokens * self._s_per_token + rest
 
     # -- copies -----------------------------------------------------------------------------------------------
-    def start_copy(self, chain: tuple, source: int, target: int, now_s: float) -> bool:
-        """Start copying ``chain``'s KV from ``source`` to ``target`` (see :meth:`SimFleetView.replicate`)."""
+    def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
+                   hot_since_s: float | None = None) -> bool:
+        """Start copying ``chain``'s KV from ``source`` to ``target`` (see :meth:`SimFleetView.replicate`).
+        ``hot_since_s``: when the policy saw the need for it (time-to-warm reports); default ``now_s``."""
         n = len(self.replicas)
         if not (0 <= source < n and 0 <= target < n) or source == target or not chain:
             self.copies_refused += 1
@@ -644,6 +730,8 @@ class Simulator:
         c = Copy(cid=self._cid, src=source, dst=target, chain=chain, offset=offset,
                  bytes_per_block=self.bytes_per_block, started_s=now_s, total_bytes=send * self.bytes_per_block,
                  t_last=now_s)
+        c.meta["hot_since_s"] = now_s if hot_since_s is None else min(hot_since_s, now_s)
+        c.meta["used"] = 0
         for k in range(offset, len(chain)):
             dst.pending[chain[k]] = c
         dst.copies_in[chain[-1]] = c
@@ -656,6 +744,18 @@ class Simulator:
         self.copies_started += 1
         self._reschedule_copies()
         return True
+
+    @staticmethod
+    def _note_copy_use(rep: _Replica, chain: Sequence[Hashable], matched: int) -> None:
+        """A request admitted on ``rep`` reuses ``matched`` leading blocks: count a use of every completed copy
+        that brought one of them (found at the deepest matched block and at the end of each copied chain)."""
+        copied = rep.copied
+        used = {id(c): c for c in (copied.get(chain[n - 1]) for n in rep.copy_lens if n < matched) if c is not None}
+        c = copied.get(chain[matched - 1])
+        if c is not None:
+            used[id(c)] = c
+        for c in used.values():
+            c.meta["used"] += 1
 
     def _source_progress(self, source: int) -> None:
         """The source committed blocks: copies trailing its prefill may send more."""
@@ -700,8 +800,11 @@ class Simulator:
             if dst.pending.get(h) is c:
                 del dst.pending[h]
             dst.cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+            dst.copied[h] = c
+        dst.copy_lens.add(len(chain))
         dst.cache.unpin(chain, len(chain))  # deepest first, so LRU evicts leaves before their ancestors
         dst.copies_in.pop(chain[-1], None)
+        self.completed_copies.append(c)
         self.replications += 1
         self.replicated_bytes += c.total_bytes
         self._kick(dst)
