@@ -14,6 +14,7 @@ from btbctl.engine.policies.base import FleetView, Policy, least_loaded
 from btbctl.engine.policies.btb import Btb
 from btbctl.engine.policies.cache_aware import CacheAware
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill
+from btbctl.engine.policies.infersim_rules import INFERSIM_POLICIES
 from btbctl.engine.policies.least_load import LeastLoad
 from btbctl.engine.policies.power_of_two import PowerOfTwo
 from btbctl.engine.policies.random_policy import RandomPolicy
@@ -30,7 +31,7 @@ DEFAULT_POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spi
 
 
 def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                block_tokens: int | None = None) -> Policy:
+                block_tokens: int | None = None, fidelity: str = "realistic") -> Policy:
     """A fresh policy by registry name.
 
     Args:
@@ -40,11 +41,17 @@ def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbCo
         constants: BTB's four constants (default: the published ones); only BTB-style policies use them.
         block_tokens: tokens per block of the workload's hash chains, passed to :meth:`Policy.configure`
             (policies that do not need it ignore it).
+        fidelity: the simulator profile the policy will run in. With ``infersim``, ``cache_aware``, ``btb`` and
+            ``least_load`` are the reference simulator's variants
+            (:data:`~btbctl.engine.policies.infersim_rules.INFERSIM_POLICIES`); every other name, and every name in
+            other profiles, is the registry's class.
 
     Raises:
         ConfigError: unknown ``name`` (the message lists the valid ones) or ``n_replicas`` < 1.
     """
     cls = POLICIES.get(name)
+    if fidelity == "infersim" and name in INFERSIM_POLICIES:
+        cls = INFERSIM_POLICIES[name]
     if cls is None:
         raise ConfigError("policy", f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
     if not isinstance(n_replicas, int) or n_replicas < 1:

@@ -839,7 +839,8 @@ def simulate(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbCo
         cluster: the fleet.
         constants: BTB's four constants (used by BTB-style policies).
         seed: seeds the policy's random source; same inputs and seed give identical results.
-        fidelity: ``realistic`` (this module's model).
+        fidelity: ``realistic`` (this module's model) or ``infersim`` (the reference simulator's simplifications,
+            :func:`btbctl.engine.sim.infersim.simulate_infersim`).
         progress: called with increments of finished requests.
 
     Raises:
@@ -847,8 +848,12 @@ def simulate(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbCo
     """
     from btbctl.engine.policies import make_policy
 
+    if fidelity == "infersim":
+        from btbctl.engine.sim.infersim import simulate_infersim
+
+        return simulate_infersim(trace, policy, cluster, constants, seed=seed, progress=progress)
     if fidelity != "realistic":
-        raise ConfigError("fidelity", f"unknown or unavailable fidelity {fidelity!r}; valid: realistic")
+        raise ConfigError("fidelity", f"unknown or unavailable fidelity {fidelity!r}; valid: realistic, infersim")
     cost = cluster.replica_cost()  # validate before building anything
     check_fits(trace, cost.kv_budget_tokens)
     pol = make_policy(policy, cluster.replicas, random.Random(seed), constants)
