@@ -1,0 +1,494 @@
+"""The cluster file: which workers to start, the gateway in front of them and BTB's constants.
+
+A cluster file is TOML::
+
+    [gateway]
+    host = "127.0.0.1"          # data plane (OpenAI / SGLang routes)
+    port = 30080
+    control_port = 30081        # control API (loopback by default)
+    policy = "btb"
+
+    [btb]                       # BTB's four constants (published defaults)
+    prefix_blocks = 256
+    threshold = 2
+    window_s = 1.0
+    replicas = 4
+
+    [[workers]]
+    kind = "emulated"           # or "sglang"
+    count = 4
+    model = "llama-3.3-70b"
+    gpu = "h100"
+    tp_size = 4
+
+Every section and key is optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``)
+means: 4 emulated Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB
+setting (REFERENCE.md s1).
+
+Command lines are always argv lists, never shell strings: :func:`sglang_argv` builds SGLang's
+``python -m sglang.launch_server`` line (REFERENCE.md s5), :func:`emulated_argv` the emulated worker's
+``python -m btbctl worker`` line, and a worker's ``command`` replaces either with a user-given argv in which
+``{host}``, ``{port}``, ``{model}``, ``{tp_size}``, ``{page_size}``, ``{name}``, ``{index}`` and ``{transfer_port}``
+are substituted element by element.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from btbctl.engine.config import validate
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.costmodel import DEFAULT_MEM_FRACTION, default_chunked_prefill_tokens, gpu_preset, model_preset
+from btbctl.engine.errors import ConfigError
+
+_DEFAULT_CONSTANTS = BtbConstants()
+
+#: Default data-plane port of the gateway. SGLang workers default to 30000 (REFERENCE.md s5); the gateway sits
+#: next to that range so a single-host fleet keeps its ports together.
+DEFAULT_GATEWAY_PORT = 30080
+#: Default control-API port of the gateway (data-plane port + 1).
+DEFAULT_CONTROL_PORT = 30081
+#: Seconds to wait for an emulated worker or the gateway to report ready (they start in about a second).
+DEFAULT_EMULATED_READY_TIMEOUT_S = 60.0
+#: Seconds to wait for a real SGLang worker: loading 70B weights from local disk takes minutes.
+DEFAULT_SGLANG_READY_TIMEOUT_S = 1800.0
+#: Substitutions allowed in a worker's ``command`` override.
+COMMAND_FIELDS = ("host", "port", "model", "tp_size", "page_size", "name", "index", "transfer_port")
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class GatewaySection(BaseModel):
+    """The BTB gateway in front of the workers (data plane + control API)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address the data plane binds to. Loopback by default; bind another address only on a trusted network."""
+    port: int = Field(DEFAULT_GATEWAY_PORT, ge=0, le=65535)
+    """Data-plane port (SGLang-native and OpenAI routes); 0 picks a free port at ``up``."""
+    control_host: str = "127.0.0.1"
+    """Address the control API binds to (fleet state, constants, replication). Loopback by default."""
+    control_port: int = Field(DEFAULT_CONTROL_PORT, ge=0, le=65535)
+    """Control-API port; 0 picks a free port at ``up``."""
+    policy: str = "btb"
+    """Routing policy at start: ``btb`` (the published rule), ``cache_aware`` (SGLang's router),
+    ``cache_aware_spill``, ``least_load``, ``power_of_two``, ``round_robin`` or ``random``; ``btbctl tune
+    policy=NAME`` changes it later."""
+    page_size: int = Field(256, ge=1)
+    """Tokens per KV block the gateway hashes prompts into; must equal the workers' ``page_size`` (256 = the
+    published block size, REFERENCE.md s1)."""
+    max_retries: int = Field(1, ge=0, le=10)
+    """Times the gateway retries a request on another worker when its worker fails before answering."""
+    health_interval_s: float = Field(1.0, gt=0)
+    """Seconds between the gateway's health checks of each worker."""
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest request body the gateway accepts, bytes (64 MiB holds a 65,536-token prompt as text many times)."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More arguments for ``btbctl gateway`` (argv elements, not a shell string)."""
+    ready_timeout_s: float = Field(DEFAULT_EMULATED_READY_TIMEOUT_S, gt=0)
+    """Seconds to wait for the gateway to report ready."""
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        from btbctl.engine.policies import POLICIES
+
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r}; valid: {', '.join(POLICIES)}")
+        return v
+
+
+class BtbSection(BaseModel):
+    """BTB's four constants; defaults are the published ones (Birmiwal & Bhat, "Biting the Bullet", 2026;
+    REFERENCE.md s1). They can be changed later without a restart (``btbctl tune``)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    prefix_blocks: int = Field(_DEFAULT_CONSTANTS.prefix_blocks, ge=1)
+    """Y: length of the matched and copied prefix, in blocks of ``gateway.page_size`` tokens (256)."""
+    threshold: int = Field(_DEFAULT_CONSTANTS.threshold, ge=1)
+    """X: arrivals of the same prefix inside the window that fire replication (2)."""
+    window_s: float = Field(_DEFAULT_CONSTANTS.window_s, gt=0)
+    """Z: trailing detection window, seconds (1.0)."""
+    replicas: int = Field(_DEFAULT_CONSTANTS.replicas, ge=1)
+    """M: workers that should hold a hot prefix, the holder included (4)."""
+
+    def constants(self) -> BtbConstants:
+        """These settings as :class:`BtbConstants`."""
+        return BtbConstants(**self.model_dump())
+
+
+class WorkerSpec(BaseModel):
+    """One ``[[workers]]`` entry: ``count`` identical workers.
+
+    ``emulated`` workers are ``python -m btbctl worker`` processes that speak SGLang's HTTP API with timings from
+    the cost model; ``sglang`` workers are ``python -m sglang.launch_server`` (needs SGLang and GPUs on this
+    machine). ``command`` replaces either command line.
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kind: Literal["emulated", "sglang"] = "emulated"
+    """``emulated`` (runs anywhere) or ``sglang`` (a real SGLang server)."""
+    name: str | None = None
+    """Name prefix; workers are called ``<name>-<i>`` (i from 0). Default: ``worker-<n>`` numbered across all
+    entries."""
+    count: int = Field(1, ge=1, le=256)
+    """How many workers this entry starts."""
+    model: str = "llama-3.3-70b"
+    """emulated: a model preset (``btbctl presets``). sglang: ``--model-path`` (a Hugging Face id or a local
+    directory)."""
+    served_model_name: str | None = None
+    """Model id the worker reports (``/v1/models``); keep it the same on all workers behind one router. Default:
+    ``model``."""
+    gpu: str = "h100"
+    """GPU preset (``btbctl presets``) the emulated worker takes its timings from; for sglang it only picks the
+    default ``chunked_prefill_size``."""
+    tp_size: int = Field(4, ge=1, le=64)
+    """GPUs per worker, tensor parallel (SGLang ``--tp-size``)."""
+    gpu_ids: list[int] | None = None
+    """sglang: physical GPU indices for this entry, ``tp_size`` consecutive ones per worker (sets
+    ``CUDA_VISIBLE_DEVICES``); must hold ``count x tp_size`` ids. None: leave ``CUDA_VISIBLE_DEVICES`` alone."""
+    host: str = "127.0.0.1"
+    """Address the worker binds to and the gateway connects to (loopback by default)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the first worker; worker i uses ``port + i``. 0 picks a free port for each worker at ``up``."""
+    transfer_port: int = Field(0, ge=0, le=65535)
+    """emulated: port of the KV transfer listener of the first worker (``+ i`` for the others); 0 = free port."""
+    page_size: int = Field(256, ge=1)
+    """Tokens per KV page (SGLang ``--page-size``); must equal ``gateway.page_size``."""
+    mem_fraction: float = Field(DEFAULT_MEM_FRACTION, gt=0, le=1)
+    """Fraction of GPU memory for weights + KV cache (SGLang ``--mem-fraction-static``; 0.9 = the cost model's
+    default)."""
+    chunked_prefill_size: int | None = Field(None, ge=64)
+    """Prefill chunk, tokens (SGLang ``--chunked-prefill-size``). None: SGLang's default for ``gpu`` (16,384 above
+    120 GB of HBM, 8,192 for 80 GB-class GPUs, 4,096 below)."""
+    enable_metrics: bool = True
+    """Pass ``--enable-metrics`` (Prometheus ``/metrics``)."""
+    time_scale: float = Field(1.0, gt=0)
+    """emulated: multiply every modelled duration (prefill, decode, copies) by this (0.1 = ten times faster)."""
+    zero_delay: bool = False
+    """emulated: answer without any modelled delay (to measure gateway overhead)."""
+    kv_bytes_scale: float | None = Field(None, gt=0)
+    """emulated: fraction of the modelled KV bytes the block store really keeps and copies (None: the worker's
+    default)."""
+    python: str | None = None
+    """Interpreter for ``python -m ...`` (default: the one running btbctl). For sglang, an environment where
+    SGLang is installed."""
+    extra_args: list[str] = Field(default_factory=list)
+    """More command-line arguments, appended as given (argv elements, e.g. ``["--load-format", "dummy"]``)."""
+    command: list[str] | None = None
+    """Replace the whole command line (argv list). Elements may use ``{host}``, ``{port}``, ``{model}``,
+    ``{tp_size}``, ``{page_size}``, ``{name}``, ``{index}``, ``{transfer_port}``. A relative first element
+    containing ``/`` resolves against the cluster file's folder. Such a worker is ready when ``GET /health``
+    answers 2xx."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for these workers."""
+    ready_timeout_s: float | None = Field(None, gt=0)
+    """Seconds to wait for each worker to become ready. None: 60 for emulated, 1,800 for sglang."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.match(v):
+            raise ValueError("must be 1-63 characters of letters, digits, '_', '.', '-' (starting with a letter "
+                             "or digit)")
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _command_ok(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if not v or not v[0]:
+            raise ValueError("must be a non-empty list of arguments")
+        for arg in v:
+            for m in _PLACEHOLDER.finditer(arg):
+                if m.group(1) not in COMMAND_FIELDS:
+                    raise ValueError(f"unknown placeholder {{{m.group(1)}}}; valid: "
+                                     + ", ".join("{" + f + "}" for f in COMMAND_FIELDS))
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "WorkerSpec":
+        if self.port and self.port + self.count - 1 > 65535:
+            raise ValueError(f"port {self.port} + count {self.count} runs past 65535")
+        if self.transfer_port and self.transfer_port + self.count - 1 > 65535:
+            raise ValueError(f"transfer_port {self.transfer_port} + count {self.count} runs past 65535")
+        if self.gpu_ids is not None and len(self.gpu_ids) != self.count * self.tp_size:
+            raise ValueError(f"gpu_ids holds {len(self.gpu_ids)} ids; count x tp_size needs "
+                             f"{self.count * self.tp_size}")
+        return self
+
+    @property
+    def effective_ready_timeout_s(self) -> float:
+        """Seconds to wait for one worker of this entry."""
+        if self.ready_timeout_s is not None:
+            return self.ready_timeout_s
+        return DEFAULT_SGLANG_READY_TIMEOUT_S if self.kind == "sglang" else DEFAULT_EMULATED_READY_TIMEOUT_S
+
+    def chunk_tokens(self) -> int:
+        """The ``--chunked-prefill-size`` to pass, tokens. Raises :class:`ConfigError` for an unknown ``gpu``."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size
+        return default_chunked_prefill_tokens(gpu_preset(self.gpu))
+
+
+class ClusterFile(BaseModel):
+    """A whole fleet: the gateway, BTB's constants and the workers. Defaults: :func:`default_cluster`."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    gateway: GatewaySection = Field(default_factory=GatewaySection)
+    """The gateway (data plane + control API)."""
+    btb: BtbSection = Field(default_factory=BtbSection)
+    """BTB's four constants at start."""
+    workers: list[WorkerSpec] = Field(default_factory=lambda: [WorkerSpec(count=4)], min_length=1)
+    """Worker entries; default one entry of 4 emulated Llama-3.3-70B workers on 4 x H100."""
+
+    def instances(self) -> list["WorkerInstance"]:
+        """Every worker to start, in order, with its name, port and GPUs. Names are unique."""
+        out: list[WorkerInstance] = []
+        n = 0
+        for e, spec in enumerate(self.workers):
+            for i in range(spec.count):
+                name = f"{spec.name}-{i}" if spec.name else f"worker-{n}"
+                gpus = None
+                if spec.gpu_ids is not None:
+                    gpus = tuple(spec.gpu_ids[i * spec.tp_size:(i + 1) * spec.tp_size])
+                out.append(WorkerInstance(
+                    name=name, entry=e, index=i, spec=spec,
+                    port=spec.port + i if spec.port else 0,
+                    transfer_port=spec.transfer_port + i if spec.transfer_port else 0,
+                    gpu_ids=gpus,
+                ))
+                n += 1
+        return out
+
+    def check(self) -> None:
+        """Checks across fields: presets exist for emulated workers, unique names, no port used twice on one host,
+        page sizes agree with the gateway. Raises :class:`ConfigError` naming the key."""
+        for e, spec in enumerate(self.workers):
+            if spec.kind == "emulated" and spec.command is None:
+                try:
+                    model_preset(spec.model)
+                except ConfigError as err:
+                    raise ConfigError(f"workers.{e}.model", err.reason) from None
+                try:
+                    gpu_preset(spec.gpu)
+                except ConfigError as err:
+                    raise ConfigError(f"workers.{e}.gpu", err.reason) from None
+            elif spec.chunked_prefill_size is None:
+                try:
+                    gpu_preset(spec.gpu)
+                except ConfigError as err:
+                    raise ConfigError(f"workers.{e}.gpu", err.reason) from None
+            if spec.page_size != self.gateway.page_size:
+                raise ConfigError(f"workers.{e}.page_size", f"is {spec.page_size} but gateway.page_size is "
+                                                            f"{self.gateway.page_size}; they must be equal")
+        names: dict[str, int] = {}
+        ports: dict[tuple[str, int], str] = {}
+        gw = self.gateway
+        if gw.port:
+            ports[(gw.host, gw.port)] = "gateway.port"
+        if gw.control_port:
+            key = (gw.control_host, gw.control_port)
+            if key in ports:
+                raise ConfigError("gateway.control_port", f"port {gw.control_port} is already gateway.port")
+            ports[key] = "gateway.control_port"
+        for inst in self.instances():
+            if inst.name in names and names[inst.name] != inst.entry:
+                raise ConfigError(f"workers.{inst.entry}.name", f"worker name {inst.name!r} is used twice")
+            names[inst.name] = inst.entry
+            for field, port in (("port", inst.port), ("transfer_port", inst.transfer_port)):
+                if not port:
+                    continue
+                key = (inst.spec.host, port)
+                if key in ports:
+                    raise ConfigError(f"workers.{inst.entry}.{field}", f"port {port} is already {ports[key]}")
+                ports[key] = f"workers.{inst.entry}.{field} (+{inst.index})"
+
+
+@dataclass(frozen=True)
+class WorkerInstance:
+    """One concrete worker of a cluster file.
+
+    Attributes:
+        name: unique name (``worker-0`` ...).
+        entry: index of its ``[[workers]]`` entry.
+        index: index within the entry (0 .. count-1).
+        spec: the entry.
+        port: its HTTP port, 0 = pick at launch.
+        transfer_port: its KV transfer port (emulated), 0 = pick at launch.
+        gpu_ids: its GPUs (``CUDA_VISIBLE_DEVICES``), or None.
+    """
+
+    name: str
+    entry: int
+    index: int
+    spec: WorkerSpec
+    port: int
+    transfer_port: int
+    gpu_ids: tuple[int, ...] | None
+
+    def env(self) -> dict[str, str]:
+        """Extra environment for this worker (the entry's ``env`` plus ``CUDA_VISIBLE_DEVICES``)."""
+        env = dict(self.spec.env)
+        if self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
+        return env
+
+
+def default_cluster() -> ClusterFile:
+    """The embedded default fleet: 4 emulated Llama-3.3-70B workers, 4 x H100 each (the published BTB setting,
+    REFERENCE.md s1), behind the gateway with the ``btb`` policy, everything on 127.0.0.1."""
+    return ClusterFile()
+
+
+def validate_cluster(data: dict, path: str | None = None) -> ClusterFile:
+    """Build and check a :class:`ClusterFile` from parsed TOML. Raises :class:`ConfigError` naming ``path`` and the
+    dotted key."""
+    cluster = validate(ClusterFile, data, path)
+    try:
+        cluster.check()
+    except ConfigError as e:
+        raise ConfigError(e.key, e.reason, path) from None
+    if path is not None:
+        base = os.path.dirname(os.path.abspath(path))
+        workers = []
+        for spec in cluster.workers:
+            cmd = spec.command
+            if cmd and "/" in cmd[0] and not os.path.isabs(cmd[0]):
+                spec = spec.model_copy(update={"command": [os.path.normpath(os.path.join(base, cmd[0]))] + cmd[1:]})
+            workers.append(spec)
+        cluster = cluster.model_copy(update={"workers": workers})
+    return cluster
+
+
+def load_cluster(path: str | os.PathLike) -> ClusterFile:
+    """Read a cluster file (TOML).
+
+    Raises:
+        ConfigError: the file cannot be read, is not UTF-8 or not TOML (the message names the file and line), or a
+            key is unknown or has a bad value (the message names the file, the dotted key such as
+            ``workers.0.port`` and what is valid).
+    """
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    from btbctl.engine.dryrun import _toml_error
+
+    spath = os.fspath(path)
+    try:
+        with open(spath, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError("file", f"cannot read cluster file: {e.strerror or e}", spath) from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError("file", f"not UTF-8 text ({e.reason} at byte {e.start})", spath) from None
+    except tomllib.TOMLDecodeError as e:
+        raise _toml_error(spath, e) from None
+    return validate_cluster(data, spath)
+
+
+def _python(spec: WorkerSpec) -> str:
+    return spec.python or sys.executable or "python3"
+
+
+def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None) -> list[str]:
+    """SGLang's launch command for one worker of ``spec`` on ``port`` (REFERENCE.md s5), as an argv list:
+
+    ``[python, "-m", "sglang.launch_server", "--model-path", M, "--tp-size", N, "--host", H, "--port", P,
+    "--mem-fraction-static", F, "--page-size", S, "--chunked-prefill-size", C, "--enable-metrics",
+    ("--served-model-name", NAME,) *extra_args]``.
+
+    ``python`` is ``spec.python`` or the running interpreter; ``--enable-metrics`` only when
+    ``spec.enable_metrics``; ``--served-model-name`` only when set. Raises :class:`ConfigError` for an unknown
+    ``gpu`` preset when ``chunked_prefill_size`` is unset.
+    """
+    argv = [
+        _python(spec), "-m", "sglang.launch_server",
+        "--model-path", spec.model,
+        "--tp-size", str(spec.tp_size),
+        "--host", host or spec.host,
+        "--port", str(port),
+        "--mem-fraction-static", _num(spec.mem_fraction),
+        "--page-size", str(spec.page_size),
+        "--chunked-prefill-size", str(spec.chunk_tokens()),
+    ]
+    if spec.enable_metrics:
+        argv.append("--enable-metrics")
+    if spec.served_model_name:
+        argv += ["--served-model-name", spec.served_model_name]
+    argv += list(spec.extra_args)
+    return argv
+
+
+def emulated_argv(spec: WorkerSpec, port: int, transfer_port: int = 0, token_file: str | None = None,
+                  host: str | None = None) -> list[str]:
+    """The emulated worker's command line (``python -m btbctl worker ...``) as an argv list; the flags mirror
+    SGLang's (:func:`sglang_argv`) plus the emulation's own (``--gpu``, ``--time-scale``, ``--zero-delay``,
+    ``--kv-bytes-scale``, ``--transfer-port``, ``--btb-token-file``)."""
+    argv = [
+        _python(spec), "-m", "btbctl", "worker",
+        "--model-path", spec.model,
+        "--served-model-name", spec.served_model_name or spec.model,
+        "--tp-size", str(spec.tp_size),
+        "--host", host or spec.host,
+        "--port", str(port),
+        "--mem-fraction-static", _num(spec.mem_fraction),
+        "--page-size", str(spec.page_size),
+        "--chunked-prefill-size", str(spec.chunk_tokens()),
+        "--gpu", spec.gpu,
+        "--time-scale", _num(spec.time_scale),
+        "--transfer-port", str(transfer_port),
+    ]
+    if spec.enable_metrics:
+        argv.append("--enable-metrics")
+    if spec.zero_delay:
+        argv.append("--zero-delay")
+    if spec.kv_bytes_scale is not None:
+        argv += ["--kv-bytes-scale", _num(spec.kv_bytes_scale)]
+    if token_file:
+        argv += ["--btb-token-file", token_file]
+    argv += list(spec.extra_args)
+    return argv
+
+
+def command_argv(inst: WorkerInstance, port: int, transfer_port: int = 0) -> list[str]:
+    """A worker's ``command`` override with its placeholders filled in (element by element; no shell)."""
+    spec = inst.spec
+    assert spec.command is not None
+    values = {"host": spec.host, "port": str(port), "model": spec.model, "tp_size": str(spec.tp_size),
+              "page_size": str(spec.page_size), "name": inst.name, "index": str(inst.index),
+              "transfer_port": str(transfer_port)}
+    return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in spec.command]
+
+
+def worker_argv(inst: WorkerInstance, port: int, transfer_port: int = 0, token_file: str | None = None) -> list[str]:
+    """The argv that starts ``inst``: its ``command`` override, else SGLang's or the emulated worker's line."""
+    if inst.spec.command is not None:
+        return command_argv(inst, port, transfer_port)
+    if inst.spec.kind == "sglang":
+        return sglang_argv(inst.spec, port)
+    return emulated_argv(inst.spec, port, transfer_port, token_file)
+
+
+def _num(x: float) -> str:
+    """A float as a short command-line number (0.9 -> "0.9", 4.0 -> "4")."""
+    return repr(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+__all__ = ["BtbSection", "ClusterFile", "GatewaySection", "WorkerInstance", "WorkerSpec", "command_argv",
+           "default_cluster", "emulated_argv", "load_cluster", "sglang_argv", "validate_cluster", "worker_argv"]
