@@ -1,0 +1,327 @@
+"""``up``, ``down`` and ``status`` for a fleet on this machine.
+
+``up`` (:func:`up`) refuses to start over a live run in the same run directory (a stale one is cleaned), writes
+fresh tokens, starts every worker of the cluster file in its own session, waits until all are ready, then starts
+the gateway in front of them (``python -m btbctl gateway``) and waits for it. ``state.json`` is rewritten after
+every step, so a fleet that failed half way (or whose ``up`` was killed) can still be stopped with ``down``. If a
+step fails, everything started so far is stopped and the state removed before the error is raised.
+
+``down`` (:func:`down`) stops the gateway first, then the workers, each by process group (SIGTERM, then SIGKILL
+after a grace period), and only processes that are provably the ones ``up`` started
+(:func:`~btbctl.engine.launcher.rundir.record_is_ours`).
+
+``status`` (:func:`status`) reports the gateway's view of the fleet (``GET /control/fleet``), falling back to
+probing each worker's ``/health`` when the gateway does not answer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Callable
+
+from btbctl.engine.errors import BtbctlError
+from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
+from btbctl.engine.launcher.control import ControlClient
+from btbctl.engine.launcher.local import Started, spawn, stop_group, stop_record, wait_ready
+from btbctl.engine.launcher.rundir import (RunDir, RunState, group_members, is_same_process, process_start_time,
+                                           record_is_ours)
+
+Log = Callable[[str], None]
+
+
+def _nolog(_msg: str) -> None:
+    pass
+
+
+def connect_host(host: str) -> str:
+    """The address to connect to for a server bound to ``host`` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+def _url(host: str, port: int) -> str:
+    h = connect_host(host)
+    if ":" in h and not h.startswith("["):
+        h = f"[{h}]"
+    return f"http://{h}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it; another process may take it before use)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((connect_host(host).strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
+    """Raise :class:`BtbctlError` if ``rd`` records a fleet that is still running; remove a stale record."""
+    state = rd.load()
+    if state is None:
+        return
+    live = rd.live_processes(state)
+    if live or rd.owner_alive(state):
+        where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
+        raise BtbctlError(f"a fleet is already running from {rd.path} ({where}); stop it with `btbctl down` "
+                          f"(or use another --run-dir)")
+    log(f"removing stale state of a fleet that is no longer running ({rd.state_path})")
+    rd.clear()
+
+
+def gateway_argv(cluster: ClusterFile, worker_urls: list[str], rd: RunDir, policy: str, port: int,
+                 control_port: int, python: str | None = None) -> list[str]:
+    """The gateway's command line (``python -m btbctl gateway ...``) as an argv list."""
+    gw = cluster.gateway
+    c = cluster.btb
+    argv = [python or sys.executable, "-m", "btbctl", "gateway",
+            "--host", gw.host, "--port", str(port),
+            "--control-host", gw.control_host, "--control-port", str(control_port),
+            "--policy", policy,
+            "--page-size", str(gw.page_size),
+            "--prefix-blocks", str(c.prefix_blocks), "--threshold", str(c.threshold),
+            "--window-s", repr(float(c.window_s)), "--replicas", str(c.replicas),
+            "--token-file", str(rd.token_path), "--worker-token-file", str(rd.worker_token_path),
+            "--max-retries", str(gw.max_retries), "--health-interval-s", repr(float(gw.health_interval_s)),
+            "--max-body-bytes", str(gw.max_body_bytes)]
+    for url in worker_urls:
+        argv += ["--worker", url]
+    argv += list(gw.extra_args)
+    return argv
+
+
+def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = None, port: int | None = None,
+       control_port: int | None = None, cluster_path: str | None = None, log: Log = _nolog,
+       should_stop: Callable[[], bool] | None = None) -> tuple[RunState, list[Started]]:
+    """Start the fleet of ``cluster`` and record it in ``rd``.
+
+    Args:
+        cluster: the validated cluster file.
+        rd: the run directory.
+        detach: recorded in the state (``up -d``); the processes run in their own sessions either way.
+        policy: routing policy instead of ``cluster.gateway.policy``.
+        port / control_port: gateway ports instead of the cluster file's (0 = pick free ones).
+        cluster_path: recorded in the state for reference.
+        log: receives one-line progress messages.
+        should_stop: polled while waiting; True aborts like Ctrl-C.
+
+    Returns:
+        The complete state and the started processes (workers first, the gateway last).
+
+    Raises:
+        BtbctlError: a live run exists in ``rd``, a process could not start or was not ready in time (everything
+            started is stopped again and the state removed).
+    """
+    from btbctl.engine.policies import POLICIES
+
+    policy = policy or cluster.gateway.policy
+    if policy not in POLICIES:
+        raise BtbctlError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
+    check_no_live_run(rd, log)
+    rd.prepare()
+    rd.new_tokens()
+    state = RunState(run_dir=str(rd.path), created_at=time.time(), detached=detach,
+                     owner_pid=None if detach else os.getpid(),
+                     owner_start_time=None if detach else process_start_time(os.getpid()),
+                     cluster_file=cluster_path, policy=policy)
+    rd.save(state)
+    started: list[Started] = []
+    try:
+        instances = cluster.instances()
+        pending: list[tuple[WorkerInstance, Started, str | None]] = []
+        for inst in instances:
+            spec = inst.spec
+            wport = inst.port
+            tport = inst.transfer_port
+            expect_ready_line = spec.kind == "emulated" and spec.command is None
+            if not wport and not expect_ready_line:
+                wport = free_port(spec.host)
+            argv = worker_argv(inst, wport, tport, token_file=str(rd.worker_token_path))
+            proc = spawn(inst.name, argv, rd.log_path(inst.name), env=inst.env())
+            started.append(proc)
+            kind = "command" if spec.command is not None else spec.kind
+            state.processes.append(proc.record("worker", kind))
+            rd.save(state)
+            health = None if expect_ready_line else _url(spec.host, wport)
+            pending.append((inst, proc, health))
+            log(f"started {inst.name} ({kind}, pid {proc.pid})")
+        for inst, proc, health in pending:
+            wait_ready(proc, inst.spec.effective_ready_timeout_s, health_url=health, should_stop=should_stop)
+            if proc.url is None:  # pragma: no cover - wait_ready sets it
+                raise BtbctlError(f"{inst.name} reported no URL")
+            _update(state, proc)
+            rd.save(state)
+            log(f"{inst.name} ready at {proc.url}")
+        urls = [p.url for _, p, _ in pending]
+        gw = cluster.gateway
+        gport = gw.port if port is None else port
+        cport = gw.control_port if control_port is None else control_port
+        argv = gateway_argv(cluster, urls, rd, policy, gport, cport)
+        gproc = spawn("gateway", argv, rd.log_path("gateway"))
+        started.append(gproc)
+        state.processes.append(gproc.record("gateway", "gateway"))
+        rd.save(state)
+        wait_ready(gproc, gw.ready_timeout_s, should_stop=should_stop)
+        _update(state, gproc)
+        state.gateway_url = gproc.url
+        state.control_url = gproc.extra.get("control")
+        if not state.control_url:
+            raise BtbctlError(f"the gateway's ready line named no control URL (log {gproc.log})")
+        state.complete = True
+        rd.save(state)
+        log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
+    except BaseException:
+        for proc in reversed(started):
+            if proc.popen.poll() is None or group_members(proc.pid):
+                stop_group(proc.pid, grace_s=5.0, popen=proc.popen)
+        rd.clear()
+        raise
+    return state, started
+
+
+def _update(state: RunState, proc: Started) -> None:
+    for rec in state.processes:
+        if rec.pid == proc.pid:
+            rec.url = proc.url
+            rec.extra = dict(proc.extra)
+
+
+def stop_started(started: list[Started], grace_s: float, log: Log = _nolog) -> None:
+    """Stop processes this process started (gateway first), reaping them."""
+    for proc in reversed(started):
+        if proc.popen.poll() is None or group_members(proc.pid):
+            killed = stop_group(proc.pid, grace_s=grace_s, popen=proc.popen)
+            log(f"stopped {proc.name}" + (" (killed after the grace period)" if killed else ""))
+        else:
+            log(f"{proc.name} had already exited (status {proc.popen.returncode})")
+
+
+def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _nolog, poll_s: float = 0.5,
+              should_stop: Callable[[], bool] | None = None) -> None:
+    """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; report a
+    process that exits on its own; then stop everything (the gateway first) and remove the state."""
+    reported: set[int] = set()
+    try:
+        while should_stop is None or not should_stop():
+            for proc in started:
+                rc = proc.popen.poll()
+                if rc is not None and proc.pid not in reported:
+                    reported.add(proc.pid)
+                    log(f"{proc.name} exited with status {rc} (log {proc.log})")
+            if len(reported) == len(started):
+                log("every process has exited")
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        log("stopping the fleet")
+    finally:
+        stop_started(started, grace_s=10.0, log=log)
+        rd.clear()
+
+
+def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
+    """Stop exactly the processes recorded in ``rd`` (gateway first) and remove the state.
+
+    Returns ``{"run_dir", "stopped": [name], "killed": [name], "gone": [name]}``: ``killed`` needed SIGKILL after
+    ``grace_s``; ``gone`` had already exited (or its pid now belongs to another program and was left alone).
+    Raises :class:`BtbctlError` when nothing is recorded.
+    """
+    state = rd.load()
+    if state is None:
+        raise BtbctlError(f"no fleet is recorded in {rd.path}; nothing to stop")
+    out = {"run_dir": str(rd.path), "stopped": [], "killed": [], "gone": []}
+    if rd.owner_alive(state) and state.owner_pid != os.getpid():
+        # a foreground `up` holds this fleet: ask it to stop everything in order
+        try:
+            os.kill(state.owner_pid, 2)  # SIGINT, like Ctrl-C
+            log(f"asked the foreground `btbctl up` (pid {state.owner_pid}) to stop")
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace_s + 15.0
+        while time.monotonic() < deadline and is_same_process(state.owner_pid, state.owner_start_time):
+            time.sleep(0.1)
+    order = [p for p in state.processes if p.role == "gateway"] + [p for p in state.processes if p.role != "gateway"]
+    for rec in order:
+        result = stop_record(rec, grace_s)
+        out[{"stopped": "stopped", "killed": "killed", "gone": "gone"}[result]].append(rec.name)
+        log(f"{rec.name}: {result}")
+    rd.clear()
+    return out
+
+
+def _probe_health(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _gateway_workers(fleet) -> dict[str, dict]:
+    """Map worker URL -> the gateway's record of it, from ``GET /control/fleet``."""
+    items = fleet.get("workers") if isinstance(fleet, dict) else fleet
+    out: dict[str, dict] = {}
+    if isinstance(items, list):
+        for w in items:
+            if isinstance(w, dict) and isinstance(w.get("url"), str):
+                out[w["url"].rstrip("/")] = w
+    return out
+
+
+def status(rd: RunDir) -> dict:
+    """The fleet recorded in ``rd``.
+
+    Returns (keys stable)::
+
+        {"gateway_url", "control_url", "run_dir", "policy", "detached",
+         "gateway": {"pid", "alive", "reachable"},
+         "workers": [{"name", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error"}]}
+
+    ``healthy`` is the gateway's verdict when its control API answers, else whether the worker's ``/health``
+    answers 2xx; ``alive`` is whether the recorded process still runs. Raises :class:`BtbctlError` when nothing is
+    recorded.
+    """
+    state = rd.load()
+    if state is None:
+        raise BtbctlError(f"no fleet is running (nothing recorded in {rd.path}); start one with `btbctl up`")
+    fleet = None
+    if state.control_url:
+        try:
+            fleet = ControlClient(state.control_url, timeout_s=3.0).get("/control/fleet")
+        except BtbctlError:
+            fleet = None
+    by_url = _gateway_workers(fleet) if fleet is not None else {}
+    workers = []
+    for rec in state.workers():
+        alive = record_is_ours(rec)
+        g = by_url.get((rec.url or "").rstrip("/"))
+        if fleet is not None and g is not None:
+            healthy = bool(g.get("healthy")) and alive
+            inflight = g.get("inflight")
+            err = g.get("health_error")
+        else:
+            healthy = alive and rec.url is not None and _probe_health(rec.url)
+            inflight = None
+            err = None if healthy else ("process exited" if not alive else "no answer on /health")
+        if not alive and err is None:
+            err = "process exited"
+        workers.append({"name": rec.name, "url": rec.url, "healthy": healthy, "alive": alive, "pid": rec.pid,
+                        "kind": rec.kind, "inflight": inflight, "health_error": err})
+    gw = state.gateway()
+    return {
+        "gateway_url": state.gateway_url,
+        "control_url": state.control_url,
+        "run_dir": str(rd.path),
+        "policy": (fleet.get("policy") if isinstance(fleet, dict) and fleet.get("policy") else state.policy),
+        "detached": state.detached,
+        "gateway": {"pid": gw.pid if gw else None, "alive": bool(gw and record_is_ours(gw)),
+                    "reachable": fleet is not None},
+        "workers": workers,
+    }
+
+
+__all__ = ["check_no_live_run", "connect_host", "down", "free_port", "gateway_argv", "status", "stop_started",
+           "supervise", "up"]

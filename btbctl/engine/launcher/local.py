@@ -1,0 +1,222 @@
+"""Start and stop fleet processes on this machine.
+
+* :func:`spawn` starts an argv (never a shell string) in a new session, so it leads its own process group and a
+  Ctrl-C at the terminal reaches only ``btbctl up``, which then stops the fleet in order. Output (stdout and stderr)
+  goes to a log file.
+* :func:`wait_ready` waits until the process prints a ready line (``ready http://HOST:PORT ...``, as the emulated
+  worker and the gateway do) or, when a health URL is given, until ``GET <url>/health`` answers 2xx (how a real
+  SGLang server is recognised), and fails early when the process exits.
+* :func:`stop_group` sends SIGTERM to a process group, waits a grace period, then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from btbctl.engine.errors import BtbctlError
+from btbctl.engine.launcher.rundir import group_members, process_start_time, record_is_ours, ProcessRecord
+
+#: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
+#: (emulated worker: ``ready http://H:P transfer H:TP``; gateway: ``ready http://H:P control http://H:CP``).
+READY_LINE = re.compile(r"^ready (https?://\S+)((?: \S+ \S+)*)\s*$", re.MULTILINE)
+#: Seconds between SIGTERM and SIGKILL when stopping a process group.
+DEFAULT_GRACE_S = 10.0
+#: Lines of a failed process's log quoted in the error.
+LOG_TAIL_LINES = 5
+
+
+@dataclass
+class Started:
+    """A process :func:`spawn` started.
+
+    Attributes:
+        name: display name.
+        popen: the ``subprocess.Popen`` (we are its parent and reap it).
+        argv: its command line.
+        log: its log file.
+        start_time: identity from :func:`~btbctl.engine.launcher.rundir.process_start_time`.
+        started_at: Unix time of the launch.
+        url: base URL once ready.
+        extra: key/value pairs of its ready line (``transfer``, ``control``).
+    """
+
+    name: str
+    popen: subprocess.Popen
+    argv: list[str]
+    log: Path
+    start_time: str
+    started_at: float
+    url: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def record(self, role: str, kind: str) -> ProcessRecord:
+        """This process as a ``state.json`` record."""
+        return ProcessRecord(name=self.name, role=role, kind=kind, pid=self.pid, pgid=self.pid,
+                             start_time=self.start_time, argv=list(self.argv), log=str(self.log), url=self.url,
+                             extra=dict(self.extra), started_at=self.started_at)
+
+
+def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Started:
+    """Start ``argv`` in a new session with stdin from /dev/null and stdout+stderr appended to ``log``.
+
+    ``env`` adds to (and overrides) this process's environment. Raises :class:`BtbctlError` when the program
+    cannot be started (not found, not executable).
+    """
+    if not argv or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise BtbctlError(f"{name}: the command must be a non-empty list of strings")
+    full_env = dict(os.environ)
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env=full_env, close_fds=True)
+    except FileNotFoundError:
+        raise BtbctlError(f"cannot start {name}: program not found: {argv[0]}") from None
+    except PermissionError:
+        raise BtbctlError(f"cannot start {name}: not executable: {argv[0]}") from None
+    except OSError as e:
+        raise BtbctlError(f"cannot start {name}: {argv[0]}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    start = process_start_time(popen.pid) or ""
+    return Started(name=name, popen=popen, argv=list(argv), log=log, start_time=start, started_at=time.time())
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` non-empty lines of a log, joined with `` | `` (for one-line error messages)."""
+    try:
+        data = path.read_bytes()[-8192:].decode("utf-8", "replace")
+    except OSError:
+        return ""
+    tail = [ln.strip() for ln in data.splitlines() if ln.strip()][-lines:]
+    return " | ".join(tail)
+
+
+def _health_ok(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
+               poll_s: float = 0.05, should_stop: Callable[[], bool] | None = None) -> Started:
+    """Wait until ``proc`` is ready; fill in ``proc.url`` and ``proc.extra`` and return it.
+
+    Ready means: its log holds a :data:`READY_LINE` (its URL becomes ``proc.url``), or ``health_url`` is given and
+    ``GET <health_url>/health`` answers 2xx (then ``proc.url = health_url``).
+
+    Raises:
+        BtbctlError: the process exited first (status and the last log lines in the message), or ``timeout_s``
+            passed (the process is left running; the caller stops it).
+    """
+    deadline = time.monotonic() + timeout_s
+    last_health = 0.0
+    while True:
+        m = _ready_match(proc.log)
+        if m is not None:
+            proc.url = m.group(1).rstrip("/")
+            words = m.group(2).split()
+            proc.extra = dict(zip(words[0::2], words[1::2]))
+            return proc
+        rc = proc.popen.poll()
+        if rc is not None:
+            tail = log_tail(proc.log)
+            raise BtbctlError(f"{proc.name} exited with status {rc} before it was ready (log {proc.log})"
+                              + (f": {tail}" if tail else ""))
+        now = time.monotonic()
+        if health_url is not None and now - last_health >= 0.25:
+            last_health = now
+            if _health_ok(health_url):
+                proc.url = health_url.rstrip("/")
+                return proc
+        if now >= deadline:
+            tail = log_tail(proc.log)
+            raise BtbctlError(f"{proc.name} was not ready after {timeout_s:g} s (log {proc.log})"
+                              + (f": {tail}" if tail else ""))
+        if should_stop is not None and should_stop():
+            raise KeyboardInterrupt
+        time.sleep(poll_s)
+
+
+def _ready_match(log: Path):
+    try:
+        with open(log, "rb") as f:
+            head = f.read(65536).decode("utf-8", "replace")
+    except OSError:
+        return None
+    return READY_LINE.search(head)
+
+
+def stop_group(pgid: int, grace_s: float = DEFAULT_GRACE_S, popen: subprocess.Popen | None = None) -> bool:
+    """Stop process group ``pgid``: SIGTERM, wait up to ``grace_s`` for every member to exit, then SIGKILL.
+
+    The caller must have checked the group is ours (:func:`~btbctl.engine.launcher.rundir.record_is_ours` or being
+    its parent). ``popen``, when we are the leader's parent, is reaped. Returns True when SIGKILL was needed.
+    """
+    killed = False
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        _reap(popen)
+        return False
+    except PermissionError:
+        raise BtbctlError(f"not allowed to signal process group {pgid}") from None
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        _reap(popen, block=False)
+        if not group_members(pgid):
+            break
+        time.sleep(0.05)
+    else:
+        killed = True
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + 5.0
+        while group_members(pgid) and time.monotonic() < end:
+            _reap(popen, block=False)
+            time.sleep(0.05)
+    _reap(popen)
+    return killed
+
+
+def _reap(popen: subprocess.Popen | None, block: bool = True) -> None:
+    if popen is None:
+        return
+    try:
+        if block:
+            popen.wait(timeout=5)
+        else:
+            popen.poll()
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def stop_record(rec: ProcessRecord, grace_s: float = DEFAULT_GRACE_S) -> str:
+    """Stop a recorded process group if it is still ours. Returns ``stopped``, ``killed`` (SIGKILL was needed) or
+    ``gone`` (nothing of ours was left; nothing was signalled)."""
+    if not record_is_ours(rec):
+        return "gone"
+    return "killed" if stop_group(rec.pgid, grace_s) else "stopped"
+
+
+__all__ = ["READY_LINE", "Started", "log_tail", "spawn", "stop_group", "stop_record", "wait_ready"]

@@ -1,0 +1,338 @@
+"""The run directory: what ``btbctl up`` started, so that ``down``, ``status``, ``bench``, ``tune``, ``replicate``
+and the dashboard find the running fleet.
+
+Layout (the directory is created with mode 0700; every file in it is 0600)::
+
+    <run dir>/state.json      the fleet: urls, and per process pid, process group, start time, argv, log file
+    <run dir>/control.token   bearer token for the control API's writes (``secrets.token_urlsafe(32)``)
+    <run dir>/worker.token    token the gateway presents to the workers' BTB routes
+    <run dir>/logs/<name>.log stdout + stderr of each process
+
+The default run directory is ``platformdirs.user_state_dir("btbctl")/runs/default`` (for example
+``~/.local/state/btbctl/runs/default`` on Linux); ``--run-dir`` picks another, so several fleets can run side by side.
+
+A process recorded in ``state.json`` is only ever signalled after checking it is still the same process: its pid must
+exist, not be a zombie, and have the start time recorded when it was launched (``/proc/<pid>/stat`` field 22, clock
+ticks since boot, on Linux; ``ps -o lstart=`` elsewhere). A pid that is gone or now belongs to another program is
+left alone, so a stale ``state.json`` after a reboot is harmless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from btbctl.engine.errors import BtbctlError
+
+#: Version of the ``state.json`` layout; bumped on incompatible changes.
+STATE_VERSION = 1
+#: Name of the run under the state directory when ``--run-dir`` is not given.
+DEFAULT_RUN_NAME = "default"
+#: Bytes of randomness in each token (``secrets.token_urlsafe(32)``: 256 bits, 43 characters).
+TOKEN_BYTES = 32
+
+
+def default_run_dir() -> Path:
+    """``platformdirs.user_state_dir("btbctl")/runs/default``; ``BTBCTL_RUN_DIR`` in the environment overrides it."""
+    env = os.environ.get("BTBCTL_RUN_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("btbctl")) / "runs" / DEFAULT_RUN_NAME
+
+
+@dataclass
+class ProcessRecord:
+    """One process ``up`` started.
+
+    Attributes:
+        name: ``worker-0`` ..., or ``gateway``.
+        role: ``worker`` or ``gateway``.
+        kind: ``emulated``, ``sglang``, ``command`` (a worker's command override) or ``gateway``.
+        pid: process id; the process leads its own session and process group, so ``pgid == pid``.
+        pgid: process group id (what ``down`` signals).
+        start_time: identity of the process as read by :func:`process_start_time` at launch.
+        argv: the command line.
+        log: path of its log file.
+        url: its HTTP base URL (``http://host:port``), once known.
+        extra: whatever else its ready line reported (``transfer``, ``control``).
+        started_at: Unix time of the launch, seconds.
+    """
+
+    name: str
+    role: str
+    kind: str
+    pid: int
+    pgid: int
+    start_time: str
+    argv: list[str]
+    log: str
+    url: str | None = None
+    extra: dict = field(default_factory=dict)
+    started_at: float = 0.0
+
+
+@dataclass
+class RunState:
+    """The contents of ``state.json``.
+
+    Attributes:
+        run_dir: the run directory.
+        created_at: Unix time ``up`` began, seconds.
+        detached: True for ``up -d``; False while a foreground ``up`` holds the fleet.
+        owner_pid: pid of the ``btbctl up`` process (foreground) or None.
+        owner_start_time: its start time, to tell whether it is still alive.
+        cluster_file: the cluster file used, or None for the embedded default.
+        policy: routing policy the gateway started with.
+        gateway_url: data-plane base URL, once the gateway is ready.
+        control_url: control-API base URL, once the gateway is ready.
+        processes: every process started, workers first, the gateway last.
+        complete: False while ``up`` is still starting things.
+    """
+
+    run_dir: str
+    created_at: float
+    detached: bool
+    owner_pid: int | None = None
+    owner_start_time: str | None = None
+    cluster_file: str | None = None
+    policy: str | None = None
+    gateway_url: str | None = None
+    control_url: str | None = None
+    processes: list[ProcessRecord] = field(default_factory=list)
+    complete: bool = False
+    version: int = STATE_VERSION
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunState":
+        procs = [ProcessRecord(**p) for p in data.get("processes", [])]
+        kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "processes"}
+        return cls(processes=procs, **kw)
+
+    def workers(self) -> list[ProcessRecord]:
+        return [p for p in self.processes if p.role == "worker"]
+
+    def gateway(self) -> ProcessRecord | None:
+        for p in self.processes:
+            if p.role == "gateway":
+                return p
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# process identity
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, is index 0), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may itself hold spaces or parentheses
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def _has_proc() -> bool:
+    return sys.platform.startswith("linux") and os.path.isdir("/proc/self")
+
+
+def process_start_time(pid: int) -> str | None:
+    """An identity string for a live process: its start time (``/proc/<pid>/stat`` field 22 on Linux, ``ps -o
+    lstart=`` elsewhere). None when the pid does not exist or is a zombie (exited, not yet reaped)."""
+    if pid <= 0:
+        return None
+    if _has_proc():
+        st = _proc_stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return None
+        return st[19]
+    try:
+        out = subprocess.run(["ps", "-o", "stat=,lstart=", "-p", str(pid)], capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    line = out.stdout.strip()
+    if out.returncode != 0 or not line or line.startswith("Z"):
+        return None
+    return line.split(None, 1)[1] if " " in line else line
+
+
+def is_same_process(pid: int, start_time: str | None) -> bool:
+    """Whether ``pid`` is alive (not a zombie) and is still the process that had ``start_time``."""
+    return start_time is not None and process_start_time(pid) == start_time
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``. On systems without ``/proc`` this is
+    ``[pgid]`` when the group can still be signalled, else ``[]``."""
+    if pgid <= 1:
+        return []
+    if not _has_proc():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = _proc_stat(int(entry))
+        if st is None or st[0] in ("Z", "X"):
+            continue
+        if st[2] == str(pgid):
+            out.append(int(entry))
+    return out
+
+
+def record_is_ours(rec: ProcessRecord) -> bool:
+    """Whether signalling ``rec``'s process group reaches only processes ``up`` started.
+
+    True when the leader is alive with its recorded start time. Also true when the leader has exited but members of
+    its group live on (a pid that is still some group's id cannot be handed to a new process, so those members are
+    the leader's children). False otherwise, including when the pid now belongs to an unrelated process.
+    """
+    if is_same_process(rec.pid, rec.start_time):
+        return True
+    if process_start_time(rec.pid) is not None:
+        return False  # the pid was reused by another process
+    return bool(group_members(rec.pgid))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the directory
+
+
+class RunDir:
+    """A run directory (see the module docstring). Creating the object touches nothing on disk."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else default_run_dir()
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / "state.json"
+
+    @property
+    def token_path(self) -> Path:
+        return self.path / "control.token"
+
+    @property
+    def worker_token_path(self) -> Path:
+        return self.path / "worker.token"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.path / "logs"
+
+    def log_path(self, name: str) -> Path:
+        return self.logs_dir / f"{name}.log"
+
+    def prepare(self) -> None:
+        """Create the directory (0700) and its ``logs`` folder. Raises :class:`BtbctlError` when that fails."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.path, 0o700)
+            self.logs_dir.mkdir(exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise BtbctlError(f"cannot create run directory {self.path}: {e.strerror or e}") from None
+
+    def new_tokens(self) -> tuple[str, str]:
+        """Write a fresh control token and worker token (0600 each, replacing old ones); return both."""
+        return _write_secret(self.token_path), _write_secret(self.worker_token_path)
+
+    def read_token(self) -> str:
+        """The control API token. Raises :class:`BtbctlError` when the file is missing or unreadable."""
+        try:
+            return self.token_path.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise BtbctlError(f"cannot read the control token {self.token_path}: {e.strerror or e}; is a fleet "
+                              f"running with this --run-dir?") from None
+
+    def load(self) -> RunState | None:
+        """The recorded state, or None when there is none. Raises :class:`BtbctlError` for a corrupt file."""
+        try:
+            raw = self.state_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise BtbctlError(f"cannot read {self.state_path}: {e.strerror or e}") from None
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+                raise ValueError(f"unknown layout version {data.get('version') if isinstance(data, dict) else None}")
+            return RunState.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise BtbctlError(f"{self.state_path}: unreadable run state ({e}); remove the file if no fleet from it "
+                              f"is running") from None
+
+    def save(self, state: RunState) -> None:
+        """Write ``state.json`` atomically (temporary file + rename), mode 0600."""
+        tmp = self.state_path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(state.as_dict(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, self.state_path)
+
+    def live_processes(self, state: RunState) -> list[ProcessRecord]:
+        """Records of ``state`` whose process (group) is still ours and alive."""
+        return [p for p in state.processes if record_is_ours(p)]
+
+    def owner_alive(self, state: RunState) -> bool:
+        """Whether the foreground ``btbctl up`` that owns ``state`` is still running."""
+        return state.owner_pid is not None and is_same_process(state.owner_pid, state.owner_start_time)
+
+    def clear(self) -> None:
+        """Forget the run: remove ``state.json`` and both tokens (logs stay for a post-mortem)."""
+        for p in (self.state_path, self.token_path, self.worker_token_path):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+    def live_state(self) -> RunState:
+        """The state of a running fleet. Raises :class:`BtbctlError` (naming the directory) when there is none."""
+        state = self.load()
+        if state is None:
+            raise BtbctlError(f"no fleet is running (nothing recorded in {self.path}); start one with `btbctl up` "
+                              f"or pass the --run-dir it used")
+        if not self.live_processes(state) and not self.owner_alive(state):
+            raise BtbctlError(f"the fleet recorded in {self.path} is no longer running; `btbctl down` cleans up "
+                              f"its state")
+        return state
+
+
+def _write_secret(path: Path) -> str:
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(token + "\n")
+    return token
+
+
+def now_s() -> float:
+    """Wall-clock time for records (Unix seconds)."""
+    return time.time()
+
+
+__all__ = ["ProcessRecord", "RunDir", "RunState", "default_run_dir", "group_members", "is_same_process",
+           "process_start_time", "record_is_ours"]

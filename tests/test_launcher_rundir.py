@@ -1,0 +1,190 @@
+"""Run directory and process launcher: permissions, state, process identity, readiness, stopping by group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from btbctl.engine.errors import BtbctlError
+from btbctl.engine.launcher.fleet import check_no_live_run, down, free_port
+from btbctl.engine.launcher.local import spawn, stop_group, stop_record, wait_ready
+from btbctl.engine.launcher.rundir import (
+    ProcessRecord,
+    RunDir,
+    RunState,
+    default_run_dir,
+    group_members,
+    is_same_process,
+    process_start_time,
+    record_is_ours,
+)
+
+STANDIN = str(Path(__file__).with_name("_standin.py"))
+
+
+def _mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def _alive(pid: int) -> bool:
+    return process_start_time(pid) is not None
+
+
+def test_default_run_dir_is_under_the_user_state_dir(monkeypatch):
+    import platformdirs
+
+    monkeypatch.delenv("BTBCTL_RUN_DIR", raising=False)
+    assert default_run_dir() == Path(platformdirs.user_state_dir("btbctl")) / "runs" / "default"
+    monkeypatch.setenv("BTBCTL_RUN_DIR", "/somewhere/else")
+    assert default_run_dir() == Path("/somewhere/else")
+
+
+def test_tokens_and_state_are_private(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.prepare()
+    assert _mode(rd.path) == 0o700
+    control, worker = rd.new_tokens()
+    assert _mode(rd.token_path) == 0o600 and _mode(rd.worker_token_path) == 0o600
+    assert len(control) >= 40 and len(worker) >= 40 and control != worker
+    assert rd.read_token() == control
+    control2, _ = rd.new_tokens()
+    assert control2 != control and rd.read_token() == control2
+    state = RunState(run_dir=str(rd.path), created_at=1.0, detached=True, policy="btb",
+                     processes=[ProcessRecord("worker-0", "worker", "emulated", 123, 123, "99", ["x"], "l",
+                                              url="http://127.0.0.1:1", extra={"transfer": "127.0.0.1:2"})])
+    rd.save(state)
+    assert _mode(rd.state_path) == 0o600
+    back = rd.load()
+    assert back.as_dict() == state.as_dict()
+    rd.clear()
+    assert rd.load() is None and not rd.token_path.exists()
+    with pytest.raises(BtbctlError, match="cannot read the control token"):
+        rd.read_token()
+
+
+def test_corrupt_state_is_a_clear_error(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.prepare()
+    rd.state_path.write_text("{not json")
+    with pytest.raises(BtbctlError, match="unreadable run state"):
+        rd.load()
+
+
+def test_process_identity_tells_reused_pids_and_zombies_apart():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        st = process_start_time(p.pid)
+        assert st
+        assert is_same_process(p.pid, st)
+        assert not is_same_process(p.pid, "1")  # same pid, other start time = another process
+        rec = ProcessRecord("x", "worker", "emulated", p.pid, p.pid, st, [], "")
+        assert record_is_ours(rec)
+        assert not record_is_ours(ProcessRecord("x", "worker", "emulated", p.pid, p.pid, "1", [], ""))
+        assert group_members(p.pid) == [p.pid]
+    finally:
+        p.kill()
+    time.sleep(0.2)  # now a zombie until reaped: counts as gone
+    assert process_start_time(p.pid) is None
+    assert group_members(p.pid) == []
+    p.wait()
+
+
+def test_wait_ready_by_ready_line_and_by_health(tmp_path):
+    a = spawn("a", [sys.executable, STANDIN], tmp_path / "a.log", env={"STANDIN_READY_LINE": "1"})
+    port = free_port()
+    b = spawn("b", [sys.executable, STANDIN, "--port", str(port)], tmp_path / "b.log")
+    try:
+        wait_ready(a, 20.0)
+        assert a.url.startswith("http://127.0.0.1:")
+        wait_ready(b, 20.0, health_url=f"http://127.0.0.1:{port}")
+        assert b.url == f"http://127.0.0.1:{port}"
+        assert _mode(tmp_path / "a.log") == 0o600
+    finally:
+        stop_group(a.pid, 5.0, popen=a.popen)
+        stop_group(b.pid, 5.0, popen=b.popen)
+    assert not _alive(a.pid) and not _alive(b.pid)
+
+
+def test_wait_ready_reports_an_early_exit_with_the_log_tail(tmp_path):
+    p = spawn("bad", [sys.executable, STANDIN], tmp_path / "bad.log", env={"STANDIN_EXIT": "3"})
+    with pytest.raises(BtbctlError, match=r"bad exited with status 3 before it was ready .*asked to fail"):
+        wait_ready(p, 20.0)
+
+
+def test_wait_ready_times_out(tmp_path):
+    p = spawn("slow", [sys.executable, STANDIN], tmp_path / "slow.log", env={"STANDIN_DELAY_S": "30"})
+    try:
+        t = time.monotonic()
+        with pytest.raises(BtbctlError, match=r"slow was not ready after 0.5 s"):
+            wait_ready(p, 0.5)
+        assert time.monotonic() - t < 5
+    finally:
+        stop_group(p.pid, 5.0, popen=p.popen)
+
+
+def test_spawn_of_a_missing_program_is_a_user_error(tmp_path):
+    with pytest.raises(BtbctlError, match="program not found: /no/such/program"):
+        spawn("x", ["/no/such/program"], tmp_path / "x.log")
+
+
+def test_stop_group_escalates_to_sigkill_and_takes_children(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    p = spawn("stubborn", [sys.executable, STANDIN], tmp_path / "s.log",
+              env={"STANDIN_READY_LINE": "1", "STANDIN_IGNORE_TERM": "1", "STANDIN_CHILD": "1",
+                   "STANDIN_CHILD_PID_FILE": str(pidfile)})
+    wait_ready(p, 20.0)
+    child = int(pidfile.read_text())
+    assert sorted(group_members(p.pid)) == sorted([p.pid, child])
+    t = time.monotonic()
+    killed = stop_group(p.pid, grace_s=0.5, popen=p.popen)
+    assert killed and time.monotonic() - t < 8
+    assert p.popen.returncode == -signal.SIGKILL
+    time.sleep(0.2)
+    assert not _alive(child) and group_members(p.pid) == []
+
+
+def test_records_of_other_processes_are_never_signalled(tmp_path):
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        rec = ProcessRecord("w", "worker", "emulated", victim.pid, victim.pid, "12345", [], "")
+        assert stop_record(rec, 1.0) == "gone"
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_refuse_to_start_over_a_live_run_and_clean_a_stale_one(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    rd.prepare()
+    rd.new_tokens()
+    p = spawn("worker-0", [sys.executable, STANDIN], rd.log_path("worker-0"), env={"STANDIN_READY_LINE": "1"})
+    try:
+        wait_ready(p, 20.0)
+        state = RunState(run_dir=str(rd.path), created_at=time.time(), detached=True, complete=True,
+                         processes=[p.record("worker", "emulated")])
+        rd.save(state)
+        with pytest.raises(BtbctlError, match="already running"):
+            check_no_live_run(rd)
+        # down stops exactly that process and forgets the run
+        out = down(rd, grace_s=5.0)
+        assert out["stopped"] == ["worker-0"] and out["gone"] == [] and out["killed"] == []
+        p.popen.wait(5)
+        assert rd.load() is None
+    finally:
+        if p.popen.poll() is None:
+            p.popen.kill()
+    # a stale record (process gone) does not block a new run and is removed
+    rd.save(state)
+    rd.new_tokens()
+    check_no_live_run(rd)
+    assert rd.load() is None and not rd.token_path.exists()
+    with pytest.raises(BtbctlError, match="nothing to stop"):
+        down(rd)
