@@ -1,0 +1,130 @@
+"""Settings of one emulated SGLang worker (``btbctl worker``), validated.
+
+SGLang's own flags keep SGLang's meaning (``sglang.launch_server``, sglang 0.5 ``server_args``); the emulation
+flags say what hardware is pretended and how fast time runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from btbctl.engine.config import ClusterConfig, validate
+from btbctl.engine.costmodel import DEFAULT_MAX_RUNNING, DEFAULT_MEM_FRACTION, MODELS, model_preset
+from btbctl.engine.errors import ConfigError
+
+#: Smallest block in the emulated store, bytes (so that a scaled-down block still carries a meaningful payload).
+MIN_BLOCK_BYTES = 64
+#: Default divisor of real KV block sizes in the emulated store: a Llama-3.3-70B page of 256 tokens (80 MiB real)
+#: becomes 1,280 bytes, so thousands of blocks fit in a few MB.
+DEFAULT_KV_BYTES_SCALE = 65536
+
+
+class WorkerConfig(BaseModel):
+    """One emulated worker. Every field maps to a ``btbctl worker`` flag of the same name (dashes for
+    underscores)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(min_length=1, max_length=512)
+    """SGLang ``--model-path``: a model preset name (``btbctl presets``) or any string (a HF id, a directory);
+    an unknown string is served as ``model_preset``'s architecture."""
+    served_model_name: str | None = Field(None, min_length=1, max_length=512)
+    """SGLang ``--served-model-name``: the model id in ``/v1/models`` and metric labels (default: model_path)."""
+    model_preset: str = "llama-3.3-70b"
+    """Architecture used when ``model_path`` names no preset."""
+    tp_size: int = Field(4, ge=1, le=64)
+    """SGLang ``--tp-size``: GPUs the model is split over (default 4, the published BTB setting; SGLang's is 1)."""
+    host: str = "127.0.0.1"
+    """Address of the HTTP API and the transfer port (loopback by default)."""
+    port: int = Field(30000, ge=0, le=65535)
+    """HTTP port (SGLang's default 30000; 0 = ephemeral, the bound port is printed in the ready line)."""
+    mem_fraction_static: float = Field(DEFAULT_MEM_FRACTION, gt=0, le=1)
+    """SGLang ``--mem-fraction-static``: fraction of HBM for weights + KV pool."""
+    page_size: int = Field(256, ge=1, le=65536)
+    """SGLang ``--page-size``: tokens per KV page = block of the prefix cache and of replication (default 256, the
+    BTB block; SGLang's is 1). Must equal the gateway's block size for prefix ids to agree."""
+    chunked_prefill_size: int | None = None
+    """SGLang ``--chunked-prefill-size`` in tokens; -1 disables chunking; None = SGLang's default for the GPU."""
+    max_running_requests: int = Field(DEFAULT_MAX_RUNNING, ge=1)
+    """SGLang ``--max-running-requests``."""
+    enable_metrics: bool = False
+    """SGLang ``--enable-metrics``: serve Prometheus ``/metrics``."""
+    gpu: str = "h100"
+    """GPU preset pretended (``btbctl presets``)."""
+    time_scale: float = Field(1.0, ge=0, le=1e6)
+    """Model seconds per wall-clock second (10 = ten times faster than real time; 0 = zero delay)."""
+    zero_delay: bool = False
+    """Answer at once (cache bookkeeping still applied); for gateway-overhead benchmarks."""
+    kv_bytes_scale: int = Field(DEFAULT_KV_BYTES_SCALE, ge=1)
+    """Divisor of real KV block sizes in the block store (1 = real sizes)."""
+    transfer_port: int = Field(0, ge=0, le=65535)
+    """TCP port receiving replicated blocks (0 = ephemeral; printed in the ready line and ``/btb/info``)."""
+    btb_token: str | None = Field(None, repr=False)
+    """Bearer token required by state-changing routes (``/btb/push``, ``/flush_cache``); None = none required."""
+
+    # -- derived ----------------------------------------------------------------------------------------------
+    @property
+    def served_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def zero(self) -> bool:
+        """Whether the worker answers without waiting (``zero_delay`` or ``time_scale == 0``)."""
+        return self.zero_delay or self.time_scale == 0
+
+    def preset_name(self) -> str:
+        """The model preset: ``model_path`` itself, its last path component, or a preset it starts with (case-
+        insensitive), else ``model_preset``."""
+        p = self.model_path.strip().lower()
+        base = p.rstrip("/").rsplit("/", 1)[-1]
+        for cand in (p, base):
+            if cand in MODELS:
+                return cand
+        for name in sorted(MODELS, key=len, reverse=True):
+            if base.startswith(name):
+                return name
+        model_preset(self.model_preset)  # validates (ConfigError key "model")
+        return self.model_preset.lower()
+
+    def cluster(self) -> ClusterConfig:
+        """A one-replica :class:`ClusterConfig` for the simulator's replica model. Raises ConfigError."""
+        chunk = self.chunked_prefill_size
+        if chunk is not None and chunk <= 0:
+            chunk = 1 << 30  # SGLang: -1 disables chunked prefill
+        return validate(ClusterConfig, {
+            "model": self.preset_name(), "gpu": self.gpu, "gpus_per_replica": self.tp_size, "replicas": 1,
+            "mem_fraction": self.mem_fraction_static, "chunked_prefill_tokens": chunk,
+            "max_running": self.max_running_requests,
+        })
+
+    def block_bytes(self) -> int:
+        """Bytes of one block in the store: ``page_size x kv_bytes_per_token / kv_bytes_scale``, at least
+        :data:`MIN_BLOCK_BYTES`."""
+        kv = model_preset(self.preset_name()).kv_bytes_per_token
+        return max(MIN_BLOCK_BYTES, int(self.page_size * kv // self.kv_bytes_scale))
+
+
+def load_token(path: str | None) -> str | None:
+    """Read a bearer token from ``path`` (surrounding whitespace stripped). Raises ConfigError when the file cannot
+    be read or is empty."""
+    if path is None:
+        return None
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            tok = f.read().strip()
+    except OSError as e:
+        raise ConfigError("btb_token_file", f"cannot read {path}: {e.strerror or e}") from None
+    if not tok or any(c.isspace() for c in tok) or len(tok) > 4096:
+        raise ConfigError("btb_token_file", f"{path} must hold one token (no spaces, at most 4096 characters)")
+    return tok
+
+
+def make_config(**kwargs) -> WorkerConfig:
+    """Build a validated :class:`WorkerConfig`; raises :class:`ConfigError` naming the flag and what is valid."""
+    cfg = validate(WorkerConfig, kwargs)
+    if cfg.chunked_prefill_size is not None and 0 <= cfg.chunked_prefill_size < 64:
+        raise ConfigError("chunked_prefill_size", "must be >= 64 tokens or -1 (disabled)")
+    cfg.cluster().replica_cost()  # the model must fit its GPUs
+    return cfg

@@ -1,0 +1,276 @@
+"""The replica model of the simulator driven in (scaled) real time: the emulated worker's "GPU".
+
+One :class:`~btbctl.engine.sim.simulator.Simulator` with one replica. Model time runs at ``time_scale`` model
+seconds per wall second: ``model_now = (monotonic() - t0) x time_scale``. A driver task sleeps until the next model
+event (converted back to wall time) and is woken by every submission, so each request's first token and finish
+happen at the wall time the model says. In zero-delay mode (``--zero-delay`` or ``time_scale`` 0) model time is
+decoupled from the wall clock: a submission runs the model forward until that request finishes, at once; cache
+bookkeeping is the same.
+
+Requests still run in the model after their HTTP client went away (the model has no abort).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.policies import make_policy
+from btbctl.engine.sim.simulator import RequestRecord, Simulator
+from btbctl.engine.trace.model import Request, Trace
+from btbctl.engine.worker.config import WorkerConfig
+
+
+class TooLarge(ValueError):
+    """A request whose prompt plus output can never fit in this worker's KV cache (HTTP 400)."""
+
+
+@dataclass
+class LiveRequest:
+    """One request in flight. Wall times are ``time.monotonic()`` seconds; model times are model seconds.
+
+    ``first`` resolves when the first token is out (with ``cached_tokens``), ``done`` when the request finished.
+    """
+
+    rid: str
+    sim_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+    arrival_wall: float
+    first: asyncio.Future
+    done: asyncio.Future
+    cached_tokens: int = 0
+    first_wall: float = math.nan
+    finish_wall: float = math.nan
+    ttft_model_s: float = math.nan
+    e2e_model_s: float = math.nan
+    itl_wall_s: float = 0.0
+    """Estimated wall seconds between output tokens (decode step time at the first token / time_scale)."""
+    record: RequestRecord | None = field(default=None, repr=False)
+
+
+class LiveModel:
+    """Args:
+        cfg: worker settings.
+        clock: wall clock (monotonic seconds), injectable for tests.
+
+    Raises:
+        ConfigError: a model that does not fit its GPUs, unknown presets.
+    """
+
+    def __init__(self, cfg: WorkerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.cluster = cfg.cluster()
+        self.cost = self.cluster.replica_cost()
+        self.block_tokens = cfg.page_size
+        self.capacity_tokens = self.cost.kv_budget_tokens
+        self.zero = cfg.zero
+        self.scale = cfg.time_scale
+        self.clock = clock
+        self.t0 = clock()
+        self._ids = itertools.count(1)
+        self._live: dict[str, LiveRequest] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.on_evict: list[Callable[[object], None]] = []
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.requests_total = 0
+        self.sim = self._new_sim()
+
+    # -- construction -----------------------------------------------------------------------------------------
+    def _new_sim(self) -> Simulator:
+        policy = make_policy("round_robin", 1, random.Random(0))
+        sim = Simulator(Trace([], self.block_tokens, "live"), policy, self.cluster, BtbConstants())
+        sim.on_first_token = self._first_token
+        sim.on_finish = self._finished
+        cache = sim.replicas[0].cache
+        inner = cache.on_evict
+
+        def evicted(h, _inner=inner) -> None:
+            if _inner is not None:
+                _inner(h)
+            for cb in self.on_evict:
+                cb(h)
+
+        cache.on_evict = evicted
+        return sim
+
+    @property
+    def cache(self):
+        """The replica's :class:`~btbctl.engine.sim.cache.PrefixCache` (read-only use)."""
+        return self.sim.replicas[0].cache
+
+    # -- clock ------------------------------------------------------------------------------------------------
+    def model_now(self) -> float:
+        """Current model time, seconds."""
+        if self.zero:
+            return self.sim.now
+        return (self.clock() - self.t0) * self.scale
+
+    def sync(self) -> None:
+        """Bring the model up to the current time (fires hooks of events that are due)."""
+        if not self.zero:
+            self.sim.advance_to(self.model_now())
+
+    def start(self) -> None:
+        """Start the driver task (not needed in zero-delay mode). Call inside the running event loop."""
+        if not self.zero and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drive())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the model is able to serve (driver running, or zero-delay mode)."""
+        return self.zero or (self._task is not None and not self._task.done())
+
+    async def _drive(self) -> None:
+        while True:
+            self._wake.clear()
+            self.sim.advance_to(self.model_now())
+            nxt = self.sim.next_event_s()
+            timeout = None if nxt is None else max(0.0, (nxt - self.model_now()) / self.scale)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    # -- hooks ------------------------------------------------------------------------------------------------
+    def _first_token(self, req: Request, replica: int, ttft_s: float, cached_tokens: int) -> None:
+        lr = self._live.get(req.request_id)
+        if lr is None:
+            return
+        lr.first_wall = self.clock()
+        lr.cached_tokens = cached_tokens
+        lr.ttft_model_s = ttft_s
+        self.cached_tokens_total += cached_tokens
+        st = self.sim.replica_state(0)
+        if lr.max_new_tokens > 1 and not self.zero:
+            step = self.cost.decode_step_time_s(max(1, st["running"]), max(0, st["used_tokens"]))
+            lr.itl_wall_s = step / self.scale
+        if not lr.first.done():
+            lr.first.set_result(cached_tokens)
+
+    def _finished(self, record: RequestRecord) -> None:
+        lr = self._live.pop(record.request_id, None)
+        if lr is None:
+            return
+        lr.finish_wall = self.clock()
+        lr.e2e_model_s = record.finish_s - record.arrival_s
+        lr.record = record
+        if not lr.done.done():
+            lr.done.set_result(record)
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def check_fits(self, prompt_tokens: int, n_blocks: int, max_new_tokens: int) -> None:
+        """Raise :class:`TooLarge` when the request can never fit in the KV cache."""
+        need = max(n_blocks * self.block_tokens, prompt_tokens) + max(1, max_new_tokens)
+        if need > self.capacity_tokens:
+            raise TooLarge(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) need {need} "
+                           f"tokens of KV cache; this worker holds {self.capacity_tokens}")
+
+    def submit(self, chain: Sequence[str], prompt_tokens: int, max_new_tokens: int, rid: str) -> LiveRequest:
+        """Start a request now. ``chain``: block hashes of the prompt's full pages; ``prompt_tokens`` >= 1.
+
+        Raises:
+            TooLarge: the request cannot fit.
+        """
+        self.check_fits(prompt_tokens, len(chain), max_new_tokens)
+        loop = asyncio.get_running_loop()
+        sim_id = f"r{next(self._ids)}"
+        lr = LiveRequest(rid=rid, sim_id=sim_id, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                         arrival_wall=self.clock(), first=loop.create_future(), done=loop.create_future())
+        self._live[sim_id] = lr
+        self.requests_total += 1
+        self.prompt_tokens_total += prompt_tokens
+        req = Request(request_id=sim_id, arrival_s=0.0, input_tokens=prompt_tokens,
+                      output_tokens=max(1, max_new_tokens), block_hashes=tuple(chain))
+        self.sync()
+        self.sim.submit(req, replica=0)
+        if self.zero:
+            while not lr.done.done():
+                t = self.sim.next_event_s()
+                if t is None:  # cannot happen for a request that fits; never spin
+                    self._live.pop(sim_id, None)
+                    raise RuntimeError("model went idle with a request unfinished")
+                self.sim.advance_to(t)
+        else:
+            self._wake.set()
+        return lr
+
+    # -- cache ------------------------------------------------------------------------------------------------
+    def cached_blocks(self, chain: Sequence[str]) -> int:
+        """Leading blocks of ``chain`` resident now."""
+        self.sync()
+        return self.sim.view.cached_blocks(0, chain)
+
+    def pending_blocks(self, chain: Sequence[str]) -> int:
+        """Leading blocks of ``chain`` resident or being computed here."""
+        self.sync()
+        return self.sim.view.pending_blocks(0, chain)
+
+    def resident(self, block_hash: str) -> bool:
+        return block_hash in self.cache
+
+    def insert(self, chain: Sequence[str]) -> bool:
+        """Make ``chain`` resident (blocks that arrived by copy). True when the whole chain is resident after."""
+        self.sync()
+        self.sim.insert_prefix(0, list(chain))
+        self._wake.set()
+        return self.sim.view.cached_blocks(0, chain) == len(chain)
+
+    def busy(self) -> bool:
+        st = self.sim.replica_state(0)
+        return bool(st["running"] or st["waiting"])
+
+    def flush(self) -> int:
+        """Drop every unpinned block (SGLang ``/flush_cache``); returns blocks dropped. Callers check idleness."""
+        self.sync()
+        return self.cache.flush()
+
+    def state(self) -> dict:
+        """``running``, ``waiting``, ``used_tokens``, ``capacity_tokens``, ``cached_blocks`` (model counters)."""
+        self.sync()
+        return self.sim.replica_state(0)
+
+    def cache_hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens over all requests that reached their first token."""
+        return self.cached_tokens_total / self.prompt_tokens_total if self.prompt_tokens_total else 0.0
+
+    def prefixes(self, limit: int) -> list[dict]:
+        """Resident chains' deepest blocks, most recently used first: ``[{"hash", "blocks"}]`` (blocks in use by a
+        running request or a copy come first)."""
+        self.sync()
+        cache = self.cache
+        parent, children = cache.parent, cache.children
+        leaves = [h for h in parent if not children.get(h)]
+        pos = {h: i for i, h in enumerate(cache.lru)}
+        leaves.sort(key=lambda h: (0, 0) if h in cache.refs else (1, -pos.get(h, -1)))
+        depth: dict = {}
+        out = []
+        for h in leaves[:max(0, limit)]:
+            path = []
+            x = h
+            while x is not None and x not in depth:
+                path.append(x)
+                x = parent.get(x)
+            d = depth.get(x, 0) if x is not None else 0
+            for y in reversed(path):
+                d += 1
+                depth[y] = d
+            out.append({"hash": h, "blocks": depth[h]})
+        return out
