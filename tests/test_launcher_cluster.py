@@ -134,7 +134,7 @@ def test_sglang_argv_is_a_list_in_launch_server_order():
 
 
 def test_emulated_argv_carries_the_emulation_flags():
-    spec = WorkerSpec(time_scale=0.25, zero_delay=True, kv_bytes_scale=0.001)
+    spec = WorkerSpec(time_scale=0.25, zero_delay=True, kv_bytes_scale=4096)
     argv = emulated_argv(spec, 31000, 32000, token_file="/run/x/worker.token")
     assert argv[:4] == [sys.executable, "-m", "btbctl", "worker"]
     pairs = {argv[i]: argv[i + 1] for i in range(4, len(argv) - 1) if argv[i].startswith("--")}
@@ -142,7 +142,7 @@ def test_emulated_argv_carries_the_emulation_flags():
     assert pairs["--served-model-name"] == "llama-3.3-70b"
     assert pairs["--tp-size"] == "4" and pairs["--gpu"] == "h100"
     assert pairs["--port"] == "31000" and pairs["--transfer-port"] == "32000"
-    assert pairs["--time-scale"] == "0.25" and pairs["--kv-bytes-scale"] == "0.001"
+    assert pairs["--time-scale"] == "0.25" and pairs["--kv-bytes-scale"] == "4096"
     assert pairs["--btb-token-file"] == "/run/x/worker.token"
     assert "--zero-delay" in argv and "--enable-metrics" in argv
 

@@ -1,8 +1,9 @@
 """Replay a trace against any SGLang-compatible endpoint (the BTB gateway, SGLang's router, one SGLang server) and
 measure time to first token on the client side.
 
-**Timing.** Request ``i`` is sent at ``(arrival_s[i] - arrival_s[0]) x time_scale`` seconds after the replay starts
-(``time_scale`` 0.1 replays ten times faster). With ``concurrency`` set, a request whose turn comes while that many
+**Timing.** Request ``i`` is sent at ``(arrival_s[i] - arrival_s[0]) / time_scale`` seconds after the replay starts:
+``time_scale`` is trace seconds per wall-clock second, the same meaning as the emulated worker's ``--time-scale``
+(10 replays ten times faster; run the workers at the same scale and the whole experiment is compressed evenly). With ``concurrency`` set, a request whose turn comes while that many
 are in flight waits for a slot; its TTFT still counts from the moment it is actually sent, and the wait is reported
 as ``late_s``. TTFT is the time from sending to the first streamed chunk that carries output (``stream: true``);
 e2e is the time to the end of the stream.
@@ -125,7 +126,7 @@ class BenchOptions:
 
     Attributes:
         target: base URL of the endpoint (``http://127.0.0.1:30080``).
-        time_scale: wall seconds per trace second (> 0; 0.1 = ten times faster).
+        time_scale: trace seconds per wall-clock second (> 0; 10 = ten times faster).
         max_requests: replay only the first this many requests (None: all).
         concurrency: most requests in flight at once (None: no limit).
         endpoint: ``generate`` (SGLang native ``POST /generate``) or ``completions`` (``POST /v1/completions``).
@@ -388,7 +389,7 @@ async def replay_async(trace: Trace, opts: BenchOptions,
     url = target + ("/generate" if opts.endpoint == "generate" else "/v1/completions")
     synth = PromptSynth(trace.block_tokens)
     base = reqs[0].arrival_s
-    results = [RequestResult(r.request_id, r.kind, (r.arrival_s - base) * opts.time_scale,
+    results = [RequestResult(r.request_id, r.kind, (r.arrival_s - base) / opts.time_scale,
                              prompt_tokens=r.input_tokens) for r in reqs]
     limit = opts.concurrency or 0
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)

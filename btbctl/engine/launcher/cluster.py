@@ -174,12 +174,13 @@ class WorkerSpec(BaseModel):
     enable_metrics: bool = True
     """Pass ``--enable-metrics`` (Prometheus ``/metrics``)."""
     time_scale: float = Field(1.0, gt=0)
-    """emulated: multiply every modelled duration (prefill, decode, copies) by this (0.1 = ten times faster)."""
+    """emulated: model seconds per wall-clock second (10 = every modelled prefill, decode step and copy runs ten
+    times faster than on the real hardware)."""
     zero_delay: bool = False
     """emulated: answer without any modelled delay (to measure gateway overhead)."""
-    kv_bytes_scale: float | None = Field(None, gt=0)
-    """emulated: fraction of the modelled KV bytes the block store really keeps and copies (None: the worker's
-    default)."""
+    kv_bytes_scale: int | None = Field(None, ge=1)
+    """emulated: divisor of the real KV block size in the worker's block store, so replication moves real but
+    fewer bytes (1 = real sizes; None: the worker's default, 65,536)."""
     python: str | None = None
     """Interpreter for ``python -m ...`` (default: the one running btbctl). For sglang, an environment where
     SGLang is installed."""
@@ -459,7 +460,7 @@ def emulated_argv(spec: WorkerSpec, port: int, transfer_port: int = 0, token_fil
     if spec.zero_delay:
         argv.append("--zero-delay")
     if spec.kv_bytes_scale is not None:
-        argv += ["--kv-bytes-scale", _num(spec.kv_bytes_scale)]
+        argv += ["--kv-bytes-scale", str(spec.kv_bytes_scale)]
     if token_file:
         argv += ["--btb-token-file", token_file]
     argv += list(spec.extra_args)
