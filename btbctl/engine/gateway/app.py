@@ -1,0 +1,342 @@
+"""The data plane: OpenAI-compatible and SGLang-native routes in front of the workers.
+
+Routes:
+
+* ``POST /generate`` (SGLang native: ``text`` or ``input_ids``), ``POST /v1/completions`` (``prompt``),
+  ``POST /v1/chat/completions`` (``messages``): routed by the policy and forwarded with the body unchanged;
+  ``"stream": true`` answers are passed through chunk by chunk.
+* ``GET /v1/models``: forwarded to a healthy worker. ``GET /health``: 200 ``{"status": "ok", "healthy",
+  "total"}`` while at least one worker is healthy, else 503. ``GET /metrics``: Prometheus text
+  (:mod:`btbctl.engine.gateway.metrics`).
+
+Per request: the body is read (at most ``max_body_bytes``: 413 beyond), parsed (400 for malformed JSON, a
+non-object body or a missing/ill-typed prompt field, naming the field), the prompt becomes a chain of block hashes
+(:mod:`btbctl.engine.gateway.prompt`), the policy picks a worker (``now_s`` = seconds since the gateway started),
+and the body is forwarded as received (no re-encoding). Errors are JSON ``{"error": {"message", "type",
+"code"}}``; unknown routes get 404 and wrong methods 405.
+
+**TTFT** is measured at the gateway from the request's arrival to the first byte of the answer from the worker:
+for a stream, the first chunk carrying an SSE ``data:`` line; for a non-streamed answer, the response head (a
+non-streamed answer arrives whole, so its TTFT is its end-to-end latency; measure TTFT with ``stream`` or
+``max_new_tokens`` 1).
+
+**Retries, never duplicates.** A connection error, a 5xx, or a stream that breaks before its first ``data:``
+chunk marks the worker unhealthy (the health checker revives it once ``/health`` passes again) and, as long as
+nothing was sent to the client yet, the request is routed again by the policy with the failed workers excluded,
+at most ``max_retries`` more times; when none is left the answer is 502 (503 when no worker was healthy at all).
+Once the first byte went to the client the request is never retried: a broken stream ends with one SSE event
+``data: {"error": {"message", "type": "upstream_error", "code": 502}}`` and the connection closes; a 4xx from a
+worker is the client's problem and is passed through as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+
+from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, prompt_of
+from btbctl.engine.trace.model import Request
+
+if TYPE_CHECKING:  # pragma: no cover
+    from btbctl.engine.gateway.server import Gateway
+
+log = logging.getLogger(__name__)
+
+_FORWARD_HEADERS = {"Content-Type": "application/json"}
+#: Bytes of stream preamble (chunks without a ``data:`` line, e.g. SSE comments) held back before the first data
+#: chunk; past this the stream is passed on anyway.
+_PREAMBLE_LIMIT = 65536
+#: Exceptions that mean "the worker failed us" on the upstream side.
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+def json_error(status: int, message: str, kind: str = "invalid_request_error", **extra) -> web.Response:
+    """An OpenAI-style error answer ``{"error": {"message", "type", "code", ...}}``."""
+    body = {"error": {"message": message, "type": kind, "code": status, **extra}}
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Turn aiohttp's HTTP errors (404 unknown route, 405, 413 body too large) and unexpected exceptions into
+    JSON errors; the process never dies on a request."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "not_found" if e.status == 404 else "invalid_request_error"
+        msg = e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}"
+        return json_error(e.status, msg, kind)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, "internal gateway error", "internal_error")
+
+
+class DataPlane:
+    """Request handlers bound to a :class:`~btbctl.engine.gateway.server.Gateway`."""
+
+    def __init__(self, gw: "Gateway") -> None:
+        self.gw = gw
+        self.max_body = gw.config.max_body_bytes
+        self.max_retries = gw.config.max_retries
+
+    # -- routes -------------------------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "generate", "/generate")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions", "/v1/completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat", "/v1/chat/completions")
+
+    async def health(self, request: web.Request) -> web.Response:
+        ws = self.gw.state.workers
+        n = sum(1 for w in ws if w.healthy)
+        return web.json_response({"status": "ok" if n else "unavailable", "healthy": n, "total": len(ws)},
+                                 status=200 if n else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return web.Response(body=self.gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        gw = self.gw
+        for w in sorted((w for w in gw.state.workers if w.healthy), key=lambda w: w.inflight):
+            try:
+                async with gw.session.get(f"{w.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    body = await resp.read()
+                    if resp.status < 500:
+                        return web.Response(status=resp.status, body=body,
+                                            headers={"Content-Type": resp.headers.get("Content-Type",
+                                                                                      "application/json")})
+            except _UPSTREAM_ERRORS:
+                continue
+        return json_error(503, "no healthy worker", "unavailable")
+
+    # -- the request path ---------------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+        gw = self.gw
+        t0 = gw.clock()
+        cl = request.content_length
+        if cl is not None and cl > self.max_body:
+            return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
+        body = await request.read()
+        try:
+            obj = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            return json_error(400, f"malformed JSON: {e}")
+        if not isinstance(obj, dict):
+            return json_error(400, "the body must be a JSON object")
+        try:
+            data, n_tokens = prompt_of(route, obj)
+        except PromptError as e:
+            return json_error(400, str(e))
+        chain = chain_from_packed(data, gw.page_size)
+        gw.request_seq += 1
+        req = Request(request_id=str(gw.request_seq), arrival_s=t0, input_tokens=max(1, n_tokens),
+                      output_tokens=output_tokens_of(route, obj), block_hashes=chain)
+        if chain:
+            gw.state.chains.add(chain)
+            if len(chain) >= gw.constants.prefix_blocks:
+                gw.bus.mark("prefixes")
+        stream = obj.get("stream") is True
+        return await self._forward(request, path, body, req, stream, t0)
+
+    async def _forward(self, request: web.Request, path: str, body: bytes, req: Request, stream: bool,
+                       t0: float) -> web.StreamResponse:
+        gw = self.gw
+        state = gw.state
+        metrics = gw.metrics
+        policy_name = gw.policy.name
+        chain = req.block_hashes
+        excluded: list[int] = []
+        attempts: list[str] = []
+        for attempt in range(self.max_retries + 1):
+            idx = gw.choose(req, excluded)
+            if idx is None:
+                break
+            if attempt:
+                metrics.retries.inc()
+            w = state.workers[idx]
+            w.inflight += 1
+            w.prefilling += 1
+            if chain:
+                w.add_pending(chain)
+            gauge = metrics.inflight_gauge(w.url)
+            gauge.inc()
+            prefilled = False
+
+            def first_byte() -> None:
+                nonlocal prefilled
+                prefilled = True
+                now = gw.clock()
+                w.prefilling -= 1
+                if chain:
+                    w.drop_pending(chain)
+                    w.hold(chain)
+                ttft = now - t0
+                state.record_ttft(idx, now, ttft)
+                metrics.observe_ttft(w.url, ttft)
+                gw.bus.mark("ttft")
+
+            try:
+                try:
+                    resp = await gw.session.post(w.url + path, data=body, headers=_FORWARD_HEADERS)
+                except _UPSTREAM_ERRORS as e:
+                    reason = _describe(e)
+                    attempts.append(f"{w.url}: {reason}")
+                    gw.worker_failed(idx, reason)
+                    excluded.append(idx)
+                    continue
+                try:
+                    status = resp.status
+                    if status >= 500:
+                        try:
+                            detail = (await resp.read())[:200].decode("utf-8", "replace")
+                        except _UPSTREAM_ERRORS:
+                            detail = ""
+                        reason = f"HTTP {status}" + (f": {detail}" if detail else "")
+                        attempts.append(f"{w.url}: {reason}")
+                        gw.worker_failed(idx, reason)
+                        excluded.append(idx)
+                        continue
+                    ctype = resp.headers.get("Content-Type", "application/json")
+                    if not (stream and status == 200 and ctype.startswith("text/event-stream")):
+                        try:
+                            payload = await resp.read()
+                        except _UPSTREAM_ERRORS as e:
+                            reason = f"answer broke off: {_describe(e)}"
+                            attempts.append(f"{w.url}: {reason}")
+                            gw.worker_failed(idx, reason)
+                            excluded.append(idx)
+                            continue
+                        if status < 300:
+                            first_byte()
+                        else:
+                            # a 4xx is the client's: passed through, the worker stays healthy
+                            pass
+                        w.served += 1
+                        metrics.request(w.url, policy_name, str(status))
+                        metrics.observe_duration(w.url, gw.clock() - t0)
+                        return web.Response(status=status, body=payload, headers={"Content-Type": ctype})
+                    return await self._stream(request, resp, w, idx, policy_name, ctype, first_byte, attempts,
+                                              excluded, t0)
+                finally:
+                    resp.release()
+            except _RetryStream:
+                continue
+            finally:
+                w.inflight -= 1
+                gauge.dec()
+                if not prefilled:
+                    w.prefilling -= 1
+                    if chain:
+                        w.drop_pending(chain)
+                gw.policy.on_finish(req, idx, gw.clock())
+        if not attempts:
+            metrics.request("none", policy_name, "503")
+            return json_error(503, "no healthy worker", "unavailable")
+        metrics.request("none", policy_name, "502")
+        return json_error(502, f"no worker could serve the request after {len(attempts)} attempt(s)",
+                          "upstream_error", attempts=attempts)
+
+    async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, w, idx: int, policy_name: str,
+                      ctype: str, first_byte, attempts: list[str], excluded: list[int],
+                      t0: float) -> web.StreamResponse:
+        gw = self.gw
+        content = resp.content
+        held: list[bytes] = []
+        size = 0
+        # Before the first data chunk nothing has reached the client: a failure here is retried elsewhere.
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    raise aiohttp.ClientPayloadError("stream ended before any data")
+                held.append(chunk)
+                size += len(chunk)
+                if b"data:" in chunk or size >= _PREAMBLE_LIMIT:
+                    break
+        except _UPSTREAM_ERRORS as e:
+            reason = f"stream broke before its first byte: {_describe(e)}"
+            attempts.append(f"{w.url}: {reason}")
+            gw.worker_failed(idx, reason)
+            excluded.append(idx)
+            raise _RetryStream() from None
+        first_byte()
+        out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        status = "200"
+        try:
+            await out.prepare(request)
+            await out.write(b"".join(held))
+        except (ConnectionResetError, RuntimeError):  # the client went away
+            resp.close()
+            gw.metrics.request(w.url, policy_name, "client_gone")
+            return out
+        # From here on the answer is committed to this worker: never retried.
+        while True:
+            try:
+                chunk = await content.readany()
+            except _UPSTREAM_ERRORS as e:
+                reason = f"stream broke after its first byte: {_describe(e)}"
+                gw.worker_failed(idx, reason)
+                status = "stream_error"
+                err = {"error": {"message": f"worker {w.url} failed mid-answer ({reason}); the answer is "
+                                            "incomplete and was not retried", "type": "upstream_error", "code": 502}}
+                try:
+                    await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                except (ConnectionResetError, RuntimeError):
+                    pass
+                break
+            if not chunk:
+                break
+            try:
+                await out.write(chunk)
+            except (ConnectionResetError, RuntimeError):
+                status = "client_gone"
+                break
+        try:
+            await out.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+        if status == "200":
+            w.served += 1
+        else:
+            resp.close()  # stop the worker's side of an abandoned or broken stream
+        gw.metrics.request(w.url, policy_name, status)
+        gw.metrics.observe_duration(w.url, gw.clock() - t0)
+        return out
+
+
+class _RetryStream(Exception):
+    """Internal: a stream failed before its first byte reached the client."""
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def build_data_app(gw: "Gateway") -> web.Application:
+    """The data-plane :class:`aiohttp.web.Application` of ``gw``."""
+    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[error_middleware])
+    dp = DataPlane(gw)
+    app.router.add_post("/generate", dp.generate)
+    app.router.add_post("/v1/completions", dp.completions)
+    app.router.add_post("/v1/chat/completions", dp.chat)
+    app.router.add_get("/v1/models", dp.models)
+    app.router.add_get("/health", dp.health)
+    app.router.add_get("/metrics", dp.metrics)
+    return app

@@ -1,0 +1,379 @@
+"""Replication planner of the live gateway: what to copy where, and the copy jobs' lifecycle.
+
+Used by the policies (through :meth:`FleetState.replicate <btbctl.engine.gateway.state.FleetState.replicate>`,
+which calls :meth:`Planner.request_copy`) and by the control API's manual replicate (:meth:`Planner.replicate`).
+
+A copy job (one source, one target, one prefix chain):
+
+1. **Source check.** ``POST {source}/btb/match {"chain"}`` must answer ``cached_blocks == len(chain)`` before
+   anything is pushed. While the source is still computing the prefix (``pending_blocks`` there, or a request of
+   the gateway still prefilling it there) the job waits (``waiting_source``), polling every ``poll_interval_s``
+   for at most ``source_wait_s``; the copy thus trails the source's compute, as BTB's rule needs when it copies
+   from the replica computing the prefix. Otherwise the job fails ("source does not hold the prefix").
+2. **Push.** ``POST {source}/btb/push {"chain", "target": <target's transfer_addr from /btb/info>, "copy_id"}``
+   with ``Authorization: Bearer <worker token>``; 202 starts sending, 409 means the source lost the chain.
+3. **Progress.** ``GET {source}/btb/copies/{copy_id}`` every ``poll_interval_s`` updates ``bytes_sent``,
+   ``bytes_total`` and ``blocks_verified``; the rate is the average since sending started.
+4. **Outcome.** Only on ``done`` (the source reports it after the target verified and committed every block) is
+   the target recorded as holding the prefix. ``failed``, an HTTP error, the source or target turning unhealthy,
+   or ``copy_timeout_s`` without an outcome fail the job with the reason; a failed target is never treated as
+   warm.
+
+Refusals (``request_copy`` returns None): same worker, a worker unknown/unhealthy/without the BTB routes, the
+target already recorded as holding the chain, a copy of it to that target already in flight, or the target
+without a ``transfer_addr``. The planner does not weigh copy time against recompute time: BTB's rule copies
+whenever the detector fires; the fabric break-even (REFERENCE.md s6) is for the operator to judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from typing import Callable, Hashable, Sequence
+
+import aiohttp
+
+from btbctl.engine.gateway.state import FleetState, Transfer
+
+log = logging.getLogger(__name__)
+
+#: Seconds between progress polls of a copy and between source checks (a product choice: ten updates a second
+#: is what a dashboard shows smoothly).
+DEFAULT_POLL_INTERVAL_S = 0.1
+#: Longest wait for a source that is still computing the prefix, seconds (a 64k-token prefill of a 70B model on
+#: one slow replica takes tens of seconds; a product choice).
+DEFAULT_SOURCE_WAIT_S = 60.0
+#: Longest time a copy may take once pushed, seconds (10 GiB over kernel TCP at about 1 GB/s is about 10 s;
+#: a generous product choice).
+DEFAULT_COPY_TIMEOUT_S = 300.0
+#: Timeout of one control call to a worker (match, push, progress), seconds.
+DEFAULT_CALL_TIMEOUT_S = 5.0
+
+
+class ReplicateError(Exception):
+    """A manual replication that cannot start; ``status`` is the HTTP status for the control API."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Planner:
+    """Plans and runs prefix copies between the workers of ``state``.
+
+    Args:
+        state: the live fleet state (its transfer table is where jobs are tracked).
+        session: a callable returning the shared :class:`aiohttp.ClientSession`.
+        worker_token: bearer token sent to the workers' ``/btb/push`` (None: no header).
+        poll_interval_s / source_wait_s / copy_timeout_s / call_timeout_s: see the module constants.
+        on_change: called with the transfer after every state or progress change (metrics, events).
+        on_finish: called once with the transfer when it ends ``done`` or ``failed``.
+    """
+
+    def __init__(self, state: FleetState, session: Callable[[], aiohttp.ClientSession], *,
+                 worker_token: str | None = None,
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+                 source_wait_s: float = DEFAULT_SOURCE_WAIT_S,
+                 copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S,
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                 on_change: Callable[[Transfer], None] | None = None,
+                 on_finish: Callable[[Transfer], None] | None = None) -> None:
+        self.state = state
+        self._session = session
+        self.worker_token = worker_token
+        self.poll_interval_s = poll_interval_s
+        self.source_wait_s = source_wait_s
+        self.copy_timeout_s = copy_timeout_s
+        self.timeout = aiohttp.ClientTimeout(total=call_timeout_s)
+        self.on_change = on_change
+        self.on_finish = on_finish
+        self._tasks: set[asyncio.Task] = set()
+        self.refused = 0
+
+    # -- eligibility ---------------------------------------------------------------------------------------------
+
+    def _usable(self, r: int) -> bool:
+        ws = self.state.workers
+        return 0 <= r < len(ws) and ws[r].healthy and ws[r].btb is True
+
+    def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
+        """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""
+        if not chain:
+            return "empty chain"
+        if source == target:
+            return "source and target are the same worker"
+        if not self._usable(source):
+            return "source unhealthy or without the BTB routes"
+        if not self._usable(target):
+            return "target unhealthy or without the BTB routes"
+        tw = self.state.workers[target]
+        if tw.held_blocks(chain) >= len(chain):
+            return "target already holds the prefix"
+        if self.state.transfers.in_flight(target, chain[-1]):
+            return "a copy to the target is already in flight"
+        if not (tw.info or {}).get("transfer_addr"):
+            return "target has no transfer_addr in /btb/info"
+        return None
+
+    # -- starting jobs ------------------------------------------------------------------------------------------
+
+    def request_copy(self, chain: Sequence[Hashable], source: int, target: int, *, manual: bool = False,
+                     source_confirmed: bool = False) -> Transfer | None:
+        """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
+        :meth:`refusal`). Never blocks: the source check, the push and the polling run in a task."""
+        chain = tuple(chain)
+        if self.refusal(chain, source, target) is not None:
+            self.refused += 1
+            return None
+        t = Transfer(copy_id=secrets.token_hex(8), key=chain[-1], chain=chain, source=source, target=target,
+                     created_s=self.state.clock(), manual=manual)
+        t._pushed = asyncio.Event()  # type: ignore[attr-defined]
+        self.state.transfers.add(t)
+        task = asyncio.get_running_loop().create_task(self._run(t, source_confirmed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._changed(t)
+        return t
+
+    async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> dict:
+        """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate).
+
+        The source is the least-loaded healthy worker that confirms the whole chain with ``/btb/match`` (every
+        healthy worker with the BTB routes is asked, so holders the gateway did not see are found too); the
+        targets are the least-loaded healthy workers with the routes that neither hold it nor are receiving it
+        (ties: lower index). Waits up to ``wait_s`` for each push to be accepted or refused.
+
+        Returns:
+            ``{"prefix", "source" (URL), "targets" [URL], "copy_ids" [str], "copies": [{"copy_id", "target",
+            "state", "error"}], "skipped": n - len(targets)}``.
+
+        Raises:
+            ReplicateError: 409 when no healthy worker holds the chain or no worker can receive it.
+        """
+        chain = tuple(chain)
+        ws = self.state.workers
+        cands = [w.index for w in ws if self._usable(w.index)]
+        if not cands:
+            raise ReplicateError(409, "no healthy worker with the BTB routes (replication needs emulated workers "
+                                      "or workers with the /btb extension)")
+        answers = await asyncio.gather(*(self._match(r, chain) for r in cands))
+        holders = [r for r, a in zip(cands, answers) if a is not None and a[0] >= len(chain)]
+        if not holders:
+            raise ReplicateError(409, f"no healthy worker holds prefix {chain[-1]} ({len(chain)} blocks)")
+        source = min(holders, key=lambda r: (ws[r].inflight, r))
+        free = [r for r in cands if r not in holders and not self.state.transfers.in_flight(r, chain[-1])]
+        free.sort(key=lambda r: (ws[r].inflight, r))
+        started: list[Transfer] = []
+        for r in free:
+            if len(started) >= n:
+                break
+            t = self.request_copy(chain, source, r, manual=True, source_confirmed=True)
+            if t is not None:
+                started.append(t)
+        if not started:
+            raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: every other healthy worker "
+                                      "with the BTB routes holds it or is receiving it")
+        try:
+            await asyncio.wait_for(asyncio.gather(*(t._pushed.wait() for t in started)),  # type: ignore[attr-defined]
+                                   timeout=wait_s)
+        except asyncio.TimeoutError:
+            pass
+        return {
+            "prefix": chain[-1],
+            "source": ws[source].url,
+            "targets": [ws[t.target].url for t in started],
+            "copy_ids": [t.copy_id for t in started],
+            "copies": [{"copy_id": t.copy_id, "target": ws[t.target].url, "state": t.state, "error": t.error}
+                       for t in started],
+            "skipped": max(0, n - len(started)),
+        }
+
+    async def close(self) -> None:
+        """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- the job ------------------------------------------------------------------------------------------------
+
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
+
+    async def _match(self, r: int, chain: tuple) -> tuple[int, int] | None:
+        """``(cached_blocks, pending_blocks)`` of ``chain`` on worker ``r`` by ``/btb/match`` (None on error).
+        A full match is recorded as a holding."""
+        w = self.state.workers[r]
+        try:
+            async with self._session().post(f"{w.url}/btb/match", json={"chain": list(chain)},
+                                            timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return None
+                body = await resp.json(content_type=None)
+            cached = int(body.get("cached_blocks", 0))
+            pending = int(body.get("pending_blocks", cached))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, AttributeError):
+            return None
+        if cached >= len(chain):
+            w.hold(chain)
+        return cached, pending
+
+    def _changed(self, t: Transfer) -> None:
+        if self.on_change is not None:
+            self.on_change(t)
+
+    def _fail(self, t: Transfer, reason: str) -> None:
+        t.state = "failed"
+        t.error = reason
+        t.finished_s = self.state.clock()
+        self.state.transfers.finish(t)
+        log.info("copy %s of %s to %s failed: %s", t.copy_id, t.key, self.state.workers[t.target].url, reason)
+        self._changed(t)
+        if self.on_finish is not None:
+            self.on_finish(t)
+
+    def _done(self, t: Transfer) -> None:
+        t.state = "done"
+        t.finished_s = self.state.clock()
+        if t.bytes_total and t.bytes_sent < t.bytes_total:
+            t.bytes_sent = t.bytes_total
+        self.state.workers[t.target].hold(t.chain)
+        self.state.transfers.finish(t)
+        self._changed(t)
+        if self.on_finish is not None:
+            self.on_finish(t)
+
+    async def _run(self, t: Transfer, source_confirmed: bool) -> None:
+        pushed: asyncio.Event = t._pushed  # type: ignore[attr-defined]
+        try:
+            if not source_confirmed:
+                reason = await self._wait_source(t)
+                if reason is not None:
+                    self._fail(t, reason)
+                    return
+            reason = await self._push(t)
+            if reason is not None:
+                self._fail(t, reason)
+                return
+            pushed.set()
+            await self._poll(t)
+        except asyncio.CancelledError:
+            if t.active:
+                self._fail(t, "gateway stopped")
+            raise
+        except Exception as e:  # a bug or an unexpected answer: the job fails, the gateway keeps running
+            log.exception("copy %s crashed", t.copy_id)
+            if t.active:
+                self._fail(t, f"internal error: {e!r}")
+        finally:
+            pushed.set()
+
+    async def _wait_source(self, t: Transfer) -> str | None:
+        clock = self.state.clock
+        deadline = clock() + self.source_wait_s
+        src = self.state.workers[t.source]
+        n = len(t.chain)
+        while True:
+            if not self._usable(t.source):
+                return "source became unhealthy"
+            ans = await self._match(t.source, t.chain)
+            if ans is None:
+                return "source did not answer /btb/match"
+            cached, pending = ans
+            if cached >= n:
+                return None
+            computing = pending >= n or t.chain[-1] in src.pending
+            if not computing:
+                return f"source does not hold the prefix (cached {cached} of {n} blocks)"
+            if t.state != "waiting_source":
+                t.state = "waiting_source"
+                self._changed(t)
+            if clock() >= deadline:
+                return f"source still computing the prefix after {self.source_wait_s:g} s"
+            await asyncio.sleep(self.poll_interval_s)
+
+    async def _push(self, t: Transfer) -> str | None:
+        ws = self.state.workers
+        if not self._usable(t.target):
+            return "target became unhealthy"
+        addr = (ws[t.target].info or {}).get("transfer_addr")
+        if not addr:
+            return "target has no transfer_addr in /btb/info"
+        body = {"chain": list(t.chain), "target": addr, "copy_id": t.copy_id}
+        try:
+            async with self._session().post(f"{ws[t.source].url}/btb/push", json=body, headers=self._headers(),
+                                            timeout=self.timeout) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return f"push to source failed: {type(e).__name__}: {e}"
+        if status == 409:
+            return "source no longer holds the prefix (409 from /btb/push)"
+        if status not in (200, 202):
+            return f"source refused the push: HTTP {status}: {text[:200]}"
+        try:
+            ans = json.loads(text)
+            t.bytes_total = int(ans.get("bytes", 0) or 0)
+        except (ValueError, TypeError, AttributeError):
+            pass
+        t.state = "sending"
+        t.started_s = self.state.clock()
+        self._changed(t)
+        return None
+
+    async def _poll(self, t: Transfer) -> None:
+        clock = self.state.clock
+        ws = self.state.workers
+        deadline = clock() + self.copy_timeout_s
+        url = f"{ws[t.source].url}/btb/copies/{t.copy_id}"
+        errors = 0
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            if not ws[t.source].healthy:
+                self._fail(t, "source became unhealthy during the copy")
+                return
+            if not ws[t.target].healthy:
+                self._fail(t, "target became unhealthy during the copy")
+                return
+            try:
+                async with self._session().get(url, timeout=self.timeout) as resp:
+                    status = resp.status
+                    body = await resp.json(content_type=None) if status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                errors += 1
+                if errors >= 3:
+                    self._fail(t, f"progress polls failed: {type(e).__name__}: {e}")
+                    return
+                continue
+            if status == 404:
+                self._fail(t, "source does not know the copy (404)")
+                return
+            if status != 200 or not isinstance(body, dict):
+                errors += 1
+                if errors >= 3:
+                    self._fail(t, f"progress polls failed: HTTP {status}")
+                    return
+                continue
+            errors = 0
+            changed = False
+            for attr, key in (("bytes_sent", "bytes_sent"), ("bytes_total", "bytes_total"),
+                              ("blocks_verified", "blocks_verified")):
+                v = body.get(key)
+                if isinstance(v, int) and v != getattr(t, attr):
+                    setattr(t, attr, v)
+                    changed = True
+            state = body.get("state")
+            if state == "done":
+                self._done(t)
+                return
+            if state == "failed":
+                self._fail(t, str(body.get("error") or "failed at the source"))
+                return
+            if changed:
+                self._changed(t)
+            if clock() >= deadline:
+                self._fail(t, f"no outcome after {self.copy_timeout_s:g} s")
+                return

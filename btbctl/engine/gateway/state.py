@@ -1,0 +1,622 @@
+"""Live fleet state of the gateway: workers, what they hold, copies, TTFT series and the event bus.
+
+**Holdings are the gateway's own approximate record**, like the SGLang router's approximate radix tree
+(REFERENCE.md s4): the gateway does not ask workers on every request what their caches hold. A worker is recorded
+as holding a prompt's chain
+
+* when a request on it produced its first byte (its prefill, and so the prompt's KV, was computed there),
+* when a copy towards it was confirmed ``done`` by the source (the target verified and committed every block),
+* when ``POST /btb/match`` on it confirmed the chain (replication planning).
+
+Until its first byte, an in-flight request's chain counts as *pending* on its worker (being computed there). A
+worker that restarts or ages blocks out of its cache is not seen until the planner confirms with ``/btb/match``
+before every copy (so a copy never starts from a source that lost the blocks), and a worker marked unhealthy loses
+its record (a process that died has lost its cache). The record per worker is an LRU over block hashes bounded by
+the worker's capacity (``capacity_tokens`` of ``/btb/info`` / page size, else :data:`DEFAULT_HOLDING_BLOCKS`);
+chains are inserted deepest block first, so a prefix's blocks are always at least as recent as its extensions,
+eviction removes leaves first and the record stays prefix-closed (a leading-run query is a binary search).
+
+Time here is monotonic seconds since the gateway started (``now_s``), the clock policies and the detector see.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
+
+from btbctl.engine.stats import percentile
+
+if TYPE_CHECKING:  # pragma: no cover
+    from btbctl.engine.gateway.planner import Planner
+
+#: Holding-record bound per worker when its capacity is unknown, blocks. 2**24 tokens / 256-token pages, the
+#: SGLang router's default per-worker tree bound (2**26 characters at about 4 characters per token; REFERENCE.md
+#: s4) at BTB's block size.
+DEFAULT_HOLDING_BLOCKS = 65536
+#: TTFT samples kept for the series (ring buffer).
+TTFT_RING = 200_000
+#: Finished copies kept for ``/control/transfers``.
+RECENT_TRANSFERS = 200
+#: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain).
+CHAIN_INDEX_BLOCKS = 1_000_000
+#: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.expected_wait_s` (EWMA weight of a new
+#: sample); a product choice.
+TTFT_EWMA_ALPHA = 0.2
+
+
+class Clock:
+    """Monotonic seconds since construction (the gateway's ``now_s``)."""
+
+    __slots__ = ("t0",)
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self) -> float:
+        return time.monotonic() - self.t0
+
+
+@dataclass
+class WorkerState:
+    """One worker as the gateway sees it.
+
+    Attributes:
+        index: replica number the policies use (position in the configured list).
+        url: base URL without a trailing slash.
+        name: ``w<index>``.
+        healthy: passes health checks and had no connection error or 5xx since the last passing check.
+        inflight: requests the gateway has in flight to it (the policies' load).
+        prefilling: in-flight requests that have not produced a first byte yet.
+        served / failed: requests completed / failed there (gateway count).
+        health_error: why it is unhealthy (None when healthy).
+        last_health_s: ``now_s`` of the latest health answer (None before the first).
+        loads: summary of its ``/v1/loads`` (``running``, ``waiting``, ``used_tokens``, ``max_tokens``,
+            ``token_usage``) or None when unknown.
+        info: its ``/btb/info`` answer (emulated workers) or None.
+        btb: True when it has the BTB extension routes, False when it answered 404 (a plain SGLang server:
+            no replication to or from it), None before the first probe.
+        ttft_ewma_s: smoothed TTFT of its recent requests, seconds (None before the first).
+    """
+
+    index: int
+    url: str
+    name: str
+    healthy: bool = False
+    inflight: int = 0
+    prefilling: int = 0
+    served: int = 0
+    failed: int = 0
+    health_error: str | None = "not checked yet"
+    consecutive_failures: int = 0
+    last_health_s: float | None = None
+    loads: dict | None = None
+    info: dict | None = None
+    btb: bool | None = None
+    ttft_ewma_s: float | None = None
+    capacity_blocks: int = DEFAULT_HOLDING_BLOCKS
+    holdings: OrderedDict = field(default_factory=OrderedDict)
+    pending: dict = field(default_factory=dict)
+
+    # -- holdings ----------------------------------------------------------------------------------------------
+
+    def hold(self, chain: Sequence[Hashable]) -> None:
+        """Record ``chain`` as resident here (deepest block first; LRU-bounded by ``capacity_blocks``)."""
+        h = self.holdings
+        for b in reversed(chain):
+            if b in h:
+                h.move_to_end(b)
+            else:
+                h[b] = None
+        over = len(h) - self.capacity_blocks
+        while over > 0:
+            h.popitem(last=False)
+            over -= 1
+
+    def held_blocks(self, chain: Sequence[Hashable]) -> int:
+        """Leading blocks of ``chain`` recorded as resident here (binary search; the record is prefix-closed)."""
+        h = self.holdings
+        if not chain or chain[0] not in h:
+            return 0
+        if chain[-1] in h:
+            return len(chain)
+        lo, hi = 1, len(chain) - 1  # chain[lo-1] held, chain[hi] not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if chain[mid - 1] in h:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def pending_or_held(self, chain: Sequence[Hashable]) -> int:
+        """Leading blocks of ``chain`` resident or being computed here."""
+        h, p = self.holdings, self.pending
+        if not chain or (chain[0] not in h and chain[0] not in p):
+            return 0
+        last = chain[-1]
+        if last in h or last in p:
+            return len(chain)
+        lo, hi = 1, len(chain) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            b = chain[mid - 1]
+            if b in h or b in p:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def add_pending(self, chain: Sequence[Hashable]) -> None:
+        p = self.pending
+        for b in chain:
+            p[b] = p.get(b, 0) + 1
+
+    def drop_pending(self, chain: Sequence[Hashable]) -> None:
+        p = self.pending
+        for b in chain:
+            n = p.get(b, 0) - 1
+            if n > 0:
+                p[b] = n
+            else:
+                p.pop(b, None)
+
+    def forget(self) -> None:
+        """Drop the holding record (the worker died or restarted)."""
+        self.holdings.clear()
+
+    @property
+    def replication_note(self) -> str:
+        """Human text for the fleet view: whether copies to and from this worker are possible."""
+        if self.btb is None:
+            return "unknown (not probed yet)"
+        if self.btb:
+            return "supported (BTB extension routes)"
+        return "unsupported: no /btb routes (plain SGLang); routing only"
+
+
+@dataclass
+class Transfer:
+    """One prefix copy, as the planner tracks it.
+
+    Attributes:
+        copy_id: id given to the source's ``/btb/push`` (hex).
+        key: the prefix id (hash of its last block).
+        chain: the prefix's block hashes.
+        source / target: worker indices.
+        state: ``planned`` (accepted, not pushed yet), ``waiting_source`` (the source is still computing the
+            prefix), ``sending``, ``done`` or ``failed``.
+        bytes_sent / bytes_total: bytes, from the source's ``/btb/copies/{id}`` (``bytes_total`` 0 until known).
+        blocks_verified: blocks the target verified so far.
+        created_s / started_s / finished_s: gateway ``now_s`` (None until reached).
+        error: the reason of a failure.
+        manual: started through the control API (else by the policy).
+    """
+
+    copy_id: str
+    key: str
+    chain: tuple
+    source: int
+    target: int
+    state: str = "planned"
+    bytes_sent: int = 0
+    bytes_total: int = 0
+    blocks_verified: int = 0
+    created_s: float = 0.0
+    started_s: float | None = None
+    finished_s: float | None = None
+    error: str | None = None
+    manual: bool = False
+    _last_poll: tuple | None = None
+    rate_bps: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.state not in ("done", "failed")
+
+    def bytes_per_s(self, now_s: float) -> float:
+        """Average rate since sending started (bytes/s); for a finished copy, over its whole sending time."""
+        if self.started_s is None:
+            return 0.0
+        end = self.finished_s if self.finished_s is not None else now_s
+        dt = end - self.started_s
+        return self.bytes_sent / dt if dt > 0 else 0.0
+
+    def eta_s(self, now_s: float) -> float | None:
+        """Seconds left at the current average rate (None when unknown; 0 when finished)."""
+        if not self.active:
+            return 0.0
+        rate = self.bytes_per_s(now_s)
+        if rate <= 0 or self.bytes_total <= 0:
+            return None
+        return max(0.0, (self.bytes_total - self.bytes_sent) / rate)
+
+
+class TransferTable:
+    """Copies in flight (indexed by ``(target, prefix key)``) and the most recent finished ones."""
+
+    def __init__(self, recent: int = RECENT_TRANSFERS) -> None:
+        self.by_id: dict[str, Transfer] = {}
+        self.active: dict[tuple[int, Hashable], Transfer] = {}
+        self.recent: deque[Transfer] = deque(maxlen=recent)
+
+    def add(self, t: Transfer) -> None:
+        self.by_id[t.copy_id] = t
+        self.active[(t.target, t.key)] = t
+
+    def finish(self, t: Transfer) -> None:
+        """Move ``t`` (already ``done`` or ``failed``) to the recent list."""
+        if self.active.get((t.target, t.key)) is t:
+            del self.active[(t.target, t.key)]
+        if len(self.recent) == self.recent.maxlen:
+            old = self.recent[0]
+            if self.by_id.get(old.copy_id) is old:
+                del self.by_id[old.copy_id]
+        self.recent.append(t)
+
+    def in_flight(self, target: int, key: Hashable) -> bool:
+        return (target, key) in self.active
+
+    def for_key(self, key: Hashable) -> list[Transfer]:
+        """Copies of prefix ``key``, in flight first, then recent (newest first)."""
+        out = [t for t in self.active.values() if t.key == key]
+        out.extend(t for t in reversed(self.recent) if t.key == key)
+        return out
+
+    def all(self) -> list[Transfer]:
+        """In flight (oldest first), then recent (newest first)."""
+        return list(self.active.values()) + list(reversed(self.recent))
+
+
+class TtftSeries:
+    """Ring buffer of ``(now_s, ttft_s)`` samples measured at the gateway, and summaries over windows."""
+
+    def __init__(self, maxlen: int = TTFT_RING) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def add(self, now_s: float, ttft_s: float) -> None:
+        self.samples.append((now_s, ttft_s))
+
+    def window(self, now_s: float, window_s: float) -> list[tuple[float, float]]:
+        lo = now_s - window_s
+        out = []
+        for s in reversed(self.samples):
+            if s[0] <= lo:
+                break
+            out.append(s)
+        out.reverse()
+        return out
+
+    def series(self, now_s: float, window_s: float, step_s: float) -> list[dict]:
+        """One row per ``step_s`` bucket of the trailing ``window_s``: ``{"t_s"`` (bucket end, gateway seconds),
+        ``"n"``, ``"p50_s"``, ``"p95_s"`` (null for an empty bucket), ``"rps"`` (first bytes per second)``}``."""
+        nb = max(1, int(math.ceil(window_s / step_s)))
+        start = now_s - nb * step_s
+        buckets: list[list[float]] = [[] for _ in range(nb)]
+        for t, v in self.window(now_s, nb * step_s):
+            i = min(nb - 1, int((t - start) / step_s))
+            buckets[i].append(v)
+        rows = []
+        for i, b in enumerate(buckets):
+            b.sort()
+            rows.append({
+                "t_s": round(start + (i + 1) * step_s, 6),
+                "n": len(b),
+                "p50_s": percentile(b, 50.0) if b else None,
+                "p95_s": percentile(b, 95.0) if b else None,
+                "rps": len(b) / step_s,
+            })
+        return rows
+
+    def summary(self, now_s: float, window_s: float) -> dict:
+        """``{"n", "mean_s", "p50_s", "p95_s", "p99_s", "max_s"}`` over the trailing window (null when empty)."""
+        vals = sorted(v for _, v in self.window(now_s, window_s))
+        if not vals:
+            return {"n": 0, "mean_s": None, "p50_s": None, "p95_s": None, "p99_s": None, "max_s": None}
+        return {"n": len(vals), "mean_s": math.fsum(vals) / len(vals), "p50_s": percentile(vals, 50.0),
+                "p95_s": percentile(vals, 95.0), "p99_s": percentile(vals, 99.0), "max_s": vals[-1]}
+
+
+class EventBus:
+    """Coalescing publish/subscribe for the control API's event stream.
+
+    Producers call :meth:`mark` with an event type (``fleet``, ``prefixes``, ``transfers``, ``ttft``,
+    ``constants``); a ticker every :attr:`interval_s` (0.1 s: at most 10 events per second per type) builds one
+    snapshot per marked type with the registered builder and hands it to every subscriber. Nothing is built while
+    nobody listens. A subscriber that falls behind loses its oldest events (queues hold :attr:`queue_size`).
+    """
+
+    def __init__(self, interval_s: float = 0.1, queue_size: int = 256) -> None:
+        self.interval_s = interval_s
+        self.queue_size = queue_size
+        self.builders: dict[str, Callable[[], Any]] = {}
+        self._dirty: set[str] = set()
+        self._subs: set[asyncio.Queue] = set()
+        self._task: asyncio.Task | None = None
+        self.published = 0
+
+    def register(self, kind: str, builder: Callable[[], Any]) -> None:
+        self.builders[kind] = builder
+
+    def mark(self, kind: str) -> None:
+        if self._subs:
+            self._dirty.add(kind)
+
+    def subscribe(self) -> asyncio.Queue:
+        """A queue of ``(kind, json text)``; every registered type is marked so a new listener gets a full
+        picture on the next tick."""
+        q: asyncio.Queue = asyncio.Queue(maxsize=self.queue_size)
+        self._subs.add(q)
+        self._dirty.update(self.builders)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self._subs.discard(q)
+
+    def close(self) -> None:
+        """End every subscription: each queue receives ``(None, None)``, the end-of-stream marker."""
+        for q in list(self._subs):
+            while q.full():
+                q.get_nowait()
+            q.put_nowait((None, None))
+        self._subs.clear()
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subs)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def flush(self) -> None:
+        """Build and deliver the marked types now."""
+        if not self._dirty or not self._subs:
+            self._dirty.clear()
+            return
+        kinds = sorted(self._dirty)
+        self._dirty.clear()
+        for kind in kinds:
+            builder = self.builders.get(kind)
+            if builder is None:
+                continue
+            text = json.dumps(builder(), separators=(",", ":"))
+            for q in list(self._subs):
+                if q.full():
+                    try:
+                        q.get_nowait()
+                    except asyncio.QueueEmpty:  # pragma: no cover
+                        pass
+                q.put_nowait((kind, text))
+            self.published += 1
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                self.flush()
+            except Exception:  # a snapshot bug must not kill the stream
+                import logging
+
+                logging.getLogger(__name__).exception("event snapshot failed")
+
+
+class ChainIndex:
+    """Parent pointers of the block hashes the gateway has seen (``hash -> previous hash``), so a prefix id (the
+    hash of a prefix's last block) can be turned back into its chain. Bounded: the oldest entries go first
+    (:data:`CHAIN_INDEX_BLOCKS`); a chain whose ancestors were dropped is reported unknown.
+
+    Cost: O(new blocks) per :meth:`add` (a known block implies its ancestors were added with it).
+    """
+
+    def __init__(self, max_blocks: int = CHAIN_INDEX_BLOCKS) -> None:
+        self.max_blocks = max_blocks
+        self.parent: dict[Hashable, Hashable | None] = {}
+
+    def add(self, chain: Sequence[Hashable]) -> None:
+        p = self.parent
+        k = len(chain) - 1
+        while k >= 0 and chain[k] not in p:
+            p[chain[k]] = chain[k - 1] if k else None
+            k -= 1
+        over = len(p) - self.max_blocks
+        if over > 0:
+            for h in list(islice(p, over)):
+                del p[h]
+
+    def chain_of(self, key: Hashable) -> tuple | None:
+        """The chain ending with ``key`` (root first), or None when unknown or partly dropped."""
+        p = self.parent
+        if key not in p:
+            return None
+        out = [key]
+        cur = p[key]
+        while cur is not None:
+            if cur not in p:
+                return None
+            out.append(cur)
+            cur = p[cur]
+        out.reverse()
+        return tuple(out)
+
+    def find(self, prefix: str, limit: int = 6) -> list[Hashable]:
+        """Known hashes starting with ``prefix`` (case-insensitive hex), at most ``limit``."""
+        prefix = prefix.lower()
+        out = []
+        for h in self.parent:
+            if isinstance(h, str) and h.startswith(prefix):
+                out.append(h)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def __len__(self) -> int:
+        return len(self.parent)
+
+
+class FleetState:
+    """The live :class:`~btbctl.engine.policies.base.FleetView` the policies route with.
+
+    Replica ``r`` is ``workers[r]``. An unavailable worker (unhealthy, or excluded for this request after it
+    failed it) reports no cached or pending blocks, so BTB neither routes to it as a holder nor picks it as a
+    source, and :meth:`replicate` refuses it as a target; the gateway also overrides any choice of an unavailable
+    worker (see ``app.py``). Loads are the gateway's own in-flight counts, as the SGLang router's.
+    """
+
+    def __init__(self, urls: Iterable[str], clock: Clock | None = None) -> None:
+        self.workers = [WorkerState(i, u.rstrip("/"), f"w{i}") for i, u in enumerate(urls)]
+        self.clock = clock or Clock()
+        self.transfers = TransferTable()
+        self.ttft = TtftSeries()
+        self.chains = ChainIndex()
+        self.planner: "Planner | None" = None
+        self.excluded: frozenset[int] = frozenset()
+        self.page_size = 256
+        self._cost = None
+
+    # -- FleetView ---------------------------------------------------------------------------------------------
+
+    @property
+    def n_replicas(self) -> int:
+        return len(self.workers)
+
+    def available(self, replica: int) -> bool:
+        return self.workers[replica].healthy and replica not in self.excluded
+
+    def load(self, replica: int) -> int:
+        return self.workers[replica].inflight
+
+    def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        if not self.available(replica):
+            return 0
+        return self.workers[replica].held_blocks(chain)
+
+    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        if not self.available(replica):
+            return 0
+        return self.workers[replica].pending_or_held(chain)
+
+    def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return bool(chain) and self.transfers.in_flight(replica, chain[-1])
+
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
+                  hot_since_s: float | None = None) -> bool:
+        """Ask the planner to copy ``chain`` from ``source`` to ``target`` in the background; False when refused
+        (no planner, same worker, either one unavailable or without the BTB routes, the target already holds it
+        or a copy to it is in flight). A source still computing the prefix is accepted: the job waits for it
+        (see :mod:`btbctl.engine.gateway.planner`). ``hot_since_s`` is accepted for the protocol and unused."""
+        if self.planner is None:
+            return False
+        if source in self.excluded or target in self.excluded:
+            return False
+        return self.planner.request_copy(tuple(chain), source, target, manual=False) is not None
+
+    def expected_wait_s(self, replica: int) -> float:
+        """Estimate: requests on ``replica`` still waiting for their first byte x its smoothed TTFT (0 when none
+        or unknown). The gateway has no prefill cost model of the workers; this is what it measures."""
+        w = self.workers[replica]
+        return w.prefilling * (w.ttft_ewma_s or 0.0)
+
+    def queued_prefill_s(self, replica: int) -> float:
+        """Same estimate as :meth:`expected_wait_s` (measured, not modelled)."""
+        return self.expected_wait_s(replica)
+
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """Leading blocks resident or being computed by a request the gateway has in flight there (the gateway
+        does not see the worker's own queue apart from its requests, so this equals :meth:`pending_blocks`)."""
+        return self.pending_blocks(replica, chain)
+
+    def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
+        return self.transfers.active.get((replica, chain[-1])) if chain else None
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]):
+        """The in-flight copy of ``chain`` towards ``replica`` as a ``CopyStatus`` (bytes from the source's
+        progress answers; ``available_bytes`` is 0 while the source is still computing the prefix), or None."""
+        t = self._copy(replica, chain)
+        if t is None:
+            return None
+        from btbctl.engine.policies.base import CopyStatus
+
+        now = self.clock()
+        total = float(t.bytes_total)
+        avail = 0.0 if t.state in ("planned", "waiting_source") else total
+        return CopyStatus(source=t.source, total_bytes=total, sent_bytes=float(t.bytes_sent),
+                          available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now))
+
+    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
+        """Seconds left of the in-flight copy of ``chain`` to ``replica`` at its average rate (None: none, not
+        sending yet, or no rate measured)."""
+        t = self._copy(replica, chain)
+        return None if t is None or t.state != "sending" else t.eta_s(self.clock())
+
+    def nic_copies(self, replica: int) -> int:
+        """Copies in flight from or to ``replica``."""
+        return sum(1 for t in self.transfers.active.values() if t.source == replica or t.target == replica)
+
+    def kv_headroom_tokens(self, replica: int) -> int:
+        """Free KV tokens on ``replica`` by its ``/v1/loads`` (``max_total_num_tokens - num_used_tokens``);
+        unknown evictable space is not counted. Without loads: its ``capacity_tokens`` (``/btb/info``), else 0."""
+        w = self.workers[replica]
+        if w.loads and w.loads.get("max_tokens"):
+            return max(0, int(w.loads["max_tokens"]) - int(w.loads.get("used_tokens") or 0))
+        cap = (w.info or {}).get("capacity_tokens")
+        return int(cap) if isinstance(cap, int) else 0
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block of the chains (the gateway's page size)."""
+        return self.page_size
+
+    @property
+    def cost(self):
+        """Cost model of one replica: from the first worker whose ``/btb/info`` names known model/GPU presets
+        (``model_preset``, ``gpu``, ``tp_size``), else the default cluster's (Llama-3.3-70B on 4xH100)."""
+        if self._cost is None:
+            from btbctl.engine.config import ClusterConfig
+
+            cost = None
+            for w in self.workers:
+                info = w.info or {}
+                try:
+                    cfg = ClusterConfig(model=str(info.get("model_preset") or info.get("model")),
+                                        gpu=str(info.get("gpu")), gpus_per_replica=int(info.get("tp_size") or 1))
+                    cost = cfg.replica_cost()
+                    break
+                except Exception:  # unknown preset names (a real model), missing fields
+                    continue
+            self._cost = cost or ClusterConfig().replica_cost()
+        return self._cost
+
+    # -- bookkeeping -------------------------------------------------------------------------------------------
+
+    def record_ttft(self, replica: int, now_s: float, ttft_s: float) -> None:
+        self.ttft.add(now_s, ttft_s)
+        w = self.workers[replica]
+        w.ttft_ewma_s = ttft_s if w.ttft_ewma_s is None else (
+            w.ttft_ewma_s + TTFT_EWMA_ALPHA * (ttft_s - w.ttft_ewma_s))
+
+    def holders(self, key: Hashable) -> list[int]:
+        """Workers recorded as holding the prefix whose last block hash is ``key``."""
+        return [w.index for w in self.workers if key in w.holdings]
+
+    def known_hashes(self) -> Iterable[Hashable]:
+        seen: set = set()
+        for w in self.workers:
+            for h in w.holdings:
+                if h not in seen:
+                    seen.add(h)
+                    yield h
