@@ -1,0 +1,246 @@
+"""TCP transport in one process against a recording sink: the happy path, integrity checks, a sender that dies
+mid-copy, protocol bounds, addresses and fault plans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+
+import pytest
+
+from btbctl.engine.hashing import block_payload, chain_hashes
+from btbctl.engine.replication import TRANSPORTS, make_transport
+from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
+from btbctl.engine.replication.transport import CopyRefused, TransferError, parse_address
+from btbctl.engine.errors import BtbctlError, ConfigError
+
+BLOCK = 256
+
+
+class Sink:
+    def __init__(self, block_bytes: int = BLOCK, max_blocks: int = 10_000, refuse: str | None = None) -> None:
+        self.block_bytes = block_bytes
+        self.max_blocks = max_blocks
+        self.refuse = refuse
+        self.begun: list[str] = []
+        self.committed: dict[str, list[bytes]] = {}
+        self.failed: dict[str, str] = {}
+        self.progressed: list[int] = []
+
+    def begin(self, copy_id, chain, peer):
+        self.begun.append(copy_id)
+        if self.refuse:
+            raise CopyRefused(self.refuse)
+
+    def check_block(self, index, block_hash, data):
+        if data != block_payload(block_hash, self.block_bytes):
+            raise CopyRefused(f"block {index}: content does not match its hash", index)
+
+    def progress(self, copy_id, blocks_verified, bytes_received):
+        self.progressed.append(blocks_verified)
+
+    def commit(self, copy_id, chain, blocks):
+        self.committed[copy_id] = blocks
+
+    def fail(self, copy_id, error):
+        self.failed[copy_id] = error
+
+
+def _chain(n: int, seed: int = 1) -> list[str]:
+    return chain_hashes([(seed * 31 + i) % 50000 for i in range(n * 16)], 16)
+
+
+def _blocks(chain, nbytes=BLOCK):
+    return [(h, block_payload(h, nbytes)) for h in chain]
+
+
+async def _with_receiver(sink, fn, idle_timeout_s: float = 2.0):
+    rx = TcpReceiver(sink, "127.0.0.1", 0, idle_timeout_s=idle_timeout_s)
+    port = await rx.start()
+    try:
+        return await fn(f"127.0.0.1:{port}")
+    finally:
+        await rx.close()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_copy_arrives_verified_and_committed():
+    sink = Sink()
+    chain = _chain(20)
+    progress = []
+
+    async def go(addr):
+        await TcpTransport().send(addr, "c1", chain, _blocks(chain), lambda s, t: progress.append((s, t)))
+
+    run(_with_receiver(sink, go))
+    assert sink.committed["c1"] == [b for _, b in _blocks(chain)]
+    assert progress[-1] == (20 * BLOCK, 20 * BLOCK) and len(progress) == 20
+    assert sink.progressed[-1] == 20 and not sink.failed
+
+
+def test_async_block_source_works():
+    sink = Sink()
+    chain = _chain(3)
+
+    async def agen():
+        for pair in _blocks(chain):
+            yield pair
+
+    async def go(addr):
+        await TcpTransport().send(addr, "c-async", chain, agen(), lambda s, t: None)
+
+    run(_with_receiver(sink, go))
+    assert len(sink.committed["c-async"]) == 3
+
+
+@pytest.mark.parametrize("fault,needle", [("corrupt_wire=4", "digest mismatch"),
+                                          ("corrupt_content=4", "content does not match")])
+def test_corrupted_block_is_detected_and_nothing_commits(fault, needle):
+    sink = Sink()
+    chain = _chain(10)
+
+    async def go(addr):
+        with pytest.raises(TransferError) as ei:
+            await TcpTransport(fault=FaultPlan.parse(fault)).send(addr, "bad", chain, _blocks(chain),
+                                                                  lambda s, t: None)
+        return ei.value
+
+    err = run(_with_receiver(sink, go))
+    assert needle in str(err) and "block 4" in str(err)
+    assert err.block == 4
+    assert "bad" not in sink.committed
+    assert needle in sink.failed["bad"]
+
+
+def test_sender_dying_mid_copy_leaves_nothing_warm():
+    sink = Sink()
+    chain = _chain(30)
+
+    async def go(addr):
+        with pytest.raises(TransferError, match="after 7 of 30"):
+            await TcpTransport(fault=FaultPlan(close_after=7)).send(addr, "dies", chain, _blocks(chain),
+                                                                    lambda s, t: None)
+        for _ in range(100):  # the receiver notices the reset
+            if "dies" in sink.failed:
+                break
+            await asyncio.sleep(0.01)
+
+    run(_with_receiver(sink, go))
+    assert "dies" not in sink.committed
+    assert "connection lost after 7 of 30 blocks" in sink.failed["dies"]
+
+
+def test_receiver_refusal_and_incompatible_block_size():
+    chain = _chain(2)
+
+    async def go(addr):
+        with pytest.raises(TransferError, match="refused: full"):
+            await TcpTransport().send(addr, "r1", chain, _blocks(chain), lambda s, t: None)
+
+    run(_with_receiver(Sink(refuse="full"), go))
+    sink = Sink(block_bytes=512)
+
+    async def go2(addr):
+        with pytest.raises(TransferError, match="block size"):
+            await TcpTransport().send(addr, "r2", chain, _blocks(chain, 256), lambda s, t: None)
+
+    run(_with_receiver(sink, go2))
+    assert not sink.begun  # refused at the header, before the sink heard of it
+
+
+def test_chain_longer_than_the_sink_allows_is_refused():
+    chain = _chain(5)
+
+    async def go(addr):
+        with pytest.raises(TransferError, match="exceeds this receiver's limit of 4"):
+            await TcpTransport().send(addr, "long", chain, _blocks(chain), lambda s, t: None)
+
+    run(_with_receiver(Sink(max_blocks=4), go))
+
+
+def test_garbage_and_oversized_headers_get_error_replies():
+    async def raw(addr, payload: bytes) -> dict:
+        host, port = parse_address(addr)
+        r, w = await asyncio.open_connection(host, port)
+        w.write(payload)
+        await w.drain()
+        line = await asyncio.wait_for(r.readline(), 5)
+        w.close()
+        return json.loads(line)
+
+    async def go(addr):
+        a = await raw(addr, b"GET / HTTP/1.1\r\n\r\n")
+        b = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, 1 << 30))
+        c = await raw(addr, struct.pack(">4sHHI", b"BTBK", 9, 0, 10))
+        hdr = b"[1, 2, 3]"
+        d = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
+        hdr = json.dumps({"copy_id": "x", "chain": ["not-hex"], "block_bytes": BLOCK}).encode()
+        e = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
+        return a, b, c, d, e
+
+    sink = Sink()
+    a, b, c, d, e = run(_with_receiver(sink, go))
+    assert "bad magic" in a["error"] and "outside" in b["error"] and "version 9" in c["error"]
+    assert "JSON object" in d["error"] and "hex" in e["error"]
+    assert all(x["ok"] is False for x in (a, b, c, d, e)) and not sink.begun
+
+
+def test_silent_sender_times_out_and_is_discarded():
+    sink = Sink()
+    chain = _chain(3)
+
+    async def go(addr):
+        host, port = parse_address(addr)
+        r, w = await asyncio.open_connection(host, port)
+        hdr = json.dumps({"copy_id": "quiet", "chain": chain, "block_bytes": BLOCK}).encode()
+        w.write(struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
+        await w.drain()
+        assert json.loads(await r.readline())["ok"] is True
+        for _ in range(400):
+            if "quiet" in sink.failed:
+                break
+            await asyncio.sleep(0.01)
+        w.close()
+
+    run(_with_receiver(sink, go, idle_timeout_s=0.5))
+    assert "went quiet after 0 of 3" in sink.failed["quiet"]
+
+
+def test_unreachable_target_raises_transfer_error():
+    async def go():
+        with pytest.raises(TransferError, match="cannot connect"):
+            await TcpTransport(connect_timeout_s=2).send("127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)],
+                                                         lambda s, t: None)
+
+    run(go())
+
+
+def test_parse_address():
+    assert parse_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert parse_address("[::1]:9") == ("::1", 9)
+    assert parse_address("worker-3.example:41000") == ("worker-3.example", 41000)
+    for bad in ("", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", "a b:1", "$(reboot):1", "[zz]:1",
+                "http://x:1", "host:1;ls"):
+        with pytest.raises(TransferError):
+            parse_address(bad)
+
+
+def test_fault_plan_parse():
+    assert FaultPlan.parse("corrupt_wire=3,delay_s=0.5") == FaultPlan(corrupt_wire=3, delay_s=0.5)
+    assert FaultPlan.parse("") == FaultPlan()
+    for bad in ("explode=1", "close_after=x", "delay_s"):
+        with pytest.raises(ValueError):
+            FaultPlan.parse(bad)
+
+
+def test_registry():
+    assert set(TRANSPORTS) == {"tcp", "rdma"}
+    assert make_transport("tcp").name == "tcp"
+    with pytest.raises(ConfigError):
+        make_transport("carrier-pigeon")
+    with pytest.raises(BtbctlError, match="^RDMA unavailable: "):
+        make_transport("rdma")

@@ -1,0 +1,102 @@
+"""Replication between worker processes over real TCP: a pushed prefix becomes warm on the target; a corrupted
+block is refused; a source killed mid-copy leaves the target cold."""
+
+from __future__ import annotations
+
+import pytest
+
+from btbctl.engine import hashing
+from test_worker_support import start_workers, wait_for
+
+PAGE = 256
+COMMON = ("--model-path", "llama-3.3-70b", "--time-scale", "50")
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    procs = start_workers(
+        (COMMON, None),  # A: source
+        (COMMON, None),  # B: target
+        (COMMON, {"BTBCTL_REPLICATION_FAULT": "corrupt_wire=1"}),  # F: corrupts block 1 on the wire
+        (COMMON, {"BTBCTL_REPLICATION_FAULT": "delay_s=0.02"}),  # S: slow sender (20 ms per block)
+    )
+    yield dict(zip("ABFS", procs))
+    for p in procs:
+        p.stop()
+
+
+def _prefix(worker, n_blocks: int, seed: int) -> list[str]:
+    ids = [(seed * 7 + i * 13) % 32000 for i in range(n_blocks * PAGE)]
+    st, r = worker.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    assert st == 200
+    chain = hashing.chain_hashes(ids, PAGE)
+    assert worker.post("/btb/match", {"chain": chain})[1]["cached_blocks"] == n_blocks
+    return chain
+
+
+def _copy(worker, cid):
+    st, r = worker.get(f"/btb/copies/{cid}")
+    return r if st == 200 else None
+
+
+def test_push_makes_the_target_warm(fleet):
+    a, b = fleet["A"], fleet["B"]
+    chain = _prefix(a, 6, 1)
+    ids = [(1 * 7 + i * 13) % 32000 for i in range(6 * PAGE)]
+    assert b.post("/btb/match", {"chain": chain})[1]["cached_blocks"] == 0
+    st, r = a.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "warm-1"})
+    assert st == 202 and r["copy_id"] == "warm-1" and r["blocks"] == 6
+    block_bytes = a.get("/btb/info")[1]["block_bytes"]
+    assert r["bytes"] == 6 * block_bytes
+    src = wait_for(lambda: (c := _copy(a, "warm-1")) and c["state"] != "sending" and c)
+    assert src["state"] == "done" and src["role"] == "source" and src["error"] is None
+    assert src["bytes_sent"] == src["bytes_total"] == 6 * block_bytes and src["blocks_verified"] == 6
+    assert src["finished_s"] >= src["started_s"]
+    dst = _copy(b, "warm-1")
+    assert dst["role"] == "target" and dst["state"] == "done" and dst["blocks_verified"] == 6
+    assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 6, "pending_blocks": 6}
+    st, g = b.post("/generate", {"input_ids": ids + [1, 2, 3], "sampling_params": {"max_new_tokens": 1}})
+    assert g["meta_info"]["cached_tokens"] == 6 * PAGE
+    assert any(c["copy_id"] == "warm-1" for c in b.get("/btb/copies")[1]["copies"])
+    # the target can relay the arrived bytes onwards (they verify again at the next hop)
+    st, r = b.post("/btb/push", {"chain": chain[:3], "target": a.transfer, "copy_id": "relay-1"})
+    assert st == 202
+    assert wait_for(lambda: (c := _copy(b, "relay-1")) and c["state"] != "sending" and c)["state"] == "done"
+
+
+def test_push_of_a_chain_not_held_is_409(fleet):
+    a, b = fleet["A"], fleet["B"]
+    chain = _prefix(a, 2, 2)
+    st, r = b.post("/btb/push", {"chain": chain, "target": a.transfer})
+    assert st == 409
+
+
+def test_corrupted_block_is_refused_and_target_stays_cold(fleet):
+    f, b = fleet["F"], fleet["B"]
+    chain = _prefix(f, 4, 3)
+    st, r = f.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "corrupt-1"})
+    assert st == 202
+    src = wait_for(lambda: (c := _copy(f, "corrupt-1")) and c["state"] != "sending" and c)
+    assert src["state"] == "failed" and "block 1" in src["error"] and "digest mismatch" in src["error"]
+    dst = wait_for(lambda: (c := _copy(b, "corrupt-1")) and c["state"] != "sending" and c)
+    assert dst["state"] == "failed" and "block 1" in dst["error"]
+    assert dst["blocks_verified"] == 1
+    assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
+
+
+def test_source_killed_mid_copy_leaves_target_cold(fleet):
+    s, b = fleet["S"], fleet["B"]
+    chain = _prefix(s, 150, 4)  # 150 blocks at 20 ms each: about 3 s of sending
+    st, r = s.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "killed-1"})
+    assert st == 202
+    wait_for(lambda: (c := _copy(b, "killed-1")) and c["blocks_verified"] >= 5)
+    # while arriving, the blocks count as pending on the target but not as cached
+    m = b.post("/btb/match", {"chain": chain})[1]
+    assert m["cached_blocks"] == 0 and m["pending_blocks"] == 150
+    s.kill()
+    dst = wait_for(lambda: (c := _copy(b, "killed-1")) and c["state"] != "sending" and c)
+    assert dst["state"] == "failed" and "connection lost" in dst["error"]
+    assert 5 <= dst["blocks_verified"] < 150
+    assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
+    with pytest.raises(OSError):  # the source is gone
+        s.get("/btb/copies/killed-1", timeout=2)
