@@ -33,6 +33,7 @@ _FLAGS = {
     "policies": "--policies",
     "seed": "--seed",
     "fidelity": "--fidelity",
+    "setup": "--setup",
     "requests_out": "--requests-out",
 }
 
@@ -57,6 +58,11 @@ def dry_run(
                            "adversarial variant.")] = None,
     decoys: Annotated[Optional[int], typer.Option(
         "--decoys", help="Generated trace: single requests with their own long prefix (default: 120).")] = None,
+    setup: Annotated[Optional[str], typer.Option(
+        "--setup", metavar="NAME",
+        help="Named setup of the published BTB table: 70b_h100x4, qwen3_8b_h100x4, glm45_h100x4, glm52_h100x8, "
+             "kimi_k2_h100x8, dense1t_b300x4. Sets model, GPU, GPUs per replica, replicas and NIC; the flags "
+             "below still override it.")] = None,
     model: Annotated[Optional[str], typer.Option(
         "--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")] = None,
     gpu: Annotated[Optional[str], typer.Option(
@@ -107,7 +113,7 @@ def dry_run(
         "cluster.replicas": replicas, "cluster.nic_gbps": nic_gbps,
         "btb.prefix_blocks": prefix_blocks, "btb.threshold": threshold, "btb.window_s": window_s,
         "btb.replicas": btb_replicas,
-        "policies": policy_list, "seed": seed, "fidelity": fidelity,
+        "policies": policy_list, "seed": seed, "fidelity": fidelity, "setup": setup,
     }
     given = {k for k, v in overrides.items() if v is not None}
     if requests_out is not None:

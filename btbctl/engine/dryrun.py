@@ -9,6 +9,7 @@ A config file looks like::
 
     seed = 42
     fidelity = "realistic"
+    # setup = "70b_h100x4"   # a named setup of the published table fills [cluster]; keys set there still win
     policies = ["round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb"]
 
     [trace]                  # either a file ...
@@ -35,7 +36,7 @@ import sys
 import time
 from typing import IO, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from btbctl import __version__
@@ -209,6 +210,40 @@ class DryRunConfig(BaseModel):
     """Seed of the simulator (ties, random choices) and, unless ``trace.seed`` is set, of the trace generator."""
     fidelity: Literal["realistic", "infersim"] = "realistic"
     """Simulator fidelity profile: ``realistic`` or ``infersim`` (the reference simulator's simplifications)."""
+    setup: str | None = None
+    """Named setup of the published BTB table (``btbctl.engine.setups.SETUPS``: ``70b_h100x4``, ``qwen3_8b_h100x4``,
+    ``glm45_h100x4``, ``glm52_h100x8``, ``kimi_k2_h100x8``, ``dense1t_b300x4``). It fills ``cluster.model``,
+    ``gpu``, ``gpus_per_replica``, ``replicas`` and ``nic_gbps``; a cluster key given explicitly (in the file or by
+    a flag) wins over the setup. None: the cluster keys alone."""
+
+    #: cluster keys the setup filled (so a later override of ``setup`` can replace them)
+    _setup_filled: frozenset = PrivateAttr(default=frozenset())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _apply_setup(cls, data: Any, handler):
+        filled: frozenset = frozenset()
+        if isinstance(data, dict) and isinstance(data.get("setup"), str):
+            from btbctl.engine.setups import SETUPS
+
+            known = SETUPS.get(data["setup"])
+            cluster = data.get("cluster", {})
+            if known is not None and isinstance(cluster, dict):
+                settings = known.cluster_settings()
+                filled = frozenset(k for k in settings if k not in cluster)
+                data = {**data, "cluster": {**cluster, **{k: settings[k] for k in filled}}}
+        model = handler(data)
+        model._setup_filled = filled
+        return model
+
+    @field_validator("setup")
+    @classmethod
+    def _known_setup(cls, v: str | None) -> str | None:
+        from btbctl.engine.setups import SETUPS
+
+        if v is not None and v not in SETUPS:
+            raise _error("unknown_setup", f"unknown setup {v!r}; valid: {', '.join(SETUPS)}")
+        return v
 
     @field_validator("policies")
     @classmethod
@@ -255,6 +290,9 @@ class DryRunConfig(BaseModel):
         skipped) after the dotted keys in ``unset`` went back to their defaults. Raises :class:`ConfigError` naming
         the dotted key."""
         data = self.model_dump(exclude_unset=True)
+        if self._setup_filled and isinstance(data.get("cluster"), dict):
+            for key in self._setup_filled:  # the (possibly new) setup fills them again
+                data["cluster"].pop(key, None)
         for dotted in unset:
             node = data
             *parents, leaf = dotted.split(".")
