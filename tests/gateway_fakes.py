@@ -1,0 +1,286 @@
+"""A small fake SGLang/BTB worker for the gateway tests (aiohttp app on a real loopback socket).
+
+It speaks the routes the gateway uses, with controllable delays and failures, and records what it saw:
+``requests`` (path, parsed body), ``pushes`` (bodies of ``/btb/push``), ``matches``. Prompts become chains with
+the shared :mod:`btbctl.engine.hashing` (not the gateway's fast path), so a test also checks that both agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from btbctl.engine import hashing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class FakeWorker:
+    """Knobs (change them at any time):
+
+    * ``first_byte_delay_s``: wait before the answer (non-stream) or the first chunk (stream).
+    * ``chunks`` / ``chunk_delay_s``: stream shape (``chunks`` data events then ``[DONE]``).
+    * ``fail``: None, ``"500"`` (answer 500 at once), ``"abort_before"`` (drop the connection before any byte),
+      ``"abort_after_first"`` (send the first stream chunk, then drop the connection).
+    * ``btb``: serve the ``/btb`` routes (False: 404 like a plain SGLang server).
+    * ``copy_outcome``: ``"done"`` or ``"failed"`` for pushes from this worker; ``copy_polls``: progress answers
+      (``sending``) before the outcome.
+    * ``health_status``: status of ``/health``.
+    """
+
+    page_size: int = 4
+    first_byte_delay_s: float = 0.0
+    chunks: int = 3
+    chunk_delay_s: float = 0.0
+    fail: str | None = None
+    btb: bool = True
+    copy_outcome: str = "done"
+    copy_polls: int = 2
+    health_status: int = 200
+    block_bytes: int = 1000
+    registry: dict = field(default_factory=dict)  # transfer_addr -> FakeWorker (shared by a fleet)
+    requests: list = field(default_factory=list)
+    pushes: list = field(default_factory=list)
+    matches: list = field(default_factory=list)
+    held: set = field(default_factory=set)
+    copies: dict = field(default_factory=dict)
+    url: str = ""
+    transfer_addr: str = ""
+    runner: web.AppRunner | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------------
+
+    async def start(self) -> "FakeWorker":
+        app = web.Application()
+        r = app.router
+        r.add_get("/health", self.health)
+        r.add_get("/v1/loads", self.loads)
+        r.add_get("/v1/models", self.models)
+        r.add_post("/generate", self.generate)
+        r.add_post("/v1/completions", self.generate)
+        r.add_post("/v1/chat/completions", self.generate)
+        r.add_post("/btb/match", self.match)
+        r.add_get("/btb/info", self.info)
+        r.add_post("/btb/push", self.push)
+        r.add_get("/btb/copies/{copy_id}", self.copy)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.url = f"http://127.0.0.1:{port}"
+        self.transfer_addr = f"127.0.0.1:{free_port()}"
+        self.registry[self.transfer_addr] = self
+        return self
+
+    async def kill(self) -> None:
+        """Stop listening and drop every open connection (like a killed process)."""
+        if self.runner is not None:
+            server = self.runner.server
+            for site in list(self.runner.sites):
+                await site.stop()
+            if server is not None:
+                for conn in list(server.connections):
+                    if conn.transport is not None:
+                        conn.transport.abort()
+            await self.runner.cleanup()
+            self.runner = None
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+
+    def chain_of(self, path: str, body: dict) -> list[str]:
+        if path == "/generate":
+            toks = body["input_ids"] if body.get("input_ids") is not None else hashing.text_to_tokens(body["text"])
+        elif path == "/v1/completions":
+            p = body["prompt"]
+            toks = p if isinstance(p, list) else hashing.text_to_tokens(p)
+        else:
+            text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in body["messages"])
+            toks = hashing.text_to_tokens(text)
+        return hashing.chain_hashes(toks, self.page_size)
+
+    # -- routes ----------------------------------------------------------------------------------------------------
+
+    async def health(self, request):
+        return web.json_response({}, status=self.health_status)
+
+    async def loads(self, request):
+        return web.json_response({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 2, "num_used_tokens": 30,
+                                             "max_total_num_tokens": 100, "token_usage": 0.3}]})
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.requests.append((request.path, body))
+        if self.fail == "500":
+            return web.json_response({"error": "boom"}, status=500)
+        if self.fail == "abort_before":
+            request.transport.abort()
+            await asyncio.sleep(0.05)
+            return web.Response()
+        if self.first_byte_delay_s:
+            await asyncio.sleep(self.first_byte_delay_s)
+        chain = self.chain_of(request.path, body)
+        self.held.update(chain)
+        n = len(self.requests)
+        if not body.get("stream"):
+            return web.json_response({"text": f"answer {n}", "meta_info": {"id": str(n), "chain": chain}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.chunks):
+            await resp.write(f"data: {json.dumps({'text': f'chunk{i}', 'n': n})}\n\n".encode())
+            if i == 0 and self.fail == "abort_after_first":
+                await asyncio.sleep(0.02)
+                request.transport.abort()
+                return resp
+            if self.chunk_delay_s:
+                await asyncio.sleep(self.chunk_delay_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def match(self, request):
+        if not self.btb:
+            raise web.HTTPNotFound()
+        chain = (await request.json())["chain"]
+        self.matches.append(chain)
+        k = 0
+        while k < len(chain) and chain[k] in self.held:
+            k += 1
+        return web.json_response({"cached_blocks": k, "pending_blocks": k})
+
+    async def info(self, request):
+        if not self.btb:
+            raise web.HTTPNotFound()
+        return web.json_response({"transfer_addr": self.transfer_addr, "page_size": self.page_size,
+                                  "kv_bytes_per_token": 10, "block_bytes": self.block_bytes, "model": "fake",
+                                  "gpu": "h100", "tp_size": 1, "capacity_tokens": 100000})
+
+    async def push(self, request):
+        if not self.btb:
+            raise web.HTTPNotFound()
+        body = await request.json()
+        self.pushes.append({"body": body, "auth": request.headers.get("Authorization")})
+        chain = body["chain"]
+        if not all(h in self.held for h in chain):
+            return web.json_response({"error": "not held"}, status=409)
+        total = len(chain) * self.block_bytes
+        self.copies[body["copy_id"]] = {"polls": 0, "chain": chain, "target": body["target"], "total": total}
+        return web.json_response({"copy_id": body["copy_id"], "blocks": len(chain), "bytes": total}, status=202)
+
+    async def copy(self, request):
+        c = self.copies.get(request.match_info["copy_id"])
+        if c is None:
+            raise web.HTTPNotFound()
+        c["polls"] += 1
+        total = c["total"]
+        if c["polls"] <= self.copy_polls:
+            sent = total * c["polls"] // (self.copy_polls + 1)
+            state, err = "sending", None
+        else:
+            state = self.copy_outcome
+            sent = total if state == "done" else total // 2
+            err = None if state == "done" else "checksum mismatch on block 1"
+            if state == "done" and not c.get("committed"):
+                c["committed"] = True
+                target = self.registry.get(c["target"])
+                if target is not None:
+                    target.held.update(c["chain"])
+        return web.json_response({"copy_id": request.match_info["copy_id"], "role": "source", "state": state,
+                                  "bytes_sent": sent, "bytes_total": total, "blocks_verified": 0, "error": err,
+                                  "started_s": 0.0, "finished_s": None})
+
+
+async def start_fleet(n: int, **kw) -> list[FakeWorker]:
+    registry: dict = {}
+    return [await FakeWorker(registry=registry, **kw).start() for _ in range(n)]
+
+
+async def stop_fleet(fleet: list[FakeWorker]) -> None:
+    for w in fleet:
+        await w.kill()
+
+
+class GatewayEnv:
+    """A fake fleet plus a gateway in front of it (``async with GatewayEnv(3, policy="btb") as env``)."""
+
+    def __init__(self, n: int = 3, worker_kw: dict | None = None, **config) -> None:
+        self.n = n
+        self.worker_kw = worker_kw or {}
+        self.config = config
+        self.fleet: list[FakeWorker] = []
+        self.gw = None
+        self.http = None
+
+    async def __aenter__(self) -> "GatewayEnv":
+        import aiohttp
+
+        from btbctl.engine.gateway import GatewayConfig, serve_gateway
+
+        self.fleet = await start_fleet(self.n, **self.worker_kw)
+        cfg = dict(port=0, control_port=0, token="test-token", health_interval_s=0.2, poll_interval_s=0.02)
+        cfg.update(self.config)
+        self.gw = await serve_gateway(GatewayConfig(workers=[w.url for w in self.fleet], **cfg))
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.close()
+        await self.gw.stop()
+        await stop_fleet(self.fleet)
+
+    @property
+    def url(self) -> str:
+        return self.gw.data_url
+
+    @property
+    def control(self) -> str:
+        return self.gw.control_url
+
+    def auth(self, token: str = "test-token") -> dict:
+        return {"Authorization": f"Bearer {token}"}
+
+    async def post(self, path: str, body, **kw) -> tuple[int, object]:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        async with self.http.post(self.url + path, data=data, headers={"Content-Type": "application/json"},
+                                  **kw) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+    async def get_control(self, path: str, **kw) -> tuple[int, object]:
+        async with self.http.get(self.control + path, **kw) as r:
+            return r.status, await r.json()
+
+    async def metrics(self) -> str:
+        async with self.http.get(self.url + "/metrics") as r:
+            return await r.text()
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """The value of sample ``name{labels}`` in Prometheus text (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def run(coro, timeout: float = 30.0):
+    """Run an async test body with a deadline."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
