@@ -84,3 +84,14 @@ def test_infersim_dry_run_on_a_setup(capsys):
     assert r["fidelity"] == "infersim"
     ca, btb = (s["ttft_s"]["mean"] for s in r["results"])
     assert btb < ca
+
+
+def test_infersim_checks_the_fit_with_all_of_hbm(capsys):
+    # GLM-5.2-like (372 GB of int4 weights) on 5 x H100 fits only without SGLang's memory fraction, as in Infer-Sim
+    args = ["dry-run", *SMALL, "--setup", "glm52_h100x8", "--gpus-per-replica", "5", "--policies", "cache_aware",
+            "--format", "json"]
+    code, _, err = run(capsys, *args)
+    assert code == 2 and "--gpus-per-replica" in err
+    code, out, err = run(capsys, *args, "--fidelity", "infersim")
+    assert code == 0, err
+    assert json.loads(out)["cluster"]["gpus_per_replica"] == 5

@@ -262,9 +262,12 @@ class DryRunConfig(BaseModel):
         return v
 
     def replica_cost(self) -> ReplicaCost:
-        """The cost model of one replica of ``cluster``. Raises :class:`ConfigError` (key ``cluster.<field>``) for
-        an unknown preset or a model that does not fit its GPUs."""
+        """The cost model of one replica of ``cluster`` (in the ``infersim`` fidelity at Infer-Sim's memory fraction,
+        1.0). Raises :class:`ConfigError` (key ``cluster.<field>``) for an unknown preset or a model that does not
+        fit its GPUs."""
         try:
+            if self.fidelity == "infersim":
+                return self.cluster.replica_cost(mem_fraction=1.0)
             return self.cluster.replica_cost()
         except ConfigError as e:
             raise ConfigError(f"cluster.{e.key}", e.reason, e.path) from None

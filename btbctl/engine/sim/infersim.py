@@ -326,7 +326,6 @@ class InferSimReplica:
             extra = -(-s.need // bt) - len(s.blocks)
             self.insert(s.blocks if extra <= 0 else tuple(s.blocks) + tuple(_OutBlock() for _ in range(extra)))
 
-
     def _mark_copies_used(self, blocks: Sequence[Hashable], matched: int) -> None:
         copied = self.copied
         for n in self.copy_lens:
