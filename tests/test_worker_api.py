@@ -264,3 +264,35 @@ def test_sigterm_stops_gracefully():
         assert p.proc.wait(10) == 0
     finally:
         p.stop()
+
+
+def test_wall_latency_is_model_time_over_time_scale(w):
+    from btbctl.engine.config import ClusterConfig
+
+    cost = ClusterConfig(model="llama-3.3-70b", gpu="h100", gpus_per_replica=4, replicas=1).replica_cost()
+    ids = _ids(32 * PAGE, 21)  # 8192 tokens: one prefill chunk on an H100 (SGLang's default chunk)
+    prefill_s = cost.prefill_time_s(32 * PAGE, 0)
+    st, r = w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    e2e = r["meta_info"]["e2e_latency"]
+    assert prefill_s / 20 * 0.9 <= e2e <= prefill_s / 20 * 1.5 + 0.02, (e2e, prefill_s / 20)
+    # decode: 40 more tokens cost about 40 decode steps of one sequence at its KV size
+    st, r2 = w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 41}})
+    step_s = cost.decode_step_time_s(1, 32 * PAGE + 20)
+    decode = r2["meta_info"]["e2e_latency"]  # prefix cached: almost all of it is decode
+    assert 40 * step_s / 20 * 0.8 <= decode <= 40 * step_s / 20 * 1.5 + 0.03, (decode, 40 * step_s / 20)
+
+
+def test_streamed_tokens_are_spread_until_the_finish(w):
+    ids = _ids(8 * PAGE, 22)
+    w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})  # warm the prefix
+    timed = w.stream_timed("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 60},
+                                         "stream": True})
+    assert timed[-1][1] == "[DONE]"
+    chunks = [(t, json.loads(p)) for t, p in timed[:-1]]
+    assert len(chunks) >= 20  # not all at once at the end
+    first_t, last_t = chunks[0][0], chunks[-1][0]
+    mid = [t for t, c in chunks if c["meta_info"]["completion_tokens"] == 30]
+    span = last_t - first_t
+    assert span > 0.03  # ~59 decode steps of ~15 ms model time at time scale 20
+    if mid:  # the middle token comes out near the middle of the decode
+        assert 0.2 * span < mid[0] - first_t < 0.8 * span

@@ -111,6 +111,22 @@ class WorkerProc:
         return out
 
 
+    def stream_timed(self, path: str, body: dict) -> list[tuple[float, str]]:
+        """``(monotonic arrival time, data payload)`` of each SSE event as it is read."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        out = []
+        with urllib.request.urlopen(req, timeout=20) as r:
+            while True:
+                line = r.readline()
+                if not line:
+                    break
+                line = line.decode().rstrip("\n")
+                if line.startswith("data: "):
+                    out.append((time.monotonic(), line[len("data: "):]))
+        return out
+
+
 def start_workers(*specs: tuple) -> list[WorkerProc]:
     """Start several workers at once: each spec is ``(args tuple, env dict or None)``; waits for all."""
     procs = [WorkerProc(*args, env=env) for args, env in specs]

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from btbctl import __version__
 from btbctl.engine import hashing
@@ -54,8 +54,13 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 128
 #: Synthetic text of one generated token.
 TOKEN_TEXT = " tok"
-#: Copy records kept for ``/btb/copies`` (oldest dropped first).
+#: Copy records kept for ``/btb/copies`` (oldest finished ones dropped first).
 MAX_COPY_RECORDS = 1024
+#: Copies this worker sends at once; more pushes get 429 (bounds tasks and sockets).
+MAX_OUTBOUND_COPIES = 64
+#: Largest copy this worker receives, bytes of its block store (a copy is held in memory until it verifies;
+#: 1 GiB is 800k blocks of Llama-3.3-70B at the default scale, far beyond its KV capacity).
+MAX_INBOUND_COPY_BYTES = 1 << 30
 #: Latency histogram buckets, seconds (a spread like SGLang's collector: milliseconds to minutes).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0,
                 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -64,7 +69,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04
                0.3, 0.5, 1.0, 2.0)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 500: "InternalServerError",
+          405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "TooManyRequests", 500: "InternalServerError",
           503: "ServiceUnavailable"}
 
 
@@ -260,18 +265,21 @@ class Worker:
 
     # -- copies -----------------------------------------------------------------------------------------------
     def record(self, rec: CopyRecord) -> CopyRecord:
+        """Keep ``rec`` (replacing a record of the same id and role); forget the oldest finished records beyond
+        :data:`MAX_COPY_RECORDS`."""
         key = (rec.copy_id, rec.role)
         self.copies.pop(key, None)
         self.copies[key] = rec
-        while len(self.copies) > MAX_COPY_RECORDS:
-            k, old = next(iter(self.copies.items()))
-            if old.state == "sending":  # keep copies in progress
-                self.copies.move_to_end(k)
-                if all(r.state == "sending" for r in self.copies.values()):
+        if len(self.copies) > MAX_COPY_RECORDS:
+            for k, old in list(self.copies.items()):
+                if len(self.copies) <= MAX_COPY_RECORDS:
                     break
-                continue
-            self.copies.popitem(last=False)
+                if old.state != "sending":
+                    del self.copies[k]
         return rec
+
+    def outbound_in_flight(self) -> int:
+        return sum(1 for r in self.copies.values() if r.role == "source" and r.state == "sending")
 
     def inbound_pending(self, chain: Sequence[str]) -> int:
         """Longest leading part of ``chain`` covered by a copy arriving now."""
@@ -330,7 +338,8 @@ class _Sink:
     def __init__(self, worker: Worker) -> None:
         self.w = worker
         self.block_bytes = worker.block_bytes
-        self.max_blocks = max(1, worker.model.capacity_tokens // worker.cfg.page_size)
+        self.max_blocks = max(1, min(worker.model.capacity_tokens // worker.cfg.page_size,
+                                     MAX_INBOUND_COPY_BYTES // worker.block_bytes))
 
     def begin(self, copy_id: str, chain: Sequence[str], peer: str) -> None:
         old = self.w.copies.get((copy_id, "target"))
@@ -379,6 +388,15 @@ class _Metrics:
                              "seconds", ["model_name"], buckets=E2E_BUCKETS, registry=r)
         self.itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              ["model_name"], buckets=ITL_BUCKETS, registry=r)
+        # counters (exposed with the _total suffix, as SGLang's)
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", ["model_name"],
+                                     registry=r)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
+                                         ["model_name"], registry=r)
+        self.cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", ["model_name"],
+                                     registry=r)
+        self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", ["model_name"],
+                                    registry=r)
         labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
         self.gauges = {
             name: Gauge(f"sglang:{name}", doc, labels, registry=r)
@@ -394,7 +412,12 @@ class _Metrics:
         self.lv = (model_name, "unified", "0", "0")
 
     def observe(self, lr: LiveRequest) -> None:
+        """Record one finished request (latencies in wall seconds)."""
         name = self.model_name
+        self.num_requests.labels(name).inc()
+        self.prompt_tokens.labels(name).inc(lr.prompt_tokens)
+        self.generation_tokens.labels(name).inc(lr.max_new_tokens)
+        self.cached_tokens.labels(name).inc(lr.cached_tokens)
         if not math.isnan(lr.first_wall):
             self.ttft.labels(name).observe(max(0.0, lr.first_wall - lr.arrival_wall))
         if not math.isnan(lr.finish_wall):
@@ -539,9 +562,15 @@ class _Handlers:
             raise ApiError(503, "worker is starting or stopping")
         chain = hashing.chain_hashes(tokens, self.cfg.page_size)
         try:
-            return self.model.submit(chain, len(tokens), max_new, rid)
+            lr = self.model.submit(chain, len(tokens), max_new, rid)
         except TooLarge as e:
             raise ApiError(400, str(e)) from None
+        metrics = self.w.metrics
+        if lr.done.done():
+            metrics.observe(lr)
+        else:  # observed when the model finishes it, whether or not the client is still there
+            lr.done.add_done_callback(lambda _f: metrics.observe(lr))
+        return lr
 
     async def _progress(self, lr: LiveRequest):
         """Yield ``(tokens_out, finished)`` as tokens come out: the first at the first token, the rest spread at
@@ -591,9 +620,6 @@ class _Handlers:
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         await resp.write(f"data: {data}\n\n".encode())
 
-    async def _finish(self, lr: LiveRequest) -> None:
-        await lr.done
-        self.w.metrics.observe(lr)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
@@ -609,18 +635,15 @@ class _Handlers:
         stream = _bool(body, "stream")
         lr = self._submit(tokens, max_new, _rid(body.get("rid")))
         if not stream:
-            await self._finish(lr)
+            await lr.done
             return web.json_response({"text": TOKEN_TEXT * max_new, "meta_info": self._meta(lr, max_new, True)})
         resp = await self._sse_start(request)
         try:
             async for k, fin in self._progress(lr):
                 await self._sse(resp, {"text": TOKEN_TEXT * k, "meta_info": self._meta(lr, k, fin), "index": 0})
             await self._sse(resp, "[DONE]")
-        except (ConnectionResetError, ConnectionError):
-            pass
-        finally:
-            if lr.done.done():
-                self.w.metrics.observe(lr)
+        except ConnectionError:
+            pass  # the client went away; the request still runs to completion in the model
         return resp
 
     def _usage(self, lr: LiveRequest, completion: int) -> dict:
@@ -642,7 +665,7 @@ class _Handlers:
         model = self.cfg.served_name
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            await self._finish(lr)
+            await lr.done
             text = TOKEN_TEXT * max_new
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                        "finish_reason": "length"} if chat else
@@ -672,11 +695,8 @@ class _Handlers:
                 await self._sse(resp, {"id": oid, "object": chunk_obj, "created": created, "model": model,
                                        "choices": [], "usage": self._usage(lr, max_new)})
             await self._sse(resp, "[DONE]")
-        except (ConnectionResetError, ConnectionError):
-            pass
-        finally:
-            if lr.done.done():
-                self.w.metrics.observe(lr)
+        except ConnectionError:
+            pass  # the client went away; the request still runs to completion in the model
         return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -763,6 +783,8 @@ class _Handlers:
         old = self.w.copies.get((copy_id, "source"))
         if old is not None and old.state == "sending":
             raise ApiError(409, f"copy {copy_id} is already in progress")
+        if self.w.outbound_in_flight() >= MAX_OUTBOUND_COPIES:
+            raise ApiError(429, f"{MAX_OUTBOUND_COPIES} copies are already being sent; retry later")
         have = self.model.cached_blocks(chain)
         if have < len(chain):
             raise ApiError(409, f"this worker holds {have} of the chain's {len(chain)} blocks")

@@ -158,9 +158,11 @@ class LiveModel:
         lr.cached_tokens = cached_tokens
         lr.ttft_model_s = ttft_s
         self.cached_tokens_total += cached_tokens
-        st = self.sim.replica_state(0)
         if lr.max_new_tokens > 1 and not self.zero:
-            step = self.cost.decode_step_time_s(max(1, st["running"]), max(0, st["used_tokens"]))
+            # decode step of the sequences past their first token now (this one included), at their KV size
+            decoding = [x for x in self._live.values() if not math.isnan(x.first_wall)]
+            kv = sum(x.prompt_tokens + x.max_new_tokens // 2 for x in decoding)
+            step = self.cost.decode_step_time_s(len(decoding), kv)
             lr.itl_wall_s = step / self.scale
         if not lr.first.done():
             lr.first.set_result(cached_tokens)
