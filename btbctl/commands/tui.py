@@ -1,0 +1,82 @@
+"""``btbctl tui``: the operations dashboard, attached to a running fleet or to a live simulation (``--sim``).
+
+Textual and the dashboard are imported inside the command so ``btbctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+
+
+@app.command("tui")
+def tui(
+    url: Annotated[Optional[str], typer.Option(
+        "--url", help="Control API of the fleet (default: the one recorded in the run directory).")] = None,
+    token: Annotated[Optional[str], typer.Option(
+        "--token", help="Bearer token for control-API writes (default: read from --token-file or the run "
+                        "directory).")] = None,
+    token_file: Annotated[Optional[str], typer.Option(
+        "--token-file", metavar="PATH", help="File holding the bearer token.")] = None,
+    run_dir: Annotated[Optional[str], typer.Option(
+        "--run-dir", metavar="DIR", help="Run directory written by 'btbctl up' (default: the standard one).")] = None,
+    sim: Annotated[bool, typer.Option(
+        "--sim", help="Attach to a live simulation paced to the wall clock instead of a fleet.")] = False,
+    config: Annotated[Optional[str], typer.Option(
+        "-c", "--config", metavar="FILE", help="--sim: dry-run TOML config; flags override it.")] = None,
+    trace: Annotated[Optional[str], typer.Option(
+        "--trace", metavar="PATH", help="--sim: trace file (default: a generated Bursted window).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="--sim: model preset (default: llama-3.3-70b).")] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="--sim: GPU preset (default: h100).")] = None,
+    gpus_per_replica: Annotated[Optional[int], typer.Option(
+        "--gpus-per-replica", help="--sim: GPUs per replica (default: 4).")] = None,
+    replicas: Annotated[Optional[int], typer.Option(
+        "--replicas", help="--sim: replicas in the fleet (default: 4).")] = None,
+    policy: Annotated[Optional[str], typer.Option(
+        "--policy", help="--sim: routing policy (default: btb).")] = None,
+    prefix_blocks: Annotated[Optional[int], typer.Option(
+        "--prefix-blocks", help="--sim: BTB Y, prefix blocks (default: 256).")] = None,
+    threshold: Annotated[Optional[int], typer.Option(
+        "--threshold", help="--sim: BTB X, arrivals in the window that fire (default: 2).")] = None,
+    window_s: Annotated[Optional[float], typer.Option(
+        "--window-s", help="--sim: BTB Z, detection window, seconds (default: 1.0).")] = None,
+    btb_replicas: Annotated[Optional[int], typer.Option(
+        "--btb-replicas", help="--sim: BTB M, replicas that should hold a hot prefix (default: 4).")] = None,
+    speed: Annotated[float, typer.Option(
+        "--speed", help="--sim: simulated seconds per wall second (default: 1).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="--sim: seed (default: 42).")] = None,
+    poll_hz: Annotated[float, typer.Option(
+        "--poll-hz", help="Screen refreshes per second (default: 4).")] = 4.0,
+) -> None:
+    """Live dashboard: prefix heat, fleet and HBM, transfers, TTFT, and BTB's constants (editable)."""
+    from btbctl.engine.errors import ConfigError
+
+    if sim:
+        from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config
+        from btbctl.engine.live import sim_source_from_config
+
+        overrides = {
+            "trace.path": trace, "cluster.model": model, "cluster.gpu": gpu,
+            "cluster.gpus_per_replica": gpus_per_replica, "cluster.replicas": replicas,
+            "btb.prefix_blocks": prefix_blocks, "btb.threshold": threshold, "btb.window_s": window_s,
+            "btb.replicas": btb_replicas, "seed": seed,
+        }
+        cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
+        unset = ("trace.format", "trace.generate") if trace is not None else ()
+        cfg = cfg.with_overrides(overrides, unset=unset)
+        source = sim_source_from_config(cfg, policy, speed=speed)
+        title = f"simulation x{speed:g}"
+    else:
+        if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config)):
+            raise ConfigError("--sim", "simulation options (--trace, --model, ...) need --sim")
+        from btbctl.engine.live import ControlApiLiveSource, resolve_control_api
+
+        base, tok = resolve_control_api(url=url, token=token, token_file=token_file, run_dir=run_dir)
+        source = ControlApiLiveSource(base, tok)
+        title = base
+    from btbctl.tui.app import build_app
+
+    build_app(source, poll_hz=poll_hz, title=title).run()

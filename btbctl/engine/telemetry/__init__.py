@@ -1,0 +1,1 @@
+"""Telemetry of the machines the fleet runs on (NVML GPU readings)."""

@@ -1,0 +1,364 @@
+"""The operations dashboard: one Textual app over any :class:`~btbctl.engine.live.LiveSource`.
+
+:func:`build_app` is the only way the app is made, by ``btbctl tui`` and by the tests alike.
+
+Updates are pulled, never pushed: a timer asks the source for a snapshot ``poll_hz`` times a second in a Textual
+worker (so network calls and the simulation lock never run on the event loop); while one request is in flight the
+next tick is skipped, so however fast the fleet changes only the latest snapshot is rendered. Pausing the view
+stops applying snapshots (the fleet or simulation keeps running).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Vertical
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import Footer, Input, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.errors import BtbctlError
+from btbctl.engine.live import FleetSnapshot, LiveSource
+from btbctl.tui.widgets.panels import ConstantsPanel, FleetPanel, PrefixPanel, TransferPanel, TtftPanel
+
+#: Snapshot requests per second (4 Hz: a refresh rate a person reads comfortably; each costs one round of
+#: control-API calls).
+DEFAULT_POLL_HZ = 4.0
+
+#: GIL switch interval while the dashboard runs, seconds (see :meth:`Dashboard.on_mount`).
+GIL_SWITCH_S = 0.001
+
+_INT_FIELDS = {"prefix_blocks", "threshold", "replicas"}
+
+CSS = """
+Screen { layout: vertical; }
+#status { height: 1; background: $boost; padding: 0 1; }
+#status.down { background: $error; color: $text; }
+#status.paused { background: $warning; color: $text; }
+#panels { layout: grid; grid-size: 2 2; grid-columns: 1fr 1fr; grid-rows: 1fr 1fr; height: 1fr; }
+#panels > * { border: round $primary 50%; }
+#panels > *:focus-within { border: round $accent; }
+ConstantsPanel { height: 4; border: round $primary 50%; }
+ConstantsPanel:focus-within { border: round $accent; }
+#const-row { height: 1; }
+.const-label { color: $text-muted; }
+.const-input { width: 8; margin-right: 1; }
+#const-status { height: 1; }
+#prefix-table { height: 1fr; }
+#ttft-head { height: 1; }
+#ttft-plot { height: 1fr; }
+HelpScreen, ReplicateScreen, PolicyScreen { align: center middle; }
+#dialog { width: 60; max-width: 95%; height: auto; border: thick $accent; background: $surface; padding: 0 1; }
+#dialog Input { margin: 1 0 0 0; }
+#dialog OptionList { height: auto; max-height: 12; }
+"""
+
+HELP = """\
+[b]btbctl tui[/b]: live prefix heat, fleet and HBM, transfers, TTFT and BTB's constants.
+
+  [b]1..5[/b]   jump to a panel (prefixes, fleet, transfers, TTFT, constants)
+  [b]tab[/b]    next panel
+  [b]up/down[/b] select a prefix (panel 1)
+  [b]r[/b]      replicate the selected prefix to n more workers
+  [b]c[/b]      change the routing policy
+  [b]e[/b]      edit the constants (Enter sends a field; the fleet confirms or refuses)
+  [b]p[/b]      pause / resume the live view (the fleet keeps running)
+  [b]?[/b]      this help
+  [b]q[/b]      quit
+
+[dim]escape closes this screen[/dim]"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(HELP)
+
+
+class ReplicateScreen(ModalScreen[int | None]):
+    """Asks how many more workers should get the prefix; dismisses with n, or None when cancelled."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, prefix_id: str, default_n: int) -> None:
+        super().__init__()
+        self.prefix_id = prefix_id
+        self.default_n = default_n
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label(f"Replicate prefix {self.prefix_id[:12]} to how many more workers?")
+            yield Input(str(self.default_n), id="replicate-n", type="integer")
+            yield Label("", id="replicate-error")
+
+    @on(Input.Submitted, "#replicate-n")
+    def _submit(self, event: Input.Submitted) -> None:
+        try:
+            n = int(event.value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.query_one("#replicate-error", Label).update("[red]n must be an integer >= 1[/red]")
+            return
+        self.dismiss(n)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class PolicyScreen(ModalScreen[str | None]):
+    """Pick a routing policy from the registry."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, current: str) -> None:
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        from btbctl.engine.policies import POLICIES
+
+        with Vertical(id="dialog"):
+            yield Label(f"Routing policy (now {self.current}):")
+            names = list(POLICIES)
+            ol = OptionList(*[Option(f"{n}  [dim]{POLICIES[n].summary[:40]}[/dim]", id=n) for n in names],
+                            id="policy-list")
+            if self.current in names:
+                ol.highlighted = names.index(self.current)
+            yield ol
+
+    @on(OptionList.OptionSelected)
+    def _chosen(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class Dashboard(App):
+    """The dashboard. Attributes tests read: ``snapshot`` (latest applied), ``applied`` (snapshots rendered),
+    ``skipped`` (ticks skipped because a request was still in flight), ``paused``."""
+
+    TITLE = "btbctl"
+    CSS = CSS
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("question_mark", "help", "help", key_display="?"),
+        Binding("p", "pause", "pause"),
+        Binding("r", "replicate", "replicate"),
+        Binding("c", "policy", "policy"),
+        Binding("e", "edit", "edit"),
+        Binding("1", "panel(1)", "prefixes", show=False),
+        Binding("2", "panel(2)", "fleet", show=False),
+        Binding("3", "panel(3)", "transfers", show=False),
+        Binding("4", "panel(4)", "ttft", show=False),
+        Binding("5", "panel(5)", "constants", show=False),
+    ]
+
+    class Applied(Message):
+        """Posted after a snapshot was rendered."""
+
+        def __init__(self, snapshot: FleetSnapshot) -> None:
+            super().__init__()
+            self.snapshot = snapshot
+
+    def __init__(self, source: LiveSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> None:
+        super().__init__()
+        self.source = source
+        self.poll_interval_s = 1.0 / poll_hz
+        self.snapshot: FleetSnapshot | None = None
+        self.applied = 0
+        self.skipped = 0
+        self.paused = False
+        self._in_flight = False
+        self._was_connected: bool | None = None
+        self.sub_title = title
+
+    # -- layout -----------------------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static("connecting...", id="status")
+        with Grid(id="panels"):
+            yield PrefixPanel(id="p1")
+            yield FleetPanel(id="p2")
+            yield TransferPanel(id="p3")
+            yield TtftPanel(id="p4")
+        yield ConstantsPanel(id="p5")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        # A simulation source replays in a thread of this process; a 1 ms GIL switch interval (Python's default is
+        # 5 ms) lets the event loop answer a key within a few switches even while that thread is busy.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        await self.source.start()
+        self.set_interval(self.poll_interval_s, self._tick)
+        self._tick()
+        self.query_one("#prefix-table").focus()
+
+    async def on_unmount(self) -> None:
+        await self.source.close()
+
+    # -- polling ----------------------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        if self.paused:
+            return
+        if self._in_flight:
+            self.skipped += 1
+            return
+        self._in_flight = True
+        self._poll()
+
+    @work(group="poll", exit_on_error=False)
+    async def _poll(self) -> None:
+        try:
+            snap = await self.source.snapshot()
+        except Exception as e:  # a source bug must not kill the screen; say it instead
+            self._set_status(f"snapshot failed: {e}", "down")
+            return
+        finally:
+            self._in_flight = False
+        if not self.paused:
+            self.apply_snapshot(snap)
+
+    def apply_snapshot(self, snap: FleetSnapshot) -> None:
+        """Render ``snap`` in every panel and the status line."""
+        first = self.snapshot is None
+        self.snapshot = snap
+        self.query_one(PrefixPanel).update_snapshot(snap)
+        self.query_one(FleetPanel).update_snapshot(snap)
+        self.query_one(TransferPanel).update_snapshot(snap)
+        self.query_one(TtftPanel).update_snapshot(snap)
+        self.query_one(ConstantsPanel).update_snapshot(snap, force=first)
+        if snap.connected:
+            if self._was_connected is False:
+                self.notify("reconnected to the fleet", title="fleet")
+            self._set_status(snap.message + (" (trace finished)" if snap.finished else ""), "")
+        else:
+            self._set_status(f"DISCONNECTED: {snap.message}", "down")
+        self._was_connected = snap.connected
+        self.applied += 1
+        self.post_message(self.Applied(snap))
+
+    def _set_status(self, text: str, cls: str) -> None:
+        st = self.query_one("#status", Static)
+        if self.paused:
+            text, cls = f"PAUSED (p resumes) | {text}", "paused"
+        st.update(text)
+        st.set_classes(cls)
+
+    # -- actions ----------------------------------------------------------------------------------------------
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        last = self.snapshot.message if self.snapshot else ""
+        self._set_status(last if self.snapshot is None or self.snapshot.connected else f"DISCONNECTED: {last}",
+                         "" if self.snapshot is None or self.snapshot.connected else "down")
+
+    def action_panel(self, n: int) -> None:
+        target = {1: "#prefix-table", 2: "#p2", 3: "#p3", 4: "#ttft-plot", 5: "#const-threshold"}[n]
+        self.query_one(target).focus()
+
+    def action_edit(self) -> None:
+        self.query_one("#const-threshold", Input).focus()
+
+    def action_replicate(self) -> None:
+        row = self.query_one(PrefixPanel).selected
+        if row is None:
+            self.notify("no prefix selected", severity="warning")
+            return
+        m = int((self.snapshot.constants.get("replicas", 2) if self.snapshot else 2))
+        default_n = max(1, m - max(1, row.holders))
+
+        def done(n: int | None) -> None:
+            if n is not None:
+                self._replicate(row.prefix_id, n)
+
+        self.push_screen(ReplicateScreen(row.prefix_id, default_n), done)
+
+    @work(group="action", exit_on_error=False)
+    async def _replicate(self, prefix_id: str, n: int) -> None:
+        try:
+            res = await self.source.replicate(prefix_id, n)
+        except BtbctlError as e:
+            self.notify(str(e), title="replicate refused", severity="error")
+            return
+        self.notify(res.message, title="replicate")
+
+    def action_policy(self) -> None:
+        current = self.snapshot.policy if self.snapshot else ""
+
+        def done(name: str | None) -> None:
+            if name:
+                self._set_policy(name)
+
+        self.push_screen(PolicyScreen(current), done)
+
+    @work(group="action", exit_on_error=False)
+    async def _set_policy(self, name: str) -> None:
+        panel = self.query_one(ConstantsPanel)
+        try:
+            confirmed = await self.source.set_policy(name)
+        except BtbctlError as e:
+            panel.show(f"policy refused: {e}", error=True)
+            return
+        panel.show(f"policy {confirmed} confirmed")
+        self.query_one("#const-policy", Label).update(f"policy {confirmed}")
+
+    @on(Input.Submitted, ".const-input")
+    def _constant_submitted(self, event: Input.Submitted) -> None:
+        key = (event.input.id or "").removeprefix("const-")
+        panel = self.query_one(ConstantsPanel)
+        raw = event.value.strip()
+        try:
+            value: Any = int(raw) if key in _INT_FIELDS else float(raw)
+        except ValueError:
+            kind = "an integer" if key in _INT_FIELDS else "a number"
+            panel.show(f"{key}: {raw!r} is not {kind}", error=True)
+            return
+        current = dict(self.snapshot.constants) if self.snapshot and self.snapshot.constants else {}
+        try:  # validate here first: a bad value never leaves the screen
+            BtbConstants(**current).with_updates(**{key: value}) if current else \
+                BtbConstants().with_updates(**{key: value})
+        except BtbctlError as e:
+            panel.show(str(e), error=True)
+            return
+        panel.show(f"sending {key} = {value} ...")
+        self._send_constant(key, value)
+
+    @work(group="action", exit_on_error=False)
+    async def _send_constant(self, key: str, value: Any) -> None:
+        panel = self.query_one(ConstantsPanel)
+        try:
+            confirmed = await self.source.set_constants(**{key: value})
+        except BtbctlError as e:
+            panel.show(f"refused: {e}", error=True)
+            return
+        if self.snapshot is not None:
+            from dataclasses import replace
+
+            self.snapshot = replace(self.snapshot, constants=dict(confirmed))
+            panel.update_snapshot(self.snapshot, force=True)
+        panel.show(f"{key} = {confirmed.get(key)} confirmed")
+
+
+def build_app(source: LiveSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> Dashboard:
+    """The dashboard over ``source`` (a :class:`~btbctl.engine.live.SimLiveSource`,
+    :class:`~btbctl.engine.live.ControlApiLiveSource` or anything with the same methods).
+
+    Args:
+        source: where snapshots come from and actions go to.
+        poll_hz: snapshot requests per second (> 0; default :data:`DEFAULT_POLL_HZ`).
+        title: shown in the terminal title.
+    """
+    if not poll_hz > 0:
+        raise ValueError(f"poll_hz must be > 0, got {poll_hz!r}")
+    return Dashboard(source, poll_hz=poll_hz, title=title)

@@ -1,0 +1,56 @@
+"""Small text formatters shared by the panels (sizes, rates, durations, bars, sparklines)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def human_bytes(n: float | None) -> str:
+    """``n`` bytes with a binary-prefixed unit (``1.5G``); ``-`` for None/NaN."""
+    if n is None or (isinstance(n, float) and math.isnan(n)):
+        return "-"
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024.0
+    return f"{n:.1f}T"
+
+
+def human_tokens(n: int) -> str:
+    """Token counts as ``512``, ``64k``, ``1.2M``."""
+    if n >= 1_000_000:
+        return f"{n / 1_048_576:.1f}M"
+    if n >= 1024:
+        return f"{n / 1024:.0f}k"
+    return str(n)
+
+
+def seconds(x: float | None) -> str:
+    """Seconds with a unit (``850ms``, ``3.2s``, ``2m05``); ``-`` for None/NaN."""
+    if x is None or math.isnan(x) or math.isinf(x):
+        return "-"
+    if x < 1.0:
+        return f"{x * 1000:.0f}ms"
+    if x < 60:
+        return f"{x:.1f}s"
+    return f"{int(x // 60)}m{int(x % 60):02d}"
+
+
+def bar(fraction: float, width: int) -> str:
+    """A text progress bar of ``width`` cells."""
+    fraction = 0.0 if math.isnan(fraction) else max(0.0, min(1.0, fraction))
+    full = int(round(fraction * width))
+    return "█" * full + "░" * (width - full)
+
+
+def sparkline(values: Sequence[float], width: int) -> str:
+    """The last ``width`` values as block characters scaled to their maximum (blank when all zero)."""
+    vals = list(values)[-width:]
+    top = max(vals, default=0)
+    if top <= 0:
+        return " " * len(vals)
+    return "".join(_SPARKS[min(len(_SPARKS) - 1, int(v / top * (len(_SPARKS) - 1) + 0.5))] if v > 0 else " "
+                   for v in vals)

@@ -1,0 +1,205 @@
+"""The dashboard's five panels. Each has ``update_snapshot(snapshot)``; none talks to the fleet itself."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import DataTable, Input, Label, Static
+
+from btbctl.engine.live import FleetSnapshot, PrefixRow
+from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, seconds, sparkline
+
+#: Snapshots of history kept per prefix for its sparkline.
+SPARK_POINTS = 12
+
+
+class PrefixPanel(Vertical):
+    """Top prefixes by arrivals in the detector window, with a row cursor (the selection ``r`` replicates)."""
+
+    BORDER_TITLE = "1 Prefix heat"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._history: dict[str, deque[int]] = {}
+        self.rows: list[PrefixRow] = []
+
+    def compose(self) -> ComposeResult:
+        table = DataTable(id="prefix-table", cursor_type="row", zebra_stripes=False, cell_padding=1)
+        yield table
+
+    def on_mount(self) -> None:
+        t = self.query_one(DataTable)
+        t.add_column("prefix", key="id")
+        t.add_column("len", key="len")
+        t.add_column("arr/X", key="arr")
+        t.add_column("hold", key="hold")
+        t.add_column("cp", key="cp")
+        t.add_column("trend", key="trend")
+
+    @property
+    def selected(self) -> PrefixRow | None:
+        t = self.query_one(DataTable)
+        if not self.rows or t.cursor_row < 0 or t.cursor_row >= len(self.rows):
+            return None
+        return self.rows[t.cursor_row]
+
+    def update_snapshot(self, snap: FleetSnapshot) -> None:
+        t = self.query_one(DataTable)
+        keep = self.selected.prefix_id if self.selected else None
+        seen = set()
+        for p in snap.prefixes:
+            h = self._history.setdefault(p.prefix_id, deque(maxlen=SPARK_POINTS))
+            h.append(p.arrivals_in_window)
+            seen.add(p.prefix_id)
+        for pid in [k for k in self._history if k not in seen]:
+            del self._history[pid]
+        self.rows = list(snap.prefixes)
+        t.clear()
+        for p in self.rows:
+            arr = Text(f"{p.arrivals_in_window}/{p.threshold}", style="bold red" if p.hot else "")
+            cp = str(p.copies_in_flight) if p.copies_in_flight else "-"
+            t.add_row(p.short_id, human_tokens(p.prefix_tokens), arr, str(p.holders), cp,
+                      sparkline(self._history[p.prefix_id], 8), key=p.prefix_id)
+        if keep is not None:
+            for i, p in enumerate(self.rows):
+                if p.prefix_id == keep:
+                    t.move_cursor(row=i, animate=False)
+                    break
+        self.border_subtitle = f"{len(self.rows)} tracked"
+
+
+class FleetPanel(VerticalScroll):
+    """Workers (health, running/queued, KV use) and GPUs (HBM used/total, utilisation)."""
+
+    BORDER_TITLE = "2 Fleet / HBM"
+    can_focus = True
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="fleet-body")
+
+    def update_snapshot(self, snap: FleetSnapshot) -> None:
+        w = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
+        for col, just in (("worker", "left"), ("ok", "left"), ("run", "right"), ("queue", "right"),
+                          ("KV", "left")):
+            w.add_column(col, justify=just, no_wrap=True)
+        for row in snap.workers:
+            ok = Text("up", style="green") if row.healthy else Text("DOWN", style="bold red")
+            if row.kv_capacity_tokens:
+                frac = (row.kv_used_tokens or 0) / row.kv_capacity_tokens
+                kv = f"{bar(frac, 6)} {frac * 100:3.0f}%"
+            else:
+                kv = "-"
+            w.add_row(row.name, ok, str(row.running), str(row.queued), kv)
+        parts: list = [w]
+        if snap.gpus:
+            g = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
+            for col, just in (("gpu", "left"), ("HBM", "right"), ("util", "right"), ("via", "left")):
+                g.add_column(col, justify=just, no_wrap=True)
+            for gpu in snap.gpus:
+                util = "-" if gpu.util_pct is None else f"{gpu.util_pct:.0f}%"
+                g.add_row(gpu.name, f"{human_bytes(gpu.used_bytes)}/{human_bytes(gpu.total_bytes)}", util,
+                          gpu.source)
+            parts.append(g)
+        if snap.gpu_note:
+            parts.append(Text(snap.gpu_note, style="yellow"))
+        from rich.console import Group
+
+        self.query_one("#fleet-body", Static).update(Group(*parts))
+        down = sum(1 for r in snap.workers if not r.healthy)
+        self.border_subtitle = f"{len(snap.workers)} workers" + (f", {down} down" if down else "")
+
+
+class TransferPanel(VerticalScroll):
+    """KV-cache copies in flight, then recent ones: prefix, source -> target, progress, rate, ETA, result."""
+
+    BORDER_TITLE = "3 Transfers"
+    can_focus = True
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="transfer-body")
+
+    def update_snapshot(self, snap: FleetSnapshot) -> None:
+        t = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
+        for col, just in (("prefix", "left"), ("route", "left"), ("progress", "left"), ("rate", "right"),
+                          ("eta", "right"), ("state", "left")):
+            t.add_column(col, justify=just, no_wrap=True)
+        live = 0
+        for x in snap.transfers:
+            style = {"done": "green", "failed": "bold red", "stalled": "yellow"}.get(x.state, "cyan")
+            if x.state in ("running", "stalled"):
+                live += 1
+            state = x.state if not x.error else f"{x.state}: {x.error}"
+            t.add_row(x.prefix_id[:8], f"{x.source}>{x.target}", f"{bar(x.fraction, 8)}{x.fraction * 100:4.0f}%",
+                      f"{human_bytes(x.bytes_per_s)}/s" if x.bytes_per_s else "-", seconds(x.eta_s),
+                      Text(state, style=style))
+        body = t if snap.transfers else Text("no transfers yet", style="dim")
+        self.query_one("#transfer-body", Static).update(body)
+        self.border_subtitle = f"{live} in flight"
+
+
+class TtftPanel(Vertical):
+    """TTFT p50 and p95 over time (plotext), with the policy and requests/s in the title line."""
+
+    BORDER_TITLE = "4 TTFT"
+
+    def compose(self) -> ComposeResult:
+        from textual_plotext import PlotextPlot
+
+        yield Static(id="ttft-head")
+        yield PlotextPlot(id="ttft-plot")
+
+    def on_mount(self) -> None:
+        self.query_one("#ttft-plot").plt.theme("clear")
+
+    def update_snapshot(self, snap: FleetSnapshot) -> None:
+        from textual_plotext import PlotextPlot
+
+        pts = [p for p in snap.ttft if not math.isnan(p.p50_s)]
+        last = pts[-1] if pts else None
+        head = f"policy {snap.policy or '-'}  {snap.rps:.0f} req/s"
+        if last is not None:
+            head += f"  p50 {seconds(last.p50_s)}  p95 {seconds(last.p95_s)}"
+        self.query_one("#ttft-head", Static).update(head)
+        plot = self.query_one("#ttft-plot", PlotextPlot)
+        plt = plot.plt
+        plt.clear_data()
+        if pts:
+            xs = [p.t_s for p in pts]
+            plt.plot(xs, [p.p50_s for p in pts], label="p50", marker="braille")
+            plt.plot(xs, [p.p95_s for p in pts], label="p95", marker="braille")
+        plt.xlabel("t (s)")
+        plot.refresh()
+
+
+class ConstantsPanel(Vertical):
+    """BTB's four constants, editable (Enter sends a field), the policy, and what the fleet confirmed."""
+
+    BORDER_TITLE = "5 Constants"
+    FIELDS = (("prefix_blocks", "Y blocks"), ("threshold", "X arrivals"), ("window_s", "Z s"),
+              ("replicas", "M copies"))
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="const-row"):
+            for key, label in self.FIELDS:
+                yield Label(f"{label} ", classes="const-label")
+                yield Input(id=f"const-{key}", compact=True, classes="const-input", select_on_focus=True)
+            yield Label("", id="const-policy")
+        yield Label("", id="const-status")
+
+    def update_snapshot(self, snap: FleetSnapshot, force: bool = False) -> None:
+        for key, _ in self.FIELDS:
+            inp = self.query_one(f"#const-{key}", Input)
+            if key in snap.constants and (force or not inp.has_focus):
+                val = str(snap.constants[key])
+                if inp.value != val:
+                    inp.value = val
+        self.query_one("#const-policy", Label).update(f"policy {snap.policy}")
+
+    def show(self, message: str, error: bool = False) -> None:
+        lbl = self.query_one("#const-status", Label)
+        lbl.update(Text(message, style="bold red" if error else "green"))

@@ -1,0 +1,33 @@
+"""Shared pieces of the dashboard tests: small deterministic simulations and a wait helper."""
+
+from __future__ import annotations
+
+import time
+
+from btbctl.engine.config import ClusterConfig
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.live import SimLiveSource
+from btbctl.engine.trace.generate import BurstedParams, generate_bursted
+
+#: A short Bursted window: 3 bursts of 200 requests over 20 s each, sharing 8,192-token prefixes (32 blocks of
+#: 256 tokens), on 4 replicas of Llama-3.3-70B over 4 x H100 each.
+SMALL = dict(bursts=3, burst_size=200, first_burst_s=2.0, burst_period_s=10.0, jitter_s=0.0, spread_s=20.0,
+             prefix_tokens=8192, suffix_tokens=256, decoys=10, decoy_start_s=1.0, decoy_end_s=40.0)
+SMALL_CONSTANTS = BtbConstants(prefix_blocks=32, threshold=2, window_s=1.0, replicas=4)
+
+
+def small_source(*, paced: bool = False, speed: float = 1.0, policy: str = "btb", **overrides) -> SimLiveSource:
+    params = BurstedParams(**{**SMALL, **overrides})
+    trace = generate_bursted(params, seed=7)
+    return SimLiveSource(trace, ClusterConfig(), SMALL_CONSTANTS, policy, seed=7, speed=speed, paced=paced,
+                         start_s=0.0)
+
+
+async def wait_for(pilot, cond, timeout_s: float = 10.0, step_s: float = 0.02) -> float:
+    """Pump the app until ``cond()`` holds; returns the seconds it took. Fails the test on timeout."""
+    t0 = time.perf_counter()
+    while not cond():
+        if time.perf_counter() - t0 > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await pilot.pause(step_s)
+    return time.perf_counter() - t0
