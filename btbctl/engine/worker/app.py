@@ -26,7 +26,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from btbctl import __version__
-from btbctl.engine import hashing
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS, FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import (
     CopyRefused,
@@ -37,6 +36,7 @@ from btbctl.engine.replication.transport import (
 )
 from btbctl.engine.worker.config import WorkerConfig
 from btbctl.engine.worker.live import LiveModel, LiveRequest, TooLarge
+from btbctl.engine.worker.prompt import ids_chain, text_chain
 from btbctl.engine.worker.store import BlockStore
 
 log = logging.getLogger("btbctl.worker")
@@ -555,14 +555,19 @@ class _Handlers:
         return web.Response(status=200, text=f"Cache flushed. {dropped} blocks dropped.\n")
 
     # -- generation -------------------------------------------------------------------------------------------
-    def _submit(self, tokens: list[int], max_new: int, rid: str) -> LiveRequest:
-        if len(tokens) > MAX_PROMPT_TOKENS:
-            raise ApiError(400, f"prompt of {len(tokens)} tokens exceeds {MAX_PROMPT_TOKENS}")
+    def _prompt(self, text: str | None = None, ids: list[int] | None = None) -> tuple[int, list[str]]:
+        """``(prompt tokens, chain)`` of a text or token-id prompt (as :mod:`btbctl.engine.hashing` defines)."""
+        n, chain = ids_chain(ids, self.cfg.page_size) if ids is not None else text_chain(text, self.cfg.page_size)
+        if n > MAX_PROMPT_TOKENS:
+            raise ApiError(400, f"prompt of {n} tokens exceeds {MAX_PROMPT_TOKENS}")
+        return n, chain
+
+    def _submit(self, prompt: tuple[int, list[str]], max_new: int, rid: str) -> LiveRequest:
         if not self._is_ready():
             raise ApiError(503, "worker is starting or stopping")
-        chain = hashing.chain_hashes(tokens, self.cfg.page_size)
+        n_tokens, chain = prompt
         try:
-            lr = self.model.submit(chain, len(tokens), max_new, rid)
+            lr = self.model.submit(chain, n_tokens, max_new, rid)
         except TooLarge as e:
             raise ApiError(400, str(e)) from None
         metrics = self.w.metrics
@@ -626,14 +631,14 @@ class _Handlers:
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
             raise ApiError(400, "give exactly one of 'text' or 'input_ids'")
-        tokens = _token_ids(body["input_ids"], "input_ids") if has_ids else hashing.text_to_tokens(
-            _text(body["text"], "text"))
+        prompt = (self._prompt(ids=_token_ids(body["input_ids"], "input_ids")) if has_ids
+                  else self._prompt(text=_text(body["text"], "text")))
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise ApiError(400, "sampling_params must be an object")
         max_new = _int(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 0, 1 << 20, "sampling_params.")
         stream = _bool(body, "stream")
-        lr = self._submit(tokens, max_new, _rid(body.get("rid")))
+        lr = self._submit(prompt, max_new, _rid(body.get("rid")))
         if not stream:
             await lr.done
             return web.json_response({"text": TOKEN_TEXT * max_new, "meta_info": self._meta(lr, max_new, True)})
@@ -651,7 +656,8 @@ class _Handlers:
                 "total_tokens": lr.prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": lr.cached_tokens}}
 
-    async def _openai(self, request: web.Request, body: dict, tokens: list[int], max_new: int, chat: bool):
+    async def _openai(self, request: web.Request, body: dict, prompt: tuple[int, list[str]], max_new: int,
+                      chat: bool):
         _int(body, "n", 1, 1, 1)  # one choice per request only
         stream = _bool(body, "stream")
         so = body.get("stream_options") or {}
@@ -659,7 +665,7 @@ class _Handlers:
             raise ApiError(400, "stream_options must be an object")
         include_usage = _bool(so, "include_usage")
         rid = _rid(body.get("rid"))
-        lr = self._submit(tokens, max_new, rid)
+        lr = self._submit(prompt, max_new, rid)
         created = int(time.time())
         oid = ("chatcmpl-" if chat else "cmpl-") + lr.rid
         model = self.cfg.served_name
@@ -705,11 +711,11 @@ class _Handlers:
         if prompt is None:
             raise ApiError(400, "missing field 'prompt'")
         if isinstance(prompt, list) and prompt and (isinstance(prompt[0], int) or isinstance(prompt[0], list)):
-            tokens = _token_ids(prompt, "prompt")
+            parsed = self._prompt(ids=_token_ids(prompt, "prompt"))
         else:
-            tokens = hashing.text_to_tokens(_text(prompt, "prompt"))
+            parsed = self._prompt(text=_text(prompt, "prompt"))
         max_new = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 0, 1 << 20)
-        return await self._openai(request, body, tokens, max_new, chat=False)
+        return await self._openai(request, body, parsed, max_new, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
@@ -736,10 +742,12 @@ class _Handlers:
             elif not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string or a list of parts")
             parts.append(f"{m['role']}: {content}\n")
-        tokens = hashing.text_to_tokens("".join(parts))
+        prompt = self._prompt(text="".join(parts))
+        if prompt[0] == 0:
+            raise ApiError(400, "messages hold no text")
         max_new = body.get("max_completion_tokens", body.get("max_tokens"))
         max_new = _int({"max_tokens": max_new}, "max_tokens", DEFAULT_CHAT_MAX_TOKENS, 0, 1 << 20)
-        return await self._openai(request, body, tokens, max_new, chat=True)
+        return await self._openai(request, body, prompt, max_new, chat=True)
 
     # -- BTB extension routes ---------------------------------------------------------------------------------
     async def btb_match(self, request: web.Request) -> web.Response:
@@ -756,8 +764,13 @@ class _Handlers:
 
     async def btb_info(self, request: web.Request) -> web.Response:
         c = self.cfg
+        addr = self.w.transfer_addr
+        if c.host in ("0.0.0.0", "::", "") and request.url.host:
+            # bound to every interface: advertise the address this client reached us on
+            h = request.url.host
+            addr = f"[{h}]:{self.w.receiver.port}" if ":" in h else f"{h}:{self.w.receiver.port}"
         return web.json_response({
-            "transfer_addr": self.w.transfer_addr, "page_size": c.page_size,
+            "transfer_addr": addr, "page_size": c.page_size,
             "kv_bytes_per_token": self.model.cost.model.kv_bytes_per_token, "block_bytes": self.w.block_bytes,
             "model": c.served_name, "model_preset": c.preset_name(), "gpu": c.gpu, "tp_size": c.tp_size,
             "capacity_tokens": self.model.capacity_tokens, "transport": self.w.transport.name,
