@@ -681,6 +681,7 @@ class ControlApiLiveSource:
         self._backoff = RECONNECT_MIN_S
         self._nvml = None
         self._nvml_at = -math.inf
+        self._last_fleet: dict = {}
         self.failures = 0
 
     async def start(self) -> None:
@@ -714,12 +715,16 @@ class ControlApiLiveSource:
                     data = await resp.json(content_type=None)
                 except ValueError:
                     data = {"error": (await resp.text()).strip()}
-                if resp.status == 400:
-                    key = data.get("key") if isinstance(data, dict) else None
-                    msg = (data.get("error") or data.get("message")) if isinstance(data, dict) else str(data)
-                    raise ConfigError(str(key or "request"), str(msg or "refused"))
                 if resp.status >= 300:
-                    msg = data.get("error") if isinstance(data, dict) else data
+                    err = data.get("error", data) if isinstance(data, dict) else data
+                    if isinstance(err, dict):
+                        key, msg = err.get("key"), err.get("message") or err.get("error")
+                    else:
+                        key, msg = None, err
+                    if resp.status == 400 and key:
+                        text = str(msg or "refused")
+                        prefix = f"{key}: "
+                        raise ConfigError(str(key), text[len(prefix):] if text.startswith(prefix) else text)
                     raise LiveError(f"{method} {path}: HTTP {resp.status}: {msg}")
                 return data
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
@@ -751,6 +756,7 @@ class ControlApiLiveSource:
             why = str(e) or type(e).__name__
             self._last = self._down(why)
             return self._last
+        self._last_fleet = fleet
         gpus, note = await self._gpus(fleet)
         was_down = self._last is not None and not self._last.connected
         self._backoff = RECONNECT_MIN_S
@@ -841,10 +847,13 @@ class ControlApiLiveSource:
         if not isinstance(n, int) or n < 1:
             raise ConfigError("n", f"must be an integer >= 1, got {n!r}")
         data = await self._write("POST", "/control/replicate", {"prefix": prefix_id, "n": n})
-        copies = data.get("copies", data.get("transfers", [])) if isinstance(data, dict) else []
-        ids = tuple(str(c.get("copy_id") if isinstance(c, dict) else c) for c in copies)
-        targets = tuple(str(c.get("target")) for c in copies if isinstance(c, dict))
-        source = str(copies[0].get("source")) if copies and isinstance(copies[0], dict) else ""
-        full = str(data.get("prefix", prefix_id)) if isinstance(data, dict) else prefix_id
-        msg = f"{len(ids)} cop{'y' if len(ids) == 1 else 'ies'} of {full[:SHORT_ID_CHARS]} started"
+        data = data if isinstance(data, dict) else {}
+        names = {}
+        if self._last is not None:
+            names = {w.get("url"): w.get("name") for w in self._last_fleet.get("workers", [])}
+        ids = tuple(str(c) for c in data.get("copy_ids", [c.get("copy_id") for c in data.get("copies", [])]))
+        targets = tuple(names.get(t, str(t)) for t in data.get("targets", []))
+        source = names.get(data.get("source"), str(data.get("source", "")))
+        full = str(data.get("prefix", prefix_id))
+        msg = f"copying {full[:SHORT_ID_CHARS]} from {source} to {', '.join(targets) or '-'}"
         return ReplicateResult(full, ids, source, targets, msg)
