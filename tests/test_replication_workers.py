@@ -19,8 +19,9 @@ def fleet():
         (COMMON, None),  # B: target
         (COMMON, {"BTBCTL_REPLICATION_FAULT": "corrupt_wire=1"}),  # F: corrupts block 1 on the wire
         (COMMON, {"BTBCTL_REPLICATION_FAULT": "delay_s=0.02"}),  # S: slow sender (20 ms per block)
+        (COMMON, None),  # T: a target that dies
     )
-    yield dict(zip("ABFS", procs))
+    yield dict(zip("ABFST", procs))
     for p in procs:
         p.stop()
 
@@ -82,6 +83,17 @@ def test_corrupted_block_is_refused_and_target_stays_cold(fleet):
     assert dst["state"] == "failed" and "block 1" in dst["error"]
     assert dst["blocks_verified"] == 1
     assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
+
+
+def test_target_killed_mid_copy_fails_the_source_side(fleet):
+    s, t = fleet["S"], fleet["T"]
+    chain = _prefix(s, 100, 5)
+    st, r = s.post("/btb/push", {"chain": chain, "target": t.transfer, "copy_id": "tdies-1"})
+    assert st == 202
+    wait_for(lambda: (c := _copy(s, "tdies-1")) and c["bytes_sent"] > 0)
+    t.kill()
+    src = wait_for(lambda: (c := _copy(s, "tdies-1")) and c["state"] != "sending" and c)
+    assert src["state"] == "failed" and "lost" in src["error"] and src["bytes_sent"] < src["bytes_total"]
 
 
 def test_source_killed_mid_copy_leaves_target_cold(fleet):

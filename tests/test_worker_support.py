@@ -182,3 +182,15 @@ def test_worker_help_lists_sglang_and_emulation_flags():
                  "--chunked-prefill-size", "--enable-metrics", "--served-model-name", "--gpu", "--time-scale",
                  "--zero-delay", "--kv-bytes-scale", "--transfer-port", "--btb-token-file"):
         assert flag in r.stdout, flag
+
+
+def test_worker_reports_a_taken_port_in_one_line():
+    first = WorkerProc("--model-path", "qwen3-8b", "--tp-size", "1").wait_ready()
+    try:
+        port = first.url.rsplit(":", 1)[1]
+        r = _run_cli("--model-path", "qwen3-8b", "--tp-size", "1", "--port", port)
+        assert r.returncode == 2 and "cannot listen" in r.stderr and r.stdout == ""
+        assert len(r.stderr.strip().splitlines()) == 1
+        assert first.get("/health")[0] == 200
+    finally:
+        first.stop()

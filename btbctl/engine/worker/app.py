@@ -116,8 +116,10 @@ async def _json_body(request: web.Request) -> dict:
         raise ApiError(400, "empty body; expected a JSON object")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:  # includes UnicodeDecodeError
         raise ApiError(400, f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "body must be a JSON object")
     return body
@@ -160,6 +162,10 @@ def _text(v: Any, key: str) -> str:
         raise ApiError(400, f"{key} must be a string (batches are not supported)")
     if not v:
         raise ApiError(400, f"{key} must not be empty")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{key} is not valid Unicode (lone surrogate)") from None
     return v
 
 
@@ -742,9 +748,7 @@ class _Handlers:
             elif not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string or a list of parts")
             parts.append(f"{m['role']}: {content}\n")
-        prompt = self._prompt(text="".join(parts))
-        if prompt[0] == 0:
-            raise ApiError(400, "messages hold no text")
+        prompt = self._prompt(text=_text("".join(parts), "messages"))
         max_new = body.get("max_completion_tokens", body.get("max_tokens"))
         max_new = _int({"max_tokens": max_new}, "max_tokens", DEFAULT_CHAT_MAX_TOKENS, 0, 1 << 20)
         return await self._openai(request, body, prompt, max_new, chat=True)
