@@ -443,6 +443,10 @@ class _Metrics:
 
 
 # -- the application ----------------------------------------------------------------------------------------------
+#: Where the application keeps its :class:`Worker`.
+WORKER_KEY = web.AppKey("worker", Worker)
+
+
 def build_app(worker: Worker) -> web.Application:
     """The aiohttp application of ``worker`` (routes listed in :mod:`btbctl.engine.worker`)."""
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
@@ -469,7 +473,7 @@ def build_app(worker: Worker) -> web.Application:
     r.add_post("/btb/push", h.btb_push)
     r.add_get("/btb/copies", h.btb_copies)
     r.add_get("/btb/copies/{copy_id}", h.btb_copy)
-    app["worker"] = worker
+    app[WORKER_KEY] = worker
     return app
 
 
@@ -821,4 +825,4 @@ class _Handlers:
         raise ApiError(404, f"no copy {cid!r} on this worker")
 
 
-__all__ = ["ApiError", "MAX_BODY_BYTES", "Worker", "build_app", "error_response"]
+__all__ = ["ApiError", "MAX_BODY_BYTES", "WORKER_KEY", "Worker", "build_app", "error_response"]
