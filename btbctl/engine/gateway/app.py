@@ -12,8 +12,8 @@ Routes:
 Per request: the body is read (at most ``max_body_bytes``: 413 beyond), parsed (400 for malformed JSON, a
 non-object body or a missing/ill-typed prompt field, naming the field), the prompt becomes a chain of block hashes
 (:mod:`btbctl.engine.gateway.prompt`), the policy picks a worker (``now_s`` = seconds since the gateway started),
-and the body is forwarded as received (no re-encoding). Errors are JSON ``{"error": {"message", "type",
-"code"}}``; unknown routes get 404 and wrong methods 405.
+and the body is forwarded as received (no re-encoding). Answers carry ``X-BTB-Worker: <worker URL>``.
+Errors are JSON ``{"error": {"message", "type", "code"}}``; unknown routes get 404 and wrong methods 405.
 
 **TTFT** is measured at the gateway from the request's arrival to the first byte of the answer from the worker:
 for a stream, the first chunk carrying an SSE ``data:`` line; for a non-streamed answer, the response head (a
@@ -48,6 +48,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 _FORWARD_HEADERS = {"Content-Type": "application/json"}
+#: Response header naming the worker (base URL) that answered; ``btbctl bench`` counts answers per worker by it.
+WORKER_HEADER = "X-BTB-Worker"
 #: Bytes of stream preamble (chunks without a ``data:`` line, e.g. SSE comments) held back before the first data
 #: chunk; past this the stream is passed on anyway.
 _PREAMBLE_LIMIT = 65536
@@ -161,6 +163,7 @@ class DataPlane:
         metrics = gw.metrics
         policy_name = gw.policy.name
         chain = req.block_hashes
+        rid = req.request_id
         excluded: list[int] = []
         attempts: list[str] = []
         for attempt in range(self.max_retries + 1):
@@ -171,9 +174,7 @@ class DataPlane:
                 metrics.retries.inc()
             w = state.workers[idx]
             w.inflight += 1
-            w.prefilling += 1
-            if chain:
-                w.add_pending(chain)
+            w.start_prefill(rid, chain)
             gauge = metrics.inflight_gauge(w.url)
             gauge.inc()
             prefilled = False
@@ -182,9 +183,8 @@ class DataPlane:
                 nonlocal prefilled
                 prefilled = True
                 now = gw.clock()
-                w.prefilling -= 1
+                w.end_prefill(rid)
                 if chain:
-                    w.drop_pending(chain)
                     w.hold(chain)
                 ttft = now - t0
                 state.record_ttft(idx, now, ttft)
@@ -230,7 +230,8 @@ class DataPlane:
                         w.served += 1
                         metrics.request(w.url, policy_name, str(status))
                         metrics.observe_duration(w.url, gw.clock() - t0)
-                        return web.Response(status=status, body=payload, headers={"Content-Type": ctype})
+                        return web.Response(status=status, body=payload,
+                                            headers={"Content-Type": ctype, WORKER_HEADER: w.url})
                     return await self._stream(request, resp, w, idx, policy_name, ctype, first_byte, attempts,
                                               excluded, t0)
                 finally:
@@ -241,9 +242,7 @@ class DataPlane:
                 w.inflight -= 1
                 gauge.dec()
                 if not prefilled:
-                    w.prefilling -= 1
-                    if chain:
-                        w.drop_pending(chain)
+                    w.end_prefill(rid)
                 gw.policy.on_finish(req, idx, gw.clock())
         if not attempts:
             metrics.request("none", policy_name, "503")
@@ -276,7 +275,8 @@ class DataPlane:
             excluded.append(idx)
             raise _RetryStream() from None
         first_byte()
-        out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
+                                                      WORKER_HEADER: w.url})
         status = "200"
         try:
             await out.prepare(request)

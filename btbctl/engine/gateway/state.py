@@ -102,6 +102,7 @@ class WorkerState:
     capacity_blocks: int = DEFAULT_HOLDING_BLOCKS
     holdings: OrderedDict = field(default_factory=OrderedDict)
     pending: dict = field(default_factory=dict)
+    prefill_chains: dict = field(default_factory=dict)
 
     # -- holdings ----------------------------------------------------------------------------------------------
 
@@ -151,6 +152,20 @@ class WorkerState:
             else:
                 hi = mid - 1
         return lo
+
+    def start_prefill(self, rid: object, chain: Sequence[Hashable]) -> None:
+        """A request ``rid`` with ``chain`` was sent here and has no first byte yet."""
+        self.prefilling += 1
+        if chain:
+            self.prefill_chains[rid] = chain
+            self.add_pending(chain)
+
+    def end_prefill(self, rid: object) -> None:
+        """Request ``rid`` produced its first byte here or ended without one."""
+        self.prefilling -= 1
+        chain = self.prefill_chains.pop(rid, None)
+        if chain:
+            self.drop_pending(chain)
 
     def add_pending(self, chain: Sequence[Hashable]) -> None:
         p = self.pending
@@ -540,6 +555,30 @@ class FleetState:
         does not see the worker's own queue apart from its requests, so this equals :meth:`pending_blocks`)."""
         return self.pending_blocks(replica, chain)
 
+    def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
+        """Estimate: requests the gateway has prefilling on ``replica`` that compute the first block of ``chain``
+        not recorded as resident there, x its smoothed TTFT (0 when every block is resident or nobody computes
+        the next one)."""
+        w = self.workers[replica]
+        k = w.held_blocks(chain)
+        if k >= len(chain):
+            return 0.0
+        n = w.pending.get(chain[k], 0)
+        return n * (w.ttft_ewma_s or 0.0)
+
+    def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
+        """Requests the gateway has prefilling on ``replica``, grouped by the first block of their chain not
+        recorded as resident there: ``(block hash, requests, requests x smoothed TTFT)``; requests whose chain is
+        all resident (or empty) are left out."""
+        w = self.workers[replica]
+        groups: dict = {}
+        for chain in w.prefill_chains.values():
+            k = w.held_blocks(chain)
+            if k < len(chain):
+                groups[chain[k]] = groups.get(chain[k], 0) + 1
+        per = w.ttft_ewma_s or 0.0
+        return [(b, n, n * per) for b, n in groups.items()]
+
     def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
         return self.transfers.active.get((replica, chain[-1])) if chain else None
 
@@ -580,6 +619,18 @@ class FleetState:
     def block_tokens(self) -> int:
         """Tokens per block of the chains (the gateway's page size)."""
         return self.page_size
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Prefill chunk of the workers: ``chunked_prefill_size`` of a worker's ``/btb/info`` when given, else
+        SGLang's default for the GPU of :attr:`cost` (``costmodel.default_chunked_prefill_tokens``)."""
+        for w in self.workers:
+            v = (w.info or {}).get("chunked_prefill_size")
+            if isinstance(v, int) and v > 0:
+                return v
+        from btbctl.engine.costmodel import default_chunked_prefill_tokens
+
+        return default_chunked_prefill_tokens(self.cost.gpu)
 
     @property
     def cost(self):

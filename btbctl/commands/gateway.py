@@ -1,0 +1,89 @@
+"""``btbctl gateway``: run the BTB gateway (data plane + control API) in front of running workers."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+
+
+@app.command("gateway")
+def gateway(
+    worker: Annotated[Optional[list[str]], typer.Option("--worker", "-w", help="Worker base URL "
+                                                        "(http://host:port); repeat for each worker.")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help="JSON file of gateway settings (GatewayConfig "
+                                                  "fields); the flags below override it.")] = None,
+    host: Annotated[Optional[str], typer.Option("--host", help="Data-plane address (default: 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="Data-plane port, 0 = any free one "
+                                                "(default: 8000).")] = None,
+    control_host: Annotated[Optional[str], typer.Option("--control-host", help="Control API address "
+                                                        "[127.0.0.1].")] = None,
+    control_port: Annotated[Optional[int], typer.Option("--control-port", help="Control API port, 0 = any free "
+                                                        "one (default: 8001).")] = None,
+    policy: Annotated[Optional[str], typer.Option("--policy", help="Routing policy (default: btb).")] = None,
+    page_size: Annotated[Optional[int], typer.Option("--page-size", help="Tokens per block (default: the "
+                                                     "workers' /btb/info page_size, else 256).")] = None,
+    prefix_blocks: Annotated[Optional[int], typer.Option("--prefix-blocks", help="BTB Y, blocks "
+                                                         "(default: 256).")] = None,
+    threshold: Annotated[Optional[int], typer.Option("--threshold", help="BTB X, arrivals (default: 2).")] = None,
+    window_s: Annotated[Optional[float], typer.Option("--window-s", help="BTB Z, seconds (default: 1.0).")] = None,
+    replicas: Annotated[Optional[int], typer.Option("--replicas", help="BTB M, holders (default: 4).")] = None,
+    token_file: Annotated[Optional[str], typer.Option("--token-file", help="Bearer token of control-API writes; "
+                                                      "created (mode 0600) when missing.")] = None,
+    worker_token_file: Annotated[Optional[str], typer.Option("--worker-token-file", help="Bearer token sent to "
+                                                             "the workers' /btb/push.")] = None,
+    max_retries: Annotated[Optional[int], typer.Option("--max-retries", help="Further workers tried when one "
+                                                       "fails before the first byte (default: 2).")] = None,
+    health_interval_s: Annotated[Optional[float], typer.Option("--health-interval-s", help="Seconds between "
+                                                               "health checks (default: 1.0).")] = None,
+    max_body_bytes: Annotated[Optional[int], typer.Option("--max-body-bytes", help="Largest request body, "
+                                                          "bytes (default: 33554432).")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="Diagnostics on stderr: debug, info, warning.")]
+    = "info",
+) -> None:
+    """Run the gateway until SIGINT/SIGTERM. Prints 'ready http://HOST:PORT control http://HOST:CPORT' when both
+    listeners accept connections."""
+    import logging
+    import sys
+
+    from btbctl.engine.config import validate
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.gateway.config import GatewayConfig
+    from btbctl.engine.gateway.server import run_gateway
+
+    data: dict = {}
+    if config:
+        try:
+            with open(config, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError("config", f"cannot read {config}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"{config} must hold a JSON object")
+    flags = {"host": host, "port": port, "control_host": control_host, "control_port": control_port,
+             "policy": policy, "page_size": page_size, "token_file": token_file,
+             "worker_token_file": worker_token_file, "max_retries": max_retries,
+             "health_interval_s": health_interval_s, "max_body_bytes": max_body_bytes}
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if worker:
+        data["workers"] = list(worker)
+    consts = {"prefix_blocks": prefix_blocks, "threshold": threshold, "window_s": window_s, "replicas": replicas}
+    consts = {k: v for k, v in consts.items() if v is not None}
+    if consts:
+        data["constants"] = {**(data.get("constants") or {}), **consts}
+    if not data.get("workers"):
+        raise ConfigError("workers", "give at least one --worker URL (or 'workers' in --config)")
+    level = getattr(logging, log_level.upper(), None)
+    if not isinstance(level, int):
+        raise ConfigError("log-level", f"unknown level {log_level!r}; valid: debug, info, warning, error")
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = validate(GatewayConfig, data, config)
+
+    def ready(gw) -> None:
+        sys.stdout.write(f"ready {gw.data_url} control {gw.control_url}\n")
+        sys.stdout.flush()
+
+    run_gateway(cfg, on_ready=ready)

@@ -1,0 +1,76 @@
+"""The gateway's live fleet state: the FleetView policies read, the holding record, the chain index."""
+
+from __future__ import annotations
+
+import inspect
+
+from btbctl.engine.gateway.state import ChainIndex, FleetState, TtftSeries, WorkerState
+from btbctl.engine.policies.base import FleetView
+
+
+def test_fleet_state_implements_every_fleet_view_member():
+    members = [n for n, _ in inspect.getmembers(FleetView) if not n.startswith("_")]
+    assert members
+    missing = [n for n in members if not hasattr(FleetState, n)]
+    assert not missing, f"FleetState lacks {missing}"
+    for name in members:
+        want = getattr(FleetView, name)
+        have = getattr(FleetState, name)
+        if callable(want) and not isinstance(want, property):
+            wp = list(inspect.signature(want).parameters)
+            hp = list(inspect.signature(have).parameters)
+            assert hp[:len(wp)] == wp, (name, wp, hp)
+
+
+def test_holding_record_is_prefix_closed_under_lru_eviction():
+    w = WorkerState(0, "http://x", "w0", capacity_blocks=6)
+    a = ("a1", "a2", "a3", "a4")
+    b = ("a1", "a2", "b3", "b4")
+    w.hold(a)
+    assert w.held_blocks(a) == 4 and w.held_blocks(("a1", "zz")) == 1 and w.held_blocks(("zz",)) == 0
+    w.hold(b)  # 6 distinct blocks: a4 and a3 are the oldest leaves
+    assert len(w.holdings) == 6 and w.held_blocks(a) == 4 and w.held_blocks(b) == 4
+    w.hold(("c1",))
+    assert len(w.holdings) == 6
+    assert w.held_blocks(a) == 3 and w.held_blocks(b) == 4  # the oldest leaf went first, the root stayed
+    assert w.held_blocks(a[:2]) == 2
+
+
+def test_pending_counts_until_the_first_byte():
+    st = FleetState(["http://a", "http://b"])
+    for w in st.workers:
+        w.healthy = True
+    chain = ("p1", "p2", "p3")
+    st.workers[1].start_prefill("r1", chain)
+    assert st.pending_blocks(1, chain) == 3 and st.cached_blocks(1, chain) == 0
+    assert st.waiting_groups(1) == [("p1", 1, 0.0)]
+    st.workers[1].end_prefill("r1")
+    assert st.pending_blocks(1, chain) == 0 and not st.workers[1].pending and st.workers[1].prefilling == 0
+    st.workers[1].hold(chain)
+    assert st.cached_blocks(1, chain) == 3
+    st.excluded = frozenset({1})
+    assert st.cached_blocks(1, chain) == 0  # excluded for this request: not a holder
+    st.excluded = frozenset()
+    st.workers[1].healthy = False
+    assert st.cached_blocks(1, chain) == 0 and st.pending_blocks(1, chain) == 0
+
+
+def test_chain_index_turns_ids_back_into_chains():
+    idx = ChainIndex(max_blocks=5)
+    idx.add(("aa01", "aa02", "aa03"))
+    idx.add(("aa01", "aa02", "bb03"))
+    assert idx.chain_of("bb03") == ("aa01", "aa02", "bb03") and idx.chain_of("aa02") == ("aa01", "aa02")
+    assert sorted(idx.find("aa0")) == ["aa01", "aa02", "aa03"] and idx.find("bb") == ["bb03"]
+    idx.add(("cc01", "cc02"))  # over the bound: the oldest entries go; broken chains read as unknown
+    assert len(idx) == 5 and idx.chain_of("aa03") is None and idx.chain_of("cc02") == ("cc01", "cc02")
+
+
+def test_ttft_series_buckets():
+    s = TtftSeries()
+    for t, v in [(0.5, 0.1), (1.5, 0.2), (1.7, 0.4), (2.9, 1.0)]:
+        s.add(t, v)
+    rows = s.series(3.0, 3.0, 1.0)
+    assert [r["n"] for r in rows] == [1, 2, 1]
+    assert rows[1]["p50_s"] == 0.30000000000000004 or abs(rows[1]["p50_s"] - 0.3) < 1e-12
+    assert rows[1]["rps"] == 2.0 and rows[0]["t_s"] == 1.0
+    assert s.summary(3.0, 1.0)["n"] == 1 and s.summary(10.0, 1.0)["p50_s"] is None
