@@ -17,13 +17,15 @@ at any page size that divides the trace's block size. Prompt tokens the hashes d
 are filled from the request id, so they are unique. ``prompt_mode="ids"`` sends ``input_ids`` instead (ids below
 :data:`IDS_VOCAB`, for real SGLang servers whose tokenizer would re-cut the text).
 
-**Which worker served it.** The gateway names the worker in the :data:`WORKER_HEADER` response header; endpoints
-that do not (a plain router) are counted under ``unknown``.
+**Which worker served it.** Read from the :data:`WORKER_HEADER` response header when the endpoint sends it;
+otherwise, when the target is a BTB gateway whose control API is known, from the gateway's per-worker ``served``
+counters before and after the replay (``by_worker_source`` says which: ``header`` or ``gateway_counters``; the
+counters include any other traffic during the replay); otherwise every request counts under ``unknown``.
 
 **Result** (:meth:`BenchReport.as_dict`, keys stable)::
 
     {"target", "endpoint", "requests", "ok", "errors", "errors_by_status": {KIND: n},
-     "ttft_s": {"mean", "p50", "p95", "p99", "max"}, "e2e_s": {...}, "by_worker": {URL: n},
+     "ttft_s": {"mean", "p50", "p95", "p99", "max"}, "e2e_s": {...}, "by_worker": {URL: n}, "by_worker_source",
      "duration_s", "requests_per_s", "time_scale", "late_s_max", "prompt_tokens", "cached_tokens"}
 
 ``errors_by_status`` counts failed requests by :meth:`RequestResult.error_kind` (an HTTP status such as ``"503"``,
@@ -225,6 +227,9 @@ class BenchReport:
     time_scale: float
     results: list[RequestResult]
     duration_s: float
+    served_by: dict | None = None
+    """Requests each worker served during the replay by the gateway's own counters (``GET /control/fleet``
+    ``served`` after minus before), used for ``by_worker`` when no answer named its worker."""
 
     def as_dict(self) -> dict:
         """The stable JSON summary (see the module docstring)."""
@@ -237,6 +242,10 @@ class BenchReport:
         by_worker: dict[str, int] = {}
         for r in ok:
             by_worker[r.worker] = by_worker.get(r.worker, 0) + 1
+        source = "header"
+        if set(by_worker) <= {"unknown"} and self.served_by is not None:
+            by_worker = {url: n for url, n in self.served_by.items() if n > 0}
+            source = "gateway_counters"
         cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
         ttft = _clean(summarize(r.ttft_s for r in ok))
         e2e = _clean(summarize(r.e2e_s for r in ok))
@@ -250,6 +259,7 @@ class BenchReport:
             "ttft_s": ttft,
             "e2e_s": e2e,
             "by_worker": dict(sorted(by_worker.items())),
+            "by_worker_source": source,
             "duration_s": self.duration_s,
             "requests_per_s": (len(ok) / self.duration_s) if self.duration_s > 0 else None,
             "time_scale": self.time_scale,
@@ -440,6 +450,24 @@ def default_burst_trace(seed: int = 42, burst_size: int = 64, prefix_blocks: int
     return generate_bursted(params, seed=seed)
 
 
+def served_counts(fleet: dict | None) -> dict[str, int] | None:
+    """``{worker URL: served}`` from a ``GET /control/fleet`` answer (None when it has no worker rows)."""
+    if not isinstance(fleet, dict) or not isinstance(fleet.get("workers"), list):
+        return None
+    out = {}
+    for w in fleet["workers"]:
+        if isinstance(w, dict) and isinstance(w.get("url"), str) and isinstance(w.get("served"), int):
+            out[w["url"]] = w["served"]
+    return out
+
+
+def served_delta(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """Per-worker ``after - before`` of :func:`served_counts` (None when either is unknown)."""
+    if before is None or after is None:
+        return None
+    return {url: n - before.get(url, 0) for url, n in after.items()}
+
+
 def write_results_jsonl(results: Iterable[RequestResult], path) -> int:
     """Write one JSON object per request (:meth:`RequestResult.as_dict`); returns the count."""
     n = 0
@@ -451,4 +479,5 @@ def write_results_jsonl(results: Iterable[RequestResult], path) -> int:
 
 
 __all__ = ["BenchOptions", "BenchReport", "ENDPOINTS", "PromptSynth", "RequestResult", "WORKER_HEADER",
-           "block_text", "default_burst_trace", "replay", "replay_async", "select_requests", "write_results_jsonl"]
+           "block_text", "default_burst_trace", "replay", "replay_async", "select_requests", "served_counts",
+           "served_delta", "write_results_jsonl"]

@@ -38,7 +38,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -85,14 +85,17 @@ class GatewaySection(BaseModel):
     page_size: int = Field(256, ge=1)
     """Tokens per KV block the gateway hashes prompts into; must equal the workers' ``page_size`` (256 = the
     published block size, REFERENCE.md s1)."""
-    max_retries: int = Field(1, ge=0, le=10)
-    """Times the gateway retries a request on another worker when its worker fails before answering."""
+    max_retries: int = Field(2, ge=0, le=10)
+    """Further workers the gateway tries when one fails before the first byte of its answer reached the client
+    (the gateway's default, 2)."""
     health_interval_s: float = Field(1.0, gt=0)
     """Seconds between the gateway's health checks of each worker."""
-    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    """Largest request body the gateway accepts, bytes (64 MiB holds a 65,536-token prompt as text many times)."""
-    extra_args: list[str] = Field(default_factory=list)
-    """More arguments for ``btbctl gateway`` (argv elements, not a shell string)."""
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    """Largest request body the gateway accepts, bytes (32 MiB, the gateway's default, holds a 65,536-token prompt
+    as text many times over)."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """Further gateway settings by name (``GatewayConfig`` fields such as ``unhealthy_after = 1`` or
+    ``connect_timeout_s = 2.0``); the ones above and the listen addresses, workers and tokens are set by ``up``."""
     ready_timeout_s: float = Field(DEFAULT_EMULATED_READY_TIMEOUT_S, gt=0)
     """Seconds to wait for the gateway to report ready."""
 
@@ -295,6 +298,7 @@ class ClusterFile(BaseModel):
             if spec.page_size != self.gateway.page_size:
                 raise ConfigError(f"workers.{e}.page_size", f"is {spec.page_size} but gateway.page_size is "
                                                             f"{self.gateway.page_size}; they must be equal")
+        self._check_gateway_settings()
         names: dict[str, int] = {}
         ports: dict[tuple[str, int], str] = {}
         gw = self.gateway
@@ -316,6 +320,43 @@ class ClusterFile(BaseModel):
                 if key in ports:
                     raise ConfigError(f"workers.{inst.entry}.{field}", f"port {port} is already {ports[key]}")
                 ports[key] = f"workers.{inst.entry}.{field} (+{inst.index})"
+
+
+    def _check_gateway_settings(self) -> None:
+        from btbctl.engine.gateway.config import GatewayConfig
+
+        reserved = set(GATEWAY_SET_BY_UP)
+        for key in self.gateway.settings:
+            if key in reserved:
+                raise ConfigError(f"gateway.settings.{key}", "is set by `btbctl up` (use the [gateway] or [btb] "
+                                                             "key of that name where there is one)")
+        try:
+            validate(GatewayConfig, {"workers": ["http://127.0.0.1:1"], **self.gateway.settings}, None,
+                     "gateway.settings")
+        except ConfigError as e:
+            raise ConfigError(e.key, e.reason) from None
+
+    def gateway_config(self, worker_urls: list[str], *, policy: str | None = None, port: int | None = None,
+                       control_port: int | None = None, token_file: str | None = None,
+                       worker_token_file: str | None = None) -> dict:
+        """The gateway's settings (``GatewayConfig`` fields as a JSON-ready dict) for these workers."""
+        gw = self.gateway
+        data = dict(gw.settings)
+        data.update({
+            "workers": list(worker_urls), "host": gw.host, "port": gw.port if port is None else port,
+            "control_host": gw.control_host,
+            "control_port": gw.control_port if control_port is None else control_port,
+            "policy": policy or gw.policy, "constants": self.btb.model_dump(), "page_size": gw.page_size,
+            "max_retries": gw.max_retries, "health_interval_s": gw.health_interval_s,
+            "max_body_bytes": gw.max_body_bytes, "token_file": token_file, "worker_token_file": worker_token_file,
+        })
+        return data
+
+
+#: ``GatewayConfig`` fields ``up`` fills in itself (not allowed in ``gateway.settings``).
+GATEWAY_SET_BY_UP = ("workers", "host", "port", "control_host", "control_port", "policy", "constants", "page_size",
+                     "max_retries", "health_interval_s", "max_body_bytes", "token", "token_file", "worker_token",
+                     "worker_token_file")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Callable
 
 from btbctl.engine.errors import BtbctlError
 
@@ -90,4 +90,151 @@ def _error_text(e: urllib.error.HTTPError) -> str:
     return str(data)[:300]
 
 
-__all__ = ["ControlClient", "DEFAULT_TIMEOUT_S"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# operations built on the API: tune and replicate
+
+#: Keys ``btbctl tune`` accepts and their types: the four constants (:class:`~btbctl.engine.constants.BtbConstants`)
+#: and the routing policy.
+TUNE_KEYS = {"prefix_blocks": int, "threshold": int, "window_s": float, "replicas": int, "policy": str}
+#: Copy states after which a copy changes no more (the gateway's ``Transfer.state``).
+FINAL_COPY_STATES = ("done", "failed")
+
+
+def parse_tune_args(args: list[str]) -> dict:
+    """Turn ``["prefix_blocks=16", "policy=btb", ...]`` into a validated partial update.
+
+    Each constant is checked the way the engine checks it (:class:`~btbctl.engine.constants.BtbConstants`: integers
+    >= 1, ``window_s`` a number > 0) and the policy against the registry, so a typo never reaches the fleet.
+
+    Raises:
+        ConfigError: a malformed argument, an unknown key (the valid ones are listed), a repeated key or a bad
+            value (the key is named).
+    """
+    import math
+
+    from btbctl.engine.constants import BtbConstants
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.policies import POLICIES
+
+    out: dict = {}
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        key = key.strip().replace("-", "_")
+        raw = raw.strip()
+        if not sep or not key or not raw:
+            raise ConfigError(arg, "expected KEY=VALUE, e.g. threshold=3")
+        if key not in TUNE_KEYS:
+            raise ConfigError(key, f"unknown key; valid: {', '.join(TUNE_KEYS)}")
+        if key in out:
+            raise ConfigError(key, "given twice")
+        typ = TUNE_KEYS[key]
+        if typ is str:
+            if raw not in POLICIES:
+                raise ConfigError(key, f"unknown policy {raw!r}; valid: {', '.join(POLICIES)}")
+            out[key] = raw
+            continue
+        try:
+            val = int(raw) if typ is int else float(raw)
+        except ValueError:
+            kind = "an integer" if typ is int else "a number"
+            raise ConfigError(key, f"must be {kind}, got {raw!r}") from None
+        if typ is float and not math.isfinite(val):
+            raise ConfigError(key, f"must be a finite number, got {raw!r}")
+        out[key] = val
+    consts = {k: v for k, v in out.items() if k != "policy"}
+    if consts:
+        BtbConstants().with_updates(**consts)  # raises ConfigError naming the key
+    return out
+
+
+def replicate(client: ControlClient, prefix: str, n: int, *, timeout_s: float = 120.0, poll_s: float = 0.2,
+              on_progress: Callable[[list[dict]], None] | None = None) -> dict:
+    """Copy one prefix to ``n`` more workers and wait for the copies to finish.
+
+    ``POST /control/replicate {"prefix", "n"}`` starts the copies; ``GET /control/replications/{prefix}`` is polled
+    every ``poll_s`` until every copy is ``done`` or ``failed`` or ``timeout_s`` passes. ``on_progress`` gets the
+    copies' rows (``copy_id``, ``target``, ``state``, ``bytes_sent``, ``bytes_total``, ``error``) whenever they
+    change.
+
+    Returns:
+        ``{"prefix", "source", "targets": [URL], "status", "bytes", "copies": [row], "holders": [URL],
+        "skipped"}``: ``status`` is ``done`` (every copy arrived and was verified), ``partial`` (some failed),
+        ``failed`` (all failed) or ``timeout``; ``bytes`` is the sum of bytes sent by the copies that finished.
+
+    Raises:
+        BtbctlError: bad prefix or ``n`` (checked here first), unknown or ambiguous prefix, no holder or no target
+            (the gateway's message), or an unreachable control API.
+    """
+    import time
+
+    from btbctl.engine.hashing import MIN_PREFIX_ID_CHARS
+
+    p = prefix.strip().lower()
+    try:
+        int(p, 16)
+    except ValueError:
+        raise BtbctlError(f"--prefix: {prefix!r} is not a hexadecimal prefix id") from None
+    if len(p) < MIN_PREFIX_ID_CHARS:
+        raise BtbctlError(f"--prefix: give at least {MIN_PREFIX_ID_CHARS} hex digits, got {len(p)}")
+    if not isinstance(n, int) or n < 1:
+        raise BtbctlError(f"-n must be an integer >= 1, got {n!r}")
+    started = client.post("/control/replicate", {"prefix": p, "n": n})
+    if not isinstance(started, dict) or "copy_ids" not in started:
+        raise BtbctlError("control API POST /control/replicate: unexpected answer")
+    key = str(started.get("prefix", p))
+    ids = [str(c) for c in started.get("copy_ids", [])]
+    deadline = time.monotonic() + timeout_s
+    last = None
+    rows: list[dict] = []
+    holders: list[str] = []
+    status = "timeout"
+    while True:
+        rep = client.get(f"/control/replications/{key}")
+        copies = rep.get("copies", []) if isinstance(rep, dict) else []
+        holders = list(rep.get("holders", [])) if isinstance(rep, dict) else []
+        by_id = {str(c.get("copy_id")): c for c in copies if isinstance(c, dict)}
+        rows = [by_id.get(i, {"copy_id": i, "state": "planned"}) for i in ids]
+        snapshot = [(r.get("state"), r.get("bytes_sent")) for r in rows]
+        if snapshot != last:
+            last = snapshot
+            if on_progress is not None:
+                on_progress(rows)
+        if all(r.get("state") in FINAL_COPY_STATES for r in rows):
+            done = sum(1 for r in rows if r.get("state") == "done")
+            status = "done" if done == len(rows) else ("failed" if done == 0 else "partial")
+            break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_s)
+    return {
+        "prefix": key,
+        "source": started.get("source"),
+        "targets": list(started.get("targets", [])),
+        "status": status,
+        "bytes": sum(int(r.get("bytes_sent") or 0) for r in rows if r.get("state") == "done"),
+        "copies": rows,
+        "holders": holders,
+        "skipped": started.get("skipped", 0),
+    }
+
+
+def client_for_run(run_dir: str | None = None, url: str | None = None, token: bool = True) -> ControlClient:
+    """A client of the control API recorded in the run directory (or at ``url``), with the run's token when
+    ``token`` is true. Raises :class:`BtbctlError` when no running fleet is recorded."""
+    from btbctl.engine.launcher.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    tok = None
+    if url is None:
+        state = rd.live_state()
+        if not state.control_url:
+            raise BtbctlError(f"the fleet recorded in {rd.path} has no control API yet (still starting?)")
+        url = state.control_url
+    if token:
+        tok = rd.read_token()
+    return ControlClient(url, tok)
+
+
+__all__ = ["ControlClient", "DEFAULT_TIMEOUT_S", "TUNE_KEYS", "client_for_run", "parse_tune_args", "replicate"]

@@ -2,7 +2,7 @@
 
 ``up`` (:func:`up`) refuses to start over a live run in the same run directory (a stale one is cleaned), writes
 fresh tokens, starts every worker of the cluster file in its own session, waits until all are ready, then starts
-the gateway in front of them (``python -m btbctl gateway``) and waits for it. ``state.json`` is rewritten after
+the gateway in front of them (``python -m btbctl gateway --config <run dir>/gateway.json``) and waits for it. ``state.json`` is rewritten after
 every step, so a fleet that failed half way (or whose ``up`` was killed) can still be stopped with ``down``. If a
 step fails, everything started so far is stopped and the state removed before the error is raised.
 
@@ -16,6 +16,7 @@ probing each worker's ``/health`` when the gateway does not answer.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -72,25 +73,19 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
     rd.clear()
 
 
-def gateway_argv(cluster: ClusterFile, worker_urls: list[str], rd: RunDir, policy: str, port: int,
-                 control_port: int, python: str | None = None) -> list[str]:
-    """The gateway's command line (``python -m btbctl gateway ...``) as an argv list."""
-    gw = cluster.gateway
-    c = cluster.btb
-    argv = [python or sys.executable, "-m", "btbctl", "gateway",
-            "--host", gw.host, "--port", str(port),
-            "--control-host", gw.control_host, "--control-port", str(control_port),
-            "--policy", policy,
-            "--page-size", str(gw.page_size),
-            "--prefix-blocks", str(c.prefix_blocks), "--threshold", str(c.threshold),
-            "--window-s", repr(float(c.window_s)), "--replicas", str(c.replicas),
-            "--token-file", str(rd.token_path), "--worker-token-file", str(rd.worker_token_path),
-            "--max-retries", str(gw.max_retries), "--health-interval-s", repr(float(gw.health_interval_s)),
-            "--max-body-bytes", str(gw.max_body_bytes)]
-    for url in worker_urls:
-        argv += ["--worker", url]
-    argv += list(gw.extra_args)
-    return argv
+def gateway_argv(config_path: str, python: str | None = None) -> list[str]:
+    """The gateway's command line: ``python -m btbctl gateway --config CONFIG.json``."""
+    return [python or sys.executable, "-m", "btbctl", "gateway", "--config", config_path]
+
+
+def write_gateway_config(rd: RunDir, data: dict) -> str:
+    """Write the gateway's settings to ``<run dir>/gateway.json`` (mode 0600); return the path."""
+    path = rd.path / "gateway.json"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    return str(path)
 
 
 def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = None, port: int | None = None,
@@ -157,9 +152,13 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
             log(f"{inst.name} ready at {proc.url}")
         urls = [p.url for _, p, _ in pending]
         gw = cluster.gateway
-        gport = gw.port if port is None else port
-        cport = gw.control_port if control_port is None else control_port
-        argv = gateway_argv(cluster, urls, rd, policy, gport, cport)
+        gcfg = cluster.gateway_config(urls, policy=policy, port=port, control_port=control_port,
+                                      token_file=str(rd.token_path), worker_token_file=str(rd.worker_token_path))
+        from btbctl.engine.config import validate
+        from btbctl.engine.gateway.config import GatewayConfig
+
+        validate(GatewayConfig, gcfg, None, "gateway")  # fail here, with the key named, rather than in the child
+        argv = gateway_argv(write_gateway_config(rd, gcfg))
         gproc = spawn("gateway", argv, rd.log_path("gateway"))
         started.append(gproc)
         state.processes.append(gproc.record("gateway", "gateway"))
@@ -280,8 +279,9 @@ def status(rd: RunDir) -> dict:
          "gateway": {"pid", "alive", "reachable"},
          "workers": [{"name", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error"}]}
 
-    ``healthy`` is the gateway's verdict when its control API answers, else whether the worker's ``/health``
-    answers 2xx; ``alive`` is whether the recorded process still runs. Raises :class:`BtbctlError` when nothing is
+    ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether
+    the worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is
+    the gateway's count of requests in flight to it; ``health_error`` why it is unhealthy. Raises :class:`BtbctlError` when nothing is
     recorded.
     """
     state = rd.load()
@@ -300,8 +300,8 @@ def status(rd: RunDir) -> dict:
         g = by_url.get((rec.url or "").rstrip("/"))
         if fleet is not None and g is not None:
             healthy = bool(g.get("healthy")) and alive
-            inflight = g.get("inflight")
-            err = g.get("health_error")
+            inflight = g.get("load")
+            err = g.get("error")
         else:
             healthy = alive and rec.url is not None and _probe_health(rec.url)
             inflight = None

@@ -298,8 +298,8 @@ class RunDir:
         return state.owner_pid is not None and is_same_process(state.owner_pid, state.owner_start_time)
 
     def clear(self) -> None:
-        """Forget the run: remove ``state.json`` and both tokens (logs stay for a post-mortem)."""
-        for p in (self.state_path, self.token_path, self.worker_token_path):
+        """Forget the run: remove ``state.json``, both tokens and ``gateway.json`` (logs stay for a post-mortem)."""
+        for p in (self.state_path, self.token_path, self.worker_token_path, self.path / "gateway.json"):
             try:
                 p.unlink()
             except FileNotFoundError:

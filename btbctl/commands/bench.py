@@ -1,0 +1,132 @@
+"""``btbctl bench``: replay a trace against an SGLang-compatible endpoint at its arrival times and report the
+client-side TTFT (table or stable JSON)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.output import Format, Output
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def _render(out: Output, d: dict) -> None:
+    from rich.table import Table
+
+    c = out.console
+    c.print(f"{d['requests']} requests to {d['target']} ({d['endpoint']}): {d['ok']} ok, {d['errors']} errors"
+            + (f" ({', '.join(f'{k}: {v}' for k, v in d['errors_by_status'].items())})" if d["errors"] else "")
+            + f", {d['duration_s']:.2f} s")
+    t = Table(box=None, pad_edge=False)
+    t.add_column("ms")
+    for k in ("mean", "p50", "p95", "p99", "max"):
+        t.add_column(k, justify="right")
+    t.add_row("TTFT", *(_ms(d["ttft_s"][k]) for k in ("mean", "p50", "p95", "p99", "max")))
+    t.add_row("e2e", *(_ms(d["e2e_s"][k]) for k in ("mean", "p50", "p95", "p99", "max")))
+    c.print(t)
+    if d["by_worker"]:
+        w = Table(box=None, pad_edge=False)
+        w.add_column("worker")
+        w.add_column("requests", justify="right")
+        for url, n in d["by_worker"].items():
+            w.add_row(url, str(n))
+        c.print(w)
+    if d.get("cached_tokens") is not None and d["prompt_tokens"]:
+        c.print(f"prompt tokens served from cache: {d['cached_tokens'] / d['prompt_tokens']:.1%}")
+
+
+def _served(control_url: str | None):
+    """The gateway's per-worker ``served`` counters, or None (no control API known, or it does not answer)."""
+    if control_url is None:
+        return None
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.bench import served_counts
+    from btbctl.engine.launcher.control import ControlClient
+
+    try:
+        return served_counts(ControlClient(control_url, timeout_s=3.0).get("/control/fleet"))
+    except BtbctlError:
+        return None
+
+
+@app.command("bench")
+def bench(
+    trace: Annotated[Optional[Path], typer.Option(
+        "--trace", metavar="PATH", dir_okay=False,
+        help="Trace to replay (default: one generated burst, see --burst-size).")] = None,
+    trace_format: Annotated[Optional[str], typer.Option(
+        "--trace-format", help="mooncake, btb-mixed-trace-v1 or azure2023 (default: detect).")] = None,
+    target: Annotated[Optional[str], typer.Option(
+        "--target", metavar="URL", help="SGLang-compatible endpoint (default: the running fleet's gateway).")] = None,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    time_scale: Annotated[float, typer.Option(
+        "--time-scale", help="Trace seconds per wall second (10 replays ten times faster).")] = 1.0,
+    max_requests: Annotated[Optional[int], typer.Option(
+        "--max-requests", help="Send only the first N requests (default: all).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(
+        "--concurrency", help="Most requests in flight at once (default: no limit).")] = None,
+    endpoint: Annotated[str, typer.Option(
+        "--endpoint", help="generate (POST /generate) or completions (POST /v1/completions).")] = "generate",
+    prompt: Annotated[str, typer.Option(
+        "--prompt", help="Send synthesised text, or ids (input_ids) for servers with a real tokenizer.")] = "text",
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Model name for --endpoint completions (default: the endpoint's first model).")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Per-request limit, seconds.")] = 300.0,
+    burst_size: Annotated[int, typer.Option(
+        "--burst-size", help="Default trace: requests in the burst.")] = 64,
+    prefix_blocks: Annotated[int, typer.Option(
+        "--prefix-blocks", help="Default trace: shared prefix in 256-token blocks (256 = 65,536 tokens).")] = 256,
+    spread_s: Annotated[float, typer.Option(
+        "--spread-s", help="Default trace: seconds over which the burst arrives.")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="Default trace: random seed.")] = 42,
+    requests_out: Annotated[Optional[Path], typer.Option(
+        "--requests-out", metavar="PATH", dir_okay=False, help="Write one JSON line per request.")] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Replay a trace against an SGLang-compatible endpoint and report client-side TTFT."""
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.bench import (BenchOptions, default_burst_trace, replay, select_requests,
+                                              served_delta, write_results_jsonl)
+    from btbctl.engine.launcher.rundir import RunDir
+
+    out = Output(fmt)
+    if trace is not None:
+        from btbctl.engine.trace.readers import read_trace
+
+        tr = read_trace(trace, trace_format)
+    else:
+        if burst_size < 1 or prefix_blocks < 1 or spread_s < 0:
+            raise BtbctlError("--burst-size and --prefix-blocks must be >= 1 and --spread-s >= 0")
+        tr = default_burst_trace(seed=seed, burst_size=burst_size, prefix_blocks=prefix_blocks, spread_s=spread_s)
+    control = None
+    if target is None:
+        state = RunDir(run_dir).live_state()
+        if not state.gateway_url:
+            raise BtbctlError("the recorded fleet has no gateway URL yet (still starting?); pass --target")
+        target = state.gateway_url
+        control = state.control_url
+    else:
+        state = RunDir(run_dir).load()
+        if state is not None and state.gateway_url and state.gateway_url.rstrip("/") == target.rstrip("/"):
+            control = state.control_url
+    opts = BenchOptions(target=target, time_scale=time_scale, max_requests=max_requests, concurrency=concurrency,
+                        endpoint=endpoint, prompt_mode=prompt, model=model, timeout_s=timeout_s)
+    opts.check()
+    chosen = select_requests(tr, max_requests)
+    n = len(chosen)
+    span = (chosen[-1].arrival_s - chosen[0].arrival_s) if chosen else 0.0
+    out.info(f"replaying {n} requests over {span / time_scale:.2f} s against {target}")
+    before = _served(control)
+    with out.progress("requests", n) as advance:
+        report = replay(tr, opts, on_result=lambda _r: advance(1))
+    report.served_by = served_delta(before, _served(control))
+    if requests_out is not None:
+        write_results_jsonl(report.results, requests_out)
+    out.result(report.as_dict(), lambda d: _render(out, d))

@@ -1,0 +1,118 @@
+"""``btbctl up``, ``down`` and ``status``: start a fleet (workers + gateway) on this machine, stop it, look at it.
+
+``up`` without ``-c`` starts the embedded default (4 emulated Llama-3.3-70B workers on 4 x H100 each, the BTB
+gateway, all on loopback). In the foreground it stops everything on Ctrl-C; ``-d`` detaches and leaves the fleet
+recorded in the run directory, where ``down``, ``status``, ``bench``, ``tune``, ``replicate`` and ``tui`` find it.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+from btbctl.commands.output import Format, Output
+
+RUN_DIR_HELP = "Run directory of the fleet (default: runs/default under the user state directory)."
+
+
+def _render_status(out: Output, st: dict) -> None:
+    from rich.table import Table
+
+    c = out.console
+    gw = st.get("gateway") or {}
+    state = "up" if gw.get("reachable") else ("process running, API not answering" if gw.get("alive") else "down")
+    c.print(f"gateway  {st.get('gateway_url') or '-'}   control {st.get('control_url') or '-'}   "
+            f"policy {st.get('policy') or '-'}   ({state})")
+    t = Table(box=None, pad_edge=False)
+    for col in ("name", "url", "healthy", "process", "in flight", "note"):
+        t.add_column(col)
+    for w in st["workers"]:
+        t.add_row(w["name"], w["url"] or "-", "yes" if w["healthy"] else "[red]no[/red]",
+                  f"pid {w['pid']}" if w["alive"] else "[red]exited[/red]",
+                  "-" if w.get("inflight") is None else str(w["inflight"]), w.get("health_error") or "")
+    c.print(t)
+    c.print(f"run directory {st['run_dir']}")
+
+
+@app.command("up")
+def up(
+    config: Annotated[Optional[str], typer.Option(
+        "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet).")] = None,
+    detach: Annotated[bool, typer.Option("-d", "--detach", help="Start in the background and return.")] = False,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    policy: Annotated[Optional[str], typer.Option(
+        "--policy", help="Routing policy instead of the cluster file's (btb, cache_aware, least_load, ...).")] = None,
+    port: Annotated[Optional[int], typer.Option(
+        "--port", help="Gateway data-plane port instead of the cluster file's (0 = a free port).")] = None,
+    control_port: Annotated[Optional[int], typer.Option(
+        "--control-port", help="Control-API port instead of the cluster file's (0 = a free port).")] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`)."""
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.cluster import default_cluster, load_cluster
+    from btbctl.engine.launcher.rundir import RunDir
+
+    out = Output(fmt)
+    for name, value in (("--port", port), ("--control-port", control_port)):
+        if value is not None and not 0 <= value <= 65535:
+            raise BtbctlError(f"{name} must be in 0..65535, got {value}")
+    cluster = load_cluster(config) if config else default_cluster()
+    rd = RunDir(run_dir)
+
+    def _term(_signum, _frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        state, started = fleet.up(cluster, rd, detach=detach, policy=policy, port=port, control_port=control_port,
+                                  cluster_path=config, log=out.info)
+        st = fleet.status(rd)
+        out.result(st, lambda d: _render_status(out, d))
+        if detach:
+            out.info("running in the background; stop it with `btbctl down`"
+                     + (f" --run-dir {rd.path}" if run_dir else ""))
+            return
+        out.info("press Ctrl-C to stop the fleet")
+        fleet.supervise(rd, state, started, log=out.info)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@app.command("down")
+def down(
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    grace_s: Annotated[float, typer.Option(
+        "--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")] = 10.0,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Stop exactly the processes `btbctl up` started (gateway first, then workers)."""
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.rundir import RunDir
+
+    out = Output(fmt)
+    res = fleet.down(RunDir(run_dir), grace_s=grace_s, log=out.info)
+
+    def human(d: dict) -> None:
+        parts = [f"{k} {', '.join(d[k])}" for k in ("stopped", "killed", "gone") if d[k]]
+        out.console.print("; ".join(parts) if parts else "nothing was running")
+
+    out.result(res, human)
+
+
+@app.command("status")
+def status(
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Show the running fleet: gateway and control URLs, and each worker's health."""
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.rundir import RunDir
+
+    out = Output(fmt)
+    st = fleet.status(RunDir(run_dir))
+    out.result(st, lambda d: _render_status(out, d))

@@ -1,0 +1,87 @@
+"""``btbctl tune`` and ``btbctl replicate``: steer a running fleet through its control API."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.output import Format, Output
+
+
+def _mib(n) -> str:
+    return f"{(n or 0) / 2**20:.1f} MiB"
+
+
+@app.command("tune")
+def tune(
+    settings: Annotated[Optional[list[str]], typer.Argument(
+        metavar="KEY=VALUE...",
+        help="prefix_blocks=N threshold=N window_s=SECONDS replicas=N policy=NAME (none: show the current ones).",
+        show_default=False)] = None,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Change BTB's constants or the routing policy of the running fleet, without a restart."""
+    from btbctl.engine.launcher.control import client_for_run, parse_tune_args
+
+    out = Output(fmt)
+    updates = parse_tune_args(settings or [])
+    client = client_for_run(run_dir, token=bool(updates))
+    res = client.put("/control/constants", updates) if updates else client.get("/control/constants")
+
+    def human(d: dict) -> None:
+        c = d.get("constants", {})
+        out.console.print(f"policy {d.get('policy')}  prefix_blocks {c.get('prefix_blocks')}  "
+                          f"threshold {c.get('threshold')}  window_s {c.get('window_s')}  "
+                          f"replicas {c.get('replicas')}"
+                          + (f"  ({d['prefix_tokens']} tokens per prefix)" if d.get("prefix_tokens") else ""))
+
+    if updates:
+        out.info("the gateway now holds:")
+    out.result(res, human)
+
+
+@app.command("replicate")
+def replicate(
+    prefix: Annotated[str, typer.Option(
+        "--prefix", metavar="HASH", help="Prefix id (or at least 8 leading hex digits of it), as `btbctl tui` and "
+                                         "GET /control/prefixes show it.", show_default=False)],
+    n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout."""
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.control import client_for_run
+    from btbctl.engine.launcher.control import replicate as do_replicate
+
+    out = Output(fmt)
+    if not timeout_s > 0:
+        raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
+    client = client_for_run(run_dir)
+
+    def progress(rows: list[dict]) -> None:
+        for r in rows:
+            total = r.get("bytes_total") or 0
+            pct = f" {100 * (r.get('bytes_sent') or 0) / total:.0f}%" if total else ""
+            err = f": {r['error']}" if r.get("error") else ""
+            out.info(f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
+                     f"({_mib(r.get('bytes_sent'))}){err}")
+
+    res = do_replicate(client, prefix, n, timeout_s=timeout_s, on_progress=progress)
+
+    def human(d: dict) -> None:
+        out.console.print(f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "
+                          f"{d['status']}, {_mib(d['bytes'])} copied")
+        for url in d["targets"]:
+            out.console.print(f"  {url}")
+        if d.get("skipped"):
+            out.console.print(f"  ({d['skipped']} fewer than asked: no other eligible worker)")
+
+    out.result(res, human)
+    if res["status"] != "done":
+        raise typer.Exit(1)
