@@ -39,7 +39,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import xxhash
 

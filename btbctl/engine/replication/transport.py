@@ -28,7 +28,8 @@ from btbctl.engine.errors import BtbctlError
 #: Blocks handed to :meth:`Transport.send`: ``(block hash, block bytes)`` in chain order.
 Blocks = Union[Iterable[tuple[str, bytes]], AsyncIterator[tuple[str, bytes]]]
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 
 
 class TransferError(BtbctlError):

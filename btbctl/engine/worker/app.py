@@ -69,8 +69,8 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04
                0.3, 0.5, 1.0, 2.0)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "TooManyRequests", 500: "InternalServerError",
-          503: "ServiceUnavailable"}
+          405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "TooManyRequests",
+          500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
 class ApiError(Exception):
@@ -518,7 +518,9 @@ class _Handlers:
         return web.json_response({
             "model_path": c.model_path, "served_model_name": c.served_name, "tp_size": c.tp_size,
             "host": c.host, "port": self.w.http_port, "mem_fraction_static": c.mem_fraction_static,
-            "page_size": c.page_size, "chunked_prefill_size": self.model.cluster.chunk_tokens(),
+            "page_size": c.page_size,
+            "chunked_prefill_size": (c.chunked_prefill_size if c.chunked_prefill_size is not None
+                                     else self.model.cluster.chunk_tokens()),
             "max_running_requests": c.max_running_requests, "enable_metrics": c.enable_metrics,
             "max_total_num_tokens": st["capacity_tokens"], "version": f"btbctl-emulated-{__version__}",
             "internal_states": [{"num_running_reqs": st["running"], "num_waiting_reqs": st["waiting"]}],
@@ -634,7 +636,6 @@ class _Handlers:
     async def _sse(resp: web.StreamResponse, obj) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
         await resp.write(f"data: {data}\n\n".encode())
-
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
