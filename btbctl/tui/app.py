@@ -48,7 +48,8 @@ ConstantsPanel { height: 4; border: round $primary 50%; }
 ConstantsPanel:focus-within { border: round $accent; }
 #const-row { height: 1; }
 .const-label { color: $text-muted; }
-.const-input { width: 8; margin-right: 1; }
+.const-input { width: 7; margin-right: 1; }
+#p2, #p3, #prefix-table { scrollbar-size-vertical: 1; }
 #const-status { height: 1; }
 #prefix-table { height: 1fr; }
 #ttft-head { height: 1; }

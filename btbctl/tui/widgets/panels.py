@@ -29,17 +29,17 @@ class PrefixPanel(Vertical):
         self.rows: list[PrefixRow] = []
 
     def compose(self) -> ComposeResult:
-        table = DataTable(id="prefix-table", cursor_type="row", zebra_stripes=False, cell_padding=1)
+        table = DataTable(id="prefix-table", cursor_type="row", zebra_stripes=False, cell_padding=0)
         yield table
 
     def on_mount(self) -> None:
         t = self.query_one(DataTable)
-        t.add_column("prefix", key="id")
-        t.add_column("len", key="len")
-        t.add_column("arr/X", key="arr")
-        t.add_column("hold", key="hold")
-        t.add_column("cp", key="cp")
-        t.add_column("trend", key="trend")
+        t.add_column("prefix", key="id", width=13)
+        t.add_column("len", key="len", width=4)
+        t.add_column("arr/X", key="arr", width=6)
+        t.add_column("hold", key="hold", width=4)
+        t.add_column("cp", key="cp", width=3)
+        t.add_column("trend", key="trend", width=6)
 
     @property
     def selected(self) -> PrefixRow | None:
@@ -64,7 +64,7 @@ class PrefixPanel(Vertical):
             arr = Text(f"{p.arrivals_in_window}/{p.threshold}", style="bold red" if p.hot else "")
             cp = str(p.copies_in_flight) if p.copies_in_flight else "-"
             t.add_row(p.short_id, human_tokens(p.prefix_tokens), arr, str(p.holders), cp,
-                      sparkline(self._history[p.prefix_id], 8), key=p.prefix_id)
+                      sparkline(self._history[p.prefix_id], 6), key=p.prefix_id)
         if keep is not None:
             for i, p in enumerate(self.rows):
                 if p.prefix_id == keep:
@@ -119,24 +119,37 @@ class TransferPanel(VerticalScroll):
 
     BORDER_TITLE = "3 Transfers"
     can_focus = True
+    _last: FleetSnapshot | None = None
+
+    def on_resize(self) -> None:
+        if self._last is not None:  # the columns depend on the width
+            self.update_snapshot(self._last)
 
     def compose(self) -> ComposeResult:
         yield Static(id="transfer-body")
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
-        t = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
-        for col, just in (("prefix", "left"), ("route", "left"), ("progress", "left"), ("rate", "right"),
-                          ("eta", "right"), ("state", "left")):
-            t.add_column(col, justify=just, no_wrap=True)
+        self._last = snap
+        wide = self.size.width >= 60
+        lines = Text(no_wrap=True, overflow="ellipsis")
+        lines.append(("prefix   route   progress       rate      eta   state" if wide
+                      else "prefix route  progress    eta  state"), style="bold")
         live = 0
         for x in snap.transfers:
             style = {"done": "green", "failed": "bold red", "stalled": "yellow"}.get(x.state, "cyan")
             if x.state in ("running", "stalled"):
                 live += 1
             state = x.state if not x.error else f"{x.state}: {x.error}"
-            t.add_row(x.prefix_id[:8], f"{x.source}>{x.target}", f"{bar(x.fraction, 8)}{x.fraction * 100:4.0f}%",
-                      f"{human_bytes(x.bytes_per_s)}/s" if x.bytes_per_s else "-", seconds(x.eta_s),
-                      Text(state, style=style))
+            route = f"{x.source}>{x.target}"
+            pct = f"{x.fraction * 100:3.0f}%"
+            if wide:
+                rate = f"{human_bytes(x.bytes_per_s)}/s" if x.bytes_per_s else "-"
+                row = f"{x.prefix_id[:8]} {route:7} {bar(x.fraction, 8)} {pct} {rate:>9} {seconds(x.eta_s):>6}   "
+            else:
+                row = f"{x.prefix_id[:6]} {route:6} {bar(x.fraction, 5)}{pct} {seconds(x.eta_s):>5}  "
+            lines.append("\n" + row)
+            lines.append(state, style=style)
+        t = lines
         body = t if snap.transfers else Text("no transfers yet", style="dim")
         self.query_one("#transfer-body", Static).update(body)
         self.border_subtitle = f"{live} in flight"
@@ -161,9 +174,9 @@ class TtftPanel(Vertical):
 
         pts = [p for p in snap.ttft if not math.isnan(p.p50_s)]
         last = pts[-1] if pts else None
-        head = f"policy {snap.policy or '-'}  {snap.rps:.0f} req/s"
+        head = f"{snap.policy or '-'} {snap.rps:.0f} req/s"
         if last is not None:
-            head += f"  p50 {seconds(last.p50_s)}  p95 {seconds(last.p95_s)}"
+            head += f" p50 {seconds(last.p50_s)} p95 {seconds(last.p95_s)}"
         self.query_one("#ttft-head", Static).update(head)
         plot = self.query_one("#ttft-plot", PlotextPlot)
         plt = plot.plt
@@ -180,8 +193,7 @@ class ConstantsPanel(Vertical):
     """BTB's four constants, editable (Enter sends a field), the policy, and what the fleet confirmed."""
 
     BORDER_TITLE = "5 Constants"
-    FIELDS = (("prefix_blocks", "Y blocks"), ("threshold", "X arrivals"), ("window_s", "Z s"),
-              ("replicas", "M copies"))
+    FIELDS = (("prefix_blocks", "Y blk"), ("threshold", "X arr"), ("window_s", "Z s"), ("replicas", "M"))
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="const-row"):
