@@ -200,3 +200,30 @@ def test_bad_input_gets_4xx_and_the_gateway_keeps_serving():
             assert status == 200
 
     run(body())
+
+
+def test_health_checker_marks_down_and_revives_with_an_empty_record():
+    async def body():
+        async with GatewayEnv(2, policy="round_robin", health_interval_s=0.05, unhealthy_after=2) as env:
+            await env.post("/generate", {"text": TEXT})
+            w0 = env.gw.state.workers[0]
+            assert w0.holdings
+            env.fleet[0].health_status = 503
+            for _ in range(100):
+                if not w0.healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert not w0.healthy and "503" in w0.health_error and not w0.holdings
+            for _ in range(4):  # while it is down everything goes to the other one
+                assert (await env.post("/generate", {"text": TEXT}))[0] == 200
+            assert len(env.fleet[0].requests) == 1 and len(env.fleet[1].requests) == 4
+            env.fleet[0].health_status = 200
+            for _ in range(100):
+                if w0.healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert w0.healthy and w0.health_error is None
+            m = await env.metrics()
+            assert metric_value(m, "btb_worker_healthy", worker=env.fleet[0].url) == 1
+
+    run(body())

@@ -143,3 +143,48 @@ def test_worker_killed_mid_burst_loses_no_request(tmp_path):
             await _stop(procs)
 
     run(body(), timeout=60)
+
+
+def test_gateway_command_prints_ready_and_stops_on_sigterm(tmp_path):
+    async def body():
+        procs, urls, _ = await _fleet(tmp_path, 1, "--zero-delay")
+        token_file = tmp_path / "control.token"
+        gw = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "btbctl", "gateway", "-w", urls[0], "--port", "0", "--control-port", "0",
+            "--token-file", str(token_file), "--policy", "least_load", "--threshold", "3",
+            stdout=asyncio.subprocess.PIPE, stderr=open(tmp_path / "gateway.log", "wb"))
+        try:
+            line = (await asyncio.wait_for(gw.stdout.readline(), 20)).decode().split()
+            assert line[0] == "ready" and line[2] == "control", line
+            data, control = line[1], line[3]
+            assert (token_file.stat().st_mode & 0o777) == 0o600
+            token = token_file.read_text().strip()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(data + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+                    assert r.status == 200 and r.headers["X-BTB-Worker"] == urls[0]
+                async with s.get(control + "/control/constants") as r:
+                    c = await r.json()
+                    assert c["policy"] == "least_load" and c["constants"]["threshold"] == 3
+                async with s.put(control + "/control/constants", json={"policy": "btb"},
+                                 headers={"Authorization": f"Bearer {token}"}) as r:
+                    assert r.status == 200 and (await r.json())["policy"] == "btb"
+            gw.terminate()
+            assert await asyncio.wait_for(gw.wait(), 10) == 0
+        finally:
+            if gw.returncode is None:
+                gw.kill()
+                await gw.wait()
+            await _stop(procs)
+
+    run(body(), timeout=60)
+
+
+def test_gateway_command_reports_bad_settings_in_one_line(tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "btbctl", "gateway", "-w", "not-a-url"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.startswith("btbctl: error: workers") and r.stderr.count("\n") == 1
+    r = subprocess.run([sys.executable, "-m", "btbctl", "gateway", "-w", "http://127.0.0.1:1", "--policy", "x"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "policy" in r.stderr and "btb" in r.stderr

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, prompt_of
 from btbctl.engine.trace.model import Request
@@ -89,6 +90,15 @@ class DataPlane:
         self.gw = gw
         self.max_body = gw.config.max_body_bytes
         self.max_retries = gw.config.max_retries
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    def _url(self, base: str, path: str) -> URL:
+        """The parsed upstream URL (cached: parsing a URL per request costs more than routing it)."""
+        key = (base, path)
+        u = self._urls.get(key)
+        if u is None:
+            u = self._urls[key] = URL(base + path)
+        return u
 
     # -- routes -------------------------------------------------------------------------------------------------
 
@@ -193,7 +203,7 @@ class DataPlane:
 
             try:
                 try:
-                    resp = await gw.session.post(w.url + path, data=body, headers=_FORWARD_HEADERS)
+                    resp = await gw.session.post(self._url(w.url, path), data=body, headers=_FORWARD_HEADERS)
                 except _UPSTREAM_ERRORS as e:
                     reason = _describe(e)
                     attempts.append(f"{w.url}: {reason}")
