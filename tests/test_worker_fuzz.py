@@ -82,3 +82,26 @@ def test_worker_still_serves_after_fuzzing():
     status, raw = _h().post("/generate", json.dumps({"text": "hello " * 20,
                                                      "sampling_params": {"max_new_tokens": 2}}).encode())
     assert status == 200 and json.loads(raw)["meta_info"]["completion_tokens"] == 2
+
+
+def test_not_ready_answers_503_on_health_and_generation():
+    async def go():
+        cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0)
+        worker = Worker(cfg)
+        client = TestClient(TestServer(build_app(worker)))
+        await client.start_server()
+        try:
+            out = []
+            for method, path, body in (("GET", "/health", None), ("GET", "/health_generate", None),
+                                       ("POST", "/generate", {"text": "hi"})):
+                async with client.request(method, path, json=body) as r:
+                    out.append(r.status)
+            worker.ready = True
+            async with client.get("/health_generate") as r:
+                out.append(r.status)
+            return out
+        finally:
+            await client.close()
+            await worker.stop()
+
+    assert asyncio.run(go()) == [503, 503, 503, 200]
