@@ -1,4 +1,4 @@
-"""Helpers that run emulated workers as real processes on loopback (used by the worker and replication tests),
+"""Utilities that run emulated workers as real processes on loopback (used by the worker and replication tests),
 and the tests of the worker's command line."""
 
 from __future__ import annotations
