@@ -63,8 +63,10 @@ class FleetView(Protocol):
     def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
                   hot_since_s: float | None = None) -> bool:
         """Start copying the KV cache of ``chain``'s blocks from ``source`` to ``target``. Returns False when the
-        fleet refuses (same replica, a copy already in flight, no room). The target serves the blocks as cached
-        only once they have all arrived. ``hot_since_s`` (optional): when the policy saw the need for the copy
+        fleet refuses (same replica, a copy already in flight, no room, or a source that neither holds the blocks
+        nor will have them: see :meth:`planned_blocks`). Only blocks the source has computed are sent, so a copy
+        trails a source still prefilling. The target serves the blocks as cached only once they have all arrived.
+        ``hot_since_s`` (optional): when the policy saw the need for the copy
         (e.g. its detector fired), seconds; reports measure time to warm from it (default ``now_s``)."""
 
     def expected_wait_s(self, replica: int) -> float:
@@ -84,6 +86,21 @@ class FleetView(Protocol):
     def nic_copies(self, replica: int) -> int:
         """Copies in flight sending from or received by ``replica`` (they share its NIC)."""
 
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """How many leading blocks of ``chain`` are resident, on their way, or will be computed by a request already
+        queued on ``replica`` (so a new request there would reuse them). Always >= :meth:`pending_blocks` except
+        after evictions."""
+
+    def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
+        """Seconds of :meth:`queued_prefill_s` on ``replica`` that belong to requests waiting there for the same
+        not-yet-resident block a new request with ``chain`` would wait for (they cannot start before it arrives
+        or is computed); 0 when the blocks a new request would reuse are all resident."""
+
+    def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
+        """Requests waiting on ``replica`` for a block not resident there yet, grouped by that block:
+        ``(block hash, requests, seconds of their queued prefill)``. Part of :meth:`queued_prefill_s`, but they
+        cannot start before the block is there (meanwhile later requests may run)."""
+
     def kv_headroom_tokens(self, replica: int) -> int:
         """KV-cache tokens ``replica`` could free for a new copy now (free + evictable)."""
 
@@ -94,6 +111,10 @@ class FleetView(Protocol):
     @property
     def block_tokens(self) -> int:
         """Tokens per block of the chains the policy sees."""
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Most new prompt tokens one prefill step computes on a replica (chunked prefill)."""
 
 
 class Policy:

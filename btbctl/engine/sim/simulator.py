@@ -71,7 +71,8 @@ class _Req:
     """Mutable state of a request inside the simulator."""
 
     __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "matched",
-                 "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq", "est_flops")
+                 "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq", "est_flops",
+                 "queued_from", "dep_key")
 
     def __init__(self, req: Request, seq: int) -> None:
         self.req = req
@@ -90,12 +91,14 @@ class _Req:
         self.join_s = 0
         self.seq = seq
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
+        self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
+        self.dep_key = None  # while waiting: the not-yet-resident block its est_flops is registered under
 
 
 class _Replica:
     __slots__ = ("idx", "cache", "waiting", "prefilling", "decoding", "n_decoding", "dec_s", "dec_g", "pending",
                  "busy", "step_kind", "step_start", "step_end", "step_m", "step_payload", "version", "copies_in",
-                 "queued_flops", "copied", "copy_lens")
+                 "queued_flops", "queued_blocks", "dep_flops", "dep_count", "copied", "copy_lens")
 
     def __init__(self, idx: int, cache: PrefixCache) -> None:
         self.idx = idx
@@ -116,6 +119,9 @@ class _Replica:
         self.version = 0
         self.copies_in: dict[Hashable, Copy] = {}
         self.queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
+        self.queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
+        self.dep_flops: dict[Hashable, float] = {}  # block not yet resident -> est_flops of waiting requests needing it
+        self.dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
         self.copied: dict[Hashable, Copy] = {}  # block hash -> the completed copy that brought it here
         self.copy_lens: set[int] = set()  # chain lengths of copies completed here
 
@@ -248,6 +254,35 @@ class SimFleetView:
         """Copies in flight that send from or receive at ``replica`` (they share its NIC)."""
         return sum(1 for c in self._sim.net.active if c.src == replica or c.dst == replica)
 
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """Leading blocks of ``chain`` that ``replica`` holds, is computing or receiving, or that a request waiting
+        there will compute before a new request would (>= :meth:`pending_blocks` up to evictions). O(log n)."""
+        return self._sim.planned_blocks(self._sim.replicas[replica], chain)
+
+    def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
+        """Seconds of the :meth:`queued_prefill_s` of ``replica`` that belong to waiting requests which need the
+        same not-yet-resident block a new request with ``chain`` would wait for (the deepest of its
+        :meth:`planned_blocks`), so cannot start before that block is there; 0 when those blocks are resident."""
+        sim = self._sim
+        rep = sim.replicas[replica]
+        n = sim.planned_blocks(rep, chain)
+        if not n or not rep.dep_flops:
+            return 0.0
+        f = rep.dep_flops.get(chain[n - 1], 0.0)
+        return f / (sim.cost.flops * sim.cost.mfu) if f > 0 else 0.0
+
+    def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
+        """Requests waiting on ``replica`` for a block that is not resident there yet (being computed or copied),
+        grouped by that block: ``(block hash, requests, seconds of their queued prefill)``, in first-registered
+        order. Their work is part of :meth:`queued_prefill_s` but cannot start before the block is there."""
+        sim = self._sim
+        rep = sim.replicas[replica]
+        if not rep.dep_count:
+            return []
+        rate = sim.cost.flops * sim.cost.mfu
+        parent = rep.cache.parent
+        return [(h, n, max(0.0, rep.dep_flops[h]) / rate) for h, n in rep.dep_count.items() if h not in parent]
+
     def kv_headroom_tokens(self, replica: int) -> int:
         """KV-cache tokens ``replica`` could give a new copy now: free plus evictable (unpinned) tokens."""
         cache = self._sim.replicas[replica].cache
@@ -260,6 +295,11 @@ class SimFleetView:
     @property
     def block_tokens(self) -> int:
         return self._sim.block_tokens
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Most new prompt tokens one prefill step computes on a replica (chunked prefill)."""
+        return self._sim.chunk_tokens
 
 
 class Simulator:
@@ -447,11 +487,49 @@ class Simulator:
         self._kick(rep)
 
     def _estimate_work(self, rep: _Replica, rq: _Req) -> None:
-        """Queued-work estimate of a new request: the prompt tokens beyond what ``rep`` holds or is computing or
-        receiving for it (those it waits for instead), at their context."""
-        have = min(self.view.pending_blocks(rep.idx, rq.chain) * self.block_tokens, rq.req.input_tokens - 1)
+        """Queued-work estimate of a new request: the prompt tokens beyond what ``rep`` holds, is computing or
+        receiving, or a request queued ahead there will compute (it waits for those instead), at their context.
+        Registers the rest of its chain as planned on ``rep`` until it is admitted."""
+        chain = rq.chain
+        have_blocks = self.planned_blocks(rep, chain)
+        queued = rep.queued_blocks
+        for k in range(have_blocks, len(chain)):
+            h = chain[k]
+            queued[h] = queued.get(h, 0) + 1
+        rq.queued_from = have_blocks
+        have = min(have_blocks * self.block_tokens, rq.req.input_tokens - 1)
         rq.est_flops = self.cost.prefill_flops(rq.req.input_tokens - have, have)
         rep.queued_flops += rq.est_flops
+        if have_blocks and chain[have_blocks - 1] not in rep.cache.parent:
+            key = chain[have_blocks - 1]
+            rq.dep_key = key
+            rep.dep_flops[key] = rep.dep_flops.get(key, 0.0) + rq.est_flops
+            rep.dep_count[key] = rep.dep_count.get(key, 0) + 1
+
+    @staticmethod
+    def planned_blocks(rep: _Replica, chain: Sequence[Hashable]) -> int:
+        """Leading blocks of ``chain`` resident on ``rep``, being computed or copied there, or in the chain of a
+        request waiting there (binary search: that union is prefix-closed along a chain, up to evictions of
+        unpinned blocks, which makes this an estimate)."""
+        n = len(chain)
+        parent, pending, queued = rep.cache.parent, rep.pending, rep.queued_blocks
+        if n == 0:
+            return 0
+        h = chain[n - 1]
+        if h in parent or h in pending or h in queued:
+            return n
+        h = chain[0]
+        if not (h in parent or h in pending or h in queued):
+            return 0
+        lo, hi = 1, n - 1  # chain[lo - 1] is planned, chain[hi] is not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            h = chain[mid - 1]
+            if h in parent or h in pending or h in queued:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _kick(self, rep: _Replica) -> None:
         """New work may be admissible on ``rep``: start a step if idle, or cut a decode run at the next step."""
@@ -555,6 +633,26 @@ class Simulator:
         rq.computed = cached_tokens
         rq.next_block = matched
         rq.admitted_s = self.now
+        if rq.queued_from >= 0:
+            queued = rep.queued_blocks
+            for k in range(rq.queued_from, n_blocks):
+                h = chain[k]
+                c = queued[h] - 1
+                if c:
+                    queued[h] = c
+                else:
+                    del queued[h]
+            rq.queued_from = -1
+        if rq.dep_key is not None:
+            key = rq.dep_key
+            left = rep.dep_count[key] - 1
+            if left:
+                rep.dep_count[key] = left
+                rep.dep_flops[key] -= rq.est_flops
+            else:
+                del rep.dep_count[key]
+                del rep.dep_flops[key]
+            rq.dep_key = None
         fleet = self.fleet_blocks
         est = self.cost.prefill_flops(inp - cached_tokens, cached_tokens)
         rep.queued_flops += est - rq.est_flops
@@ -705,7 +803,9 @@ class Simulator:
     def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
                    hot_since_s: float | None = None) -> bool:
         """Start copying ``chain``'s KV from ``source`` to ``target`` (see :meth:`SimFleetView.replicate`).
-        ``hot_since_s``: when the policy saw the need for it (time-to-warm reports); default ``now_s``."""
+        ``hot_since_s``: when the policy saw the need for it (time-to-warm reports); default ``now_s``.
+        The source must hold the blocks, or be computing or receiving them, or have a request queued that will
+        compute them (:meth:`planned_blocks`); bytes move only as the source commits blocks."""
         n = len(self.replicas)
         if not (0 <= source < n and 0 <= target < n) or source == target or not chain:
             self.copies_refused += 1
@@ -715,8 +815,9 @@ class Simulator:
         if chain[-1] in dst.copies_in or view.pending_blocks(target, chain) == len(chain):
             self.copies_refused += 1
             return False
-        if view.pending_blocks(source, chain) < len(chain):
-            self.copies_refused += 1  # the source neither holds nor is computing the whole prefix
+        if self.planned_blocks(src, chain) < len(chain):
+            # the source neither holds, computes, receives nor has a request queued that will compute the prefix
+            self.copies_refused += 1
             return False
         offset = dst.cache.match(chain)
         send = len(chain) - offset
