@@ -55,8 +55,11 @@ def test_put_constants_needs_the_token_and_validates_every_key():
                     err = (await r.json())["error"]
                     assert err["key"] == key and err["valid"]
             assert env.gw.constants.threshold == 2  # nothing half-applied
-            async with env.http.put(url, data=b"{oops", headers=env.auth()) as r:
-                assert r.status == 400
+            for data in (b"{oops", b"[" * 5000 + b"]" * 5000, b"[1]"):
+                async with env.http.put(url, data=data, headers=env.auth()) as r:
+                    assert r.status == 400
+            async with env.http.put(url, data=b" " * 70000, headers=env.auth()) as r:
+                assert r.status == 413
             async with env.http.put(url, json={"threshold": 3, "window_s": 2.5, "policy": "cache_aware"},
                                     headers=env.auth()) as r:
                 assert r.status == 200

@@ -170,7 +170,7 @@ def test_killed_worker_mid_burst_loses_nothing_and_is_marked_unhealthy():
 
 def test_bad_input_gets_4xx_and_the_gateway_keeps_serving():
     async def body():
-        async with GatewayEnv(2, max_body_bytes=4096) as env:
+        async with GatewayEnv(2, max_body_bytes=8192) as env:
             cases = [
                 ("/generate", b"{not json", 400, "malformed JSON"),
                 ("/generate", b"[1, 2]", 400, "object"),
@@ -178,7 +178,8 @@ def test_bad_input_gets_4xx_and_the_gateway_keeps_serving():
                 ("/v1/completions", b'{"max_tokens": 3}', 400, "prompt"),
                 ("/v1/chat/completions", b'{"model": "x"}', 400, "messages"),
                 ("/generate", b"\xff\xfe\x00", 400, "malformed JSON"),
-                ("/generate", json.dumps({"text": "x" * 8192}).encode(), 413, "exceeds"),
+                ("/generate", b"[" * 3000 + b"]" * 3000, 400, "malformed JSON"),
+                ("/generate", json.dumps({"text": "x" * 16384}).encode(), 413, "exceeds"),
             ]
             for path, data, want, word in cases:
                 async with env.http.post(env.url + path, data=data) as r:
@@ -191,7 +192,7 @@ def test_bad_input_gets_4xx_and_the_gateway_keeps_serving():
                 assert r.status == 405
             # a chunked body (no Content-Length) over the limit is refused too
             async def gen():
-                for _ in range(4):
+                for _ in range(8):
                     yield b"x" * 2048
             async with env.http.post(env.url + "/generate", data=gen()) as r:
                 assert r.status == 413

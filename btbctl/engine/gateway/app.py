@@ -149,6 +149,8 @@ class DataPlane:
             obj = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             return json_error(400, f"malformed JSON: {e}")
+        except RecursionError:
+            return json_error(400, "malformed JSON: nested too deeply")
         if not isinstance(obj, dict):
             return json_error(400, "the body must be a JSON object")
         try:

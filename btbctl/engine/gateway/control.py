@@ -98,6 +98,8 @@ class ControlApi:
             obj = json.loads(body) if body else {}
         except (ValueError, UnicodeDecodeError) as e:
             return _err(400, f"malformed JSON: {e}")
+        except RecursionError:
+            return _err(400, "malformed JSON: nested too deeply")
         if not isinstance(obj, dict):
             return _err(400, "the body must be a JSON object")
         return obj

@@ -225,10 +225,11 @@ class Gateway:
     def choose(self, req: Request, excluded: list[int]) -> int | None:
         """The worker for ``req``: the policy's choice, unless that worker is unavailable (unhealthy or in
         ``excluded``), in which case the least-loaded available one (ties: lowest index). None when no worker is
-        available. Feeds the detector when the policy does not."""
+        available. Feeds the detector when the policy does not (once per request: not again on a retry; a
+        BTB-style policy observes the arrival again when asked again, a rare double count after a failure)."""
         state = self.state
         now = self.clock()
-        if self._feeds_detector:
+        if self._feeds_detector and not excluded:
             self.detector.observe(req.block_hashes, now)
         if excluded:
             state.excluded = frozenset(excluded)
