@@ -37,9 +37,9 @@ class PrefixPanel(Vertical):
         t.add_column("prefix", key="id", width=13)
         t.add_column("len", key="len", width=4)
         t.add_column("arr/X", key="arr", width=6)
-        t.add_column("hold", key="hold", width=4)
+        t.add_column("hold", key="hold", width=5)
         t.add_column("cp", key="cp", width=3)
-        t.add_column("trend", key="trend", width=6)
+        t.add_column("trend", key="trend", width=5)
 
     @property
     def selected(self) -> PrefixRow | None:
@@ -64,7 +64,7 @@ class PrefixPanel(Vertical):
             arr = Text(f"{p.arrivals_in_window}/{p.threshold}", style="bold red" if p.hot else "")
             cp = str(p.copies_in_flight) if p.copies_in_flight else "-"
             t.add_row(p.short_id, human_tokens(p.prefix_tokens), arr, str(p.holders), cp,
-                      sparkline(self._history[p.prefix_id], 6), key=p.prefix_id)
+                      sparkline(self._history[p.prefix_id], 5), key=p.prefix_id)
         if keep is not None:
             for i, p in enumerate(self.rows):
                 if p.prefix_id == keep:
