@@ -90,7 +90,7 @@ def test_copy_in_flight_is_visible_with_progress_then_done():
             await _until(lambda: any(t.bytes_sent for t in gw.state.transfers.active.values()))
             status, tr = await env.get_control("/control/transfers")
             row = tr["transfers"][0]
-            assert tr["in_flight"] == 1 and row["state"] == "sending"
+            assert tr["in_flight"] == 1 and row["state"] == "running"
             assert 0 < row["bytes_sent"] < row["bytes_total"] == 4000 and row["bytes_per_s"] > 0
             assert row["eta_s"] is not None and row["eta_s"] > 0
             key = row["prefix"]

@@ -7,11 +7,12 @@ A copy job (one source, one target, one prefix chain):
 
 1. **Source check.** ``POST {source}/btb/match {"chain"}`` must answer ``cached_blocks == len(chain)`` before
    anything is pushed. While the source is still computing the prefix (``pending_blocks`` there, or a request of
-   the gateway still prefilling it there) the job waits (``waiting_source``), polling every ``poll_interval_s``
+   the gateway still prefilling it there) the job waits (state ``stalled``), polling every ``poll_interval_s``
    for at most ``source_wait_s``; the copy thus trails the source's compute, as BTB's rule needs when it copies
    from the replica computing the prefix. Otherwise the job fails ("source does not hold the prefix").
 2. **Push.** ``POST {source}/btb/push {"chain", "target": <target's transfer_addr from /btb/info>, "copy_id"}``
-   with ``Authorization: Bearer <worker token>``; 202 starts sending, 409 means the source lost the chain.
+   with ``Authorization: Bearer <worker token>``; 202 starts sending (state ``running``), 409 means the source
+   lost the chain.
 3. **Progress.** ``GET {source}/btb/copies/{copy_id}`` every ``poll_interval_s`` updates ``bytes_sent``,
    ``bytes_total`` and ``blocks_verified``; the rate is the average since sending started.
 4. **Outcome.** Only on ``done`` (the source reports it after the target verified and committed every block) is
@@ -129,7 +130,7 @@ class Planner:
             return None
         t = Transfer(copy_id=secrets.token_hex(8), key=chain[-1], chain=chain, source=source, target=target,
                      created_s=self.state.clock(), manual=manual)
-        t._pushed = asyncio.Event()  # type: ignore[attr-defined]
+        t.pushed = asyncio.Event()
         self.state.transfers.add(t)
         task = asyncio.get_running_loop().create_task(self._run(t, source_confirmed))
         self._tasks.add(task)
@@ -176,8 +177,7 @@ class Planner:
             raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: every other healthy worker "
                                       "with the BTB routes holds it or is receiving it")
         try:
-            await asyncio.wait_for(asyncio.gather(*(t._pushed.wait() for t in started)),  # type: ignore[attr-defined]
-                                   timeout=wait_s)
+            await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started)), timeout=wait_s)
         except asyncio.TimeoutError:
             pass
         return {
@@ -247,7 +247,8 @@ class Planner:
             self.on_finish(t)
 
     async def _run(self, t: Transfer, source_confirmed: bool) -> None:
-        pushed: asyncio.Event = t._pushed  # type: ignore[attr-defined]
+        pushed = t.pushed
+        assert pushed is not None
         try:
             if not source_confirmed:
                 reason = await self._wait_source(t)
@@ -288,8 +289,8 @@ class Planner:
             computing = pending >= n or t.chain[-1] in src.pending
             if not computing:
                 return f"source does not hold the prefix (cached {cached} of {n} blocks)"
-            if t.state != "waiting_source":
-                t.state = "waiting_source"
+            if not t.waited:
+                t.waited = True
                 self._changed(t)
             if clock() >= deadline:
                 return f"source still computing the prefix after {self.source_wait_s:g} s"
@@ -319,7 +320,7 @@ class Planner:
             t.bytes_total = int(ans.get("bytes", 0) or 0)
         except (ValueError, TypeError, AttributeError):
             pass
-        t.state = "sending"
+        t.state = "running"
         t.started_s = self.state.clock()
         self._changed(t)
         return None

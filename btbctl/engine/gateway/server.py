@@ -507,7 +507,10 @@ def prefixes_report(gw: Gateway, top: int) -> dict:
 
 
 def transfer_row(gw: Gateway, t: Transfer, now: float) -> dict:
-    """One copy of ``GET /control/transfers``."""
+    """One copy of ``GET /control/transfers``: ``{"copy_id", "prefix" (id), "prefix_blocks", "source", "target"
+    (URLs), "state" (``stalled`` | ``running`` | ``done`` | ``failed``), "bytes_sent", "bytes_total",
+    "blocks_verified", "bytes_per_s" (average since sending started), "eta_s" (null when unknown), "error",
+    "created_s", "started_s", "finished_s", "manual"}``."""
     ws = gw.state.workers
     return {"copy_id": t.copy_id, "prefix": t.key, "prefix_blocks": len(t.chain), "source": ws[t.source].url,
             "target": ws[t.target].url, "state": t.state, "bytes_sent": t.bytes_sent, "bytes_total": t.bytes_total,

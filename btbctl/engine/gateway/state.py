@@ -204,8 +204,9 @@ class Transfer:
         key: the prefix id (hash of its last block).
         chain: the prefix's block hashes.
         source / target: worker indices.
-        state: ``planned`` (accepted, not pushed yet), ``waiting_source`` (the source is still computing the
-            prefix), ``sending``, ``done`` or ``failed``.
+        state: ``stalled`` (accepted, not pushed yet: the source is being checked or is still computing the
+            prefix), ``running`` (pushed; bytes moving), ``done`` or ``failed`` (the dashboard's vocabulary).
+        waited: the job had to wait for the source's compute.
         bytes_sent / bytes_total: bytes, from the source's ``/btb/copies/{id}`` (``bytes_total`` 0 until known).
         blocks_verified: blocks the target verified so far.
         created_s / started_s / finished_s: gateway ``now_s`` (None until reached).
@@ -218,7 +219,7 @@ class Transfer:
     chain: tuple
     source: int
     target: int
-    state: str = "planned"
+    state: str = "stalled"
     bytes_sent: int = 0
     bytes_total: int = 0
     blocks_verified: int = 0
@@ -227,8 +228,8 @@ class Transfer:
     finished_s: float | None = None
     error: str | None = None
     manual: bool = False
-    _last_poll: tuple | None = None
-    rate_bps: float = 0.0
+    waited: bool = False
+    pushed: asyncio.Event | None = field(default=None, repr=False, compare=False)
 
     @property
     def active(self) -> bool:
@@ -592,7 +593,7 @@ class FleetState:
 
         now = self.clock()
         total = float(t.bytes_total)
-        avail = 0.0 if t.state in ("planned", "waiting_source") else total
+        avail = 0.0 if t.state == "stalled" else total
         return CopyStatus(source=t.source, total_bytes=total, sent_bytes=float(t.bytes_sent),
                           available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now))
 
@@ -600,7 +601,7 @@ class FleetState:
         """Seconds left of the in-flight copy of ``chain`` to ``replica`` at its average rate (None: none, not
         sending yet, or no rate measured)."""
         t = self._copy(replica, chain)
-        return None if t is None or t.state != "sending" else t.eta_s(self.clock())
+        return None if t is None or t.state != "running" else t.eta_s(self.clock())
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica``."""
