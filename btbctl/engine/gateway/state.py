@@ -43,8 +43,9 @@ DEFAULT_HOLDING_BLOCKS = 65536
 TTFT_RING = 200_000
 #: Finished copies kept for ``/control/transfers``.
 RECENT_TRANSFERS = 200
-#: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain).
-CHAIN_INDEX_BLOCKS = 1_000_000
+#: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain). A product
+#: choice: 2**18 entries are at most about 40 MB and cover 1,000 distinct 256-block prefixes.
+CHAIN_INDEX_BLOCKS = 1 << 18
 #: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.expected_wait_s` (EWMA weight of a new
 #: sample); a product choice.
 TTFT_EWMA_ALPHA = 0.2
