@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
+from btbctl.engine.policies.base import CopyStatus
 from btbctl.engine.policies.btb import Btb
 from btbctl.engine.policies.cache_aware import BlockPrefixTree, CacheAware, default_max_blocks_per_worker
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill, absolute_margin
@@ -58,7 +60,8 @@ class FakeFleetView:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self.in_flight[replica]
 
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float) -> bool:
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
+                  hot_since_s: float | None = None) -> bool:
         if source == target or target in self.refuse or chain[-1] in self.in_flight[target]:
             return False
         self.in_flight[target][chain[-1]] = tuple(chain)
@@ -67,6 +70,27 @@ class FakeFleetView:
 
     def expected_wait_s(self, replica: int) -> float:
         return 0.0
+
+    # the rest of the FleetView protocol, with an idle fleet's values (policies that price time read them)
+    cost = ReplicaCost(model_preset("llama-3.3-70b"), gpu_preset("h100"), 4)
+    block_tokens = 256
+    chunk_tokens = 8192
+
+    def queued_prefill_s(self, replica: int) -> float:
+        return 0.0
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
+        prefix = self.in_flight[replica].get(chain[-1]) if chain else None
+        if prefix is None:
+            return None
+        total = len(prefix) * self.block_tokens * self.cost.model.kv_bytes_per_token
+        return CopyStatus(0, total, 0.0, total, self.cost.nic_bytes_per_s)
+
+    def nic_copies(self, replica: int) -> int:
+        return len(self.in_flight[replica])
+
+    def kv_headroom_tokens(self, replica: int) -> int:
+        return self.cost.kv_budget_tokens
 
     def land_copies(self) -> None:
         for r in range(self.n_replicas):

@@ -12,6 +12,7 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies.base import FleetView, Policy, least_loaded
 from btbctl.engine.policies.btb import Btb
+from btbctl.engine.policies.btb_plus import BtbPlus
 from btbctl.engine.policies.cache_aware import CacheAware
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill
 from btbctl.engine.policies.infersim_rules import INFERSIM_POLICIES
@@ -23,7 +24,7 @@ from btbctl.engine.policies.round_robin import RoundRobin
 #: Policy classes by registry name (``Policy.name``).
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, CacheAware, CacheAwareSpill, Btb)
+    for cls in (RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, CacheAware, CacheAwareSpill, Btb, BtbPlus)
 }
 
 #: The policies a dry-run compares when none are named, in report order.
@@ -63,4 +64,4 @@ def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbCo
 
 
 __all__ = ["POLICIES", "DEFAULT_POLICIES", "make_policy", "Policy", "FleetView", "least_loaded", "RoundRobin",
-           "RandomPolicy", "LeastLoad", "PowerOfTwo", "CacheAware", "CacheAwareSpill", "Btb"]
+           "RandomPolicy", "LeastLoad", "PowerOfTwo", "CacheAware", "CacheAwareSpill", "Btb", "BtbPlus"]

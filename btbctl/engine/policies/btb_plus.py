@@ -1,0 +1,435 @@
+"""``btb_plus``: BTB with copies that trail the source, a break-even check, a replica count from the arrival rate,
+deepest-prefix matching and expected-TTFT routing.
+
+It keeps BTB's idea (Birmiwal & Bhat, "Biting the Bullet", 2026-07-22; REFERENCE.md s1): when a long prefix turns
+hot, put its KV cache on more replicas before the bulk of the burst arrives. It changes five things, each for a
+weakness REFERENCE.md s1 lists or a point the published rule leaves open. Per request, with the four constants
+(``X = threshold``, ``Y = prefix_blocks``, ``Z = window_s``, ``M = replicas``):
+
+1. **Deepest hot prefix** (instead of exactly Y blocks). The prompt's chain is observed at depths
+   ``Y, 2Y, 4Y, ...`` (Y times powers of two, up to the chain's length), each depth with its own
+   :class:`~btbctl.engine.detector.BurstDetector` (X arrivals within Z seconds fire; "active" as defined there).
+   The request's hot prefix is the deepest active depth. Prompts shorter than Y blocks never trigger, so Y stays
+   the minimum. With Y = 64 on the Bursted workload (256 shared blocks) the copies carry all 256 shared blocks.
+2. **How many replicas** (instead of always M). ``lambda`` = arrivals of the prefix in the window / Z
+   (requests/s); ``s`` = prefill time of this request's non-shared suffix at the prefix's context
+   (``cost.prefill_time_s(input - prefix tokens, prefix tokens)``), so one replica serves ``1 / s`` such requests
+   per second. The rate target is ``k = ceil(lambda x s)`` replicas (the offered load, in replicas), clamped to
+   ``[1, min(M, n_replicas)]``. Beyond it, one more copy is made on an arrival when the copy would give that very
+   request an earlier first token than every replica that holds, computes or is receiving the prefix (their
+   queues have grown longer than the time to warm one more); the total stays capped at ``min(M, n_replicas)``.
+   Replicas that hold, compute, are receiving, or have a request queued that will compute the prefix all count.
+3. **Copies only from a real source, trailing it.** The source holds all blocks of the prefix (least busy NIC
+   first, then least queued work); without a holder, it is the replica that will have computed it soonest (it is
+   computing it, or a request queued there will). Only blocks the source has computed are sent: the fleet streams
+   blocks as the source commits them. A replica still receiving the prefix is never a source. No source, no copy.
+4. **Break-even before copying.** For a target ``t`` lacking ``b`` blocks of the prefix:
+   ``transfer = bytes(b blocks) / (nic_bytes_per_s / (1 + copies already on the source's or the target's NIC))``
+   must be shorter than ``recompute = queued prefill on t + cost.prefill_time_s(b blocks' tokens, context of the
+   blocks t has)``, and ``t`` needs KV headroom (free + evictable tokens) for the ``b`` blocks. Targets are tried in
+   order of the first token they could give this request. When no copy pays, nothing is copied: a burst request
+   may still go to an idle replica and recompute the prefix there (speculative prefill) when that is its best
+   choice under rule 5, and that replica then counts as computing the prefix.
+5. **Routing by expected TTFT** (every request, hot or not). For each replica ``r``: the request reuses the
+   leading blocks resident there, on their way, or to be computed by a request already queued there
+   (``view.planned_blocks``) and computes the rest, ``own = cost.prefill_time_s(rest, reused)``. It starts after
+   the queued prefill ahead (``view.queued_prefill_s``), except that requests waiting there for a hot prefix not
+   there yet (``view.waiting_groups``; arriving by copy, ``view.copy_status``, or computed there) run only once it
+   lands: a request that does not need it runs before them if it can start first, and one that needs it starts
+   no earlier than it lands. A copy lands after its remaining bytes at its current rate or, while it waits for
+   the source's compute, after the later of the source's remaining prefill of the prefix and the bytes at a fair
+   NIC share; a prefix computed there lands after the rest of its prefill.
+   Expected TTFT = start + own. The request goes to the replica with the lowest cost, where cost = expected TTFT
+   + the delay it imposes on requests already waiting there for a hot prefix (those whose prefix lands while it
+   runs wait for it: requests x overlap seconds; a prefix computed there counts as landing one prefill chunk
+   early, because the step computing its last block admits other work first) + ``own`` x the other requests in
+   flight there (``view.load`` minus those waiting for a hot prefix): by Little's law about as many requests will
+   arrive there, and wait behind this one's prefill, while it is queued. The second term keeps a long cold
+   prompt out of a burst's warm queue when it can wait elsewhere; the third makes the rule prefer cache hits in
+   proportion to how loaded the fleet is (under overload every second of prefill delays everyone). Ties go to
+   the lower load, then at random (the policy's seeded rng). Requests without a hot prefix are routed by the same
+   rule; on traffic without bursts (no copies) it is a shortest-expected-delay router that weighs cache hits.
+
+No constant of this module is tuned to a workload: the rule uses only the four BTB constants, the cost model and
+the fleet view. No rollback: copies age out by LRU, as in BTB. ``set_constants`` retunes live.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.detector import BurstDetector, Detection
+from btbctl.engine.policies.base import CopyStatus, FleetView, Policy
+from btbctl.engine.trace.model import Request
+
+
+def _planned(view: FleetView, replica: int, chain: Sequence[Hashable]) -> int:
+    """``view.planned_blocks``, or ``view.pending_blocks`` for a view without it."""
+    f = getattr(view, "planned_blocks", None)
+    return f(replica, chain) if f is not None else view.pending_blocks(replica, chain)
+
+
+def _waiting_groups(view: FleetView, replica: int) -> list:
+    """``view.waiting_groups``, or none for a view without it."""
+    f = getattr(view, "waiting_groups", None)
+    return f(replica) if f is not None else []
+
+
+def _chunk_tokens(view: FleetView) -> int:
+    """``view.chunk_tokens``, or 0 (prefill not chunked) for a view without it."""
+    return getattr(view, "chunk_tokens", 0) or 0
+
+
+#: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
+#: (seconds until it is there, requests, seconds of their prefill, prefix key, seconds of grace).
+_Groups = list[tuple[float, int, float, Hashable, float]]
+
+
+class BtbPlus(Policy):
+    """BTB with trailing copies, break-even, rate-sized replica count, deepest-prefix match and expected-TTFT
+    routing (see the module docstring).
+
+    Args:
+        n_replicas: fleet size.
+        rng: seeded random source (ties between equally good replicas).
+        constants: the four constants (default: the published ones); Y is the minimum depth, M the cap.
+        max_tracked: bound on tracked prefixes per depth and on the policy's own memos (default 65,536, as the
+            detector's).
+
+    The fleet view must offer, besides the reads of the published rule, ``queued_prefill_s``, ``planned_blocks``,
+    ``waiting_groups``, ``copy_status``, ``nic_copies``, ``kv_headroom_tokens``, ``cost`` and ``block_tokens``
+    (see :class:`~btbctl.engine.policies.base.FleetView`; the simulator's view offers them all).
+    """
+
+    name = "btb_plus"
+    summary = ("BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, "
+               "expected-TTFT routing")
+
+    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
+                 max_tracked: int = 65536) -> None:
+        super().__init__(n_replicas, rng, constants)
+        self.max_tracked = max_tracked
+        self._levels: dict[int, BurstDetector] = {}
+        self._hot_since: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
+        # prefix key (its last block) -> the prefix chain, for hot prefixes (to price copies of them)
+        self._prefixes: OrderedDict[Hashable, tuple] = OrderedDict()
+        # (replica, prefix key) -> when the replica should have computed a prefix this policy sent there
+        self._ready_at: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
+        self._stats = {
+            "fires": 0, "copies_requested": 0, "copies_refused": 0, "rate_copies": 0, "backlog_copies": 0,
+            "copy_not_paying": 0, "copy_no_room": 0, "no_source": 0, "hot_routes": 0, "speculative_routes": 0,
+            "deepest_above_min": 0, "harm_avoiding_routes": 0,
+        }
+
+    # -- constants --------------------------------------------------------------------------------------------
+
+    def set_constants(self, constants: BtbConstants) -> None:
+        """Retune live from the next request. A new Y drops every depth's state (keys change meaning); a new X or
+        Z keeps it (see :meth:`BurstDetector.set_constants`); M applies at once."""
+        old_y = self.constants.prefix_blocks
+        super().set_constants(constants)
+        if constants.prefix_blocks != old_y:
+            self._levels.clear()
+            self._hot_since.clear()
+            return
+        for depth, det in self._levels.items():
+            det.set_constants(constants.with_updates(prefix_blocks=depth))
+
+    def _level(self, depth: int) -> BurstDetector:
+        det = self._levels.get(depth)
+        if det is None:
+            det = BurstDetector(self.constants.with_updates(prefix_blocks=depth), max_tracked=self.max_tracked)
+            self._levels[depth] = det
+        return det
+
+    def _remember(self, memo: OrderedDict, key, value) -> None:
+        memo[key] = value
+        memo.move_to_end(key)
+        while len(memo) > self.max_tracked:
+            memo.popitem(last=False)
+
+    # -- rule 1: the deepest hot prefix -----------------------------------------------------------------------
+
+    def depths(self, n_blocks: int) -> list[int]:
+        """Depths observed for a chain of ``n_blocks`` blocks: ``Y, 2Y, 4Y, ...`` up to ``n_blocks``."""
+        out = []
+        d = self.constants.prefix_blocks
+        while d <= n_blocks:
+            out.append(d)
+            d *= 2
+        return out
+
+    def detect(self, chain: Sequence[Hashable], now_s: float) -> tuple[Detection, float] | None:
+        """Record an arrival at every depth; return the deepest active prefix's detection and the time it turned
+        hot (seconds), or None when no depth is active."""
+        best = None
+        for depth in self.depths(len(chain)):
+            det = self._level(depth).observe(chain, now_s)
+            if det is None:
+                continue
+            key = (depth, det.key)
+            if det.fired or key not in self._hot_since:
+                if det.fired:
+                    self._stats["fires"] += 1
+                self._remember(self._hot_since, key, now_s)
+                self._remember(self._prefixes, det.key, det.prefix)
+            best = (det, self._hot_since[key])
+        if best is not None and len(best[0].prefix) > self.constants.prefix_blocks:
+            self._stats["deepest_above_min"] += 1
+        return best
+
+    # -- rule 2: replicas wanted from the arrival rate --------------------------------------------------------
+
+    def rate_target(self, arrivals_in_window: int, suffix_s: float) -> int:
+        """``ceil(lambda x s)`` replicas clamped to ``[1, min(M, n_replicas)]``, with ``lambda`` =
+        ``arrivals_in_window / window_s`` (requests/s) and ``suffix_s`` = seconds one replica spends on one
+        request's non-shared suffix."""
+        cap = max(1, min(self.constants.replicas, self.n_replicas))
+        lam = arrivals_in_window / self.constants.window_s
+        want = math.ceil(lam * suffix_s - 1e-12) if suffix_s > 0 else 1
+        return max(1, min(cap, want))
+
+    # -- rule 5: when copies land, expected TTFT --------------------------------------------------------------
+
+    def source_ready_s(self, view: FleetView, source: int, key: Hashable, now_s: float) -> float:
+        """Seconds until ``source`` holds the prefix whose last block is ``key``: 0 when it does; the prefill of the
+        blocks it lacks while it computes them; when a request queued there will compute them, the time this policy
+        expected when it sent that request (if still ahead), else the source's queued prefill plus that prefill."""
+        chain = self._prefixes.get(key)
+        rest = 0.0
+        if chain is not None:
+            n = len(chain)
+            have = view.cached_blocks(source, chain)
+            if have >= n:
+                return 0.0
+            bt = view.block_tokens
+            rest = view.cost.prefill_time_s((n - have) * bt, have * bt)
+            if view.pending_blocks(source, chain) >= n:
+                return rest
+        at = self._ready_at.get((source, key))
+        if at is not None and at > now_s:
+            return at - now_s
+        return view.queued_prefill_s(source) + rest
+
+    def copy_lands_s(self, view: FleetView, status: CopyStatus, key: Hashable, now_s: float) -> float:
+        """Seconds until the copy described by ``status`` (of the prefix whose last block is ``key``) has landed:
+        remaining bytes at its rate; while it trails the source's compute, the later of :meth:`source_ready_s` and
+        the remaining bytes at a fair share of the source's NIC."""
+        left = max(0.0, status.total_bytes - status.sent_bytes)
+        if status.available_bytes >= status.total_bytes and status.rate_bytes_per_s > 0:
+            return left / status.rate_bytes_per_s
+        share = status.rate_bytes_per_s or view.cost.nic_bytes_per_s / max(1, view.nic_copies(status.source))
+        return max(left / share, self.source_ready_s(view, status.source, key, now_s))
+
+    def blocked_groups(self, view: FleetView, replica: int, now_s: float) -> _Groups:
+        """The requests waiting on ``replica`` for a hot prefix that is not there yet, by prefix: ``(seconds until
+        it is there, requests, seconds of their prefill, key, grace)``, soonest first. The prefix arrives by
+        copy (:meth:`copy_lands_s`, grace 0) or is computed there (:meth:`source_ready_s`; grace = one prefill chunk
+        at the prefix's context: the step that computes its last block leaves room in the batch for a request
+        admitted before the group can run). Requests waiting for other blocks are left out: they count as queued
+        ahead of a new request."""
+        out = []
+        for key, n, work_s in _waiting_groups(view, replica):
+            chain = self._prefixes.get(key)
+            if chain is None:
+                continue
+            st = view.copy_status(replica, (key,))  # copies are keyed by their chain's last block
+            if st is not None:
+                out.append((self.copy_lands_s(view, st, key, now_s), n, work_s, key, 0.0))
+            else:
+                ctx = len(chain) * view.block_tokens
+                grace = view.cost.prefill_time_s(_chunk_tokens(view), ctx)
+                out.append((self.source_ready_s(view, replica, key, now_s), n, work_s, key, grace))
+        out.sort(key=lambda g: g[0])
+        return out
+
+    def estimate(self, view: FleetView, replica: int, req: Request, now_s: float, depths: Sequence[int] = (),
+                 groups: _Groups | None = None, ready_s: float | None = None) -> tuple[float, float, float]:
+        """``(expected TTFT, delay imposed on copy-waiting requests, start)`` of ``req`` on ``replica``, seconds
+        (rule 5). ``depths``: prefix lengths at which a copy towards ``replica`` may bring the request's blocks;
+        ``groups``: :meth:`blocked_groups` (computed when None); ``ready_s``: override when the request's own blocks
+        land (for a copy about to start)."""
+        chain = req.block_hashes
+        bt = view.block_tokens
+        inp = req.input_tokens
+        if groups is None:
+            groups = self.blocked_groups(view, replica, now_s)
+        there = _planned(view, replica, chain) if chain else 0
+        ready = 0.0 if ready_s is None else ready_s
+        if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
+            for d in depths:
+                if d <= there:
+                    st = view.copy_status(replica, chain[:d])
+                    if st is not None:
+                        ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
+        mine: set = set()
+        if ready_s is None and there:
+            for lands, _, _, key, _ in groups:  # prefixes this request itself waits for (copied or computed here)
+                n = len(self._prefixes[key])
+                if n <= there and chain[n - 1] == key:
+                    mine.add(key)
+                    ready = max(ready, lands)
+        wait = view.queued_prefill_s(replica)
+        start = max(0.0, wait - sum(g[2] for g in groups))
+        start = max(start, ready)
+        harm = 0.0
+        have = min(there * bt, inp - 1)
+        own = view.cost.prefill_time_s(inp - have, have)
+        for lands, n, work_s, key, grace in groups:
+            if key in mine or lands + grace <= start:
+                start += work_s  # queued before this request and runnable by the time it could start
+            elif lands < start + own:
+                harm += n * (start + own - lands)
+        return start + own, harm, start
+
+    def expected_ttft_s(self, view: FleetView, replica: int, req: Request, now_s: float,
+                        depths: Sequence[int] = ()) -> float:
+        """Expected seconds to the first token of ``req`` on ``replica`` (rule 5)."""
+        return self.estimate(view, replica, req, now_s, depths)[0]
+
+    def _best(self, view: FleetView, cost: list[float]) -> int:
+        best = min(cost)
+        tied = [r for r, c in enumerate(cost) if c <= best * (1 + 1e-9) + 1e-12]
+        if len(tied) > 1:
+            low = min(view.load(r) for r in tied)
+            tied = [r for r in tied if view.load(r) == low]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    # -- routing ------------------------------------------------------------------------------------------------
+
+    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+        chain = req.block_hashes
+        hot = self.detect(chain, now_s) if chain else None
+        n = self.n_replicas
+        depths = self.depths(len(chain))
+        groups = [self.blocked_groups(view, r, now_s) for r in range(n)]
+        ests = [self.estimate(view, r, req, now_s, depths, groups[r]) for r in range(n)]
+        if hot is not None:
+            det, since = hot
+            self._warm(req, det, since, view, now_s, ests, groups, depths)
+        cost = []
+        for r, (est, harm, start) in enumerate(ests):
+            blocked = sum(g[1] for g in groups[r])
+            cost.append(est + harm + (est - start) * max(0, view.load(r) - blocked))
+        choice = self._best(view, cost)
+        if ests[choice][0] > min(e[0] for e in ests) * (1 + 1e-9) + 1e-12:
+            self._stats["harm_avoiding_routes"] += 1
+        if depths:
+            self._note_planned(view, choice, req, now_s, depths, ests[choice][2])
+        if hot is not None:
+            prefix = hot[0].prefix
+            self._stats["hot_routes"] += 1
+            if _planned(view, choice, prefix) < len(prefix) and any(
+                    view.cached_blocks(r, prefix) >= len(prefix) for r in range(n) if r != choice):
+                self._stats["speculative_routes"] += 1
+        return choice
+
+    def _note_planned(self, view: FleetView, replica: int, req: Request, now_s: float, depths: Sequence[int],
+                      start_s: float) -> None:
+        """``req`` goes to ``replica``: remember when each depth's prefix it will compute there should be done
+        (its start + its prefill up to that depth; queues are FCFS, so later arrivals do not delay it)."""
+        chain = req.block_hashes
+        there = _planned(view, replica, chain)
+        if there >= depths[-1]:
+            return
+        bt = view.block_tokens
+        have = there * bt
+        for d in depths:
+            if d > there:
+                at = now_s + start_s + view.cost.prefill_time_s(d * bt - have, have)
+                self._remember(self._ready_at, (replica, chain[d - 1]), at)
+
+    # -- rules 2-4: warming ---------------------------------------------------------------------------------------
+
+    def _warm(self, req: Request, det: Detection, since: float, view: FleetView, now_s: float,
+              ests: list[tuple[float, float, float]], groups: list[_Groups], depths: Sequence[int]) -> None:
+        """Top up copies of ``det.prefix`` (rules 2-4); updates ``ests`` of targets that start receiving it."""
+        prefix = det.prefix
+        y = len(prefix)
+        key = prefix[-1]
+        cost = view.cost
+        bt = view.block_tokens
+        inp = req.input_tokens
+        ptoks = min(y * bt, inp - 1)
+        suffix_s = cost.prefill_time_s(inp - ptoks, ptoks)
+        holders: list[int] = []
+        computing: list[int] = []
+        covered: list[int] = []
+        free: list[int] = []
+        for r in range(self.n_replicas):
+            if view.cached_blocks(r, prefix) >= y:
+                holders.append(r)
+                covered.append(r)
+            elif view.copy_status(r, prefix) is not None:
+                covered.append(r)
+            elif _planned(view, r, prefix) >= y:
+                computing.append(r)  # computing it, or a request queued there will
+                covered.append(r)
+            else:
+                free.append(r)
+        cap = max(1, min(self.constants.replicas, self.n_replicas))
+        if not free or len(covered) >= cap:
+            return
+        want = self.rate_target(det.arrivals_in_window, suffix_s)
+        if holders:
+            source = min(holders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r))
+            src_left = 0.0
+        elif computing:
+            source = min(computing, key=lambda r: (self.source_ready_s(view, r, key, now_s), r))
+            src_left = self.source_ready_s(view, source, key, now_s)
+        else:
+            self._stats["no_source"] += 1
+            return
+        kv = cost.model.kv_bytes_per_token
+        src_nic = view.nic_copies(source)
+        while free and len(covered) < cap:
+            options = []
+            for t in free:
+                t_have = view.cached_blocks(t, prefix)
+                send = y - t_have
+                share = cost.nic_bytes_per_s / (1 + max(src_nic, view.nic_copies(t)))
+                transfer = send * bt * kv / share
+                recompute = view.queued_prefill_s(t) + cost.prefill_time_s(send * bt, t_have * bt)
+                if not transfer < recompute:
+                    self._stats["copy_not_paying"] += 1
+                    continue
+                if view.kv_headroom_tokens(t) < send * bt:
+                    self._stats["copy_no_room"] += 1
+                    continue
+                ttft = self.estimate(view, t, req, now_s, depths, groups[t], max(transfer, src_left))[0]
+                options.append((ttft, view.load(t), t))
+            if not options:
+                return
+            options.sort()
+            ttft, _, target = options[0]
+            by_rate = len(covered) < want
+            if not by_rate and not ttft < min(ests[r][0] for r in covered):
+                return
+            free.remove(target)
+            if view.replicate(prefix, source, target, now_s, since):
+                self._stats["copies_requested"] += 1
+                self._stats["rate_copies" if by_rate else "backlog_copies"] += 1
+                covered.append(target)
+                src_nic += 1
+                ests[target] = self.estimate(view, target, req, now_s, depths, groups[target])
+                if not by_rate:
+                    return  # one copy beyond the rate target per arrival; the next arrival re-evaluates
+            else:
+                self._stats["copies_refused"] += 1
+
+    def stats(self) -> dict:
+        """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the fleet
+        accepted: ``rate_copies`` for the arrival-rate target, ``backlog_copies`` for an earlier first token),
+        ``copies_refused`` (by the fleet), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by the
+        break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
+        ``speculative_routes`` (of those, sent to recompute the prefix while another replica held it),
+        ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests
+        waiting for a copy), ``deepest_above_min`` (hot matches deeper than Y), ``tracked_prefixes`` (all
+        depths)."""
+        out = dict(self._stats)
+        out["tracked_prefixes"] = sum(len(d) for d in self._levels.values())
+        return out

@@ -1,0 +1,311 @@
+"""``btb_plus``: each rule against a fake fleet view, plus one small end-to-end simulation."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Hashable, Sequence
+
+import pytest
+
+from btbctl.engine.config import ClusterConfig
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
+from btbctl.engine.policies import make_policy
+from btbctl.engine.policies.base import CopyStatus
+from btbctl.engine.policies.btb_plus import BtbPlus
+from btbctl.engine.sim import simulate
+from btbctl.engine.trace.generate import BurstedParams, generate_bursted
+from btbctl.engine.trace.model import Request
+
+BT = 256
+
+
+def cost(nic_gbps: float = 400.0) -> ReplicaCost:
+    """Llama-3.3-70B on 4 x H100 (the published setting) with ``nic_gbps`` per GPU."""
+    return ReplicaCost(model_preset("llama-3.3-70b"), gpu_preset("h100"), 4, nic_gbps=nic_gbps)
+
+
+class View:
+    """A fleet view with settable state: per replica the resident blocks, queued prefill seconds, loads, copies
+    in flight (with a settable status) and groups of waiting requests. Copies started by the policy are logged."""
+
+    def __init__(self, n: int, c: ReplicaCost | None = None) -> None:
+        self.n_replicas = n
+        self.cost = c or cost()
+        self.block_tokens = BT
+        self.chunk_tokens = 8192
+        self.loads = [0] * n
+        self.cached: list[set] = [set() for _ in range(n)]
+        self.planned: list[set] = [set() for _ in range(n)]  # computing or queued to compute here
+        self.queued = [0.0] * n
+        self.incoming: list[dict] = [{} for _ in range(n)]  # last block -> (chain, CopyStatus)
+        self.groups: list[list] = [[] for _ in range(n)]
+        self.headroom = [10**9] * n
+        self.copies: list[tuple] = []
+
+    @staticmethod
+    def _run(chain: Sequence[Hashable], blocks: set) -> int:
+        n = 0
+        for h in chain:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+    def load(self, r: int) -> int:
+        return self.loads[r]
+
+    def cached_blocks(self, r: int, chain) -> int:
+        return self._run(chain, self.cached[r])
+
+    def pending_blocks(self, r: int, chain) -> int:
+        arriving = set()
+        for ch, _ in self.incoming[r].values():
+            arriving.update(ch)
+        return self._run(chain, self.cached[r] | arriving | self.planned[r])
+
+    def planned_blocks(self, r: int, chain) -> int:
+        return self.pending_blocks(r, chain)
+
+    def copy_in_flight(self, r: int, chain) -> bool:
+        return bool(chain) and chain[-1] in self.incoming[r]
+
+    def copy_status(self, r: int, chain) -> CopyStatus | None:
+        got = self.incoming[r].get(chain[-1]) if chain else None
+        return None if got is None else got[1]
+
+    def replicate(self, chain, source: int, target: int, now_s: float, hot_since_s: float | None = None) -> bool:
+        if source == target or chain[-1] in self.incoming[target]:
+            return False
+        total = len(chain) * BT * self.cost.model.kv_bytes_per_token
+        st = CopyStatus(source, total, 0.0, total, self.cost.nic_bytes_per_s)
+        self.incoming[target][chain[-1]] = (tuple(chain), st)
+        self.copies.append((tuple(chain), source, target, now_s, hot_since_s))
+        return True
+
+    def queued_prefill_s(self, r: int) -> float:
+        return self.queued[r]
+
+    def expected_wait_s(self, r: int) -> float:
+        return self.queued[r]
+
+    def copy_eta_s(self, r: int, chain) -> float | None:
+        st = self.copy_status(r, chain)
+        return None if st is None else (st.total_bytes - st.sent_bytes) / st.rate_bytes_per_s
+
+    def waiting_groups(self, r: int) -> list:
+        return list(self.groups[r])
+
+    def dependent_prefill_s(self, r: int, chain) -> float:
+        return 0.0
+
+    def nic_copies(self, r: int) -> int:
+        return sum(1 for c in self.copies if r in (c[1], c[2]))
+
+    def kv_headroom_tokens(self, r: int) -> int:
+        return self.headroom[r]
+
+
+_ids = iter(range(10**9))
+
+
+def req(chain: Sequence[Hashable], t: float = 0.0, tokens: int | None = None) -> Request:
+    chain = tuple(chain)
+    return Request(f"q{next(_ids)}", t, tokens if tokens is not None else len(chain) * BT, 1, chain)
+
+
+def burst_chain(prefix: tuple, i: int) -> tuple:
+    return prefix + (f"own{i}",)
+
+
+PREFIX = tuple(f"p{j}" for j in range(256))
+
+
+def policy(n: int = 4, **k) -> BtbPlus:
+    return BtbPlus(n, random.Random(0), BtbConstants(**k))
+
+
+# -- rule 4: break-even ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nic_gbps,copies", [(400.0, True), (0.5, False)])
+def test_break_even_copies_over_a_fast_fabric_and_not_over_a_slow_one(nic_gbps, copies):
+    c = cost(nic_gbps)
+    # 64k tokens of 70B KV: 21.5 GB. Recompute on an idle 4xH100 replica takes ~7.5 s; at 400 Gb/s per GPU the copy
+    # takes ~0.1 s, at 0.5 Gb/s per GPU ~86 s.
+    transfer = 256 * BT * c.model.kv_bytes_per_token / c.nic_bytes_per_s
+    assert (transfer < c.prefill_time_s(256 * BT)) is copies
+    view = View(4, c)
+    view.cached[0].update(PREFIX)
+    view.queued[0] = 30.0  # the holder is busy: a copy would give an earlier first token
+    pol = policy(4)
+    for i in range(40):  # 40 arrivals in the 1 s window: the rate target asks for more replicas
+        pol.route(req(burst_chain(PREFIX, i), i * 0.01), view, i * 0.01)
+    assert bool(view.copies) is copies
+    stats = pol.stats()
+    if copies:
+        assert all(src == 0 and ch == PREFIX for ch, src, _, _, _ in view.copies)
+        assert stats["copy_not_paying"] == 0
+    else:
+        assert stats["copy_not_paying"] > 0 and stats["copies_requested"] == 0
+
+
+def test_no_copy_without_headroom_on_the_target():
+    view = View(2)
+    view.cached[0].update(PREFIX)
+    view.queued[0] = 30.0
+    view.headroom[1] = 100 * BT  # fewer than the prefix's 256 blocks
+    pol = policy(2)
+    for i in range(10):
+        pol.route(req(burst_chain(PREFIX, i), i * 0.01), view, i * 0.01)
+    assert view.copies == [] and pol.stats()["copy_no_room"] > 0
+
+
+def test_copies_trail_a_source_still_computing_and_carry_the_fire_time():
+    view = View(3)
+    view.planned[0].update(PREFIX)  # replica 0 is computing the prefix: no holder yet
+    pol = policy(3)
+    for i in range(30):
+        pol.route(req(burst_chain(PREFIX, i), 5.0 + i * 0.002), view, 5.0 + i * 0.002)
+    assert view.copies, "a copy may start from the replica computing the prefix"
+    assert {src for _, src, _, _, _ in view.copies} == {0}
+    fired = view.copies[0][4]
+    assert fired == pytest.approx(5.002)  # the second arrival made the prefix hot (X = 2)
+    assert all(hot == fired for *_, hot in view.copies)
+
+
+# -- rule 2: how many replicas ----------------------------------------------------------------------------------------
+
+def test_rate_target_grows_with_the_arrival_rate_and_is_capped_by_m():
+    pol = policy(8, replicas=3, window_s=2.0)
+    s = 0.05  # seconds of suffix prefill per request: one replica serves 20 requests/s
+    assert pol.rate_target(2, s) == 1  # 1 request/s
+    assert pol.rate_target(40, s) == 1  # 20 requests/s: exactly one replica's rate
+    assert pol.rate_target(41, s) == 2
+    assert pol.rate_target(80, s) == 2
+    assert pol.rate_target(81, s) == 3
+    assert pol.rate_target(10_000, s) == 3  # capped by M
+    assert policy(2, replicas=4).rate_target(10_000, s) == 2  # and by the fleet
+
+
+def test_replicas_warmed_follow_the_rate_not_a_fixed_m():
+    def copies_for(arrivals: int) -> int:
+        view = View(4)
+        view.cached[0].update(PREFIX)
+        pol = policy(4)
+        for i in range(arrivals):
+            pol.route(req(burst_chain(PREFIX, i), i * 0.9 / arrivals), view, i * 0.9 / arrivals)
+            view.queued = [0.0] * 4  # idle fleet: only the rate target asks for copies
+        return len({t for _, _, t, _, _ in view.copies})
+
+    s = cost().prefill_time_s(BT, 256 * BT)  # one suffix at 64k context, ~0.04 s
+    few, many = 2, 200
+    assert copies_for(few) == math.ceil(few * s) - 1 == 0
+    assert copies_for(many) == min(4, math.ceil(many * s)) - 1 >= 2
+
+
+# -- rule 1: the deepest hot prefix ---------------------------------------------------------------------------------
+
+def test_deepest_chain_match_beyond_y():
+    pol = policy(2, prefix_blocks=2, threshold=2)
+    shared = tuple(f"s{j}" for j in range(9))
+    assert pol.depths(10) == [2, 4, 8]
+    assert pol.detect(shared + ("a",), 0.0) is None
+    det, since = pol.detect(shared + ("b",), 0.1)
+    assert det.prefix == shared[:8] and since == 0.1  # 8 of the 9 shared blocks: the deepest power-of-two depth
+    # a request sharing only 5 blocks is matched at depth 4 (Y = 2 stays the minimum)
+    det, _ = pol.detect(shared[:5] + ("c",), 0.2)
+    assert det.prefix == shared[:4]  # depth 4 has seen 3 arrivals; depth 8 does not cover this prompt
+    assert pol.detect(("z",), 0.4) is None  # shorter than Y: never triggers
+    assert pol.stats()["deepest_above_min"] == 2
+
+
+# -- rule 5: expected-TTFT routing ----------------------------------------------------------------------------------
+
+def test_routing_prefers_a_nearly_done_copy_over_a_long_queue():
+    view = View(3)
+    view.cached[0].update(PREFIX)
+    view.queued[0] = 12.0  # the holder: 12 s of prefill queued
+    view.queued[2] = 0.0  # idle, but would recompute 64k tokens (~7.5 s)
+    total = 256 * BT * view.cost.model.kv_bytes_per_token
+    nearly = CopyStatus(0, total, total * 0.99, total, view.cost.nic_bytes_per_s)  # ~1 ms left
+    view.incoming[1][PREFIX[-1]] = (PREFIX, nearly)
+    view.queued[1] = 0.5
+    pol = policy(3, threshold=100)  # no detection: pure routing
+    q = req(burst_chain(PREFIX, 0))
+    ests = [pol.expected_ttft_s(view, r, q, 0.0, pol.depths(257)) for r in range(3)]
+    assert ests[1] < ests[2] < ests[0]
+    assert pol.route(q, view, 0.0) == 1
+
+
+def test_a_stalled_copy_is_priced_at_the_sources_remaining_prefill():
+    view = View(2)
+    view.planned[0].update(PREFIX)  # replica 0 computes the prefix; 0 of its blocks resident yet
+    total = 256 * BT * view.cost.model.kv_bytes_per_token
+    view.incoming[1][PREFIX[-1]] = (PREFIX, CopyStatus(0, total, 0.0, 0.0, 0.0))
+    pol = policy(2, threshold=2)
+    pol.detect(burst_chain(PREFIX, 0), 0.0)
+    pol.detect(burst_chain(PREFIX, 1), 0.0)  # hot: the policy knows the prefix chain
+    st = view.copy_status(1, PREFIX)
+    lands = pol.copy_lands_s(view, st, PREFIX[-1], 0.0)
+    assert lands == pytest.approx(view.cost.prefill_time_s(256 * BT))
+    q = req(burst_chain(PREFIX, 2))
+    assert pol.expected_ttft_s(view, 1, q, 0.0, [256]) >= lands
+
+
+def test_a_long_cold_prompt_avoids_a_burst_waiting_for_its_copy():
+    view = View(2)
+    # replica 0: 100 requests wait for a copy that lands in 1 s; replica 1: 3 s of other work queued
+    total = 256 * BT * view.cost.model.kv_bytes_per_token
+    view.incoming[0][PREFIX[-1]] = (PREFIX, CopyStatus(1, total, 0.0, total, total / 1.0))
+    view.groups[0] = [(PREFIX[-1], 100, 4.0)]
+    view.queued[0] = 4.0
+    view.queued[1] = 3.0
+    pol = policy(2, threshold=2)
+    pol.detect(burst_chain(PREFIX, 0), 0.0)
+    pol.detect(burst_chain(PREFIX, 1), 0.0)
+    cold = req(tuple(f"cold{j}" for j in range(257)))  # 64k tokens, ~7.5 s of prefill
+    est0, harm0, _ = pol.estimate(view, 0, cold, 0.0)
+    est1, harm1, _ = pol.estimate(view, 1, cold, 0.0)
+    assert est0 < est1  # it would start at once on replica 0 ...
+    assert harm0 > 100 * 5.0 and harm1 == 0.0  # ... delaying the 100 waiting requests by ~6.5 s each
+    assert pol.route(cold, view, 0.0) == 1
+
+
+def test_ties_are_broken_by_load_then_seeded_rng():
+    view = View(3)
+    view.loads = [2, 1, 1]
+    picks = {BtbPlus(3, random.Random(s)).route(req(("x",)), view, 0.0) for s in range(20)}
+    assert picks == {1, 2}
+
+
+def test_set_constants_retunes_live():
+    pol = policy(2, prefix_blocks=2)
+    pol.detect(("a", "b", "c"), 0.0)
+    pol.set_constants(BtbConstants(prefix_blocks=2, threshold=1))
+    assert pol.detect(("a", "b", "d"), 0.1) is not None  # threshold 1: fires at once, state kept
+    pol.set_constants(BtbConstants(prefix_blocks=3, threshold=1))
+    assert pol.stats()["tracked_prefixes"] == 0  # a new Y drops the depth levels
+
+
+# -- end to end -------------------------------------------------------------------------------------------------------
+
+def test_small_simulation_end_to_end():
+    params = BurstedParams(bursts=2, burst_size=60, spread_s=1.0, prefix_tokens=256 * BT, decoys=10,
+                           first_burst_s=5.0, burst_period_s=20.0, jitter_s=1.0, decoy_start_s=0.0,
+                           decoy_end_s=40.0)
+    trace = generate_bursted(params, seed=3)
+    k = BtbConstants(prefix_blocks=16, threshold=2, window_s=1.0, replicas=4)
+    cl = ClusterConfig()
+    res = simulate(trace, "btb_plus", cl, k, seed=1)
+    again = simulate(trace, "btb_plus", cl, k, seed=1)
+    s = res.summary(replication_details=True)
+    assert s == again.summary(replication_details=True)  # deterministic for a seed
+    assert s["requests"] == len(trace)
+    assert res.policy_stats["fires"] >= 2
+    assert res.policy_stats["deepest_above_min"] > 0  # matched at 256 blocks although Y = 16
+    assert s["replications"] >= 1 and 0 <= s["wasted_replications"] <= s["replications"]
+    assert s["time_to_warm_s"]["mean"] > 0
+    ca = simulate(trace, "cache_aware", cl, k, seed=1).summary()
+    assert s["ttft_s"]["mean"] < ca["ttft_s"]["mean"]
+    assert make_policy("btb_plus", 4, random.Random(0), k).name == "btb_plus"
