@@ -191,10 +191,11 @@ class DataPlane:
             gauge.inc()
             prefilled = False
 
-            def first_byte() -> None:
+            def first_byte(now: float | None = None) -> None:
                 nonlocal prefilled
                 prefilled = True
-                now = gw.clock()
+                if now is None:
+                    now = gw.clock()
                 w.end_prefill(rid)
                 if chain:
                     w.hold(chain)
@@ -212,6 +213,7 @@ class DataPlane:
                     gw.worker_failed(idx, reason)
                     excluded.append(idx)
                     continue
+                t_head = gw.clock()
                 try:
                     status = resp.status
                     if status >= 500:
@@ -235,10 +237,8 @@ class DataPlane:
                             excluded.append(idx)
                             continue
                         if status < 300:
-                            first_byte()
-                        else:
-                            # a 4xx is the client's: passed through, the worker stays healthy
-                            pass
+                            first_byte(t_head)
+                        # a 4xx is the client's: passed through as is, the worker stays healthy
                         w.served += 1
                         metrics.request(w.url, policy_name, str(status))
                         metrics.observe_duration(w.url, gw.clock() - t0)
