@@ -1,0 +1,286 @@
+"""BTB gateway vs SGLang's router (smg) in front of the same emulated workers (not a test; never gates CI).
+
+Needs the ``smg`` executable, which this script never installs:
+
+    pip install smg==1.13.0            # or: pip install '.[bench]'
+    python benchmarks/bench_router.py [--smg PATH] [--format json]
+
+Two parts, each on fresh emulated workers (4 x Llama-3.3-70B on 4 x H100, the default fleet) so no cache carries
+over from one router to the next:
+
+1. **Burst TTFT.** One compressed Bursted burst (``--burst-size`` requests sharing a ``--prefix-blocks`` x 256-token
+   prefix plus a unique 256-token suffix, arriving evenly over ``--spread-s`` seconds; repeated for every value of
+   ``--prefix-blocks``) is replayed with ``btbctl bench``'s client against: ``smg launch --policy cache_aware``
+   (its defaults), the btbctl gateway with ``btb`` (``prefix_blocks`` set to the burst's prefix) and the btbctl
+   gateway with ``cache_aware``. Reports mean/p50/p95 TTFT, how many workers served the burst, and the ratio
+   ``btb p95 / smg p95`` (goal: at most 0.5).
+2. **Gateway overhead.** Workers started with ``--zero-delay`` (they answer at once), short unique prompts
+   (``--overhead-tokens``), ``max_new_tokens`` 1, no streaming. A closed loop of ``--overhead-requests`` requests
+   is sent (a) round-robin straight to the workers (no router), (b) through smg, (c) through the btbctl gateway:
+   at concurrency 1 the p50 latency gives the *added p50* of each router over direct (goal for btbctl: < 2 ms);
+   at ``--overhead-concurrency`` the requests per second give the throughput at saturation (goal: btbctl >= smg).
+
+Client, workers and routers share this machine's cores, so absolute numbers depend on it; ratios measured in the
+same run are the result. ``--skip-smg`` runs the btbctl parts alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from btbctl.engine.errors import BtbctlError
+from btbctl.engine.launcher.bench import BenchOptions, block_text, replay
+from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
+from btbctl.engine.launcher.fleet import free_port
+from btbctl.engine.launcher.local import Started, spawn, stop_group, wait_ready
+from btbctl.engine.stats import summarize
+from btbctl.engine.trace.generate import BurstedParams, generate_bursted
+
+#: smg release the comparison was written against (REFERENCE.md s4).
+SMG_VERSION = "1.13.0"
+WORKERS = 4
+
+
+class Fleet:
+    """Emulated workers and one router, all stopped on exit."""
+
+    def __init__(self, logdir: Path, name: str) -> None:
+        self.logdir = logdir / name
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[Started] = []
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                stop_group(p.pid, grace_s=8.0, popen=p.popen)
+
+    def workers(self, zero_delay: bool) -> list[str]:
+        spec = WorkerSpec(zero_delay=zero_delay)
+        started = []
+        for i in range(WORKERS):
+            p = spawn(f"worker-{i}", emulated_argv(spec, 0, 0), self.logdir / f"worker-{i}.log")
+            self.procs.append(p)
+            started.append(p)
+        for p in started:
+            wait_ready(p, 60.0)
+        return [p.url for p in started]
+
+    def btbctl_gateway(self, urls: list[str], policy: str, prefix_blocks: int) -> str:
+        argv = [sys.executable, "-m", "btbctl", "gateway", "--port", "0", "--control-port", "0", "--policy", policy,
+                "--prefix-blocks", str(prefix_blocks), "--log-level", "warning"]
+        for u in urls:
+            argv += ["--worker", u]
+        p = spawn("gateway", argv, self.logdir / "gateway.log")
+        self.procs.append(p)
+        wait_ready(p, 60.0)
+        return p.url
+
+    def smg(self, exe: str, urls: list[str], policy: str = "cache_aware") -> str:
+        port = free_port()
+        argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                "--policy", policy, "--log-level", "warn"]
+        p = spawn("smg", argv, self.logdir / "smg.log")
+        self.procs.append(p)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(p, 60.0, health_url=url)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # /health answers before the workers are admitted
+            try:
+                with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
+                    body = json.loads(r.read())
+                if body.get("healthy_workers") == len(urls):
+                    return url
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise BtbctlError(f"smg did not admit all {len(urls)} workers within 30 s (log {self.logdir / 'smg.log'})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# part 1: burst TTFT
+
+
+def burst_trace(n: int, prefix_blocks: int, spread_s: float, seed: int):
+    return generate_bursted(BurstedParams(bursts=1, burst_size=n, first_burst_s=0.0, jitter_s=0.0, spread_s=spread_s,
+                                          prefix_tokens=prefix_blocks * 256, suffix_tokens=256, output_tokens=1,
+                                          decoys=0), seed=seed)
+
+
+def burst_round(router: str, args, logdir: Path, prefix_blocks: int) -> dict:
+    trace = burst_trace(args.burst_size, prefix_blocks, args.spread_s, args.seed)
+    with Fleet(logdir, f"burst-{prefix_blocks}-{router}") as fleet:
+        urls = fleet.workers(zero_delay=False)
+        if router == "smg cache_aware":
+            target = fleet.smg(args.smg, urls)
+        else:
+            target = fleet.btbctl_gateway(urls, router.split()[-1], prefix_blocks)
+        rep = replay(trace, BenchOptions(target)).as_dict()
+        counts = [worker_counters(u) for u in urls]
+    return {"router": router, "prefix_blocks": prefix_blocks, "requests": rep["requests"], "errors": rep["errors"],
+            "ttft_s": rep["ttft_s"], "workers_used": sum(1 for c in counts if c["requests"] > 0),
+            "prefill_tokens_computed": sum(c["prompt_tokens"] - c["cached_tokens"] for c in counts)}
+
+
+def worker_counters(url: str) -> dict:
+    """``{"requests", "prompt_tokens", "cached_tokens"}`` a worker reports on ``/metrics`` (SGLang's
+    ``sglang:num_requests``, ``sglang:prompt_tokens`` and ``sglang:cached_tokens`` counters, summed over labels)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"requests": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0}
+    names = {"sglang:num_requests_total": "requests", "sglang:prompt_tokens_total": "prompt_tokens",
+             "sglang:cached_tokens_total": "cached_tokens"}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return {k: int(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# part 2: overhead
+
+
+async def closed_loop(urls: list[str], n: int, concurrency: int, tokens: int, tag: str) -> dict:
+    """``n`` non-streaming ``/generate`` requests, ``concurrency`` at a time, spread round-robin over ``urls``;
+    latencies in seconds and requests per second."""
+    import aiohttp
+
+    prompts = [block_text(f"{tag}:{i}", tokens) for i in range(n)]
+    lat: list[float] = []
+    errors = 0
+    nxt = 0
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async def one(i: int) -> None:
+            nonlocal errors
+            body = {"text": prompts[i], "sampling_params": {"max_new_tokens": 1}}
+            t = time.perf_counter()
+            try:
+                async with s.post(urls[i % len(urls)] + "/generate", json=body) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                errors += 1
+                return
+            lat.append(time.perf_counter() - t)
+
+        async def runner() -> None:
+            nonlocal nxt
+            while nxt < n:
+                i = nxt
+                nxt += 1
+                await one(i)
+
+        # warm the connection pools
+        await asyncio.gather(*(one(i) for i in range(min(concurrency, n))))
+        lat.clear()
+        errors = 0
+        nxt = 0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(runner() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    s_ = summarize(lat)
+    return {"requests": n, "errors": errors, "concurrency": concurrency, "requests_per_s": len(lat) / wall,
+            "p50_s": s_["p50"], "p95_s": s_["p95"]}
+
+
+def overhead(args, logdir: Path) -> list[dict]:
+    rows = []
+    with Fleet(logdir, "overhead") as fleet:
+        urls = fleet.workers(zero_delay=True)
+        targets = [("direct", urls)]
+        if not args.skip_smg:
+            targets.append(("smg cache_aware", [fleet.smg(args.smg, urls)]))
+        targets.append(("btbctl btb", [fleet.btbctl_gateway(urls, "btb", 256)]))
+        for name, tgt in targets:
+            lat = asyncio.run(closed_loop(tgt, args.overhead_latency_requests, 1, args.overhead_tokens, f"{name}-l"))
+            thr = asyncio.run(closed_loop(tgt, args.overhead_requests, args.overhead_concurrency,
+                                          args.overhead_tokens, f"{name}-t"))
+            rows.append({"target": name, "p50_s_at_c1": lat["p50_s"], "p95_s_at_c1": lat["p95_s"],
+                         "requests_per_s": thr["requests_per_s"], "concurrency": thr["concurrency"],
+                         "errors": lat["errors"] + thr["errors"]})
+    direct = rows[0]
+    for r in rows:
+        r["added_p50_ms"] = (r["p50_s_at_c1"] - direct["p50_s_at_c1"]) * 1000
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smg", default=shutil.which("smg"), help="smg executable (default: smg on PATH)")
+    ap.add_argument("--skip-smg", action="store_true", help="measure the btbctl gateway only")
+    ap.add_argument("--burst-size", type=int, default=80)
+    ap.add_argument("--prefix-blocks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64],
+                    help="comma-separated prefix lengths in 256-token blocks (default 8,64)")
+    ap.add_argument("--spread-s", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--overhead-requests", type=int, default=3000)
+    ap.add_argument("--overhead-latency-requests", type=int, default=500)
+    ap.add_argument("--overhead-concurrency", type=int, default=64)
+    ap.add_argument("--overhead-tokens", type=int, default=256)
+    ap.add_argument("--format", choices=("human", "json"), default="human")
+    args = ap.parse_args()
+    if not args.skip_smg and not args.smg:
+        sys.stderr.write(f"smg not found: pip install smg=={SMG_VERSION} (or pass --smg PATH, or --skip-smg)\n")
+        return 2
+    routers = (["smg cache_aware"] if not args.skip_smg else []) + ["btbctl btb", "btbctl cache_aware"]
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
+        logdir = Path(tmp)
+        try:
+            burst = [burst_round(r, args, logdir, pb) for pb in args.prefix_blocks for r in routers]
+            over = overhead(args, logdir)
+        except BtbctlError as e:
+            sys.stderr.write(f"bench_router: error: {e}\n")
+            return 2
+    ratios = {}
+    for pb in args.prefix_blocks:
+        by = {r["router"]: r for r in burst if r["prefix_blocks"] == pb}
+        if "smg cache_aware" in by and by["smg cache_aware"]["ttft_s"]["p95"]:
+            ratios[f"btb_p95_over_smg_p95@{pb}"] = by["btbctl btb"]["ttft_s"]["p95"] / by["smg cache_aware"]["ttft_s"]["p95"]
+        ratios[f"btb_p95_over_btbctl_cache_aware_p95@{pb}"] = (by["btbctl btb"]["ttft_s"]["p95"]
+                                                               / by["btbctl cache_aware"]["ttft_s"]["p95"])
+    ov = {r["target"]: r for r in over}
+    if "smg cache_aware" in ov:
+        ratios["btbctl_over_smg_throughput"] = ov["btbctl btb"]["requests_per_s"] / ov["smg cache_aware"]["requests_per_s"]
+    result = {"smg_version": SMG_VERSION if not args.skip_smg else None, "burst": burst, "overhead": over,
+              "ratios": ratios}
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"burst: {args.burst_size} requests over {args.spread_s:g} s, 4 emulated Llama-3.3-70B workers (4xH100)")
+    print(f"{'router':22} {'prefix':>8} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9} {'workers':>8} "
+          f"{'prefilled':>10} {'errors':>7}")
+    for r in burst:
+        t = r["ttft_s"]
+        print(f"{r['router']:22} {r['prefix_blocks'] * 256:>8} {t['mean'] * 1000:>9.1f} {t['p50'] * 1000:>9.1f} "
+              f"{t['p95'] * 1000:>9.1f} {r['workers_used']:>8} {r['prefill_tokens_computed']:>10} {r['errors']:>7}")
+    print("(prefilled: prompt tokens the workers computed, i.e. not served from their prefix cache)")
+    print(f"\noverhead: zero-delay workers, {args.overhead_tokens}-token prompts")
+    print(f"{'target':22} {'p50 ms @1':>10} {'added p50 ms':>13} {'req/s @' + str(args.overhead_concurrency):>12}")
+    for r in over:
+        print(f"{r['target']:22} {r['p50_s_at_c1'] * 1000:>10.2f} {r['added_p50_ms']:>13.2f} "
+              f"{r['requests_per_s']:>12.0f}")
+    print()
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
