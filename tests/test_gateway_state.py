@@ -74,3 +74,15 @@ def test_ttft_series_buckets():
     assert rows[1]["p50_s"] == 0.30000000000000004 or abs(rows[1]["p50_s"] - 0.3) < 1e-12
     assert rows[1]["rps"] == 2.0 and rows[0]["t_s"] == 1.0
     assert s.summary(3.0, 1.0)["n"] == 1 and s.summary(10.0, 1.0)["p50_s"] is None
+
+
+def test_admission_wait_estimate_from_loads():
+    st = FleetState(["http://a"])
+    w = st.workers[0]
+    assert st.admission_wait_s(0, 100) == 0.0  # unknown loads
+    w.loads = {"running": 1, "waiting": 0, "used_tokens": 900, "max_tokens": 1000, "token_usage": 0.9}
+    w.ttft_ewma_s = 0.5
+    assert st.admission_wait_s(0, 100) == 0.0 and st.kv_headroom_tokens(0) == 100
+    assert st.admission_wait_s(0, 101) == 0.5
+    w.loads["waiting"] = 3
+    assert st.admission_wait_s(0, 1) == 2.0

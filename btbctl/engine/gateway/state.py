@@ -608,6 +608,21 @@ class FleetState:
         """Copies in flight from or to ``replica``."""
         return sum(1 for t in self.transfers.active.values() if t.source == replica or t.target == replica)
 
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
+        """Coarse estimate from the worker's last ``/v1/loads``: 0 when nothing waits there and
+        ``max_total_num_tokens - num_used_tokens >= kv_tokens`` (or loads are unknown); otherwise the requests
+        waiting there plus the new one, each x the worker's smoothed TTFT (the gateway has no decode model of the
+        workers; this is what it measures)."""
+        w = self.workers[replica]
+        loads = w.loads
+        if not loads or not loads.get("max_tokens"):
+            return 0.0
+        waiting = int(loads.get("waiting") or 0)
+        free = int(loads["max_tokens"]) - int(loads.get("used_tokens") or 0)
+        if waiting == 0 and free >= kv_tokens:
+            return 0.0
+        return (waiting + 1) * (w.ttft_ewma_s or 0.0)
+
     def kv_headroom_tokens(self, replica: int) -> int:
         """Free KV tokens on ``replica`` by its ``/v1/loads`` (``max_total_num_tokens - num_used_tokens``);
         unknown evictable space is not counted. Without loads: its ``capacity_tokens`` (``/btb/info``), else 0."""
