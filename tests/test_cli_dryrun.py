@@ -412,8 +412,11 @@ def test_example_configs_load(name):
 
 def test_examples_readme_lists_every_example():
     text = (EXAMPLES / "README.md").read_text()
-    for toml in sorted(EXAMPLES.glob("*.toml")):
-        assert f"btbctl dry-run -c examples/{toml.name}" in text, toml.name
+    tomls = sorted(EXAMPLES.glob("*.toml"))
+    assert tomls
+    for toml in tomls:
+        command = "btbctl up -d -c" if toml.name.startswith("cluster-") else "btbctl dry-run -c"
+        assert f"{command} examples/{toml.name}" in text, toml.name
 
 
 SHARED_MOONCAKE = REPO.parent / "shared" / "data" / "traces" / "mooncake_conversation_trace.jsonl"
