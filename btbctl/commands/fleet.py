@@ -24,8 +24,8 @@ def _render_status(out: Output, st: dict) -> None:
     c = out.console
     gw = st.get("gateway") or {}
     state = "up" if gw.get("reachable") else ("process running, API not answering" if gw.get("alive") else "down")
-    c.print(f"gateway  {st.get('gateway_url') or '-'}   control {st.get('control_url') or '-'}   "
-            f"policy {st.get('policy') or '-'}   ({state})")
+    c.print(f"gateway {st.get('gateway_url') or '-'} ({state}), policy {st.get('policy') or '-'}")
+    c.print(f"control {st.get('control_url') or '-'}")
     t = Table(box=None, pad_edge=False)
     for col in ("name", "url", "healthy", "process", "in flight", "note"):
         t.add_column(col)

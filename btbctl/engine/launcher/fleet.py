@@ -28,7 +28,7 @@ from typing import Callable
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
 from btbctl.engine.launcher.control import ControlClient
-from btbctl.engine.launcher.local import Started, spawn, stop_group, stop_record, wait_ready
+from btbctl.engine.launcher.local import Started, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (RunDir, RunState, group_members, is_same_process, process_start_time,
                                            record_is_ours)
 
@@ -173,9 +173,9 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
         rd.save(state)
         log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
     except BaseException:
-        for proc in reversed(started):
-            if proc.popen.poll() is None or group_members(proc.pid):
-                stop_group(proc.pid, grace_s=5.0, popen=proc.popen)
+        live = [p for p in started if p.popen.poll() is None or group_members(p.pid)]
+        if live:
+            stop_groups([(p.pid, p.popen) for p in live], grace_s=5.0)
         rd.clear()
         raise
     return state, started
@@ -189,13 +189,19 @@ def _update(state: RunState, proc: Started) -> None:
 
 
 def stop_started(started: list[Started], grace_s: float, log: Log = _nolog) -> None:
-    """Stop processes this process started (gateway first), reaping them."""
-    for proc in reversed(started):
-        if proc.popen.poll() is None or group_members(proc.pid):
-            killed = stop_group(proc.pid, grace_s=grace_s, popen=proc.popen)
-            log(f"stopped {proc.name}" + (" (killed after the grace period)" if killed else ""))
-        else:
-            log(f"{proc.name} had already exited (status {proc.popen.returncode})")
+    """Stop processes this process started (the gateway, started last, first; then the workers together),
+    reaping them."""
+    batches = [started[-1:], started[:-1]] if started and started[-1].name == "gateway" else [started]
+    for batch in batches:
+        live = []
+        for proc in batch:
+            if proc.popen.poll() is None or group_members(proc.pid):
+                live.append(proc)
+            else:
+                log(f"{proc.name} had already exited (status {proc.popen.returncode})")
+        killed = stop_groups([(p.pid, p.popen) for p in live], grace_s) if live else {}
+        for proc in live:
+            log(f"stopped {proc.name}" + (" (killed after the grace period)" if killed[proc.pid] else ""))
 
 
 def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _nolog, poll_s: float = 0.5,
@@ -242,11 +248,11 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
         deadline = time.monotonic() + grace_s + 15.0
         while time.monotonic() < deadline and is_same_process(state.owner_pid, state.owner_start_time):
             time.sleep(0.1)
-    order = [p for p in state.processes if p.role == "gateway"] + [p for p in state.processes if p.role != "gateway"]
-    for rec in order:
-        result = stop_record(rec, grace_s)
-        out[{"stopped": "stopped", "killed": "killed", "gone": "gone"}[result]].append(rec.name)
-        log(f"{rec.name}: {result}")
+    # the gateway first (no new requests reach the workers), then all workers together
+    for batch in ([p for p in state.processes if p.role == "gateway"],
+                  [p for p in state.processes if p.role != "gateway"]):
+        for rec, result in zip(batch, stop_records(batch, grace_s)):
+            out[result].append(rec.name)
     rd.clear()
     return out
 

@@ -171,32 +171,48 @@ def stop_group(pgid: int, grace_s: float = DEFAULT_GRACE_S, popen: subprocess.Po
     The caller must have checked the group is ours (:func:`~btbctl.engine.launcher.rundir.record_is_ours` or being
     its parent). ``popen``, when we are the leader's parent, is reaped. Returns True when SIGKILL was needed.
     """
-    killed = False
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        _reap(popen)
-        return False
-    except PermissionError:
-        raise BtbctlError(f"not allowed to signal process group {pgid}") from None
+    return stop_groups([(pgid, popen)], grace_s)[pgid]
+
+
+def stop_groups(groups: list[tuple[int, subprocess.Popen | None]], grace_s: float = DEFAULT_GRACE_S) -> dict[int, bool]:
+    """:func:`stop_group` for several groups at once: SIGTERM to all, one shared grace period, then SIGKILL to the
+    groups with members left. Returns ``{pgid: killed}``."""
+    out: dict[int, bool] = {}
+    live: dict[int, subprocess.Popen | None] = {}
+    for pgid, popen in groups:
+        out[pgid] = False
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            live[pgid] = popen
+        except ProcessLookupError:
+            _reap(popen)
+        except PermissionError:
+            raise BtbctlError(f"not allowed to signal process group {pgid}") from None
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        _reap(popen, block=False)
-        if not group_members(pgid):
-            break
-        time.sleep(0.05)
-    else:
-        killed = True
+    while live and time.monotonic() < deadline:
+        for pgid, popen in list(live.items()):
+            _reap(popen, block=False)
+            if not group_members(pgid):
+                del live[pgid]
+        if live:
+            time.sleep(0.05)
+    for pgid in live:
+        out[pgid] = True
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        end = time.monotonic() + 5.0
-        while group_members(pgid) and time.monotonic() < end:
+    end = time.monotonic() + 5.0
+    while live and time.monotonic() < end:
+        for pgid, popen in list(live.items()):
             _reap(popen, block=False)
+            if not group_members(pgid):
+                del live[pgid]
+        if live:
             time.sleep(0.05)
-    _reap(popen)
-    return killed
+    for _, popen in groups:
+        _reap(popen)
+    return out
 
 
 def _reap(popen: subprocess.Popen | None, block: bool = True) -> None:
@@ -214,9 +230,21 @@ def _reap(popen: subprocess.Popen | None, block: bool = True) -> None:
 def stop_record(rec: ProcessRecord, grace_s: float = DEFAULT_GRACE_S) -> str:
     """Stop a recorded process group if it is still ours. Returns ``stopped``, ``killed`` (SIGKILL was needed) or
     ``gone`` (nothing of ours was left; nothing was signalled)."""
-    if not record_is_ours(rec):
-        return "gone"
-    return "killed" if stop_group(rec.pgid, grace_s) else "stopped"
+    return stop_records([rec], grace_s)[0]
 
 
-__all__ = ["READY_LINE", "Started", "log_tail", "spawn", "stop_group", "stop_record", "wait_ready"]
+def stop_records(recs: list[ProcessRecord], grace_s: float = DEFAULT_GRACE_S) -> list[str]:
+    """:func:`stop_record` for several records at once (one shared grace period); results in order."""
+    ours = [r for r in recs if record_is_ours(r)]
+    killed = stop_groups([(r.pgid, None) for r in ours], grace_s) if ours else {}
+    out = []
+    for r in recs:
+        if r.pgid not in killed or r not in ours:
+            out.append("gone")
+        else:
+            out.append("killed" if killed[r.pgid] else "stopped")
+    return out
+
+
+__all__ = ["READY_LINE", "Started", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record", "stop_records",
+           "wait_ready"]
