@@ -101,6 +101,10 @@ class FleetView(Protocol):
         ``(block hash, requests, seconds of their queued prefill)``. Part of :meth:`queued_prefill_s`, but they
         cannot start before the block is there (meanwhile later requests may run)."""
 
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
+        """Seconds of decoding ``replica`` must do before its KV cache has room for the requests waiting there plus
+        a new one needing ``kv_tokens`` tokens; 0 when they fit now. Adds to :meth:`queued_prefill_s`."""
+
     def kv_headroom_tokens(self, replica: int) -> int:
         """KV-cache tokens ``replica`` could free for a new copy now (free + evictable)."""
 

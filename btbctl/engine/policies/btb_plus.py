@@ -33,7 +33,8 @@ weakness REFERENCE.md s1 lists or a point the published rule leaves open. Per re
 5. **Routing by expected TTFT** (every request, hot or not). For each replica ``r``: the request reuses the
    leading blocks resident there, on their way, or to be computed by a request already queued there
    (``view.planned_blocks``) and computes the rest, ``own = cost.prefill_time_s(rest, reused)``. It starts after
-   the queued prefill ahead (``view.queued_prefill_s``), except that requests waiting there for a hot prefix not
+   the queued prefill ahead (``view.queued_prefill_s``) plus, when the KV cache there is full, the decoding needed
+   to free room for it and the requests waiting ahead (``view.admission_wait_s``), except that requests waiting there for a hot prefix not
    there yet (``view.waiting_groups``; arriving by copy, ``view.copy_status``, or computed there) run only once it
    lands: a request that does not need it runs before them if it can start first, and one that needs it starts
    no earlier than it lands. A copy lands after its remaining bytes at its current rate or, while it waits for
@@ -42,11 +43,13 @@ weakness REFERENCE.md s1 lists or a point the published rule leaves open. Per re
    Expected TTFT = start + own. The request goes to the replica with the lowest cost, where cost = expected TTFT
    + the delay it imposes on requests already waiting there for a hot prefix (those whose prefix lands while it
    runs wait for it: requests x overlap seconds; a prefix computed there counts as landing one prefill chunk
-   early, because the step computing its last block admits other work first) + ``own`` x the other requests in
-   flight there (``view.load`` minus those waiting for a hot prefix): by Little's law about as many requests will
-   arrive there, and wait behind this one's prefill, while it is queued. The second term keeps a long cold
-   prompt out of a burst's warm queue when it can wait elsewhere; the third makes the rule prefer cache hits in
-   proportion to how loaded the fleet is (under overload every second of prefill delays everyone). Ties go to
+   early, because the step computing its last block admits other work first) + ``own`` x the requests expected to
+   wait behind this one's prefill there: the larger of the requests in flight there (``view.load`` minus those
+   waiting for a hot prefix; by Little's law, in a steady state as many arrive during one stay) and the
+   arrivals expected during its expected TTFT at the fleet's long-run arrival rate per replica (requests seen so
+   far / seconds since the first / replicas). The second term keeps a long cold prompt out of a burst's warm
+   queue when it can wait elsewhere; the third makes the rule prefer cache hits in proportion to how loaded the
+   fleet is (under overload every second of prefill delays everyone queued after it). Ties go to
    the lower load, then at random (the policy's seeded rng). Requests without a hot prefix are routed by the same
    rule; on traffic without bursts (no copies) it is a shortest-expected-delay router that weighs cache hits.
 
@@ -77,6 +80,12 @@ def _waiting_groups(view: FleetView, replica: int) -> list:
     """``view.waiting_groups``, or none for a view without it."""
     f = getattr(view, "waiting_groups", None)
     return f(replica) if f is not None else []
+
+
+def _admission_wait(view: FleetView, replica: int, kv_tokens: int) -> float:
+    """``view.admission_wait_s``, or 0 for a view without it."""
+    f = getattr(view, "admission_wait_s", None)
+    return f(replica, kv_tokens) if f is not None else 0.0
 
 
 def _chunk_tokens(view: FleetView) -> int:
@@ -119,6 +128,8 @@ class BtbPlus(Policy):
         self._prefixes: OrderedDict[Hashable, tuple] = OrderedDict()
         # (replica, prefix key) -> when the replica should have computed a prefix this policy sent there
         self._ready_at: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
+        self._first_s: float | None = None
+        self._arrivals = 0
         self._stats = {
             "fires": 0, "copies_requested": 0, "copies_refused": 0, "rate_copies": 0, "backlog_copies": 0,
             "copy_not_paying": 0, "copy_no_room": 0, "no_source": 0, "hot_routes": 0, "speculative_routes": 0,
@@ -273,12 +284,12 @@ class BtbPlus(Policy):
                 if n <= there and chain[n - 1] == key:
                     mine.add(key)
                     ready = max(ready, lands)
-        wait = view.queued_prefill_s(replica)
+        have = min(there * bt, inp - 1)
+        own = view.cost.prefill_time_s(inp - have, have)
+        wait = view.queued_prefill_s(replica) + _admission_wait(view, replica, inp - have + req.output_tokens)
         start = max(0.0, wait - sum(g[2] for g in groups))
         start = max(start, ready)
         harm = 0.0
-        have = min(there * bt, inp - 1)
-        own = view.cost.prefill_time_s(inp - have, have)
         for lands, n, work_s, key, grace in groups:
             if key in mine or lands + grace <= start:
                 start += work_s  # queued before this request and runnable by the time it could start
@@ -311,10 +322,17 @@ class BtbPlus(Policy):
         if hot is not None:
             det, since = hot
             self._warm(req, det, since, view, now_s, ests, groups, depths)
+        if self._first_s is None:
+            self._first_s = now_s
+        self._arrivals += 1
+        span = now_s - self._first_s
+        per_replica = self._arrivals / span / n if span > 0 else 0.0  # requests/s per replica, long-run
         cost = []
         for r, (est, harm, start) in enumerate(ests):
+            own = est - start
             blocked = sum(g[1] for g in groups[r])
-            cost.append(est + harm + (est - start) * max(0, view.load(r) - blocked))
+            behind = max(view.load(r) - blocked, per_replica * est)
+            cost.append(est + harm + own * behind)
         choice = self._best(view, cost)
         if ests[choice][0] > min(e[0] for e in ests) * (1 + 1e-9) + 1e-12:
             self._stats["harm_avoiding_routes"] += 1

@@ -72,7 +72,7 @@ class _Req:
 
     __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "matched",
                  "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq", "est_flops",
-                 "queued_from", "dep_key")
+                 "queued_from", "dep_key", "kv_need")
 
     def __init__(self, req: Request, seq: int) -> None:
         self.req = req
@@ -93,12 +93,14 @@ class _Req:
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
         self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
         self.dep_key = None  # while waiting: the not-yet-resident block its est_flops is registered under
+        self.kv_need = 0  # while waiting: KV tokens it will take when admitted (estimate)
 
 
 class _Replica:
     __slots__ = ("idx", "cache", "waiting", "prefilling", "decoding", "n_decoding", "dec_s", "dec_g", "pending",
                  "busy", "step_kind", "step_start", "step_end", "step_m", "step_payload", "version", "copies_in",
-                 "queued_flops", "queued_blocks", "dep_flops", "dep_count", "copied", "copy_lens")
+                 "queued_flops", "queued_blocks", "dep_flops", "dep_count", "copied", "copy_lens", "waiting_kv",
+                 "dec_finish_sum")
 
     def __init__(self, idx: int, cache: PrefixCache) -> None:
         self.idx = idx
@@ -122,6 +124,8 @@ class _Replica:
         self.queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
         self.dep_flops: dict[Hashable, float] = {}  # block not yet resident -> est_flops of waiting requests needing it
         self.dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
+        self.waiting_kv = 0  # sum of kv_need over waiting requests
+        self.dec_finish_sum = 0  # sum of finish_g over decoding requests
         self.copied: dict[Hashable, Copy] = {}  # block hash -> the completed copy that brought it here
         self.copy_lens: set[int] = set()  # chain lengths of copies completed here
 
@@ -282,6 +286,25 @@ class SimFleetView:
         rate = sim.cost.flops * sim.cost.mfu
         parent = rep.cache.parent
         return [(h, n, max(0.0, rep.dep_flops[h]) / rate) for h, n in rep.dep_count.items() if h not in parent]
+
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
+        """Seconds of decoding ``replica`` must do before its KV cache has room for the requests waiting there plus
+        a new one needing ``kv_tokens`` tokens (prompt tokens it computes + output), 0 when they fit now
+        (free + evictable). Decoding requests release their KV when they finish: on average
+        ``held tokens / (mean remaining decode steps x current step time)`` tokens per second. Prefill runs first on
+        a replica, so this adds to :meth:`queued_prefill_s`. O(1)."""
+        sim = self._sim
+        rep = sim.replicas[replica]
+        cache = rep.cache
+        short = rep.waiting_kv + kv_tokens - (max(0, cache.free_tokens) + cache.evictable_tokens)
+        n = rep.n_decoding
+        if short <= 0 or n == 0:
+            return 0.0
+        held = rep.dec_s + n * rep.dec_g
+        left_steps = (rep.dec_finish_sum - n * rep.dec_g) / n
+        if held <= 0 or left_steps <= 0:
+            return 0.0
+        return short / held * left_steps * sim._decode_time(rep, 1)
 
     def kv_headroom_tokens(self, replica: int) -> int:
         """KV-cache tokens ``replica`` could give a new copy now: free plus evictable (unpinned) tokens."""
@@ -500,6 +523,8 @@ class Simulator:
         have = min(have_blocks * self.block_tokens, rq.req.input_tokens - 1)
         rq.est_flops = self.cost.prefill_flops(rq.req.input_tokens - have, have)
         rep.queued_flops += rq.est_flops
+        rq.kv_need = rq.req.input_tokens - have + rq.req.output_tokens
+        rep.waiting_kv += rq.kv_need
         if have_blocks and chain[have_blocks - 1] not in rep.cache.parent:
             key = chain[have_blocks - 1]
             rq.dep_key = key
@@ -633,6 +658,8 @@ class Simulator:
         rq.computed = cached_tokens
         rq.next_block = matched
         rq.admitted_s = self.now
+        rep.waiting_kv -= rq.kv_need
+        rq.kv_need = 0
         if rq.queued_from >= 0:
             queued = rep.queued_blocks
             for k in range(rq.queued_from, n_blocks):
@@ -722,6 +749,7 @@ class Simulator:
                 rq.finish_g = rep.dec_g + out - 1
                 heapq.heappush(rep.decoding, (rq.finish_g, rq.seq, rq))
                 rep.n_decoding += 1
+                rep.dec_finish_sum += rq.finish_g
                 rep.dec_s += rq.req.input_tokens + 1 - rep.dec_g
         if committed and self.net.active:
             self._source_progress(rep.idx)
@@ -733,6 +761,7 @@ class Simulator:
         while dec and dec[0][0] <= rep.dec_g:
             _, _, rq = heapq.heappop(dec)
             rep.n_decoding -= 1
+            rep.dec_finish_sum -= rq.finish_g
             rep.dec_s -= rq.req.input_tokens + 1 - rq.join_s
             self._finish(rep, rq)
 
