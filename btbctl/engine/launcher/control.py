@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from btbctl.engine.errors import BtbctlError
 
-#: Seconds one control-API call may take (they answer from memory; replication runs in the background).
+#: Seconds one control-API call may take (a product choice: the API answers from memory in milliseconds;
+#: replication runs in the background and is polled).
 DEFAULT_TIMEOUT_S = 10.0
 
 

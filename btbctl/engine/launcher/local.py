@@ -28,9 +28,10 @@ from btbctl.engine.launcher.rundir import group_members, process_start_time, rec
 #: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
 #: (emulated worker: ``ready http://H:P transfer H:TP``; gateway: ``ready http://H:P control http://H:CP``).
 READY_LINE = re.compile(r"^ready (https?://\S+)((?: \S+ \S+)*)\s*$", re.MULTILINE)
-#: Seconds between SIGTERM and SIGKILL when stopping a process group.
+#: Seconds between SIGTERM and SIGKILL when stopping a process group. A product choice: the emulated worker and
+#: the gateway stop in about a second (open connections get 2 s), SGLang in a few; ten seconds leaves room.
 DEFAULT_GRACE_S = 10.0
-#: Lines of a failed process's log quoted in the error.
+#: Lines of a failed process's log quoted in the error (enough for a Python exception's last frame and message).
 LOG_TAIL_LINES = 5
 
 
