@@ -205,3 +205,32 @@ def test_default_burst_trace_shape():
     assert {r.block_hashes[:4] for r in t.requests} == {t.requests[0].block_hashes[:4]}
     assert len({r.block_hashes[4] for r in t.requests}) == 10
     assert t.span_s < 1.0 and all(r.input_tokens == 5 * 256 for r in t.requests)
+
+
+def test_bench_cli_against_any_endpoint(endpoint, tmp_path):
+    """`btbctl bench --target` works without a fleet: stable JSON keys, a table, per-request lines."""
+    import subprocess
+    import sys
+
+    from btbctl.engine.trace.writer import write_btb_mixed
+
+    trace = default_burst_trace(burst_size=6, prefix_blocks=2)
+    write_btb_mixed(trace, tmp_path / "t.jsonl")
+    base = [sys.executable, "-m", "btbctl", "bench", "--target", endpoint.url, "--trace", str(tmp_path / "t.jsonl"),
+            "--run-dir", str(tmp_path / "no-fleet"), "--time-scale", "4"]
+    proc = subprocess.run(base + ["--format", "json", "--requests-out", str(tmp_path / "r.jsonl")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    assert {"requests", "errors", "ttft_s", "by_worker"} <= set(d)
+    assert set(d["ttft_s"]) >= {"mean", "p50", "p95", "p99"}
+    assert d["requests"] == 6 and d["errors"] == 0 and sum(d["by_worker"].values()) == 6
+    assert d["by_worker_source"] == "header"
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and all(json.loads(x)["status"] == "ok" for x in lines)
+    proc = subprocess.run(base + ["--max-requests", "3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 requests to" in proc.stdout and "TTFT" in proc.stdout and "http://w" in proc.stdout
+    assert "replaying 3 requests" in proc.stderr
+    bad = subprocess.run(base + ["--time-scale", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "btbctl: error: --time-scale must be a number > 0, got 0.0"
