@@ -1,0 +1,248 @@
+"""``btbctl sweep``: simulate one trace over a grid of BTB's four constants (optionally fleet size, NIC bandwidth,
+fidelity and policy) in parallel; rank the grid points and draw a heatmap over two axes.
+
+Trace and fleet options are those of ``dry-run`` (defaults, then ``-c FILE``, then flags). Each grid flag takes a
+comma-separated list. Engine modules are imported inside the command so ``btbctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+from btbctl.commands.output import Format, Output
+
+
+@app.command("sweep")
+def sweep(
+    config: Annotated[Optional[str], typer.Option(
+        "-c", "--config", metavar="FILE",
+        help="Dry-run TOML config for the trace and the fleet (see examples/); flags override its values.")] = None,
+    trace: Annotated[Optional[str], typer.Option(
+        "--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")] = None,
+    trace_format: Annotated[Optional[str], typer.Option(
+        "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")] = None,
+    bursts: Annotated[Optional[int], typer.Option(
+        "--bursts", help="Generated trace: number of bursts (default: 8).")] = None,
+    burst_size: Annotated[Optional[int], typer.Option(
+        "--burst-size", help="Generated trace: requests per burst (default: 500).")] = None,
+    spread_s: Annotated[Optional[float], typer.Option(
+        "--spread-s", help="Generated trace: seconds over which one burst arrives (default: 60); 1 is the "
+                           "adversarial variant.")] = None,
+    decoys: Annotated[Optional[int], typer.Option(
+        "--decoys", help="Generated trace: single requests with their own long prefix (default: 120).")] = None,
+    setup: Annotated[Optional[str], typer.Option(
+        "--setup", metavar="NAME", help="Named setup of the published BTB table (70b_h100x4, qwen3_8b_h100x4, "
+                                        "glm45_h100x4, glm52_h100x8, kimi_k2_h100x8, dense1t_b300x4).")] = None,
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (default: h100).")] = None,
+    gpus_per_replica: Annotated[Optional[int], typer.Option(
+        "--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")] = None,
+    prefix_blocks: Annotated[Optional[str], typer.Option(
+        "--prefix-blocks", metavar="A,B,..", help="Grid of BTB Y: prefix lengths in trace blocks.")] = None,
+    threshold: Annotated[Optional[str], typer.Option(
+        "--threshold", metavar="A,B,..", help="Grid of BTB X: arrivals inside the window that fire.")] = None,
+    window_s: Annotated[Optional[str], typer.Option(
+        "--window-s", metavar="A,B,..", help="Grid of BTB Z: detection windows, seconds.")] = None,
+    btb_replicas: Annotated[Optional[str], typer.Option(
+        "--btb-replicas", metavar="A,B,..", help="Grid of BTB M: replicas that should hold a hot prefix.")] = None,
+    replicas: Annotated[Optional[str], typer.Option(
+        "--replicas", metavar="A,B,..", help="Grid of fleet sizes (default: the config's, 4).")] = None,
+    nic_gbps: Annotated[Optional[str], typer.Option(
+        "--nic-gbps", metavar="A,B,..", help="Grid of NIC bandwidths per GPU, Gb/s (default: the config's, "
+                                             "400).")] = None,
+    fidelity: Annotated[Optional[str], typer.Option(
+        "--fidelity", metavar="A,B", help="Grid of simulator profiles: realistic, infersim (default: "
+                                          "realistic).")] = None,
+    policies: Annotated[Optional[str], typer.Option(
+        "--policies", metavar="A,B,..", help="Grid of routing policies (default: btb).")] = None,
+    seed: Annotated[Optional[int], typer.Option(
+        "--seed", help="Seed of every run and of the trace generator (default: 42).")] = None,
+    jobs: Annotated[Optional[int], typer.Option(
+        "-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process).")] = None,
+    rank_by: Annotated[str, typer.Option(
+        "--rank-by", help="Rank grid points by TTFT mean or p95.")] = "mean",
+    heatmap: Annotated[Optional[str], typer.Option(
+        "--heatmap", metavar="X,Y", help="Draw the best ranked TTFT for each pair of values of two axes, e.g. "
+                                         "threshold,window_s (axes: prefix_blocks, threshold, window_s, "
+                                         "btb_replicas, replicas, nic_gbps, fidelity, policy).")] = None,
+    top: Annotated[int, typer.Option("--top", help="Rows of the ranked table (human output; 0 = all).")] = 20,
+    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+) -> None:
+    """Run a grid of BTB constants (and optionally fleet, fabric, fidelity, policy) over one trace, ranked by TTFT."""
+    from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, load_trace
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.sweep import DEFAULT_SWEEP_POLICY, SweepGrid, SweepSpec, heatmap as make_heatmap
+    from btbctl.engine.sweep import parse_list, run_sweep
+
+    out = Output(fmt)
+    flags = {"prefix_blocks": "--prefix-blocks", "threshold": "--threshold", "window_s": "--window-s",
+             "btb_replicas": "--btb-replicas", "replicas": "--replicas", "nic_gbps": "--nic-gbps",
+             "fidelity": "--fidelity", "policy": "--policies", "rank_by": "--rank-by", "jobs": "--jobs",
+             "heatmap": "--heatmap"}
+    try:
+        grid = SweepGrid(
+            prefix_blocks=parse_list("prefix_blocks", prefix_blocks, int),
+            threshold=parse_list("threshold", threshold, int),
+            window_s=parse_list("window_s", window_s, float),
+            btb_replicas=parse_list("btb_replicas", btb_replicas, int),
+            replicas=parse_list("replicas", replicas, int),
+            nic_gbps=parse_list("nic_gbps", nic_gbps, float),
+            fidelity=parse_list("fidelity", fidelity, str),
+            policy=parse_list("policy", policies, str) or (DEFAULT_SWEEP_POLICY,),
+        )
+        axes_pair = None
+        if heatmap is not None:
+            axes_pair = [a.strip() for a in heatmap.split(",") if a.strip()]
+            if len(axes_pair) != 2:
+                raise ConfigError("heatmap", f"needs two axes separated by a comma, got {heatmap!r}")
+    except ConfigError as e:
+        raise ConfigError(flags.get(e.key, e.key), e.reason) from None
+
+    cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
+    unset: tuple[str, ...] = ()
+    if trace is not None:
+        unset = ("trace.format",) if cfg.trace.overlay else ("trace.format", "trace.generate")
+    overrides = {
+        "trace.path": trace, "trace.format": trace_format, "trace.generate.bursts": bursts,
+        "trace.generate.burst_size": burst_size, "trace.generate.spread_s": spread_s,
+        "trace.generate.decoys": decoys, "setup": setup, "cluster.model": model, "cluster.gpu": gpu,
+        "cluster.gpus_per_replica": gpus_per_replica, "seed": seed,
+    }
+    dashed = {"trace.path": "--trace", "trace.format": "--trace-format", "trace.generate.bursts": "--bursts",
+              "trace.generate.burst_size": "--burst-size", "trace.generate.spread_s": "--spread-s",
+              "trace.generate.decoys": "--decoys", "setup": "--setup", "cluster.model": "--model",
+              "cluster.gpu": "--gpu", "cluster.gpus_per_replica": "--gpus-per-replica", "seed": "--seed"}
+    try:
+        cfg = cfg.with_overrides(overrides, unset=unset)
+        spec = SweepSpec(base=cfg, grid=grid, rank_by=rank_by, jobs=jobs)
+        n_points = 1
+        for values in spec.validate().values():
+            n_points *= len(values)
+        if axes_pair is not None:  # check the axes before running anything
+            from btbctl.engine.sweep import AXES
+
+            for a in axes_pair:
+                if a not in AXES:
+                    raise ConfigError("heatmap", f"unknown axis {a!r}; valid: {', '.join(AXES)}")
+            if axes_pair[0] == axes_pair[1]:
+                raise ConfigError("heatmap", f"needs two different axes, got {axes_pair[0]!r} twice")
+        trace_obj = load_trace(cfg)
+        with out.progress(f"sweeping {n_points} grid points", n_points) as advance:
+            report = run_sweep(spec, progress=advance, trace=trace_obj)
+        if axes_pair is not None:
+            report["heatmap"] = make_heatmap(report, axes_pair[0], axes_pair[1])
+    except ConfigError as e:
+        key = dashed.get(e.key) or flags.get(e.key) or e.key
+        if key == e.key and e.key.startswith("cluster.") and e.key[8:] in ("replicas", "nic_gbps"):
+            key = flags[e.key[8:]]
+        raise ConfigError(key, e.reason, e.path) from None
+    out.result(report, lambda r: render_human(out, r, top))
+
+
+# -- human rendering ------------------------------------------------------------------------------------------------
+
+#: Column headers of the grid axes (the four constants by their BTB letters).
+_SHORT = {"prefix_blocks": "Y", "threshold": "X", "window_s": "Z", "btb_replicas": "M", "replicas": "fleet",
+          "nic_gbps": "Gb/s", "fidelity": "fidelity", "policy": "policy"}
+
+
+def _f(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _v(x) -> str:
+    if isinstance(x, float):
+        return f"{x:g}"
+    return str(x)
+
+
+def render_human(out: Output, r: dict, top: int = 20) -> None:
+    """The ranked table, then the heatmap (if any), on the output console."""
+    from rich.table import Table
+    from rich.text import Text
+
+    console = out.console
+    varying = [a for a, vals in r["axes"].items() if len(vals) > 1]
+    fixed = ", ".join(f"{a}={_v(vals[0])}" for a, vals in r["axes"].items() if len(vals) == 1)
+    t = r["trace"]
+    console.print(f"sweep of {r['points']} grid points over {t['requests']} requests ({t['format']}), "
+                  f"{r['cluster']['model']} on {r['cluster']['gpus_per_replica']} x {r['cluster']['gpu']}, "
+                  f"seed {r['seed']}; ranked by TTFT {r['rank_by']}")
+    if fixed:
+        console.print(f"fixed: {fixed}")
+    table = Table(title="TTFT by grid point, seconds", show_edge=False, header_style="bold")
+    table.caption = "Y prefix blocks, X threshold, Z window s, M replicas holding a hot prefix; copies = KV " \
+                    "replications, wasted = copies never reused"
+    table.caption_justify = "left"
+    table.add_column("#", justify="right")
+    for a in varying:
+        table.add_column(_SHORT[a], justify="right", no_wrap=True)
+    for col in ("mean", "p95", "p99", "copies", "wasted"):
+        table.add_column(col, justify="right", no_wrap=True)
+    rows = r["results"] if top <= 0 else r["results"][:top]
+    for row in rows:
+        tt = row["ttft_s"]
+        wasted = row.get("wasted_replications")
+        table.add_row(str(row["rank"]), *(_v(row["point"][a]) for a in varying), _f(tt["mean"]), _f(tt["p95"]),
+                      _f(tt["p99"]), str(row["replications"]), "-" if wasted is None else str(wasted))
+    console.print(table)
+    if top > 0 and len(r["results"]) > top:
+        console.print(f"({len(r['results']) - top} more; --top 0 shows all)")
+    tm = r["timing"]
+    out.info(f"{r['points']} runs in {tm['wall_s']:.1f} s on {tm['jobs']} worker(s)")
+    hm = r.get("heatmap")
+    if hm:
+        console.print(Text.from_ansi(heatmap_chart(hm)), no_wrap=True, crop=True)
+        console.print(heatmap_table(hm))
+
+
+def heatmap_chart(hm: dict, cell_w: int = 8, cell_h: int = 2) -> str:
+    """A plotext matrix plot of a sweep heatmap (lower TTFT = greener), as text with ANSI colours. Each cell of
+    the grid is ``cell_w`` x ``cell_h`` characters. Works with plotext 5 and 6."""
+    import plotext as plt
+
+    vals = [v for row in hm["values"] for v in row if v is not None]
+    lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
+    span = (hi - lo) or 1.0
+
+    def colour(v):
+        if v is None:
+            return (60, 60, 60)
+        f = (v - lo) / span  # 0 best (green) .. 1 worst (red)
+        return (int(40 + 200 * f), int(200 - 150 * f), 60)
+
+    matrix = []
+    for row in reversed(hm["values"]):  # first y value at the bottom
+        line = []
+        for v in row:
+            line.extend([colour(v)] * cell_w)
+        matrix.extend([list(line) for _ in range(cell_h)])
+    plt.clear_figure()
+    plt.matrix_plot(matrix)
+    plt.plotsize(len(hm["x"]) * cell_w + 8, len(hm["y"]) * cell_h + 5)
+    plt.xticks([i * cell_w + cell_w / 2 + 0.5 for i in range(len(hm["x"]))], [_v(x) for x in hm["x"]])
+    plt.yticks([j * cell_h + cell_h / 2 + 0.5 for j in range(len(hm["y"]))], [_v(y) for y in hm["y"]])
+    plt.xlabel(hm["x_axis"])
+    plt.ylabel(hm["y_axis"])
+    plt.title(f"best TTFT {hm['metric']} (s): green low, red high")
+    text = plt.build()
+    plt.clear_figure()
+    return text.rstrip("\n")
+
+
+def heatmap_table(hm: dict):
+    """The heatmap's numbers as a rich table (rows: y values, columns: x values)."""
+    from rich.table import Table
+
+    table = Table(title=f"best TTFT {hm['metric']}, seconds: {hm['y_axis']} down, {hm['x_axis']} across",
+                  show_edge=False, header_style="bold")
+    table.add_column(hm["y_axis"], justify="right")
+    for x in hm["x"]:
+        table.add_column(_v(x), justify="right")
+    for y, row in zip(hm["y"], hm["values"]):
+        table.add_row(_v(y), *(_f(v) for v in row))
+    return table
