@@ -64,6 +64,8 @@ class ProcessRecord:
         url: its HTTP base URL (``http://host:port``), once known.
         extra: whatever else its ready line reported (``transfer``, ``control``).
         started_at: Unix time of the launch, seconds.
+        host: the ``[[hosts]]`` name for a worker started over SSH (its pid, group and start time are the remote
+            machine's; ``extra["ssh"]`` says how to reach it); None for a process on this machine.
     """
 
     name: str
@@ -77,6 +79,7 @@ class ProcessRecord:
     url: str | None = None
     extra: dict = field(default_factory=dict)
     started_at: float = 0.0
+    host: str | None = None
 
 
 @dataclass
@@ -204,8 +207,11 @@ def record_is_ours(rec: ProcessRecord) -> bool:
 
     True when the leader is alive with its recorded start time. Also true when the leader has exited but members of
     its group live on (a pid that is still some group's id cannot be handed to a new process, so those members are
-    the leader's children). False otherwise, including when the pid now belongs to an unrelated process.
+    the leader's children). False otherwise, including when the pid now belongs to an unrelated process, and always
+    for a process on another host (``rec.host`` set: its pid means nothing here; the SSH launcher checks it there).
     """
+    if rec.host:
+        return False
     if is_same_process(rec.pid, rec.start_time):
         return True
     if process_start_time(rec.pid) is not None:
