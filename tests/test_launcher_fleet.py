@@ -131,7 +131,8 @@ def test_foreground_up_stops_everything_on_ctrl_c_and_on_down(run_dir):
             if how == "sigint":
                 proc.send_signal(signal.SIGINT)
             else:
-                cli("down", "--run-dir", str(run_dir))
+                res = cli_json("down", "--run-dir", str(run_dir))
+                assert sorted(res["stopped"]) == sorted(["gateway"] + [f"worker-{i}" for i in range(4)])
             out, err = proc.communicate(timeout=60)
             assert proc.returncode == 0, err
             assert "stopping the fleet" in err

@@ -54,7 +54,8 @@ def replicate(
     run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
-    """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout."""
+    """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1
+    when not every copy arrived)."""
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher.control import client_for_run
     from btbctl.engine.launcher.control import replicate as do_replicate

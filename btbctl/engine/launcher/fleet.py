@@ -147,6 +147,7 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
             wait_ready(proc, inst.spec.effective_ready_timeout_s, health_url=health, should_stop=should_stop)
             if proc.url is None:  # pragma: no cover - wait_ready sets it
                 raise BtbctlError(f"{inst.name} reported no URL")
+            proc.url = _reachable(proc.url)
             _update(state, proc)
             rd.save(state)
             log(f"{inst.name} ready at {proc.url}")
@@ -165,8 +166,10 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
         rd.save(state)
         wait_ready(gproc, gw.ready_timeout_s, should_stop=should_stop)
         _update(state, gproc)
-        state.gateway_url = gproc.url
+        state.gateway_url = _reachable(gproc.url)
         state.control_url = gproc.extra.get("control")
+        if state.control_url:
+            state.control_url = _reachable(state.control_url)
         if not state.control_url:
             raise BtbctlError(f"the gateway's ready line named no control URL (log {gproc.log})")
         state.complete = True
@@ -179,6 +182,18 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
         rd.clear()
         raise
     return state, started
+
+
+def _reachable(url: str) -> str:
+    """``url`` with a wildcard bind address (``0.0.0.0``, ``[::]``) replaced by loopback, so it can be connected
+    to."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if host in ("0.0.0.0", "::", ""):
+        return f"{parts.scheme}://127.0.0.1:{parts.port}"
+    return url
 
 
 def _update(state: RunState, proc: Started) -> None:
@@ -230,6 +245,9 @@ def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _n
 def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     """Stop exactly the processes recorded in ``rd`` (gateway first) and remove the state.
 
+    When a foreground ``btbctl up`` still holds the fleet, it is asked (SIGINT, like Ctrl-C) to stop everything
+    itself, and whatever it leaves is stopped here.
+
     Returns ``{"run_dir", "stopped": [name], "killed": [name], "gone": [name]}``: ``killed`` needed SIGKILL after
     ``grace_s``; ``gone`` had already exited (or its pid now belongs to another program and was left alone).
     Raises :class:`BtbctlError` when nothing is recorded.
@@ -238,7 +256,9 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     if state is None:
         raise BtbctlError(f"no fleet is recorded in {rd.path}; nothing to stop")
     out = {"run_dir": str(rd.path), "stopped": [], "killed": [], "gone": []}
+    by_owner: set[str] = set()
     if rd.owner_alive(state) and state.owner_pid != os.getpid():
+        by_owner = {p.name for p in rd.live_processes(state)}
         # a foreground `up` holds this fleet: ask it to stop everything in order
         try:
             os.kill(state.owner_pid, 2)  # SIGINT, like Ctrl-C
@@ -252,6 +272,8 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     for batch in ([p for p in state.processes if p.role == "gateway"],
                   [p for p in state.processes if p.role != "gateway"]):
         for rec, result in zip(batch, stop_records(batch, grace_s)):
+            if result == "gone" and rec.name in by_owner:
+                result = "stopped"  # the foreground `up` stopped it when asked
             out[result].append(rec.name)
     rd.clear()
     return out
