@@ -21,7 +21,12 @@ A cluster file is TOML::
     gpu = "h100"
     tp_size = 4
 
-Every section and key is optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``)
+    [[hosts]]                   # optional: machines reached over SSH (see hosts.py)
+    name = "node-a"
+    address = "10.0.0.11"
+
+A worker entry whose ``host`` is the name of a ``[[hosts]]`` entry runs on that machine over SSH
+(:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``)
 means: 4 emulated Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB
 setting (REFERENCE.md s1).
 
@@ -46,6 +51,7 @@ from btbctl.engine.config import validate
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import DEFAULT_MEM_FRACTION, default_chunked_prefill_tokens, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.launcher.hosts import HostSpec, is_address
 
 _DEFAULT_CONSTANTS = BtbConstants()
 
@@ -161,7 +167,8 @@ class WorkerSpec(BaseModel):
     """sglang: physical GPU indices for this entry, ``tp_size`` consecutive ones per worker (sets
     ``CUDA_VISIBLE_DEVICES``); must hold ``count x tp_size`` ids. None: leave ``CUDA_VISIBLE_DEVICES`` alone."""
     host: str = "127.0.0.1"
-    """Address the worker binds to and the gateway connects to (loopback by default)."""
+    """Address the worker binds to and the gateway connects to (loopback by default), or the ``name`` of a
+    ``[[hosts]]`` entry: the workers then start on that machine over SSH and bind to its address."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the first worker; worker i uses ``port + i``. 0 picks a free port for each worker at ``up``."""
     transfer_port: int = Field(0, ge=0, le=65535)
@@ -257,6 +264,15 @@ class ClusterFile(BaseModel):
     """BTB's four constants at start."""
     workers: list[WorkerSpec] = Field(default_factory=lambda: [WorkerSpec(count=4)], min_length=1)
     """Worker entries; default one entry of 4 emulated Llama-3.3-70B workers on 4 x H100."""
+    hosts: list[HostSpec] = Field(default_factory=list)
+    """Machines reached over SSH, referred to by ``workers.N.host``; none: every worker runs on this machine."""
+
+    def host_of(self, spec: WorkerSpec) -> HostSpec | None:
+        """The ``[[hosts]]`` entry a worker entry runs on, or None for this machine."""
+        for h in self.hosts:
+            if h.name == spec.host:
+                return h
+        return None
 
     def instances(self) -> list["WorkerInstance"]:
         """Every worker to start, in order, with its name, port and GPUs. Names are unique."""
@@ -299,6 +315,7 @@ class ClusterFile(BaseModel):
                 raise ConfigError(f"workers.{e}.page_size", f"is {spec.page_size} but gateway.page_size is "
                                                             f"{self.gateway.page_size}; they must be equal")
         self._check_gateway_settings()
+        self._check_hosts()
         names: dict[str, int] = {}
         ports: dict[tuple[str, int], str] = {}
         gw = self.gateway
@@ -321,6 +338,21 @@ class ClusterFile(BaseModel):
                     raise ConfigError(f"workers.{inst.entry}.{field}", f"port {port} is already {ports[key]}")
                 ports[key] = f"workers.{inst.entry}.{field} (+{inst.index})"
 
+
+    def _check_hosts(self) -> None:
+        seen: set[str] = set()
+        for i, h in enumerate(self.hosts):
+            if h.name in seen:
+                raise ConfigError(f"hosts.{i}.name", f"host name {h.name!r} is used twice")
+            seen.add(h.name)
+        if not self.hosts:
+            return
+        for e, spec in enumerate(self.workers):
+            if spec.host in seen or is_address(spec.host):
+                continue
+            raise ConfigError(f"workers.{e}.host", f"{spec.host!r} is not the name of a [[hosts]] entry "
+                                                   f"(valid: {', '.join(sorted(seen))}) nor an IP address of this "
+                                                   f"machine")
 
     def _check_gateway_settings(self) -> None:
         from btbctl.engine.gateway.config import GatewayConfig
