@@ -1,0 +1,47 @@
+"""``btbctl report``: run a declared experiment matrix (TOML) and write a Markdown report, with PNG charts when
+matplotlib is installed (``pip install 'btbctl[report]'``). Engine modules are imported inside the command."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from btbctl.commands.app import app
+from btbctl.commands.output import Format, Output
+
+
+@app.command("report")
+def report(
+    matrix: Annotated[str, typer.Argument(
+        metavar="MATRIX", help="Experiment matrix, TOML (see examples/evidence-matrix.toml).")],
+    out_dir: Annotated[str, typer.Option(
+        "-o", "--out", metavar="DIR", help="Folder for README.md and the charts (created if missing).")] = "report",
+    jobs: Annotated[Optional[int], typer.Option(
+        "-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process).")] = None,
+    charts: Annotated[bool, typer.Option(
+        "--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]').")] = True,
+    fmt: Annotated[Format, typer.Option("--format", help="Output format of the summary on stdout.")] = Format.human,
+) -> None:
+    """Run an experiment matrix (setups x workloads x fidelities x policies) and write a Markdown report."""
+    import shlex
+
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.report import load_matrix, run_matrix, write_report
+
+    out = Output(fmt)
+    m = load_matrix(matrix)
+    if jobs is not None and jobs < 1:
+        raise ConfigError("--jobs", f"must be an integer >= 1, got {jobs}")
+    total = len(m.setups) * len(m.workloads) * len(m.fidelities) * len(m.policies)
+    with out.progress(f"running {total} simulations", total) as advance:
+        rep = run_matrix(m, progress=advance, jobs=jobs)
+    command = " ".join(["btbctl", "report", shlex.quote(matrix), "--out", shlex.quote(out_dir)])
+    files = write_report(rep, out_dir, command, charts=charts)
+    if files["charts_skipped"] and files["charts_skipped"] != "disabled":
+        out.warn(f"charts skipped: {files['charts_skipped']}; the Markdown has the tables")
+    summary = {"markdown": files["markdown"], "charts": files["charts"], "charts_skipped": files["charts_skipped"],
+               "cells": len(rep["cells"]), "timing": rep["timing"]}
+    out.result(summary, lambda s: out.console.print(
+        f"wrote {s['markdown']} ({s['cells']} simulations, {len(s['charts'])} charts) in "
+        f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} worker(s)"))
