@@ -40,7 +40,8 @@ def _register() -> None:
     # Each command module adds its commands to ``app`` on import.
     import importlib
 
-    for mod in ("trace", "presets", "dryrun", "worker", "gateway", "tui", "fleet", "steer", "bench", "sweep", "report"):
+    for mod in ("trace", "presets", "dryrun", "worker", "gateway", "tui", "fleet", "steer", "bench", "sweep", "report",
+                "logs", "doctor"):
         try:
             importlib.import_module(f"btbctl.commands.{mod}")
         except ModuleNotFoundError as e:  # a command module not written yet

@@ -27,10 +27,10 @@ def _render_status(out: Output, st: dict) -> None:
     c.print(f"gateway {st.get('gateway_url') or '-'} ({state}), policy {st.get('policy') or '-'}")
     c.print(f"control {st.get('control_url') or '-'}")
     t = Table(box=None, pad_edge=False)
-    for col in ("name", "url", "healthy", "process", "in flight", "note"):
+    for col in ("name", "host", "url", "healthy", "process", "in flight", "note"):
         t.add_column(col)
     for w in st["workers"]:
-        t.add_row(w["name"], w["url"] or "-", "yes" if w["healthy"] else "[red]no[/red]",
+        t.add_row(w["name"], w.get("host") or "local", w["url"] or "-", "yes" if w["healthy"] else "[red]no[/red]",
                   f"pid {w['pid']}" if w["alive"] else "[red]exited[/red]",
                   "-" if w.get("inflight") is None else str(w["inflight"]), w.get("health_error") or "")
     c.print(t)
@@ -49,6 +49,9 @@ def up(
         "--port", help="Gateway data-plane port instead of the cluster file's (0 = a free port).")] = None,
     control_port: Annotated[Optional[int], typer.Option(
         "--control-port", help="Control-API port instead of the cluster file's (0 = a free port).")] = None,
+    keep_partial: Annotated[bool, typer.Option(
+        "--keep-partial", help="If a worker fails to start, leave the others running (stop them with `btbctl "
+                               "down`) instead of stopping everything.")] = False,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`)."""
@@ -70,7 +73,7 @@ def up(
     old = signal.signal(signal.SIGTERM, _term)
     try:
         state, started = fleet.up(cluster, rd, detach=detach, policy=policy, port=port, control_port=control_port,
-                                  cluster_path=config, log=out.info)
+                                  cluster_path=config, log=out.info, keep_partial=keep_partial)
         st = fleet.status(rd)
         out.result(st, lambda d: _render_status(out, d))
         if detach:
@@ -98,10 +101,15 @@ def down(
     res = fleet.down(RunDir(run_dir), grace_s=grace_s, log=out.info)
 
     def human(d: dict) -> None:
-        parts = [f"{k} {', '.join(d[k])}" for k in ("stopped", "killed", "gone") if d[k]]
+        parts = [f"{k} {', '.join(d[k])}" for k in ("stopped", "killed", "gone", "unreachable") if d.get(k)]
         out.console.print("; ".join(parts) if parts else "nothing was running")
 
     out.result(res, human)
+    if res.get("unreachable"):
+        from btbctl.engine.errors import BtbctlError
+
+        raise BtbctlError(f"could not reach {len(res['unreachable'])} worker(s), still recorded for another "
+                          f"`btbctl down`: " + "; ".join(res["errors"]))
 
 
 @app.command("status")

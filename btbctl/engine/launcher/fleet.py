@@ -1,4 +1,10 @@
-"""``up``, ``down`` and ``status`` for a fleet on this machine.
+"""``up``, ``down`` and ``status`` for a fleet on this machine and on ``[[hosts]]`` reached over SSH.
+
+Workers whose ``host`` names a ``[[hosts]]`` entry are started through :mod:`~btbctl.engine.launcher.ssh`, every
+host in parallel, each bounded by its ``start_timeout_s``; the rest start here. ``up`` is all or nothing: if any
+worker on any host fails, everything started on every host is stopped again (unless ``keep_partial``) and the
+error names the host and the cause. ``down`` stops remote workers by their recorded process group on their host
+and reports the ones it could not reach (they stay recorded, so a later ``down`` can retry).
 
 ``up`` (:func:`up`) refuses to start over a live run in the same run directory (a stale one is cleaned), writes
 fresh tokens, starts every worker of the cluster file in its own session, waits until all are ready, then starts
@@ -60,11 +66,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
-    """Raise :class:`BtbctlError` if ``rd`` records a fleet that is still running; remove a stale record."""
+    """Raise :class:`BtbctlError` if ``rd`` records a fleet that is still running (or workers on other hosts,
+    which only ``down`` may forget); remove a stale record."""
     state = rd.load()
     if state is None:
         return
-    live = rd.live_processes(state)
+    live = rd.live_processes(state) + [p for p in state.processes if p.host]
     if live or rd.owner_alive(state):
         where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
         raise BtbctlError(f"a fleet is already running from {rd.path} ({where}); stop it with `btbctl down` "
@@ -90,7 +97,7 @@ def write_gateway_config(rd: RunDir, data: dict) -> str:
 
 def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = None, port: int | None = None,
        control_port: int | None = None, cluster_path: str | None = None, log: Log = _nolog,
-       should_stop: Callable[[], bool] | None = None) -> tuple[RunState, list[Started]]:
+       should_stop: Callable[[], bool] | None = None, keep_partial: bool = False) -> tuple[RunState, list[Started]]:
     """Start the fleet of ``cluster`` and record it in ``rd``.
 
     Args:
@@ -102,13 +109,16 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
         cluster_path: recorded in the state for reference.
         log: receives one-line progress messages.
         should_stop: polled while waiting; True aborts like Ctrl-C.
+        keep_partial: on failure, leave what started running and recorded (for a look; ``down`` stops it).
 
     Returns:
-        The complete state and the started processes (workers first, the gateway last).
+        The complete state and the processes started on this machine (local workers first, the gateway last);
+        remote workers are in ``state.processes`` (``host`` set).
 
     Raises:
         BtbctlError: a live run exists in ``rd``, a process could not start or was not ready in time (everything
-            started is stopped again and the state removed).
+            started is stopped again and the state removed). For a remote worker it is an
+            :class:`~btbctl.engine.launcher.ssh.SshFailure` naming the host and the cause.
     """
     from btbctl.engine.policies import POLICIES
 
@@ -124,8 +134,10 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
                      cluster_file=cluster_path, policy=policy)
     rd.save(state)
     started: list[Started] = []
+    pool = None
     try:
-        instances = cluster.instances()
+        instances = [i for i in cluster.instances() if cluster.host_of(i.spec) is None]
+        remote = [i for i in cluster.instances() if cluster.host_of(i.spec) is not None]
         pending: list[tuple[WorkerInstance, Started, str | None]] = []
         for inst in instances:
             spec = inst.spec
@@ -143,6 +155,12 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
             health = None if expect_ready_line else _url(spec.host, wport)
             pending.append((inst, proc, health))
             log(f"started {inst.name} ({kind}, pid {proc.pid})")
+        remote_urls: dict[str, str] = {}
+        if remote:
+            from btbctl.engine.launcher import ssh
+
+            pool = ssh.SshPool()
+            remote_urls = _start_remote(cluster, remote, rd, state, pool, log, should_stop)
         for inst, proc, health in pending:
             wait_ready(proc, inst.spec.effective_ready_timeout_s, health_url=health, should_stop=should_stop)
             if proc.url is None:  # pragma: no cover - wait_ready sets it
@@ -151,7 +169,8 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
             _update(state, proc)
             rd.save(state)
             log(f"{inst.name} ready at {proc.url}")
-        urls = [p.url for _, p, _ in pending]
+        local_urls = {inst.name: p.url for inst, p, _ in pending}
+        urls = [local_urls.get(i.name) or remote_urls[i.name] for i in cluster.instances()]
         gw = cluster.gateway
         gcfg = cluster.gateway_config(urls, policy=policy, port=port, control_port=control_port,
                                       token_file=str(rd.token_path), worker_token_file=str(rd.worker_token_path))
@@ -175,13 +194,77 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
         state.complete = True
         rd.save(state)
         log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
-    except BaseException:
+    except BaseException as exc:
+        if keep_partial and not isinstance(exc, KeyboardInterrupt):
+            log("--keep-partial: leaving what started running; `btbctl down` stops it")
+            if pool is not None:
+                pool.close()
+            raise
         live = [p for p in started if p.popen.poll() is None or group_members(p.pid)]
         if live:
             stop_groups([(p.pid, p.popen) for p in live], grace_s=5.0)
+        remote_recs = [p for p in state.processes if p.host]
+        if remote_recs:
+            from btbctl.engine.launcher import ssh
+
+            pool = pool or ssh.SshPool()
+            unreached = [(r, why) for r, (res, why) in zip(remote_recs, ssh.stop_records(pool, remote_recs, 5.0))
+                         if res == "unreachable"]
+            for r, why in unreached:
+                log(f"could not stop {r.name} on host {r.host}: {why}")
+            if unreached:
+                state.processes = [r for r, _ in unreached]
+                state.complete = False
+                rd.save(state)
+                pool.close()
+                raise
+        if pool is not None:
+            pool.close()
         rd.clear()
         raise
+    if pool is not None:
+        pool.close()
     return state, started
+
+
+def _start_remote(cluster: ClusterFile, remote: list[WorkerInstance], rd: RunDir, state: RunState, pool,
+                  log: Log, should_stop: Callable[[], bool] | None) -> dict[str, str]:
+    """Start the workers of ``remote`` on their hosts (all hosts in parallel); record each as soon as it was
+    launched; return ``{name: url}`` once every one is ready. Raises ``SshFailure``."""
+    import secrets
+    import threading
+
+    from btbctl.engine.launcher import ssh
+
+    plan: dict[str, tuple] = {}
+    for inst in remote:
+        host = cluster.host_of(inst.spec)
+        plan.setdefault(host.name, (host, []))[1].append(inst)
+    token = rd.worker_token_path.read_text(encoding="utf-8").strip()
+    run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime(state.created_at)) + "-" + secrets.token_hex(4)
+    lock = threading.Lock()
+
+    def on_started(w) -> None:
+        with lock:
+            state.processes.append(w.record())
+            rd.save(state)
+        log(f"started {w.name} on host {w.host.name} (pid {w.pid} there)")
+
+    for host, insts in plan.values():
+        log(f"starting {len(insts)} worker(s) on host {host.name} ({host.address}:{host.port})")
+    workers = ssh.start_all(pool, list(plan.values()), run_id=run_id, logs_dir=rd.logs_dir, token=token,
+                            on_started=on_started, should_stop=should_stop)
+    urls = {}
+    with lock:
+        for w in workers:
+            rec = w.record()
+            for i, p in enumerate(state.processes):
+                if p.host == rec.host and p.pgid == rec.pgid:
+                    state.processes[i] = rec
+            urls[w.name] = w.url
+            log(f"{w.name} ready at {w.url} (host {w.host.name})")
+        rd.save(state)
+    return urls
 
 
 def _reachable(url: str) -> str:
@@ -219,11 +302,24 @@ def stop_started(started: list[Started], grace_s: float, log: Log = _nolog) -> N
             log(f"stopped {proc.name}" + (" (killed after the grace period)" if killed[proc.pid] else ""))
 
 
+#: Seconds between two polls of the remote hosts in a foreground ``up`` (log streaming, exit detection).
+REMOTE_POLL_S = 1.0
+
+
 def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _nolog, poll_s: float = 0.5,
               should_stop: Callable[[], bool] | None = None) -> None:
     """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; report a
     process that exits on its own; then stop everything (the gateway first) and remove the state."""
     reported: set[int] = set()
+    remote = [p for p in state.processes if p.host]
+    pool = None
+    offsets: dict[str, int] = {}
+    if remote:
+        from btbctl.engine.launcher import ssh
+
+        pool = ssh.SshPool()
+    remote_gone: set[str] = set()
+    last_remote = 0.0
     try:
         while should_stop is None or not should_stop():
             for proc in started:
@@ -231,6 +327,13 @@ def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _n
                 if rc is not None and proc.pid not in reported:
                     reported.add(proc.pid)
                     log(f"{proc.name} exited with status {rc} (log {proc.log})")
+            if pool is not None and time.monotonic() - last_remote >= REMOTE_POLL_S:
+                # stream the remote logs into the run directory and notice workers that exit
+                last_remote = time.monotonic()
+                for name, st in ssh.poll_records(pool, remote, offsets).items():
+                    if st["state"] != "alive" and name not in remote_gone:
+                        remote_gone.add(name)
+                        log(f"{name} on its host: {st['error'] or st['state']}")
             if len(reported) == len(started):
                 log("every process has exited")
                 break
@@ -239,6 +342,12 @@ def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _n
         log("stopping the fleet")
     finally:
         stop_started(started, grace_s=10.0, log=log)
+        if pool is not None:
+            try:
+                for rec, (res, why) in zip(remote, ssh.stop_records(pool, remote, 10.0)):
+                    log(f"{res} {rec.name} (host {rec.host})" + (f": {why}" if why else ""))
+            finally:
+                pool.close()
         rd.clear()
 
 
@@ -248,14 +357,16 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     When a foreground ``btbctl up`` still holds the fleet, it is asked (SIGINT, like Ctrl-C) to stop everything
     itself, and whatever it leaves is stopped here.
 
-    Returns ``{"run_dir", "stopped": [name], "killed": [name], "gone": [name]}``: ``killed`` needed SIGKILL after
-    ``grace_s``; ``gone`` had already exited (or its pid now belongs to another program and was left alone).
+    Returns ``{"run_dir", "stopped": [name], "killed": [name], "gone": [name], "unreachable": [name],
+    "errors": [line]}``: ``killed`` needed SIGKILL after ``grace_s``; ``gone`` had already exited (or its pid now
+    belongs to another program and was left alone); ``unreachable`` are remote workers whose host could not be
+    reached (``errors`` says why, one line each); they stay recorded in ``state.json`` for another ``down``.
     Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
     if state is None:
         raise BtbctlError(f"no fleet is recorded in {rd.path}; nothing to stop")
-    out = {"run_dir": str(rd.path), "stopped": [], "killed": [], "gone": []}
+    out = {"run_dir": str(rd.path), "stopped": [], "killed": [], "gone": [], "unreachable": [], "errors": []}
     by_owner: set[str] = set()
     if rd.owner_alive(state) and state.owner_pid != os.getpid():
         by_owner = {p.name for p in rd.live_processes(state)}
@@ -269,13 +380,30 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
         while time.monotonic() < deadline and is_same_process(state.owner_pid, state.owner_start_time):
             time.sleep(0.1)
     # the gateway first (no new requests reach the workers), then all workers together
+    left = []
     for batch in ([p for p in state.processes if p.role == "gateway"],
                   [p for p in state.processes if p.role != "gateway"]):
-        for rec, result in zip(batch, stop_records(batch, grace_s)):
+        local = [p for p in batch if not p.host]
+        for rec, result in zip(local, stop_records(local, grace_s)):
             if result == "gone" and rec.name in by_owner:
                 result = "stopped"  # the foreground `up` stopped it when asked
             out[result].append(rec.name)
-    rd.clear()
+        remote = [p for p in batch if p.host]
+        if remote:
+            from btbctl.engine.launcher import ssh
+
+            with ssh.SshPool() as pool:
+                for rec, (result, why) in zip(remote, ssh.stop_records(pool, remote, grace_s)):
+                    out[result].append(rec.name)
+                    if result == "unreachable":
+                        left.append(rec)
+                        out["errors"].append(f"{rec.name}: {why}")
+    if left:
+        state.processes = left
+        state.complete = False
+        rd.save(state)
+    else:
+        rd.clear()
     return out
 
 
@@ -305,7 +433,7 @@ def status(rd: RunDir) -> dict:
 
         {"gateway_url", "control_url", "run_dir", "policy", "detached",
          "gateway": {"pid", "alive", "reachable"},
-         "workers": [{"name", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error"}]}
+         "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error"}]}
 
     ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether
     the worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is
@@ -322,9 +450,17 @@ def status(rd: RunDir) -> dict:
         except BtbctlError:
             fleet = None
     by_url = _gateway_workers(fleet) if fleet is not None else {}
+    remote_state: dict[str, dict] = {}
+    remote = [p for p in state.workers() if p.host]
+    if remote:
+        from btbctl.engine.launcher import ssh
+
+        with ssh.SshPool() as pool:  # also brings the remote logs up to date in the run directory
+            remote_state = ssh.poll_records(pool, remote)
     workers = []
     for rec in state.workers():
-        alive = record_is_ours(rec)
+        rst = remote_state.get(rec.name)
+        alive = rst["state"] == "alive" if rst is not None else record_is_ours(rec)
         g = by_url.get((rec.url or "").rstrip("/"))
         if fleet is not None and g is not None:
             healthy = bool(g.get("healthy")) and alive
@@ -336,7 +472,11 @@ def status(rd: RunDir) -> dict:
             err = None if healthy else ("process exited" if not alive else "no answer on /health")
         if not alive and err is None:
             err = "process exited"
-        workers.append({"name": rec.name, "url": rec.url, "healthy": healthy, "alive": alive, "pid": rec.pid,
+        if rst is not None and rst["state"] == "unreachable":
+            err = rst["error"]
+        elif rst is not None and rst["state"].startswith("exit:"):
+            err = f"process exited with status {rst['state'][5:]}"
+        workers.append({"name": rec.name, "host": rec.host or "local", "url": rec.url, "healthy": healthy, "alive": alive, "pid": rec.pid,
                         "kind": rec.kind, "inflight": inflight, "health_error": err})
     gw = state.gateway()
     return {
