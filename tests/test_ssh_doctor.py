@@ -1,0 +1,53 @@
+"""``btbctl doctor`` against a loopback sshd: a good host, a host with a changed key, one that refuses
+connections, one without the configured Python, a busy port; and a cluster file with no hosts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+from launcher_helpers import cli
+from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
+from test_ssh_fleet import write_cluster
+
+
+def test_doctor_table_and_json(sshd, tmp_path):  # noqa: F811
+    with socket.socket() as busy, socket.socket() as closed:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy_port = busy.getsockname()[1]
+        closed.bind(("127.0.0.2", 0))
+        closed_port = closed.getsockname()[1]
+        closed.close()
+        cfg = write_cluster(tmp_path / "c.toml", [
+            host_table(sshd, "good", "127.0.0.1"),
+            host_table(sshd, "rekeyed", "127.0.0.2", known_hosts=str(sshd.other_key_known_hosts)),
+            host_table(sshd, "down", "127.0.0.2", port=closed_port),
+            host_table(sshd, "nopy", "127.0.0.2", python="/nonexistent/python3"),
+        ], [{"name": "g", "host": "good", "port": busy_port}, {"name": "r", "host": "rekeyed"},
+            {"name": "d", "host": "down"}, {"name": "n", "host": "nopy"}])
+        res = cli("doctor", "-c", str(cfg), "--format", "json", check=False)
+        human = cli("doctor", "-c", str(cfg), check=False)
+    assert res.returncode == 1 and human.returncode == 1
+    rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
+    good = rows["good"]
+    assert (good["reachable"], good["auth"], good["python"]) == ("yes", "yes", "%d.%d.%d" % sys.version_info[:3])
+    assert good["btbctl"] and good["sglang"] is None and isinstance(good["rdma"], list)
+    assert good["ports"] == {str(busy_port): "Address already in use"}
+    assert good["problems"] == [f"port {busy_port}: Address already in use"]
+    assert rows["rekeyed"]["auth"] == "no" and rows["rekeyed"]["problems"][0].startswith("host key mismatch")
+    assert rows["down"]["reachable"] == "no" and rows["down"]["problems"][0].startswith("connection refused")
+    assert rows["nopy"]["python"] == "not found"
+    assert "command not found: /nonexistent/python3" in rows["nopy"]["problems"]
+    for name in ("good", "rekeyed", "down", "nopy"):
+        assert name in human.stdout
+    assert "problems found" in human.stdout
+
+
+def test_doctor_local_only(tmp_path):
+    cfg = write_cluster(tmp_path / "c.toml", [], [{"name": "w", "count": 2}])
+    res = json.loads(cli("doctor", "-c", str(cfg), "--format", "json").stdout)
+    assert res["ok"] is True
+    assert [r["host"] for r in res["hosts"]] == ["local"]
+    assert res["hosts"][0]["btbctl"]
