@@ -34,12 +34,12 @@ weakness REFERENCE.md s1 lists or a point the published rule leaves open. Per re
    leading blocks resident there, on their way, or to be computed by a request already queued there
    (``view.planned_blocks``) and computes the rest, ``own = cost.prefill_time_s(rest, reused)``. It starts after
    the queued prefill ahead (``view.queued_prefill_s``) plus, when the KV cache there is full, the decoding needed
-   to free room for it and the requests waiting ahead (``view.admission_wait_s``), except that requests waiting there for a hot prefix not
-   there yet (``view.waiting_groups``; arriving by copy, ``view.copy_status``, or computed there) run only once it
-   lands: a request that does not need it runs before them if it can start first, and one that needs it starts
-   no earlier than it lands. A copy lands after its remaining bytes at its current rate or, while it waits for
-   the source's compute, after the later of the source's remaining prefill of the prefix and the bytes at a fair
-   NIC share; a prefix computed there lands after the rest of its prefill.
+   to free room for it and the requests waiting ahead (``view.admission_wait_s``), except that requests waiting
+   there for a hot prefix not there yet (``view.waiting_groups``; arriving by copy, ``view.copy_status``, or
+   computed there) run only once it lands: a request that does not need it runs before them if it can start
+   first, and one that needs it starts no earlier than it lands. A copy lands after its remaining bytes at its
+   current rate or, while it waits for the source's compute, after the later of the source's remaining prefill
+   of the prefix and the bytes at a fair NIC share; a prefix computed there lands after the rest of its prefill.
    Expected TTFT = start + own. The request goes to the replica with the lowest cost, where cost = expected TTFT
    + the delay it imposes on requests already waiting there for a hot prefix (those whose prefix lands while it
    runs wait for it: requests x overlap seconds; a prefix computed there counts as landing one prefill chunk
@@ -259,17 +259,18 @@ class BtbPlus(Policy):
         return out
 
     def estimate(self, view: FleetView, replica: int, req: Request, now_s: float, depths: Sequence[int] = (),
-                 groups: _Groups | None = None, ready_s: float | None = None) -> tuple[float, float, float]:
-        """``(expected TTFT, delay imposed on copy-waiting requests, start)`` of ``req`` on ``replica``, seconds
-        (rule 5). ``depths``: prefix lengths at which a copy towards ``replica`` may bring the request's blocks;
-        ``groups``: :meth:`blocked_groups` (computed when None); ``ready_s``: override when the request's own blocks
-        land (for a copy about to start)."""
+                 groups: _Groups | None = None, ready_s: float | None = None,
+                 copied_blocks: int = 0) -> tuple[float, float, float]:
+        """``(expected TTFT, delay imposed on requests waiting for a hot prefix, start)`` of ``req`` on
+        ``replica``, seconds (rule 5). ``depths``: prefix lengths at which a copy towards ``replica`` may bring the
+        request's blocks; ``groups``: :meth:`blocked_groups` (computed when None); ``ready_s`` and
+        ``copied_blocks``: for a copy about to start, when it would land and how many leading blocks it brings."""
         chain = req.block_hashes
         bt = view.block_tokens
         inp = req.input_tokens
         if groups is None:
             groups = self.blocked_groups(view, replica, now_s)
-        there = _planned(view, replica, chain) if chain else 0
+        there = max(_planned(view, replica, chain) if chain else 0, copied_blocks)
         ready = 0.0 if ready_s is None else ready_s
         if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
             for d in depths:
@@ -418,7 +419,7 @@ class BtbPlus(Policy):
                 if view.kv_headroom_tokens(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
-                ttft = self.estimate(view, t, req, now_s, depths, groups[t], max(transfer, src_left))[0]
+                ttft = self.estimate(view, t, req, now_s, depths, groups[t], max(transfer, src_left), y)[0]
                 options.append((ttft, view.load(t), t))
             if not options:
                 return
