@@ -182,3 +182,36 @@ def test_port_already_taken(sshd, tmp_path, run_dir):  # noqa: F811
         bad = host_table(sshd, "node-b", "127.0.0.2")
         line = _fail_up(_good_and(sshd, tmp_path, bad, {"port": taken}), run_dir, sshd)
     assert "host node-b" in line and "b-0: port busy" in line and "127.0.0.2" in line
+
+
+def test_down_reports_an_unreachable_host_and_keeps_its_workers(sshd, tmp_path, run_dir):  # noqa: F811
+    cfg = write_cluster(tmp_path / "c.toml",
+                        [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
+                        [{"name": "a", "host": "node-a", **FAST}, {"name": "b", "host": "node-b", **FAST}])
+    cli("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), timeout=60)
+    state_path = run_dir / "state.json"
+    good = state_path.read_text()
+    data = json.loads(good)
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        closed = s.getsockname()[1]
+    for p in data["processes"]:
+        if p.get("host") == "node-b":
+            p["extra"]["ssh"]["port"] = closed
+    state_path.write_text(json.dumps(data))
+    proc = cli("down", "--run-dir", str(run_dir), "--grace-s", "5", check=False)
+    assert proc.returncode == 2
+    assert "unreachable b-0" in proc.stdout
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("btbctl: error:")]
+    assert len(line) == 1 and f"b-0: host node-b (127.0.0.2:{closed}): connection refused" in line[0]
+    left = RunDir(run_dir).load()
+    assert [p.name for p in left.processes] == ["b-0"]
+    b = left.processes[0]
+    assert process_start_time(b.pid) == b.start_time  # still running, still recorded
+    # the host is back: a second down stops it
+    rec = json.loads(state_path.read_text())
+    rec["processes"][0]["extra"]["ssh"]["port"] = sshd.port
+    state_path.write_text(json.dumps(rec))
+    again = json.loads(cli("down", "--run-dir", str(run_dir), "--format", "json").stdout)
+    assert again["stopped"] + again["killed"] == ["b-0"]
+    assert wait_gone([b.pid]) == [] and remote_leftovers(sshd) == []
