@@ -171,7 +171,15 @@ def test_worker_that_exits_at_once(sshd, tmp_path, run_dir):  # noqa: F811
 def test_command_not_found(sshd, tmp_path, run_dir):  # noqa: F811
     bad = host_table(sshd, "node-b", "127.0.0.2", python="/nonexistent/bin/python3")
     line = _fail_up(_good_and(sshd, tmp_path, bad), run_dir, sshd)
-    assert "host node-b" in line and "command not found: /nonexistent/bin/python3" in line
+    assert "host node-b" in line and "b-0: command not found: /nonexistent/bin/python3" in line
+    assert line.count("command not found") == 1
+
+
+def test_health_timeout(sshd, tmp_path, run_dir):  # noqa: F811
+    bad = host_table(sshd, "node-b", "127.0.0.2")
+    worker = {"command": [sys.executable, "-c", "import time; time.sleep(60)"], "ready_timeout_s": 1.5}
+    line = _fail_up(_good_and(sshd, tmp_path, bad, worker), run_dir, sshd)
+    assert "host node-b" in line and "b-0: health timeout: no answer on GET http://127.0.0.2:" in line
 
 
 def test_port_already_taken(sshd, tmp_path, run_dir):  # noqa: F811

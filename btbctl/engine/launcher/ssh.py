@@ -414,7 +414,9 @@ async def launch(conn, w: RemoteWorker, env: dict[str, str], timeout_s: float) -
                                timeout_s=timeout_s)
     text = out.decode("utf-8", "replace").strip()
     if rc == EXIT_NOT_FOUND:
-        raise SshFailure(w.host, "command not found", text.splitlines()[-1] if text else w.argv[0], worker=w.name)
+        what = text.splitlines()[-1] if text else w.argv[0]
+        what = what[len("command not found: "):] if what.startswith("command not found: ") else what
+        raise SshFailure(w.host, "command not found", what, worker=w.name)
     m = re.search(r"^started (\d+) (\S+)$", text, re.MULTILINE)
     if rc != 0 or m is None:
         raise SshFailure(w.host, "cannot prepare", (text.splitlines() or [f"launch exited with status {rc}"])[-1],
@@ -510,8 +512,10 @@ async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[Remote
                 continue
             limit = w.inst.spec.effective_ready_timeout_s if w.inst is not None else 60.0
             if time.monotonic() - t0 > limit:
-                seen = (f"{url} printed its ready line but GET /health from here fails" if url else
-                        f"no answer on /health within {limit:g} s")
+                if url and w.inst is not None and expects_ready_line(w.inst):
+                    seen = f"{url} printed its ready line but GET {url}/health from here fails"
+                else:
+                    seen = f"no answer on GET {url or 'its URL'}/health within {limit:g} s"
                 last = _tail(w.log, 1)
                 raise SshFailure(host, "health timeout", seen + (f" (last log line: {last})" if last else ""),
                                  worker=w.name)
@@ -519,6 +523,27 @@ async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[Remote
             raise KeyboardInterrupt
         if pending:
             await asyncio.sleep(POLL_INTERVAL_S)
+
+
+async def _launch_recorded(conn, w: RemoteWorker, env: dict[str, str], timeout_s: float,
+                           workers: list[RemoteWorker], on_started: Callable[[RemoteWorker], None]) -> None:
+    """:func:`launch`, then record ``w``, as one step that a cancellation (another host failed) waits for: a
+    launch already sent to the host finishes and is recorded, so it can be stopped with the rest."""
+
+    async def _step() -> None:
+        await launch(conn, w, env, timeout_s)
+        workers.append(w)
+        on_started(w)
+
+    task = asyncio.ensure_future(_step())
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except BaseException:  # noqa: BLE001 - the cancellation below is what matters
+            pass
+        raise
 
 
 async def start_host(pool: SshPool, host: HostSpec, instances: list[WorkerInstance], *, run_id: str,
@@ -554,9 +579,7 @@ async def start_host(pool: SshPool, host: HostSpec, instances: list[WorkerInstan
             env = dict(host.env)
             env.update(inst.env())
             env["PYTHONUNBUFFERED"] = "1"
-            await launch(conn, w, env, host.start_timeout_s)
-            workers.append(w)
-            on_started(w)
+            await _launch_recorded(conn, w, env, host.start_timeout_s, workers, on_started)
 
     try:
         await asyncio.wait_for(_start(), timeout=host.start_timeout_s)
