@@ -15,6 +15,7 @@ from btbctl.engine.errors import ConfigError
 
 MATRIX = """
 title = "small"
+notes = "Bursts **hurt**."
 setups = ["70b_h100x4", "qwen3_8b_h100x4"]
 policies = ["cache_aware", "btb", "btb_plus"]
 fidelities = ["infersim", "realistic"]
@@ -114,6 +115,8 @@ def test_small_matrix_run_markdown_and_determinism(matrix_file, tmp_path):
     assert md == rp.render_markdown(two, "btbctl report m.toml --out out")  # no timings in the Markdown
     assert "### 70b_h100x4 / b1 / realistic" in md and "### qwen3_8b_h100x4 / file / infersim" in md
     assert "| btb_plus |" in md and "wasted" in md and "warm mean" in md and "Published" in md
+    assert "## Notes\n\nBursts **hurt**." in md and "| setup | b1 demand | backlog s | file demand |" in md
+    assert all(c["drain_s"] >= 0 for c in one["cells"])
     assert "![" not in md
 
 

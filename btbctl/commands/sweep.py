@@ -23,7 +23,8 @@ def sweep(
     trace: Annotated[Optional[str], typer.Option(
         "--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")] = None,
     trace_format: Annotated[Optional[str], typer.Option(
-        "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")] = None,
+        "--trace-format",
+        help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")] = None,
     bursts: Annotated[Optional[int], typer.Option(
         "--bursts", help="Generated trace: number of bursts (default: 8).")] = None,
     burst_size: Annotated[Optional[int], typer.Option(
@@ -216,7 +217,7 @@ def heatmap_chart(hm: dict, cell_w: int = 8, cell_h: int = 2) -> str:
         return (int(40 + 200 * f), int(200 - 150 * f), 60)
 
     matrix = []
-    for row in reversed(hm["values"]):  # first y value at the bottom
+    for row in hm["values"]:  # matrix rows count from the top: the first y value is the top row
         line = []
         for v in row:
             line.extend([colour(v)] * cell_w)
@@ -224,8 +225,9 @@ def heatmap_chart(hm: dict, cell_w: int = 8, cell_h: int = 2) -> str:
     plt.clear_figure()
     plt.matrix_plot(matrix)
     plt.plotsize(len(hm["x"]) * cell_w + 8, len(hm["y"]) * cell_h + 5)
-    plt.xticks([i * cell_w + cell_w / 2 + 0.5 for i in range(len(hm["x"]))], [_v(x) for x in hm["x"]])
-    plt.yticks([j * cell_h + cell_h / 2 + 0.5 for j in range(len(hm["y"]))], [_v(y) for y in hm["y"]])
+    plt.xticks([i * cell_w + (cell_w + 1) / 2 for i in range(len(hm["x"]))], [_v(x) for x in hm["x"]])
+    rows = len(hm["y"]) * cell_h  # the y axis counts rows from the bottom
+    plt.yticks([rows - j * cell_h - cell_h / 2 - 1 for j in range(len(hm["y"]))], [_v(y) for y in hm["y"]])
     plt.xlabel(hm["x_axis"])
     plt.ylabel(hm["y_axis"])
     plt.title(f"best TTFT {hm['metric']} (s): green low, red high")

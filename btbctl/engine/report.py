@@ -79,6 +79,8 @@ class ReportMatrix(BaseModel):
     """Workloads, in report order."""
     btb: BtbSection = Field(default_factory=BtbSection)
     """BTB's four constants for every BTB-style policy."""
+    notes: str = ""
+    """Markdown printed after the summary (what the numbers mean, caveats)."""
 
     @field_validator("setups")
     @classmethod
@@ -201,6 +203,8 @@ def run_cell(matrix: ReportMatrix, setup: str, workload: str, fidelity: str, pol
         "prefix_hit_ratio": s["prefix_hit_ratio"], "replications": s["replications"],
         "replicated_bytes": s["replicated_bytes"], "wasted_replications": s["wasted_replications"],
         "time_to_warm_s": s["time_to_warm_s"], "copies_refused": s["copies_refused"],
+        "drain_s": max((r.finish_s for r in res.records), default=0.0) - trace.requests[-1].arrival_s
+        if trace.requests else 0.0,
     }
 
 
@@ -210,10 +214,11 @@ def _run_task(task: tuple) -> tuple[int, dict]:
 
 
 def prefill_demand(trace: Trace, setup: str) -> float:
-    """Offered prefill load of ``trace`` on ``setup`` in the realistic cost model, as a fraction of the fleet's
-    compute over the trace's span: sum over requests of the prefill time of the whole prompt (no cache reuse) /
-    (replicas x span). Above 1 the fleet cannot keep up unless prefix reuse saves the difference; shared prefixes
-    make the real load lower, so this is an upper bound."""
+    """Offered prefill load of ``trace`` on ``setup`` with ideal prefix reuse, as a fraction of the fleet's compute
+    over the trace's span (realistic cost model): every distinct block is computed once in the whole fleet, each
+    request computes its blocks not seen before plus its prompt tokens without a block hash, at their context;
+    sum of those prefill times / (replicas x span). No router does better, so above 1 the fleet must fall behind;
+    below 1 it can still fall behind through decode work and imperfect reuse. NaN for a trace spanning no time."""
     from btbctl.engine.setups import setup_cluster
 
     cl = setup_cluster(setup)
@@ -221,8 +226,18 @@ def prefill_demand(trace: Trace, setup: str) -> float:
     span = trace.span_s
     if span <= 0:
         return math.nan
-    total = sum(cost.prefill_time_s(r.input_tokens) for r in trace.requests)
-    return total / (cl.replicas * span)
+    bt = trace.block_tokens
+    seen: set = set()
+    flops = 0.0
+    for r in trace.requests:
+        chain = r.block_hashes
+        k = 0
+        while k < len(chain) and chain[k] in seen:  # prefix-chained: a seen block means its prefix was seen
+            k += 1
+        seen.update(chain[k:])
+        have = min(k * bt, r.input_tokens - 1)
+        flops += cost.prefill_flops(r.input_tokens - have, have)
+    return flops / (cost.flops * cost.mfu) / (cl.replicas * span)
 
 
 def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = None, *,
@@ -235,12 +250,13 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
         jobs: worker processes (default: the CPUs available; 1 runs in this process).
 
     Returns:
-        ``{"btbctl_version", "title", "seed", "constants", "setups", "policies", "fidelities",
+        ``{"btbctl_version", "title", "seed", "notes", "constants", "setups", "policies", "fidelities",
         "workloads": [{"name", "description", "requests", "span_s", "block_tokens", "format",
         "prefill_demand": {setup: fraction}}],
         "cells": [{"setup", "workload", "fidelity", "policy", "requests", "ttft_s": {"mean", "p50", "p95", "p99",
         "max"}, "by_kind": {kind: {"requests", "mean", "p95"}}, "prefix_hit_ratio", "replications",
-        "replicated_bytes", "wasted_replications", "time_to_warm_s": {...} or None, "copies_refused"}, ...]
+        "replicated_bytes", "wasted_replications", "time_to_warm_s": {...} or None, "copies_refused", "drain_s"
+        (seconds from the last arrival to the last request's end)}, ...]
         (setups x workloads x fidelities x policies, in that nesting order),
         "timing": {"wall_s", "jobs"}}``; seconds, floats rounded as in dry-run reports.
 
@@ -281,7 +297,7 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
                 if progress:
                     progress(1)
     return round_floats({
-        "btbctl_version": __version__, "title": matrix.title, "seed": matrix.seed,
+        "btbctl_version": __version__, "title": matrix.title, "seed": matrix.seed, "notes": matrix.notes,
         "constants": matrix.btb.constants().as_dict(), "setups": list(matrix.setups),
         "policies": list(matrix.policies), "fidelities": list(matrix.fidelities), "workloads": workloads,
         "cells": cells, "timing": {"wall_s": time.perf_counter() - t0, "jobs": jobs},
@@ -346,20 +362,34 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                     f"Regenerate with `{command}` (btbctl {report['btbctl_version']}, seed {report['seed']}; BTB "
                     f"constants Y = {k['prefix_blocks']} blocks, X = {k['threshold']}, Z = {k['window_s']:g} s, "
                     f"M = {k['replicas']}). Times are seconds of simulated time to first token (TTFT).", ""]
-    L += ["## Workloads", "", "| workload | what | requests | span s | block tokens | prefill demand (no reuse) |",
-          "|---|---|---:|---:|---:|---|"]
+    L += ["## Workloads", "", "| workload | what | requests | span s | block tokens |", "|---|---|---:|---:|---:|"]
     for wl in report["workloads"]:
-        demand = ", ".join(f"{s} {v:.2f}" for s, v in wl["prefill_demand"].items() if v is not None)
         L.append(f"| {wl['name']} | {wl['description']} | {wl['requests']:,} | {wl['span_s']:,.0f} | "
-                 f"{wl['block_tokens']} | {demand} |")
-    L += ["", "Prefill demand is the offered prefill compute (every prompt computed in full, realistic cost model) "
-          "over the fleet's compute for the trace's span. Above 1 the fleet falls behind unless prefix reuse "
-          "saves the difference; TTFT then grows through the whole trace and mostly measures the backlog.", ""]
-    overloaded = [(s, wl["name"], v) for wl in report["workloads"] for s, v in wl["prefill_demand"].items()
-                  if v is not None and v > 1]
-    if overloaded:
-        L += ["Overloaded (prefill demand above 1): " + "; ".join(f"{s} on {w} ({v:.1f}x)" for s, w, v in overloaded)
+                 f"{wl['block_tokens']} |")
+    fid = "realistic" if "realistic" in report["fidelities"] else report["fidelities"][0]
+    L += ["", f"Load of each setup: prefill demand with ideal reuse (every distinct block computed once in the "
+          f"fleet, as a fraction of the fleet's compute over the trace's span: above 1 no routing can keep up) and "
+          f"the backlog left when the last request arrives (seconds the best {fid} run still needed to finish "
+          f"every request; large values mean the fleet fell behind and TTFT mostly measures the queue).", "",
+          "| setup | " + " | ".join(f"{w['name']} demand | backlog s" for w in report["workloads"]) + " |",
+          "|---|" + "---:|---:|" * len(report["workloads"])]
+    over = []
+    for s in report["setups"]:
+        cells = []
+        for wl in report["workloads"]:
+            d = wl["prefill_demand"].get(s)
+            drains = [c.get("drain_s") for c in report["cells"] if c["setup"] == s and c["workload"] == wl["name"]
+                      and c["fidelity"] == fid and c.get("drain_s") is not None]
+            cells += ["-" if d is None else f"{d:.2f}", _t(min(drains)) if drains else "-"]
+            if d is not None and d > 1:
+                over.append(f"{s} on {wl['name']} ({d:.1f}x)")
+        L.append(f"| {s} | " + " | ".join(cells) + " |")
+    L.append("")
+    if over:
+        L += ["Overloaded whatever the routing (prefill demand above 1 even with ideal reuse): " + "; ".join(over)
               + ". Their numbers are reported as they come out.", ""]
+    if report.get("notes"):
+        L += ["## Notes", "", report["notes"].strip(), ""]
 
     if "btb_plus" in report["policies"]:
         L += ["## btb_plus against the best other policy", "",
