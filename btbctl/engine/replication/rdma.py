@@ -169,8 +169,11 @@ class RdmaTransport:
         self.poll_budget = poll_budget
 
     async def send(self, target: str, copy_id: str, chain: list[str], blocks: Blocks,
-                   on_progress: Callable[[int, int], None]) -> None:
-        """See :meth:`Transport.send`. Raises :class:`TransferError`."""
+                   on_progress: Callable[[int, int], None], *, block_bytes: int | None = None,
+                   on_accept: Callable[[], None] | None = None) -> None:
+        """See :meth:`Transport.send`. Raises :class:`TransferError`. The blocks are gathered first (a source
+        still computing the prefix delays the whole copy); ``on_accept`` is called once the target opened its
+        region; ``block_bytes``, when given, must match the blocks."""
         host, port = parse_address(target)
         check_copy_id(copy_id)
         data: list[bytes] = []
@@ -184,6 +187,8 @@ class RdmaTransport:
             if h != chain[k]:
                 raise TransferError(f"copy {copy_id}: block {k} does not match the chain", k)
             data.append(b)
+        if block_bytes is not None and len(data[0]) != block_bytes:
+            raise TransferError(f"copy {copy_id}: blocks of {len(data[0])} bytes, {block_bytes} announced")
         block_bytes = len(data[0])
         if block_bytes < 1 or any(len(b) != block_bytes for b in data):
             raise TransferError(f"copy {copy_id}: blocks must all have the same non-zero size")
@@ -197,6 +202,8 @@ class RdmaTransport:
                 remote = conn.open_region(copy_id, list(chain), block_bytes)
             except (OSError, BtbctlError) as e:
                 raise TransferError(f"copy {copy_id}: {target} refused: {e}") from None
+            if on_accept is not None:
+                on_accept()
             if remote.length < total:
                 raise TransferError(f"copy {copy_id}: target region of {remote.length} bytes is smaller than the "
                                     f"copy ({total} bytes)")

@@ -150,19 +150,28 @@ class TcpTransport:
         self.fault = fault
 
     async def send(self, target: str, copy_id: str, chain: list[str], blocks: Blocks,
-                   on_progress: Callable[[int, int], None]) -> None:
-        """See :meth:`Transport.send`. Raises :class:`TransferError`."""
+                   on_progress: Callable[[int, int], None], *, block_bytes: int | None = None,
+                   on_accept: Callable[[], None] | None = None) -> None:
+        """See :meth:`Transport.send`. Raises :class:`TransferError`.
+
+        With ``block_bytes`` given, the connection is opened and the header sent before the first block is
+        available, so the target knows the copy is coming while the source still computes it; each block is sent
+        as soon as ``blocks`` yields it (an async iterator may wait for the source's compute). While waiting for
+        a block the sender watches for the target's early error reply. The target drops a copy that goes quiet
+        for its ``idle_timeout_s``."""
         host, port = parse_address(target)
         check_copy_id(copy_id)
         n = len(chain)
         if not 1 <= n <= MAX_CHAIN_BLOCKS:
             raise TransferError(f"copy {copy_id}: chain must have 1..{MAX_CHAIN_BLOCKS} blocks, got {n}")
         it = _iterate(blocks).__aiter__()
-        try:
-            first = await it.__anext__()
-        except StopAsyncIteration:
-            raise TransferError(f"copy {copy_id}: no blocks to send") from None
-        block_bytes = len(first[1])
+        first: tuple[str, bytes] | None = None
+        if block_bytes is None:
+            try:
+                first = await it.__anext__()
+            except StopAsyncIteration:
+                raise TransferError(f"copy {copy_id}: no blocks to send") from None
+            block_bytes = len(first[1])
         if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
             raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_BLOCK_BYTES} bytes")
         total = n * block_bytes
@@ -185,12 +194,22 @@ class TcpTransport:
             if not rep["ok"]:
                 raise TransferError(f"copy {copy_id}: {target} refused: {rep.get('error')}")
             final = asyncio.ensure_future(reader.readline())
+            if on_accept is not None:
+                on_accept()
             item: tuple[str, bytes] | None = first
             fault = self.fault
             for k in range(n):
                 if item is None:
+                    nxt = asyncio.ensure_future(it.__anext__())
+                    if not nxt.done():
+                        await asyncio.wait((nxt, final), return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # the target answered (an error) or closed while the source computes
+                        nxt.cancel()
+                        with contextlib.suppress(BaseException):
+                            await nxt
+                        break
                     try:
-                        item = await it.__anext__()
+                        item = nxt.result()
                     except StopAsyncIteration:
                         raise TransferError(f"copy {copy_id}: only {k} of {n} blocks supplied") from None
                 h, data = item

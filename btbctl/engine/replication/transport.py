@@ -59,15 +59,21 @@ class Transport(Protocol):
     name: str
 
     async def send(self, target: str, copy_id: str, chain: list[str], blocks: Blocks,
-                   on_progress: Callable[[int, int], None]) -> None:
+                   on_progress: Callable[[int, int], None], *, block_bytes: int | None = None,
+                   on_accept: Callable[[], None] | None = None) -> None:
         """Send every block of ``chain`` to ``target`` (``host:port`` of the target's transfer endpoint).
 
         Args:
             target: ``host:port`` (see :func:`parse_address`).
             copy_id: the caller's id for this copy (at most 128 printable ASCII characters).
             chain: block hashes, in order.
-            blocks: ``(hash, bytes)`` pairs in chain order, one per chain entry, all the same length.
+            blocks: ``(hash, bytes)`` pairs in chain order, one per chain entry, all the same length. An async
+                iterator may wait between blocks (a source still computing the prefix yields each block once it
+                is computed).
             on_progress: called with ``(bytes_sent, bytes_total)`` as blocks go out.
+            block_bytes: size of every block, bytes, when known up front: a transport that can announce the copy
+                before the first block exists does so (TCP); None = learnt from the first block.
+            on_accept: called once when the target has accepted the copy (it then counts the blocks as arriving).
 
         Raises:
             TransferError: refused, integrity failure reported by the target, connection lost, timeout.

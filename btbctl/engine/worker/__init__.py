@@ -34,19 +34,27 @@ cached_tokens``, ``stream_options.include_usage``), ``GET /v1/models``, ``GET /h
 BTB routes (JSON):
 
 * ``POST /btb/match {"chain": [hex, ...]}`` -> ``{"cached_blocks": int, "pending_blocks": int}`` (pending also
-  counts blocks being prefilled here or arriving by copy).
+  counts blocks being prefilled here, arriving by copy, or to be computed by a request queued here).
 * ``GET /btb/prefixes?limit=N`` (default 20, at most 10000) -> ``{"prefixes": [{"hash": str, "blocks": int}]}``:
   the deepest block of each resident chain, most recently used first.
 * ``GET /btb/info`` -> ``{"transfer_addr", "page_size", "kv_bytes_per_token", "block_bytes", "model",
   "model_preset", "gpu", "tp_size", "capacity_tokens", "transport", "time_scale", "zero_delay"}``.
 * ``POST /btb/push {"chain": [...], "target": "host:port", "copy_id": "..."}`` -> 202 ``{"copy_id", "blocks",
-  "bytes"}``; 409 when this worker does not hold the whole chain (or the copy id is in progress); 400 bad body;
-  401/403 without the right ``Authorization: Bearer <token>`` when a token is configured. ``copy_id`` is optional
-  (a random hex id is made) and has 1..128 characters of ``[A-Za-z0-9._:-]``.
-* ``GET /btb/copies/{copy_id}`` -> ``{"copy_id", "role": "source"|"target", "state": "sending"|"done"|"failed",
-  "bytes_sent", "bytes_total", "blocks_verified", "error", "started_s", "finished_s", "peer", "blocks"}``
-  (Unix times; a source reports ``done`` only after the target acknowledged that every block arrived, verified
-  and was committed); ``GET /btb/copies`` -> ``{"copies": [...]}`` newest first.
+  "bytes", "blocks_available"}``; 409 when this worker neither holds nor computes the whole chain (pending blocks
+  as ``/btb/match`` counts them) or the copy id is in progress; 400 bad body; 401/403 without the right
+  ``Authorization: Bearer <token>`` when a token is configured. ``copy_id`` is optional (a random hex id is made)
+  and has 1..128 characters of ``[A-Za-z0-9._:-]``. A push may start while this worker still computes the chain:
+  the copy trails its prefill, each block sent as soon as the model commits it (at a prefill chunk's end); the
+  answer comes once the target accepted the copy (it then counts the blocks as arriving, so requests there wait
+  for them) or at most 2 s later. If this worker evicts the blocks or stops, the copy fails and the target stays
+  cold; the target serves the chain as cached only after every block arrived and verified.
+* ``GET /btb/copies/{copy_id}[?wait_s=S]`` -> ``{"copy_id", "role": "source"|"target", "state":
+  "sending"|"done"|"failed", "bytes_sent", "bytes_total", "blocks_verified", "blocks_available", "error",
+  "started_s", "finished_s", "peer", "blocks"}`` (Unix times; a source reports ``done`` only after the target
+  acknowledged that every block arrived, verified and was committed; ``blocks_available``: blocks the source has
+  computed so far). With ``wait_s`` (0..10 s) and ``since`` (the ``X-BTB-Copy-Version`` header of a previous
+  answer) a copy still sending is answered at the worker's next copy change after that version, or after
+  ``wait_s`` (long poll; such answers carry ``X-BTB-Long-Poll: 1`` and the current ``X-BTB-Copy-Version``). ``GET /btb/copies`` -> ``{"copies": [...]}`` newest first.
 
 Writes guarded by ``--btb-token-file``: ``/btb/push`` and ``/flush_cache``.
 """

@@ -35,7 +35,7 @@ from btbctl.engine.replication.transport import (
     parse_address,
 )
 from btbctl.engine.worker.config import WorkerConfig
-from btbctl.engine.worker.live import LiveModel, LiveRequest, TooLarge
+from btbctl.engine.worker.live import BlocksLost, IncomingCopy, LiveModel, LiveRequest, NoRoom, TooLarge
 from btbctl.engine.worker.prompt import ids_chain, text_chain
 from btbctl.engine.worker.store import BlockStore
 
@@ -58,6 +58,16 @@ TOKEN_TEXT = " tok"
 MAX_COPY_RECORDS = 1024
 #: Copies this worker sends at once; more pushes get 429 (bounds tasks and sockets).
 MAX_OUTBOUND_COPIES = 64
+#: Longest a sender waits for its source to compute the next block of a copy, seconds. Below the receiver's
+#: idle timeout (30 s, :class:`~btbctl.engine.replication.tcp.TcpReceiver`), which drops a copy that goes quiet;
+#: a 8192-token prefill chunk of any preset takes far less.
+SOURCE_BLOCK_WAIT_S = 25.0
+#: Longest ``/btb/push`` waits for the target to accept the copy before answering 202, seconds (the target then
+#: counts the blocks as arriving, so a request routed there right after the push waits for them). A product
+#: choice: loopback and LAN handshakes take milliseconds.
+PUSH_ACCEPT_WAIT_S = 2.0
+#: Longest wait of a long poll ``GET /btb/copies/{id}?wait_s=``, seconds.
+MAX_COPY_POLL_WAIT_S = 10.0
 #: Largest copy this worker receives, bytes of its block store (a copy is held in memory until it verifies;
 #: 1 GiB is 800k blocks of Llama-3.3-70B at the default scale, far beyond its KV capacity).
 MAX_INBOUND_COPY_BYTES = 1 << 30
@@ -198,7 +208,8 @@ def _chain(body: dict) -> list[str]:
 @dataclass
 class CopyRecord:
     """One copy as seen by this worker. ``started_s``/``finished_s`` are Unix times (seconds); bytes are bytes of
-    the scaled block store."""
+    the scaled block store. ``blocks_available`` (source side): leading blocks the source has computed and
+    released to the sender so far (less than ``blocks`` while the copy trails the source's prefill)."""
 
     copy_id: str
     role: str  # "source" | "target"
@@ -212,6 +223,7 @@ class CopyRecord:
     peer: str
     blocks: int
     chain: tuple = ()
+    blocks_available: int = 0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -242,6 +254,9 @@ class Worker:
         self.http_port = cfg.port
         self.metrics = _Metrics(cfg.served_name)
         self.started_unix = time.time()
+        self.incoming: dict[str, IncomingCopy] = {}
+        self._copy_changed = asyncio.Event()
+        self.copy_version = 0
 
     # -- lifecycle --------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -270,6 +285,19 @@ class Worker:
         return f"{host}:{self.receiver.port}"
 
     # -- copies -----------------------------------------------------------------------------------------------
+    def copy_changed(self) -> None:
+        """A copy record changed: wake the long polls of ``/btb/copies/{id}``."""
+        self.copy_version += 1
+        self._copy_changed.set()
+        self._copy_changed = asyncio.Event()
+
+    async def wait_copy_change(self, timeout_s: float) -> None:
+        """Wait until some copy record changes, at most ``timeout_s`` seconds."""
+        try:
+            await asyncio.wait_for(self._copy_changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
+
     def record(self, rec: CopyRecord) -> CopyRecord:
         """Keep ``rec`` (replacing a record of the same id and role); forget the oldest finished records beyond
         :data:`MAX_COPY_RECORDS`."""
@@ -300,30 +328,35 @@ class Worker:
                 best = max(best, n)
         return best
 
-    def start_push(self, chain: list[str], target: str, copy_id: str) -> CopyRecord:
+    def start_push(self, chain: list[str], target: str, copy_id: str) -> tuple[CopyRecord, asyncio.Future]:
+        """Start sending ``chain`` to ``target`` in the background. The chain must be resident here or planned
+        (being computed, or a request queued here will compute it): blocks are sent as the model commits them.
+        Returns the record and a future resolved when the target accepted the copy or the copy ended."""
         n = len(chain)
         rec = self.record(CopyRecord(copy_id=copy_id, role="source", state="sending", bytes_sent=0,
                                      bytes_total=n * self.block_bytes, blocks_verified=0, error=None,
                                      started_s=time.time(), finished_s=None, peer=target, blocks=n,
                                      chain=tuple(chain)))
-        task = asyncio.get_running_loop().create_task(self._push(rec, chain, target))
+        accepted = asyncio.get_running_loop().create_future()
+        task = asyncio.get_running_loop().create_task(self._push(rec, chain, target, accepted))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
-        return rec
+        self.copy_changed()
+        return rec, accepted
 
-    def _blocks(self, chain: list[str]):
-        for k, h in enumerate(chain):
-            self.model.sync()
-            if not self.model.resident(h):
-                raise TransferError(f"block {k} ({h}) was evicted on the source during the copy", k)
-            yield h, self.store.get(h)
-
-    async def _push(self, rec: CopyRecord, chain: list[str], target: str) -> None:
+    async def _push(self, rec: CopyRecord, chain: list[str], target: str, accepted: asyncio.Future) -> None:
         def progress(sent: int, total: int) -> None:
             rec.bytes_sent = sent
+            self.copy_changed()
 
+        def accept() -> None:
+            if not accepted.done():
+                accepted.set_result(True)
+
+        blocks = _SourceBlocks(self, rec, chain)
         try:
-            await self.transport.send(target, rec.copy_id, chain, self._blocks(chain), progress)
+            await self.transport.send(target, rec.copy_id, chain, blocks, progress, block_bytes=self.block_bytes,
+                                      on_accept=accept)
             rec.blocks_verified = rec.blocks
             rec.state = "done"
         except TransferError as e:
@@ -335,7 +368,51 @@ class Worker:
             log.exception("copy %s failed", rec.copy_id)
             rec.state, rec.error = "failed", f"internal error: {type(e).__name__}"
         finally:
+            blocks.release()
             rec.finished_s = time.time()
+            if not accepted.done():
+                accepted.set_result(False)
+            self.copy_changed()
+
+
+class _SourceBlocks:
+    """The blocks of an outgoing copy, yielded as the source's model commits them (async iterator of
+    ``(hash, bytes)``). Blocks handed out are pinned until :meth:`release`, so they cannot be evicted while the
+    copy is in flight. Raises :class:`TransferError` when a block is evicted or no longer computed here, or is not
+    computed within :data:`SOURCE_BLOCK_WAIT_S`."""
+
+    def __init__(self, worker: Worker, rec: CopyRecord, chain: list[str]) -> None:
+        self.w = worker
+        self.rec = rec
+        self.chain = tuple(chain)
+        self.k = 0
+        self.pinned = 0
+
+    def __aiter__(self) -> "_SourceBlocks":
+        return self
+
+    async def __anext__(self) -> tuple[str, bytes]:
+        k = self.k
+        if k >= len(self.chain):
+            raise StopAsyncIteration
+        if k >= self.pinned:
+            model = self.w.model
+            try:
+                have = await model.wait_blocks(self.chain, k + 1, SOURCE_BLOCK_WAIT_S)
+            except BlocksLost as e:
+                raise TransferError(f"source lost the prefix at block {k}: {e}", k) from None
+            model.pin(self.chain, self.pinned, have)
+            self.pinned = have
+            self.rec.blocks_available = have
+            self.w.copy_changed()
+        self.k = k + 1
+        h = self.chain[k]
+        return h, self.w.store.get(h)
+
+    def release(self) -> None:
+        """Unpin the blocks handed out (idempotent)."""
+        n, self.pinned = self.pinned, 0
+        self.w.model.unpin(self.chain, n)
 
 
 class _Sink:
@@ -355,8 +432,14 @@ class _Sink:
         self.w.record(CopyRecord(copy_id=copy_id, role="target", state="sending", bytes_sent=0,
                                  bytes_total=n * self.block_bytes, blocks_verified=0, error=None,
                                  started_s=time.time(), finished_s=None, peer=peer, blocks=n, chain=tuple(chain)))
+        self.w.copy_changed()
         if n * self.w.cfg.page_size > self.w.model.capacity_tokens:
             raise CopyRefused(f"{n} blocks do not fit in this worker's KV cache")
+        try:
+            # from now on the model counts the blocks as arriving: requests needing them wait for this copy
+            self.w.incoming[copy_id] = self.w.model.begin_copy(chain)
+        except NoRoom as e:
+            raise CopyRefused(str(e)) from None
 
     def check_block(self, index: int, block_hash: str, data: bytes) -> None:
         if data != self.w.store.expected(block_hash):
@@ -366,19 +449,27 @@ class _Sink:
         rec = self.w.copies.get((copy_id, "target"))
         if rec is not None:
             rec.blocks_verified, rec.bytes_sent = blocks_verified, bytes_received
+            self.w.copy_changed()
 
     def commit(self, copy_id: str, chain: Sequence[str], blocks: list[bytes]) -> None:
-        if not self.w.model.insert(chain):
+        inc = self.w.incoming.pop(copy_id, None)
+        ok = self.w.model.end_copy(inc, True) if inc is not None else self.w.model.insert(chain)
+        if not ok:
             raise CopyRefused(f"no room in the KV cache for {len(chain)} blocks (in use by running requests)")
         self.w.store.put_many(chain, blocks)
         rec = self.w.copies.get((copy_id, "target"))
         if rec is not None:
             rec.state, rec.finished_s = "done", time.time()
+        self.w.copy_changed()
 
     def fail(self, copy_id: str, error: str) -> None:
+        inc = self.w.incoming.pop(copy_id, None)
+        if inc is not None:
+            self.w.model.end_copy(inc, False)  # nothing becomes warm; waiting requests compute the blocks
         rec = self.w.copies.get((copy_id, "target"))
         if rec is not None and rec.state == "sending":
             rec.state, rec.error, rec.finished_s = "failed", error, time.time()
+        self.w.copy_changed()
 
 
 class _Metrics:
@@ -762,7 +853,7 @@ class _Handlers:
     async def btb_match(self, request: web.Request) -> web.Response:
         chain = _chain(await _json_body(request))
         cached = self.model.cached_blocks(chain)
-        pending = max(self.model.pending_blocks(chain), self.w.inbound_pending(chain), cached)
+        pending = max(self.model.planned_blocks(chain), self.w.inbound_pending(chain), cached)
         return web.json_response({"cached_blocks": cached, "pending_blocks": pending})
 
     async def btb_prefixes(self, request: web.Request) -> web.Response:
@@ -809,20 +900,44 @@ class _Handlers:
             raise ApiError(429, f"{MAX_OUTBOUND_COPIES} copies are already being sent; retry later")
         have = self.model.cached_blocks(chain)
         if have < len(chain):
-            raise ApiError(409, f"this worker holds {have} of the chain's {len(chain)} blocks")
-        rec = self.w.start_push(chain, target, copy_id)
-        return web.json_response({"copy_id": rec.copy_id, "blocks": rec.blocks, "bytes": rec.bytes_total},
-                                 status=202)
+            planned = self.model.planned_blocks(chain)
+            if planned < len(chain):
+                raise ApiError(409, f"this worker holds {have} of the chain's {len(chain)} blocks and computes "
+                                    f"{planned - have} more")
+        rec, accepted = self.w.start_push(chain, target, copy_id)
+        try:
+            await asyncio.wait_for(asyncio.shield(accepted), PUSH_ACCEPT_WAIT_S)
+        except asyncio.TimeoutError:
+            pass  # answered anyway; the record tells how the copy goes
+        return web.json_response({"copy_id": rec.copy_id, "blocks": rec.blocks, "bytes": rec.bytes_total,
+                                  "blocks_available": rec.blocks_available}, status=202)
 
     async def btb_copies(self, request: web.Request) -> web.Response:
         return web.json_response({"copies": [r.as_dict() for r in reversed(self.w.copies.values())]})
 
     async def btb_copy(self, request: web.Request) -> web.Response:
         cid = request.match_info["copy_id"]
+        raw = request.query.get("wait_s")
+        wait_s = 0.0
+        if raw is not None:
+            try:
+                wait_s = float(raw)
+            except ValueError:
+                wait_s = -1.0
+            if not 0.0 <= wait_s <= MAX_COPY_POLL_WAIT_S:
+                raise ApiError(400, f"wait_s must be a number of seconds in [0, {MAX_COPY_POLL_WAIT_S:g}]")
+        since = request.query.get("since")
         for role in ("source", "target"):
             rec = self.w.copies.get((cid, role))
             if rec is not None:
-                return web.json_response(rec.as_dict())
+                headers = {}
+                if wait_s > 0:
+                    # long poll: answer at the next change of any copy (progress, outcome) after version
+                    # ``since`` (at once when there was one already), or after wait_s
+                    if rec.state == "sending" and since == str(self.w.copy_version):
+                        await self.w.wait_copy_change(wait_s)
+                    headers = {"X-BTB-Long-Poll": "1", "X-BTB-Copy-Version": str(self.w.copy_version)}
+                return web.json_response(rec.as_dict(), headers=headers)
         raise ApiError(404, f"no copy {cid!r} on this worker")
 
 

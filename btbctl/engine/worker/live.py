@@ -8,6 +8,13 @@ decoupled from the wall clock: a submission runs the model forward until that re
 bookkeeping is the same.
 
 Requests still run in the model after their HTTP client went away (the model has no abort).
+
+Copies. *Outgoing*: :meth:`LiveModel.wait_blocks` lets a sender wait until the model has committed the leading
+blocks of a chain it is still computing (blocks commit at the end of each prefill chunk, as in the simulator);
+waiters are checked after every step of the model. *Incoming*: :meth:`LiveModel.begin_copy` registers a chain
+whose blocks are arriving as pending in the model (room reserved, the blocks already resident pinned), so a request
+needing them waits for them instead of recomputing; :meth:`LiveModel.end_copy` commits them (all verified) or
+drops the reservation (the copy failed: waiting requests then compute the blocks themselves).
 """
 
 from __future__ import annotations
@@ -29,6 +36,34 @@ from btbctl.engine.worker.config import WorkerConfig
 
 class TooLarge(ValueError):
     """A request whose prompt plus output can never fit in this worker's KV cache (HTTP 400)."""
+
+
+class BlocksLost(RuntimeError):
+    """Blocks a sender waits for are neither resident nor being computed here any more (evicted, or never
+    planned), or did not arrive within the wait's timeout."""
+
+
+class NoRoom(RuntimeError):
+    """An incoming copy does not fit in the KV cache (even after evicting every unpinned block)."""
+
+
+@dataclass
+class IncomingCopy:
+    """Bookkeeping of one copy arriving at this model (see :meth:`LiveModel.begin_copy`).
+
+    Attributes:
+        chain: the copy's block hashes.
+        have: leading blocks resident when it began (pinned until it ends).
+        reserved: blocks reserved for it (``len(chain) - have``).
+        marked: block hashes it registered as pending (those not already pending for a prefill here).
+    """
+
+    chain: tuple
+    have: int
+    reserved: int
+    marked: list
+    marker: object = None
+    open: bool = True
 
 
 @dataclass
@@ -82,6 +117,9 @@ class LiveModel:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
+        #: senders waiting for blocks: (chain, blocks needed, future resolved with the resident count)
+        self._block_waiters: list[tuple[tuple, int, asyncio.Future]] = []
+        self._incoming: set[int] = set()  # ids of incoming copies still open
         self.sim = self._new_sim()
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -118,6 +156,8 @@ class LiveModel:
         """Bring the model up to the current time (fires hooks of events that are due)."""
         if not self.zero:
             self.sim.advance_to(self.model_now())
+        if self._block_waiters:
+            self._release_blocks()
 
     def start(self) -> None:
         """Start the driver task (not needed in zero-delay mode). Call inside the running event loop."""
@@ -142,6 +182,8 @@ class LiveModel:
         while True:
             self._wake.clear()
             self.sim.advance_to(self.model_now())
+            if self._block_waiters:
+                self._release_blocks()
             nxt = self.sim.next_event_s()
             timeout = None if nxt is None else max(0.0, (nxt - self.model_now()) / self.scale)
             try:
@@ -206,10 +248,15 @@ class LiveModel:
         if self.zero:
             while not lr.done.done():
                 t = self.sim.next_event_s()
-                if t is None:  # cannot happen for a request that fits; never spin
+                if t is None:
+                    if self._incoming:  # it waits for a copy arriving here: end_copy runs it on
+                        break
+                    # cannot happen otherwise for a request that fits; never spin
                     self._live.pop(sim_id, None)
                     raise RuntimeError("model went idle with a request unfinished")
                 self.sim.advance_to(t)
+            if self._block_waiters:
+                self._release_blocks()
         else:
             self._wake.set()
         return lr
@@ -224,6 +271,133 @@ class LiveModel:
         """Leading blocks of ``chain`` resident or being computed here."""
         self.sync()
         return self.sim.view.pending_blocks(0, chain)
+
+    def planned_blocks(self, chain: Sequence[str]) -> int:
+        """Leading blocks of ``chain`` resident, being computed or arriving here, or that a request queued here
+        will compute (the simulator's ``planned_blocks``: what a copy from this worker may trail)."""
+        self.sync()
+        return self.sim.view.planned_blocks(0, chain)
+
+    # -- outgoing copies: waiting for the source's compute ----------------------------------------------------
+    async def wait_blocks(self, chain: Sequence[str], need: int, timeout_s: float) -> int:
+        """Wait until at least ``need`` leading blocks of ``chain`` are resident; returns how many are.
+
+        Raises:
+            BlocksLost: the blocks are neither resident nor planned here (evicted, or no request computes them),
+                or ``timeout_s`` seconds passed first.
+        """
+        chain = tuple(chain)
+        self.sync()
+        have = self.cache.match(chain)
+        if have >= need:
+            return have
+        if self.sim.view.planned_blocks(0, chain) < need:
+            raise BlocksLost(f"block {have} ({chain[have]}) is neither resident nor being computed here")
+        fut = asyncio.get_running_loop().create_future()
+        entry = (chain, need, fut)
+        self._block_waiters.append(entry)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise BlocksLost(f"block {self.cache.match(chain)} was not computed within {timeout_s:g} s") from None
+        finally:
+            if entry in self._block_waiters:
+                self._block_waiters.remove(entry)
+
+    def _release_blocks(self) -> None:
+        """Resolve the senders whose blocks are now resident, fail those whose blocks are lost."""
+        view = self.sim.view
+        keep = []
+        for entry in self._block_waiters:
+            chain, need, fut = entry
+            if fut.done():
+                continue
+            have = self.cache.match(chain)
+            if have >= need:
+                fut.set_result(have)
+            elif view.planned_blocks(0, chain) < need:
+                fut.set_exception(BlocksLost(f"block {have} ({chain[have]}) was evicted or is no longer "
+                                             "being computed here"))
+            else:
+                keep.append(entry)
+        self._block_waiters = keep
+
+    def pin(self, chain: Sequence[str], start: int, stop: int) -> None:
+        """Pin blocks ``start..stop-1`` of ``chain`` (resident) so they cannot be evicted while being sent."""
+        if stop > start:
+            self.cache.pin(chain[start:stop], stop - start)
+
+    def unpin(self, chain: Sequence[str], n: int) -> None:
+        """Undo :meth:`pin` of the first ``n`` blocks of ``chain``."""
+        if n > 0:
+            self.cache.unpin(chain, n)
+            self._poke()
+
+    # -- incoming copies ----------------------------------------------------------------------------------------
+    def begin_copy(self, chain: Sequence[str]) -> IncomingCopy:
+        """A copy of ``chain`` starts arriving: reserve room for the blocks not resident, pin the resident
+        leading ones, and register the missing ones as pending, so that a request needing them waits for the
+        copy (the simulator's ``start_copy`` bookkeeping on the target side).
+
+        Raises:
+            NoRoom: the missing blocks do not fit even after evicting every unpinned block.
+        """
+        self.sync()
+        chain = tuple(chain)
+        rep = self.sim.replicas[0]
+        cache = rep.cache
+        have = cache.match(chain)
+        add = len(chain) - have
+        cache.pin(chain, have)
+        if add and not cache.make_room(add * self.block_tokens):
+            cache.unpin(chain, have)
+            raise NoRoom(f"no room in the KV cache for {add} blocks (in use by running requests)")
+        cache.reserve_blocks(add)
+        marker = object()
+        marked = []
+        for h in chain[have:]:
+            if h not in rep.pending:
+                rep.pending[h] = marker
+                marked.append(h)
+        inc = IncomingCopy(chain=chain, have=have, reserved=add, marked=marked, marker=marker)
+        self._incoming.add(id(inc))
+        return inc
+
+    def end_copy(self, inc: IncomingCopy, ok: bool) -> bool:
+        """End an incoming copy: with ``ok`` every block arrived and verified and becomes resident; otherwise
+        the reservation is dropped and requests waiting for the blocks compute them. Returns True when the whole
+        chain is resident afterwards. Idempotent."""
+        if not inc.open:
+            return False
+        inc.open = False
+        self._incoming.discard(id(inc))
+        self.sync()
+        rep = self.sim.replicas[0]
+        marker = inc.marker
+        for h in inc.marked:
+            if rep.pending.get(h) is marker:
+                del rep.pending[h]
+        cache = rep.cache
+        cache.release_reservation(inc.reserved)
+        cache.unpin(inc.chain, inc.have)
+        if ok:
+            # the reserved room was just released and nothing ran in between: the insert cannot lack room
+            self.sim.insert_prefix(0, inc.chain)
+        self._poke()
+        return cache.match(inc.chain) == len(inc.chain)
+
+    def _poke(self) -> None:
+        """Blocks became resident or free: let the model admit waiting requests now, and wake the driver."""
+        self.sim._kick(self.sim.replicas[0])  # the simulator's own "new work may be admissible" step
+        if self.zero:  # run the requests that waited for the blocks to completion, as submit does
+            while self._live:
+                t = self.sim.next_event_s()
+                if t is None:
+                    break
+                self.sim.advance_to(t)
+        self._wake.set()
+        if self._block_waiters:
+            self._release_blocks()
 
     def resident(self, block_hash: str) -> bool:
         return block_hash in self.cache
