@@ -43,7 +43,13 @@ def test_pending_counts_until_the_first_byte():
     chain = ("p1", "p2", "p3")
     st.workers[1].start_prefill("r1", chain)
     assert st.pending_blocks(1, chain) == 3 and st.cached_blocks(1, chain) == 0
-    assert st.waiting_groups(1) == [("p1", 1, 0.0)]
+    # a request computing its own chain waits for nobody; a second one with the same chain waits for its blocks
+    assert st.waiting_groups(1) == [] and st.queued_prefill_s(1) > 0
+    st.workers[1].start_prefill("r2", chain + ("q4",), 4 * 256)
+    (key, n, work), = st.waiting_groups(1)
+    assert (key, n) == ("p3", 1) and 0 < work < st.queued_prefill_s(1) / 2  # it computes one block of four
+    assert st.dependent_prefill_s(1, chain + ("x4",)) == work
+    st.workers[1].end_prefill("r2")
     st.workers[1].end_prefill("r1")
     assert st.pending_blocks(1, chain) == 0 and not st.workers[1].pending and st.workers[1].prefilling == 0
     st.workers[1].hold(chain)

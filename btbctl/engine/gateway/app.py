@@ -54,6 +54,9 @@ WORKER_HEADER = "X-BTB-Worker"
 #: Bytes of stream preamble (chunks without a ``data:`` line, e.g. SSE comments) held back before the first data
 #: chunk; past this the stream is passed on anyway.
 _PREAMBLE_LIMIT = 65536
+#: Longest a request routed to the target of a copy not pushed yet waits for the push, seconds (a push is a
+#: ``/btb/match`` and a ``/btb/push`` call, milliseconds on loopback or a LAN; a product choice).
+COPY_ACCEPT_WAIT_S = 0.5
 #: Exceptions that mean "the worker failed us" on the upstream side.
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -186,10 +189,12 @@ class DataPlane:
                 metrics.retries.inc()
             w = state.workers[idx]
             w.inflight += 1
-            w.start_prefill(rid, chain)
+            w.start_prefill(rid, chain, req.input_tokens)
             gauge = metrics.inflight_gauge(w.url)
             gauge.inc()
             prefilled = False
+            if chain and state.transfers.active:
+                await _await_copy_accepted(state, idx, chain)
 
             def first_byte(now: float | None = None) -> None:
                 nonlocal prefilled
@@ -330,6 +335,20 @@ class DataPlane:
         gw.metrics.request(w.url, policy_name, status)
         gw.metrics.observe_duration(w.url, gw.clock() - t0)
         return out
+
+
+async def _await_copy_accepted(state, idx: int, chain) -> None:
+    """A copy of a leading part of ``chain`` towards worker ``idx`` was planned but not pushed yet: wait (at most
+    :data:`COPY_ACCEPT_WAIT_S`) until the target accepted it, so that the request reaches the worker after the
+    worker counts the blocks as arriving and waits for them instead of recomputing them."""
+    d = state.transfers.depth_to(idx, chain)
+    t = state.transfers.active.get((idx, chain[d - 1])) if d else None
+    if t is None or t.pushed is None or t.pushed.is_set():
+        return
+    try:
+        await asyncio.wait_for(t.pushed.wait(), COPY_ACCEPT_WAIT_S)
+    except asyncio.TimeoutError:
+        pass
 
 
 class _RetryStream(Exception):

@@ -5,16 +5,21 @@ which calls :meth:`Planner.request_copy`) and by the control API's manual replic
 
 A copy job (one source, one target, one prefix chain):
 
-1. **Source check.** ``POST {source}/btb/match {"chain"}`` must answer ``cached_blocks == len(chain)`` before
-   anything is pushed. While the source is still computing the prefix (``pending_blocks`` there, or a request of
-   the gateway still prefilling it there) the job waits (state ``stalled``), polling every ``poll_interval_s``
-   for at most ``source_wait_s``; the copy thus trails the source's compute, as BTB's rule needs when it copies
-   from the replica computing the prefix. Otherwise the job fails ("source does not hold the prefix").
+1. **Source check.** ``POST {source}/btb/match {"chain"}`` must answer ``cached_blocks == len(chain)`` or
+   ``pending_blocks == len(chain)`` (the source holds the prefix, or computes it: a request there is prefilling
+   it or queued to). Then the push goes out at once, without waiting for the source's prefill: the copy trails
+   it, each block streamed as soon as the source's model commits it (see ``POST /btb/push`` of
+   :mod:`btbctl.engine.worker`). Only while the gateway has a request of the prefix in flight to the source that
+   the source does not show yet (it is on its way) does the job wait (state ``stalled``), re-checking every
+   :data:`SOURCE_RECHECK_S` for at most ``source_wait_s``. Otherwise the job fails ("source does not hold the
+   prefix").
 2. **Push.** ``POST {source}/btb/push {"chain", "target": <target's transfer_addr from /btb/info>, "copy_id"}``
-   with ``Authorization: Bearer <worker token>``; 202 starts sending (state ``running``), 409 means the source
-   lost the chain.
-3. **Progress.** ``GET {source}/btb/copies/{copy_id}`` every ``poll_interval_s`` updates ``bytes_sent``,
-   ``bytes_total`` and ``blocks_verified``; the rate is the average since sending started.
+   with ``Authorization: Bearer <worker token>``; 202 once the target accepted the copy (it then makes requests
+   needing the blocks wait for them; state ``running``), 409 means the source lost the chain.
+3. **Progress.** ``GET {source}/btb/copies/{copy_id}?wait_s=<poll_interval_s>&since=<version>`` (a long poll:
+   the worker answers at its copies' next change after the version it last reported) updates ``bytes_sent``, ``bytes_total``, ``blocks_verified`` and
+   ``blocks_available`` (blocks the source has computed so far); the rate is the average since sending started.
+   A worker that answers at once (no ``X-BTB-Long-Poll: 1`` header) is polled every ``poll_interval_s``.
 4. **Outcome.** Only on ``done`` (the source reports it after the target verified and committed every block) is
    the target recorded as holding the prefix. ``failed``, an HTTP error, the source or target turning unhealthy,
    or ``copy_timeout_s`` without an outcome fail the job with the reason; a failed target is never treated as
@@ -43,7 +48,12 @@ log = logging.getLogger(__name__)
 #: Seconds between progress polls of a copy and between source checks (a product choice: ten updates a second
 #: is what a dashboard shows smoothly).
 DEFAULT_POLL_INTERVAL_S = 0.1
-#: Longest wait for a source that is still computing the prefix, seconds (a 64k-token prefill of a 70B model on
+#: Answer header of a worker that held a progress poll until the copy changed (long poll).
+LONG_POLL_HEADER = "X-BTB-Long-Poll"
+#: Seconds between source checks while a request of the prefix is on its way to the source (a product choice:
+#: a request reaches a loopback or LAN worker within milliseconds).
+SOURCE_RECHECK_S = 0.005
+#: Longest wait for a source that does not show the prefix yet, seconds (a 64k-token prefill of a 70B model on
 #: one slow replica takes tens of seconds; a product choice).
 DEFAULT_SOURCE_WAIT_S = 60.0
 #: Longest time a copy may take once pushed, seconds (10 GiB over kernel TCP at about 1 GB/s is about 10 s;
@@ -284,17 +294,17 @@ class Planner:
             if ans is None:
                 return "source did not answer /btb/match"
             cached, pending = ans
-            if cached >= n:
-                return None
-            computing = pending >= n or t.chain[-1] in src.pending
-            if not computing:
+            if cached >= n or pending >= n:
+                return None  # holds it, or computes it: the push trails its prefill
+            if t.chain[-1] not in src.pending:
                 return f"source does not hold the prefix (cached {cached} of {n} blocks)"
+            # a request of the gateway carrying the prefix is on its way there
             if not t.waited:
                 t.waited = True
                 self._changed(t)
             if clock() >= deadline:
-                return f"source still computing the prefix after {self.source_wait_s:g} s"
-            await asyncio.sleep(self.poll_interval_s)
+                return f"source does not show the prefix after {self.source_wait_s:g} s"
+            await asyncio.sleep(min(self.poll_interval_s, SOURCE_RECHECK_S))
 
     async def _push(self, t: Transfer) -> str | None:
         ws = self.state.workers
@@ -318,6 +328,7 @@ class Planner:
         try:
             ans = json.loads(text)
             t.bytes_total = int(ans.get("bytes", 0) or 0)
+            t.blocks_available = int(ans.get("blocks_available", 0) or 0)
         except (ValueError, TypeError, AttributeError):
             pass
         t.state = "running"
@@ -330,9 +341,14 @@ class Planner:
         ws = self.state.workers
         deadline = clock() + self.copy_timeout_s
         url = f"{ws[t.source].url}/btb/copies/{t.copy_id}"
+        params = {"wait_s": f"{self.poll_interval_s:g}", "since": ""}
         errors = 0
+        pause = 0.0  # the first poll goes out at once
         while True:
-            await asyncio.sleep(self.poll_interval_s)
+            if pause > 0:
+                await asyncio.sleep(pause)
+            pause = self.poll_interval_s  # after an error or an answer without news from a worker without long poll
+            asked = clock()
             if not ws[t.source].healthy:
                 self._fail(t, "source became unhealthy during the copy")
                 return
@@ -340,9 +356,11 @@ class Planner:
                 self._fail(t, "target became unhealthy during the copy")
                 return
             try:
-                async with self._session().get(url, timeout=self.timeout) as resp:
+                async with self._session().get(url, params=params, timeout=self.timeout) as resp:
                     status = resp.status
                     body = await resp.json(content_type=None) if status == 200 else None
+                    long_poll = resp.headers.get(LONG_POLL_HEADER) == "1"
+                    params["since"] = resp.headers.get("X-BTB-Copy-Version", "")
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
                 errors += 1
                 if errors >= 3:
@@ -361,7 +379,7 @@ class Planner:
             errors = 0
             changed = False
             for attr, key in (("bytes_sent", "bytes_sent"), ("bytes_total", "bytes_total"),
-                              ("blocks_verified", "blocks_verified")):
+                              ("blocks_verified", "blocks_verified"), ("blocks_available", "blocks_available")):
                 v = body.get(key)
                 if isinstance(v, int) and v != getattr(t, attr):
                     setattr(t, attr, v)
@@ -375,6 +393,8 @@ class Planner:
                 return
             if changed:
                 self._changed(t)
+            # a worker that holds polls answers at the copy's next change: ask again at once
+            pause = 0.0 if long_poll else max(0.0, self.poll_interval_s - (clock() - asked))
             if clock() >= deadline:
                 self._fail(t, f"no outcome after {self.copy_timeout_s:g} s")
                 return

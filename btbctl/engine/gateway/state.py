@@ -104,12 +104,16 @@ class WorkerState:
     holdings: OrderedDict = field(default_factory=OrderedDict)
     pending: dict = field(default_factory=dict)
     prefill_chains: dict = field(default_factory=dict)
+    prefill_tokens: dict = field(default_factory=dict)
+    version: int = 0
+    """Bumped whenever holdings or in-flight prefills change (keys the fleet state's queue estimates)."""
 
     # -- holdings ----------------------------------------------------------------------------------------------
 
     def hold(self, chain: Sequence[Hashable]) -> None:
         """Record ``chain`` as resident here (deepest block first; LRU-bounded by ``capacity_blocks``)."""
         h = self.holdings
+        self.version += 1
         for b in reversed(chain):
             if b in h:
                 h.move_to_end(b)
@@ -154,9 +158,13 @@ class WorkerState:
                 hi = mid - 1
         return lo
 
-    def start_prefill(self, rid: object, chain: Sequence[Hashable]) -> None:
-        """A request ``rid`` with ``chain`` was sent here and has no first byte yet."""
+    def start_prefill(self, rid: object, chain: Sequence[Hashable], tokens: int = 0) -> None:
+        """A request ``rid`` with ``chain`` (and ``tokens`` prompt tokens, 0 when unknown) was sent here and has no
+        first byte yet."""
         self.prefilling += 1
+        self.version += 1
+        if tokens > 0:
+            self.prefill_tokens[rid] = tokens
         if chain:
             self.prefill_chains[rid] = chain
             self.add_pending(chain)
@@ -164,6 +172,8 @@ class WorkerState:
     def end_prefill(self, rid: object) -> None:
         """Request ``rid`` produced its first byte here or ended without one."""
         self.prefilling -= 1
+        self.version += 1
+        self.prefill_tokens.pop(rid, None)
         chain = self.prefill_chains.pop(rid, None)
         if chain:
             self.drop_pending(chain)
@@ -185,6 +195,7 @@ class WorkerState:
     def forget(self) -> None:
         """Drop the holding record (the worker died or restarted)."""
         self.holdings.clear()
+        self.version += 1
 
     @property
     def replication_note(self) -> str:
@@ -210,6 +221,8 @@ class Transfer:
         waited: the job had to wait for the source's compute.
         bytes_sent / bytes_total: bytes, from the source's ``/btb/copies/{id}`` (``bytes_total`` 0 until known).
         blocks_verified: blocks the target verified so far.
+        blocks_available: leading blocks the source has computed so far (the copy trails its prefill until this
+            reaches the chain's length); -1 while the source has not said.
         created_s / started_s / finished_s: gateway ``now_s`` (None until reached).
         error: the reason of a failure.
         manual: started through the control API (else by the policy).
@@ -224,6 +237,7 @@ class Transfer:
     bytes_sent: int = 0
     bytes_total: int = 0
     blocks_verified: int = 0
+    blocks_available: int = -1
     created_s: float = 0.0
     started_s: float | None = None
     finished_s: float | None = None
@@ -261,13 +275,16 @@ class TransferTable:
         self.by_id: dict[str, Transfer] = {}
         self.active: dict[tuple[int, Hashable], Transfer] = {}
         self.recent: deque[Transfer] = deque(maxlen=recent)
+        self.version = 0  # bumped when a copy starts or ends
 
     def add(self, t: Transfer) -> None:
         self.by_id[t.copy_id] = t
         self.active[(t.target, t.key)] = t
+        self.version += 1
 
     def finish(self, t: Transfer) -> None:
         """Move ``t`` (already ``done`` or ``failed``) to the recent list."""
+        self.version += 1
         if self.active.get((t.target, t.key)) is t:
             del self.active[(t.target, t.key)]
         if len(self.recent) == self.recent.maxlen:
@@ -278,6 +295,17 @@ class TransferTable:
 
     def in_flight(self, target: int, key: Hashable) -> bool:
         return (target, key) in self.active
+
+    def depth_to(self, target: int, chain: Sequence[Hashable]) -> int:
+        """Length of the longest copy in flight to ``target`` whose chain is a leading part of ``chain`` (0 when
+        none). O(copies in flight)."""
+        best = 0
+        n = len(chain)
+        for (r, key), t in self.active.items():
+            m = len(t.chain)
+            if r == target and best < m <= n and chain[m - 1] == key:
+                best = m
+        return best
 
     def for_key(self, key: Hashable) -> list[Transfer]:
         """Copies of prefix ``key``, in flight first, then recent (newest first)."""
@@ -504,6 +532,7 @@ class FleetState:
         self.excluded: frozenset[int] = frozenset()
         self.page_size = 256
         self._cost = None
+        self._queues: dict[int, tuple] = {}
 
     # -- FleetView ---------------------------------------------------------------------------------------------
 
@@ -523,9 +552,14 @@ class FleetState:
         return self.workers[replica].held_blocks(chain)
 
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """Leading blocks of ``chain`` recorded as resident on ``replica``, being computed there by a request the
+        gateway has in flight, or arriving there by a copy in flight (0 when unavailable)."""
         if not self.available(replica):
             return 0
-        return self.workers[replica].pending_or_held(chain)
+        n = self.workers[replica].pending_or_held(chain)
+        if self.transfers.active:
+            n = max(n, self.transfers.depth_to(replica, chain))
+        return n
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and self.transfers.in_flight(replica, chain[-1])
@@ -544,49 +578,91 @@ class FleetState:
 
     def expected_wait_s(self, replica: int) -> float:
         """Estimate: requests on ``replica`` still waiting for their first byte x its smoothed TTFT (0 when none
-        or unknown). The gateway has no prefill cost model of the workers; this is what it measures."""
+        or unknown). Measured, not modelled; :meth:`queued_prefill_s` is the modelled estimate."""
         w = self.workers[replica]
         return w.prefilling * (w.ttft_ewma_s or 0.0)
 
+    def _queue(self, replica: int) -> tuple[float, dict]:
+        """``(seconds of queued prefill, {block: [requests, seconds]})`` of the requests the gateway has on
+        ``replica`` without a first byte yet, modelled as the simulator's view does (``queued_prefill_s``,
+        ``waiting_groups``): in the order they were sent, each reuses the leading blocks recorded as resident
+        there, arriving by a copy in flight there, or computed by a request sent there before it, and computes
+        the rest of its prompt, at the FLOPs of :attr:`cost` (attention term included) over its achieved FLOP/s.
+        A request that reuses blocks not resident yet waits for the deepest of them: the groups. Cached until the
+        worker's requests, holdings or the copies change. O(prompt blocks) per request."""
+        w = self.workers[replica]
+        key = (w.version, self.transfers.version)
+        memo = self._queues.get(replica)
+        if memo is not None and memo[0] == key:
+            return memo[1], memo[2]
+        cost = self.cost
+        rate = cost.flops * cost.mfu
+        bt = self.page_size
+        total = 0.0
+        groups: dict = {}
+        seen: set = set()
+        copies = bool(self.transfers.active)
+        for rid, chain in w.prefill_chains.items():
+            tokens = w.prefill_tokens.get(rid) or len(chain) * bt
+            held = w.held_blocks(chain)
+            k = held
+            if copies:
+                k = max(k, self.transfers.depth_to(replica, chain))
+            n = len(chain)
+            while k < n and chain[k] in seen:
+                k += 1
+            for b in chain[k:]:
+                seen.add(b)
+            have = min(k * bt, tokens - 1) if tokens > 1 else 0
+            work = cost.prefill_flops(tokens - have, have) / rate
+            total += work
+            if k > held:
+                g = groups.setdefault(chain[k - 1], [0, 0.0])
+                g[0] += 1
+                g[1] += work
+        for rid in w.prefill_tokens.keys() - w.prefill_chains.keys():  # prompts shorter than one block
+            t = w.prefill_tokens[rid]
+            total += cost.prefill_flops(t, 0) / rate
+        self._queues[replica] = (key, total, groups)
+        return total, groups
+
     def queued_prefill_s(self, replica: int) -> float:
-        """Same estimate as :meth:`expected_wait_s` (measured, not modelled)."""
-        return self.expected_wait_s(replica)
+        """Seconds of prefill compute queued on ``replica``: the requests the gateway has there without a first
+        byte yet, each for the prompt tokens it computes (see :meth:`_queue`). The gateway sees only its own
+        requests, and counts a request's prefill as queued until its first byte (no elapsed part)."""
+        return self._queue(replica)[0]
 
     def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        """Leading blocks resident or being computed by a request the gateway has in flight there (the gateway
-        does not see the worker's own queue apart from its requests, so this equals :meth:`pending_blocks`)."""
+        """Leading blocks resident, arriving by copy, or being computed by a request the gateway has in flight
+        there (the gateway does not see the worker's own queue apart from its requests, so this equals
+        :meth:`pending_blocks`)."""
         return self.pending_blocks(replica, chain)
 
     def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
-        """Estimate: requests the gateway has prefilling on ``replica`` that compute the first block of ``chain``
-        not recorded as resident there, x its smoothed TTFT (0 when every block is resident or nobody computes
-        the next one)."""
-        w = self.workers[replica]
-        k = w.held_blocks(chain)
-        if k >= len(chain):
+        """Seconds of :meth:`queued_prefill_s` on ``replica`` that belong to requests waiting for the same
+        not-yet-resident block a new request with ``chain`` would wait for (the deepest of its
+        :meth:`planned_blocks`); 0 when those blocks are resident."""
+        n = self.planned_blocks(replica, chain)
+        if not n or n <= self.workers[replica].held_blocks(chain):
             return 0.0
-        n = w.pending.get(chain[k], 0)
-        return n * (w.ttft_ewma_s or 0.0)
+        g = self._queue(replica)[1].get(chain[n - 1])
+        return g[1] if g else 0.0
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
-        """Requests the gateway has prefilling on ``replica``, grouped by the first block of their chain not
-        recorded as resident there: ``(block hash, requests, requests x smoothed TTFT)``; requests whose chain is
-        all resident (or empty) are left out."""
-        w = self.workers[replica]
-        groups: dict = {}
-        for chain in w.prefill_chains.values():
-            k = w.held_blocks(chain)
-            if k < len(chain):
-                groups[chain[k]] = groups.get(chain[k], 0) + 1
-        per = w.ttft_ewma_s or 0.0
-        return [(b, n, n * per) for b, n in groups.items()]
+        """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
+        yet (arriving by a copy, or computed there by a request sent before them), grouped by the deepest such
+        block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`)."""
+        return [(b, g[0], g[1]) for b, g in self._queue(replica)[1].items()]
 
     def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
         return self.transfers.active.get((replica, chain[-1])) if chain else None
 
     def copy_status(self, replica: int, chain: Sequence[Hashable]):
-        """The in-flight copy of ``chain`` towards ``replica`` as a ``CopyStatus`` (bytes from the source's
-        progress answers; ``available_bytes`` is 0 while the source is still computing the prefix), or None."""
+        """The in-flight copy of ``chain`` towards ``replica`` as a ``CopyStatus``, or None. Bytes come from the
+        source's progress answers; ``available_bytes`` is the part of the chain the source has computed so far
+        (0 before it said); ``rate_bytes_per_s`` is the average since sending started once every block is
+        available, else 0 (while the copy trails the source's prefill its average rate says nothing about the
+        fabric)."""
         t = self._copy(replica, chain)
         if t is None:
             return None
@@ -594,9 +670,12 @@ class FleetState:
 
         now = self.clock()
         total = float(t.bytes_total)
-        avail = 0.0 if t.state == "stalled" else total
+        if t.blocks_available >= 0 and t.chain:  # the source said how far its prefill is
+            avail = total * min(1.0, t.blocks_available / len(t.chain))
+        else:
+            avail = 0.0 if t.state == "stalled" else total
         return CopyStatus(source=t.source, total_bytes=total, sent_bytes=float(t.bytes_sent),
-                          available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now))
+                          available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now) if avail >= total else 0.0)
 
     def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
         """Seconds left of the in-flight copy of ``chain`` to ``replica`` at its average rate (None: none, not
