@@ -11,9 +11,12 @@ over from one router to the next:
 1. **Burst TTFT.** One compressed Bursted burst (``--burst-size`` requests sharing a ``--prefix-blocks`` x 256-token
    prefix plus a unique 256-token suffix, arriving evenly over ``--spread-s`` seconds; repeated for every value of
    ``--prefix-blocks``) is replayed with ``btbctl bench``'s client against: ``smg launch --policy cache_aware``
-   (its defaults), the btbctl gateway with ``btb`` (``prefix_blocks`` set to the burst's prefix) and the btbctl
-   gateway with ``cache_aware``. Reports mean/p50/p95 TTFT, how many workers served the burst, and the ratio
-   ``btb p95 / smg p95`` (goal: at most 0.5).
+   (its defaults), the btbctl gateway with ``btb`` and with ``btb_plus`` (``prefix_blocks`` set to the burst's
+   prefix) and the btbctl gateway with ``cache_aware`` (``--routers`` picks a subset). Reports mean/p50/p95 TTFT,
+   the requests each worker served, the first answer's time, each copy's start and finish (from the source
+   workers' ``/btb/copies``, seconds after the replay started), and the ratios ``btb p95 / smg p95`` and
+   ``btb_plus p95 / smg p95`` (goal: at most 0.5). ``--repeat N`` runs every round N times; the ratios are then
+   per run and their median.
 2. **Gateway overhead.** Workers started with ``--zero-delay`` (they answer at once), short unique prompts
    (``--overhead-tokens``), ``max_new_tokens`` 1, no streaming. A closed loop of ``--overhead-requests`` requests
    is sent (a) round-robin straight to the workers (no router), (b) through smg, (c) through the btbctl gateway:
@@ -21,7 +24,7 @@ over from one router to the next:
    at ``--overhead-concurrency`` the requests per second give the throughput at saturation (goal: btbctl >= smg).
 
 Client, workers and routers share this machine's cores, so absolute numbers depend on it; ratios measured in the
-same run are the result. ``--skip-smg`` runs the btbctl parts alone.
+same run are the result. ``--skip-smg`` runs the btbctl parts alone; ``--skip-overhead`` skips part 2.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +51,8 @@ from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 #: smg release the comparison was written against (REFERENCE.md s4).
 SMG_VERSION = "1.13.0"
 WORKERS = 4
+#: Routers of the burst part, in the order they run.
+ROUTERS = ("smg cache_aware", "btbctl btb", "btbctl btb_plus", "btbctl cache_aware")
 
 
 class Fleet:
@@ -125,11 +131,46 @@ def burst_round(router: str, args, logdir: Path, prefix_blocks: int) -> dict:
             target = fleet.smg(args.smg, urls)
         else:
             target = fleet.btbctl_gateway(urls, router.split()[-1], prefix_blocks)
-        rep = replay(trace, BenchOptions(target)).as_dict()
+        unix0 = time.time()
+        report = replay(trace, BenchOptions(target))
+        rep = report.as_dict()
         counts = [worker_counters(u) for u in urls]
+        copies = copy_timeline(urls, unix0)
+    ok = [r for r in report.results if r.ttft_s is not None]
     return {"router": router, "prefix_blocks": prefix_blocks, "requests": rep["requests"], "errors": rep["errors"],
             "ttft_s": rep["ttft_s"], "workers_used": sum(1 for c in counts if c["requests"] > 0),
-            "prefill_tokens_computed": sum(c["prompt_tokens"] - c["cached_tokens"] for c in counts)}
+            "served_per_worker": [c["requests"] for c in counts],
+            "prefill_tokens_computed": sum(c["prompt_tokens"] - c["cached_tokens"] for c in counts),
+            "first_answer_s": min((r.sent_s + r.ttft_s for r in ok), default=None), "copies": copies}
+
+
+def copy_timeline(urls: list[str], unix0: float) -> list[dict]:
+    """The copies the workers sent (source records of ``GET /btb/copies``): ``{"source", "target" (worker
+    index or the transfer address), "state", "blocks", "started_s", "finished_s"}`` with times in seconds after
+    ``unix0`` (the replay's start, Unix seconds), oldest first. Plain SGLang workers (404) contribute nothing."""
+    addrs = {}
+    for i, u in enumerate(urls):
+        try:
+            with urllib.request.urlopen(u + "/btb/info", timeout=10) as r:
+                addrs[json.loads(r.read()).get("transfer_addr")] = i
+        except (OSError, ValueError):
+            pass
+    out = []
+    for i, u in enumerate(urls):
+        try:
+            with urllib.request.urlopen(u + "/btb/copies", timeout=10) as r:
+                recs = json.loads(r.read()).get("copies", [])
+        except (OSError, ValueError):
+            continue
+        for c in recs:
+            if c.get("role") != "source":
+                continue
+            fin = c.get("finished_s")
+            out.append({"source": i, "target": addrs.get(c.get("peer"), c.get("peer")), "state": c.get("state"),
+                        "blocks": c.get("blocks"), "started_s": round(c["started_s"] - unix0, 3),
+                        "finished_s": None if fin is None else round(fin - unix0, 3)})
+    out.sort(key=lambda c: c["started_s"])
+    return out
 
 
 def worker_counters(url: str) -> dict:
@@ -225,6 +266,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smg", default=shutil.which("smg"), help="smg executable (default: smg on PATH)")
     ap.add_argument("--skip-smg", action="store_true", help="measure the btbctl gateway only")
+    ap.add_argument("--skip-overhead", action="store_true", help="run the burst part only")
+    ap.add_argument("--routers", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                    default=list(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS))
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every burst round (default 1)")
     ap.add_argument("--burst-size", type=int, default=80)
     ap.add_argument("--prefix-blocks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64],
                     help="comma-separated prefix lengths in 256-token blocks (default 8,64)")
@@ -239,24 +284,42 @@ def main() -> int:
     if not args.skip_smg and not args.smg:
         sys.stderr.write(f"smg not found: pip install smg=={SMG_VERSION} (or pass --smg PATH, or --skip-smg)\n")
         return 2
-    routers = (["smg cache_aware"] if not args.skip_smg else []) + ["btbctl btb", "btbctl cache_aware"]
+    unknown = [r for r in args.routers if r not in ROUTERS]
+    if unknown or args.repeat < 1:
+        sys.stderr.write(f"bench_router: unknown router(s) {unknown}; valid: {', '.join(ROUTERS)}; "
+                         "--repeat must be >= 1\n")
+        return 2
+    routers = [r for r in args.routers if not (args.skip_smg and r.startswith("smg"))]
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         logdir = Path(tmp)
         try:
-            burst = [burst_round(r, args, logdir, pb) for pb in args.prefix_blocks for r in routers]
-            over = overhead(args, logdir)
+            burst = []
+            for run in range(args.repeat):
+                for pb in args.prefix_blocks:
+                    for r in routers:
+                        row = burst_round(r, args, logdir, pb)
+                        row["run"] = run
+                        burst.append(row)
+            over = [] if args.skip_overhead else overhead(args, logdir)
         except BtbctlError as e:
             sys.stderr.write(f"bench_router: error: {e}\n")
             return 2
-    ratios = {}
+    ratios: dict = {}
     for pb in args.prefix_blocks:
-        by = {r["router"]: r for r in burst if r["prefix_blocks"] == pb}
-        if "smg cache_aware" in by and by["smg cache_aware"]["ttft_s"]["p95"]:
-            ratios[f"btb_p95_over_smg_p95@{pb}"] = by["btbctl btb"]["ttft_s"]["p95"] / by["smg cache_aware"]["ttft_s"]["p95"]
-        ratios[f"btb_p95_over_btbctl_cache_aware_p95@{pb}"] = (by["btbctl btb"]["ttft_s"]["p95"]
-                                                               / by["btbctl cache_aware"]["ttft_s"]["p95"])
+        for num, den in (("btbctl btb", "smg cache_aware"), ("btbctl btb_plus", "smg cache_aware"),
+                         ("btbctl btb", "btbctl cache_aware"), ("btbctl btb_plus", "btbctl cache_aware")):
+            per_run = []
+            for run in range(args.repeat):
+                by = {r["router"]: r for r in burst if r["prefix_blocks"] == pb and r["run"] == run}
+                if num in by and den in by and by[den]["ttft_s"]["p95"]:
+                    per_run.append(by[num]["ttft_s"]["p95"] / by[den]["ttft_s"]["p95"])
+            if per_run:
+                name = f"{num.split()[-1]}_p95_over_{den.replace('btbctl ', 'btbctl_').replace('smg ', 'smg_')}_p95@{pb}"
+                ratios[name] = statistics.median(per_run)
+                if args.repeat > 1:
+                    ratios[name + "_runs"] = per_run
     ov = {r["target"]: r for r in over}
-    if "smg cache_aware" in ov:
+    if "smg cache_aware" in ov and "btbctl btb" in ov:
         ratios["btbctl_over_smg_throughput"] = ov["btbctl btb"]["requests_per_s"] / ov["smg cache_aware"]["requests_per_s"]
     result = {"smg_version": SMG_VERSION if not args.skip_smg else None, "burst": burst, "overhead": over,
               "ratios": ratios}
@@ -264,21 +327,33 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"burst: {args.burst_size} requests over {args.spread_s:g} s, 4 emulated Llama-3.3-70B workers (4xH100)")
-    print(f"{'router':22} {'prefix':>8} {'mean ms':>9} {'p50 ms':>9} {'p95 ms':>9} {'workers':>8} "
-          f"{'prefilled':>10} {'errors':>7}")
+    print(f"{'router':22} {'run':>3} {'prefix':>7} {'mean ms':>8} {'p50 ms':>8} {'p95 ms':>8} {'served':>14} "
+          f"{'prefilled':>9} {'1st ms':>7} {'err':>4}  copies (source>target start-finish ms)")
     for r in burst:
         t = r["ttft_s"]
-        print(f"{r['router']:22} {r['prefix_blocks'] * 256:>8} {t['mean'] * 1000:>9.1f} {t['p50'] * 1000:>9.1f} "
-              f"{t['p95'] * 1000:>9.1f} {r['workers_used']:>8} {r['prefill_tokens_computed']:>10} {r['errors']:>7}")
-    print("(prefilled: prompt tokens the workers computed, i.e. not served from their prefix cache)")
-    print(f"\noverhead: zero-delay workers, {args.overhead_tokens}-token prompts")
-    print(f"{'target':22} {'p50 ms @1':>10} {'added p50 ms':>13} {'req/s @' + str(args.overhead_concurrency):>12}")
-    for r in over:
-        print(f"{r['target']:22} {r['p50_s_at_c1'] * 1000:>10.2f} {r['added_p50_ms']:>13.2f} "
-              f"{r['requests_per_s']:>12.0f}")
+        served = "/".join(str(x) for x in r["served_per_worker"])
+        first = r["first_answer_s"] * 1000 if r["first_answer_s"] is not None else float("nan")
+        copies = " ".join(f"{c['source']}>{c['target']} {c['started_s'] * 1000:.0f}-"
+                          f"{'?' if c['finished_s'] is None else round(c['finished_s'] * 1000)}"
+                          f"{'' if c['state'] == 'done' else ' ' + str(c['state'])}" for c in r["copies"])
+        print(f"{r['router']:22} {r['run']:>3} {r['prefix_blocks'] * 256:>7} {t['mean'] * 1000:>8.1f} "
+              f"{t['p50'] * 1000:>8.1f} {t['p95'] * 1000:>8.1f} {served:>14} {r['prefill_tokens_computed']:>9} "
+              f"{first:>7.0f} {r['errors']:>4}  {copies}")
+    print("(served: requests per worker; prefilled: prompt tokens the workers computed, i.e. not served from their "
+          "prefix cache; 1st: the first answer's time after the replay started)")
+    if over:
+        print(f"\noverhead: zero-delay workers, {args.overhead_tokens}-token prompts")
+        print(f"{'target':22} {'p50 ms @1':>10} {'added p50 ms':>13} "
+              f"{'req/s @' + str(args.overhead_concurrency):>12}")
+        for r in over:
+            print(f"{r['target']:22} {r['p50_s_at_c1'] * 1000:>10.2f} {r['added_p50_ms']:>13.2f} "
+                  f"{r['requests_per_s']:>12.0f}")
     print()
     for k, v in ratios.items():
-        print(f"{k}: {v:.2f}")
+        if isinstance(v, list):
+            print(f"{k}: " + ", ".join(f"{x:.2f}" for x in v))
+        else:
+            print(f"{k}: {v:.2f}" + (" (median of runs)" if args.repeat > 1 else ""))
     return 0
 
 
