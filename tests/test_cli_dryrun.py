@@ -415,7 +415,12 @@ def test_examples_readme_lists_every_example():
     tomls = sorted(EXAMPLES.glob("*.toml"))
     assert tomls
     for toml in tomls:
-        command = "btbctl up -d -c" if toml.name.startswith("cluster-") else "btbctl dry-run -c"
+        if toml.name.startswith("cluster-"):
+            command = "btbctl up -d -c"
+        elif toml.name.endswith("-matrix.toml"):  # experiment matrices for `btbctl report`
+            command = "btbctl report"
+        else:
+            command = "btbctl dry-run -c"
         assert f"{command} examples/{toml.name}" in text, toml.name
 
 
