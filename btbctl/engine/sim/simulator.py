@@ -61,6 +61,8 @@ class RequestRecord:
     prefill_tokens: int
     finish_s: float
     input_tokens: int = 0
+    #: prompt tokens this request computed while the same blocks were resident or being computed on another
+    #: replica (redundant prefix work a copy could have saved)
     recomputed_prefix_tokens: int = 0
 
     def as_dict(self) -> dict:
@@ -348,6 +350,7 @@ class Simulator:
         self.max_running = cluster.max_running
         self.bytes_per_block = self.block_tokens * self.cost.model.kv_bytes_per_token
         self.fleet_blocks: dict[Hashable, int] = {}  # block -> replicas holding it (for recompute accounting)
+        self.fleet_computing: dict[Hashable, int] = {}  # block -> prefills computing it right now, fleet-wide
         self.replicas = [
             _Replica(i, PrefixCache(self.cost.kv_budget_tokens, self.block_tokens, self._on_insert, self._on_evict))
             for i in range(cluster.replicas)
@@ -680,18 +683,20 @@ class Simulator:
                 del rep.dep_count[key]
                 del rep.dep_flops[key]
             rq.dep_key = None
-        fleet = self.fleet_blocks
         est = self.cost.prefill_flops(inp - cached_tokens, cached_tokens)
         rep.queued_flops += est - rq.est_flops
         rq.est_flops = est
         if matched and rep.copied:
             self._note_copy_use(rep, chain, matched)
+        fleet, computing = self.fleet_blocks, self.fleet_computing
         recomputed = 0
         for k in range(matched, n_blocks):
             h = chain[k]
             rep.pending[h] = rq
-            if h in fleet:
+            c = computing.get(h, 0)
+            if c or h in fleet:  # resident or being computed on another replica: redundant work
                 recomputed += max(0, min(bt, inp - k * bt))
+            computing[h] = c + 1
         rq.recomputed = recomputed
         rep.prefilling.append(rq)
         return "ok"
@@ -722,6 +727,11 @@ class Simulator:
                 h = chain[k]
                 if rep.pending.get(h) is rq:
                     del rep.pending[h]
+                c = self.fleet_computing.get(h, 0) - 1
+                if c > 0:
+                    self.fleet_computing[h] = c
+                else:
+                    self.fleet_computing.pop(h, None)
                 cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
                 if copied:
                     copied.pop(h, None)
