@@ -33,6 +33,15 @@ def report(
     m = load_matrix(matrix)
     if jobs is not None and jobs < 1:
         raise ConfigError("--jobs", f"must be an integer >= 1, got {jobs}")
+    # Fail on an unusable --out now, not after every simulation ran (the evidence matrix takes minutes).
+    import os
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("--out", f"cannot create {out_dir}: {e.strerror or e}") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ConfigError("--out", f"cannot write into {out_dir}: permission denied")
     total = len(m.setups) * len(m.workloads) * len(m.fidelities) * len(m.policies)
     with out.progress(f"running {total} simulations", total) as advance:
         rep = run_matrix(m, progress=advance, jobs=jobs)

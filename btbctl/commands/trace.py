@@ -81,6 +81,12 @@ def gen(
     )
     base_trace = read_trace(base, base_format) if base is not None else None
     trace = generate_bursted(params, seed=seed, base=base_trace)
+    if not len(trace):
+        from btbctl.engine.errors import BtbctlError
+
+        # An empty file would be refused by every reader ("no requests"); say so now and write nothing.
+        raise BtbctlError("the window has no requests (no bursts, no decoys, no background arrivals); set --bursts, "
+                          "--decoys or --background-rps; nothing written")
     rows = write_btb_mixed(trace, out_path)
     summary = audit_trace(trace, ks=(), windows_s=())
     kinds = ", ".join(f"{k} {n}" for k, n in summary["kinds"].items())

@@ -31,7 +31,7 @@ class ClusterConfig(BaseModel):
     """A fleet of identical replicas. Defaults: the published BTB setting, 4 replicas of Llama-3.3-70B on
     4xH100 with 400 Gb/s (50 GB/s) of NIC per GPU (REFERENCE.md s1, s2)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str = "llama-3.3-70b"
     """Model preset name (``btbctl presets``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from btbctl.engine.errors import ConfigError
@@ -27,13 +28,14 @@ class BtbConstants:
     replicas: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prefix_blocks, int) or self.prefix_blocks < 1:
+        if isinstance(self.prefix_blocks, bool) or not isinstance(self.prefix_blocks, int) or self.prefix_blocks < 1:
             raise ConfigError("prefix_blocks", f"must be an integer >= 1, got {self.prefix_blocks!r}")
-        if not isinstance(self.threshold, int) or self.threshold < 1:
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 1:
             raise ConfigError("threshold", f"must be an integer >= 1, got {self.threshold!r}")
-        if not isinstance(self.window_s, (int, float)) or not self.window_s > 0:
-            raise ConfigError("window_s", f"must be a number > 0, got {self.window_s!r}")
-        if not isinstance(self.replicas, int) or self.replicas < 1:
+        if (isinstance(self.window_s, bool) or not isinstance(self.window_s, (int, float))
+                or not 0 < self.window_s < math.inf):
+            raise ConfigError("window_s", f"must be a finite number > 0, got {self.window_s!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ConfigError("replicas", f"must be an integer >= 1, got {self.replicas!r}")
 
     def with_updates(self, **changes) -> "BtbConstants":

@@ -74,7 +74,7 @@ class GenerateSection(BaseModel):
     burst, decoy window order, background length range) are checked by ``BurstedParams``.
     """
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
 
     bursts: int = Field(8, ge=0)
     """Number of burst jobs in the window."""
@@ -131,7 +131,7 @@ class TraceSource(BaseModel):
     """Where the requests come from: a trace file (``path``) or, when no path is given, a generated Bursted window
     (``generate``)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
 
     path: str | None = None
     """Trace file. In a config file a relative path resolves against the config file's folder; on the command
@@ -176,7 +176,7 @@ class TraceSource(BaseModel):
 class BtbSection(BaseModel):
     """BTB's four constants (published defaults: Birmiwal & Bhat, "Biting the Bullet", 2026)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
 
     prefix_blocks: int = Field(_DEFAULT_CONSTANTS.prefix_blocks, ge=1)
     """Y: length of the matched and copied prefix, in blocks of the trace's block size (256 x 256 tokens)."""
@@ -196,7 +196,7 @@ class DryRunConfig(BaseModel):
     """Everything a dry-run needs. Defaults: the published BTB setting (one generated Bursted window, 4 replicas
     of Llama-3.3-70B on 4xH100, the published constants) under the five default policies."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
 
     trace: TraceSource = Field(default_factory=TraceSource)
     """The requests: a trace file or a generated Bursted window."""
@@ -381,7 +381,7 @@ def load_trace(cfg: DryRunConfig) -> Trace:
     else ``cfg.seed``), or both merged (``trace.overlay``).
 
     Raises:
-        ConfigError: ``trace.path`` does not exist.
+        ConfigError: ``trace.path`` does not exist or is a directory.
         TraceFormatError: the file cannot be parsed (names the file and line).
     """
     src = cfg.trace
@@ -389,6 +389,10 @@ def load_trace(cfg: DryRunConfig) -> Trace:
         from btbctl.engine.trace.readers import read_trace
 
         if not os.path.isfile(src.path):
+            if os.path.isdir(src.path):
+                raise ConfigError("trace.path", f"{src.path} is a directory, not a trace file")
+            if os.path.exists(src.path):
+                raise ConfigError("trace.path", f"{src.path} is not a regular file")
             raise ConfigError("trace.path", f"no such trace file: {src.path}")
         base = read_trace(src.path, src.format)
         if not src.overlay:

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from btbctl import __version__
 from btbctl.engine.config import FIDELITIES, validate
-from btbctl.engine.dryrun import BtbSection, DryRunConfig, TraceSource, load_trace, round_floats
+from btbctl.engine.dryrun import BtbSection, DryRunConfig, TraceSource, _error, load_trace, round_floats
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.trace.model import Trace
 
@@ -50,7 +50,7 @@ CHARTS_EXTRA = "pip install 'btbctl[report]'"
 class WorkloadSpec(BaseModel):
     """One workload of a matrix: a name for tables and file names, and where its requests come from."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Short name (letters, digits, ``_.-``), used in headings and chart file names."""
@@ -63,7 +63,7 @@ class WorkloadSpec(BaseModel):
 class ReportMatrix(BaseModel):
     """A declared experiment matrix (see the module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
 
     title: str = "btbctl evidence report"
     """Heading of the report."""
@@ -105,11 +105,11 @@ class ReportMatrix(BaseModel):
     @classmethod
     def _unique_workloads(cls, v: list[WorkloadSpec]) -> list[WorkloadSpec]:
         if not v:
-            raise ValueError("at least one workload is needed")
+            raise _error("no_workloads", "at least one workload is needed")
         names = [w.name for w in v]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
-            raise ValueError(f"workload {dup!r} is listed twice")
+            raise _error("duplicate_workload", f"workload {dup!r} is listed twice")
         return v
 
     def dryrun_config(self, workload: WorkloadSpec, setup: str, fidelity: str) -> DryRunConfig:
@@ -121,12 +121,12 @@ class ReportMatrix(BaseModel):
 
 def _known(v: list[str], valid, what: str) -> list[str]:
     if not v:
-        raise ValueError(f"at least one {what} is needed; valid: {', '.join(valid)}")
+        raise _error(f"no_{what}", f"at least one {what} is needed; valid: {', '.join(valid)}")
     for name in v:
         if name not in valid:
-            raise ValueError(f"unknown {what} {name!r}; valid: {', '.join(valid)}")
+            raise _error(f"unknown_{what}", f"unknown {what} {name!r}; valid: {', '.join(valid)}")
     if len(set(v)) != len(v):
-        raise ValueError(f"a {what} is listed twice")
+        raise _error(f"duplicate_{what}", f"a {what} is listed twice")
     return v
 
 
@@ -135,7 +135,7 @@ def load_matrix(path: str | os.PathLike) -> ReportMatrix:
 
     Raises:
         ConfigError: unreadable file, invalid TOML (names the line), an unknown key or bad value (names the dotted
-            key and what is valid), a workload whose generator settings disagree.
+            key and what is valid), a workload whose generator settings disagree or whose trace file is missing.
     """
     from btbctl.engine.dryrun import _toml_error
 
@@ -159,6 +159,9 @@ def load_matrix(path: str | os.PathLike) -> ReportMatrix:
     for i, wl in enumerate(matrix.workloads):
         if wl.trace.path is not None and not os.path.isabs(wl.trace.path):
             wl.trace = wl.trace.model_copy(update={"path": os.path.normpath(os.path.join(folder, wl.trace.path))})
+        if wl.trace.path is not None and not os.path.isfile(wl.trace.path):
+            what = "is a directory, not a trace file" if os.path.isdir(wl.trace.path) else "no such trace file"
+            raise ConfigError(f"workloads.{i}.trace.path", f"{wl.trace.path}: {what}", spath)
         try:
             matrix.dryrun_config(wl, matrix.setups[0], matrix.fidelities[0]).check()
         except ConfigError as e:

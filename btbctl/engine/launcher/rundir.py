@@ -118,7 +118,15 @@ class RunState:
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunState":
+        """The state of a parsed ``state.json``. Raises ValueError or TypeError (naming the field) for a layout
+        this version cannot use, e.g. a process whose ``pid`` or ``pgid`` is not a positive integer: ``down``
+        signals those, so a damaged file must be refused rather than guessed at."""
         procs = [ProcessRecord(**p) for p in data.get("processes", [])]
+        for p in procs:
+            for key in ("pid", "pgid"):
+                v = getattr(p, key)
+                if type(v) is not int or v < 1:
+                    raise ValueError(f"process {p.name!r}: {key} must be a positive integer, got {v!r}")
         kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "processes"}
         return cls(processes=procs, **kw)
 
@@ -272,17 +280,17 @@ class RunDir:
     def load(self) -> RunState | None:
         """The recorded state, or None when there is none. Raises :class:`BtbctlError` for a corrupt file."""
         try:
-            raw = self.state_path.read_text(encoding="utf-8")
+            raw = self.state_path.read_bytes()
         except FileNotFoundError:
             return None
         except OSError as e:
             raise BtbctlError(f"cannot read {self.state_path}: {e.strerror or e}") from None
         try:
-            data = json.loads(raw)
+            data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
                 raise ValueError(f"unknown layout version {data.get('version') if isinstance(data, dict) else None}")
             return RunState.from_dict(data)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
             raise BtbctlError(f"{self.state_path}: unreadable run state ({e}); remove the file if no fleet from it "
                               f"is running") from None
 

@@ -24,6 +24,13 @@ from btbctl.engine.trace.model import Request, Trace
 
 #: ``spread_s`` of the adversarial Bursted variant: each burst's 500 requests arrive within 1 s (REFERENCE.md s3).
 ADVERSARIAL_SPREAD_S = 1.0
+#: Most requests one generated window may hold (the published window has 4,120). A product bound: past it the
+#: generator would run for minutes and fill memory before the simulator even starts; a typo such as
+#: ``background_rps = 1e9`` must fail at once with a message instead.
+MAX_GENERATED_REQUESTS = 10_000_000
+#: Most block hashes one generated window may hold, summed over its requests (shared burst prefixes counted once;
+#: the published window has about 37,000). Each is a small Python string, so 20 million is a couple of GB.
+MAX_GENERATED_BLOCKS = 20_000_000
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ class BurstedParams:
         offset_s: added to every generated arrival, to place the window inside a longer base trace (default 0.0).
 
     Raises:
-        ConfigError: a field out of range; the key is the field name.
+        ConfigError: a field out of range, or a window too large to generate (see :meth:`check_size`); the key
+            is the field name.
     """
 
     bursts: int = 8
@@ -124,6 +132,36 @@ class BurstedParams:
                                                              f"{self.background_input_max_tokens}")
         if self.background_end_s is not None and self.background_end_s < 0:
             raise ConfigError("background_end_s", f"must be >= 0 or unset, got {self.background_end_s}")
+        self.check_size(self.block_tokens)
+
+    def check_size(self, block_tokens: int) -> None:
+        """Refuse a window too large to generate: more than :data:`MAX_GENERATED_REQUESTS` requests (background
+        counted at its mean rate) or more than :data:`MAX_GENERATED_BLOCKS` block hashes with ``block_tokens``-token
+        blocks. Raises :class:`ConfigError` naming the field that contributes most."""
+        input_tokens = self.prefix_tokens + self.suffix_tokens
+        n_blocks = -(-input_tokens // block_tokens)
+        shared = self.prefix_tokens // block_tokens
+        burst_requests = self.bursts * self.burst_size
+        bg_s = 0.0
+        if self.background_rps > 0:
+            bg_s = self.background_end_s if self.background_end_s is not None else self.window_end_s()
+        bg_requests = self.background_rps * bg_s
+        requests = burst_requests + self.decoys + bg_requests
+        if requests > MAX_GENERATED_REQUESTS:
+            parts = {"burst_size": burst_requests, "decoys": self.decoys, "background_rps": bg_requests}
+            key = max(parts, key=parts.__getitem__)
+            raise ConfigError(key, f"the window would hold about {requests:,.0f} requests (bursts x burst_size "
+                                   f"{burst_requests:,} + decoys {self.decoys:,} + background about "
+                                   f"{bg_requests:,.0f}); at most {MAX_GENERATED_REQUESTS:,} are supported")
+        bg_mean_tokens = (self.background_input_min_tokens + self.background_input_max_tokens) // 2
+        bg_blocks = bg_requests * -(-bg_mean_tokens // block_tokens)
+        blocks = self.bursts * shared + burst_requests * (n_blocks - shared) + self.decoys * n_blocks + bg_blocks
+        if blocks > MAX_GENERATED_BLOCKS:
+            key = "background_input_max_tokens" if bg_blocks * 2 > blocks else "prefix_tokens"
+            raise ConfigError(key, f"the window would hold about {blocks:,.0f} block hashes ({input_tokens:,} "
+                                   f"prompt tokens in {block_tokens}-token blocks per request); at most "
+                                   f"{MAX_GENERATED_BLOCKS:,} are supported: use fewer or shorter requests or "
+                                   f"larger blocks")
 
     @classmethod
     def adversarial(cls, **changes) -> "BurstedParams":
@@ -175,6 +213,8 @@ def generate_bursted(params: BurstedParams | None = None, seed: int = 42, base: 
         raise ConfigError("seed", f"must be an integer, got {seed!r}")
     rng = random.Random(seed)
     block_tokens = base.block_tokens if base is not None else p.block_tokens
+    if block_tokens != p.block_tokens:
+        p.check_size(block_tokens)  # the base's block size may make the window larger
     ns = _namespace(seed, base)
     id_prefix = _id_prefix(base)
     trace_id = f"bursted-seed{seed}"

@@ -28,7 +28,8 @@ Shared rules:
   consumer of :class:`Request` relies on ``output_tokens >= 1``. Negative output lengths are errors.
 * Arrival order in the file does not matter; :class:`Trace` sorts by ``arrival_s`` (stable).
 * Blank lines are skipped; line numbers in errors are physical 1-based lines of the (decompressed) file.
-* A path ending in ``.gz`` is read through gzip. The file must be UTF-8 (a leading BOM is ignored).
+* A path ending in ``.gz`` is read through gzip. The file must be UTF-8 (a leading BOM is ignored). Devices and
+  sockets are refused (pipes are read).
 * Every problem raises :class:`TraceFormatError` naming the file and, where there is one, the line: unreadable
   file, non-UTF-8 bytes, malformed JSON, a value that is not a JSON object, a missing field (named), a wrong type,
   a non-finite or negative time, ``input_length < 1``, ``output_length < 0``, duplicate ``request_id``, an empty
@@ -44,6 +45,7 @@ import json
 import math
 import os
 import re
+import stat
 from datetime import date
 from typing import Callable
 
@@ -149,8 +151,12 @@ def detect_format(text: str, path: str | None = None) -> str:
 
 
 def _read_text(path: str) -> str:
-    """The file's text (gzip-decompressed for ``.gz``), decoded as UTF-8 with an optional BOM removed."""
+    """The file's text (gzip-decompressed for ``.gz``), decoded as UTF-8 with an optional BOM removed. Regular files
+    and pipes are read; a device or socket is refused (``/dev/zero`` would be read until memory runs out)."""
     try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+            raise TraceFormatError(path, "is a device or socket, not a trace file")
         if path.endswith(".gz"):
             import gzip
             import zlib

@@ -1,0 +1,226 @@
+"""Hostile inputs found by trying to break the CLI: each must end in one ``btbctl: error:`` line (exit 2) naming the
+key or flag, never a traceback, a hang or an unreadable output file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from btbctl.commands.app import main
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.launcher.rundir import RunDir
+from btbctl.engine.trace.generate import MAX_GENERATED_REQUESTS, BurstedParams, generate_bursted
+from btbctl.engine.trace.model import Request, Trace
+
+SMALL = ["--bursts", "1", "--burst-size", "5", "--decoys", "0", "--policies", "btb"]
+
+
+@pytest.fixture(autouse=True)
+def _no_debug(monkeypatch):
+    monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
+    monkeypatch.setenv("COLUMNS", "100")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = 0
+    try:
+        main(list(argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("btbctl: error: "), err
+    return lines[0]
+
+
+# -- BTB's constants and the config tree: non-finite floats and wrong types ------------------------------------------
+
+@pytest.mark.parametrize("window_s", [math.inf, -math.inf, math.nan, 0.0, True])
+def test_constants_refuse_a_window_that_is_not_a_finite_positive_number(window_s):
+    with pytest.raises(ConfigError) as e:
+        BtbConstants(window_s=window_s)
+    assert e.value.key == "window_s"
+
+
+@pytest.mark.parametrize("key", ["prefix_blocks", "threshold", "replicas"])
+def test_constants_refuse_booleans_as_integers(key):
+    with pytest.raises(ConfigError) as e:
+        BtbConstants(**{key: True})
+    assert e.value.key == key
+
+
+@pytest.mark.parametrize("flag", ["--window-s", "--nic-gbps"])
+def test_dry_run_refuses_infinite_flags_with_one_line(capsys, flag):
+    # used to print a traceback from the human header (the report held null for the infinite value)
+    code, out, err = run(capsys, "dry-run", *SMALL, flag, "inf")
+    assert code == 2 and out == ""
+    assert one_error_line(err).startswith(f"btbctl: error: {flag}: ")
+
+
+@pytest.mark.parametrize("toml, key", [
+    ("[btb]\nwindow_s = inf\n", "btb.window_s"),
+    ("[cluster]\nnic_gbps = inf\n", "cluster.nic_gbps"),
+    ("[cluster]\nreplicas = true\n", "cluster.replicas"),  # was taken as 1 replica
+    ('[cluster]\nreplicas = "4"\n', "cluster.replicas"),
+    ("[btb]\nthreshold = 2.0\n", "btb.threshold"),
+    ("seed = true\n", "seed"),
+])
+def test_config_values_of_the_wrong_type_or_not_finite_are_refused(capsys, tmp_path, toml, key):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    code, out, err = run(capsys, "dry-run", "-c", str(cfg), *SMALL)
+    assert code == 2 and out == ""
+    assert one_error_line(err).startswith(f"btbctl: error: {cfg}: {key}: ")
+
+
+def test_dry_run_on_a_directory_says_so(capsys, tmp_path):
+    code, _, err = run(capsys, "dry-run", "--trace", str(tmp_path))
+    assert code == 2
+    assert "is a directory" in one_error_line(err)
+
+
+# -- the generator: windows too large to generate, and empty ones -------------------------------------------------
+
+@pytest.mark.parametrize("changes, key", [
+    ({"background_rps": 1e9}, "background_rps"),
+    ({"bursts": 100_000, "burst_size": 1000}, "burst_size"),
+    ({"prefix_tokens": 10**12, "block_tokens": 1, "bursts": 1, "burst_size": 1, "decoys": 0}, "prefix_tokens"),
+])
+def test_generator_refuses_windows_too_large_to_build(changes, key):
+    with pytest.raises(ConfigError) as e:
+        BurstedParams(**changes)
+    assert e.value.key == key
+
+
+def test_generator_checks_the_size_again_with_the_base_trace_block_size():
+    p = BurstedParams(bursts=0, decoys=100, prefix_tokens=300_000, block_tokens=256)  # fine with 256-token blocks
+    base = Trace([Request("a", 0.0, 10, 1, (1,))], 1, "mooncake", None)  # ... but the base has 1-token blocks
+    with pytest.raises(ConfigError) as e:
+        generate_bursted(p, base=base)
+    assert e.value.key == "prefix_tokens"
+
+
+def test_the_published_window_is_far_below_the_bounds():
+    p = BurstedParams()
+    assert p.bursts * p.burst_size + p.decoys < MAX_GENERATED_REQUESTS / 1000
+
+
+def test_trace_gen_of_an_empty_window_writes_nothing(capsys, tmp_path):
+    out_path = tmp_path / "t.jsonl"
+    code, _, err = run(capsys, "trace", "gen", "--out", str(out_path), "--bursts", "0", "--decoys", "0")
+    assert code == 2 and "no requests" in one_error_line(err)
+    assert not out_path.exists()
+
+
+# -- the run directory: a damaged state.json ---------------------------------------------------------------------
+
+def _state(tmp_path, procs) -> RunDir:
+    rd = RunDir(tmp_path)
+    rd.state_path.write_text(json.dumps({"version": 1, "run_dir": str(tmp_path), "created_at": 0.0,
+                                         "detached": True, "processes": procs}))
+    return rd
+
+
+def _proc(**changes) -> dict:
+    return {"name": "worker-0", "role": "worker", "kind": "emulated", "pid": 12345, "pgid": 12345,
+            "start_time": "1", "argv": [], "log": "x.log", **changes}
+
+
+@pytest.mark.parametrize("changes", [{"pid": "abc"}, {"pid": None}, {"pgid": 0}, {"pgid": -1}, {"pid": True}])
+def test_state_with_unusable_process_ids_is_refused(tmp_path, changes):
+    # a pgid of 0 would make `down` signal its own process group
+    rd = _state(tmp_path, [_proc(**changes)])
+    with pytest.raises(BtbctlError, match="unreadable run state"):
+        rd.load()
+
+
+def test_state_that_is_not_utf8_is_refused(tmp_path, capsys):
+    rd = RunDir(tmp_path)
+    rd.state_path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(BtbctlError, match="unreadable run state"):
+        rd.load()
+    code, _, err = run(capsys, "status", "--run-dir", str(tmp_path))
+    assert code == 2 and "unreadable run state" in one_error_line(err)
+
+
+# -- report: fail before simulating -----------------------------------------------------------------------------
+
+MATRIX = """setups = ["70b_h100x4"]
+policies = ["btb"]
+[[workloads]]
+name = "w"
+[workloads.trace]
+path = "{path}"
+"""
+
+
+def test_report_refuses_an_unusable_out_before_simulating(capsys, tmp_path, monkeypatch):
+    from btbctl.engine import report as rp
+
+    m = tmp_path / "m.toml"
+    m.write_text(MATRIX.replace('path = "{path}"', "[workloads.trace.generate]\nbursts = 1\nburst_size = 2\n"
+                                                   "decoys = 0"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setattr(rp, "run_matrix", lambda *a, **k: pytest.fail("simulated before checking --out"))
+    code, _, err = run(capsys, "report", str(m), "--out", str(blocker), "--no-charts", "-j", "1")
+    assert code == 2 and one_error_line(err).startswith("btbctl: error: --out: ")
+
+
+def test_report_names_the_workload_of_a_missing_trace(capsys, tmp_path):
+    m = tmp_path / "m.toml"
+    m.write_text(MATRIX.format(path="missing.jsonl"))
+    code, _, err = run(capsys, "report", str(m), "--out", str(tmp_path / "r"))
+    assert code == 2
+    assert one_error_line(err).startswith(f"btbctl: error: {m}: workloads.0.trace.path: ")
+
+
+def test_report_errors_carry_no_pydantic_prefix(capsys, tmp_path):
+    m = tmp_path / "m.toml"
+    m.write_text('setups = ["70b_h100x4"]\npolicies = ["btb"]\nworkloads = []\n')
+    code, _, err = run(capsys, "report", str(m))
+    assert code == 2
+    assert one_error_line(err) == f"btbctl: error: {m}: workloads: at least one workload is needed"
+
+
+# -- devices are not traces ----------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_reading_a_device_is_refused_instead_of_filling_memory(capsys):
+    from btbctl.engine.errors import TraceFormatError
+    from btbctl.engine.trace.readers import read_trace
+
+    with pytest.raises(TraceFormatError, match="device"):
+        read_trace("/dev/zero")  # used to read until memory ran out
+    code, _, err = run(capsys, "trace", "audit", "/dev/zero")
+    assert code == 2 and "device" in one_error_line(err)
+    code, _, err = run(capsys, "dry-run", "--trace", "/dev/zero")
+    assert code == 2 and "not a regular file" in one_error_line(err)
+
+
+def test_a_pipe_is_still_read(tmp_path):
+    from btbctl.engine.trace.readers import read_trace
+
+    fifo = tmp_path / "t.fifo"
+    os.mkfifo(fifo)
+    line = json.dumps({"arrival_s": 0, "input_length": 10, "output_length": 1, "hash_ids": ["a"], "request_id": "1"})
+    import threading
+
+    def feed():
+        with open(fifo, "w") as f:
+            f.write(line + "\n")
+
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        assert len(read_trace(str(fifo))) == 1
+    finally:
+        t.join(5)
