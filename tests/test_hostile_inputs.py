@@ -224,3 +224,14 @@ def test_a_pipe_is_still_read(tmp_path):
         assert len(read_trace(str(fifo))) == 1
     finally:
         t.join(5)
+
+
+def test_bench_refuses_an_unwritable_requests_out_before_replaying(capsys, tmp_path, monkeypatch):
+    from btbctl.engine.launcher import bench as lb
+
+    monkeypatch.setattr(lb, "replay", lambda *a, **k: pytest.fail("replayed before checking --requests-out"))
+    code, _, err = run(capsys, "bench", "--target", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run"),
+                       "--burst-size", "2", "--prefix-blocks", "1",
+                       "--requests-out", str(tmp_path / "missing" / "r.jsonl"))
+    assert code == 2
+    assert one_error_line(err).startswith("btbctl: error: --requests-out: cannot write ")

@@ -119,6 +119,12 @@ def bench(
     opts = BenchOptions(target=target, time_scale=time_scale, max_requests=max_requests, concurrency=concurrency,
                         endpoint=endpoint, prompt_mode=prompt, model=model, timeout_s=timeout_s)
     opts.check()
+    if requests_out is not None:  # fail before the replay, not after it
+        try:
+            with open(requests_out, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            raise BtbctlError(f"--requests-out: cannot write {requests_out}: {e.strerror or e}") from None
     chosen = select_requests(tr, max_requests)
     n = len(chosen)
     span = (chosen[-1].arrival_s - chosen[0].arrival_s) if chosen else 0.0
@@ -128,5 +134,8 @@ def bench(
         report = replay(tr, opts, on_result=lambda _r: advance(1))
     report.served_by = served_delta(before, _served(control))
     if requests_out is not None:
-        write_results_jsonl(report.results, requests_out)
+        try:
+            write_results_jsonl(report.results, requests_out)
+        except OSError as e:
+            raise BtbctlError(f"--requests-out: cannot write {requests_out}: {e.strerror or e}") from None
     out.result(report.as_dict(), lambda d: _render(out, d))
