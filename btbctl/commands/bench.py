@@ -138,4 +138,7 @@ def bench(
             write_results_jsonl(report.results, requests_out)
         except OSError as e:
             raise BtbctlError(f"--requests-out: cannot write {requests_out}: {e.strerror or e}") from None
-    out.result(report.as_dict(), lambda d: _render(out, d))
+    data = report.as_dict()
+    out.result(data, lambda d: _render(out, d))
+    if data["requests"] and data["errors"] == data["requests"]:
+        raise BtbctlError(f"every request failed ({data['errors']} of {data['requests']}); is {target} serving?")

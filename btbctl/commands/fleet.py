@@ -77,8 +77,10 @@ def up(
         st = fleet.status(rd)
         out.result(st, lambda d: _render_status(out, d))
         if detach:
-            out.info("running in the background; stop it with `btbctl down`"
-                     + (f" --run-dir {rd.path}" if run_dir else ""))
+            import shlex
+
+            stop = f"btbctl down --run-dir {shlex.quote(str(rd.path))}" if run_dir else "btbctl down"
+            out.info(f"running in the background; stop it with `{stop}`")
             return
         out.info("press Ctrl-C to stop the fleet")
         fleet.supervise(rd, state, started, log=out.info)

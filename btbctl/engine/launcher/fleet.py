@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -74,7 +75,8 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
     live = rd.live_processes(state) + [p for p in state.processes if p.host]
     if live or rd.owner_alive(state):
         where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
-        raise BtbctlError(f"a fleet is already running from {rd.path} ({where}); stop it with `btbctl down` "
+        stop = "btbctl down" if rd.path == RunDir(None).path else f"btbctl down --run-dir {shlex.quote(str(rd.path))}"
+        raise BtbctlError(f"a fleet is already running from {rd.path} ({where}); stop it with `{stop}` "
                           f"(or use another --run-dir)")
     log(f"removing stale state of a fleet that is no longer running ({rd.state_path})")
     rd.clear()

@@ -176,7 +176,7 @@ class SimResult:
                 k: {"requests": len(v), "ttft_s": summarize(v, self.percentile_method)}
                 for k, v in sorted(by_kind.items())
             },
-            "prefix_hit_ratio": (cached / total_in) if total_in else 0.0,
+            "prefix_hit_ratio": (cached / total_in) if total_in else math.nan,  # NaN -> null in JSON reports
             "replications": self.replications,
             "replicated_bytes": self.replicated_bytes,
             "recomputed_prefix_tokens": sum(r.recomputed_prefix_tokens for r in recs),
