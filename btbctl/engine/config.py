@@ -118,4 +118,50 @@ def _model_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel]:
     return cls
 
 
-__all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "validate"]
+def read_toml(path, what: str = "config") -> dict:
+    """Parse the TOML file at ``path`` into plain data.
+
+    Raises:
+        ConfigError: the file cannot be read (``cannot read <what>``), is not UTF-8, or is not valid TOML (the key
+            position names the 1-based line and column).
+    """
+    import os
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+
+    spath = os.fspath(path)
+    try:
+        with open(spath, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError("file", f"cannot read {what}: {e.strerror or e}", spath) from None
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError("file", f"not UTF-8 text ({e.reason} at byte {e.start})", spath) from None
+    except tomllib.TOMLDecodeError as e:
+        raise toml_error(spath, e) from None
+
+
+def toml_error(path: str, err: Exception) -> ConfigError:
+    """A :class:`ConfigError` for a TOML syntax error, with the 1-based line (and column) in the key position."""
+    import re
+
+    msg = str(err)
+    line = getattr(err, "lineno", None)
+    col = getattr(err, "colno", None)
+    m = re.search(r"\(at line (\d+), column (\d+)\)\s*$", msg)
+    if m:
+        line, col = line or int(m.group(1)), col or int(m.group(2))
+        msg = msg[: m.start()].rstrip()
+    elif hasattr(err, "msg"):
+        msg = err.msg
+    where = f"line {line}" + (f", column {col}" if col else "") if line else "TOML"
+    return ConfigError(where, f"invalid TOML: {msg}", path)
+
+
+__all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "read_toml", "toml_error", "validate"]

@@ -32,7 +32,6 @@ import json
 import math
 import numbers
 import os
-import sys
 import time
 from typing import IO, Any, Callable, Literal
 
@@ -40,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 from btbctl import __version__
-from btbctl.engine.config import ClusterConfig, validate
+from btbctl.engine.config import ClusterConfig, read_toml, validate
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
@@ -330,23 +329,8 @@ def load_dryrun_config(path: str | os.PathLike) -> DryRunConfig:
         ConfigError: the file cannot be read, is not valid TOML (message names the file and line), or a key is
             unknown or has a bad value (message names the file, the dotted key and what is valid).
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
-
     spath = os.fspath(path)
-    try:
-        with open(spath, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError("file", f"cannot read config: {e.strerror or e}", spath) from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError("file", f"not UTF-8 text ({e.reason} at byte {e.start})", spath) from None
-    except tomllib.TOMLDecodeError as e:
-        raise _toml_error(spath, e) from None
+    data = read_toml(spath, "config")
     cfg = validate_config(data, spath)
     if cfg.trace.path is not None and not os.path.isabs(cfg.trace.path):
         resolved = os.path.normpath(os.path.join(os.path.dirname(spath), cfg.trace.path))
@@ -357,23 +341,6 @@ def load_dryrun_config(path: str | os.PathLike) -> DryRunConfig:
     except ConfigError as e:
         raise ConfigError(e.key, e.reason, spath) from None
     return cfg
-
-
-def _toml_error(path: str, err: Exception) -> ConfigError:
-    """A :class:`ConfigError` for a TOML syntax error, with the 1-based line (and column) in the key position."""
-    import re
-
-    msg = str(err)
-    line = getattr(err, "lineno", None)
-    col = getattr(err, "colno", None)
-    m = re.search(r"\(at line (\d+), column (\d+)\)\s*$", msg)
-    if m:
-        line, col = line or int(m.group(1)), col or int(m.group(2))
-        msg = msg[: m.start()].rstrip()
-    elif hasattr(err, "msg"):
-        msg = err.msg
-    where = f"line {line}" + (f", column {col}" if col else "") if line else "TOML"
-    return ConfigError(where, f"invalid TOML: {msg}", path)
 
 
 def load_trace(cfg: DryRunConfig) -> Trace:

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from btbctl import __version__
-from btbctl.engine.config import FIDELITIES, validate
+from btbctl.engine.config import FIDELITIES, read_toml, validate
 from btbctl.engine.dryrun import BtbSection, DryRunConfig, TraceSource, _error, load_trace, round_floats
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.trace.model import Trace
@@ -137,23 +136,8 @@ def load_matrix(path: str | os.PathLike) -> ReportMatrix:
         ConfigError: unreadable file, invalid TOML (names the line), an unknown key or bad value (names the dotted
             key and what is valid), a workload whose generator settings disagree or whose trace file is missing.
     """
-    from btbctl.engine.dryrun import _toml_error
-
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
-
     spath = os.fspath(path)
-    try:
-        with open(spath, "rb") as f:
-            data = tomllib.loads(f.read().decode("utf-8"))
-    except OSError as e:
-        raise ConfigError("file", f"cannot read matrix: {e.strerror or e}", spath) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError("file", f"not UTF-8 text ({e.reason} at byte {e.start})", spath) from None
-    except tomllib.TOMLDecodeError as e:
-        raise _toml_error(spath, e) from None
+    data = read_toml(spath, "matrix")
     matrix = validate(ReportMatrix, data, spath)
     folder = os.path.dirname(spath)
     for i, wl in enumerate(matrix.workloads):

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from btbctl.engine.config import validate
+from btbctl.engine.config import read_toml, validate
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import DEFAULT_MEM_FRACTION, default_chunked_prefill_tokens, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
@@ -455,24 +455,8 @@ def load_cluster(path: str | os.PathLike) -> ClusterFile:
             key is unknown or has a bad value (the message names the file, the dotted key such as
             ``workers.0.port`` and what is valid).
     """
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
-    from btbctl.engine.dryrun import _toml_error
-
     spath = os.fspath(path)
-    try:
-        with open(spath, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError("file", f"cannot read cluster file: {e.strerror or e}", spath) from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError("file", f"not UTF-8 text ({e.reason} at byte {e.start})", spath) from None
-    except tomllib.TOMLDecodeError as e:
-        raise _toml_error(spath, e) from None
+    data = read_toml(spath, "cluster file")
     return validate_cluster(data, spath)
 
 
