@@ -52,6 +52,7 @@ class FakeWorker:
     pushes: list = field(default_factory=list)
     matches: list = field(default_factory=list)
     held: set = field(default_factory=set)
+    computing: dict = field(default_factory=dict)  # block -> requests computing it (before their first byte)
     copies: dict = field(default_factory=dict)
     url: str = ""
     transfer_addr: str = ""
@@ -128,9 +129,17 @@ class FakeWorker:
             request.transport.abort()
             await asyncio.sleep(0.05)
             return web.Response()
-        if self.first_byte_delay_s:
-            await asyncio.sleep(self.first_byte_delay_s)
         chain = self.chain_of(request.path, body)
+        if self.first_byte_delay_s:
+            for h in chain:
+                self.computing[h] = self.computing.get(h, 0) + 1
+            try:
+                await asyncio.sleep(self.first_byte_delay_s)
+            finally:
+                for h in chain:
+                    self.computing[h] -= 1
+                    if not self.computing[h]:
+                        del self.computing[h]
         self.held.update(chain)
         n = len(self.requests)
         if not body.get("stream"):
@@ -157,7 +166,10 @@ class FakeWorker:
         k = 0
         while k < len(chain) and chain[k] in self.held:
             k += 1
-        return web.json_response({"cached_blocks": k, "pending_blocks": k})
+        p = k
+        while p < len(chain) and chain[p] in self.computing:
+            p += 1
+        return web.json_response({"cached_blocks": k, "pending_blocks": p})
 
     async def info(self, request):
         if not self.btb:
@@ -172,7 +184,7 @@ class FakeWorker:
         body = await request.json()
         self.pushes.append({"body": body, "auth": request.headers.get("Authorization")})
         chain = body["chain"]
-        if not all(h in self.held for h in chain):
+        if not all(h in self.held or h in self.computing for h in chain):
             return web.json_response({"error": "not held"}, status=409)
         total = len(chain) * self.block_bytes
         self.copies[body["copy_id"]] = {"polls": 0, "chain": chain, "target": body["target"], "total": total}

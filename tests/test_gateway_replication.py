@@ -127,3 +127,27 @@ def test_page_size_defaults_to_256_without_btb_info():
             assert env.gw.page_size == 256
 
     run(body())
+
+
+def test_push_goes_out_while_the_source_still_prefills():
+    async def body():
+        async with GatewayEnv(3, policy="btb", constants=CONSTANTS, worker_kw={"first_byte_delay_s": 0.8}) as env:
+            gw = env.gw
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            first = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "a"}))
+            await _until(lambda: any(w.requests for w in env.fleet))
+            second = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "b"}))
+            await _until(lambda: any(w.pushes for w in env.fleet), timeout=0.6)
+            assert loop.time() - t0 < 0.6  # well before the source's first byte (0.8 s)
+            assert not first.done()
+            source = next(w for w in env.fleet if w.pushes)
+            assert source.matches and all(p["body"]["chain"][-1] in source.computing for p in source.pushes)
+            ts = list(gw.state.transfers.active.values())
+            assert ts and all(t.state == "running" and not t.waited for t in ts)  # pushed, never stalled
+            # the targets count the prefix as arriving: the published rule does not copy to them again
+            chain = tuple(source.pushes[0]["body"]["chain"])
+            assert all(gw.state.pending_blocks(t.target, chain) == len(chain) for t in ts)
+            assert (await first)[0] == 200 and (await second)[0] == 200
+
+    run(body())

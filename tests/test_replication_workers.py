@@ -112,3 +112,104 @@ def test_source_killed_mid_copy_leaves_target_cold(fleet):
     assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
     with pytest.raises(OSError):  # the source is gone
         s.get("/btb/copies/killed-1", timeout=2)
+
+
+# -- copies that trail the source's prefill ---------------------------------------------------------------------
+# Real time (scale 1) with 256-token prefill chunks: every block of a prompt commits at the end of its own chunk,
+# about 15 ms apart for Llama-3.3-70B on 4 x H100, so a 48-block prefill takes most of a second.
+TRAILING = ("--model-path", "llama-3.3-70b", "--time-scale", "1", "--chunked-prefill-size", "256")
+TRAIL_BLOCKS = 48
+
+
+@pytest.fixture(scope="module")
+def trailing():
+    procs = start_workers((TRAILING, None), (TRAILING, None), (TRAILING, None))
+    yield dict(zip(("src", "dst", "victim"), procs))
+    for p in procs:
+        p.stop()
+
+
+def _start_prefill(worker, seed: int, extra: int = 0):
+    """Send a cold prompt of TRAIL_BLOCKS blocks (+ ``extra`` tokens) in a thread; returns (ids, chain, thread,
+    result box). The chain shows as pending on ``worker`` once the request is queued there."""
+    import threading
+
+    ids = [(seed * 11 + i * 17) % 32000 for i in range(TRAIL_BLOCKS * PAGE + extra)]
+    chain = hashing.chain_hashes(ids[:TRAIL_BLOCKS * PAGE], PAGE)
+    box: dict = {}
+
+    def go():
+        try:
+            box["answer"] = worker.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
+                                        timeout=30)
+        except OSError as e:  # the worker was killed under it
+            box["answer"] = (None, repr(e))
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    wait_for(lambda: worker.post("/btb/match", {"chain": chain})[1]["pending_blocks"] == TRAIL_BLOCKS, timeout=5)
+    return ids, chain, th, box
+
+
+def test_push_from_a_prefilling_source_streams_blocks_and_warms_the_target_at_the_end(trailing):
+    src, dst = trailing["src"], trailing["dst"]
+    ids, chain, th, box = _start_prefill(src, 21)
+    m = src.post("/btb/match", {"chain": chain})[1]
+    assert m["cached_blocks"] < TRAIL_BLOCKS  # still computing when the push goes out
+    st, r = src.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-1"})
+    assert st == 202 and r["blocks_available"] < TRAIL_BLOCKS
+    # accepted: the target counts the blocks as arriving at once, and serves none of them as cached yet
+    assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": TRAIL_BLOCKS}
+    seen = []  # (blocks the source computed, blocks sent) while the copy is in flight
+    while (c := _copy(src, "trail-1"))["state"] == "sending":
+        seen.append((c["blocks_available"], c["bytes_sent"]))
+        warm = dst.post("/btb/match", {"chain": chain})[1]["cached_blocks"]
+        tc = _copy(dst, "trail-1")
+        assert warm in (0, TRAIL_BLOCKS)  # all or nothing
+        if warm:  # committed only together with the target's record turning done, after the last block
+            assert tc["state"] == "done" and tc["blocks_verified"] == TRAIL_BLOCKS
+    block_bytes = r["bytes"] // TRAIL_BLOCKS
+    # blocks went out part by part, trailing the source's chunks, before the source had all of them
+    partial = [(a, s) for a, s in seen if 0 < s < r["bytes"]]
+    assert partial and all(s <= a * block_bytes for a, s in partial)
+    assert len({a for a, _ in seen}) >= 3
+    assert c["state"] == "done" and c["blocks_verified"] == TRAIL_BLOCKS
+    assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": TRAIL_BLOCKS,
+                                                           "pending_blocks": TRAIL_BLOCKS}
+    th.join(10)
+    assert box["answer"][0] == 200
+    # the target finished no earlier than the source computed the last block
+    assert _copy(dst, "trail-1")["finished_s"] >= c["started_s"]
+
+
+def test_source_killed_while_prefilling_leaves_the_target_cold(trailing):
+    victim, dst = trailing["victim"], trailing["dst"]
+    ids, chain, th, box = _start_prefill(victim, 22)
+    st, r = victim.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-killed"})
+    assert st == 202
+    assert dst.post("/btb/match", {"chain": chain})[1]["pending_blocks"] == TRAIL_BLOCKS
+    victim.kill()
+    tc = wait_for(lambda: (c := _copy(dst, "trail-killed")) and c["state"] != "sending" and c)
+    assert tc["state"] == "failed" and "connection lost" in tc["error"]
+    assert tc["blocks_verified"] < TRAIL_BLOCKS
+    assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
+    # a later request of the prefix computes it there (nothing was left reserved or pending)
+    st, g = dst.post("/generate", {"input_ids": ids[:TRAIL_BLOCKS * PAGE] + [5], "sampling_params":
+                                   {"max_new_tokens": 1}}, timeout=30)
+    assert st == 200 and g["meta_info"]["cached_tokens"] == 0
+
+
+def test_request_at_the_target_during_the_copy_waits_for_it(trailing):
+    src, dst = trailing["src"], trailing["dst"]
+    ids, chain, th, box = _start_prefill(src, 23, extra=10)
+    st, r = src.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-wait"})
+    assert st == 202
+    assert _copy(src, "trail-wait")["state"] == "sending"  # the source is still computing
+    prompt = ids[:TRAIL_BLOCKS * PAGE] + [7, 8, 9]
+    st, g = dst.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
+    assert st == 200
+    assert g["meta_info"]["cached_tokens"] == TRAIL_BLOCKS * PAGE  # served from the copy, not recomputed
+    c = _copy(src, "trail-wait")
+    assert c["state"] == "done"
+    th.join(10)
+    assert box["answer"][0] == 200

@@ -57,6 +57,9 @@ _PREAMBLE_LIMIT = 65536
 #: Longest a request routed to the target of a copy not pushed yet waits for the push, seconds (a push is a
 #: ``/btb/match`` and a ``/btb/push`` call, milliseconds on loopback or a LAN; a product choice).
 COPY_ACCEPT_WAIT_S = 0.5
+#: End-of-answer event of an SSE stream (SGLang and OpenAI), and how many trailing bytes are kept to spot it.
+_DONE_MARK = b"data: [DONE]"
+_DONE_TAIL = 64
 #: Exceptions that mean "the worker failed us" on the upstream side.
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
@@ -303,12 +306,15 @@ class DataPlane:
             gw.metrics.request(w.url, policy_name, "client_gone")
             return out
         # From here on the answer is committed to this worker: never retried.
+        tail = b"".join(held)[-_DONE_TAIL:]
         while True:
             try:
                 chunk = await content.readany()
             except _UPSTREAM_ERRORS as e:
                 reason = f"stream broke after its first byte: {_describe(e)}"
                 gw.worker_failed(idx, reason)
+                if _DONE_MARK in tail:  # the client already has the whole answer: it counts as served
+                    break
                 status = "stream_error"
                 err = {"error": {"message": f"worker {w.url} failed mid-answer ({reason}); the answer is "
                                             "incomplete and was not retried", "type": "upstream_error", "code": 502}}
@@ -319,6 +325,7 @@ class DataPlane:
                 break
             if not chunk:
                 break
+            tail = (tail + chunk)[-_DONE_TAIL:]
             try:
                 await out.write(chunk)
             except (ConnectionResetError, RuntimeError):
