@@ -74,16 +74,21 @@ def up(
     try:
         state, started = fleet.up(cluster, rd, detach=detach, policy=policy, port=port, control_port=control_port,
                                   cluster_path=config, log=out.info, keep_partial=keep_partial)
-        st = fleet.status(rd)
-        out.result(st, lambda d: _render_status(out, d))
         if detach:
             import shlex
 
+            out.result(fleet.status(rd), lambda d: _render_status(out, d))
             stop = f"btbctl down --run-dir {shlex.quote(str(rd.path))}" if run_dir else "btbctl down"
             out.info(f"running in the background; stop it with `{stop}`")
             return
-        out.info("press Ctrl-C to stop the fleet")
-        fleet.supervise(rd, state, started, log=out.info)
+        interrupted = False
+        try:  # a Ctrl-C before supervise() starts watching must still stop what up started
+            out.result(fleet.status(rd), lambda d: _render_status(out, d))
+            out.info("press Ctrl-C to stop the fleet")
+        except KeyboardInterrupt:
+            interrupted = True
+            out.info("stopping the fleet")
+        fleet.supervise(rd, state, started, log=out.info, should_stop=(lambda: True) if interrupted else None)
     finally:
         signal.signal(signal.SIGTERM, old)
 

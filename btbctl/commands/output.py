@@ -54,11 +54,14 @@ class Output:
             human(data)
 
     def info(self, message: str) -> None:
+        """A diagnostic line on stderr, printed as plain text (square brackets are not markup)."""
         if not self.quiet:
-            self.err_console.print(message)
+            self.err_console.print(message, markup=False, soft_wrap=True)
 
     def warn(self, message: str) -> None:
-        self.err_console.print(f"[yellow]warning:[/yellow] {message}")
+        from rich.markup import escape
+
+        self.err_console.print(f"[yellow]warning:[/yellow] {escape(message)}", soft_wrap=True)
 
     def progress(self, description: str, total: int):
         """A context manager yielding ``advance(n)``; a rich progress bar on stderr when it is a terminal and the
