@@ -17,6 +17,15 @@ over from one router to the next:
    workers' ``/btb/copies``, seconds after the replay started), and the ratios ``btb p95 / smg p95`` and
    ``btb_plus p95 / smg p95`` (goal: at most 0.5). ``--repeat N`` runs every round N times; the ratios are then
    per run and their median.
+   What to expect from the rules (not a measured claim): every request of the burst needs the prefix, which
+   exists nowhere before the first request's cold prefill ends, so no router's p95 can drop below about that
+   prefill plus the suffixes queued behind it. ``btb`` (the published rule) routes a hot request only to replicas
+   holding all Y blocks; while the copies are in flight that is the source alone, so every request arriving
+   during the source's prefill queues there (with a prefix whose prefill outlasts the burst, all of them: ``btb``
+   then equals ``cache_aware``). ``btb_plus`` sends them to the copy targets, where they wait for the copy and
+   then compute only their suffix, in parallel. The emulated workers move scaled-down blocks over loopback TCP
+   without pacing them to the NIC's bandwidth, so copies take less time than on the pretended hardware (a
+   64-block Llama-3.3-70B prefix is about 27 ms at 200 GB/s).
 2. **Gateway overhead.** Workers started with ``--zero-delay`` (they answer at once), short unique prompts
    (``--overhead-tokens``), ``max_new_tokens`` 1, no streaming. A closed loop of ``--overhead-requests`` requests
    is sent (a) round-robin straight to the workers (no router), (b) through smg, (c) through the btbctl gateway:

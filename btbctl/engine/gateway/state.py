@@ -520,6 +520,12 @@ class FleetState:
     failed it) reports no cached or pending blocks, so BTB neither routes to it as a holder nor picks it as a
     source, and :meth:`replicate` refuses it as a target; the gateway also overrides any choice of an unavailable
     worker (see ``app.py``). Loads are the gateway's own in-flight counts, as the SGLang router's.
+
+    A copy in flight towards a worker counts its chain as pending there (the worker waits for it), never as
+    cached: a target becomes a holder only when the planner saw the copy ``done``. The published ``btb`` rule
+    routes hot requests to holders only, so until the copies are confirmed it sends them all to the source (they
+    queue there while it prefills); ``btb_plus`` weighs each replica's expected TTFT (queued prefill from
+    :meth:`queued_prefill_s`, copy landing from :meth:`copy_status`) and spreads them over the copy targets.
     """
 
     def __init__(self, urls: Iterable[str], clock: Clock | None = None) -> None:
