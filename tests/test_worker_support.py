@@ -3,6 +3,7 @@ and the tests of the worker's command line."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import queue
@@ -194,3 +195,13 @@ def test_worker_reports_a_taken_port_in_one_line():
         assert first.get("/health")[0] == 200
     finally:
         first.stop()
+
+
+def test_worker_beyond_loopback_requires_a_token():
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.worker.config import make_config
+
+    with pytest.raises(ConfigError, match="btb_token_file"):
+        make_config(model_path="llama-3.3-70b", host="0.0.0.0")
+    assert make_config(model_path="llama-3.3-70b", host="0.0.0.0", btb_token="t").host == "0.0.0.0"
+    assert make_config(model_path="llama-3.3-70b", host="127.0.0.2").btb_token is None

@@ -126,5 +126,20 @@ def make_config(**kwargs) -> WorkerConfig:
     cfg = validate(WorkerConfig, kwargs)
     if cfg.chunked_prefill_size is not None and 0 <= cfg.chunked_prefill_size < 64:
         raise ConfigError("chunked_prefill_size", "must be >= 64 tokens or -1 (disabled)")
+    if cfg.btb_token is None and not _is_loopback(cfg.host):
+        raise ConfigError("btb_token_file", f"the worker listens on {cfg.host}, beyond loopback: give "
+                          "--btb-token-file so that /btb/push and /flush_cache require a bearer token")
     cfg.cluster().replica_cost()  # the model must fit its GPUs
     return cfg
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (127.0.0.0/8, ::1 or ``localhost``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
