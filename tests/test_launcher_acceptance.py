@@ -117,8 +117,8 @@ def test_btb_spreads_a_burst_over_verified_copies_and_beats_cache_aware(tmp_path
 @pytest.mark.slow
 def test_a_worker_killed_mid_burst_loses_no_request(tmp_path, dirs):
     run_dir = dirs("kill")
-    n = 120
-    trace, chain = _trace(tmp_path / "burst.jsonl", n=n, spread_s=2.0, seed=9)
+    n = 200  # dense enough (about 130 requests/s) that the busiest worker holds several requests at once
+    trace, chain = _trace(tmp_path / "burst.jsonl", n=n, spread_s=1.5, seed=9)
     st = cli_json("up", "-d", "--run-dir", str(run_dir), *FREE_PORTS)
     pids = recorded_pids(run_dir)
     by_url = {p.url: p for p in RunDir(run_dir).load().workers()}
@@ -140,7 +140,7 @@ def test_a_worker_killed_mid_burst_loses_no_request(tmp_path, dirs):
             if busy["load"] >= 2 and sum(w["served"] for w in rows) - sum(served_before.values()) >= 10:
                 victim = busy["url"]
             else:
-                time.sleep(0.02)
+                time.sleep(0.005)
         assert victim is not None, "the burst never got under way"
         os.kill(by_url[victim].pid, signal.SIGKILL)
         out, err = bench.communicate(timeout=120)
