@@ -14,7 +14,8 @@
 
 from __future__ import annotations
 
-import struct
+import sys
+from array import array
 from typing import Sequence
 
 import xxhash
@@ -23,17 +24,33 @@ import xxhash
 BYTES_PER_TOKEN = 4
 #: Shortest accepted prefix-id abbreviation, hex digits.
 MIN_PREFIX_ID_CHARS = 8
-#: Token ids are packed as little-endian uint32 for hashing.
-_TOKEN = struct.Struct("<I")
+_LITTLE = sys.byteorder == "little"
+_xxh3_digest = xxhash.xxh3_64_digest
+
+
+def pack_text(text: str, errors: str = "strict") -> bytes:
+    """UTF-8 bytes of ``text`` zero-padded to a whole number of pseudo-tokens: the packed (little-endian uint32)
+    form of :func:`text_to_tokens` ``(text)``. ``errors`` is passed to ``str.encode``."""
+    data = text.encode("utf-8", errors)
+    pad = (-len(data)) % BYTES_PER_TOKEN
+    return data + b"\0" * pad if pad else data
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids packed as little-endian uint32, each taken modulo 2**32. Raises TypeError for non-integers."""
+    try:
+        arr = array("I", tokens)
+    except OverflowError:  # negative or >= 2**32
+        arr = array("I", [t & 0xFFFFFFFF for t in tokens])
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def text_to_tokens(text: str) -> list[int]:
     """Pseudo-tokens of ``text``: each group of :data:`BYTES_PER_TOKEN` UTF-8 bytes read as a little-endian
     integer (the last group zero-padded). Empty text gives ``[]``."""
-    data = text.encode("utf-8")
-    pad = (-len(data)) % BYTES_PER_TOKEN
-    if pad:
-        data += b"\0" * pad
+    data = pack_text(text)
     return [int.from_bytes(data[i:i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)]
 
 
@@ -48,14 +65,22 @@ def chain_hashes(tokens: Sequence[int], block_tokens: int) -> list[str]:
     ``block_tokens < 1``."""
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
+    n_full = len(tokens) // block_tokens
+    return chain_from_packed(pack_tokens(tokens[:n_full * block_tokens]), block_tokens)
+
+
+def chain_from_packed(data: bytes, block_tokens: int) -> list[str]:
+    """Chain hashes (16 hex digits each) of the full ``block_tokens``-token blocks of packed tokens (as
+    :func:`pack_text` or :func:`pack_tokens` give): equal to :func:`chain_hashes` of the tokens ``data`` packs, in
+    one pass of xxh3 per block over the bytes as they are. Raises ValueError for ``block_tokens < 1``."""
+    if block_tokens < 1:
+        raise ValueError("block_tokens must be >= 1")
+    step = block_tokens * BYTES_PER_TOKEN
     out: list[str] = []
     prev = b""
-    n_full = len(tokens) // block_tokens
-    for k in range(n_full):
-        blk = tokens[k * block_tokens:(k + 1) * block_tokens]
-        h = xxhash.xxh3_64(prev)
-        h.update(b"".join(_TOKEN.pack(t & 0xFFFFFFFF) for t in blk))
-        prev = h.digest()
+    mv = memoryview(data)
+    for k in range(len(data) // step):
+        prev = _xxh3_digest(prev + mv[k * step:(k + 1) * step])
         out.append(prev.hex())
     return out
 

@@ -22,11 +22,9 @@ import sys
 from array import array
 from typing import Any
 
-import xxhash
-
+from btbctl.engine import hashing
 from btbctl.engine.hashing import BYTES_PER_TOKEN
 
-_xxh3_digest = xxhash.xxh3_64_digest
 _LITTLE = sys.byteorder == "little"
 
 
@@ -88,9 +86,7 @@ def ids_to_bytes(ids: Any, field: str) -> bytes:
 
 def text_to_bytes(text: str) -> bytes:
     """UTF-8 bytes of ``text`` zero-padded to a whole number of pseudo-tokens."""
-    data = text.encode("utf-8", errors="surrogatepass")
-    pad = (-len(data)) % BYTES_PER_TOKEN
-    return data + b"\0" * pad if pad else data
+    return hashing.pack_text(text, errors="surrogatepass")
 
 
 def chain_from_packed(data: bytes, page_size: int) -> tuple[str, ...]:
@@ -98,17 +94,7 @@ def chain_from_packed(data: bytes, page_size: int) -> tuple[str, ...]:
 
     Equal to ``btbctl.engine.hashing.chain_hashes(tokens, page_size)`` for the tokens ``data`` packs.
     """
-    step = page_size * BYTES_PER_TOKEN
-    n = len(data) // step
-    if n == 0:
-        return ()
-    out = []
-    prev = b""
-    mv = memoryview(data)
-    for k in range(n):
-        prev = _xxh3_digest(prev + mv[k * step:(k + 1) * step])
-        out.append(prev.hex())
-    return tuple(out)
+    return tuple(hashing.chain_from_packed(data, page_size))
 
 
 def prompt_of(route: str, body: dict) -> tuple[bytes, int]:
