@@ -29,11 +29,10 @@ caches by LRU. ``set_constants`` retunes the detector and M live.
 from __future__ import annotations
 
 import random
-from typing import Sequence
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.detector import BurstDetector
-from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.policies.base import FleetView, Policy, least_loaded
 from btbctl.engine.policies.cache_aware import DEFAULT_BLOCK_TOKENS, CacheAware
 from btbctl.engine.trace.model import Request
 
@@ -84,25 +83,11 @@ class Btb(Policy):
             holders = self._ensure_replicas(det.prefix, view, now_s)
             if holders:
                 self._holder_routes += 1
-                choice = self._least_loaded(view, holders)
+                choice = least_loaded(view, holders, self.rng)
                 self.fallback.record(chain, choice, now_s)
                 return choice
             self._fallback_routes += 1
         return self.fallback.route(req, view, now_s)
-
-    def _least_loaded(self, view: FleetView, candidates: Sequence[int]) -> int:
-        if len(candidates) == 1:
-            return candidates[0]
-        best = None
-        tied: list[int] = []
-        for r in candidates:
-            x = view.load(r)
-            if best is None or x < best:
-                best = x
-                tied = [r]
-            elif x == best:
-                tied.append(r)
-        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     def _ensure_replicas(self, prefix: tuple, view: FleetView, now_s: float) -> list[int]:
         """Top up copies of ``prefix`` towards M replicas; returns the replicas holding all of it now."""
@@ -126,9 +111,9 @@ class Btb(Policy):
         if need <= 0 or not free:
             return holders
         if holders:
-            source = self._least_loaded(view, holders)
+            source = least_loaded(view, holders, self.rng)
         elif computing:
-            source = self._least_loaded(view, computing)
+            source = least_loaded(view, computing, self.rng)
         else:
             self._no_source += 1
             return holders

@@ -40,7 +40,7 @@ import random
 from itertools import islice
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.policies.base import FleetView
+from btbctl.engine.policies.base import FleetView, least_loaded
 from btbctl.engine.policies.cache_aware import (
     BALANCE_ABS_THRESHOLD,
     BALANCE_REL_THRESHOLD,
@@ -92,18 +92,6 @@ class CacheAwareSpill(CacheAware):
         return (load > avg_load * self.balance_rel_threshold
                 and load > avg_load + absolute_margin(avg_load, self.balance_abs_threshold))
 
-    def _least(self, loads: list[int], candidates) -> int:
-        best = None
-        tied: list[int] = []
-        for r in candidates:
-            x = loads[r]
-            if best is None or x < best:
-                best = x
-                tied = [r]
-            elif x == best:
-                tied.append(r)
-        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
-
     def route(self, req: Request, view: FleetView, now_s: float) -> int:
         self.maybe_evict(now_s)
         n = self.n_replicas
@@ -115,14 +103,14 @@ class CacheAwareSpill(CacheAware):
             self._hits += 1
             safe = [t for t in islice(node.tenants, MATCHED_TENANTS_CAP) if not self.gated(loads[t], avg)]
             if safe:
-                choice = self._least(loads, safe)
+                choice = least_loaded(view, safe, self.rng)
             else:
                 self._spills += 1
                 open_ = [r for r in range(n) if not self.gated(loads[r], avg)]
-                choice = self._least(loads, open_ or range(n))
+                choice = least_loaded(view, open_ or range(n), self.rng)
         else:
             self._misses += 1
-            choice = self._least(loads, range(n))
+            choice = least_loaded(view, range(n), self.rng)
         self.tree.insert(chain, choice)
         return choice
 
