@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from btbctl.commands.app import main
 from btbctl.engine.dryrun import REQUEST_KEYS, DryRunConfig, GenerateSection, load_dryrun_config, run_dry_run
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES
 from btbctl.engine.trace.generate import BurstedParams
+from helpers import run_cli as run
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -29,17 +29,6 @@ TOP_KEYS = ["btbctl_version", "fidelity", "seed", "trace", "cluster", "constants
 def _no_debug(monkeypatch):
     monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
     monkeypatch.setenv("COLUMNS", "100")
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run the CLI entry point in-process; return (exit code, stdout, stderr)."""
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> str:

@@ -11,26 +11,16 @@ from pathlib import Path
 import pytest
 import typer
 
-from btbctl.commands.app import app, main
+from btbctl.commands.app import app
 from btbctl.engine.trace.generate import BurstedParams
 from btbctl.engine.trace.readers import FORMATS, read_trace
+from helpers import run_cli as run
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MOONCAKE = DATA / "traces" / "mooncake_conversation_trace.jsonl"
 
 SMALL = ["--bursts", "2", "--burst-size", "20", "--decoys", "3", "--prefix-tokens", "4096"]
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run the CLI in-process through its entry point (with the error funnel)."""
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _mooncake_file(tmp_path: Path, n: int = 5) -> Path:

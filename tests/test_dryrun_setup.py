@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from btbctl.commands.app import main
 from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, validate_config
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.setups import SETUPS
+from helpers import run_cli as run
 
 SMALL = ["--bursts", "1", "--burst-size", "40", "--decoys", "4"]
 
@@ -18,16 +18,6 @@ SMALL = ["--bursts", "1", "--burst-size", "40", "--decoys", "4"]
 def _env(monkeypatch):
     monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
     monkeypatch.setenv("COLUMNS", "100")
-
-
-def run(capsys, *argv):
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 def cluster_of(capsys, *argv):

@@ -5,17 +5,15 @@ and explain the change in the commit message.
 """
 
 import json
-import math
 import os
 from pathlib import Path
-
-import pytest
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.policies import DEFAULT_POLICIES
 from btbctl.engine.sim import simulate
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
+from helpers import assert_close
 
 GOLDEN = Path(__file__).parent / "golden" / "realistic_small.json"
 CASES = {
@@ -36,26 +34,13 @@ def compute() -> dict:
     return out
 
 
-def close(a, b, path=""):
-    if isinstance(a, dict):
-        assert set(a) == set(b), f"{path}: keys differ"
-        for k in a:
-            close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, float) or isinstance(b, float):
-        if math.isnan(a) and math.isnan(b):
-            return
-        assert a == pytest.approx(b, rel=1e-9, abs=1e-12), path
-    else:
-        assert a == b, path
-
-
 def test_realistic_summaries_match_golden():
     got = json.loads(json.dumps(compute()))
     if os.environ.get("BTBCTL_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     want = json.loads(GOLDEN.read_text())
-    close(got, want)
+    assert_close(got, want)
 
 
 def test_golden_cases_tell_the_policies_apart():

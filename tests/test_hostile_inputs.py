@@ -9,12 +9,12 @@ import os
 
 import pytest
 
-from btbctl.commands.app import main
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.trace.generate import MAX_GENERATED_REQUESTS, BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request, Trace
+from helpers import run_cli as run
 
 SMALL = ["--bursts", "1", "--burst-size", "5", "--decoys", "0", "--policies", "btb"]
 
@@ -23,16 +23,6 @@ SMALL = ["--bursts", "1", "--burst-size", "5", "--decoys", "0", "--policies", "b
 def _no_debug(monkeypatch):
     monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
     monkeypatch.setenv("COLUMNS", "100")
-
-
-def run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = 0
-    try:
-        main(list(argv))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_error_line(err: str) -> str:

@@ -6,7 +6,6 @@ Regenerate the stored summaries after an intended model change with
 """
 
 import json
-import math
 import os
 import random
 from pathlib import Path
@@ -26,6 +25,7 @@ from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request, Trace
 from btbctl.engine.trace.readers import read_trace
 from btbctl.engine.trace.writer import write_btb_mixed
+from helpers import assert_close
 
 BT = 256
 GOLDEN = Path(__file__).parent / "golden" / "infersim_small.json"
@@ -437,19 +437,6 @@ def test_matches_the_reference_simulators_output(setup, small_trace):
         assert s["p95"] == pytest.approx(p95, rel=1e-9), policy
 
 
-def close(a, b, path=""):
-    if isinstance(a, dict):
-        assert set(a) == set(b), f"{path}: keys differ"
-        for k in a:
-            close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, float) or isinstance(b, float):
-        if math.isnan(a) and math.isnan(b):
-            return
-        assert a == pytest.approx(b, rel=1e-9, abs=1e-12), path
-    else:
-        assert a == b, path
-
-
 def test_infersim_summaries_match_golden(small_trace):
     got = {}
     for setup in ("70b_h100x4", "qwen3_8b_h100x4"):
@@ -460,7 +447,7 @@ def test_infersim_summaries_match_golden(small_trace):
     if os.environ.get("BTBCTL_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-    close(got, json.loads(GOLDEN.read_text()))
+    assert_close(got, json.loads(GOLDEN.read_text()))
 
 
 def test_same_seed_same_result_and_seed_matters(small_trace):
