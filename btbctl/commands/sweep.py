@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from btbctl.commands import options
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
 
@@ -22,26 +23,17 @@ def sweep(
         help="Dry-run TOML config for the trace and the fleet (see examples/); flags override its values.")] = None,
     trace: Annotated[Optional[str], typer.Option(
         "--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")] = None,
-    trace_format: Annotated[Optional[str], typer.Option(
-        "--trace-format",
-        help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")] = None,
-    bursts: Annotated[Optional[int], typer.Option(
-        "--bursts", help="Generated trace: number of bursts (default: 8).")] = None,
-    burst_size: Annotated[Optional[int], typer.Option(
-        "--burst-size", help="Generated trace: requests per burst (default: 500).")] = None,
-    spread_s: Annotated[Optional[float], typer.Option(
-        "--spread-s", help="Generated trace: seconds over which one burst arrives (default: 60); 1 is the "
-                           "adversarial variant.")] = None,
-    decoys: Annotated[Optional[int], typer.Option(
-        "--decoys", help="Generated trace: single requests with their own long prefix (default: 120).")] = None,
+    trace_format: options.TraceFormat = None,
+    bursts: options.Bursts = None,
+    burst_size: options.BurstSize = None,
+    spread_s: options.SpreadS = None,
+    decoys: options.Decoys = None,
     setup: Annotated[Optional[str], typer.Option(
         "--setup", metavar="NAME", help="Named setup of the published BTB table (70b_h100x4, qwen3_8b_h100x4, "
                                         "glm45_h100x4, glm52_h100x8, kimi_k2_h100x8, dense1t_b300x4).")] = None,
-    model: Annotated[Optional[str], typer.Option(
-        "--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")] = None,
+    model: options.Model = None,
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (default: h100).")] = None,
-    gpus_per_replica: Annotated[Optional[int], typer.Option(
-        "--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")] = None,
+    gpus_per_replica: options.GpusPerReplica = None,
     prefix_blocks: Annotated[Optional[str], typer.Option(
         "--prefix-blocks", metavar="A,B,..", help="Grid of BTB Y: prefix lengths in trace blocks.")] = None,
     threshold: Annotated[Optional[str], typer.Option(
@@ -104,18 +96,14 @@ def sweep(
         raise ConfigError(flags.get(e.key, e.key), e.reason) from None
 
     cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
-    unset: tuple[str, ...] = ()
-    if trace is not None:
-        unset = ("trace.format",) if cfg.trace.overlay else ("trace.format", "trace.generate")
+    unset = options.trace_unset(cfg, trace)
     overrides = {
         "trace.path": trace, "trace.format": trace_format, "trace.generate.bursts": bursts,
         "trace.generate.burst_size": burst_size, "trace.generate.spread_s": spread_s,
         "trace.generate.decoys": decoys, "setup": setup, "cluster.model": model, "cluster.gpu": gpu,
         "cluster.gpus_per_replica": gpus_per_replica, "seed": seed,
     }
-    dashed = {"trace.path": "--trace", "trace.format": "--trace-format", "trace.generate.bursts": "--bursts",
-              "trace.generate.burst_size": "--burst-size", "trace.generate.spread_s": "--spread-s",
-              "trace.generate.decoys": "--decoys", "setup": "--setup", "cluster.model": "--model",
+    dashed = {**options.TRACE_FLAGS, "setup": "--setup", "cluster.model": "--model",
               "cluster.gpu": "--gpu", "cluster.gpus_per_replica": "--gpus-per-replica", "seed": "--seed"}
     try:
         cfg = cfg.with_overrides(overrides, unset=unset)

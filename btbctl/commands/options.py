@@ -1,0 +1,45 @@
+"""Option types shared by commands that take the same flags (``dry-run`` and ``sweep``: the trace and the fleet).
+
+Each is an ``Annotated`` type for a command parameter; the parameter's default (``None``: not given) stays at the
+command. Only typer is imported here, so ``btbctl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+TraceFormat = Annotated[Optional[str], typer.Option(
+    "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")]
+Bursts = Annotated[Optional[int], typer.Option(
+    "--bursts", help="Generated trace: number of bursts (default: 8).")]
+BurstSize = Annotated[Optional[int], typer.Option(
+    "--burst-size", help="Generated trace: requests per burst (default: 500).")]
+SpreadS = Annotated[Optional[float], typer.Option(
+    "--spread-s", help="Generated trace: seconds over which one burst arrives (default: 60); 1 is the "
+                       "adversarial variant.")]
+Decoys = Annotated[Optional[int], typer.Option(
+    "--decoys", help="Generated trace: single requests with their own long prefix (default: 120).")]
+Model = Annotated[Optional[str], typer.Option(
+    "--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")]
+GpusPerReplica = Annotated[Optional[int], typer.Option(
+    "--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")]
+
+#: Dotted config key -> the flag above (or ``--trace``) that sets it.
+TRACE_FLAGS = {
+    "trace.path": "--trace",
+    "trace.format": "--trace-format",
+    "trace.generate.bursts": "--bursts",
+    "trace.generate.burst_size": "--burst-size",
+    "trace.generate.spread_s": "--spread-s",
+    "trace.generate.decoys": "--decoys",
+}
+
+
+def trace_unset(cfg, trace: str | None) -> tuple[str, ...]:
+    """Config keys that ``--trace`` clears: it replaces the file's trace path and format; the file's generate
+    section stays only for an overlay."""
+    if trace is None:
+        return ()
+    return ("trace.format",) if cfg.trace.overlay else ("trace.format", "trace.generate")
