@@ -28,14 +28,12 @@ import shlex
 import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 from typing import Callable
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
 from btbctl.engine.launcher.control import ControlClient
-from btbctl.engine.launcher.local import Started, spawn, stop_groups, stop_records, wait_ready
+from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (RunDir, RunState, group_members, is_same_process, process_start_time,
                                            record_is_ours)
 
@@ -409,14 +407,6 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     return out
 
 
-def _probe_health(url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 def _gateway_workers(fleet) -> dict[str, dict]:
     """Map worker URL -> the gateway's record of it, from ``GET /control/fleet``."""
     items = fleet.get("workers") if isinstance(fleet, dict) else fleet
@@ -469,7 +459,7 @@ def status(rd: RunDir) -> dict:
             inflight = g.get("load")
             err = g.get("error")
         else:
-            healthy = alive and rec.url is not None and _probe_health(rec.url)
+            healthy = alive and rec.url is not None and health_ok(rec.url, timeout_s=2.0)
             inflight = None
             err = None if healthy else ("process exited" if not alive else "no answer on /health")
         if not alive and err is None:

@@ -109,7 +109,8 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return " | ".join(tail)
 
 
-def _health_ok(url: str, timeout_s: float = 1.0) -> bool:
+def health_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether ``GET url/health`` answers 2xx within ``timeout_s`` (any failure counts as not healthy)."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
             return 200 <= resp.status < 300
@@ -145,7 +146,7 @@ def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
         now = time.monotonic()
         if health_url is not None and now - last_health >= 0.25:
             last_health = now
-            if _health_ok(health_url):
+            if health_ok(health_url):
                 proc.url = health_url.rstrip("/")
                 return proc
         if now >= deadline:
@@ -247,5 +248,5 @@ def stop_records(recs: list[ProcessRecord], grace_s: float = DEFAULT_GRACE_S) ->
     return out
 
 
-__all__ = ["READY_LINE", "Started", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record", "stop_records",
+__all__ = ["READY_LINE", "Started", "health_ok", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record", "stop_records",
            "wait_ready"]

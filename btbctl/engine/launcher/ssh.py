@@ -33,8 +33,6 @@ import re
 import shlex
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Coroutine
@@ -42,6 +40,7 @@ from typing import Any, Callable, Coroutine
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import WorkerInstance, worker_argv
 from btbctl.engine.launcher.hosts import HostSpec
+from btbctl.engine.launcher.local import health_ok, log_tail
 from btbctl.engine.launcher.rundir import ProcessRecord
 
 #: Seconds between two polls of a host while waiting for its workers (one SSH round trip each).
@@ -371,22 +370,6 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _health_ok(url: str, timeout_s: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def _tail(path: Path, lines: int = 1) -> str:
-    try:
-        data = path.read_bytes()[-8192:].decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return " | ".join([ln.strip() for ln in data.splitlines() if ln.strip()][-lines:])
-
-
 async def _pick_port(conn, host: HostSpec, python: str, timeout_s: float) -> int:
     code = ("import socket,sys\n"
             "s=socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET)\n"
@@ -459,7 +442,7 @@ async def poll(conn, host: HostSpec, remote_dir: str, workers: list[RemoteWorker
 
 def _classify_exit(w: RemoteWorker) -> SshFailure:
     state = w.state
-    last = _tail(w.log, 1)
+    last = log_tail(w.log, 1)
     if any(t in (_head(w.log) + last) for t in PORT_BUSY_TEXT):
         return SshFailure(w.host, "port busy", last, worker=w.name)
     if state.startswith("exit:"):
@@ -505,7 +488,7 @@ async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[Remote
                     w.extra = dict(zip(words[0::2], words[1::2]))
             else:
                 url = w.extra.get("health_url")
-            if url is not None and await asyncio.to_thread(_health_ok, url):
+            if url is not None and await asyncio.to_thread(health_ok, url):
                 w.url = url
                 w.extra.pop("health_url", None)
                 pending.remove(w)
@@ -516,7 +499,7 @@ async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[Remote
                     seen = f"{url} printed its ready line but GET {url}/health from here fails"
                 else:
                     seen = f"no answer on GET {url or 'its URL'}/health within {limit:g} s"
-                last = _tail(w.log, 1)
+                last = log_tail(w.log, 1)
                 raise SshFailure(host, "health timeout", seen + (f" (last log line: {last})" if last else ""),
                                  worker=w.name)
         if should_stop is not None and should_stop():
