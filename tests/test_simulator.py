@@ -203,3 +203,32 @@ def test_insert_prefix_makes_blocks_resident_for_the_next_request():
         live.advance_to(live.next_event_s())
     assert live.records[0].cached_tokens == 30 * BT
     assert live.replica_state(1)["cached_blocks"] == 31
+
+
+def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_token():
+    live = Simulator(Trace([], BT, "live"), Scripted(2, lambda r: 0), CLUSTER, BtbConstants())
+    finishes = {}
+    live.on_finish = lambda rec: finishes.setdefault(rec.request_id, rec)
+    long_a = req("a", 0.0, chain("p", 7), "s", out=5000)
+    long_b = req("b", 0.0, chain("q", 7), "s", out=5000)
+    live.submit(long_a)
+    live.submit(long_b)
+    live.advance_to(2.0)  # both decoding by now
+    assert live.replica_state(0)["running"] == 2
+    assert live.abort("a") is True
+    assert finishes["a"].finish_s == pytest.approx(2.0)
+    assert live.replica_state(0)["running"] == 1
+    assert live.abort("a") is False  # already finished
+    # a request aborted before its first token ends right after its prefill
+    c = req("c", 0.0, chain("r", 60), "s", out=5000)
+    live.submit(c)
+    assert live.abort("c") is True
+    while "c" not in finishes:
+        live.advance_to(live.next_event_s())
+    assert finishes["c"].finish_s == pytest.approx(finishes["c"].arrival_s + finishes["c"].ttft_s)
+    live.abort("b")
+    while live.next_event_s() is not None:
+        live.advance_to(live.next_event_s())
+    cache = live.replicas[0].cache
+    assert cache.private_tokens == 0 and cache.reserved_blocks == 0 and not cache.refs
+    assert live.replica_state(0)["running"] == 0

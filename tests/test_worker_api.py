@@ -302,3 +302,28 @@ def test_streamed_tokens_are_spread_until_the_finish(w):
     assert span > 0.03  # ~59 decode steps of ~15 ms model time at time scale 20
     if mid:  # the middle token comes out near the middle of the decode
         assert 0.2 * span < mid[0] - first_t < 0.8 * span
+
+
+def test_a_stream_whose_client_goes_away_is_aborted(w):
+    """SGLang aborts a request whose connection closed; so does the emulated worker (the slot and KV are freed)."""
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(w.url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    body = json.dumps({"text": "walk away " * 50, "sampling_params": {"max_new_tokens": 100000}, "stream": True})
+    conn.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data:")  # first token arrived: the request is decoding
+    assert w.get("/v1/loads")[1]["loads"][0]["num_running_reqs"] >= 1
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 10
+    running = None
+    while time.monotonic() < deadline:
+        running = w.get("/v1/loads")[1]["loads"][0]["num_running_reqs"]
+        if running == 0:
+            break
+        time.sleep(0.1)
+    assert running == 0

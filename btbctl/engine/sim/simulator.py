@@ -74,7 +74,7 @@ class _Req:
 
     __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "matched",
                  "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq", "est_flops",
-                 "queued_from", "dep_key", "kv_need")
+                 "queued_from", "dep_key", "kv_need", "aborted")
 
     def __init__(self, req: Request, seq: int) -> None:
         self.req = req
@@ -92,6 +92,7 @@ class _Req:
         self.finish_g = 0
         self.join_s = 0
         self.seq = seq
+        self.aborted = False  # live use: the client went away (see Simulator.abort)
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
         self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
         self.dep_key = None  # while waiting: the not-yet-resident block its est_flops is registered under
@@ -367,6 +368,7 @@ class Simulator:
         #: live hooks: ``on_first_token(req, replica, ttft_s, cached_tokens)`` and ``on_finish(record)``
         self.on_first_token: Callable[[Request, int, float, int], None] | None = None
         self.on_finish: Callable[[RequestRecord], None] | None = None
+        self._submitted: dict[str, _Req] = {}  # live use: unfinished requests given to submit(), by id
         self.replications = 0
         self.replicated_bytes = 0.0
         self.copies_started = 0
@@ -451,6 +453,7 @@ class Simulator:
         self._seq += 1
         req.arrival_s = self.now
         rq = _Req(req, self._seq)
+        self._submitted[req.request_id] = rq
         if replica is None:
             self._arrive(rq)
             return
@@ -459,6 +462,34 @@ class Simulator:
         self._estimate_work(rep, rq)
         rep.waiting.append(rq)
         self._kick(rep)
+
+    def abort(self, request_id: str) -> bool:
+        """Live use: the client of a request given to :meth:`submit` went away (SGLang aborts such requests).
+        A decoding request finishes now and frees its KV; one still waiting or prefilling finishes at its first
+        token instead of decoding (its prefix blocks stay useful to others). Returns False when the request is
+        unknown or already finished."""
+        rq = self._submitted.get(request_id)
+        if rq is None:
+            return False
+        rq.aborted = True
+        if math.isnan(rq.ttft_s):
+            return True  # ends at its first token (_end_prefill)
+        rep = self.replicas[rq.rep]
+        dec = rep.decoding
+        for i, item in enumerate(dec):
+            if item[2] is rq:
+                dec[i] = dec[-1]
+                dec.pop()
+                heapq.heapify(dec)
+                break
+        else:
+            return False
+        rep.n_decoding -= 1
+        rep.dec_finish_sum -= rq.finish_g
+        rep.dec_s -= rq.req.input_tokens + 1 - rq.join_s
+        self._finish(rep, rq)
+        self._kick(rep)  # re-plan the decode run of the remaining sequences
+        return True
 
     def next_event_s(self) -> float | None:
         """Time of the next pending event (None when idle)."""
@@ -752,7 +783,7 @@ class Simulator:
             if self.on_first_token is not None:
                 self.on_first_token(rq.req, rep.idx, rq.ttft_s, rq.cached_tokens)
             out = rq.req.output_tokens
-            if out <= 1:
+            if out <= 1 or rq.aborted:
                 self._finish(rep, rq)
             else:
                 rq.join_s = rep.dec_g
@@ -776,6 +807,8 @@ class Simulator:
             self._finish(rep, rq)
 
     def _finish(self, rep: _Replica, rq: _Req) -> None:
+        if self._submitted:
+            self._submitted.pop(rq.req.request_id, None)
         cache = rep.cache
         cache.unpin(rq.chain, len(rq.chain))
         cache.private_tokens -= rq.private

@@ -750,7 +750,7 @@ class _Handlers:
                 await self._sse(resp, {"text": TOKEN_TEXT * k, "meta_info": self._meta(lr, k, fin), "index": 0})
             await self._sse(resp, "[DONE]")
         except ConnectionError:
-            pass  # the client went away; the request still runs to completion in the model
+            self.model.abort(lr)  # the client went away: abort it, as SGLang does
         return resp
 
     def _usage(self, lr: LiveRequest, completion: int) -> dict:
@@ -804,7 +804,7 @@ class _Handlers:
                                        "choices": [], "usage": self._usage(lr, max_new)})
             await self._sse(resp, "[DONE]")
         except ConnectionError:
-            pass  # the client went away; the request still runs to completion in the model
+            self.model.abort(lr)  # the client went away: abort it, as SGLang does
         return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -7,7 +7,8 @@ happen at the wall time the model says. In zero-delay mode (``--zero-delay`` or 
 decoupled from the wall clock: a submission runs the model forward until that request finishes, at once; cache
 bookkeeping is the same.
 
-Requests still run in the model after their HTTP client went away (the model has no abort).
+A streamed request whose HTTP client went away is aborted (as SGLang does): it leaves the decode batch at once, or
+stops at its first token if it had not reached it; a non-streamed one runs to completion.
 
 Copies. *Outgoing*: :meth:`LiveModel.wait_blocks` lets a sender wait until the model has committed the leading
 blocks of a chain it is still computing (blocks commit at the end of each prefill chunk, as in the simulator);
@@ -412,6 +413,17 @@ class LiveModel:
     def busy(self) -> bool:
         st = self.sim.replica_state(0)
         return bool(st["running"] or st["waiting"])
+
+    def abort(self, lr: LiveRequest) -> bool:
+        """The client of ``lr`` went away: a decoding request leaves the batch now and frees its KV cache; one not
+        yet at its first token stops there (SGLang aborts requests whose connection closed). Returns whether the
+        model still had it."""
+        if lr.done.done():
+            return False
+        self.sync()
+        found = self.sim.abort(lr.sim_id)
+        self._wake.set()
+        return found
 
     def flush(self) -> int:
         """Drop every unpinned block (SGLang ``/flush_cache``); returns blocks dropped. Callers check idleness."""
