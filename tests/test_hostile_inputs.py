@@ -225,3 +225,13 @@ def test_bench_refuses_an_unwritable_requests_out_before_replaying(capsys, tmp_p
                        "--requests-out", str(tmp_path / "missing" / "r.jsonl"))
     assert code == 2
     assert one_error_line(err).startswith("btbctl: error: --requests-out: cannot write ")
+
+
+def test_constants_have_sane_upper_bounds():
+    from btbctl.engine.constants import BtbConstants
+    from btbctl.engine.errors import ConfigError
+
+    for key, bad in (("prefix_blocks", 10**26), ("threshold", 2**21), ("replicas", 5000), ("window_s", 1e9)):
+        with pytest.raises(ConfigError, match=key):
+            BtbConstants().with_updates(**{key: bad})
+    assert BtbConstants(prefix_blocks=1 << 20, threshold=1 << 20, replicas=4096, window_s=86400.0)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 from btbctl.engine.errors import ConfigError
+
+
+#: Upper bounds: sanity limits far beyond any real setting (a 2**20-block prefix is 268M tokens at 256 tokens per
+#: block; a day-long window; thousands of replicas), so a typo cannot make the detector track absurd state.
+_MAX_INT = {"prefix_blocks": 1 << 20, "threshold": 1 << 20, "replicas": 4096}
+MAX_WINDOW_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -28,15 +33,14 @@ class BtbConstants:
     replicas: int = 4
 
     def __post_init__(self) -> None:
-        if isinstance(self.prefix_blocks, bool) or not isinstance(self.prefix_blocks, int) or self.prefix_blocks < 1:
-            raise ConfigError("prefix_blocks", f"must be an integer >= 1, got {self.prefix_blocks!r}")
-        if isinstance(self.threshold, bool) or not isinstance(self.threshold, int) or self.threshold < 1:
-            raise ConfigError("threshold", f"must be an integer >= 1, got {self.threshold!r}")
+        for key in ("prefix_blocks", "threshold", "replicas"):
+            v = getattr(self, key)
+            hi = _MAX_INT[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
+                raise ConfigError(key, f"must be an integer >= 1 and <= {hi}, got {v!r}")
         if (isinstance(self.window_s, bool) or not isinstance(self.window_s, (int, float))
-                or not 0 < self.window_s < math.inf):
-            raise ConfigError("window_s", f"must be a finite number > 0, got {self.window_s!r}")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ConfigError("replicas", f"must be an integer >= 1, got {self.replicas!r}")
+                or not 0 < self.window_s <= MAX_WINDOW_S):
+            raise ConfigError("window_s", f"must be a number > 0 and <= {MAX_WINDOW_S:g} s, got {self.window_s!r}")
 
     def with_updates(self, **changes) -> "BtbConstants":
         """A validated copy with ``changes`` applied (unknown keys raise :class:`ConfigError`)."""
