@@ -38,16 +38,12 @@ def _root(
 
 
 def _register() -> None:
-    # Each command module adds its commands to ``app`` on import.
+    # Each command module adds its commands to ``app`` on import (they import engine modules lazily).
     import importlib
 
     for mod in ("trace", "presets", "dryrun", "worker", "gateway", "tui", "fleet", "steer", "bench", "sweep", "report",
                 "logs", "doctor"):
-        try:
-            importlib.import_module(f"btbctl.commands.{mod}")
-        except ModuleNotFoundError as e:  # a command module not written yet
-            if e.name != f"btbctl.commands.{mod}":
-                raise
+        importlib.import_module(f"btbctl.commands.{mod}")
 
 
 _register()
