@@ -10,7 +10,7 @@ Mooncake, ``str`` for ``btb-mixed-trace-v1``); only equality matters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable
 
 #: Request kinds used in reports. ``burst``/``decoy``/``background`` come from ``btb-mixed-trace-v1``'s
 #: ``metadata.job_kind``; traces without kinds (Mooncake, Azure) label every request ``background``.
@@ -77,8 +77,3 @@ class Trace:
         for r in self.requests:
             seen.setdefault(r.kind, None)
         return list(seen)
-
-
-def block_token_counts(input_tokens: int, n_blocks: int, block_tokens: int) -> Sequence[int]:
-    """Tokens covered by each of ``n_blocks`` leading blocks of a prompt of ``input_tokens`` tokens."""
-    return [max(0, min(block_tokens, input_tokens - i * block_tokens)) for i in range(n_blocks)]
