@@ -32,7 +32,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Callable, Hashable, Sequence
 
-from btbctl.engine.config import ClusterConfig
+from btbctl.engine.config import FIDELITIES, ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
@@ -1026,10 +1026,8 @@ def simulate(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbCo
 
         return simulate_infersim(trace, policy, cluster, constants, seed=seed, progress=progress)
     if fidelity != "realistic":
-        raise ConfigError("fidelity", f"unknown or unavailable fidelity {fidelity!r}; valid: realistic, infersim")
+        raise ConfigError("fidelity", f"unknown or unavailable fidelity {fidelity!r}; valid: {', '.join(FIDELITIES)}")
     cost = cluster.replica_cost()  # validate before building anything
     check_fits(trace, cost.kv_budget_tokens)
-    pol = make_policy(policy, cluster.replicas, random.Random(seed), constants)
-    if hasattr(pol, "configure"):
-        pol.configure(block_tokens=trace.block_tokens)
+    pol = make_policy(policy, cluster.replicas, random.Random(seed), constants, block_tokens=trace.block_tokens)
     return Simulator(trace, pol, cluster, constants, progress=progress).run()
