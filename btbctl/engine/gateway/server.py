@@ -23,6 +23,7 @@ from typing import Any, Callable
 import aiohttp
 from aiohttp import web
 
+from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.detector import BurstDetector
 from btbctl.engine.errors import ConfigError
@@ -427,12 +428,7 @@ class Gateway:
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            try:
-                await self._health_task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._health_task)
         await self.planner.close()
         await self.bus.stop()
         if self._session is not None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
 
+from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.stats import percentile
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -420,13 +421,8 @@ class EventBus:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def flush(self) -> None:
         """Build and deliver the marked types now."""

@@ -43,6 +43,7 @@ from typing import Callable
 
 import xxhash
 
+from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.replication.transport import (
     Blocks,
     CopyRefused,
@@ -319,11 +320,7 @@ class TcpReceiver:
             self._server.close()
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
-        for t in list(self._tasks):
-            t.cancel()
-        for t in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_all(self._tasks)
 
     async def _read(self, reader: asyncio.StreamReader, n: int) -> bytes:
         return await asyncio.wait_for(reader.readexactly(n), self.idle_timeout_s)

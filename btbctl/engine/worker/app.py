@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from btbctl import __version__
+from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS, FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import (
     CopyRefused,
@@ -268,13 +269,7 @@ class Worker:
     async def stop(self) -> None:
         self.ready = False
         await self.receiver.close()
-        for t in list(self.tasks):
-            t.cancel()
-        for t in list(self.tasks):
-            try:
-                await t
-            except BaseException:
-                pass
+        await cancel_all(self.tasks)
         await self.model.stop()
 
     @property

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.policies import make_policy
 from btbctl.engine.sim.simulator import RequestRecord, Simulator
@@ -166,13 +167,8 @@ class LiveModel:
             self._task = asyncio.get_running_loop().create_task(self._drive())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     @property
     def alive(self) -> bool:
