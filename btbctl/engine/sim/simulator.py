@@ -72,9 +72,9 @@ class RequestRecord:
 class _Req:
     """Mutable state of a request inside the simulator."""
 
-    __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "matched",
-                 "ttft_s", "private", "new_blocks", "recomputed", "finish_g", "join_s", "seq", "est_flops",
-                 "queued_from", "dep_key", "kv_need", "aborted")
+    __slots__ = ("req", "chain", "rep", "admitted_s", "computed", "next_block", "cached_tokens", "ttft_s",
+                 "private", "recomputed", "finish_g", "join_s", "seq", "est_flops", "queued_from", "dep_key",
+                 "kv_need", "aborted")
 
     def __init__(self, req: Request, seq: int) -> None:
         self.req = req
@@ -84,10 +84,8 @@ class _Req:
         self.computed = 0  # prompt tokens computed or reused
         self.next_block = 0  # first block index not yet committed to the cache by this request
         self.cached_tokens = 0
-        self.matched = 0
         self.ttft_s = math.nan
         self.private = 0
-        self.new_blocks = 0
         self.recomputed = 0
         self.finish_g = 0
         self.join_s = 0
@@ -120,7 +118,7 @@ class _Replica:
         self.step_start = 0.0
         self.step_end = 0.0
         self.step_m = 0
-        self.step_payload: list = []
+        self.step_payload: list = []  # prefill: (request, new tokens, their FLOPs)
         self.version = 0
         self.copies_in: dict[Hashable, Copy] = {}
         self.queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
@@ -608,8 +606,8 @@ class Simulator:
         batch = self._form_prefill(rep)
         if batch:
             flops = 0.0
-            for rq, new in batch:
-                flops += self.cost.prefill_flops(new, rq.computed)
+            for _, _, f in batch:
+                flops += f
             dt = self.cost.prefill_flops_time_s(flops)
             rep.busy, rep.step_kind, rep.step_payload = True, "prefill", batch
             rep.step_start, rep.step_end = self.now, self.now + dt
@@ -627,15 +625,17 @@ class Simulator:
         rep.busy = False
         rep.step_kind = ""
 
-    def _form_prefill(self, rep: _Replica) -> list[tuple[_Req, int]]:
+    def _form_prefill(self, rep: _Replica) -> list[tuple[_Req, int, float]]:
+        """The next prefill batch: ``(request, new tokens, their FLOPs)`` per request."""
         budget = self.chunk_tokens
-        batch: list[tuple[_Req, int]] = []
+        prefill_flops = self.cost.prefill_flops
+        batch: list[tuple[_Req, int, float]] = []
         for rq in rep.prefilling:
             if budget <= 0:
                 break
             new = min(budget, rq.req.input_tokens - rq.computed)
             if new > 0:
-                batch.append((rq, new))
+                batch.append((rq, new, prefill_flops(new, rq.computed)))
                 budget -= new
         if budget <= 0:
             return batch
@@ -657,7 +657,7 @@ class Simulator:
                 break
             admitted_any = True
             new = min(budget, rq.req.input_tokens - rq.computed)
-            batch.append((rq, new))
+            batch.append((rq, new, prefill_flops(new, rq.computed)))
             budget -= new
         if admitted_any or stop:
             rep.waiting = keep
@@ -685,8 +685,6 @@ class Simulator:
         cache.reserve_blocks(new_blocks)
         cache.private_tokens += private
         rq.private = private
-        rq.matched = matched
-        rq.new_blocks = new_blocks
         cached_tokens = min(matched * bt, inp - 1)
         rq.cached_tokens = cached_tokens
         rq.computed = cached_tokens
@@ -746,8 +744,7 @@ class Simulator:
         done: list[_Req] = []
         committed = False
         copied = rep.copied
-        for rq, new in rep.step_payload:
-            f = self.cost.prefill_flops(new, rq.computed)
+        for rq, new, f in rep.step_payload:
             rq.est_flops -= f
             rep.queued_flops -= f
             rq.computed += new
