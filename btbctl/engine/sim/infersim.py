@@ -130,14 +130,14 @@ class InferSimCost:
         self.active_params = m.active_params
         self.mfu = cost.mfu
         self.mbu = cost.hbm_efficiency
-        self.flops = gpu.flops * g
-        self.hbm_bytes_per_s = gpu.hbm_bytes_per_s * g
-        self.pcie_bytes_per_s = gpu.pcie_bytes_per_s * g
+        self.flops = cost.flops
+        self.hbm_bytes_per_s = cost.hbm_bytes_per_s
+        self.pcie_bytes_per_s = cost.pcie_bytes_per_s
         self.nic_bytes_per_s = cost.nic_bytes_per_s
         self.kv_bytes_per_token = 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes  # one dtype knob
         self.block_bytes = self.kv_bytes_per_token * block_tokens
         self.active_bytes = m.active_params * m.dtype_bytes
-        free = gpu.hbm_bytes * g - m.total_params * m.dtype_bytes
+        free = cost.kv_budget_bytes  # all of HBM less the weights (mem_fraction 1.0)
         self.kv_budget_tokens = int(free / self.kv_bytes_per_token)
         self.budget_blocks = int(free / self.block_bytes)
         self.max_running = cluster.max_running
@@ -186,7 +186,6 @@ class InferSimReplica:
         self.kv_tokens = 0  # sum of running sequences' contexts
         self.hbm: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
         self.host: set[Hashable] = set()
-        self.busy_s = 0.0
         self.queued_s = 0.0  # sum of est_s over the queue
         self.copied: dict[Hashable, "_Copy"] = {}  # last block of a copied chain -> the copy that brought it
         self.copy_lens: set[int] = set()  # chain lengths in ``copied``
@@ -239,10 +238,14 @@ class InferSimReplica:
             host.add(h)
             over -= 1
 
+    def prefill_estimate_s(self, s: _Seq) -> float:
+        """Prefill seconds of ``s`` here given the cache as it is now (blocks in HBM or host RAM count as hits)."""
+        a, b = self.match(s.blocks)
+        return self.cost.prefill_s(s.req.input_tokens - min((a + b) * self.cost.block_tokens, s.prefix_tokens))
+
     def enqueue(self, s: _Seq) -> None:
         """Put ``s`` at the back of the queue (estimating its prefill from the cache as it is now)."""
-        a, b = self.match(s.blocks)
-        s.est_s = self.cost.prefill_s(s.req.input_tokens - min((a + b) * self.cost.block_tokens, s.prefix_tokens))
+        s.est_s = self.prefill_estimate_s(s)
         self.queued_s += s.est_s
         self.queue.append(s)
 
@@ -277,7 +280,6 @@ class InferSimReplica:
                 steps = lo
             dt = cost.decode_s(steps, n, kv)
             self.clock += dt
-            self.busy_s += dt
             done = False
             for s in running:
                 s.left -= steps
@@ -322,7 +324,6 @@ class InferSimReplica:
             self.reserved += s.need
             self.kv_tokens += s.context
             self.clock += reuse + prefill
-            self.busy_s += reuse + prefill
             extra = -(-s.need // bt) - len(s.blocks)
             self.insert(s.blocks if extra <= 0 else tuple(s.blocks) + tuple(_OutBlock() for _ in range(extra)))
 
@@ -435,12 +436,9 @@ class InferSimFleetView:
         the uncached part of every queued prompt (host-RAM reloads not counted)."""
         sim = self._sim
         rep = sim.replicas[replica]
-        cost = sim.cost
-        bt = cost.block_tokens
         wait = max(0.0, rep.clock - sim.now)
         for s in rep.queue:
-            a, b = rep.match(s.blocks)
-            wait += cost.prefill_s(s.req.input_tokens - min((a + b) * bt, s.prefix_tokens))
+            wait += rep.prefill_estimate_s(s)
         return wait
 
     @property
@@ -547,7 +545,6 @@ class InferSimulator:
         dt = self.cost.copy_s(len(chain))
         start = max(now_s, dst.clock)
         dst.clock = start + dt
-        dst.busy_s += dt
         c = _Copy(chain, source, target, start, start + dt)
         self.copies.append(c)
         self.all_copies.append(c)
