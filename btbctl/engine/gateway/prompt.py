@@ -18,14 +18,10 @@ How a prompt maps to blocks (the same mapping as :mod:`btbctl.engine.hashing`, w
 
 from __future__ import annotations
 
-import sys
-from array import array
 from typing import Any
 
 from btbctl.engine import hashing
 from btbctl.engine.hashing import BYTES_PER_TOKEN
-
-_LITTLE = sys.byteorder == "little"
 
 
 class PromptError(ValueError):
@@ -64,7 +60,8 @@ def render_chat(messages: Any) -> str:
 
 
 def ids_to_bytes(ids: Any, field: str) -> bytes:
-    """Token ids packed as little-endian uint32 (each id taken modulo 2**32, as the shared hashing does).
+    """Token ids packed as little-endian uint32, each taken modulo 2**32 (the shared
+    :func:`~btbctl.engine.hashing.pack_tokens`, with its errors worded for the client).
 
     Raises:
         PromptError: ``ids`` is not a list of integers (``field`` names it in the message).
@@ -72,16 +69,9 @@ def ids_to_bytes(ids: Any, field: str) -> bytes:
     if not isinstance(ids, list):
         raise PromptError(f"'{field}' must be a list of integers")
     try:
-        arr = array("I", ids)
-    except OverflowError:  # negative or >= 2**32: reduce modulo 2**32 like the shared hashing
-        if not all(type(t) is int for t in ids):
-            raise PromptError(f"'{field}' must be a list of integers") from None
-        arr = array("I", [t & 0xFFFFFFFF for t in ids])
+        return hashing.pack_tokens(ids)
     except TypeError:
         raise PromptError(f"'{field}' must be a list of integers") from None
-    if not _LITTLE:
-        arr.byteswap()
-    return arr.tobytes()
 
 
 def text_to_bytes(text: str) -> bytes:
@@ -144,8 +134,7 @@ def prompt_of(route: str, body: dict) -> tuple[bytes, int]:
         text = render_chat(body["messages"])
     else:  # pragma: no cover - routes are fixed by the app
         raise PromptError(f"unknown route {route!r}")
-    raw_len = len(text)
-    data = text_to_bytes(text) if raw_len else b""
+    data = text_to_bytes(text)
     return data, len(data) // BYTES_PER_TOKEN
 
 
