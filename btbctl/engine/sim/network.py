@@ -13,7 +13,6 @@ Time is always passed in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
 
 _EPS = 1e-9
 
@@ -49,14 +48,6 @@ class Copy:
     done_s: float | None = None
     meta: dict = field(default_factory=dict)
 
-    @property
-    def blocks(self) -> tuple:
-        return self.chain[self.offset:]
-
-    @property
-    def key(self) -> Hashable:
-        return self.chain[-1]
-
     def eta_s(self) -> float | None:
         """Seconds until the next milestone (done or stalled) at the current rate; None if stalled."""
         target = min(self.avail_bytes, self.total_bytes)
@@ -82,7 +73,6 @@ class Network:
     """
 
     def __init__(self, n_replicas: int, nic_bytes_per_s: float) -> None:
-        self.n = n_replicas
         self.cap = nic_bytes_per_s
         self.active: list[Copy] = []
 
