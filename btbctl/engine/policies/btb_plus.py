@@ -398,8 +398,7 @@ class BtbPlus(Policy):
             source = min(holders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r))
             src_left = 0.0
         elif computing:
-            source = min(computing, key=lambda r: (self.source_ready_s(view, r, key, now_s), r))
-            src_left = self.source_ready_s(view, source, key, now_s)
+            src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in computing)
         else:
             self._stats["no_source"] += 1
             return
