@@ -190,7 +190,23 @@ def stop_groups(groups: list[tuple[int, subprocess.Popen | None]], grace_s: floa
             _reap(popen)
         except PermissionError:
             raise BtbctlError(f"not allowed to signal process group {pgid}") from None
-    deadline = time.monotonic() + grace_s
+    _wait_gone(live, grace_s)
+    for pgid in live:
+        out[pgid] = True
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _wait_gone(live, 5.0)
+    for _, popen in groups:
+        _reap(popen)
+    return out
+
+
+def _wait_gone(live: dict[int, subprocess.Popen | None], timeout_s: float) -> None:
+    """Poll for up to ``timeout_s`` until every group in ``live`` has no members; a group leaves ``live`` when its
+    last member is gone (its leader reaped on the way)."""
+    deadline = time.monotonic() + timeout_s
     while live and time.monotonic() < deadline:
         for pgid, popen in list(live.items()):
             _reap(popen, block=False)
@@ -198,23 +214,6 @@ def stop_groups(groups: list[tuple[int, subprocess.Popen | None]], grace_s: floa
                 del live[pgid]
         if live:
             time.sleep(0.05)
-    for pgid in live:
-        out[pgid] = True
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    end = time.monotonic() + 5.0
-    while live and time.monotonic() < end:
-        for pgid, popen in list(live.items()):
-            _reap(popen, block=False)
-            if not group_members(pgid):
-                del live[pgid]
-        if live:
-            time.sleep(0.05)
-    for _, popen in groups:
-        _reap(popen)
-    return out
 
 
 def _reap(popen: subprocess.Popen | None, block: bool = True) -> None:
