@@ -70,6 +70,23 @@ def json_error(status: int, message: str, kind: str = "invalid_request_error", *
     return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
+def parse_json_object(body: bytes) -> dict:
+    """The JSON object a request body holds.
+
+    Raises:
+        PromptError: the body is not valid JSON or not an object (``str()`` is the message for the 400 answer).
+    """
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise PromptError(f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise PromptError("malformed JSON: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise PromptError("the body must be a JSON object")
+    return obj
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Turn aiohttp's HTTP errors (404 unknown route, 405, 413 body too large) and unexpected exceptions into
@@ -152,14 +169,7 @@ class DataPlane:
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
         body = await request.read()
         try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            return json_error(400, f"malformed JSON: {e}")
-        except RecursionError:
-            return json_error(400, "malformed JSON: nested too deeply")
-        if not isinstance(obj, dict):
-            return json_error(400, "the body must be a JSON object")
-        try:
+            obj = parse_json_object(body)
             data, n_tokens = prompt_of(route, obj)
         except PromptError as e:
             return json_error(400, str(e))

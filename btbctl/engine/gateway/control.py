@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.gateway.app import parse_json_object
 from btbctl.engine.gateway.planner import ReplicateError
 from btbctl.engine.hashing import MIN_PREFIX_ID_CHARS
 from btbctl.engine.policies import POLICIES
@@ -93,16 +93,11 @@ class ControlApi:
             return _err(e.status, e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}")
 
     async def _json_body(self, request: web.Request) -> dict | web.Response:
+        body = await request.read()
         try:
-            body = await request.read()
-            obj = json.loads(body) if body else {}
-        except (ValueError, UnicodeDecodeError) as e:
-            return _err(400, f"malformed JSON: {e}")
-        except RecursionError:
-            return _err(400, "malformed JSON: nested too deeply")
-        if not isinstance(obj, dict):
-            return _err(400, "the body must be a JSON object")
-        return obj
+            return parse_json_object(body) if body else {}
+        except ValueError as e:  # the message is for the client
+            return _err(400, str(e))
 
     @staticmethod
     def _num_query(request: web.Request, name: str, default: float, lo: float, hi: float,
