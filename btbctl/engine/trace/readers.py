@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import stat
@@ -282,9 +283,10 @@ def _not_object(v, path: str, lineno: int) -> TraceFormatError:
 # parsers
 
 
-def _parse_mooncake(text: str, path: str) -> Trace:
-    requests: list[Request] = []
-    append = requests.append
+def _json_rows(text: str, path: str, fields: tuple[str, ...]):
+    """``(line number, object, values of fields)`` for each non-blank line of a JSON-lines trace, after checking
+    the line is a JSON object holding every one of ``fields``."""
+    get = operator.itemgetter(*fields)
     loads = json.loads
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line or line.isspace():
@@ -296,12 +298,17 @@ def _parse_mooncake(text: str, path: str) -> Trace:
         if type(d) is not dict:
             raise _not_object(d, path, lineno)
         try:
-            ts = d["timestamp"]
-            inp = d["input_length"]
-            outp = d["output_length"]
-            hs = d["hash_ids"]
+            values = get(d)
         except KeyError as e:
             raise TraceFormatError(path, f"missing field {e.args[0]!r}", lineno) from None
+        yield lineno, d, values
+
+
+def _parse_mooncake(text: str, path: str) -> Trace:
+    requests: list[Request] = []
+    append = requests.append
+    for lineno, _, (ts, inp, outp, hs) in _json_rows(
+            text, path, ("timestamp", "input_length", "output_length", "hash_ids")):
         # Fast path for well-formed rows; anything unusual goes through the named checks.
         if (type(ts) is int and 0 <= ts <= _MAX_TIME and type(inp) is int and inp >= 1 and type(outp) is int and outp >= 1
                 and type(hs) is list):
@@ -329,20 +336,8 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
     block_line = 0
     # Equal hash strings share one object: a Bursted window repeats each burst's 256 prefix hashes 500 times.
     same = {}.setdefault
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line or line.isspace():
-            continue
-        d = _loads(line, path, lineno)
-        if type(d) is not dict:
-            raise _not_object(d, path, lineno)
-        try:
-            arrival = d["arrival_s"]
-            inp = d["input_length"]
-            outp = d["output_length"]
-            hs = d["hash_ids"]
-            rid = d["request_id"]
-        except KeyError as e:
-            raise TraceFormatError(path, f"missing field {e.args[0]!r}", lineno) from None
+    for lineno, d, (arrival, inp, outp, hs, rid) in _json_rows(
+            text, path, ("arrival_s", "input_length", "output_length", "hash_ids", "request_id")):
         arrival_s = _time(arrival, "arrival_s", 1.0, path, lineno)
         inp = _input_tokens(inp, "input_length", path, lineno)
         outp = _output_tokens(outp, "output_length", path, lineno)
