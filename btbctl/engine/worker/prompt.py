@@ -14,15 +14,13 @@ from btbctl.engine.hashing import BYTES_PER_TOKEN, chain_from_packed, pack_text,
 
 
 def text_chain(text: str, block_tokens: int) -> tuple[int, list[str]]:
-    """``(pseudo-token count, chain hashes of the full blocks)`` of ``text``."""
-    if block_tokens < 1:
-        raise ValueError("block_tokens must be >= 1")
+    """``(pseudo-token count, chain hashes of the full blocks)`` of ``text``. Raises ValueError for
+    ``block_tokens < 1``."""
     data = pack_text(text)
     return len(data) // BYTES_PER_TOKEN, chain_from_packed(data, block_tokens)
 
 
 def ids_chain(ids: Sequence[int], block_tokens: int) -> tuple[int, list[str]]:
-    """``(len(ids), chain hashes of the full blocks)``; ids must be integers in ``[0, 2**32)``."""
-    if block_tokens < 1:
-        raise ValueError("block_tokens must be >= 1")
+    """``(len(ids), chain hashes of the full blocks)``; ids must be integers in ``[0, 2**32)``. Raises ValueError
+    for ``block_tokens < 1``."""
     return len(ids), chain_from_packed(pack_tokens(ids), block_tokens)
