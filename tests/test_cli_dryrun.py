@@ -48,6 +48,14 @@ def run_json(capsys, *argv: str) -> dict:
     return json.loads(out)
 
 
+def run_config(capsys, tmp_path, name: str, text: str) -> tuple[Path, int, str]:
+    """Write ``text`` to ``tmp_path / name`` and run ``dry-run -c`` on it; return (the file, exit code, stderr)."""
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    return cfg, code, err
+
+
 # -- errors: exit 2, one line, no traceback -----------------------------------------------------------------------
 
 def test_unknown_model_preset(capsys):
@@ -73,39 +81,29 @@ def test_model_that_does_not_fit(capsys):
 
 
 def test_model_that_does_not_fit_from_config_names_file(capsys, tmp_path):
-    cfg = tmp_path / "small.toml"
-    cfg.write_text('[cluster]\nmodel = "dense-1t"\ngpus_per_replica = 4\n')
-    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    cfg, code, err = run_config(capsys, tmp_path, "small.toml", '[cluster]\nmodel = "dense-1t"\ngpus_per_replica = 4\n')
     assert_one_line_error(code, err, str(cfg), "cluster.gpus_per_replica", "dense-1t")
 
 
 def test_bad_toml_key_names_file_key_and_valid_keys(capsys, tmp_path):
-    cfg = tmp_path / "typo.toml"
-    cfg.write_text('seed = 7\n\n[cluster]\nmodle = "qwen3-8b"\n')
-    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    cfg, code, err = run_config(capsys, tmp_path, "typo.toml", 'seed = 7\n\n[cluster]\nmodle = "qwen3-8b"\n')
     line = assert_one_line_error(code, err, str(cfg), "cluster.modle", "valid keys:")
     for key in ("model", "gpu", "gpus_per_replica", "replicas", "nic_gbps"):
         assert key in line.split("valid keys:")[1]
 
 
 def test_bad_top_level_toml_key(capsys, tmp_path):
-    cfg = tmp_path / "typo.toml"
-    cfg.write_text('polices = ["btb"]\n')
-    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    cfg, code, err = run_config(capsys, tmp_path, "typo.toml", 'polices = ["btb"]\n')
     assert_one_line_error(code, err, str(cfg), "polices", "valid keys:", "policies")
 
 
 def test_bad_toml_value_names_dotted_key(capsys, tmp_path):
-    cfg = tmp_path / "value.toml"
-    cfg.write_text('[btb]\nthreshold = 0\n')
-    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    cfg, code, err = run_config(capsys, tmp_path, "value.toml", '[btb]\nthreshold = 0\n')
     assert_one_line_error(code, err, str(cfg), "btb.threshold", "greater than or equal to 1")
 
 
 def test_toml_syntax_error_names_file_and_line(capsys, tmp_path):
-    cfg = tmp_path / "broken.toml"
-    cfg.write_text('seed = 1\n[cluster]\nmodel = \n')
-    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    cfg, code, err = run_config(capsys, tmp_path, "broken.toml", 'seed = 1\n[cluster]\nmodel = \n')
     assert_one_line_error(code, err, str(cfg), "line 3", "invalid TOML")
 
 
@@ -132,9 +130,7 @@ def test_infersim_fidelity_runs(capsys):
 
 
 def test_generator_cross_field_rule(capsys, tmp_path):
-    cfg = tmp_path / "gen.toml"
-    cfg.write_text('[trace.generate]\nfirst_burst_s = 1.0\njitter_s = 2.0\n')
-    code, _, err = run(capsys, "dry-run", "-c", str(cfg))
+    cfg, code, err = run_config(capsys, tmp_path, "gen.toml", '[trace.generate]\nfirst_burst_s = 1.0\njitter_s = 2.0\n')
     assert_one_line_error(code, err, str(cfg), "trace.generate.jitter_s")
 
 
