@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 
+from rich.console import Console
 from textual.widgets import DataTable, Input, Static
 
 from btbctl.tui.app import ConstantsPanel, ReplicateScreen, build_app
@@ -18,6 +20,13 @@ def run(coro):
 def _text(widget: Static) -> str:
     r = widget.render()
     return getattr(r, "plain", None) or str(r)
+
+
+def _rich_text(widget: Static, width: int = 80) -> str:
+    """What a Static holding a rich renderable shows, as plain text."""
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(widget.content)
+    return console.export_text()
 
 
 def test_panels_fill_from_the_simulation():
@@ -36,9 +45,12 @@ def test_panels_fill_from_the_simulation():
             first = table.get_row_at(0)
             assert first[0] == snap.prefixes[0].short_id
             assert str(first[2]) == f"{snap.prefixes[0].arrivals_in_window}/2"
-            fleet = app.query_one("#fleet-body", Static).render()
-            assert fleet is not None
             assert [w.name for w in snap.workers] == ["w0", "w1", "w2", "w3"]
+            # the fleet panel shows every worker as up and every GPU
+            fleet = [ln.split() for ln in _rich_text(app.query_one("#fleet-body", Static)).splitlines()]
+            assert {f[0]: f[1] for f in fleet if f and f[0] in ("w0", "w1", "w2", "w3")} == dict.fromkeys(
+                ["w0", "w1", "w2", "w3"], "up")
+            assert {f[0] for f in fleet if f and "/gpu" in f[0]} == {g.name for g in snap.gpus}
             assert len(snap.gpus) == 16 and all(g.total_bytes == 80e9 for g in snap.gpus)
             assert any(x.state == "done" for x in snap.transfers)  # BTB copied the first burst's prefix
             assert [p.t_s for p in snap.ttft] == sorted(p.t_s for p in snap.ttft) and snap.ttft
