@@ -65,12 +65,14 @@ def tui(
             "btb.replicas": btb_replicas, "seed": seed,
         }
         cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
-        unset = ("trace.format", "trace.generate") if trace is not None else ()
-        cfg = cfg.with_overrides(overrides, unset=unset)
+        from btbctl.commands.options import trace_unset
+
+        cfg = cfg.with_overrides(overrides, unset=trace_unset(cfg, trace))
         source = sim_source_from_config(cfg, policy, speed=speed)
         title = f"simulation x{speed:g}"
     else:
-        if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config)):
+        if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config,
+                                       prefix_blocks, threshold, window_s, btb_replicas, seed)) or speed != 1.0:
             raise ConfigError("--sim", "simulation options (--trace, --model, ...) need --sim")
         from btbctl.engine.live import ControlApiLiveSource, resolve_control_api
 
