@@ -17,7 +17,7 @@ from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.engine.live import ControlApiLiveSource
 from btbctl.tui.app import ReplicateScreen, build_app
-from tui_helpers import wait_for
+from tui_helpers import running_app, wait_for
 
 PAGE = 16
 PREFIX_BLOCKS = 8
@@ -175,9 +175,8 @@ def test_control_api_source_reconnects_after_the_fleet_restarts():
 def test_dashboard_says_when_the_fleet_is_down():
     async def body():
         port = _free_port()
-        app = build_app(ControlApiLiveSource(f"http://127.0.0.1:{port}", None, local_gpus=False), poll_hz=20)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        src = ControlApiLiveSource(f"http://127.0.0.1:{port}", None, local_gpus=False)
+        async with running_app(src, (80, 24)) as (app, pilot):
             status = _text(app.query_one("#status"))
             assert status.startswith("DISCONNECTED: fleet unreachable at http://127.0.0.1:")
             assert app.query_one("#status").has_class("down")

@@ -9,8 +9,8 @@ import time
 from rich.console import Console
 from textual.widgets import DataTable, Input, Static
 
-from btbctl.tui.app import ConstantsPanel, ReplicateScreen, build_app
-from tui_helpers import small_source, wait_for
+from btbctl.tui.app import ReplicateScreen
+from tui_helpers import running_app, small_source, wait_for
 
 
 def run(coro):
@@ -34,9 +34,7 @@ def test_panels_fill_from_the_simulation():
     src.advance_to(8.0)
 
     async def go():
-        app = build_app(src, poll_hz=20)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        async with running_app(src, (80, 24)) as (app, pilot):
             snap = app.snapshot
             assert snap.connected and snap.now_s == 8.0
             table = app.query_one("#prefix-table", DataTable)
@@ -67,9 +65,7 @@ def test_editing_threshold_changes_the_engine_and_bad_values_are_refused():
     src.advance_to(4.0)
 
     async def go():
-        app = build_app(src, poll_hz=20)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        async with running_app(src, (100, 30)) as (app, pilot):
             await pilot.press("e")
             inp = app.query_one("#const-threshold", Input)
             assert inp.has_focus
@@ -106,9 +102,7 @@ def test_engine_refusal_is_shown():
     src.set_constants_sync = refuse
 
     async def go():
-        app = build_app(src, poll_hz=20)
-        async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        async with running_app(src, (100, 30)) as (app, pilot):
             inp = app.query_one("#const-window_s", Input)
             inp.focus()
             inp.value = "0.5"
@@ -124,9 +118,7 @@ def test_replicating_a_prefix_shows_a_transfer_that_completes():
     src.advance_to(6.0)
 
     async def go():
-        app = build_app(src, poll_hz=20)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        async with running_app(src, (80, 24)) as (app, pilot):
             assert not app.snapshot.transfers
             target = next(p for p in app.snapshot.prefixes if p.holders == 1)
             table = app.query_one("#prefix-table", DataTable)
@@ -169,9 +161,7 @@ def test_policy_change_and_pause():
     src.advance_to(4.0)
 
     async def go():
-        app = build_app(src, poll_hz=20)
-        async with app.run_test(size=(80, 24)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        async with running_app(src, (80, 24)) as (app, pilot):
             await pilot.press("p")
             assert app.paused and "PAUSED" in _text(app.query_one("#status"))
             n = app.applied
@@ -216,9 +206,7 @@ def test_stays_responsive_while_replaying_1000_requests_per_second():
     latencies = []
 
     async def go():
-        app = build_app(src, poll_hz=4)
-        async with app.run_test(size=(160, 48)) as pilot:
-            await wait_for(pilot, lambda: app.applied >= 1)
+        async with running_app(src, (160, 48), poll_hz=4) as (app, pilot):
             t_start, n_start = time.perf_counter(), src.submitted
             status = app.query_one("#status", Static)
             table = app.query_one("#prefix-table", DataTable)

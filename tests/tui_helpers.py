@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from contextlib import asynccontextmanager
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.live import SimLiveSource
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
+from btbctl.tui.app import build_app
 
 #: A short Bursted window: 3 bursts of 200 requests over 20 s each, sharing 8,192-token prefixes (32 blocks of
 #: 256 tokens), on 4 replicas of Llama-3.3-70B over 4 x H100 each.
@@ -31,3 +33,13 @@ async def wait_for(pilot, cond, timeout_s: float = 10.0, step_s: float = 0.02) -
             raise AssertionError(f"condition not met within {timeout_s} s")
         await pilot.pause(step_s)
     return time.perf_counter() - t0
+
+
+@asynccontextmanager
+async def running_app(source, size: tuple[int, int], poll_hz: float = 20):
+    """The dashboard on ``source`` under a pilot at ``size``, once it has applied its first snapshot:
+    yields ``(app, pilot)``."""
+    app = build_app(source, poll_hz=poll_hz)
+    async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: app.applied >= 1)
+        yield app, pilot
