@@ -32,3 +32,13 @@ def assert_close(a, b, path: str = "") -> None:
         assert a == pytest.approx(b, rel=1e-9, abs=1e-12), path
     else:
         assert a == b, path
+
+
+def leading_run(chain, blocks) -> int:
+    """How many of ``chain``'s first blocks are in ``blocks``, counting up to the first one that is not."""
+    n = 0
+    for h in chain:
+        if h not in blocks:
+            break
+        n += 1
+    return n

@@ -17,6 +17,7 @@ from btbctl.engine.policies.btb_plus import BtbPlus
 from btbctl.engine.sim import simulate
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request
+from helpers import leading_run
 
 BT = 256
 
@@ -44,26 +45,17 @@ class View:
         self.headroom = [10**9] * n
         self.copies: list[tuple] = []
 
-    @staticmethod
-    def _run(chain: Sequence[Hashable], blocks: set) -> int:
-        n = 0
-        for h in chain:
-            if h not in blocks:
-                break
-            n += 1
-        return n
-
     def load(self, r: int) -> int:
         return self.loads[r]
 
     def cached_blocks(self, r: int, chain) -> int:
-        return self._run(chain, self.cached[r])
+        return leading_run(chain, self.cached[r])
 
     def pending_blocks(self, r: int, chain) -> int:
         arriving = set()
         for ch, _ in self.incoming[r].values():
             arriving.update(ch)
-        return self._run(chain, self.cached[r] | arriving | self.planned[r])
+        return leading_run(chain, self.cached[r] | arriving | self.planned[r])
 
     def planned_blocks(self, r: int, chain) -> int:
         return self.pending_blocks(r, chain)

@@ -19,6 +19,7 @@ from btbctl.engine.policies.btb import Btb
 from btbctl.engine.policies.cache_aware import BlockPrefixTree, CacheAware, default_max_blocks_per_worker
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill, absolute_margin
 from btbctl.engine.trace.model import Request
+from helpers import leading_run
 
 
 class FakeFleetView:
@@ -40,22 +41,14 @@ class FakeFleetView:
     def load(self, replica: int) -> int:
         return self.loads[replica]
 
-    def _leading(self, chain: Sequence[Hashable], blocks: set) -> int:
-        n = 0
-        for h in chain:
-            if h not in blocks:
-                break
-            n += 1
-        return n
-
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        return self._leading(chain, self.cached[replica])
+        return leading_run(chain, self.cached[replica])
 
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         arriving = set()
         for prefix in self.in_flight[replica].values():
             arriving.update(prefix)
-        return self._leading(chain, self.cached[replica] | self.pending[replica] | arriving)
+        return leading_run(chain, self.cached[replica] | self.pending[replica] | arriving)
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self.in_flight[replica]
