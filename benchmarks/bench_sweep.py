@@ -7,7 +7,7 @@ run, is the same sweep's first ``--baseline-points`` points run one after the ot
 ``speedup = baseline seconds per run x runs / wall seconds`` shows how well the pool uses the CPUs (at most the
 number of workers). The same sweep from the command line::
 
-    btbctl sweep --prefix-blocks 32,64,128,256 --threshold 2,3,4,8 --window-s 0.5,1,2 --btb-replicas 1,2,3,4
+    btbctl sweep --prefix-blocks 32,64,128,256 --threshold 2,3,4,8 --window-s 0.5,1,2 --warm-replicas 1,2,3,4
 
     python benchmarks/bench_sweep.py [--jobs N] [--spread-s 60] [--baseline-points 4] [--format json]
 """
@@ -23,7 +23,7 @@ from btbctl.engine.dryrun import DryRunConfig, load_trace
 from btbctl.engine.sweep import SweepGrid, SweepSpec, default_jobs, grid_points, run_point, run_sweep
 
 GRID = SweepGrid(prefix_blocks=(32, 64, 128, 256), threshold=(2, 3, 4, 8), window_s=(0.5, 1.0, 2.0),
-                 btb_replicas=(1, 2, 3, 4), policy=("btb",))
+                 warm_replicas=(1, 2, 3, 4), policy=("btb",))
 
 
 def main() -> int:

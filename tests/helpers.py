@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import carry_out
+from btbctl.engine.policies.base import Policy, Route
 
 from btbctl.commands.app import main
 
@@ -42,3 +47,34 @@ def leading_run(chain, blocks) -> int:
             break
         n += 1
     return n
+
+
+class Scripted(Policy):
+    """A test policy: routes by ``route_fn(request)``; ``on_arrival(request, view, now_s)`` may read the view and
+    return copy plans for the executor. Every copy attempt is recorded in ``results`` as
+    ``(plan, target, started)``."""
+
+    name = "scripted"
+
+    def __init__(self, n, route_fn=lambda r: 0, on_arrival=None):
+        super().__init__(n, random.Random(0), BtbConstants())
+        self.route_fn = route_fn
+        self.on_arrival = on_arrival
+        self.results = []
+
+    def route(self, req, view, now_s):
+        plans = self.on_arrival(req, view, now_s) if self.on_arrival else None
+        return Route(self.route_fn(req), tuple(plans or ()))
+
+    def on_copy_result(self, plan, target, started, now_s):
+        self.results.append((plan, target, started))
+
+
+def route(policy, req, view, now_s):
+    """Route ``req`` with ``policy`` and carry its copy plans out on ``view.replicate(chain, source, target, now_s,
+    hot_since_s)`` (a fake view's executor), reporting each attempt to the policy; returns the chosen replica."""
+    r = policy.route(req, view, now_s)
+    for plan in r.copies:
+        carry_out(plan, lambda t, p=plan: view.replicate(p.prefix, p.source, t, now_s, p.hot_since_s),
+                  lambda t, ok, p=plan: policy.on_copy_result(p, t, ok, now_s))
+    return r.replica

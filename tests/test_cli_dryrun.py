@@ -161,14 +161,14 @@ def test_json_report_has_exactly_the_schema(capsys):
     assert list(r) == TOP_KEYS
     assert list(r["trace"]) == ["path", "format", "requests", "span_s", "block_tokens"]
     assert list(r["cluster"]) == ["model", "gpu", "gpus_per_replica", "replicas", "nic_gbps"]
-    assert list(r["constants"]) == ["prefix_blocks", "threshold", "window_s", "replicas"]
+    assert list(r["constants"]) == ["prefix_blocks", "threshold", "window_s", "warm_replicas"]
     assert list(r["timing"]) == ["wall_s", "requests_per_s"]
     assert r["trace"] == {"path": None, "format": "generated", "requests": SMALL_REQUESTS,
                           "span_s": r["trace"]["span_s"], "block_tokens": 256}
     assert r["trace"]["span_s"] > 0
     assert r["cluster"] == {"model": "llama-3.3-70b", "gpu": "h100", "gpus_per_replica": 4, "replicas": 4,
                             "nic_gbps": 400.0}
-    assert r["constants"] == {"prefix_blocks": 256, "threshold": 2, "window_s": 1.0, "replicas": 4}
+    assert r["constants"] == {"prefix_blocks": 256, "threshold": 2, "window_s": 1.0, "warm_replicas": 4}
     assert r["fidelity"] == "realistic" and r["seed"] == 42
     assert [s["policy"] for s in r["results"]] == list(DEFAULT_POLICIES)
     for s in r["results"]:
@@ -210,7 +210,7 @@ def test_policy_order_and_flags_are_reported(capsys):
     assert [s["policy"] for s in r["results"]] == ["btb", "round_robin"]
     assert r["cluster"] == {"model": "qwen3-8b", "gpu": "h200", "gpus_per_replica": 1, "replicas": 3,
                             "nic_gbps": 200.0}
-    assert r["constants"] == {"prefix_blocks": 128, "threshold": 3, "window_s": 0.5, "replicas": 2}
+    assert r["constants"] == {"prefix_blocks": 128, "threshold": 3, "window_s": 0.5, "warm_replicas": 2}
     assert r["seed"] == 7
 
 
@@ -350,9 +350,10 @@ def test_generate_section_mirrors_bursted_params():
 
 
 def test_every_config_field_has_a_docstring():
-    from btbctl.engine.dryrun import BtbSection, TraceSource
+    from btbctl.engine.constants import BtbConstants
+    from btbctl.engine.dryrun import TraceSource
 
-    for model in (DryRunConfig, TraceSource, BtbSection, GenerateSection):
+    for model in (DryRunConfig, TraceSource, BtbConstants, GenerateSection):
         for name, info in model.model_fields.items():
             assert info.description, f"{model.__name__}.{name}"
 
@@ -437,6 +438,6 @@ def test_help_shows_defaults_and_the_two_replica_flags(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = run(capsys, "dry-run", "--help")
     assert code == 0
-    for needle in ("--config", "--btb-replicas", "--replicas", "--spread-s", "--requests-out", "(default: 4)",
-                   "not the fleet size"):
+    for needle in ("--config", "--warm-replicas", "--btb-replicas", "--replicas", "--spread-s", "--requests-out",
+                   "(default: 4)", "not the fleet size"):
         assert needle in out, needle

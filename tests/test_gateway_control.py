@@ -29,7 +29,7 @@ def test_fleet_and_constants_reads():
             assert w["transfer_addr"] == env.fleet[0].transfer_addr and w["page_size"] == 4
             status, c = await env.get_control("/control/constants")
             assert c["policy"] == "least_load" and "btb" in c["policies"]
-            assert c["constants"] == {"prefix_blocks": 256, "threshold": 2, "window_s": 1.0, "replicas": 4}
+            assert c["constants"] == {"prefix_blocks": 256, "threshold": 2, "window_s": 1.0, "warm_replicas": 4}
             async with env.http.get(env.control + "/control/nothing") as r:
                 assert r.status == 404
             status, err = await env.get_control("/control/prefixes?top=0")
@@ -47,7 +47,7 @@ def test_put_constants_needs_the_token_and_validates_every_key():
             async with env.http.put(url, json={"threshold": 3}, headers=env.auth("wrong")) as r:
                 assert r.status == 401
             bad = [({"threshold": 0}, "threshold"), ({"window_s": -1}, "window_s"), ({"replicas": "4"}, "replicas"),
-                   ({"prefix_blocks": True}, "prefix_blocks"), ({"policy": "nope"}, "policy"),
+                   ({"warm_replicas": 0}, "warm_replicas"), ({"prefix_blocks": True}, "prefix_blocks"), ({"policy": "nope"}, "policy"),
                    ({"speed": 2}, "speed"), ({"threshold": 3, "window_s": 0}, "window_s")]
             for obj, key in bad:
                 async with env.http.put(url, json=obj, headers=env.auth()) as r:
@@ -155,7 +155,7 @@ def test_event_stream_delivers_coalesced_snapshots():
                 await asyncio.sleep(0.5)
                 task.cancel()
             assert {"fleet", "prefixes", "transfers", "ttft", "constants"} <= set(seen)
-            assert seen["constants"][-1]["constants"]["replicas"] == 2
+            assert seen["constants"][-1]["constants"]["warm_replicas"] == 2
             assert seen["fleet"][-1]["total"] == 2
             assert seen["ttft"][-1]["last_10s"]["n"] == 20
             assert seen["transfers"][-1]["totals"]["done"] == 1

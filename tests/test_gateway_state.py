@@ -6,6 +6,7 @@ import inspect
 
 from btbctl.engine.gateway.state import ChainIndex, FleetState, TtftSeries, WorkerState
 from btbctl.engine.policies.base import FleetView
+from btbctl.engine.policies.base import ExcludingView
 
 
 def test_fleet_state_implements_every_fleet_view_member():
@@ -48,15 +49,13 @@ def test_pending_counts_until_the_first_byte():
     st.workers[1].start_prefill("r2", chain + ("q4",), 4 * 256)
     (key, n, work), = st.waiting_groups(1)
     assert (key, n) == ("p3", 1) and 0 < work < st.queued_prefill_s(1) / 2  # it computes one block of four
-    assert st.dependent_prefill_s(1, chain + ("x4",)) == work
     st.workers[1].end_prefill("r2")
     st.workers[1].end_prefill("r1")
     assert st.pending_blocks(1, chain) == 0 and not st.workers[1].pending and st.workers[1].prefilling == 0
     st.workers[1].hold(chain)
     assert st.cached_blocks(1, chain) == 3
-    st.excluded = frozenset({1})
-    assert st.cached_blocks(1, chain) == 0  # excluded for this request: not a holder
-    st.excluded = frozenset()
+    assert ExcludingView(st, {1}).cached_blocks(1, chain) == 0  # excluded for this request: not a holder
+    assert ExcludingView(st, {0}).cached_blocks(1, chain) == 3
     st.workers[1].healthy = False
     assert st.cached_blocks(1, chain) == 0 and st.pending_blocks(1, chain) == 0
 

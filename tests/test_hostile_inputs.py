@@ -36,14 +36,14 @@ def one_error_line(err: str) -> str:
 @pytest.mark.parametrize("window_s", [math.inf, -math.inf, math.nan, 0.0, True])
 def test_constants_refuse_a_window_that_is_not_a_finite_positive_number(window_s):
     with pytest.raises(ConfigError) as e:
-        BtbConstants(window_s=window_s)
+        BtbConstants.parse({"window_s": window_s})
     assert e.value.key == "window_s"
 
 
 @pytest.mark.parametrize("key", ["prefix_blocks", "threshold", "replicas"])
 def test_constants_refuse_booleans_as_integers(key):
     with pytest.raises(ConfigError) as e:
-        BtbConstants(**{key: True})
+        BtbConstants.parse({key: True})
     assert e.value.key == key
 
 

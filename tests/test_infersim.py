@@ -16,7 +16,7 @@ from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from btbctl.engine.policies.base import Policy
+from btbctl.engine.copies import CopyPlan
 from btbctl.engine.policies.infersim_rules import InferSimBtb, InferSimCacheAware, InferSimLeastLoad
 from btbctl.engine.setups import SETUPS, get_setup, setup_cluster
 from btbctl.engine.sim import simulate
@@ -25,7 +25,7 @@ from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request, Trace
 from btbctl.engine.trace.readers import read_trace
 from btbctl.engine.trace.writer import write_btb_mixed
-from helpers import assert_close
+from helpers import Scripted, assert_close, route
 
 BT = 256
 GOLDEN = Path(__file__).parent / "golden" / "infersim_small.json"
@@ -56,22 +56,6 @@ def chain(tag, n):
 
 def req(rid, t, blocks, out=1, inp=None):
     return Request(rid, t, len(blocks) * BT if inp is None else inp, out, blocks, "burst")
-
-
-class Scripted(Policy):
-    """Routes by a function of the request; optionally acts on the view first."""
-
-    name = "scripted"
-
-    def __init__(self, n, route_fn=lambda r: 0, on_arrival=None):
-        super().__init__(n, random.Random(0), BtbConstants())
-        self.route_fn = route_fn
-        self.on_arrival = on_arrival
-
-    def route(self, r, view, now_s):
-        if self.on_arrival:
-            self.on_arrival(r, view, now_s)
-        return self.route_fn(r)
 
 
 def run(reqs, cluster=None, policy=None, replicas=1, tweak=None):
@@ -235,21 +219,25 @@ def test_view_reports_scheduled_copies():
 
     def act(r, view, now_s):
         if r.request_id == "b":
-            assert view.replicate(p, 0, 1, now_s)
-            assert not view.replicate(p, 0, 1, now_s)  # already scheduled
-            assert not view.replicate(p, 1, 0, now_s)  # the source does not hold it
-            got["eta"] = view.copy_eta_s(1, p)
+            return [CopyPlan(p, 0, (1,), 1),
+                    CopyPlan(p, 0, (1,), 1),  # already scheduled
+                    CopyPlan(p, 1, (0,), 1)]  # the source does not hold it
+        if r.request_id == "b2":  # same time as b, after its plans were carried out
             got["status"] = view.copy_status(1, p)
             got["nic"] = (view.nic_copies(0), view.nic_copies(1))
             got["pending"] = view.pending_blocks(1, p)
         if r.request_id == "c":
-            got["after"] = (view.copy_in_flight(1, p), view.hbm_blocks(1, p), view.copy_eta_s(1, p))
+            got["after"] = (view.copy_in_flight(1, p), view.hbm_blocks(1, p), view.copy_status(1, p))
+        return None
 
-    reqs = [req("a", 0.0, p), req("b", 10.0, chain("b", 1)), req("c", 20.0, chain("c", 1))]
-    sim, _ = run(reqs, cluster=ClusterConfig(replicas=2), policy=Scripted(2, on_arrival=act))
+    reqs = [req("a", 0.0, p), req("b", 10.0, chain("b", 1)), req("b2", 10.0, chain("b2", 1)),
+            req("c", 20.0, chain("c", 1))]
+    policy = Scripted(2, on_arrival=act)
+    sim, _ = run(reqs, cluster=ClusterConfig(replicas=2), policy=policy)
+    assert [ok for _, _, ok in policy.results] == [True, False, False]
     copy_s = 100 * BT * KV_PER_TOKEN / NIC
-    assert got["eta"] == pytest.approx(copy_s, rel=1e-12)
     st = got["status"]
+    assert (st.total_bytes - st.sent_bytes) / st.rate_bytes_per_s == pytest.approx(copy_s, rel=1e-12)
     assert st.source == 0 and st.total_bytes == 100 * BT * KV_PER_TOKEN == st.available_bytes
     assert st.sent_bytes == 0.0 and st.rate_bytes_per_s == NIC
     assert got["nic"] == (0, 1)
@@ -283,15 +271,15 @@ def test_infersim_cache_aware_rule():
     r = req("r", 0.0, chain("r", 8))
     pol = InferSimCacheAware(4, random.Random(1))
     # longest match wins over load
-    assert pol.route(r, FakeView([9, 0, 0, 0], [5, 2, 0, 0]), 0.0) == 0
+    assert route(pol, r, FakeView([9, 0, 0, 0], [5, 2, 0, 0]), 0.0) == 0
     # equal match: lowest load
-    assert pol.route(r, FakeView([9, 3, 0, 7], [5, 5, 0, 0]), 0.0) == 1
+    assert route(pol, r, FakeView([9, 3, 0, 7], [5, 5, 0, 0]), 0.0) == 1
     # imbalance needs max > 64 and max > 1.5 x min (not max - min > 64)
-    assert pol.route(r, FakeView([65, 43, 50, 60], [8, 0, 0, 0]), 0.0) == 1
-    assert pol.route(r, FakeView([64, 0, 0, 0], [8, 0, 0, 0]), 0.0) == 0
-    assert pol.route(r, FakeView([66, 45, 50, 60], [8, 0, 0, 0]), 0.0) == 0  # 66 < 1.5 x 45
+    assert route(pol, r, FakeView([65, 43, 50, 60], [8, 0, 0, 0]), 0.0) == 1
+    assert route(pol, r, FakeView([64, 0, 0, 0], [8, 0, 0, 0]), 0.0) == 0
+    assert route(pol, r, FakeView([66, 45, 50, 60], [8, 0, 0, 0]), 0.0) == 0  # 66 < 1.5 x 45
     # ties are random over the tied replicas
-    picks = {pol.route(r, FakeView([1, 0, 0, 1], [0, 0, 0, 0]), 0.0) for _ in range(64)}
+    picks = {route(pol, r, FakeView([1, 0, 0, 1], [0, 0, 0, 0]), 0.0) for _ in range(64)}
     assert picks == {1, 2}
     assert pol.stats()["imbalanced"] == 1
 

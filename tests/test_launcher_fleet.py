@@ -47,11 +47,11 @@ def _one_error_line(proc: subprocess.CompletedProcess, *words: str, after_progre
 
 def test_parse_tune_args():
     assert parse_tune_args(["prefix_blocks=16", "threshold=3", "window_s=0.5", "replicas=2", "policy=cache_aware"]) \
-        == {"prefix_blocks": 16, "threshold": 3, "window_s": 0.5, "replicas": 2, "policy": "cache_aware"}
+        == {"prefix_blocks": 16, "threshold": 3, "window_s": 0.5, "warm_replicas": 2, "policy": "cache_aware"}
     assert parse_tune_args(["window-s=2"]) == {"window_s": 2.0}
     for bad, key in ((["threshold=0"], "threshold"), (["threshold=two"], "threshold"), (["window_s=-1"], "window_s"),
                      (["window_s=nan"], "window_s"), (["policy=fastest"], "policy"), (["speed=1"], "speed"),
-                     (["threshold"], "threshold"), (["replicas=2", "replicas=3"], "replicas")):
+                     (["threshold"], "threshold"), (["replicas=2", "replicas=3"], "warm_replicas")):
         with pytest.raises(BtbctlError) as ei:
             parse_tune_args(bad)
         assert key in str(ei.value)

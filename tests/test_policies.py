@@ -14,12 +14,12 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from btbctl.engine.policies.base import CopyStatus
+from btbctl.engine.copies import CopyStatus
 from btbctl.engine.policies.btb import Btb
 from btbctl.engine.policies.cache_aware import BlockPrefixTree, CacheAware, default_max_blocks_per_worker
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill, absolute_margin
 from btbctl.engine.trace.model import Request
-from helpers import leading_run
+from helpers import leading_run, route
 
 
 class FakeFleetView:
@@ -61,15 +61,21 @@ class FakeFleetView:
         self.copies.append((tuple(chain), source, target, now_s))
         return True
 
-    def expected_wait_s(self, replica: int) -> float:
-        return 0.0
-
-    # the rest of the FleetView protocol, with an idle fleet's values (policies that price time read them)
+    # the CostView protocol, with an idle fleet's values (policies that price time read them)
     cost = ReplicaCost(model_preset("llama-3.3-70b"), gpu_preset("h100"), 4)
     block_tokens = 256
     chunk_tokens = 8192
 
     def queued_prefill_s(self, replica: int) -> float:
+        return 0.0
+
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return self.pending_blocks(replica, chain)
+
+    def waiting_groups(self, replica: int) -> list:
+        return []
+
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         return 0.0
 
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
@@ -121,7 +127,7 @@ def test_registry_and_factory():
     for name, cls in POLICIES.items():
         pol = make_policy(name, 3, rng(), BtbConstants(), block_tokens=512)
         assert isinstance(pol, cls) and pol.name == name and cls.summary
-        assert 0 <= pol.route(req(blocks("x", 3)), FakeFleetView(3), 0.0) < 3
+        assert 0 <= route(pol, req(blocks("x", 3)), FakeFleetView(3), 0.0) < 3
     assert make_policy("cache_aware", 2, rng(), block_tokens=512).block_tokens == 512
     assert make_policy("btb", 2, rng(), block_tokens=512).fallback.block_tokens == 512
 
@@ -142,35 +148,35 @@ def test_unknown_policy_names_the_valid_ones():
 def test_round_robin_cycles():
     pol = make_policy("round_robin", 3, rng())
     view = FakeFleetView(3, [9, 0, 0])
-    assert [pol.route(req(()), view, i) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [route(pol, req(()), view, i) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_random_is_uniformish_and_seeded():
     view = FakeFleetView(4)
-    picks = [make_policy("random", 4, rng(7)).route(req(()), view, 0) for _ in range(3)]
+    picks = [route(make_policy("random", 4, rng(7)), req(()), view, 0) for _ in range(3)]
     assert len(set(picks)) == 1  # same seed, same first pick
     pol = make_policy("random", 4, rng(7))
-    counts = Counter(pol.route(req(()), view, 0) for _ in range(4000))
+    counts = Counter(route(pol, req(()), view, 0) for _ in range(4000))
     assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 850
 
 
 def test_least_load_picks_the_minimum_and_breaks_ties_at_random():
     pol = make_policy("least_load", 4, rng(1))
-    assert pol.route(req(()), FakeFleetView(4, [3, 1, 2, 5]), 0) == 1
+    assert route(pol, req(()), FakeFleetView(4, [3, 1, 2, 5]), 0) == 1
     view = FakeFleetView(4, [2, 0, 7, 0])
-    counts = Counter(pol.route(req(()), view, 0) for _ in range(400))
+    counts = Counter(route(pol, req(()), view, 0) for _ in range(400))
     assert set(counts) == {1, 3} and min(counts.values()) > 120
 
 
 def test_power_of_two_never_picks_the_worse_of_its_pair():
     pol = make_policy("power_of_two", 3, rng(2))
     view = FakeFleetView(3, [0, 5, 9])
-    counts = Counter(pol.route(req(()), view, 0) for _ in range(600))
+    counts = Counter(route(pol, req(()), view, 0) for _ in range(600))
     assert 2 not in counts  # any pair holding 2 holds a less loaded replica
     assert counts[0] > counts[1] > 0  # 0 wins both pairs it is in, 1 only the pair {1, 2}
-    assert make_policy("power_of_two", 1, rng()).route(req(()), FakeFleetView(1), 0) == 0
+    assert route(make_policy("power_of_two", 1, rng()), req(()), FakeFleetView(1), 0) == 0
     two = make_policy("power_of_two", 2, rng(3))
-    assert all(two.route(req(()), FakeFleetView(2, [4, 1]), 0) == 1 for _ in range(50))
+    assert all(route(two, req(()), FakeFleetView(2, [4, 1]), 0) == 1 for _ in range(50))
 
 
 # -- cache_aware (sglang-router 0.3.2) -----------------------------------------------------------------------------
@@ -179,13 +185,13 @@ def test_cache_aware_sticks_a_prefix_to_its_creator():
     pol = CacheAware(2, rng())
     view = FakeFleetView(2)
     p = blocks("p", 8)
-    assert pol.route(req(p + ("s0",)), view, 0.0) == 0  # miss, tie -> first
+    assert route(pol, req(p + ("s0",)), view, 0.0) == 0  # miss, tie -> first
     for i in range(1, 40):
         view.loads[0] += 1
-        assert pol.route(req(p + (f"s{i}",)), view, 0.0) == 0  # spread 40 <= 64: stays
+        assert route(pol, req(p + (f"s{i}",)), view, 0.0) == 0  # spread 40 <= 64: stays
     assert pol.stats()["hits"] == 39 and pol.stats()["misses"] == 1
     # a cold prompt goes to the least loaded replica
-    assert pol.route(req(blocks("q", 4)), view, 0.0) == 1
+    assert route(pol, req(blocks("q", 4)), view, 0.0) == 1
 
 
 def test_cache_aware_burst_of_40_concurrent_requests_goes_40_0():
@@ -193,7 +199,7 @@ def test_cache_aware_burst_of_40_concurrent_requests_goes_40_0():
     view = FakeFleetView(2)
     p = blocks("p", 256)
     for i in range(40):
-        view.loads[pol.route(req(p + (f"s{i}",)), view, 0.0)] += 1
+        view.loads[route(pol, req(p + (f"s{i}",)), view, 0.0)] += 1
     assert sorted(view.loads) == [0, 40]
 
 
@@ -201,13 +207,13 @@ def test_cache_aware_ratio_threshold_is_strictly_above_0_3():
     pol = CacheAware(2, rng(), block_tokens=100)
     view = FakeFleetView(2)
     shared = blocks("p", 4)
-    pol.route(req(shared, input_tokens=400, block_tokens=100), view, 0.0)  # creates p0..p3 under 0
+    route(pol, req(shared, input_tokens=400, block_tokens=100), view, 0.0)  # creates p0..p3 under 0
     view.loads = [1, 0]
     # 3 of 10 blocks matched = 300 / 1000 tokens = 0.3: not above the threshold -> least loaded
-    assert pol.route(req(shared[:3] + blocks("a", 7), input_tokens=1000), view, 0.0) == 1
+    assert route(pol, req(shared[:3] + blocks("a", 7), input_tokens=1000), view, 0.0) == 1
     view.loads = [1, 0]
     # 4 of 10 blocks matched = 0.4 -> the creator
-    assert pol.route(req(shared + blocks("b", 6), input_tokens=1000), view, 0.0) == 0
+    assert route(pol, req(shared + blocks("b", 6), input_tokens=1000), view, 0.0) == 0
 
 
 def test_cache_aware_match_ratio_counts_a_partial_last_block():
@@ -228,18 +234,18 @@ def test_cache_aware_match_ratio_counts_a_partial_last_block():
 def test_cache_aware_imbalance_needs_both_abs_64_and_rel_1_5(loads, expected):
     pol = CacheAware(2, rng())
     p = blocks("p", 4)
-    pol.route(req(p), FakeFleetView(2), 0.0)  # prefix created by replica 0
-    assert pol.route(req(p + ("x",)), FakeFleetView(2, loads), 0.0) == expected
+    route(pol, req(p), FakeFleetView(2), 0.0)  # prefix created by replica 0
+    assert route(pol, req(p + ("x",)), FakeFleetView(2, loads), 0.0) == expected
 
 
 def test_cache_aware_inserts_on_the_imbalanced_path_and_keeps_the_creator():
     pol = CacheAware(2, rng())
     p, q = blocks("p", 4), blocks("q", 4)
-    pol.route(req(p), FakeFleetView(2), 0.0)
-    assert pol.route(req(q), FakeFleetView(2, [100, 0]), 0.0) == 1  # imbalanced: q recorded under 1
-    assert pol.route(req(q + ("z",)), FakeFleetView(2, [0, 3]), 0.0) == 1  # balanced: q's creator
-    assert pol.route(req(p + ("z",)), FakeFleetView(2, [100, 0]), 0.0) == 1  # p now also under 1
-    assert pol.route(req(p + ("y",)), FakeFleetView(2, [5, 0]), 0.0) == 0  # but p's creator is 0
+    route(pol, req(p), FakeFleetView(2), 0.0)
+    assert route(pol, req(q), FakeFleetView(2, [100, 0]), 0.0) == 1  # imbalanced: q recorded under 1
+    assert route(pol, req(q + ("z",)), FakeFleetView(2, [0, 3]), 0.0) == 1  # balanced: q's creator
+    assert route(pol, req(p + ("z",)), FakeFleetView(2, [100, 0]), 0.0) == 1  # p now also under 1
+    assert route(pol, req(p + ("y",)), FakeFleetView(2, [5, 0]), 0.0) == 0  # but p's creator is 0
     assert pol.stats()["imbalanced"] == 2
 
 
@@ -303,10 +309,10 @@ def test_block_tree_memory_guard_trims_at_twice_the_bound():
 def test_cache_aware_evicts_every_60_simulated_seconds():
     pol = CacheAware(1, rng(), max_blocks_per_worker=4)
     view = FakeFleetView(1)
-    pol.route(req(blocks("a", 6)), view, 0.0)
-    pol.route(req(blocks("b", 2)), view, 59.0)
+    route(pol, req(blocks("a", 6)), view, 0.0)
+    route(pol, req(blocks("b", 2)), view, 59.0)
     assert len(pol.tree) == 8
-    pol.route(req(blocks("c", 1)), view, 60.0)  # the eviction runs before this insert
+    route(pol, req(blocks("c", 1)), view, 60.0)  # the eviction runs before this insert
     assert pol.tree.tenant_blocks(0) == 5 and pol.stats()["evicted_blocks"] == 4
     assert default_max_blocks_per_worker(256) == 65536 and default_max_blocks_per_worker(512) == 32768
 
@@ -352,7 +358,7 @@ def test_spill_burst_of_40_concurrent_requests_splits_where_cache_aware_does_not
     p = blocks("p", 256)
     order = []
     for i in range(40):
-        r = pol.route(req(p + (f"s{i}",)), view, 0.0)
+        r = route(pol, req(p + (f"s{i}",)), view, 0.0)
         view.loads[r] += 1
         order.append(r)
     first = order[0]
@@ -370,7 +376,7 @@ def test_spill_hit_prefers_the_least_loaded_tenant_over_an_idle_non_holder():
     p = blocks("p", 4)
     pol.tree.insert(p, 0)
     pol.tree.insert(p, 1)
-    assert pol.route(req(p + ("x",)), FakeFleetView(3, [5, 3, 0]), 0.0) == 1
+    assert route(pol, req(p + ("x",)), FakeFleetView(3, [5, 3, 0]), 0.0) == 1
 
 
 def test_spill_goes_to_the_least_loaded_open_replica_when_every_tenant_is_gated():
@@ -378,7 +384,7 @@ def test_spill_goes_to_the_least_loaded_open_replica_when_every_tenant_is_gated(
     p = blocks("p", 4)
     pol.tree.insert(p, 0)
     # mean 7, margin 6: 20 > 10.5 and 20 > 13 -> gated; replica 1 is the least loaded
-    assert pol.route(req(p + ("x",)), FakeFleetView(3, [20, 0, 1]), 0.0) == 1
+    assert route(pol, req(p + ("x",)), FakeFleetView(3, [20, 0, 1]), 0.0) == 1
     assert pol.stats()["spills"] == 1
     assert set(pol.tree.match(p)[1].tenants) == {0, 1}
 
@@ -389,13 +395,13 @@ def test_spill_considers_at_most_8_tenants():
     for r in range(10):
         pol.tree.insert(p, r)
     view = FakeFleetView(10, [3] * 8 + [0, 0])
-    picks = {pol.route(req(p + (f"x{i}",)), view, 0.0) for i in range(100)}
+    picks = {route(pol, req(p + (f"x{i}",)), view, 0.0) for i in range(100)}
     assert picks <= set(range(8)) and len(picks) > 1
 
 
 def test_spill_miss_goes_to_the_least_loaded_with_random_ties():
     pol = CacheAwareSpill(3, rng(6))
-    counts = Counter(pol.route(req(blocks(f"u{i}-", 3)), FakeFleetView(3, [1, 0, 0]), 0.0) for i in range(200))
+    counts = Counter(route(pol, req(blocks(f"u{i}-", 3)), FakeFleetView(3, [1, 0, 0]), 0.0) for i in range(200))
     assert set(counts) == {1, 2}
 
 
@@ -411,20 +417,20 @@ def burst(i: int) -> Request:
 
 
 def fire(pol: Btb, view: FakeFleetView, t: float = 0.0) -> list[int]:
-    return [pol.route(burst(0), view, t), pol.route(burst(1), view, t + 0.1)]
+    return [route(pol, burst(0), view, t), route(pol, burst(1), view, t + 0.1)]
 
 
 def test_btb_copies_to_the_least_loaded_non_holders_m_minus_1_times():
     pol = Btb(4, rng(), K)
     view = FakeFleetView(4, [5, 2, 0, 1])
     view.give(0, P)
-    pol.route(burst(0), view, 0.0)
+    route(pol, burst(0), view, 0.0)
     assert view.copies == []  # one arrival: not hot
-    pol.route(burst(1), view, 0.1)
+    route(pol, burst(1), view, 0.1)
     assert [(c[1], c[2]) for c in view.copies] == [(0, 2), (0, 3)]
     assert all(c[0] == P for c in view.copies)
     # further arrivals while the copies are in flight start nothing new
-    pol.route(burst(2), view, 0.2)
+    route(pol, burst(2), view, 0.2)
     assert len(view.copies) == 2
     assert pol.stats()["fires"] == 1 and pol.stats()["copies_requested"] == 2
 
@@ -475,7 +481,7 @@ def test_btb_moves_on_when_the_fleet_refuses_a_copy_and_tops_up_later():
     # the copy to 3 is lost; the next arrival of the active prefix tops up
     del view.in_flight[3][P[-1]]
     view.refuse = set()
-    pol.route(burst(2), view, 0.3)
+    route(pol, burst(2), view, 0.3)
     assert [c[2] for c in view.copies] == [2, 3, 1]
 
 
@@ -501,7 +507,7 @@ def test_btb_spreads_over_holders_once_copies_land():
     view.land_copies()
     picks = []
     for i in range(2, 62):
-        r = pol.route(burst(i), view, 0.1 + i * 0.12)
+        r = route(pol, burst(i), view, 0.1 + i * 0.12)
         view.loads[r] += 1
         picks.append(r)
     holders = {0} | {c[2] for c in view.copies}
@@ -515,7 +521,7 @@ def test_btb_holder_ties_are_random_and_seeded():
         view = FakeFleetView(4)
         for r in range(4):
             view.give(r, P)
-        return [pol.route(burst(i), view, i * 0.1) for i in range(40)]
+        return [route(pol, burst(i), view, i * 0.1) for i in range(40)]
 
     assert run(1) == run(1)
     assert set(run(1)[1:]) == {0, 1, 2, 3}
@@ -525,10 +531,10 @@ def test_btb_uses_cache_aware_for_other_requests():
     pol = Btb(2, rng(), K)
     view = FakeFleetView(2, [0, 0])
     short = blocks("P", Y - 1)
-    assert [pol.route(req(short), view, i * 0.01) for i in range(5)] == [0] * 5
+    assert [route(pol, req(short), view, i * 0.01) for i in range(5)] == [0] * 5
     assert pol.stats()["fires"] == 0 and pol.detector.stats()["tracked"] == 0
     view.loads = [100, 0]  # imbalanced for cache-aware
-    assert pol.route(req(blocks("Q", 8)), view, 1.0) == 1
+    assert route(pol, req(blocks("Q", 8)), view, 1.0) == 1
 
 
 def test_btb_retunes_the_detector_live():
@@ -538,7 +544,7 @@ def test_btb_retunes_the_detector_live():
     pol.set_constants(K.with_updates(threshold=3))
     fire(pol, view)
     assert view.copies == []
-    pol.route(burst(2), view, 0.2)
+    route(pol, burst(2), view, 0.2)
     assert len(view.copies) == 2
     assert pol.detector.constants.threshold == 3
     assert set(pol.stats()) >= {"fires", "copies_requested", "copies_refused", "holder_routes",
@@ -551,7 +557,7 @@ def test_btb_after_a_quiet_window_the_prefix_is_no_longer_active():
     view.give(1, P)
     fire(pol, view, t=0.0)
     # 5 s later: one arrival is not hot; cache-aware sends it to the prefix's tree owner (0 created it)
-    assert pol.route(burst(9), view, 5.0) == 0
+    assert route(pol, burst(9), view, 5.0) == 0
     assert not pol.detector.is_active(P[-1], 5.0)
 
 
@@ -580,7 +586,7 @@ def test_every_policy_is_deterministic_for_a_seed(name):
         drift = random.Random(99)
         picks = []
         for i, rq in enumerate(_workload(3)):
-            r = pol.route(rq, view, rq.arrival_s)
+            r = route(pol, rq, view, rq.arrival_s)
             picks.append(r)
             view.loads[r] += 1
             view.give(r, rq.block_hashes)

@@ -8,30 +8,15 @@ import pytest
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies.base import Policy
+from btbctl.engine.copies import CopyPlan
 from btbctl.engine.sim.simulator import Simulator, check_fits
 from btbctl.engine.trace.model import Request, Trace
+from helpers import Scripted
 
 BT = 256
 CLUSTER = ClusterConfig(model="llama-3.3-70b", gpu="h100", gpus_per_replica=4, replicas=2)
 COST = CLUSTER.replica_cost()
 CHUNK = CLUSTER.chunk_tokens()
-
-
-class Scripted(Policy):
-    """Routes by a function of the request; optionally asks for copies on arrival."""
-
-    name = "scripted"
-
-    def __init__(self, n, route_fn, on_arrival=None):
-        super().__init__(n, random.Random(0), BtbConstants())
-        self.route_fn = route_fn
-        self.on_arrival = on_arrival
-
-    def route(self, req, view, now_s):
-        if self.on_arrival:
-            self.on_arrival(req, view, now_s)
-        return self.route_fn(req)
 
 
 def chain(tag, n):
@@ -108,16 +93,14 @@ def test_arrival_cuts_a_decode_run_at_the_next_step_boundary():
 
 def test_copy_trails_the_source_prefill_and_target_uses_it_only_after_arrival():
     p = chain("p", 128)
-    events = {}
-
     def on_arrival(r, view, now):
         if r.request_id == "b":
-            events["started"] = view.replicate(p, 0, 1, now)
+            return [CopyPlan(p, 0, (1,), 1)]
 
     a = req("a", 0.0, p, "s")
     b = req("b", 0.1, p, "s")
     sim, recs, res = run([a, b], route_fn=lambda r: 0 if r.request_id == "a" else 1, on_arrival=on_arrival)
-    assert events["started"] is True
+    assert [(tg, ok) for _, tg, ok in sim.policy.results] == [(1, True)]
     assert res.replications == 1
     assert res.replicated_bytes == pytest.approx(128 * BT * COST.model.kv_bytes_per_token)
     # b reused the whole copied prefix, and could not start before the source had computed it
@@ -130,14 +113,14 @@ def test_copy_trails_the_source_prefill_and_target_uses_it_only_after_arrival():
 
 def test_copy_is_refused_when_source_lacks_the_prefix_or_target_has_it():
     p = chain("p", 8)
-    verdicts = []
 
     def on_arrival(r, view, now):
-        verdicts.append(view.replicate(p, 1, 0, now))  # replica 1 has nothing
-        verdicts.append(view.replicate(p, 0, 0, now))  # same replica
+        return [CopyPlan(p, 1, (0,), 1),  # replica 1 has nothing
+                CopyPlan(p, 0, (0,), 1)]  # same replica
 
-    run([req("a", 0.0, p, "s")], on_arrival=on_arrival)
-    assert verdicts == [False, False]
+    sim, _, res = run([req("a", 0.0, p, "s")], on_arrival=on_arrival)
+    assert [ok for _, _, ok in sim.policy.results] == [False, False]
+    assert res.copies_refused == 2
 
 
 def test_every_request_finishes_exactly_once_under_memory_pressure():

@@ -20,7 +20,7 @@ def base(**extra) -> DryRunConfig:
     return DryRunConfig().with_overrides({**SMALL, **extra})
 
 
-GRID = SweepGrid(prefix_blocks=(64, 256), threshold=(2, 8), btb_replicas=(1, 4))
+GRID = SweepGrid(prefix_blocks=(64, 256), threshold=(2, 8), warm_replicas=(1, 4))
 
 
 def test_grid_expands_in_axis_order_with_base_values_for_missing_axes():
@@ -29,8 +29,8 @@ def test_grid_expands_in_axis_order_with_base_values_for_missing_axes():
     assert axes["window_s"] == [1.0] and axes["replicas"] == [4] and axes["policy"] == ["btb"]
     points = grid_points(axes)
     assert len(points) == 8
-    assert points[0]["prefix_blocks"] == 64 and points[0]["btb_replicas"] == 1
-    assert points[1]["btb_replicas"] == 4  # the last axis varies fastest
+    assert points[0]["prefix_blocks"] == 64 and points[0]["warm_replicas"] == 1
+    assert points[1]["warm_replicas"] == 4  # the last axis varies fastest
     assert points[-1]["prefix_blocks"] == 256 and points[-1]["threshold"] == 8
     assert SweepGrid(threshold=(2, 2, 3)).axes(base())["threshold"] == [2, 3]  # duplicates dropped
 
@@ -94,7 +94,7 @@ def test_ranking_and_stable_keys():
                              "replicated_bytes", "wasted_replications", "time_to_warm_mean_s"]
     assert set(rows[0]["point"]) == set(AXES)
     # M = 1 never copies; M = 4 on the published prefix copies
-    by_point = {(r["point"]["prefix_blocks"], r["point"]["threshold"], r["point"]["btb_replicas"]): r for r in rows}
+    by_point = {(r["point"]["prefix_blocks"], r["point"]["threshold"], r["point"]["warm_replicas"]): r for r in rows}
     assert all(r["replications"] == 0 for k, r in by_point.items() if k[2] == 1)
     assert by_point[(256, 2, 4)]["replications"] > 0
 

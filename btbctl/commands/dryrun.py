@@ -22,10 +22,7 @@ _FLAGS = {
     "cluster.gpus_per_replica": "--gpus-per-replica",
     "cluster.replicas": "--replicas",
     "cluster.nic_gbps": "--nic-gbps",
-    "btb.prefix_blocks": "--prefix-blocks",
-    "btb.threshold": "--threshold",
-    "btb.window_s": "--window-s",
-    "btb.replicas": "--btb-replicas",
+    **{f"btb.{k}": flag for k, flag in options.CONSTANT_FLAGS.items()},
     "policies": "--policies",
     "seed": "--seed",
     "fidelity": "--fidelity",
@@ -65,16 +62,10 @@ def dry_run(
         "--policies", metavar="A,B,C",
         help="Comma-separated routing policies, in report order (default: round_robin,least_load,cache_aware,"
              "cache_aware_spill,btb).")] = None,
-    prefix_blocks: Annotated[Optional[int], typer.Option(
-        "--prefix-blocks", help="BTB Y: prefix length matched and copied, in trace blocks (default: 256).")] = None,
-    threshold: Annotated[Optional[int], typer.Option(
-        "--threshold", help="BTB X: arrivals of a prefix inside the window that fire replication "
-                            "(default: 2).")] = None,
-    window_s: Annotated[Optional[float], typer.Option(
-        "--window-s", help="BTB Z: trailing detection window, seconds (default: 1.0).")] = None,
-    btb_replicas: Annotated[Optional[int], typer.Option(
-        "--btb-replicas", help="BTB M: replicas that should hold a hot prefix, holder included (not the fleet "
-                               "size, see --replicas) (default: 4).")] = None,
+    prefix_blocks: options.PrefixBlocks = None,
+    threshold: options.Threshold = None,
+    window_s: options.WindowS = None,
+    warm_replicas: options.WarmReplicas = None,
     seed: Annotated[Optional[int], typer.Option(
         "--seed", help="Seed of the simulator and the trace generator (default: 42).")] = None,
     fidelity: Annotated[Optional[str], typer.Option(
@@ -100,7 +91,7 @@ def dry_run(
         "cluster.model": model, "cluster.gpu": gpu, "cluster.gpus_per_replica": gpus_per_replica,
         "cluster.replicas": replicas, "cluster.nic_gbps": nic_gbps,
         "btb.prefix_blocks": prefix_blocks, "btb.threshold": threshold, "btb.window_s": window_s,
-        "btb.replicas": btb_replicas,
+        "btb.warm_replicas": warm_replicas,
         "policies": policy_list, "seed": seed, "fidelity": fidelity, "setup": setup,
     }
     given = {k for k, v in overrides.items() if v is not None}
@@ -150,14 +141,15 @@ def _t(x) -> str:
 
 
 def header_line(r: dict) -> str:
-    """One line naming the trace, the fleet, the constants and the fidelity of a dry-run report."""
+    """Short lines naming the trace, the fleet, the constants and the fidelity of a dry-run report."""
     t, c, k = r["trace"], r["cluster"], r["constants"]
     src = t["path"] if t["path"] is not None else "generated Bursted window"
     span = _f(t["span_s"], 1)
     return (f"trace: {src} ({t['format']}, {t['requests']:,} requests over {span} s, {t['block_tokens']}-token "
-            f"blocks) | fleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
-            f"{c['nic_gbps']:g} Gb/s per GPU | BTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
-            f"window_s={float(k['window_s'])!r} replicas={k['replicas']} | fidelity: {r['fidelity']}, seed {r['seed']}")
+            f"blocks)\nfleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
+            f"{c['nic_gbps']:g} Gb/s per GPU\nBTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
+            f"window_s={float(k['window_s'])!r} warm_replicas={k['warm_replicas']}\n"
+            f"fidelity: {r['fidelity']}, seed {r['seed']}")
 
 
 def _table(title: str):

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from btbctl.commands import options
 from btbctl.commands.app import app
 
 
@@ -26,11 +27,10 @@ def gateway(
     policy: Annotated[Optional[str], typer.Option("--policy", help="Routing policy (default: btb).")] = None,
     page_size: Annotated[Optional[int], typer.Option("--page-size", help="Tokens per block (default: the "
                                                      "workers' /btb/info page_size, else 256).")] = None,
-    prefix_blocks: Annotated[Optional[int], typer.Option("--prefix-blocks", help="BTB Y, blocks "
-                                                         "(default: 256).")] = None,
-    threshold: Annotated[Optional[int], typer.Option("--threshold", help="BTB X, arrivals (default: 2).")] = None,
-    window_s: Annotated[Optional[float], typer.Option("--window-s", help="BTB Z, seconds (default: 1.0).")] = None,
-    replicas: Annotated[Optional[int], typer.Option("--replicas", help="BTB M, holders (default: 4).")] = None,
+    prefix_blocks: options.PrefixBlocks = None,
+    threshold: options.Threshold = None,
+    window_s: options.WindowS = None,
+    warm_replicas: options.WarmReplicas = None,
     token_file: Annotated[Optional[str], typer.Option("--token-file", help="Bearer token of control-API writes; "
                                                       "created (mode 0600) when missing.")] = None,
     worker_token_file: Annotated[Optional[str], typer.Option("--worker-token-file", help="Bearer token sent to "
@@ -70,7 +70,8 @@ def gateway(
     data.update({k: v for k, v in flags.items() if v is not None})
     if worker:
         data["workers"] = list(worker)
-    consts = {"prefix_blocks": prefix_blocks, "threshold": threshold, "window_s": window_s, "replicas": replicas}
+    consts = {"prefix_blocks": prefix_blocks, "threshold": threshold, "window_s": window_s,
+              "warm_replicas": warm_replicas}
     consts = {k: v for k, v in consts.items() if v is not None}
     if consts:
         data["constants"] = {**(data.get("constants") or {}), **consts}

@@ -26,6 +26,26 @@ Model = Annotated[Optional[str], typer.Option(
 GpusPerReplica = Annotated[Optional[int], typer.Option(
     "--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")]
 
+# BTB's four constants (btbctl.engine.constants.BtbConstants validates the values; the help only names them).
+PrefixBlocks = Annotated[Optional[int], typer.Option(
+    "--prefix-blocks", help="BTB Y: prefix length matched and copied, in KV blocks (default: 256).")]
+Threshold = Annotated[Optional[int], typer.Option(
+    "--threshold", help="BTB X: arrivals of a prefix inside the window that fire replication (default: 2).")]
+WindowS = Annotated[Optional[float], typer.Option(
+    "--window-s", help="BTB Z: trailing detection window, seconds (default: 1.0).")]
+WarmReplicas = Annotated[Optional[int], typer.Option(
+    "--warm-replicas", "--btb-replicas",
+    help="BTB M (not the fleet size): replicas that should hold a hot prefix, the holder included; "
+         "--btb-replicas is the old spelling (default: 4).")]
+
+#: ``[btb]`` key -> the flag that sets it.
+CONSTANT_FLAGS = {
+    "prefix_blocks": "--prefix-blocks",
+    "threshold": "--threshold",
+    "window_s": "--window-s",
+    "warm_replicas": "--warm-replicas",
+}
+
 #: Dotted config key -> the flag above (or ``--trace``) that sets it.
 TRACE_FLAGS = {
     "trace.path": "--trace",

@@ -19,7 +19,8 @@ def _mib(n) -> str:
 def tune(
     settings: Annotated[Optional[list[str]], typer.Argument(
         metavar="KEY=VALUE...",
-        help="prefix_blocks=N threshold=N window_s=SECONDS replicas=N policy=NAME (none: show the current ones).",
+        help="prefix_blocks=N threshold=N window_s=SECONDS warm_replicas=N policy=NAME (none: show the current "
+             "ones; replicas= is the old spelling of warm_replicas).",
         show_default=False)] = None,
     run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
@@ -36,7 +37,7 @@ def tune(
         c = d.get("constants", {})
         out.console.print(f"policy {d.get('policy')}  prefix_blocks {c.get('prefix_blocks')}  "
                           f"threshold {c.get('threshold')}  window_s {c.get('window_s')}  "
-                          f"replicas {c.get('replicas')}"
+                          f"warm_replicas {c.get('warm_replicas')}"
                           + (f"  ({d['prefix_tokens']} tokens per prefix)" if d.get("prefix_tokens") else ""))
 
     if updates:

@@ -40,8 +40,9 @@ def sweep(
         "--threshold", metavar="A,B,..", help="Grid of BTB X: arrivals inside the window that fire.")] = None,
     window_s: Annotated[Optional[str], typer.Option(
         "--window-s", metavar="A,B,..", help="Grid of BTB Z: detection windows, seconds.")] = None,
-    btb_replicas: Annotated[Optional[str], typer.Option(
-        "--btb-replicas", metavar="A,B,..", help="Grid of BTB M: replicas that should hold a hot prefix.")] = None,
+    warm_replicas: Annotated[Optional[str], typer.Option(
+        "--warm-replicas", "--btb-replicas", metavar="A,B,..",
+        help="Grid of BTB M: replicas that should hold a hot prefix (--btb-replicas is the old spelling).")] = None,
     replicas: Annotated[Optional[str], typer.Option(
         "--replicas", metavar="A,B,..", help="Grid of fleet sizes (default: the config's, 4).")] = None,
     nic_gbps: Annotated[Optional[str], typer.Option(
@@ -61,7 +62,7 @@ def sweep(
     heatmap: Annotated[Optional[str], typer.Option(
         "--heatmap", metavar="X,Y", help="Draw the best ranked TTFT for each pair of values of two axes, e.g. "
                                          "threshold,window_s (axes: prefix_blocks, threshold, window_s, "
-                                         "btb_replicas, replicas, nic_gbps, fidelity, policy).")] = None,
+                                         "warm_replicas, replicas, nic_gbps, fidelity, policy).")] = None,
     top: Annotated[int, typer.Option("--top", help="Rows of the ranked table (human output; 0 = all).")] = 20,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
 ) -> None:
@@ -73,7 +74,7 @@ def sweep(
 
     out = Output(fmt)
     flags = {"prefix_blocks": "--prefix-blocks", "threshold": "--threshold", "window_s": "--window-s",
-             "btb_replicas": "--btb-replicas", "replicas": "--replicas", "nic_gbps": "--nic-gbps",
+             "warm_replicas": "--warm-replicas", "replicas": "--replicas", "nic_gbps": "--nic-gbps",
              "fidelity": "--fidelity", "policy": "--policies", "rank_by": "--rank-by", "jobs": "--jobs",
              "heatmap": "--heatmap"}
     try:
@@ -81,7 +82,7 @@ def sweep(
             prefix_blocks=parse_list("prefix_blocks", prefix_blocks, int),
             threshold=parse_list("threshold", threshold, int),
             window_s=parse_list("window_s", window_s, float),
-            btb_replicas=parse_list("btb_replicas", btb_replicas, int),
+            warm_replicas=parse_list("warm_replicas", warm_replicas, int),
             replicas=parse_list("replicas", replicas, int),
             nic_gbps=parse_list("nic_gbps", nic_gbps, float),
             fidelity=parse_list("fidelity", fidelity, str),
@@ -135,7 +136,7 @@ def sweep(
 # -- human rendering ------------------------------------------------------------------------------------------------
 
 #: Column headers of the grid axes (the four constants by their BTB letters).
-_SHORT = {"prefix_blocks": "Y", "threshold": "X", "window_s": "Z", "btb_replicas": "M", "replicas": "fleet",
+_SHORT = {"prefix_blocks": "Y", "threshold": "X", "window_s": "Z", "warm_replicas": "M", "replicas": "fleet",
           "nic_gbps": "Gb/s", "fidelity": "fidelity", "policy": "policy"}
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from btbctl.commands import options
 from btbctl.commands.app import app
 
 
@@ -37,14 +38,10 @@ def tui(
         "--replicas", help="--sim: replicas in the fleet (default: 4).")] = None,
     policy: Annotated[Optional[str], typer.Option(
         "--policy", help="--sim: routing policy (default: btb).")] = None,
-    prefix_blocks: Annotated[Optional[int], typer.Option(
-        "--prefix-blocks", help="--sim: BTB Y, prefix blocks (default: 256).")] = None,
-    threshold: Annotated[Optional[int], typer.Option(
-        "--threshold", help="--sim: BTB X, arrivals in the window that fire (default: 2).")] = None,
-    window_s: Annotated[Optional[float], typer.Option(
-        "--window-s", help="--sim: BTB Z, detection window, seconds (default: 1.0).")] = None,
-    btb_replicas: Annotated[Optional[int], typer.Option(
-        "--btb-replicas", help="--sim: BTB M, replicas that should hold a hot prefix (default: 4).")] = None,
+    prefix_blocks: options.PrefixBlocks = None,
+    threshold: options.Threshold = None,
+    window_s: options.WindowS = None,
+    warm_replicas: options.WarmReplicas = None,
     speed: Annotated[float, typer.Option(
         "--speed", help="--sim: simulated seconds per wall second (default: 1).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="--sim: seed (default: 42).")] = None,
@@ -62,7 +59,7 @@ def tui(
             "trace.path": trace, "cluster.model": model, "cluster.gpu": gpu,
             "cluster.gpus_per_replica": gpus_per_replica, "cluster.replicas": replicas,
             "btb.prefix_blocks": prefix_blocks, "btb.threshold": threshold, "btb.window_s": window_s,
-            "btb.replicas": btb_replicas, "seed": seed,
+            "btb.warm_replicas": warm_replicas, "seed": seed,
         }
         cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
         from btbctl.commands.options import trace_unset
@@ -72,7 +69,7 @@ def tui(
         title = f"simulation x{speed:g}"
     else:
         if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config,
-                                       prefix_blocks, threshold, window_s, btb_replicas, seed)) or speed != 1.0:
+                                       prefix_blocks, threshold, window_s, warm_replicas, seed)) or speed != 1.0:
             raise ConfigError("--sim", "simulation options (--trace, --model, ...) need --sim")
         from btbctl.engine.live import ControlApiLiveSource, resolve_control_api
 

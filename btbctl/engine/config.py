@@ -90,12 +90,20 @@ def validate(model_cls: type[BaseModel], data: dict, path: str | None = None, pr
         key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
         if prefix:
             key = f"{prefix}.{key}"
-        msg = err.get("msg", "invalid value")
+        msg = clean_message(err.get("msg", "invalid value"))
         if err.get("type") == "extra_forbidden":
             owner = _model_at(model_cls, tuple(err.get("loc", ()))[:-1])
             fields = ", ".join(owner.model_fields)
             msg = f"unknown key; valid keys: {fields}"
         raise ConfigError(key, msg, path) from None
+
+
+def clean_message(msg: str) -> str:
+    """A pydantic error message without its ``Value error, `` / ``Assertion failed, `` prefix."""
+    for lead in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(lead):
+            return msg[len(lead):]
+    return msg
 
 
 def _model_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel]:
@@ -164,4 +172,5 @@ def toml_error(path: str, err: Exception) -> ConfigError:
     return ConfigError(where, f"invalid TOML: {msg}", path)
 
 
-__all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "read_toml", "toml_error", "validate"]
+__all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "clean_message", "read_toml", "toml_error",
+           "validate"]

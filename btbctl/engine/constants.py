@@ -1,53 +1,173 @@
-"""BTB's four tuning constants, validated. Shared by the detector, the policies, the simulator and the control API."""
+"""BTB's four tuning constants: the one definition every config section, flag, control-API key and dashboard field
+derives from.
+
+Defaults are the published ones (Birmiwal & Bhat, "Biting the Bullet", 2026-07-22; REFERENCE.md s1). Upper bounds
+are sanity limits far beyond any real setting (a 2**20-block prefix is 268M tokens at 256 tokens per block; a
+day-long window; thousands of replicas), so a typo cannot make the detector track absurd state.
+
+Names: ``warm_replicas`` is BTB's M (how many replicas should hold a hot prefix); the fleet size is ``replicas``
+everywhere else. ``replicas`` is still accepted for M as an input alias (config files, ``btbctl tune``, the
+control API) where it cannot be confused with the fleet size, so files written before the rename keep working.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+import math
+from typing import Any, Mapping
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from btbctl.engine.errors import ConfigError
 
-
-#: Upper bounds: sanity limits far beyond any real setting (a 2**20-block prefix is 268M tokens at 256 tokens per
-#: block; a day-long window; thousands of replicas), so a typo cannot make the detector track absurd state.
-_MAX_INT = {"prefix_blocks": 1 << 20, "threshold": 1 << 20, "replicas": 4096}
+#: Largest ``prefix_blocks`` and ``threshold`` accepted.
+MAX_COUNT = 1 << 20
+#: Largest ``warm_replicas`` accepted.
+MAX_WARM_REPLICAS = 4096
+#: Largest ``window_s`` accepted, seconds (one day).
 MAX_WINDOW_S = 86400.0
+#: The old spelling of ``warm_replicas`` (accepted on input, documented in the README).
+WARM_REPLICAS_ALIAS = "replicas"
 
 
-@dataclass(frozen=True)
-class BtbConstants:
-    """The four constants of Biting the Bullet.
+class BtbConstants(BaseModel):
+    """The four constants of Biting the Bullet (immutable; :meth:`with_updates` makes a validated copy).
 
-    Defaults are the published ones (Birmiwal & Bhat, "Biting the Bullet", 2026-07-22; REFERENCE.md s1).
+    Build user-given values with :meth:`parse` (one-line :class:`ConfigError` naming the key); as a section of a
+    config model it validates like any pydantic field (the config loader names the file and the dotted key)."""
 
-    Attributes:
-        prefix_blocks: Y, length of the matched and copied prefix, in blocks of the trace's/gateway's block size
-            (default 256 blocks x 256 tokens = 65,536 tokens). Prompts with fewer blocks never trigger.
-        threshold: X, arrivals of the same Y-block prefix inside the window that fire replication (default 2).
-        window_s: Z, trailing detection window in seconds (default 1.0).
-        replicas: M, how many replicas should hold a hot prefix, the holder included (default 4).
-    """
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True, populate_by_name=True)
 
-    prefix_blocks: int = 256
-    threshold: int = 2
-    window_s: float = 1.0
-    replicas: int = 4
+    prefix_blocks: int = Field(256, ge=1, le=MAX_COUNT)
+    """Y: length of the matched and copied prefix, in KV blocks (pages) of the trace's or the gateway's block size
+    (256 blocks x 256 tokens = 65,536 tokens). Prompts with fewer blocks never trigger."""
+    threshold: int = Field(2, ge=1, le=MAX_COUNT)
+    """X: arrivals of the same Y-block prefix inside the window that fire replication."""
+    window_s: float = Field(1.0, gt=0, le=MAX_WINDOW_S)
+    """Z: trailing detection window, seconds."""
+    warm_replicas: int = Field(4, ge=1, le=MAX_WARM_REPLICAS,
+                               validation_alias=AliasChoices("warm_replicas", WARM_REPLICAS_ALIAS))
+    """M: how many replicas should hold a hot prefix, the holder included (not the fleet size)."""
 
-    def __post_init__(self) -> None:
-        for key in ("prefix_blocks", "threshold", "replicas"):
-            v = getattr(self, key)
-            hi = _MAX_INT[key]
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-                raise ConfigError(key, f"must be an integer >= 1 and <= {hi}, got {v!r}")
-        if (isinstance(self.window_s, bool) or not isinstance(self.window_s, (int, float))
-                or not 0 < self.window_s <= MAX_WINDOW_S):
-            raise ConfigError("window_s", f"must be a number > 0 and <= {MAX_WINDOW_S:g} s, got {self.window_s!r}")
+    @model_validator(mode="before")
+    @classmethod
+    def _one_spelling(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and WARM_REPLICAS_ALIAS in data and "warm_replicas" in data:
+            raise ValueError(f"{WARM_REPLICAS_ALIAS} is an alias of warm_replicas; give only one of them")
+        return data
 
-    def with_updates(self, **changes) -> "BtbConstants":
-        """A validated copy with ``changes`` applied (unknown keys raise :class:`ConfigError`)."""
-        unknown = set(changes) - set(asdict(self))
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The four keys, in table order."""
+        return tuple(cls.model_fields)
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], *, where: str | None = None, prefix: str = "",
+              from_text: bool = False) -> "BtbConstants":
+        """Build from a mapping (a config section, a control-API body, parsed ``KEY=VALUE`` arguments).
+
+        Args:
+            data: any of the four keys (``replicas`` is read as ``warm_replicas``).
+            where: what the data came from (a file, ``btbctl tune``, ...), named first in errors.
+            prefix: dotted path of the section (``btb``), named before the key in errors.
+            from_text: values are strings typed by a person (``"3"``, ``"0.5"``): numbers are parsed from text;
+                otherwise types are strict (no bools as numbers, no strings).
+
+        Raises:
+            ConfigError: an unknown key, a duplicate (``replicas`` with ``warm_replicas``), or a bad value; the
+                message names ``where``, the dotted key and what is valid.
+        """
+        data = dict(data)
+        if from_text:
+            data = {k: _number_from_text(v, k, where, prefix) for k, v in data.items()}
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise constants_error(e, where, prefix) from None
+
+    @classmethod
+    def describe(cls, key: str) -> str:
+        """What a valid value of ``key`` is (``an integer in [1, 1048576]``), from the field's bounds; for an
+        unknown key, the valid keys."""
+        name = "warm_replicas" if key == WARM_REPLICAS_ALIAS else key
+        field = cls.model_fields.get(name)
+        if field is None:
+            return f"one of {', '.join(cls.keys())}"
+        lo = hi = None
+        closed_lo = True
+        for m in field.metadata:
+            if getattr(m, "ge", None) is not None:
+                lo = m.ge
+            if getattr(m, "gt", None) is not None:
+                lo, closed_lo = m.gt, False
+            if getattr(m, "le", None) is not None:
+                hi = m.le
+        kind = "an integer" if field.annotation is int else "a number"
+        return f"{kind} in {'[' if closed_lo else '('}{_num(lo)}, {_num(hi)}]"
+
+    def with_updates(self, **changes: Any) -> "BtbConstants":
+        """A validated copy with ``changes`` applied (``replicas`` is read as ``warm_replicas``).
+
+        Raises:
+            ConfigError: an unknown key or a bad value (the key is named as given).
+        """
+        unknown = set(changes) - set(self.keys()) - {WARM_REPLICAS_ALIAS}
         if unknown:
-            raise ConfigError(sorted(unknown)[0], f"unknown constant; valid: {', '.join(asdict(self))}")
-        return replace(self, **changes)
+            key = sorted(unknown)[0]
+            raise ConfigError(key, f"unknown constant; valid: {', '.join(self.keys())}")
+        base = self.model_dump()
+        if WARM_REPLICAS_ALIAS in changes:
+            del base["warm_replicas"]
+        return self.parse({**base, **changes})
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """``{"prefix_blocks", "threshold", "window_s", "warm_replicas"}``."""
+        return self.model_dump()
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _dotted(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
+
+
+def _number_from_text(value: Any, key: str, where: str | None, prefix: str) -> Any:
+    """``"3"`` -> 3 for the integer keys, ``"0.5"`` -> 0.5 for ``window_s``; other values are left to validation."""
+    if not isinstance(value, str):
+        return value
+    name = "warm_replicas" if key == WARM_REPLICAS_ALIAS else key
+    field = BtbConstants.model_fields.get(name)
+    if field is None:
+        return value
+    text = value.strip()
+    try:
+        if field.annotation is int:
+            return int(text)
+        number = float(text)
+    except ValueError:
+        kind = "an integer" if field.annotation is int else "a number"
+        raise ConfigError(_dotted(prefix, key), f"must be {kind}, got {value!r}", where) from None
+    if not math.isfinite(number):
+        raise ConfigError(_dotted(prefix, key), f"must be a finite number, got {value!r}", where)
+    return number
+
+
+def constants_error(e: ValidationError, where: str | None = None, prefix: str = "") -> ConfigError:
+    """The first error of a :class:`BtbConstants` validation as a one-line :class:`ConfigError`: the key (as given)
+    and what a valid value is."""
+    err = e.errors()[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    if err.get("type") == "extra_forbidden":
+        return ConfigError(_dotted(prefix, loc[0]), f"unknown key; valid keys: {', '.join(BtbConstants.keys())}",
+                           where)
+    if not loc:  # the model-level check (both spellings of M given)
+        msg = err.get("msg", "invalid value")
+        return ConfigError(_dotted(prefix, WARM_REPLICAS_ALIAS), msg.removeprefix("Value error, "), where)
+    key = loc[0]
+    return ConfigError(_dotted(prefix, key), f"must be {BtbConstants.describe(key)}, got {err.get('input')!r}", where)
+
+
+__all__ = ["BtbConstants", "MAX_COUNT", "MAX_WARM_REPLICAS", "MAX_WINDOW_S", "WARM_REPLICAS_ALIAS",
+           "constants_error"]

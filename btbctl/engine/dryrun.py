@@ -49,9 +49,6 @@ from btbctl.engine.trace.model import Trace
 #: TTFT of 100 s to 0.1 ms, far below the simulator's modelling error, and keep reports stable across platforms.
 SIGNIFICANT_DIGITS = 6
 
-_DEFAULT_CONSTANTS = BtbConstants()
-
-
 def _error(kind: str, message: str) -> PydanticCustomError:
     """A validation error whose message pydantic shows as is (no "Value error, " prefix)."""
     return PydanticCustomError(kind, "{message}", {"message": message})
@@ -172,25 +169,6 @@ class TraceSource(BaseModel):
         return self
 
 
-class BtbSection(BaseModel):
-    """BTB's four constants (published defaults: Birmiwal & Bhat, "Biting the Bullet", 2026)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
-
-    prefix_blocks: int = Field(_DEFAULT_CONSTANTS.prefix_blocks, ge=1)
-    """Y: length of the matched and copied prefix, in blocks of the trace's block size (256 x 256 tokens)."""
-    threshold: int = Field(_DEFAULT_CONSTANTS.threshold, ge=1)
-    """X: arrivals of the same prefix inside the window that fire replication (2)."""
-    window_s: float = Field(_DEFAULT_CONSTANTS.window_s, gt=0)
-    """Z: trailing detection window in seconds (1.0)."""
-    replicas: int = Field(_DEFAULT_CONSTANTS.replicas, ge=1)
-    """M: replicas that should hold a hot prefix, the holder included (4)."""
-
-    def constants(self) -> BtbConstants:
-        """These settings as :class:`BtbConstants`."""
-        return BtbConstants(**self.model_dump())
-
-
 class DryRunConfig(BaseModel):
     """Everything a dry-run needs. Defaults: the published BTB setting (one generated Bursted window, 4 replicas
     of Llama-3.3-70B on 4xH100, the published constants) under the five default policies."""
@@ -201,7 +179,7 @@ class DryRunConfig(BaseModel):
     """The requests: a trace file or a generated Bursted window."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """The fleet (model, GPUs, replicas, NIC)."""
-    btb: BtbSection = Field(default_factory=BtbSection)
+    btb: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants."""
     policies: list[str] = Field(default_factory=_default_policies)
     """Routing policies to compare, in report order (``btbctl.engine.policies.POLICIES``)."""
@@ -282,10 +260,6 @@ class DryRunConfig(BaseModel):
             except ConfigError as e:
                 raise ConfigError(f"trace.generate.{e.key}", e.reason, e.path) from None
         return cost
-
-    def constants(self) -> BtbConstants:
-        """BTB's constants of this run."""
-        return self.btb.constants()
 
     def with_overrides(self, overrides: dict[str, Any], unset: tuple[str, ...] = ()) -> "DryRunConfig":
         """A validated copy with dotted keys set (``{"cluster.model": "qwen3-8b", "seed": 7}``; None values are
@@ -420,7 +394,7 @@ def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None
         ``{"btbctl_version", "fidelity", "seed",
         "trace": {"path", "format", "requests", "span_s", "block_tokens"},
         "cluster": {"model", "gpu", "gpus_per_replica", "replicas", "nic_gbps"},
-        "constants": {"prefix_blocks", "threshold", "window_s", "replicas"},
+        "constants": {"prefix_blocks", "threshold", "window_s", "warm_replicas"},
         "results": [SimResult.summary() per policy, in cfg.policies order],
         "timing": {"wall_s", "requests_per_s"}}``; times in seconds, floats rounded to
         :data:`SIGNIFICANT_DIGITS` significant digits, NaN as None. A generated trace has ``path`` None and
@@ -434,7 +408,7 @@ def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None
     from btbctl.engine.sim import simulate
 
     cfg.check()  # fail on a bad fleet before reading or simulating anything
-    constants = cfg.constants()
+    constants = cfg.btb
     if trace is None:
         trace = load_trace(cfg)
 

@@ -8,8 +8,8 @@
   radix cache only caches full pages when ``--page-size`` > 1.
 * **Chain hashes.** ``h[k] = xxh3_64(h[k-1] || tokens of block k)`` as 16 hex digits (``h[-1]`` = empty), so a hash
   identifies the whole prefix through its block, like the Mooncake traces' ``hash_ids``.
-* **Prefix id.** The id users type (``btbctl replicate --prefix``) is the hash of a prefix's last block; any
-  unambiguous leading part of it (at least :data:`MIN_PREFIX_ID_CHARS` hex digits) is accepted.
+* **Prefix id.** The id users type (``btbctl replicate --prefix``) is the hash of a prefix's last block
+  (:mod:`btbctl.engine.chains`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import xxhash
 
 #: UTF-8 bytes per pseudo-token for text prompts.
 BYTES_PER_TOKEN = 4
-#: Shortest accepted prefix-id abbreviation, hex digits.
-MIN_PREFIX_ID_CHARS = 8
 _LITTLE = sys.byteorder == "little"
 _xxh3_digest = xxhash.xxh3_64_digest
 

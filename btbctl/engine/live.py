@@ -22,15 +22,13 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable, Protocol, Sequence
 
+from btbctl.engine import chains
+from btbctl.engine.chains import SHORT_ID_CHARS, check_prefix_id
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.stats import percentile
+from btbctl.engine.copies import CopyPlan, carry_out
 from btbctl.engine.errors import BtbctlError, ConfigError
 
-#: Shortest prefix-id abbreviation accepted by :meth:`LiveSource.replicate` (hex digits); the same rule as
-#: ``btbctl.engine.hashing.MIN_PREFIX_ID_CHARS``.
-MIN_PREFIX_ID_CHARS = 8
-#: Hex digits of a prefix id shown on screen (a product choice: 12 hex digits = 48 bits, unambiguous among the
-#: prefixes a fleet tracks).
-SHORT_ID_CHARS = 12
 #: Width of one TTFT-series bucket, seconds of fleet time.
 TTFT_BUCKET_S = 1.0
 #: Buckets kept in the TTFT series (two minutes at 1 s).
@@ -200,30 +198,6 @@ class LiveSource(Protocol):
     async def set_policy(self, name: str) -> str: ...
 
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult: ...
-
-
-def prefix_id_of(key: Hashable) -> str:
-    """The hex prefix id of a detector key: the key itself when it is a hex string (live chains and Mooncake ids
-    rendered as hex), else 16 hex digits of xxh3_64 over its text (generated traces use readable labels)."""
-    if isinstance(key, int) and key >= 0:
-        return f"{key:016x}"
-    s = str(key)
-    if len(s) >= MIN_PREFIX_ID_CHARS and all(c in "0123456789abcdef" for c in s):
-        return s
-    import xxhash
-
-    return xxhash.xxh3_64_hexdigest(s.encode())
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile ``q`` (0..100) of sorted values; NaN when empty."""
-    n = len(sorted_values)
-    if n == 0:
-        return math.nan
-    pos = (n - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, n - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 # -- the simulation -----------------------------------------------------------------------------------------------
@@ -431,7 +405,7 @@ class SimLiveSource:
             return self._build(top)
 
     def _prefix_id(self, key: Hashable) -> str:
-        pid = prefix_id_of(key)
+        pid = chains.prefix_id(key)
         self._ids[pid] = key
         return pid
 
@@ -522,7 +496,7 @@ class SimLiveSource:
 
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult:
         """Copy the prefix ``prefix_id`` (or an unambiguous leading part of at least
-        :data:`MIN_PREFIX_ID_CHARS` hex digits) from its least-loaded holder to ``n`` more workers, least-loaded
+        :data:`~btbctl.engine.chains.MIN_PREFIX_ID_CHARS` hex digits) from its least-loaded holder to ``n`` more workers, least-loaded
         first. Raises :class:`LiveError` (unknown or ambiguous id, no holder, nothing accepted) or
         :class:`ConfigError` (``n`` < 1)."""
         return await asyncio.to_thread(self.replicate_sync, prefix_id, n)
@@ -530,13 +504,14 @@ class SimLiveSource:
     def replicate_sync(self, prefix_id: str, n: int) -> ReplicateResult:
         if not isinstance(n, int) or n < 1:
             raise ConfigError("n", f"must be an integer >= 1, got {n!r}")
-        pid = prefix_id.strip().lower()
-        if len(pid) < MIN_PREFIX_ID_CHARS:
-            raise LiveError(f"prefix id {prefix_id!r} is too short: give at least {MIN_PREFIX_ID_CHARS} hex digits")
+        try:
+            pid = check_prefix_id(prefix_id)
+        except ValueError as e:
+            raise LiveError(f"prefix id: {e}") from None
         with self._lock:
             sim = self.sim
             for key in self._chains:
-                self._ids.setdefault(prefix_id_of(key), key)
+                self._ids.setdefault(chains.prefix_id(key), key)
             matches = [k for k in self._ids if k.startswith(pid)]
             if not matches:
                 raise LiveError(f"unknown prefix {prefix_id!r}")
@@ -557,11 +532,10 @@ class SimLiveSource:
                     and view.pending_blocks(r, chain) < y]
             free.sort(key=lambda r: (view.load(r), r))
             started, targets = [], []
-            for r in free:
-                if len(started) == n:
-                    break
-                if view.replicate(chain, source, r, sim.now):
-                    c = sim.net.active[-1]
+            if free:
+                plan = CopyPlan(tuple(chain), source, tuple(free), min(n, len(free)))
+                for r in carry_out(plan, lambda t: sim.start_copy(plan.prefix, source, t, sim.now)):
+                    c = next(c for c in reversed(sim.net.active) if c.dst == r and c.chain == plan.prefix)
                     self._copy_keys[c.cid] = full
                     started.append(f"c{c.cid}")
                     targets.append(f"w{r}")
@@ -585,7 +559,7 @@ def sim_source_from_config(cfg, policy: str | None = None, *, speed: float = 1.0
         trace = load_trace(cfg)
     if policy is None:
         policy = "btb" if "btb" in cfg.policies else cfg.policies[0]
-    return SimLiveSource(trace, cfg.cluster, cfg.constants(), policy, seed=cfg.seed, speed=speed, paced=paced)
+    return SimLiveSource(trace, cfg.cluster, cfg.btb, policy, seed=cfg.seed, speed=speed, paced=paced)
 
 
 # -- a running fleet ----------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from btbctl import __version__
 from btbctl.engine.config import FIDELITIES, read_toml, validate
-from btbctl.engine.dryrun import BtbSection, DryRunConfig, TraceSource, _error, load_trace, round_floats
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.dryrun import DryRunConfig, TraceSource, _error, load_trace, round_floats
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.trace.model import Trace
 
@@ -76,7 +77,7 @@ class ReportMatrix(BaseModel):
     """Simulator profiles (``realistic``, ``infersim``)."""
     workloads: list[WorkloadSpec]
     """Workloads, in report order."""
-    btb: BtbSection = Field(default_factory=BtbSection)
+    btb: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants for every BTB-style policy."""
     notes: str = ""
     """Markdown printed after the summary (what the numbers mean, caveats)."""
@@ -180,7 +181,7 @@ def run_cell(matrix: ReportMatrix, setup: str, workload: str, fidelity: str, pol
     from btbctl.engine.sim import simulate
 
     trace = _trace(matrix, workload)
-    res = simulate(trace, policy, setup_cluster(setup), matrix.btb.constants(), seed=matrix.seed, fidelity=fidelity)
+    res = simulate(trace, policy, setup_cluster(setup), matrix.btb, seed=matrix.seed, fidelity=fidelity)
     s = res.summary(replication_details=True)
     return {
         "setup": setup, "workload": workload, "fidelity": fidelity, "policy": policy,
@@ -285,7 +286,7 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
                     progress(1)
     return round_floats({
         "btbctl_version": __version__, "title": matrix.title, "seed": matrix.seed, "notes": matrix.notes,
-        "constants": matrix.btb.constants().as_dict(), "setups": list(matrix.setups),
+        "constants": matrix.btb.as_dict(), "setups": list(matrix.setups),
         "policies": list(matrix.policies), "fidelities": list(matrix.fidelities), "workloads": workloads,
         "cells": cells, "timing": {"wall_s": time.perf_counter() - t0, "jobs": jobs},
     })
@@ -348,7 +349,7 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
     L: list[str] = [f"# {report['title']}", "",
                     f"Regenerate with `{command}` (btbctl {report['btbctl_version']}, seed {report['seed']}; BTB "
                     f"constants Y = {k['prefix_blocks']} blocks, X = {k['threshold']}, Z = {k['window_s']:g} s, "
-                    f"M = {k['replicas']}). Times are seconds of simulated time to first token (TTFT).", ""]
+                    f"M = {k['warm_replicas']}). Times are seconds of simulated time to first token (TTFT).", ""]
     L += ["## Workloads", "", "| workload | what | requests | span s | block tokens |", "|---|---|---:|---:|---:|"]
     for wl in report["workloads"]:
         L.append(f"| {wl['name']} | {wl['description']} | {wl['requests']:,} | {wl['span_s']:,.0f} | "

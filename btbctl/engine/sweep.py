@@ -28,7 +28,7 @@ from btbctl.engine.trace.model import Trace
 
 #: Grid axes in product order: the four BTB constants, then fleet size, NIC bandwidth per GPU (Gb/s), fidelity,
 #: policy. A grid gives each axis one or more values; axes it leaves out take the base config's single value.
-AXES = ("prefix_blocks", "threshold", "window_s", "btb_replicas", "replicas", "nic_gbps", "fidelity", "policy")
+AXES = (*BtbConstants.keys(), "replicas", "nic_gbps", "fidelity", "policy")
 #: Metrics a sweep can rank by: TTFT ``mean`` or ``p95`` over all requests, seconds.
 RANK_BY = ("mean", "p95")
 #: Default policy of a sweep: the published BTB rule, whose constants the grid varies.
@@ -43,7 +43,7 @@ class SweepGrid:
         prefix_blocks: Y values, blocks (integers >= 1).
         threshold: X values, arrivals (integers >= 1).
         window_s: Z values, seconds (> 0).
-        btb_replicas: M values, replicas that should hold a hot prefix (integers >= 1).
+        warm_replicas: M values, replicas that should hold a hot prefix (integers >= 1).
         replicas: fleet sizes (integers 1..1024).
         nic_gbps: NIC bandwidth per GPU, gigabits per second (> 0).
         fidelity: simulator profiles (``realistic``, ``infersim``).
@@ -53,7 +53,7 @@ class SweepGrid:
     prefix_blocks: tuple = ()
     threshold: tuple = ()
     window_s: tuple = ()
-    btb_replicas: tuple = ()
+    warm_replicas: tuple = ()
     replicas: tuple = ()
     nic_gbps: tuple = ()
     fidelity: tuple = ()
@@ -67,8 +67,7 @@ class SweepGrid:
             ConfigError: a value out of range or of the wrong type (key: the axis name).
         """
         defaults = {
-            "prefix_blocks": base.btb.prefix_blocks, "threshold": base.btb.threshold,
-            "window_s": base.btb.window_s, "btb_replicas": base.btb.replicas,
+            **base.btb.as_dict(),
             "replicas": base.cluster.replicas, "nic_gbps": base.cluster.nic_gbps, "fidelity": base.fidelity,
             "policy": base.policies[0],
         }
@@ -80,12 +79,16 @@ class SweepGrid:
 
 
 def _check(axis: str, v: Any) -> Any:
-    if axis in ("prefix_blocks", "threshold", "btb_replicas", "replicas"):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or (axis == "replicas" and v > 1024):
-            bound = "1..1024" if axis == "replicas" else ">= 1"
-            raise ConfigError(axis, f"values must be integers {bound}, got {v!r}")
+    if axis in BtbConstants.keys():
+        try:
+            return getattr(BtbConstants.parse({axis: v}), axis)
+        except ConfigError as e:
+            raise ConfigError(axis, f"values must be {BtbConstants.describe(axis)}: {e.reason}") from None
+    if axis == "replicas":
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1024:
+            raise ConfigError(axis, f"values must be integers 1..1024, got {v!r}")
         return v
-    if axis in ("window_s", "nic_gbps"):
+    if axis == "nic_gbps":
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
             raise ConfigError(axis, f"values must be numbers > 0, got {v!r}")
         return float(v)
@@ -117,8 +120,7 @@ def _prepare(base: DryRunConfig, point: dict) -> _Point:
     """The cluster and constants of one grid point. Raises :class:`ConfigError` for a fleet that cannot run."""
     cluster = validate(ClusterConfig, {**base.cluster.model_dump(), "replicas": point["replicas"],
                                        "nic_gbps": point["nic_gbps"]}, prefix="cluster")
-    constants = BtbConstants(prefix_blocks=point["prefix_blocks"], threshold=point["threshold"],
-                             window_s=point["window_s"], replicas=point["btb_replicas"])
+    constants = BtbConstants.parse({k: point[k] for k in BtbConstants.keys()})
     return _Point(cluster, constants, point["fidelity"], point["policy"])
 
 
@@ -190,7 +192,7 @@ class SweepSpec:
         axes = self.grid.axes(self.base)
         for replicas, nic in itertools.product(axes["replicas"], axes["nic_gbps"]):
             point = {"replicas": replicas, "nic_gbps": nic, "prefix_blocks": 1, "threshold": 1, "window_s": 1.0,
-                     "btb_replicas": 1, "fidelity": "realistic", "policy": "round_robin"}
+                     "warm_replicas": 1, "fidelity": "realistic", "policy": "round_robin"}
             _prepare(self.base, point).cluster.replica_cost()
         return axes
 

@@ -34,8 +34,6 @@ DEFAULT_POLL_HZ = 4.0
 #: GIL switch interval while the dashboard runs, seconds (see :meth:`Dashboard.on_mount`).
 GIL_SWITCH_S = 0.001
 
-_INT_FIELDS = {"prefix_blocks", "threshold", "replicas"}
-
 CSS = """
 Screen { layout: vertical; }
 #status { height: 1; background: $boost; padding: 0 1; }
@@ -276,7 +274,7 @@ class Dashboard(App):
         if row is None:
             self.notify("no prefix selected", severity="warning")
             return
-        m = int((self.snapshot.constants.get("replicas", 2) if self.snapshot else 2))
+        m = int((self.snapshot.constants.get("warm_replicas", 2) if self.snapshot else 2))
         default_n = max(1, m - max(1, row.holders))
 
         def done(n: int | None) -> None:
@@ -318,17 +316,10 @@ class Dashboard(App):
     def _constant_submitted(self, event: Input.Submitted) -> None:
         key = (event.input.id or "").removeprefix("const-")
         panel = self.query_one(ConstantsPanel)
-        raw = event.value.strip()
-        try:
-            value: Any = int(raw) if key in _INT_FIELDS else float(raw)
-        except ValueError:
-            kind = "an integer" if key in _INT_FIELDS else "a number"
-            panel.show(f"{key}: {raw!r} is not {kind}", error=True)
-            return
         current = dict(self.snapshot.constants) if self.snapshot and self.snapshot.constants else {}
-        try:  # validate here first: a bad value never leaves the screen
-            BtbConstants(**current).with_updates(**{key: value}) if current else \
-                BtbConstants().with_updates(**{key: value})
+        try:  # validate here first, as the engine does: a bad value never leaves the screen
+            value: Any = getattr(BtbConstants.parse({key: event.value}, from_text=True), key)
+            BtbConstants.parse(current).with_updates(**{key: value})
         except BtbctlError as e:
             panel.show(str(e), error=True)
             return

@@ -6,9 +6,9 @@ Importing this package does not import aiohttp's server side until :func:`serve_
 
 from __future__ import annotations
 
-from btbctl.engine.gateway.config import ConstantsSettings, GatewayConfig
+from btbctl.engine.gateway.config import GatewayConfig
 
-__all__ = ["GatewayConfig", "ConstantsSettings", "serve_gateway", "run_gateway", "Gateway"]
+__all__ = ["GatewayConfig", "serve_gateway", "run_gateway", "Gateway"]
 
 
 def __getattr__(name: str):

@@ -9,25 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from btbctl.engine.constants import BtbConstants
 
 
-class ConstantsSettings(BaseModel):
-    """BTB's four constants (defaults: the published ones, Birmiwal & Bhat 2026; REFERENCE.md s1)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prefix_blocks: int = Field(256, ge=1)
-    """Y: prefix length matched and copied, in blocks of ``page_size`` tokens."""
-    threshold: int = Field(2, ge=1)
-    """X: arrivals of one prefix inside the window that fire replication."""
-    window_s: float = Field(1.0, gt=0)
-    """Z: trailing detection window, seconds."""
-    replicas: int = Field(4, ge=1)
-    """M: workers that should hold a hot prefix, the holder included."""
-
-    def to_constants(self) -> BtbConstants:
-        return BtbConstants(prefix_blocks=self.prefix_blocks, threshold=self.threshold,
-                            window_s=float(self.window_s), replicas=self.replicas)
-
-
 class GatewayConfig(BaseModel):
     """Settings of one gateway process (data plane + control API).
 
@@ -50,7 +31,7 @@ class GatewayConfig(BaseModel):
     """Control API port (0: any free port)."""
     policy: str = "btb"
     """Routing policy name (``btbctl.engine.policies.POLICIES``); changeable at run time."""
-    constants: ConstantsSettings = Field(default_factory=ConstantsSettings)
+    constants: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants at start; changeable at run time through the control API."""
     page_size: int | None = Field(None, ge=1)
     """Tokens per block for chain hashing; None: the workers' ``page_size`` from ``/btb/info`` (first one that

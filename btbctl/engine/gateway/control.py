@@ -15,7 +15,7 @@ route                                      answer
                                            "p95_s", "rps"}], "summary": {"n", "mean_s", "p50_s", "p95_s", "p99_s",
                                            "max_s"}}`` (at most 10,000 buckets)
 ``GET /control/constants``                 ``{"policy", "policies", "constants": {"prefix_blocks", "threshold",
-                                           "window_s", "replicas"}, "page_size", "prefix_tokens"}``
+                                           "window_s", "warm_replicas"}, "page_size", "prefix_tokens"}``
 ``PUT /control/constants``                 body: any of the four constants and/or ``"policy"``; all validated before
                                            any is applied; 400 ``{"error": {"key", "message", "valid"}}``; answers
                                            what the engine now holds (as GET)
@@ -39,16 +39,16 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.app import parse_json_object
 from btbctl.engine.gateway.planner import ReplicateError
-from btbctl.engine.hashing import MIN_PREFIX_ID_CHARS
+from btbctl.engine.chains import check_prefix_id
 from btbctl.engine.policies import POLICIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from btbctl.engine.gateway.server import Gateway
 
-CONSTANT_KEYS = ("prefix_blocks", "threshold", "window_s", "replicas")
 #: Seconds between keep-alive comments on an idle event stream.
 KEEPALIVE_S = 15.0
 #: Largest body a control write accepts, bytes.
@@ -117,15 +117,10 @@ class ControlApi:
     def resolve_prefix(self, text: object) -> tuple[str, tuple] | web.Response:
         """A prefix id or an unambiguous leading part of one (>= 8 hex digits) -> ``(id, chain)``; else an
         error answer (400 bad or ambiguous, 404 unknown)."""
-        if not isinstance(text, str):
-            return _err(400, "prefix: must be a string of hex digits", key="prefix")
-        s = text.strip().lower()
         try:
-            int(s, 16)
-        except ValueError:
-            return _err(400, f"prefix: {text!r} is not hexadecimal", key="prefix")
-        if len(s) < MIN_PREFIX_ID_CHARS:
-            return _err(400, f"prefix: give at least {MIN_PREFIX_ID_CHARS} hex digits", key="prefix")
+            s = check_prefix_id(text)
+        except ValueError as e:
+            return _err(400, f"prefix: {e}", key="prefix")
         chains = self.gw.state.chains
         if s in chains.parent:
             key = s
@@ -205,22 +200,19 @@ class ControlApi:
         obj = await self._json_body(request)
         if isinstance(obj, web.Response):
             return obj
-        valid = list(CONSTANT_KEYS) + ["policy"]
+        valid = [*BtbConstants.keys(), "policy"]
         for k in obj:
-            if k not in valid:
+            if k not in valid and k != WARM_REPLICAS_ALIAS:
                 return _err(400, f"{k}: unknown key", key=k, valid=valid)
         policy = obj.get("policy")
         if "policy" in obj and policy not in POLICIES:
             return _err(400, f"policy: unknown policy {policy!r}", key="policy", valid=list(POLICIES))
-        updates = {k: obj[k] for k in CONSTANT_KEYS if k in obj}
+        updates = {k: v for k, v in obj.items() if k != "policy"}
         gw = self.gw
         try:
-            for k, v in updates.items():
-                if isinstance(v, bool):
-                    raise ConfigError(k, f"must be a number, got {v!r}")
             gw.constants.with_updates(**updates)  # validate everything before applying anything
         except ConfigError as e:
-            return _err(400, str(e), key=e.key, valid=_valid_text(e.key))
+            return _err(400, str(e), key=e.key, valid=BtbConstants.describe(e.key))
         if updates:
             gw.set_constants(updates)
         if policy is not None:
@@ -274,11 +266,6 @@ class ControlApi:
         except (ConnectionResetError, RuntimeError):
             pass
         return resp
-
-
-def _valid_text(key: str) -> str:
-    return {"prefix_blocks": "an integer >= 1", "threshold": "an integer >= 1", "window_s": "a number > 0",
-            "replicas": "an integer >= 1"}.get(key, ", ".join(CONSTANT_KEYS + ("policy",)))
 
 
 def build_control_app(gw: "Gateway") -> web.Application:

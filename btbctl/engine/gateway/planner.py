@@ -1,7 +1,7 @@
 """Replication planner of the live gateway: what to copy where, and the copy jobs' lifecycle.
 
-Used by the policies (through :meth:`FleetState.replicate <btbctl.engine.gateway.state.FleetState.replicate>`,
-which calls :meth:`Planner.request_copy`) and by the control API's manual replicate (:meth:`Planner.replicate`).
+The executor of the policies' copy plans (:meth:`Planner.execute`, called by the gateway with each route's
+:class:`~btbctl.engine.copies.CopyPlan`) and of the control API's manual replicate (:meth:`Planner.replicate`).
 
 A copy job (one source, one target, one prefix chain):
 
@@ -37,11 +37,13 @@ import asyncio
 import json
 import logging
 import secrets
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Collection, Hashable, Sequence
 
 import aiohttp
 
+from btbctl.engine.copies import CopyPlan, carry_out
 from btbctl.engine.gateway.state import FleetState, Transfer
+from btbctl.engine.policies.base import Policy
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,22 @@ class Planner:
         return None
 
     # -- starting jobs ------------------------------------------------------------------------------------------
+
+    def execute(self, plan: CopyPlan, policy: Policy, excluded: Collection[int] = ()) -> list[int]:
+        """Carry out a policy's copy plan: try its targets in order (:func:`~btbctl.engine.copies.carry_out`), each
+        a background job (:meth:`request_copy`), never to or from a worker in ``excluded``; every attempt is
+        reported to ``policy``. Returns the targets whose jobs started."""
+        now = self.state.clock()
+        source = plan.source
+
+        def start(target: int) -> bool:
+            if source in excluded or target in excluded:
+                self.refused += 1
+                return False
+            return self.request_copy(plan.prefix, source, target) is not None
+
+        return carry_out(plan, start, lambda t, ok: policy.on_copy_result(plan, t, ok, now))
+
 
     def request_copy(self, chain: Sequence[Hashable], source: int, target: int, *, manual: bool = False,
                      source_confirmed: bool = False) -> Transfer | None:

@@ -32,7 +32,7 @@ from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.planner import Planner
 from btbctl.engine.gateway.state import Clock, EventBus, FleetState, Transfer, WorkerState
 from btbctl.engine.policies import POLICIES, make_policy
-from btbctl.engine.policies.base import Policy
+from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import CacheAware
 from btbctl.engine.trace.model import Request
 
@@ -143,7 +143,7 @@ class Gateway:
         self.config = config
         self.clock = Clock()
         self.state = FleetState(config.workers, self.clock)
-        self.constants: BtbConstants = config.constants.to_constants()
+        self.constants: BtbConstants = config.constants
         self.detector = BurstDetector(self.constants)
         self.rng = random.Random(config.seed)
         self.policy: Policy = make_policy(config.policy, len(config.workers), self.rng, self.constants)
@@ -162,7 +162,6 @@ class Gateway:
                                poll_interval_s=config.poll_interval_s, source_wait_s=config.source_wait_s,
                                copy_timeout_s=config.copy_timeout_s, on_change=self._transfer_changed,
                                on_finish=self._transfer_finished)
-        self.state.planner = self.planner
         self._runners: list[web.AppRunner] = []
         self._health_task: asyncio.Task | None = None
         self._probe_timeout = aiohttp.ClientTimeout(total=config.health_timeout_s)
@@ -203,9 +202,6 @@ class Gateway:
         Raises:
             ConfigError: unknown key or invalid value (the key is named).
         """
-        for k, v in updates.items():
-            if isinstance(v, bool):
-                raise ConfigError(k, f"must be a number, got {v!r}")
         new = self.constants.with_updates(**updates)
         self.constants = new
         self.policy.set_constants(new)
@@ -215,7 +211,7 @@ class Gateway:
         return new
 
     def constants_report(self) -> dict:
-        """``{"policy", "policies": [names], "constants": {prefix_blocks, threshold, window_s, replicas},
+        """``{"policy", "policies": [names], "constants": {prefix_blocks, threshold, window_s, warm_replicas},
         "page_size", "prefix_tokens"}``."""
         c = self.constants
         return {"policy": self.policy.name, "policies": list(POLICIES), "constants": c.as_dict(),
@@ -226,19 +222,19 @@ class Gateway:
     def choose(self, req: Request, excluded: list[int]) -> int | None:
         """The worker for ``req``: the policy's choice, unless that worker is unavailable (unhealthy or in
         ``excluded``), in which case the least-loaded available one (ties: lowest index). None when no worker is
-        available. Feeds the detector when the policy does not (once per request: not again on a retry; a
-        BTB-style policy observes the arrival again when asked again, a rare double count after a failure)."""
+        available. The route's copy plans go to the replicator (never to or from an excluded worker). Feeds the
+        detector when the policy does not (once per request: not again on a retry; a BTB-style policy observes the
+        arrival again when asked again, a rare double count after a failure)."""
         state = self.state
         now = self.clock()
         if self._feeds_detector and not excluded:
             self.detector.observe(req.block_hashes, now)
-        if excluded:
-            state.excluded = frozenset(excluded)
-        try:
-            idx = self.policy.route(req, state, now)
-        finally:
-            if excluded:
-                state.excluded = frozenset()
+        view = ExcludingView(state, excluded) if excluded else state
+        policy = self.policy
+        route = policy.route(req, view, now)
+        for plan in route.copies:
+            self.planner.execute(plan, policy, excluded)
+        idx = route.replica
         ws = state.workers
         if 0 <= idx < len(ws) and ws[idx].healthy and idx not in excluded:
             return idx

@@ -28,13 +28,11 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from btbctl.engine.aiotasks import cancel_and_wait
+from btbctl.engine.copies import CopyStatus
 from btbctl.engine.stats import percentile
-
-if TYPE_CHECKING:  # pragma: no cover
-    from btbctl.engine.gateway.planner import Planner
 
 #: Holding-record bound per worker when its capacity is unknown, blocks. 2**24 tokens / 256-token pages, the
 #: SGLang router's default per-worker tree bound (2**26 characters at about 4 characters per token; REFERENCE.md
@@ -47,7 +45,7 @@ RECENT_TRANSFERS = 200
 #: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain). A product
 #: choice: 2**18 entries are at most about 40 MB and cover 1,000 distinct 256-block prefixes.
 CHAIN_INDEX_BLOCKS = 1 << 18
-#: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.expected_wait_s` (EWMA weight of a new
+#: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.admission_wait_s` (EWMA weight of a new
 #: sample); a product choice.
 TTFT_EWMA_ALPHA = 0.2
 
@@ -512,10 +510,10 @@ class ChainIndex:
 class FleetState:
     """The live :class:`~btbctl.engine.policies.base.FleetView` the policies route with.
 
-    Replica ``r`` is ``workers[r]``. An unavailable worker (unhealthy, or excluded for this request after it
-    failed it) reports no cached or pending blocks, so BTB neither routes to it as a holder nor picks it as a
-    source, and :meth:`replicate` refuses it as a target; the gateway also overrides any choice of an unavailable
-    worker (see ``app.py``). Loads are the gateway's own in-flight counts, as the SGLang router's.
+    Replica ``r`` is ``workers[r]``. An unhealthy worker reports no cached or pending blocks, so BTB neither
+    routes to it as a holder nor picks it as a source, and the replicator refuses it as a target; a retry wraps
+    this view in :class:`~btbctl.engine.policies.base.ExcludingView` so the workers that failed the request look
+    the same; the gateway also overrides any choice of an unavailable worker. Loads are the gateway's own in-flight counts, as the SGLang router's.
 
     A copy in flight towards a worker counts its chain as pending there (the worker waits for it), never as
     cached: a target becomes a holder only when the planner saw the copy ``done``. The published ``btb`` rule
@@ -530,8 +528,6 @@ class FleetState:
         self.transfers = TransferTable()
         self.ttft = TtftSeries()
         self.chains = ChainIndex()
-        self.planner: "Planner | None" = None
-        self.excluded: frozenset[int] = frozenset()
         self.page_size = 256
         self._cost = None
         self._queues: dict[int, tuple] = {}
@@ -543,7 +539,7 @@ class FleetState:
         return len(self.workers)
 
     def available(self, replica: int) -> bool:
-        return self.workers[replica].healthy and replica not in self.excluded
+        return self.workers[replica].healthy
 
     def load(self, replica: int) -> int:
         return self.workers[replica].inflight
@@ -565,24 +561,6 @@ class FleetState:
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and self.transfers.in_flight(replica, chain[-1])
-
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
-                  hot_since_s: float | None = None) -> bool:
-        """Ask the planner to copy ``chain`` from ``source`` to ``target`` in the background; False when refused
-        (no planner, same worker, either one unavailable or without the BTB routes, the target already holds it
-        or a copy to it is in flight). A source still computing the prefix is accepted: the job waits for it
-        (see :mod:`btbctl.engine.gateway.planner`). ``hot_since_s`` is accepted for the protocol and unused."""
-        if self.planner is None:
-            return False
-        if source in self.excluded or target in self.excluded:
-            return False
-        return self.planner.request_copy(tuple(chain), source, target, manual=False) is not None
-
-    def expected_wait_s(self, replica: int) -> float:
-        """Estimate: requests on ``replica`` still waiting for their first byte x its smoothed TTFT (0 when none
-        or unknown). Measured, not modelled; :meth:`queued_prefill_s` is the modelled estimate."""
-        w = self.workers[replica]
-        return w.prefilling * (w.ttft_ewma_s or 0.0)
 
     def _queue(self, replica: int) -> tuple[float, dict]:
         """``(seconds of queued prefill, {block: [requests, seconds]})`` of the requests the gateway has on
@@ -640,16 +618,6 @@ class FleetState:
         :meth:`pending_blocks`)."""
         return self.pending_blocks(replica, chain)
 
-    def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
-        """Seconds of :meth:`queued_prefill_s` on ``replica`` that belong to requests waiting for the same
-        not-yet-resident block a new request with ``chain`` would wait for (the deepest of its
-        :meth:`planned_blocks`); 0 when those blocks are resident."""
-        n = self.planned_blocks(replica, chain)
-        if not n or n <= self.workers[replica].held_blocks(chain):
-            return 0.0
-        g = self._queue(replica)[1].get(chain[n - 1])
-        return g[1] if g else 0.0
-
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
         yet (arriving by a copy, or computed there by a request sent before them), grouped by the deepest such
@@ -668,8 +636,6 @@ class FleetState:
         t = self._copy(replica, chain)
         if t is None:
             return None
-        from btbctl.engine.policies.base import CopyStatus
-
         now = self.clock()
         total = float(t.bytes_total)
         if t.blocks_available >= 0 and t.chain:  # the source said how far its prefill is
@@ -678,12 +644,6 @@ class FleetState:
             avail = 0.0 if t.state == "stalled" else total
         return CopyStatus(source=t.source, total_bytes=total, sent_bytes=float(t.bytes_sent),
                           available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now) if avail >= total else 0.0)
-
-    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
-        """Seconds left of the in-flight copy of ``chain`` to ``replica`` at its average rate (None: none, not
-        sending yet, or no rate measured)."""
-        t = self._copy(replica, chain)
-        return None if t is None or t.state != "running" else t.eta_s(self.clock())
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica``."""

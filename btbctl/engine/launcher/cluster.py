@@ -12,7 +12,7 @@ A cluster file is TOML::
     prefix_blocks = 256
     threshold = 2
     window_s = 1.0
-    replicas = 4
+    warm_replicas = 4
 
     [[workers]]
     kind = "emulated"           # or "sglang"
@@ -52,8 +52,6 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import DEFAULT_MEM_FRACTION, default_chunked_prefill_tokens, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.launcher.hosts import HostSpec, is_address
-
-_DEFAULT_CONSTANTS = BtbConstants()
 
 #: Default data-plane port of the gateway. SGLang workers default to 30000 (REFERENCE.md s5); the gateway sits
 #: next to that range so a single-host fleet keeps its ports together.
@@ -113,26 +111,6 @@ class GatewaySection(BaseModel):
         if v not in POLICIES:
             raise ValueError(f"unknown policy {v!r}; valid: {', '.join(POLICIES)}")
         return v
-
-
-class BtbSection(BaseModel):
-    """BTB's four constants; defaults are the published ones (Birmiwal & Bhat, "Biting the Bullet", 2026;
-    REFERENCE.md s1). They can be changed later without a restart (``btbctl tune``)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    prefix_blocks: int = Field(_DEFAULT_CONSTANTS.prefix_blocks, ge=1)
-    """Y: length of the matched and copied prefix, in blocks of ``gateway.page_size`` tokens (256)."""
-    threshold: int = Field(_DEFAULT_CONSTANTS.threshold, ge=1)
-    """X: arrivals of the same prefix inside the window that fire replication (2)."""
-    window_s: float = Field(_DEFAULT_CONSTANTS.window_s, gt=0)
-    """Z: trailing detection window, seconds (1.0)."""
-    replicas: int = Field(_DEFAULT_CONSTANTS.replicas, ge=1)
-    """M: workers that should hold a hot prefix, the holder included (4)."""
-
-    def constants(self) -> BtbConstants:
-        """These settings as :class:`BtbConstants`."""
-        return BtbConstants(**self.model_dump())
 
 
 class WorkerSpec(BaseModel):
@@ -260,7 +238,7 @@ class ClusterFile(BaseModel):
 
     gateway: GatewaySection = Field(default_factory=GatewaySection)
     """The gateway (data plane + control API)."""
-    btb: BtbSection = Field(default_factory=BtbSection)
+    btb: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants at start."""
     workers: list[WorkerSpec] = Field(default_factory=lambda: [WorkerSpec(count=4)], min_length=1)
     """Worker entries; default one entry of 4 emulated Llama-3.3-70B workers on 4 x H100."""
@@ -548,5 +526,5 @@ def _num(x: float) -> str:
     return repr(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-__all__ = ["BtbSection", "ClusterFile", "GatewaySection", "WorkerInstance", "WorkerSpec", "command_argv",
+__all__ = ["ClusterFile", "GatewaySection", "WorkerInstance", "WorkerSpec", "command_argv",
            "default_cluster", "emulated_argv", "load_cluster", "sglang_argv", "validate_cluster", "worker_argv"]

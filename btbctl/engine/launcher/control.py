@@ -13,7 +13,9 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
-from btbctl.engine.errors import BtbctlError
+from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
+from btbctl.engine.copies import FINAL_STATES
+from btbctl.engine.errors import BtbctlError, ConfigError
 
 #: Seconds one control-API call may take (a product choice: the API answers from memory in milliseconds;
 #: replication runs in the background and is polled).
@@ -96,57 +98,52 @@ def _error_text(e: urllib.error.HTTPError) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # operations built on the API: tune and replicate
 
-#: Keys ``btbctl tune`` accepts and their types: the four constants (:class:`~btbctl.engine.constants.BtbConstants`)
-#: and the routing policy.
-TUNE_KEYS = {"prefix_blocks": int, "threshold": int, "window_s": float, "replicas": int, "policy": str}
-#: Copy states after which a copy changes no more (the gateway's ``Transfer.state``).
-FINAL_COPY_STATES = ("done", "failed")
+#: Copy states after which a copy changes no more.
+FINAL_COPY_STATES = tuple(str(s) for s in FINAL_STATES)
+#: What ``btbctl tune`` sets besides the four constants.
+POLICY_KEY = "policy"
+
+
+def tune_keys() -> tuple[str, ...]:
+    """Keys ``btbctl tune`` accepts: the four constants (:class:`~btbctl.engine.constants.BtbConstants`) and the
+    routing policy."""
+    return (*BtbConstants.keys(), POLICY_KEY)
 
 
 def parse_tune_args(args: list[str]) -> dict:
     """Turn ``["prefix_blocks=16", "policy=btb", ...]`` into a validated partial update.
 
-    Each constant is checked the way the engine checks it (:class:`~btbctl.engine.constants.BtbConstants`: integers
-    >= 1, ``window_s`` a number > 0) and the policy against the registry, so a typo never reaches the fleet.
+    Each constant is checked by :class:`~btbctl.engine.constants.BtbConstants` (the same bounds as a config file
+    and the control API; ``replicas`` is read as ``warm_replicas``) and the policy against the registry, so a typo
+    never reaches the fleet.
 
     Raises:
         ConfigError: a malformed argument, an unknown key (the valid ones are listed), a repeated key or a bad
-            value (the key is named).
+            value (``btbctl tune`` and the key are named).
     """
-    import math
-
-    from btbctl.engine.constants import BtbConstants
-    from btbctl.engine.errors import ConfigError
     from btbctl.engine.policies import POLICIES
 
+    where = "btbctl tune"
     out: dict = {}
     for arg in args:
         key, sep, raw = arg.partition("=")
         key = key.strip().replace("-", "_")
         raw = raw.strip()
         if not sep or not key or not raw:
-            raise ConfigError(arg, "expected KEY=VALUE, e.g. threshold=3")
-        if key not in TUNE_KEYS:
-            raise ConfigError(key, f"unknown key; valid: {', '.join(TUNE_KEYS)}")
+            raise ConfigError(arg, "expected KEY=VALUE, e.g. threshold=3", where)
+        if key == WARM_REPLICAS_ALIAS:
+            key = "warm_replicas"
+        if key not in tune_keys():
+            raise ConfigError(key, f"unknown key; valid: {', '.join(tune_keys())}", where)
         if key in out:
-            raise ConfigError(key, "given twice")
-        typ = TUNE_KEYS[key]
-        if typ is str:
-            if raw not in POLICIES:
-                raise ConfigError(key, f"unknown policy {raw!r}; valid: {', '.join(POLICIES)}")
-            out[key] = raw
-            continue
-        try:
-            val = int(raw) if typ is int else float(raw)
-        except ValueError:
-            kind = "an integer" if typ is int else "a number"
-            raise ConfigError(key, f"must be {kind}, got {raw!r}") from None
-        if typ is float and not math.isfinite(val):
-            raise ConfigError(key, f"must be a finite number, got {raw!r}")
-        out[key] = val
-    consts = {k: v for k, v in out.items() if k != "policy"}
+            raise ConfigError(key, "given twice", where)
+        if key == POLICY_KEY and raw not in POLICIES:
+            raise ConfigError(key, f"unknown policy {raw!r}; valid: {', '.join(POLICIES)}", where)
+        out[key] = raw
+    consts = {k: v for k, v in out.items() if k != POLICY_KEY}
     if consts:
-        BtbConstants().with_updates(**consts)  # raises ConfigError naming the key
+        parsed = BtbConstants.parse(consts, where=where, from_text=True)
+        out.update({k: getattr(parsed, k) for k in consts})
     return out
 
 
@@ -170,15 +167,12 @@ def replicate(client: ControlClient, prefix: str, n: int, *, timeout_s: float = 
     """
     import time
 
-    from btbctl.engine.hashing import MIN_PREFIX_ID_CHARS
+    from btbctl.engine.chains import check_prefix_id
 
-    p = prefix.strip().lower()
     try:
-        int(p, 16)
-    except ValueError:
-        raise BtbctlError(f"--prefix: {prefix!r} is not a hexadecimal prefix id") from None
-    if len(p) < MIN_PREFIX_ID_CHARS:
-        raise BtbctlError(f"--prefix: give at least {MIN_PREFIX_ID_CHARS} hex digits, got {len(p)}")
+        p = check_prefix_id(prefix)
+    except ValueError as e:
+        raise BtbctlError(f"--prefix: {e}") from None
     if not isinstance(n, int) or n < 1:
         raise BtbctlError(f"-n must be an integer >= 1, got {n!r}")
     started = client.post("/control/replicate", {"prefix": p, "n": n})
@@ -238,4 +232,4 @@ def client_for_run(run_dir: str | None = None, url: str | None = None, token: bo
     return ControlClient(url, tok)
 
 
-__all__ = ["ControlClient", "DEFAULT_TIMEOUT_S", "TUNE_KEYS", "client_for_run", "parse_tune_args", "replicate"]
+__all__ = ["ControlClient", "DEFAULT_TIMEOUT_S", "client_for_run", "parse_tune_args", "replicate", "tune_keys"]

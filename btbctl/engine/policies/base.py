@@ -1,124 +1,163 @@
-"""The routing-policy protocol and the fleet view policies read.
+"""The routing-policy protocol, the route it returns, and the fleet views policies read.
 
 A policy is asked, for each arriving request, which replica serves it. It sees the fleet only through a
-:class:`FleetView` (loads, what each replica's prefix cache holds, copies in flight) and may ask the fleet to copy a
-prefix's KV cache between replicas through :meth:`FleetView.replicate` (BTB-style policies). Time is always passed
-in (``now_s``); no policy reads the wall clock, so the same code runs live (gateway) and simulated.
+:class:`FleetView` (loads, what each replica's prefix cache holds, copies in flight); ``btb_plus`` also reads a
+:class:`CostView` (queued work, copy progress, the cost model). It **changes nothing**: it answers with a
+:class:`Route`, the replica plus any :class:`~btbctl.engine.copies.CopyPlan` it wants carried out, and an executor
+(the simulator, the gateway's replicator) carries the plans out and reports each attempt back through
+:meth:`Policy.on_copy_result`. Time is always passed in (``now_s``); no policy reads the wall clock, so the same code
+runs live (gateway) and simulated.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import ClassVar, Hashable, Protocol, Sequence
+from typing import Any, ClassVar, Collection, Hashable, Protocol, Sequence, runtime_checkable
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.trace.model import Request
 
 
 @dataclass(frozen=True, slots=True)
-class CopyStatus:
-    """A KV-cache copy in flight towards a replica (:meth:`FleetView.copy_status`).
+class Route:
+    """A policy's answer: the replica that serves the request, and copies to start.
 
     Attributes:
-        source: the replica sending it.
-        total_bytes: bytes the copy moves (the blocks the target lacked when it started).
-        sent_bytes: bytes delivered so far.
-        available_bytes: bytes the source has computed so far (a copy trails a source still prefilling);
-            <= ``total_bytes``.
-        rate_bytes_per_s: current sending rate, bytes/s; 0 while the copy waits for the source's compute.
+        replica: index of the serving replica (``0 .. n_replicas - 1``).
+        copies: copy plans for the executor, in order.
     """
 
-    source: int
-    total_bytes: float
-    sent_bytes: float
-    available_bytes: float
-    rate_bytes_per_s: float
+    replica: int
+    copies: tuple[CopyPlan, ...] = ()
 
 
+@runtime_checkable
 class FleetView(Protocol):
-    """What a policy may read about the fleet (and the one action it may take: start a copy).
+    """What every policy may read about the fleet. Replicas are numbered ``0 .. n_replicas - 1``.
 
-    Replicas are numbered ``0 .. n_replicas - 1``.
+    Invariants (checked for every implementation by the view conformance test):
+    ``0 <= cached_blocks <= pending_blocks <= len(chain)``; a copy in flight towards a replica counts as pending
+    there, never as cached.
     """
 
     @property
     def n_replicas(self) -> int:
         """Number of replicas."""
+        ...
 
     def load(self, replica: int) -> int:
         """Requests the router has in flight to ``replica`` (running + waiting there)."""
+        ...
 
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """How many leading blocks of ``chain`` are computed and resident in ``replica``'s KV cache now."""
+        ...
 
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """How many leading blocks of ``chain`` are resident *or on their way* to ``replica`` (being prefilled
         there or arriving by copy). Always >= :meth:`cached_blocks`."""
+        ...
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         """Whether a copy of (a prefix ending with) ``chain[-1]`` towards ``replica`` is in flight."""
+        ...
 
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
-                  hot_since_s: float | None = None) -> bool:
-        """Start copying the KV cache of ``chain``'s blocks from ``source`` to ``target``. Returns False when the
-        fleet refuses (same replica, a copy already in flight, no room, or a source that neither holds the blocks
-        nor will have them: see :meth:`planned_blocks`). Only blocks the source has computed are sent, so a copy
-        trails a source still prefilling. The target serves the blocks as cached only once they have all arrived.
-        ``hot_since_s`` (optional): when the policy saw the need for the copy
-        (e.g. its detector fired), seconds; reports measure time to warm from it (default ``now_s``)."""
 
-    def expected_wait_s(self, replica: int) -> float:
-        """Estimated seconds of queued prefill work ahead of a new request on ``replica`` (0 when idle)."""
+@runtime_checkable
+class CostView(FleetView, Protocol):
+    """What ``btb_plus`` reads besides :class:`FleetView`: queued work, copy progress and the cost model."""
 
-    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
-        """Seconds until the in-flight copy of ``chain`` towards ``replica`` completes at current rates (None: no
-        copy in flight, or it is stalled behind the source's prefill)."""
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """How many leading blocks of ``chain`` are resident, on their way, or will be computed by a request already
+        queued on ``replica`` (so a new request there would reuse them). >= :meth:`pending_blocks` up to
+        evictions."""
+        ...
 
     def queued_prefill_s(self, replica: int) -> float:
         """Seconds of prefill compute queued on ``replica`` ahead of a new request, counting for each queued request
         only the prompt tokens it must compute itself (attention included). O(1)."""
-
-    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
-        """The in-flight copy of ``chain`` (keyed by its last block) towards ``replica``, or None."""
-
-    def nic_copies(self, replica: int) -> int:
-        """Copies in flight sending from or received by ``replica`` (they share its NIC)."""
-
-    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        """How many leading blocks of ``chain`` are resident, on their way, or will be computed by a request already
-        queued on ``replica`` (so a new request there would reuse them). Always >= :meth:`pending_blocks` except
-        after evictions."""
-
-    def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
-        """Seconds of :meth:`queued_prefill_s` on ``replica`` that belong to requests waiting there for the same
-        not-yet-resident block a new request with ``chain`` would wait for (they cannot start before it arrives
-        or is computed); 0 when the blocks a new request would reuse are all resident."""
+        ...
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests waiting on ``replica`` for a block not resident there yet, grouped by that block:
         ``(block hash, requests, seconds of their queued prefill)``. Part of :meth:`queued_prefill_s`, but they
         cannot start before the block is there (meanwhile later requests may run)."""
+        ...
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
+        """The in-flight copy of ``chain`` (keyed by its last block) towards ``replica``, or None."""
+        ...
+
+    def nic_copies(self, replica: int) -> int:
+        """Copies in flight sending from or received by ``replica`` (they share its NIC)."""
+        ...
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Seconds of decoding ``replica`` must do before its KV cache has room for the requests waiting there plus
         a new one needing ``kv_tokens`` tokens; 0 when they fit now. Adds to :meth:`queued_prefill_s`."""
+        ...
 
     def kv_headroom_tokens(self, replica: int) -> int:
         """KV-cache tokens ``replica`` could free for a new copy now (free + evictable)."""
+        ...
 
     @property
     def cost(self) -> ReplicaCost:
         """The cost model of one replica (all replicas are alike)."""
+        ...
 
     @property
     def block_tokens(self) -> int:
         """Tokens per block of the chains the policy sees."""
+        ...
 
     @property
     def chunk_tokens(self) -> int:
-        """Most new prompt tokens one prefill step computes on a replica (chunked prefill)."""
+        """Most new prompt tokens one prefill step computes on a replica (chunked prefill); 0: not chunked."""
+        ...
+
+
+class ExcludingView:
+    """A view of ``inner`` in which the replicas in ``excluded`` are unavailable (a retry after they failed this
+    request): they hold, compute and receive nothing and have no KV headroom, so no policy routes a hot request to
+    them as holders, picks them as a copy source or plans a copy to them. Everything else is ``inner``'s."""
+
+    __slots__ = ("_inner", "_excluded")
+
+    def __init__(self, inner: FleetView, excluded: Collection[int]) -> None:
+        self._inner = inner
+        self._excluded = frozenset(excluded)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def n_replicas(self) -> int:
+        return self._inner.n_replicas
+
+    def load(self, replica: int) -> int:
+        return self._inner.load(replica)
+
+    def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return 0 if replica in self._excluded else self._inner.cached_blocks(replica, chain)
+
+    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return 0 if replica in self._excluded else self._inner.pending_blocks(replica, chain)
+
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return 0 if replica in self._excluded else self._inner.planned_blocks(replica, chain)  # type: ignore[attr-defined]
+
+    def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return replica not in self._excluded and self._inner.copy_in_flight(replica, chain)
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
+        return None if replica in self._excluded else self._inner.copy_status(replica, chain)  # type: ignore[attr-defined]
+
+    def kv_headroom_tokens(self, replica: int) -> int:
+        return 0 if replica in self._excluded else self._inner.kv_headroom_tokens(replica)  # type: ignore[attr-defined]
 
 
 class Policy:
@@ -133,15 +172,21 @@ class Policy:
     name: ClassVar[str] = ""
     #: One line for ``btbctl dry-run --help`` and reports.
     summary: ClassVar[str] = ""
+    #: Whether :meth:`route` reads a :class:`CostView` (else a :class:`FleetView` is enough).
+    needs_cost_view: ClassVar[bool] = False
 
     def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None) -> None:
         self.n_replicas = n_replicas
         self.rng = rng
         self.constants = constants or BtbConstants()
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
-        """Return the replica index that serves ``req``."""
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+        """The replica that serves ``req`` and the copies to start; changes nothing outside the policy."""
         raise NotImplementedError
+
+    def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
+        """Hook: the executor tried to start a copy of ``plan`` to ``target`` (``started``: it accepted; else it
+        refused). No-op by default."""
 
     def on_finish(self, req: Request, replica: int, now_s: float) -> None:
         """Hook: ``req`` finished on ``replica`` (no-op by default)."""
@@ -170,3 +215,6 @@ def least_loaded(view: FleetView, candidates: Sequence[int], rng: random.Random 
     if rng is None or len(tied) == 1:
         return tied[0]
     return rng.choice(tied)
+
+
+__all__ = ["CostView", "ExcludingView", "FleetView", "Policy", "Route", "least_loaded"]

@@ -7,21 +7,22 @@ Rule (Birmiwal & Bhat, "Biting the Bullet", 2026-07-22, policy ``early_rdma``; R
    ``Z = window_s`` seconds, and stays active while arrivals keep coming with gaps under ``window_s`` (the
    detector's docstring defines "active"). Prompts shorter than Y blocks never trigger.
 2. While the prefix is active (on the arrival that fires it and on every later one, so a failed copy or an
-   evicted holder is topped up): make sure ``min(M, n_replicas)`` replicas (``M = replicas``) hold it.
+   evicted holder is topped up): make sure ``min(M, n_replicas)`` replicas (``M = warm_replicas``) hold it.
    *Holders* have all Y blocks computed (``view.cached_blocks(r, prefix) >= Y``); *covered* replicas have a copy
    of it in flight (``view.copy_in_flight``) or are computing it (``view.pending_blocks(r, prefix) >= Y``).
-   While holders + covered < M, copy to the least-loaded replicas that are neither (ties random), one
-   ``view.replicate(prefix, source, target, now_s)`` per target; a refused copy moves on to the next candidate.
+   While holders + covered < M, plan copies to the least-loaded replicas that are neither (ties random): one
+   :class:`~btbctl.engine.copies.CopyPlan` whose targets are all of them in that order and whose ``want`` is the
+   shortfall, so the executor moves on to the next candidate when it refuses one.
    The source is the least-loaded holder; when no replica holds all Y blocks yet (the first request is still
    prefilling) it is the least-loaded replica computing them, as the published simulator copied from the replica
-   computing the prefix; the fleet must then make the copy trail the source's compute. With no holder and nobody
+   computing the prefix; the executor must then make the copy trail the source's compute. With no holder and nobody
    computing it, nothing is copied until a later arrival finds a source.
 3. Routing: while the prefix is active, the request goes to the least-loaded holder (ties random). With no holder
    yet, and for every other request, it falls back to cache-aware routing
    (:class:`~btbctl.engine.policies.cache_aware.CacheAware`, sglang-router 0.3.2 defaults); the cache-aware tree
    also records the requests BTB routes itself, so its affinity stays consistent.
 
-Published defaults: X = 2, Y = 256 blocks (of 256 tokens), Z = 1.0 s, M = 4
+Published defaults: X = 2, Y = 256 blocks (of 256 tokens), Z = 1.0 s, M = ``warm_replicas`` = 4
 (:class:`~btbctl.engine.constants.BtbConstants`). No rollback on misprediction: copies age out of the replicas'
 caches by LRU. ``set_constants`` retunes the detector and M live.
 """
@@ -30,10 +31,12 @@ from __future__ import annotations
 
 import random
 
+from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyPlan
 from btbctl.engine.detector import BurstDetector
-from btbctl.engine.policies.base import FleetView, Policy, least_loaded
-from btbctl.engine.policies.cache_aware import DEFAULT_BLOCK_TOKENS, CacheAware
+from btbctl.engine.policies.base import FleetView, Policy, Route, least_loaded
+from btbctl.engine.policies.cache_aware import CacheAware
 from btbctl.engine.trace.model import Request
 
 
@@ -76,21 +79,30 @@ class Btb(Policy):
         super().set_constants(constants)
         self.detector.set_constants(constants)
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         chain = req.block_hashes
         det = self.detector.observe(chain, now_s)
         if det is not None:
-            holders = self._ensure_replicas(det.prefix, view, now_s)
+            holders, plan = self._ensure_replicas(det.prefix, view, now_s)
+            copies = (plan,) if plan is not None else ()
             if holders:
                 self._holder_routes += 1
                 choice = least_loaded(view, holders, self.rng)
                 self.fallback.record(chain, choice, now_s)
-                return choice
+                return Route(choice, copies)
             self._fallback_routes += 1
-        return self.fallback.route(req, view, now_s)
+            return Route(self.fallback.choose(req, view, now_s), copies)
+        return Route(self.fallback.choose(req, view, now_s))
 
-    def _ensure_replicas(self, prefix: tuple, view: FleetView, now_s: float) -> list[int]:
-        """Top up copies of ``prefix`` towards M replicas; returns the replicas holding all of it now."""
+    def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
+        if started:
+            self._copies += 1
+        else:
+            self._refused += 1
+
+    def _ensure_replicas(self, prefix: tuple, view: FleetView, now_s: float) -> tuple[list[int], CopyPlan | None]:
+        """The replicas holding all of ``prefix`` now, and the plan topping its copies up towards M (None: no copy
+        needed or no source)."""
         y = len(prefix)
         n = self.n_replicas
         holders: list[int] = []
@@ -107,27 +119,19 @@ class Btb(Policy):
                 covered += 1
             else:
                 free.append(r)
-        need = min(self.constants.replicas, n) - len(holders) - covered
+        need = min(self.constants.warm_replicas, n) - len(holders) - covered
         if need <= 0 or not free:
-            return holders
+            return holders, None
         if holders:
             source = least_loaded(view, holders, self.rng)
         elif computing:
             source = least_loaded(view, computing, self.rng)
         else:
             self._no_source += 1
-            return holders
+            return holders, None
         rng = self.rng
         order = sorted(free, key=lambda r: (view.load(r), rng.random()))
-        for target in order:
-            if view.replicate(prefix, source, target, now_s):
-                self._copies += 1
-                need -= 1
-                if need == 0:
-                    break
-            else:
-                self._refused += 1
-        return holders
+        return holders, CopyPlan(prefix, source, tuple(order), min(need, len(order)))
 
     def stats(self) -> dict:
         """``fires`` (detector activations), ``copies_requested`` (copies the fleet accepted), ``copies_refused``,

@@ -65,32 +65,10 @@ from collections import OrderedDict
 from typing import Hashable, Sequence
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.detector import BurstDetector, Detection
-from btbctl.engine.policies.base import CopyStatus, FleetView, Policy
+from btbctl.engine.policies.base import CostView, Policy, Route
 from btbctl.engine.trace.model import Request
-
-
-def _planned(view: FleetView, replica: int, chain: Sequence[Hashable]) -> int:
-    """``view.planned_blocks``, or ``view.pending_blocks`` for a view without it."""
-    f = getattr(view, "planned_blocks", None)
-    return f(replica, chain) if f is not None else view.pending_blocks(replica, chain)
-
-
-def _waiting_groups(view: FleetView, replica: int) -> list:
-    """``view.waiting_groups``, or none for a view without it."""
-    f = getattr(view, "waiting_groups", None)
-    return f(replica) if f is not None else []
-
-
-def _admission_wait(view: FleetView, replica: int, kv_tokens: int) -> float:
-    """``view.admission_wait_s``, or 0 for a view without it."""
-    f = getattr(view, "admission_wait_s", None)
-    return f(replica, kv_tokens) if f is not None else 0.0
-
-
-def _chunk_tokens(view: FleetView) -> int:
-    """``view.chunk_tokens``, or 0 (prefill not chunked) for a view without it."""
-    return getattr(view, "chunk_tokens", 0) or 0
 
 
 #: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
@@ -109,12 +87,11 @@ class BtbPlus(Policy):
         max_tracked: bound on tracked prefixes per depth and on the policy's own memos (default 65,536, as the
             detector's).
 
-    The fleet view must offer, besides the reads of the published rule, ``queued_prefill_s``, ``planned_blocks``,
-    ``waiting_groups``, ``copy_status``, ``nic_copies``, ``kv_headroom_tokens``, ``cost`` and ``block_tokens``
-    (see :class:`~btbctl.engine.policies.base.FleetView`; the simulator's view offers them all).
+    It reads a :class:`~btbctl.engine.policies.base.CostView` (the simulators' views and the gateway's offer one).
     """
 
     name = "btb_plus"
+    needs_cost_view = True
     summary = ("BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, "
                "expected-TTFT routing")
 
@@ -199,14 +176,14 @@ class BtbPlus(Policy):
         """``ceil(lambda x s)`` replicas clamped to ``[1, min(M, n_replicas)]``, with ``lambda`` =
         ``arrivals_in_window / window_s`` (requests/s) and ``suffix_s`` = seconds one replica spends on one
         request's non-shared suffix."""
-        cap = max(1, min(self.constants.replicas, self.n_replicas))
+        cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
         lam = arrivals_in_window / self.constants.window_s
         want = math.ceil(lam * suffix_s - 1e-12) if suffix_s > 0 else 1
         return max(1, min(cap, want))
 
     # -- rule 5: when copies land, expected TTFT --------------------------------------------------------------
 
-    def source_ready_s(self, view: FleetView, source: int, key: Hashable, now_s: float) -> float:
+    def source_ready_s(self, view: CostView, source: int, key: Hashable, now_s: float) -> float:
         """Seconds until ``source`` holds the prefix whose last block is ``key``: 0 when it does; the prefill of the
         blocks it lacks while it computes them; when a request queued there will compute them, the time this policy
         expected when it sent that request (if still ahead), else the source's queued prefill plus that prefill."""
@@ -226,7 +203,7 @@ class BtbPlus(Policy):
             return at - now_s
         return view.queued_prefill_s(source) + rest
 
-    def copy_lands_s(self, view: FleetView, status: CopyStatus, key: Hashable, now_s: float) -> float:
+    def copy_lands_s(self, view: CostView, status: CopyStatus, key: Hashable, now_s: float) -> float:
         """Seconds until the copy described by ``status`` (of the prefix whose last block is ``key``) has landed:
         remaining bytes at its rate; while it trails the source's compute, the later of :meth:`source_ready_s` and
         the remaining bytes at a fair share of the source's NIC."""
@@ -236,7 +213,7 @@ class BtbPlus(Policy):
         share = status.rate_bytes_per_s or view.cost.nic_bytes_per_s / max(1, view.nic_copies(status.source))
         return max(left / share, self.source_ready_s(view, status.source, key, now_s))
 
-    def blocked_groups(self, view: FleetView, replica: int, now_s: float) -> _Groups:
+    def blocked_groups(self, view: CostView, replica: int, now_s: float) -> _Groups:
         """The requests waiting on ``replica`` for a hot prefix that is not there yet, by prefix: ``(seconds until
         it is there, requests, seconds of their prefill, key, grace)``, soonest first. The prefix arrives by
         copy (:meth:`copy_lands_s`, grace 0) or is computed there (:meth:`source_ready_s`; grace = one prefill chunk
@@ -244,7 +221,7 @@ class BtbPlus(Policy):
         admitted before the group can run). Requests waiting for other blocks are left out: they count as queued
         ahead of a new request."""
         out = []
-        for key, n, work_s in _waiting_groups(view, replica):
+        for key, n, work_s in view.waiting_groups(replica):
             chain = self._prefixes.get(key)
             if chain is None:
                 continue
@@ -253,12 +230,12 @@ class BtbPlus(Policy):
                 out.append((self.copy_lands_s(view, st, key, now_s), n, work_s, key, 0.0))
             else:
                 ctx = len(chain) * view.block_tokens
-                grace = view.cost.prefill_time_s(_chunk_tokens(view), ctx)
+                grace = view.cost.prefill_time_s(view.chunk_tokens, ctx)
                 out.append((self.source_ready_s(view, replica, key, now_s), n, work_s, key, grace))
         out.sort(key=lambda g: g[0])
         return out
 
-    def estimate(self, view: FleetView, replica: int, req: Request, now_s: float, depths: Sequence[int] = (),
+    def estimate(self, view: CostView, replica: int, req: Request, now_s: float, depths: Sequence[int] = (),
                  groups: _Groups | None = None, ready_s: float | None = None,
                  copied_blocks: int = 0) -> tuple[float, float, float]:
         """``(expected TTFT, delay imposed on requests waiting for a hot prefix, start)`` of ``req`` on
@@ -270,7 +247,7 @@ class BtbPlus(Policy):
         inp = req.input_tokens
         if groups is None:
             groups = self.blocked_groups(view, replica, now_s)
-        there = max(_planned(view, replica, chain) if chain else 0, copied_blocks)
+        there = max(view.planned_blocks(replica, chain) if chain else 0, copied_blocks)
         ready = 0.0 if ready_s is None else ready_s
         if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
             for d in depths:
@@ -287,7 +264,7 @@ class BtbPlus(Policy):
                     ready = max(ready, lands)
         have = min(there * bt, inp - 1)
         own = view.cost.prefill_time_s(inp - have, have)
-        wait = view.queued_prefill_s(replica) + _admission_wait(view, replica, inp - have + req.output_tokens)
+        wait = view.queued_prefill_s(replica) + view.admission_wait_s(replica, inp - have + req.output_tokens)
         start = max(0.0, wait - sum(g[2] for g in groups))
         start = max(start, ready)
         harm = 0.0
@@ -298,12 +275,12 @@ class BtbPlus(Policy):
                 harm += n * (start + own - lands)
         return start + own, harm, start
 
-    def expected_ttft_s(self, view: FleetView, replica: int, req: Request, now_s: float,
+    def expected_ttft_s(self, view: CostView, replica: int, req: Request, now_s: float,
                         depths: Sequence[int] = ()) -> float:
         """Expected seconds to the first token of ``req`` on ``replica`` (rule 5)."""
         return self.estimate(view, replica, req, now_s, depths)[0]
 
-    def _best(self, view: FleetView, cost: list[float]) -> int:
+    def _best(self, view: CostView, cost: list[float]) -> int:
         best = min(cost)
         tied = [r for r, c in enumerate(cost) if c <= best * (1 + 1e-9) + 1e-12]
         if len(tied) > 1:
@@ -313,16 +290,17 @@ class BtbPlus(Policy):
 
     # -- routing ------------------------------------------------------------------------------------------------
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: CostView, now_s: float) -> Route:
         chain = req.block_hashes
         hot = self.detect(chain, now_s) if chain else None
         n = self.n_replicas
         depths = self.depths(len(chain))
         groups = [self.blocked_groups(view, r, now_s) for r in range(n)]
         ests = [self.estimate(view, r, req, now_s, depths, groups[r]) for r in range(n)]
+        plan = None
         if hot is not None:
             det, since = hot
-            self._warm(req, det, since, view, now_s, ests, groups, depths)
+            plan = self._warm(req, det, since, view, now_s, ests, groups, depths)
         if self._first_s is None:
             self._first_s = now_s
         self._arrivals += 1
@@ -337,22 +315,27 @@ class BtbPlus(Policy):
         choice = self._best(view, cost)
         if ests[choice][0] > min(e[0] for e in ests) * (1 + 1e-9) + 1e-12:
             self._stats["harm_avoiding_routes"] += 1
+        copied = len(plan.prefix) if plan is not None and choice in plan.targets[:plan.want] else 0
         if depths:
-            self._note_planned(view, choice, req, now_s, depths, ests[choice][2])
+            self._note_planned(view, choice, req, now_s, depths, ests[choice][2], copied)
         if hot is not None:
             prefix = hot[0].prefix
             self._stats["hot_routes"] += 1
-            if _planned(view, choice, prefix) < len(prefix) and any(
+            if not copied and view.planned_blocks(choice, prefix) < len(prefix) and any(
                     view.cached_blocks(r, prefix) >= len(prefix) for r in range(n) if r != choice):
                 self._stats["speculative_routes"] += 1
-        return choice
+        return Route(choice, (plan,) if plan is not None else ())
 
-    def _note_planned(self, view: FleetView, replica: int, req: Request, now_s: float, depths: Sequence[int],
-                      start_s: float) -> None:
+    def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
+        self._stats["copies_requested" if started else "copies_refused"] += 1
+
+    def _note_planned(self, view: CostView, replica: int, req: Request, now_s: float, depths: Sequence[int],
+                      start_s: float, copied_blocks: int = 0) -> None:
         """``req`` goes to ``replica``: remember when each depth's prefix it will compute there should be done
-        (its start + its prefill up to that depth; queues are FCFS, so later arrivals do not delay it)."""
+        (its start + its prefill up to that depth; queues are FCFS, so later arrivals do not delay it).
+        ``copied_blocks``: leading blocks a copy planned with this route brings there (not computed by it)."""
         chain = req.block_hashes
-        there = _planned(view, replica, chain)
+        there = max(view.planned_blocks(replica, chain), copied_blocks)
         if there >= depths[-1]:
             return
         bt = view.block_tokens
@@ -364,9 +347,12 @@ class BtbPlus(Policy):
 
     # -- rules 2-4: warming ---------------------------------------------------------------------------------------
 
-    def _warm(self, req: Request, det: Detection, since: float, view: FleetView, now_s: float,
-              ests: list[tuple[float, float, float]], groups: list[_Groups], depths: Sequence[int]) -> None:
-        """Top up copies of ``det.prefix`` (rules 2-4); updates ``ests`` of targets that start receiving it."""
+    def _warm(self, req: Request, det: Detection, since: float, view: CostView, now_s: float,
+              ests: list[tuple[float, float, float]], groups: list[_Groups],
+              depths: Sequence[int]) -> CopyPlan | None:
+        """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
+        their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
+        fallbacks the executor tries when it refuses a picked one."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -385,14 +371,14 @@ class BtbPlus(Policy):
                 covered.append(r)
             elif view.copy_status(r, prefix) is not None:
                 covered.append(r)
-            elif _planned(view, r, prefix) >= y:
+            elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
                 covered.append(r)
             else:
                 free.append(r)
-        cap = max(1, min(self.constants.replicas, self.n_replicas))
+        cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
         if not free or len(covered) >= cap:
-            return
+            return None
         want = self.rate_target(det.arrivals_in_window, suffix_s)
         if holders:
             source = min(holders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r))
@@ -401,9 +387,11 @@ class BtbPlus(Policy):
             src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in computing)
         else:
             self._stats["no_source"] += 1
-            return
+            return None
         kv = cost.model.kv_bytes_per_token
         src_nic = view.nic_copies(source)
+        picked: list[int] = []
+        options: list[tuple[float, int, int, tuple[float, float, float]]] = []
         while free and len(covered) < cap:
             options = []
             for t in free:
@@ -418,31 +406,33 @@ class BtbPlus(Policy):
                 if view.kv_headroom_tokens(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
-                ttft = self.estimate(view, t, req, now_s, depths, groups[t], max(transfer, src_left), y)[0]
-                options.append((ttft, view.load(t), t))
+                est = self.estimate(view, t, req, now_s, depths, groups[t], max(transfer, src_left), y)
+                options.append((est[0], view.load(t), t, est))
             if not options:
-                return
+                break
             options.sort()
-            ttft, _, target = options[0]
+            ttft, _, target, est = options.pop(0)
             by_rate = len(covered) < want
             if not by_rate and not ttft < min(ests[r][0] for r in covered):
-                return
+                options.insert(0, (ttft, 0, target, est))
+                break
             free.remove(target)
-            if view.replicate(prefix, source, target, now_s, since):
-                self._stats["copies_requested"] += 1
-                self._stats["rate_copies" if by_rate else "backlog_copies"] += 1
-                covered.append(target)
-                src_nic += 1
-                ests[target] = self.estimate(view, target, req, now_s, depths, groups[target])
-                if not by_rate:
-                    return  # one copy beyond the rate target per arrival; the next arrival re-evaluates
-            else:
-                self._stats["copies_refused"] += 1
+            picked.append(target)
+            self._stats["rate_copies" if by_rate else "backlog_copies"] += 1
+            covered.append(target)
+            src_nic += 1
+            ests[target] = est
+            if not by_rate:
+                break  # one copy beyond the rate target per arrival; the next arrival re-evaluates
+        if not picked:
+            return None
+        fallbacks = tuple(o[2] for o in options if o[2] not in picked)
+        return CopyPlan(prefix, source, tuple(picked) + fallbacks, len(picked), since)
 
     def stats(self) -> dict:
-        """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the fleet
-        accepted: ``rate_copies`` for the arrival-rate target, ``backlog_copies`` for an earlier first token),
-        ``copies_refused`` (by the fleet), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by the
+        """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the executor
+        started), ``copies_refused`` (attempts it refused), ``rate_copies`` / ``backlog_copies`` (copies planned
+        for the arrival-rate target / for an earlier first token), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by the
         break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
         ``speculative_routes`` (of those, sent to recompute the prefix while another replica held it),
         ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests

@@ -38,9 +38,10 @@ import random
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
+from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 #: ``--cache-threshold`` default of sglang-router 0.3.2 (REFERENCE.md s4).
@@ -55,8 +56,6 @@ EVICTION_INTERVAL_S = 60.0
 MAX_TREE_CHARS = 2**26
 #: Characters per token used to turn :data:`MAX_TREE_CHARS` into blocks (rule of thumb; an approximation).
 CHARS_PER_TOKEN = 4
-#: Default block size in tokens when the workload's is not given (btb-mixed-trace-v1 and BTB's Y block).
-DEFAULT_BLOCK_TOKENS = 256
 
 
 def default_max_blocks_per_worker(block_tokens: int) -> int:
@@ -271,7 +270,11 @@ class CacheAware(Policy):
 
     # -- the rule -----------------------------------------------------------------------------------------------
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+        return Route(self.choose(req, view, now_s))
+
+    def choose(self, req: Request, view: FleetView, now_s: float) -> int:
+        """The rule's replica for ``req`` (inserted into the tree under it)."""
         self.maybe_evict(now_s)
         n = self.n_replicas
         loads = [view.load(r) for r in range(n)]

@@ -39,13 +39,13 @@ import math
 import random
 from itertools import islice
 
+from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.policies.base import FleetView, least_loaded
 from btbctl.engine.policies.cache_aware import (
     BALANCE_ABS_THRESHOLD,
     BALANCE_REL_THRESHOLD,
     CACHE_THRESHOLD,
-    DEFAULT_BLOCK_TOKENS,
     EVICTION_INTERVAL_S,
     CacheAware,
 )
@@ -92,7 +92,7 @@ class CacheAwareSpill(CacheAware):
         return (load > avg_load * self.balance_rel_threshold
                 and load > avg_load + absolute_margin(avg_load, self.balance_abs_threshold))
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def choose(self, req: Request, view: FleetView, now_s: float) -> int:
         self.maybe_evict(now_s)
         n = self.n_replicas
         loads = [view.load(r) for r in range(n)]

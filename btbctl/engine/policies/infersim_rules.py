@@ -56,7 +56,8 @@ from typing import Hashable, Sequence
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.copies import CopyPlan
+from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 #: Infer-Sim ``IMBALANCE_ABS``: requests in flight on the busiest replica above which balance may override
@@ -106,7 +107,11 @@ class InferSimCacheAware(Policy):
         self._affinity = 0
         self._cold = 0
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+        return Route(self.choose(req, view, now_s))
+
+    def choose(self, req: Request, view: FleetView, now_s: float) -> int:
+        """The rule's replica for ``req``."""
         n = self.n_replicas
         loads = [view.load(r) for r in range(n)]
         hi = max(loads)
@@ -135,8 +140,8 @@ class InferSimLeastLoad(Policy):
     name = "least_load"
     summary = "fewest requests in flight (ties random), drawing as Infer-Sim does"
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
-        return _pick_least(view, range(self.n_replicas), self.rng)
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+        return Route(_pick_least(view, range(self.n_replicas), self.rng))
 
 
 class InferSimBtb(Policy):
@@ -193,43 +198,48 @@ class InferSimBtb(Policy):
             self._was_active.discard(key)
         return active
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         y = self.constants.prefix_blocks
         chain = req.block_hashes
         if len(chain) >= y:
             prefix = tuple(chain[:y])
             if self._active(prefix, now_s):
-                holders = self._top_up(prefix, view, now_s)
+                holders, plan = self._top_up(prefix, view)
+                copies = (plan,) if plan is not None else ()
                 if holders:
                     self._holder_routes += 1
-                    return _pick_least(view, holders, self.rng)
+                    return Route(_pick_least(view, holders, self.rng), copies)
                 self._fallback_routes += 1
-        return self.fallback.route(req, view, now_s)
+                return Route(self.fallback.choose(req, view, now_s), copies)
+        return Route(self.fallback.choose(req, view, now_s))
 
-    def _top_up(self, prefix: tuple, view: FleetView, now_s: float) -> list[int]:
-        """Schedule copies towards M holders; returns the replicas holding the prefix now."""
+    def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
+        if started:
+            self._copies += 1
+        else:
+            self._refused += 1
+
+    def _top_up(self, prefix: tuple, view: FleetView) -> tuple[list[int], CopyPlan | None]:
+        """The replicas holding the prefix now, and the plan of copies towards M holders (every planned target is
+        tried: Infer-Sim schedules them all)."""
         y = len(prefix)
         resident = getattr(view, "hbm_blocks", view.cached_blocks)
         n = self.n_replicas
         holders = [r for r in range(n) if resident(r, prefix) >= y]
         if not holders:
-            return holders
+            return holders, None
         planned = [r for r in range(n) if view.copy_in_flight(r, prefix)]
-        need = self.constants.replicas - len(holders) - len(planned)
+        need = self.constants.warm_replicas - len(holders) - len(planned)
         if need <= 0:
-            return holders
+            return holders, None
         taken = set(holders) | set(planned)
         targets = sorted((r for r in range(n) if r not in taken), key=view.load)
         if not targets:
-            return holders
+            return holders, None
         loads = [view.load(r) for r in holders]
         source = holders[loads.index(min(loads))]
-        for r in targets[:need]:
-            if view.replicate(prefix, source, r, now_s):
-                self._copies += 1
-            else:
-                self._refused += 1
-        return holders
+        tried = tuple(targets[:need])
+        return holders, CopyPlan(prefix, source, tried, len(tried))
 
     def stats(self) -> dict:
         """``fires`` (a prefix turning active), ``copies_requested`` (accepted copies), ``copies_refused``,

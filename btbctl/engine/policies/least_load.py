@@ -9,7 +9,7 @@ fallback (REFERENCE.md s4).
 
 from __future__ import annotations
 
-from btbctl.engine.policies.base import FleetView, Policy, least_loaded
+from btbctl.engine.policies.base import FleetView, Policy, Route, least_loaded
 from btbctl.engine.trace.model import Request
 
 
@@ -19,5 +19,5 @@ class LeastLoad(Policy):
     name = "least_load"
     summary = "fewest requests in flight (ties random); ignores cache"
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
-        return least_loaded(view, range(self.n_replicas), self.rng)
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+        return Route(least_loaded(view, range(self.n_replicas), self.rng))

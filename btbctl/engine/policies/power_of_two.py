@@ -10,7 +10,7 @@ load-based policy of this package.
 
 from __future__ import annotations
 
-from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
@@ -20,9 +20,9 @@ class PowerOfTwo(Policy):
     name = "power_of_two"
     summary = "two random replicas, the less loaded wins"
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         n = self.n_replicas
         if n == 1:
-            return 0
+            return Route(0)
         a, b = self.rng.sample(range(n), 2)
-        return b if view.load(b) < view.load(a) else a
+        return Route(b if view.load(b) < view.load(a) else a)

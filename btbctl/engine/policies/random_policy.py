@@ -6,7 +6,7 @@ Source: the SGLang router's ``random`` policy (smg-project/smg; REFERENCE.md s4)
 
 from __future__ import annotations
 
-from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
@@ -16,5 +16,5 @@ class RandomPolicy(Policy):
     name = "random"
     summary = "uniformly random replica; ignores load and cache"
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
-        return self.rng.randrange(self.n_replicas)
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+        return Route(self.rng.randrange(self.n_replicas))

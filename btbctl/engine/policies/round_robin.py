@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.policies.base import FleetView, Policy
+from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
@@ -23,7 +23,7 @@ class RoundRobin(Policy):
         super().__init__(n_replicas, rng, constants)
         self._next = 0
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> int:
+    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         r = self._next
         self._next = (r + 1) % self.n_replicas
-        return r
+        return Route(r)

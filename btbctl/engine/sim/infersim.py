@@ -65,7 +65,7 @@ from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies.base import CopyStatus
+from btbctl.engine.copies import CopyStatus, carry_out
 from btbctl.engine.sim.simulator import RequestRecord, SimResult
 from btbctl.engine.trace.model import Request, Trace
 
@@ -354,7 +354,10 @@ class InferSimFleetView:
     ``cached_blocks`` is the leading run of a chain in a replica's HBM **or host RAM** (what an admission there
     would reuse without recomputing, and what Infer-Sim's cache-aware rule matches); ``hbm_blocks`` (an addition
     to the protocol) is the leading run in HBM only (what BTB counts as holding a prefix). ``pending_blocks`` adds a
-    whole chain whose copy towards the replica is scheduled. Copies follow :meth:`replicate`.
+    whole chain whose copy towards the replica is scheduled. Copies follow :meth:`InferSimulator.start_copy`.
+    The cost-view reads this model has no notion of (queued requests' planned blocks, requests waiting for a
+    block, decode admission, chunking) answer as if absent: ``planned_blocks`` = ``pending_blocks``, no waiting
+    groups, no admission wait, prefill not chunked.
     """
 
     def __init__(self, sim: "InferSimulator") -> None:
@@ -383,20 +386,6 @@ class InferSimFleetView:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         """Whether a copy of exactly ``chain`` towards ``replica`` is scheduled and not yet in its cache."""
         return (replica, tuple(chain)) in self._sim.planned
-
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
-                  hot_since_s: float | None = None) -> bool:
-        """Schedule a copy of ``chain`` to ``target`` (see the module docstring: charged to the target's clock only,
-        not waiting for the source). Refused (False) for a bad index, ``source == target``, an empty chain, a
-        source that holds neither in HBM nor in host RAM the whole chain, or a copy of it already scheduled to the
-        target. ``hot_since_s``: start of the time-to-warm measurement (default ``now_s``)."""
-        return self._sim.start_copy(tuple(chain), source, target, now_s, hot_since_s)
-
-    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
-        """Seconds until the scheduled copy of ``chain`` towards ``replica`` is ready (0 once due but not yet
-        inserted); None when there is none."""
-        c = self._sim.planned.get((replica, tuple(chain)))
-        return None if c is None else max(0.0, c.ready_s - self._sim.now)
 
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
         """The scheduled copy of ``chain`` towards ``replica``, or None. In this model the copy moves at the target's
@@ -431,15 +420,18 @@ class InferSimFleetView:
         rep = sim.replicas[replica]
         return rep.queued_s + max(0.0, rep.clock - sim.now)
 
-    def expected_wait_s(self, replica: int) -> float:
-        """Seconds of work ahead of a new request on ``replica``: the replica's clock past now, plus the prefill of
-        the uncached part of every queued prompt (host-RAM reloads not counted)."""
-        sim = self._sim
-        rep = sim.replicas[replica]
-        wait = max(0.0, rep.clock - sim.now)
-        for s in rep.queue:
-            wait += rep.prefill_estimate_s(s)
-        return wait
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return self.pending_blocks(replica, chain)
+
+    def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
+        return []
+
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
+        return 0.0
+
+    @property
+    def chunk_tokens(self) -> int:
+        return 0
 
     @property
     def cost(self) -> ReplicaCost:
@@ -497,9 +489,13 @@ class InferSimulator:
                 rep.advance(t)
             if self.copies:
                 self._apply_copies(t)
-            r = policy.route(req, view, t)
+            route = policy.route(req, view, t)
+            r = route.replica
             if not (isinstance(r, int) and 0 <= r < n):
                 raise RuntimeError(f"policy {policy.name!r} returned replica {r!r} of {n}")  # a bug, not input
+            for plan in route.copies:
+                carry_out(plan, lambda tgt, p=plan: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
+                          lambda tgt, ok, p=plan: policy.on_copy_result(p, tgt, ok, t))
             reps[r].enqueue(_Seq(req, self.cost.block_tokens, self.window))
         for rep in reps:
             rep.advance(None)
@@ -534,7 +530,10 @@ class InferSimulator:
     # -- copies -----------------------------------------------------------------------------------------------
     def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
                    hot_since_s: float | None = None) -> bool:
-        """See :meth:`InferSimFleetView.replicate`."""
+        """Schedule a copy of ``chain`` to ``target``: charged to the target's clock only, not waiting for the source
+        (see the module docstring). Refused (False) for a bad index, ``source == target``, an empty chain, a source
+        that holds neither in HBM nor in host RAM the whole chain, or a copy of it already scheduled to the target.
+        ``hot_since_s``: start of the time-to-warm measurement (default ``now_s``)."""
         n = len(self.replicas)
         if (not chain or not (0 <= source < n and 0 <= target < n) or source == target
                 or (target, chain) in self.planned

@@ -36,7 +36,7 @@ from btbctl.engine.config import FIDELITIES, ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies.base import CopyStatus
+from btbctl.engine.copies import CopyPlan, CopyStatus, carry_out
 from btbctl.engine.sim.cache import PrefixCache
 from btbctl.engine.sim.network import Copy, Network
 from btbctl.engine.stats import summarize
@@ -151,7 +151,7 @@ class SimResult:
     #: Completed copies that no request reused afterwards (None: the fidelity profile does not track it).
     wasted_replications: int | None = None
     #: Per completed copy, seconds from the moment the policy saw the need for it (``hot_since_s`` of
-    #: :meth:`SimFleetView.replicate`, default the copy's start) to the arrival of its last byte (None: not tracked).
+    #: its :class:`~btbctl.engine.copies.CopyPlan`, default the copy's start) to the arrival of its last byte (None: not tracked).
     time_to_warm_s: list[float] | None = None
 
     def summary(self, replication_details: bool = False) -> dict:
@@ -216,21 +216,6 @@ class SimFleetView:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self._sim.replicas[replica].copies_in
 
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
-                  hot_since_s: float | None = None) -> bool:
-        return self._sim.start_copy(tuple(chain), source, target, now_s, hot_since_s)
-
-    def expected_wait_s(self, replica: int) -> float:
-        return self._sim.expected_wait_s(replica)
-
-    def copy_eta_s(self, replica: int, chain: Sequence[Hashable]) -> float | None:
-        """Seconds until the in-flight copy of ``chain`` to ``replica`` completes at current rates (None: none in
-        flight or stalled behind the source's prefill)."""
-        c = self._sim.replicas[replica].copies_in.get(chain[-1]) if chain else None
-        if c is None or c.rate <= 0:
-            return None
-        return (c.total_bytes - c.sent_bytes) / c.rate
-
     def queued_prefill_s(self, replica: int) -> float:
         """Seconds of prefill compute queued on ``replica`` ahead of a new request: for every waiting or
         prefilling request, the FLOPs (attention term included, at its context) of the prompt tokens it still has
@@ -263,18 +248,6 @@ class SimFleetView:
         """Leading blocks of ``chain`` that ``replica`` holds, is computing or receiving, or that a request waiting
         there will compute before a new request would (>= :meth:`pending_blocks` up to evictions). O(log n)."""
         return self._sim.planned_blocks(self._sim.replicas[replica], chain)
-
-    def dependent_prefill_s(self, replica: int, chain: Sequence[Hashable]) -> float:
-        """Seconds of the :meth:`queued_prefill_s` of ``replica`` that belong to waiting requests which need the
-        same not-yet-resident block a new request with ``chain`` would wait for (the deepest of its
-        :meth:`planned_blocks`), so cannot start before that block is there; 0 when those blocks are resident."""
-        sim = self._sim
-        rep = sim.replicas[replica]
-        n = sim.planned_blocks(rep, chain)
-        if not n or not rep.dep_flops:
-            return 0.0
-        f = rep.dep_flops.get(chain[n - 1], 0.0)
-        return f / (sim.cost.flops * sim.cost.mfu) if f > 0 else 0.0
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests waiting on ``replica`` for a block that is not resident there yet (being computed or copied),
@@ -372,8 +345,6 @@ class Simulator:
         self.copies_started = 0
         self.copies_refused = 0
         self.completed_copies: list[Copy] = []
-        # per-token prefill cost without attention, for expected-wait estimates
-        self._s_per_token = 2.0 * self.cost.model.active_params / (self.cost.flops * self.cost.mfu)
         # decode step-time coefficients: t = max(a + b*K, c*n) + overhead
         bw = self.cost.hbm_bytes_per_s * self.cost.hbm_efficiency
         self._dec_a = self.cost.model.active_params * self.cost.model.dtype_bytes / bw
@@ -532,9 +503,12 @@ class Simulator:
         }
 
     def _arrive(self, rq: _Req) -> None:
-        r = self.policy.route(rq.req, self.view, self.now)
+        route = self.policy.route(rq.req, self.view, self.now)
+        r = route.replica
         if not 0 <= r < len(self.replicas):
             raise RuntimeError(f"policy {self.policy.name} returned replica {r}")
+        for plan in route.copies:
+            self.execute(plan)
         rq.rep = r
         rep = self.replicas[r]
         self._estimate_work(rep, rq)
@@ -853,25 +827,20 @@ class Simulator:
                 lo = mid + 1
         return lo
 
-    # -- estimates for policies -------------------------------------------------------------------------------
-    def expected_wait_s(self, replica: int) -> float:
-        """Prefill work queued ahead on ``replica`` (uncached prompt tokens at the linear per-token cost), plus the
-        remainder of the current step."""
-        rep = self.replicas[replica]
-        tokens = 0
-        for rq in rep.prefilling:
-            tokens += rq.req.input_tokens - rq.computed
-        cache = rep.cache
-        bt = self.block_tokens
-        for rq in rep.waiting:
-            tokens += max(1, rq.req.input_tokens - cache.match(rq.chain) * bt)
-        rest = max(0.0, rep.step_end - self.now) if rep.busy else 0.0
-        return tokens * self._s_per_token + rest
+    # -- copies ---------------------------------------------------------------------------------------------------
+    def execute(self, plan: CopyPlan) -> list[int]:
+        """Carry out a policy's copy plan now (:func:`~btbctl.engine.copies.carry_out` over :meth:`start_copy`),
+        reporting every attempt to the policy; returns the targets whose copies started."""
+        now = self.now
+        policy = self.policy
+        return carry_out(plan, lambda t: self.start_copy(plan.prefix, plan.source, t, now, plan.hot_since_s),
+                         lambda t, ok: policy.on_copy_result(plan, t, ok, now))
 
-    # -- copies -----------------------------------------------------------------------------------------------
     def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
                    hot_since_s: float | None = None) -> bool:
-        """Start copying ``chain``'s KV from ``source`` to ``target`` (see :meth:`SimFleetView.replicate`).
+        """Start copying ``chain``'s KV from ``source`` to ``target``; False when refused (same replica, a bad index,
+        a copy of it to the target in flight or the target already holding or computing it, no room there, or a
+        source that will not have the blocks).
         ``hot_since_s``: when the policy saw the need for it (time-to-warm reports); default ``now_s``.
         The source must hold the blocks, or be computing or receiving them, or have a request queued that will
         compute them (:meth:`planned_blocks`); bytes move only as the source commits blocks."""

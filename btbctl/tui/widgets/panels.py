@@ -11,6 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Input, Label, Static
 
+from btbctl.engine.constants import BtbConstants
 from btbctl.engine.live import FleetSnapshot, PrefixRow
 from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, seconds, sparkline
 
@@ -193,7 +194,7 @@ class ConstantsPanel(Vertical):
     """BTB's four constants, editable (Enter sends a field), the policy, and what the fleet confirmed."""
 
     BORDER_TITLE = "5 Constants"
-    FIELDS = (("prefix_blocks", "Y blk"), ("threshold", "X arr"), ("window_s", "Z s"), ("replicas", "M"))
+    FIELDS = tuple(zip(BtbConstants.keys(), ("Y blk", "X arr", "Z s", "M")))
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="const-row"):

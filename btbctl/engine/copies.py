@@ -1,0 +1,115 @@
+"""KV-cache copies: the one state vocabulary, progress type and plan type used by the simulator, the policies, the
+gateway's executors, the emulated worker, the control API and the dashboard.
+
+A **copy** moves one prefix's KV blocks from a *source* replica (which holds them, or is computing them: the copy
+then trails its prefill, block by block) to a *target* replica. The target serves the blocks only once every one of
+them arrived and verified; until then requests there that need them wait for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Hashable
+
+
+class CopyState(str, Enum):
+    """Where a copy is. The values are what the control API, ``btbctl`` and the dashboard show.
+
+    * ``stalled``: accepted, but no byte can move now: the source is being checked, or it has not computed the
+      blocks the copy trails yet.
+    * ``running``: bytes are moving.
+    * ``done``: every block arrived and verified at the target, which now holds the prefix (final).
+    * ``failed``: ended without that; the target is cold and the reason is given (final).
+    """
+
+    STALLED = "stalled"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        """Whether the copy changes no more."""
+        return self in (CopyState.DONE, CopyState.FAILED)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The states after which a copy changes no more.
+FINAL_STATES = frozenset({CopyState.DONE, CopyState.FAILED})
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStatus:
+    """Progress of a copy in flight towards a replica (what policies read through the cost view).
+
+    Attributes:
+        source: the replica sending it.
+        total_bytes: bytes the copy moves (the blocks the target lacked when it started).
+        sent_bytes: bytes delivered so far.
+        available_bytes: bytes the source has computed so far (<= ``total_bytes``; a copy trails a source still
+            prefilling).
+        rate_bytes_per_s: current sending rate, bytes/s; 0 while the copy waits for the source's compute.
+    """
+
+    source: int
+    total_bytes: float
+    sent_bytes: float
+    available_bytes: float
+    rate_bytes_per_s: float
+
+    @property
+    def state(self) -> CopyState:
+        """``running`` while bytes move, else ``stalled``."""
+        return CopyState.RUNNING if self.rate_bytes_per_s > 0 else CopyState.STALLED
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """A policy's wish to copy one prefix to more replicas; an executor (the simulator, the gateway's replicator)
+    carries it out after the route is returned.
+
+    The executor tries ``targets`` in order and starts a copy from ``source`` to each one it accepts, until
+    ``want`` copies started (so later targets are fallbacks for refused ones). Each attempt is reported back to
+    the policy through :meth:`~btbctl.engine.policies.base.Policy.on_copy_result`.
+
+    Attributes:
+        prefix: the prefix's block hashes, root first (its key is ``prefix[-1]``).
+        source: the replica to copy from (holds the prefix, or is computing it).
+        targets: candidate targets, best first (each at most once, never ``source``).
+        want: copies to start (1 <= want <= len(targets)).
+        hot_since_s: when the policy saw the need (its detector fired), seconds; time-to-warm is measured from it
+            (None: the time the copy starts).
+    """
+
+    prefix: tuple[Hashable, ...]
+    source: int
+    targets: tuple[int, ...]
+    want: int
+    hot_since_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prefix or not self.targets or not 1 <= self.want <= len(self.targets):
+            raise ValueError(f"malformed copy plan: {len(self.prefix)} blocks, targets {self.targets}, "
+                             f"want {self.want}")
+
+
+def carry_out(plan: CopyPlan, start: Callable[[int], bool],
+              report: Callable[[int, bool], None] | None = None) -> list[int]:
+    """Execute ``plan``: try its targets in order with ``start(target)`` (True: the copy started) until
+    ``plan.want`` started; ``report(target, started)`` hears of every attempt. Returns the targets started."""
+    started: list[int] = []
+    for target in plan.targets:
+        ok = start(target)
+        if report is not None:
+            report(target, ok)
+        if ok:
+            started.append(target)
+            if len(started) == plan.want:
+                break
+    return started
+
+
+__all__ = ["CopyPlan", "CopyState", "CopyStatus", "FINAL_STATES", "carry_out"]
