@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from btbctl.engine.gateway.state import ChainIndex, FleetState, TtftSeries, WorkerState
+from btbctl.engine.gateway.state import ChainIndex, FleetState, WorkerState
+from btbctl.engine.stats import TtftSeries
 from btbctl.engine.policies.base import FleetView
 from btbctl.engine.policies.base import ExcludingView
 

@@ -1,5 +1,5 @@
 """Pilot tests of the dashboard against a real fleet: emulated workers (subprocesses) behind an in-process
-gateway, read and steered through its control API by ControlApiLiveSource; and the source's reconnect."""
+gateway, read and steered through its control API by ControlApiSource; and the source's reconnect."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from textual.widgets import DataTable, Input, Static
 
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
-from btbctl.engine.live import ControlApiLiveSource
+from btbctl.engine.dashboard.control_source import ControlApiSource
 from btbctl.tui.app import ReplicateScreen, build_app
 from tui_helpers import running_app, wait_for
 
@@ -56,7 +56,7 @@ def test_dashboard_on_a_real_fleet(tmp_path):
                     async with s.post(gw.data_url + "/generate", json={
                             "text": prefix + f"question {i}", "sampling_params": {"max_new_tokens": 1}}) as r:
                         assert r.status == 200, await r.text()
-            app = build_app(ControlApiLiveSource(gw.control_url, "ctl"), poll_hz=10)
+            app = build_app(ControlApiSource(gw.control_url, "ctl"), poll_hz=10)
             async with app.run_test(size=(120, 36)) as pilot:
                 await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.prefixes
                                and app.snapshot.ttft)
@@ -141,7 +141,7 @@ def test_control_api_source_reconnects_after_the_fleet_restarts():
             return runner
 
         now = [0.0]
-        src = ControlApiLiveSource(f"http://127.0.0.1:{port}", "t", clock=lambda: now[0])
+        src = ControlApiSource(f"http://127.0.0.1:{port}", "t", clock=lambda: now[0])
         try:
             down = await src.snapshot()
             assert not down.connected and "fleet unreachable" in down.message and "retrying in 0.5 s" in down.message
@@ -175,7 +175,7 @@ def test_control_api_source_reconnects_after_the_fleet_restarts():
 def test_dashboard_says_when_the_fleet_is_down():
     async def body():
         port = _free_port()
-        src = ControlApiLiveSource(f"http://127.0.0.1:{port}", None, local_gpus=False)
+        src = ControlApiSource(f"http://127.0.0.1:{port}", None, local_gpus=False)
         async with running_app(src, (80, 24)) as (app, pilot):
             status = _text(app.query_one("#status"))
             assert status.startswith("DISCONNECTED: fleet unreachable at http://127.0.0.1:")

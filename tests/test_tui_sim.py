@@ -1,4 +1,4 @@
-"""Pilot tests of the dashboard against a live simulation (SimLiveSource)."""
+"""Pilot tests of the dashboard against a live simulation (SimSource)."""
 
 from __future__ import annotations
 
@@ -148,11 +148,11 @@ def test_replicate_unknown_prefix_is_refused_with_a_reason():
     src.advance_to(6.0)
     import pytest
 
-    from btbctl.engine.live import LiveError
+    from btbctl.engine.dashboard import SourceError
 
-    with pytest.raises(LiveError, match="unknown prefix"):
+    with pytest.raises(SourceError, match="unknown prefix"):
         src.replicate_sync("deadbeefdeadbeef", 1)
-    with pytest.raises(LiveError, match="at least 8 hex digits"):
+    with pytest.raises(SourceError, match="at least 8 hex digits"):
         src.replicate_sync("abc", 1)
 
 

@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.live import SimLiveSource
+from btbctl.engine.dashboard.sim_source import SimSource
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.tui.app import build_app
 
@@ -18,10 +18,10 @@ SMALL = dict(bursts=3, burst_size=200, first_burst_s=2.0, burst_period_s=10.0, j
 SMALL_CONSTANTS = BtbConstants(prefix_blocks=32, threshold=2, window_s=1.0, replicas=4)
 
 
-def small_source(*, paced: bool = False, speed: float = 1.0, policy: str = "btb", **overrides) -> SimLiveSource:
+def small_source(*, paced: bool = False, speed: float = 1.0, policy: str = "btb", **overrides) -> SimSource:
     params = BurstedParams(**{**SMALL, **overrides})
     trace = generate_bursted(params, seed=7)
-    return SimLiveSource(trace, ClusterConfig(), SMALL_CONSTANTS, policy, seed=7, speed=speed, paced=paced,
+    return SimSource(trace, ClusterConfig(), SMALL_CONSTANTS, policy, seed=7, speed=speed, paced=paced,
                          start_s=0.0)
 
 

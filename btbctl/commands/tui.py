@@ -53,7 +53,7 @@ def tui(
 
     if sim:
         from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config
-        from btbctl.engine.live import sim_source_from_config
+        from btbctl.engine.dashboard.sim_source import sim_source_from_config
 
         overrides = {
             "trace.path": trace, "cluster.model": model, "cluster.gpu": gpu,
@@ -71,10 +71,10 @@ def tui(
         if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config,
                                        prefix_blocks, threshold, window_s, warm_replicas, seed)) or speed != 1.0:
             raise ConfigError("--sim", "simulation options (--trace, --model, ...) need --sim")
-        from btbctl.engine.live import ControlApiLiveSource, resolve_control_api
+        from btbctl.engine.dashboard.control_source import ControlApiSource, resolve_control_api
 
         base, tok = resolve_control_api(url=url, token=token, token_file=token_file, run_dir=run_dir)
-        source = ControlApiLiveSource(base, tok)
+        source = ControlApiSource(base, tok)
         title = base
     from btbctl.tui.app import build_app
 

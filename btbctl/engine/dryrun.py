@@ -475,6 +475,6 @@ def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None
 
 
 __all__ = [
-    "BtbSection", "DryRunConfig", "GenerateSection", "REQUEST_KEYS", "SIGNIFICANT_DIGITS", "TraceSource",
+    "DryRunConfig", "GenerateSection", "REQUEST_KEYS", "SIGNIFICANT_DIGITS", "TraceSource",
     "load_dryrun_config", "load_trace", "round_floats", "run_dry_run", "validate_config",
 ]

@@ -1,11 +1,15 @@
-"""Latency summaries shared by the simulator, the gateway and ``btbctl bench``."""
+"""Latency summaries shared by the simulator, the gateway, the dashboard and ``btbctl bench``: one percentile
+function, one summary, one TTFT series."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Iterable, Sequence
 
 PERCENTILES = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0))
+#: TTFT samples a :class:`TtftSeries` keeps (ring buffer).
+TTFT_RING = 200_000
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -39,3 +43,52 @@ def summarize(values: Iterable[float], method: str = "linear") -> dict:
         out[name] = pick(vals, q)
     out["max"] = vals[-1] if vals else math.nan
     return out
+
+
+class TtftSeries:
+    """Ring buffer of ``(now_s, ttft_s)`` samples measured at the gateway, and summaries over windows."""
+
+    def __init__(self, maxlen: int = TTFT_RING) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def add(self, now_s: float, ttft_s: float) -> None:
+        self.samples.append((now_s, ttft_s))
+
+    def window(self, now_s: float, window_s: float) -> list[tuple[float, float]]:
+        lo = now_s - window_s
+        out = []
+        for s in reversed(self.samples):
+            if s[0] <= lo:
+                break
+            out.append(s)
+        out.reverse()
+        return out
+
+    def series(self, now_s: float, window_s: float, step_s: float) -> list[dict]:
+        """One row per ``step_s`` bucket of the trailing ``window_s``: ``{"t_s"`` (bucket end, gateway seconds),
+        ``"n"``, ``"p50_s"``, ``"p95_s"`` (null for an empty bucket), ``"rps"`` (first bytes per second)``}``."""
+        nb = max(1, int(math.ceil(window_s / step_s)))
+        start = now_s - nb * step_s
+        buckets: list[list[float]] = [[] for _ in range(nb)]
+        for t, v in self.window(now_s, nb * step_s):
+            i = min(nb - 1, int((t - start) / step_s))
+            buckets[i].append(v)
+        rows = []
+        for i, b in enumerate(buckets):
+            b.sort()
+            rows.append({
+                "t_s": round(start + (i + 1) * step_s, 6),
+                "n": len(b),
+                "p50_s": percentile(b, 50.0) if b else None,
+                "p95_s": percentile(b, 95.0) if b else None,
+                "rps": len(b) / step_s,
+            })
+        return rows
+
+    def summary(self, now_s: float, window_s: float) -> dict:
+        """``{"n", "mean_s", "p50_s", "p95_s", "p99_s", "max_s"}`` over the trailing window (null when empty)."""
+        vals = sorted(v for _, v in self.window(now_s, window_s))
+        if not vals:
+            return {"n": 0, "mean_s": None, "p50_s": None, "p95_s": None, "p99_s": None, "max_s": None}
+        return {"n": len(vals), "mean_s": math.fsum(vals) / len(vals), "p50_s": percentile(vals, 50.0),
+                "p95_s": percentile(vals, 95.0), "p99_s": percentile(vals, 99.0), "max_s": vals[-1]}

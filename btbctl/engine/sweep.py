@@ -17,7 +17,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from btbctl import __version__
 from btbctl.engine.config import FIDELITIES, ClusterConfig, validate

@@ -1,4 +1,4 @@
-"""The operations dashboard: one Textual app over any :class:`~btbctl.engine.live.LiveSource`.
+"""The operations dashboard: one Textual app over any :class:`~btbctl.engine.dashboard.DashboardSource`.
 
 :func:`build_app` is the only way the app is made, by ``btbctl tui`` and by the tests alike.
 
@@ -24,7 +24,7 @@ from textual.widgets.option_list import Option
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.live import FleetSnapshot, LiveSource
+from btbctl.engine.dashboard import DashboardSource, FleetSnapshot
 from btbctl.tui.widgets.panels import ConstantsPanel, FleetPanel, PrefixPanel, TransferPanel, TtftPanel
 
 #: Snapshot requests per second (4 Hz: a refresh rate a person reads comfortably; each costs one round of
@@ -169,7 +169,7 @@ class Dashboard(App):
             super().__init__()
             self.snapshot = snapshot
 
-    def __init__(self, source: LiveSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> None:
+    def __init__(self, source: DashboardSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> None:
         super().__init__()
         self.source = source
         self.poll_interval_s = 1.0 / poll_hz
@@ -342,9 +342,9 @@ class Dashboard(App):
         panel.show(f"{key} = {confirmed.get(key)} confirmed")
 
 
-def build_app(source: LiveSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> Dashboard:
-    """The dashboard over ``source`` (a :class:`~btbctl.engine.live.SimLiveSource`,
-    :class:`~btbctl.engine.live.ControlApiLiveSource` or anything with the same methods).
+def build_app(source: DashboardSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> Dashboard:
+    """The dashboard over ``source`` (a :class:`~btbctl.engine.dashboard.sim_source.SimSource`,
+    :class:`~btbctl.engine.dashboard.control_source.ControlApiSource` or anything with the same methods).
 
     Args:
         source: where snapshots come from and actions go to.

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -32,14 +31,12 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.copies import CopyStatus
-from btbctl.engine.stats import percentile
+from btbctl.engine.stats import TtftSeries
 
 #: Holding-record bound per worker when its capacity is unknown, blocks. 2**24 tokens / 256-token pages, the
 #: SGLang router's default per-worker tree bound (2**26 characters at about 4 characters per token; REFERENCE.md
 #: s4) at BTB's block size.
 DEFAULT_HOLDING_BLOCKS = 65536
-#: TTFT samples kept for the series (ring buffer).
-TTFT_RING = 200_000
 #: Finished copies kept for ``/control/transfers``.
 RECENT_TRANSFERS = 200
 #: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain). A product
@@ -315,55 +312,6 @@ class TransferTable:
     def all(self) -> list[Transfer]:
         """In flight (oldest first), then recent (newest first)."""
         return list(self.active.values()) + list(reversed(self.recent))
-
-
-class TtftSeries:
-    """Ring buffer of ``(now_s, ttft_s)`` samples measured at the gateway, and summaries over windows."""
-
-    def __init__(self, maxlen: int = TTFT_RING) -> None:
-        self.samples: deque[tuple[float, float]] = deque(maxlen=maxlen)
-
-    def add(self, now_s: float, ttft_s: float) -> None:
-        self.samples.append((now_s, ttft_s))
-
-    def window(self, now_s: float, window_s: float) -> list[tuple[float, float]]:
-        lo = now_s - window_s
-        out = []
-        for s in reversed(self.samples):
-            if s[0] <= lo:
-                break
-            out.append(s)
-        out.reverse()
-        return out
-
-    def series(self, now_s: float, window_s: float, step_s: float) -> list[dict]:
-        """One row per ``step_s`` bucket of the trailing ``window_s``: ``{"t_s"`` (bucket end, gateway seconds),
-        ``"n"``, ``"p50_s"``, ``"p95_s"`` (null for an empty bucket), ``"rps"`` (first bytes per second)``}``."""
-        nb = max(1, int(math.ceil(window_s / step_s)))
-        start = now_s - nb * step_s
-        buckets: list[list[float]] = [[] for _ in range(nb)]
-        for t, v in self.window(now_s, nb * step_s):
-            i = min(nb - 1, int((t - start) / step_s))
-            buckets[i].append(v)
-        rows = []
-        for i, b in enumerate(buckets):
-            b.sort()
-            rows.append({
-                "t_s": round(start + (i + 1) * step_s, 6),
-                "n": len(b),
-                "p50_s": percentile(b, 50.0) if b else None,
-                "p95_s": percentile(b, 95.0) if b else None,
-                "rps": len(b) / step_s,
-            })
-        return rows
-
-    def summary(self, now_s: float, window_s: float) -> dict:
-        """``{"n", "mean_s", "p50_s", "p95_s", "p99_s", "max_s"}`` over the trailing window (null when empty)."""
-        vals = sorted(v for _, v in self.window(now_s, window_s))
-        if not vals:
-            return {"n": 0, "mean_s": None, "p50_s": None, "p95_s": None, "p99_s": None, "max_s": None}
-        return {"n": len(vals), "mean_s": math.fsum(vals) / len(vals), "p50_s": percentile(vals, 50.0),
-                "p95_s": percentile(vals, 95.0), "p99_s": percentile(vals, 99.0), "max_s": vals[-1]}
 
 
 class EventBus:

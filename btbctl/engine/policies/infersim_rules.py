@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict, deque
-from typing import Hashable, Sequence
+from typing import Sequence
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError

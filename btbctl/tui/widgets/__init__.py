@@ -1,1 +1,1 @@
-"""Dashboard panels; each renders one part of a :class:`~btbctl.engine.live.FleetSnapshot`."""
+"""Dashboard panels; each renders one part of a :class:`~btbctl.engine.dashboard.FleetSnapshot`."""

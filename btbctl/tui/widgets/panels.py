@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Input, Label, Static
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.live import FleetSnapshot, PrefixRow
+from btbctl.engine.dashboard import FleetSnapshot, PrefixRow
 from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, seconds, sparkline
 
 #: Snapshots of history kept per prefix for its sparkline.

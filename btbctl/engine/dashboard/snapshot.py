@@ -1,0 +1,173 @@
+"""The dashboard's snapshot types and the interface its sources implement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from btbctl.engine.chains import SHORT_ID_CHARS
+from btbctl.engine.errors import BtbctlError
+
+class SourceError(BtbctlError):
+    """An action the fleet refused or could not carry out (message says why)."""
+
+
+# -- the snapshot -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class WorkerRow:
+    """One worker (a replica: one model instance over ``gpus`` GPUs).
+
+    Attributes:
+        name: worker name (``w0`` ...).
+        healthy: answers health checks; ``error`` says why not.
+        running: requests running (prefill or decode).
+        queued: requests waiting for admission.
+        kv_used_tokens / kv_capacity_tokens: KV cache in use / size, tokens (None: not reported).
+    """
+
+    name: str
+    healthy: bool
+    running: int
+    queued: int
+    kv_used_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRow:
+    """One GPU's memory. ``source``: ``nvml`` (read locally), ``worker`` (as its worker reports it) or ``sim``
+    (modelled: weights share plus KV in use). ``util_pct`` 0..100 or None when unknown."""
+
+    name: str
+    used_bytes: float
+    total_bytes: float
+    util_pct: float | None
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRow:
+    """One prefix in the detector window.
+
+    Attributes:
+        prefix_id: the prefix id ``btbctl replicate --prefix`` takes (hash of its last block, hex).
+        prefix_tokens: prefix length, tokens.
+        arrivals_in_window: arrivals in the trailing ``window_s``.
+        threshold: arrivals that make it hot.
+        holders: workers holding all of it.
+        copies_in_flight: copies of it under way.
+        hot: whether the detector has it active.
+    """
+
+    prefix_id: str
+    prefix_tokens: int
+    arrivals_in_window: int
+    threshold: int
+    holders: int
+    copies_in_flight: int
+    hot: bool
+
+    @property
+    def short_id(self) -> str:
+        return self.prefix_id[:SHORT_ID_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRow:
+    """One KV-cache copy. ``state``: ``running``, ``stalled`` (waiting for the source's prefill), ``done`` or
+    ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished)."""
+
+    copy_id: str
+    prefix_id: str
+    source: str
+    target: str
+    bytes_sent: float
+    bytes_total: float
+    bytes_per_s: float
+    eta_s: float | None
+    state: str
+    error: str | None = None
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 if self.bytes_total <= 0 else min(1.0, self.bytes_sent / self.bytes_total)
+
+
+@dataclass(frozen=True, slots=True)
+class TtftPoint:
+    """TTFT over one bucket of fleet time ending at ``t_s``: percentiles in seconds (NaN: no first token in the
+    bucket) and arrivals per second ``rps``."""
+
+    t_s: float
+    p50_s: float
+    p95_s: float
+    rps: float
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """Everything a dashboard shows at one moment.
+
+    Attributes:
+        now_s: fleet time of the snapshot, seconds (simulated time for the simulation).
+        connected: the source answered; when False the other fields are the last known values and ``message``
+            says what is wrong.
+        message: one line about the source (``simulation x10``, ``fleet unreachable: ...; retry in 2.0 s``).
+        workers, gpus, prefixes, transfers, ttft: rows as above (transfers: in flight first, then recent).
+        gpu_note: why no GPU rows exist (``NVML unavailable: <reason>``), else None.
+        constants: the four constants in force (``BtbConstants.as_dict()``).
+        policy: the routing policy in force.
+        rps: arrivals per second over the latest complete bucket.
+        finished: the simulation replayed its whole trace (always False for a live fleet).
+    """
+
+    now_s: float
+    connected: bool
+    message: str
+    workers: tuple[WorkerRow, ...] = ()
+    gpus: tuple[GpuRow, ...] = ()
+    gpu_note: str | None = None
+    prefixes: tuple[PrefixRow, ...] = ()
+    transfers: tuple[TransferRow, ...] = ()
+    ttft: tuple[TtftPoint, ...] = ()
+    constants: dict = field(default_factory=dict)
+    policy: str = ""
+    rps: float = 0.0
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicateResult:
+    """Outcome of :meth:`DashboardSource.replicate`: ``copy_ids`` of the copies started (may be fewer than asked),
+    the ``source`` worker and ``targets``; ``message`` one line for the screen."""
+
+    prefix_id: str
+    copy_ids: tuple[str, ...]
+    source: str
+    targets: tuple[str, ...]
+    message: str
+
+
+class DashboardSource(Protocol):
+    """What the dashboard talks to. All methods are coroutines and never block the event loop.
+
+    ``set_constants`` returns the constants the fleet confirms (a dict of the four) and raises
+    :class:`~btbctl.engine.errors.ConfigError` naming the key it refuses; ``set_policy`` returns the policy in
+    force; ``replicate`` raises :class:`SourceError` when nothing can be copied.
+    """
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def snapshot(self) -> FleetSnapshot: ...
+
+    async def set_constants(self, **changes: Any) -> dict: ...
+
+    async def set_policy(self, name: str) -> str: ...
+
+    async def replicate(self, prefix_id: str, n: int) -> ReplicateResult: ...
+
+
