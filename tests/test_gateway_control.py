@@ -9,8 +9,10 @@ import stat
 
 import pytest
 
+from btbctl.engine.control import schema
 from btbctl.engine.gateway import GatewayConfig
-from btbctl.engine.gateway.server import Gateway, load_token, summarize_loads
+from btbctl.engine.gateway.health import summarize_loads
+from btbctl.engine.gateway.server import Gateway, load_token
 from gateway_fakes import GatewayEnv, run
 
 TEXT = "manual prefix " * 10  # 140 bytes: 35 pseudo-tokens, 8 blocks of 4
@@ -161,6 +163,77 @@ def test_event_stream_delivers_coalesced_snapshots():
             assert seen["transfers"][-1]["totals"]["done"] == 1
             # 20 requests in well under a second: coalesced to a few ttft events, not 20
             assert len(seen["ttft"]) < 12
+
+    run(body())
+
+
+def _same_after_validation(model, obj) -> None:
+    """``obj`` (a decoded answer) validates as ``model`` and dumps back unchanged: the schema defines exactly the
+    shape the gateway sends."""
+    assert model.model_validate(obj).model_dump(mode="json") == obj
+
+
+def test_every_answer_and_event_is_its_schema_model():
+    async def body():
+        async with GatewayEnv(3, policy="round_robin", constants=CONSTANTS) as env:
+            seen: dict[str, list] = {}
+            async with env.http.get(env.control + "/control/events") as stream:
+
+                async def reader():
+                    kind = None
+                    async for line in stream.content:
+                        line = line.decode().rstrip("\n")
+                        if line.startswith("event: "):
+                            kind = line[7:]
+                        elif line.startswith("data: "):
+                            seen.setdefault(kind, []).append(json.loads(line[6:]))
+
+                task = asyncio.ensure_future(reader())
+                assert (await env.post("/generate", {"text": TEXT, "stream": True}))[0] == 200
+                pid = env.fleet[0].chain_of("/generate", {"text": TEXT})[3]
+                async with env.http.post(env.control + "/control/replicate", json={"prefix": pid, "n": 1},
+                                         headers=env.auth()) as r:
+                    assert r.status == 202
+                    _same_after_validation(schema.ReplicateAnswer, await r.json())
+                for _ in range(200):
+                    if env.gw.state.transfers.recent:
+                        break
+                    await asyncio.sleep(0.02)
+                reads = [("/control/fleet", schema.FleetAnswer), ("/control/prefixes?top=5", schema.PrefixesAnswer),
+                         ("/control/transfers", schema.TransfersAnswer),
+                         ("/control/ttft?window_s=5&step_s=0.5", schema.TtftAnswer),
+                         ("/control/constants", schema.ConstantsAnswer),
+                         (f"/control/replications/{pid[:10]}", schema.ReplicationAnswer)]
+                for path, model in reads:
+                    status, ans = await env.get_control(path)
+                    assert status == 200, (path, ans)
+                    _same_after_validation(model, ans)
+                _, prefixes = await env.get_control("/control/prefixes")
+                _, transfers = await env.get_control("/control/transfers")
+                assert prefixes["prefixes"] and transfers["transfers"][0]["state"] == "done"
+                async with env.http.put(env.control + "/control/constants", json={"threshold": 7},
+                                        headers=env.auth()) as r:
+                    _same_after_validation(schema.ConstantsAnswer, await r.json())
+                await asyncio.sleep(0.3)
+                task.cancel()
+            assert set(seen) == set(schema.EVENT_MODELS)
+            for kind, payloads in seen.items():
+                for data in payloads:
+                    _same_after_validation(schema.EVENT_MODELS[kind], data)
+            # error bodies: refused value, ambiguous/unknown prefix, no token, unknown route, bad query
+            c = env.control
+            errors = [lambda: env.http.put(c + "/control/constants", json={"threshold": 0}, headers=env.auth()),
+                      lambda: env.http.put(c + "/control/constants", json={"speed": 1}, headers=env.auth()),
+                      lambda: env.http.post(c + "/control/replicate", json={"prefix": "0" * 16}, headers=env.auth()),
+                      lambda: env.http.post(c + "/control/replicate", json={"prefix": pid}),
+                      lambda: env.http.get(c + "/control/nothing"),
+                      lambda: env.http.get(c + "/control/ttft?step_s=x")]
+            for call in errors:
+                async with call() as r:
+                    assert 400 <= r.status < 500
+                    err = await r.json()
+                    _same_after_validation(schema.ErrorAnswer, err)
+                    assert err["error"]["message"]
 
     run(body())
 
