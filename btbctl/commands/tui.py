@@ -71,7 +71,8 @@ def tui(
         if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config,
                                        prefix_blocks, threshold, window_s, warm_replicas, seed)) or speed != 1.0:
             raise ConfigError("--sim", "simulation options (--trace, --model, ...) need --sim")
-        from btbctl.engine.dashboard.control_source import ControlApiSource, resolve_control_api
+        from btbctl.engine.dashboard.control_source import ControlApiSource
+        from btbctl.engine.launcher.control import resolve_control_api
 
         base, tok = resolve_control_api(url=url, token=token, token_file=token_file, run_dir=run_dir)
         source = ControlApiSource(base, tok)
