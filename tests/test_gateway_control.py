@@ -6,11 +6,16 @@ import asyncio
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
+from pydantic import BaseModel
+
 from btbctl.engine.control import schema
 from btbctl.engine.gateway import GatewayConfig
+from btbctl.engine.gateway.control_api import build_control_app
+from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.health import summarize_loads
 from btbctl.engine.gateway.server import Gateway, load_token
 from gateway_fakes import GatewayEnv, run
@@ -236,6 +241,24 @@ def test_every_answer_and_event_is_its_schema_model():
                     assert err["error"]["message"]
 
     run(body())
+
+
+def test_the_control_api_page_documents_every_route_model_and_field():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "control-api.md").read_text(encoding="utf-8")
+    app = build_control_app(None, None, EventBus(), open_reads=True)  # only the routing table is read
+    routes = {f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"}
+    assert len(routes) == 9
+    for route in routes:
+        assert f"`{route}" in page, route
+    models = [m for m in vars(schema).values() if isinstance(m, type) and issubclass(m, BaseModel)
+              and m.__module__ == schema.__name__ and m not in (schema.Answer, schema.Body)]
+    assert len(models) >= 18
+    for m in models:
+        assert f"`{m.__name__}`" in page, m.__name__
+        for name in m.model_fields:
+            assert f"| `{name}` |" in page, f"{m.__name__}.{name}"
+    for kind in schema.EVENT_MODELS:
+        assert f"| `{kind}` |" in page, kind
 
 
 def test_reads_need_the_token_off_loopback():
