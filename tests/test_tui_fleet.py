@@ -5,6 +5,7 @@ and the polling fallback while the stream is down; and the source's reconnect.""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import sys
@@ -17,7 +18,7 @@ from textual.widgets import DataTable, Input, Static
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.control import schema
 from btbctl.engine.control.client import ControlApiError
-from btbctl.engine.dashboard.control_source import ControlApiSource
+from btbctl.engine.dashboard.control_source import ControlApiSource, TtftTrail
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.tui.app import ReplicateScreen, build_app
 from gateway_fakes import GatewayEnv
@@ -155,9 +156,9 @@ class FakeControlApi:
         empty = schema.TtftSummary(n=0, mean_s=None, p50_s=None, p95_s=None, p99_s=None, max_s=None)
         return {
             "/control/fleet": self.fleet(),
-            "/control/prefixes": schema.PrefixesAnswer(now_s=now, window_s=c.window_s, threshold=c.threshold,
-                                                       prefix_blocks=c.prefix_blocks, prefix_tokens=c.prefix_blocks * 16,
-                                                       page_size=16, prefixes=[]),
+            "/control/prefixes": schema.PrefixesAnswer(
+                now_s=now, window_s=c.window_s, threshold=c.threshold, prefix_blocks=c.prefix_blocks,
+                prefix_tokens=c.prefix_blocks * 16, page_size=16, prefixes=[]),
             "/control/transfers": schema.TransfersAnswer(now_s=now, in_flight=0, transfers=[],
                                                          totals=schema.TransferTotals(done=0, failed=0, bytes=0)),
             "/control/ttft": schema.TtftAnswer(now_s=now, window_s=120.0, step_s=1.0, series=[], summary=empty),
@@ -317,3 +318,25 @@ def test_dashboard_says_when_the_fleet_is_down():
             assert app.query_one("#status").has_class("down")
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_ttft_trail_from_stream_points():
+    def bucket(t, n=1, p50=0.1):
+        return schema.TtftBucket(t_s=t, n=n, p50_s=p50 if n else None, p95_s=p50 if n else None, rps=float(n))
+
+    trail = TtftTrail(step_s=1.0, keep=5)
+    trail.advance(10.0)  # nothing to extend yet
+    assert trail.points == []
+    trail.reset([bucket(1.0), bucket(2.0, 0)])
+    assert [p.t_s for p in trail.points] == [1.0, 2.0] and math.isnan(trail.points[1].p50_s)
+    trail.add(bucket(2.4, 3))  # the same second seen later: replaces
+    trail.add(bucket(2.2, 9))  # older than the latest: ignored
+    assert [(p.t_s, p.rps) for p in trail.points] == [(1.0, 1.0), (2.4, 3.0)]
+    trail.add(bucket(3.5, 2))  # a bucket further: appended
+    trail.advance(5.9)  # 4.5 ended a whole second before 5.9 without a ttft event: empty; 5.5 may still come
+    assert [(p.t_s, p.rps) for p in trail.points] == [(1.0, 1.0), (2.4, 3.0), (3.5, 2.0), (4.5, 0.0)]
+    trail.advance(9.0)  # keeps the latest 5
+    assert [p.t_s for p in trail.points] == [3.5, 4.5, 5.5, 6.5, 7.5]
+    trail.advance(100.0)  # a silence longer than the series: empty buckets up to a second before now
+    assert [(p.t_s, p.rps) for p in trail.points] == [(95.0, 0.0), (96.0, 0.0), (97.0, 0.0), (98.0, 0.0),
+                                                      (99.0, 0.0)]

@@ -39,6 +39,7 @@ from btbctl.engine.control.schema import (
     TransfersAnswer,
     TtftAnswer,
     TtftBucket,
+    TtftEvent,
 )
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
@@ -117,8 +118,10 @@ class TtftTrail:
         if not self.points:
             return
         last = self.points[-1].t_s
-        if now_s - last > self.keep * self.step_s:  # a long silence: start the empty buckets over
-            last = now_s - self.keep * self.step_s
+        span = (self.keep + 1) * self.step_s
+        if now_s - last > span:  # a silence longer than the series: every bucket kept is empty
+            self.points = []
+            last = now_s - span
         while last + self.step_s <= now_s - self.step_s:
             last += self.step_s
             self.points.append(TtftPoint(round(last, 6), math.nan, math.nan, 0.0))
@@ -298,8 +301,8 @@ class ControlApiSource:
         elif isinstance(p, ConstantsAnswer):
             if self._fleet is not None:
                 self._fleet = self._fleet.model_copy(update={"policy": p.policy, "constants": p.constants})
-        elif event.kind == "ttft":
-            self._trail.add(p.point)  # type: ignore[attr-defined]
+        elif isinstance(p, TtftEvent):
+            self._trail.add(p.point)
 
     async def _publish(self) -> None:
         self._last = await self._build(FEED_STREAM)
