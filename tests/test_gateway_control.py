@@ -6,11 +6,18 @@ import asyncio
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
+from pydantic import BaseModel
+
+from btbctl.engine.control import schema
 from btbctl.engine.gateway import GatewayConfig
-from btbctl.engine.gateway.server import Gateway, load_token, summarize_loads
+from btbctl.engine.gateway.control_api import build_control_app
+from btbctl.engine.gateway.events import EventBus
+from btbctl.engine.gateway.health import summarize_loads
+from btbctl.engine.gateway.server import Gateway, load_token
 from gateway_fakes import GatewayEnv, run
 
 TEXT = "manual prefix " * 10  # 140 bytes: 35 pseudo-tokens, 8 blocks of 4
@@ -163,6 +170,95 @@ def test_event_stream_delivers_coalesced_snapshots():
             assert len(seen["ttft"]) < 12
 
     run(body())
+
+
+def _same_after_validation(model, obj) -> None:
+    """``obj`` (a decoded answer) validates as ``model`` and dumps back unchanged: the schema defines exactly the
+    shape the gateway sends."""
+    assert model.model_validate(obj).model_dump(mode="json") == obj
+
+
+def test_every_answer_and_event_is_its_schema_model():
+    async def body():
+        async with GatewayEnv(3, policy="round_robin", constants=CONSTANTS) as env:
+            seen: dict[str, list] = {}
+            async with env.http.get(env.control + "/control/events") as stream:
+
+                async def reader():
+                    kind = None
+                    async for line in stream.content:
+                        line = line.decode().rstrip("\n")
+                        if line.startswith("event: "):
+                            kind = line[7:]
+                        elif line.startswith("data: "):
+                            seen.setdefault(kind, []).append(json.loads(line[6:]))
+
+                task = asyncio.ensure_future(reader())
+                assert (await env.post("/generate", {"text": TEXT, "stream": True}))[0] == 200
+                pid = env.fleet[0].chain_of("/generate", {"text": TEXT})[3]
+                async with env.http.post(env.control + "/control/replicate", json={"prefix": pid, "n": 1},
+                                         headers=env.auth()) as r:
+                    assert r.status == 202
+                    _same_after_validation(schema.ReplicateAnswer, await r.json())
+                for _ in range(200):
+                    if env.gw.state.transfers.recent:
+                        break
+                    await asyncio.sleep(0.02)
+                reads = [("/control/fleet", schema.FleetAnswer), ("/control/prefixes?top=5", schema.PrefixesAnswer),
+                         ("/control/transfers", schema.TransfersAnswer),
+                         ("/control/ttft?window_s=5&step_s=0.5", schema.TtftAnswer),
+                         ("/control/constants", schema.ConstantsAnswer),
+                         (f"/control/replications/{pid[:10]}", schema.ReplicationAnswer)]
+                for path, model in reads:
+                    status, ans = await env.get_control(path)
+                    assert status == 200, (path, ans)
+                    _same_after_validation(model, ans)
+                _, prefixes = await env.get_control("/control/prefixes")
+                _, transfers = await env.get_control("/control/transfers")
+                assert prefixes["prefixes"] and transfers["transfers"][0]["state"] == "done"
+                async with env.http.put(env.control + "/control/constants", json={"threshold": 7},
+                                        headers=env.auth()) as r:
+                    _same_after_validation(schema.ConstantsAnswer, await r.json())
+                await asyncio.sleep(0.3)
+                task.cancel()
+            assert set(seen) == set(schema.EVENT_MODELS)
+            for kind, payloads in seen.items():
+                for data in payloads:
+                    _same_after_validation(schema.EVENT_MODELS[kind], data)
+            # error bodies: refused value, ambiguous/unknown prefix, no token, unknown route, bad query
+            c = env.control
+            errors = [lambda: env.http.put(c + "/control/constants", json={"threshold": 0}, headers=env.auth()),
+                      lambda: env.http.put(c + "/control/constants", json={"speed": 1}, headers=env.auth()),
+                      lambda: env.http.post(c + "/control/replicate", json={"prefix": "0" * 16}, headers=env.auth()),
+                      lambda: env.http.post(c + "/control/replicate", json={"prefix": pid}),
+                      lambda: env.http.get(c + "/control/nothing"),
+                      lambda: env.http.get(c + "/control/ttft?step_s=x")]
+            for call in errors:
+                async with call() as r:
+                    assert 400 <= r.status < 500
+                    err = await r.json()
+                    _same_after_validation(schema.ErrorAnswer, err)
+                    assert err["error"]["message"]
+
+    run(body())
+
+
+def test_the_control_api_page_documents_every_route_model_and_field():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "control-api.md").read_text(encoding="utf-8")
+    app = build_control_app(None, None, EventBus(), open_reads=True)  # only the routing table is read
+    routes = {f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"}
+    assert len(routes) == 9
+    for route in routes:
+        assert f"`{route}" in page, route
+    models = [m for m in vars(schema).values() if isinstance(m, type) and issubclass(m, BaseModel)
+              and m.__module__ == schema.__name__ and m not in (schema.Answer, schema.Body)]
+    assert len(models) >= 18
+    for m in models:
+        assert f"`{m.__name__}`" in page, m.__name__
+        for name in m.model_fields:
+            assert f"| `{name}` |" in page, f"{m.__name__}.{name}"
+    for kind in schema.EVENT_MODELS:
+        assert f"| `{kind}` |" in page, kind
 
 
 def test_reads_need_the_token_off_loopback():

@@ -88,7 +88,7 @@ class FakeEndpoint:
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         self.loop.run_until_complete(site.start())
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self.runner.addresses[0][1]
         self.ready.set()
         self.loop.run_forever()
 

@@ -17,7 +17,8 @@ import pytest
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.hashing import chain_hashes, text_to_tokens
 from btbctl.engine.launcher.bench import PromptSynth
-from btbctl.engine.launcher.control import ControlClient, parse_tune_args
+from btbctl.engine.control.client import ControlClient
+from btbctl.engine.control.steering import parse_tune_args
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.writer import write_btb_mixed
@@ -100,7 +101,8 @@ def test_up_detached_status_tune_down(run_dir):
     assert cli_json("tune", "--run-dir", str(run_dir))["constants"]["prefix_blocks"] == 8
     # writes need the run's token
     with pytest.raises(BtbctlError, match="401"):
-        ControlClient(st["control_url"], token="wrong").put("/control/constants", {"threshold": 3})
+        with ControlClient(st["control_url"], token="wrong") as api:
+            api.set_constants({"threshold": 3})
 
     out = cli_json("down", "--run-dir", str(run_dir))
     assert sorted(out["stopped"] + out["killed"]) == sorted(["gateway"] + [f"worker-{i}" for i in range(4)])

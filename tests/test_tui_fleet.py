@@ -1,9 +1,11 @@
 """Pilot tests of the dashboard against a real fleet: emulated workers (subprocesses) behind an in-process
-gateway, read and steered through its control API by ControlApiSource; and the source's reconnect."""
+gateway, read and steered through its control API by ControlApiSource; updates through the gateway's event stream
+and the polling fallback while the stream is down; and the source's reconnect."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import sys
@@ -13,10 +15,13 @@ import pytest
 from aiohttp import web
 from textual.widgets import DataTable, Input, Static
 
-from btbctl.engine.errors import ConfigError
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.control import schema
+from btbctl.engine.control.client import ControlApiError
+from btbctl.engine.dashboard.control_source import ControlApiSource, TtftTrail
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
-from btbctl.engine.dashboard.control_source import ControlApiSource
 from btbctl.tui.app import ReplicateScreen, build_app
+from gateway_fakes import GatewayEnv
 from tui_helpers import running_app, wait_for
 
 PAGE = 16
@@ -74,9 +79,9 @@ def test_dashboard_on_a_real_fleet(tmp_path):
                 await wait_for(pilot, lambda: gw.constants.threshold == 4)
                 await wait_for(pilot, lambda: "threshold = 4 confirmed" in _text(app.query_one("#const-status")))
                 # refused by the gateway's own validation (window_s must be > 0): engine unchanged
-                src = app.source
-                with pytest.raises(ConfigError, match="window_s"):
-                    await src._write("PUT", "/control/constants", {"window_s": 0})
+                with pytest.raises(ControlApiError, match="window_s") as refused:
+                    await app.source.api.set_constants({"window_s": 0})
+                assert refused.value.status == 400 and refused.value.key == "window_s"
                 assert gw.constants.window_s == 30.0
                 # replicate the selected prefix to one more worker: a transfer appears and completes
                 table = app.query_one("#prefix-table", DataTable)
@@ -113,33 +118,101 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class FakeControlApi:
+    """A control API on a real loopback socket whose answers are built from the schema models, with an event
+    stream the test drives: :meth:`emit` sends an event, :meth:`break_stream` ends the open streams and refuses
+    new ones (503) until ``refuse_stream`` is cleared."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.constants = BtbConstants(prefix_blocks=8, threshold=2, window_s=1.0, warm_replicas=2)
+        self.policy = "btb"
+        self.refuse_stream = False
+        self.streams: list[asyncio.Queue] = []
+        self.now_s = 0.0
+        self.runner: web.AppRunner | None = None
+
+    def _now(self) -> float:
+        self.now_s += 0.25
+        return self.now_s
+
+    def fleet(self) -> schema.FleetAnswer:
+        w = schema.FleetWorker(
+            name="w0", url="http://a", healthy=True, error=None, load=0, prefilling=0, served=0, failed=0,
+            running=1, waiting=2, kv_used_tokens=10, kv_capacity_tokens=100, kv_use=0.1, replication=True,
+            replication_note="supported", held_blocks=0, model=None, gpu=None, tp_size=None, page_size=16,
+            transfer_addr=None, last_health_s=None, ttft_ewma_s=None, hbm_used_bytes=5e9, hbm_total_bytes=80e9,
+            gpu_util_pct=40)
+        return schema.FleetAnswer(now_s=self._now(), policy=self.policy, page_size=16, constants=self.constants,
+                                  healthy=1, total=1, replication="supported on all workers", workers=[w])
+
+    def constants_answer(self) -> schema.ConstantsAnswer:
+        return schema.ConstantsAnswer(policy=self.policy, policies=["btb"], constants=self.constants, page_size=16,
+                                      prefix_tokens=self.constants.prefix_blocks * 16)
+
+    def answers(self) -> dict:
+        c = self.constants
+        now = self._now()
+        empty = schema.TtftSummary(n=0, mean_s=None, p50_s=None, p95_s=None, p99_s=None, max_s=None)
+        return {
+            "/control/fleet": self.fleet(),
+            "/control/prefixes": schema.PrefixesAnswer(
+                now_s=now, window_s=c.window_s, threshold=c.threshold, prefix_blocks=c.prefix_blocks,
+                prefix_tokens=c.prefix_blocks * 16, page_size=16, prefixes=[]),
+            "/control/transfers": schema.TransfersAnswer(now_s=now, in_flight=0, transfers=[],
+                                                         totals=schema.TransferTotals(done=0, failed=0, bytes=0)),
+            "/control/ttft": schema.TtftAnswer(now_s=now, window_s=120.0, step_s=1.0, series=[], summary=empty),
+        }
+
+    async def _read(self, request: web.Request) -> web.Response:
+        return web.json_response(self.answers()[request.path].model_dump(mode="json"))
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        if self.refuse_stream:
+            return web.json_response({"error": {"message": "no stream today"}}, status=503)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams.append(q)
+        await resp.write(b": connected\n\n")
+        for kind in ("fleet", "constants"):  # a new subscriber gets the picture at once, as from the gateway
+            q.put_nowait((kind, {"constants": self.constants_answer, "fleet": self.fleet}[kind]()))
+        try:
+            while (item := await q.get()) is not None:
+                kind, model = item
+                await resp.write(f"event: {kind}\ndata: {model.model_dump_json()}\n\n".encode())
+        finally:
+            self.streams.remove(q)
+        return resp
+
+    def emit(self, kind: str) -> None:
+        model = {"constants": self.constants_answer, "fleet": self.fleet}[kind]()
+        for q in self.streams:
+            q.put_nowait((kind, model))
+
+    def break_stream(self) -> None:
+        self.refuse_stream = True
+        for q in self.streams:
+            q.put_nowait(None)
+
+    async def start(self) -> "FakeControlApi":
+        app = web.Application()
+        for path in self.answers():
+            app.router.add_get(path, self._read)
+        app.router.add_get("/control/events", self._events)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        self.break_stream()
+        await self.runner.cleanup()
+
+
 def test_control_api_source_reconnects_after_the_fleet_restarts():
     async def body():
         port = _free_port()
-        state = {"constants": {"prefix_blocks": 8, "threshold": 2, "window_s": 1.0, "replicas": 2}}
-
-        async def fleet(_):
-            return web.json_response({"now_s": 1.0, "policy": "btb", "constants": state["constants"], "workers": [
-                {"name": "w0", "url": "http://a", "healthy": True, "running": 1, "waiting": 2,
-                 "kv_used_tokens": 10, "kv_capacity_tokens": 100, "hbm_used_bytes": 5e9, "hbm_total_bytes": 80e9,
-                 "gpu_util_pct": 40}]})
-
-        async def listing(key):
-            async def h(_):
-                return web.json_response({key: []})
-            return h
-
-        async def start():
-            app = web.Application()
-            app.router.add_get("/control/fleet", fleet)
-            app.router.add_get("/control/prefixes", await listing("prefixes"))
-            app.router.add_get("/control/transfers", await listing("transfers"))
-            app.router.add_get("/control/ttft", await listing("series"))
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            return runner
-
         now = [0.0]
         src = ControlApiSource(f"http://127.0.0.1:{port}", "t", clock=lambda: now[0])
         try:
@@ -150,24 +223,87 @@ def test_control_api_source_reconnects_after_the_fleet_restarts():
             now[0] = 1.0
             down2 = await src.snapshot()
             assert src.failures == 2 and "retrying in 1.0 s" in down2.message
-            runner = await start()
+            api = await FakeControlApi(port).start()
             now[0] = 3.0
             up = await src.snapshot()
-            assert up.connected and up.message.startswith("reconnected")
+            assert up.connected and up.message.startswith("reconnected") and up.feed == "poll"
             assert up.gpus[0].source == "worker" and up.gpus[0].util_pct == 40
             assert up.workers[0].queued == 2
-            await runner.cleanup()  # the fleet goes away: last rows kept, marked disconnected
+            await api.stop()  # the fleet goes away: last rows kept, marked disconnected
             now[0] = 4.0
             lost = await src.snapshot()
             assert not lost.connected and lost.workers == up.workers and "retrying in 0.5 s" in lost.message
-            runner = await start()
+            api = await FakeControlApi(port).start()
             now[0] = 5.0
             back = await src.snapshot()
             assert back.connected and "reconnected" in back.message
             assert (await src.snapshot()).message.startswith("fleet http://127.0.0.1")
-            await runner.cleanup()
+            assert src.polls == 3 and not src.streaming  # never started: no stream followed
+            await api.stop()
         finally:
             await src.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_a_change_arrives_through_the_gateways_event_stream_without_a_poll():
+    async def body():
+        async with GatewayEnv(2, policy="least_load") as env:
+            src = ControlApiSource(env.control, "test-token", local_gpus=False)
+            app = build_app(src, poll_hz=20)
+            async with app.run_test(size=(120, 36)) as pilot:
+                await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.feed == "stream")
+                assert src.streaming and _text(app.query_one("#status")).endswith("| live: event stream")
+                polls, pushed = src.polls, app.pushed
+                # another client retunes the fleet: the screen follows from the stream alone
+                async with env.http.put(env.control + "/control/constants", json={"threshold": 5,
+                                        "policy": "cache_aware"}, headers=env.auth()) as r:
+                    assert r.status == 200
+                await wait_for(pilot, lambda: app.query_one("#const-threshold", Input).value == "5")
+                await wait_for(pilot, lambda: app.snapshot.policy == "cache_aware")
+                assert app.pushed > pushed and src.events > 0
+                await pilot.pause(0.3)  # six poll ticks at 20 Hz
+                assert src.polls == polls  # nothing was polled while the stream was up
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_polling_takes_over_while_the_event_stream_is_down():
+    async def body():
+        api = await FakeControlApi(_free_port()).start()
+        src = ControlApiSource(f"http://127.0.0.1:{api.port}", "t", local_gpus=False, reconnect_min_s=0.05,
+                               reconnect_max_s=0.2)
+        status = lambda: _text(app.query_one("#status"))  # noqa: E731
+        try:
+            app = build_app(src, poll_hz=20)
+            async with app.run_test(size=(120, 36)) as pilot:
+                await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.feed == "stream")
+                polls = src.polls
+                api.constants = api.constants.with_updates(threshold=5)
+                api.emit("constants")
+                await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 5)
+                assert src.polls == polls and status().endswith("| live: event stream")
+                # the stream breaks and cannot be reopened: polling takes over and the status line says so
+                api.break_stream()
+                await wait_for(pilot, lambda: app.snapshot.feed == "poll")
+                assert not src.streaming and src.stream_error == "the gateway closed the event stream"
+                await wait_for(pilot, lambda: "HTTP 503: no stream today" in (src.stream_error or ""))  # retried
+                api.constants = api.constants.with_updates(threshold=6)  # no event: only a poll can see it
+                await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 6)
+                assert src.polls > polls and app.query_one("#const-threshold", Input).value == "6"
+                assert "event stream down" in status() and status().endswith("| polling")
+                # the stream is back: it takes over again and the polling stops
+                api.refuse_stream = False
+                await wait_for(pilot, lambda: src.streaming and app.snapshot.feed == "stream", 5)
+                assert status().endswith("| live: event stream")
+                polls = src.polls
+                api.constants = api.constants.with_updates(threshold=7)
+                api.emit("constants")
+                await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 7)
+                await pilot.pause(0.2)
+                assert src.polls == polls
+        finally:
+            await api.stop()
 
     asyncio.run(asyncio.wait_for(body(), 30))
 
@@ -182,3 +318,25 @@ def test_dashboard_says_when_the_fleet_is_down():
             assert app.query_one("#status").has_class("down")
 
     asyncio.run(asyncio.wait_for(body(), 30))
+
+
+def test_ttft_trail_from_stream_points():
+    def bucket(t, n=1, p50=0.1):
+        return schema.TtftBucket(t_s=t, n=n, p50_s=p50 if n else None, p95_s=p50 if n else None, rps=float(n))
+
+    trail = TtftTrail(step_s=1.0, keep=5)
+    trail.advance(10.0)  # nothing to extend yet
+    assert trail.points == []
+    trail.reset([bucket(1.0), bucket(2.0, 0)])
+    assert [p.t_s for p in trail.points] == [1.0, 2.0] and math.isnan(trail.points[1].p50_s)
+    trail.add(bucket(2.4, 3))  # the same second seen later: replaces
+    trail.add(bucket(2.2, 9))  # older than the latest: ignored
+    assert [(p.t_s, p.rps) for p in trail.points] == [(1.0, 1.0), (2.4, 3.0)]
+    trail.add(bucket(3.5, 2))  # a bucket further: appended
+    trail.advance(5.9)  # 4.5 ended a whole second before 5.9 without a ttft event: empty; 5.5 may still come
+    assert [(p.t_s, p.rps) for p in trail.points] == [(1.0, 1.0), (2.4, 3.0), (3.5, 2.0), (4.5, 0.0)]
+    trail.advance(9.0)  # keeps the latest 5
+    assert [p.t_s for p in trail.points] == [3.5, 4.5, 5.5, 6.5, 7.5]
+    trail.advance(100.0)  # a silence longer than the series: empty buckets up to a second before now
+    assert [(p.t_s, p.rps) for p in trail.points] == [(95.0, 0.0), (96.0, 0.0), (97.0, 0.0), (98.0, 0.0),
+                                                      (99.0, 0.0)]

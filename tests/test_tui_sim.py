@@ -183,15 +183,16 @@ def test_policy_change_and_pause():
 
 
 async def _key_to_update(app, key: str, done) -> float:
-    """Seconds from a key event reaching the app's driver to ``done()`` holding (the widget shows the change; the
-    compositor paints it on its next refresh). Unlike ``pilot.press`` this does not wait for the process to look
-    idle, which never happens while a simulation thread is busy."""
+    """Seconds from a key event reaching the app to ``done()`` holding (the widget shows the change; the compositor
+    paints it on its next refresh). The event is posted to the app as its driver would post it; unlike
+    ``pilot.press`` this does not wait for the process to look idle, which never happens while a simulation thread
+    is busy."""
     from textual import events
 
     t0 = time.perf_counter()
     ev = events.Key(key, key if len(key) == 1 else None)
     ev.set_sender(app)
-    app._driver.send_message(ev)
+    app.post_message(ev)
     while not done():
         if time.perf_counter() - t0 > 5.0:
             raise AssertionError(f"no update after pressing {key!r}")

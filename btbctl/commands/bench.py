@@ -46,12 +46,13 @@ def _served(control_url: str | None):
     """The gateway's per-worker ``served`` counters, or None (no control API known, or it does not answer)."""
     if control_url is None:
         return None
+    from btbctl.engine.control.client import ControlClient
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher.bench import served_counts
-    from btbctl.engine.launcher.control import ControlClient
 
     try:
-        return served_counts(ControlClient(control_url, timeout_s=3.0).get("/control/fleet"))
+        with ControlClient(control_url, timeout_s=3.0) as api:
+            return served_counts(api.fleet().model_dump(mode="json"))
     except BtbctlError:
         return None
 

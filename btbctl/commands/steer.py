@@ -26,12 +26,14 @@ def tune(
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Change BTB's constants or the routing policy of the running fleet, without a restart."""
-    from btbctl.engine.launcher.control import client_for_run, parse_tune_args
+    from btbctl.engine.control.steering import parse_tune_args
+    from btbctl.engine.launcher.control import client_for_run
 
     out = Output(fmt)
     updates = parse_tune_args(settings or [])
-    client = client_for_run(run_dir, token=bool(updates))
-    res = client.put("/control/constants", updates) if updates else client.get("/control/constants")
+    with client_for_run(run_dir, token=bool(updates)) as api:
+        answer = api.set_constants(updates) if updates else api.constants()
+    res = answer.model_dump(mode="json")
 
     def human(d: dict) -> None:
         c = d.get("constants", {})
@@ -57,15 +59,13 @@ def replicate(
 ) -> None:
     """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1
     when not every copy arrived)."""
+    from btbctl.engine.control.steering import replicate_and_wait
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher.control import client_for_run
-    from btbctl.engine.launcher.control import replicate as do_replicate
 
     out = Output(fmt)
     if not timeout_s > 0:
         raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
-    client = client_for_run(run_dir)
-
     def progress(rows: list[dict]) -> None:
         for r in rows:
             total = r.get("bytes_total") or 0
@@ -74,7 +74,8 @@ def replicate(
             out.info(f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
                      f"({_mib(r.get('bytes_sent'))}){err}")
 
-    res = do_replicate(client, prefix, n, timeout_s=timeout_s, on_progress=progress)
+    with client_for_run(run_dir) as api:
+        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=progress)
 
     def human(d: dict) -> None:
         out.console.print(f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "

@@ -46,7 +46,8 @@ def tui(
         "--speed", help="--sim: simulated seconds per wall second (default: 1).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="--sim: seed (default: 42).")] = None,
     poll_hz: Annotated[float, typer.Option(
-        "--poll-hz", help="Screen refreshes per second (default: 4).")] = 4.0,
+        "--poll-hz", help="Snapshots asked for per second: the simulation's refresh rate, and a fleet's while its "
+                          "event stream is down (the stream pushes changes as they happen; default: 4).")] = 4.0,
 ) -> None:
     """Live dashboard: prefix heat, fleet and HBM, transfers, TTFT, and BTB's constants (editable)."""
     from btbctl.engine.errors import ConfigError
@@ -71,7 +72,8 @@ def tui(
         if any(v is not None for v in (trace, model, gpu, gpus_per_replica, replicas, policy, config,
                                        prefix_blocks, threshold, window_s, warm_replicas, seed)) or speed != 1.0:
             raise ConfigError("--sim", "simulation options (--trace, --model, ...) need --sim")
-        from btbctl.engine.dashboard.control_source import ControlApiSource, resolve_control_api
+        from btbctl.engine.dashboard.control_source import ControlApiSource
+        from btbctl.engine.launcher.control import resolve_control_api
 
         base, tok = resolve_control_api(url=url, token=token, token_file=token_file, run_dir=run_dir)
         source = ControlApiSource(base, tok)

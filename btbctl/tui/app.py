@@ -2,10 +2,17 @@
 
 :func:`build_app` is the only way the app is made, by ``btbctl tui`` and by the tests alike.
 
-Updates are pulled, never pushed: a timer asks the source for a snapshot ``poll_hz`` times a second in a Textual
-worker (so network calls and the simulation lock never run on the event loop); while one request is in flight the
-next tick is skipped, so however fast the fleet changes only the latest snapshot is rendered. Pausing the view
-stops applying snapshots (the fleet or simulation keeps running).
+Updates are pushed where the source can push them and pulled otherwise:
+
+* a :class:`~btbctl.engine.dashboard.StreamingSource` (a fleet's control API, which follows the gateway's event
+  stream) calls back with each new snapshot; the callback keeps only the latest one and posts one message until it
+  is rendered, so however fast the fleet changes only the latest snapshot is rendered, and nothing is polled;
+* otherwise, and while a streaming source's stream is down, a timer asks the source for a snapshot ``poll_hz``
+  times a second in a Textual worker (so network calls and the simulation lock never run on the event loop); while
+  one request is in flight the next tick is skipped.
+
+The status line says which (``live: event stream`` or ``polling``) for a fleet. Pausing the view stops applying
+snapshots (the fleet or simulation keeps running).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from textual.widgets.option_list import Option
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.dashboard import DashboardSource, FleetSnapshot
+from btbctl.engine.dashboard import DashboardSource, FleetSnapshot, StreamingSource
 from btbctl.tui.widgets.panels import ConstantsPanel, FleetPanel, PrefixPanel, TransferPanel, TtftPanel
 
 #: Snapshot requests per second (4 Hz: a refresh rate a person reads comfortably; each costs one round of
@@ -33,6 +40,9 @@ DEFAULT_POLL_HZ = 4.0
 
 #: GIL switch interval while the dashboard runs, seconds (see :meth:`Dashboard.on_mount`).
 GIL_SWITCH_S = 0.001
+
+#: How the status line names a snapshot's feed (:attr:`~btbctl.engine.dashboard.FleetSnapshot.feed`).
+FEED_LABELS = {"stream": "live: event stream", "poll": "polling"}
 
 CSS = """
 Screen { layout: vertical; }
@@ -144,7 +154,8 @@ class PolicyScreen(ModalScreen[str | None]):
 
 class Dashboard(App):
     """The dashboard. Attributes tests read: ``snapshot`` (latest applied), ``applied`` (snapshots rendered),
-    ``skipped`` (ticks skipped because a request was still in flight), ``paused``."""
+    ``pushed`` (of those, pushed by a streaming source), ``skipped`` (ticks skipped because a request was still in
+    flight), ``paused``."""
 
     TITLE = "btbctl"
     CSS = CSS
@@ -169,6 +180,10 @@ class Dashboard(App):
             super().__init__()
             self.snapshot = snapshot
 
+    class Pushed(Message):
+        """A streaming source has a new snapshot (the latest is in ``Dashboard._pushed``; one message is posted
+        until it is rendered)."""
+
     def __init__(self, source: DashboardSource, *, poll_hz: float = DEFAULT_POLL_HZ, title: str = "") -> None:
         super().__init__()
         self.source = source
@@ -179,6 +194,10 @@ class Dashboard(App):
         self.paused = False
         self._in_flight = False
         self._was_connected: bool | None = None
+        self._streams = isinstance(source, StreamingSource)
+        self._pushed: FleetSnapshot | None = None
+        self._push_posted = False
+        self.pushed = 0
         self.sub_title = title
 
     # -- layout -----------------------------------------------------------------------------------------------
@@ -196,18 +215,41 @@ class Dashboard(App):
         # A simulation source replays in a thread of this process; a 1 ms GIL switch interval (Python's default is
         # 5 ms) lets the event loop answer a key within a few switches even while that thread is busy.
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+        if self._streams:
+            self.source.set_listener(self._on_pushed)
         await self.source.start()
         self.set_interval(self.poll_interval_s, self._tick)
         self._tick()
         self.query_one("#prefix-table").focus()
 
     async def on_unmount(self) -> None:
+        if self._streams:
+            self.source.set_listener(None)
         await self.source.close()
+
+    # -- pushed snapshots -------------------------------------------------------------------------------------
+    def _on_pushed(self, snap: FleetSnapshot) -> None:
+        """The streaming source's callback (in this app's event loop): keep the latest, post one message."""
+        self._pushed = snap
+        if not self._push_posted:
+            self._push_posted = True
+            self.post_message(self.Pushed())
+
+    def on_dashboard_pushed(self, message: Pushed) -> None:
+        self._push_posted = False
+        snap = self._pushed
+        if snap is None or self.paused:  # kept for the resume
+            return
+        self._pushed = None
+        self.pushed += 1
+        self.apply_snapshot(snap)
 
     # -- polling ----------------------------------------------------------------------------------------------
     def _tick(self) -> None:
         if self.paused:
             return
+        if self._streams and self.source.streaming:
+            return  # the stream pushes snapshots: nothing to ask for
         if self._in_flight:
             self.skipped += 1
             return
@@ -223,6 +265,8 @@ class Dashboard(App):
             return
         finally:
             self._in_flight = False
+        if self._streams and self.source.streaming:
+            return  # the stream opened while this request ran: what it pushes is newer
         if not self.paused:
             self.apply_snapshot(snap)
 
@@ -235,15 +279,23 @@ class Dashboard(App):
         self.query_one(TransferPanel).update_snapshot(snap)
         self.query_one(TtftPanel).update_snapshot(snap)
         self.query_one(ConstantsPanel).update_snapshot(snap, force=first)
-        if snap.connected:
-            if self._was_connected is False:
-                self.notify("reconnected to the fleet", title="fleet")
-            self._set_status(snap.message + (" (trace finished)" if snap.finished else ""), "")
-        else:
-            self._set_status(f"DISCONNECTED: {snap.message}", "down")
+        if snap.connected and self._was_connected is False:
+            self.notify("reconnected to the fleet", title="fleet")
+        self._show_status(snap)
         self._was_connected = snap.connected
         self.applied += 1
         self.post_message(self.Applied(snap))
+
+    def _show_status(self, snap: FleetSnapshot | None) -> None:
+        """The status line for ``snap``: its message, how it arrived, and DISCONNECTED when the source is down."""
+        if snap is None:
+            self._set_status("", "")
+            return
+        feed = f" | {FEED_LABELS[snap.feed]}" if snap.feed in FEED_LABELS else ""
+        if snap.connected:
+            self._set_status(snap.message + (" (trace finished)" if snap.finished else "") + feed, "")
+        else:
+            self._set_status(f"DISCONNECTED: {snap.message}{feed}", "down")
 
     def _set_status(self, text: str, cls: str) -> None:
         st = self.query_one("#status", Static)
@@ -258,9 +310,10 @@ class Dashboard(App):
 
     def action_pause(self) -> None:
         self.paused = not self.paused
-        last = self.snapshot.message if self.snapshot else ""
-        self._set_status(last if self.snapshot is None or self.snapshot.connected else f"DISCONNECTED: {last}",
-                         "" if self.snapshot is None or self.snapshot.connected else "down")
+        if not self.paused and self._pushed is not None and not self._push_posted:
+            self._push_posted = True
+            self.post_message(self.Pushed())  # what the stream brought while paused
+        self._show_status(self.snapshot)
 
     def action_panel(self, n: int) -> None:
         target = {1: "#prefix-table", 2: "#p2", 3: "#p3", 4: "#ttft-plot", 5: "#const-threshold"}[n]

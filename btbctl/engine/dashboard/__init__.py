@@ -3,8 +3,9 @@ snapshot type, two sources.
 
 * :class:`~.sim_source.SimSource`: the incremental simulator replaying a trace paced to the wall clock (times a
   speed factor) in a background thread, so the dashboard works with no fleet at all.
-* :class:`~.control_source.ControlApiSource`: a client of a running fleet's control API (``btbctl up``),
-  reconnecting with exponential backoff after the fleet goes away and saying so in
+* :class:`~.control_source.ControlApiSource`: a client of a running fleet's control API (``btbctl up``) that
+  follows its event stream and pushes snapshots (a :class:`~.snapshot.StreamingSource`), polls only while the
+  stream is down, and reconnects with exponential backoff after the fleet goes away, saying so in
   :attr:`~.snapshot.FleetSnapshot.message`.
 
 Both answer :meth:`DashboardSource.snapshot` with the same :class:`~.snapshot.FleetSnapshot`, and accept the same
@@ -22,10 +23,11 @@ from btbctl.engine.dashboard.snapshot import (
     PrefixRow,
     ReplicateResult,
     SourceError,
+    StreamingSource,
     TransferRow,
     TtftPoint,
     WorkerRow,
 )
 
 __all__ = ["DashboardSource", "FleetSnapshot", "GpuRow", "PrefixRow", "ReplicateResult", "SourceError",
-           "TransferRow", "TtftPoint", "WorkerRow"]
+           "StreamingSource", "TransferRow", "TtftPoint", "WorkerRow"]

@@ -1,16 +1,46 @@
-"""The dashboard's source for a running fleet: a client of its control API."""
+"""The dashboard's source for a running fleet: it follows the control API's event stream and falls back to polling
+only while the stream is down.
+
+**Stream.** :meth:`ControlApiSource.start` starts a task that follows ``GET /control/events`` with the one control
+client (:class:`~btbctl.engine.control.client.AsyncControlClient`). Once the stream is open the source fetches the
+whole picture once (fleet, prefixes, transfers and the TTFT series) and from then on applies each event
+(``fleet``, ``prefixes``, ``transfers``, ``ttft``, ``constants``) to it, builds a snapshot and hands it to the
+listener (:meth:`~ControlApiSource.set_listener`). While it streams, :meth:`~ControlApiSource.snapshot` returns the
+latest pushed snapshot without a request. When the stream breaks the listener gets the last snapshot marked
+``feed="poll"``, and the task reconnects after :data:`RECONNECT_MIN_S` doubling up to :data:`RECONNECT_MAX_S`.
+
+**Polling.** While the stream is down, :meth:`~ControlApiSource.snapshot` fetches the four reads concurrently. When
+the fleet cannot be reached the snapshot keeps the last known rows with ``connected=False`` and a message, and the
+next attempt waits with the same backoff (attempts are not made more often, however often it is called).
+
+The TTFT series is 1-second buckets: polled whole (``GET /control/ttft?window_s=120``), or, on the stream, the
+``point`` of each ``ttft`` event (the trailing second at the event) appended once a bucket further, empty buckets
+filled in as other events show time passing without first bytes (:class:`TtftTrail`).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import math
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+from urllib.parse import urlsplit
 
 from btbctl.engine.chains import SHORT_ID_CHARS
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.control.client import AsyncControlClient, ControlApiError, ControlEvent
+from btbctl.engine.control.schema import (
+    ConstantsAnswer,
+    FleetAnswer,
+    PrefixesAnswer,
+    TransfersAnswer,
+    TtftAnswer,
+    TtftBucket,
+    TtftEvent,
+)
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
     GpuRow,
@@ -21,18 +51,18 @@ from btbctl.engine.dashboard.snapshot import (
     TtftPoint,
     WorkerRow,
 )
+from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.telemetry.nvml import read_gpus
+
+log = logging.getLogger(__name__)
 
 #: Width of one TTFT-series bucket, seconds of fleet time.
 TTFT_BUCKET_S = 1.0
 #: Buckets kept in the TTFT series (two minutes at 1 s).
 TTFT_BUCKETS = 120
-#: Finished transfers kept for the "recent" list.
-RECENT_TRANSFERS = 20
-
-# -- a running fleet ----------------------------------------------------------------------------------------------
-
-#: First and largest wait between reconnection attempts, seconds (doubling in between). A product choice: quick
-#: enough to notice a restarted fleet within seconds, slow enough not to hammer a machine that is down.
+#: First and largest wait between reconnection attempts (of the stream, and of polling while the fleet is
+#: unreachable), seconds, doubling in between. A product choice: quick enough to notice a restarted fleet within
+#: seconds, slow enough not to hammer a machine that is down.
 RECONNECT_MIN_S = 0.5
 RECONNECT_MAX_S = 8.0
 #: Per-request timeout of control-API calls, seconds.
@@ -40,187 +70,267 @@ REQUEST_TIMEOUT_S = 3.0
 #: Seconds between two NVML reads (NVML's own utilisation sample period is about a second).
 NVML_EVERY_S = 2.0
 #: Trailing seconds of TTFT series asked from the control API.
-TTFT_WINDOW_S = 120.0
-
-
-def resolve_control_api(*, url: str | None = None, token: str | None = None, token_file: str | None = None,
-                        run_dir: str | None = None) -> tuple[str, str | None]:
-    """The control-API base URL and bearer token to use: ``url`` or the one recorded by ``btbctl up`` in the run
-    directory; ``token``, else the content of ``token_file``, else the run directory's ``control.token`` (None
-    when there is none: reads work, writes will be refused).
-
-    Raises:
-        BtbctlError: no ``url`` and no running fleet recorded; an unreadable ``token_file``.
-    """
-    from btbctl.engine.launcher.rundir import RunDir
-
-    rd = RunDir(run_dir)
-    if url is None:
-        state = rd.live_state()
-        if not state.control_url:
-            raise BtbctlError(f"the fleet recorded in {rd.path} has no control API yet (still starting?)")
-        url = state.control_url
-    if token is None and token_file is not None:
-        try:
-            with open(token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise BtbctlError(f"cannot read the token file {token_file}: {e.strerror or e}") from None
-    if token is None:
-        try:
-            token = rd.read_token()
-        except BtbctlError:
-            token = None
-    return url.rstrip("/"), token
+TTFT_WINDOW_S = TTFT_BUCKETS * TTFT_BUCKET_S
+#: Feeds of a snapshot (:attr:`~btbctl.engine.dashboard.snapshot.FleetSnapshot.feed`).
+FEED_STREAM = "stream"
+FEED_POLL = "poll"
 
 
 def _is_loopback(url: str) -> bool:
-    from urllib.parse import urlsplit
-
     host = (urlsplit(url).hostname or "").lower()
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _f(x: Any, default: float = 0.0) -> float:
-    try:
-        return default if x is None else float(x)
-    except (TypeError, ValueError):
-        return default
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else float(x)
+
+
+def _point(b: TtftBucket) -> TtftPoint:
+    return TtftPoint(b.t_s, _nan(b.p50_s), _nan(b.p95_s), b.rps)
+
+
+class TtftTrail:
+    """The dashboard's TTFT series, ``step_s`` buckets, at most ``keep`` of them, oldest first.
+
+    :meth:`reset` takes a polled series; :meth:`add` takes the ``point`` of a ``ttft`` event (a bucket ending at the
+    event), appended when it ends a step or more after the latest bucket, else replacing it (the same second, seen
+    later); :meth:`advance` appends empty buckets for time known to have passed without first bytes (every bucket
+    that ends a whole step before ``now_s``: first bytes in the latest step may still be on their way)."""
+
+    def __init__(self, step_s: float = TTFT_BUCKET_S, keep: int = TTFT_BUCKETS) -> None:
+        self.step_s = step_s
+        self.keep = keep
+        self.points: list[TtftPoint] = []
+
+    def reset(self, buckets: Iterable[TtftBucket]) -> None:
+        self.points = [_point(b) for b in buckets][-self.keep:]
+
+    def add(self, bucket: TtftBucket) -> None:
+        p = _point(bucket)
+        if self.points and p.t_s - self.points[-1].t_s < self.step_s:
+            if p.t_s >= self.points[-1].t_s:
+                self.points[-1] = p
+            return
+        self.points.append(p)
+        del self.points[:-self.keep]
+
+    def advance(self, now_s: float) -> None:
+        if not self.points:
+            return
+        last = self.points[-1].t_s
+        span = (self.keep + 1) * self.step_s
+        if now_s - last > span:  # a silence longer than the series: every bucket kept is empty
+            self.points = []
+            last = now_s - span
+        while last + self.step_s <= now_s - self.step_s:
+            last += self.step_s
+            self.points.append(TtftPoint(round(last, 6), math.nan, math.nan, 0.0))
+        del self.points[:-self.keep]
 
 
 class ControlApiSource:
-    """A running fleet's control API behind the :class:`DashboardSource` interface.
+    """A running fleet's control API behind the :class:`~btbctl.engine.dashboard.snapshot.StreamingSource`
+    interface (see the module docstring for the stream and the polling fallback).
 
-    Reads ``GET /control/fleet``, ``/control/prefixes?top=N``, ``/control/transfers`` and
-    ``/control/ttft?window_s=`` concurrently for each snapshot; writes ``PUT /control/constants`` and
-    ``POST /control/replicate`` with ``Authorization: Bearer <token>``. When the fleet cannot be reached the snapshot
-    keeps the last known rows with ``connected=False`` and a message, and the next attempt waits
-    :data:`RECONNECT_MIN_S` doubling up to :data:`RECONNECT_MAX_S` (attempts are not made more often, however often
-    :meth:`snapshot` is called). GPUs: as the workers report them (``hbm_used_bytes``/``hbm_total_bytes`` in a
-    worker row), else read through NVML when the control API is on this machine (loopback), else ``gpu_note`` says
-    why there are none.
+    Writes (``PUT /control/constants``, ``POST /control/replicate``) send the bearer token. GPUs: as the workers
+    report them (``hbm_used_bytes``/``hbm_total_bytes`` in a worker row), else read through NVML when the control
+    API is on this machine (loopback), else ``gpu_note`` says why there are none.
 
     Args:
         base_url: ``http://host:port`` of the control API.
         token: bearer token (None: writes raise :class:`SourceError`).
-        top: prefixes asked for.
+        top: prefixes asked for when polling (the ``prefixes`` event carries 10).
         nvml_module: passed to :func:`btbctl.engine.telemetry.nvml.read_gpus` (tests).
+        local_gpus: read NVML (default: when the control API is on loopback).
         clock: monotonic seconds (tests).
+        stream: follow the event stream once started (False: poll only).
+        reconnect_min_s / reconnect_max_s: backoff of reconnection attempts, seconds.
+
+    Attributes:
+        streaming: the event stream is open and feeding snapshots.
+        stream_error: why the stream is down (None while it streams or before it was tried).
+        polls: snapshots fetched by polling (a count, for tests and diagnostics).
+        events: events applied from the stream.
+        failures: polls that found the fleet unreachable.
     """
 
     def __init__(self, base_url: str, token: str | None = None, *, top: int = 10, nvml_module: Any = None,
-                 local_gpus: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.base_url = base_url.rstrip("/")
+                 local_gpus: bool | None = None, clock: Callable[[], float] = time.monotonic, stream: bool = True,
+                 reconnect_min_s: float = RECONNECT_MIN_S, reconnect_max_s: float = RECONNECT_MAX_S) -> None:
+        self.api = AsyncControlClient(base_url, token, timeout_s=REQUEST_TIMEOUT_S)
+        self.base_url = self.api.base_url
         self.token = token
         self.top = top
         self._nvml_module = nvml_module
         self._local = _is_loopback(self.base_url) if local_gpus is None else local_gpus
         self._clock = clock
-        self._session = None
+        self._stream_enabled = stream
+        self.reconnect_min_s = reconnect_min_s
+        self.reconnect_max_s = reconnect_max_s
+        self._listener: Callable[[FleetSnapshot], None] | None = None
+        self._stream_task: asyncio.Task | None = None
+        self.streaming = False
+        self.stream_error: str | None = None
         self._last: FleetSnapshot | None = None
         self._next_try = 0.0
-        self._backoff = RECONNECT_MIN_S
+        self._backoff = reconnect_min_s
         self._nvml = None
         self._nvml_at = -math.inf
-        self._last_fleet: dict = {}
+        self._fleet: FleetAnswer | None = None
+        self._prefixes: PrefixesAnswer | None = None
+        self._transfers: TransfersAnswer | None = None
+        self._trail = TtftTrail()
+        self.polls = 0
+        self.events = 0
         self.failures = 0
 
-    async def start(self) -> None:
-        import aiohttp
+    # -- lifecycle ----------------------------------------------------------------------------------------------
 
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+    def set_listener(self, listener: Callable[[FleetSnapshot], None] | None) -> None:
+        """Call ``listener(snapshot)`` with every snapshot the stream brings, and once when the stream goes down."""
+        self._listener = listener
+
+    async def start(self) -> None:
+        """Start following the event stream (in the running loop), unless disabled or already started."""
+        if self._stream_enabled and self._stream_task is None:
+            self._stream_task = asyncio.get_running_loop().create_task(self._follow())
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._stream_task is not None:
+            self._stream_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stream_task
+            self._stream_task = None
+        self.streaming = False
+        await self.api.close()
 
-    async def _get(self, path: str) -> Any:
-        await self.start()
-        async with self._session.get(self.base_url + path) as resp:
-            if resp.status != 200:
-                raise SourceError(f"GET {path}: HTTP {resp.status}")
-            return await resp.json()
+    # -- polling ------------------------------------------------------------------------------------------------
 
-    async def _write(self, method: str, path: str, body: dict) -> Any:
-        import aiohttp
-
-        if not self.token:
-            raise SourceError("no control token: pass --token/--token-file or use the run directory of 'btbctl up'")
-        await self.start()
-        headers = {"Authorization": f"Bearer {self.token}"}
+    async def snapshot(self) -> FleetSnapshot:
+        """The fleet's state: the latest streamed snapshot while the stream is open; otherwise fetched now (or,
+        while the fleet is unreachable and the backoff runs, the last one marked ``connected=False``)."""
+        if self.streaming and self._last is not None:
+            return self._last
+        if self._last is not None and not self._last.connected and self._clock() < self._next_try:
+            return self._last
         try:
-            async with self._session.request(method, self.base_url + path, json=body, headers=headers) as resp:
-                try:
-                    data = await resp.json(content_type=None)
-                except ValueError:
-                    data = {"error": (await resp.text()).strip()}
-                if resp.status >= 300:
-                    err = data.get("error", data) if isinstance(data, dict) else data
-                    if isinstance(err, dict):
-                        key, msg = err.get("key"), err.get("message") or err.get("error")
-                    else:
-                        key, msg = None, err
-                    if resp.status == 400 and key:
-                        text = str(msg or "refused")
-                        prefix = f"{key}: "
-                        raise ConfigError(str(key), text[len(prefix):] if text.startswith(prefix) else text)
-                    raise SourceError(f"{method} {path}: HTTP {resp.status}: {msg}")
-                return data
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise SourceError(f"{method} {path}: fleet unreachable ({type(e).__name__}: {e})") from None
+            answers = await self._fetch_all()
+        except BtbctlError as e:
+            if self.streaming and self._last is not None:  # the stream opened meanwhile: it knows better
+                return self._last
+            self._last = self._down(str(e))
+            return self._last
+        if self.streaming and self._last is not None:  # the stream opened meanwhile: its picture is newer
+            return self._last
+        self._take(*answers)
+        self.polls += 1
+        was_down = self._last is not None and not self._last.connected
+        self._backoff = self.reconnect_min_s
+        snap = await self._build(FEED_POLL)
+        if was_down:
+            snap = replace(snap, message=f"reconnected to {self.base_url}")
+        self._last = snap
+        return snap
+
+    async def _fetch_all(self) -> tuple[FleetAnswer, PrefixesAnswer, TransfersAnswer, TtftAnswer]:
+        """The four reads, concurrently (raises :class:`BtbctlError` when any fails)."""
+        api = self.api
+        return await asyncio.gather(api.fleet(), api.prefixes(self.top), api.transfers(),
+                                    api.ttft(TTFT_WINDOW_S, TTFT_BUCKET_S))
+
+    def _take(self, fleet: FleetAnswer, prefixes: PrefixesAnswer, transfers: TransfersAnswer,
+              ttft: TtftAnswer) -> None:
+        """Make fetched answers the current picture."""
+        self._fleet, self._prefixes, self._transfers = fleet, prefixes, transfers
+        self._trail.reset(ttft.series)
 
     def _down(self, why: str) -> FleetSnapshot:
         self.failures += 1
         now = self._clock()
         self._next_try = now + self._backoff
         msg = f"fleet unreachable at {self.base_url}: {why}; retrying in {self._backoff:.1f} s"
-        self._backoff = min(RECONNECT_MAX_S, self._backoff * 2)
+        self._backoff = min(self.reconnect_max_s, self._backoff * 2)
         last = self._last
         if last is None:
-            return FleetSnapshot(now_s=0.0, connected=False, message=msg)
-        return replace(last, connected=False, message=msg)
+            return FleetSnapshot(now_s=0.0, connected=False, message=msg, feed=FEED_POLL)
+        return replace(last, connected=False, message=msg, feed=FEED_POLL)
 
-    async def snapshot(self) -> FleetSnapshot:
-        """Fetch the fleet's state (or, while it is unreachable and the backoff runs, the last one marked
-        ``connected=False``)."""
-        import aiohttp
+    # -- the event stream ---------------------------------------------------------------------------------------
 
-        if self._last is not None and not self._last.connected and self._clock() < self._next_try:
-            return self._last
-        try:
-            fleet, prefixes, transfers, ttft = await asyncio.gather(
-                self._get("/control/fleet"), self._get(f"/control/prefixes?top={self.top}"),
-                self._get("/control/transfers"), self._get(f"/control/ttft?window_s={TTFT_WINDOW_S:g}"))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, SourceError, ValueError) as e:
-            why = str(e) or type(e).__name__
-            self._last = self._down(why)
-            return self._last
-        self._last_fleet = fleet
-        gpus, note = await self._gpus(fleet)
-        was_down = self._last is not None and not self._last.connected
-        self._backoff = RECONNECT_MIN_S
-        snap = self._parse(fleet, prefixes, transfers, ttft, gpus, note)
-        if was_down:
-            snap = replace(snap, message=f"reconnected to {self.base_url}")
-        self._last = snap
-        return snap
+    async def _follow(self) -> None:
+        backoff = self.reconnect_min_s
+        while True:
+            try:
+                async for event in self.api.events():
+                    if not self.streaming:
+                        self._take(*await self._fetch_all())  # the whole picture once; events update it
+                        self.streaming = True
+                        self.stream_error = None
+                        backoff = self.reconnect_min_s
+                    self._apply(event)
+                    await self._publish()
+                why = "the gateway closed the event stream"
+            except BtbctlError as e:
+                why = str(e)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a bug here must not end the dashboard's updates: polling takes over
+                log.exception("event stream consumer failed")
+                why = f"internal error: {e!r}"
+            was = self.streaming
+            self.streaming = False
+            self.stream_error = why
+            if was and self._last is not None:
+                self._last = replace(self._last, feed=FEED_POLL, message=self._message(FEED_POLL))
+                self._notify(self._last)
+            await asyncio.sleep(backoff)
+            backoff = min(self.reconnect_max_s, backoff * 2)
 
-    async def _gpus(self, fleet: dict) -> tuple[tuple[GpuRow, ...], str | None]:
-        rows = []
-        for w in fleet.get("workers", []):
-            if w.get("hbm_total_bytes"):
-                rows.append(GpuRow(str(w.get("name")), _f(w.get("hbm_used_bytes")), _f(w.get("hbm_total_bytes")),
-                                   w.get("gpu_util_pct"), "worker"))
+    def _apply(self, event: ControlEvent) -> None:
+        p = event.payload
+        self.events += 1
+        if isinstance(p, FleetAnswer):
+            self._fleet = p
+            self._trail.advance(p.now_s)
+        elif isinstance(p, PrefixesAnswer):
+            self._prefixes = p
+            self._trail.advance(p.now_s)
+        elif isinstance(p, TransfersAnswer):
+            self._transfers = p
+            self._trail.advance(p.now_s)
+        elif isinstance(p, ConstantsAnswer):
+            if self._fleet is not None:
+                self._fleet = self._fleet.model_copy(update={"policy": p.policy, "constants": p.constants})
+        elif isinstance(p, TtftEvent):
+            self._trail.add(p.point)
+
+    async def _publish(self) -> None:
+        self._last = await self._build(FEED_STREAM)
+        self._notify(self._last)
+
+    def _notify(self, snap: FleetSnapshot) -> None:
+        if self._listener is not None:
+            self._listener(snap)
+
+    # -- snapshots ----------------------------------------------------------------------------------------------
+
+    def _message(self, feed: str) -> str:
+        fleet = self._fleet
+        workers = fleet.workers if fleet is not None else []
+        msg = f"fleet {self.base_url}: {sum(1 for w in workers if w.healthy)}/{len(workers)} workers healthy"
+        if feed == FEED_POLL and self._stream_task is not None and self.stream_error:
+            msg += f"; event stream down ({self.stream_error})"
+        return msg
+
+    async def _gpus(self, fleet: FleetAnswer) -> tuple[tuple[GpuRow, ...], str | None]:
+        rows = tuple(GpuRow(w.name, w.hbm_used_bytes or 0.0, w.hbm_total_bytes, w.gpu_util_pct, "worker")
+                     for w in fleet.workers if w.hbm_total_bytes)
         if rows:
-            return tuple(rows), None
+            return rows, None
         if not self._local:
             return (), "NVML unavailable: the fleet is not on this machine and its workers report no HBM"
         now = self._clock()
         if self._nvml is None or now - self._nvml_at >= NVML_EVERY_S:
-            from btbctl.engine.telemetry.nvml import read_gpus
-
             self._nvml = await asyncio.to_thread(read_gpus, self._nvml_module)
             self._nvml_at = now
         res = self._nvml
@@ -228,74 +338,73 @@ class ControlApiSource:
             return (), f"NVML unavailable: {res.reason}"
         return tuple(GpuRow(f"gpu{g.index}", g.used_bytes, g.total_bytes, g.util_pct, "nvml") for g in res.gpus), None
 
-    def _parse(self, fleet: dict, prefixes: dict, transfers: dict, ttft: Any, gpus, note) -> FleetSnapshot:
-        names = {}
-        workers = []
-        for w in fleet.get("workers", []):
-            name = str(w.get("name"))
-            names[w.get("url")] = name
-            workers.append(WorkerRow(
-                name, bool(w.get("healthy")), int(w.get("running") or 0), int(w.get("waiting") or 0),
-                None if w.get("kv_used_tokens") is None else int(w["kv_used_tokens"]),
-                None if w.get("kv_capacity_tokens") is None else int(w["kv_capacity_tokens"]),
-                w.get("error")))
-        prows = []
-        for p in prefixes.get("prefixes", []):
-            holders = p.get("holders", 0)
-            prows.append(PrefixRow(
-                str(p.get("id")), int(p.get("prefix_tokens") or 0), int(p.get("arrivals_in_window") or 0),
-                int(p.get("threshold") or prefixes.get("threshold") or 0),
-                len(holders) if isinstance(holders, list) else int(holders or 0),
-                int(p.get("copies_in_flight") or 0), bool(p.get("hot"))))
-        trows = []
-        for t in transfers.get("transfers", []):
-            trows.append(TransferRow(
-                str(t.get("copy_id")), str(t.get("prefix") or t.get("prefix_id") or ""),
-                names.get(t.get("source"), str(t.get("source"))), names.get(t.get("target"), str(t.get("target"))),
-                _f(t.get("bytes_sent")), _f(t.get("bytes_total")), _f(t.get("bytes_per_s")),
-                None if t.get("eta_s") is None else _f(t.get("eta_s")), str(t.get("state")), t.get("error")))
-        series = ttft.get("series", ttft.get("points", [])) if isinstance(ttft, dict) else ttft
-        pts = tuple(TtftPoint(_f(r.get("t_s", r.get("t"))), _f(r.get("p50_s", r.get("p50")), math.nan),
-                              _f(r.get("p95_s", r.get("p95")), math.nan), _f(r.get("rps")))
-                    for r in series or ())
-        healthy = sum(1 for w in workers if w.healthy)
-        msg = f"fleet {self.base_url}: {healthy}/{len(workers)} workers healthy"
+    async def _build(self, feed: str) -> FleetSnapshot:
+        fleet, prefixes, transfers = self._fleet, self._prefixes, self._transfers
+        assert fleet is not None and prefixes is not None and transfers is not None
+        names = {w.url: w.name for w in fleet.workers}
+        workers = tuple(WorkerRow(w.name, w.healthy, w.running or 0, w.waiting or 0, w.kv_used_tokens,
+                                  w.kv_capacity_tokens, w.error) for w in fleet.workers)
+        prows = tuple(PrefixRow(p.id, p.prefix_tokens, p.arrivals_in_window, p.threshold, len(p.holders),
+                                p.copies_in_flight, p.hot) for p in prefixes.prefixes)
+        trows = tuple(TransferRow(t.copy_id, t.prefix, names.get(t.source, t.source), names.get(t.target, t.target),
+                                  float(t.bytes_sent), float(t.bytes_total), t.bytes_per_s, t.eta_s, str(t.state),
+                                  t.error) for t in transfers.transfers)
+        pts = tuple(self._trail.points)
+        gpus, note = await self._gpus(fleet)
         return FleetSnapshot(
-            now_s=_f(fleet.get("now_s")), connected=True, message=msg, workers=tuple(workers), gpus=gpus,
-            gpu_note=note, prefixes=tuple(prows), transfers=tuple(trows), ttft=pts,
-            constants=dict(fleet.get("constants") or {}), policy=str(fleet.get("policy") or ""),
-            rps=pts[-1].rps if pts else 0.0)
+            now_s=fleet.now_s, connected=True, message=self._message(feed), workers=workers, gpus=gpus,
+            gpu_note=note, prefixes=prows, transfers=trows, ttft=pts, constants=fleet.constants.as_dict(),
+            policy=fleet.policy, rps=pts[-1].rps if pts else 0.0, feed=feed)
+
+    # -- actions ------------------------------------------------------------------------------------------------
+
+    def _refused(self, e: ControlApiError) -> BtbctlError:
+        """A refused write as the dashboard's errors: a 400 naming a key as :class:`ConfigError`, else
+        :class:`SourceError`."""
+        key = e.key
+        if e.status == 400 and key:
+            text = e.detail.message if e.detail is not None else str(e)
+            return ConfigError(key, text.removeprefix(f"{key}: "))
+        return SourceError(str(e))
 
     async def set_constants(self, **changes: Any) -> dict:
         """``PUT /control/constants`` with ``changes`` (validated here first); returns the four constants the
         fleet confirms. Raises :class:`ConfigError` (the key it refuses) or :class:`SourceError`."""
         current = self._last.constants if self._last is not None and self._last.constants else None
-        (BtbConstants(**current) if current else BtbConstants()).with_updates(**changes)
-        data = await self._write("PUT", "/control/constants", changes)
-        confirmed = data.get("constants", data) if isinstance(data, dict) else {}
-        out = {k: confirmed[k] for k in BtbConstants().as_dict() if k in confirmed}
+        (BtbConstants.parse(current) if current else BtbConstants()).with_updates(**changes)
+        answer = await self._write(changes)
+        out = answer.constants.as_dict()
         if self._last is not None:
-            self._last = replace(self._last, constants={**self._last.constants, **out})
+            self._last = replace(self._last, constants=out)
         return out
 
     async def set_policy(self, name: str) -> str:
         """``PUT /control/constants`` with ``{"policy": name}``; returns the policy in force."""
-        data = await self._write("PUT", "/control/constants", {"policy": name})
-        return str(data.get("policy", name)) if isinstance(data, dict) else name
+        return (await self._write({"policy": name})).policy
+
+    async def _write(self, body: dict) -> ConstantsAnswer:
+        if not self.token:
+            raise SourceError("no control token: pass --token/--token-file or use the run directory of 'btbctl up'")
+        try:
+            return await self.api.set_constants(body)
+        except ControlApiError as e:
+            raise self._refused(e) from None
 
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult:
         """``POST /control/replicate {"prefix", "n"}``."""
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError("n", f"must be an integer >= 1, got {n!r}")
-        data = await self._write("POST", "/control/replicate", {"prefix": prefix_id, "n": n})
-        data = data if isinstance(data, dict) else {}
-        names = {}
-        if self._last is not None:
-            names = {w.get("url"): w.get("name") for w in self._last_fleet.get("workers", [])}
-        ids = tuple(str(c) for c in data.get("copy_ids", [c.get("copy_id") for c in data.get("copies", [])]))
-        targets = tuple(names.get(t, str(t)) for t in data.get("targets", []))
-        source = names.get(data.get("source"), str(data.get("source", "")))
-        full = str(data.get("prefix", prefix_id))
-        msg = f"copying {full[:SHORT_ID_CHARS]} from {source} to {', '.join(targets) or '-'}"
-        return ReplicateResult(full, ids, source, targets, msg)
+        if not self.token:
+            raise SourceError("no control token: pass --token/--token-file or use the run directory of 'btbctl up'")
+        try:
+            ans = await self.api.replicate(prefix_id, n)
+        except ControlApiError as e:
+            raise self._refused(e) from None
+        names = {w.url: w.name for w in self._fleet.workers} if self._fleet is not None else {}
+        targets = tuple(names.get(t, t) for t in ans.targets)
+        source = names.get(ans.source, ans.source)
+        msg = f"copying {ans.prefix[:SHORT_ID_CHARS]} from {source} to {', '.join(targets) or '-'}"
+        return ReplicateResult(ans.prefix, tuple(ans.copy_ids), source, targets, msg)
 
+
+__all__ = ["ControlApiSource", "FEED_POLL", "FEED_STREAM", "RECONNECT_MAX_S", "RECONNECT_MIN_S", "TtftTrail"]

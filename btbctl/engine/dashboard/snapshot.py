@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from btbctl.engine.chains import SHORT_ID_CHARS
 from btbctl.engine.errors import BtbctlError
+
 
 class SourceError(BtbctlError):
     """An action the fleet refused or could not carry out (message says why)."""
@@ -121,6 +122,8 @@ class FleetSnapshot:
         policy: the routing policy in force.
         rps: arrivals per second over the latest complete bucket.
         finished: the simulation replayed its whole trace (always False for a live fleet).
+        feed: how this snapshot arrived from a live fleet: ``stream`` (pushed by the control API's event stream)
+            or ``poll`` (fetched on request, while the stream is down); empty for a source without a stream.
     """
 
     now_s: float
@@ -136,6 +139,7 @@ class FleetSnapshot:
     policy: str = ""
     rps: float = 0.0
     finished: bool = False
+    feed: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,3 +175,18 @@ class DashboardSource(Protocol):
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult: ...
 
 
+@runtime_checkable
+class StreamingSource(DashboardSource, Protocol):
+    """A source that can push snapshots as the fleet changes (the control API's event stream).
+
+    While :attr:`streaming` is true the source calls the listener with every new snapshot and a dashboard need not
+    ask for any; while it is false (the stream is down and being reconnected) the dashboard falls back to asking
+    with :meth:`~DashboardSource.snapshot`. The listener is also called once when the stream goes down, with the
+    last snapshot marked ``feed="poll"``. It runs in the source's event loop (the one :meth:`start` ran in) and must
+    not block.
+    """
+
+    @property
+    def streaming(self) -> bool: ...
+
+    def set_listener(self, listener: Callable[[FleetSnapshot], None] | None) -> None: ...

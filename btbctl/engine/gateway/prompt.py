@@ -18,6 +18,7 @@ How a prompt maps to blocks (the same mapping as :mod:`btbctl.engine.hashing`, w
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from btbctl.engine import hashing
@@ -26,6 +27,23 @@ from btbctl.engine.hashing import BYTES_PER_TOKEN
 
 class PromptError(ValueError):
     """A request body without a usable prompt; ``str()`` is the message for the 400 answer."""
+
+
+def parse_json_object(body: bytes) -> dict:
+    """The JSON object a request body holds (the data plane's and the control API's bodies alike).
+
+    Raises:
+        PromptError: the body is not valid JSON or not an object (``str()`` is the message for the 400 answer).
+    """
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise PromptError(f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise PromptError("malformed JSON: nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise PromptError("the body must be a JSON object")
+    return obj
 
 
 def render_chat(messages: Any) -> str:

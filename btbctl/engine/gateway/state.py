@@ -1,4 +1,4 @@
-"""Live fleet state of the gateway: workers, what they hold, copies, TTFT series and the event bus.
+"""Live fleet state of the gateway: workers, what they hold, copies, the chain index and the TTFT series.
 
 **Holdings are the gateway's own approximate record**, like the SGLang router's approximate radix tree
 (REFERENCE.md s4): the gateway does not ask workers on every request what their caches hold. A worker is recorded
@@ -9,7 +9,7 @@ as holding a prompt's chain
 * when ``POST /btb/match`` on it confirmed the chain (replication planning).
 
 Until its first byte, an in-flight request's chain counts as *pending* on its worker (being computed there). A
-worker that restarts or ages blocks out of its cache is not seen until the planner confirms with ``/btb/match``
+worker that restarts or ages blocks out of its cache is not seen until the replicator confirms with ``/btb/match``
 before every copy (so a copy never starts from a source that lost the blocks), and a worker marked unhealthy loses
 its record (a process that died has lost its cache). The record per worker is an LRU over block hashes bounded by
 the worker's capacity (``capacity_tokens`` of ``/btb/info`` / page size, else :data:`DEFAULT_HOLDING_BLOCKS`);
@@ -22,15 +22,15 @@ Time here is monotonic seconds since the gateway started (``now_s``), the clock 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
-from btbctl.engine.aiotasks import cancel_and_wait
-from btbctl.engine.copies import CopyStatus
+from btbctl.engine.config import ClusterConfig
+from btbctl.engine.copies import CopyState, CopyStatus
+from btbctl.engine.costmodel import default_chunked_prefill_tokens
 from btbctl.engine.stats import TtftSeries
 
 #: Holding-record bound per worker when its capacity is unknown, blocks. 2**24 tokens / 256-token pages, the
@@ -205,15 +205,15 @@ class WorkerState:
 
 @dataclass
 class Transfer:
-    """One prefix copy, as the planner tracks it.
+    """One prefix copy, as the replicator tracks it.
 
     Attributes:
         copy_id: id given to the source's ``/btb/push`` (hex).
         key: the prefix id (hash of its last block).
         chain: the prefix's block hashes.
         source / target: worker indices.
-        state: ``stalled`` (accepted, not pushed yet: the source is being checked or is still computing the
-            prefix), ``running`` (pushed; bytes moving), ``done`` or ``failed`` (the dashboard's vocabulary).
+        state: :class:`~btbctl.engine.copies.CopyState`: ``stalled`` (accepted, not pushed yet: the source is being
+            checked or is still computing the prefix), ``running`` (pushed; bytes moving), ``done`` or ``failed``.
         waited: the job had to wait for the source's compute.
         bytes_sent / bytes_total: bytes, from the source's ``/btb/copies/{id}`` (``bytes_total`` 0 until known).
         blocks_verified: blocks the target verified so far.
@@ -229,7 +229,7 @@ class Transfer:
     chain: tuple
     source: int
     target: int
-    state: str = "stalled"
+    state: CopyState = CopyState.STALLED
     bytes_sent: int = 0
     bytes_total: int = 0
     blocks_verified: int = 0
@@ -244,7 +244,7 @@ class Transfer:
 
     @property
     def active(self) -> bool:
-        return self.state not in ("done", "failed")
+        return not self.state.final
 
     def bytes_per_s(self, now_s: float) -> float:
         """Average rate since sending started (bytes/s); for a finished copy, over its whole sending time."""
@@ -314,94 +314,6 @@ class TransferTable:
         return list(self.active.values()) + list(reversed(self.recent))
 
 
-class EventBus:
-    """Coalescing publish/subscribe for the control API's event stream.
-
-    Producers call :meth:`mark` with an event type (``fleet``, ``prefixes``, ``transfers``, ``ttft``,
-    ``constants``); a ticker every :attr:`interval_s` (0.1 s: at most 10 events per second per type) builds one
-    snapshot per marked type with the registered builder and hands it to every subscriber. Nothing is built while
-    nobody listens. A subscriber that falls behind loses its oldest events (queues hold :attr:`queue_size`).
-    """
-
-    def __init__(self, interval_s: float = 0.1, queue_size: int = 256) -> None:
-        self.interval_s = interval_s
-        self.queue_size = queue_size
-        self.builders: dict[str, Callable[[], Any]] = {}
-        self._dirty: set[str] = set()
-        self._subs: set[asyncio.Queue] = set()
-        self._task: asyncio.Task | None = None
-        self.published = 0
-
-    def register(self, kind: str, builder: Callable[[], Any]) -> None:
-        self.builders[kind] = builder
-
-    def mark(self, kind: str) -> None:
-        if self._subs:
-            self._dirty.add(kind)
-
-    def subscribe(self) -> asyncio.Queue:
-        """A queue of ``(kind, json text)``; every registered type is marked so a new listener gets a full
-        picture on the next tick."""
-        q: asyncio.Queue = asyncio.Queue(maxsize=self.queue_size)
-        self._subs.add(q)
-        self._dirty.update(self.builders)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        self._subs.discard(q)
-
-    def close(self) -> None:
-        """End every subscription: each queue receives ``(None, None)``, the end-of-stream marker."""
-        for q in list(self._subs):
-            while q.full():
-                q.get_nowait()
-            q.put_nowait((None, None))
-        self._subs.clear()
-
-    @property
-    def subscribers(self) -> int:
-        return len(self._subs)
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
-
-    def flush(self) -> None:
-        """Build and deliver the marked types now."""
-        if not self._dirty or not self._subs:
-            self._dirty.clear()
-            return
-        kinds = sorted(self._dirty)
-        self._dirty.clear()
-        for kind in kinds:
-            builder = self.builders.get(kind)
-            if builder is None:
-                continue
-            text = json.dumps(builder(), separators=(",", ":"))
-            for q in list(self._subs):
-                if q.full():
-                    try:
-                        q.get_nowait()
-                    except asyncio.QueueEmpty:  # pragma: no cover
-                        pass
-                q.put_nowait((kind, text))
-            self.published += 1
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                self.flush()
-            except Exception:  # a snapshot bug must not kill the stream
-                import logging
-
-                logging.getLogger(__name__).exception("event snapshot failed")
-
-
 class ChainIndex:
     """Parent pointers of the block hashes the gateway has seen (``hash -> previous hash``), so a prefix id (the
     hash of a prefix's last block) can be turned back into its chain. Bounded: the oldest entries go first
@@ -464,7 +376,7 @@ class FleetState:
     the same; the gateway also overrides any choice of an unavailable worker. Loads are the gateway's own in-flight counts, as the SGLang router's.
 
     A copy in flight towards a worker counts its chain as pending there (the worker waits for it), never as
-    cached: a target becomes a holder only when the planner saw the copy ``done``. The published ``btb`` rule
+    cached: a target becomes a holder only when the replicator saw the copy ``done``. The published ``btb`` rule
     routes hot requests to holders only, so until the copies are confirmed it sends them all to the source (they
     queue there while it prefills); ``btb_plus`` weighs each replica's expected TTFT (queued prefill from
     :meth:`queued_prefill_s`, copy landing from :meth:`copy_status`) and spreads them over the copy targets.
@@ -589,7 +501,7 @@ class FleetState:
         if t.blocks_available >= 0 and t.chain:  # the source said how far its prefill is
             avail = total * min(1.0, t.blocks_available / len(t.chain))
         else:
-            avail = 0.0 if t.state == "stalled" else total
+            avail = 0.0 if t.state is CopyState.STALLED else total
         return CopyStatus(source=t.source, total_bytes=total, sent_bytes=float(t.bytes_sent),
                           available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now) if avail >= total else 0.0)
 
@@ -634,8 +546,6 @@ class FleetState:
             v = (w.info or {}).get("chunked_prefill_size")
             if isinstance(v, int) and v > 0:
                 return v
-        from btbctl.engine.costmodel import default_chunked_prefill_tokens
-
         return default_chunked_prefill_tokens(self.cost.gpu)
 
     @property
@@ -643,8 +553,6 @@ class FleetState:
         """Cost model of one replica: from the first worker whose ``/btb/info`` names known model/GPU presets
         (``model_preset``, ``gpu``, ``tp_size``), else the default cluster's (Llama-3.3-70B on 4xH100)."""
         if self._cost is None:
-            from btbctl.engine.config import ClusterConfig
-
             cost = None
             for w in self.workers:
                 info = w.info or {}
@@ -657,6 +565,10 @@ class FleetState:
                     continue
             self._cost = cost or ClusterConfig().replica_cost()
         return self._cost
+
+    def reset_cost(self) -> None:
+        """Forget :attr:`cost` (a worker's ``/btb/info`` may now name the presets); it is rebuilt when next read."""
+        self._cost = None
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
 

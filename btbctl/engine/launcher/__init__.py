@@ -7,6 +7,6 @@ client.
 * :mod:`~btbctl.engine.launcher.local`: start processes in their own session, wait until they are ready, stop
   them by process group.
 * :mod:`~btbctl.engine.launcher.fleet`: ``up`` / ``down`` / ``status`` built from the three above.
-* :mod:`~btbctl.engine.launcher.control`: a small client of the gateway's control API.
+* :mod:`~btbctl.engine.launcher.control`: where the control API of the recorded fleet is (URL and token).
 * :mod:`~btbctl.engine.launcher.bench`: replay a trace against any SGLang-compatible endpoint and measure TTFT.
 """

@@ -30,9 +30,9 @@ import sys
 import time
 from typing import Callable
 
+from btbctl.engine.control.client import ControlClient
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
-from btbctl.engine.launcher.control import ControlClient
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (RunDir, RunState, group_members, is_same_process, process_start_time,
                                            record_is_ours)
@@ -407,17 +407,6 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     return out
 
 
-def _gateway_workers(fleet) -> dict[str, dict]:
-    """Map worker URL -> the gateway's record of it, from ``GET /control/fleet``."""
-    items = fleet.get("workers") if isinstance(fleet, dict) else fleet
-    out: dict[str, dict] = {}
-    if isinstance(items, list):
-        for w in items:
-            if isinstance(w, dict) and isinstance(w.get("url"), str):
-                out[w["url"].rstrip("/")] = w
-    return out
-
-
 def status(rd: RunDir) -> dict:
     """The fleet recorded in ``rd``.
 
@@ -438,10 +427,11 @@ def status(rd: RunDir) -> dict:
     fleet = None
     if state.control_url:
         try:
-            fleet = ControlClient(state.control_url, timeout_s=3.0).get("/control/fleet")
+            with ControlClient(state.control_url, timeout_s=3.0) as api:
+                fleet = api.fleet()
         except BtbctlError:
             fleet = None
-    by_url = _gateway_workers(fleet) if fleet is not None else {}
+    by_url = {w.url.rstrip("/"): w for w in fleet.workers} if fleet is not None else {}
     remote_state: dict[str, dict] = {}
     remote = [p for p in state.workers() if p.host]
     if remote:
@@ -454,10 +444,10 @@ def status(rd: RunDir) -> dict:
         rst = remote_state.get(rec.name)
         alive = rst["state"] == "alive" if rst is not None else record_is_ours(rec)
         g = by_url.get((rec.url or "").rstrip("/"))
-        if fleet is not None and g is not None:
-            healthy = bool(g.get("healthy")) and alive
-            inflight = g.get("load")
-            err = g.get("error")
+        if g is not None:
+            healthy = g.healthy and alive
+            inflight = g.load
+            err = g.error
         else:
             healthy = alive and rec.url is not None and health_ok(rec.url, timeout_s=2.0)
             inflight = None
@@ -475,7 +465,7 @@ def status(rd: RunDir) -> dict:
         "gateway_url": state.gateway_url,
         "control_url": state.control_url,
         "run_dir": str(rd.path),
-        "policy": (fleet.get("policy") if isinstance(fleet, dict) and fleet.get("policy") else state.policy),
+        "policy": fleet.policy if fleet is not None else state.policy,
         "detached": state.detached,
         "gateway": {"pid": gw.pid if gw else None, "alive": bool(gw and record_is_ours(gw)),
                     "reachable": fleet is not None},

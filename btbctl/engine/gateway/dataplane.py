@@ -34,17 +34,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
-from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, prompt_of
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.gateway.metrics import GatewayMetrics
+from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
+from btbctl.engine.gateway.state import FleetState
+from btbctl.engine.policies.base import Policy
 from btbctl.engine.trace.model import Request
-
-if TYPE_CHECKING:  # pragma: no cover
-    from btbctl.engine.gateway.server import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +72,6 @@ def json_error(status: int, message: str, kind: str = "invalid_request_error", *
     return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
-def parse_json_object(body: bytes) -> dict:
-    """The JSON object a request body holds.
-
-    Raises:
-        PromptError: the body is not valid JSON or not an object (``str()`` is the message for the 400 answer).
-    """
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise PromptError(f"malformed JSON: {e}") from None
-    except RecursionError:
-        raise PromptError("malformed JSON: nested too deeply") from None
-    if not isinstance(obj, dict):
-        raise PromptError("the body must be a JSON object")
-    return obj
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Turn aiohttp's HTTP errors (404 unknown route, 405, 413 body too large) and unexpected exceptions into
@@ -106,13 +91,55 @@ async def error_middleware(request: web.Request, handler):
         return json_error(500, "internal gateway error", "internal_error")
 
 
-class DataPlane:
-    """Request handlers bound to a :class:`~btbctl.engine.gateway.server.Gateway`."""
+class Router(Protocol):
+    """What the data plane asks of the gateway: the fleet state (workers, copies, chains, TTFT), the metrics, the
+    shared upstream session, the page size and constants in force, the policy (its name and ``on_finish``), the
+    routing decision, and two notifications."""
 
-    def __init__(self, gw: "Gateway") -> None:
+    @property
+    def state(self) -> FleetState: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def session(self) -> aiohttp.ClientSession: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def constants(self) -> BtbConstants: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    def choose(self, req: Request, excluded: Sequence[int]) -> int | None:
+        """The worker for ``req`` outside ``excluded``, or None when none is available."""
+
+    def worker_failed(self, idx: int, reason: str) -> None:
+        """A forwarded request failed on worker ``idx`` (connection error, 5xx, broken stream)."""
+
+    def next_request_id(self) -> str:
+        """A fresh request id."""
+
+    def mark_changed(self, kind: str) -> None:
+        """Something behind the control API's ``kind`` events changed (``prefixes``, ``ttft``)."""
+
+
+class DataPlane:
+    """Request handlers in front of the workers, routed by a :class:`Router`.
+
+    Args:
+        gw: the router (the gateway).
+        max_body_bytes: largest request body (413 beyond).
+        max_retries: further workers tried when one fails before the first byte went to the client.
+    """
+
+    def __init__(self, gw: Router, *, max_body_bytes: int, max_retries: int) -> None:
         self.gw = gw
-        self.max_body = gw.config.max_body_bytes
-        self.max_retries = gw.config.max_retries
+        self.max_body = max_body_bytes
+        self.max_retries = max_retries
         self._urls: dict[tuple[str, str], URL] = {}
 
     def _url(self, base: str, path: str) -> URL:
@@ -141,8 +168,6 @@ class DataPlane:
                                  status=200 if n else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return web.Response(body=self.gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -163,7 +188,7 @@ class DataPlane:
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         gw = self.gw
-        t0 = gw.clock()
+        t0 = gw.state.clock()
         cl = request.content_length
         if cl is not None and cl > self.max_body:
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
@@ -174,13 +199,12 @@ class DataPlane:
         except PromptError as e:
             return json_error(400, str(e))
         chain = chain_from_packed(data, gw.page_size)
-        gw.request_seq += 1
-        req = Request(request_id=str(gw.request_seq), arrival_s=t0, input_tokens=max(1, n_tokens),
+        req = Request(request_id=gw.next_request_id(), arrival_s=t0, input_tokens=max(1, n_tokens),
                       output_tokens=output_tokens_of(route, obj), block_hashes=chain)
         if chain:
             gw.state.chains.add(chain)
             if len(chain) >= gw.constants.prefix_blocks:
-                gw.bus.mark("prefixes")
+                gw.mark_changed("prefixes")
         stream = obj.get("stream") is True
         return await self._forward(request, path, body, req, stream, t0)
 
@@ -213,14 +237,14 @@ class DataPlane:
                 nonlocal prefilled
                 prefilled = True
                 if now is None:
-                    now = gw.clock()
+                    now = state.clock()
                 w.end_prefill(rid)
                 if chain:
                     w.hold(chain)
                 ttft = now - t0
                 state.record_ttft(idx, now, ttft)
                 metrics.observe_ttft(w.url, ttft)
-                gw.bus.mark("ttft")
+                gw.mark_changed("ttft")
 
             try:
                 try:
@@ -231,7 +255,7 @@ class DataPlane:
                     gw.worker_failed(idx, reason)
                     excluded.append(idx)
                     continue
-                t_head = gw.clock()
+                t_head = state.clock()
                 try:
                     status = resp.status
                     if status >= 500:
@@ -259,7 +283,7 @@ class DataPlane:
                         # a 4xx is the client's: passed through as is, the worker stays healthy
                         w.served += 1
                         metrics.request(w.url, policy_name, str(status))
-                        metrics.observe_duration(w.url, gw.clock() - t0)
+                        metrics.observe_duration(w.url, state.clock() - t0)
                         return web.Response(status=status, body=payload,
                                             headers={"Content-Type": ctype, WORKER_HEADER: w.url})
                     return await self._stream(request, resp, w, idx, policy_name, ctype, first_byte, attempts,
@@ -273,7 +297,7 @@ class DataPlane:
                 gauge.dec()
                 if not prefilled:
                     w.end_prefill(rid)
-                gw.policy.on_finish(req, idx, gw.clock())
+                gw.policy.on_finish(req, idx, state.clock())
         if not attempts:
             metrics.request("none", policy_name, "503")
             return json_error(503, "no healthy worker", "unavailable")
@@ -350,7 +374,7 @@ class DataPlane:
         else:
             resp.close()  # stop the worker's side of an abandoned or broken stream
         gw.metrics.request(w.url, policy_name, status)
-        gw.metrics.observe_duration(w.url, gw.clock() - t0)
+        gw.metrics.observe_duration(w.url, gw.state.clock() - t0)
         return out
 
 
@@ -377,10 +401,10 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def build_data_app(gw: "Gateway") -> web.Application:
-    """The data-plane :class:`aiohttp.web.Application` of ``gw``."""
-    app = web.Application(client_max_size=gw.config.max_body_bytes, middlewares=[error_middleware])
-    dp = DataPlane(gw)
+def build_data_app(gw: Router, *, max_body_bytes: int, max_retries: int) -> web.Application:
+    """The data-plane :class:`aiohttp.web.Application` routed by ``gw``."""
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
+    dp = DataPlane(gw, max_body_bytes=max_body_bytes, max_retries=max_retries)
     app.router.add_post("/generate", dp.generate)
     app.router.add_post("/v1/completions", dp.completions)
     app.router.add_post("/v1/chat/completions", dp.chat)

@@ -1,7 +1,8 @@
-"""Replication planner of the live gateway: what to copy where, and the copy jobs' lifecycle.
+"""The gateway's replicator: carries out copy plans over the workers' ``/btb`` routes and tracks each copy job.
 
-The executor of the policies' copy plans (:meth:`Planner.execute`, called by the gateway with each route's
-:class:`~btbctl.engine.copies.CopyPlan`) and of the control API's manual replicate (:meth:`Planner.replicate`).
+The executor of the policies' copy plans (:meth:`Replicator.execute`, called by the gateway with each route's
+:class:`~btbctl.engine.copies.CopyPlan`) and of the control API's manual replicate (:meth:`Replicator.replicate`).
+It depends on the fleet state (:mod:`~btbctl.engine.gateway.state`) and plain callbacks, not on the gateway.
 
 A copy job (one source, one target, one prefix chain):
 
@@ -27,7 +28,7 @@ A copy job (one source, one target, one prefix chain):
 
 Refusals (``request_copy`` returns None): same worker, a worker unknown/unhealthy/without the BTB routes, the
 target already recorded as holding the chain, a copy of it to that target already in flight, or the target
-without a ``transfer_addr``. The planner does not weigh copy time against recompute time: BTB's rule copies
+without a ``transfer_addr``. The replicator does not weigh copy time against recompute time: BTB's rule copies
 whenever the detector fires; the fabric break-even (REFERENCE.md s6) is for the operator to judge.
 """
 
@@ -37,11 +38,12 @@ import asyncio
 import json
 import logging
 import secrets
+from dataclasses import dataclass
 from typing import Callable, Collection, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.copies import CopyPlan, carry_out
+from btbctl.engine.copies import CopyPlan, CopyState, carry_out
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.policies.base import Policy
 
@@ -73,8 +75,20 @@ class ReplicateError(Exception):
         self.status = status
 
 
-class Planner:
-    """Plans and runs prefix copies between the workers of ``state``.
+@dataclass
+class ReplicateOutcome:
+    """What :meth:`Replicator.replicate` started: ``prefix`` (id), the ``source`` worker index, the copies
+    ``started`` (their :class:`~btbctl.engine.gateway.state.Transfer` records, live) and how many fewer than asked
+    (``skipped``)."""
+
+    prefix: str
+    source: int
+    started: list[Transfer]
+    skipped: int
+
+
+class Replicator:
+    """Starts and runs prefix copies between the workers of ``state``.
 
     Args:
         state: the live fleet state (its transfer table is where jobs are tracked).
@@ -146,8 +160,6 @@ class Planner:
             return self.request_copy(plan.prefix, source, target) is not None
 
         return carry_out(plan, start, lambda t, ok: policy.on_copy_result(plan, t, ok, now))
-
-
     def request_copy(self, chain: Sequence[Hashable], source: int, target: int, *, manual: bool = False,
                      source_confirmed: bool = False) -> Transfer | None:
         """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
@@ -166,7 +178,7 @@ class Planner:
         self._changed(t)
         return t
 
-    async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> dict:
+    async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate).
 
         The source is the least-loaded healthy worker that confirms the whole chain with ``/btb/match`` (every
@@ -175,8 +187,8 @@ class Planner:
         (ties: lower index). Waits up to ``wait_s`` for each push to be accepted or refused.
 
         Returns:
-            ``{"prefix", "source" (URL), "targets" [URL], "copy_ids" [str], "copies": [{"copy_id", "target",
-            "state", "error"}], "skipped": n - len(targets)}``.
+            the source, the copies started (each already accepted by its target, refused, or still waiting after
+            ``wait_s``) and ``n`` minus their number.
 
         Raises:
             ReplicateError: 409 when no healthy worker holds the chain or no worker can receive it.
@@ -208,15 +220,8 @@ class Planner:
             await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started)), timeout=wait_s)
         except asyncio.TimeoutError:
             pass
-        return {
-            "prefix": chain[-1],
-            "source": ws[source].url,
-            "targets": [ws[t.target].url for t in started],
-            "copy_ids": [t.copy_id for t in started],
-            "copies": [{"copy_id": t.copy_id, "target": ws[t.target].url, "state": t.state, "error": t.error}
-                       for t in started],
-            "skipped": max(0, n - len(started)),
-        }
+        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started,
+                                skipped=max(0, n - len(started)))
 
     async def close(self) -> None:
         """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
@@ -254,7 +259,7 @@ class Planner:
             self.on_change(t)
 
     def _fail(self, t: Transfer, reason: str) -> None:
-        t.state = "failed"
+        t.state = CopyState.FAILED
         t.error = reason
         t.finished_s = self.state.clock()
         self.state.transfers.finish(t)
@@ -264,7 +269,7 @@ class Planner:
             self.on_finish(t)
 
     def _done(self, t: Transfer) -> None:
-        t.state = "done"
+        t.state = CopyState.DONE
         t.finished_s = self.state.clock()
         if t.bytes_total and t.bytes_sent < t.bytes_total:
             t.bytes_sent = t.bytes_total
@@ -349,7 +354,7 @@ class Planner:
             t.blocks_available = int(ans.get("blocks_available", 0) or 0)
         except (ValueError, TypeError, AttributeError):
             pass
-        t.state = "running"
+        t.state = CopyState.RUNNING
         t.started_s = self.state.clock()
         self._changed(t)
         return None

@@ -1,0 +1,455 @@
+"""The control API's schema: one pydantic model per request body, answer and event payload.
+
+The gateway builds its answers as these models and dumps them (``model_dump(mode="json")``); the client
+(:mod:`btbctl.engine.control.client`) validates what it receives into the same models. ``docs/control-api.md``
+describes every route with these fields; a test checks that the page names each of them.
+
+Conventions: times ending in ``_s`` are seconds (``now_s`` and the other instants are gateway seconds since it
+started); sizes are bytes or tokens as the names say; a prefix id is the hex hash of the prefix's last block;
+workers are named by their base URL (``http://host:port``). ``null`` means unknown or not applicable.
+
+Answers ignore fields they do not know (a newer gateway may add some); request bodies refuse unknown keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyState
+
+
+class Answer(BaseModel):
+    """Base of every answer and event payload: unknown fields are ignored, every field has a docstring."""
+
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+
+class Body(BaseModel):
+    """Base of the request bodies: unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, populate_by_name=True)
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong (the ``error`` object of every 4xx answer). Only ``message`` is always present."""
+
+    model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+
+    message: str
+    """One line for a person."""
+    key: Optional[str] = None
+    """The request field or query parameter at fault (``threshold``, ``prefix``, ``top``)."""
+    valid: Union[str, list[str], None] = None
+    """What would be accepted: the valid keys or policy names, or a sentence such as ``an integer in [1, 1048576]``."""
+    candidates: Optional[list[str]] = None
+    """Prefix ids an ambiguous short id matches."""
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent(self, handler: Any) -> dict:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ErrorAnswer(Answer):
+    """Body of every error answer: ``{"error": {"message", ...}}`` (absent fields are left out, not ``null``)."""
+
+    error: ErrorDetail
+    """The error."""
+
+
+# -- constants ----------------------------------------------------------------------------------------------------
+
+
+class ConstantsAnswer(Answer):
+    """``GET /control/constants``, ``PUT /control/constants`` and the ``constants`` event: what the gateway holds
+    now."""
+
+    policy: str
+    """Routing policy in force."""
+    policies: list[str]
+    """Every policy name ``PUT`` accepts."""
+    constants: BtbConstants
+    """BTB's four constants: ``prefix_blocks``, ``threshold``, ``window_s``, ``warm_replicas``."""
+    page_size: int
+    """Tokens per KV block (page) of the gateway's chains."""
+    prefix_tokens: int
+    """``prefix_blocks x page_size``: tokens in the matched and copied prefix."""
+
+
+class ConstantsUpdate(Body):
+    """Body of ``PUT /control/constants``: any of the four constants and/or ``policy``. The gateway validates every
+    key before it applies any; ``replicas`` is accepted as the old spelling of ``warm_replicas``."""
+
+    prefix_blocks: Optional[int] = None
+    """Y: prefix length, blocks."""
+    threshold: Optional[int] = None
+    """X: arrivals inside the window that fire replication."""
+    window_s: Optional[float] = None
+    """Z: trailing detection window, seconds."""
+    warm_replicas: Optional[int] = Field(None, alias="replicas")
+    """M: workers that should hold a hot prefix, the holder included (``replicas`` on input is the same key)."""
+    policy: Optional[str] = None
+    """Routing policy to switch to (one of ``policies``)."""
+
+    def dump(self) -> dict:
+        """The JSON body (only the keys given)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+# -- fleet --------------------------------------------------------------------------------------------------------
+
+#: Worker-row fields a worker reports only when it knows them; left out of the JSON (not ``null``) when unknown.
+_REPORTED_ONLY = ("hbm_used_bytes", "hbm_total_bytes", "gpu_util_pct")
+
+
+class FleetWorker(Answer):
+    """One worker of ``GET /control/fleet``."""
+
+    name: str
+    """``w<index>``: the replica number the policies use."""
+    url: str
+    """Base URL."""
+    healthy: bool
+    """Passes health checks and had no connection error or 5xx since the last passing check."""
+    error: Optional[str]
+    """Why it is unhealthy (null when healthy)."""
+    load: int
+    """Requests the gateway has in flight to it."""
+    prefilling: int
+    """Of those, requests without a first byte yet."""
+    served: int
+    """Requests it answered (gateway count)."""
+    failed: int
+    """Requests that failed on it (connection error or 5xx)."""
+    running: Optional[int]
+    """Requests running there, from its ``/v1/loads`` (null when unknown)."""
+    waiting: Optional[int]
+    """Requests queued there, from its ``/v1/loads``."""
+    kv_used_tokens: Optional[int]
+    """KV-cache tokens in use, from its ``/v1/loads``."""
+    kv_capacity_tokens: Optional[int]
+    """KV-cache size, tokens, from its ``/v1/loads``."""
+    kv_use: Optional[float]
+    """``kv_used_tokens / kv_capacity_tokens`` (or the worker's own ``token_usage``), 0..1."""
+    replication: bool
+    """Copies to and from it are possible (it has the ``/btb`` routes and the gateway's page size)."""
+    replication_note: str
+    """Why (not), in words."""
+    held_blocks: int
+    """Blocks the gateway records as resident there (its approximate record)."""
+    model: Optional[str]
+    """Model name from its ``/btb/info``."""
+    gpu: Optional[str]
+    """GPU name from its ``/btb/info``."""
+    tp_size: Optional[int]
+    """Tensor-parallel size from its ``/btb/info``."""
+    page_size: Optional[int]
+    """Its page size from ``/btb/info``."""
+    transfer_addr: Optional[str]
+    """``host:port`` its copies arrive on, from ``/btb/info``."""
+    last_health_s: Optional[float]
+    """When its latest health answer came (null before the first)."""
+    ttft_ewma_s: Optional[float]
+    """Smoothed TTFT of its recent requests, seconds."""
+    hbm_used_bytes: Optional[float] = None
+    """HBM in use, bytes, where the worker reports it (left out otherwise)."""
+    hbm_total_bytes: Optional[float] = None
+    """HBM size, bytes, where the worker reports it (left out otherwise)."""
+    gpu_util_pct: Optional[float] = None
+    """GPU utilisation 0..100, where the worker reports it (left out otherwise)."""
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unreported(self, handler: Any) -> dict:
+        out = handler(self)
+        for k in _REPORTED_ONLY:
+            if out.get(k, 0) is None:
+                del out[k]
+        return out
+
+
+class FleetAnswer(Answer):
+    """``GET /control/fleet`` and the ``fleet`` event."""
+
+    now_s: float
+    """Gateway time of the answer."""
+    policy: str
+    """Routing policy in force."""
+    page_size: int
+    """Tokens per block."""
+    constants: BtbConstants
+    """BTB's four constants in force."""
+    healthy: int
+    """Healthy workers."""
+    total: int
+    """Workers."""
+    replication: str
+    """On how many workers copies are possible, in words."""
+    workers: list[FleetWorker]
+    """One row per worker, in replica order."""
+
+
+# -- prefixes -----------------------------------------------------------------------------------------------------
+
+
+class PrefixEntry(Answer):
+    """One prefix of ``GET /control/prefixes``."""
+
+    id: str
+    """Prefix id (what ``POST /control/replicate`` takes)."""
+    prefix_blocks: int
+    """Length, blocks."""
+    prefix_tokens: int
+    """Length, tokens."""
+    arrivals_in_window: int
+    """Arrivals inside the trailing window."""
+    total_arrivals: int
+    """Arrivals since it was first tracked."""
+    threshold: int
+    """Arrivals that make it hot."""
+    hot: bool
+    """The detector has it active."""
+    fires: int
+    """Times it turned hot."""
+    first_seen_s: float
+    """Its first tracked arrival."""
+    last_seen_s: float
+    """Its latest arrival."""
+    holders: list[str]
+    """Workers recorded as holding all of it."""
+    copies_in_flight: int
+    """Copies of it under way."""
+
+
+class PrefixesAnswer(Answer):
+    """``GET /control/prefixes?top=N`` and the ``prefixes`` event (top 10): the prefixes with the most arrivals in
+    the window."""
+
+    now_s: float
+    """Gateway time of the answer."""
+    window_s: float
+    """Detection window, seconds."""
+    threshold: int
+    """Arrivals that fire replication."""
+    prefix_blocks: int
+    """Prefix length, blocks."""
+    prefix_tokens: int
+    """Prefix length, tokens."""
+    page_size: int
+    """Tokens per block."""
+    prefixes: list[PrefixEntry]
+    """Most arrivals in the window first."""
+
+
+# -- transfers ----------------------------------------------------------------------------------------------------
+
+
+class TransferEntry(Answer):
+    """One copy of ``GET /control/transfers`` and ``GET /control/replications/{prefix}``."""
+
+    copy_id: str
+    """Id of the copy (hex)."""
+    prefix: str
+    """Prefix id."""
+    prefix_blocks: int
+    """Blocks copied."""
+    source: str
+    """Worker sending."""
+    target: str
+    """Worker receiving."""
+    state: CopyState
+    """``stalled`` (accepted, waiting for the source), ``running``, ``done`` (verified at the target) or
+    ``failed``."""
+    bytes_sent: int
+    """Bytes delivered so far."""
+    bytes_total: int
+    """Bytes the copy moves (0 until known)."""
+    blocks_verified: int
+    """Blocks the target verified so far."""
+    bytes_per_s: float
+    """Average rate since sending started."""
+    eta_s: Optional[float]
+    """Seconds left at that rate (null when unknown, 0 when finished)."""
+    error: Optional[str]
+    """Why it failed."""
+    created_s: float
+    """When it was planned."""
+    started_s: Optional[float]
+    """When bytes started moving."""
+    finished_s: Optional[float]
+    """When it ended."""
+    manual: bool
+    """Started through ``POST /control/replicate`` (else by the policy)."""
+
+
+class TransferTotals(Answer):
+    """Counts over the finished copies the gateway keeps (the latest 200)."""
+
+    done: int
+    """Copies that arrived and verified."""
+    failed: int
+    """Copies that failed."""
+    bytes: int
+    """Bytes of the copies that arrived."""
+
+
+class TransfersAnswer(Answer):
+    """``GET /control/transfers?limit=N`` and the ``transfers`` event (50 rows)."""
+
+    now_s: float
+    """Gateway time of the answer."""
+    in_flight: int
+    """Copies under way."""
+    transfers: list[TransferEntry]
+    """In flight (oldest first), then the most recent finished ones."""
+    totals: TransferTotals
+    """Counts over the finished copies."""
+
+
+# -- TTFT ---------------------------------------------------------------------------------------------------------
+
+
+class TtftBucket(Answer):
+    """TTFT over one bucket of gateway time."""
+
+    t_s: float
+    """End of the bucket."""
+    n: int
+    """First bytes in the bucket."""
+    p50_s: Optional[float]
+    """Median TTFT, seconds (null for an empty bucket)."""
+    p95_s: Optional[float]
+    """95th percentile, seconds."""
+    rps: float
+    """First bytes per second in the bucket."""
+
+
+class TtftSummary(Answer):
+    """TTFT over a trailing window (every value null when it saw no request)."""
+
+    n: int
+    """First bytes in the window."""
+    mean_s: Optional[float]
+    """Mean TTFT, seconds."""
+    p50_s: Optional[float]
+    """Median."""
+    p95_s: Optional[float]
+    """95th percentile."""
+    p99_s: Optional[float]
+    """99th percentile."""
+    max_s: Optional[float]
+    """Largest."""
+
+
+class TtftAnswer(Answer):
+    """``GET /control/ttft?window_s=60&step_s=1``: TTFT measured at the gateway (arrival to first byte)."""
+
+    now_s: float
+    """Gateway time of the answer."""
+    window_s: float
+    """Trailing window asked for, seconds."""
+    step_s: float
+    """Bucket width, seconds."""
+    series: list[TtftBucket]
+    """Oldest bucket first; the last one ends at ``now_s``."""
+    summary: TtftSummary
+    """Over the whole window."""
+
+
+class TtftEvent(Answer):
+    """The ``ttft`` event: sent when first bytes were measured since the last one."""
+
+    now_s: float
+    """Gateway time of the event."""
+    last_10s: TtftSummary
+    """Over the trailing 10 seconds."""
+    point: TtftBucket
+    """The trailing second (a bucket ending at ``now_s``)."""
+
+
+# -- replication --------------------------------------------------------------------------------------------------
+
+
+class ReplicateRequest(Body):
+    """Body of ``POST /control/replicate``."""
+
+    prefix: str
+    """Prefix id, or an unambiguous leading part of one (at least 8 hex digits)."""
+    n: int = 1
+    """How many more workers should get a copy (>= 1)."""
+
+
+class ReplicateCopy(Answer):
+    """One copy started by ``POST /control/replicate``."""
+
+    copy_id: str
+    """Id of the copy."""
+    target: str
+    """Worker receiving it."""
+    state: CopyState
+    """Where it is when the answer was sent."""
+    error: Optional[str]
+    """Why it failed already, if it did."""
+
+
+class ReplicateAnswer(Answer):
+    """``POST /control/replicate`` (202): the copies started; follow them with
+    ``GET /control/replications/{prefix}``."""
+
+    prefix: str
+    """The full prefix id."""
+    source: str
+    """Worker copied from (the least-loaded one that confirmed it holds the prefix)."""
+    targets: list[str]
+    """Workers copied to."""
+    copy_ids: list[str]
+    """Ids of the copies, in ``targets`` order."""
+    copies: list[ReplicateCopy]
+    """The copies."""
+    skipped: int
+    """How many fewer than ``n`` started (no other eligible worker)."""
+
+
+class ReplicationAnswer(Answer):
+    """``GET /control/replications/{prefix}``: who holds a prefix and its copies."""
+
+    prefix: str
+    """The full prefix id."""
+    prefix_blocks: int
+    """Its length, blocks."""
+    holders: list[str]
+    """Workers recorded as holding all of it."""
+    copies: list[TransferEntry]
+    """Its copies: in flight first, then the recent finished ones (newest first)."""
+
+
+# -- the event stream ---------------------------------------------------------------------------------------------
+
+#: Event types of ``GET /control/events``.
+EventKind = Literal["fleet", "prefixes", "transfers", "ttft", "constants"]
+
+#: The payload model of each event type.
+EVENT_MODELS: dict[str, type[Answer]] = {
+    "fleet": FleetAnswer,
+    "prefixes": PrefixesAnswer,
+    "transfers": TransfersAnswer,
+    "ttft": TtftEvent,
+    "constants": ConstantsAnswer,
+}
+
+
+def dump(model: BaseModel) -> Any:
+    """The JSON value of an answer, as the gateway sends it."""
+    return model.model_dump(mode="json")
+
+
+__all__ = [
+    "Answer", "Body", "ConstantsAnswer", "ConstantsUpdate", "EVENT_MODELS", "ErrorAnswer", "ErrorDetail", "EventKind",
+    "FleetAnswer", "FleetWorker", "PrefixEntry", "PrefixesAnswer", "ReplicateAnswer", "ReplicateCopy",
+    "ReplicateRequest", "ReplicationAnswer", "TransferEntry", "TransferTotals", "TransfersAnswer", "TtftAnswer",
+    "TtftBucket", "TtftEvent", "TtftSummary", "dump",
+]

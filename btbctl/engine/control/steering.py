@@ -1,0 +1,124 @@
+"""Operations built on the control API for the CLI: ``btbctl tune``'s arguments and ``btbctl replicate``'s
+start-and-wait."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from btbctl.engine.chains import check_prefix_id
+from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
+from btbctl.engine.control.client import ControlClient
+from btbctl.engine.copies import FINAL_STATES
+from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.policies import POLICIES
+
+#: What ``btbctl tune`` sets besides the four constants.
+POLICY_KEY = "policy"
+#: Copy states after which a copy changes no more (as the answers spell them).
+FINAL_COPY_STATES = tuple(str(s) for s in FINAL_STATES)
+
+
+def tune_keys() -> tuple[str, ...]:
+    """Keys ``btbctl tune`` accepts: the four constants (:class:`~btbctl.engine.constants.BtbConstants`) and the
+    routing policy."""
+    return (*BtbConstants.keys(), POLICY_KEY)
+
+
+def parse_tune_args(args: list[str]) -> dict:
+    """Turn ``["prefix_blocks=16", "policy=btb", ...]`` into a validated partial update.
+
+    Each constant is checked by :class:`~btbctl.engine.constants.BtbConstants` (the same bounds as a config file
+    and the control API; ``replicas`` is read as ``warm_replicas``) and the policy against the registry, so a typo
+    never reaches the fleet.
+
+    Raises:
+        ConfigError: a malformed argument, an unknown key (the valid ones are listed), a repeated key or a bad
+            value (``btbctl tune`` and the key are named).
+    """
+    where = "btbctl tune"
+    out: dict = {}
+    for arg in args:
+        key, sep, raw = arg.partition("=")
+        key = key.strip().replace("-", "_")
+        raw = raw.strip()
+        if not sep or not key or not raw:
+            raise ConfigError(arg, "expected KEY=VALUE, e.g. threshold=3", where)
+        if key == WARM_REPLICAS_ALIAS:
+            key = "warm_replicas"
+        if key not in tune_keys():
+            raise ConfigError(key, f"unknown key; valid: {', '.join(tune_keys())}", where)
+        if key in out:
+            raise ConfigError(key, "given twice", where)
+        if key == POLICY_KEY and raw not in POLICIES:
+            raise ConfigError(key, f"unknown policy {raw!r}; valid: {', '.join(POLICIES)}", where)
+        out[key] = raw
+    consts = {k: v for k, v in out.items() if k != POLICY_KEY}
+    if consts:
+        parsed = BtbConstants.parse(consts, where=where, from_text=True)
+        out.update({k: getattr(parsed, k) for k in consts})
+    return out
+
+
+def replicate_and_wait(client: ControlClient, prefix: str, n: int, *, timeout_s: float = 120.0,
+                       poll_s: float = 0.2, on_progress: Callable[[list[dict]], None] | None = None,
+                       sleep: Callable[[float], None] = time.sleep) -> dict:
+    """Copy one prefix to ``n`` more workers and wait for the copies to finish.
+
+    ``POST /control/replicate {"prefix", "n"}`` starts the copies; ``GET /control/replications/{prefix}`` is polled
+    every ``poll_s`` until every copy is ``done`` or ``failed`` or ``timeout_s`` passes. ``on_progress`` gets the
+    copies' rows (:class:`~btbctl.engine.control.schema.TransferEntry` as JSON objects; a copy the gateway no longer
+    lists is ``{"copy_id", "state": "planned"}``) whenever a state or a byte count changes.
+
+    Returns:
+        ``{"prefix", "source", "targets": [URL], "status", "bytes", "copies": [row], "holders": [URL],
+        "skipped"}``: ``status`` is ``done`` (every copy arrived and was verified), ``partial`` (some failed),
+        ``failed`` (all failed) or ``timeout``; ``bytes`` is the sum of bytes sent by the copies that arrived.
+
+    Raises:
+        BtbctlError: bad prefix or ``n`` (checked here first), unknown or ambiguous prefix, no holder or no target
+            (the gateway's message), or an unreachable control API.
+    """
+    try:
+        p = check_prefix_id(prefix)
+    except ValueError as e:
+        raise BtbctlError(f"--prefix: {e}") from None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BtbctlError(f"-n must be an integer >= 1, got {n!r}")
+    started = client.replicate(p, n)
+    ids = list(started.copy_ids)
+    deadline = time.monotonic() + timeout_s
+    last = None
+    rows: list[dict] = []
+    holders: list[str] = []
+    status = "timeout"
+    while True:
+        rep = client.replication(started.prefix)
+        holders = list(rep.holders)
+        by_id = {c.copy_id: c.model_dump(mode="json") for c in rep.copies}
+        rows = [by_id.get(i, {"copy_id": i, "state": "planned"}) for i in ids]
+        snapshot = [(r.get("state"), r.get("bytes_sent")) for r in rows]
+        if snapshot != last:
+            last = snapshot
+            if on_progress is not None:
+                on_progress(rows)
+        if all(r.get("state") in FINAL_COPY_STATES for r in rows):
+            done = sum(1 for r in rows if r.get("state") == "done")
+            status = "done" if done == len(rows) else ("failed" if done == 0 else "partial")
+            break
+        if time.monotonic() >= deadline:
+            break
+        sleep(poll_s)
+    return {
+        "prefix": started.prefix,
+        "source": started.source,
+        "targets": list(started.targets),
+        "status": status,
+        "bytes": sum(int(r.get("bytes_sent") or 0) for r in rows if r.get("state") == "done"),
+        "copies": rows,
+        "holders": holders,
+        "skipped": started.skipped,
+    }
+
+
+__all__ = ["FINAL_COPY_STATES", "POLICY_KEY", "parse_tune_args", "replicate_and_wait", "tune_keys"]

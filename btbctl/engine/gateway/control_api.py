@@ -1,0 +1,255 @@
+"""The control API's handlers: what the dashboard and the CLI read and steer (a listener apart from the data
+plane). The routes, their answers and their errors are described in ``docs/control-api.md``; every answer is a
+model of :mod:`btbctl.engine.control.schema`, built by :mod:`~btbctl.engine.gateway.reports`.
+
+Bound to 127.0.0.1 by default. Writes (``PUT``/``POST``) need ``Authorization: Bearer <token>`` (compared in
+constant time); without it: 401. Reads are open while the listener is on a loopback address and need the token
+too otherwise. Errors are ``{"error": {"message", ...}}`` with a 4xx status.
+
+The handlers read through :class:`~btbctl.engine.gateway.reports.Reports`, write through :class:`Steering` and
+stream from the :class:`~btbctl.engine.gateway.events.EventBus`; none of them knows the gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from typing import Protocol
+
+from aiohttp import web
+from pydantic import BaseModel
+
+from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
+from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.gateway.events import EventBus
+from btbctl.engine.gateway.prompt import parse_json_object
+from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
+from btbctl.engine.gateway.reports import PrefixLookupError, Reports
+from btbctl.engine.policies import POLICIES
+
+#: Seconds between keep-alive comments on an idle event stream.
+KEEPALIVE_S = 15.0
+#: Largest body a control write accepts, bytes.
+MAX_CONTROL_BODY = 64 * 1024
+
+
+def _err(status: int, message: str, headers: dict | None = None, **fields) -> web.Response:
+    """An error answer: :class:`~btbctl.engine.control.schema.ErrorAnswer` with ``message`` and ``fields``."""
+    return web.json_response(ErrorAnswer(error=ErrorDetail(message=message, **fields)).model_dump(mode="json"),
+                             status=status, headers=headers)
+
+
+def _ok(answer: BaseModel, status: int = 200) -> web.Response:
+    return web.json_response(answer.model_dump(mode="json"), status=status)
+
+
+class Steering(Protocol):
+    """What the control API changes, and who may (the gateway provides it)."""
+
+    @property
+    def constants(self) -> BtbConstants: ...
+
+    def set_constants(self, updates: dict) -> BtbConstants:
+        """Apply a validated partial update of the four constants."""
+
+    def set_policy(self, name: str) -> None:
+        """Switch to the routing policy ``name`` (a registered one)."""
+
+    async def replicate(self, chain: tuple, n: int) -> ReplicateOutcome:
+        """Copy ``chain`` to ``n`` more workers now (raises :class:`ReplicateError`)."""
+
+    def check_token(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries the control API's bearer token."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names a loopback address (``localhost``, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ControlApi:
+    """Handlers of the control API.
+
+    Args:
+        reports: builds the answers.
+        steering: applies the writes and checks the token.
+        bus: the event bus behind ``GET /control/events``.
+        open_reads: reads need no token (the listener is on loopback).
+    """
+
+    def __init__(self, reports: Reports, steering: Steering, bus: EventBus, *, open_reads: bool) -> None:
+        self.reports = reports
+        self.steering = steering
+        self.bus = bus
+        self.open_reads = open_reads
+
+    # -- plumbing -----------------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        write = request.method not in ("GET", "HEAD", "OPTIONS")
+        if (write or not self.open_reads) and not self.steering.check_token(request.headers.get("Authorization")):
+            return _err(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                        headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _err(e.status, e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}")
+
+    async def _json_body(self, request: web.Request) -> dict | web.Response:
+        body = await request.read()
+        try:
+            return parse_json_object(body) if body else {}
+        except ValueError as e:  # the message is for the client
+            return _err(400, str(e))
+
+    @staticmethod
+    def _num_query(request: web.Request, name: str, default: float, lo: float, hi: float,
+                   integer: bool = False) -> float | web.Response:
+        raw = request.query.get(name)
+        if raw is None:
+            return default
+        try:
+            v = int(raw) if integer else float(raw)
+        except ValueError:
+            v = None
+        if v is None or not lo <= v <= hi:
+            kind = "an integer" if integer else "a number"
+            return _err(400, f"{name}: must be {kind} in [{lo:g}, {hi:g}], got {raw!r}", key=name)
+        return v
+
+    # -- reads --------------------------------------------------------------------------------------------------
+
+    async def fleet(self, request: web.Request) -> web.Response:
+        return _ok(self.reports.fleet())
+
+    async def prefixes(self, request: web.Request) -> web.Response:
+        top = self._num_query(request, "top", 10, 1, 1000, integer=True)
+        if isinstance(top, web.Response):
+            return top
+        return _ok(self.reports.prefixes(int(top)))
+
+    async def transfers(self, request: web.Request) -> web.Response:
+        limit = self._num_query(request, "limit", 100, 1, 10000, integer=True)
+        if isinstance(limit, web.Response):
+            return limit
+        return _ok(self.reports.transfers(int(limit)))
+
+    async def ttft(self, request: web.Request) -> web.Response:
+        window = self._num_query(request, "window_s", 60.0, 0.001, 86400.0)
+        if isinstance(window, web.Response):
+            return window
+        step = self._num_query(request, "step_s", 1.0, 0.001, 86400.0)
+        if isinstance(step, web.Response):
+            return step
+        if window / step > 10000:
+            return _err(400, "window_s / step_s must be at most 10000 buckets", key="step_s")
+        return _ok(self.reports.ttft(window, step))
+
+    async def get_constants(self, request: web.Request) -> web.Response:
+        return _ok(self.reports.constants())
+
+    async def replications(self, request: web.Request) -> web.Response:
+        try:
+            key, chain = self.reports.resolve_prefix(request.match_info["prefix"])
+        except PrefixLookupError as e:
+            return _err(e.status, str(e), **e.fields)
+        return _ok(self.reports.replication(key, chain))
+
+    # -- writes -------------------------------------------------------------------------------------------------
+
+    async def put_constants(self, request: web.Request) -> web.Response:
+        obj = await self._json_body(request)
+        if isinstance(obj, web.Response):
+            return obj
+        valid = [*BtbConstants.keys(), "policy"]
+        for k in obj:
+            if k not in valid and k != WARM_REPLICAS_ALIAS:
+                return _err(400, f"{k}: unknown key", key=k, valid=valid)
+        policy = obj.get("policy")
+        if "policy" in obj and policy not in POLICIES:
+            return _err(400, f"policy: unknown policy {policy!r}", key="policy", valid=list(POLICIES))
+        updates = {k: v for k, v in obj.items() if k != "policy"}
+        steering = self.steering
+        try:
+            steering.constants.with_updates(**updates)  # validate everything before applying anything
+        except ConfigError as e:
+            return _err(400, str(e), key=e.key, valid=BtbConstants.describe(e.key))
+        if updates:
+            steering.set_constants(updates)
+        if policy is not None:
+            steering.set_policy(policy)
+        return _ok(self.reports.constants())
+
+    async def replicate(self, request: web.Request) -> web.Response:
+        obj = await self._json_body(request)
+        if isinstance(obj, web.Response):
+            return obj
+        if "prefix" not in obj:
+            return _err(400, "prefix: required", key="prefix")
+        n = obj.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return _err(400, f"n: must be an integer >= 1, got {n!r}", key="n")
+        try:
+            _, chain = self.reports.resolve_prefix(obj["prefix"])
+        except PrefixLookupError as e:
+            return _err(e.status, str(e), **e.fields)
+        try:
+            outcome = await self.steering.replicate(chain, n)
+        except ReplicateError as e:
+            return _err(e.status, str(e))
+        return _ok(self.reports.replicate(outcome), status=202)
+
+    # -- events -------------------------------------------------------------------------------------------------
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        bus = self.bus
+        q = bus.subscribe()
+        try:
+            await resp.write(b": connected\n\n")
+            while True:
+                try:
+                    kind, text = await asyncio.wait_for(q.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    await resp.write(b": keepalive\n\n")
+                    continue
+                if kind is None:
+                    break
+                await resp.write(f"event: {kind}\ndata: {text}\n\n".encode())
+        except (ConnectionResetError, RuntimeError):
+            pass
+        finally:
+            bus.unsubscribe(q)
+        try:
+            await resp.write_eof()
+        except (ConnectionResetError, RuntimeError):
+            pass
+        return resp
+
+
+def build_control_app(reports: Reports, steering: Steering, bus: EventBus, *, open_reads: bool) -> web.Application:
+    """The control-API :class:`aiohttp.web.Application` (see :class:`ControlApi` for the arguments)."""
+    api = ControlApi(reports, steering, bus, open_reads=open_reads)
+    app = web.Application(client_max_size=MAX_CONTROL_BODY, middlewares=[api.middleware])
+    r = app.router
+    r.add_get("/control/fleet", api.fleet)
+    r.add_get("/control/prefixes", api.prefixes)
+    r.add_get("/control/transfers", api.transfers)
+    r.add_get("/control/ttft", api.ttft)
+    r.add_get("/control/constants", api.get_constants)
+    r.add_put("/control/constants", api.put_constants)
+    r.add_post("/control/replicate", api.replicate)
+    r.add_get("/control/replications/{prefix}", api.replications)
+    r.add_get("/control/events", api.events)
+    return app
