@@ -9,7 +9,8 @@ from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyPlan
-from btbctl.engine.sim.simulator import Simulator, check_fits
+from btbctl.engine.sim.results import check_fits
+from btbctl.engine.sim.simulator import Simulator
 from btbctl.engine.trace.model import Request, Trace
 from helpers import Scripted
 
@@ -185,7 +186,7 @@ def test_insert_prefix_makes_blocks_resident_for_the_next_request():
     while live.next_event_s() is not None:
         live.advance_to(live.next_event_s())
     assert live.records[0].cached_tokens == 30 * BT
-    assert live.replica_state(1)["cached_blocks"] == 31
+    assert live.replica_state(1).cached_blocks == 31
 
 
 def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_token():
@@ -197,10 +198,10 @@ def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_t
     live.submit(long_a)
     live.submit(long_b)
     live.advance_to(2.0)  # both decoding by now
-    assert live.replica_state(0)["running"] == 2
+    assert live.replica_state(0).running == 2
     assert live.abort("a") is True
     assert finishes["a"].finish_s == pytest.approx(2.0)
-    assert live.replica_state(0)["running"] == 1
+    assert live.replica_state(0).running == 1
     assert live.abort("a") is False  # already finished
     # a request aborted before its first token ends right after its prefill
     c = req("c", 0.0, chain("r", 60), "s", out=5000)
@@ -214,4 +215,4 @@ def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_t
         live.advance_to(live.next_event_s())
     cache = live.replicas[0].cache
     assert cache.private_tokens == 0 and cache.reserved_blocks == 0 and not cache.refs
-    assert live.replica_state(0)["running"] == 0
+    assert live.replica_state(0).running == 0

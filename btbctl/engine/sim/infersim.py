@@ -66,7 +66,8 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyStatus, carry_out
-from btbctl.engine.sim.simulator import RequestRecord, SimResult
+from btbctl.engine.policies import make_policy
+from btbctl.engine.sim.results import RequestRecord, SimResult
 from btbctl.engine.trace.model import Request, Trace
 
 #: Fidelity name of this profile (``simulate(..., fidelity=FIDELITY)``).
@@ -633,7 +634,7 @@ def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constan
         split_windows: see :func:`trace_windows`.
 
     Returns:
-        A :class:`~btbctl.engine.sim.simulator.SimResult` with ``fidelity="infersim"`` and
+        A :class:`~btbctl.engine.sim.results.SimResult` with ``fidelity="infersim"`` and
         ``percentile_method="index"``; records sorted by ``(arrival_s, request_id)``. ``replications`` and
         ``copies_started`` count scheduled copies (every copy completes in this model), ``replicated_bytes`` their
         bytes, ``wasted_replications`` the copies no admission on their target reused (including copies still
@@ -645,8 +646,6 @@ def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constan
         ConfigError: unknown policy or presets, a model that does not fit, a request larger than a replica's KV
             budget.
     """
-    from btbctl.engine.policies import make_policy
-
     cost = InferSimCost(cluster, trace.block_tokens)
     check_fits_infersim(trace, cost)
     records: list[RequestRecord] = []

@@ -1,7 +1,7 @@
 """An emulated SGLang worker for machines without GPUs (``btbctl worker``).
 
 It speaks SGLang 0.5's HTTP API, takes its timing and prefix-cache behaviour from the simulator's replica model
-(:mod:`btbctl.engine.worker.live`), keeps a KV block store of real bytes (:mod:`btbctl.engine.worker.store`) and
+(:mod:`btbctl.engine.worker.model`), keeps a KV block store of real bytes (:mod:`btbctl.engine.worker.store`) and
 sends/receives prefix copies over the transfer port (:mod:`btbctl.engine.replication.tcp`).
 
 Process interface::

@@ -36,7 +36,8 @@ from btbctl.engine.replication.transport import (
     parse_address,
 )
 from btbctl.engine.worker.config import WorkerConfig
-from btbctl.engine.worker.live import BlocksLost, IncomingCopy, LiveModel, LiveRequest, NoRoom, TooLarge
+from btbctl.engine.sim.replica import IncomingCopy
+from btbctl.engine.worker.model import BlocksLost, LiveRequest, ModelDriver, NoRoom, TooLarge
 from btbctl.engine.worker.prompt import ids_chain, text_chain
 from btbctl.engine.worker.store import BlockStore
 
@@ -243,7 +244,7 @@ class Worker:
 
     def __init__(self, cfg: WorkerConfig, transport: Transport | None = None) -> None:
         self.cfg = cfg
-        self.model = LiveModel(cfg)
+        self.model = ModelDriver(cfg)
         self.block_bytes = cfg.block_bytes()
         self.store = BlockStore(self.block_bytes)
         self.model.on_evict.append(self.store.drop)
@@ -517,12 +518,12 @@ class _Metrics:
             if lr.max_new_tokens > 1 and not math.isnan(lr.first_wall):
                 self.itl.labels(name).observe(max(0.0, (lr.finish_wall - lr.first_wall) / (lr.max_new_tokens - 1)))
 
-    def render(self, model: LiveModel) -> bytes:
+    def render(self, model: ModelDriver) -> bytes:
         st = model.state()
-        cap = st["capacity_tokens"]
-        vals = {"num_running_reqs": st["running"], "num_queue_reqs": st["waiting"],
-                "num_used_tokens": st["used_tokens"], "max_total_num_tokens": cap,
-                "token_usage": st["used_tokens"] / cap if cap else 0.0, "cache_hit_rate": model.cache_hit_rate()}
+        cap = st.capacity_tokens
+        vals = {"num_running_reqs": st.running, "num_queue_reqs": st.waiting,
+                "num_used_tokens": st.used_tokens, "max_total_num_tokens": cap,
+                "token_usage": st.used_tokens / cap if cap else 0.0, "cache_hit_rate": model.cache_hit_rate()}
         for k, v in vals.items():
             self.gauges[k].labels(*self.lv).set(v)
         return generate_latest(self.registry)
@@ -608,8 +609,8 @@ class _Handlers:
             "chunked_prefill_size": (c.chunked_prefill_size if c.chunked_prefill_size is not None
                                      else self.model.cluster.chunk_tokens()),
             "max_running_requests": c.max_running_requests, "enable_metrics": c.enable_metrics,
-            "max_total_num_tokens": st["capacity_tokens"], "version": f"btbctl-emulated-{__version__}",
-            "internal_states": [{"num_running_reqs": st["running"], "num_waiting_reqs": st["waiting"]}],
+            "max_total_num_tokens": st.capacity_tokens, "version": f"btbctl-emulated-{__version__}",
+            "internal_states": [{"num_running_reqs": st.running, "num_waiting_reqs": st.waiting}],
             "btb": {"emulated": True, "model_preset": c.preset_name(), "gpu": c.gpu, "time_scale": c.time_scale,
                     "zero_delay": c.zero, "kv_bytes_scale": c.kv_bytes_scale, "block_bytes": self.w.block_bytes,
                     "transfer_addr": self.w.transfer_addr, "token_required": c.btb_token is not None},
@@ -630,11 +631,11 @@ class _Handlers:
 
     async def loads(self, request: web.Request) -> web.Response:
         st = self.model.state()
-        cap = st["capacity_tokens"]
+        cap = st.capacity_tokens
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-            "dp_rank": 0, "num_running_reqs": st["running"], "num_waiting_reqs": st["waiting"],
-            "num_used_tokens": st["used_tokens"], "max_total_num_tokens": cap,
-            "token_usage": st["used_tokens"] / cap if cap else 0.0, "cache_hit_rate": self.model.cache_hit_rate(),
+            "dp_rank": 0, "num_running_reqs": st.running, "num_waiting_reqs": st.waiting,
+            "num_used_tokens": st.used_tokens, "max_total_num_tokens": cap,
+            "token_usage": st.used_tokens / cap if cap else 0.0, "cache_hit_rate": self.model.cache_hit_rate(),
         }]})
 
     async def metrics(self, request: web.Request) -> web.Response:
