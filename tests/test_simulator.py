@@ -216,3 +216,41 @@ def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_t
     cache = live.replicas[0].cache
     assert cache.private_tokens == 0 and cache.reserved_blocks == 0 and not cache.refs
     assert live.replica_state(0).running == 0
+
+
+def test_read_api_reports_copies_holders_and_replica_state():
+    p = chain("p", 64)
+    live = Simulator(Trace([], BT, "live"), Scripted(2, lambda r: 0), CLUSTER, BtbConstants())
+    assert live.n_replicas == 2 and live.policy_name == "scripted" and live.detector is None
+    live.submit(req("a", 0.0, p, "s", out=50))
+    assert live.replica_state(0).busy and live.replica_state(0).running == 1
+    assert live.holders(p) == [] and live.copies_in_flight() == []
+    assert live.start_copy(p, 0, 1, live.now)  # trails a's prefill
+    (c,) = live.copies_in_flight()
+    assert (c.source, c.target, c.prefix, str(c.state)) == (0, 1, p, "stalled")  # nothing computed yet
+    assert c.eta_s is None and c.sent_bytes == 0 and c.done_s is None
+    assert live.copy_info(1, p) == c and live.copy_info(0, p) is None
+    live.advance_to(live.next_event_s())  # the first chunk commits: the copy can send
+    (c,) = live.copies_in_flight()
+    assert str(c.state) == "running" and c.rate_bytes_per_s > 0 and c.eta_s > 0
+    while live.copies_in_flight():
+        live.advance_to(live.next_event_s())
+    (done,) = live.finished_copies()
+    assert str(done.state) == "done" and done.sent_bytes == done.total_bytes == c.total_bytes
+    assert done.done_s == live.now and live.finished_copies(0) == []
+    assert live.holders(p) == [0, 1]
+    st = live.replica_state(1)
+    assert st.cached_blocks == 64 and st.running == 0 and not st.busy
+    assert st.used_tokens == 64 * BT and st.capacity_tokens == COST.kv_budget_tokens
+
+
+def test_set_constants_and_policy_reach_the_policy():
+    from btbctl.engine.policies import make_policy
+
+    pol = make_policy("btb", 2, random.Random(0), BtbConstants())
+    live = Simulator(Trace([], BT, "live"), pol, CLUSTER, BtbConstants())
+    assert live.detector is pol.detector and live.policy_name == "btb"
+    live.set_constants(BtbConstants(threshold=5))
+    assert live.constants.threshold == 5 and pol.detector.constants.threshold == 5
+    live.set_policy(make_policy("round_robin", 2, random.Random(0)))
+    assert live.policy_name == "round_robin" and live.detector is None
