@@ -137,7 +137,7 @@ def test_incoming_copy_makes_requests_wait_then_commits_or_is_dropped():
     d.run_until()
     assert ("admitted", "b", 0) in d.log
     cache = d.rep.cache
-    assert cache.reserved_blocks == 0 and not cache.refs and not d.rep.pending
+    assert cache.reserved_blocks == 0 and not cache.refs and not d.rep._pending
 
 
 def test_an_incoming_copy_claims_blocks_a_prefill_computes_only_when_asked():
@@ -147,11 +147,11 @@ def test_an_incoming_copy_claims_blocks_a_prefill_computes_only_when_asked():
         d.submit("a", p)
         d.run_until(d.now)  # a is admitted: p is pending as a's
         inc = d.rep.begin_incoming(p + chain("x", 2), claim_pending=claim)
-        owners = {d.rep.pending[h] is inc for h in p}
+        owners = {d.rep._pending[h] is inc for h in p}
         assert owners == {claim}
-        assert all(d.rep.pending[h] is inc for h in chain("x", 2))
+        assert all(d.rep._pending[h] is inc for h in chain("x", 2))
         d.rep.end_incoming(inc, False)
-        assert all(h in d.rep.pending for h in p) is (not claim)
+        assert all(h in d.rep._pending for h in p) is (not claim)
 
 
 def test_room_for_an_incoming_copy_is_refused_when_the_cache_cannot_hold_it():

@@ -147,10 +147,11 @@ class ReplicaModel:
     this class.
     """
 
-    __slots__ = ("idx", "cost", "block_tokens", "chunk_tokens", "max_running", "events", "cache", "waiting",
-                 "prefilling", "decoding", "n_decoding", "dec_s", "dec_g", "pending", "busy", "step_kind",
-                 "step_start", "step_end", "step_m", "step_payload", "version", "queued_flops", "queued_blocks",
-                 "dep_flops", "dep_count", "waiting_kv", "dec_finish_sum", "_dec_a", "_dec_b", "_dec_c", "_dec_oh")
+    __slots__ = ("idx", "cost", "block_tokens", "chunk_tokens", "max_running", "events", "cache", "version",
+                 "_waiting", "_prefilling", "_decoding", "_n_decoding", "_dec_s", "_dec_g", "_pending", "_busy",
+                 "_step_kind", "_step_start", "_step_end", "_step_m", "_step_payload", "_queued_flops",
+                 "_queued_blocks", "_dep_flops", "_dep_count", "_waiting_kv", "_dec_finish_sum", "_dec_a", "_dec_b",
+                 "_dec_c", "_dec_oh")
 
     def __init__(self, idx: int, cost: ReplicaCost, *, block_tokens: int, chunk_tokens: int, max_running: int,
                  events: ReplicaEvents) -> None:
@@ -161,26 +162,26 @@ class ReplicaModel:
         self.max_running = max_running
         self.events = events
         self.cache = PrefixCache(cost.kv_budget_tokens, block_tokens, events.block_inserted, events.block_evicted)
-        self.waiting: list[ReplicaRequest] = []
-        self.prefilling: list[ReplicaRequest] = []
-        self.decoding: list[tuple[int, int, ReplicaRequest]] = []  # heap (finish_g, seq, request)
-        self.n_decoding = 0
-        self.dec_s = 0  # sum over decoding seqs of (context at join - G at join); KV tokens = dec_s + n * dec_g
-        self.dec_g = 0  # decode steps taken so far on this replica
-        self.pending: dict[Hashable, object] = {}  # block hash -> owner (request computing it, or IncomingCopy)
-        self.busy = False
-        self.step_kind = ""
-        self.step_start = 0.0
-        self.step_end = 0.0
-        self.step_m = 0
-        self.step_payload: list = []  # prefill: (request, new tokens, their FLOPs)
+        self._waiting: list[ReplicaRequest] = []
+        self._prefilling: list[ReplicaRequest] = []
+        self._decoding: list[tuple[int, int, ReplicaRequest]] = []  # heap (finish_g, seq, request)
+        self._n_decoding = 0
+        self._dec_s = 0  # sum over decoding seqs of (context at join - G at join); KV tokens = dec_s + n * dec_g
+        self._dec_g = 0  # decode steps taken so far on this replica
+        self._pending: dict[Hashable, object] = {}  # block hash -> owner (request computing it, or IncomingCopy)
+        self._busy = False
+        self._step_kind = ""
+        self._step_start = 0.0
+        self._step_end = 0.0
+        self._step_m = 0
+        self._step_payload: list = []  # prefill: (request, new tokens, their FLOPs)
         self.version = 0  # bumped at every step (re)schedule; see ReplicaEvents.step_scheduled
-        self.queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
-        self.queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
-        self.dep_flops: dict[Hashable, float] = {}  # block not yet resident -> est_flops of waiting requests needing it
-        self.dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
-        self.waiting_kv = 0  # sum of kv_need over waiting requests
-        self.dec_finish_sum = 0  # sum of finish_g over decoding requests
+        self._queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
+        self._queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
+        self._dep_flops: dict[Hashable, float] = {}  # block not yet resident -> est_flops of waiting requests needing it
+        self._dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
+        self._waiting_kv = 0  # sum of kv_need over waiting requests
+        self._dec_finish_sum = 0  # sum of finish_g over decoding requests
         # decode step-time coefficients: t = max(a + b*K, c*n) + overhead
         bw = cost.hbm_bytes_per_s * cost.hbm_efficiency
         self._dec_a = cost.model.active_params * cost.model.dtype_bytes / bw
@@ -192,7 +193,7 @@ class ReplicaModel:
     @property
     def load(self) -> int:
         """Requests waiting, prefilling or decoding here."""
-        return len(self.waiting) + len(self.prefilling) + self.n_decoding
+        return len(self._waiting) + len(self._prefilling) + self._n_decoding
 
     def cached_blocks(self, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` resident here."""
@@ -204,7 +205,7 @@ class ReplicaModel:
     def pending_blocks(self, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` resident here, or being computed or copied here."""
         n = self.cache.match(chain)
-        pending = self.pending
+        pending = self._pending
         while n < len(chain) and chain[n] in pending:
             n += 1
         return n
@@ -214,7 +215,7 @@ class ReplicaModel:
         waiting here (binary search: that union is prefix-closed along a chain, up to evictions of unpinned blocks,
         which makes this an estimate). O(log n)."""
         n = len(chain)
-        parent, pending, queued = self.cache.parent, self.pending, self.queued_blocks
+        parent, pending, queued = self.cache.parent, self._pending, self._queued_blocks
         if n == 0:
             return 0
         h = chain[n - 1]
@@ -240,24 +241,24 @@ class ReplicaModel:
         achieved FLOP/s; minus the elapsed part of a prefill step in progress, plus the rest of one decode step in
         progress (decode runs yield to new prefill work at the next step). O(1)."""
         cost = self.cost
-        s = self.queued_flops / (cost.flops * cost.mfu) if self.queued_flops > 0 else 0.0
-        if self.busy:
-            if self.step_kind == "prefill":
-                s = max(0.0, s - (now_s - self.step_start))
+        s = self._queued_flops / (cost.flops * cost.mfu) if self._queued_flops > 0 else 0.0
+        if self._busy:
+            if self._step_kind == "prefill":
+                s = max(0.0, s - (now_s - self._step_start))
             else:
-                s += max(0.0, min(self.step_end - now_s, self.decode_time_s(1)))
+                s += max(0.0, min(self._step_end - now_s, self.decode_time_s(1)))
         return s
 
     def waiting_groups(self) -> list[tuple[Hashable, int, float]]:
         """Requests waiting here for a block that is not resident yet (being computed or copied), grouped by that
         block: ``(block hash, requests, seconds of their queued prefill)``, in first-registered order."""
-        if not self.dep_count:
+        if not self._dep_count:
             return []
         cost = self.cost
         rate = cost.flops * cost.mfu
         parent = self.cache.parent
-        dep_flops = self.dep_flops
-        return [(h, n, max(0.0, dep_flops[h]) / rate) for h, n in self.dep_count.items() if h not in parent]
+        dep_flops = self._dep_flops
+        return [(h, n, max(0.0, dep_flops[h]) / rate) for h, n in self._dep_count.items() if h not in parent]
 
     def admission_wait_s(self, kv_tokens: int) -> float:
         """Seconds of decoding before the KV cache has room for the requests waiting here plus a new one needing
@@ -265,12 +266,12 @@ class ReplicaModel:
         Decoding requests release their KV when they finish: on average ``held tokens / (mean remaining decode
         steps x current step time)`` tokens per second. O(1)."""
         cache = self.cache
-        short = self.waiting_kv + kv_tokens - (max(0, cache.free_tokens) + cache.evictable_tokens)
-        n = self.n_decoding
+        short = self._waiting_kv + kv_tokens - (max(0, cache.free_tokens) + cache.evictable_tokens)
+        n = self._n_decoding
         if short <= 0 or n == 0:
             return 0.0
-        held = self.dec_s + n * self.dec_g
-        left_steps = (self.dec_finish_sum - n * self.dec_g) / n
+        held = self._dec_s + n * self._dec_g
+        left_steps = (self._dec_finish_sum - n * self._dec_g) / n
         if held <= 0 or left_steps <= 0:
             return 0.0
         return short / held * left_steps * self.decode_time_s(1)
@@ -283,9 +284,9 @@ class ReplicaModel:
     def state(self) -> ReplicaState:
         """The counters of :class:`ReplicaState`."""
         cache = self.cache
-        return ReplicaState(running=len(self.prefilling) + self.n_decoding, waiting=len(self.waiting),
+        return ReplicaState(running=len(self._prefilling) + self._n_decoding, waiting=len(self._waiting),
                             used_tokens=cache.used_tokens, capacity_tokens=cache.capacity_tokens,
-                            cached_blocks=len(cache), busy=self.busy)
+                            cached_blocks=len(cache), busy=self._busy)
 
     def resident_chains(self, limit: int) -> list[tuple[Hashable, int]]:
         """The deepest block of each resident chain and the chain's length in blocks, at most ``limit`` of them:
@@ -316,7 +317,7 @@ class ReplicaModel:
         idle."""
         rq.replica = self.idx
         self._estimate_work(rq)
-        self.waiting.append(rq)
+        self._waiting.append(rq)
         self.kick(now_s)
 
     def abort(self, rq: ReplicaRequest, now_s: float) -> bool:
@@ -326,7 +327,7 @@ class ReplicaModel:
         rq.aborted = True
         if math.isnan(rq.ttft_s):
             return True  # ends at its first token (_end_prefill)
-        dec = self.decoding
+        dec = self._decoding
         for i, item in enumerate(dec):
             if item[2] is rq:
                 dec[i] = dec[-1]
@@ -335,9 +336,9 @@ class ReplicaModel:
                 break
         else:
             return False
-        self.n_decoding -= 1
-        self.dec_finish_sum -= rq.finish_g
-        self.dec_s -= rq.req.input_tokens + 1 - rq.join_g
+        self._n_decoding -= 1
+        self._dec_finish_sum -= rq.finish_g
+        self._dec_s -= rq.req.input_tokens + 1 - rq.join_g
         self._finish(rq, now_s)
         self.kick(now_s)  # re-plan the decode run of the remaining sequences
         return True
@@ -345,25 +346,25 @@ class ReplicaModel:
     def kick(self, now_s: float) -> None:
         """New work may be admissible (a request arrived, blocks or room became available): start a step if idle,
         or cut a decode run in progress at the next step boundary after ``now_s``."""
-        if not self.busy:
+        if not self._busy:
             self._start_step(now_s)
-        elif self.step_kind == "decode" and self.step_m > 1:
-            elapsed = now_s - self.step_start
+        elif self._step_kind == "decode" and self._step_m > 1:
+            elapsed = now_s - self._step_start
             m = self._decode_steps_covering(elapsed)
-            if m < self.step_m:
-                self.step_m = m
-                self.step_end = self.step_start + self.decode_time_s(m)
+            if m < self._step_m:
+                self._step_m = m
+                self._step_end = self._step_start + self.decode_time_s(m)
                 self.version += 1
-                self.events.step_scheduled(self, self.step_end, self.version)
+                self.events.step_scheduled(self, self._step_end, self.version)
 
     def end_step(self, now_s: float) -> None:
         """The step in progress ends at ``now_s`` (the time :meth:`ReplicaEvents.step_scheduled` gave for the
         current :attr:`version`): apply it and start the next one."""
-        if self.step_kind == "prefill":
+        if self._step_kind == "prefill":
             self._end_prefill(now_s)
         else:
             self._end_decode(now_s)
-        self.busy = False
+        self._busy = False
         self._start_step(now_s)
 
     # -- cache from outside: inserted prefixes, incoming and outgoing copies ---------------------------------
@@ -404,7 +405,7 @@ class ReplicaModel:
             return None
         cache.reserve_blocks(add)
         inc = IncomingCopy(chain, have, add)
-        pending = self.pending
+        pending = self._pending
         for k in range(have, len(chain)):
             h = chain[k]
             if claim_pending or h not in pending:
@@ -418,7 +419,7 @@ class ReplicaModel:
         if not inc.open:
             return False
         inc.open = False
-        pending, cache, chain = self.pending, self.cache, inc.chain
+        pending, cache, chain = self._pending, self.cache, inc.chain
         if ok:
             for k in range(inc.have, len(chain)):
                 h = chain[k]
@@ -456,8 +457,8 @@ class ReplicaModel:
     # -- decode closed form -----------------------------------------------------------------------------------
     def decode_time_s(self, m: int) -> float:
         """Seconds for ``m`` decode steps of the current batch (KV grows by n tokens per step)."""
-        n = self.n_decoding
-        k0 = self.dec_s + n * self.dec_g
+        n = self._n_decoding
+        k0 = self._dec_s + n * self._dec_g
         a = self._dec_a + self._dec_b * k0
         slope = self._dec_b * n
         c = self._dec_c * n
@@ -471,7 +472,7 @@ class ReplicaModel:
 
     def _decode_steps_covering(self, elapsed: float) -> int:
         """Smallest step count m >= 1 whose cumulative time reaches ``elapsed`` (the step in progress)."""
-        lo, hi = 1, self.step_m
+        lo, hi = 1, self._step_m
         while lo < hi:
             mid = (lo + hi) // 2
             if self.decode_time_s(mid) >= elapsed - 1e-12:
@@ -487,21 +488,21 @@ class ReplicaModel:
         Registers the rest of its chain as planned here until it is admitted."""
         chain = rq.chain
         have_blocks = self.planned_blocks(chain)
-        queued = self.queued_blocks
+        queued = self._queued_blocks
         for k in range(have_blocks, len(chain)):
             h = chain[k]
             queued[h] = queued.get(h, 0) + 1
         rq.queued_from = have_blocks
         have = min(have_blocks * self.block_tokens, rq.req.input_tokens - 1)
         rq.est_flops = self.cost.prefill_flops(rq.req.input_tokens - have, have)
-        self.queued_flops += rq.est_flops
+        self._queued_flops += rq.est_flops
         rq.kv_need = rq.req.input_tokens - have + rq.req.output_tokens
-        self.waiting_kv += rq.kv_need
+        self._waiting_kv += rq.kv_need
         if have_blocks and chain[have_blocks - 1] not in self.cache.parent:
             key = chain[have_blocks - 1]
             rq.dep_key = key
-            self.dep_flops[key] = self.dep_flops.get(key, 0.0) + rq.est_flops
-            self.dep_count[key] = self.dep_count.get(key, 0) + 1
+            self._dep_flops[key] = self._dep_flops.get(key, 0.0) + rq.est_flops
+            self._dep_count[key] = self._dep_count.get(key, 0) + 1
 
     def _start_step(self, now_s: float) -> None:
         batch = self._form_prefill(now_s)
@@ -510,28 +511,28 @@ class ReplicaModel:
             for _, _, f in batch:
                 flops += f
             dt = self.cost.prefill_flops_time_s(flops)
-            self.busy, self.step_kind, self.step_payload = True, "prefill", batch
-            self.step_start, self.step_end = now_s, now_s + dt
+            self._busy, self._step_kind, self._step_payload = True, "prefill", batch
+            self._step_start, self._step_end = now_s, now_s + dt
             self.version += 1
-            self.events.step_scheduled(self, self.step_end, self.version)
+            self.events.step_scheduled(self, self._step_end, self.version)
             return
-        if self.n_decoding:
-            m = self.decoding[0][0] - self.dec_g  # steps until the next completion
-            self.busy, self.step_kind, self.step_m = True, "decode", max(1, m)
-            self.step_start = now_s
-            self.step_end = now_s + self.decode_time_s(self.step_m)
+        if self._n_decoding:
+            m = self._decoding[0][0] - self._dec_g  # steps until the next completion
+            self._busy, self._step_kind, self._step_m = True, "decode", max(1, m)
+            self._step_start = now_s
+            self._step_end = now_s + self.decode_time_s(self._step_m)
             self.version += 1
-            self.events.step_scheduled(self, self.step_end, self.version)
+            self.events.step_scheduled(self, self._step_end, self.version)
             return
-        self.busy = False
-        self.step_kind = ""
+        self._busy = False
+        self._step_kind = ""
 
     def _form_prefill(self, now_s: float) -> list[tuple[ReplicaRequest, int, float]]:
         """The next prefill batch: ``(request, new tokens, their FLOPs)`` per request."""
         budget = self.chunk_tokens
         prefill_flops = self.cost.prefill_flops
         batch: list[tuple[ReplicaRequest, int, float]] = []
-        for rq in self.prefilling:
+        for rq in self._prefilling:
             if budget <= 0:
                 break
             new = min(budget, rq.req.input_tokens - rq.computed)
@@ -540,12 +541,12 @@ class ReplicaModel:
                 budget -= new
         if budget <= 0:
             return batch
-        waiting = self.waiting
+        waiting = self._waiting
         keep: list[ReplicaRequest] = []
         admitted_any = False
         stop = False
         for idx, rq in enumerate(waiting):
-            if stop or budget <= 0 or len(self.prefilling) + self.n_decoding >= self.max_running:
+            if stop or budget <= 0 or len(self._prefilling) + self._n_decoding >= self.max_running:
                 keep.extend(waiting[idx:])
                 break
             verdict = self._try_admit(rq, now_s)
@@ -561,7 +562,7 @@ class ReplicaModel:
             batch.append((rq, new, prefill_flops(new, rq.computed)))
             budget -= new
         if admitted_any or stop:
-            self.waiting = keep
+            self._waiting = keep
         return batch
 
     def _try_admit(self, rq: ReplicaRequest, now_s: float) -> str:
@@ -570,7 +571,7 @@ class ReplicaModel:
         cache = self.cache
         bt = self.block_tokens
         matched = cache.match(chain)
-        if matched < len(chain) and chain[matched] in self.pending:
+        if matched < len(chain) and chain[matched] in self._pending:
             return "blocked"
         inp = rq.req.input_tokens
         n_blocks = len(chain)
@@ -591,10 +592,10 @@ class ReplicaModel:
         rq.computed = cached_tokens
         rq.next_block = matched
         rq.admitted_s = now_s
-        self.waiting_kv -= rq.kv_need
+        self._waiting_kv -= rq.kv_need
         rq.kv_need = 0
         if rq.queued_from >= 0:
-            queued = self.queued_blocks
+            queued = self._queued_blocks
             for k in range(rq.queued_from, n_blocks):
                 h = chain[k]
                 c = queued[h] - 1
@@ -605,34 +606,34 @@ class ReplicaModel:
             rq.queued_from = -1
         if rq.dep_key is not None:
             key = rq.dep_key
-            left = self.dep_count[key] - 1
+            left = self._dep_count[key] - 1
             if left:
-                self.dep_count[key] = left
-                self.dep_flops[key] -= rq.est_flops
+                self._dep_count[key] = left
+                self._dep_flops[key] -= rq.est_flops
             else:
-                del self.dep_count[key]
-                del self.dep_flops[key]
+                del self._dep_count[key]
+                del self._dep_flops[key]
             rq.dep_key = None
         est = self.cost.prefill_flops(inp - cached_tokens, cached_tokens)
-        self.queued_flops += est - rq.est_flops
+        self._queued_flops += est - rq.est_flops
         rq.est_flops = est
-        pending = self.pending
+        pending = self._pending
         for k in range(matched, n_blocks):
             pending[chain[k]] = rq
         self.events.admitted(self, rq, matched)
-        self.prefilling.append(rq)
+        self._prefilling.append(rq)
         return "ok"
 
     def _end_prefill(self, now_s: float) -> None:
         bt = self.block_tokens
         cache = self.cache
-        pending = self.pending
+        pending = self._pending
         events = self.events
         done: list[ReplicaRequest] = []
         committed = False
-        for rq, new, f in self.step_payload:
+        for rq, new, f in self._step_payload:
             rq.est_flops -= f
-            self.queued_flops -= f
+            self._queued_flops -= f
             rq.computed += new
             chain = rq.chain
             inp = rq.req.input_tokens
@@ -649,13 +650,13 @@ class ReplicaModel:
                 committed = True
             if rq.computed >= inp:
                 done.append(rq)
-                self.queued_flops -= rq.est_flops
+                self._queued_flops -= rq.est_flops
                 rq.est_flops = 0.0
-        self.step_payload = []
-        if not self.waiting and len(done) == len(self.prefilling):
-            self.queued_flops = 0.0  # nothing queued any more: drop float residue
+        self._step_payload = []
+        if not self._waiting and len(done) == len(self._prefilling):
+            self._queued_flops = 0.0  # nothing queued any more: drop float residue
         if done:
-            self.prefilling = [rq for rq in self.prefilling if rq.computed < rq.req.input_tokens]
+            self._prefilling = [rq for rq in self._prefilling if rq.computed < rq.req.input_tokens]
         for rq in done:
             rq.ttft_s = now_s - rq.req.arrival_s
             events.first_token(self, rq)
@@ -663,23 +664,23 @@ class ReplicaModel:
             if out <= 1 or rq.aborted:
                 self._finish(rq, now_s)
             else:
-                rq.join_g = self.dec_g
-                rq.finish_g = self.dec_g + out - 1
-                heapq.heappush(self.decoding, (rq.finish_g, rq.seq, rq))
-                self.n_decoding += 1
-                self.dec_finish_sum += rq.finish_g
-                self.dec_s += rq.req.input_tokens + 1 - self.dec_g
+                rq.join_g = self._dec_g
+                rq.finish_g = self._dec_g + out - 1
+                heapq.heappush(self._decoding, (rq.finish_g, rq.seq, rq))
+                self._n_decoding += 1
+                self._dec_finish_sum += rq.finish_g
+                self._dec_s += rq.req.input_tokens + 1 - self._dec_g
         if committed:
             events.blocks_committed(self)
 
     def _end_decode(self, now_s: float) -> None:
-        self.dec_g += self.step_m
-        dec = self.decoding
-        while dec and dec[0][0] <= self.dec_g:
+        self._dec_g += self._step_m
+        dec = self._decoding
+        while dec and dec[0][0] <= self._dec_g:
             _, _, rq = heapq.heappop(dec)
-            self.n_decoding -= 1
-            self.dec_finish_sum -= rq.finish_g
-            self.dec_s -= rq.req.input_tokens + 1 - rq.join_g
+            self._n_decoding -= 1
+            self._dec_finish_sum -= rq.finish_g
+            self._dec_s -= rq.req.input_tokens + 1 - rq.join_g
             self._finish(rq, now_s)
 
     def _finish(self, rq: ReplicaRequest, now_s: float) -> None:
