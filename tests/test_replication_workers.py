@@ -49,7 +49,7 @@ def test_push_makes_the_target_warm(fleet):
     assert st == 202 and r["copy_id"] == "warm-1" and r["blocks"] == 6
     block_bytes = a.get("/btb/info")[1]["block_bytes"]
     assert r["bytes"] == 6 * block_bytes
-    src = wait_for(lambda: (c := _copy(a, "warm-1")) and c["state"] != "sending" and c)
+    src = wait_for(lambda: (c := _copy(a, "warm-1")) and c["state"] != "running" and c)
     assert src["state"] == "done" and src["role"] == "source" and src["error"] is None
     assert src["bytes_sent"] == src["bytes_total"] == 6 * block_bytes and src["blocks_verified"] == 6
     assert src["finished_s"] >= src["started_s"]
@@ -62,7 +62,7 @@ def test_push_makes_the_target_warm(fleet):
     # the target can relay the arrived bytes onwards (they verify again at the next hop)
     st, r = b.post("/btb/push", {"chain": chain[:3], "target": a.transfer, "copy_id": "relay-1"})
     assert st == 202
-    assert wait_for(lambda: (c := _copy(b, "relay-1")) and c["state"] != "sending" and c)["state"] == "done"
+    assert wait_for(lambda: (c := _copy(b, "relay-1")) and c["state"] != "running" and c)["state"] == "done"
 
 
 def test_push_of_a_chain_not_held_is_409(fleet):
@@ -77,9 +77,9 @@ def test_corrupted_block_is_refused_and_target_stays_cold(fleet):
     chain = _prefix(f, 4, 3)
     st, r = f.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "corrupt-1"})
     assert st == 202
-    src = wait_for(lambda: (c := _copy(f, "corrupt-1")) and c["state"] != "sending" and c)
+    src = wait_for(lambda: (c := _copy(f, "corrupt-1")) and c["state"] != "running" and c)
     assert src["state"] == "failed" and "block 1" in src["error"] and "digest mismatch" in src["error"]
-    dst = wait_for(lambda: (c := _copy(b, "corrupt-1")) and c["state"] != "sending" and c)
+    dst = wait_for(lambda: (c := _copy(b, "corrupt-1")) and c["state"] != "running" and c)
     assert dst["state"] == "failed" and "block 1" in dst["error"]
     assert dst["blocks_verified"] == 1
     assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
@@ -92,7 +92,7 @@ def test_target_killed_mid_copy_fails_the_source_side(fleet):
     assert st == 202
     wait_for(lambda: (c := _copy(s, "tdies-1")) and c["bytes_sent"] > 0)
     t.kill()
-    src = wait_for(lambda: (c := _copy(s, "tdies-1")) and c["state"] != "sending" and c)
+    src = wait_for(lambda: (c := _copy(s, "tdies-1")) and c["state"] != "running" and c)
     assert src["state"] == "failed" and "lost" in src["error"] and src["bytes_sent"] < src["bytes_total"]
 
 
@@ -106,7 +106,7 @@ def test_source_killed_mid_copy_leaves_target_cold(fleet):
     m = b.post("/btb/match", {"chain": chain})[1]
     assert m["cached_blocks"] == 0 and m["pending_blocks"] == 150
     s.kill()
-    dst = wait_for(lambda: (c := _copy(b, "killed-1")) and c["state"] != "sending" and c)
+    dst = wait_for(lambda: (c := _copy(b, "killed-1")) and c["state"] != "running" and c)
     assert dst["state"] == "failed" and "connection lost" in dst["error"]
     assert 5 <= dst["blocks_verified"] < 150
     assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
@@ -161,7 +161,7 @@ def test_push_from_a_prefilling_source_streams_blocks_and_warms_the_target_at_th
     # accepted: the target counts the blocks as arriving at once, and serves none of them as cached yet
     assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": TRAIL_BLOCKS}
     seen = []  # (blocks the source computed, blocks sent) while the copy is in flight
-    while (c := _copy(src, "trail-1"))["state"] == "sending":
+    while (c := _copy(src, "trail-1"))["state"] == "running":
         seen.append((c["blocks_available"], c["bytes_sent"]))
         warm = dst.post("/btb/match", {"chain": chain})[1]["cached_blocks"]
         tc = _copy(dst, "trail-1")
@@ -189,7 +189,7 @@ def test_source_killed_while_prefilling_leaves_the_target_cold(trailing):
     assert st == 202
     assert dst.post("/btb/match", {"chain": chain})[1]["pending_blocks"] == TRAIL_BLOCKS
     victim.kill()
-    tc = wait_for(lambda: (c := _copy(dst, "trail-killed")) and c["state"] != "sending" and c)
+    tc = wait_for(lambda: (c := _copy(dst, "trail-killed")) and c["state"] != "running" and c)
     assert tc["state"] == "failed" and "connection lost" in tc["error"]
     assert tc["blocks_verified"] < TRAIL_BLOCKS
     assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
@@ -204,7 +204,7 @@ def test_request_at_the_target_during_the_copy_waits_for_it(trailing):
     ids, chain, th, box = _start_prefill(src, 23, extra=10)
     st, r = src.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-wait"})
     assert st == 202
-    assert _copy(src, "trail-wait")["state"] == "sending"  # the source is still computing
+    assert _copy(src, "trail-wait")["state"] == "running"  # the source is still computing
     prompt = ids[:TRAIL_BLOCKS * PAGE] + [7, 8, 9]
     st, g = dst.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
     assert st == 200

@@ -9,7 +9,8 @@ from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyPlan
-from btbctl.engine.sim.simulator import Simulator, check_fits
+from btbctl.engine.sim.results import check_fits
+from btbctl.engine.sim.simulator import Simulator
 from btbctl.engine.trace.model import Request, Trace
 from helpers import Scripted
 
@@ -185,7 +186,7 @@ def test_insert_prefix_makes_blocks_resident_for_the_next_request():
     while live.next_event_s() is not None:
         live.advance_to(live.next_event_s())
     assert live.records[0].cached_tokens == 30 * BT
-    assert live.replica_state(1)["cached_blocks"] == 31
+    assert live.replica_state(1).cached_blocks == 31
 
 
 def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_token():
@@ -197,10 +198,10 @@ def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_t
     live.submit(long_a)
     live.submit(long_b)
     live.advance_to(2.0)  # both decoding by now
-    assert live.replica_state(0)["running"] == 2
+    assert live.replica_state(0).running == 2
     assert live.abort("a") is True
     assert finishes["a"].finish_s == pytest.approx(2.0)
-    assert live.replica_state(0)["running"] == 1
+    assert live.replica_state(0).running == 1
     assert live.abort("a") is False  # already finished
     # a request aborted before its first token ends right after its prefill
     c = req("c", 0.0, chain("r", 60), "s", out=5000)
@@ -214,4 +215,42 @@ def test_abort_frees_a_decoding_request_and_cuts_a_prefilling_one_at_its_first_t
         live.advance_to(live.next_event_s())
     cache = live.replicas[0].cache
     assert cache.private_tokens == 0 and cache.reserved_blocks == 0 and not cache.refs
-    assert live.replica_state(0)["running"] == 0
+    assert live.replica_state(0).running == 0
+
+
+def test_read_api_reports_copies_holders_and_replica_state():
+    p = chain("p", 64)
+    live = Simulator(Trace([], BT, "live"), Scripted(2, lambda r: 0), CLUSTER, BtbConstants())
+    assert live.n_replicas == 2 and live.policy_name == "scripted" and live.detector is None
+    live.submit(req("a", 0.0, p, "s", out=50))
+    assert live.replica_state(0).busy and live.replica_state(0).running == 1
+    assert live.holders(p) == [] and live.copies_in_flight() == []
+    assert live.start_copy(p, 0, 1, live.now)  # trails a's prefill
+    (c,) = live.copies_in_flight()
+    assert (c.source, c.target, c.prefix, str(c.state)) == (0, 1, p, "stalled")  # nothing computed yet
+    assert c.eta_s is None and c.sent_bytes == 0 and c.done_s is None
+    assert live.copy_info(1, p) == c and live.copy_info(0, p) is None
+    live.advance_to(live.next_event_s())  # the first chunk commits: the copy can send
+    (c,) = live.copies_in_flight()
+    assert str(c.state) == "running" and c.rate_bytes_per_s > 0 and c.eta_s > 0
+    while live.copies_in_flight():
+        live.advance_to(live.next_event_s())
+    (done,) = live.finished_copies()
+    assert str(done.state) == "done" and done.sent_bytes == done.total_bytes == c.total_bytes
+    assert done.done_s == live.now and live.finished_copies(0) == []
+    assert live.holders(p) == [0, 1]
+    st = live.replica_state(1)
+    assert st.cached_blocks == 64 and st.running == 0 and not st.busy
+    assert st.used_tokens == 64 * BT and st.capacity_tokens == COST.kv_budget_tokens
+
+
+def test_set_constants_and_policy_reach_the_policy():
+    from btbctl.engine.policies import make_policy
+
+    pol = make_policy("btb", 2, random.Random(0), BtbConstants())
+    live = Simulator(Trace([], BT, "live"), pol, CLUSTER, BtbConstants())
+    assert live.detector is pol.detector and live.policy_name == "btb"
+    live.set_constants(BtbConstants(threshold=5))
+    assert live.constants.threshold == 5 and pol.detector.constants.threshold == 5
+    live.set_policy(make_policy("round_robin", 2, random.Random(0)))
+    assert live.policy_name == "round_robin" and live.detector is None

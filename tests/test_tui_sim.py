@@ -71,7 +71,7 @@ def test_editing_threshold_changes_the_engine_and_bad_values_are_refused():
             assert inp.has_focus
             inp.value = ""
             await pilot.press("5", "enter")
-            await wait_for(pilot, lambda: src.sim.policy.detector.constants.threshold == 5)
+            await wait_for(pilot, lambda: src.sim.detector.constants.threshold == 5)
             assert src.constants.threshold == 5
             await wait_for(pilot, lambda: "threshold = 5 confirmed" in
                            _text(app.query_one("#const-status")))
@@ -82,7 +82,7 @@ def test_editing_threshold_changes_the_engine_and_bad_values_are_refused():
             inp.value = "x"
             await pilot.press("enter")
             await wait_for(pilot, lambda: "must be an integer, got 'x'" in _text(app.query_one("#const-status")))
-            assert src.sim.policy.detector.constants.threshold == 5
+            assert src.sim.detector.constants.threshold == 5
             # the next snapshot reports the engine's value
             await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 5)
             assert app.snapshot.prefixes[0].threshold == 5
@@ -171,7 +171,7 @@ def test_policy_change_and_pause():
             await wait_for(pilot, lambda: app.applied > n)
             await pilot.press("c")
             await pilot.press("home", "enter")  # the first policy of the registry
-            await wait_for(pilot, lambda: src.sim.policy.name == "round_robin")
+            await wait_for(pilot, lambda: src.sim.policy_name == "round_robin")
             await wait_for(pilot, lambda: app.snapshot.policy == "round_robin")
             await pilot.press("question_mark")
             assert type(app.screen).__name__ == "HelpScreen"

@@ -10,7 +10,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from btbctl.engine.worker.app import Worker, build_app
+from btbctl.engine.worker.core import Worker
+from btbctl.engine.worker.http import build_app
 from btbctl.engine.worker.config import make_config
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/btb/match", "/btb/push", "/flush_cache")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import threading
 import time
@@ -13,9 +14,14 @@ from typing import Any, Callable, Hashable
 from btbctl.engine import chains
 from btbctl.engine.chains import SHORT_ID_CHARS, check_prefix_id
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.stats import percentile
 from btbctl.engine.copies import CopyPlan, carry_out
+from btbctl.engine.detector import BurstDetector
+from btbctl.engine.dryrun import load_trace
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies import make_policy
+from btbctl.engine.sim.results import check_fits
+from btbctl.engine.sim.simulator import CopyInfo, Simulator
+from btbctl.engine.stats import TtftSeries
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
     GpuRow,
@@ -34,45 +40,40 @@ TTFT_BUCKETS = 120
 #: Finished transfers kept for the "recent" list.
 RECENT_TRANSFERS = 20
 
-# -- the simulation -----------------------------------------------------------------------------------------------
 
-class _Buckets:
-    """TTFT samples and arrivals per bucket of fleet time."""
+class _CompleteBuckets:
+    """TTFT samples and arrivals in :class:`~btbctl.engine.stats.TtftSeries`, which the snapshot reads only up to
+    the end of the last complete bucket: samples of the bucket in progress wait here until it ends."""
 
-    def __init__(self, width_s: float = TTFT_BUCKET_S, keep: int = TTFT_BUCKETS) -> None:
-        self.width = width_s
-        self.keep = keep
-        self.ttft: dict[int, list[float]] = {}
-        self.arrivals: dict[int, int] = {}
+    def __init__(self) -> None:
+        self.ttft = TtftSeries()  # (fleet time of the first token, TTFT seconds)
+        self.arrivals = TtftSeries()  # (arrival time, 0.0): arrivals per bucket
+        self._new_ttft: deque[tuple[float, float]] = deque()
+        self._new_arrivals: deque[tuple[float, float]] = deque()
 
-    def _trim(self, b: int) -> None:
-        lo = b - self.keep
-        for d in (self.ttft, self.arrivals):
-            if len(d) > self.keep + 4:
-                for k in [k for k in d if k <= lo]:
-                    del d[k]
+    def add_ttft(self, now_s: float, ttft_s: float) -> None:
+        self._new_ttft.append((now_s, ttft_s))
 
-    def add_ttft(self, t_s: float, ttft_s: float) -> None:
-        b = int(t_s // self.width)
-        self.ttft.setdefault(b, []).append(ttft_s)
-        self._trim(b)
+    def add_arrival(self, now_s: float) -> None:
+        self._new_arrivals.append((now_s, 0.0))
 
-    def add_arrival(self, t_s: float) -> None:
-        b = int(t_s // self.width)
-        self.arrivals[b] = self.arrivals.get(b, 0) + 1
-        self._trim(b)
-
-    def series(self, now_s: float) -> tuple[list[TtftPoint], float]:
-        cur = int(now_s // self.width)
-        pts = []
-        for b in range(max(0, cur - self.keep), cur):  # complete buckets only
-            xs = sorted(self.ttft.get(b, ()))
-            n = self.arrivals.get(b, 0)
-            if not xs and not n and not pts:
+    def points(self, now_s: float) -> tuple[list[TtftPoint], float]:
+        """The last :data:`TTFT_BUCKETS` complete buckets before ``now_s`` (leading ones without a first token or an
+        arrival left out) and the arrival rate of the last one, requests/s."""
+        end = math.floor(now_s / TTFT_BUCKET_S) * TTFT_BUCKET_S
+        for new, series in ((self._new_ttft, self.ttft), (self._new_arrivals, self.arrivals)):
+            while new and new[0][0] < end:
+                series.add(*new.popleft())
+        window_s = TTFT_BUCKETS * TTFT_BUCKET_S
+        pts: list[TtftPoint] = []
+        for row, arr in zip(self.ttft.series(end, window_s, TTFT_BUCKET_S),
+                            self.arrivals.series(end, window_s, TTFT_BUCKET_S)):
+            if not row["n"] and not arr["n"] and not pts:
                 continue
-            pts.append(TtftPoint((b + 1) * self.width, percentile(xs, 50), percentile(xs, 95), n / self.width))
-        rps = pts[-1].rps if pts else 0.0
-        return pts, rps
+            p50, p95 = row["p50_s"], row["p95_s"]
+            pts.append(TtftPoint(row["t_s"], math.nan if p50 is None else p50, math.nan if p95 is None else p95,
+                                 arr["rps"]))
+        return pts, (pts[-1].rps if pts else 0.0)
 
 
 class SimSource:
@@ -100,9 +101,6 @@ class SimSource:
     def __init__(self, trace, cluster, constants: BtbConstants | None = None, policy: str = "btb", *,
                  seed: int = 42, speed: float = 1.0, paced: bool = True, start_s: float | None = None,
                  tick_s: float = 0.01, clock: Callable[[], float] = time.monotonic) -> None:
-        from btbctl.engine.policies import make_policy
-        from btbctl.engine.sim.simulator import Simulator, check_fits
-
         if not speed > 0:
             raise ConfigError("speed", f"must be a number > 0, got {speed!r}")
         self.constants = constants or BtbConstants()
@@ -125,12 +123,11 @@ class SimSource:
         self.start_s = max(0.0, first - 1.0) if start_s is None else float(start_s)
         self.sim.advance_to(self.start_s)
         self._lock = threading.Lock()
-        self._buckets = _Buckets()
+        self._buckets = _CompleteBuckets()
         self._own_detector = None
         self._chains: dict[Hashable, tuple] = {}  # detector key -> its Y-block prefix
         self._ids: dict[str, Hashable] = {}  # prefix id -> key
         self._copy_keys: dict[int, str] = {}  # copy id -> prefix id
-        self._failed: deque[TransferRow] = deque(maxlen=RECENT_TRANSFERS)
         self.sim.on_first_token = self._on_first_token
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -212,15 +209,13 @@ class SimSource:
         self._buckets.add_ttft(self.sim.now, ttft_s)
 
     # -- detector ---------------------------------------------------------------------------------------------
-    def _detector(self):
-        det = getattr(self.sim.policy, "detector", None)
+    def _detector(self) -> BurstDetector:
+        det = self.sim.detector
         return det if det is not None else self._own_detector
 
     def _sync_detector(self) -> None:
         """Policies without a detector (round_robin, ...) get one kept here for the heat view."""
-        from btbctl.engine.detector import BurstDetector
-
-        if getattr(self.sim.policy, "detector", None) is None:
+        if self.sim.detector is None:
             if self._own_detector is None:
                 self._own_detector = BurstDetector(self.constants)
             else:
@@ -250,53 +245,43 @@ class SimSource:
         kvb = cost.model.kv_bytes_per_token
         g = self.cluster.gpus_per_replica
         workers, gpus = [], []
-        for i in range(len(sim.replicas)):
+        for i in range(sim.n_replicas):
             st = sim.replica_state(i)
-            workers.append(WorkerRow(f"w{i}", True, st["running"], st["waiting"], st["used_tokens"],
-                                     st["capacity_tokens"]))
-            rep = sim.replicas[i]
-            used = (cost.model.weight_bytes + st["used_tokens"] * kvb) / g
-            util = 100.0 if rep.busy else 0.0
+            workers.append(WorkerRow(f"w{i}", True, st.running, st.waiting, st.used_tokens, st.capacity_tokens))
+            used = (cost.model.weight_bytes + st.used_tokens * kvb) / g
+            util = 100.0 if st.busy else 0.0
             for j in range(g):
                 gpus.append(GpuRow(f"w{i}/gpu{j}", used, cost.gpu.hbm_bytes, util, "sim"))
         det = self._detector()
         y = det.constants.prefix_blocks
+        active = sim.copies_in_flight()
         copies_by_key: dict[Hashable, int] = {}
-        for c in sim.net.active:
-            if len(c.chain) >= y:
-                k = c.chain[y - 1]
+        for c in active:
+            if len(c.prefix) >= y:
+                k = c.prefix[y - 1]
                 copies_by_key[k] = copies_by_key.get(k, 0) + 1
         prefixes = []
         for h in det.heat(now, top):
             chain = self._chains.get(h.key) or det.prefix_of(h.key)
-            holders = 0
-            if chain is not None:
-                holders = sum(1 for r in sim.replicas if r.cache.match(chain) >= len(chain))
+            holders = len(sim.holders(chain)) if chain is not None else 0
             prefixes.append(PrefixRow(self._prefix_id(h.key), y * self.block_tokens, h.arrivals_in_window,
                                       det.constants.threshold, holders, copies_by_key.get(h.key, 0), h.hot))
-        transfers = [self._transfer_row(c, now, y) for c in sim.net.active]
-        recent = [self._transfer_row(c, now, y) for c in sim.completed_copies[-RECENT_TRANSFERS:]]
-        recent.extend(self._failed)
-        transfers.extend(reversed(recent[-RECENT_TRANSFERS:]))
-        ttft, rps = self._buckets.series(now)
-        policy = getattr(sim.policy, "name", type(sim.policy).__name__)
+        transfers = [self._transfer_row(c, y) for c in active]
+        recent = [self._transfer_row(c, y) for c in sim.finished_copies(RECENT_TRANSFERS)]
+        transfers.extend(reversed(recent))
+        ttft, rps = self._buckets.points(now)
         mode = "manual clock" if not self.paced else f"x{self.speed:g}"
         msg = f"simulation {mode}, t={now:.1f} s, {self.submitted} requests"
         return FleetSnapshot(now_s=now, connected=True, message=msg, workers=tuple(workers), gpus=tuple(gpus),
                              gpu_note=None, prefixes=tuple(prefixes), transfers=tuple(transfers), ttft=tuple(ttft),
-                             constants=self.constants.as_dict(), policy=policy, rps=rps, finished=self.finished)
+                             constants=self.constants.as_dict(), policy=sim.policy_name, rps=rps,
+                             finished=self.finished)
 
-    def _transfer_row(self, c, now: float, y: int) -> TransferRow:
-        key = c.chain[y - 1] if len(c.chain) >= y else c.chain[-1]
-        pid = self._copy_keys.get(c.cid) or self._prefix_id(key)
-        if c.done_s is not None:
-            return TransferRow(f"c{c.cid}", pid, f"w{c.src}", f"w{c.dst}", c.total_bytes, c.total_bytes, 0.0,
-                               None, "done")
-        sent = min(c.total_bytes, c.avail_bytes, c.sent_bytes + c.rate * max(0.0, now - c.t_last))
-        sent = max(sent, c.sent_bytes)
-        eta = (c.total_bytes - sent) / c.rate if c.rate > 0 else None
-        state = "stalled" if c.rate <= 0 else "running"
-        return TransferRow(f"c{c.cid}", pid, f"w{c.src}", f"w{c.dst}", sent, c.total_bytes, c.rate, eta, state)
+    def _transfer_row(self, c: CopyInfo, y: int) -> TransferRow:
+        key = c.prefix[y - 1] if len(c.prefix) >= y else c.prefix[-1]
+        pid = self._copy_keys.get(c.copy_id) or self._prefix_id(key)
+        return TransferRow(f"c{c.copy_id}", pid, f"w{c.source}", f"w{c.target}", c.sent_bytes, c.total_bytes,
+                           c.rate_bytes_per_s, c.eta_s, c.state.value)
 
     # -- actions ----------------------------------------------------------------------------------------------
     async def set_constants(self, **changes: Any) -> dict:
@@ -307,8 +292,7 @@ class SimSource:
     def set_constants_sync(self, **changes: Any) -> dict:
         with self._lock:
             new = self.constants.with_updates(**changes)
-            self.sim.policy.set_constants(new)
-            self.sim.constants = new
+            self.sim.set_constants(new)
             self.constants = new
             self._sync_detector()
             return new.as_dict()
@@ -319,12 +303,10 @@ class SimSource:
         return await asyncio.to_thread(self.set_policy_sync, name)
 
     def set_policy_sync(self, name: str) -> str:
-        from btbctl.engine.policies import make_policy
-
         with self._lock:
-            pol = make_policy(name, len(self.sim.replicas), random.Random(self._seed), self.constants,
+            pol = make_policy(name, self.sim.n_replicas, random.Random(self._seed), self.constants,
                               block_tokens=self.block_tokens)
-            self.sim.policy = pol
+            self.sim.set_policy(pol)
             self._sync_detector()
             return pol.name
 
@@ -369,9 +351,9 @@ class SimSource:
             if free:
                 plan = CopyPlan(tuple(chain), source, tuple(free), min(n, len(free)))
                 for r in carry_out(plan, lambda t: sim.start_copy(plan.prefix, source, t, sim.now)):
-                    c = next(c for c in reversed(sim.net.active) if c.dst == r and c.chain == plan.prefix)
-                    self._copy_keys[c.cid] = full
-                    started.append(f"c{c.cid}")
+                    c = sim.copy_info(r, plan.prefix)
+                    self._copy_keys[c.copy_id] = full
+                    started.append(f"c{c.copy_id}")
                     targets.append(f"w{r}")
             if not started:
                 raise SourceError(f"prefix {full[:SHORT_ID_CHARS]}: no worker can take a copy (all hold it, "
@@ -386,8 +368,6 @@ def sim_source_from_config(cfg, policy: str | None = None, *, speed: float = 1.0
                            trace=None) -> SimSource:
     """A :class:`SimSource` for a :class:`~btbctl.engine.dryrun.DryRunConfig`: its trace (or ``trace``),
     cluster, constants and seed; ``policy`` default: ``btb`` when listed, else the config's first policy."""
-    from btbctl.engine.dryrun import load_trace
-
     cfg.check()
     if trace is None:
         trace = load_trace(cfg)

@@ -1,57 +1,12 @@
 """The ``infersim`` fidelity profile: the reference simulator's simplifications, so the published table can be checked.
 
-Infer-Sim (github.com/jwlaboratory/inference-sim) is the simulator behind the published BTB results
-(REFERENCE.md s1, s2). This module re-implements its model, independently written, from REFERENCE.md s2 and from
-reading that simulator and the BTB experiment harness (github.com/jwlaboratory/bite-the-bullet,
-``2-bite-the-bullet``). Every simplification below is deliberate; the ``realistic`` profile
-(:mod:`btbctl.engine.sim.simulator`) fixes each of them.
-
-Replica (one model instance, TP over ``g = gpus_per_replica`` GPUs of one spec):
-
-* FLOP/s, HBM bandwidth, HBM capacity, PCIe and NIC bandwidth are the per-GPU figures times ``g``
-  (GPU presets of :mod:`btbctl.engine.costmodel`, which carry Infer-Sim's GPU table).
-* One dtype knob: weights and KV both use ``model.dtype_bytes``. KV bytes per token =
-  ``2 x layers x kv_heads x head_dim x dtype_bytes``. Memory fraction is 1.0 (Infer-Sim has none):
-  KV budget = ``(g x HBM - total_params x dtype_bytes) / kv_bytes_per_token`` tokens (floored), and the prefix
-  cache holds ``floor((g x HBM - weights) / (kv_bytes_per_token x block_tokens))`` blocks.
-* Prefill, not chunked, no attention term: ``2 x active_params x tokens / (FLOP/s x mfu)`` seconds
-  (``mfu`` from the cluster config, default 0.5 = Infer-Sim's ``MFU``).
-* Decode: every running sequence advances one token per step together; a step reads the active weights once plus
-  every running sequence's KV: ``(active_params x dtype_bytes + kv_tokens x kv_bytes_per_token) /
-  (HBM bandwidth x hbm_efficiency)`` (default 0.8 = Infer-Sim's ``MBU``). Runs of steps are summed in closed form
-  up to the next completion; when a new arrival is due first, the run stops after the largest number of whole
-  steps that ends by it (at least one step), so a replica may overshoot an arrival by one step.
-* Admission: FCFS from the replica's queue while fewer than ``max_running`` (default 256 = Infer-Sim's
-  ``MAX_BATCH``) sequences run and the KV reservations fit: each admitted request reserves ``input + output``
-  tokens up front with no credit for shared prefix blocks (the reservations are separate from the prefix cache).
-  An admission reuses the longest leading run of the prompt's blocks found in HBM or in the host-RAM set, then
-  prefills the rest; it runs to completion, back to back with the other admissions, and decode waits for them
-  (prefill-priority scheduling). An admission starts at the replica's clock, which may lag the arrival.
-* Prefix cache: per replica, LRU over block hashes in HBM. A request's blocks (its prompt's hashes plus
-  ``ceil((input + output) / block_tokens) - len(hashes)`` unique blocks standing for its output) are inserted when
-  it is admitted (before its prefill has run). Blocks evicted from HBM go to an unbounded host-RAM set; reusing
-  them costs ``blocks x block_bytes / (g x PCIe)``, or the prefill of those tokens if that is cheaper (reused
-  tokens = ``min(matched blocks x block_tokens, prompt tokens covered by hashes)``).
-* TTFT = (admission start - arrival) + prefix reuse time + prefill time. The first decode step is not part of it.
-
-Fleet and events: requests are taken in arrival order; before each one is routed every replica is advanced to its
-arrival time (admitting whatever is queued, decoding), then the policy routes it and it joins that replica's queue.
-Ties are broken at random by the policy's seeded source. Load = running + queued requests.
-
-Copies (BTB): a copy of ``b`` blocks to a target costs ``b x block_bytes / (g x NIC)`` on the **target's clock
-only**: it starts when the target is free (``max(now, target clock)``) and the target is busy until it ends. The
-source is not charged and is not waited for: the copy may be ready before the source has finished computing the
-prefix. The blocks are inserted into the target's HBM cache at the first routing decision at or after the ready
-time. Fabric and source-NIC contention are not modelled.
-
-Trace windows: a ``btb-mixed-trace-v1`` file as the reference dataset generator writes it may hold several windows
-(``trace_id``), each with arrivals from 0; the reference harness simulates each window on a fresh fleet with the
-random source reseeded and pools the TTFTs. :func:`simulate_infersim` does the same when the trace was read from
-such a file and every request has a ``trace_id`` label (see ``split_windows``).
-
-Summaries use Infer-Sim's percentile (``sorted[int(0.95 n)]``): results carry ``percentile_method="index"``.
-
-The module never reads the wall clock.
+Source: Infer-Sim (github.com/jwlaboratory/inference-sim), the simulator behind the published BTB results
+(REFERENCE.md s1, s2), re-implemented independently. Rule, in short: replicas add up their GPUs' FLOP/s, HBM and
+NICs; prefill is not chunked and has no attention term; decode advances every running sequence together; admission
+is FCFS with ``input + output`` tokens reserved up front; per-replica HBM LRU of block hashes spilling to host RAM; a
+copy is charged to the target's clock only and never waits for its source; TTFT = queueing + reuse + prefill;
+percentiles are ``sorted[int(q n)]``. The full specification (every simplification, with Infer-Sim's defaults) is in
+``docs/simulator.md`` ("The infersim profile"). The module never reads the wall clock.
 """
 
 from __future__ import annotations
@@ -66,7 +21,8 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyStatus, carry_out
-from btbctl.engine.sim.simulator import RequestRecord, SimResult
+from btbctl.engine.policies import make_policy
+from btbctl.engine.sim.results import RequestRecord, SimResult
 from btbctl.engine.trace.model import Request, Trace
 
 #: Fidelity name of this profile (``simulate(..., fidelity=FIDELITY)``).
@@ -531,7 +487,7 @@ class InferSimulator:
     def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
                    hot_since_s: float | None = None) -> bool:
         """Schedule a copy of ``chain`` to ``target``: charged to the target's clock only, not waiting for the source
-        (see the module docstring). Refused (False) for a bad index, ``source == target``, an empty chain, a source
+        (see ``docs/simulator.md``). Refused (False) for a bad index, ``source == target``, an empty chain, a source
         that holds neither in HBM nor in host RAM the whole chain, or a copy of it already scheduled to the target.
         ``hot_since_s``: start of the time-to-warm measurement (default ``now_s``)."""
         n = len(self.replicas)
@@ -633,7 +589,7 @@ def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constan
         split_windows: see :func:`trace_windows`.
 
     Returns:
-        A :class:`~btbctl.engine.sim.simulator.SimResult` with ``fidelity="infersim"`` and
+        A :class:`~btbctl.engine.sim.results.SimResult` with ``fidelity="infersim"`` and
         ``percentile_method="index"``; records sorted by ``(arrival_s, request_id)``. ``replications`` and
         ``copies_started`` count scheduled copies (every copy completes in this model), ``replicated_bytes`` their
         bytes, ``wasted_replications`` the copies no admission on their target reused (including copies still
@@ -645,8 +601,6 @@ def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constan
         ConfigError: unknown policy or presets, a model that does not fit, a request larger than a replica's KV
             budget.
     """
-    from btbctl.engine.policies import make_policy
-
     cost = InferSimCost(cluster, trace.block_tokens)
     check_fits_infersim(trace, cost)
     records: list[RequestRecord] = []

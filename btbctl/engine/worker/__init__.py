@@ -1,8 +1,11 @@
 """An emulated SGLang worker for machines without GPUs (``btbctl worker``).
 
-It speaks SGLang 0.5's HTTP API, takes its timing and prefix-cache behaviour from the simulator's replica model
-(:mod:`btbctl.engine.worker.live`), keeps a KV block store of real bytes (:mod:`btbctl.engine.worker.store`) and
-sends/receives prefix copies over the transfer port (:mod:`btbctl.engine.replication.tcp`).
+It speaks SGLang 0.5's HTTP API (:mod:`btbctl.engine.worker.http`), takes its timing and prefix-cache behaviour
+from the simulator's replica model driven in real time (:mod:`btbctl.engine.worker.model`), keeps a KV block store
+of real bytes (:mod:`btbctl.engine.worker.store`) and sends/receives prefix copies over the transfer port
+(:mod:`btbctl.engine.worker.copies`, :mod:`btbctl.engine.replication.tcp`); :mod:`btbctl.engine.worker.core` puts
+the parts together, :mod:`btbctl.engine.worker.metrics` exports them, :mod:`btbctl.engine.worker.server` runs the
+process.
 
 Process interface::
 
@@ -49,11 +52,11 @@ BTB routes (JSON):
   for them) or at most 2 s later. If this worker evicts the blocks or stops, the copy fails and the target stays
   cold; the target serves the chain as cached only after every block arrived and verified.
 * ``GET /btb/copies/{copy_id}[?wait_s=S]`` -> ``{"copy_id", "role": "source"|"target", "state":
-  "sending"|"done"|"failed", "bytes_sent", "bytes_total", "blocks_verified", "blocks_available", "error",
+  "running"|"done"|"failed", "bytes_sent", "bytes_total", "blocks_verified", "blocks_available", "error",
   "started_s", "finished_s", "peer", "blocks"}`` (Unix times; a source reports ``done`` only after the target
   acknowledged that every block arrived, verified and was committed; ``blocks_available``: blocks the source has
   computed so far). With ``wait_s`` (0..10 s) and ``since`` (the ``X-BTB-Copy-Version`` header of a previous
-  answer) a copy still sending is answered at the worker's next copy change after that version, or after
+  answer) a copy still running is answered at the worker's next copy change after that version, or after
   ``wait_s`` (long poll; such answers carry ``X-BTB-Long-Poll: 1`` and the current ``X-BTB-Copy-Version``). ``GET /btb/copies`` -> ``{"copies": [...]}`` newest first.
 
 Writes guarded by ``--btb-token-file``: ``/btb/push`` and ``/flush_cache``.

@@ -10,7 +10,8 @@ from typing import TextIO
 from aiohttp import web
 
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.worker.app import Worker, build_app
+from btbctl.engine.worker.core import Worker
+from btbctl.engine.worker.http import build_app
 from btbctl.engine.worker.config import WorkerConfig
 
 

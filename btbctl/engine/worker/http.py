@@ -18,27 +18,18 @@ import logging
 import math
 import time
 import uuid
-from collections import OrderedDict
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from btbctl import __version__
-from btbctl.engine.aiotasks import cancel_all
-from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS, FaultPlan, TcpReceiver, TcpTransport
-from btbctl.engine.replication.transport import (
-    CopyRefused,
-    TransferError,
-    Transport,
-    check_copy_id,
-    parse_address,
-)
-from btbctl.engine.worker.config import WorkerConfig
-from btbctl.engine.worker.live import BlocksLost, IncomingCopy, LiveModel, LiveRequest, NoRoom, TooLarge
+from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
+from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
+from btbctl.engine.worker.copies import MAX_OUTBOUND_COPIES
+from btbctl.engine.worker.core import Worker
+from btbctl.engine.worker.model import LiveRequest, TooLarge
 from btbctl.engine.worker.prompt import ids_chain, text_chain
-from btbctl.engine.worker.store import BlockStore
 
 log = logging.getLogger("btbctl.worker")
 
@@ -55,29 +46,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 128
 #: Synthetic text of one generated token.
 TOKEN_TEXT = " tok"
-#: Copy records kept for ``/btb/copies`` (oldest finished ones dropped first).
-MAX_COPY_RECORDS = 1024
-#: Copies this worker sends at once; more pushes get 429 (bounds tasks and sockets).
-MAX_OUTBOUND_COPIES = 64
-#: Longest a sender waits for its source to compute the next block of a copy, seconds. Below the receiver's
-#: idle timeout (30 s, :class:`~btbctl.engine.replication.tcp.TcpReceiver`), which drops a copy that goes quiet;
-#: a 8192-token prefill chunk of any preset takes far less.
-SOURCE_BLOCK_WAIT_S = 25.0
 #: Longest ``/btb/push`` waits for the target to accept the copy before answering 202, seconds (the target then
 #: counts the blocks as arriving, so a request routed there right after the push waits for them). A product
 #: choice: loopback and LAN handshakes take milliseconds.
 PUSH_ACCEPT_WAIT_S = 2.0
 #: Longest wait of a long poll ``GET /btb/copies/{id}?wait_s=``, seconds.
 MAX_COPY_POLL_WAIT_S = 10.0
-#: Largest copy this worker receives, bytes of its block store (a copy is held in memory until it verifies;
-#: 1 GiB is 800k blocks of Llama-3.3-70B at the default scale, far beyond its KV capacity).
-MAX_INBOUND_COPY_BYTES = 1 << 30
-#: Latency histogram buckets, seconds (a spread like SGLang's collector: milliseconds to minutes).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0,
-                20.0, 30.0, 60.0, 120.0, 300.0)
-E2E_BUCKETS = (0.01, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-               0.3, 0.5, 1.0, 2.0)
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
           405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "TooManyRequests",
@@ -205,329 +179,6 @@ def _chain(body: dict) -> list[str]:
     return out
 
 
-# -- copy records -------------------------------------------------------------------------------------------------
-@dataclass
-class CopyRecord:
-    """One copy as seen by this worker. ``started_s``/``finished_s`` are Unix times (seconds); bytes are bytes of
-    the scaled block store. ``blocks_available`` (source side): leading blocks the source has computed and
-    released to the sender so far (less than ``blocks`` while the copy trails the source's prefill)."""
-
-    copy_id: str
-    role: str  # "source" | "target"
-    state: str  # "sending" | "done" | "failed"
-    bytes_sent: int
-    bytes_total: int
-    blocks_verified: int
-    error: str | None
-    started_s: float
-    finished_s: float | None
-    peer: str
-    blocks: int
-    chain: tuple = ()
-    blocks_available: int = 0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("chain")
-        return d
-
-
-class Worker:
-    """State of one emulated worker: the live model, the block store, copies, metrics, transports.
-
-    Args:
-        cfg: settings.
-        transport: the sender transport (default: TCP with the fault plan of ``BTBCTL_REPLICATION_FAULT``, tests
-            only).
-    """
-
-    def __init__(self, cfg: WorkerConfig, transport: Transport | None = None) -> None:
-        self.cfg = cfg
-        self.model = LiveModel(cfg)
-        self.block_bytes = cfg.block_bytes()
-        self.store = BlockStore(self.block_bytes)
-        self.model.on_evict.append(self.store.drop)
-        self.transport = transport or TcpTransport(fault=FaultPlan.from_env())
-        self.receiver = TcpReceiver(_Sink(self), cfg.host, cfg.transfer_port)
-        self.copies: OrderedDict[tuple[str, str], CopyRecord] = OrderedDict()
-        self.tasks: set[asyncio.Task] = set()
-        self.ready = False
-        self.http_port = cfg.port
-        self.metrics = _Metrics(cfg.served_name)
-        self.started_unix = time.time()
-        self.incoming: dict[str, IncomingCopy] = {}
-        self._copy_changed = asyncio.Event()
-        self.copy_version = 0
-
-    # -- lifecycle --------------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Start the model driver and the transfer receiver (raises OSError when the port is taken)."""
-        self.store.expected("0")  # loads the payload generator now rather than during the first copy
-        self.model.start()
-        await self.receiver.start()
-
-    async def stop(self) -> None:
-        self.ready = False
-        await self.receiver.close()
-        await cancel_all(self.tasks)
-        await self.model.stop()
-
-    @property
-    def transfer_addr(self) -> str:
-        host = self.cfg.host
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{host}:{self.receiver.port}"
-
-    # -- copies -----------------------------------------------------------------------------------------------
-    def copy_changed(self) -> None:
-        """A copy record changed: wake the long polls of ``/btb/copies/{id}``."""
-        self.copy_version += 1
-        self._copy_changed.set()
-        self._copy_changed = asyncio.Event()
-
-    async def wait_copy_change(self, timeout_s: float) -> None:
-        """Wait until some copy record changes, at most ``timeout_s`` seconds."""
-        try:
-            await asyncio.wait_for(self._copy_changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
-
-    def record(self, rec: CopyRecord) -> CopyRecord:
-        """Keep ``rec`` (replacing a record of the same id and role); forget the oldest finished records beyond
-        :data:`MAX_COPY_RECORDS`."""
-        key = (rec.copy_id, rec.role)
-        self.copies.pop(key, None)
-        self.copies[key] = rec
-        if len(self.copies) > MAX_COPY_RECORDS:
-            for k, old in list(self.copies.items()):
-                if len(self.copies) <= MAX_COPY_RECORDS:
-                    break
-                if old.state != "sending":
-                    del self.copies[k]
-        return rec
-
-    def outbound_in_flight(self) -> int:
-        return sum(1 for r in self.copies.values() if r.role == "source" and r.state == "sending")
-
-    def inbound_pending(self, chain: Sequence[str]) -> int:
-        """Longest leading part of ``chain`` covered by a copy arriving now."""
-        best = 0
-        for rec in self.copies.values():
-            if rec.role == "target" and rec.state == "sending":
-                n = 0
-                for a, b in zip(chain, rec.chain):
-                    if a != b:
-                        break
-                    n += 1
-                best = max(best, n)
-        return best
-
-    def start_push(self, chain: list[str], target: str, copy_id: str) -> tuple[CopyRecord, asyncio.Future]:
-        """Start sending ``chain`` to ``target`` in the background. The chain must be resident here or planned
-        (being computed, or a request queued here will compute it): blocks are sent as the model commits them.
-        Returns the record and a future resolved when the target accepted the copy or the copy ended."""
-        n = len(chain)
-        rec = self.record(CopyRecord(copy_id=copy_id, role="source", state="sending", bytes_sent=0,
-                                     bytes_total=n * self.block_bytes, blocks_verified=0, error=None,
-                                     started_s=time.time(), finished_s=None, peer=target, blocks=n,
-                                     chain=tuple(chain)))
-        accepted = asyncio.get_running_loop().create_future()
-        task = asyncio.get_running_loop().create_task(self._push(rec, chain, target, accepted))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        self.copy_changed()
-        return rec, accepted
-
-    async def _push(self, rec: CopyRecord, chain: list[str], target: str, accepted: asyncio.Future) -> None:
-        def progress(sent: int, total: int) -> None:
-            rec.bytes_sent = sent
-            self.copy_changed()
-
-        def accept() -> None:
-            if not accepted.done():
-                accepted.set_result(True)
-
-        blocks = _SourceBlocks(self, rec, chain)
-        try:
-            await self.transport.send(target, rec.copy_id, chain, blocks, progress, block_bytes=self.block_bytes,
-                                      on_accept=accept)
-            rec.blocks_verified = rec.blocks
-            rec.state = "done"
-        except TransferError as e:
-            rec.state, rec.error = "failed", str(e)
-        except asyncio.CancelledError:
-            rec.state, rec.error = "failed", "worker shutting down"
-            raise
-        except Exception as e:  # a bug: report it on the record rather than lose it
-            log.exception("copy %s failed", rec.copy_id)
-            rec.state, rec.error = "failed", f"internal error: {type(e).__name__}"
-        finally:
-            blocks.release()
-            rec.finished_s = time.time()
-            if not accepted.done():
-                accepted.set_result(False)
-            self.copy_changed()
-
-
-class _SourceBlocks:
-    """The blocks of an outgoing copy, yielded as the source's model commits them (async iterator of
-    ``(hash, bytes)``). Blocks handed out are pinned until :meth:`release`, so they cannot be evicted while the
-    copy is in flight. Raises :class:`TransferError` when a block is evicted or no longer computed here, or is not
-    computed within :data:`SOURCE_BLOCK_WAIT_S`."""
-
-    def __init__(self, worker: Worker, rec: CopyRecord, chain: list[str]) -> None:
-        self.w = worker
-        self.rec = rec
-        self.chain = tuple(chain)
-        self.k = 0
-        self.pinned = 0
-
-    def __aiter__(self) -> "_SourceBlocks":
-        return self
-
-    async def __anext__(self) -> tuple[str, bytes]:
-        k = self.k
-        if k >= len(self.chain):
-            raise StopAsyncIteration
-        if k >= self.pinned:
-            model = self.w.model
-            try:
-                have = await model.wait_blocks(self.chain, k + 1, SOURCE_BLOCK_WAIT_S)
-            except BlocksLost as e:
-                raise TransferError(f"source lost the prefix at block {k}: {e}", k) from None
-            model.pin(self.chain, self.pinned, have)
-            self.pinned = have
-            self.rec.blocks_available = have
-            self.w.copy_changed()
-        self.k = k + 1
-        h = self.chain[k]
-        return h, self.w.store.get(h)
-
-    def release(self) -> None:
-        """Unpin the blocks handed out (idempotent)."""
-        n, self.pinned = self.pinned, 0
-        self.w.model.unpin(self.chain, n)
-
-
-class _Sink:
-    """The worker as a :class:`~btbctl.engine.replication.transport.CopySink`."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.block_bytes = worker.block_bytes
-        self.max_blocks = max(1, min(worker.model.capacity_tokens // worker.cfg.page_size,
-                                     MAX_INBOUND_COPY_BYTES // worker.block_bytes))
-
-    def begin(self, copy_id: str, chain: Sequence[str], peer: str) -> None:
-        old = self.w.copies.get((copy_id, "target"))
-        if old is not None and old.state == "sending":
-            raise CopyRefused(f"copy {copy_id} is already arriving")
-        n = len(chain)
-        self.w.record(CopyRecord(copy_id=copy_id, role="target", state="sending", bytes_sent=0,
-                                 bytes_total=n * self.block_bytes, blocks_verified=0, error=None,
-                                 started_s=time.time(), finished_s=None, peer=peer, blocks=n, chain=tuple(chain)))
-        self.w.copy_changed()
-        if n * self.w.cfg.page_size > self.w.model.capacity_tokens:
-            raise CopyRefused(f"{n} blocks do not fit in this worker's KV cache")
-        try:
-            # from now on the model counts the blocks as arriving: requests needing them wait for this copy
-            self.w.incoming[copy_id] = self.w.model.begin_copy(chain)
-        except NoRoom as e:
-            raise CopyRefused(str(e)) from None
-
-    def check_block(self, index: int, block_hash: str, data: bytes) -> None:
-        if data != self.w.store.expected(block_hash):
-            raise CopyRefused(f"block {index} ({block_hash}): content does not match its hash", index)
-
-    def progress(self, copy_id: str, blocks_verified: int, bytes_received: int) -> None:
-        rec = self.w.copies.get((copy_id, "target"))
-        if rec is not None:
-            rec.blocks_verified, rec.bytes_sent = blocks_verified, bytes_received
-            self.w.copy_changed()
-
-    def commit(self, copy_id: str, chain: Sequence[str], blocks: list[bytes]) -> None:
-        inc = self.w.incoming.pop(copy_id, None)
-        ok = self.w.model.end_copy(inc, True) if inc is not None else self.w.model.insert(chain)
-        if not ok:
-            raise CopyRefused(f"no room in the KV cache for {len(chain)} blocks (in use by running requests)")
-        self.w.store.put_many(chain, blocks)
-        rec = self.w.copies.get((copy_id, "target"))
-        if rec is not None:
-            rec.state, rec.finished_s = "done", time.time()
-        self.w.copy_changed()
-
-    def fail(self, copy_id: str, error: str) -> None:
-        inc = self.w.incoming.pop(copy_id, None)
-        if inc is not None:
-            self.w.model.end_copy(inc, False)  # nothing becomes warm; waiting requests compute the blocks
-        rec = self.w.copies.get((copy_id, "target"))
-        if rec is not None and rec.state == "sending":
-            rec.state, rec.error, rec.finished_s = "failed", error, time.time()
-        self.w.copy_changed()
-
-
-class _Metrics:
-    """SGLang-named Prometheus metrics in a registry of this worker's own."""
-
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.model_name = model_name
-        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              ["model_name"], buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in "
-                             "seconds", ["model_name"], buckets=E2E_BUCKETS, registry=r)
-        self.itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ["model_name"], buckets=ITL_BUCKETS, registry=r)
-        # counters (exposed with the _total suffix, as SGLang's)
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", ["model_name"],
-                                     registry=r)
-        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
-                                         ["model_name"], registry=r)
-        self.cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", ["model_name"],
-                                     registry=r)
-        self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", ["model_name"],
-                                    registry=r)
-        labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
-        self.gauges = {
-            name: Gauge(f"sglang:{name}", doc, labels, registry=r)
-            for name, doc in (
-                ("num_running_reqs", "The number of running requests."),
-                ("num_queue_reqs", "The number of requests in the waiting queue."),
-                ("num_used_tokens", "The number of used tokens."),
-                ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
-                ("token_usage", "The token usage."),
-                ("cache_hit_rate", "The prefix cache hit rate."),
-            )
-        }
-        self.lv = (model_name, "unified", "0", "0")
-
-    def observe(self, lr: LiveRequest) -> None:
-        """Record one finished request (latencies in wall seconds)."""
-        name = self.model_name
-        self.num_requests.labels(name).inc()
-        self.prompt_tokens.labels(name).inc(lr.prompt_tokens)
-        self.generation_tokens.labels(name).inc(lr.max_new_tokens)
-        self.cached_tokens.labels(name).inc(lr.cached_tokens)
-        if not math.isnan(lr.first_wall):
-            self.ttft.labels(name).observe(max(0.0, lr.first_wall - lr.arrival_wall))
-        if not math.isnan(lr.finish_wall):
-            self.e2e.labels(name).observe(max(0.0, lr.finish_wall - lr.arrival_wall))
-            if lr.max_new_tokens > 1 and not math.isnan(lr.first_wall):
-                self.itl.labels(name).observe(max(0.0, (lr.finish_wall - lr.first_wall) / (lr.max_new_tokens - 1)))
-
-    def render(self, model: LiveModel) -> bytes:
-        st = model.state()
-        cap = st["capacity_tokens"]
-        vals = {"num_running_reqs": st["running"], "num_queue_reqs": st["waiting"],
-                "num_used_tokens": st["used_tokens"], "max_total_num_tokens": cap,
-                "token_usage": st["used_tokens"] / cap if cap else 0.0, "cache_hit_rate": model.cache_hit_rate()}
-        for k, v in vals.items():
-            self.gauges[k].labels(*self.lv).set(v)
-        return generate_latest(self.registry)
-
-
 # -- the application ----------------------------------------------------------------------------------------------
 #: Where the application keeps its :class:`Worker`.
 WORKER_KEY = web.AppKey("worker", Worker)
@@ -608,8 +259,8 @@ class _Handlers:
             "chunked_prefill_size": (c.chunked_prefill_size if c.chunked_prefill_size is not None
                                      else self.model.cluster.chunk_tokens()),
             "max_running_requests": c.max_running_requests, "enable_metrics": c.enable_metrics,
-            "max_total_num_tokens": st["capacity_tokens"], "version": f"btbctl-emulated-{__version__}",
-            "internal_states": [{"num_running_reqs": st["running"], "num_waiting_reqs": st["waiting"]}],
+            "max_total_num_tokens": st.capacity_tokens, "version": f"btbctl-emulated-{__version__}",
+            "internal_states": [{"num_running_reqs": st.running, "num_waiting_reqs": st.waiting}],
             "btb": {"emulated": True, "model_preset": c.preset_name(), "gpu": c.gpu, "time_scale": c.time_scale,
                     "zero_delay": c.zero, "kv_bytes_scale": c.kv_bytes_scale, "block_bytes": self.w.block_bytes,
                     "transfer_addr": self.w.transfer_addr, "token_required": c.btb_token is not None},
@@ -630,11 +281,11 @@ class _Handlers:
 
     async def loads(self, request: web.Request) -> web.Response:
         st = self.model.state()
-        cap = st["capacity_tokens"]
+        cap = st.capacity_tokens
         return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-            "dp_rank": 0, "num_running_reqs": st["running"], "num_waiting_reqs": st["waiting"],
-            "num_used_tokens": st["used_tokens"], "max_total_num_tokens": cap,
-            "token_usage": st["used_tokens"] / cap if cap else 0.0, "cache_hit_rate": self.model.cache_hit_rate(),
+            "dp_rank": 0, "num_running_reqs": st.running, "num_waiting_reqs": st.waiting,
+            "num_used_tokens": st.used_tokens, "max_total_num_tokens": cap,
+            "token_usage": st.used_tokens / cap if cap else 0.0, "cache_hit_rate": self.model.cache_hit_rate(),
         }]})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -645,7 +296,7 @@ class _Handlers:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         self._auth(request)
-        if self.model.busy() or any(r.state == "sending" for r in self.w.copies.values()):
+        if self.model.busy() or self.w.copies.any_in_flight():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests or "
                                                  "copies in flight.\n")
         dropped = self.model.flush()
@@ -848,7 +499,7 @@ class _Handlers:
     async def btb_match(self, request: web.Request) -> web.Response:
         chain = _chain(await _json_body(request))
         cached = self.model.cached_blocks(chain)
-        pending = max(self.model.planned_blocks(chain), self.w.inbound_pending(chain), cached)
+        pending = max(self.model.planned_blocks(chain), self.w.copies.inbound_pending(chain), cached)
         return web.json_response({"cached_blocks": cached, "pending_blocks": pending})
 
     async def btb_prefixes(self, request: web.Request) -> web.Response:
@@ -888,10 +539,10 @@ class _Handlers:
             raise ApiError(400, str(e)) from None
         if target == self.w.transfer_addr:
             raise ApiError(400, "target is this worker's own transfer port")
-        old = self.w.copies.get((copy_id, "source"))
-        if old is not None and old.state == "sending":
+        old = self.w.copies.get(copy_id, "source")
+        if old is not None and old.in_flight:
             raise ApiError(409, f"copy {copy_id} is already in progress")
-        if self.w.outbound_in_flight() >= MAX_OUTBOUND_COPIES:
+        if self.w.copies.outbound_in_flight() >= MAX_OUTBOUND_COPIES:
             raise ApiError(429, f"{MAX_OUTBOUND_COPIES} copies are already being sent; retry later")
         have = self.model.cached_blocks(chain)
         if have < len(chain):
@@ -899,7 +550,7 @@ class _Handlers:
             if planned < len(chain):
                 raise ApiError(409, f"this worker holds {have} of the chain's {len(chain)} blocks and computes "
                                     f"{planned - have} more")
-        rec, accepted = self.w.start_push(chain, target, copy_id)
+        rec, accepted = self.w.sender.start_push(chain, target, copy_id)
         try:
             await asyncio.wait_for(asyncio.shield(accepted), PUSH_ACCEPT_WAIT_S)
         except asyncio.TimeoutError:
@@ -908,7 +559,7 @@ class _Handlers:
                                   "blocks_available": rec.blocks_available}, status=202)
 
     async def btb_copies(self, request: web.Request) -> web.Response:
-        return web.json_response({"copies": [r.as_dict() for r in reversed(self.w.copies.values())]})
+        return web.json_response({"copies": [r.as_dict() for r in self.w.copies.newest_first()]})
 
     async def btb_copy(self, request: web.Request) -> web.Response:
         cid = request.match_info["copy_id"]
@@ -923,17 +574,17 @@ class _Handlers:
                 raise ApiError(400, f"wait_s must be a number of seconds in [0, {MAX_COPY_POLL_WAIT_S:g}]")
         since = request.query.get("since")
         for role in ("source", "target"):
-            rec = self.w.copies.get((cid, role))
+            rec = self.w.copies.get(cid, role)
             if rec is not None:
                 headers = {}
                 if wait_s > 0:
                     # long poll: answer at the next change of any copy (progress, outcome) after version
                     # ``since`` (at once when there was one already), or after wait_s
-                    if rec.state == "sending" and since == str(self.w.copy_version):
-                        await self.w.wait_copy_change(wait_s)
-                    headers = {"X-BTB-Long-Poll": "1", "X-BTB-Copy-Version": str(self.w.copy_version)}
+                    if rec.in_flight and since == str(self.w.copies.version):
+                        await self.w.copies.wait_change(wait_s)
+                    headers = {"X-BTB-Long-Poll": "1", "X-BTB-Copy-Version": str(self.w.copies.version)}
                 return web.json_response(rec.as_dict(), headers=headers)
         raise ApiError(404, f"no copy {cid!r} on this worker")
 
 
-__all__ = ["ApiError", "MAX_BODY_BYTES", "WORKER_KEY", "Worker", "build_app", "error_response"]
+__all__ = ["ApiError", "MAX_BODY_BYTES", "WORKER_KEY", "build_app", "error_response"]

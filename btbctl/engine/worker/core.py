@@ -1,0 +1,70 @@
+"""One emulated worker put together: its model driver, block store, copies (records, sender, receiving sink),
+metrics and transfer transports, and their start and stop. The HTTP face is :mod:`btbctl.engine.worker.http`; the
+process around both is :mod:`btbctl.engine.worker.server`."""
+
+from __future__ import annotations
+
+import time
+
+from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
+from btbctl.engine.replication.transport import Transport
+from btbctl.engine.worker.config import WorkerConfig
+from btbctl.engine.worker.copies import CopyBook, CopySender, CopySink
+from btbctl.engine.worker.metrics import WorkerMetrics
+from btbctl.engine.worker.model import ModelDriver
+from btbctl.engine.worker.store import BlockStore
+
+
+class Worker:
+    """State of one emulated worker.
+
+    Args:
+        cfg: settings.
+        transport: the sender transport (default: TCP with the fault plan of ``BTBCTL_REPLICATION_FAULT``, tests
+            only).
+
+    Attributes: ``model`` (:class:`~btbctl.engine.worker.model.ModelDriver`), ``store``
+    (:class:`~btbctl.engine.worker.store.BlockStore`), ``copies`` (:class:`~btbctl.engine.worker.copies.CopyBook`),
+    ``sender`` and ``sink`` (the two sides of copies), ``receiver`` (the transfer port), ``metrics``, ``ready``
+    (set by the server once both ports listen), ``http_port``, ``started_unix``.
+    """
+
+    def __init__(self, cfg: WorkerConfig, transport: Transport | None = None) -> None:
+        self.cfg = cfg
+        self.model = ModelDriver(cfg)
+        self.block_bytes = cfg.block_bytes()
+        self.store = BlockStore(self.block_bytes)
+        self.model.on_evict.append(self.store.drop)
+        self.transport = transport or TcpTransport(fault=FaultPlan.from_env())
+        self.copies = CopyBook()
+        self.sender = CopySender(self.copies, self.model, self.store, self.transport, self.block_bytes)
+        self.sink = CopySink(self.copies, self.model, self.store, cfg.page_size)
+        self.receiver = TcpReceiver(self.sink, cfg.host, cfg.transfer_port)
+        self.ready = False
+        self.http_port = cfg.port
+        self.metrics = WorkerMetrics(cfg.served_name)
+        self.started_unix = time.time()
+
+    async def start(self) -> None:
+        """Start the model driver and the transfer receiver (raises OSError when the port is taken)."""
+        self.store.expected("0")  # loads the payload generator now rather than during the first copy
+        self.model.start()
+        await self.receiver.start()
+
+    async def stop(self) -> None:
+        """Stop: the transfer port closes (inbound copies are discarded), outbound copies fail, the model stops."""
+        self.ready = False
+        await self.receiver.close()
+        await self.sender.stop()
+        await self.model.stop()
+
+    @property
+    def transfer_addr(self) -> str:
+        """``host:port`` of the transfer port (IPv6 hosts bracketed)."""
+        host = self.cfg.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{host}:{self.receiver.port}"
+
+
+__all__ = ["Worker"]
