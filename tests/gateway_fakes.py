@@ -198,7 +198,7 @@ class FakeWorker:
         total = c["total"]
         if c["polls"] <= self.copy_polls:
             sent = total * c["polls"] // (self.copy_polls + 1)
-            state, err = "sending", None
+            state, err = "running", None
         else:
             state = self.copy_outcome
             sent = total if state == "done" else total // 2

@@ -220,12 +220,18 @@ class Dashboard(App):
         await self.source.start()
         self.set_interval(self.poll_interval_s, self._tick)
         self._tick()
-        self.query_one("#prefix-table").focus()
+        self._main("#prefix-table").focus()
 
     async def on_unmount(self) -> None:
         if self._streams:
             self.source.set_listener(None)
         await self.source.close()
+
+    def _main(self, selector, expect_type=None):
+        """A widget of the dashboard's own screen, also while a dialog (help, replicate, policy) is on top: the
+        app's ``query_one`` searches only the active screen."""
+        screen = self.screen_stack[0]
+        return screen.query_one(selector) if expect_type is None else screen.query_one(selector, expect_type)
 
     # -- pushed snapshots -------------------------------------------------------------------------------------
     def _on_pushed(self, snap: FleetSnapshot) -> None:
@@ -274,11 +280,11 @@ class Dashboard(App):
         """Render ``snap`` in every panel and the status line."""
         first = self.snapshot is None
         self.snapshot = snap
-        self.query_one(PrefixPanel).update_snapshot(snap)
-        self.query_one(FleetPanel).update_snapshot(snap)
-        self.query_one(TransferPanel).update_snapshot(snap)
-        self.query_one(TtftPanel).update_snapshot(snap)
-        self.query_one(ConstantsPanel).update_snapshot(snap, force=first)
+        self._main(PrefixPanel).update_snapshot(snap)
+        self._main(FleetPanel).update_snapshot(snap)
+        self._main(TransferPanel).update_snapshot(snap)
+        self._main(TtftPanel).update_snapshot(snap)
+        self._main(ConstantsPanel).update_snapshot(snap, force=first)
         if snap.connected and self._was_connected is False:
             self.notify("reconnected to the fleet", title="fleet")
         self._show_status(snap)
@@ -298,7 +304,7 @@ class Dashboard(App):
             self._set_status(f"DISCONNECTED: {snap.message}{feed}", "down")
 
     def _set_status(self, text: str, cls: str) -> None:
-        st = self.query_one("#status", Static)
+        st = self._main("#status", Static)
         if self.paused:
             text, cls = f"PAUSED (p resumes) | {text}", "paused"
         st.update(text)
@@ -317,13 +323,13 @@ class Dashboard(App):
 
     def action_panel(self, n: int) -> None:
         target = {1: "#prefix-table", 2: "#p2", 3: "#p3", 4: "#ttft-plot", 5: "#const-threshold"}[n]
-        self.query_one(target).focus()
+        self._main(target).focus()
 
     def action_edit(self) -> None:
-        self.query_one("#const-threshold", Input).focus()
+        self._main("#const-threshold", Input).focus()
 
     def action_replicate(self) -> None:
-        row = self.query_one(PrefixPanel).selected
+        row = self._main(PrefixPanel).selected
         if row is None:
             self.notify("no prefix selected", severity="warning")
             return
@@ -356,19 +362,19 @@ class Dashboard(App):
 
     @work(group="action", exit_on_error=False)
     async def _set_policy(self, name: str) -> None:
-        panel = self.query_one(ConstantsPanel)
+        panel = self._main(ConstantsPanel)
         try:
             confirmed = await self.source.set_policy(name)
         except BtbctlError as e:
             panel.show(f"policy refused: {e}", error=True)
             return
         panel.show(f"policy {confirmed} confirmed")
-        self.query_one("#const-policy", Label).update(f"policy {confirmed}")
+        self._main("#const-policy", Label).update(f"policy {confirmed}")
 
     @on(Input.Submitted, ".const-input")
     def _constant_submitted(self, event: Input.Submitted) -> None:
         key = (event.input.id or "").removeprefix("const-")
-        panel = self.query_one(ConstantsPanel)
+        panel = self._main(ConstantsPanel)
         current = dict(self.snapshot.constants) if self.snapshot and self.snapshot.constants else {}
         try:  # validate here first, as the engine does: a bad value never leaves the screen
             value: Any = getattr(BtbConstants.parse({key: event.value}, from_text=True), key)
@@ -381,7 +387,7 @@ class Dashboard(App):
 
     @work(group="action", exit_on_error=False)
     async def _send_constant(self, key: str, value: Any) -> None:
-        panel = self.query_one(ConstantsPanel)
+        panel = self._main(ConstantsPanel)
         try:
             confirmed = await self.source.set_constants(**{key: value})
         except BtbctlError as e:
