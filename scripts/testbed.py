@@ -3,6 +3,8 @@
 for benchmarks. Needs root and iproute2, and this checkout's test extras (``pip install -e '.[test]'``).
 
     scripts/testbed.py up --hosts 2 --rate-gbit 10 --delay-us 0    # prints the layout as JSON
+    scripts/testbed.py up --hosts 2 --sshd /tmp/tb                 # ... with sshd in every host, and
+                                                                   # /tmp/tb/hosts.toml: their [[hosts]] entries
     scripts/testbed.py exec node0 -- python -m btbctl worker ...   # run a command inside a host
     scripts/testbed.py set node1 --rate-gbit 1 | --delay-us 50 | --link down|up
     scripts/testbed.py status                                      # the layout again
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,9 +56,41 @@ def cmd_up(args) -> int:
                      f"scripts/testbed.py down --prefix {args.prefix}")
     except (netns.TestbedError, ValueError) as e:
         return _fail(str(e))
+    out = tb.describe()
+    if args.sshd:
+        try:
+            out["ssh"] = _start_sshds(tb, Path(args.sshd).resolve())
+        except (netns.TestbedError, OSError, subprocess.CalledProcessError) as e:
+            tb.close()
+            return _fail(f"sshd: {e}")
     tb.release()
-    _emit(tb.describe())
+    _emit(out)
     return 0
+
+
+def _toml(v) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(x)}" for k, x in v.items()) + " }"
+    return json.dumps(v)
+
+
+def _start_sshds(tb: netns.Testbed, folder: Path) -> dict:
+    """sshd in every host (detached, so it outlives this script; `down` stops it) and ``folder/hosts.toml``: a
+    ``[[hosts]]`` entry per host, running this checkout with this Python."""
+    servers = [netns.start_sshd(h, folder, detach=True) for h in tb.hosts]
+    root = Path(__file__).resolve().parents[1]
+    lines = [f"# [[hosts]] of testbed {tb.prefix!r} (scripts/testbed.py up --sshd); paste into a cluster file", ""]
+    for s in servers:
+        entry = {"name": s.host.name, "address": s.host.address, "port": s.port, "user": s.user,
+                 "identity_file": str(s.client_key), "known_hosts": str(s.known_hosts), "python": sys.executable,
+                 "workdir": str(folder / "remote" / s.host.name), "env": {"PYTHONPATH": str(root)}}
+        lines += ["[[hosts]]", *(f"{k} = {_toml(v)}" for k, v in entry.items()), ""]
+    hosts_toml = folder / "hosts.toml"
+    hosts_toml.write_text("\n".join(lines))
+    first = servers[0]
+    return {"port": first.port, "user": first.user, "identity_file": str(first.client_key),
+            "known_hosts": str(first.known_hosts), "hosts_toml": str(hosts_toml),
+            "sshd_pids": {s.host.name: s.proc.pid for s in servers}}
 
 
 def cmd_down(args) -> int:
@@ -139,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="one-way delay of every link, each direction, microseconds (needs the kernel's netem; "
                          "default: %(default)s)")
     up.add_argument("--subnet", help="a /24 to use instead of the first free one of 198.18.0.0/15")
+    up.add_argument("--sshd", metavar="DIR", help="run sshd in every host (keys, known_hosts and a hosts.toml of "
+                                                   "[[hosts]] entries go to DIR)")
     up.set_defaults(func=cmd_up)
     down = add("down", "remove the testbed and every process in it (nothing to remove is fine)")
     down.set_defaults(func=cmd_down)

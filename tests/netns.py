@@ -21,9 +21,9 @@ Topology (``prefix`` ``btbt``, two hosts)::
 * Every link (each host's, and the operator's) is shaped in both directions, on the egress of the host-side end
   and of the switch-side end: a token bucket (``tbf``) for the rate and, where the kernel has it, ``netem`` for a
   fixed one-way delay per link and direction. A host-to-host path crosses two links, so its round trip carries
-  ``4 * delay_us`` of added delay (operator-to-host as well). Kernels built without ``sch_netem`` (``CONFIG_NET_SCH_NETEM``
-  not set, as on some VM guest kernels) cannot delay: there ``delay_us`` must be 0 (the testbed raises
-  :class:`TestbedError` otherwise) and :func:`netem_available` says so.
+  ``4 * delay_us`` of added delay (operator-to-host as well). Kernels built without ``sch_netem``
+  (``CONFIG_NET_SCH_NETEM`` not set, as on some VM guest kernels) cannot delay: there ``delay_us`` must be 0 (the
+  testbed raises :class:`TestbedError` otherwise) and :func:`netem_available` says so.
 * Rates, delays and link state change while the testbed runs (:meth:`Endpoint.set_rate`,
   :meth:`Endpoint.set_delay`, :meth:`Endpoint.set_link`); a cut link is its switch port set down (the host sees
   the carrier go, keeps its address; packets either way are dropped until the port is up again).
@@ -796,10 +796,11 @@ class HostSshd:
                 self.proc.wait(5)
 
 
-def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0) -> HostSshd:
+def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0, detach: bool = False) -> HostSshd:
     """Run sshd inside ``host`` listening on its address, with a fresh host key; the client key and known_hosts in
     ``folder`` are shared by all hosts started with the same folder. Returns once the operator side can connect.
-    The testbed kills it at close (or call :meth:`HostSshd.stop`)."""
+    The testbed kills it at close (or call :meth:`HostSshd.stop`). ``detach``: in a session of its own, to outlive
+    this process (a persistent testbed)."""
     sshd = sshd_binary()
     if sshd is None:
         raise TestbedError("sshd is not installed (apt-get install openssh-server)")
@@ -840,7 +841,7 @@ def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0
     log_path = own / "sshd.log"
     with open(log_path, "wb") as log:
         proc = host.popen([sshd, "-D", "-e", "-f", str(cfg), "-o", "PidFile=none"], stdin=subprocess.DEVNULL,
-                          stdout=log, stderr=subprocess.STDOUT)
+                          stdout=log, stderr=subprocess.STDOUT, start_new_session=detach)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:

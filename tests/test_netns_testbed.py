@@ -18,6 +18,11 @@ import textwrap
 import time
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
 import pytest
 
 import netns
@@ -125,7 +130,7 @@ def test_subnet_choice_avoids_everything_taken():
 # -- the network ---------------------------------------------------------------------------------------------------
 
 
-def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):
+def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):  # noqa: F811
     a, b = testbed.hosts
     op = testbed.operator
     net = testbed.subnet
@@ -162,7 +167,7 @@ def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):
 
 
 @pytest.mark.timing
-def test_rate_limit_holds_and_changes_while_running(make_testbed):
+def test_rate_limit_holds_and_changes_while_running(make_testbed):  # noqa: F811
     tb = make_testbed(2, rate_gbit=1.0)
     a, b = tb.hosts
     sink = serve(b, SINK, b.address, 7001, 2)
@@ -183,7 +188,7 @@ def test_rate_limit_holds_and_changes_while_running(make_testbed):
 
 
 @pytest.mark.timing
-def test_delay_is_visible(make_testbed):
+def test_delay_is_visible(make_testbed):  # noqa: F811
     require_netem()
     delay_us = 500
     tb = make_testbed(2, rate_gbit=10.0, delay_us=delay_us)
@@ -199,7 +204,7 @@ def test_delay_is_visible(make_testbed):
     assert min(json.loads(r.stdout)) * 1e6 < rtt_us / 2
 
 
-def test_cut_link_drops_traffic_and_comes_back(testbed):
+def test_cut_link_drops_traffic_and_comes_back(testbed):  # noqa: F811
     b = testbed.hosts[1]
     serve(b, ECHO, b.address, 7003)
     assert echo_once(b.address, 7003) == b"ping"
@@ -228,8 +233,9 @@ def test_close_removes_everything_and_kills_every_process():
     prefix = tb.prefix
     tracked = tb.hosts[0].popen(["sleep", "60"])
     # an untracked process: a detached grandchild in the other host
-    r = tb.hosts[1].run([sys.executable, "-c", "import subprocess; print(subprocess.Popen(['sleep', '60'], "
-                         "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"], capture_output=True, text=True, timeout=10)
+    detached = ("import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True, "
+                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    r = tb.hosts[1].run([sys.executable, "-c", detached], capture_output=True, text=True, timeout=10)
     orphan = int(r.stdout)
     assert orphan in tb.hosts[1].pids()
     assert leftovers(prefix)
@@ -316,7 +322,7 @@ def echo_ready(tb) -> bool:
     return echo_once(h.address, 7004) == b"ping"
 
 
-def test_a_live_testbed_is_never_swept(testbed):
+def test_a_live_testbed_is_never_swept(testbed):  # noqa: F811
     with pytest.raises(TestbedBusy, match="in use"):
         sweep(testbed.prefix)
     with pytest.raises(TestbedBusy):
@@ -327,7 +333,7 @@ def test_a_live_testbed_is_never_swept(testbed):
 # -- sshd in a host ------------------------------------------------------------------------------------------------
 
 
-def test_sshd_in_a_host_takes_a_key_login_checked_against_known_hosts(testbed, tmp_path):
+def test_sshd_in_a_host_takes_a_key_login_checked_against_known_hosts(testbed, tmp_path):  # noqa: F811
     require_sshd()
     import asyncssh
 
@@ -367,13 +373,15 @@ def script(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
-def test_script_up_exec_down():
+def test_script_up_exec_set_down(tmp_path):
     require_testbed()
+    require_sshd()
     prefix = "btbtscript"
     try:
-        up = json.loads(script("up", "--hosts", "2", "--rate-gbit", "2", "--delay-us", "0", "--prefix", prefix).stdout)
+        up = json.loads(script("up", "--hosts", "2", "--rate-gbit", "2", "--delay-us", "0", "--prefix", prefix,
+                               "--sshd", str(tmp_path / "ssh")).stdout)
         assert [h["name"] for h in up["hosts"]] == ["node0", "node1"] and up["persistent"]
-        node1 = up["hosts"][1]["address"]
+        node0, node1 = (h["address"] for h in up["hosts"])
         # it outlived the script; a test never sweeps it; status shows it; a second up refuses
         assert f"netns {prefix}-node1" in leftovers(prefix)
         with pytest.raises(TestbedBusy, match="scripts/testbed.py down"):
@@ -384,9 +392,28 @@ def test_script_up_exec_down():
         r = script("exec", "--prefix", prefix, "node1", "--", "ip", "-4", "-o", "addr", "show", "dev", "eth0")
         assert f"inet {node1}/24" in r.stdout
         assert script("exec", "--prefix", prefix, "node9", "--", "true", check=False).returncode == 1
+        # sshd runs in every host, and hosts.toml holds [[hosts]] entries a cluster file can use as they are
+        hosts = tomllib.loads(Path(up["ssh"]["hosts_toml"]).read_text())["hosts"]
+        assert [(h["name"], h["address"], h["port"]) for h in hosts] == [("node0", node0, 22), ("node1", node1, 22)]
+        h0 = hosts[0]
+        r = subprocess.run(["ssh", "-F", "none", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={h0['known_hosts']}",
+                            "-o", "StrictHostKeyChecking=yes", "-i", h0["identity_file"], f"{h0['user']}@{node0}",
+                            "true"], capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+        # links change while it runs
+        st = json.loads(script("set", "--prefix", prefix, "node1", "--rate-gbit", "0.5", "--link", "down").stdout)
+        assert [(h["rate_gbit"], h["up"]) for h in st["hosts"]] == [(2.0, True), (0.5, False)]
+        qd = subprocess.run(["tc", "-n", f"{prefix}-switch", "qdisc", "show", "dev", "node1"], capture_output=True,
+                            text=True).stdout
+        assert "rate 500Mbit" in qd
+        with pytest.raises(OSError):
+            socket.create_connection((node1, 22), timeout=0.5)
+        script("set", "--prefix", prefix, "node1", "--link", "up")
+        socket.create_connection((node1, 22), timeout=3).close()
+        sshd_pids = list(up["ssh"]["sshd_pids"].values())
         down = json.loads(script("down", "--prefix", prefix).stdout)
         assert f"netns {prefix}-switch" in down["removed"]
-        assert leftovers(prefix) == []
+        assert leftovers(prefix) == [] and all(gone(p) for p in sshd_pids)
         assert json.loads(script("down", "--prefix", prefix).stdout)["removed"] == []  # idempotent
     finally:
         sweep(prefix, include_persistent=True)
