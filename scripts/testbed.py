@@ -9,6 +9,7 @@ for benchmarks. Needs root and iproute2, and this checkout's test extras (``pip 
     scripts/testbed.py set node1 --rate-gbit 1 | --delay-us 50 | --link down|up
     scripts/testbed.py status                                      # the layout again
     scripts/testbed.py down                                        # remove it (idempotent)
+    scripts/testbed.py sweep                                       # remove every testbed a crashed run left
 
 The testbed stays up after ``up`` returns (until ``down``; tests never sweep it). The operator side is this
 machine's root namespace, reaching the hosts through the link ``<prefix>-op``; hosts reach only each other and the
@@ -102,6 +103,11 @@ def cmd_down(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    _emit({"removed": netns.sweep_stale()})
+    return 0
+
+
 def _attached(args) -> netns.Testbed | None:
     try:
         return netns.Testbed.attach(args.prefix)
@@ -179,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     up.set_defaults(func=cmd_up)
     down = add("down", "remove the testbed and every process in it (nothing to remove is fine)")
     down.set_defaults(func=cmd_down)
+    sw = sub.add_parser("sweep", help="remove every testbed whose owner is gone (not those left up by `up`)")
+    sw.set_defaults(func=cmd_sweep)
     st = add("status", "print the layout of a testbed that is up")
     st.set_defaults(func=cmd_status)
     ex = add("exec", "run a command inside a host (its exit status is the command's)")

@@ -384,6 +384,20 @@ def sweep(prefix: str = DEFAULT_PREFIX, *, include_persistent: bool = False) -> 
         os.close(fd)
 
 
+def sweep_stale() -> list[str]:
+    """Remove every testbed of this module (any prefix, known by its record) whose owner is gone, but persistent
+    ones; returns what was removed. Live testbeds of other runs are left alone."""
+    removed: list[str] = []
+    for rec in sorted(STATE_DIR.glob("*.json")) if STATE_DIR.is_dir() else []:
+        if not _PREFIX_RE.match(rec.stem):
+            continue
+        try:
+            removed += sweep(rec.stem)
+        except TestbedBusy:
+            pass
+    return removed
+
+
 def _check_prefix(prefix: str) -> None:
     if not _PREFIX_RE.match(prefix):
         raise ValueError(f"prefix {prefix!r}: 1-12 lowercase letters and digits, starting with a letter")
@@ -866,7 +880,8 @@ def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0
 
 def open_testbed(n_hosts: int = 2, **kwargs) -> Testbed:
     """A testbed on the first free prefix of ``btbt``, ``btbt1``, ``btbt2``... (another run, or a persistent
-    benchmark testbed, may hold the first). Stale leftovers of a crashed run of that prefix are swept first."""
+    benchmark testbed, may hold the first). The leftovers of crashed runs (of any prefix) are swept first."""
+    sweep_stale()
     last: Exception | None = None
     for i in range(10):
         prefix = DEFAULT_PREFIX if i == 0 else f"{DEFAULT_PREFIX}{i}"

@@ -27,7 +27,7 @@ import pytest
 
 import netns
 from netns import (Testbed, TestbedBusy, TestbedError, leftovers, open_testbed, pick_subnet, require_netem,
-                   require_sshd, require_testbed, start_sshd, sweep)
+                   require_sshd, require_testbed, start_sshd, sweep, sweep_stale)
 from netns import make_testbed, testbed  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.netns
@@ -125,6 +125,23 @@ def test_subnet_choice_avoids_everything_taken():
     assert pick_subnet([net("198.18.0.0/24"), net("198.18.1.128/25"), net("10.0.0.0/8")]) == net("198.18.2.0/24")
     with pytest.raises(TestbedError, match="overlaps"):
         pick_subnet([net("198.16.0.0/12")])
+
+
+def test_shaping_commands(monkeypatch):
+    calls = []
+    monkeypatch.setattr(netns, "_tc", lambda ns, *args, check=True: calls.append((ns, *args)))
+    netns._Port("h", "eth0").shape(1.0, 0, netem=False)
+    netns._Port(None, "x-op").shape(None, 0, netem=False)
+    assert calls == [("h", "qdisc", "replace", "dev", "eth0", "root", "handle", "10:", "tbf", "rate", "1000000000bit",
+                      "burst", "131072", "latency", "20ms"),
+                     (None, "qdisc", "del", "dev", "x-op", "root")]
+    calls.clear()
+    # with netem: the delay at the root, the token bucket as its child (the tree tc-netem(8) describes)
+    netns._Port("h", "eth0").shape(10.0, 50, netem=True)
+    assert calls == [("h", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "netem", "delay", "50us",
+                      "limit", "100000"),
+                     ("h", "qdisc", "replace", "dev", "eth0", "parent", "1:1", "handle", "10:", "tbf", "rate",
+                      "10000000000bit", "burst", "1250000", "latency", "20ms")]
 
 
 # -- the network ---------------------------------------------------------------------------------------------------
@@ -294,7 +311,7 @@ CRASH = textwrap.dedent("""
 
 def test_a_crashed_run_is_swept(tmp_path):
     require_testbed()
-    prefix = "btbtcrash"
+    prefix = f"btbtc{os.getpid()}"  # no other run of this test can sweep it meanwhile
     try:
         r = subprocess.run([sys.executable, "-c", CRASH, str(ROOT / "tests"), prefix], capture_output=True, text=True,
                            timeout=30)
@@ -302,8 +319,8 @@ def test_a_crashed_run_is_swept(tmp_path):
         pid = int(r.stdout)
         left = leftovers(prefix)
         assert f"netns {prefix}-switch" in left and f"link {prefix}-op" in left and not gone(pid)
-        removed = sweep(prefix)
-        assert sorted(removed) == sorted(left)
+        removed = sweep_stale()  # what every fixture does first
+        assert set(left) <= set(removed)
         assert leftovers(prefix) == [] and gone(pid)
         assert sweep(prefix) == []  # idempotent
         # a partly built crashed run (a lone namespace) is swept by the next testbed of that prefix
@@ -376,7 +393,7 @@ def script(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def test_script_up_exec_set_down(tmp_path):
     require_testbed()
     require_sshd()
-    prefix = "btbtscript"
+    prefix = f"btbts{os.getpid()}"
     try:
         up = json.loads(script("up", "--hosts", "2", "--rate-gbit", "2", "--delay-us", "0", "--prefix", prefix,
                                "--sshd", str(tmp_path / "ssh")).stdout)
