@@ -602,6 +602,10 @@ class Testbed:
     def _build(self, names: list[str], rate_gbit: float | None, delay_us: float, subnet: str | None) -> None:
         sw = self.switch_netns
         op_if = f"{self.prefix}-op"
+        self.netem = _probe()[1]
+        if delay_us and not self.netem:
+            raise TestbedError(f"delay_us={delay_us:g} needs the netem qdisc, which this kernel lacks "
+                               f"(CONFIG_NET_SCH_NETEM is not set); use delay_us=0")
         with _GlobalLock():
             taken = taken_networks()
             if subnet is None:
@@ -614,10 +618,6 @@ class Testbed:
             self.subnet = net
             self._write_record()  # reserves the subnet for other testbeds being built
             _cmd(["ip", "netns", "add", sw])
-            self.netem = _probe()[1]
-            if delay_us and not self.netem:
-                raise TestbedError(f"delay_us={delay_us:g} needs the netem qdisc, which this kernel lacks "
-                                   f"(CONFIG_NET_SCH_NETEM is not set); use delay_us=0")
             _ip(sw, "link", "set", "lo", "up")
             _ip(sw, "link", "add", "name", BRIDGE, "type", "bridge", "stp_state", "0", "nf_call_iptables", "0",
                 "nf_call_ip6tables", "0", "nf_call_arptables", "0")

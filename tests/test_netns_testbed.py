@@ -206,6 +206,12 @@ def test_rate_limit_holds_and_changes_while_running(make_testbed):  # noqa: F811
 
 @pytest.mark.timing
 def test_delay_is_visible(make_testbed):  # noqa: F811
+    require_testbed()
+    if not netns.netem_available():  # a delay is refused with the reason, not silently dropped
+        with pytest.raises(TestbedError, match="needs the netem qdisc"):
+            make_testbed(2, delay_us=50)
+        with make_testbed(1) as tb, pytest.raises(TestbedError, match="needs the netem qdisc"):
+            tb.hosts[0].set_delay(50)
     require_netem()
     delay_us = 500
     tb = make_testbed(2, rate_gbit=10.0, delay_us=delay_us)
