@@ -87,7 +87,7 @@ def page_keys(token_ids: Iterable[int], page_size: int, extra_key: str | None = 
             ``0 .. 2**63 - 1``.
         page_size: tokens per page (``--page-size``), >= 1.
         extra_key: the request's extra key (LoRA id), or None.
-        cache_salt: the request's cache salt, or None.
+        cache_salt: the request's cache salt, or None (an empty salt counts as none, as in SGLang's ``RadixKey``).
 
     Returns:
         one 64-character lowercase hex key per page (``ceil(len / page_size)`` keys; the last may cover a partial
@@ -99,7 +99,8 @@ def page_keys(token_ids: Iterable[int], page_size: int, extra_key: str | None = 
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
     ids = list(token_ids)
-    prior = namespace_seed(extra_key, cache_salt)
+    # SGLang's RadixKey stores ``cache_salt or None`` (srt/mem_cache/radix_cache.py:77): an empty salt is no salt
+    prior = namespace_seed(extra_key, cache_salt or None)
     keys: list[str] = []
     for start in range(0, len(ids), page_size):
         h = hashlib.sha256()

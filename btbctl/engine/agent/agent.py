@@ -118,8 +118,14 @@ class Agent:
             self.store = PageStore(cfg.arena_bytes, on_event=self.event)
         except OSError as e:
             raise BtbctlError(f"cannot create the arena of {cfg.arena_bytes} bytes: {e.strerror or e}") from None
+        from btbctl.engine.agent.peer import FAULT_ENV, SendFaults
+
+        try:
+            faults = SendFaults.from_env()
+        except ValueError as e:
+            raise ConfigError(FAULT_ENV, str(e)) from None
         self.peers = PeerService(self.store, cfg.secret, self.agent_id, self.event, self.metrics, cfg.peer_host,
-                                 cfg.peer_port, idle_timeout_s=cfg.idle_timeout_s)
+                                 cfg.peer_port, idle_timeout_s=cfg.idle_timeout_s, faults=faults)
         try:
             self.peer_port = self.peers.start()
         except OSError as e:

@@ -53,6 +53,44 @@ from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
 from btbctl.engine.copies import CopyState
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
 
+#: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
+#: of ``corrupt_wire=K`` (flip a byte of page K after its digest: the target's check must catch it),
+#: ``truncate=K`` (send page K one byte short), ``close_after=K`` (drop the connection after K pages, as a dying
+#: source would) and ``delay_s=X`` (sleep X seconds after each page).
+FAULT_ENV = "BTBCTL_AGENT_FAULT"
+
+
+@dataclass(frozen=True)
+class SendFaults:
+    """Faults a sending agent injects (tests only; see :data:`FAULT_ENV`)."""
+
+    corrupt_wire: int | None = None
+    truncate: int | None = None
+    close_after: int | None = None
+    delay_s: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> "SendFaults":
+        """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
+        kw: dict = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            key, sep, val = item.partition("=")
+            if not sep or key not in ("corrupt_wire", "truncate", "close_after", "delay_s"):
+                raise ValueError(f"bad fault item {item!r}; valid: corrupt_wire=K, truncate=K, close_after=K, "
+                                 "delay_s=X")
+            try:
+                kw[key] = float(val) if key == "delay_s" else int(val)
+            except ValueError:
+                raise ValueError(f"bad fault item {item!r}: {val!r} is not a number") from None
+        return cls(**kw)
+
+    @classmethod
+    def from_env(cls) -> "SendFaults | None":
+        import os
+
+        spec = os.environ.get(FAULT_ENV, "").strip()
+        return cls.parse(spec) if spec else None
+
 log = logging.getLogger("btbctl.agent")
 
 PROTOCOL_VERSION = 1
@@ -412,7 +450,8 @@ class PeerService:
     def __init__(self, store: PageStore, secret: bytes, agent_id: str, event: Callable[[str, dict], None],
                  metrics=None, host: str = "127.0.0.1", port: int = 0,
                  idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_copy_bytes: int | None = None,
-                 max_peer_bytes: int | None = None, connect_timeout_s: float = 5.0) -> None:
+                 max_peer_bytes: int | None = None, connect_timeout_s: float = 5.0,
+                 faults: SendFaults | None = None) -> None:
         if len(secret) < 16:
             raise ValueError("the fleet secret must be at least 16 bytes")
         self.store = store
@@ -426,6 +465,7 @@ class PeerService:
         self.connect_timeout_s = connect_timeout_s
         self.max_copy_bytes = max_copy_bytes if max_copy_bytes is not None else store.arena_bytes // 2
         self.max_peer_bytes = max_peer_bytes if max_peer_bytes is not None else store.arena_bytes // 2
+        self.faults = faults
         self.book = CopyBook()
         self.lock = threading.Lock()
         self.expects: dict[str, _Expect] = {}
@@ -603,14 +643,27 @@ class PeerService:
                 raise PeerError("malformed accept")
             st["state"] = CopyState.RUNNING.value
             sent = 0
-            for i in need:
+            for k, i in enumerate(need):
                 if cancel.is_set():
                     raise PeerError("cancelled")
                 got = src.wait(i, self.idle_timeout_s)
                 if got is None:
                     raise PeerError(f"source of page {i} failed or stalled")
                 data, digest = got
+                f = self.faults
+                if f is not None:
+                    if f.close_after is not None and k >= f.close_after:
+                        conn.sock.close()
+                        raise PeerError(f"fault injection dropped the connection after {f.close_after} pages")
+                    if f.corrupt_wire == i:
+                        bad = bytearray(data)
+                        bad[len(bad) // 2] ^= 0xFF
+                        data = memoryview(bytes(bad))
+                    if f.truncate == i:
+                        data = data[:-1]
                 conn.send_page(i, data, digest)
+                if f is not None and f.delay_s > 0:
+                    time.sleep(f.delay_s)
                 sent += len(data)
                 st["bytes_sent"] = sent
                 if rec.role == "source":
