@@ -124,6 +124,10 @@ class Agent:
             faults = SendFaults.from_env()
         except ValueError as e:
             raise ConfigError(FAULT_ENV, str(e)) from None
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, self.store.populate)
+        fut.add_done_callback(lambda f: self.event("arena_populated", {"seconds": round(f.result(), 3)})
+                              if not f.cancelled() and f.exception() is None else None)
         self.peers = PeerService(self.store, cfg.secret, self.agent_id, self.event, self.metrics, cfg.peer_host,
                                  cfg.peer_port, idle_timeout_s=cfg.idle_timeout_s, faults=faults)
         try:

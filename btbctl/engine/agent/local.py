@@ -193,7 +193,10 @@ class LocalServer:
             token, written = req.get("token"), req.get("written")
             if not isinstance(token, str) or not isinstance(written, list):
                 raise _Bad("commit needs token and written")
-            return {"ok": True, "committed": store.commit(token, [bool(w) for w in written])}
+            objs = [o for o in store.pending(token) if o is not None] if token in store.reservations else []
+            committed = store.commit(token, [bool(w) for w in written])
+            store.hash_later(o for o in objs if o.ready)
+            return {"ok": True, "committed": committed}
         raise _Bad(f"unknown op {op!r}; valid: hello, exists, get, release, put, commit")
 
 

@@ -33,6 +33,9 @@ import xxhash
 
 #: Alignment of every extent, bytes (the OS page: one-sided RDMA writes and memmove like page-aligned buffers).
 ALIGN_BYTES = 4096
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14, ``include/uapi/asm-generic/mman-common.h``): fill the page tables
+#: without touching the contents, so it may run while pages are written.
+MADV_POPULATE_WRITE = 23
 
 
 class NoRoom(Exception):
@@ -109,18 +112,24 @@ class PageStore:
     """Args:
         arena_bytes: the byte budget (size of the shared-memory arena), > 0.
         on_event: ``on_event(event, fields)`` for evictions (one call per batch).
+        allocate: allocate the whole arena up front (``posix_fallocate``): received pages then land in memory
+            that exists, instead of faulting every page in on first touch.
 
     Raises:
         OSError: the memfd cannot be created or sized.
     """
 
-    def __init__(self, arena_bytes: int, on_event: Callable[[str, dict], None] | None = None) -> None:
+    def __init__(self, arena_bytes: int, on_event: Callable[[str, dict], None] | None = None,
+                 allocate: bool = True) -> None:
         if arena_bytes < ALIGN_BYTES:
             raise ValueError(f"arena_bytes must be >= {ALIGN_BYTES}")
         self.arena_bytes = arena_bytes
         self.arena_id = secrets.token_hex(8)
         self.fd = os.memfd_create("btbctl-agent-arena", getattr(os, "MFD_CLOEXEC", 1))
         os.ftruncate(self.fd, arena_bytes)
+        if allocate:
+            # commit the budget now (a clear error at start instead of SIGBUS mid-copy when memory runs out)
+            os.posix_fallocate(self.fd, 0, arena_bytes)
         self.mm = mmap.mmap(self.fd, arena_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mm)
         self.lock = threading.RLock()
@@ -136,6 +145,20 @@ class PageStore:
         self._ids = itertools.count(1)
         self.evictions = 0
         self.evicted_bytes = 0
+        self._to_hash: list[Obj] = []
+        self._hash_wake = threading.Condition(self.lock)
+        self._hasher: threading.Thread | None = None
+        self._closed = False
+
+    def populate(self) -> float:
+        """Map every arena page into this process (``MADV_POPULATE_WRITE``; safe while pages are being written).
+        Returns the seconds it took (0 where the kernel lacks it)."""
+        t0 = time.monotonic()
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            return 0.0
+        return time.monotonic() - t0
 
     # -- accounting -------------------------------------------------------------------------------------------
 
@@ -348,6 +371,34 @@ class PageStore:
                 out.append(True)
             return out
 
+    def hash_later(self, token_objs: Iterable[Obj]) -> None:
+        """Compute these ready objects' digests in a background thread (so a later push does not pay for them)."""
+        with self.lock:
+            self._to_hash.extend(o for o in token_objs if o.digest is None)
+            if self._hasher is None:
+                self._hasher = threading.Thread(target=self._hash_loop, name="btbctl-agent-digests", daemon=True)
+                self._hasher.start()
+            self._hash_wake.notify()
+
+    def _hash_loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self._to_hash and not self._closed:
+                    self._hash_wake.wait()
+                if self._closed:
+                    return
+                o = self._to_hash.pop(0)
+                if not o.ready or o.digest is not None or self.ready.get(o.name) is not o:
+                    continue
+                o.pins += 1  # held while hashed: its extent cannot be reused meanwhile
+            try:
+                d = xxhash.xxh3_64_intdigest(self.view[o.offset:o.offset + o.size])
+            finally:
+                with self.lock:
+                    o.pins -= 1
+                    if o.digest is None:
+                        o.digest = d
+
     def abort(self, token: str) -> int:
         """Free a reservation's pending pages; returns bytes freed (0 for an unknown token)."""
         with self.lock:
@@ -399,6 +450,8 @@ class PageStore:
 
     def close(self) -> None:
         with self.lock:
+            self._closed = True
+            self._hash_wake.notify_all()
             try:
                 self.view.release()
                 self.mm.close()

@@ -136,34 +136,46 @@ def _mac(secret: bytes, *parts: bytes) -> str:
 
 
 class Conn:
-    """A blocking peer socket with an idle timeout and an optional deadline (monotonic seconds)."""
+    """A blocking peer socket with an idle timeout and an optional deadline (monotonic seconds).
+
+    The idle timeout is the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO``) on a blocking socket: each ``recv``/``send`` is
+    one system call, without the poll round trips of a Python-level socket timeout. The deadline is checked before
+    every receive call and before every send."""
 
     def __init__(self, sock: socket.socket, idle_timeout_s: float) -> None:
         self.sock = sock
-        self.idle_timeout_s = idle_timeout_s
+        sock.settimeout(None)
         self.deadline: float | None = None
         self._hbuf = bytearray(_HEAD.size)
         self._pbuf = bytearray(_PAGE.size)
+        self.idle_timeout_s = idle_timeout_s
 
-    def _timeout(self) -> float:
-        t = self.idle_timeout_s
-        if self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise PeerError("copy deadline passed")
-            t = min(t, left)
-        return t
+    @property
+    def idle_timeout_s(self) -> float:
+        return self._idle
+
+    @idle_timeout_s.setter
+    def idle_timeout_s(self, t: float) -> None:
+        self._idle = t
+        sec = int(t)
+        tv = struct.pack("ll", sec, int((t - sec) * 1e6))
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise PeerError("copy deadline passed")
 
     def recv_into(self, view: memoryview) -> None:
         got, n = 0, len(view)
-        sock = self.sock
+        recv = self.sock.recv_into
         while got < n:
-            sock.settimeout(self._timeout())
+            self._check_deadline()
             try:
-                k = sock.recv_into(view[got:])
-            except socket.timeout:
-                raise PeerError(f"peer idle for {self.idle_timeout_s} s or past the deadline "
-                                f"({got} of {n} bytes of a frame)") from None
+                k = recv(view[got:])
+            except (BlockingIOError, socket.timeout):
+                raise PeerError(f"peer idle for {self._idle} s ({got} of {n} bytes of a frame)") from None
             if k == 0:
                 raise PeerError(f"connection closed ({got} of {n} bytes of a frame)")
             got += k
@@ -195,15 +207,29 @@ class Conn:
         self.recv_into(memoryview(self._pbuf))
         return _PAGE.unpack(self._pbuf)
 
+    def _sendall(self, data) -> None:
+        self._check_deadline()
+        try:
+            self.sock.sendall(data)
+        except (BlockingIOError, socket.timeout):
+            raise PeerError(f"peer did not take data for {self._idle} s") from None
+
     def send_json(self, obj: dict) -> None:
         body = json.dumps(obj, separators=(",", ":")).encode()
-        self.sock.settimeout(self._timeout())
-        self.sock.sendall(_HEAD.pack(KIND_JSON, len(body)) + body)
+        self._sendall(_HEAD.pack(KIND_JSON, len(body)) + body)
 
     def send_page(self, index: int, data: memoryview, digest: int) -> None:
-        self.sock.settimeout(self._timeout())
-        self.sock.sendall(_HEAD.pack(KIND_PAGE, _PAGE.size + len(data)) + _PAGE.pack(index, digest))
-        self.sock.sendall(data)
+        head = _HEAD.pack(KIND_PAGE, _PAGE.size + len(data)) + _PAGE.pack(index, digest)
+        self._check_deadline()
+        try:
+            sent = self.sock.sendmsg([head, data])  # one system call for the header and (most of) the page
+        except (BlockingIOError, socket.timeout):
+            raise PeerError(f"peer did not take data for {self._idle} s") from None
+        if sent < len(head):
+            self._sendall(head[sent:])
+            sent = len(head)
+        if sent - len(head) < len(data):
+            self._sendall(data[sent - len(head):])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
