@@ -5,9 +5,11 @@ Pieces: :class:`~btbctl.engine.agent.pages.PageStore` (the arena), :class:`~btbc
 (Unix socket, threads), :class:`~btbctl.engine.agent.peer.PeerService` (TCP, threads),
 :func:`~btbctl.engine.agent.control.make_app` (HTTP control and ``/metrics``, asyncio).
 
-Transport: the peer data path is TCP (:mod:`btbctl.engine.agent.peer`). Where an RDMA device exists, ``--transport
-rdma`` says what is missing (the arena registration and write planning live in
-:mod:`btbctl.engine.replication.rdma` and are tested against a fake device layer); ``auto`` uses TCP here.
+Transport: the peer data path is TCP (:mod:`btbctl.engine.agent.peer`). RDMA into the arena (registration in
+slices below 4 GiB, WRITE planning, completions, verification before commit) lives in
+:mod:`btbctl.engine.replication.rdma` and is tested against a fake device layer; ``--transport auto`` probes for a
+device at start and logs why it uses TCP (no device here; where one exists, the pyverbs device layer for the
+arena is still missing), ``--transport rdma`` refuses to start with that reason.
 """
 
 from __future__ import annotations
@@ -150,6 +152,12 @@ class Agent:
         server = getattr(site, "_server", None)
         socks = server.sockets if server is not None else []
         self.control_port = socks[0].getsockname()[1] if socks else cfg.control_port
+        from btbctl.engine.replication.rdma import probe
+
+        rdma = probe() if cfg.transport == "auto" else "--transport tcp"
+        self.event("transport_selected", {"transport": "tcp", "rdma": "unavailable: " + rdma if rdma else
+                                          "devices present; the arena's pyverbs device layer is not part of this "
+                                          "build"})
         self.event("agent_started", {"agent": self.agent_id, "peer": f"{cfg.peer_host}:{self.peer_port}",
                                      "control": f"{cfg.control_host}:{self.control_port}",
                                      "socket": cfg.socket_path, "arena_bytes": cfg.arena_bytes, "transport": "tcp"})
