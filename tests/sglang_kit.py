@@ -26,6 +26,7 @@ import torch
 
 import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as _assembler
 import sglang.test.kits.unified_radix_cache.fixtures as _fixtures
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
@@ -90,8 +91,9 @@ def backend_config(socket: str, interface_v1: bool, **extra) -> dict:
 class Worker:
     """One SGLang HiCache worker (tree, controller, host pool) whose L3 is ``BtbL3Store`` on ``socket``."""
 
-    def __init__(self, socket: str, layout: str = "page_first", interface_v1: bool = True,
-                 policy: str = "wait_complete", model: str = "", **extra) -> None:
+    def __init__(self, socket: str | None, layout: str = "page_first", interface_v1: bool = True,
+                 policy: str = "wait_complete", model: str = "", file_dir: str | None = None, **extra) -> None:
+        """With ``file_dir``, the L3 backend is SGLang's stock ``file`` backend on that directory instead."""
         self.kit = _Kit()
         kit = self.kit
         self.cache, self.alloc, self.rtp = build_fixture(CFG)
@@ -100,13 +102,18 @@ class Worker:
         kit.addCleanup(po.__exit__, None, None, None)
         args = ServerArgs(model_path="dummy", served_model_name=model or None, page_size=CFG.page_size,
                           hicache_io_backend="kernel", hicache_mem_layout=layout, hicache_write_policy="write_through",
-                          hicache_storage_backend="dynamic",
-                          hicache_storage_backend_extra_config=json.dumps(backend_config(socket, interface_v1,
-                                                                                         **extra)),
+                          hicache_storage_backend="file" if file_dir else "dynamic",
+                          hicache_storage_backend_extra_config=json.dumps(
+                              {"prefetch_threshold": 1, **extra} if file_dir
+                              else backend_config(socket, interface_v1, **extra)),
                           hicache_storage_prefetch_policy=policy)
         set_global_server_args_for_scheduler(args)
         cache = self.cache
-        cache.init_hicache(args, cache.cache_init_params)
+        if file_dir:
+            with envs.SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR.override(file_dir):
+                cache.init_hicache(args, cache.cache_init_params)
+        else:
+            cache.init_hicache(args, cache.cache_init_params)
         atexit.unregister(cache.shutdown)
         kit.addCleanup(cache.release_host_resources)
         cache.write_through_threshold = 1 << 30

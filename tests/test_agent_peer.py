@@ -284,3 +284,46 @@ def test_timestamps_and_copy_states_are_the_shared_vocabulary(nodes):
     rec = src.final("s1", "source")
     assert rec["state"] in ("done", "failed", "running", "stalled")
     assert rec["finished_s"] >= rec["started_s"] > time.time() - 60
+
+
+def test_file_mode_copies_exactly_the_named_files(tmp_path, monkeypatch):
+    import os
+
+    dir_a, dir_b = tmp_path / "l3-a", tmp_path / "l3-b"
+    dir_a.mkdir()
+    keys = page_keys(list(range(40)), 8)
+    for i, k in enumerate(keys):
+        (dir_a / f"{k}_m_0_1.bin").write_bytes(os.urandom(1000 + i))
+        (dir_a / f"{k}_m_1_2.bin").write_bytes(b"other rank")  # another namespace: also present, not asked for
+    (dir_a / "unrelated.bin").write_bytes(b"x")
+    a = start_agent(tmp_path, "fa", extra=["--file-dir", str(dir_a)])
+    b = start_agent(tmp_path, "fb", extra=["--file-dir", str(dir_b)])
+    monkeypatch.setenv("BTBCTL_AGENT_FAULT", "corrupt_wire=2")
+    f = start_agent(tmp_path, "ff", extra=["--file-dir", str(dir_a)])
+    try:
+        st, have = a.call("POST", "/v1/has", {"keys": keys})
+        assert have["complete"] == ["_m_0_1", "_m_1_2"]
+        rec_f = f.call("POST", "/v1/push", {"copy_id": "f0", "keys": keys, "namespaces": ["_m_0_1"],
+                                            "targets": [{"addr": b.peer, "token": b.expect("f0", keys)}]})
+        assert rec_f[0] == 202 and b.wait_final("f0", "target")["state"] == "failed"
+        assert not dir_b.exists() or not any(dir_b.iterdir())  # a forged copy leaves no file, not even a temp one
+        st, rec = a.call("POST", "/v1/push", {"copy_id": "f1", "keys": keys, "namespaces": ["_m_0_1"],
+                                              "targets": [{"addr": b.peer, "token": b.expect("f1", keys)}]})
+        assert st == 202 and b.wait_final("f1", "target")["state"] == "done"
+        assert sorted(p.name for p in dir_b.iterdir()) == sorted(f"{k}_m_0_1.bin" for k in keys)
+        assert all((dir_b / p).read_bytes() == (dir_a / p).read_bytes() for p in os.listdir(dir_b))
+    finally:
+        for x in (a, b, f):
+            x.stop()
+
+
+def test_file_mode_refuses_names_that_are_not_page_files(tmp_path):
+    from btbctl.engine.agent.filedir import FileDirStore
+
+    st = FileDirStore(str(tmp_path / "d"), 1 << 20)
+    try:
+        assert st.valid_name("a" * 64 + "_m_0_1")
+        for bad in ("../../etc/passwd", "a" * 64 + "/../x", "a" * 63, "a" * 64 + "_..", "A" * 64):
+            assert not st.valid_name(bad), bad
+    finally:
+        st.close()

@@ -248,3 +248,30 @@ def test_agent_restart_is_survived_by_the_store(tmp_path):
             node2.stop()
     finally:
         w.close()
+
+
+def test_file_mode_agents_copy_sglangs_file_backend_pages_bit_exact(tmp_path):
+    """Fallback: SGLang's stock ``file`` backend on node-local directories, the agents copying exactly the files the
+    keys name."""
+    dir_a, dir_b = tmp_path / "l3-a", tmp_path / "l3-b"
+    dir_a.mkdir()
+    dir_b.mkdir()
+    fa = start_agent(tmp_path, "file-a", extra=["--file-dir", str(dir_a)])
+    fb = start_agent(tmp_path, "file-b", extra=["--file-dir", str(dir_b)])
+    seq = _seq()
+    keys = page_keys(seq, CFG.page_size)
+    wa, wb = Worker(None, file_dir=str(dir_a)), Worker(None, file_dir=str(dir_b))
+    try:
+        expected = wa.produce(seq, seed=21)
+        st, have = fa.call("POST", "/v1/has", {"keys": keys})
+        assert len(have["complete"]) == 1  # one rank's suffix, as SGLang named the files
+        assert wb.prefetch(seq)[0] == 0
+        rec = _copy(fa, fb, "c-file", keys, namespaces=have["complete"])
+        assert rec["state"] == "done" and len(list(dir_b.iterdir())) == PAGES
+        hit, _ = wb.prefetch(seq)
+        assert hit == len(seq) and wb.host_bytes(seq) == expected
+    finally:
+        wa.close()
+        wb.close()
+        fa.stop()
+        fb.stop()

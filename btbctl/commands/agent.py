@@ -28,6 +28,10 @@ def agent(
                                                     "logs (default: hostname-random).")] = None,
     idle_timeout_s: Annotated[float, typer.Option("--idle-timeout-s", help="Cut off a peer silent this long, "
                                                   "seconds.")] = 10.0,
+    file_dir: Annotated[Optional[str], typer.Option("--file-dir", help="File mode: copy the page files of SGLang's "
+                                                    "stock 'file' L3 backend in this (node-local) directory instead "
+                                                    "of serving BtbL3Store; --arena-mib then sizes the staging "
+                                                    "area.")] = None,
     transport: Annotated[str, typer.Option("--transport", help="auto, tcp or rdma (auto: RDMA where a device and "
                                            "the pyverbs layer exist, else TCP).")] = "auto",
 ) -> None:
@@ -54,4 +58,5 @@ def agent(
     token = read_secret(control_token_file, "control token file").decode() if control_token_file else None
     run(AgentConfig(socket_path=socket_path, arena_bytes=arena_mib << 20, secret=read_secret(secret_file),
                     peer_host=peer_host, peer_port=peer_port, control_host=control_host, control_port=control_port,
-                    control_token=token, agent_id=agent_id, idle_timeout_s=idle_timeout_s, transport=transport))
+                    control_token=token, agent_id=agent_id, idle_timeout_s=idle_timeout_s, transport=transport,
+                    file_dir=file_dir))

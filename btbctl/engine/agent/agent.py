@@ -52,6 +52,8 @@ class AgentConfig:
         agent_id: this agent's id (default: hostname and a random suffix).
         idle_timeout_s: peer connections silent this long are cut off.
         transport: ``auto``, ``tcp`` or ``rdma``.
+        file_dir: file mode (:mod:`~btbctl.engine.agent.filedir`): copy SGLang's ``file`` backend pages in this
+            directory instead of serving ``BtbL3Store`` (no local socket; the arena stages copies).
     """
 
     socket_path: str
@@ -65,6 +67,7 @@ class AgentConfig:
     agent_id: str | None = None
     idle_timeout_s: float = 10.0
     transport: str = "auto"
+    file_dir: str | None = None
 
 
 def read_secret(path: str, what: str = "secret file") -> bytes:
@@ -117,30 +120,38 @@ class Agent:
 
         cfg = self.cfg
         try:
-            self.store = PageStore(cfg.arena_bytes, on_event=self.event)
+            if cfg.file_dir is not None:
+                from btbctl.engine.agent.filedir import FileDirStore
+
+                self.store = FileDirStore(cfg.file_dir, cfg.arena_bytes, on_event=self.event)
+            else:
+                self.store = PageStore(cfg.arena_bytes, on_event=self.event)
         except OSError as e:
-            raise BtbctlError(f"cannot create the arena of {cfg.arena_bytes} bytes: {e.strerror or e}") from None
+            raise BtbctlError(f"cannot create the arena of {cfg.arena_bytes} bytes or the file directory: "
+                              f"{e.strerror or e}") from None
         from btbctl.engine.agent.peer import FAULT_ENV, SendFaults
 
         try:
             faults = SendFaults.from_env()
         except ValueError as e:
             raise ConfigError(FAULT_ENV, str(e)) from None
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, self.store.populate)
-        fut.add_done_callback(lambda f: self.event("arena_populated", {"seconds": round(f.result(), 3)})
-                              if not f.cancelled() and f.exception() is None else None)
+        if cfg.file_dir is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(None, self.store.populate)
+            fut.add_done_callback(lambda f: self.event("arena_populated", {"seconds": round(f.result(), 3)})
+                                  if not f.cancelled() and f.exception() is None else None)
         self.peers = PeerService(self.store, cfg.secret, self.agent_id, self.event, self.metrics, cfg.peer_host,
                                  cfg.peer_port, idle_timeout_s=cfg.idle_timeout_s, faults=faults)
         try:
             self.peer_port = self.peers.start()
         except OSError as e:
             raise BtbctlError(f"cannot listen for peers on {cfg.peer_host}:{cfg.peer_port}: {e.strerror or e}") from None
-        self.local = LocalServer(self.store, cfg.socket_path, on_event=self.event)
-        try:
-            self.local.start()
-        except OSError as e:
-            raise BtbctlError(f"cannot bind the local socket {cfg.socket_path}: {e.strerror or e}") from None
+        if cfg.file_dir is None:
+            self.local = LocalServer(self.store, cfg.socket_path, on_event=self.event)
+            try:
+                self.local.start()
+            except OSError as e:
+                raise BtbctlError(f"cannot bind the local socket {cfg.socket_path}: {e.strerror or e}") from None
         self._runner = web.AppRunner(make_app(self), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.control_host, cfg.control_port)
@@ -176,12 +187,14 @@ class Agent:
 
     def known_namespaces(self) -> list[str]:
         assert self.store is not None
+        if self.cfg.file_dir is not None:
+            return self.store.suffixes()  # type: ignore[attr-defined]
         with self.store.lock:
             return sorted(set(self.store.namespaces) | self.store.seen_namespaces)
 
     def has(self, keys: list[str], namespaces: list[str]) -> dict:
         assert self.store is not None
-        runs = {ns: self.store.leading_ready([f"{ns}.{k}" for k in keys]) for ns in namespaces}
+        runs = {ns: self.store.leading_ready([self.store.name_of(ns, k) for k in keys]) for ns in namespaces}
         return {"keys": len(keys), "namespaces": runs, "complete": [ns for ns, n in runs.items() if n == len(keys)]}
 
     def info(self) -> dict:

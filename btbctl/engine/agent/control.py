@@ -155,7 +155,7 @@ class _Handlers:
         if not nss or missing:
             raise _Err(409, f"this node does not hold all {len(keys)} pages"
                             + (f" in namespace {missing[0]}" if missing else " in any namespace"))
-        names = [f"{ns}.{k}" for ns in nss for k in keys]
+        names = [self.a.store.name_of(ns, k) for ns in nss for k in keys]
         try:
             rec = self.a.peers.push(body.get("copy_id"), names, fanout_plan(targets, fanout))
         except ValueError as e:
@@ -180,14 +180,14 @@ class _Handlers:
         if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 86400:
             raise _Err(400, "ttl_s must be a number of seconds in (0, 86400]")
         nss = _namespaces(body, self.a.known_namespaces())
-        ready = self.a.store.pin_for([f"{ns}.{k}" for ns in nss for k in keys], float(ttl))
+        ready = self.a.store.pin_for([self.a.store.name_of(ns, k) for ns in nss for k in keys], float(ttl))
         return web.json_response({"pinned": len(keys) * len(nss), "ready": ready})
 
     async def unpin(self, request: web.Request) -> web.Response:
         body = await _body(request)
         keys = _keys(body)
         nss = _namespaces(body, self.a.known_namespaces())
-        self.a.store.unpin([f"{ns}.{k}" for ns in nss for k in keys])
+        self.a.store.unpin([self.a.store.name_of(ns, k) for ns in nss for k in keys])
         return web.json_response({"unpinned": len(keys) * len(nss)})
 
 

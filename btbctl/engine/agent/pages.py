@@ -209,6 +209,23 @@ class PageStore:
             self.evicted_bytes += nbytes
             self.on_event("evicted", {"pages": len(evicted), "bytes": nbytes, "reason": reason})
 
+    # -- names ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def valid_name(name: str) -> bool:
+        """Whether ``name`` may name a page here (any string of 1..256 characters in the arena)."""
+        return isinstance(name, str) and 1 <= len(name) <= 256
+
+    @staticmethod
+    def name_of(ns: str, key: str) -> str:
+        """The object name of page ``key`` in namespace ``ns``."""
+        return f"{ns}.{key}"
+
+    @staticmethod
+    def key_of(name: str) -> str:
+        """The page key an object name carries."""
+        return name.rpartition(".")[2]
+
     # -- namespaces -------------------------------------------------------------------------------------------
 
     def register_namespace(self, ns_id: str, desc: dict) -> None:

@@ -771,8 +771,9 @@ class PeerService:
             raise PeerError("offer needs names and sizes of equal length")
         if not 1 <= len(names) <= MAX_COPY_PAGES:
             raise PeerError(f"a copy carries 1..{MAX_COPY_PAGES} pages, got {len(names)}")
-        if not all(isinstance(n, str) and 1 <= len(n) <= 256 for n in names):
-            raise PeerError("page names must be strings of 1..256 characters")
+        if not all(isinstance(n, str) and self.store.valid_name(n) for n in names):
+            raise PeerError("page names must be valid names of this store (1..256 characters; file mode: "
+                            "<page key><suffix>)")
         if not all(isinstance(s, int) and 1 <= s <= MAX_PAGE_BYTES for s in sizes):
             raise PeerError(f"page sizes must be 1..{MAX_PAGE_BYTES} bytes")
         if len(set(names)) != len(names):
@@ -788,7 +789,7 @@ class PeerService:
                 raise PeerError(f"copy id {copy_id} was already used")
             if exp.expires < time.monotonic():
                 raise PeerError(f"copy {copy_id} expired before it arrived")
-            if exp.keys is not None and any(n.rpartition(".")[2] not in exp.keys for n in names):
+            if exp.keys is not None and any(self.store.key_of(n) not in exp.keys for n in names):
                 raise PeerError(f"copy {copy_id} offers pages that were not expected")
             exp.used = True
         return copy_id, names, sizes, children, exp
@@ -917,8 +918,8 @@ class PeerService:
                 pages.fail()
             if relay is not None:
                 relay.join()
-            if committed:
-                store.unpin_objs([o for o in pend if o is not None] if children else [])
+            if committed and children:
+                store.unpin_objs([o for o in pend if o is not None])
             else:
                 store.abort(token)
             store.unpin_objs(held)
