@@ -327,3 +327,17 @@ def test_file_mode_refuses_names_that_are_not_page_files(tmp_path):
             assert not st.valid_name(bad), bad
     finally:
         st.close()
+
+
+def test_cancel_at_the_source_leaves_the_target_cold(nodes):
+    src = nodes("src", faults=SendFaults(delay_s=0.05))
+    dst = nodes("dst")
+    names = _names(40)
+    src.fill(names)
+    src.peers.push("x1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("x1")}], "star"))
+    wait_for(lambda: any(r.pages_done >= 2 for r in dst.peers.book.find("x1")), 10, "2 pages in")
+    assert src.peers.cancel("x1")
+    assert src.final("x1", "source")["state"] == "failed"
+    rec = dst.final("x1", "target")
+    assert rec["state"] == "failed" and dst.store.leading_ready(names) == 0
+    assert dst.store.stats()["pending_bytes"] == 0

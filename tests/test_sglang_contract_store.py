@@ -275,3 +275,63 @@ def test_file_mode_agents_copy_sglangs_file_backend_pages_bit_exact(tmp_path):
         wb.close()
         fa.stop()
         fb.stop()
+
+
+@pytest.mark.parametrize("interface_v1", [True, False], ids=["v1", "generic"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_mla_pages_round_trip_through_two_agents_bit_exact(agents, layout, interface_v1):
+    """MLA: SGLang's real ``MLATokenToKVPool`` (CPU) and ``MLATokenToKVPoolHost``; rank-replicated pages (no TP rank
+    in the namespace) go A's host pool -> A's agent -> B's agent -> B's host pool through ``BtbL3Store``."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    from btbctl.sglang_l3 import BtbL3Store
+
+    node_a, node_b = agents
+
+    def pool_and_store(agent, tp_rank):
+        dev = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16,
+                               layer_num=3, device="cpu", enable_memory_saver=False)
+        host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=2.0,
+                                    host_size=0, page_size=16, layout=layout, pin_memory=False,
+                                    device_capacity_tokens=dev.size, start_layer=dev.start_layer,
+                                    end_layer=dev.end_layer, target_layer_num=dev.layer_num,
+                                    override_kv_cache_dim=dev.kv_cache_dim)
+        cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                   is_mla_model=True, enable_storage_metrics=False,
+                                   is_page_first_layout=layout == "page_first", model_name="mla",
+                                   extra_config={"interface_v1": int(interface_v1), "agent_socket": agent.socket})
+        store = BtbL3Store(cfg, {})
+        store.register_mem_pool_host(host)
+        return host, store
+
+    host_a, store_a = pool_and_store(node_a, 0)  # rank 0 writes MLA pages
+    host_b, store_b = pool_and_store(node_b, 1)  # any rank reads them
+    assert store_a.ns_id == store_b.ns_id and store_a.namespace.tp_rank is None
+    seq = _seq(4)
+    keys = page_keys(seq, 16)
+    idx_a = host_a.alloc(64)
+    host_a.kv_buffer.copy_(torch.randn(host_a.kv_buffer.shape).to(host_a.kv_buffer.dtype))
+
+    def pages(host, idx):
+        return b"".join(host.get_data_page(int(idx[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+                        for i in range(0, len(idx), 16))
+
+    if interface_v1:
+        assert store_a.batch_set_v1(keys, idx_a) == [True] * 4
+    else:
+        assert store_a.batch_set(keys, [host_a.get_data_page(int(idx_a[i]), flat=True) for i in range(0, 64, 16)])
+    assert _copy(node_a, node_b, f"c-mla-{layout}-{interface_v1}", keys, namespaces=[store_a.ns_id])["state"] == "done"
+    idx_b = host_b.alloc(64)
+    if interface_v1:
+        assert store_b.batch_get_v1(keys, idx_b) == [True] * 4
+    else:
+        got = store_b.batch_get(keys, [host_b.get_dummy_flat_data_page() for _ in keys])
+        assert all(t is not None for t in got)
+        for i, t in enumerate(got):
+            host_b.set_from_flat_data_page(int(idx_b[i * 16]), t)
+    assert pages(host_b, idx_b) == pages(host_a, idx_a)
+    store_a.close()
+    store_b.close()
