@@ -119,6 +119,8 @@ MAX_COPIES_PER_PEER = 4
 MAX_INBOUND_COPIES = 64
 #: An expectation not used within this many seconds is forgotten (default ttl of ``expect``).
 DEFAULT_EXPECT_TTL_S = 300.0
+#: Most copies expected at once (each costs a few hundred bytes).
+MAX_EXPECTS = 100_000
 #: Copy records kept for progress queries.
 MAX_RECORDS = 4096
 _AUTH_LABEL = b"btbctl-agent-auth-v1"
@@ -555,8 +557,12 @@ class PeerService:
             raise ValueError(str(e)) from None
         now = time.monotonic()
         with self.lock:
-            for cid in [c for c, e in self.expects.items() if e.expires < now and not e.used]:
+            # unused ones go at their expiry; used ones (kept so that their id cannot be replayed) one ttl later
+            for cid in [c for c, e in self.expects.items()
+                        if e.expires < now and (not e.used or e.expires < now - DEFAULT_EXPECT_TTL_S)]:
                 del self.expects[cid]
+            if len(self.expects) >= MAX_EXPECTS:
+                raise ValueError(f"{len(self.expects)} copies are expected already (limit {MAX_EXPECTS})")
             if copy_id in self.expects:
                 raise ValueError(f"copy id {copy_id!r} is already expected or used")
             token = secrets.token_hex(16)
