@@ -449,6 +449,56 @@ class InboundPages(PageSource):
         return self.store.read(off, self.sizes[i]), dig
 
 
+class _Verifier:
+    """Checks the xxh3_64 of received pages in a second thread, so hashing page i overlaps receiving page i+1
+    (xxhash releases the GIL on large inputs). A page counts as arrived (relays may forward it, the record counts
+    it) only once verified; :meth:`finish` waits for every queued page and raises the first mismatch."""
+
+    def __init__(self, store: PageStore, pages: InboundPages, names: list[str], rec: "CopyRecord", metrics) -> None:
+        import queue
+
+        self.store, self.pages, self.names, self.rec, self.metrics = store, pages, names, rec, metrics
+        self.q: queue.Queue = queue.Queue()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="btbctl-verify", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            i, off, size, digest = item
+            if self.error is not None:
+                continue
+            if xxhash.xxh3_64_intdigest(self.store.read(off, size)) != digest:
+                self.error = f"page {i} ({self.names[i]}): xxh3_64 mismatch (corrupted or forged)"
+                continue
+            self.pages.set(i, off, digest)
+            self.rec.pages_done += 1
+            self.rec.bytes_done += size
+            if self.metrics is not None:
+                self.metrics.pages.labels("in").inc()
+                self.metrics.bytes.labels("in").inc(size)
+
+    def check(self, i: int, off: int, size: int, digest: int) -> None:
+        """Queue page ``i`` for verification; raises :class:`PeerError` if an earlier page failed."""
+        if self.error is not None:
+            raise PeerError(self.error)
+        self.q.put((i, off, size, digest))
+
+    def finish(self) -> None:
+        """Wait until every queued page is checked. Raises :class:`PeerError` on a mismatch."""
+        self.stop()
+        if self.error is not None:
+            raise PeerError(self.error)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.q.put(None)
+            self.thread.join()
+
+
 # -- the service --------------------------------------------------------------------------------------------------
 
 
@@ -870,6 +920,7 @@ class PeerService:
         conn.deadline = t0 + DEADLINE_BASE_S + total / MIN_RATE_BYTES_PER_S
         outcome, error = CopyState.FAILED, None
         committed = False
+        verifier = _Verifier(store, pages, names, rec, self.metrics)
         try:
             conn.send_json({"op": "accept", "need": need})
             for k, i in enumerate(need):
@@ -889,19 +940,12 @@ class PeerService:
                     raise PeerError(f"page {i}: {size} bytes where {sizes[i]} were offered (truncated or forged)")
                 o = pend[i]
                 assert o is not None
-                view = store.read(o.offset, size)
-                conn.recv_into(view)
-                if xxhash.xxh3_64_intdigest(view) != digest:
-                    raise PeerError(f"page {i} ({names[i]}): xxh3_64 mismatch (corrupted or forged)")
-                pages.set(i, o.offset, digest)
-                rec.pages_done += 1
-                rec.bytes_done += size
-                if self.metrics is not None:
-                    self.metrics.pages.labels("in").inc()
-                    self.metrics.bytes.labels("in").inc(size)
+                conn.recv_into(store.read(o.offset, size))
+                verifier.check(i, o.offset, size, digest)
             end = conn.recv_json()
             if end.get("op") != "end":
                 raise PeerError(f"expected end, got {end.get('op')!r}")
+            verifier.finish()
             if cancel.is_set():
                 raise PeerError("cancelled")
             digests = [pages.slots[i][1] if pages.slots[i] else None for i in range(len(names))]
@@ -919,6 +963,7 @@ class PeerService:
                     conn.deadline = None
                     conn.send_json({"op": "refuse", "error": error})
         finally:
+            verifier.stop()
             self._track(copy_id, conn, False)
             if outcome is not CopyState.DONE:
                 pages.fail()
