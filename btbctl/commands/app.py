@@ -42,7 +42,7 @@ def _register() -> None:
     import importlib
 
     for mod in ("trace", "presets", "dryrun", "worker", "gateway", "tui", "fleet", "steer", "bench", "sweep", "report",
-                "logs", "doctor"):
+                "logs", "doctor", "agent"):
         importlib.import_module(f"btbctl.commands.{mod}")
 
 

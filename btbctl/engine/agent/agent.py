@@ -1,0 +1,235 @@
+"""``btbctl agent``: one per node. Owns the node's page store, serves the local ``BtbL3Store`` instances, copies
+pages to and from peer agents, and answers the control API.
+
+Pieces: :class:`~btbctl.engine.agent.pages.PageStore` (the arena), :class:`~btbctl.engine.agent.local.LocalServer`
+(Unix socket, threads), :class:`~btbctl.engine.agent.peer.PeerService` (TCP, threads),
+:func:`~btbctl.engine.agent.control.make_app` (HTTP control and ``/metrics``, asyncio).
+
+Transport: the peer data path is TCP (:mod:`btbctl.engine.agent.peer`). RDMA into the arena (registration in
+slices below 4 GiB, WRITE planning, completions, verification before commit) lives in
+:mod:`btbctl.engine.replication.rdma` and is tested against a fake device layer; ``--transport auto`` probes for a
+device at start and logs why it uses TCP (no device here; where one exists, the pyverbs device layer for the
+arena is still missing), ``--transport rdma`` refuses to start with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+from dataclasses import dataclass
+
+from btbctl.engine.agent.events import AgentMetrics
+from btbctl.engine.agent.local import LocalServer
+from btbctl.engine.agent.pages import PageStore
+from btbctl.engine.agent.peer import PeerService
+from btbctl.engine.errors import BtbctlError, ConfigError
+
+log = logging.getLogger("btbctl.agent")
+
+#: Default Unix socket of the local stores (``btbctl.sglang_l3.store.DEFAULT_AGENT_SOCKET``).
+DEFAULT_SOCKET = "/run/btbctl/agent.sock"
+#: Smallest fleet secret, bytes (128 bits).
+MIN_SECRET_BYTES = 16
+TRANSPORTS = ("auto", "tcp", "rdma")
+
+
+@dataclass
+class AgentConfig:
+    """Settings of one agent.
+
+    Attributes:
+        socket_path: Unix socket for the local stores.
+        arena_bytes: byte budget of the page store.
+        peer_host, peer_port: where peers connect (port 0 = ephemeral).
+        control_host, control_port: the HTTP control API and ``/metrics`` (loopback by default).
+        secret: the fleet secret (bytes).
+        control_token: bearer token of the control API (None: no token; only sensible on a private loopback).
+        agent_id: this agent's id (default: hostname and a random suffix).
+        idle_timeout_s: peer connections silent this long are cut off.
+        transport: ``auto``, ``tcp`` or ``rdma``.
+        file_dir: file mode (:mod:`~btbctl.engine.agent.filedir`): copy SGLang's ``file`` backend pages in this
+            directory instead of serving ``BtbL3Store`` (no local socket; the arena stages copies).
+    """
+
+    socket_path: str
+    arena_bytes: int
+    secret: bytes
+    peer_host: str = "127.0.0.1"
+    peer_port: int = 0
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    control_token: str | None = None
+    agent_id: str | None = None
+    idle_timeout_s: float = 10.0
+    transport: str = "auto"
+    file_dir: str | None = None
+
+
+def read_secret(path: str, what: str = "secret file") -> bytes:
+    """The secret in ``path`` (surrounding whitespace stripped). Raises :class:`ConfigError` naming the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 16).strip()
+    except OSError as e:
+        raise ConfigError("--secret-file" if "secret" in what else "--control-token-file",
+                          f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) < MIN_SECRET_BYTES:
+        raise ConfigError("--secret-file" if "secret" in what else "--control-token-file",
+                          f"{path} holds {len(data)} bytes; at least {MIN_SECRET_BYTES} are needed")
+    return data
+
+
+class Agent:
+    """A running agent (see the module docstring). Build with a config, then :meth:`start` in a running event loop
+    and :meth:`close`."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        if cfg.transport not in TRANSPORTS:
+            raise ConfigError("--transport", f"unknown transport {cfg.transport!r}; valid: {', '.join(TRANSPORTS)}")
+        if cfg.transport == "rdma":
+            from btbctl.engine.replication.rdma import probe
+
+            reason = probe() or "the agent's RDMA peer path needs a pyverbs device layer, not part of this build"
+            raise BtbctlError(f"RDMA unavailable: {reason}; use --transport tcp")
+        if cfg.arena_bytes < (1 << 20):
+            raise ConfigError("--arena-mib", "the arena must be at least 1 MiB")
+        self.cfg = cfg
+        self.agent_id = cfg.agent_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        self.control_token = cfg.control_token
+        self.store: PageStore | None = None
+        self.metrics = AgentMetrics(lambda: self.store.stats())  # type: ignore[union-attr]
+        self.local: LocalServer | None = None
+        self.peers: PeerService | None = None
+        self._runner = None
+        self.control_port = 0
+        self.peer_port = 0
+
+    def event(self, name: str, fields: dict) -> None:
+        self.metrics.event(name, fields)
+
+    async def start(self) -> None:
+        """Create the arena, bind the three endpoints. Raises :class:`BtbctlError` naming what failed."""
+        from aiohttp import web
+
+        from btbctl.engine.agent.control import make_app
+
+        cfg = self.cfg
+        try:
+            if cfg.file_dir is not None:
+                from btbctl.engine.agent.filedir import FileDirStore
+
+                self.store = FileDirStore(cfg.file_dir, cfg.arena_bytes, on_event=self.event)
+            else:
+                self.store = PageStore(cfg.arena_bytes, on_event=self.event)
+        except OSError as e:
+            raise BtbctlError(f"cannot create the arena of {cfg.arena_bytes} bytes or the file directory: "
+                              f"{e.strerror or e}") from None
+        from btbctl.engine.agent.peer import FAULT_ENV, SendFaults
+
+        try:
+            faults = SendFaults.from_env()
+        except ValueError as e:
+            raise ConfigError(FAULT_ENV, str(e)) from None
+        if cfg.file_dir is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(None, self.store.populate)
+            fut.add_done_callback(lambda f: self.event("arena_populated", {"seconds": round(f.result(), 3)})
+                                  if not f.cancelled() and f.exception() is None else None)
+        self.peers = PeerService(self.store, cfg.secret, self.agent_id, self.event, self.metrics, cfg.peer_host,
+                                 cfg.peer_port, idle_timeout_s=cfg.idle_timeout_s, faults=faults)
+        try:
+            self.peer_port = self.peers.start()
+        except OSError as e:
+            raise BtbctlError(f"cannot listen for peers on {cfg.peer_host}:{cfg.peer_port}: {e.strerror or e}") from None
+        if cfg.file_dir is None:
+            self.local = LocalServer(self.store, cfg.socket_path, on_event=self.event)
+            try:
+                self.local.start()
+            except OSError as e:
+                raise BtbctlError(f"cannot bind the local socket {cfg.socket_path}: {e.strerror or e}") from None
+        self._runner = web.AppRunner(make_app(self), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.control_host, cfg.control_port)
+        try:
+            await site.start()
+        except OSError as e:
+            raise BtbctlError(f"cannot listen for control on {cfg.control_host}:{cfg.control_port}: "
+                              f"{e.strerror or e}") from None
+        server = getattr(site, "_server", None)
+        socks = server.sockets if server is not None else []
+        self.control_port = socks[0].getsockname()[1] if socks else cfg.control_port
+        from btbctl.engine.replication.rdma import probe
+
+        rdma = probe() if cfg.transport == "auto" else "--transport tcp"
+        self.event("transport_selected", {"transport": "tcp", "rdma": "unavailable: " + rdma if rdma else
+                                          "devices present; the arena's pyverbs device layer is not part of this "
+                                          "build"})
+        self.event("agent_started", {"agent": self.agent_id, "peer": f"{cfg.peer_host}:{self.peer_port}",
+                                     "control": f"{cfg.control_host}:{self.control_port}",
+                                     "socket": cfg.socket_path, "arena_bytes": cfg.arena_bytes, "transport": "tcp"})
+
+    async def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+        if self.peers is not None:
+            self.peers.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.store is not None:
+            self.store.close()
+
+    # -- queries used by the control API ---------------------------------------------------------------------
+
+    def known_namespaces(self) -> list[str]:
+        assert self.store is not None
+        if self.cfg.file_dir is not None:
+            return self.store.suffixes()  # type: ignore[attr-defined]
+        with self.store.lock:
+            return sorted(set(self.store.namespaces) | self.store.seen_namespaces)
+
+    def has(self, keys: list[str], namespaces: list[str]) -> dict:
+        assert self.store is not None
+        runs = {ns: self.store.leading_ready([self.store.name_of(ns, k) for k in keys]) for ns in namespaces}
+        return {"keys": len(keys), "namespaces": runs, "complete": [ns for ns, n in runs.items() if n == len(keys)]}
+
+    def info(self) -> dict:
+        assert self.store is not None
+        return {"agent": self.agent_id, "peer_addr": f"{self.cfg.peer_host}:{self.peer_port}",
+                "control_port": self.control_port, "socket": self.cfg.socket_path, "transport": "tcp",
+                "store": self.store.stats(), "namespaces": dict(self.store.namespaces),
+                "seen_namespaces": sorted(self.store.seen_namespaces)}
+
+
+def run(cfg: AgentConfig, ready_line: bool = True) -> None:
+    """Run an agent until SIGINT/SIGTERM. Prints ``ready peer HOST:PORT control HOST:PORT socket PATH`` on stdout
+    once listening."""
+
+    async def main() -> None:
+        agent = Agent(cfg)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        try:
+            await agent.start()
+            if ready_line:
+                print(f"ready peer {cfg.peer_host}:{agent.peer_port} control {cfg.control_host}:{agent.control_port} "
+                      f"socket {cfg.socket_path}", flush=True)
+            await stop.wait()
+        finally:
+            await agent.close()
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if os.environ.get("BTBCTL_DEBUG", "") not in ("", "0"):
+        logging.getLogger("btbctl").setLevel(logging.DEBUG)
+    asyncio.run(main())
+
+
+__all__ = ["Agent", "AgentConfig", "DEFAULT_SOCKET", "MIN_SECRET_BYTES", "TRANSPORTS", "read_secret", "run"]

@@ -1,0 +1,89 @@
+"""The agent's structured log lines and Prometheus metrics.
+
+Every state change is one log line ``event=<name> key=value ...`` on the ``btbctl.agent`` logger (values with spaces
+are quoted): copies accepted/refused (with the reason), started, finished (outcome, pages, bytes, duration),
+evictions, authentication failures, local writes refused.
+
+Metrics (their own registry, served at the control endpoint's ``/metrics``):
+
+* ``btbctl_agent_pages_total{direction}`` and ``btbctl_agent_bytes_total{direction}``: pages/bytes sent (``out``) and
+  received and verified (``in``) over peer copies;
+* ``btbctl_agent_copies_total{role,outcome}``: copies by role (``source``, ``target``) and outcome (``done``,
+  ``failed``, ``refused``);
+* ``btbctl_agent_copy_duration_seconds{role}``: histogram of finished copies' durations;
+* ``btbctl_agent_evictions_total``, ``btbctl_agent_evicted_bytes_total``: LRU evictions;
+* ``btbctl_agent_auth_failures_total``: peers that failed authentication;
+* ``btbctl_agent_arena_bytes``, ``btbctl_agent_used_bytes``, ``btbctl_agent_ready_pages``: the store's use (gauges
+  read at scrape time).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("btbctl.agent")
+
+#: Copy-duration histogram buckets, seconds (a 16k-token prefix of a 70B model is 5 GiB: 0.1 s over RDMA, seconds
+#: over TCP).
+DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def _fmt(v: object) -> str:
+    s = str(v)
+    if not s or any(c in s for c in " \t\"=\n"):
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+    return s
+
+
+def format_event(event: str, fields: dict) -> str:
+    """``event=<event> k=v ...`` (one line)."""
+    return " ".join([f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None])
+
+
+class AgentMetrics:
+    """The agent's metrics and event sink. ``stats`` is a callable returning the store's :meth:`PageStore.stats`."""
+
+    def __init__(self, stats: Callable[[], dict] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.pages = Counter("btbctl_agent_pages", "Pages moved by peer copies", ["direction"], registry=r)
+        self.bytes = Counter("btbctl_agent_bytes", "Bytes moved by peer copies", ["direction"], registry=r)
+        self.copies = Counter("btbctl_agent_copies", "Copies by role and outcome", ["role", "outcome"], registry=r)
+        self.duration = Histogram("btbctl_agent_copy_duration_seconds", "Duration of finished copies", ["role"],
+                                  buckets=DURATION_BUCKETS_S, registry=r)
+        self.evictions = Counter("btbctl_agent_evictions", "Pages evicted (LRU)", registry=r)
+        self.evicted_bytes = Counter("btbctl_agent_evicted_bytes", "Bytes evicted (LRU)", registry=r)
+        self.auth_failures = Counter("btbctl_agent_auth_failures", "Peers that failed authentication", registry=r)
+        self._stats = stats
+        if stats is not None:
+            for name, key, doc in (("btbctl_agent_arena_bytes", "arena_bytes", "Arena size (byte budget)"),
+                                   ("btbctl_agent_used_bytes", "used_bytes", "Arena bytes in use (ready + pending)"),
+                                   ("btbctl_agent_ready_pages", "ready_pages", "Pages ready to serve")):
+                g = Gauge(name, doc, registry=r)
+                g.set_function(lambda key=key: float(self._stats()[key]))
+
+    def event(self, event: str, fields: dict) -> None:
+        """Log one structured line and update the counters the event implies."""
+        log.info("%s", format_event(event, fields))
+        if event == "evicted":
+            self.evictions.inc(fields.get("pages", 0))
+            self.evicted_bytes.inc(fields.get("bytes", 0))
+        elif event == "auth_failed":
+            self.auth_failures.inc()
+        elif event == "copy_refused":
+            self.copies.labels(fields.get("role", "target"), "refused").inc()
+        elif event == "copy_finished":
+            role = fields.get("role", "target")
+            self.copies.labels(role, fields.get("outcome", "failed")).inc()
+            if fields.get("duration_s") is not None:
+                self.duration.labels(role).observe(float(fields["duration_s"]))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+__all__ = ["AgentMetrics", "DURATION_BUCKETS_S", "format_event"]

@@ -1,0 +1,176 @@
+"""File mode: the agent as the copier of SGLang's stock ``file`` HiCache backend (a fallback to ``BtbL3Store``).
+
+SGLang 0.5.23's ``HiCacheFile`` (``srt/mem_cache/hicache_storage.py:728-800``) keeps one file per page in a
+directory (``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` or the ``file_storage_path`` extra-config key), named
+``<page key><suffix>.bin`` with ``suffix = _<model>_<tp_rank>_<tp_size>`` (MLA: ``_<model>``), written to a temp file
+and ``os.replace``-d. With ``btbctl agent --file-dir DIR`` (a node-local tmpfs directory), the agent's pages are
+those files: object names are the file stems, a namespace is a suffix, and a copy moves exactly the files named by
+the keys. Inbound pages are staged in the arena, verified like any copy, and written (temp file, then
+``os.replace``) only at commit, so a failed copy leaves no file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from typing import Sequence
+
+from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
+
+_NAME = re.compile(r"^[0-9a-f]{64}[A-Za-z0-9_.+-]{0,160}$")
+
+
+class FileDirStore(PageStore):
+    """A :class:`PageStore` whose ready pages are the ``.bin`` files of ``directory``; the arena (``arena_bytes``)
+    stages pages being sent or received.
+
+    Raises:
+        OSError: the directory cannot be created.
+    """
+
+    def __init__(self, directory: str, arena_bytes: int, on_event=None) -> None:
+        super().__init__(arena_bytes, on_event=on_event, allocate=False)
+        os.makedirs(directory, exist_ok=True)
+        self.directory = directory
+        self._staged: dict[int, Obj] = {}  # id(obj) -> staging object of a send
+
+    # -- names --------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def valid_name(name: str) -> bool:
+        return isinstance(name, str) and bool(_NAME.match(name)) and ".." not in name
+
+    @staticmethod
+    def name_of(ns: str, key: str) -> str:
+        return key + ns
+
+    @staticmethod
+    def key_of(name: str) -> str:
+        return name[:64]
+
+    def _path(self, name: str) -> str:
+        if not self.valid_name(name):
+            raise ValueError(f"bad page file name {name!r}")
+        return os.path.join(self.directory, name + ".bin")
+
+    def suffixes(self) -> list[str]:
+        """The namespaces present: every suffix after a 64-character key among the ``.bin`` files."""
+        out = set()
+        with os.scandir(self.directory) as it:
+            for e in it:
+                if e.name.endswith(".bin") and self.valid_name(e.name[:-4]):
+                    out.add(e.name[64:-4])
+        return sorted(out)
+
+    # -- reads ----------------------------------------------------------------------------------------------------
+
+    def leading_ready(self, names: Sequence[str], size: int | None = None) -> int:
+        n = 0
+        for name in names:
+            try:
+                st = os.stat(self._path(name))
+            except (OSError, ValueError):
+                break
+            if size is not None and st.st_size != size:
+                break
+            n += 1
+        return n
+
+    def pin_ready(self, names: Sequence[str]) -> list[Obj | None]:
+        """Stage each existing file in the arena for sending (None for missing files)."""
+        out: list[Obj | None] = []
+        try:
+            for name in names:
+                try:
+                    with open(self._path(name), "rb") as f:
+                        data = f.read()
+                except (OSError, ValueError):
+                    out.append(None)
+                    continue
+                with self.lock:
+                    off = self._alloc(len(data), [])
+                self.write(off, data)
+                o = Obj(name=name, offset=off, size=len(data), ready=True, pins=1)
+                self._staged[id(o)] = o
+                out.append(o)
+        except NoRoom:
+            self.unpin_objs(out)
+            raise
+        return out
+
+    def unpin_objs(self, objs) -> None:
+        with self.lock:
+            for o in objs:
+                if o is not None and self._staged.pop(id(o), None) is not None:
+                    self.alloc.free(o.offset, o.size)
+
+    def digest_of(self, o: Obj) -> int:
+        import xxhash
+
+        if o.digest is None:
+            o.digest = xxhash.xxh3_64_intdigest(self.view[o.offset:o.offset + o.size])
+        return o.digest
+
+    # -- writes -----------------------------------------------------------------------------------------------------
+
+    def reserve(self, names, sizes, owner, *, all_or_none, skip_ready=True):
+        if not all(self.valid_name(n) for n in names):
+            raise NoRoom("page names are not file names of SGLang's file backend")
+        present = {n for n in names if skip_ready and self.leading_ready([n]) == 1}
+        with self.lock:
+            objs, offsets = [], []
+            try:
+                for name, size in zip(names, sizes):
+                    if name in present:
+                        objs.append(None)
+                        offsets.append(-1)
+                        continue
+                    off = self._alloc(size, [])
+                    objs.append(Obj(name=name, offset=off, size=size, owner=owner))
+                    offsets.append(off)
+            except NoRoom:
+                for o in objs:
+                    if o is not None:
+                        self.alloc.free(o.offset, o.size)
+                raise NoRoom(f"staging area of {self.arena_bytes} bytes is too small for this copy") from None
+            from btbctl.engine.agent.pages import _Reservation
+
+            token = secrets.token_hex(8)
+            self.reservations[token] = _Reservation(owner, objs)
+            return token, offsets
+
+    def commit(self, token, written=None, digests=None):
+        with self.lock:
+            res = self.reservations.pop(token, None)
+        if res is None:
+            return []
+        out = []
+        for i, o in enumerate(res.objs):
+            if o is None:
+                out.append(True)
+                continue
+            ok = written is None or bool(written[i])
+            if ok:
+                path = self._path(o.name)
+                tmp = os.path.join(self.directory, f".btbctl-{secrets.token_hex(8)}.tmp")
+                with open(tmp, "wb") as f:
+                    f.write(self.view[o.offset:o.offset + o.size])
+                os.replace(tmp, path)
+                self.seen_namespaces.add(o.name[64:])
+            with self.lock:
+                if o.pins > 0:  # a relay still reads it: freed by unpin_objs
+                    self._staged[id(o)] = o
+                else:
+                    self.alloc.free(o.offset, o.size)
+            out.append(ok)
+        return out
+
+    def pin_for(self, names, ttl_s):
+        return self.leading_ready(names)
+
+    def unpin(self, names) -> None:
+        return None
+
+
+__all__ = ["FileDirStore"]

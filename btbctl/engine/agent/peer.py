@@ -1,0 +1,985 @@
+"""Agent-to-agent page copies over TCP: authentication, the copy protocol, fan-out, bounds and deadlines.
+
+Wire (one copy per connection; integers big-endian). Every frame is ``u8 kind | u32 length | body``:
+kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64(payload) | payload``.
+
+1. **Authentication first** (mutual HMAC-SHA256 challenge-response over the fleet secret; nothing else is read
+   before it succeeds, pre-auth frames are at most :data:`MAX_PREAUTH_BYTES` and must arrive within
+   :data:`AUTH_TIMEOUT_S`)::
+
+       target -> source  J {"op": "challenge", "v": 1, "nonce": n_t, "agent": id_t}
+       source -> target  J {"op": "auth", "nonce": n_s, "agent": id_s, "mac": HMAC(secret, "client" | n_t | n_s | id_s | id_t)}
+       target -> source  J {"op": "auth_ok", "mac": HMAC(secret, "server" | n_s | n_t | id_t | id_s)}
+
+   A failed check closes the connection with one ``auth_failed`` log line; the source checks the target's MAC too.
+2. **Offer**: ``J {"op": "offer", "copy_id", "token", "names": [...], "sizes": [...], "children": [...]}``. The
+   target accepts only a copy id it was told to expect (``expect`` on its control API, which returned ``token``),
+   with that token (constant-time compare), once: a second offer of the same id, an unknown id or a wrong token is
+   refused. Then bounds: pages, bytes per copy, copies and bytes per peer. Only then is room reserved (all pages or
+   none; pages it already holds are skipped) and the pages marked pending. Reply ``J {"op": "accept", "need":
+   [indices]}`` or ``J {"op": "refuse", "error"}``.
+3. **Pages**: one ``P`` frame per needed index, in order. The target reads each payload straight into its
+   reserved arena slot and checks its length and xxh3_64; a forged, truncated or out-of-order page ends the copy
+   (refused with the reason, reservation freed).
+4. **End**: ``J {"op": "end"}``; the target commits the pages only when every needed page arrived and verified,
+   and answers ``J {"op": "done", "pages", "bytes"}``. Anything else (connection lost, idle for
+   ``idle_timeout_s``, past the copy's deadline ``DEADLINE_BASE_S + bytes / MIN_RATE_BYTES_PER_S``, cancelled)
+   frees the reservation: the target stays cold.
+
+Fan-out: an offer may carry ``children`` (each ``{"addr", "token", "children"}``); the target relays every page to
+them as soon as it verified it (cut-through), so a chain or tree spreads the copy without the source's NIC
+carrying every replica. :func:`fanout_plan` builds ``chain``, ``tree`` (binary) or ``star`` plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import xxhash
+
+from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
+from btbctl.engine.copies import CopyState
+from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
+
+#: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
+#: of ``corrupt_wire=K`` (flip a byte of page K after its digest: the target's check must catch it),
+#: ``truncate=K`` (send page K one byte short), ``close_after=K`` (drop the connection after K pages, as a dying
+#: source would) and ``delay_s=X`` (sleep X seconds after each page).
+FAULT_ENV = "BTBCTL_AGENT_FAULT"
+
+
+@dataclass(frozen=True)
+class SendFaults:
+    """Faults a sending agent injects (tests only; see :data:`FAULT_ENV`)."""
+
+    corrupt_wire: int | None = None
+    truncate: int | None = None
+    close_after: int | None = None
+    delay_s: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> "SendFaults":
+        """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
+        kw: dict = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            key, sep, val = item.partition("=")
+            if not sep or key not in ("corrupt_wire", "truncate", "close_after", "delay_s"):
+                raise ValueError(f"bad fault item {item!r}; valid: corrupt_wire=K, truncate=K, close_after=K, "
+                                 "delay_s=X")
+            try:
+                kw[key] = float(val) if key == "delay_s" else int(val)
+            except ValueError:
+                raise ValueError(f"bad fault item {item!r}: {val!r} is not a number") from None
+        return cls(**kw)
+
+    @classmethod
+    def from_env(cls) -> "SendFaults | None":
+        import os
+
+        spec = os.environ.get(FAULT_ENV, "").strip()
+        return cls.parse(spec) if spec else None
+
+log = logging.getLogger("btbctl.agent")
+
+PROTOCOL_VERSION = 1
+_HEAD = struct.Struct(">BI")
+_PAGE = struct.Struct(">IQ")
+KIND_JSON = ord("J")
+KIND_PAGE = ord("P")
+#: Largest frame before authentication, bytes.
+MAX_PREAUTH_BYTES = 4096
+#: Seconds a peer has to authenticate.
+AUTH_TIMEOUT_S = 5.0
+#: Largest JSON frame after authentication, bytes (an offer of 65,536 names of 81 characters is about 6 MB).
+MAX_JSON_BYTES = 16 << 20
+#: Most pages in one copy (65,536 pages of 64 tokens = 4M tokens, beyond any context).
+MAX_COPY_PAGES = 1 << 16
+#: Largest page, bytes.
+MAX_PAGE_BYTES = 1 << 30
+#: Copy deadline = DEADLINE_BASE_S + bytes / MIN_RATE_BYTES_PER_S (a product choice: kernel TCP moves ~1 GB/s,
+#: REFERENCE.md s6; a copy slower than 50 MB/s is stuck or hostile).
+DEADLINE_BASE_S = 10.0
+MIN_RATE_BYTES_PER_S = 50e6
+#: A connection silent this long is cut off, seconds.
+DEFAULT_IDLE_TIMEOUT_S = 10.0
+#: Most copies received at once from one peer, and in all.
+MAX_COPIES_PER_PEER = 4
+MAX_INBOUND_COPIES = 64
+#: An expectation not used within this many seconds is forgotten (default ttl of ``expect``).
+DEFAULT_EXPECT_TTL_S = 300.0
+#: Most copies expected at once (each costs a few hundred bytes).
+MAX_EXPECTS = 100_000
+#: Copy records kept for progress queries.
+MAX_RECORDS = 4096
+_AUTH_LABEL = b"btbctl-agent-auth-v1"
+
+
+class PeerError(Exception):
+    """A protocol violation, refusal or I/O failure on a peer connection (one line)."""
+
+
+def _mac(secret: bytes, *parts: bytes) -> str:
+    return hmac.new(secret, b"\0".join((_AUTH_LABEL,) + parts), hashlib.sha256).hexdigest()
+
+
+# -- frame I/O ------------------------------------------------------------------------------------------------
+
+
+class Conn:
+    """A blocking peer socket with an idle timeout and an optional deadline (monotonic seconds).
+
+    The idle timeout is the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO``) on a blocking socket: each ``recv``/``send`` is
+    one system call, without the poll round trips of a Python-level socket timeout. The deadline is checked before
+    every receive call and before every send."""
+
+    def __init__(self, sock: socket.socket, idle_timeout_s: float) -> None:
+        self.sock = sock
+        sock.settimeout(None)
+        self.deadline: float | None = None
+        self._hbuf = bytearray(_HEAD.size)
+        self._pbuf = bytearray(_PAGE.size)
+        self.idle_timeout_s = idle_timeout_s
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self._idle
+
+    @idle_timeout_s.setter
+    def idle_timeout_s(self, t: float) -> None:
+        self._idle = t
+        sec = int(t)
+        tv = struct.pack("ll", sec, int((t - sec) * 1e6))
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise PeerError("copy deadline passed")
+
+    def recv_into(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        recv = self.sock.recv_into
+        while got < n:
+            self._check_deadline()
+            try:
+                k = recv(view[got:])
+            except (BlockingIOError, socket.timeout):
+                raise PeerError(f"peer idle for {self._idle} s ({got} of {n} bytes of a frame)") from None
+            if k == 0:
+                raise PeerError(f"connection closed ({got} of {n} bytes of a frame)")
+            got += k
+
+    def recv_head(self) -> tuple[int, int]:
+        self.recv_into(memoryview(self._hbuf))
+        return _HEAD.unpack(self._hbuf)
+
+    def recv_json(self, max_bytes: int = MAX_JSON_BYTES) -> dict:
+        kind, n = self.recv_head()
+        if kind != KIND_JSON:
+            raise PeerError(f"expected a control frame, got kind {kind}")
+        return self.json_body(n, max_bytes)
+
+    def json_body(self, n: int, max_bytes: int = MAX_JSON_BYTES) -> dict:
+        if n > max_bytes:
+            raise PeerError(f"control frame of {n} bytes exceeds {max_bytes}")
+        buf = bytearray(n)
+        self.recv_into(memoryview(buf))
+        try:
+            obj = json.loads(buf)
+        except ValueError:
+            raise PeerError("malformed control frame") from None
+        if not isinstance(obj, dict):
+            raise PeerError("control frame must be a JSON object")
+        return obj
+
+    def recv_page_head(self) -> tuple[int, int]:
+        self.recv_into(memoryview(self._pbuf))
+        return _PAGE.unpack(self._pbuf)
+
+    def _sendall(self, data) -> None:
+        self._check_deadline()
+        try:
+            self.sock.sendall(data)
+        except (BlockingIOError, socket.timeout):
+            raise PeerError(f"peer did not take data for {self._idle} s") from None
+
+    def send_json(self, obj: dict) -> None:
+        body = json.dumps(obj, separators=(",", ":")).encode()
+        self._sendall(_HEAD.pack(KIND_JSON, len(body)) + body)
+
+    def send_page(self, index: int, data: memoryview, digest: int) -> None:
+        head = _HEAD.pack(KIND_PAGE, _PAGE.size + len(data)) + _PAGE.pack(index, digest)
+        self._check_deadline()
+        try:
+            sent = self.sock.sendmsg([head, data])  # one system call for the header and (most of) the page
+        except (BlockingIOError, socket.timeout):
+            raise PeerError(f"peer did not take data for {self._idle} s") from None
+        if sent < len(head):
+            self._sendall(head[sent:])
+            sent = len(head)
+        if sent - len(head) < len(data):
+            self._sendall(data[sent - len(head):])
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def client_auth(conn: Conn, secret: bytes, agent_id: str) -> str:
+    """Authenticate to a target (we push). Returns the target's agent id. Raises :class:`PeerError`."""
+    ch = conn.recv_json(MAX_PREAUTH_BYTES)
+    if ch.get("op") != "challenge" or ch.get("v") != PROTOCOL_VERSION:
+        raise PeerError(f"not a btbctl agent (protocol version {ch.get('v')!r}, this agent speaks "
+                        f"{PROTOCOL_VERSION})")
+    n_t, id_t = str(ch.get("nonce", "")), str(ch.get("agent", ""))
+    n_s = secrets.token_hex(16)
+    conn.send_json({"op": "auth", "nonce": n_s, "agent": agent_id,
+                    "mac": _mac(secret, b"client", n_t.encode(), n_s.encode(), agent_id.encode(), id_t.encode())})
+    ok = conn.recv_json(MAX_PREAUTH_BYTES)
+    want = _mac(secret, b"server", n_s.encode(), n_t.encode(), id_t.encode(), agent_id.encode())
+    if ok.get("op") != "auth_ok" or not hmac.compare_digest(str(ok.get("mac", "")), want):
+        raise PeerError("target failed authentication (different fleet secret?)")
+    return id_t
+
+
+def server_auth(conn: Conn, secret: bytes, agent_id: str) -> str:
+    """Authenticate a connecting peer. Returns its agent id. Raises :class:`PeerError`."""
+    n_t = secrets.token_hex(16)
+    conn.send_json({"op": "challenge", "v": PROTOCOL_VERSION, "nonce": n_t, "agent": agent_id})
+    a = conn.recv_json(MAX_PREAUTH_BYTES)
+    if a.get("op") != "auth":
+        raise PeerError("first frame was not an auth frame")
+    n_s, id_s = str(a.get("nonce", "")), str(a.get("agent", ""))
+    if not (16 <= len(n_s) <= 128) or not (1 <= len(id_s) <= 128):
+        raise PeerError("malformed auth frame")
+    want = _mac(secret, b"client", n_t.encode(), n_s.encode(), id_s.encode(), agent_id.encode())
+    if not hmac.compare_digest(str(a.get("mac", "")), want):
+        raise PeerError("bad MAC (wrong fleet secret)")
+    conn.send_json({"op": "auth_ok",
+                    "mac": _mac(secret, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())})
+    return id_s
+
+
+# -- fan-out plans ----------------------------------------------------------------------------------------------
+
+
+FANOUTS = ("chain", "tree", "star")
+
+
+def fanout_plan(targets: Sequence[dict], fanout: str) -> list[dict]:
+    """The source's direct children: ``targets`` (each ``{"addr", "token"}``) arranged as a ``chain`` (each target
+    relays to the next), a binary ``tree`` (target i relays to 2i+1, 2i+2) or a ``star`` (the source sends to all).
+    Raises ValueError for an unknown fan-out."""
+    nodes = [{"addr": t["addr"], "token": t["token"], "children": []} for t in targets]
+    if not nodes:
+        return []
+    if fanout == "star":
+        return nodes
+    if fanout == "chain":
+        for a, b in zip(nodes, nodes[1:]):
+            a["children"] = [b]
+        return [nodes[0]]
+    if fanout == "tree":
+        # the source itself is the tree's root: its children are nodes 0 and 1, node i's are 2i+2 and 2i+3
+        for i, n in enumerate(nodes):
+            n["children"] = [nodes[j] for j in (2 * i + 2, 2 * i + 3) if j < len(nodes)]
+        return nodes[:2]
+    raise ValueError(f"unknown fanout {fanout!r}; valid: {', '.join(FANOUTS)}")
+
+
+def _check_plan(children: object, depth: int = 0) -> list[dict]:
+    if not isinstance(children, list) or depth > 64:
+        raise PeerError("children must be a list of {addr, token, children}")
+    out = []
+    for c in children:
+        if not isinstance(c, dict) or not isinstance(c.get("token"), str):
+            raise PeerError("each child needs addr and token")
+        try:
+            parse_address(c.get("addr"))
+        except TransferError as e:
+            raise PeerError(str(e)) from None
+        out.append({"addr": c["addr"], "token": c["token"], "children": _check_plan(c.get("children", []), depth + 1)})
+    return out
+
+
+def plan_targets(children: list[dict]) -> list[str]:
+    """Every target address of a plan, depth first."""
+    out: list[str] = []
+    for c in children:
+        out.append(c["addr"])
+        out.extend(plan_targets(c["children"]))
+    return out
+
+
+# -- records ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CopyRecord:
+    """One copy as seen by this agent. ``role``: ``source`` (it pushes its own pages) or ``target`` (it receives;
+    with children it relays). Times are Unix seconds; ``targets`` maps each direct child's address to its
+    ``{"state", "bytes_sent", "error"}``."""
+
+    copy_id: str
+    role: str
+    state: CopyState
+    pages: int
+    bytes_total: int
+    bytes_done: int = 0
+    pages_done: int = 0
+    error: str | None = None
+    started_s: float = field(default_factory=time.time)
+    finished_s: float | None = None
+    peer: str = ""
+    targets: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["state"] = self.state.value
+        return d
+
+
+class CopyBook:
+    """Copy records by ``(copy_id, role)``, oldest finished dropped past :data:`MAX_RECORDS`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: OrderedDict[tuple[str, str], CopyRecord] = OrderedDict()
+
+    def put(self, rec: CopyRecord) -> CopyRecord:
+        with self.lock:
+            self.records[(rec.copy_id, rec.role)] = rec
+            if len(self.records) > MAX_RECORDS:
+                for k, r in list(self.records.items()):
+                    if len(self.records) <= MAX_RECORDS:
+                        break
+                    if r.state.final:
+                        del self.records[k]
+            return rec
+
+    def find(self, copy_id: str) -> list[CopyRecord]:
+        with self.lock:
+            return [r for (cid, _), r in self.records.items() if cid == copy_id]
+
+
+# -- page sources ------------------------------------------------------------------------------------------------
+
+
+class PageSource:
+    """Pages a sender reads: ``names``/``sizes``, and per page its bytes once available (:meth:`wait`)."""
+
+    names: list[str]
+    sizes: list[int]
+
+    def wait(self, i: int, timeout_s: float) -> tuple[memoryview, int] | None:
+        """``(bytes, xxh3_64)`` of page ``i`` once available; None when it never will be (the source failed)."""
+        raise NotImplementedError
+
+
+class LocalPages(PageSource):
+    """Ready pages of this agent, pinned for the copy's duration (:meth:`release` unpins)."""
+
+    def __init__(self, store: PageStore, names: list[str]) -> None:
+        self.store = store
+        self.names = names
+        self.objs = store.pin_ready(names)
+        missing = [n for n, o in zip(names, self.objs) if o is None]
+        if missing:
+            store.unpin_objs(self.objs)
+            raise NoRoom(f"{len(missing)} of {len(names)} pages are not held here (first: {missing[0]})")
+        self.sizes = [o.size for o in self.objs]  # type: ignore[union-attr]
+
+    def wait(self, i: int, timeout_s: float) -> tuple[memoryview, int] | None:
+        o = self.objs[i]
+        assert o is not None
+        return self.store.read(o.offset, o.size), self.store.digest_of(o)
+
+    def release(self) -> None:
+        self.store.unpin_objs(self.objs)
+        self.objs = []
+
+
+class InboundPages(PageSource):
+    """Pages of a copy being received, available to relays as each one verifies."""
+
+    def __init__(self, store: PageStore, names: list[str], sizes: list[int]) -> None:
+        self.store = store
+        self.names = names
+        self.sizes = sizes
+        self.slots: list[tuple[int, int] | None] = [None] * len(names)  # (offset, digest)
+        self.cond = threading.Condition()
+        self.failed = False
+        self.held: list[Obj | None] = []
+
+    def set(self, i: int, offset: int, digest: int) -> None:
+        with self.cond:
+            self.slots[i] = (offset, digest)
+            self.cond.notify_all()
+
+    def fail(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+    def wait(self, i: int, timeout_s: float) -> tuple[memoryview, int] | None:
+        end = time.monotonic() + timeout_s
+        with self.cond:
+            while self.slots[i] is None and not self.failed:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(left)
+            if self.failed:
+                return None
+            off, dig = self.slots[i]  # type: ignore[misc]
+        return self.store.read(off, self.sizes[i]), dig
+
+
+class _Verifier:
+    """Checks the xxh3_64 of received pages in a second thread, so hashing page i overlaps receiving page i+1
+    (xxhash releases the GIL on large inputs). A page counts as arrived (relays may forward it, the record counts
+    it) only once verified; :meth:`finish` waits for every queued page and raises the first mismatch."""
+
+    def __init__(self, store: PageStore, pages: InboundPages, names: list[str], rec: "CopyRecord", metrics) -> None:
+        import queue
+
+        self.store, self.pages, self.names, self.rec, self.metrics = store, pages, names, rec, metrics
+        self.q: queue.Queue = queue.Queue()
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="btbctl-verify", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            i, off, size, digest = item
+            if self.error is not None:
+                continue
+            if xxhash.xxh3_64_intdigest(self.store.read(off, size)) != digest:
+                self.error = f"page {i} ({self.names[i]}): xxh3_64 mismatch (corrupted or forged)"
+                continue
+            self.pages.set(i, off, digest)
+            self.rec.pages_done += 1
+            self.rec.bytes_done += size
+            if self.metrics is not None:
+                self.metrics.pages.labels("in").inc()
+                self.metrics.bytes.labels("in").inc(size)
+
+    def check(self, i: int, off: int, size: int, digest: int) -> None:
+        """Queue page ``i`` for verification; raises :class:`PeerError` if an earlier page failed."""
+        if self.error is not None:
+            raise PeerError(self.error)
+        self.q.put((i, off, size, digest))
+
+    def finish(self) -> None:
+        """Wait until every queued page is checked. Raises :class:`PeerError` on a mismatch."""
+        self.stop()
+        if self.error is not None:
+            raise PeerError(self.error)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.q.put(None)
+            self.thread.join()
+
+
+# -- the service --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Expect:
+    token: str
+    keys: frozenset | None
+    expires: float
+    used: bool = False
+
+
+class PeerService:
+    """Receives copies on a TCP port and pushes copies to other agents.
+
+    Args:
+        store: the node's page store.
+        secret: the fleet secret (bytes, at least 16).
+        agent_id: this agent's id (shown to peers and in logs).
+        event: ``event(name, fields)`` structured-log sink (:class:`~btbctl.engine.agent.events.AgentMetrics`).
+        metrics: the metrics object (pages/bytes counters), or None.
+        host, port: address to listen on for peers (port 0 = ephemeral).
+        idle_timeout_s: a peer connection silent this long is cut off.
+        max_copy_bytes: largest copy accepted, bytes (default: half the arena).
+        max_peer_bytes: most bytes reserved for one peer's copies at once (default: half the arena).
+    """
+
+    def __init__(self, store: PageStore, secret: bytes, agent_id: str, event: Callable[[str, dict], None],
+                 metrics=None, host: str = "127.0.0.1", port: int = 0,
+                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_copy_bytes: int | None = None,
+                 max_peer_bytes: int | None = None, connect_timeout_s: float = 5.0,
+                 faults: SendFaults | None = None) -> None:
+        if len(secret) < 16:
+            raise ValueError("the fleet secret must be at least 16 bytes")
+        self.store = store
+        self.secret = secret
+        self.agent_id = agent_id
+        self.event = event
+        self.metrics = metrics
+        self.host = host
+        self.port = port
+        self.idle_timeout_s = idle_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_copy_bytes = max_copy_bytes if max_copy_bytes is not None else store.arena_bytes // 2
+        self.max_peer_bytes = max_peer_bytes if max_peer_bytes is not None else store.arena_bytes // 2
+        self.faults = faults
+        self.book = CopyBook()
+        self.lock = threading.Lock()
+        self.expects: dict[str, _Expect] = {}
+        self.peer_copies: dict[str, int] = {}
+        self.peer_bytes: dict[str, int] = {}
+        self.inbound = 0
+        self.cancels: dict[str, threading.Event] = {}
+        self.live: dict[str, set[Conn]] = {}
+        self._sock: socket.socket | None = None
+        self._stop = threading.Event()
+        self._threads: set[threading.Thread] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Listen; returns the bound port. Raises OSError when the address is taken."""
+        fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self.port))
+        s.listen(128)
+        self.port = s.getsockname()[1]
+        self._sock = s
+        self._spawn(self._accept_loop, "btbctl-agent-peers")
+        return self.port
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.close()
+        with self.lock:
+            conns = [c for s in self.live.values() for c in s]
+            for ev in self.cancels.values():
+                ev.set()
+        for c in conns:
+            c.close()
+
+    def _spawn(self, fn, name: str, *args) -> threading.Thread:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        t.start()
+        return t
+
+    def _track(self, copy_id: str, conn: Conn | None, add: bool) -> None:
+        with self.lock:
+            s = self.live.setdefault(copy_id, set())
+            if conn is not None:
+                (s.add if add else s.discard)(conn)
+            if not s:
+                self.live.pop(copy_id, None)
+
+    # -- control operations -----------------------------------------------------------------------------------
+
+    def expect(self, copy_id: str, keys: Sequence[str] | None = None, ttl_s: float = DEFAULT_EXPECT_TTL_S) -> str:
+        """Allow one inbound copy ``copy_id`` (of pages whose page keys are in ``keys``, when given) within ``ttl_s``
+        seconds; returns the token its sender must present. Raises ValueError for a bad or already known id."""
+        try:
+            check_copy_id(copy_id)
+        except TransferError as e:
+            raise ValueError(str(e)) from None
+        now = time.monotonic()
+        with self.lock:
+            # unused ones go at their expiry; used ones (kept so that their id cannot be replayed) one ttl later
+            for cid in [c for c, e in self.expects.items()
+                        if e.expires < now and (not e.used or e.expires < now - DEFAULT_EXPECT_TTL_S)]:
+                del self.expects[cid]
+            if len(self.expects) >= MAX_EXPECTS:
+                raise ValueError(f"{len(self.expects)} copies are expected already (limit {MAX_EXPECTS})")
+            if copy_id in self.expects:
+                raise ValueError(f"copy id {copy_id!r} is already expected or used")
+            token = secrets.token_hex(16)
+            self.expects[copy_id] = _Expect(token, frozenset(keys) if keys is not None else None, now + ttl_s)
+            return token
+
+    def cancel(self, copy_id: str) -> bool:
+        """Stop a copy in progress here (sending or receiving); returns whether one was found."""
+        with self.lock:
+            ev = self.cancels.get(copy_id)
+            conns = list(self.live.get(copy_id, ()))
+        if ev is not None:
+            ev.set()
+        for c in conns:
+            c.close()
+        return ev is not None or bool(conns)
+
+    def push(self, copy_id: str, names: list[str], children: list[dict]) -> CopyRecord:
+        """Start pushing this agent's ready pages ``names`` along the plan ``children`` (see :func:`fanout_plan`)
+        in background threads; returns the (live) source record.
+
+        Raises:
+            ValueError: a bad copy id, a copy id already pushed here, an empty or oversized page list, a bad plan.
+            NoRoom: some page is not held here.
+        """
+        try:
+            check_copy_id(copy_id)
+        except TransferError as e:
+            raise ValueError(str(e)) from None
+        if not names or len(names) > MAX_COPY_PAGES:
+            raise ValueError(f"a copy carries 1..{MAX_COPY_PAGES} pages, got {len(names)}")
+        try:
+            children = _check_plan(children)
+        except PeerError as e:
+            raise ValueError(str(e)) from None
+        if not children:
+            raise ValueError("push needs at least one target")
+        with self.lock:
+            if copy_id in self.cancels or any(r.role == "source" for r in self.book.find(copy_id)):
+                raise ValueError(f"copy id {copy_id!r} was already pushed from here")
+            cancel = self.cancels[copy_id] = threading.Event()
+        try:
+            src = LocalPages(self.store, list(names))
+        except NoRoom:
+            with self.lock:
+                self.cancels.pop(copy_id, None)
+            raise
+        rec = self.book.put(CopyRecord(copy_id, "source", CopyState.RUNNING, len(names), sum(src.sizes),
+                                       peer=",".join(c["addr"] for c in children)))
+        self.event("copy_started", {"copy_id": copy_id, "role": "source", "pages": len(names),
+                                    "bytes": rec.bytes_total, "targets": ",".join(plan_targets(children))})
+
+        def run() -> None:
+            try:
+                self._fan_out(copy_id, src, children, rec, cancel)
+            finally:
+                src.release()
+                with self.lock:
+                    self.cancels.pop(copy_id, None)
+
+        self._spawn(run, f"btbctl-push-{copy_id}")
+        return rec
+
+    # -- sending ----------------------------------------------------------------------------------------------
+
+    def _fan_out(self, copy_id: str, src: PageSource, children: list[dict], rec: CopyRecord,
+                 cancel: threading.Event) -> None:
+        t0 = time.monotonic()
+        for c in children:
+            rec.targets[c["addr"]] = {"state": CopyState.STALLED.value, "bytes_sent": 0, "error": None}
+        threads = [self._spawn(self._send_one, f"btbctl-send-{copy_id}", copy_id, src, c, rec, cancel)
+                   for c in children]
+        for t in threads:
+            t.join()
+        errors = [f"{a}: {t['error']}" for a, t in rec.targets.items() if t["state"] != CopyState.DONE.value]
+        if rec.role == "source":
+            rec.bytes_done = sum(t["bytes_sent"] for t in rec.targets.values())
+            rec.state = CopyState.FAILED if errors else CopyState.DONE
+            rec.error = "; ".join(errors) or None
+            rec.finished_s = time.time()
+            self.event("copy_finished", {"copy_id": copy_id, "role": "source", "outcome": rec.state.value,
+                                         "pages": rec.pages, "bytes": rec.bytes_total,
+                                         "duration_s": round(time.monotonic() - t0, 6), "error": rec.error})
+
+    def _send_one(self, copy_id: str, src: PageSource, child: dict, rec: CopyRecord, cancel: threading.Event) -> None:
+        addr = child["addr"]
+        st = rec.targets[addr]
+        conn: Conn | None = None
+        total = sum(src.sizes)
+        try:
+            host, port = parse_address(addr)
+            try:
+                sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
+            except OSError as e:
+                raise PeerError(f"cannot connect: {e}") from None
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Conn(sock, self.idle_timeout_s)
+            self._track(copy_id, conn, True)
+            conn.deadline = time.monotonic() + AUTH_TIMEOUT_S
+            client_auth(conn, self.secret, self.agent_id)
+            conn.deadline = time.monotonic() + DEADLINE_BASE_S + total / MIN_RATE_BYTES_PER_S
+            conn.send_json({"op": "offer", "copy_id": copy_id, "token": child["token"], "names": src.names,
+                            "sizes": src.sizes, "children": child["children"]})
+            rep = conn.recv_json()
+            if rep.get("op") != "accept":
+                raise PeerError(f"refused: {rep.get('error', rep.get('op'))}")
+            need = rep.get("need")
+            if not isinstance(need, list) or any(not isinstance(i, int) or not 0 <= i < len(src.names)
+                                                 for i in need):
+                raise PeerError("malformed accept")
+            st["state"] = CopyState.RUNNING.value
+            sent = 0
+            for k, i in enumerate(need):
+                if cancel.is_set():
+                    raise PeerError("cancelled")
+                got = src.wait(i, self.idle_timeout_s)
+                if got is None:
+                    raise PeerError(f"source of page {i} failed or stalled")
+                data, digest = got
+                f = self.faults
+                if f is not None:
+                    if f.close_after is not None and k >= f.close_after:
+                        conn.sock.close()
+                        raise PeerError(f"fault injection dropped the connection after {f.close_after} pages")
+                    if f.corrupt_wire == i:
+                        bad = bytearray(data)
+                        bad[len(bad) // 2] ^= 0xFF
+                        data = memoryview(bytes(bad))
+                    if f.truncate == i:
+                        data = data[:-1]
+                conn.send_page(i, data, digest)
+                if f is not None and f.delay_s > 0:
+                    time.sleep(f.delay_s)
+                sent += len(data)
+                st["bytes_sent"] = sent
+                if rec.role == "source":
+                    rec.bytes_done = sum(t["bytes_sent"] for t in rec.targets.values())
+                    rec.pages_done += 1
+                if self.metrics is not None:
+                    self.metrics.pages.labels("out").inc()
+                    self.metrics.bytes.labels("out").inc(len(data))
+            conn.send_json({"op": "end"})
+            rep = conn.recv_json()
+            if rep.get("op") != "done":
+                raise PeerError(f"target rejected the copy: {rep.get('error', rep.get('op'))}")
+            st["state"] = CopyState.DONE.value
+        except (PeerError, OSError) as e:
+            msg = str(e) if isinstance(e, PeerError) else f"connection lost: {type(e).__name__}: {e}"
+            if conn is not None and not isinstance(e, PeerError):
+                with contextlib.suppress(Exception):  # the target may have said why before closing
+                    conn.idle_timeout_s = 0.5
+                    conn.deadline = None
+                    rep = conn.recv_json()
+                    if rep.get("error"):
+                        msg = f"target rejected the copy: {rep['error']}"
+            st["state"], st["error"] = CopyState.FAILED.value, msg
+            if "authentication" in msg:
+                self.event("auth_failed", {"peer": addr, "direction": "outbound", "reason": msg})
+        finally:
+            if conn is not None:
+                conn.close()
+                self._track(copy_id, conn, False)
+
+    # -- receiving --------------------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                sock, addr = self._sock.accept()
+            except OSError:
+                return
+            self._spawn(self._handle, "btbctl-agent-peer", sock, addr)
+
+    def _handle(self, sock: socket.socket, addr) -> None:
+        peer_addr = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
+        conn = Conn(sock, min(self.idle_timeout_s, AUTH_TIMEOUT_S))
+        conn.deadline = time.monotonic() + AUTH_TIMEOUT_S
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                peer_id = server_auth(conn, self.secret, self.agent_id)
+            except (PeerError, OSError) as e:
+                self.event("auth_failed", {"peer": peer_addr, "direction": "inbound", "reason": str(e)})
+                return
+            conn.idle_timeout_s = self.idle_timeout_s
+            conn.deadline = None
+            try:
+                offer = conn.recv_json()
+            except (PeerError, OSError):
+                return
+            self._receive(conn, f"{peer_id}@{peer_addr}", peer_id, offer)
+        finally:
+            conn.close()
+
+    def _refuse(self, conn: Conn, copy_id: object, peer: str, reason: str, pages: int = 0, nbytes: int = 0) -> None:
+        self.event("copy_refused", {"copy_id": copy_id, "role": "target", "peer": peer, "pages": pages,
+                                    "bytes": nbytes, "reason": reason})
+        with contextlib.suppress(Exception):
+            conn.send_json({"op": "refuse", "error": reason})
+
+    def _check_offer(self, offer: dict, peer_id: str) -> tuple[str, list[str], list[int], list[dict], _Expect]:
+        if offer.get("op") != "offer":
+            raise PeerError("expected an offer")
+        copy_id, token = offer.get("copy_id"), offer.get("token")
+        try:
+            check_copy_id(copy_id)
+        except TransferError as e:
+            raise PeerError(str(e)) from None
+        names, sizes = offer.get("names"), offer.get("sizes")
+        if not isinstance(names, list) or not isinstance(sizes, list) or len(names) != len(sizes):
+            raise PeerError("offer needs names and sizes of equal length")
+        if not 1 <= len(names) <= MAX_COPY_PAGES:
+            raise PeerError(f"a copy carries 1..{MAX_COPY_PAGES} pages, got {len(names)}")
+        if not all(isinstance(n, str) and self.store.valid_name(n) for n in names):
+            raise PeerError("page names must be valid names of this store (1..256 characters; file mode: "
+                            "<page key><suffix>)")
+        if not all(isinstance(s, int) and 1 <= s <= MAX_PAGE_BYTES for s in sizes):
+            raise PeerError(f"page sizes must be 1..{MAX_PAGE_BYTES} bytes")
+        if len(set(names)) != len(names):
+            raise PeerError("duplicate page names in the offer")
+        children = _check_plan(offer.get("children", []))
+        with self.lock:
+            exp = self.expects.get(copy_id)
+            if exp is None:
+                raise PeerError(f"unknown copy id {copy_id!r} (not expected here)")
+            if not isinstance(token, str) or not hmac.compare_digest(token, exp.token):
+                raise PeerError(f"bad token for copy {copy_id}")
+            if exp.used:
+                raise PeerError(f"copy id {copy_id} was already used")
+            if exp.expires < time.monotonic():
+                raise PeerError(f"copy {copy_id} expired before it arrived")
+            if exp.keys is not None and any(self.store.key_of(n) not in exp.keys for n in names):
+                raise PeerError(f"copy {copy_id} offers pages that were not expected")
+            exp.used = True
+        return copy_id, names, sizes, children, exp
+
+    def _receive(self, conn: Conn, peer: str, peer_id: str, offer: dict) -> None:
+        try:
+            copy_id, names, sizes, children, _exp = self._check_offer(offer, peer_id)
+        except PeerError as e:
+            self._refuse(conn, offer.get("copy_id"), peer, str(e))
+            return
+        total = sum(sizes)
+        with self.lock:
+            reason = None
+            if total > self.max_copy_bytes:
+                reason = f"copy of {total} bytes exceeds this agent's limit of {self.max_copy_bytes}"
+            elif self.inbound >= MAX_INBOUND_COPIES:
+                reason = f"{self.inbound} copies arriving already (limit {MAX_INBOUND_COPIES})"
+            elif self.peer_copies.get(peer_id, 0) >= MAX_COPIES_PER_PEER:
+                reason = f"peer has {MAX_COPIES_PER_PEER} copies in progress already"
+            elif self.peer_bytes.get(peer_id, 0) + total > self.max_peer_bytes:
+                reason = f"peer's copies would hold more than {self.max_peer_bytes} bytes"
+            if reason is None:
+                self.inbound += 1
+                self.peer_copies[peer_id] = self.peer_copies.get(peer_id, 0) + 1
+                self.peer_bytes[peer_id] = self.peer_bytes.get(peer_id, 0) + total
+                cancel = self.cancels.setdefault(copy_id, threading.Event())
+        if reason is not None:
+            self._refuse(conn, copy_id, peer, reason, len(names), total)
+            return
+        try:
+            self._receive_pages(conn, peer, copy_id, names, sizes, children, total, cancel)
+        finally:
+            with self.lock:
+                self.inbound -= 1
+                self.peer_copies[peer_id] -= 1
+                self.peer_bytes[peer_id] -= total
+                self.cancels.pop(copy_id, None)
+
+    def _receive_pages(self, conn: Conn, peer: str, copy_id: str, names: list[str], sizes: list[int],
+                       children: list[dict], total: int, cancel: threading.Event) -> None:
+        store = self.store
+        t0 = time.monotonic()
+        try:
+            token, offsets = store.reserve(names, sizes, f"copy:{copy_id}", all_or_none=True)
+        except NoRoom as e:
+            self._refuse(conn, copy_id, peer, f"store full: {e}", len(names), total)
+            return
+        rec = self.book.put(CopyRecord(copy_id, "target", CopyState.RUNNING, len(names), total, peer=peer))
+        pages = InboundPages(store, names, sizes)
+        held = store.pin_ready([n for n, o in zip(names, offsets) if o == -1]) if children else []
+        hi = 0
+        for i, off in enumerate(offsets):
+            if off == -1 and children:
+                o = held[hi]
+                hi += 1
+                if o is not None:
+                    pages.set(i, o.offset, store.digest_of(o))
+        pend = store.pending(token)
+        if children:
+            for o in pend:
+                if o is not None:
+                    o.pins += 1
+        need = [i for i, off in enumerate(offsets) if off != -1]
+        self.event("copy_accepted", {"copy_id": copy_id, "peer": peer, "pages": len(names), "need": len(need),
+                                     "bytes": total, "relay_to": ",".join(plan_targets(children)) or None})
+        relay: threading.Thread | None = None
+        if children:
+            rrec = CopyRecord(copy_id, "relay", CopyState.RUNNING, len(names), total, peer=peer)
+            relay = self._spawn(self._fan_out, f"btbctl-relay-{copy_id}", copy_id, pages, children, rrec, cancel)
+            rec.targets = rrec.targets
+        self._track(copy_id, conn, True)
+        conn.deadline = t0 + DEADLINE_BASE_S + total / MIN_RATE_BYTES_PER_S
+        outcome, error = CopyState.FAILED, None
+        committed = False
+        verifier = _Verifier(store, pages, names, rec, self.metrics)
+        try:
+            conn.send_json({"op": "accept", "need": need})
+            for k, i in enumerate(need):
+                kind, n = conn.recv_head()
+                if cancel.is_set():
+                    raise PeerError("cancelled")
+                if kind == KIND_JSON:
+                    msg = conn.json_body(n)
+                    raise PeerError(f"copy ended after {k} of {len(need)} pages ({msg.get('op')})")
+                if kind != KIND_PAGE:
+                    raise PeerError(f"unknown frame kind {kind}")
+                index, digest = conn.recv_page_head()
+                size = n - _PAGE.size
+                if index != i:
+                    raise PeerError(f"page {index} arrived where page {i} was due")
+                if size != sizes[i]:
+                    raise PeerError(f"page {i}: {size} bytes where {sizes[i]} were offered (truncated or forged)")
+                o = pend[i]
+                assert o is not None
+                conn.recv_into(store.read(o.offset, size))
+                verifier.check(i, o.offset, size, digest)
+            end = conn.recv_json()
+            if end.get("op") != "end":
+                raise PeerError(f"expected end, got {end.get('op')!r}")
+            verifier.finish()
+            if cancel.is_set():
+                raise PeerError("cancelled")
+            digests = [pages.slots[i][1] if pages.slots[i] else None for i in range(len(names))]
+            store.commit(token, digests=digests)
+            committed = True
+            outcome = CopyState.DONE
+            conn.send_json({"op": "done", "pages": len(need), "bytes": rec.bytes_done})
+        except (PeerError, OSError) as e:
+            error = str(e) if isinstance(e, PeerError) else f"connection lost: {type(e).__name__}"
+            if committed:  # only the final reply failed: the copy itself is in
+                outcome, error = CopyState.DONE, None
+            else:
+                with contextlib.suppress(Exception):
+                    conn.idle_timeout_s = 1.0
+                    conn.deadline = None
+                    conn.send_json({"op": "refuse", "error": error})
+        finally:
+            verifier.stop()
+            self._track(copy_id, conn, False)
+            if outcome is not CopyState.DONE:
+                pages.fail()
+            if relay is not None:
+                relay.join()
+            if committed and children:
+                store.unpin_objs([o for o in pend if o is not None])
+            else:
+                store.abort(token)
+            store.unpin_objs(held)
+            rec.state, rec.error, rec.finished_s = outcome, error, time.time()
+            self.event("copy_finished", {"copy_id": copy_id, "role": "target", "peer": peer,
+                                         "outcome": outcome.value, "pages": rec.pages_done, "bytes": rec.bytes_done,
+                                         "duration_s": round(time.monotonic() - t0, 6), "error": error})
+
+
+__all__ = ["AUTH_TIMEOUT_S", "Conn", "CopyBook", "CopyRecord", "DEADLINE_BASE_S", "FANOUTS", "InboundPages",
+           "LocalPages", "MIN_RATE_BYTES_PER_S", "PageSource", "PeerError", "PeerService", "client_auth",
+           "fanout_plan", "plan_targets", "server_auth"]

@@ -1,0 +1,169 @@
+"""The store side of the local protocol (:mod:`btbctl.sglang_l3.wire`): connections to the node's agent and the
+mapped arena. Standard library only (ctypes for the copies); usable without SGLang.
+
+Each thread gets its own connection (SGLang's prefetch and backup threads call the store concurrently). The arena
+is mapped once per agent incarnation (``arena_id``); when the agent restarts, the next ``hello`` maps the new one.
+Every call is bounded by ``timeout_s`` (the socket timeout covers each send and receive; a call is one request and
+one reply). Failures raise :class:`AgentUnavailable`; the store turns them into misses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import socket
+import threading
+import time
+
+from btbctl.sglang_l3.wire import WireError, encode, recv_frame, recv_frame_with_fds
+
+#: Seconds a store waits before trying an agent that refused a connection again (a down agent costs one failed
+#: connect per this interval per thread, not one per call).
+RECONNECT_BACKOFF_S = 1.0
+
+
+class AgentUnavailable(Exception):
+    """The agent cannot be reached or answered badly; ``kind`` names the failure for log-once bookkeeping."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind = kind
+        super().__init__(message)
+
+
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): map every page without touching its contents.
+MADV_POPULATE_WRITE = 23
+
+
+class Arena:
+    """A mapping of the agent's arena. ``base`` is its address (for ``ctypes.memmove``); ``view`` a memoryview.
+
+    A background thread maps every page in (``MADV_POPULATE_WRITE``, safe while pages are copied), so that copies
+    into fresh parts of the arena do not take a page fault per 4 KiB; until it finishes, faults happen as usual."""
+
+    def __init__(self, fd: int, size: int, arena_id: str) -> None:
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.size = size
+        self.arena_id = arena_id
+        self._anchor = ctypes.c_char.from_buffer(self.mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.view = memoryview(self.mm)
+        threading.Thread(target=self._populate, name="btbctl-l3-arena", daemon=True).start()
+
+    def _populate(self) -> None:
+        try:
+            self.mm.madvise(MADV_POPULATE_WRITE)
+        except (OSError, ValueError):
+            pass
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, arena: Arena, ns_id: str | None) -> None:
+        self.sock = sock
+        self.arena = arena
+        self.ns_id = ns_id
+
+
+class AgentClient:
+    """Args:
+        socket_path: the agent's Unix socket.
+        timeout_s: bound of every call, seconds.
+        namespace: the namespace description this store registers (``Namespace.describe()``), or None.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float = 2.0, namespace: dict | None = None) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+        self.namespace = namespace
+        self._local = threading.local()
+        self._arena: Arena | None = None
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+
+    # -- connections ------------------------------------------------------------------------------------------
+
+    def _connect(self) -> _Conn:
+        now = time.monotonic()
+        if now < self._down_until:
+            raise AgentUnavailable("agent_down", f"agent at {self.socket_path} unavailable (retrying in "
+                                                 f"{self._down_until - now:.1f} s)")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout_s)
+        try:
+            s.connect(self.socket_path)
+            s.sendall(encode({"op": "hello", "ns": self.namespace}))
+            rep, fds = recv_frame_with_fds(s)
+        except (OSError, WireError) as e:
+            s.close()
+            self._down_until = time.monotonic() + RECONNECT_BACKOFF_S
+            raise AgentUnavailable("connect", f"cannot reach the agent at {self.socket_path}: {e}") from None
+        try:
+            if not rep.get("ok") or not fds:
+                raise AgentUnavailable("hello", f"agent refused hello: {rep.get('error', 'no arena fd')}")
+            with self._lock:
+                arena = self._arena
+                if arena is None or arena.arena_id != rep.get("arena_id"):
+                    arena = Arena(fds[0], int(rep["arena_bytes"]), str(rep["arena_id"]))
+                    self._arena = arena
+        except AgentUnavailable:
+            s.close()
+            raise
+        except (KeyError, ValueError, TypeError, OSError) as e:
+            s.close()
+            raise AgentUnavailable("hello", f"bad hello reply from the agent: {e}") from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return _Conn(s, arena, rep.get("ns_id"))
+
+    def conn(self) -> _Conn:
+        """This thread's connection (connecting on first use). Raises :class:`AgentUnavailable`."""
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = self._connect()
+            self._local.conn = c
+        return c
+
+    def _drop(self) -> None:
+        c = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if c is not None:
+            try:
+                c.sock.close()
+            except OSError:
+                pass
+
+    def call(self, req: dict) -> tuple[dict, _Conn]:
+        """One request, one reply. Raises :class:`AgentUnavailable` (the connection is dropped, so the next call
+        reconnects)."""
+        c = self.conn()
+        try:
+            c.sock.sendall(encode(req))
+            rep = recv_frame(c.sock)
+        except socket.timeout:
+            self._drop()
+            raise AgentUnavailable("timeout", f"agent did not answer {req.get('op')} within {self.timeout_s} s") from None
+        except (OSError, WireError) as e:
+            self._drop()
+            raise AgentUnavailable("connection", f"agent connection lost during {req.get('op')}: {e}") from None
+        if not rep.get("ok"):
+            raise AgentUnavailable("refused", f"agent refused {req.get('op')}: {rep.get('error')}")
+        return rep, c
+
+    def send(self, req: dict) -> None:
+        """A request without reply (``release``); errors drop the connection silently (its leases end with it)."""
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            return
+        try:
+            c.sock.sendall(encode(req))
+        except OSError:
+            self._drop()
+
+    def close(self) -> None:
+        self._drop()
+
+
+memmove = ctypes.memmove
+
+__all__ = ["AgentClient", "AgentUnavailable", "Arena", "RECONNECT_BACKOFF_S", "memmove"]

@@ -1,0 +1,121 @@
+"""The agent's page store: allocation, LRU eviction, pins, leases, pending reservations, and the local protocol
+over a real Unix socket with the arena mapped by the store-side client."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from btbctl.engine.agent.local import LocalServer
+from btbctl.engine.agent.pages import ALIGN_BYTES, ExtentAllocator, NoRoom, PageStore
+from btbctl.sglang_l3.client import AgentClient, AgentUnavailable
+from btbctl.sglang_l3.keys import Namespace, page_keys
+from btbctl.sglang_l3.wire import encode, recv_frame
+
+PAGE = 2 * ALIGN_BYTES
+
+
+def _names(n: int, tag: str = "ns") -> list[str]:
+    return [f"{tag}.{k}" for k in page_keys(list(range(n)), 1)]
+
+
+def _fill(store: PageStore, names: list[str], size: int = PAGE) -> None:
+    tok, offs = store.reserve(names, [size] * len(names), "t", all_or_none=True)
+    for i, off in enumerate(offs):
+        store.write(off, bytes([i % 251]) * size)
+    assert store.commit(tok) == [True] * len(names)
+
+
+def test_allocator_reuses_same_size_extents_and_folds_the_top():
+    a = ExtentAllocator(10 * ALIGN_BYTES)
+    x, y, z = (a.alloc(ALIGN_BYTES) for _ in range(3))
+    assert (x, y, z) == (0, ALIGN_BYTES, 2 * ALIGN_BYTES)
+    a.free(y, ALIGN_BYTES)
+    assert a.alloc(100) == y  # rounded up to the same extent size
+    a.free(z, ALIGN_BYTES)
+    a.free(y, ALIGN_BYTES)
+    assert a.top == ALIGN_BYTES and a.used == ALIGN_BYTES
+    assert a.alloc(20 * ALIGN_BYTES) is None
+
+
+def test_lru_eviction_spares_pinned_leased_and_timed_pins():
+    events = []
+    store = PageStore(4 * PAGE, on_event=lambda e, f: events.append((e, f)))
+    names = _names(8)
+    _fill(store, names[:4])
+    objs = store.pin_ready([names[0]])
+    offs, lease = store.lease([names[1]], PAGE, "reader")
+    assert offs and lease
+    store.pin_for([names[2]], 30.0)
+    _fill(store, names[4:5])  # evicts the only unheld page, names[3]
+    assert store.leading_ready(names[:3]) == 3 and store.leading_ready([names[3]]) == 0
+    assert events[-1][0] == "evicted" and events[-1][1]["pages"] == 1
+    with pytest.raises(NoRoom):
+        store.reserve(names[5:7], [PAGE, PAGE], "copy", all_or_none=True)  # only names[4] could go
+    assert store.leading_ready([names[4]]) in (0, 1)
+    store.unpin_objs(objs)
+    store.release(lease)
+    store.unpin([names[2]])
+    _fill(store, names[5:8])
+    assert store.leading_ready(names[5:8]) == 3
+
+
+def test_pending_pages_are_never_served_and_abort_frees_them():
+    store = PageStore(4 * PAGE)
+    names = _names(2)
+    tok, offs = store.reserve(names, [PAGE, PAGE], "copy:x", all_or_none=True)
+    assert store.leading_ready(names) == 0 and store.lease(names, PAGE, "r") == ([], 0)
+    assert store.abort(tok) == 2 * PAGE and store.stats()["used_bytes"] == 0
+    _fill(store, names)
+    assert store.leading_ready(names, PAGE) == 2 and store.leading_ready(names, PAGE + 1) == 0  # size is checked
+    tok, offs = store.reserve(names, [PAGE, PAGE], "copy:y", all_or_none=True)
+    assert offs == [-1, -1]  # already held: nothing to move
+
+
+def test_local_protocol_put_get_with_the_mapped_arena(tmp_path):
+    store = PageStore(16 * PAGE)
+    srv = LocalServer(store, str(tmp_path / "agent.sock"))
+    srv.start()
+    ns = Namespace("m", 1, 0, 1, 0, 1, 0, 16, "page_first", "torch.bfloat16", PAGE, "v1", "0.5.23")
+    c = AgentClient(str(tmp_path / "agent.sock"), 2.0, ns.describe())
+    keys = page_keys(list(range(48)), 16)
+    try:
+        rep, conn = c.call({"op": "put", "ns": ns.ns_id, "keys": keys, "size": PAGE})
+        for i, off in enumerate(rep["offsets"]):
+            conn.arena.view[off:off + PAGE] = bytes([i + 1]) * PAGE
+        assert c.call({"op": "commit", "token": rep["token"], "written": [True, False, True]})[0]["committed"] == \
+            [True, False, True]
+        assert c.call({"op": "exists", "ns": ns.ns_id, "keys": keys})[0]["n"] == 1  # page 1 was not written
+        rep, conn = c.call({"op": "get", "ns": ns.ns_id, "keys": keys, "size": PAGE})
+        assert len(rep["offsets"]) == 1 and bytes(conn.arena.view[rep["offsets"][0]:][:PAGE]) == b"\x01" * PAGE
+        c.send({"op": "release", "lease": rep["lease"]})
+        assert store.namespaces[ns.ns_id]["model"] == "m"
+        with pytest.raises(AgentUnavailable, match="keys must be"):
+            c.call({"op": "exists", "ns": ns.ns_id, "keys": ["not-a-key"]})
+        # a store that disconnects mid-write leaves nothing pending
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(tmp_path / "agent.sock"))
+        s.sendall(encode({"op": "put", "ns": ns.ns_id, "keys": page_keys(list(range(99, 131)), 16), "size": PAGE}))
+        assert recv_frame(s)["ok"]
+        assert store.stats()["pending_bytes"] == 2 * PAGE
+        s.close()
+        deadline = time.monotonic() + 5
+        while store.stats()["pending_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.stats()["pending_bytes"] == 0
+    finally:
+        c.close()
+        srv.close()
+        store.close()
+
+
+def test_client_without_agent_fails_fast_with_a_kind(tmp_path):
+    c = AgentClient(str(tmp_path / "none.sock"), 0.5, None)
+    t0 = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(AgentUnavailable) as ei:
+            c.call({"op": "exists", "ns": "0" * 16, "keys": []})
+        assert ei.value.kind in ("connect", "agent_down")
+    assert time.monotonic() - t0 < 1.0

@@ -1,0 +1,343 @@
+"""Agent-to-agent copies over real TCP on loopback: fan-out, and every bad input ends refused or cold with one log
+line, never serving an unverified page. In-process agents (threads) except where a process must die."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+
+from agent_helpers import SECRET, start_agent, wait_for
+from btbctl.engine.agent.events import format_event
+from btbctl.engine.agent.pages import ALIGN_BYTES, PageStore
+from btbctl.engine.agent.peer import Conn, PeerService, SendFaults, client_auth, fanout_plan
+from btbctl.sglang_l3.keys import page_keys
+
+PAGE = 4 * ALIGN_BYTES
+
+
+class Node:
+    def __init__(self, name: str, arena_bytes: int = 64 * PAGE, secret: bytes = SECRET, **kw) -> None:
+        self.events: list[tuple[str, dict]] = []
+        self.store = PageStore(arena_bytes, on_event=self.event)
+        self.peers = PeerService(self.store, secret, name, self.event, **kw)
+        self.addr = f"127.0.0.1:{self.peers.start()}"
+
+    def event(self, name: str, fields: dict) -> None:
+        self.events.append((name, fields))
+
+    def lines(self, name: str) -> list[str]:
+        return [format_event(e, f) for e, f in self.events if e == name]
+
+    def fill(self, names: list[str]) -> list[bytes]:
+        tok, offs = self.store.reserve(names, [PAGE] * len(names), "t", all_or_none=True)
+        data = []
+        for i, off in enumerate(offs):
+            b = bytes([(i * 37 + len(names)) % 256]) * PAGE
+            self.store.write(off, b)
+            data.append(b)
+        self.store.commit(tok)
+        return data
+
+    def read(self, names: list[str]) -> list[bytes]:
+        offs, lid = self.store.lease(names, PAGE, "test")
+        out = [bytes(self.store.read(o, PAGE)) for o in offs]
+        self.store.release(lid)
+        return out
+
+    def final(self, copy_id: str, role: str, timeout_s: float = 10.0) -> dict:
+        def done():
+            return [r for r in self.peers.book.find(copy_id) if r.role == role and r.state.final]
+
+        wait_for(lambda: bool(done()), timeout_s, f"{copy_id} {role} final")
+        return done()[0].as_dict()
+
+    def close(self) -> None:
+        self.peers.close()
+        self.store.close()
+
+
+@pytest.fixture
+def nodes():
+    made: list[Node] = []
+
+    def make(name: str, **kw) -> Node:
+        n = Node(name, **kw)
+        made.append(n)
+        return n
+
+    yield make
+    for n in made:
+        n.close()
+
+
+def _names(n: int, tag: str = "0123456789abcdef") -> list[str]:
+    return [f"{tag}.{k}" for k in page_keys(list(range(n * 4)), 4)]
+
+
+@pytest.mark.parametrize("fanout", ["chain", "tree", "star"])
+def test_fan_out_reaches_every_target_verified(nodes, fanout):
+    src = nodes("src")
+    targets = [nodes(f"t{i}") for i in range(5)]
+    names = _names(12)
+    data = src.fill(names)
+    plan = fanout_plan([{"addr": t.addr, "token": t.peers.expect("c1")} for t in targets], fanout)
+    assert len(plan) == {"chain": 1, "tree": 2, "star": 5}[fanout]
+    src.peers.push("c1", names, plan)
+    assert src.final("c1", "source")["state"] == "done"
+    for t in targets:
+        rec = t.final("c1", "target")
+        assert rec["state"] == "done" and rec["pages_done"] == 12
+        assert t.read(names) == data
+    assert len(src.lines("copy_finished")) == 1
+
+
+def test_peer_without_the_secret_is_refused_before_anything_is_reserved(nodes):
+    dst = nodes("dst")
+    rogue = nodes("rogue", secret=b"another-secret-0123456789abcdef")
+    names = _names(3)
+    rogue.fill(names)
+    token = dst.peers.expect("c1")
+    rogue.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))
+    rec = rogue.final("c1", "source")
+    assert rec["state"] == "failed"
+    wait_for(lambda: dst.lines("auth_failed"), 5, "auth_failed line")
+    assert len(dst.lines("auth_failed")) == 1 and "bad MAC" in dst.lines("auth_failed")[0]
+    assert dst.store.stats()["used_bytes"] == 0 and not dst.peers.book.find("c1")
+    # the expectation is intact: the real source can still deliver
+    src = nodes("src")
+    src.fill(names)
+    src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))
+    assert dst.final("c1", "target")["state"] == "done"
+
+
+def test_garbage_before_authentication_is_cut_off(nodes):
+    dst = nodes("dst")
+    host, port = dst.addr.split(":")
+    s = socket.create_connection((host, int(port)))
+    s.settimeout(5)
+    s.recv(4096)  # the challenge
+    s.sendall(struct.pack(">BI", ord("J"), 1 << 30))  # a frame far beyond the pre-auth bound
+    assert s.recv(4096) == b""  # closed
+    wait_for(lambda: dst.lines("auth_failed"), 5, "auth_failed line")
+    assert "exceeds 4096" in dst.lines("auth_failed")[0]
+    assert dst.store.stats()["used_bytes"] == 0
+
+
+@pytest.mark.parametrize("fault,reason", [(SendFaults(corrupt_wire=2), "xxh3_64 mismatch"),
+                                          (SendFaults(truncate=1), "bytes where")])
+def test_forged_or_truncated_page_is_refused_and_nothing_is_served(nodes, fault, reason):
+    src = nodes("src", faults=fault)
+    dst = nodes("dst")
+    names = _names(6)
+    src.fill(names)
+    src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c1")}], "star"))
+    rec = dst.final("c1", "target")
+    assert rec["state"] == "failed" and reason in rec["error"]
+    assert dst.store.leading_ready(names) == 0 and dst.store.stats()["used_bytes"] == 0  # not even the good pages
+    assert src.final("c1", "source")["state"] == "failed"
+    finished = dst.lines("copy_finished")
+    assert len(finished) == 1 and "outcome=failed" in finished[0] and reason.split()[0] in finished[0]
+
+
+def test_copy_ids_need_their_token_and_are_single_use(nodes):
+    src, dst, third = nodes("src"), nodes("dst"), nodes("third")
+    names = _names(3)
+    src.fill(names)
+    third.fill(names)
+    token = dst.peers.expect("c1")
+    third.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": "f" * 32}], "star"))  # a guess
+    assert "bad token" in third.final("c1", "source")["error"]
+    third.peers.push("c9", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))  # unknown id
+    assert "unknown copy id" in third.final("c9", "source")["error"]
+    src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))
+    assert dst.final("c1", "target")["state"] == "done"
+    third.peers.push("c1x", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))
+    dup = nodes("dup")
+    dup.fill(names)
+    dup.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))  # replayed token
+    assert "already used" in dup.final("c1", "source")["error"]
+    refused = dst.lines("copy_refused")
+    assert len(refused) == 4 and all("reason=" in line for line in refused)
+    with pytest.raises(ValueError, match="already expected or used"):
+        dst.peers.expect("c1")
+
+
+def test_a_full_store_refuses_the_copy_whole(nodes):
+    src = nodes("src")
+    dst = nodes("dst", arena_bytes=4 * PAGE, max_copy_bytes=1 << 30, max_peer_bytes=1 << 30)
+    dst.fill(_names(4, "ffffffffffffffff"))
+    dst.store.pin_for(_names(4, "ffffffffffffffff"), 60)  # every page held: nothing may be evicted
+    names = _names(3)
+    src.fill(names)
+    src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c1")}], "star"))
+    assert "store full" in src.final("c1", "source")["error"]
+    assert dst.store.stats()["pending_bytes"] == 0 and len(dst.lines("copy_refused")) == 1
+    big = nodes("big", arena_bytes=4 * PAGE)  # above the per-copy limit (half the arena)
+    src.peers.push("c2", names, fanout_plan([{"addr": big.addr, "token": big.peers.expect("c2")}], "star"))
+    assert "exceeds this agent's limit" in src.final("c2", "source")["error"]
+
+
+def test_an_idle_peer_is_cut_off_and_its_room_freed(nodes):
+    dst = nodes("dst", idle_timeout_s=0.5)
+    names = _names(4)
+    token = dst.peers.expect("c1")
+    host, port = dst.addr.split(":")
+    conn = Conn(socket.create_connection((host, int(port))), 5.0)
+    client_auth(conn, SECRET, "slowpoke")
+    conn.send_json({"op": "offer", "copy_id": "c1", "token": token, "names": names, "sizes": [PAGE] * 4})
+    assert conn.recv_json()["op"] == "accept"
+    assert dst.store.stats()["pending_bytes"] == 4 * PAGE  # room reserved, after authentication and the token
+    rec = dst.final("c1", "target", timeout_s=5)
+    assert rec["state"] == "failed" and "idle" in rec["error"]
+    assert dst.store.stats()["pending_bytes"] == 0 and dst.store.leading_ready(names) == 0
+    conn.close()
+
+
+def test_source_agent_killed_mid_copy_leaves_the_target_cold(tmp_path, monkeypatch):
+    monkeypatch.setenv("BTBCTL_AGENT_FAULT", "delay_s=0.1")
+    src = start_agent(tmp_path, "src")
+    monkeypatch.delenv("BTBCTL_AGENT_FAULT")
+    dst = start_agent(tmp_path, "dst")
+    try:
+        from btbctl.sglang_l3.client import AgentClient
+        from btbctl.sglang_l3.keys import Namespace
+
+        ns = Namespace("m", 1, 0, 1, 0, 1, 0, 4, "page_first", "torch.bfloat16", PAGE, "v1", "x")
+        c = AgentClient(src.socket, 2.0, ns.describe())
+        keys = page_keys(list(range(80)), 4)
+        rep, conn = c.call({"op": "put", "ns": ns.ns_id, "keys": keys, "size": PAGE})
+        c.call({"op": "commit", "token": rep["token"], "written": [True] * len(keys)})
+        token = dst.expect("k1", keys)
+        st, _ = src.call("POST", "/v1/push", {"copy_id": "k1", "keys": keys,
+                                              "targets": [{"addr": dst.peer, "token": token}]})
+        assert st == 202
+        wait_for(lambda: dst.records("k1").get("target", {}).get("pages_done", 0) >= 3, 10, "3 pages in")
+        src.kill()
+        rec = dst.wait_final("k1", "target")
+        assert rec["state"] == "failed" and rec["pages_done"] < len(keys)
+        st, have = dst.call("POST", "/v1/has", {"keys": keys, "namespaces": [ns.ns_id]})
+        assert have["namespaces"][ns.ns_id] == 0
+        assert dst.log().count("event=copy_finished copy_id=k1") == 1
+        c.close()
+    finally:
+        src.stop()
+        dst.stop()
+
+
+def test_control_api_auth_and_errors(tmp_path):
+    tok = tmp_path / "token"
+    tok.write_text("control-token-0123456789abcdef")
+    a = start_agent(tmp_path, "a", extra=["--control-token-file", str(tok)])
+    try:
+        keys = page_keys(list(range(8)), 4)
+        assert a.call("GET", "/health")[0] == 200
+        assert a.call("POST", "/v1/has", {"keys": keys})[0] == 401
+        assert a.call("POST", "/v1/has", {"keys": keys}, token="wrong")[0] == 403
+        t = "control-token-0123456789abcdef"
+        st, rep = a.call("POST", "/v1/has", {"keys": keys}, token=t)
+        assert st == 200 and rep["complete"] == []
+        st, rep = a.call("POST", "/v1/push", {"copy_id": "x", "keys": keys,
+                                              "targets": [{"addr": "127.0.0.1:9", "token": "t"}]}, token=t)
+        assert st == 409 and "does not hold" in rep["error"]
+        st, rep = a.call("POST", "/v1/push", {"copy_id": "x", "keys": keys, "fanout": "ring",
+                                              "targets": [{"addr": "127.0.0.1:9", "token": "t"}]}, token=t)
+        assert st == 400 and "fanout" in rep["error"]
+        assert a.call("POST", "/v1/expect", {"copy_id": "bad id!"}, token=t)[0] == 400
+        assert a.call("POST", "/v1/expect", {"copy_id": "e1"}, token=t)[0] == 200
+        assert a.call("POST", "/v1/expect", {"copy_id": "e1"}, token=t)[0] == 409
+        assert a.call("GET", "/v1/copies/none", token=t)[0] == 404
+        st, rep = a.call("GET", "/metrics")
+        assert st == 200 and "btbctl_agent_copies_total" in rep["text"] and "btbctl_agent_arena_bytes" in rep["text"]
+    finally:
+        a.stop()
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    sec = tmp_path / "s"
+    sec.write_bytes(b"short")
+    for args, needle in ((["--secret-file", str(sec)], "--secret-file"),
+                         (["--secret-file", str(tmp_path / "none")], "cannot read"),
+                         (["--secret-file", __file__, "--peer", "nope"], "--peer: bad address"),
+                         (["--secret-file", __file__, "--transport", "carrier-pigeon"], "--transport"),
+                         (["--secret-file", __file__, "--arena-mib", "0"], "--arena-mib")):
+        p = subprocess.run([sys.executable, "-m", "btbctl", "agent", "--socket", str(tmp_path / "x.sock"), *args],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2, (args, p.stderr)
+        assert p.stderr.count("\n") == 1 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "btbctl", "agent", "--socket", str(tmp_path / "x.sock"),
+                        "--secret-file", str(sec)], capture_output=True, text=True, timeout=60,
+                       env={**__import__("os").environ, "BTBCTL_DEBUG": "1"})
+    assert "Traceback" in p.stderr
+
+
+def test_timestamps_and_copy_states_are_the_shared_vocabulary(nodes):
+    src, dst = nodes("src"), nodes("dst")
+    names = _names(2)
+    src.fill(names)
+    src.peers.push("s1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("s1")}], "star"))
+    rec = src.final("s1", "source")
+    assert rec["state"] in ("done", "failed", "running", "stalled")
+    assert rec["finished_s"] >= rec["started_s"] > time.time() - 60
+
+
+def test_file_mode_copies_exactly_the_named_files(tmp_path, monkeypatch):
+    import os
+
+    dir_a, dir_b = tmp_path / "l3-a", tmp_path / "l3-b"
+    dir_a.mkdir()
+    keys = page_keys(list(range(40)), 8)
+    for i, k in enumerate(keys):
+        (dir_a / f"{k}_m_0_1.bin").write_bytes(os.urandom(1000 + i))
+        (dir_a / f"{k}_m_1_2.bin").write_bytes(b"other rank")  # another namespace: also present, not asked for
+    (dir_a / "unrelated.bin").write_bytes(b"x")
+    a = start_agent(tmp_path, "fa", extra=["--file-dir", str(dir_a)])
+    b = start_agent(tmp_path, "fb", extra=["--file-dir", str(dir_b)])
+    monkeypatch.setenv("BTBCTL_AGENT_FAULT", "corrupt_wire=2")
+    f = start_agent(tmp_path, "ff", extra=["--file-dir", str(dir_a)])
+    try:
+        st, have = a.call("POST", "/v1/has", {"keys": keys})
+        assert have["complete"] == ["_m_0_1", "_m_1_2"]
+        rec_f = f.call("POST", "/v1/push", {"copy_id": "f0", "keys": keys, "namespaces": ["_m_0_1"],
+                                            "targets": [{"addr": b.peer, "token": b.expect("f0", keys)}]})
+        assert rec_f[0] == 202 and b.wait_final("f0", "target")["state"] == "failed"
+        assert not dir_b.exists() or not any(dir_b.iterdir())  # a forged copy leaves no file, not even a temp one
+        st, rec = a.call("POST", "/v1/push", {"copy_id": "f1", "keys": keys, "namespaces": ["_m_0_1"],
+                                              "targets": [{"addr": b.peer, "token": b.expect("f1", keys)}]})
+        assert st == 202 and b.wait_final("f1", "target")["state"] == "done"
+        assert sorted(p.name for p in dir_b.iterdir()) == sorted(f"{k}_m_0_1.bin" for k in keys)
+        assert all((dir_b / p).read_bytes() == (dir_a / p).read_bytes() for p in os.listdir(dir_b))
+    finally:
+        for x in (a, b, f):
+            x.stop()
+
+
+def test_file_mode_refuses_names_that_are_not_page_files(tmp_path):
+    from btbctl.engine.agent.filedir import FileDirStore
+
+    st = FileDirStore(str(tmp_path / "d"), 1 << 20)
+    try:
+        assert st.valid_name("a" * 64 + "_m_0_1")
+        for bad in ("../../etc/passwd", "a" * 64 + "/../x", "a" * 63, "a" * 64 + "_..", "A" * 64):
+            assert not st.valid_name(bad), bad
+    finally:
+        st.close()
+
+
+def test_cancel_at_the_source_leaves_the_target_cold(nodes):
+    src = nodes("src", faults=SendFaults(delay_s=0.05))
+    dst = nodes("dst")
+    names = _names(20)  # within the per-copy limit (half of the 64-page arena)
+    src.fill(names)
+    src.peers.push("x1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("x1")}], "star"))
+    wait_for(lambda: any(r.pages_done >= 2 for r in dst.peers.book.find("x1")), 10, "2 pages in")
+    assert src.peers.cancel("x1")
+    assert src.final("x1", "source")["state"] == "failed"
+    rec = dst.final("x1", "target")
+    assert rec["state"] == "failed" and dst.store.leading_ready(names) == 0
+    assert dst.store.stats()["pending_bytes"] == 0
