@@ -72,7 +72,7 @@ class Fleet:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Started] = []
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -60,7 +60,7 @@ class FakeWorker:
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
-    async def start(self) -> "FakeWorker":
+    async def start(self) -> FakeWorker:
         app = web.Application()
         r = app.router
         r.add_get("/health", self.health)
@@ -234,7 +234,7 @@ class GatewayEnv:
         self.gw = None
         self.http = None
 
-    async def __aenter__(self) -> "GatewayEnv":
+    async def __aenter__(self) -> GatewayEnv:
         import aiohttp
 
         from btbctl.engine.gateway import GatewayConfig, serve_gateway

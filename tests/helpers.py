@@ -7,11 +7,10 @@ import random
 
 import pytest
 
+from btbctl.commands.app import main
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import carry_out
 from btbctl.engine.policies.base import Policy, Route
-
-from btbctl.commands.app import main
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import pytest
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyStatus
 from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
 from btbctl.engine.policies import make_policy
-from btbctl.engine.copies import CopyStatus
 from btbctl.engine.policies.btb_plus import BtbPlus
 from btbctl.engine.sim import simulate
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted

@@ -39,7 +39,7 @@ class ThreadServer:
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         assert self.ready.wait(10)
         return self

@@ -9,7 +9,6 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from pydantic import BaseModel
 
 from btbctl.engine.control import schema

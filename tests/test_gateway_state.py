@@ -5,9 +5,8 @@ from __future__ import annotations
 import inspect
 
 from btbctl.engine.gateway.state import ChainIndex, FleetState, WorkerState
+from btbctl.engine.policies.base import ExcludingView, FleetView
 from btbctl.engine.stats import TtftSeries
-from btbctl.engine.policies.base import FleetView
-from btbctl.engine.policies.base import ExcludingView
 
 
 def test_fleet_state_implements_every_fleet_view_member():

@@ -14,9 +14,9 @@ import pytest
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyPlan
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from btbctl.engine.copies import CopyPlan
 from btbctl.engine.policies.infersim_rules import InferSimBtb, InferSimCacheAware, InferSimLeastLoad
 from btbctl.engine.setups import SETUPS, get_setup, setup_cluster
 from btbctl.engine.sim import simulate

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyStatus
 from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from btbctl.engine.copies import CopyStatus
 from btbctl.engine.policies.btb import Btb
 from btbctl.engine.policies.cache_aware import BlockPrefixTree, CacheAware, default_max_blocks_per_worker
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill, absolute_margin

@@ -24,7 +24,7 @@ class FakeConn:
     """A target in memory: a remote region, completions queued per post, a commit that checks digests and
     content."""
 
-    def __init__(self, dev: "FakeDevice") -> None:
+    def __init__(self, dev: FakeDevice) -> None:
         self.dev = dev
         self.region = bytearray()
         self.cq: list[tuple[int, bool]] = []

@@ -9,11 +9,11 @@ import struct
 
 import pytest
 
+from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.hashing import block_payload, chain_hashes
 from btbctl.engine.replication import TRANSPORTS, make_transport
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import CopyRefused, TransferError, parse_address
-from btbctl.engine.errors import BtbctlError, ConfigError
 
 BLOCK = 256
 

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time
 from launcher_helpers import cli, force_cleanup, wait_gone
 from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
-
-from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time
 
 
 def _toml(v) -> str:

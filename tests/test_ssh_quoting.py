@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
-
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.launcher import ssh
 from btbctl.engine.launcher.cluster import validate_cluster
 from btbctl.engine.launcher.hosts import HostSpec
+from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
 
 
 def _marker_args(folder: Path) -> list[str]:

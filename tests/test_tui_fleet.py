@@ -195,7 +195,7 @@ class FakeControlApi:
         for q in self.streams:
             q.put_nowait(None)
 
-    async def start(self) -> "FakeControlApi":
+    async def start(self) -> FakeControlApi:
         app = web.Application()
         for path in self.answers():
             app.router.add_get(path, self._read)
@@ -273,7 +273,7 @@ def test_polling_takes_over_while_the_event_stream_is_down():
         api = await FakeControlApi(_free_port()).start()
         src = ControlApiSource(f"http://127.0.0.1:{api.port}", "t", local_gpus=False, reconnect_min_s=0.05,
                                reconnect_max_s=0.2)
-        status = lambda: _text(app.query_one("#status"))  # noqa: E731
+        status = lambda: _text(app.query_one("#status"))
         try:
             app = build_app(src, poll_hz=20)
             async with app.run_test(size=(120, 36)) as pilot:

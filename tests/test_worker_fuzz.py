@@ -10,9 +10,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from btbctl.engine.worker.config import make_config
 from btbctl.engine.worker.core import Worker
 from btbctl.engine.worker.http import build_app
-from btbctl.engine.worker.config import make_config
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/btb/match", "/btb/push", "/flush_cache")
 KEYS = ("text", "input_ids", "sampling_params", "max_new_tokens", "stream", "rid", "prompt", "max_tokens",

@@ -3,7 +3,6 @@ and the tests of the worker's command line."""
 
 from __future__ import annotations
 
-import pytest
 import json
 import os
 import queue
@@ -14,6 +13,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+import pytest
 
 READY_TIMEOUT_S = 20.0
 
@@ -38,7 +39,7 @@ class WorkerProc:
             self._lines.put(line)
         self._lines.put(None)
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "WorkerProc":
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> WorkerProc:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:

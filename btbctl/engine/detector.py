@@ -25,9 +25,9 @@ approximate); the detector never reads a clock, so the same code runs live and s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from heapq import nlargest
-from typing import Hashable, Sequence
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError

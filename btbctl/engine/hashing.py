@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 

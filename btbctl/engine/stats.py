@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 PERCENTILES = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0))
 #: TTFT samples a :class:`TtftSeries` keeps (ring buffer).

@@ -16,8 +16,9 @@ import itertools
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from btbctl import __version__
 from btbctl.engine.config import FIDELITIES, ClusterConfig, validate

@@ -30,8 +30,8 @@ from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.errors import BtbctlError
 from btbctl.engine.dashboard import DashboardSource, FleetSnapshot, StreamingSource
+from btbctl.engine.errors import BtbctlError
 from btbctl.tui.widgets.panels import ConstantsPanel, FleetPanel, PrefixPanel, TransferPanel, TtftPanel
 
 #: Snapshot requests per second (4 Hz: a refresh rate a person reads comfortably; each costs one round of
@@ -333,7 +333,7 @@ class Dashboard(App):
         if row is None:
             self.notify("no prefix selected", severity="warning")
             return
-        m = int((self.snapshot.constants.get("warm_replicas", 2) if self.snapshot else 2))
+        m = int(self.snapshot.constants.get("warm_replicas", 2) if self.snapshot else 2)
         default_n = max(1, m - max(1, row.holders))
 
         def done(n: int | None) -> None:

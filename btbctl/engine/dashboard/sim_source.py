@@ -8,20 +8,14 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import replace
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from btbctl.engine import chains
 from btbctl.engine.chains import SHORT_ID_CHARS, check_prefix_id
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, carry_out
-from btbctl.engine.detector import BurstDetector
-from btbctl.engine.dryrun import load_trace
-from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies import make_policy
-from btbctl.engine.sim.results import check_fits
-from btbctl.engine.sim.simulator import CopyInfo, Simulator
-from btbctl.engine.stats import TtftSeries
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
     GpuRow,
@@ -32,6 +26,13 @@ from btbctl.engine.dashboard.snapshot import (
     TtftPoint,
     WorkerRow,
 )
+from btbctl.engine.detector import BurstDetector
+from btbctl.engine.dryrun import load_trace
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies import make_policy
+from btbctl.engine.sim.results import check_fits
+from btbctl.engine.sim.simulator import CopyInfo, Simulator
+from btbctl.engine.stats import TtftSeries
 
 #: Width of one TTFT-series bucket, seconds of fleet time.
 TTFT_BUCKET_S = 1.0

@@ -34,7 +34,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web

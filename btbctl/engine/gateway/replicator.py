@@ -38,8 +38,8 @@ import asyncio
 import json
 import logging
 import secrets
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Hashable, Sequence
 
 import aiohttp
 

@@ -31,7 +31,8 @@ import os
 import random
 import secrets
 import signal
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 from aiohttp import web

@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Hashable, Iterable, Sequence
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.copies import CopyState, CopyStatus

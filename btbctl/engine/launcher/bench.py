@@ -39,8 +39,8 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 import xxhash
 

@@ -207,7 +207,7 @@ class WorkerSpec(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "WorkerSpec":
+    def _consistent(self) -> WorkerSpec:
         if self.port and self.port + self.count - 1 > 65535:
             raise ValueError(f"port {self.port} + count {self.count} runs past 65535")
         if self.transfer_port and self.transfer_port + self.count - 1 > 65535:
@@ -252,7 +252,7 @@ class ClusterFile(BaseModel):
                 return h
         return None
 
-    def instances(self) -> list["WorkerInstance"]:
+    def instances(self) -> list[WorkerInstance]:
         """Every worker to start, in order, with its name, port and GPUs. Names are unique."""
         out: list[WorkerInstance] = []
         n = 0

@@ -28,14 +28,20 @@ import shlex
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
-from btbctl.engine.launcher.rundir import (RunDir, RunState, group_members, is_same_process, process_start_time,
-                                           record_is_ours)
+from btbctl.engine.launcher.rundir import (
+    RunDir,
+    RunState,
+    group_members,
+    is_same_process,
+    process_start_time,
+    record_is_ours,
+)
 
 Log = Callable[[str], None]
 

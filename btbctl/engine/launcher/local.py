@@ -18,12 +18,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.launcher.rundir import group_members, process_start_time, record_is_ours, ProcessRecord
+from btbctl.engine.launcher.rundir import ProcessRecord, group_members, process_start_time, record_is_ours
 
 #: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
 #: (emulated worker: ``ready http://H:P transfer H:TP``; gateway: ``ready http://H:P control http://H:CP``).

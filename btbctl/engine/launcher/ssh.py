@@ -33,9 +33,10 @@ import re
 import shlex
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import WorkerInstance, worker_argv
@@ -279,7 +280,7 @@ class SshPool:
         self._thread.join(5.0)
         self._loop.close()
 
-    def __enter__(self) -> "SshPool":
+    def __enter__(self) -> SshPool:
         return self
 
     def __exit__(self, *exc) -> None:

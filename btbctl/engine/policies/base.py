@@ -12,8 +12,9 @@ runs live (gateway) and simulated.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Collection, Hashable, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus

@@ -62,14 +62,13 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.detector import BurstDetector, Detection
 from btbctl.engine.policies.base import CostView, Policy, Route
 from btbctl.engine.trace.model import Request
-
 
 #: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
 #: (seconds until it is there, requests, seconds of their prefill, prefix key, seconds of grace).

@@ -52,11 +52,11 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict, deque
-from typing import Sequence
+from collections.abc import Sequence
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyPlan
+from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 

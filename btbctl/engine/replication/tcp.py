@@ -38,8 +38,8 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import xxhash
 
@@ -83,7 +83,7 @@ class FaultPlan:
     delay_s: float = 0.0
 
     @classmethod
-    def parse(cls, spec: str) -> "FaultPlan":
+    def parse(cls, spec: str) -> FaultPlan:
         """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
         kw: dict = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -98,7 +98,7 @@ class FaultPlan:
         return cls(**kw)
 
     @classmethod
-    def from_env(cls) -> "FaultPlan | None":
+    def from_env(cls) -> FaultPlan | None:
         """The plan in :data:`FAULT_ENV`, or None when unset/empty."""
         spec = os.environ.get(FAULT_ENV, "").strip()
         return cls.parse(spec) if spec else None

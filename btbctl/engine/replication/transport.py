@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import AsyncIterator, Callable, Iterable, Protocol, Sequence, Union
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Protocol, Union
 
 from btbctl.engine.errors import BtbctlError
 

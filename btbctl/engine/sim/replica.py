@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence
+from typing import Protocol
 
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.sim.cache import PrefixCache
@@ -66,24 +67,24 @@ class ReplicaEvents(Protocol):
     (:meth:`~ReplicaModel.enqueue`, :meth:`~ReplicaModel.kick`, :meth:`~ReplicaModel.end_step`, ...); the model
     never calls back into the driver otherwise."""
 
-    def step_scheduled(self, replica: "ReplicaModel", end_s: float, version: int) -> None:
+    def step_scheduled(self, replica: ReplicaModel, end_s: float, version: int) -> None:
         """The step the replica just started (or cut short) ends at ``end_s``: call ``replica.end_step(end_s)``
         then, if ``replica.version == version`` still (a later schedule voids this one)."""
 
-    def admitted(self, replica: "ReplicaModel", rq: ReplicaRequest, matched_blocks: int) -> None:
+    def admitted(self, replica: ReplicaModel, rq: ReplicaRequest, matched_blocks: int) -> None:
         """``rq`` was admitted: it reuses the resident ``chain[:matched_blocks]`` and computes the rest of its
         chain, which is now pending on the replica. The driver may set ``rq.recomputed``."""
 
-    def computed(self, replica: "ReplicaModel", rq: ReplicaRequest, start: int, stop: int) -> None:
+    def computed(self, replica: ReplicaModel, rq: ReplicaRequest, start: int, stop: int) -> None:
         """``rq``'s prefill committed ``chain[start:stop]`` to the replica's cache (now resident)."""
 
-    def first_token(self, replica: "ReplicaModel", rq: ReplicaRequest) -> None:
+    def first_token(self, replica: ReplicaModel, rq: ReplicaRequest) -> None:
         """``rq`` produced its first token (``rq.ttft_s`` and ``rq.cached_tokens`` are set)."""
 
-    def finished(self, replica: "ReplicaModel", rq: ReplicaRequest, now_s: float) -> None:
+    def finished(self, replica: ReplicaModel, rq: ReplicaRequest, now_s: float) -> None:
         """``rq`` finished at ``now_s`` and released its KV cache."""
 
-    def blocks_committed(self, replica: "ReplicaModel") -> None:
+    def blocks_committed(self, replica: ReplicaModel) -> None:
         """A prefill step committed blocks (after its :meth:`first_token` and :meth:`finished` reports): copies
         trailing this replica's prefill may send more."""
 

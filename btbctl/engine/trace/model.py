@@ -9,8 +9,8 @@ Mooncake, ``str`` for ``btb-mixed-trace-v1``); only equality matters.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 #: Request kinds used in reports. ``burst``/``decoy``/``background`` come from ``btb-mixed-trace-v1``'s
 #: ``metadata.job_kind``; traces without kinds (Mooncake, Azure) label every request ``background``.

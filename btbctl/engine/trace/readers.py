@@ -47,8 +47,8 @@ import operator
 import os
 import re
 import stat
+from collections.abc import Callable
 from datetime import date
-from typing import Callable
 
 from btbctl.engine.errors import TraceFormatError
 from btbctl.engine.trace.model import Request, Trace

@@ -13,8 +13,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.copies import CopyState
@@ -220,7 +220,7 @@ class SourceBlocks:
         self.k = 0
         self.pinned = 0
 
-    def __aiter__(self) -> "SourceBlocks":
+    def __aiter__(self) -> SourceBlocks:
         return self
 
     async def __anext__(self) -> tuple[str, bytes]:

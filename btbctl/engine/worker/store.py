@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from btbctl.engine.hashing import block_payload
 
