@@ -240,7 +240,7 @@ class GatewayEnv:
         from btbctl.engine.gateway import GatewayConfig, serve_gateway
 
         self.fleet = await start_fleet(self.n, **self.worker_kw)
-        cfg = dict(port=0, control_port=0, token="test-token", health_interval_s=0.2, poll_interval_s=0.02)
+        cfg = {"port": 0, "control_port": 0, "token": "test-token", "health_interval_s": 0.2, "poll_interval_s": 0.02}
         cfg.update(self.config)
         self.gw = await serve_gateway(GatewayConfig(workers=[w.url for w in self.fleet], **cfg))
         self.http = aiohttp.ClientSession()

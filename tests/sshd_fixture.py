@@ -148,7 +148,7 @@ def start_sshd(folder: Path) -> Sshd:
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError("sshd did not listen within 10 s")
+                raise RuntimeError("sshd did not listen within 10 s") from None
             time.sleep(0.05)
     return Sshd(port=port, client_key=client_key, known_hosts=known, other_key_known_hosts=other,
                 user=getpass.getuser(), proc=proc, dir=folder)

@@ -375,7 +375,7 @@ def test_bad_cluster_fails_before_any_simulation(monkeypatch):
     monkeypatch.setattr(sim, "simulate", must_not_run)
     cfg = DryRunConfig().model_copy(update={"cluster": DryRunConfig().cluster.model_copy(
         update={"gpus_per_replica": 1})})
-    with pytest.raises(ConfigError, match="cluster.gpus_per_replica"):
+    with pytest.raises(ConfigError, match=r"cluster\.gpus_per_replica"):
         run_dry_run(cfg)
 
 

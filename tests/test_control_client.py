@@ -94,7 +94,7 @@ def test_answers_are_validated_into_the_schema_and_the_token_goes_along():
             c = api.constants()
             assert isinstance(c, schema.ConstantsAnswer) and c.constants.warm_replicas == 4
             api.set_constants({"threshold": 3, "replicas": 2})
-        put = [s for s in srv.seen if s[0] == "PUT"][0]
+        put = next(s for s in srv.seen if s[0] == "PUT")
         assert all(s[2] == "Bearer tok" for s in srv.seen)
         assert put[1] == "/control/constants"
 
@@ -206,7 +206,7 @@ def test_event_stream_parsing():
                     [e async for e in api.events()]
             await runner2.cleanup()
             async with AsyncControlClient(f"http://127.0.0.1:{_free_port()}") as api:
-                with pytest.raises(ControlApiError, match="cannot reach|event stream broke"):
+                with pytest.raises(ControlApiError, match=r"cannot reach|event stream broke"):
                     [e async for e in api.events()]
         finally:
             await runner.cleanup()
@@ -236,7 +236,7 @@ def test_replicate_and_wait_through_the_sync_client():
                 with ControlClient(env.control, token="test-token") as api:
                     replicate_and_wait(api, prefix, 1)
 
-            with pytest.raises(BtbctlError, match="^--prefix: "):
+            with pytest.raises(BtbctlError, match=r"^--prefix: "):
                 refused("xyz")
             with pytest.raises(ControlApiError, match="HTTP 404: unknown prefix"):
                 await asyncio.to_thread(refused, "0123456789abcdef")

@@ -53,7 +53,8 @@ def test_put_constants_needs_the_token_and_validates_every_key():
             async with env.http.put(url, json={"threshold": 3}, headers=env.auth("wrong")) as r:
                 assert r.status == 401
             bad = [({"threshold": 0}, "threshold"), ({"window_s": -1}, "window_s"), ({"replicas": "4"}, "replicas"),
-                   ({"warm_replicas": 0}, "warm_replicas"), ({"prefix_blocks": True}, "prefix_blocks"), ({"policy": "nope"}, "policy"),
+                   ({"warm_replicas": 0}, "warm_replicas"), ({"prefix_blocks": True}, "prefix_blocks"),
+                   ({"policy": "nope"}, "policy"),
                    ({"speed": 2}, "speed"), ({"threshold": 3, "window_s": 0}, "window_s")]
             for obj, key in bad:
                 async with env.http.put(url, json=obj, headers=env.auth()) as r:

@@ -155,7 +155,7 @@ def test_killed_worker_mid_burst_loses_nothing_and_is_marked_unhealthy():
             await victim.kill()
             results = await asyncio.gather(*tasks)
             assert all(st == 200 for st, _ in results), [r for r in results if r[0] != 200]
-            for st, ans in results:  # exactly one answer each; streams complete
+            for _, ans in results:  # exactly one answer each; streams complete
                 if isinstance(ans, str):
                     assert ans.rstrip().endswith("data: [DONE]") and "error" not in ans
             assert not env.gw.state.workers[1].healthy

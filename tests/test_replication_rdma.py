@@ -4,6 +4,7 @@ and the clear error where no RDMA stack exists."""
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 
 import pytest
 import xxhash
@@ -103,12 +104,12 @@ def test_plan_writes_coalesces_whole_blocks_within_staging_rounds():
     assert [o.local_offset for o in ops] == [0, 2000, 0, 2000, 0]
     covered = sorted((o.first, o.first + o.count) for o in ops)
     assert covered[0][0] == 0 and covered[-1][1] == 10
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(covered))
     big = plan_writes(3, 5000, staging_bytes=1000, max_msg_bytes=1000)  # a block larger than both limits
     assert [(o.round, o.first, o.count, o.length) for o in big] == [(0, 0, 1, 5000), (1, 1, 1, 5000),
                                                                    (2, 2, 1, 5000)]
     assert plan_writes(0, 10) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sizes must be positive"):
         plan_writes(1, 0)
 
 

@@ -233,7 +233,7 @@ def test_fault_plan_parse():
     assert FaultPlan.parse("corrupt_wire=3,delay_s=0.5") == FaultPlan(corrupt_wire=3, delay_s=0.5)
     assert FaultPlan.parse("") == FaultPlan()
     for bad in ("explode=1", "close_after=x", "delay_s"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"^bad fault item"):
             FaultPlan.parse(bad)
 
 
@@ -242,5 +242,5 @@ def test_registry():
     assert make_transport("tcp").name == "tcp"
     with pytest.raises(ConfigError):
         make_transport("carrier-pigeon")
-    with pytest.raises(BtbctlError, match="^RDMA unavailable: "):
+    with pytest.raises(BtbctlError, match=r"^RDMA unavailable: "):
         make_transport("rdma")

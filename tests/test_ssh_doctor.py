@@ -32,7 +32,7 @@ def test_doctor_table_and_json(sshd, tmp_path):  # noqa: F811
     assert res.returncode == 1 and human.returncode == 1
     rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
     good = rows["good"]
-    assert (good["reachable"], good["auth"], good["python"]) == ("yes", "yes", "%d.%d.%d" % sys.version_info[:3])
+    assert (good["reachable"], good["auth"], good["python"]) == ("yes", "yes", "{}.{}.{}".format(*sys.version_info[:3]))
     assert good["btbctl"] and good["sglang"] is None and isinstance(good["rdma"], list)
     assert good["ports"] == {str(busy_port): "Address already in use"}
     assert good["problems"] == [f"port {busy_port}: Address already in use"]

@@ -215,10 +215,10 @@ def test_stays_responsive_while_replaying_1000_requests_per_second():
             for i in range(10):
                 want = not app.paused
                 latencies.append(await _key_to_update(
-                    app, "p", lambda: app.paused == want and ("PAUSED" in _text(status)) == want))
+                    app, "p", lambda want=want: app.paused == want and ("PAUSED" in _text(status)) == want))
                 target = fleet if i % 2 == 0 else table
                 latencies.append(await _key_to_update(app, "2" if i % 2 == 0 else "1",
-                                                      lambda: app.focused is target))
+                                                      lambda target=target: app.focused is target))
                 await asyncio.sleep(0.15)
             assert "PAUSED" not in _text(status)  # an even number of presses
             n_applied = app.applied

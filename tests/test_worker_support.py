@@ -3,6 +3,7 @@ and the tests of the worker's command line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -64,10 +65,8 @@ class WorkerProc:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
         for f in (self.proc.stdout, self.proc.stderr):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except Exception:
-                pass
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

@@ -13,8 +13,9 @@ from btbctl.tui.app import build_app
 
 #: A short Bursted window: 3 bursts of 200 requests over 20 s each, sharing 8,192-token prefixes (32 blocks of
 #: 256 tokens), on 4 replicas of Llama-3.3-70B over 4 x H100 each.
-SMALL = dict(bursts=3, burst_size=200, first_burst_s=2.0, burst_period_s=10.0, jitter_s=0.0, spread_s=20.0,
-             prefix_tokens=8192, suffix_tokens=256, decoys=10, decoy_start_s=1.0, decoy_end_s=40.0)
+SMALL = {"bursts": 3, "burst_size": 200, "first_burst_s": 2.0, "burst_period_s": 10.0, "jitter_s": 0.0,
+         "spread_s": 20.0, "prefix_tokens": 8192, "suffix_tokens": 256, "decoys": 10, "decoy_start_s": 1.0,
+         "decoy_end_s": 40.0}
 SMALL_CONSTANTS = BtbConstants(prefix_blocks=32, threshold=2, window_s=1.0, replicas=4)
 
 

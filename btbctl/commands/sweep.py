@@ -234,6 +234,6 @@ def heatmap_table(hm: dict):
     table.add_column(hm["y_axis"], justify="right")
     for x in hm["x"]:
         table.add_column(_v(x), justify="right")
-    for y, row in zip(hm["y"], hm["values"]):
+    for y, row in zip(hm["y"], hm["values"], strict=True):
         table.add_row(_v(y), *(_f(v) for v in row))
     return table

@@ -29,8 +29,8 @@ _FORMATS_HELP = "mooncake, btb-mixed-trace-v1 or azure2023"
 
 @trace_app.command("gen")
 def gen(
-    out_path: Annotated[Path, typer.Option("--out", "-o", help="Output file (btb-mixed-trace-v1 JSONL; .gz compresses).",
-                                           dir_okay=False)],
+    out_path: Annotated[Path, typer.Option(
+        "--out", "-o", help="Output file (btb-mixed-trace-v1 JSONL; .gz compresses).", dir_okay=False)],
     bursts: Annotated[int, typer.Option(help="Burst jobs in the window.")] = 8,
     burst_size: Annotated[int, typer.Option(help="Requests per burst.")] = 500,
     first_burst_s: Annotated[float, typer.Option(help="Nominal start of the first burst, seconds.")] = 20.0,

@@ -106,7 +106,7 @@ def _check(axis: str, v: Any) -> Any:
 
 def grid_points(axes: dict[str, list]) -> list[dict]:
     """The cartesian product of ``axes`` (keys in :data:`AXES` order) as dicts, in index order."""
-    return [dict(zip(AXES, combo)) for combo in itertools.product(*(axes[a] for a in AXES))]
+    return [dict(zip(AXES, combo, strict=True)) for combo in itertools.product(*(axes[a] for a in AXES))]
 
 
 @dataclass

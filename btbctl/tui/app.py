@@ -266,7 +266,7 @@ class Dashboard(App):
     async def _poll(self) -> None:
         try:
             snap = await self.source.snapshot()
-        except Exception as e:  # a source bug must not kill the screen; say it instead
+        except Exception as e:  # noqa: BLE001 - a source bug must not kill the screen; say it instead
             self._set_status(f"snapshot failed: {e}", "down")
             return
         finally:

@@ -68,7 +68,7 @@ class _CompleteBuckets:
         window_s = TTFT_BUCKETS * TTFT_BUCKET_S
         pts: list[TtftPoint] = []
         for row, arr in zip(self.ttft.series(end, window_s, TTFT_BUCKET_S),
-                            self.arrivals.series(end, window_s, TTFT_BUCKET_S)):
+                            self.arrivals.series(end, window_s, TTFT_BUCKET_S), strict=True):
             if not row["n"] and not arr["n"] and not pts:
                 continue
             p50, p95 = row["p50_s"], row["p95_s"]
@@ -313,9 +313,9 @@ class SimSource:
 
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult:
         """Copy the prefix ``prefix_id`` (or an unambiguous leading part of at least
-        :data:`~btbctl.engine.chains.MIN_PREFIX_ID_CHARS` hex digits) from its least-loaded holder to ``n`` more workers, least-loaded
-        first. Raises :class:`SourceError` (unknown or ambiguous id, no holder, nothing accepted) or
-        :class:`ConfigError` (``n`` < 1)."""
+        :data:`~btbctl.engine.chains.MIN_PREFIX_ID_CHARS` hex digits) from its least-loaded holder to ``n`` more
+        workers, least-loaded first. Raises :class:`SourceError` (unknown or ambiguous id, no holder, nothing accepted)
+        or :class:`ConfigError` (``n`` < 1)."""
         return await asyncio.to_thread(self.replicate_sync, prefix_id, n)
 
     def replicate_sync(self, prefix_id: str, n: int) -> ReplicateResult:

@@ -234,7 +234,8 @@ class DataPlane:
             if chain and state.transfers.active:
                 await _await_copy_accepted(state, idx, chain)
 
-            def first_byte(now: float | None = None) -> None:
+            # w and idx bound as defaults: the callback belongs to this attempt's worker
+            def first_byte(now: float | None = None, w=w, idx=idx) -> None:
                 nonlocal prefilled
                 prefilled = True
                 if now is None:

@@ -86,7 +86,7 @@ def _read_or_create_token(path: str, key: str) -> str:
         except OSError as e:
             raise ConfigError(key, f"cannot read {path}: {e.strerror}") from None
         if not tok:
-            raise ConfigError(key, f"{path} is empty")
+            raise ConfigError(key, f"{path} is empty") from None
         return tok
     except OSError as e:
         raise ConfigError(key, f"cannot create {path}: {e.strerror}") from None

@@ -26,9 +26,9 @@ A cluster file is TOML::
     address = "10.0.0.11"
 
 A worker entry whose ``host`` is the name of a ``[[hosts]]`` entry runs on that machine over SSH
-(:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``)
-means: 4 emulated Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB
-setting (REFERENCE.md s1).
+(:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is
+optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``) means: 4 emulated
+Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB setting (REFERENCE.md s1).
 
 Command lines are always argv lists, never shell strings: :func:`sglang_argv` builds SGLang's
 ``python -m sglang.launch_server`` line (REFERENCE.md s5), :func:`emulated_argv` the emulated worker's

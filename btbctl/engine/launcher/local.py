@@ -136,7 +136,7 @@ def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
         if m is not None:
             proc.url = m.group(1).rstrip("/")
             words = m.group(2).split()
-            proc.extra = dict(zip(words[0::2], words[1::2]))
+            proc.extra = dict(zip(words[0::2], words[1::2], strict=False))
             return proc
         rc = proc.popen.poll()
         if rc is not None:
@@ -247,5 +247,5 @@ def stop_records(recs: list[ProcessRecord], grace_s: float = DEFAULT_GRACE_S) ->
     return out
 
 
-__all__ = ["READY_LINE", "Started", "health_ok", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record", "stop_records",
-           "wait_ready"]
+__all__ = ["READY_LINE", "Started", "health_ok", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record",
+           "stop_records", "wait_ready"]

@@ -430,13 +430,12 @@ class BtbPlus(Policy):
 
     def stats(self) -> dict:
         """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the executor
-        started), ``copies_refused`` (attempts it refused), ``rate_copies`` / ``backlog_copies`` (copies planned
-        for the arrival-rate target / for an earlier first token), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by the
-        break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
+        started), ``copies_refused`` (attempts it refused), ``rate_copies`` / ``backlog_copies`` (copies planned for the
+        arrival-rate target / for an earlier first token), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by
+        the break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
         ``speculative_routes`` (of those, sent to recompute the prefix while another replica held it),
-        ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests
-        waiting for a copy), ``deepest_above_min`` (hot matches deeper than Y), ``tracked_prefixes`` (all
-        depths)."""
+        ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests waiting for
+        a copy), ``deepest_above_min`` (hot matches deeper than Y), ``tracked_prefixes`` (all depths)."""
         out = dict(self._stats)
         out["tracked_prefixes"] = sum(len(d) for d in self._levels.values())
         return out

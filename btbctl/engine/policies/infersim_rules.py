@@ -72,7 +72,7 @@ def _pick_least(view: FleetView, candidates: Sequence[int], rng: random.Random) 
     """The least-loaded candidate; ties (and a single candidate) go through one ``rng.choice``."""
     loads = [view.load(r) for r in candidates]
     best = min(loads)
-    return rng.choice([r for r, x in zip(candidates, loads) if x == best])
+    return rng.choice([r for r, x in zip(candidates, loads, strict=True) if x == best])
 
 
 class InferSimCacheAware(Policy):

@@ -273,7 +273,11 @@ async def _early_reason(final: asyncio.Task | None) -> str | None:
     try:
         line = await asyncio.wait_for(asyncio.shield(final), 0.5)
         obj = json.loads(line) if line else None
-    except BaseException:
+    except asyncio.CancelledError:
+        if final.cancelled():
+            return None
+        raise  # the copy itself is being cancelled: never turn that into a "connection lost"
+    except Exception:  # noqa: BLE001 - the connection is already lost; any failure reading the reason means none
         return None
     if isinstance(obj, dict) and obj.get("ok") is False:
         return str(obj.get("error"))

@@ -450,8 +450,8 @@ class InferSimulator:
             if not (isinstance(r, int) and 0 <= r < n):
                 raise RuntimeError(f"policy {policy.name!r} returned replica {r!r} of {n}")  # a bug, not input
             for plan in route.copies:
-                carry_out(plan, lambda tgt, p=plan: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
-                          lambda tgt, ok, p=plan: policy.on_copy_result(p, tgt, ok, t))
+                carry_out(plan, lambda tgt, p=plan, t=t: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
+                          lambda tgt, ok, p=plan, t=t: policy.on_copy_result(p, tgt, ok, t))
             reps[r].enqueue(_Seq(req, self.cost.block_tokens, self.window))
         for rep in reps:
             rep.advance(None)

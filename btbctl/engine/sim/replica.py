@@ -179,7 +179,8 @@ class ReplicaModel:
         self.version = 0  # bumped at every step (re)schedule; see ReplicaEvents.step_scheduled
         self._queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
         self._queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
-        self._dep_flops: dict[Hashable, float] = {}  # block not yet resident -> est_flops of waiting requests needing it
+        # block not yet resident -> est_flops of waiting requests needing it
+        self._dep_flops: dict[Hashable, float] = {}
         self._dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
         self._waiting_kv = 0  # sum of kv_need over waiting requests
         self._dec_finish_sum = 0  # sum of finish_g over decoding requests

@@ -52,7 +52,7 @@ class NvmlResult:
 
 
 def _import_pynvml():
-    import pynvml
+    import pynvml  # optional, imported lazily on purpose
 
     return pynvml
 

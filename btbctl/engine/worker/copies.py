@@ -125,7 +125,7 @@ class CopyBook:
         for rec in self.records.values():
             if rec.role == "target" and rec.in_flight:
                 n = 0
-                for a, b in zip(chain, rec.chain):
+                for a, b in zip(chain, rec.chain, strict=False):
                     if a != b:
                         break
                     n += 1
