@@ -104,6 +104,8 @@ class BtbConstants(BaseModel):
             if getattr(m, "le", None) is not None:
                 hi = m.le
         kind = "an integer" if field.annotation is int else "a number"
+        if lo is None or hi is None:  # every constant has both bounds today
+            return kind
         return f"{kind} in {'[' if closed_lo else '('}{_num(lo)}, {_num(hi)}]"
 
     def with_updates(self, **changes: Any) -> BtbConstants:
@@ -121,7 +123,7 @@ class BtbConstants(BaseModel):
             del base["warm_replicas"]
         return self.parse({**base, **changes})
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """``{"prefix_blocks", "threshold", "window_s", "warm_replicas"}``."""
         return self.model_dump()
 

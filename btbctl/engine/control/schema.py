@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
@@ -51,7 +51,7 @@ class ErrorDetail(BaseModel):
     """Prefix ids an ambiguous short id matches."""
 
     @model_serializer(mode="wrap")
-    def _leave_out_absent(self, handler: Any) -> dict:
+    def _leave_out_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
@@ -96,7 +96,7 @@ class ConstantsUpdate(Body):
     policy: str | None = None
     """Routing policy to switch to (one of ``policies``)."""
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, Any]:
         """The JSON body (only the keys given)."""
         return self.model_dump(mode="json", exclude_none=True)
 
@@ -164,8 +164,8 @@ class FleetWorker(Answer):
     """GPU utilisation 0..100, where the worker reports it (left out otherwise)."""
 
     @model_serializer(mode="wrap")
-    def _leave_out_unreported(self, handler: Any) -> dict:
-        out = handler(self)
+    def _leave_out_unreported(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
         for k in _REPORTED_ONLY:
             if out.get(k, 0) is None:
                 del out[k]

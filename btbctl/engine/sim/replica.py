@@ -58,7 +58,8 @@ class ReplicaRequest:
         self.aborted = False  # the client went away (see ReplicaModel.abort)
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
         self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
-        self.dep_key = None  # while waiting: the not-yet-resident block its est_flops is registered under
+        # while waiting: the not-yet-resident block its est_flops is registered under
+        self.dep_key: Hashable | None = None
         self.kv_need = 0  # while waiting: KV tokens it will take when admitted (estimate)
 
 
@@ -106,7 +107,7 @@ class IncomingCopy:
         open: False once :meth:`ReplicaModel.end_incoming` ran.
     """
 
-    chain: tuple
+    chain: tuple[Hashable, ...]
     have: int
     reserved: int
     open: bool = True
@@ -175,7 +176,7 @@ class ReplicaModel:
         self._step_start = 0.0
         self._step_end = 0.0
         self._step_m = 0
-        self._step_payload: list = []  # prefill: (request, new tokens, their FLOPs)
+        self._step_payload: list[tuple[ReplicaRequest, int, float]] = []  # prefill: (request, new tokens, their FLOPs)
         self.version = 0  # bumped at every step (re)schedule; see ReplicaEvents.step_scheduled
         self._queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
         self._queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
@@ -298,7 +299,7 @@ class ReplicaModel:
         leaves = [h for h in parent if not children.get(h)]
         pos = {h: i for i, h in enumerate(cache.lru)}
         leaves.sort(key=lambda h: (0, 0) if h in refs else (1, -pos.get(h, -1)))
-        depth: dict = {}
+        depth: dict[Hashable, int] = {}
         out = []
         for h in leaves[:max(0, limit)]:
             path = []
@@ -390,7 +391,7 @@ class ReplicaModel:
         self.kick(now_s)
         return add
 
-    def begin_incoming(self, chain: tuple, *, claim_pending: bool = True) -> IncomingCopy | None:
+    def begin_incoming(self, chain: tuple[Hashable, ...], *, claim_pending: bool = True) -> IncomingCopy | None:
         """A copy of ``chain`` starts arriving: pin its resident leading blocks, reserve room for the others
         (evicting LRU blocks as needed) and mark those as pending, so that a request needing them waits for the
         copy instead of computing them. None (nothing changed) when they do not fit.
