@@ -291,8 +291,3 @@ def metric_value(text: str, name: str, **labels) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
-
-
-def run(coro, timeout: float = 30.0):
-    """Run an async test body with a deadline."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))

@@ -154,14 +154,6 @@ def start_sshd(folder: Path) -> Sshd:
                 user=getpass.getuser(), proc=proc, dir=folder)
 
 
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    """A loopback sshd for the whole test module."""
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
-
-
 def host_table(server: Sshd, name: str, address: str, **over) -> dict:
     """A ``[[hosts]]`` entry (as a dict) reaching ``address`` through ``server``, running this Python."""
     entry = {"name": name, "address": address, "port": server.port, "user": server.user,

@@ -25,10 +25,7 @@ SMALL_REQUESTS = 44
 TOP_KEYS = ["btbctl_version", "fidelity", "seed", "trace", "cluster", "constants", "results", "timing"]
 
 
-@pytest.fixture(autouse=True)
-def _no_debug(monkeypatch):
-    monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
-    monkeypatch.setenv("COLUMNS", "100")
+pytestmark = pytest.mark.usefixtures("cli_env")  # fixed terminal width (tests/conftest.py)
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> str:

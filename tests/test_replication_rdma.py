@@ -3,7 +3,6 @@ and the clear error where no RDMA stack exists."""
 
 from __future__ import annotations
 
-import asyncio
 from itertools import pairwise
 
 import pytest
@@ -113,31 +112,31 @@ def test_plan_writes_coalesces_whole_blocks_within_staging_rounds():
         plan_writes(1, 0)
 
 
-def test_rdma_send_moves_and_verifies_blocks():
+async def test_rdma_send_moves_and_verifies_blocks():
     dev = FakeDevice(max_msg=3000)
     chain, pairs = _pairs(9)
     prog = []
     t = RdmaTransport(device=dev, staging_bytes=4000, max_msg_bytes=3000)
-    asyncio.run(t.send("10.0.0.2:4791", "c1", chain, pairs, lambda s, tot: prog.append((s, tot))))
+    await t.send("10.0.0.2:4791", "c1", chain, pairs, lambda s, tot: prog.append((s, tot)))
     assert dev.committed and dev.conn.closed
     assert bytes(dev.conn.region) == b"".join(b for _, b in pairs)
     assert dev.registered == [4000]  # one staging registration, reused every round
     assert prog[-1] == (9000, 9000)
 
 
-def test_rdma_failed_completion_and_corruption_are_reported():
+async def test_rdma_failed_completion_and_corruption_are_reported():
     chain, pairs = _pairs(6)
     dev = FakeDevice(fail_wr=2)
     with pytest.raises(TransferError, match="RDMA write of blocks"):
-        asyncio.run(RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None))
+        await RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None)
     assert not dev.committed and dev.conn.closed
     dev = FakeDevice(flip_write=1)
     with pytest.raises(TransferError, match="digest mismatch") as ei:
-        asyncio.run(RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None))
+        await RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None)
     assert ei.value.block == 2 and not dev.committed
     dev = FakeDevice(refuse="no room")
     with pytest.raises(TransferError, match="refused: no room"):
-        asyncio.run(RdmaTransport(device=dev).send("h:1", "c", chain, pairs, lambda s, t: None))
+        await RdmaTransport(device=dev).send("h:1", "c", chain, pairs, lambda s, t: None)
 
 
 def test_rdma_unavailable_is_a_clear_error_here():

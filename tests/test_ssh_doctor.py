@@ -8,11 +8,11 @@ import socket
 import sys
 
 from launcher_helpers import cli
-from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
+from sshd_fixture import host_table
 from test_ssh_fleet import write_cluster
 
 
-def test_doctor_table_and_json(sshd, tmp_path):  # noqa: F811
+def test_doctor_table_and_json(sshd, tmp_path):
     with socket.socket() as busy, socket.socket() as closed:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -85,24 +85,21 @@ def test_worker_still_serves_after_fuzzing():
     assert status == 200 and json.loads(raw)["meta_info"]["completion_tokens"] == 2
 
 
-def test_not_ready_answers_503_on_health_and_generation():
-    async def go():
-        cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0)
-        worker = Worker(cfg)
-        client = TestClient(TestServer(build_app(worker)))
-        await client.start_server()
-        try:
-            out = []
-            for method, path, body in (("GET", "/health", None), ("GET", "/health_generate", None),
-                                       ("POST", "/generate", {"text": "hi"})):
-                async with client.request(method, path, json=body) as r:
-                    out.append(r.status)
-            worker.ready = True
-            async with client.get("/health_generate") as r:
+async def test_not_ready_answers_503_on_health_and_generation():
+    cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0)
+    worker = Worker(cfg)
+    client = TestClient(TestServer(build_app(worker)))
+    await client.start_server()
+    try:
+        out = []
+        for method, path, body in (("GET", "/health", None), ("GET", "/health_generate", None),
+                                   ("POST", "/generate", {"text": "hi"})):
+            async with client.request(method, path, json=body) as r:
                 out.append(r.status)
-            return out
-        finally:
-            await client.close()
-            await worker.stop()
-
-    assert asyncio.run(go()) == [503, 503, 503, 200]
+        worker.ready = True
+        async with client.get("/health_generate") as r:
+            out.append(r.status)
+    finally:
+        await client.close()
+        await worker.stop()
+    assert out == [503, 503, 503, 200]
