@@ -277,7 +277,10 @@ class Dashboard(App):
             self.apply_snapshot(snap)
 
     def apply_snapshot(self, snap: FleetSnapshot) -> None:
-        """Render ``snap`` in every panel and the status line."""
+        """Render ``snap`` in every panel and the status line (not once the app shuts down: a snapshot pushed or
+        polled just before can still be in its queue after the screens are gone)."""
+        if not self.is_running:
+            return
         first = self.snapshot is None
         self.snapshot = snap
         self._main(PrefixPanel).update_snapshot(snap)
@@ -304,6 +307,8 @@ class Dashboard(App):
             self._set_status(f"DISCONNECTED: {snap.message}{feed}", "down")
 
     def _set_status(self, text: str, cls: str) -> None:
+        if not self.is_running:  # shutting down: the status line is gone
+            return
         st = self._main("#status", Static)
         if self.paused:
             text, cls = f"PAUSED (p resumes) | {text}", "paused"
