@@ -22,7 +22,7 @@ from btbctl.engine.dashboard.control_source import ControlApiSource, TtftTrail
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.tui.app import ReplicateScreen, build_app
 from gateway_fakes import GatewayEnv
-from tui_helpers import running_app, wait_for
+from tui_helpers import press, running_app, wait_for
 
 PAGE = 16
 PREFIX_BLOCKS = 8
@@ -71,10 +71,11 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
             assert row.arrivals_in_window == 3 and row.holders == 1 and row.prefix_tokens == PREFIX_BLOCKS * PAGE
             assert snap.gpu_note and snap.gpu_note.startswith("NVML unavailable") or snap.gpus
             # threshold: edited on screen, confirmed by the gateway
-            await pilot.press("e")
+            await press(pilot, "e")
             inp = app.query_one("#const-threshold", Input)
+            await wait_for(pilot, lambda: inp.has_focus)
             inp.value = "4"
-            await pilot.press("enter")
+            await press(pilot, "enter")
             await wait_for(pilot, lambda: gw.constants.threshold == 4)
             await wait_for(pilot, lambda: "threshold = 4 confirmed" in _text(app.query_one("#const-status")))
             # refused by the gateway's own validation (window_s must be > 0): engine unchanged
@@ -86,10 +87,10 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
             table = app.query_one("#prefix-table", DataTable)
             table.focus()
             table.move_cursor(row=0)
-            await pilot.press("r")
+            await press(pilot, "r")
             await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen))
             app.screen.query_one(Input).value = "1"
-            await pilot.press("enter")
+            await press(pilot, "enter")
             await wait_for(pilot, lambda: any(t.state == "done" for t in app.snapshot.transfers), 20)
             t = app.snapshot.transfers[0]
             assert t.prefix_id.startswith(row.prefix_id[:8]) and t.bytes_sent == t.bytes_total > 0

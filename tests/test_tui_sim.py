@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 from textual.widgets import DataTable, Input, Static
 
-from btbctl.tui.app import ReplicateScreen
-from tui_helpers import running_app, small_source, wait_for
+from btbctl.tui.app import HelpScreen, PolicyScreen, ReplicateScreen
+from tui_helpers import press, running_app, small_source, wait_for
 
 
 def _text(widget: Static) -> str:
@@ -59,21 +59,21 @@ async def test_editing_threshold_changes_the_engine_and_bad_values_are_refused()
     src.advance_to(4.0)
 
     async with running_app(src, (100, 30)) as (app, pilot):
-        await pilot.press("e")
+        await press(pilot, "e")
         inp = app.query_one("#const-threshold", Input)
-        assert inp.has_focus
+        await wait_for(pilot, lambda: inp.has_focus)
         inp.value = ""
-        await pilot.press("5", "enter")
+        await press(pilot, "5", "enter")
         await wait_for(pilot, lambda: src.sim.detector.constants.threshold == 5)
         assert src.constants.threshold == 5
         await wait_for(pilot, lambda: "threshold = 5 confirmed" in
                        _text(app.query_one("#const-status")))
         # refused before sending: the engine keeps 5
         inp.value = ""
-        await pilot.press("0", "enter")
+        await press(pilot, "0", "enter")
         await wait_for(pilot, lambda: "must be an integer in [1," in _text(app.query_one("#const-status")))
         inp.value = "x"
-        await pilot.press("enter")
+        await press(pilot, "enter")
         await wait_for(pilot, lambda: "must be an integer, got 'x'" in _text(app.query_one("#const-status")))
         assert src.sim.detector.constants.threshold == 5
         # the next snapshot reports the engine's value
@@ -96,7 +96,7 @@ async def test_engine_refusal_is_shown():
         inp = app.query_one("#const-window_s", Input)
         inp.focus()
         inp.value = "0.5"
-        await pilot.press("enter")
+        await press(pilot, "enter")
         await wait_for(pilot, lambda: "refused by the fleet" in _text(app.query_one("#const-status")))
         assert src.constants.window_s == 1.0
 
@@ -112,10 +112,10 @@ async def test_replicating_a_prefix_shows_a_transfer_that_completes():
         row = [p.prefix_id for p in app.snapshot.prefixes].index(target.prefix_id)
         table.focus()
         table.move_cursor(row=row)
-        await pilot.press("r")
+        await press(pilot, "r")
         await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen))
         app.screen.query_one(Input).value = ""
-        await pilot.press("2", "enter")
+        await press(pilot, "2", "enter")
         await wait_for(pilot, lambda: any(t.prefix_id == target.prefix_id and t.state == "running"
                                           for t in app.snapshot.transfers))
         ours = [t for t in app.snapshot.transfers if t.prefix_id == target.prefix_id]
@@ -144,22 +144,24 @@ async def test_policy_change_and_pause():
     src.advance_to(4.0)
 
     async with running_app(src, (80, 24)) as (app, pilot):
-        await pilot.press("p")
-        assert app.paused and "PAUSED" in _text(app.query_one("#status"))
+        await press(pilot, "p")
+        await wait_for(pilot, lambda: app.paused and "PAUSED" in _text(app.query_one("#status")))
         n = app.applied
         await pilot.pause(0.3)
         assert app.applied == n
-        await pilot.press("p")
+        await press(pilot, "p")
         await wait_for(pilot, lambda: app.applied > n)
-        await pilot.press("c")
-        await pilot.press("home", "enter")  # the first policy of the registry
+        await press(pilot, "c")
+        await wait_for(pilot, lambda: isinstance(app.screen, PolicyScreen))
+        await press(pilot, "home", "enter")  # the first policy of the registry
         await wait_for(pilot, lambda: src.sim.policy_name == "round_robin")
         await wait_for(pilot, lambda: app.snapshot.policy == "round_robin")
-        await pilot.press("question_mark")
-        assert type(app.screen).__name__ == "HelpScreen"
-        await pilot.press("escape")
-        await pilot.press("3")
-        assert app.focused is app.query_one("#p3")
+        await press(pilot, "question_mark")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await press(pilot, "escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await press(pilot, "3")
+        await wait_for(pilot, lambda: app.focused is app.query_one("#p3"))
 
 
 async def _key_to_update(app, key: str, done) -> float:
