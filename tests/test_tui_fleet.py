@@ -88,7 +88,7 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
             table.focus()
             table.move_cursor(row=0)
             await press(pilot, "r")
-            await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen))
+            await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen) and isinstance(app.focused, Input))
             app.screen.query_one(Input).value = "1"
             await press(pilot, "enter")
             await wait_for(pilot, lambda: any(t.state == "done" for t in app.snapshot.transfers), 20)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from rich.console import Console
-from textual.widgets import DataTable, Input, Static
+from textual.widgets import DataTable, Input, OptionList, Static
 
 from btbctl.tui.app import HelpScreen, PolicyScreen, ReplicateScreen
 from tui_helpers import press, running_app, small_source, wait_for
@@ -113,7 +113,7 @@ async def test_replicating_a_prefix_shows_a_transfer_that_completes():
         table.focus()
         table.move_cursor(row=row)
         await press(pilot, "r")
-        await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen) and isinstance(app.focused, Input))
         app.screen.query_one(Input).value = ""
         await press(pilot, "2", "enter")
         await wait_for(pilot, lambda: any(t.prefix_id == target.prefix_id and t.state == "running"
@@ -152,7 +152,8 @@ async def test_policy_change_and_pause():
         await press(pilot, "p")
         await wait_for(pilot, lambda: app.applied > n)
         await press(pilot, "c")
-        await wait_for(pilot, lambda: isinstance(app.screen, PolicyScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, PolicyScreen)
+                       and isinstance(app.focused, OptionList))
         await press(pilot, "home", "enter")  # the first policy of the registry
         await wait_for(pilot, lambda: src.sim.policy_name == "round_robin")
         await wait_for(pilot, lambda: app.snapshot.policy == "round_robin")
