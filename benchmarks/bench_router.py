@@ -72,7 +72,7 @@ class Fleet:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Started] = []
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -323,13 +323,15 @@ def main() -> int:
                 if num in by and den in by and by[den]["ttft_s"]["p95"]:
                     per_run.append(by[num]["ttft_s"]["p95"] / by[den]["ttft_s"]["p95"])
             if per_run:
-                name = f"{num.split()[-1]}_p95_over_{den.replace('btbctl ', 'btbctl_').replace('smg ', 'smg_')}_p95@{pb}"
+                den_name = den.replace("btbctl ", "btbctl_").replace("smg ", "smg_")
+                name = f"{num.split()[-1]}_p95_over_{den_name}_p95@{pb}"
                 ratios[name] = statistics.median(per_run)
                 if args.repeat > 1:
                     ratios[name + "_runs"] = per_run
     ov = {r["target"]: r for r in over}
     if "smg cache_aware" in ov and "btbctl btb" in ov:
-        ratios["btbctl_over_smg_throughput"] = ov["btbctl btb"]["requests_per_s"] / ov["smg cache_aware"]["requests_per_s"]
+        ratios["btbctl_over_smg_throughput"] = (ov["btbctl btb"]["requests_per_s"]
+                                                / ov["smg cache_aware"]["requests_per_s"])
     result = {"smg_version": SMG_VERSION if not args.skip_smg else None, "burst": burst, "overhead": over,
               "ratios": ratios}
     if args.format == "json":

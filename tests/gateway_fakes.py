@@ -8,19 +8,16 @@ the shared :mod:`btbctl.engine.hashing` (not the gateway's fast path), so a test
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-import socket
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from btbctl.engine import hashing
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Fake transfer addresses: names in a fleet's registry (nothing listens there), unique in this process.
+_transfer_ports = itertools.count(40000)
 
 
 @dataclass
@@ -28,7 +25,10 @@ class FakeWorker:
     """Knobs (change them at any time):
 
     * ``first_byte_delay_s``: wait before the answer (non-stream) or the first chunk (stream).
+    * ``first_byte_gate``: an :class:`asyncio.Event` to wait for before the answer or the first chunk (the
+      prompt's blocks count as computing meanwhile), so a test decides when the first byte goes out.
     * ``chunks`` / ``chunk_delay_s``: stream shape (``chunks`` data events then ``[DONE]``).
+    * ``chunk_gate``: an :class:`asyncio.Event` the stream waits for after its first chunk.
     * ``fail``: None, ``"500"`` (answer 500 at once), ``"abort_before"`` (drop the connection before any byte),
       ``"abort_after_first"`` (send the first stream chunk, then drop the connection).
     * ``btb``: serve the ``/btb`` routes (False: 404 like a plain SGLang server).
@@ -39,8 +39,10 @@ class FakeWorker:
 
     page_size: int = 4
     first_byte_delay_s: float = 0.0
+    first_byte_gate: asyncio.Event | None = None
     chunks: int = 3
     chunk_delay_s: float = 0.0
+    chunk_gate: asyncio.Event | None = None
     fail: str | None = None
     btb: bool = True
     copy_outcome: str = "done"
@@ -60,7 +62,7 @@ class FakeWorker:
 
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
-    async def start(self) -> "FakeWorker":
+    async def start(self) -> FakeWorker:
         app = web.Application()
         r = app.router
         r.add_get("/health", self.health)
@@ -75,10 +77,10 @@ class FakeWorker:
         r.add_get("/btb/copies/{copy_id}", self.copy)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()  # the OS picks the port
+        port = self.runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
-        self.transfer_addr = f"127.0.0.1:{free_port()}"
+        self.transfer_addr = f"127.0.0.1:{next(_transfer_ports)}"
         self.registry[self.transfer_addr] = self
         return self
 
@@ -130,11 +132,13 @@ class FakeWorker:
             await asyncio.sleep(0.05)
             return web.Response()
         chain = self.chain_of(request.path, body)
-        if self.first_byte_delay_s:
+        if self.first_byte_delay_s or self.first_byte_gate is not None:
             for h in chain:
                 self.computing[h] = self.computing.get(h, 0) + 1
             try:
                 await asyncio.sleep(self.first_byte_delay_s)
+                if self.first_byte_gate is not None:
+                    await self.first_byte_gate.wait()
             finally:
                 for h in chain:
                     self.computing[h] -= 1
@@ -152,6 +156,8 @@ class FakeWorker:
                 await asyncio.sleep(0.02)
                 request.transport.abort()
                 return resp
+            if i == 0 and self.chunk_gate is not None:
+                await self.chunk_gate.wait()
             if self.chunk_delay_s:
                 await asyncio.sleep(self.chunk_delay_s)
         await resp.write(b"data: [DONE]\n\n")
@@ -234,13 +240,13 @@ class GatewayEnv:
         self.gw = None
         self.http = None
 
-    async def __aenter__(self) -> "GatewayEnv":
+    async def __aenter__(self) -> GatewayEnv:
         import aiohttp
 
         from btbctl.engine.gateway import GatewayConfig, serve_gateway
 
         self.fleet = await start_fleet(self.n, **self.worker_kw)
-        cfg = dict(port=0, control_port=0, token="test-token", health_interval_s=0.2, poll_interval_s=0.02)
+        cfg = {"port": 0, "control_port": 0, "token": "test-token", "health_interval_s": 0.2, "poll_interval_s": 0.02}
         cfg.update(self.config)
         self.gw = await serve_gateway(GatewayConfig(workers=[w.url for w in self.fleet], **cfg))
         self.http = aiohttp.ClientSession()
@@ -291,8 +297,3 @@ def metric_value(text: str, name: str, **labels) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
-
-
-def run(coro, timeout: float = 30.0):
-    """Run an async test body with a deadline."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import pytest
 
-from btbctl.engine.constants import BtbConstants
-from btbctl.engine.copies import carry_out
-from btbctl.engine.policies.base import Policy, Route
-
 from btbctl.commands.app import main
+from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyStatus, carry_out
+from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
+from btbctl.engine.policies.base import Policy, Route
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -47,6 +49,127 @@ def leading_run(chain, blocks) -> int:
             break
         n += 1
     return n
+
+
+class Copy(NamedTuple):
+    """A copy the fake fleet's executor accepted (:meth:`FakeFleet.replicate`)."""
+
+    prefix: tuple
+    source: int
+    target: int
+    now_s: float
+    hot_since_s: float | None
+
+
+class FakeFleet:
+    """A :class:`~btbctl.engine.policies.base.FleetView` and ``CostView`` with settable state, plus the executor
+    the policy tests carry copy plans out on (:meth:`replicate`, see :func:`route`).
+
+    Per replica ``r`` (lists indexed by replica; change them at will):
+
+    * ``loads[r]``: requests in flight there.
+    * ``cached[r]``: resident block hashes (a chain's leading run inside counts).
+    * ``pending[r]``: blocks being computed there (count as pending and planned, never as cached).
+    * ``planned[r]``: blocks a request queued there will compute (count as planned only).
+    * ``in_flight[r]``: copies arriving there, ``{last block: (prefix, CopyStatus)}`` (pending, never cached).
+    * ``queued[r]``: seconds of queued prefill; ``groups[r]``: waiting groups; ``headroom[r]``: KV tokens a copy
+      may use.
+
+    ``copies`` logs every copy :meth:`replicate` accepted; it refuses a copy to itself, to a replica in ``refuse``
+    or of a chain already arriving there. :meth:`land_copies` makes every copy in flight resident at its target.
+    The cost view is Llama-3.3-70B on 4 x H100 (``cost`` to change it), 256-token blocks, chunks of 8192 tokens.
+    """
+
+    block_tokens = 256
+    chunk_tokens = 8192
+
+    def __init__(self, n: int, loads: Sequence[int] | None = None, cost: ReplicaCost | None = None) -> None:
+        self.n_replicas = n
+        self.cost = cost or ReplicaCost(model_preset("llama-3.3-70b"), gpu_preset("h100"), 4)
+        self.loads = list(loads) if loads is not None else [0] * n
+        self.cached: list[set] = [set() for _ in range(n)]
+        self.pending: list[set] = [set() for _ in range(n)]
+        self.planned: list[set] = [set() for _ in range(n)]
+        self.in_flight: list[dict] = [{} for _ in range(n)]
+        self.queued = [0.0] * n
+        self.groups: list[list] = [[] for _ in range(n)]
+        self.headroom = [self.cost.kv_budget_tokens] * n
+        self.copies: list[Copy] = []
+        self.refuse: set[int] = set()
+
+    # -- FleetView ---------------------------------------------------------------------------------------------
+
+    def load(self, replica: int) -> int:
+        return self.loads[replica]
+
+    def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return leading_run(chain, self.cached[replica])
+
+    def _arriving(self, replica: int) -> set:
+        out: set = set()
+        for prefix, _ in self.in_flight[replica].values():
+            out.update(prefix)
+        return out
+
+    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return leading_run(chain, self.cached[replica] | self.pending[replica] | self._arriving(replica))
+
+    def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return bool(chain) and chain[-1] in self.in_flight[replica]
+
+    # -- CostView ----------------------------------------------------------------------------------------------
+
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        return leading_run(chain, self.cached[replica] | self.pending[replica] | self._arriving(replica)
+                           | self.planned[replica])
+
+    def queued_prefill_s(self, replica: int) -> float:
+        return self.queued[replica]
+
+    def waiting_groups(self, replica: int) -> list:
+        return list(self.groups[replica])
+
+    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
+        got = self.in_flight[replica].get(chain[-1]) if chain else None
+        return None if got is None else got[1]
+
+    def nic_copies(self, replica: int) -> int:
+        return sum(1 for r in range(self.n_replicas) for _, st in self.in_flight[r].values()
+                   if replica in (r, st.source))
+
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
+        return 0.0
+
+    def kv_headroom_tokens(self, replica: int) -> int:
+        return self.headroom[replica]
+
+    # -- the executor and test controls -------------------------------------------------------------------------
+
+    def arrive(self, replica: int, prefix: Sequence[Hashable], source: int = 0,
+               status: CopyStatus | None = None) -> None:
+        """Put a copy of ``prefix`` in flight towards ``replica`` (nothing sent yet unless ``status`` says)."""
+        prefix = tuple(prefix)
+        if status is None:
+            total = len(prefix) * self.block_tokens * self.cost.model.kv_bytes_per_token
+            status = CopyStatus(source, total, 0.0, total, self.cost.nic_bytes_per_s)
+        self.in_flight[replica][prefix[-1]] = (prefix, status)
+
+    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
+                  hot_since_s: float | None = None) -> bool:
+        if source == target or target in self.refuse or chain[-1] in self.in_flight[target]:
+            return False
+        self.arrive(target, chain, source)
+        self.copies.append(Copy(tuple(chain), source, target, now_s, hot_since_s))
+        return True
+
+    def land_copies(self) -> None:
+        for r in range(self.n_replicas):
+            for prefix, _ in self.in_flight[r].values():
+                self.cached[r].update(prefix)
+            self.in_flight[r].clear()
+
+    def give(self, replica: int, blocks: Sequence[Hashable]) -> None:
+        self.cached[replica].update(blocks)
 
 
 class Scripted(Policy):

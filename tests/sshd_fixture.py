@@ -148,18 +148,10 @@ def start_sshd(folder: Path) -> Sshd:
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError("sshd did not listen within 10 s")
+                raise RuntimeError("sshd did not listen within 10 s") from None
             time.sleep(0.05)
     return Sshd(port=port, client_key=client_key, known_hosts=known, other_key_known_hosts=other,
                 user=getpass.getuser(), proc=proc, dir=folder)
-
-
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    """A loopback sshd for the whole test module."""
-    server = start_sshd(tmp_path_factory.mktemp("sshd"))
-    yield server
-    server.stop()
 
 
 def host_table(server: Sshd, name: str, address: str, **over) -> dict:

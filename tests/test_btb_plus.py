@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import pytest
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyStatus
 from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
 from btbctl.engine.policies import make_policy
-from btbctl.engine.copies import CopyStatus
 from btbctl.engine.policies.btb_plus import BtbPlus
 from btbctl.engine.sim import simulate
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request
-from helpers import leading_run, route
+from helpers import FakeFleet, route
 
 BT = 256
 
@@ -25,71 +25,6 @@ BT = 256
 def cost(nic_gbps: float = 400.0) -> ReplicaCost:
     """Llama-3.3-70B on 4 x H100 (the published setting) with ``nic_gbps`` per GPU."""
     return ReplicaCost(model_preset("llama-3.3-70b"), gpu_preset("h100"), 4, nic_gbps=nic_gbps)
-
-
-class View:
-    """A fleet view with settable state: per replica the resident blocks, queued prefill seconds, loads, copies
-    in flight (with a settable status) and groups of waiting requests. Copies started by the policy are logged."""
-
-    def __init__(self, n: int, c: ReplicaCost | None = None) -> None:
-        self.n_replicas = n
-        self.cost = c or cost()
-        self.block_tokens = BT
-        self.chunk_tokens = 8192
-        self.loads = [0] * n
-        self.cached: list[set] = [set() for _ in range(n)]
-        self.planned: list[set] = [set() for _ in range(n)]  # computing or queued to compute here
-        self.queued = [0.0] * n
-        self.incoming: list[dict] = [{} for _ in range(n)]  # last block -> (chain, CopyStatus)
-        self.groups: list[list] = [[] for _ in range(n)]
-        self.headroom = [10**9] * n
-        self.copies: list[tuple] = []
-
-    def load(self, r: int) -> int:
-        return self.loads[r]
-
-    def cached_blocks(self, r: int, chain) -> int:
-        return leading_run(chain, self.cached[r])
-
-    def pending_blocks(self, r: int, chain) -> int:
-        arriving = set()
-        for ch, _ in self.incoming[r].values():
-            arriving.update(ch)
-        return leading_run(chain, self.cached[r] | arriving | self.planned[r])
-
-    def planned_blocks(self, r: int, chain) -> int:
-        return self.pending_blocks(r, chain)
-
-    def copy_in_flight(self, r: int, chain) -> bool:
-        return bool(chain) and chain[-1] in self.incoming[r]
-
-    def copy_status(self, r: int, chain) -> CopyStatus | None:
-        got = self.incoming[r].get(chain[-1]) if chain else None
-        return None if got is None else got[1]
-
-    def replicate(self, chain, source: int, target: int, now_s: float, hot_since_s: float | None = None) -> bool:
-        if source == target or chain[-1] in self.incoming[target]:
-            return False
-        total = len(chain) * BT * self.cost.model.kv_bytes_per_token
-        st = CopyStatus(source, total, 0.0, total, self.cost.nic_bytes_per_s)
-        self.incoming[target][chain[-1]] = (tuple(chain), st)
-        self.copies.append((tuple(chain), source, target, now_s, hot_since_s))
-        return True
-
-    def queued_prefill_s(self, r: int) -> float:
-        return self.queued[r]
-
-    def waiting_groups(self, r: int) -> list:
-        return list(self.groups[r])
-
-    def admission_wait_s(self, r: int, kv_tokens: int) -> float:
-        return 0.0
-
-    def nic_copies(self, r: int) -> int:
-        return sum(1 for c in self.copies if r in (c[1], c[2]))
-
-    def kv_headroom_tokens(self, r: int) -> int:
-        return self.headroom[r]
 
 
 _ids = iter(range(10**9))
@@ -120,7 +55,7 @@ def test_break_even_copies_over_a_fast_fabric_and_not_over_a_slow_one(nic_gbps, 
     # takes ~0.1 s, at 0.5 Gb/s per GPU ~86 s.
     transfer = 256 * BT * c.model.kv_bytes_per_token / c.nic_bytes_per_s
     assert (transfer < c.prefill_time_s(256 * BT)) is copies
-    view = View(4, c)
+    view = FakeFleet(4, cost=c)
     view.cached[0].update(PREFIX)
     view.queued[0] = 30.0  # the holder is busy: a copy would give an earlier first token
     pol = policy(4)
@@ -136,7 +71,7 @@ def test_break_even_copies_over_a_fast_fabric_and_not_over_a_slow_one(nic_gbps, 
 
 
 def test_no_copy_without_headroom_on_the_target():
-    view = View(2)
+    view = FakeFleet(2)
     view.cached[0].update(PREFIX)
     view.queued[0] = 30.0
     view.headroom[1] = 100 * BT  # fewer than the prefix's 256 blocks
@@ -147,8 +82,8 @@ def test_no_copy_without_headroom_on_the_target():
 
 
 def test_copies_trail_a_source_still_computing_and_carry_the_fire_time():
-    view = View(3)
-    view.planned[0].update(PREFIX)  # replica 0 is computing the prefix: no holder yet
+    view = FakeFleet(3)
+    view.pending[0].update(PREFIX)  # replica 0 is computing the prefix: no holder yet
     pol = policy(3)
     for i in range(30):
         route(pol, req(burst_chain(PREFIX, i), 5.0 + i * 0.002), view, 5.0 + i * 0.002)
@@ -175,7 +110,7 @@ def test_rate_target_grows_with_the_arrival_rate_and_is_capped_by_m():
 
 def test_replicas_warmed_follow_the_rate_not_a_fixed_m():
     def copies_for(arrivals: int) -> int:
-        view = View(4)
+        view = FakeFleet(4)
         view.cached[0].update(PREFIX)
         pol = policy(4)
         for i in range(arrivals):
@@ -208,13 +143,13 @@ def test_deepest_chain_match_beyond_y():
 # -- rule 5: expected-TTFT routing ----------------------------------------------------------------------------------
 
 def test_routing_prefers_a_nearly_done_copy_over_a_long_queue():
-    view = View(3)
+    view = FakeFleet(3)
     view.cached[0].update(PREFIX)
     view.queued[0] = 12.0  # the holder: 12 s of prefill queued
     view.queued[2] = 0.0  # idle, but would recompute 64k tokens (~7.5 s)
     total = 256 * BT * view.cost.model.kv_bytes_per_token
     nearly = CopyStatus(0, total, total * 0.99, total, view.cost.nic_bytes_per_s)  # ~1 ms left
-    view.incoming[1][PREFIX[-1]] = (PREFIX, nearly)
+    view.arrive(1, PREFIX, status=nearly)
     view.queued[1] = 0.5
     pol = policy(3, threshold=100)  # no detection: pure routing
     q = req(burst_chain(PREFIX, 0))
@@ -224,10 +159,10 @@ def test_routing_prefers_a_nearly_done_copy_over_a_long_queue():
 
 
 def test_a_stalled_copy_is_priced_at_the_sources_remaining_prefill():
-    view = View(2)
-    view.planned[0].update(PREFIX)  # replica 0 computes the prefix; 0 of its blocks resident yet
+    view = FakeFleet(2)
+    view.pending[0].update(PREFIX)  # replica 0 computes the prefix; 0 of its blocks resident yet
     total = 256 * BT * view.cost.model.kv_bytes_per_token
-    view.incoming[1][PREFIX[-1]] = (PREFIX, CopyStatus(0, total, 0.0, 0.0, 0.0))
+    view.arrive(1, PREFIX, status=CopyStatus(0, total, 0.0, 0.0, 0.0))
     pol = policy(2, threshold=2)
     pol.detect(burst_chain(PREFIX, 0), 0.0)
     pol.detect(burst_chain(PREFIX, 1), 0.0)  # hot: the policy knows the prefix chain
@@ -239,10 +174,10 @@ def test_a_stalled_copy_is_priced_at_the_sources_remaining_prefill():
 
 
 def test_a_long_cold_prompt_avoids_a_burst_waiting_for_its_copy():
-    view = View(2)
+    view = FakeFleet(2)
     # replica 0: 100 requests wait for a copy that lands in 1 s; replica 1: 3 s of other work queued
     total = 256 * BT * view.cost.model.kv_bytes_per_token
-    view.incoming[0][PREFIX[-1]] = (PREFIX, CopyStatus(1, total, 0.0, total, total / 1.0))
+    view.arrive(0, PREFIX, status=CopyStatus(1, total, 0.0, total, total / 1.0))
     view.groups[0] = [(PREFIX[-1], 100, 4.0)]
     view.queued[0] = 4.0
     view.queued[1] = 3.0
@@ -258,7 +193,7 @@ def test_a_long_cold_prompt_avoids_a_burst_waiting_for_its_copy():
 
 
 def test_ties_are_broken_by_load_then_seeded_rng():
-    view = View(3)
+    view = FakeFleet(3)
     view.loads = [2, 1, 1]
     picks = {route(BtbPlus(3, random.Random(s)), req(("x",)), view, 0.0) for s in range(20)}
     assert picks == {1, 2}

@@ -25,10 +25,7 @@ SMALL_REQUESTS = 44
 TOP_KEYS = ["btbctl_version", "fidelity", "seed", "trace", "cluster", "constants", "results", "timing"]
 
 
-@pytest.fixture(autouse=True)
-def _no_debug(monkeypatch):
-    monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
-    monkeypatch.setenv("COLUMNS", "100")
+pytestmark = pytest.mark.usefixtures("cli_env")  # fixed terminal width (tests/conftest.py)
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> str:
@@ -375,7 +372,7 @@ def test_bad_cluster_fails_before_any_simulation(monkeypatch):
     monkeypatch.setattr(sim, "simulate", must_not_run)
     cfg = DryRunConfig().model_copy(update={"cluster": DryRunConfig().cluster.model_copy(
         update={"gpus_per_replica": 1})})
-    with pytest.raises(ConfigError, match="cluster.gpus_per_replica"):
+    with pytest.raises(ConfigError, match=r"cluster\.gpus_per_replica"):
         run_dry_run(cfg)
 
 

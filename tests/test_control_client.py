@@ -15,7 +15,7 @@ from btbctl.engine.control import schema
 from btbctl.engine.control.client import AsyncControlClient, ControlApiError, ControlClient
 from btbctl.engine.control.steering import replicate_and_wait
 from btbctl.engine.errors import BtbctlError, ConfigError
-from gateway_fakes import GatewayEnv, run
+from gateway_fakes import GatewayEnv
 
 CONSTANTS = {"policy": "btb", "policies": ["btb"], "page_size": 16, "prefix_tokens": 128,
              "constants": {"prefix_blocks": 8, "threshold": 2, "window_s": 1.0, "warm_replicas": 4}}
@@ -39,7 +39,7 @@ class ThreadServer:
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         assert self.ready.wait(10)
         return self
@@ -94,7 +94,7 @@ def test_answers_are_validated_into_the_schema_and_the_token_goes_along():
             c = api.constants()
             assert isinstance(c, schema.ConstantsAnswer) and c.constants.warm_replicas == 4
             api.set_constants({"threshold": 3, "replicas": 2})
-        put = [s for s in srv.seen if s[0] == "PUT"][0]
+        put = next(s for s in srv.seen if s[0] == "PUT")
         assert all(s[2] == "Bearer tok" for s in srv.seen)
         assert put[1] == "/control/constants"
 
@@ -162,7 +162,7 @@ def test_proxy_variables_never_see_the_request(monkeypatch):
     assert proxied == [] and srv.seen == [("GET", "/control/constants", "Bearer secret")]
 
 
-def test_event_stream_parsing():
+async def test_event_stream_parsing():
     fleet_event = {"now_s": 1.0, "policy": "btb", "page_size": 16, "constants": CONSTANTS["constants"],
                    "healthy": 0, "total": 0, "replication": "supported on all workers", "workers": []}
 
@@ -183,62 +183,57 @@ def test_event_stream_parsing():
     async def bad_events(request):
         return await events(request.clone(rel_url=request.rel_url.with_query(bad="1")))
 
-    async def body():
-        app = web.Application()
-        app.router.add_get("/control/events", events)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        try:
-            async with AsyncControlClient(url) as api:
-                got = [e async for e in api.events()]
-            assert [e.kind for e in got] == ["constants", "fleet"]
-            assert isinstance(got[0].payload, schema.ConstantsAnswer)
-            assert got[1].payload == schema.FleetAnswer.model_validate(fleet_event)
-            app2 = web.Application()
-            app2.router.add_get("/control/events", bad_events)
-            runner2 = web.AppRunner(app2)
-            await runner2.setup()
-            await web.TCPSite(runner2, "127.0.0.1", 0).start()
-            async with AsyncControlClient(f"http://127.0.0.1:{runner2.addresses[0][1]}") as api:
-                with pytest.raises(ControlApiError, match=r"^control API event 'ttft': unexpected payload: last_10s"):
-                    [e async for e in api.events()]
-            await runner2.cleanup()
-            async with AsyncControlClient(f"http://127.0.0.1:{_free_port()}") as api:
-                with pytest.raises(ControlApiError, match="cannot reach|event stream broke"):
-                    [e async for e in api.events()]
-        finally:
-            await runner.cleanup()
-
-    run(body())
+    app = web.Application()
+    app.router.add_get("/control/events", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with AsyncControlClient(url) as api:
+            got = [e async for e in api.events()]
+        assert [e.kind for e in got] == ["constants", "fleet"]
+        assert isinstance(got[0].payload, schema.ConstantsAnswer)
+        assert got[1].payload == schema.FleetAnswer.model_validate(fleet_event)
+        app2 = web.Application()
+        app2.router.add_get("/control/events", bad_events)
+        runner2 = web.AppRunner(app2)
+        await runner2.setup()
+        await web.TCPSite(runner2, "127.0.0.1", 0).start()
+        async with AsyncControlClient(f"http://127.0.0.1:{runner2.addresses[0][1]}") as api:
+            with pytest.raises(ControlApiError, match=r"^control API event 'ttft': unexpected payload: last_10s"):
+                [e async for e in api.events()]
+        await runner2.cleanup()
+        async with AsyncControlClient(f"http://127.0.0.1:{_free_port()}") as api:
+            with pytest.raises(ControlApiError, match=r"cannot reach|event stream broke"):
+                [e async for e in api.events()]
+    finally:
+        await runner.cleanup()
 
 
-def test_replicate_and_wait_through_the_sync_client():
-    async def body():
-        async with GatewayEnv(3, policy="round_robin",
-                              constants={"prefix_blocks": 4, "threshold": 100, "window_s": 5.0}) as env:
-            text = "manual prefix " * 10
-            assert (await env.post("/generate", {"text": text}))[0] == 200
-            pid = env.fleet[0].chain_of("/generate", {"text": text})[3]
-            progress: list[list[dict]] = []
+async def test_replicate_and_wait_through_the_sync_client():
+    async with GatewayEnv(3, policy="round_robin",
+                          constants={"prefix_blocks": 4, "threshold": 100, "window_s": 5.0}) as env:
+        text = "manual prefix " * 10
+        assert (await env.post("/generate", {"text": text}))[0] == 200
+        pid = env.fleet[0].chain_of("/generate", {"text": text})[3]
+        progress: list[list[dict]] = []
 
-            def work() -> dict:
-                with ControlClient(env.control, token="test-token") as api:
-                    return replicate_and_wait(api, pid[:10], 2, poll_s=0.02, on_progress=progress.append)
+        def work() -> dict:
+            with ControlClient(env.control, token="test-token") as api:
+                return replicate_and_wait(api, pid[:10], 2, poll_s=0.02, on_progress=progress.append)
 
-            res = await asyncio.to_thread(work)
-            assert res["status"] == "done" and res["prefix"] == pid and len(res["targets"]) == 2
-            assert set(res["holders"]) == {res["source"], *res["targets"]} and res["bytes"] > 0
-            assert progress[-1][0]["state"] == "done" and progress[-1][0]["copy_id"] in {c["copy_id"] for c in
-                                                                                       res["copies"]}
-            def refused(prefix: str) -> None:
-                with ControlClient(env.control, token="test-token") as api:
-                    replicate_and_wait(api, prefix, 1)
+        res = await asyncio.to_thread(work)
+        assert res["status"] == "done" and res["prefix"] == pid and len(res["targets"]) == 2
+        assert set(res["holders"]) == {res["source"], *res["targets"]} and res["bytes"] > 0
+        assert progress[-1][0]["state"] == "done" and progress[-1][0]["copy_id"] in {c["copy_id"] for c in
+                                                                                   res["copies"]}
 
-            with pytest.raises(BtbctlError, match="^--prefix: "):
-                refused("xyz")
-            with pytest.raises(ControlApiError, match="HTTP 404: unknown prefix"):
-                await asyncio.to_thread(refused, "0123456789abcdef")
+        def refused(prefix: str) -> None:
+            with ControlClient(env.control, token="test-token") as api:
+                replicate_and_wait(api, prefix, 1)
 
-    run(body())
+        with pytest.raises(BtbctlError, match=r"^--prefix: "):
+            refused("xyz")
+        with pytest.raises(ControlApiError, match="HTTP 404: unknown prefix"):
+            await asyncio.to_thread(refused, "0123456789abcdef")

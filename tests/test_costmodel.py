@@ -47,7 +47,7 @@ def test_70b_does_not_fit_one_h100():
 
 
 def test_unknown_presets_name_valid_ones():
-    with pytest.raises(ConfigError, match="llama-3.3-70b") as ei:
+    with pytest.raises(ConfigError, match=r"llama-3\.3-70b") as ei:
         ClusterConfig(model="llama-4").replica_cost()
     assert ei.value.key == "model"
     with pytest.raises(ConfigError, match="h100") as ei:

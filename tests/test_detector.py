@@ -137,9 +137,11 @@ def test_per_key_timestamps_keep_only_the_window():
     d = BurstDetector(C)
     for i in range(1000):
         d.observe(chain("a", 4), i * 0.01)
-    st = d._keys["a:3"]
-    assert len(st.times) == 100  # (9.99 - 1.0, 9.99] holds 100 arrivals at 10 ms spacing
-    assert st.total == 1000
+    assert d.arrivals_in_window("a:3", 9.99) == 100  # (9.99 - 1.0, 9.99] holds 100 arrivals at 10 ms spacing
+    (row,) = d.heat(9.99)
+    assert row.total_arrivals == 1000
+    # arrivals older than the window are forgotten: none are left to count in an earlier window
+    assert d.arrivals_in_window("a:3", 5.0) == 0
 
 
 def test_live_retune_of_threshold_and_window():

@@ -14,10 +14,7 @@ from helpers import run_cli as run
 SMALL = ["--bursts", "1", "--burst-size", "40", "--decoys", "4"]
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
-    monkeypatch.setenv("COLUMNS", "100")
+pytestmark = pytest.mark.usefixtures("cli_env")  # fixed terminal width (tests/conftest.py)
 
 
 def cluster_of(capsys, *argv):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway_fakes import GatewayEnv, metric_value, run
+from gateway_fakes import GatewayEnv, metric_value
 
 TEXT = "burst prefix " * 10  # 130 bytes: 33 pseudo-tokens, 8 full blocks of 4 tokens
 CONSTANTS = {"prefix_blocks": 4, "threshold": 2, "window_s": 5.0, "replicas": 3}
@@ -25,129 +25,111 @@ async def _until(pred, timeout=3.0):
         await asyncio.sleep(0.01)
 
 
-def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
-    async def body():
-        async with GatewayEnv(4, policy="btb", constants=CONSTANTS, worker_token="wtok") as env:
-            gw = env.gw
-            await _burst(env, 2)
-            source = next(w for w in env.fleet if w.requests)
-            assert len(source.requests) == 2  # cache-aware fallback kept the burst on its first worker
-            await _until(lambda: len(gw.state.transfers.recent) == 2)
-            pushes = source.pushes
-            assert len(pushes) == 2 and all(p["auth"] == "Bearer wtok" for p in pushes)
-            prefix_id = pushes[0]["body"]["chain"][-1]
-            assert all(len(p["body"]["chain"]) == 4 for p in pushes)
-            assert len({p["body"]["target"] for p in pushes}) == 2
-            assert source.matches  # the source was confirmed with /btb/match before pushing
-            holders = gw.state.holders(prefix_id)
-            assert len(holders) == 3
-            # the copies went to workers that really received them (the fake commits on "done")
-            targets = {p["body"]["target"] for p in pushes}
-            assert all(prefix_id in w.held for w in env.fleet if w.transfer_addr in targets)
-            m = await env.metrics()
-            assert metric_value(m, "btb_detector_fires_total") == 1
-            assert metric_value(m, "btb_replications_total", result="done") == 2
-            assert metric_value(m, "btb_replicated_bytes_total") == 2 * 4 * 1000
-            # the burst now spreads over the holders
-            await _burst(env, 6)
-            used = [len(w.requests) for w in env.fleet]
-            assert sum(1 for u in used if u) >= 2
-            status, heat = await env.get_control("/control/prefixes?top=5")
-            row = next(p for p in heat["prefixes"] if p["id"] == prefix_id)
-            assert row["hot"] and row["arrivals_in_window"] == 8 and row["threshold"] == 2
-            assert len(row["holders"]) == 3 and row["copies_in_flight"] == 0 and row["prefix_tokens"] == 16
-
-    run(body())
+async def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
+    async with GatewayEnv(4, policy="btb", constants=CONSTANTS, worker_token="wtok") as env:
+        gw = env.gw
+        await _burst(env, 2)
+        source = next(w for w in env.fleet if w.requests)
+        assert len(source.requests) == 2  # cache-aware fallback kept the burst on its first worker
+        await _until(lambda: len(gw.state.transfers.recent) == 2)
+        pushes = source.pushes
+        assert len(pushes) == 2 and all(p["auth"] == "Bearer wtok" for p in pushes)
+        prefix_id = pushes[0]["body"]["chain"][-1]
+        assert all(len(p["body"]["chain"]) == 4 for p in pushes)
+        assert len({p["body"]["target"] for p in pushes}) == 2
+        assert source.matches  # the source was confirmed with /btb/match before pushing
+        holders = gw.state.holders(prefix_id)
+        assert len(holders) == 3
+        # the copies went to workers that really received them (the fake commits on "done")
+        targets = {p["body"]["target"] for p in pushes}
+        assert all(prefix_id in w.held for w in env.fleet if w.transfer_addr in targets)
+        m = await env.metrics()
+        assert metric_value(m, "btb_detector_fires_total") == 1
+        assert metric_value(m, "btb_replications_total", result="done") == 2
+        assert metric_value(m, "btb_replicated_bytes_total") == 2 * 4 * 1000
+        # the burst now spreads over the holders
+        await _burst(env, 6)
+        used = [len(w.requests) for w in env.fleet]
+        assert sum(1 for u in used if u) >= 2
+        status, heat = await env.get_control("/control/prefixes?top=5")
+        row = next(p for p in heat["prefixes"] if p["id"] == prefix_id)
+        assert row["hot"] and row["arrivals_in_window"] == 8 and row["threshold"] == 2
+        assert len(row["holders"]) == 3 and row["copies_in_flight"] == 0 and row["prefix_tokens"] == 16
 
 
-def test_failed_copy_never_makes_the_target_a_holder():
-    async def body():
-        async with GatewayEnv(2, policy="btb", constants=CONSTANTS,
-                              worker_kw={"copy_outcome": "failed"}) as env:
-            gw = env.gw
-            await _burst(env, 2)
-            await _until(lambda: len(gw.state.transfers.recent) == 1)
-            t = gw.state.transfers.recent[0]
-            assert t.state == "failed" and "checksum" in t.error
-            assert gw.state.holders(t.key) == [t.source]
-            status, tr = await env.get_control("/control/transfers")
-            row = tr["transfers"][0]
-            assert row["state"] == "failed" and "checksum" in row["error"] and row["bytes_total"] == 4000
-            assert tr["totals"]["failed"] == 1
-            m = await env.metrics()
-            assert metric_value(m, "btb_replications_total", result="failed") == 1
-            assert metric_value(m, "btb_replicated_bytes_total") == 0
-
-    run(body())
+async def test_failed_copy_never_makes_the_target_a_holder():
+    async with GatewayEnv(2, policy="btb", constants=CONSTANTS,
+                          worker_kw={"copy_outcome": "failed"}) as env:
+        gw = env.gw
+        await _burst(env, 2)
+        await _until(lambda: len(gw.state.transfers.recent) == 1)
+        t = gw.state.transfers.recent[0]
+        assert t.state == "failed" and "checksum" in t.error
+        assert gw.state.holders(t.key) == [t.source]
+        status, tr = await env.get_control("/control/transfers")
+        row = tr["transfers"][0]
+        assert row["state"] == "failed" and "checksum" in row["error"] and row["bytes_total"] == 4000
+        assert tr["totals"]["failed"] == 1
+        m = await env.metrics()
+        assert metric_value(m, "btb_replications_total", result="failed") == 1
+        assert metric_value(m, "btb_replicated_bytes_total") == 0
 
 
-def test_copy_in_flight_is_visible_with_progress_then_done():
-    async def body():
-        async with GatewayEnv(2, policy="btb", constants=CONSTANTS, poll_interval_s=0.05,
-                              worker_kw={"copy_polls": 6}) as env:
-            gw = env.gw
-            await _burst(env, 2)
-            await _until(lambda: any(t.bytes_sent for t in gw.state.transfers.active.values()))
-            status, tr = await env.get_control("/control/transfers")
-            row = tr["transfers"][0]
-            assert tr["in_flight"] == 1 and row["state"] == "running"
-            assert 0 < row["bytes_sent"] < row["bytes_total"] == 4000 and row["bytes_per_s"] > 0
-            assert row["eta_s"] is not None and row["eta_s"] > 0
-            key = row["prefix"]
-            target = 1 - gw.state.holders(key)[0]
-            assert gw.state.copy_in_flight(target, gw.state.chains.chain_of(key))
-            assert target not in gw.state.holders(key)  # not warm while sending
-            status, heat = await env.get_control("/control/prefixes")
-            assert heat["prefixes"][0]["copies_in_flight"] == 1
-            await _until(lambda: not gw.state.transfers.active)
-            assert sorted(gw.state.holders(key)) == [0, 1]
-
-    run(body())
+async def test_copy_in_flight_is_visible_with_progress_then_done():
+    async with GatewayEnv(2, policy="btb", constants=CONSTANTS, poll_interval_s=0.05,
+                          worker_kw={"copy_polls": 6}) as env:
+        gw = env.gw
+        await _burst(env, 2)
+        await _until(lambda: any(t.bytes_sent for t in gw.state.transfers.active.values()))
+        status, tr = await env.get_control("/control/transfers")
+        row = tr["transfers"][0]
+        assert tr["in_flight"] == 1 and row["state"] == "running"
+        assert 0 < row["bytes_sent"] < row["bytes_total"] == 4000 and row["bytes_per_s"] > 0
+        assert row["eta_s"] is not None and row["eta_s"] > 0
+        key = row["prefix"]
+        target = 1 - gw.state.holders(key)[0]
+        assert gw.state.copy_in_flight(target, gw.state.chains.chain_of(key))
+        assert target not in gw.state.holders(key)  # not warm while sending
+        status, heat = await env.get_control("/control/prefixes")
+        assert heat["prefixes"][0]["copies_in_flight"] == 1
+        await _until(lambda: not gw.state.transfers.active)
+        assert sorted(gw.state.holders(key)) == [0, 1]
 
 
-def test_plain_sglang_workers_route_without_replication():
-    async def body():
-        async with GatewayEnv(3, policy="btb", constants=CONSTANTS, page_size=4, worker_kw={"btb": False}) as env:
-            await _burst(env, 4)
-            await asyncio.sleep(0.1)
-            m = await env.metrics()
-            assert metric_value(m, "btb_detector_fires_total") == 1  # hot, but nothing can be copied
-            assert all(not w.pushes and not w.matches for w in env.fleet)
-            assert not env.gw.state.transfers.all()
-            status, fleet = await env.get_control("/control/fleet")
-            assert "unsupported" in fleet["replication"]
-            assert all(not w["replication"] and "plain SGLang" in w["replication_note"] for w in fleet["workers"])
-
-    run(body())
+async def test_plain_sglang_workers_route_without_replication():
+    async with GatewayEnv(3, policy="btb", constants=CONSTANTS, page_size=4, worker_kw={"btb": False}) as env:
+        await _burst(env, 4)
+        await asyncio.sleep(0.1)
+        m = await env.metrics()
+        assert metric_value(m, "btb_detector_fires_total") == 1  # hot, but nothing can be copied
+        assert all(not w.pushes and not w.matches for w in env.fleet)
+        assert not env.gw.state.transfers.all()
+        status, fleet = await env.get_control("/control/fleet")
+        assert "unsupported" in fleet["replication"]
+        assert all(not w["replication"] and "plain SGLang" in w["replication_note"] for w in fleet["workers"])
 
 
-def test_page_size_defaults_to_256_without_btb_info():
-    async def body():
-        async with GatewayEnv(1, worker_kw={"btb": False}) as env:
-            assert env.gw.page_size == 256
-
-    run(body())
+async def test_page_size_defaults_to_256_without_btb_info():
+    async with GatewayEnv(1, worker_kw={"btb": False}) as env:
+        assert env.gw.page_size == 256
 
 
-def test_push_goes_out_while_the_source_still_prefills():
-    async def body():
-        async with GatewayEnv(3, policy="btb", constants=CONSTANTS, worker_kw={"first_byte_delay_s": 0.8}) as env:
-            gw = env.gw
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            first = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "a"}))
-            await _until(lambda: any(w.requests for w in env.fleet))
-            second = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "b"}))
-            await _until(lambda: any(w.pushes for w in env.fleet), timeout=0.6)
-            assert loop.time() - t0 < 0.6  # well before the source's first byte (0.8 s)
-            assert not first.done()
-            source = next(w for w in env.fleet if w.pushes)
-            assert source.matches and all(p["body"]["chain"][-1] in source.computing for p in source.pushes)
-            ts = list(gw.state.transfers.active.values())
-            assert ts and all(t.state == "running" and not t.waited for t in ts)  # pushed, never stalled
-            # the targets count the prefix as arriving: the published rule does not copy to them again
-            chain = tuple(source.pushes[0]["body"]["chain"])
-            assert all(gw.state.pending_blocks(t.target, chain) == len(chain) for t in ts)
-            assert (await first)[0] == 200 and (await second)[0] == 200
-
-    run(body())
+async def test_push_goes_out_while_the_source_still_prefills():
+    first_byte = asyncio.Event()  # no worker sends a first byte before the test sets this
+    async with GatewayEnv(3, policy="btb", constants=CONSTANTS, worker_kw={"first_byte_gate": first_byte}) as env:
+        gw = env.gw
+        first = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "a"}))
+        await _until(lambda: any(w.requests for w in env.fleet))
+        second = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "b"}))
+        await _until(lambda: any(w.pushes for w in env.fleet))
+        # the push went out before the source's first byte (it is still held back)
+        assert not first.done()
+        source = next(w for w in env.fleet if w.pushes)
+        assert source.matches and all(p["body"]["chain"][-1] in source.computing for p in source.pushes)
+        ts = list(gw.state.transfers.active.values())
+        assert ts and all(t.state == "running" and not t.waited for t in ts)  # pushed, never stalled
+        # the targets count the prefix as arriving: the published rule does not copy to them again
+        chain = tuple(source.pushes[0]["body"]["chain"])
+        assert all(gw.state.pending_blocks(t.target, chain) == len(chain) for t in ts)
+        first_byte.set()
+        assert (await first)[0] == 200 and (await second)[0] == 200

@@ -19,10 +19,7 @@ from helpers import run_cli as run
 SMALL = ["--bursts", "1", "--burst-size", "5", "--decoys", "0", "--policies", "btb"]
 
 
-@pytest.fixture(autouse=True)
-def _no_debug(monkeypatch):
-    monkeypatch.delenv("BTBCTL_DEBUG", raising=False)
-    monkeypatch.setenv("COLUMNS", "100")
+pytestmark = pytest.mark.usefixtures("cli_env")  # fixed terminal width (tests/conftest.py)
 
 
 def one_error_line(err: str) -> str:

@@ -14,9 +14,9 @@ import pytest
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyPlan
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from btbctl.engine.copies import CopyPlan
 from btbctl.engine.policies.infersim_rules import InferSimBtb, InferSimCacheAware, InferSimLeastLoad
 from btbctl.engine.setups import SETUPS, get_setup, setup_cluster
 from btbctl.engine.sim import simulate
@@ -25,7 +25,7 @@ from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request, Trace
 from btbctl.engine.trace.readers import read_trace
 from btbctl.engine.trace.writer import write_btb_mixed
-from helpers import Scripted, assert_close, route
+from helpers import FakeFleet, Scripted, assert_close, route
 
 BT = 256
 GOLDEN = Path(__file__).parent / "golden" / "infersim_small.json"
@@ -255,31 +255,28 @@ def test_requests_larger_than_a_replica_are_refused():
 
 # -- the routing rules -----------------------------------------------------------------------------------------------
 
-class FakeView:
-    def __init__(self, loads, cached):
-        self.loads, self.cached = loads, cached
-        self.n_replicas = len(loads)
-
-    def load(self, r):
-        return self.loads[r]
-
-    def cached_blocks(self, r, chain):
-        return self.cached[r]
+def fleet(loads: list[int], cached: list[int], of: tuple) -> FakeFleet:
+    """A fake fleet with ``loads`` where replica ``r`` holds the first ``cached[r]`` blocks of ``of``."""
+    f = FakeFleet(len(loads), loads)
+    for r, n in enumerate(cached):
+        f.give(r, of[:n])
+    return f
 
 
 def test_infersim_cache_aware_rule():
-    r = req("r", 0.0, chain("r", 8))
+    c = chain("r", 8)
+    r = req("r", 0.0, c)
     pol = InferSimCacheAware(4, random.Random(1))
     # longest match wins over load
-    assert route(pol, r, FakeView([9, 0, 0, 0], [5, 2, 0, 0]), 0.0) == 0
+    assert route(pol, r, fleet([9, 0, 0, 0], [5, 2, 0, 0], c), 0.0) == 0
     # equal match: lowest load
-    assert route(pol, r, FakeView([9, 3, 0, 7], [5, 5, 0, 0]), 0.0) == 1
+    assert route(pol, r, fleet([9, 3, 0, 7], [5, 5, 0, 0], c), 0.0) == 1
     # imbalance needs max > 64 and max > 1.5 x min (not max - min > 64)
-    assert route(pol, r, FakeView([65, 43, 50, 60], [8, 0, 0, 0]), 0.0) == 1
-    assert route(pol, r, FakeView([64, 0, 0, 0], [8, 0, 0, 0]), 0.0) == 0
-    assert route(pol, r, FakeView([66, 45, 50, 60], [8, 0, 0, 0]), 0.0) == 0  # 66 < 1.5 x 45
+    assert route(pol, r, fleet([65, 43, 50, 60], [8, 0, 0, 0], c), 0.0) == 1
+    assert route(pol, r, fleet([64, 0, 0, 0], [8, 0, 0, 0], c), 0.0) == 0
+    assert route(pol, r, fleet([66, 45, 50, 60], [8, 0, 0, 0], c), 0.0) == 0  # 66 < 1.5 x 45
     # ties are random over the tied replicas
-    picks = {route(pol, r, FakeView([1, 0, 0, 1], [0, 0, 0, 0]), 0.0) for _ in range(64)}
+    picks = {route(pol, r, fleet([1, 0, 0, 1], [0, 0, 0, 0], c), 0.0) for _ in range(64)}
     assert picks == {1, 2}
     assert pol.stats()["imbalanced"] == 1
 
@@ -287,10 +284,18 @@ def test_infersim_cache_aware_rule():
 def test_btb_activity_is_a_count_in_a_closed_window():
     pol = InferSimBtb(4, random.Random(0), BtbConstants(prefix_blocks=2, threshold=3, window_s=1.0))
     key = ("a", "b")
-    assert [pol._active(key, t) for t in (0.0, 0.5, 1.0)] == [False, False, True]  # 0.0 is still inside at 1.0
-    assert pol._active(key, 2.5) is False  # a gap drops it: no lingering activity
-    assert pol._active(key, 2.6) is False
-    assert pol._active(key, 2.7) is True
+
+    def active(t: float) -> bool:
+        """Route an arrival of the prefix at ``t`` on a fleet where nobody holds it: an active prefix without a
+        holder is a fallback route."""
+        before = pol.stats()["fallback_routes"]
+        route(pol, req(f"q{t}", t, key + (f"s{t}",)), FakeFleet(4), t)
+        return pol.stats()["fallback_routes"] > before
+
+    assert [active(t) for t in (0.0, 0.5, 1.0)] == [False, False, True]  # 0.0 is still inside at 1.0
+    assert active(2.5) is False  # a gap drops it: no lingering activity
+    assert active(2.6) is False
+    assert active(2.7) is True
     assert pol.stats()["fires"] == 2
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from btbctl.engine.control.client import ControlClient
+from btbctl.engine.control.steering import parse_tune_args
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.hashing import chain_hashes, text_to_tokens
 from btbctl.engine.launcher.bench import PromptSynth
-from btbctl.engine.control.client import ControlClient
-from btbctl.engine.control.steering import parse_tune_args
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.writer import write_btb_mixed
@@ -237,7 +237,7 @@ def test_replicate_makes_three_more_workers_hold_the_prefix(tmp_path, run_dir):
     assert res["bytes"] > 0
     assert "copy " in proc.stderr and "done" in proc.stderr  # progress went to stderr
     after = {u: http_json(u + "/btb/match", {"chain": chain})["cached_blocks"] for u in urls}
-    assert after == {u: 8 for u in urls}
+    assert after == dict.fromkeys(urls, 8)
     # nobody left to copy to
     _one_error_line(cli("replicate", "--run-dir", str(run_dir), "--prefix", chain[-1], "-n", "1", check=False),
                     "no eligible target")

@@ -120,10 +120,9 @@ def test_wait_ready_reports_an_early_exit_with_the_log_tail(tmp_path):
 def test_wait_ready_times_out(tmp_path):
     p = spawn("slow", [sys.executable, STANDIN], tmp_path / "slow.log", env={"STANDIN_DELAY_S": "30"})
     try:
-        t = time.monotonic()
         with pytest.raises(BtbctlError, match=r"slow was not ready after 0.5 s"):
             wait_ready(p, 0.5)
-        assert time.monotonic() - t < 5
+        assert p.popen.poll() is None  # it gave up while the process was still starting (it waits 30 s)
     finally:
         stop_group(p.pid, 5.0, popen=p.popen)
 
@@ -141,9 +140,8 @@ def test_stop_group_escalates_to_sigkill_and_takes_children(tmp_path):
     wait_ready(p, 20.0)
     child = int(pidfile.read_text())
     assert sorted(group_members(p.pid)) == sorted([p.pid, child])
-    t = time.monotonic()
-    killed = stop_group(p.pid, grace_s=0.5, popen=p.popen)
-    assert killed and time.monotonic() - t < 8
+    killed = stop_group(p.pid, grace_s=0.5, popen=p.popen)  # it ignores SIGTERM: only SIGKILL ends it
+    assert killed
     assert p.popen.returncode == -signal.SIGKILL
     time.sleep(0.2)
     assert not _alive(child) and group_members(p.pid) == []

@@ -2,7 +2,7 @@
 the token bucket holds the rate, netem adds its delay, a cut link cuts and comes back, nothing is left behind (also
 after a failing test or a crashed run), sshd in a host takes a key login checked against known_hosts, and the
 benchmark script brings a testbed up and down. Needs root and iproute2 (the tests skip with the reason otherwise);
-``-m "not timing"`` leaves out the speed measurement on a loaded machine."""
+the speed measurements carry the ``speed`` marker (left out of the default run; ``pytest -m speed`` runs them)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):  # noqa: F811
     assert r.returncode != 0 and "Network is unreachable" in r.stderr
 
 
-@pytest.mark.timing
+@pytest.mark.speed
 def test_rate_limit_holds_and_changes_while_running(make_testbed):  # noqa: F811
     tb = make_testbed(2, rate_gbit=1.0)
     a, b = tb.hosts
@@ -204,7 +204,7 @@ def test_rate_limit_holds_and_changes_while_running(make_testbed):  # noqa: F811
     assert 0.425 <= gbit <= 0.575
 
 
-@pytest.mark.timing
+@pytest.mark.speed
 def test_delay_is_visible(make_testbed):  # noqa: F811
     require_testbed()
     if not netns.netem_available():  # a delay is refused with the reason, not silently dropped

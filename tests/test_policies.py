@@ -4,102 +4,20 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.costmodel import ReplicaCost, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies import DEFAULT_POLICIES, POLICIES, make_policy
-from btbctl.engine.copies import CopyStatus
 from btbctl.engine.policies.btb import Btb
 from btbctl.engine.policies.cache_aware import BlockPrefixTree, CacheAware, default_max_blocks_per_worker
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill, absolute_margin
 from btbctl.engine.trace.model import Request
-from helpers import leading_run, route
-
-
-class FakeFleetView:
-    """A FleetView with settable loads, per-replica cached/pending block sets and a log of copies.
-
-    ``cached[r]``/``pending[r]`` are sets of block hashes; a chain's leading run inside them counts. A copy started by
-    :meth:`replicate` is in flight until :meth:`land_copies` makes its blocks cached at the target.
-    """
-
-    def __init__(self, n: int, loads: Sequence[int] | None = None) -> None:
-        self.n_replicas = n
-        self.loads = list(loads) if loads is not None else [0] * n
-        self.cached: list[set] = [set() for _ in range(n)]
-        self.pending: list[set] = [set() for _ in range(n)]
-        self.in_flight: list[dict] = [{} for _ in range(n)]  # last hash -> prefix
-        self.copies: list[tuple] = []  # (prefix, source, target, now_s)
-        self.refuse: set[int] = set()
-
-    def load(self, replica: int) -> int:
-        return self.loads[replica]
-
-    def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        return leading_run(chain, self.cached[replica])
-
-    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        arriving = set()
-        for prefix in self.in_flight[replica].values():
-            arriving.update(prefix)
-        return leading_run(chain, self.cached[replica] | self.pending[replica] | arriving)
-
-    def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
-        return bool(chain) and chain[-1] in self.in_flight[replica]
-
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
-                  hot_since_s: float | None = None) -> bool:
-        if source == target or target in self.refuse or chain[-1] in self.in_flight[target]:
-            return False
-        self.in_flight[target][chain[-1]] = tuple(chain)
-        self.copies.append((tuple(chain), source, target, now_s))
-        return True
-
-    # the CostView protocol, with an idle fleet's values (policies that price time read them)
-    cost = ReplicaCost(model_preset("llama-3.3-70b"), gpu_preset("h100"), 4)
-    block_tokens = 256
-    chunk_tokens = 8192
-
-    def queued_prefill_s(self, replica: int) -> float:
-        return 0.0
-
-    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        return self.pending_blocks(replica, chain)
-
-    def waiting_groups(self, replica: int) -> list:
-        return []
-
-    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
-        return 0.0
-
-    def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
-        prefix = self.in_flight[replica].get(chain[-1]) if chain else None
-        if prefix is None:
-            return None
-        total = len(prefix) * self.block_tokens * self.cost.model.kv_bytes_per_token
-        return CopyStatus(0, total, 0.0, total, self.cost.nic_bytes_per_s)
-
-    def nic_copies(self, replica: int) -> int:
-        return len(self.in_flight[replica])
-
-    def kv_headroom_tokens(self, replica: int) -> int:
-        return self.cost.kv_budget_tokens
-
-    def land_copies(self) -> None:
-        for r in range(self.n_replicas):
-            for prefix in self.in_flight[r].values():
-                self.cached[r].update(prefix)
-            self.in_flight[r].clear()
-
-    def give(self, replica: int, blocks: Sequence[Hashable]) -> None:
-        self.cached[replica].update(blocks)
-
+from helpers import FakeFleet, route
 
 _ids = iter(range(10**9))
 
@@ -127,7 +45,7 @@ def test_registry_and_factory():
     for name, cls in POLICIES.items():
         pol = make_policy(name, 3, rng(), BtbConstants(), block_tokens=512)
         assert isinstance(pol, cls) and pol.name == name and cls.summary
-        assert 0 <= route(pol, req(blocks("x", 3)), FakeFleetView(3), 0.0) < 3
+        assert 0 <= route(pol, req(blocks("x", 3)), FakeFleet(3), 0.0) < 3
     assert make_policy("cache_aware", 2, rng(), block_tokens=512).block_tokens == 512
     assert make_policy("btb", 2, rng(), block_tokens=512).fallback.block_tokens == 512
 
@@ -147,12 +65,12 @@ def test_unknown_policy_names_the_valid_ones():
 
 def test_round_robin_cycles():
     pol = make_policy("round_robin", 3, rng())
-    view = FakeFleetView(3, [9, 0, 0])
+    view = FakeFleet(3, [9, 0, 0])
     assert [route(pol, req(()), view, i) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_random_is_uniformish_and_seeded():
-    view = FakeFleetView(4)
+    view = FakeFleet(4)
     picks = [route(make_policy("random", 4, rng(7)), req(()), view, 0) for _ in range(3)]
     assert len(set(picks)) == 1  # same seed, same first pick
     pol = make_policy("random", 4, rng(7))
@@ -162,28 +80,28 @@ def test_random_is_uniformish_and_seeded():
 
 def test_least_load_picks_the_minimum_and_breaks_ties_at_random():
     pol = make_policy("least_load", 4, rng(1))
-    assert route(pol, req(()), FakeFleetView(4, [3, 1, 2, 5]), 0) == 1
-    view = FakeFleetView(4, [2, 0, 7, 0])
+    assert route(pol, req(()), FakeFleet(4, [3, 1, 2, 5]), 0) == 1
+    view = FakeFleet(4, [2, 0, 7, 0])
     counts = Counter(route(pol, req(()), view, 0) for _ in range(400))
     assert set(counts) == {1, 3} and min(counts.values()) > 120
 
 
 def test_power_of_two_never_picks_the_worse_of_its_pair():
     pol = make_policy("power_of_two", 3, rng(2))
-    view = FakeFleetView(3, [0, 5, 9])
+    view = FakeFleet(3, [0, 5, 9])
     counts = Counter(route(pol, req(()), view, 0) for _ in range(600))
     assert 2 not in counts  # any pair holding 2 holds a less loaded replica
     assert counts[0] > counts[1] > 0  # 0 wins both pairs it is in, 1 only the pair {1, 2}
-    assert route(make_policy("power_of_two", 1, rng()), req(()), FakeFleetView(1), 0) == 0
+    assert route(make_policy("power_of_two", 1, rng()), req(()), FakeFleet(1), 0) == 0
     two = make_policy("power_of_two", 2, rng(3))
-    assert all(route(two, req(()), FakeFleetView(2, [4, 1]), 0) == 1 for _ in range(50))
+    assert all(route(two, req(()), FakeFleet(2, [4, 1]), 0) == 1 for _ in range(50))
 
 
 # -- cache_aware (sglang-router 0.3.2) -----------------------------------------------------------------------------
 
 def test_cache_aware_sticks_a_prefix_to_its_creator():
     pol = CacheAware(2, rng())
-    view = FakeFleetView(2)
+    view = FakeFleet(2)
     p = blocks("p", 8)
     assert route(pol, req(p + ("s0",)), view, 0.0) == 0  # miss, tie -> first
     for i in range(1, 40):
@@ -196,7 +114,7 @@ def test_cache_aware_sticks_a_prefix_to_its_creator():
 
 def test_cache_aware_burst_of_40_concurrent_requests_goes_40_0():
     pol = CacheAware(2, rng())
-    view = FakeFleetView(2)
+    view = FakeFleet(2)
     p = blocks("p", 256)
     for i in range(40):
         view.loads[route(pol, req(p + (f"s{i}",)), view, 0.0)] += 1
@@ -205,7 +123,7 @@ def test_cache_aware_burst_of_40_concurrent_requests_goes_40_0():
 
 def test_cache_aware_ratio_threshold_is_strictly_above_0_3():
     pol = CacheAware(2, rng(), block_tokens=100)
-    view = FakeFleetView(2)
+    view = FakeFleet(2)
     shared = blocks("p", 4)
     route(pol, req(shared, input_tokens=400, block_tokens=100), view, 0.0)  # creates p0..p3 under 0
     view.loads = [1, 0]
@@ -234,18 +152,18 @@ def test_cache_aware_match_ratio_counts_a_partial_last_block():
 def test_cache_aware_imbalance_needs_both_abs_64_and_rel_1_5(loads, expected):
     pol = CacheAware(2, rng())
     p = blocks("p", 4)
-    route(pol, req(p), FakeFleetView(2), 0.0)  # prefix created by replica 0
-    assert route(pol, req(p + ("x",)), FakeFleetView(2, loads), 0.0) == expected
+    route(pol, req(p), FakeFleet(2), 0.0)  # prefix created by replica 0
+    assert route(pol, req(p + ("x",)), FakeFleet(2, loads), 0.0) == expected
 
 
 def test_cache_aware_inserts_on_the_imbalanced_path_and_keeps_the_creator():
     pol = CacheAware(2, rng())
     p, q = blocks("p", 4), blocks("q", 4)
-    route(pol, req(p), FakeFleetView(2), 0.0)
-    assert route(pol, req(q), FakeFleetView(2, [100, 0]), 0.0) == 1  # imbalanced: q recorded under 1
-    assert route(pol, req(q + ("z",)), FakeFleetView(2, [0, 3]), 0.0) == 1  # balanced: q's creator
-    assert route(pol, req(p + ("z",)), FakeFleetView(2, [100, 0]), 0.0) == 1  # p now also under 1
-    assert route(pol, req(p + ("y",)), FakeFleetView(2, [5, 0]), 0.0) == 0  # but p's creator is 0
+    route(pol, req(p), FakeFleet(2), 0.0)
+    assert route(pol, req(q), FakeFleet(2, [100, 0]), 0.0) == 1  # imbalanced: q recorded under 1
+    assert route(pol, req(q + ("z",)), FakeFleet(2, [0, 3]), 0.0) == 1  # balanced: q's creator
+    assert route(pol, req(p + ("z",)), FakeFleet(2, [100, 0]), 0.0) == 1  # p now also under 1
+    assert route(pol, req(p + ("y",)), FakeFleet(2, [5, 0]), 0.0) == 0  # but p's creator is 0
     assert pol.stats()["imbalanced"] == 2
 
 
@@ -308,7 +226,7 @@ def test_block_tree_memory_guard_trims_at_twice_the_bound():
 
 def test_cache_aware_evicts_every_60_simulated_seconds():
     pol = CacheAware(1, rng(), max_blocks_per_worker=4)
-    view = FakeFleetView(1)
+    view = FakeFleet(1)
     route(pol, req(blocks("a", 6)), view, 0.0)
     route(pol, req(blocks("b", 2)), view, 59.0)
     assert len(pol.tree) == 8
@@ -354,7 +272,7 @@ def test_spill_gate_needs_both_margins():
 
 def test_spill_burst_of_40_concurrent_requests_splits_where_cache_aware_does_not():
     pol = CacheAwareSpill(2, rng(5))
-    view = FakeFleetView(2)
+    view = FakeFleet(2)
     p = blocks("p", 256)
     order = []
     for i in range(40):
@@ -376,7 +294,7 @@ def test_spill_hit_prefers_the_least_loaded_tenant_over_an_idle_non_holder():
     p = blocks("p", 4)
     pol.tree.insert(p, 0)
     pol.tree.insert(p, 1)
-    assert route(pol, req(p + ("x",)), FakeFleetView(3, [5, 3, 0]), 0.0) == 1
+    assert route(pol, req(p + ("x",)), FakeFleet(3, [5, 3, 0]), 0.0) == 1
 
 
 def test_spill_goes_to_the_least_loaded_open_replica_when_every_tenant_is_gated():
@@ -384,7 +302,7 @@ def test_spill_goes_to_the_least_loaded_open_replica_when_every_tenant_is_gated(
     p = blocks("p", 4)
     pol.tree.insert(p, 0)
     # mean 7, margin 6: 20 > 10.5 and 20 > 13 -> gated; replica 1 is the least loaded
-    assert route(pol, req(p + ("x",)), FakeFleetView(3, [20, 0, 1]), 0.0) == 1
+    assert route(pol, req(p + ("x",)), FakeFleet(3, [20, 0, 1]), 0.0) == 1
     assert pol.stats()["spills"] == 1
     assert set(pol.tree.match(p)[1].tenants) == {0, 1}
 
@@ -394,14 +312,14 @@ def test_spill_considers_at_most_8_tenants():
     p = blocks("p", 4)
     for r in range(10):
         pol.tree.insert(p, r)
-    view = FakeFleetView(10, [3] * 8 + [0, 0])
+    view = FakeFleet(10, [3] * 8 + [0, 0])
     picks = {route(pol, req(p + (f"x{i}",)), view, 0.0) for i in range(100)}
     assert picks <= set(range(8)) and len(picks) > 1
 
 
 def test_spill_miss_goes_to_the_least_loaded_with_random_ties():
     pol = CacheAwareSpill(3, rng(6))
-    counts = Counter(route(pol, req(blocks(f"u{i}-", 3)), FakeFleetView(3, [1, 0, 0]), 0.0) for i in range(200))
+    counts = Counter(route(pol, req(blocks(f"u{i}-", 3)), FakeFleet(3, [1, 0, 0]), 0.0) for i in range(200))
     assert set(counts) == {1, 2}
 
 
@@ -416,13 +334,13 @@ def burst(i: int) -> Request:
     return req(P + (f"s{i}",))
 
 
-def fire(pol: Btb, view: FakeFleetView, t: float = 0.0) -> list[int]:
+def fire(pol: Btb, view: FakeFleet, t: float = 0.0) -> list[int]:
     return [route(pol, burst(0), view, t), route(pol, burst(1), view, t + 0.1)]
 
 
 def test_btb_copies_to_the_least_loaded_non_holders_m_minus_1_times():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4, [5, 2, 0, 1])
+    view = FakeFleet(4, [5, 2, 0, 1])
     view.give(0, P)
     route(pol, burst(0), view, 0.0)
     assert view.copies == []  # one arrival: not hot
@@ -437,17 +355,17 @@ def test_btb_copies_to_the_least_loaded_non_holders_m_minus_1_times():
 
 def test_btb_skips_holders_and_planned_copies():
     pol = Btb(5, rng(), K.with_updates(replicas=4))
-    view = FakeFleetView(5, [9, 0, 0, 1, 2])
+    view = FakeFleet(5, [9, 0, 0, 1, 2])
     view.give(0, P)
     view.give(3, P)
-    view.in_flight[1][P[-1]] = P  # a copy to 1 is already planned
+    view.arrive(1, P)  # a copy to 1 is already planned
     fire(pol, view)
     assert [(c[1], c[2]) for c in view.copies] == [(3, 2)]  # 4 - 2 holders - 1 planned; source = lighter holder
 
 
 def test_btb_caps_m_at_the_fleet_size():
     pol = Btb(3, rng(), K.with_updates(replicas=10))
-    view = FakeFleetView(3)
+    view = FakeFleet(3)
     view.give(1, P)
     fire(pol, view)
     assert sorted(c[2] for c in view.copies) == [0, 2]
@@ -455,7 +373,7 @@ def test_btb_caps_m_at_the_fleet_size():
 
 def test_btb_copies_from_the_replica_still_computing_the_prefix():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4, [1, 0, 0, 0])
+    view = FakeFleet(4, [1, 0, 0, 0])
     view.pending[0].update(P)  # the first request is prefilling there
     fire(pol, view)
     assert len(view.copies) == 2 and {c[1] for c in view.copies} == {0}
@@ -464,7 +382,7 @@ def test_btb_copies_from_the_replica_still_computing_the_prefix():
 
 def test_btb_without_any_source_copies_nothing_and_falls_back_to_cache_aware():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4)
+    view = FakeFleet(4)
     picks = fire(pol, view)
     assert view.copies == [] and pol.stats()["no_source"] == 1
     assert picks == [0, 0]  # cache-aware: a miss to the first least-loaded, then affinity to its creator
@@ -473,7 +391,7 @@ def test_btb_without_any_source_copies_nothing_and_falls_back_to_cache_aware():
 
 def test_btb_moves_on_when_the_fleet_refuses_a_copy_and_tops_up_later():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4, [3, 0, 1, 2])
+    view = FakeFleet(4, [3, 0, 1, 2])
     view.give(0, P)
     view.refuse = {1}
     fire(pol, view)
@@ -487,7 +405,7 @@ def test_btb_moves_on_when_the_fleet_refuses_a_copy_and_tops_up_later():
 
 def test_btb_routes_an_active_prefix_to_the_least_loaded_holder():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4, [3, 0, 1, 0])
+    view = FakeFleet(4, [3, 0, 1, 0])
     view.give(0, P)
     view.give(2, P)
     view.refuse = {1, 3}
@@ -501,7 +419,7 @@ def test_btb_routes_an_active_prefix_to_the_least_loaded_holder():
 
 def test_btb_spreads_over_holders_once_copies_land():
     pol = Btb(4, rng(3), K)
-    view = FakeFleetView(4)
+    view = FakeFleet(4)
     view.give(0, P)
     fire(pol, view)
     view.land_copies()
@@ -518,7 +436,7 @@ def test_btb_spreads_over_holders_once_copies_land():
 def test_btb_holder_ties_are_random_and_seeded():
     def run(seed: int) -> list[int]:
         pol = Btb(4, rng(seed), K.with_updates(replicas=4))
-        view = FakeFleetView(4)
+        view = FakeFleet(4)
         for r in range(4):
             view.give(r, P)
         return [route(pol, burst(i), view, i * 0.1) for i in range(40)]
@@ -529,7 +447,7 @@ def test_btb_holder_ties_are_random_and_seeded():
 
 def test_btb_uses_cache_aware_for_other_requests():
     pol = Btb(2, rng(), K)
-    view = FakeFleetView(2, [0, 0])
+    view = FakeFleet(2, [0, 0])
     short = blocks("P", Y - 1)
     assert [route(pol, req(short), view, i * 0.01) for i in range(5)] == [0] * 5
     assert pol.stats()["fires"] == 0 and pol.detector.stats()["tracked"] == 0
@@ -539,7 +457,7 @@ def test_btb_uses_cache_aware_for_other_requests():
 
 def test_btb_retunes_the_detector_live():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4)
+    view = FakeFleet(4)
     view.give(0, P)
     pol.set_constants(K.with_updates(threshold=3))
     fire(pol, view)
@@ -553,7 +471,7 @@ def test_btb_retunes_the_detector_live():
 
 def test_btb_after_a_quiet_window_the_prefix_is_no_longer_active():
     pol = Btb(4, rng(), K)
-    view = FakeFleetView(4, [0, 5, 5, 5])
+    view = FakeFleet(4, [0, 5, 5, 5])
     view.give(1, P)
     fire(pol, view, t=0.0)
     # 5 s later: one arrival is not hot; cache-aware sends it to the prefix's tree owner (0 created it)
@@ -582,7 +500,7 @@ def _workload(seed: int, n: int = 400) -> list[Request]:
 def test_every_policy_is_deterministic_for_a_seed(name):
     def run(seed: int) -> tuple[list[int], list[tuple]]:
         pol = make_policy(name, 4, random.Random(seed), K)
-        view = FakeFleetView(4)
+        view = FakeFleet(4)
         drift = random.Random(99)
         picks = []
         for i, rq in enumerate(_workload(3)):

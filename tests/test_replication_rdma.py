@@ -3,7 +3,7 @@ and the clear error where no RDMA stack exists."""
 
 from __future__ import annotations
 
-import asyncio
+from itertools import pairwise
 
 import pytest
 import xxhash
@@ -24,7 +24,7 @@ class FakeConn:
     """A target in memory: a remote region, completions queued per post, a commit that checks digests and
     content."""
 
-    def __init__(self, dev: "FakeDevice") -> None:
+    def __init__(self, dev: FakeDevice) -> None:
         self.dev = dev
         self.region = bytearray()
         self.cq: list[tuple[int, bool]] = []
@@ -103,40 +103,40 @@ def test_plan_writes_coalesces_whole_blocks_within_staging_rounds():
     assert [o.local_offset for o in ops] == [0, 2000, 0, 2000, 0]
     covered = sorted((o.first, o.first + o.count) for o in ops)
     assert covered[0][0] == 0 and covered[-1][1] == 10
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(covered))
     big = plan_writes(3, 5000, staging_bytes=1000, max_msg_bytes=1000)  # a block larger than both limits
     assert [(o.round, o.first, o.count, o.length) for o in big] == [(0, 0, 1, 5000), (1, 1, 1, 5000),
                                                                    (2, 2, 1, 5000)]
     assert plan_writes(0, 10) == []
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="sizes must be positive"):
         plan_writes(1, 0)
 
 
-def test_rdma_send_moves_and_verifies_blocks():
+async def test_rdma_send_moves_and_verifies_blocks():
     dev = FakeDevice(max_msg=3000)
     chain, pairs = _pairs(9)
     prog = []
     t = RdmaTransport(device=dev, staging_bytes=4000, max_msg_bytes=3000)
-    asyncio.run(t.send("10.0.0.2:4791", "c1", chain, pairs, lambda s, tot: prog.append((s, tot))))
+    await t.send("10.0.0.2:4791", "c1", chain, pairs, lambda s, tot: prog.append((s, tot)))
     assert dev.committed and dev.conn.closed
     assert bytes(dev.conn.region) == b"".join(b for _, b in pairs)
     assert dev.registered == [4000]  # one staging registration, reused every round
     assert prog[-1] == (9000, 9000)
 
 
-def test_rdma_failed_completion_and_corruption_are_reported():
+async def test_rdma_failed_completion_and_corruption_are_reported():
     chain, pairs = _pairs(6)
     dev = FakeDevice(fail_wr=2)
     with pytest.raises(TransferError, match="RDMA write of blocks"):
-        asyncio.run(RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None))
+        await RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None)
     assert not dev.committed and dev.conn.closed
     dev = FakeDevice(flip_write=1)
     with pytest.raises(TransferError, match="digest mismatch") as ei:
-        asyncio.run(RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None))
+        await RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None)
     assert ei.value.block == 2 and not dev.committed
     dev = FakeDevice(refuse="no room")
     with pytest.raises(TransferError, match="refused: no room"):
-        asyncio.run(RdmaTransport(device=dev).send("h:1", "c", chain, pairs, lambda s, t: None))
+        await RdmaTransport(device=dev).send("h:1", "c", chain, pairs, lambda s, t: None)
 
 
 def test_rdma_unavailable_is_a_clear_error_here():

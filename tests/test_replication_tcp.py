@@ -4,16 +4,17 @@ mid-copy, protocol bounds, addresses and fault plans."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 
 import pytest
 
+from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.hashing import block_payload, chain_hashes
 from btbctl.engine.replication import TRANSPORTS, make_transport
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import CopyRefused, TransferError, parse_address
-from btbctl.engine.errors import BtbctlError, ConfigError
 
 BLOCK = 256
 
@@ -55,34 +56,30 @@ def _blocks(chain, nbytes=BLOCK):
     return [(h, block_payload(h, nbytes)) for h in chain]
 
 
-async def _with_receiver(sink, fn, idle_timeout_s: float = 2.0):
+@contextlib.asynccontextmanager
+async def receiving(sink, idle_timeout_s: float = 2.0):
+    """A TCP receiver for ``sink`` on a loopback port the OS picks; yields its ``host:port``."""
     rx = TcpReceiver(sink, "127.0.0.1", 0, idle_timeout_s=idle_timeout_s)
     port = await rx.start()
     try:
-        return await fn(f"127.0.0.1:{port}")
+        yield f"127.0.0.1:{port}"
     finally:
         await rx.close()
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
-
-
-def test_copy_arrives_verified_and_committed():
+async def test_copy_arrives_verified_and_committed():
     sink = Sink()
     chain = _chain(20)
     progress = []
 
-    async def go(addr):
+    async with receiving(sink) as addr:
         await TcpTransport().send(addr, "c1", chain, _blocks(chain), lambda s, t: progress.append((s, t)))
-
-    run(_with_receiver(sink, go))
     assert sink.committed["c1"] == [b for _, b in _blocks(chain)]
     assert progress[-1] == (20 * BLOCK, 20 * BLOCK) and len(progress) == 20
     assert sink.progressed[-1] == 20 and not sink.failed
 
 
-def test_async_block_source_works():
+async def test_async_block_source_works():
     sink = Sink()
     chain = _chain(3)
 
@@ -90,37 +87,33 @@ def test_async_block_source_works():
         for pair in _blocks(chain):
             yield pair
 
-    async def go(addr):
+    async with receiving(sink) as addr:
         await TcpTransport().send(addr, "c-async", chain, agen(), lambda s, t: None)
-
-    run(_with_receiver(sink, go))
     assert len(sink.committed["c-async"]) == 3
 
 
 @pytest.mark.parametrize("fault,needle", [("corrupt_wire=4", "digest mismatch"),
                                           ("corrupt_content=4", "content does not match")])
-def test_corrupted_block_is_detected_and_nothing_commits(fault, needle):
+async def test_corrupted_block_is_detected_and_nothing_commits(fault, needle):
     sink = Sink()
     chain = _chain(10)
 
-    async def go(addr):
+    async with receiving(sink) as addr:
         with pytest.raises(TransferError) as ei:
             await TcpTransport(fault=FaultPlan.parse(fault)).send(addr, "bad", chain, _blocks(chain),
                                                                   lambda s, t: None)
-        return ei.value
-
-    err = run(_with_receiver(sink, go))
+    err = ei.value
     assert needle in str(err) and "block 4" in str(err)
     assert err.block == 4
     assert "bad" not in sink.committed
     assert needle in sink.failed["bad"]
 
 
-def test_sender_dying_mid_copy_leaves_nothing_warm():
+async def test_sender_dying_mid_copy_leaves_nothing_warm():
     sink = Sink()
     chain = _chain(30)
 
-    async def go(addr):
+    async with receiving(sink) as addr:
         with pytest.raises(TransferError, match="after 7 of 30"):
             await TcpTransport(fault=FaultPlan(close_after=7)).send(addr, "dies", chain, _blocks(chain),
                                                                     lambda s, t: None)
@@ -128,41 +121,32 @@ def test_sender_dying_mid_copy_leaves_nothing_warm():
             if "dies" in sink.failed:
                 break
             await asyncio.sleep(0.01)
-
-    run(_with_receiver(sink, go))
     assert "dies" not in sink.committed
     assert "connection lost after 7 of 30 blocks" in sink.failed["dies"]
 
 
-def test_receiver_refusal_and_incompatible_block_size():
+async def test_receiver_refusal_and_incompatible_block_size():
     chain = _chain(2)
 
-    async def go(addr):
+    async with receiving(Sink(refuse="full")) as addr:
         with pytest.raises(TransferError, match="refused: full"):
             await TcpTransport().send(addr, "r1", chain, _blocks(chain), lambda s, t: None)
-
-    run(_with_receiver(Sink(refuse="full"), go))
     sink = Sink(block_bytes=512)
-
-    async def go2(addr):
+    async with receiving(sink) as addr:
         with pytest.raises(TransferError, match="block size"):
             await TcpTransport().send(addr, "r2", chain, _blocks(chain, 256), lambda s, t: None)
-
-    run(_with_receiver(sink, go2))
     assert not sink.begun  # refused at the header, before the sink heard of it
 
 
-def test_chain_longer_than_the_sink_allows_is_refused():
+async def test_chain_longer_than_the_sink_allows_is_refused():
     chain = _chain(5)
 
-    async def go(addr):
+    async with receiving(Sink(max_blocks=4)) as addr:
         with pytest.raises(TransferError, match="exceeds this receiver's limit of 4"):
             await TcpTransport().send(addr, "long", chain, _blocks(chain), lambda s, t: None)
 
-    run(_with_receiver(Sink(max_blocks=4), go))
 
-
-def test_garbage_and_oversized_headers_get_error_replies():
+async def test_garbage_and_oversized_headers_get_error_replies():
     async def raw(addr, payload: bytes) -> dict:
         host, port = parse_address(addr)
         r, w = await asyncio.open_connection(host, port)
@@ -172,7 +156,8 @@ def test_garbage_and_oversized_headers_get_error_replies():
         w.close()
         return json.loads(line)
 
-    async def go(addr):
+    sink = Sink()
+    async with receiving(sink) as addr:
         a = await raw(addr, b"GET / HTTP/1.1\r\n\r\n")
         b = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, 1 << 30))
         c = await raw(addr, struct.pack(">4sHHI", b"BTBK", 9, 0, 10))
@@ -180,20 +165,16 @@ def test_garbage_and_oversized_headers_get_error_replies():
         d = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
         hdr = json.dumps({"copy_id": "x", "chain": ["not-hex"], "block_bytes": BLOCK}).encode()
         e = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
-        return a, b, c, d, e
-
-    sink = Sink()
-    a, b, c, d, e = run(_with_receiver(sink, go))
     assert "bad magic" in a["error"] and "outside" in b["error"] and "version 9" in c["error"]
     assert "JSON object" in d["error"] and "hex" in e["error"]
     assert all(x["ok"] is False for x in (a, b, c, d, e)) and not sink.begun
 
 
-def test_silent_sender_times_out_and_is_discarded():
+async def test_silent_sender_times_out_and_is_discarded():
     sink = Sink()
     chain = _chain(3)
 
-    async def go(addr):
+    async with receiving(sink, idle_timeout_s=0.5) as addr:
         host, port = parse_address(addr)
         r, w = await asyncio.open_connection(host, port)
         hdr = json.dumps({"copy_id": "quiet", "chain": chain, "block_bytes": BLOCK}).encode()
@@ -205,18 +186,34 @@ def test_silent_sender_times_out_and_is_discarded():
                 break
             await asyncio.sleep(0.01)
         w.close()
-
-    run(_with_receiver(sink, go, idle_timeout_s=0.5))
     assert "went quiet after 0 of 3" in sink.failed["quiet"]
 
 
-def test_unreachable_target_raises_transfer_error():
-    async def go():
-        with pytest.raises(TransferError, match="cannot connect"):
-            await TcpTransport(connect_timeout_s=2).send("127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)],
-                                                         lambda s, t: None)
+async def test_unreachable_target_raises_transfer_error():
+    with pytest.raises(TransferError, match="cannot connect"):
+        await TcpTransport(connect_timeout_s=2).send("127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)],
+                                                     lambda s, t: None)
 
-    run(go())
+
+async def test_cancelling_a_copy_while_it_waits_for_the_targets_reason_cancels_it():
+    """When the copy breaks (here: the block source fails) the sender waits briefly for the target to say why;
+    cancelling the copy during that wait must cancel it, not end it as a TransferError."""
+    chain = _chain(3)
+    pairs = _blocks(chain)
+    broke = asyncio.Event()
+
+    def source():
+        yield pairs[0]
+        broke.set()
+        raise ValueError("the source lost its KV cache")
+
+    async with receiving(Sink(), idle_timeout_s=10.0) as addr:  # a target that accepts, then stays silent
+        copy = asyncio.ensure_future(TcpTransport().send(addr, "c-cancel", chain, source(), lambda s, t: None))
+        await asyncio.wait_for(broke.wait(), 5)
+        await asyncio.sleep(0.1)  # the sender now waits (up to 0.5 s) for the target's reason
+        copy.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await copy
 
 
 def test_parse_address():
@@ -233,7 +230,7 @@ def test_fault_plan_parse():
     assert FaultPlan.parse("corrupt_wire=3,delay_s=0.5") == FaultPlan(corrupt_wire=3, delay_s=0.5)
     assert FaultPlan.parse("") == FaultPlan()
     for bad in ("explode=1", "close_after=x", "delay_s"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"^bad fault item"):
             FaultPlan.parse(bad)
 
 
@@ -242,5 +239,5 @@ def test_registry():
     assert make_transport("tcp").name == "tcp"
     with pytest.raises(ConfigError):
         make_transport("carrier-pigeon")
-    with pytest.raises(BtbctlError, match="^RDMA unavailable: "):
+    with pytest.raises(BtbctlError, match=r"^RDMA unavailable: "):
         make_transport("rdma")

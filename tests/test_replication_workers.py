@@ -3,6 +3,8 @@ block is refused; a source killed mid-copy leaves the target cold."""
 
 from __future__ import annotations
 
+import urllib.error
+
 import pytest
 
 from btbctl.engine import hashing
@@ -21,7 +23,7 @@ def fleet():
         (COMMON, {"BTBCTL_REPLICATION_FAULT": "delay_s=0.02"}),  # S: slow sender (20 ms per block)
         (COMMON, None),  # T: a target that dies
     )
-    yield dict(zip("ABFST", procs))
+    yield dict(zip("ABFST", procs, strict=True))
     for p in procs:
         p.stop()
 
@@ -110,7 +112,7 @@ def test_source_killed_mid_copy_leaves_target_cold(fleet):
     assert dst["state"] == "failed" and "connection lost" in dst["error"]
     assert 5 <= dst["blocks_verified"] < 150
     assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
-    with pytest.raises(OSError):  # the source is gone
+    with pytest.raises(urllib.error.URLError):  # the source is gone: connection refused
         s.get("/btb/copies/killed-1", timeout=2)
 
 
@@ -124,7 +126,7 @@ TRAIL_BLOCKS = 48
 @pytest.fixture(scope="module")
 def trailing():
     procs = start_workers((TRAILING, None), (TRAILING, None), (TRAILING, None))
-    yield dict(zip(("src", "dst", "victim"), procs))
+    yield dict(zip(("src", "dst", "victim"), procs, strict=True))
     for p in procs:
         p.stop()
 

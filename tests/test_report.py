@@ -93,7 +93,7 @@ def test_small_matrix_run_markdown_and_determinism(matrix_file, tmp_path):
     one = rp.run_matrix(m, progress=seen.append, jobs=1)
     two = rp.run_matrix(m, jobs=2)
     assert len(one["cells"]) == 2 * 2 * 2 * 3 == len(seen)
-    assert [c for c in one["cells"]] == [c for c in two["cells"]]  # order and values independent of workers
+    assert list(one["cells"]) == list(two["cells"])  # order and values independent of workers
     c0 = one["cells"][0]
     assert (c0["setup"], c0["workload"], c0["fidelity"], c0["policy"]) == ("70b_h100x4", "b1", "infersim",
                                                                            "cache_aware")

@@ -85,6 +85,6 @@ def test_ancestor_closure_under_random_workload(ops):
         if pinned and rng.random() < 0.3:
             ch = pinned.pop(0)
             c.unpin(ch, len(ch))
-        for h, p in c.parent.items():
+        for p in c.parent.values():
             assert p is None or p in c.parent
         assert c.used_tokens <= c.capacity_tokens

@@ -137,7 +137,9 @@ def test_incoming_copy_makes_requests_wait_then_commits_or_is_dropped():
     d.run_until()
     assert ("admitted", "b", 0) in d.log
     cache = d.rep.cache
-    assert cache.reserved_blocks == 0 and not cache.refs and not d.rep._pending
+    assert cache.reserved_blocks == 0 and not cache.refs
+    for ch in (q, q + chain("b", 1)):  # nothing is left pending: every block is resident or unknown
+        assert d.rep.pending_blocks(ch) == cache.match(ch) == len(ch)
 
 
 def test_an_incoming_copy_claims_blocks_a_prefill_computes_only_when_asked():
@@ -147,11 +149,11 @@ def test_an_incoming_copy_claims_blocks_a_prefill_computes_only_when_asked():
         d.submit("a", p)
         d.run_until(d.now)  # a is admitted: p is pending as a's
         inc = d.rep.begin_incoming(p + chain("x", 2), claim_pending=claim)
-        owners = {d.rep._pending[h] is inc for h in p}
-        assert owners == {claim}
-        assert all(d.rep._pending[h] is inc for h in chain("x", 2))
+        assert d.rep.pending_blocks(p + chain("x", 2)) == 66  # a's blocks, then the copy's own
         d.rep.end_incoming(inc, False)
-        assert all(h in d.rep._pending for h in p) is (not claim)
+        # the failed copy takes the blocks it owns with it: the two of its own, and p's when it claimed them
+        assert d.rep.pending_blocks(p + chain("x", 2)) == (0 if claim else 64)
+        assert d.rep.cache.match(p) == 0
 
 
 def test_room_for_an_incoming_copy_is_refused_when_the_cache_cannot_hold_it():

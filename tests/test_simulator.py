@@ -7,8 +7,8 @@ import pytest
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyPlan
+from btbctl.engine.errors import ConfigError
 from btbctl.engine.sim.results import check_fits
 from btbctl.engine.sim.simulator import Simulator
 from btbctl.engine.trace.model import Request, Trace
@@ -144,7 +144,7 @@ def test_every_request_finishes_exactly_once_under_memory_pressure():
 def test_deterministic_for_a_seed():
     rng = random.Random(3)
     reqs = [req(f"r{i}", rng.uniform(0, 5), chain(f"p{i % 3}", 20), "s", out=5) for i in range(60)]
-    pick = lambda r: hash(r.request_id) % 2  # noqa: E731  (str hash is salted per process, not per call)
+    pick = lambda r: hash(r.request_id) % 2
     _, a, _ = run(reqs, route_fn=pick)
     _, b, _ = run(reqs, route_fn=pick)
     assert [x.as_dict() for x in a.values()] == [x.as_dict() for x in b.values()]

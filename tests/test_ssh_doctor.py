@@ -8,11 +8,11 @@ import socket
 import sys
 
 from launcher_helpers import cli
-from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
+from sshd_fixture import host_table
 from test_ssh_fleet import write_cluster
 
 
-def test_doctor_table_and_json(sshd, tmp_path):  # noqa: F811
+def test_doctor_table_and_json(sshd, tmp_path):
     with socket.socket() as busy, socket.socket() as closed:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -32,7 +32,7 @@ def test_doctor_table_and_json(sshd, tmp_path):  # noqa: F811
     assert res.returncode == 1 and human.returncode == 1
     rows = {r["host"]: r for r in json.loads(res.stdout)["hosts"]}
     good = rows["good"]
-    assert (good["reachable"], good["auth"], good["python"]) == ("yes", "yes", "%d.%d.%d" % sys.version_info[:3])
+    assert (good["reachable"], good["auth"], good["python"]) == ("yes", "yes", "{}.{}.{}".format(*sys.version_info[:3]))
     assert good["btbctl"] and good["sglang"] is None and isinstance(good["rdma"], list)
     assert good["ports"] == {str(busy_port): "Address already in use"}
     assert good["problems"] == [f"port {busy_port}: Address already in use"]

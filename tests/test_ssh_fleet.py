@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher_helpers import cli, force_cleanup, wait_gone
-from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
-
 from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time
+from launcher_helpers import cli, force_cleanup, wait_gone
+from sshd_fixture import host_table
 
 
 def _toml(v) -> str:
@@ -80,7 +79,7 @@ def run_dir(tmp_path):
     force_cleanup(rd)
 
 
-def test_two_hosts_up_burst_status_logs_down(sshd, tmp_path, run_dir):  # noqa: F811
+def test_two_hosts_up_burst_status_logs_down(sshd, tmp_path, run_dir):
     cfg = write_cluster(tmp_path / "c.toml",
                         [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
                         [{"name": "a", "host": "node-a", "count": 1, **FAST},
@@ -137,13 +136,13 @@ def _good_and(server, tmp_path, bad_host: dict, bad_worker: dict | None = None) 
                           {"name": "b", "host": "node-b", **FAST, **(bad_worker or {})}])
 
 
-def test_wrong_host_key(sshd, tmp_path, run_dir):  # noqa: F811
+def test_wrong_host_key(sshd, tmp_path, run_dir):
     bad = host_table(sshd, "node-b", "127.0.0.2", known_hosts=str(sshd.other_key_known_hosts))
     line = _fail_up(_good_and(sshd, tmp_path, bad), run_dir, sshd)
     assert f"host node-b (127.0.0.2:{sshd.port}): host key mismatch" in line
 
 
-def test_unknown_host_names_the_keyscan_command(sshd, tmp_path, run_dir):  # noqa: F811
+def test_unknown_host_names_the_keyscan_command(sshd, tmp_path, run_dir):
     empty = tmp_path / "known_hosts_empty"
     empty.write_text("")
     bad = host_table(sshd, "node-b", "127.0.0.2", known_hosts=str(empty))
@@ -152,7 +151,7 @@ def test_unknown_host_names_the_keyscan_command(sshd, tmp_path, run_dir):  # noq
     assert f"ssh-keyscan -p {sshd.port} 127.0.0.2 >> {shlex.quote(str(empty))}" in line
 
 
-def test_unreachable_host(sshd, tmp_path, run_dir):  # noqa: F811
+def test_unreachable_host(sshd, tmp_path, run_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))
         closed = s.getsockname()[1]
@@ -161,28 +160,28 @@ def test_unreachable_host(sshd, tmp_path, run_dir):  # noqa: F811
     assert f"host node-b (127.0.0.2:{closed}): connection refused" in line
 
 
-def test_worker_that_exits_at_once(sshd, tmp_path, run_dir):  # noqa: F811
+def test_worker_that_exits_at_once(sshd, tmp_path, run_dir):
     bad = host_table(sshd, "node-b", "127.0.0.2")
     worker = {"command": [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"], "port": 0}
     line = _fail_up(_good_and(sshd, tmp_path, bad, worker), run_dir, sshd)
     assert "host node-b" in line and "b-0: exited at once: status 3: no model here" in line
 
 
-def test_command_not_found(sshd, tmp_path, run_dir):  # noqa: F811
+def test_command_not_found(sshd, tmp_path, run_dir):
     bad = host_table(sshd, "node-b", "127.0.0.2", python="/nonexistent/bin/python3")
     line = _fail_up(_good_and(sshd, tmp_path, bad), run_dir, sshd)
     assert "host node-b" in line and "b-0: command not found: /nonexistent/bin/python3" in line
     assert line.count("command not found") == 1
 
 
-def test_health_timeout(sshd, tmp_path, run_dir):  # noqa: F811
+def test_health_timeout(sshd, tmp_path, run_dir):
     bad = host_table(sshd, "node-b", "127.0.0.2")
     worker = {"command": [sys.executable, "-c", "import time; time.sleep(60)"], "ready_timeout_s": 1.5}
     line = _fail_up(_good_and(sshd, tmp_path, bad, worker), run_dir, sshd)
     assert "host node-b" in line and "b-0: health timeout: no answer on GET http://127.0.0.2:" in line
 
 
-def test_port_already_taken(sshd, tmp_path, run_dir):  # noqa: F811
+def test_port_already_taken(sshd, tmp_path, run_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.2", 0))
         s.listen()
@@ -192,7 +191,7 @@ def test_port_already_taken(sshd, tmp_path, run_dir):  # noqa: F811
     assert "host node-b" in line and "b-0: port busy" in line and "127.0.0.2" in line
 
 
-def test_down_reports_an_unreachable_host_and_keeps_its_workers(sshd, tmp_path, run_dir):  # noqa: F811
+def test_down_reports_an_unreachable_host_and_keeps_its_workers(sshd, tmp_path, run_dir):
     cfg = write_cluster(tmp_path / "c.toml",
                         [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
                         [{"name": "a", "host": "node-a", **FAST}, {"name": "b", "host": "node-b", **FAST}])

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from sshd_fixture import host_table, sshd  # noqa: F401 - fixture
-
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.launcher import ssh
 from btbctl.engine.launcher.cluster import validate_cluster
 from btbctl.engine.launcher.hosts import HostSpec
+from sshd_fixture import host_table
 
 
 def _marker_args(folder: Path) -> list[str]:
@@ -55,7 +54,7 @@ def test_unknown_worker_host_names_the_key():
     assert "workers.0.host" in str(err.value) and "'nope'" in str(err.value) and "valid: h" in str(err.value)
 
 
-def test_arguments_env_and_paths_arrive_literally(sshd, tmp_path):  # noqa: F811
+def test_arguments_env_and_paths_arrive_literally(sshd, tmp_path):
     traps = tmp_path / "traps"
     traps.mkdir()
     out = tmp_path / "argv.json"

@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import json
 from collections import Counter, defaultdict
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def test_bursts_share_exactly_their_prefix(window):
         starts = sorted(r.arrival_s for r in reqs)
         nominal = 20.0 + 40.0 * k
         assert nominal - 2.0 <= starts[0] <= nominal + 2.0
-        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        gaps = [b - a for a, b in pairwise(starts)]
         assert all(abs(g - 60.0 / 500) < 2e-6 for g in gaps)  # evenly spread over 60 s
     # no block hash is shared between bursts
     flat = [h for p in prefixes for h in p]
@@ -157,7 +158,7 @@ def test_overlay_uses_the_base_block_size_and_keeps_base_requests():
     t = generate_bursted(p, seed=9, base=base)
     assert t.block_tokens == 512 and len(t) == 30 + 45
     kept = [r for r in t.requests if r.kind == "background"]
-    assert all(a is b for a, b in zip(kept, base.requests))
+    assert all(a is b for a, b in zip(kept, base.requests, strict=True))
     gen = [r for r in t.requests if r.kind != "background"]
     # 65,792 tokens at 512 per block: 128 shared blocks + 1 partial block unique to the request
     assert all(len(r.block_hashes) == 129 for r in gen)

@@ -22,7 +22,7 @@ from btbctl.engine.dashboard.control_source import ControlApiSource, TtftTrail
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.tui.app import ReplicateScreen, build_app
 from gateway_fakes import GatewayEnv
-from tui_helpers import running_app, wait_for
+from tui_helpers import press, running_app, wait_for
 
 PAGE = 16
 PREFIX_BLOCKS = 8
@@ -44,72 +44,70 @@ def _text(w: Static) -> str:
     return getattr(r, "plain", None) or str(r)
 
 
-def test_dashboard_on_a_real_fleet(tmp_path):
-    async def body():
-        token_file = tmp_path / "worker.token"
-        token_file.write_text("wtok\n")
-        started = await asyncio.gather(*(_start_worker(tmp_path, i, str(token_file)) for i in range(3)))
-        procs, urls = [p for p, _ in started], [u for _, u in started]
-        gw = await serve_gateway(GatewayConfig(
-            workers=urls, port=0, control_port=0, token="ctl", worker_token_file=str(token_file),
-            poll_interval_s=0.05, health_interval_s=0.2, policy="cache_aware",
-            constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 30.0, "replicas": 1}))
-        try:
-            prefix = "".join(f"line {i:04d} of a long shared system prompt\n" for i in range(30))
-            async with aiohttp.ClientSession() as s:
-                for i in range(3):
-                    async with s.post(gw.data_url + "/generate", json={
-                            "text": prefix + f"question {i}", "sampling_params": {"max_new_tokens": 1}}) as r:
-                        assert r.status == 200, await r.text()
-            app = build_app(ControlApiSource(gw.control_url, "ctl"), poll_hz=10)
-            async with app.run_test(size=(120, 36)) as pilot:
-                await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.prefixes
-                               and app.snapshot.ttft)
-                snap = app.snapshot
-                assert snap.connected and [w.name for w in snap.workers] == ["w0", "w1", "w2"]
-                assert all(w.healthy for w in snap.workers) and snap.policy == "cache_aware"
-                row = snap.prefixes[0]
-                assert row.arrivals_in_window == 3 and row.holders == 1 and row.prefix_tokens == PREFIX_BLOCKS * PAGE
-                assert snap.gpu_note and snap.gpu_note.startswith("NVML unavailable") or snap.gpus
-                # threshold: edited on screen, confirmed by the gateway
-                await pilot.press("e")
-                inp = app.query_one("#const-threshold", Input)
-                inp.value = "4"
-                await pilot.press("enter")
-                await wait_for(pilot, lambda: gw.constants.threshold == 4)
-                await wait_for(pilot, lambda: "threshold = 4 confirmed" in _text(app.query_one("#const-status")))
-                # refused by the gateway's own validation (window_s must be > 0): engine unchanged
-                with pytest.raises(ControlApiError, match="window_s") as refused:
-                    await app.source.api.set_constants({"window_s": 0})
-                assert refused.value.status == 400 and refused.value.key == "window_s"
-                assert gw.constants.window_s == 30.0
-                # replicate the selected prefix to one more worker: a transfer appears and completes
-                table = app.query_one("#prefix-table", DataTable)
-                table.focus()
-                table.move_cursor(row=0)
-                await pilot.press("r")
-                await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen))
-                app.screen.query_one(Input).value = "1"
-                await pilot.press("enter")
-                await wait_for(pilot, lambda: any(t.state == "done" for t in app.snapshot.transfers), 20)
-                t = app.snapshot.transfers[0]
-                assert t.prefix_id.startswith(row.prefix_id[:8]) and t.bytes_sent == t.bytes_total > 0
-                assert t.source in ("w0", "w1", "w2") and t.target in ("w0", "w1", "w2") and t.source != t.target
-                await wait_for(pilot, lambda: app.snapshot.prefixes[0].holders == 2)
-                # a killed worker shows as unhealthy
-                procs[2].kill()
-                await wait_for(pilot, lambda: not app.snapshot.workers[2].healthy, 20)
-                await pilot.pause(0.1)
-                assert "DOWN" in app.export_screenshot()  # the worker row as painted
-                assert "1 down" in str(app.query_one("#p2").border_subtitle)
-        finally:
-            await gw.stop()
-            for p in procs:
-                if p.returncode is None:
-                    p.terminate()
-                await p.wait()
-
-    asyncio.run(asyncio.wait_for(body(), 60))
+async def test_dashboard_on_a_real_fleet(tmp_path):
+    token_file = tmp_path / "worker.token"
+    token_file.write_text("wtok\n")
+    started = await asyncio.gather(*(_start_worker(tmp_path, i, str(token_file)) for i in range(3)))
+    procs, urls = [p for p, _ in started], [u for _, u in started]
+    gw = await serve_gateway(GatewayConfig(
+        workers=urls, port=0, control_port=0, token="ctl", worker_token_file=str(token_file),
+        poll_interval_s=0.05, health_interval_s=0.2, policy="cache_aware",
+        constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 30.0, "replicas": 1}))
+    try:
+        prefix = "".join(f"line {i:04d} of a long shared system prompt\n" for i in range(30))
+        async with aiohttp.ClientSession() as s:
+            for i in range(3):
+                async with s.post(gw.data_url + "/generate", json={
+                        "text": prefix + f"question {i}", "sampling_params": {"max_new_tokens": 1}}) as r:
+                    assert r.status == 200, await r.text()
+        app = build_app(ControlApiSource(gw.control_url, "ctl"), poll_hz=10)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.prefixes
+                           and app.snapshot.ttft)
+            snap = app.snapshot
+            assert snap.connected and [w.name for w in snap.workers] == ["w0", "w1", "w2"]
+            assert all(w.healthy for w in snap.workers) and snap.policy == "cache_aware"
+            row = snap.prefixes[0]
+            assert row.arrivals_in_window == 3 and row.holders == 1 and row.prefix_tokens == PREFIX_BLOCKS * PAGE
+            assert snap.gpu_note and snap.gpu_note.startswith("NVML unavailable") or snap.gpus
+            # threshold: edited on screen, confirmed by the gateway
+            await press(pilot, "e")
+            inp = app.query_one("#const-threshold", Input)
+            await wait_for(pilot, lambda: inp.has_focus)
+            inp.value = "4"
+            await press(pilot, "enter")
+            await wait_for(pilot, lambda: gw.constants.threshold == 4)
+            await wait_for(pilot, lambda: "threshold = 4 confirmed" in _text(app.query_one("#const-status")))
+            # refused by the gateway's own validation (window_s must be > 0): engine unchanged
+            with pytest.raises(ControlApiError, match="window_s") as refused:
+                await app.source.api.set_constants({"window_s": 0})
+            assert refused.value.status == 400 and refused.value.key == "window_s"
+            assert gw.constants.window_s == 30.0
+            # replicate the selected prefix to one more worker: a transfer appears and completes
+            table = app.query_one("#prefix-table", DataTable)
+            table.focus()
+            table.move_cursor(row=0)
+            await press(pilot, "r")
+            await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen) and isinstance(app.focused, Input))
+            app.screen.query_one(Input).value = "1"
+            await press(pilot, "enter")
+            await wait_for(pilot, lambda: any(t.state == "done" for t in app.snapshot.transfers), 20)
+            t = app.snapshot.transfers[0]
+            assert t.prefix_id.startswith(row.prefix_id[:8]) and t.bytes_sent == t.bytes_total > 0
+            assert t.source in ("w0", "w1", "w2") and t.target in ("w0", "w1", "w2") and t.source != t.target
+            await wait_for(pilot, lambda: app.snapshot.prefixes[0].holders == 2)
+            # a killed worker shows as unhealthy
+            procs[2].kill()
+            await wait_for(pilot, lambda: not app.snapshot.workers[2].healthy, 20)
+            await pilot.pause(0.1)
+            assert "DOWN" in app.export_screenshot()  # the worker row as painted
+            assert "1 down" in str(app.query_one("#p2").border_subtitle)
+    finally:
+        await gw.stop()
+        for p in procs:
+            if p.returncode is None:
+                p.terminate()
+            await p.wait()
 
 
 def _free_port() -> int:
@@ -195,7 +193,7 @@ class FakeControlApi:
         for q in self.streams:
             q.put_nowait(None)
 
-    async def start(self) -> "FakeControlApi":
+    async def start(self) -> FakeControlApi:
         app = web.Application()
         for path in self.answers():
             app.router.add_get(path, self._read)
@@ -210,114 +208,102 @@ class FakeControlApi:
         await self.runner.cleanup()
 
 
-def test_control_api_source_reconnects_after_the_fleet_restarts():
-    async def body():
-        port = _free_port()
-        now = [0.0]
-        src = ControlApiSource(f"http://127.0.0.1:{port}", "t", clock=lambda: now[0])
-        try:
-            down = await src.snapshot()
-            assert not down.connected and "fleet unreachable" in down.message and "retrying in 0.5 s" in down.message
-            again = await src.snapshot()  # inside the backoff: no new attempt
-            assert again is down and src.failures == 1
-            now[0] = 1.0
-            down2 = await src.snapshot()
-            assert src.failures == 2 and "retrying in 1.0 s" in down2.message
-            api = await FakeControlApi(port).start()
-            now[0] = 3.0
-            up = await src.snapshot()
-            assert up.connected and up.message.startswith("reconnected") and up.feed == "poll"
-            assert up.gpus[0].source == "worker" and up.gpus[0].util_pct == 40
-            assert up.workers[0].queued == 2
-            await api.stop()  # the fleet goes away: last rows kept, marked disconnected
-            now[0] = 4.0
-            lost = await src.snapshot()
-            assert not lost.connected and lost.workers == up.workers and "retrying in 0.5 s" in lost.message
-            api = await FakeControlApi(port).start()
-            now[0] = 5.0
-            back = await src.snapshot()
-            assert back.connected and "reconnected" in back.message
-            assert (await src.snapshot()).message.startswith("fleet http://127.0.0.1")
-            assert src.polls == 3 and not src.streaming  # never started: no stream followed
-            await api.stop()
-        finally:
-            await src.close()
-
-    asyncio.run(asyncio.wait_for(body(), 30))
+async def test_control_api_source_reconnects_after_the_fleet_restarts():
+    port = _free_port()
+    now = [0.0]
+    src = ControlApiSource(f"http://127.0.0.1:{port}", "t", clock=lambda: now[0])
+    try:
+        down = await src.snapshot()
+        assert not down.connected and "fleet unreachable" in down.message and "retrying in 0.5 s" in down.message
+        again = await src.snapshot()  # inside the backoff: no new attempt
+        assert again is down and src.failures == 1
+        now[0] = 1.0
+        down2 = await src.snapshot()
+        assert src.failures == 2 and "retrying in 1.0 s" in down2.message
+        api = await FakeControlApi(port).start()
+        now[0] = 3.0
+        up = await src.snapshot()
+        assert up.connected and up.message.startswith("reconnected") and up.feed == "poll"
+        assert up.gpus[0].source == "worker" and up.gpus[0].util_pct == 40
+        assert up.workers[0].queued == 2
+        await api.stop()  # the fleet goes away: last rows kept, marked disconnected
+        now[0] = 4.0
+        lost = await src.snapshot()
+        assert not lost.connected and lost.workers == up.workers and "retrying in 0.5 s" in lost.message
+        api = await FakeControlApi(port).start()
+        now[0] = 5.0
+        back = await src.snapshot()
+        assert back.connected and "reconnected" in back.message
+        assert (await src.snapshot()).message.startswith("fleet http://127.0.0.1")
+        assert src.polls == 3 and not src.streaming  # never started: no stream followed
+        await api.stop()
+    finally:
+        await src.close()
 
 
-def test_a_change_arrives_through_the_gateways_event_stream_without_a_poll():
-    async def body():
-        async with GatewayEnv(2, policy="least_load") as env:
-            src = ControlApiSource(env.control, "test-token", local_gpus=False)
-            app = build_app(src, poll_hz=20)
-            async with app.run_test(size=(120, 36)) as pilot:
-                await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.feed == "stream")
-                assert src.streaming and _text(app.query_one("#status")).endswith("| live: event stream")
-                polls, pushed = src.polls, app.pushed
-                # another client retunes the fleet: the screen follows from the stream alone
-                async with env.http.put(env.control + "/control/constants", json={"threshold": 5,
-                                        "policy": "cache_aware"}, headers=env.auth()) as r:
-                    assert r.status == 200
-                await wait_for(pilot, lambda: app.query_one("#const-threshold", Input).value == "5")
-                await wait_for(pilot, lambda: app.snapshot.policy == "cache_aware")
-                assert app.pushed > pushed and src.events > 0
-                await pilot.pause(0.3)  # six poll ticks at 20 Hz
-                assert src.polls == polls  # nothing was polled while the stream was up
-
-    asyncio.run(asyncio.wait_for(body(), 30))
+async def test_a_change_arrives_through_the_gateways_event_stream_without_a_poll():
+    async with GatewayEnv(2, policy="least_load") as env:
+        src = ControlApiSource(env.control, "test-token", local_gpus=False)
+        app = build_app(src, poll_hz=20)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.feed == "stream")
+            assert src.streaming and _text(app.query_one("#status")).endswith("| live: event stream")
+            polls, pushed = src.polls, app.pushed
+            # another client retunes the fleet: the screen follows from the stream alone
+            async with env.http.put(env.control + "/control/constants", json={"threshold": 5,
+                                    "policy": "cache_aware"}, headers=env.auth()) as r:
+                assert r.status == 200
+            await wait_for(pilot, lambda: app.query_one("#const-threshold", Input).value == "5")
+            await wait_for(pilot, lambda: app.snapshot.policy == "cache_aware")
+            assert app.pushed > pushed and src.events > 0
+            await pilot.pause(0.3)  # six poll ticks at 20 Hz
+            assert src.polls == polls  # nothing was polled while the stream was up
 
 
-def test_polling_takes_over_while_the_event_stream_is_down():
-    async def body():
-        api = await FakeControlApi(_free_port()).start()
-        src = ControlApiSource(f"http://127.0.0.1:{api.port}", "t", local_gpus=False, reconnect_min_s=0.05,
-                               reconnect_max_s=0.2)
-        status = lambda: _text(app.query_one("#status"))  # noqa: E731
-        try:
-            app = build_app(src, poll_hz=20)
-            async with app.run_test(size=(120, 36)) as pilot:
-                await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.feed == "stream")
-                polls = src.polls
-                api.constants = api.constants.with_updates(threshold=5)
-                api.emit("constants")
-                await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 5)
-                assert src.polls == polls and status().endswith("| live: event stream")
-                # the stream breaks and cannot be reopened: polling takes over and the status line says so
-                api.break_stream()
-                await wait_for(pilot, lambda: app.snapshot.feed == "poll")
-                assert not src.streaming and src.stream_error == "the gateway closed the event stream"
-                await wait_for(pilot, lambda: "HTTP 503: no stream today" in (src.stream_error or ""))  # retried
-                api.constants = api.constants.with_updates(threshold=6)  # no event: only a poll can see it
-                await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 6)
-                assert src.polls > polls and app.query_one("#const-threshold", Input).value == "6"
-                assert "event stream down" in status() and status().endswith("| polling")
-                # the stream is back: it takes over again and the polling stops
-                api.refuse_stream = False
-                await wait_for(pilot, lambda: src.streaming and app.snapshot.feed == "stream", 5)
-                assert status().endswith("| live: event stream")
-                polls = src.polls
-                api.constants = api.constants.with_updates(threshold=7)
-                api.emit("constants")
-                await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 7)
-                await pilot.pause(0.2)
-                assert src.polls == polls
-        finally:
-            await api.stop()
-
-    asyncio.run(asyncio.wait_for(body(), 30))
+async def test_polling_takes_over_while_the_event_stream_is_down():
+    api = await FakeControlApi(_free_port()).start()
+    src = ControlApiSource(f"http://127.0.0.1:{api.port}", "t", local_gpus=False, reconnect_min_s=0.05,
+                           reconnect_max_s=0.2)
+    status = lambda: _text(app.query_one("#status"))
+    try:
+        app = build_app(src, poll_hz=20)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.feed == "stream")
+            polls = src.polls
+            api.constants = api.constants.with_updates(threshold=5)
+            api.emit("constants")
+            await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 5)
+            assert src.polls == polls and status().endswith("| live: event stream")
+            # the stream breaks and cannot be reopened: polling takes over and the status line says so
+            api.break_stream()
+            await wait_for(pilot, lambda: app.snapshot.feed == "poll")
+            assert not src.streaming and src.stream_error == "the gateway closed the event stream"
+            await wait_for(pilot, lambda: "HTTP 503: no stream today" in (src.stream_error or ""))  # retried
+            api.constants = api.constants.with_updates(threshold=6)  # no event: only a poll can see it
+            await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 6)
+            assert src.polls > polls and app.query_one("#const-threshold", Input).value == "6"
+            assert "event stream down" in status() and status().endswith("| polling")
+            # the stream is back: it takes over again and the polling stops
+            api.refuse_stream = False
+            await wait_for(pilot, lambda: src.streaming and app.snapshot.feed == "stream", 5)
+            assert status().endswith("| live: event stream")
+            polls = src.polls
+            api.constants = api.constants.with_updates(threshold=7)
+            api.emit("constants")
+            await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 7)
+            await pilot.pause(0.2)
+            assert src.polls == polls
+    finally:
+        await api.stop()
 
 
-def test_dashboard_says_when_the_fleet_is_down():
-    async def body():
-        port = _free_port()
-        src = ControlApiSource(f"http://127.0.0.1:{port}", None, local_gpus=False)
-        async with running_app(src, (80, 24)) as (app, pilot):
-            status = _text(app.query_one("#status"))
-            assert status.startswith("DISCONNECTED: fleet unreachable at http://127.0.0.1:")
-            assert app.query_one("#status").has_class("down")
-
-    asyncio.run(asyncio.wait_for(body(), 30))
+async def test_dashboard_says_when_the_fleet_is_down():
+    port = _free_port()
+    src = ControlApiSource(f"http://127.0.0.1:{port}", None, local_gpus=False)
+    async with running_app(src, (80, 24)) as (app, pilot):
+        status = _text(app.query_one("#status"))
+        assert status.startswith("DISCONNECTED: fleet unreachable at http://127.0.0.1:")
+        assert app.query_one("#status").has_class("down")
 
 
 def test_ttft_trail_from_stream_points():

@@ -10,9 +10,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from btbctl.engine.worker.config import make_config
 from btbctl.engine.worker.core import Worker
 from btbctl.engine.worker.http import build_app
-from btbctl.engine.worker.config import make_config
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/btb/match", "/btb/push", "/flush_cache")
 KEYS = ("text", "input_ids", "sampling_params", "max_new_tokens", "stream", "rid", "prompt", "max_tokens",
@@ -85,24 +85,21 @@ def test_worker_still_serves_after_fuzzing():
     assert status == 200 and json.loads(raw)["meta_info"]["completion_tokens"] == 2
 
 
-def test_not_ready_answers_503_on_health_and_generation():
-    async def go():
-        cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0)
-        worker = Worker(cfg)
-        client = TestClient(TestServer(build_app(worker)))
-        await client.start_server()
-        try:
-            out = []
-            for method, path, body in (("GET", "/health", None), ("GET", "/health_generate", None),
-                                       ("POST", "/generate", {"text": "hi"})):
-                async with client.request(method, path, json=body) as r:
-                    out.append(r.status)
-            worker.ready = True
-            async with client.get("/health_generate") as r:
+async def test_not_ready_answers_503_on_health_and_generation():
+    cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0)
+    worker = Worker(cfg)
+    client = TestClient(TestServer(build_app(worker)))
+    await client.start_server()
+    try:
+        out = []
+        for method, path, body in (("GET", "/health", None), ("GET", "/health_generate", None),
+                                   ("POST", "/generate", {"text": "hi"})):
+            async with client.request(method, path, json=body) as r:
                 out.append(r.status)
-            return out
-        finally:
-            await client.close()
-            await worker.stop()
-
-    assert asyncio.run(go()) == [503, 503, 503, 200]
+        worker.ready = True
+        async with client.get("/health_generate") as r:
+            out.append(r.status)
+    finally:
+        await client.close()
+        await worker.stop()
+    assert out == [503, 503, 503, 200]

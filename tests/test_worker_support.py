@@ -3,7 +3,7 @@ and the tests of the worker's command line."""
 
 from __future__ import annotations
 
-import pytest
+import contextlib
 import json
 import os
 import queue
@@ -14,6 +14,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+import pytest
 
 READY_TIMEOUT_S = 20.0
 
@@ -38,7 +40,7 @@ class WorkerProc:
             self._lines.put(line)
         self._lines.put(None)
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "WorkerProc":
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> WorkerProc:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
@@ -63,10 +65,8 @@ class WorkerProc:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
         for f in (self.proc.stdout, self.proc.stderr):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except Exception:
-                pass
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
+import unicodedata
 from contextlib import asynccontextmanager
+
+from textual import events
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -13,8 +16,9 @@ from btbctl.tui.app import build_app
 
 #: A short Bursted window: 3 bursts of 200 requests over 20 s each, sharing 8,192-token prefixes (32 blocks of
 #: 256 tokens), on 4 replicas of Llama-3.3-70B over 4 x H100 each.
-SMALL = dict(bursts=3, burst_size=200, first_burst_s=2.0, burst_period_s=10.0, jitter_s=0.0, spread_s=20.0,
-             prefix_tokens=8192, suffix_tokens=256, decoys=10, decoy_start_s=1.0, decoy_end_s=40.0)
+SMALL = {"bursts": 3, "burst_size": 200, "first_burst_s": 2.0, "burst_period_s": 10.0, "jitter_s": 0.0,
+         "spread_s": 20.0, "prefix_tokens": 8192, "suffix_tokens": 256, "decoys": 10, "decoy_start_s": 1.0,
+         "decoy_end_s": 40.0}
 SMALL_CONSTANTS = BtbConstants(prefix_blocks=32, threshold=2, window_s=1.0, replicas=4)
 
 
@@ -33,6 +37,22 @@ async def wait_for(pilot, cond, timeout_s: float = 10.0, step_s: float = 0.02) -
             raise AssertionError(f"condition not met within {timeout_s} s")
         await pilot.pause(step_s)
     return time.perf_counter() - t0
+
+
+async def press(pilot, *keys: str) -> None:
+    """Send ``keys`` to the app as its terminal driver would, in order. Unlike ``pilot.press`` this does not wait
+    for the process to look idle after each key (up to 2 s a key while a simulation or 20 Hz polling keeps the app
+    busy): the caller waits for the effect it expects (:func:`wait_for`)."""
+    app = pilot.app
+    for key in keys:
+        try:
+            char: str | None = unicodedata.lookup(key.upper().replace("_", " "))
+        except KeyError:
+            char = key if len(key) == 1 else None
+        ev = events.Key(key, char)
+        ev.set_sender(app)
+        app.post_message(ev)
+    await pilot.pause(0.02)
 
 
 @asynccontextmanager

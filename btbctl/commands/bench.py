@@ -4,7 +4,7 @@ client-side TTFT (table or stable JSON)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -59,25 +59,25 @@ def _served(control_url: str | None):
 
 @app.command("bench")
 def bench(
-    trace: Annotated[Optional[Path], typer.Option(
+    trace: Annotated[Path | None, typer.Option(
         "--trace", metavar="PATH", dir_okay=False,
         help="Trace to replay (default: one generated burst, see --burst-size).")] = None,
-    trace_format: Annotated[Optional[str], typer.Option(
+    trace_format: Annotated[str | None, typer.Option(
         "--trace-format", help="mooncake, btb-mixed-trace-v1 or azure2023 (default: detect).")] = None,
-    target: Annotated[Optional[str], typer.Option(
+    target: Annotated[str | None, typer.Option(
         "--target", metavar="URL", help="SGLang-compatible endpoint (default: the running fleet's gateway).")] = None,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     time_scale: Annotated[float, typer.Option(
         "--time-scale", help="Trace seconds per wall second (10 replays ten times faster).")] = 1.0,
-    max_requests: Annotated[Optional[int], typer.Option(
+    max_requests: Annotated[int | None, typer.Option(
         "--max-requests", help="Send only the first N requests (default: all).")] = None,
-    concurrency: Annotated[Optional[int], typer.Option(
+    concurrency: Annotated[int | None, typer.Option(
         "--concurrency", help="Most requests in flight at once (default: no limit).")] = None,
     endpoint: Annotated[str, typer.Option(
         "--endpoint", help="generate (POST /generate) or completions (POST /v1/completions).")] = "generate",
     prompt: Annotated[str, typer.Option(
         "--prompt", help="Send synthesised text, or ids (input_ids) for servers with a real tokenizer.")] = "text",
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         "--model", help="Model name for --endpoint completions (default: the endpoint's first model).")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Per-request limit, seconds.")] = 300.0,
     burst_size: Annotated[int, typer.Option(
@@ -87,14 +87,20 @@ def bench(
     spread_s: Annotated[float, typer.Option(
         "--spread-s", help="Default trace: seconds over which the burst arrives.")] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Default trace: random seed.")] = 42,
-    requests_out: Annotated[Optional[Path], typer.Option(
+    requests_out: Annotated[Path | None, typer.Option(
         "--requests-out", metavar="PATH", dir_okay=False, help="Write one JSON line per request.")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Replay a trace against an SGLang-compatible endpoint and report client-side TTFT."""
     from btbctl.engine.errors import BtbctlError
-    from btbctl.engine.launcher.bench import (BenchOptions, default_burst_trace, replay, select_requests,
-                                              served_delta, write_results_jsonl)
+    from btbctl.engine.launcher.bench import (
+        BenchOptions,
+        default_burst_trace,
+        replay,
+        select_requests,
+        served_delta,
+        write_results_jsonl,
+    )
     from btbctl.engine.launcher.rundir import RunDir
 
     out = Output(fmt)

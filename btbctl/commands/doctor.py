@@ -3,7 +3,7 @@ SGLang, free worker ports, GPUs, RDMA devices) and print one row per host. Exits
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -45,7 +45,7 @@ def _render(out: Output, res: dict) -> None:
 
 @app.command("doctor")
 def doctor(
-    config: Annotated[Optional[str], typer.Option(
+    config: Annotated[str | None, typer.Option(
         "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet).")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:

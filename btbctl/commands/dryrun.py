@@ -6,7 +6,7 @@ a flag overrides the file. Engine modules are imported inside the command so ``b
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -33,11 +33,11 @@ _FLAGS = {
 
 @app.command("dry-run")
 def dry_run(
-    config: Annotated[Optional[str], typer.Option(
+    config: Annotated[str | None, typer.Option(
         "-c", "--config", metavar="FILE",
         help="TOML config (see examples/). Relative trace paths in it resolve against its folder; flags override "
              "its values.")] = None,
-    trace: Annotated[Optional[str], typer.Option(
+    trace: Annotated[str | None, typer.Option(
         "--trace", metavar="PATH", help="Trace file (relative to the current directory). Default: a generated "
                                         "Bursted window.")] = None,
     trace_format: options.TraceFormat = None,
@@ -45,20 +45,20 @@ def dry_run(
     burst_size: options.BurstSize = None,
     spread_s: options.SpreadS = None,
     decoys: options.Decoys = None,
-    setup: Annotated[Optional[str], typer.Option(
+    setup: Annotated[str | None, typer.Option(
         "--setup", metavar="NAME",
         help="Named setup of the published BTB table: 70b_h100x4, qwen3_8b_h100x4, glm45_h100x4, glm52_h100x8, "
              "kimi_k2_h100x8, dense1t_b300x4. Sets model, GPU, GPUs per replica, replicas and NIC; the flags "
              "below still override it.")] = None,
     model: options.Model = None,
-    gpu: Annotated[Optional[str], typer.Option(
+    gpu: Annotated[str | None, typer.Option(
         "--gpu", help="GPU preset (btbctl presets) (default: h100).")] = None,
     gpus_per_replica: options.GpusPerReplica = None,
-    replicas: Annotated[Optional[int], typer.Option(
+    replicas: Annotated[int | None, typer.Option(
         "--replicas", help="Replicas in the fleet (default: 4).")] = None,
-    nic_gbps: Annotated[Optional[float], typer.Option(
+    nic_gbps: Annotated[float | None, typer.Option(
         "--nic-gbps", help="NIC bandwidth per GPU, Gb/s (default: 400).")] = None,
-    policies: Annotated[Optional[str], typer.Option(
+    policies: Annotated[str | None, typer.Option(
         "--policies", metavar="A,B,C",
         help="Comma-separated routing policies, in report order (default: round_robin,least_load,cache_aware,"
              "cache_aware_spill,btb).")] = None,
@@ -66,12 +66,12 @@ def dry_run(
     threshold: options.Threshold = None,
     window_s: options.WindowS = None,
     warm_replicas: options.WarmReplicas = None,
-    seed: Annotated[Optional[int], typer.Option(
+    seed: Annotated[int | None, typer.Option(
         "--seed", help="Seed of the simulator and the trace generator (default: 42).")] = None,
-    fidelity: Annotated[Optional[str], typer.Option(
+    fidelity: Annotated[str | None, typer.Option(
         "--fidelity", help="Simulator profile: realistic or infersim (default: realistic).")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
-    requests_out: Annotated[Optional[str], typer.Option(
+    requests_out: Annotated[str | None, typer.Option(
         "--requests-out", metavar="PATH",
         help="Also write one JSON line per request per policy (arrival_s, policy, replica, ttft_s, queue_wait_s, "
              "cached_tokens, kind, request_id).")] = None,

@@ -8,7 +8,7 @@ recorded in the run directory, where ``down``, ``status``, ``bench``, ``tune``, 
 from __future__ import annotations
 
 import signal
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -39,15 +39,15 @@ def _render_status(out: Output, st: dict) -> None:
 
 @app.command("up")
 def up(
-    config: Annotated[Optional[str], typer.Option(
+    config: Annotated[str | None, typer.Option(
         "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet).")] = None,
     detach: Annotated[bool, typer.Option("-d", "--detach", help="Start in the background and return.")] = False,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    policy: Annotated[Optional[str], typer.Option(
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    policy: Annotated[str | None, typer.Option(
         "--policy", help="Routing policy instead of the cluster file's (btb, cache_aware, least_load, ...).")] = None,
-    port: Annotated[Optional[int], typer.Option(
+    port: Annotated[int | None, typer.Option(
         "--port", help="Gateway data-plane port instead of the cluster file's (0 = a free port).")] = None,
-    control_port: Annotated[Optional[int], typer.Option(
+    control_port: Annotated[int | None, typer.Option(
         "--control-port", help="Control-API port instead of the cluster file's (0 = a free port).")] = None,
     keep_partial: Annotated[bool, typer.Option(
         "--keep-partial", help="If a worker fails to start, leave the others running (stop them with `btbctl "
@@ -95,7 +95,7 @@ def up(
 
 @app.command("down")
 def down(
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     grace_s: Annotated[float, typer.Option(
         "--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")] = 10.0,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
@@ -121,7 +121,7 @@ def down(
 
 @app.command("status")
 def status(
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Show the running fleet: gateway and control URLs, and each worker's health."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,33 +13,33 @@ from btbctl.commands.app import app
 
 @app.command("gateway")
 def gateway(
-    worker: Annotated[Optional[list[str]], typer.Option("--worker", "-w", help="Worker base URL "
+    worker: Annotated[list[str] | None, typer.Option("--worker", "-w", help="Worker base URL "
                                                         "(http://host:port); repeat for each worker.")] = None,
-    config: Annotated[Optional[str], typer.Option("--config", help="JSON file of gateway settings (GatewayConfig "
+    config: Annotated[str | None, typer.Option("--config", help="JSON file of gateway settings (GatewayConfig "
                                                   "fields); the flags below override it.")] = None,
-    host: Annotated[Optional[str], typer.Option("--host", help="Data-plane address (default: 127.0.0.1).")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="Data-plane port, 0 = any free one "
+    host: Annotated[str | None, typer.Option("--host", help="Data-plane address (default: 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Data-plane port, 0 = any free one "
                                                 "(default: 8000).")] = None,
-    control_host: Annotated[Optional[str], typer.Option("--control-host", help="Control API address "
+    control_host: Annotated[str | None, typer.Option("--control-host", help="Control API address "
                                                         "[127.0.0.1].")] = None,
-    control_port: Annotated[Optional[int], typer.Option("--control-port", help="Control API port, 0 = any free "
+    control_port: Annotated[int | None, typer.Option("--control-port", help="Control API port, 0 = any free "
                                                         "one (default: 8001).")] = None,
-    policy: Annotated[Optional[str], typer.Option("--policy", help="Routing policy (default: btb).")] = None,
-    page_size: Annotated[Optional[int], typer.Option("--page-size", help="Tokens per block (default: the "
+    policy: Annotated[str | None, typer.Option("--policy", help="Routing policy (default: btb).")] = None,
+    page_size: Annotated[int | None, typer.Option("--page-size", help="Tokens per block (default: the "
                                                      "workers' /btb/info page_size, else 256).")] = None,
     prefix_blocks: options.PrefixBlocks = None,
     threshold: options.Threshold = None,
     window_s: options.WindowS = None,
     warm_replicas: options.WarmReplicas = None,
-    token_file: Annotated[Optional[str], typer.Option("--token-file", help="Bearer token of control-API writes; "
+    token_file: Annotated[str | None, typer.Option("--token-file", help="Bearer token of control-API writes; "
                                                       "created (mode 0600) when missing.")] = None,
-    worker_token_file: Annotated[Optional[str], typer.Option("--worker-token-file", help="Bearer token sent to "
+    worker_token_file: Annotated[str | None, typer.Option("--worker-token-file", help="Bearer token sent to "
                                                              "the workers' /btb/push.")] = None,
-    max_retries: Annotated[Optional[int], typer.Option("--max-retries", help="Further workers tried when one "
+    max_retries: Annotated[int | None, typer.Option("--max-retries", help="Further workers tried when one "
                                                        "fails before the first byte (default: 2).")] = None,
-    health_interval_s: Annotated[Optional[float], typer.Option("--health-interval-s", help="Seconds between "
+    health_interval_s: Annotated[float | None, typer.Option("--health-interval-s", help="Seconds between "
                                                                "health checks (default: 1.0).")] = None,
-    max_body_bytes: Annotated[Optional[int], typer.Option("--max-body-bytes", help="Largest request body, "
+    max_body_bytes: Annotated[int | None, typer.Option("--max-body-bytes", help="Largest request body, "
                                                           "bytes (default: 33554432).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="Diagnostics on stderr: debug, info, warning.")]
     = "info",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,7 +15,7 @@ from btbctl.commands.fleet import RUN_DIR_HELP
 @app.command("logs")
 def logs(
     name: Annotated[str, typer.Argument(help="Process name as `btbctl status` lists it (worker-0, gateway, ...).")],
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Last N lines (0 = the whole log).")] = 50,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines until Ctrl-C.")] = False,
 ) -> None:

@@ -3,7 +3,7 @@ matplotlib is installed (``pip install 'btbctl[report]'``). Engine modules are i
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,7 +17,7 @@ def report(
         metavar="MATRIX", help="Experiment matrix, TOML (see examples/evidence-matrix.toml).")],
     out_dir: Annotated[str, typer.Option(
         "-o", "--out", metavar="DIR", help="Folder for README.md and the charts (created if missing).")] = "report",
-    jobs: Annotated[Optional[int], typer.Option(
+    jobs: Annotated[int | None, typer.Option(
         "-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process).")] = None,
     charts: Annotated[bool, typer.Option(
         "--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]').")] = True,

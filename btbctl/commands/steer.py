@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,12 +17,12 @@ def _mib(n) -> str:
 
 @app.command("tune")
 def tune(
-    settings: Annotated[Optional[list[str]], typer.Argument(
+    settings: Annotated[list[str] | None, typer.Argument(
         metavar="KEY=VALUE...",
         help="prefix_blocks=N threshold=N window_s=SECONDS warm_replicas=N policy=NAME (none: show the current "
              "ones; replicas= is the old spelling of warm_replicas).",
         show_default=False)] = None,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Change BTB's constants or the routing policy of the running fleet, without a restart."""
@@ -54,7 +54,7 @@ def replicate(
                                          "GET /control/prefixes show it.", show_default=False)],
     n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
-    run_dir: Annotated[Optional[str], typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1

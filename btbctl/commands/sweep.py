@@ -7,7 +7,7 @@ comma-separated list. Engine modules are imported inside the command so ``btbctl
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -18,48 +18,48 @@ from btbctl.commands.output import Format, Output
 
 @app.command("sweep")
 def sweep(
-    config: Annotated[Optional[str], typer.Option(
+    config: Annotated[str | None, typer.Option(
         "-c", "--config", metavar="FILE",
         help="Dry-run TOML config for the trace and the fleet (see examples/); flags override its values.")] = None,
-    trace: Annotated[Optional[str], typer.Option(
+    trace: Annotated[str | None, typer.Option(
         "--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")] = None,
     trace_format: options.TraceFormat = None,
     bursts: options.Bursts = None,
     burst_size: options.BurstSize = None,
     spread_s: options.SpreadS = None,
     decoys: options.Decoys = None,
-    setup: Annotated[Optional[str], typer.Option(
+    setup: Annotated[str | None, typer.Option(
         "--setup", metavar="NAME", help="Named setup of the published BTB table (70b_h100x4, qwen3_8b_h100x4, "
                                         "glm45_h100x4, glm52_h100x8, kimi_k2_h100x8, dense1t_b300x4).")] = None,
     model: options.Model = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU preset (default: h100).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset (default: h100).")] = None,
     gpus_per_replica: options.GpusPerReplica = None,
-    prefix_blocks: Annotated[Optional[str], typer.Option(
+    prefix_blocks: Annotated[str | None, typer.Option(
         "--prefix-blocks", metavar="A,B,..", help="Grid of BTB Y: prefix lengths in trace blocks.")] = None,
-    threshold: Annotated[Optional[str], typer.Option(
+    threshold: Annotated[str | None, typer.Option(
         "--threshold", metavar="A,B,..", help="Grid of BTB X: arrivals inside the window that fire.")] = None,
-    window_s: Annotated[Optional[str], typer.Option(
+    window_s: Annotated[str | None, typer.Option(
         "--window-s", metavar="A,B,..", help="Grid of BTB Z: detection windows, seconds.")] = None,
-    warm_replicas: Annotated[Optional[str], typer.Option(
+    warm_replicas: Annotated[str | None, typer.Option(
         "--warm-replicas", "--btb-replicas", metavar="A,B,..",
         help="Grid of BTB M: replicas that should hold a hot prefix (--btb-replicas is the old spelling).")] = None,
-    replicas: Annotated[Optional[str], typer.Option(
+    replicas: Annotated[str | None, typer.Option(
         "--replicas", metavar="A,B,..", help="Grid of fleet sizes (default: the config's, 4).")] = None,
-    nic_gbps: Annotated[Optional[str], typer.Option(
+    nic_gbps: Annotated[str | None, typer.Option(
         "--nic-gbps", metavar="A,B,..", help="Grid of NIC bandwidths per GPU, Gb/s (default: the config's, "
                                              "400).")] = None,
-    fidelity: Annotated[Optional[str], typer.Option(
+    fidelity: Annotated[str | None, typer.Option(
         "--fidelity", metavar="A,B", help="Grid of simulator profiles: realistic, infersim (default: "
                                           "realistic).")] = None,
-    policies: Annotated[Optional[str], typer.Option(
+    policies: Annotated[str | None, typer.Option(
         "--policies", metavar="A,B,..", help="Grid of routing policies (default: btb).")] = None,
-    seed: Annotated[Optional[int], typer.Option(
+    seed: Annotated[int | None, typer.Option(
         "--seed", help="Seed of every run and of the trace generator (default: 42).")] = None,
-    jobs: Annotated[Optional[int], typer.Option(
+    jobs: Annotated[int | None, typer.Option(
         "-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process).")] = None,
     rank_by: Annotated[str, typer.Option(
         "--rank-by", help="Rank grid points by TTFT mean or p95.")] = "mean",
-    heatmap: Annotated[Optional[str], typer.Option(
+    heatmap: Annotated[str | None, typer.Option(
         "--heatmap", metavar="X,Y", help="Draw the best ranked TTFT for each pair of values of two axes, e.g. "
                                          "threshold,window_s (axes: prefix_blocks, threshold, window_s, "
                                          "warm_replicas, replicas, nic_gbps, fidelity, policy).")] = None,
@@ -69,8 +69,8 @@ def sweep(
     """Run a grid of BTB constants (and optionally fleet, fabric, fidelity, policy) over one trace, ranked by TTFT."""
     from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, load_trace
     from btbctl.engine.errors import ConfigError
-    from btbctl.engine.sweep import DEFAULT_SWEEP_POLICY, SweepGrid, SweepSpec, heatmap as make_heatmap
-    from btbctl.engine.sweep import parse_list, run_sweep
+    from btbctl.engine.sweep import DEFAULT_SWEEP_POLICY, SweepGrid, SweepSpec, parse_list, run_sweep
+    from btbctl.engine.sweep import heatmap as make_heatmap
 
     out = Output(fmt)
     flags = {"prefix_blocks": "--prefix-blocks", "threshold": "--threshold", "window_s": "--window-s",
@@ -234,6 +234,6 @@ def heatmap_table(hm: dict):
     table.add_column(hm["y_axis"], justify="right")
     for x in hm["x"]:
         table.add_column(_v(x), justify="right")
-    for y, row in zip(hm["y"], hm["values"]):
+    for y, row in zip(hm["y"], hm["values"], strict=True):
         table.add_row(_v(y), *(_f(v) for v in row))
     return table

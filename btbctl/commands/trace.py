@@ -7,7 +7,7 @@ overlaid on a real trace (``--base``). ``btbctl trace audit PATH`` prints sizes,
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -29,8 +29,8 @@ _FORMATS_HELP = "mooncake, btb-mixed-trace-v1 or azure2023"
 
 @trace_app.command("gen")
 def gen(
-    out_path: Annotated[Path, typer.Option("--out", "-o", help="Output file (btb-mixed-trace-v1 JSONL; .gz compresses).",
-                                           dir_okay=False)],
+    out_path: Annotated[Path, typer.Option(
+        "--out", "-o", help="Output file (btb-mixed-trace-v1 JSONL; .gz compresses).", dir_okay=False)],
     bursts: Annotated[int, typer.Option(help="Burst jobs in the window.")] = 8,
     burst_size: Annotated[int, typer.Option(help="Requests per burst.")] = 500,
     first_burst_s: Annotated[float, typer.Option(help="Nominal start of the first burst, seconds.")] = 20.0,
@@ -49,7 +49,7 @@ def gen(
         help="Tokens per hash block (ignored with --base: the base trace's block size is used).")] = 256,
     background_rps: Annotated[float, typer.Option(
         help="Mean rate of background requests (Poisson, unique prompts), requests/s; 0 = none.")] = 0.0,
-    background_end_s: Annotated[Optional[float], typer.Option(
+    background_end_s: Annotated[float | None, typer.Option(
         help="End of background arrivals, seconds (default: end of the window).", show_default=False)] = None,
     background_input_min_tokens: Annotated[int, typer.Option(help="Shortest background prompt, tokens.")] = 256,
     background_input_max_tokens: Annotated[int, typer.Option(help="Longest background prompt, tokens.")] = 8192,
@@ -57,9 +57,9 @@ def gen(
     offset_s: Annotated[float, typer.Option(help="Seconds added to every generated arrival (to place the window "
                                                  "inside a longer --base trace).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed; equal seeds give identical traces.")] = 42,
-    base: Annotated[Optional[Path], typer.Option(help="Trace to overlay the window on (its requests are kept).",
+    base: Annotated[Path | None, typer.Option(help="Trace to overlay the window on (its requests are kept).",
                                                  dir_okay=False, show_default=False)] = None,
-    base_format: Annotated[Optional[str], typer.Option(
+    base_format: Annotated[str | None, typer.Option(
         help=f"Format of --base: {_FORMATS_HELP} (default: detect from content).", show_default=False)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Summary on stdout: human (none) or json.")] = Format.human,
 ) -> None:
@@ -113,12 +113,12 @@ def audit(
     path: Annotated[Path, typer.Argument(help="Trace file (.gz is decompressed).", dir_okay=False,
                                          show_default=False)],
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human tables or json.")] = Format.human,
-    trace_format: Annotated[Optional[str], typer.Option(
+    trace_format: Annotated[str | None, typer.Option(
         help=f"Trace format: {_FORMATS_HELP} (default: detect from content).", show_default=False)] = None,
-    blocks: Annotated[Optional[list[int]], typer.Option(
+    blocks: Annotated[list[int] | None, typer.Option(
         "--k-blocks", "-k", help="Prefix depth in blocks for the fan-out table (repeat; default: 1 16 64 256).",
         show_default=False)] = None,
-    windows_s: Annotated[Optional[list[float]], typer.Option(
+    windows_s: Annotated[list[float] | None, typer.Option(
         "--window-s", "-t", help="Window in seconds for the fan-out table (repeat; default: 1 10 60).",
         show_default=False)] = None,
     event_min_requests: Annotated[int, typer.Option(

@@ -5,7 +5,7 @@ Textual and the dashboard are imported inside the command so ``btbctl --help`` s
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,28 +15,28 @@ from btbctl.commands.app import app
 
 @app.command("tui")
 def tui(
-    url: Annotated[Optional[str], typer.Option(
+    url: Annotated[str | None, typer.Option(
         "--url", help="Control API of the fleet (default: the one recorded in the run directory).")] = None,
-    token: Annotated[Optional[str], typer.Option(
+    token: Annotated[str | None, typer.Option(
         "--token", help="Bearer token for control-API writes (default: read from --token-file or the run "
                         "directory).")] = None,
-    token_file: Annotated[Optional[str], typer.Option(
+    token_file: Annotated[str | None, typer.Option(
         "--token-file", metavar="PATH", help="File holding the bearer token.")] = None,
-    run_dir: Annotated[Optional[str], typer.Option(
+    run_dir: Annotated[str | None, typer.Option(
         "--run-dir", metavar="DIR", help="Run directory written by 'btbctl up' (default: the standard one).")] = None,
     sim: Annotated[bool, typer.Option(
         "--sim", help="Attach to a live simulation paced to the wall clock instead of a fleet.")] = False,
-    config: Annotated[Optional[str], typer.Option(
+    config: Annotated[str | None, typer.Option(
         "-c", "--config", metavar="FILE", help="--sim: dry-run TOML config; flags override it.")] = None,
-    trace: Annotated[Optional[str], typer.Option(
+    trace: Annotated[str | None, typer.Option(
         "--trace", metavar="PATH", help="--sim: trace file (default: a generated Bursted window).")] = None,
-    model: Annotated[Optional[str], typer.Option("--model", help="--sim: model preset (default: llama-3.3-70b).")] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="--sim: GPU preset (default: h100).")] = None,
-    gpus_per_replica: Annotated[Optional[int], typer.Option(
+    model: Annotated[str | None, typer.Option("--model", help="--sim: model preset (default: llama-3.3-70b).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="--sim: GPU preset (default: h100).")] = None,
+    gpus_per_replica: Annotated[int | None, typer.Option(
         "--gpus-per-replica", help="--sim: GPUs per replica (default: 4).")] = None,
-    replicas: Annotated[Optional[int], typer.Option(
+    replicas: Annotated[int | None, typer.Option(
         "--replicas", help="--sim: replicas in the fleet (default: 4).")] = None,
-    policy: Annotated[Optional[str], typer.Option(
+    policy: Annotated[str | None, typer.Option(
         "--policy", help="--sim: routing policy (default: btb).")] = None,
     prefix_blocks: options.PrefixBlocks = None,
     threshold: options.Threshold = None,
@@ -44,7 +44,7 @@ def tui(
     warm_replicas: options.WarmReplicas = None,
     speed: Annotated[float, typer.Option(
         "--speed", help="--sim: simulated seconds per wall second (default: 1).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="--sim: seed (default: 42).")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="--sim: seed (default: 42).")] = None,
     poll_hz: Annotated[float, typer.Option(
         "--poll-hz", help="Snapshots asked for per second: the simulation's refresh rate, and a fleet's while its "
                           "event stream is down (the stream pushes changes as they happen; default: 4).")] = 4.0,
@@ -53,8 +53,8 @@ def tui(
     from btbctl.engine.errors import ConfigError
 
     if sim:
-        from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config
         from btbctl.engine.dashboard.sim_source import sim_source_from_config
+        from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config
 
         overrides = {
             "trace.path": trace, "cluster.model": model, "cluster.gpu": gpu,

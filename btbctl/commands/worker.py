@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,7 +13,7 @@ from btbctl.commands.app import app
 def worker(
     model_path: Annotated[str, typer.Option("--model-path", help="Model preset name or any model id/path (an "
                                             "unknown one is served as --model-preset).")],
-    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name",
+    served_model_name: Annotated[str | None, typer.Option("--served-model-name",
                                                              help="Model id in the API (default: model path).")] = None,
     model_preset: Annotated[str, typer.Option("--model-preset", help="Architecture when --model-path names no "
                                               "preset.")] = "llama-3.3-70b",
@@ -23,7 +23,7 @@ def worker(
     mem_fraction_static: Annotated[float, typer.Option("--mem-fraction-static",
                                                        help="Fraction of HBM for weights + KV.")] = 0.9,
     page_size: Annotated[int, typer.Option("--page-size", help="Tokens per KV page (prefix block).")] = 256,
-    chunked_prefill_size: Annotated[Optional[int], typer.Option("--chunked-prefill-size",
+    chunked_prefill_size: Annotated[int | None, typer.Option("--chunked-prefill-size",
                                                                 help="Prefill chunk in tokens; -1 disables.")] = None,
     max_running_requests: Annotated[int, typer.Option("--max-running-requests",
                                                       help="Most requests running at once.")] = 256,
@@ -36,7 +36,7 @@ def worker(
                                                 "block store.")] = 65536,
     transfer_port: Annotated[int, typer.Option("--transfer-port", help="TCP port for replicated blocks "
                                                "(0 = ephemeral).")] = 0,
-    btb_token_file: Annotated[Optional[str], typer.Option("--btb-token-file", help="File holding the bearer "
+    btb_token_file: Annotated[str | None, typer.Option("--btb-token-file", help="File holding the bearer "
                                                           "token required by /btb/push and /flush_cache.")] = None,
 ) -> None:
     """Run an emulated SGLang worker. Prints 'ready http://HOST:PORT transfer HOST:TPORT' when listening."""

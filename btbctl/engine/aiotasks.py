@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:

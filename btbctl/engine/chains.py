@@ -9,7 +9,7 @@ prefix's **key**, and its hex form is the **prefix id** users type (``btbctl rep
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 #: A prompt's block hashes, root first (hex strings live; trace ids or labels in replays).
 Chain = tuple[Hashable, ...]

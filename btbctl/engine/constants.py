@@ -13,7 +13,8 @@ control API) where it cannot be confused with the fleet size, so files written b
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -63,7 +64,7 @@ class BtbConstants(BaseModel):
 
     @classmethod
     def parse(cls, data: Mapping[str, Any], *, where: str | None = None, prefix: str = "",
-              from_text: bool = False) -> "BtbConstants":
+              from_text: bool = False) -> BtbConstants:
         """Build from a mapping (a config section, a control-API body, parsed ``KEY=VALUE`` arguments).
 
         Args:
@@ -103,9 +104,11 @@ class BtbConstants(BaseModel):
             if getattr(m, "le", None) is not None:
                 hi = m.le
         kind = "an integer" if field.annotation is int else "a number"
+        if lo is None or hi is None:  # every constant has both bounds today
+            return kind
         return f"{kind} in {'[' if closed_lo else '('}{_num(lo)}, {_num(hi)}]"
 
-    def with_updates(self, **changes: Any) -> "BtbConstants":
+    def with_updates(self, **changes: Any) -> BtbConstants:
         """A validated copy with ``changes`` applied (``replicas`` is read as ``warm_replicas``).
 
         Raises:
@@ -120,7 +123,7 @@ class BtbConstants(BaseModel):
             del base["warm_replicas"]
         return self.parse({**base, **changes})
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """``{"prefix_blocks", "threshold", "window_s", "warm_replicas"}``."""
         return self.model_dump()
 

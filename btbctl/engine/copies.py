@@ -8,9 +8,9 @@ them arrived and verified; until then requests there that need them wait for the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Hashable
 
 
 class CopyState(str, Enum):

@@ -10,9 +10,13 @@ a reasonable first-order model for TP within one NVLink domain).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from btbctl.engine.errors import ConfigError
+
+_P = TypeVar("_P")
 
 GB = 1e9  #: REFERENCE/Infer-Sim convention: GB = 1e9 bytes.
 
@@ -141,7 +145,7 @@ DEFAULT_CHUNKED_PREFILL_TOKENS = 8192
 DEFAULT_MAX_RUNNING = 256
 
 
-def _lookup(table: dict, name: str, key: str):
+def _lookup(table: Mapping[str, _P], name: str, key: str) -> _P:
     try:
         return table[name.lower()]
     except KeyError:

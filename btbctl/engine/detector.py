@@ -25,9 +25,9 @@ approximate); the detector never reads a clock, so the same code runs live and s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from heapq import nlargest
-from typing import Hashable, Sequence
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
@@ -51,7 +51,7 @@ class Detection:
     """
 
     key: Hashable
-    prefix: tuple
+    prefix: tuple[Hashable, ...]
     arrivals_in_window: int
     fired: bool
     now_s: float
@@ -92,7 +92,7 @@ class _KeyState:
         self.last_s = now_s
         self.hot = False
         self.fires = 0
-        self.prefix: tuple | None = None
+        self.prefix: tuple[Hashable, ...] | None = None
 
 
 class BurstDetector:
@@ -194,7 +194,7 @@ class BurstDetector:
         st = self._keys.get(key)
         return st is not None and st.hot and now_s - st.last_s < self.constants.window_s
 
-    def prefix_of(self, key: Hashable) -> tuple | None:
+    def prefix_of(self, key: Hashable) -> tuple[Hashable, ...] | None:
         """The Y block hashes of a prefix that has fired and is still tracked, else None."""
         st = self._keys.get(key)
         return None if st is None else st.prefix
@@ -247,7 +247,7 @@ class BurstDetector:
         self._dropped += len(self._keys)
         self._keys.clear()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters: ``fires`` (activations), ``tracked`` (prefixes held now), ``observed`` (arrivals of prompts
         with at least ``prefix_blocks`` blocks), ``dropped`` (prefixes forgotten by expiry, cap or retune)."""
         return {"fires": self._fires, "tracked": len(self._keys), "observed": self._observed,

@@ -33,7 +33,8 @@ import math
 import numbers
 import os
 import time
-from typing import IO, Any, Callable, Literal
+from collections.abc import Callable
+from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -155,7 +156,7 @@ class TraceSource(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TraceSource":
+    def _consistent(self) -> TraceSource:
         if self.path is None:
             if self.format is not None:
                 raise _error("format_without_path",
@@ -261,7 +262,7 @@ class DryRunConfig(BaseModel):
                 raise ConfigError(f"trace.generate.{e.key}", e.reason, e.path) from None
         return cost
 
-    def with_overrides(self, overrides: dict[str, Any], unset: tuple[str, ...] = ()) -> "DryRunConfig":
+    def with_overrides(self, overrides: dict[str, Any], unset: tuple[str, ...] = ()) -> DryRunConfig:
         """A validated copy with dotted keys set (``{"cluster.model": "qwen3-8b", "seed": 7}``; None values are
         skipped) after the dotted keys in ``unset`` went back to their defaults. Raises :class:`ConfigError` naming
         the dotted key."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 
@@ -89,7 +89,10 @@ def block_payload(block_hash: str, nbytes: int) -> bytes:
     can be verified against its hash alone."""
     import numpy as np
 
-    seed = int(block_hash, 16) if _is_hex(block_hash) else int.from_bytes(xxhash.xxh3_64_digest(block_hash.encode()), "big")
+    if _is_hex(block_hash):
+        seed = int(block_hash, 16)
+    else:
+        seed = int.from_bytes(xxhash.xxh3_64_digest(block_hash.encode()), "big")
     words = np.random.PCG64(seed).random_raw((nbytes + 7) // 8)
     return words.astype("<u8").tobytes()[:nbytes]
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -347,18 +348,19 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
     idx = _cell_index(report)
     k = report["constants"]
     L: list[str] = [f"# {report['title']}", "",
-                    f"Regenerate with `{command}` (btbctl {report['btbctl_version']}, seed {report['seed']}; BTB "
-                    f"constants Y = {k['prefix_blocks']} blocks, X = {k['threshold']}, Z = {k['window_s']:g} s, "
-                    f"M = {k['warm_replicas']}). Times are seconds of simulated time to first token (TTFT).", ""]
+                    (f"Regenerate with `{command}` (btbctl {report['btbctl_version']}, seed {report['seed']}; BTB "
+                     f"constants Y = {k['prefix_blocks']} blocks, X = {k['threshold']}, Z = {k['window_s']:g} s, "
+                     f"M = {k['warm_replicas']}). Times are seconds of simulated time to first token (TTFT)."), ""]
     L += ["## Workloads", "", "| workload | what | requests | span s | block tokens |", "|---|---|---:|---:|---:|"]
     for wl in report["workloads"]:
         L.append(f"| {wl['name']} | {wl['description']} | {wl['requests']:,} | {wl['span_s']:,.0f} | "
                  f"{wl['block_tokens']} |")
     fid = "realistic" if "realistic" in report["fidelities"] else report["fidelities"][0]
-    L += ["", f"Load of each setup: prefill demand with ideal reuse (every distinct block computed once in the "
-          f"fleet, as a fraction of the fleet's compute over the trace's span: above 1 no routing can keep up) and "
-          f"the backlog left when the last request arrives (seconds the best {fid} run still needed to finish "
-          f"every request; large values mean the fleet fell behind and TTFT mostly measures the queue).", "",
+    L += ["", (f"Load of each setup: prefill demand with ideal reuse (every distinct block computed once in the "
+               f"fleet, as a fraction of the fleet's compute over the trace's span: above 1 no routing can keep up) "
+               f"and the backlog left when the last request arrives (seconds the best {fid} run still needed to "
+               f"finish every request; large values mean the fleet fell behind and TTFT mostly measures the queue)."),
+          "",
           "| setup | " + " | ".join(f"{w['name']} demand | backlog s" for w in report["workloads"]) + " |",
           "|---|" + "---:|---:|" * len(report["workloads"])]
     over = []
@@ -381,10 +383,10 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
 
     if "btb_plus" in report["policies"]:
         L += ["## btb_plus against the best other policy", "",
-              "Change of btb_plus's TTFT against cache_aware and against the best non-BTB policy of the same cell "
-              "(negative is better).", "",
-              "| setup | workload | fidelity | btb_plus mean | p95 | best other mean | best other p95 | "
-              "vs cache_aware mean | p95 | vs best other mean | p95 |",
+              ("Change of btb_plus's TTFT against cache_aware and against the best non-BTB policy of the same cell "
+               "(negative is better)."), "",
+              ("| setup | workload | fidelity | btb_plus mean | p95 | best other mean | best other p95 | "
+               "vs cache_aware mean | p95 | vs best other mean | p95 |"),
               "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
         for s in report["setups"]:
             for wl in report["workloads"]:
@@ -405,10 +407,10 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
         L += [f"## {s}: {st.description}", ""]
         if "infersim" in report["fidelities"]:
             pub = st.published
-            L += [f"Published (Bursted-ART test set, reference simulator): cache_aware mean {pub.cache_aware_mean_s:g} "
-                  f"/ p95 {pub.cache_aware_p95_s:g} s, btb mean {pub.btb_mean_s:g} / p95 {pub.btb_p95_s:g} s. The "
-                  "test set mixed real ART-Chat windows with synthetic ones; the synthetic windows alone (below) "
-                  "give other absolute numbers.", ""]
+            L += [(f"Published (Bursted-ART test set, reference simulator): cache_aware mean "
+                   f"{pub.cache_aware_mean_s:g} / p95 {pub.cache_aware_p95_s:g} s, btb mean {pub.btb_mean_s:g} / p95 "
+                   f"{pub.btb_p95_s:g} s. The test set mixed real ART-Chat windows with synthetic ones; the synthetic "
+                   "windows alone (below) give other absolute numbers."), ""]
         for f in report["fidelities"]:
             key = f"{s}/{f}"
             if key in charts:
@@ -437,11 +439,11 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                     L.append("| " + " | ".join(cells) + " |")
                 L.append("")
     L += ["## Columns", "",
-          "mean/p50/p95/p99: TTFT over all requests (the infersim fidelity uses the reference simulator's "
-          "percentile, sorted[int(q n)]); <kind> mean: TTFT mean by request kind; hit %: prompt tokens served from "
-          "cache; copies: KV-cache replications completed; GB moved: their bytes / 1e9; wasted: copies that no "
-          "request reused afterwards; warm mean/p95: seconds from the moment the policy saw the need for a copy "
-          "(its detector firing) to the copy's last byte.", ""]
+          ("mean/p50/p95/p99: TTFT over all requests (the infersim fidelity uses the reference simulator's "
+           "percentile, sorted[int(q n)]); <kind> mean: TTFT mean by request kind; hit %: prompt tokens served from "
+           "cache; copies: KV-cache replications completed; GB moved: their bytes / 1e9; wasted: copies that no "
+           "request reused afterwards; warm mean/p95: seconds from the moment the policy saw the need for a copy "
+           "(its detector firing) to the copy's last byte."), ""]
     return "\n".join(L)
 
 
@@ -475,7 +477,7 @@ def write_charts(report: dict, out_dir: str) -> dict[str, str]:
         for f in report["fidelities"]:
             wls = [w["name"] for w in report["workloads"]]
             fig, axes = plt.subplots(1, len(wls), figsize=(4.2 * len(wls), 3.6), squeeze=False)
-            for ax, w in zip(axes[0], wls):
+            for ax, w in zip(axes[0], wls, strict=True):
                 cells = [idx.get((s, w, f, p)) for p in pols]
                 xs = range(len(pols))
                 means = [c["ttft_s"]["mean"] if c else float("nan") for c in cells]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 PERCENTILES = (("p50", 50.0), ("p95", 95.0), ("p99", 99.0))
 #: TTFT samples a :class:`TtftSeries` keeps (ring buffer).
@@ -33,7 +34,7 @@ def percentile_index(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(n - 1, int(q / 100.0 * n))]
 
 
-def summarize(values: Iterable[float], method: str = "linear") -> dict:
+def summarize(values: Iterable[float], method: str = "linear") -> dict[str, float]:
     """``{"mean", "p50", "p95", "p99", "max"}`` of ``values`` (seconds). ``method`` is ``linear`` or ``index``
     (Infer-Sim's definition). All NaN -> JSON ``null`` is the caller's business; empty input gives NaNs."""
     vals = sorted(values)
@@ -64,7 +65,7 @@ class TtftSeries:
         out.reverse()
         return out
 
-    def series(self, now_s: float, window_s: float, step_s: float) -> list[dict]:
+    def series(self, now_s: float, window_s: float, step_s: float) -> list[dict[str, Any]]:
         """One row per ``step_s`` bucket of the trailing ``window_s``: ``{"t_s"`` (bucket end, gateway seconds),
         ``"n"``, ``"p50_s"``, ``"p95_s"`` (null for an empty bucket), ``"rps"`` (first bytes per second)``}``."""
         nb = max(1, int(math.ceil(window_s / step_s)))
@@ -85,7 +86,7 @@ class TtftSeries:
             })
         return rows
 
-    def summary(self, now_s: float, window_s: float) -> dict:
+    def summary(self, now_s: float, window_s: float) -> dict[str, Any]:
         """``{"n", "mean_s", "p50_s", "p95_s", "p99_s", "max_s"}`` over the trailing window (null when empty)."""
         vals = sorted(v for _, v in self.window(now_s, window_s))
         if not vals:

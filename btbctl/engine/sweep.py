@@ -16,8 +16,9 @@ import itertools
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from btbctl import __version__
 from btbctl.engine.config import FIDELITIES, ClusterConfig, validate
@@ -105,7 +106,7 @@ def _check(axis: str, v: Any) -> Any:
 
 def grid_points(axes: dict[str, list]) -> list[dict]:
     """The cartesian product of ``axes`` (keys in :data:`AXES` order) as dicts, in index order."""
-    return [dict(zip(AXES, combo)) for combo in itertools.product(*(axes[a] for a in AXES))]
+    return [dict(zip(AXES, combo, strict=True)) for combo in itertools.product(*(axes[a] for a in AXES))]
 
 
 @dataclass

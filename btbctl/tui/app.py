@@ -30,8 +30,8 @@ from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.errors import BtbctlError
 from btbctl.engine.dashboard import DashboardSource, FleetSnapshot, StreamingSource
+from btbctl.engine.errors import BtbctlError
 from btbctl.tui.widgets.panels import ConstantsPanel, FleetPanel, PrefixPanel, TransferPanel, TtftPanel
 
 #: Snapshot requests per second (4 Hz: a refresh rate a person reads comfortably; each costs one round of
@@ -266,7 +266,7 @@ class Dashboard(App):
     async def _poll(self) -> None:
         try:
             snap = await self.source.snapshot()
-        except Exception as e:  # a source bug must not kill the screen; say it instead
+        except Exception as e:  # noqa: BLE001 - a source bug must not kill the screen; say it instead
             self._set_status(f"snapshot failed: {e}", "down")
             return
         finally:
@@ -277,7 +277,10 @@ class Dashboard(App):
             self.apply_snapshot(snap)
 
     def apply_snapshot(self, snap: FleetSnapshot) -> None:
-        """Render ``snap`` in every panel and the status line."""
+        """Render ``snap`` in every panel and the status line (not once the app shuts down: a snapshot pushed or
+        polled just before can still be in its queue after the screens are gone)."""
+        if not self.is_running:
+            return
         first = self.snapshot is None
         self.snapshot = snap
         self._main(PrefixPanel).update_snapshot(snap)
@@ -304,6 +307,8 @@ class Dashboard(App):
             self._set_status(f"DISCONNECTED: {snap.message}{feed}", "down")
 
     def _set_status(self, text: str, cls: str) -> None:
+        if not self.is_running:  # shutting down: the status line is gone
+            return
         st = self._main("#status", Static)
         if self.paused:
             text, cls = f"PAUSED (p resumes) | {text}", "paused"
@@ -333,7 +338,7 @@ class Dashboard(App):
         if row is None:
             self.notify("no prefix selected", severity="warning")
             return
-        m = int((self.snapshot.constants.get("warm_replicas", 2) if self.snapshot else 2))
+        m = int(self.snapshot.constants.get("warm_replicas", 2) if self.snapshot else 2)
         default_n = max(1, m - max(1, row.holders))
 
         def done(n: int | None) -> None:

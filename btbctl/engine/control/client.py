@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote, urlsplit
 
 import aiohttp
@@ -146,7 +147,7 @@ class AsyncControlClient:
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> "AsyncControlClient":
+    async def __aenter__(self) -> AsyncControlClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -319,7 +320,7 @@ class ControlClient:
     def base_url(self) -> str:
         return self.aio.base_url
 
-    def __enter__(self) -> "ControlClient":
+    def __enter__(self) -> ControlClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

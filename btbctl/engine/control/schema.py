@@ -13,9 +13,9 @@ Answers ignore fields they do not know (a newer gateway may add some); request b
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
@@ -43,15 +43,15 @@ class ErrorDetail(BaseModel):
 
     message: str
     """One line for a person."""
-    key: Optional[str] = None
+    key: str | None = None
     """The request field or query parameter at fault (``threshold``, ``prefix``, ``top``)."""
-    valid: Union[str, list[str], None] = None
+    valid: str | list[str] | None = None
     """What would be accepted: the valid keys or policy names, or a sentence such as ``an integer in [1, 1048576]``."""
-    candidates: Optional[list[str]] = None
+    candidates: list[str] | None = None
     """Prefix ids an ambiguous short id matches."""
 
     @model_serializer(mode="wrap")
-    def _leave_out_absent(self, handler: Any) -> dict:
+    def _leave_out_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
@@ -85,18 +85,18 @@ class ConstantsUpdate(Body):
     """Body of ``PUT /control/constants``: any of the four constants and/or ``policy``. The gateway validates every
     key before it applies any; ``replicas`` is accepted as the old spelling of ``warm_replicas``."""
 
-    prefix_blocks: Optional[int] = None
+    prefix_blocks: int | None = None
     """Y: prefix length, blocks."""
-    threshold: Optional[int] = None
+    threshold: int | None = None
     """X: arrivals inside the window that fire replication."""
-    window_s: Optional[float] = None
+    window_s: float | None = None
     """Z: trailing detection window, seconds."""
-    warm_replicas: Optional[int] = Field(None, alias="replicas")
+    warm_replicas: int | None = Field(None, alias="replicas")
     """M: workers that should hold a hot prefix, the holder included (``replicas`` on input is the same key)."""
-    policy: Optional[str] = None
+    policy: str | None = None
     """Routing policy to switch to (one of ``policies``)."""
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, Any]:
         """The JSON body (only the keys given)."""
         return self.model_dump(mode="json", exclude_none=True)
 
@@ -116,7 +116,7 @@ class FleetWorker(Answer):
     """Base URL."""
     healthy: bool
     """Passes health checks and had no connection error or 5xx since the last passing check."""
-    error: Optional[str]
+    error: str | None
     """Why it is unhealthy (null when healthy)."""
     load: int
     """Requests the gateway has in flight to it."""
@@ -126,15 +126,15 @@ class FleetWorker(Answer):
     """Requests it answered (gateway count)."""
     failed: int
     """Requests that failed on it (connection error or 5xx)."""
-    running: Optional[int]
+    running: int | None
     """Requests running there, from its ``/v1/loads`` (null when unknown)."""
-    waiting: Optional[int]
+    waiting: int | None
     """Requests queued there, from its ``/v1/loads``."""
-    kv_used_tokens: Optional[int]
+    kv_used_tokens: int | None
     """KV-cache tokens in use, from its ``/v1/loads``."""
-    kv_capacity_tokens: Optional[int]
+    kv_capacity_tokens: int | None
     """KV-cache size, tokens, from its ``/v1/loads``."""
-    kv_use: Optional[float]
+    kv_use: float | None
     """``kv_used_tokens / kv_capacity_tokens`` (or the worker's own ``token_usage``), 0..1."""
     replication: bool
     """Copies to and from it are possible (it has the ``/btb`` routes and the gateway's page size)."""
@@ -142,30 +142,30 @@ class FleetWorker(Answer):
     """Why (not), in words."""
     held_blocks: int
     """Blocks the gateway records as resident there (its approximate record)."""
-    model: Optional[str]
+    model: str | None
     """Model name from its ``/btb/info``."""
-    gpu: Optional[str]
+    gpu: str | None
     """GPU name from its ``/btb/info``."""
-    tp_size: Optional[int]
+    tp_size: int | None
     """Tensor-parallel size from its ``/btb/info``."""
-    page_size: Optional[int]
+    page_size: int | None
     """Its page size from ``/btb/info``."""
-    transfer_addr: Optional[str]
+    transfer_addr: str | None
     """``host:port`` its copies arrive on, from ``/btb/info``."""
-    last_health_s: Optional[float]
+    last_health_s: float | None
     """When its latest health answer came (null before the first)."""
-    ttft_ewma_s: Optional[float]
+    ttft_ewma_s: float | None
     """Smoothed TTFT of its recent requests, seconds."""
-    hbm_used_bytes: Optional[float] = None
+    hbm_used_bytes: float | None = None
     """HBM in use, bytes, where the worker reports it (left out otherwise)."""
-    hbm_total_bytes: Optional[float] = None
+    hbm_total_bytes: float | None = None
     """HBM size, bytes, where the worker reports it (left out otherwise)."""
-    gpu_util_pct: Optional[float] = None
+    gpu_util_pct: float | None = None
     """GPU utilisation 0..100, where the worker reports it (left out otherwise)."""
 
     @model_serializer(mode="wrap")
-    def _leave_out_unreported(self, handler: Any) -> dict:
-        out = handler(self)
+    def _leave_out_unreported(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
         for k in _REPORTED_ONLY:
             if out.get(k, 0) is None:
                 del out[k]
@@ -272,15 +272,15 @@ class TransferEntry(Answer):
     """Blocks the target verified so far."""
     bytes_per_s: float
     """Average rate since sending started."""
-    eta_s: Optional[float]
+    eta_s: float | None
     """Seconds left at that rate (null when unknown, 0 when finished)."""
-    error: Optional[str]
+    error: str | None
     """Why it failed."""
     created_s: float
     """When it was planned."""
-    started_s: Optional[float]
+    started_s: float | None
     """When bytes started moving."""
-    finished_s: Optional[float]
+    finished_s: float | None
     """When it ended."""
     manual: bool
     """Started through ``POST /control/replicate`` (else by the policy)."""
@@ -320,9 +320,9 @@ class TtftBucket(Answer):
     """End of the bucket."""
     n: int
     """First bytes in the bucket."""
-    p50_s: Optional[float]
+    p50_s: float | None
     """Median TTFT, seconds (null for an empty bucket)."""
-    p95_s: Optional[float]
+    p95_s: float | None
     """95th percentile, seconds."""
     rps: float
     """First bytes per second in the bucket."""
@@ -333,15 +333,15 @@ class TtftSummary(Answer):
 
     n: int
     """First bytes in the window."""
-    mean_s: Optional[float]
+    mean_s: float | None
     """Mean TTFT, seconds."""
-    p50_s: Optional[float]
+    p50_s: float | None
     """Median."""
-    p95_s: Optional[float]
+    p95_s: float | None
     """95th percentile."""
-    p99_s: Optional[float]
+    p99_s: float | None
     """99th percentile."""
-    max_s: Optional[float]
+    max_s: float | None
     """Largest."""
 
 
@@ -392,7 +392,7 @@ class ReplicateCopy(Answer):
     """Worker receiving it."""
     state: CopyState
     """Where it is when the answer was sent."""
-    error: Optional[str]
+    error: str | None
     """Why it failed already, if it did."""
 
 

@@ -4,7 +4,7 @@ start-and-wait."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from btbctl.engine.chains import check_prefix_id
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants

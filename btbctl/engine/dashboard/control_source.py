@@ -25,8 +25,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any, Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 from btbctl.engine.chains import SHORT_ID_CHARS

@@ -8,20 +8,14 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import replace
-from typing import Any, Callable, Hashable
+from typing import Any
 
 from btbctl.engine import chains
 from btbctl.engine.chains import SHORT_ID_CHARS, check_prefix_id
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, carry_out
-from btbctl.engine.detector import BurstDetector
-from btbctl.engine.dryrun import load_trace
-from btbctl.engine.errors import ConfigError
-from btbctl.engine.policies import make_policy
-from btbctl.engine.sim.results import check_fits
-from btbctl.engine.sim.simulator import CopyInfo, Simulator
-from btbctl.engine.stats import TtftSeries
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
     GpuRow,
@@ -32,6 +26,13 @@ from btbctl.engine.dashboard.snapshot import (
     TtftPoint,
     WorkerRow,
 )
+from btbctl.engine.detector import BurstDetector
+from btbctl.engine.dryrun import load_trace
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.policies import make_policy
+from btbctl.engine.sim.results import check_fits
+from btbctl.engine.sim.simulator import CopyInfo, Simulator
+from btbctl.engine.stats import TtftSeries
 
 #: Width of one TTFT-series bucket, seconds of fleet time.
 TTFT_BUCKET_S = 1.0
@@ -67,7 +68,7 @@ class _CompleteBuckets:
         window_s = TTFT_BUCKETS * TTFT_BUCKET_S
         pts: list[TtftPoint] = []
         for row, arr in zip(self.ttft.series(end, window_s, TTFT_BUCKET_S),
-                            self.arrivals.series(end, window_s, TTFT_BUCKET_S)):
+                            self.arrivals.series(end, window_s, TTFT_BUCKET_S), strict=True):
             if not row["n"] and not arr["n"] and not pts:
                 continue
             p50, p95 = row["p50_s"], row["p95_s"]
@@ -312,9 +313,9 @@ class SimSource:
 
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult:
         """Copy the prefix ``prefix_id`` (or an unambiguous leading part of at least
-        :data:`~btbctl.engine.chains.MIN_PREFIX_ID_CHARS` hex digits) from its least-loaded holder to ``n`` more workers, least-loaded
-        first. Raises :class:`SourceError` (unknown or ambiguous id, no holder, nothing accepted) or
-        :class:`ConfigError` (``n`` < 1)."""
+        :data:`~btbctl.engine.chains.MIN_PREFIX_ID_CHARS` hex digits) from its least-loaded holder to ``n`` more
+        workers, least-loaded first. Raises :class:`SourceError` (unknown or ambiguous id, no holder, nothing accepted)
+        or :class:`ConfigError` (``n`` < 1)."""
         return await asyncio.to_thread(self.replicate_sync, prefix_id, n)
 
     def replicate_sync(self, prefix_id: str, n: int) -> ReplicateResult:

@@ -34,7 +34,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -233,7 +234,8 @@ class DataPlane:
             if chain and state.transfers.active:
                 await _await_copy_accepted(state, idx, chain)
 
-            def first_byte(now: float | None = None) -> None:
+            # w and idx bound as defaults: the callback belongs to this attempt's worker
+            def first_byte(now: float | None = None, w=w, idx=idx) -> None:
                 nonlocal prefilled
                 prefilled = True
                 if now is None:

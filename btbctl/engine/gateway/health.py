@@ -12,7 +12,8 @@ The prober keeps its own bookkeeping on the :class:`~btbctl.engine.gateway.state
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 

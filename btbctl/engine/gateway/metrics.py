@@ -22,7 +22,7 @@ TTFT buckets span 1 ms to 60 s (sub-millisecond answers of zero-delay workers up
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily

@@ -17,10 +17,11 @@ A copy job (one source, one target, one prefix chain):
 2. **Push.** ``POST {source}/btb/push {"chain", "target": <target's transfer_addr from /btb/info>, "copy_id"}``
    with ``Authorization: Bearer <worker token>``; 202 once the target accepted the copy (it then makes requests
    needing the blocks wait for them; state ``running``), 409 means the source lost the chain.
-3. **Progress.** ``GET {source}/btb/copies/{copy_id}?wait_s=<poll_interval_s>&since=<version>`` (a long poll:
-   the worker answers at its copies' next change after the version it last reported) updates ``bytes_sent``, ``bytes_total``, ``blocks_verified`` and
-   ``blocks_available`` (blocks the source has computed so far); the rate is the average since sending started.
-   A worker that answers at once (no ``X-BTB-Long-Poll: 1`` header) is polled every ``poll_interval_s``.
+3. **Progress.** ``GET {source}/btb/copies/{copy_id}?wait_s=<poll_interval_s>&since=<version>`` (a long poll: the worker
+   answers at its copies' next change after the version it last reported) updates ``bytes_sent``, ``bytes_total``,
+   ``blocks_verified`` and ``blocks_available`` (blocks the source has computed so far); the rate is the average since
+   sending started. A worker that answers at once (no ``X-BTB-Long-Poll: 1`` header) is polled every
+   ``poll_interval_s``.
 4. **Outcome.** Only on ``done`` (the source reports it after the target verified and committed every block) is
    the target recorded as holding the prefix. ``failed``, an HTTP error, the source or target turning unhealthy,
    or ``copy_timeout_s`` without an outcome fail the job with the reason; a failed target is never treated as
@@ -38,8 +39,8 @@ import asyncio
 import json
 import logging
 import secrets
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Hashable, Sequence
 
 import aiohttp
 
@@ -200,7 +201,7 @@ class Replicator:
             raise ReplicateError(409, "no healthy worker with the BTB routes (replication needs emulated workers "
                                       "or workers with the /btb extension)")
         answers = await asyncio.gather(*(self._match(r, chain) for r in cands))
-        holders = [r for r, a in zip(cands, answers) if a is not None and a[0] >= len(chain)]
+        holders = [r for r, a in zip(cands, answers, strict=True) if a is not None and a[0] >= len(chain)]
         if not holders:
             raise ReplicateError(409, f"no healthy worker holds prefix {chain[-1]} ({len(chain)} blocks)")
         source = min(holders, key=lambda r: (ws[r].inflight, r))

@@ -7,7 +7,8 @@ policy's name, the page size), never the gateway itself.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Protocol
+from collections.abc import Hashable
+from typing import Any, Protocol
 
 from btbctl.engine.chains import check_prefix_id
 from btbctl.engine.constants import BtbConstants

@@ -31,7 +31,8 @@ import os
 import random
 import secrets
 import signal
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -85,7 +86,7 @@ def _read_or_create_token(path: str, key: str) -> str:
         except OSError as e:
             raise ConfigError(key, f"cannot read {path}: {e.strerror}") from None
         if not tok:
-            raise ConfigError(key, f"{path} is empty")
+            raise ConfigError(key, f"{path} is empty") from None
         return tok
     except OSError as e:
         raise ConfigError(key, f"cannot create {path}: {e.strerror}") from None

@@ -24,9 +24,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Hashable, Iterable, Sequence
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.copies import CopyState, CopyStatus
@@ -370,10 +370,11 @@ class ChainIndex:
 class FleetState:
     """The live :class:`~btbctl.engine.policies.base.FleetView` the policies route with.
 
-    Replica ``r`` is ``workers[r]``. An unhealthy worker reports no cached or pending blocks, so BTB neither
-    routes to it as a holder nor picks it as a source, and the replicator refuses it as a target; a retry wraps
-    this view in :class:`~btbctl.engine.policies.base.ExcludingView` so the workers that failed the request look
-    the same; the gateway also overrides any choice of an unavailable worker. Loads are the gateway's own in-flight counts, as the SGLang router's.
+    Replica ``r`` is ``workers[r]``. An unhealthy worker reports no cached or pending blocks, so BTB neither routes to
+    it as a holder nor picks it as a source, and the replicator refuses it as a target; a retry wraps this view in
+    :class:`~btbctl.engine.policies.base.ExcludingView` so the workers that failed the request look the same; the
+    gateway also overrides any choice of an unavailable worker. Loads are the gateway's own in-flight counts, as the
+    SGLang router's.
 
     A copy in flight towards a worker counts its chain as pending there (the worker waits for it), never as
     cached: a target becomes a holder only when the replicator saw the copy ``done``. The published ``btb`` rule
@@ -561,7 +562,7 @@ class FleetState:
                                         gpu=str(info.get("gpu")), gpus_per_replica=int(info.get("tp_size") or 1))
                     cost = cfg.replica_cost()
                     break
-                except Exception:  # unknown preset names (a real model), missing fields
+                except Exception:  # noqa: BLE001 - untrusted /btb/info: unknown preset names (a real model), missing fields
                     continue
             self._cost = cost or ClusterConfig().replica_cost()
         return self._cost

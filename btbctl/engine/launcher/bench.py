@@ -2,11 +2,11 @@
 measure time to first token on the client side.
 
 **Timing.** Request ``i`` is sent at ``(arrival_s[i] - arrival_s[0]) / time_scale`` seconds after the replay starts:
-``time_scale`` is trace seconds per wall-clock second, the same meaning as the emulated worker's ``--time-scale``
-(10 replays ten times faster; run the workers at the same scale and the whole experiment is compressed evenly). With ``concurrency`` set, a request whose turn comes while that many
-are in flight waits for a slot; its TTFT still counts from the moment it is actually sent, and the wait is reported
-as ``late_s``. TTFT is the time from sending to the first streamed chunk that carries output (``stream: true``);
-e2e is the time to the end of the stream.
+``time_scale`` is trace seconds per wall-clock second, the same meaning as the emulated worker's ``--time-scale`` (10
+replays ten times faster; run the workers at the same scale and the whole experiment is compressed evenly). With
+``concurrency`` set, a request whose turn comes while that many are in flight waits for a slot; its TTFT still counts
+from the moment it is actually sent, and the wait is reported as ``late_s``. TTFT is the time from sending to the first
+streamed chunk that carries output (``stream: true``); e2e is the time to the end of the stream.
 
 **Prompts.** A trace gives each request a chain of block hashes, not text, so the text is synthesised from the
 hashes: block ``k`` becomes ``4 x block_tokens`` printable ASCII characters drawn from ``xxh3_128`` of the block's
@@ -28,9 +28,9 @@ counters include any other traffic during the replay); otherwise every request c
      "ttft_s": {"mean", "p50", "p95", "p99", "max"}, "e2e_s": {...}, "by_worker": {URL: n}, "by_worker_source",
      "duration_s", "requests_per_s", "time_scale", "late_s_max", "prompt_tokens", "cached_tokens"}
 
-``errors_by_status`` counts failed requests by :meth:`RequestResult.error_kind` (an HTTP status such as ``"503"``,
-or ``connection``, ``timeout``, ``stream``). Percentiles are linear-interpolated (:func:`btbctl.engine.stats.summarize`), over successful requests only; a
-summary with no successful request holds nulls.
+``errors_by_status`` counts failed requests by :meth:`RequestResult.error_kind` (an HTTP status such as ``"503"``, or
+``connection``, ``timeout``, ``stream``). Percentiles are linear-interpolated (:func:`btbctl.engine.stats.summarize`),
+over successful requests only; a summary with no successful request holds nulls.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 import xxhash
 

@@ -26,9 +26,9 @@ A cluster file is TOML::
     address = "10.0.0.11"
 
 A worker entry whose ``host`` is the name of a ``[[hosts]]`` entry runs on that machine over SSH
-(:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``)
-means: 4 emulated Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB
-setting (REFERENCE.md s1).
+(:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is
+optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``) means: 4 emulated
+Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB setting (REFERENCE.md s1).
 
 Command lines are always argv lists, never shell strings: :func:`sglang_argv` builds SGLang's
 ``python -m sglang.launch_server`` line (REFERENCE.md s5), :func:`emulated_argv` the emulated worker's
@@ -207,7 +207,7 @@ class WorkerSpec(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "WorkerSpec":
+    def _consistent(self) -> WorkerSpec:
         if self.port and self.port + self.count - 1 > 65535:
             raise ValueError(f"port {self.port} + count {self.count} runs past 65535")
         if self.transfer_port and self.transfer_port + self.count - 1 > 65535:
@@ -252,7 +252,7 @@ class ClusterFile(BaseModel):
                 return h
         return None
 
-    def instances(self) -> list["WorkerInstance"]:
+    def instances(self) -> list[WorkerInstance]:
         """Every worker to start, in order, with its name, port and GPUs. Names are unique."""
         out: list[WorkerInstance] = []
         n = 0

@@ -6,11 +6,11 @@ worker on any host fails, everything started on every host is stopped again (unl
 error names the host and the cause. ``down`` stops remote workers by their recorded process group on their host
 and reports the ones it could not reach (they stay recorded, so a later ``down`` can retry).
 
-``up`` (:func:`up`) refuses to start over a live run in the same run directory (a stale one is cleaned), writes
-fresh tokens, starts every worker of the cluster file in its own session, waits until all are ready, then starts
-the gateway in front of them (``python -m btbctl gateway --config <run dir>/gateway.json``) and waits for it. ``state.json`` is rewritten after
-every step, so a fleet that failed half way (or whose ``up`` was killed) can still be stopped with ``down``. If a
-step fails, everything started so far is stopped and the state removed before the error is raised.
+``up`` (:func:`up`) refuses to start over a live run in the same run directory (a stale one is cleaned), writes fresh
+tokens, starts every worker of the cluster file in its own session, waits until all are ready, then starts the gateway
+in front of them (``python -m btbctl gateway --config <run dir>/gateway.json``) and waits for it. ``state.json`` is
+rewritten after every step, so a fleet that failed half way (or whose ``up`` was killed) can still be stopped with
+``down``. If a step fails, everything started so far is stopped and the state removed before the error is raised.
 
 ``down`` (:func:`down`) stops the gateway first, then the workers, each by process group (SIGTERM, then SIGKILL
 after a grace period), and only processes that are provably the ones ``up`` started
@@ -28,14 +28,20 @@ import shlex
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
-from btbctl.engine.launcher.rundir import (RunDir, RunState, group_members, is_same_process, process_start_time,
-                                           record_is_ours)
+from btbctl.engine.launcher.rundir import (
+    RunDir,
+    RunState,
+    group_members,
+    is_same_process,
+    process_start_time,
+    record_is_ours,
+)
 
 Log = Callable[[str], None]
 
@@ -208,8 +214,8 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
             from btbctl.engine.launcher import ssh
 
             pool = pool or ssh.SshPool()
-            unreached = [(r, why) for r, (res, why) in zip(remote_recs, ssh.stop_records(pool, remote_recs, 5.0))
-                         if res == "unreachable"]
+            stopped = ssh.stop_records(pool, remote_recs, 5.0)
+            unreached = [(r, why) for r, (res, why) in zip(remote_recs, stopped, strict=True) if res == "unreachable"]
             for r, why in unreached:
                 log(f"could not stop {r.name} on host {r.host}: {why}")
             if unreached:
@@ -344,7 +350,7 @@ def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _n
         stop_started(started, grace_s=10.0, log=log)
         if pool is not None:
             try:
-                for rec, (res, why) in zip(remote, ssh.stop_records(pool, remote, 10.0)):
+                for rec, (res, why) in zip(remote, ssh.stop_records(pool, remote, 10.0), strict=True):
                     log(f"{res} {rec.name} (host {rec.host})" + (f": {why}" if why else ""))
             finally:
                 pool.close()
@@ -384,7 +390,7 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     for batch in ([p for p in state.processes if p.role == "gateway"],
                   [p for p in state.processes if p.role != "gateway"]):
         local = [p for p in batch if not p.host]
-        for rec, result in zip(local, stop_records(local, grace_s)):
+        for rec, result in zip(local, stop_records(local, grace_s), strict=True):
             if result == "gone" and rec.name in by_owner:
                 result = "stopped"  # the foreground `up` stopped it when asked
             out[result].append(rec.name)
@@ -393,7 +399,7 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
             from btbctl.engine.launcher import ssh
 
             with ssh.SshPool() as pool:
-                for rec, (result, why) in zip(remote, ssh.stop_records(pool, remote, grace_s)):
+                for rec, (result, why) in zip(remote, ssh.stop_records(pool, remote, grace_s), strict=True):
                     out[result].append(rec.name)
                     if result == "unreachable":
                         left.append(rec)
@@ -416,10 +422,10 @@ def status(rd: RunDir) -> dict:
          "gateway": {"pid", "alive", "reachable"},
          "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error"}]}
 
-    ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether
-    the worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is
-    the gateway's count of requests in flight to it; ``health_error`` why it is unhealthy. Raises :class:`BtbctlError` when nothing is
-    recorded.
+    ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether the
+    worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is the
+    gateway's count of requests in flight to it; ``health_error`` why it is unhealthy. Raises :class:`BtbctlError` when
+    nothing is recorded.
     """
     state = rd.load()
     if state is None:
@@ -458,8 +464,8 @@ def status(rd: RunDir) -> dict:
             err = rst["error"]
         elif rst is not None and rst["state"].startswith("exit:"):
             err = f"process exited with status {rst['state'][5:]}"
-        workers.append({"name": rec.name, "host": rec.host or "local", "url": rec.url, "healthy": healthy, "alive": alive, "pid": rec.pid,
-                        "kind": rec.kind, "inflight": inflight, "health_error": err})
+        workers.append({"name": rec.name, "host": rec.host or "local", "url": rec.url, "healthy": healthy,
+                        "alive": alive, "pid": rec.pid, "kind": rec.kind, "inflight": inflight, "health_error": err})
     gw = state.gateway()
     return {
         "gateway_url": state.gateway_url,

@@ -18,12 +18,12 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.launcher.rundir import group_members, process_start_time, record_is_ours, ProcessRecord
+from btbctl.engine.launcher.rundir import ProcessRecord, group_members, process_start_time, record_is_ours
 
 #: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
 #: (emulated worker: ``ready http://H:P transfer H:TP``; gateway: ``ready http://H:P control http://H:CP``).
@@ -136,7 +136,7 @@ def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
         if m is not None:
             proc.url = m.group(1).rstrip("/")
             words = m.group(2).split()
-            proc.extra = dict(zip(words[0::2], words[1::2]))
+            proc.extra = dict(zip(words[0::2], words[1::2], strict=False))
             return proc
         rc = proc.popen.poll()
         if rc is not None:
@@ -247,5 +247,5 @@ def stop_records(recs: list[ProcessRecord], grace_s: float = DEFAULT_GRACE_S) ->
     return out
 
 
-__all__ = ["READY_LINE", "Started", "health_ok", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record", "stop_records",
-           "wait_ready"]
+__all__ = ["READY_LINE", "Started", "health_ok", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record",
+           "stop_records", "wait_ready"]

@@ -117,7 +117,7 @@ class RunState:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunState":
+    def from_dict(cls, data: dict) -> RunState:
         """The state of a parsed ``state.json``. Raises ValueError or TypeError (naming the field) for a layout
         this version cannot use, e.g. a process whose ``pid`` or ``pgid`` is not a positive integer: ``down``
         signals those, so a damaged file must be refused rather than guessed at."""

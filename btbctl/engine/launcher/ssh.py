@@ -33,9 +33,10 @@ import re
 import shlex
 import threading
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine
+from typing import Any
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import WorkerInstance, worker_argv
@@ -279,7 +280,7 @@ class SshPool:
         self._thread.join(5.0)
         self._loop.close()
 
-    def __enter__(self) -> "SshPool":
+    def __enter__(self) -> SshPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -485,7 +486,7 @@ async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[Remote
                 if m is not None:
                     url = m.group(1).rstrip("/")
                     words = m.group(2).split()
-                    w.extra = dict(zip(words[0::2], words[1::2]))
+                    w.extra = dict(zip(words[0::2], words[1::2], strict=False))
             else:
                 url = w.extra.get("health_url")
             if url is not None and await asyncio.to_thread(health_ok, url):
@@ -659,7 +660,7 @@ def stop_records(pool: SshPool, recs: list[ProcessRecord], grace_s: float) -> li
         return await asyncio.gather(*[_host(h, rs) for h, rs in groups.values()])
 
     merged: dict[tuple[str, int], tuple[str, str]] = {}
-    for (hname, _), res in zip(groups.items(), pool.call(_all())):
+    for (hname, _), res in zip(groups.items(), pool.call(_all()), strict=True):
         for pgid, v in res.items():
             merged[(hname, pgid)] = v
     out = []

@@ -7,6 +7,7 @@ thresholds and sources. Importing this package loads only the pure-Python policy
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
@@ -22,7 +23,7 @@ from btbctl.engine.policies.random_policy import RandomPolicy
 from btbctl.engine.policies.round_robin import RoundRobin
 
 #: Policy classes by registry name (``Policy.name``).
-POLICIES: dict[str, type[Policy]] = {
+POLICIES: dict[str, type[Policy[Any]]] = {
     cls.name: cls
     for cls in (RoundRobin, RandomPolicy, LeastLoad, PowerOfTwo, CacheAware, CacheAwareSpill, Btb, BtbPlus)
 }
@@ -32,7 +33,7 @@ DEFAULT_POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spi
 
 
 def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                block_tokens: int | None = None, fidelity: str = "realistic") -> Policy:
+                block_tokens: int | None = None, fidelity: str = "realistic") -> Policy[Any]:
     """A fresh policy by registry name.
 
     Args:

@@ -12,8 +12,9 @@ runs live (gateway) and simulated.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Collection, Hashable, Protocol, Sequence, runtime_checkable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
@@ -120,6 +121,11 @@ class CostView(FleetView, Protocol):
         ...
 
 
+#: The view a policy reads: :class:`FleetView`, or :class:`CostView` for a policy that sets ``needs_cost_view``
+#: (contravariant: a policy that reads a FleetView can be given any richer view).
+ViewT = TypeVar("ViewT", bound=FleetView, contravariant=True)
+
+
 class ExcludingView:
     """A view of ``inner`` in which the replicas in ``excluded`` are unavailable (a retry after they failed this
     request): they hold, compute and receive nothing and have no KV headroom, so no policy routes a hot request to
@@ -160,8 +166,9 @@ class ExcludingView:
         return 0 if replica in self._excluded else self._inner.kv_headroom_tokens(replica)  # type: ignore[attr-defined]
 
 
-class Policy:
-    """Base class of routing policies; subclasses set ``name`` and implement :meth:`route`.
+class Policy(Generic[ViewT]):
+    """Base class of routing policies; subclasses set ``name`` and implement :meth:`route`. A subclass names the
+    view it reads: ``Policy[FleetView]``, or ``Policy[CostView]`` with ``needs_cost_view = True``.
 
     Args:
         n_replicas: fleet size.
@@ -180,7 +187,7 @@ class Policy:
         self.rng = rng
         self.constants = constants or BtbConstants()
 
-    def route(self, req: Request, view: FleetView, now_s: float) -> Route:
+    def route(self, req: Request, view: ViewT, now_s: float) -> Route:
         """The replica that serves ``req`` and the copies to start; changes nothing outside the policy."""
         raise NotImplementedError
 
@@ -203,7 +210,7 @@ class Policy:
         """Retune at run time; takes effect from the next request."""
         self.constants = constants
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters for reports (e.g. detector fires); empty by default."""
         return {}
 
@@ -217,4 +224,4 @@ def least_loaded(view: FleetView, candidates: Sequence[int], rng: random.Random 
     return rng.choice(tied)
 
 
-__all__ = ["CostView", "ExcludingView", "FleetView", "Policy", "Route", "least_loaded"]
+__all__ = ["CostView", "ExcludingView", "FleetView", "Policy", "Route", "ViewT", "least_loaded"]

@@ -30,6 +30,7 @@ caches by LRU. ``set_constants`` retunes the detector and M live.
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
 from btbctl.engine.constants import BtbConstants
@@ -40,7 +41,7 @@ from btbctl.engine.policies.cache_aware import CacheAware
 from btbctl.engine.trace.model import Request
 
 
-class Btb(Policy):
+class Btb(Policy[FleetView]):
     """The published BTB rule over a cache-aware fallback (see the module docstring).
 
     Args:
@@ -100,7 +101,8 @@ class Btb(Policy):
         else:
             self._refused += 1
 
-    def _ensure_replicas(self, prefix: tuple, view: FleetView, now_s: float) -> tuple[list[int], CopyPlan | None]:
+    def _ensure_replicas(self, prefix: tuple[Hashable, ...], view: FleetView,
+                         now_s: float) -> tuple[list[int], CopyPlan | None]:
         """The replicas holding all of ``prefix`` now, and the plan topping its copies up towards M (None: no copy
         needed or no source)."""
         y = len(prefix)
@@ -133,7 +135,7 @@ class Btb(Policy):
         order = sorted(free, key=lambda r: (view.load(r), rng.random()))
         return holders, CopyPlan(prefix, source, tuple(order), min(need, len(order)))
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """``fires`` (detector activations), ``copies_requested`` (copies the fleet accepted), ``copies_refused``,
         ``no_source`` (hot arrivals with nothing to copy from yet), ``holder_routes`` (requests sent to a holder),
         ``fallback_routes`` (active-prefix requests with no holder yet), ``tracked_prefixes``, and the

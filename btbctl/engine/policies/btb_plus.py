@@ -62,7 +62,8 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import TypeVar
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
@@ -70,13 +71,14 @@ from btbctl.engine.detector import BurstDetector, Detection
 from btbctl.engine.policies.base import CostView, Policy, Route
 from btbctl.engine.trace.model import Request
 
-
 #: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
 #: (seconds until it is there, requests, seconds of their prefill, prefix key, seconds of grace).
 _Groups = list[tuple[float, int, float, Hashable, float]]
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
-class BtbPlus(Policy):
+class BtbPlus(Policy[CostView]):
     """BTB with trailing copies, break-even, rate-sized replica count, deepest-prefix match and expected-TTFT
     routing (see the module docstring).
 
@@ -102,7 +104,7 @@ class BtbPlus(Policy):
         self._levels: dict[int, BurstDetector] = {}
         self._hot_since: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
         # prefix key (its last block) -> the prefix chain, for hot prefixes (to price copies of them)
-        self._prefixes: OrderedDict[Hashable, tuple] = OrderedDict()
+        self._prefixes: OrderedDict[Hashable, tuple[Hashable, ...]] = OrderedDict()
         # (replica, prefix key) -> when the replica should have computed a prefix this policy sent there
         self._ready_at: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
         self._first_s: float | None = None
@@ -134,7 +136,7 @@ class BtbPlus(Policy):
             self._levels[depth] = det
         return det
 
-    def _remember(self, memo: OrderedDict, key, value) -> None:
+    def _remember(self, memo: OrderedDict[_K, _V], key: _K, value: _V) -> None:
         memo[key] = value
         memo.move_to_end(key)
         while len(memo) > self.max_tracked:
@@ -255,7 +257,7 @@ class BtbPlus(Policy):
                     st = view.copy_status(replica, chain[:d])
                     if st is not None:
                         ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
-        mine: set = set()
+        mine: set[Hashable] = set()
         if ready_s is None and there:
             for lands, _, _, key, _ in groups:  # prefixes this request itself waits for (copied or computed here)
                 n = len(self._prefixes[key])
@@ -429,15 +431,14 @@ class BtbPlus(Policy):
         fallbacks = tuple(o[2] for o in options if o[2] not in picked)
         return CopyPlan(prefix, source, tuple(picked) + fallbacks, len(picked), since)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the executor
-        started), ``copies_refused`` (attempts it refused), ``rate_copies`` / ``backlog_copies`` (copies planned
-        for the arrival-rate target / for an earlier first token), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by the
-        break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
+        started), ``copies_refused`` (attempts it refused), ``rate_copies`` / ``backlog_copies`` (copies planned for the
+        arrival-rate target / for an earlier first token), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by
+        the break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
         ``speculative_routes`` (of those, sent to recompute the prefix while another replica held it),
-        ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests
-        waiting for a copy), ``deepest_above_min`` (hot matches deeper than Y), ``tracked_prefixes`` (all
-        depths)."""
+        ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests waiting for
+        a copy), ``deepest_above_min`` (hot matches deeper than Y), ``tracked_prefixes`` (all depths)."""
         out = dict(self._stats)
         out["tracked_prefixes"] = sum(len(d) for d in self._levels.values())
         return out

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
 from btbctl.engine.constants import BtbConstants
@@ -181,7 +181,7 @@ class BlockPrefixTree:
         return len(self.nodes)
 
 
-class CacheAware(Policy):
+class CacheAware(Policy[FleetView]):
     """The sglang-router 0.3.2 cache-aware rule over a block-hash tree (see the module docstring).
 
     Args:
@@ -296,7 +296,7 @@ class CacheAware(Policy):
         self.tree.insert(chain, choice)
         return choice
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """``hits`` (affinity routes), ``misses`` (ratio at or under the threshold), ``imbalanced`` (shortest-queue
         routes), ``tree_blocks`` (nodes now), ``evicted_blocks`` (tenant entries evicted)."""
         return {"hits": self._hits, "misses": self._misses, "imbalanced": self._imbalanced,

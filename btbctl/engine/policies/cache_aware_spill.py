@@ -114,7 +114,7 @@ class CacheAwareSpill(CacheAware):
         self.tree.insert(chain, choice)
         return choice
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """As :meth:`CacheAware.stats` plus ``spills`` (hits whose every candidate was gated)."""
         out = super().stats()
         out["spills"] = self._spills

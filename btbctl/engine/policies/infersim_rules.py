@@ -52,11 +52,11 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict, deque
-from typing import Sequence
+from collections.abc import Hashable, Sequence
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.errors import ConfigError
 from btbctl.engine.copies import CopyPlan
+from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
@@ -72,10 +72,10 @@ def _pick_least(view: FleetView, candidates: Sequence[int], rng: random.Random) 
     """The least-loaded candidate; ties (and a single candidate) go through one ``rng.choice``."""
     loads = [view.load(r) for r in candidates]
     best = min(loads)
-    return rng.choice([r for r, x in zip(candidates, loads) if x == best])
+    return rng.choice([r for r, x in zip(candidates, loads, strict=True) if x == best])
 
 
-class InferSimCacheAware(Policy):
+class InferSimCacheAware(Policy[FleetView]):
     """Infer-Sim's cache-aware rule (see the module docstring).
 
     Args:
@@ -128,13 +128,13 @@ class InferSimCacheAware(Policy):
             self._cold += 1
         return self.rng.choice([r for r in range(n) if keys[r] == best])
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """``imbalanced`` (least-load routes forced by the thresholds), ``affinity`` (routes to a replica holding
         some leading blocks), ``cold`` (no replica held any)."""
         return {"imbalanced": self._imbalanced, "affinity": self._affinity, "cold": self._cold}
 
 
-class InferSimLeastLoad(Policy):
+class InferSimLeastLoad(Policy[FleetView]):
     """Fewest requests in flight, one random draw per request over the tied replicas (see the module docstring)."""
 
     name = "least_load"
@@ -144,7 +144,7 @@ class InferSimLeastLoad(Policy):
         return Route(_pick_least(view, range(self.n_replicas), self.rng))
 
 
-class InferSimBtb(Policy):
+class InferSimBtb(Policy[FleetView]):
     """The published BTB rule as the reference harness runs it (see the module docstring).
 
     Args:
@@ -164,15 +164,15 @@ class InferSimBtb(Policy):
         super().__init__(n_replicas, rng, constants)
         self.fallback = InferSimCacheAware(n_replicas, rng, self.constants)
         # prefix key -> arrival times within the window; least recently seen first
-        self._times: OrderedDict[tuple, deque[float]] = OrderedDict()
-        self._was_active: set[tuple] = set()
+        self._times: OrderedDict[tuple[Hashable, ...], deque[float]] = OrderedDict()
+        self._was_active: set[tuple[Hashable, ...]] = set()
         self._fires = 0
         self._copies = 0
         self._refused = 0
         self._holder_routes = 0
         self._fallback_routes = 0
 
-    def _active(self, key: tuple, now_s: float) -> bool:
+    def _active(self, key: tuple[Hashable, ...], now_s: float) -> bool:
         window = self.constants.window_s
         times = self._times.get(key)
         if times is None:
@@ -219,7 +219,7 @@ class InferSimBtb(Policy):
         else:
             self._refused += 1
 
-    def _top_up(self, prefix: tuple, view: FleetView) -> tuple[list[int], CopyPlan | None]:
+    def _top_up(self, prefix: tuple[Hashable, ...], view: FleetView) -> tuple[list[int], CopyPlan | None]:
         """The replicas holding the prefix now, and the plan of copies towards M holders (every planned target is
         tried: Infer-Sim schedules them all)."""
         y = len(prefix)
@@ -241,7 +241,7 @@ class InferSimBtb(Policy):
         tried = tuple(targets[:need])
         return holders, CopyPlan(prefix, source, tried, len(tried))
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """``fires`` (a prefix turning active), ``copies_requested`` (accepted copies), ``copies_refused``,
         ``holder_routes``, ``fallback_routes`` (active prefix, no holder yet), and the fallback's counters prefixed
         ``cache_aware_``."""
@@ -253,7 +253,7 @@ class InferSimBtb(Policy):
 
 
 #: Policies that replace the registry's under the same name in the ``infersim`` fidelity.
-INFERSIM_POLICIES: dict[str, type[Policy]] = {
+INFERSIM_POLICIES: dict[str, type[Policy[FleetView]]] = {
     cls.name: cls for cls in (InferSimCacheAware, InferSimLeastLoad, InferSimBtb)
 }
 

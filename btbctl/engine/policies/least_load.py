@@ -13,7 +13,7 @@ from btbctl.engine.policies.base import FleetView, Policy, Route, least_loaded
 from btbctl.engine.trace.model import Request
 
 
-class LeastLoad(Policy):
+class LeastLoad(Policy[FleetView]):
     """Fewest requests in flight, random ties (see the module docstring)."""
 
     name = "least_load"

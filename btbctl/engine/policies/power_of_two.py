@@ -14,7 +14,7 @@ from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
-class PowerOfTwo(Policy):
+class PowerOfTwo(Policy[FleetView]):
     """Two random replicas, lower load wins (see the module docstring)."""
 
     name = "power_of_two"

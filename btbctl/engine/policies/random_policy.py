@@ -10,7 +10,7 @@ from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
-class RandomPolicy(Policy):
+class RandomPolicy(Policy[FleetView]):
     """A uniformly random replica (see the module docstring)."""
 
     name = "random"

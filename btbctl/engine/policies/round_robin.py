@@ -13,7 +13,7 @@ from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
-class RoundRobin(Policy):
+class RoundRobin(Policy[FleetView]):
     """Replicas in turn (see the module docstring)."""
 
     name = "round_robin"

@@ -22,8 +22,9 @@ on a host that has RDMA devices the constructor says so instead of pretending.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import xxhash
 
@@ -128,12 +129,12 @@ class DeviceLayer(Protocol):
 def probe() -> str | None:
     """None when pyverbs imports and lists at least one RDMA device, else the reason it does not (one line)."""
     try:
-        import pyverbs.device as device  # noqa: PLC0415 - optional, heavy, host-specific
+        import pyverbs.device as device  # optional, heavy, host-specific: imported where needed
     except ImportError as e:
         return f"pyverbs is not importable ({e}); install rdma-core's python3-pyverbs"
     try:
         devs = device.get_device_list()
-    except Exception as e:  # pyverbs raises PyverbsRDMAError('Failed to get devices list') without devices
+    except Exception as e:  # noqa: BLE001 - pyverbs raises PyverbsRDMAError('Failed to get devices list') without devices
         return f"{type(e).__name__}: {e}"
     if not devs:
         return "no RDMA devices found"

@@ -38,8 +38,8 @@ import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import xxhash
 
@@ -83,7 +83,7 @@ class FaultPlan:
     delay_s: float = 0.0
 
     @classmethod
-    def parse(cls, spec: str) -> "FaultPlan":
+    def parse(cls, spec: str) -> FaultPlan:
         """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
         kw: dict = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -98,7 +98,7 @@ class FaultPlan:
         return cls(**kw)
 
     @classmethod
-    def from_env(cls) -> "FaultPlan | None":
+    def from_env(cls) -> FaultPlan | None:
         """The plan in :data:`FAULT_ENV`, or None when unset/empty."""
         spec = os.environ.get(FAULT_ENV, "").strip()
         return cls.parse(spec) if spec else None
@@ -273,7 +273,11 @@ async def _early_reason(final: asyncio.Task | None) -> str | None:
     try:
         line = await asyncio.wait_for(asyncio.shield(final), 0.5)
         obj = json.loads(line) if line else None
-    except BaseException:
+    except asyncio.CancelledError:
+        if final.cancelled():
+            return None
+        raise  # the copy itself is being cancelled: never turn that into a "connection lost"
+    except Exception:  # noqa: BLE001 - the connection is already lost; any failure reading the reason means none
         return None
     if isinstance(obj, dict) and obj.get("ok") is False:
         return str(obj.get("error"))

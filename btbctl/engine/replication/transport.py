@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import AsyncIterator, Callable, Iterable, Protocol, Sequence, Union
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Protocol
 
 from btbctl.engine.errors import BtbctlError
 
 #: Blocks handed to :meth:`Transport.send`: ``(block hash, block bytes)`` in chain order.
-Blocks = Union[Iterable[tuple[str, bytes]], AsyncIterator[tuple[str, bytes]]]
+Blocks = Iterable[tuple[str, bytes]] | AsyncIterator[tuple[str, bytes]]
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")

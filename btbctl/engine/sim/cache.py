@@ -14,7 +14,7 @@ unpinned *leaf* (a block with no resident child), which keeps ancestor closure.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 
 class PrefixCache:

@@ -4,12 +4,13 @@ imports the other."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from btbctl.engine.config import FIDELITIES, ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.sim.infersim import FIDELITY as INFERSIM, simulate_infersim
+from btbctl.engine.sim.infersim import FIDELITY as INFERSIM
+from btbctl.engine.sim.infersim import simulate_infersim
 from btbctl.engine.sim.results import SimResult
 from btbctl.engine.sim.simulator import simulate_realistic
 from btbctl.engine.trace.model import Trace

@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyStatus, carry_out
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.copies import CopyStatus, carry_out
 from btbctl.engine.policies import make_policy
 from btbctl.engine.sim.results import RequestRecord, SimResult
 from btbctl.engine.trace.model import Request, Trace
@@ -131,7 +131,7 @@ class InferSimReplica:
     fleet's time (a long admission) and never falls behind the time it was last advanced to.
     """
 
-    def __init__(self, idx: int, cost: InferSimCost, sim: "InferSimulator") -> None:
+    def __init__(self, idx: int, cost: InferSimCost, sim: InferSimulator) -> None:
         self.idx = idx
         self.cost = cost
         self.sim = sim
@@ -143,7 +143,7 @@ class InferSimReplica:
         self.hbm: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
         self.host: set[Hashable] = set()
         self.queued_s = 0.0  # sum of est_s over the queue
-        self.copied: dict[Hashable, "_Copy"] = {}  # last block of a copied chain -> the copy that brought it
+        self.copied: dict[Hashable, _Copy] = {}  # last block of a copied chain -> the copy that brought it
         self.copy_lens: set[int] = set()  # chain lengths in ``copied``
 
     @property
@@ -316,7 +316,7 @@ class InferSimFleetView:
     groups, no admission wait, prefill not chunked.
     """
 
-    def __init__(self, sim: "InferSimulator") -> None:
+    def __init__(self, sim: InferSimulator) -> None:
         self._sim = sim
 
     @property
@@ -450,8 +450,8 @@ class InferSimulator:
             if not (isinstance(r, int) and 0 <= r < n):
                 raise RuntimeError(f"policy {policy.name!r} returned replica {r!r} of {n}")  # a bug, not input
             for plan in route.copies:
-                carry_out(plan, lambda tgt, p=plan: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
-                          lambda tgt, ok, p=plan: policy.on_copy_result(p, tgt, ok, t))
+                carry_out(plan, lambda tgt, p=plan, t=t: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
+                          lambda tgt, ok, p=plan, t=t: policy.on_copy_result(p, tgt, ok, t))
             reps[r].enqueue(_Seq(req, self.cost.block_tokens, self.window))
         for rep in reps:
             rep.advance(None)

@@ -12,7 +12,9 @@ Time is always passed in.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 _EPS = 1e-9
 
@@ -34,7 +36,7 @@ class Copy:
     cid: int
     src: int
     dst: int
-    chain: tuple
+    chain: tuple[Hashable, ...]
     offset: int
     bytes_per_block: float
     started_s: float
@@ -46,7 +48,7 @@ class Copy:
     version: int = 0
     src_pinned: int = 0
     done_s: float | None = None
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def eta_s(self) -> float | None:
         """Seconds until the next milestone (done or stalled) at the current rate; None if stalled."""

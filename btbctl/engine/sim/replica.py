@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence
+from typing import Protocol
 
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.sim.cache import PrefixCache
@@ -57,7 +58,8 @@ class ReplicaRequest:
         self.aborted = False  # the client went away (see ReplicaModel.abort)
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
         self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
-        self.dep_key = None  # while waiting: the not-yet-resident block its est_flops is registered under
+        # while waiting: the not-yet-resident block its est_flops is registered under
+        self.dep_key: Hashable | None = None
         self.kv_need = 0  # while waiting: KV tokens it will take when admitted (estimate)
 
 
@@ -66,24 +68,24 @@ class ReplicaEvents(Protocol):
     (:meth:`~ReplicaModel.enqueue`, :meth:`~ReplicaModel.kick`, :meth:`~ReplicaModel.end_step`, ...); the model
     never calls back into the driver otherwise."""
 
-    def step_scheduled(self, replica: "ReplicaModel", end_s: float, version: int) -> None:
+    def step_scheduled(self, replica: ReplicaModel, end_s: float, version: int) -> None:
         """The step the replica just started (or cut short) ends at ``end_s``: call ``replica.end_step(end_s)``
         then, if ``replica.version == version`` still (a later schedule voids this one)."""
 
-    def admitted(self, replica: "ReplicaModel", rq: ReplicaRequest, matched_blocks: int) -> None:
+    def admitted(self, replica: ReplicaModel, rq: ReplicaRequest, matched_blocks: int) -> None:
         """``rq`` was admitted: it reuses the resident ``chain[:matched_blocks]`` and computes the rest of its
         chain, which is now pending on the replica. The driver may set ``rq.recomputed``."""
 
-    def computed(self, replica: "ReplicaModel", rq: ReplicaRequest, start: int, stop: int) -> None:
+    def computed(self, replica: ReplicaModel, rq: ReplicaRequest, start: int, stop: int) -> None:
         """``rq``'s prefill committed ``chain[start:stop]`` to the replica's cache (now resident)."""
 
-    def first_token(self, replica: "ReplicaModel", rq: ReplicaRequest) -> None:
+    def first_token(self, replica: ReplicaModel, rq: ReplicaRequest) -> None:
         """``rq`` produced its first token (``rq.ttft_s`` and ``rq.cached_tokens`` are set)."""
 
-    def finished(self, replica: "ReplicaModel", rq: ReplicaRequest, now_s: float) -> None:
+    def finished(self, replica: ReplicaModel, rq: ReplicaRequest, now_s: float) -> None:
         """``rq`` finished at ``now_s`` and released its KV cache."""
 
-    def blocks_committed(self, replica: "ReplicaModel") -> None:
+    def blocks_committed(self, replica: ReplicaModel) -> None:
         """A prefill step committed blocks (after its :meth:`first_token` and :meth:`finished` reports): copies
         trailing this replica's prefill may send more."""
 
@@ -105,7 +107,7 @@ class IncomingCopy:
         open: False once :meth:`ReplicaModel.end_incoming` ran.
     """
 
-    chain: tuple
+    chain: tuple[Hashable, ...]
     have: int
     reserved: int
     open: bool = True
@@ -174,11 +176,12 @@ class ReplicaModel:
         self._step_start = 0.0
         self._step_end = 0.0
         self._step_m = 0
-        self._step_payload: list = []  # prefill: (request, new tokens, their FLOPs)
+        self._step_payload: list[tuple[ReplicaRequest, int, float]] = []  # prefill: (request, new tokens, their FLOPs)
         self.version = 0  # bumped at every step (re)schedule; see ReplicaEvents.step_scheduled
         self._queued_flops = 0.0  # sum of est_flops over waiting + prefilling requests
         self._queued_blocks: dict[Hashable, int] = {}  # block -> waiting requests here that would compute it
-        self._dep_flops: dict[Hashable, float] = {}  # block not yet resident -> est_flops of waiting requests needing it
+        # block not yet resident -> est_flops of waiting requests needing it
+        self._dep_flops: dict[Hashable, float] = {}
         self._dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
         self._waiting_kv = 0  # sum of kv_need over waiting requests
         self._dec_finish_sum = 0  # sum of finish_g over decoding requests
@@ -296,7 +299,7 @@ class ReplicaModel:
         leaves = [h for h in parent if not children.get(h)]
         pos = {h: i for i, h in enumerate(cache.lru)}
         leaves.sort(key=lambda h: (0, 0) if h in refs else (1, -pos.get(h, -1)))
-        depth: dict = {}
+        depth: dict[Hashable, int] = {}
         out = []
         for h in leaves[:max(0, limit)]:
             path = []
@@ -388,7 +391,7 @@ class ReplicaModel:
         self.kick(now_s)
         return add
 
-    def begin_incoming(self, chain: tuple, *, claim_pending: bool = True) -> IncomingCopy | None:
+    def begin_incoming(self, chain: tuple[Hashable, ...], *, claim_pending: bool = True) -> IncomingCopy | None:
         """A copy of ``chain`` starts arriving: pin its resident leading blocks, reserve room for the others
         (evicting LRU blocks as needed) and mark those as pending, so that a request needing them waits for the
         copy instead of computing them. None (nothing changed) when they do not fit.

@@ -53,7 +53,8 @@ class SimResult:
     #: Completed copies that no request reused afterwards (None: the fidelity profile does not track it).
     wasted_replications: int | None = None
     #: Per completed copy, seconds from the moment the policy saw the need for it (``hot_since_s`` of
-    #: its :class:`~btbctl.engine.copies.CopyPlan`, default the copy's start) to the arrival of its last byte (None: not tracked).
+    #: its :class:`~btbctl.engine.copies.CopyPlan`, default the copy's start) to the arrival of its last byte (None: not
+    #: tracked).
     time_to_warm_s: list[float] | None = None
 
     def summary(self, replication_details: bool = False) -> dict:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -64,7 +64,7 @@ class CopyInfo:
 class SimFleetView:
     """The :class:`~btbctl.engine.policies.base.FleetView` (and ``CostView``) the simulator hands to policies."""
 
-    def __init__(self, sim: "Simulator") -> None:
+    def __init__(self, sim: Simulator) -> None:
         self._sim = sim
 
     @property
@@ -138,7 +138,7 @@ class _FleetEvents:
 
     __slots__ = ("sim", "fleet", "computing")
 
-    def __init__(self, sim: "Simulator") -> None:
+    def __init__(self, sim: Simulator) -> None:
         self.sim = sim
         self.fleet = sim._fleet_blocks
         self.computing = sim._fleet_computing

@@ -52,7 +52,7 @@ class NvmlResult:
 
 
 def _import_pynvml():
-    import pynvml  # noqa: PLC0415 - optional, imported lazily on purpose
+    import pynvml  # optional, imported lazily on purpose
 
     return pynvml
 

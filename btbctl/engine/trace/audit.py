@@ -16,7 +16,7 @@ group of ``burst_size`` requests per burst.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.trace.model import KINDS, Trace

@@ -164,7 +164,7 @@ class BurstedParams:
                                    f"larger blocks")
 
     @classmethod
-    def adversarial(cls, **changes) -> "BurstedParams":
+    def adversarial(cls, **changes) -> BurstedParams:
         """The adversarial variant: the defaults with ``spread_s`` = :data:`ADVERSARIAL_SPREAD_S` (REFERENCE.md s3)."""
         changes.setdefault("spread_s", ADVERSARIAL_SPREAD_S)
         return cls(**changes)

@@ -9,8 +9,9 @@ Mooncake, ``str`` for ``btb-mixed-trace-v1``); only equality matters.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Any
 
 #: Request kinds used in reports. ``burst``/``decoy``/``background`` come from ``btb-mixed-trace-v1``'s
 #: ``metadata.job_kind``; traces without kinds (Mooncake, Azure) label every request ``background``.
@@ -38,7 +39,7 @@ class Request:
     output_tokens: int
     block_hashes: tuple[Hashable, ...]
     kind: str = "background"
-    labels: dict | None = None
+    labels: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ class Trace:
     block_tokens: int
     format: str
     path: str | None = None
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.requests.sort(key=lambda r: r.arrival_s)

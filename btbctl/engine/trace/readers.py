@@ -47,8 +47,8 @@ import operator
 import os
 import re
 import stat
+from collections.abc import Callable
 from datetime import date
-from typing import Callable
 
 from btbctl.engine.errors import TraceFormatError
 from btbctl.engine.trace.model import Request, Trace
@@ -123,11 +123,10 @@ def detect_format(text: str, path: str | None = None) -> str:
         TraceFormatError: empty text ("no requests"), a first line that starts like JSON but does not parse, or a
             first line that matches no format (the message lists the valid ones).
     """
-    lineno = 0
-    first = None
-    for lineno, line in enumerate(text.split("\n"), 1):
+    first, lineno = None, 0
+    for i, line in enumerate(text.split("\n"), 1):
         if line and not line.isspace():
-            first = line.strip()
+            first, lineno = line.strip(), i
             break
     if first is None:
         raise TraceFormatError(path, "no requests (the file is empty)", 1)
@@ -310,8 +309,8 @@ def _parse_mooncake(text: str, path: str) -> Trace:
     for lineno, _, (ts, inp, outp, hs) in _json_rows(
             text, path, ("timestamp", "input_length", "output_length", "hash_ids")):
         # Fast path for well-formed rows; anything unusual goes through the named checks.
-        if (type(ts) is int and 0 <= ts <= _MAX_TIME and type(inp) is int and inp >= 1 and type(outp) is int and outp >= 1
-                and type(hs) is list):
+        if (type(ts) is int and 0 <= ts <= _MAX_TIME and type(inp) is int and inp >= 1 and type(outp) is int
+                and outp >= 1 and type(hs) is list):
             arrival_s = ts / 1000.0
             for h in hs:
                 if type(h) is not int:

@@ -57,7 +57,8 @@ BTB routes (JSON):
   acknowledged that every block arrived, verified and was committed; ``blocks_available``: blocks the source has
   computed so far). With ``wait_s`` (0..10 s) and ``since`` (the ``X-BTB-Copy-Version`` header of a previous
   answer) a copy still running is answered at the worker's next copy change after that version, or after
-  ``wait_s`` (long poll; such answers carry ``X-BTB-Long-Poll: 1`` and the current ``X-BTB-Copy-Version``). ``GET /btb/copies`` -> ``{"copies": [...]}`` newest first.
+  ``wait_s`` (long poll; such answers carry ``X-BTB-Long-Poll: 1`` and the current ``X-BTB-Copy-Version``).
+  ``GET /btb/copies`` -> ``{"copies": [...]}`` newest first.
 
 Writes guarded by ``--btb-token-file``: ``/btb/push`` and ``/flush_cache``.
 """

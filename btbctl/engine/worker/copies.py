@@ -13,8 +13,8 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.copies import CopyState
@@ -125,7 +125,7 @@ class CopyBook:
         for rec in self.records.values():
             if rec.role == "target" and rec.in_flight:
                 n = 0
-                for a, b in zip(chain, rec.chain):
+                for a, b in zip(chain, rec.chain, strict=False):
                     if a != b:
                         break
                     n += 1
@@ -220,7 +220,7 @@ class SourceBlocks:
         self.k = 0
         self.pinned = 0
 
-    def __aiter__(self) -> "SourceBlocks":
+    def __aiter__(self) -> SourceBlocks:
         return self
 
     async def __anext__(self) -> tuple[str, bytes]:

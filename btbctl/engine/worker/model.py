@@ -23,8 +23,8 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.sim.replica import IncomingCopy, ReplicaModel, ReplicaRequest, ReplicaState

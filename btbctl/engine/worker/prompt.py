@@ -8,7 +8,7 @@ over the packed bytes (:func:`~btbctl.engine.hashing.chain_from_packed`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from btbctl.engine.hashing import BYTES_PER_TOKEN, chain_from_packed, pack_text, pack_tokens
 

@@ -10,9 +10,9 @@ from typing import TextIO
 from aiohttp import web
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.worker.config import WorkerConfig
 from btbctl.engine.worker.core import Worker
 from btbctl.engine.worker.http import build_app
-from btbctl.engine.worker.config import WorkerConfig
 
 
 def _fmt_host(host: str) -> str:

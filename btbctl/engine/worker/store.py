@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from btbctl.engine.hashing import block_payload
 
@@ -47,7 +47,7 @@ class BlockStore:
 
     def put_many(self, chain: Sequence[str], blocks: Iterable[bytes]) -> None:
         """Keep the verified bytes of an arrived copy."""
-        for h, b in zip(chain, blocks):
+        for h, b in zip(chain, blocks, strict=True):
             self._arrived[h] = b
 
     def drop(self, block_hash) -> None:

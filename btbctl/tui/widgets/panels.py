@@ -194,7 +194,7 @@ class ConstantsPanel(Vertical):
     """BTB's four constants, editable (Enter sends a field), the policy, and what the fleet confirmed."""
 
     BORDER_TITLE = "5 Constants"
-    FIELDS = tuple(zip(BtbConstants.keys(), ("Y blk", "X arr", "Z s", "M")))
+    FIELDS = tuple(zip(BtbConstants.keys(), ("Y blk", "X arr", "Z s", "M"), strict=True))
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="const-row"):
