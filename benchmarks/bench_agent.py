@@ -69,7 +69,6 @@ def _sender(port: int, nbytes: int, go_q, page_bytes: int) -> None:
 
 def bench_copy(pages: int, page_bytes: int, rounds: int) -> dict:
     from agent_helpers import start_agent
-
     from btbctl.sglang_l3.client import AgentClient
     from btbctl.sglang_l3.keys import Namespace, page_keys
 
@@ -120,7 +119,7 @@ def bench_copy(pages: int, page_bytes: int, rounds: int) -> dict:
     tp, ta = statistics.median(plain), statistics.median(agent)
     # rounds interleave the two, so each round's pair shared the machine's load: the median of per-round ratios
     # is the figure; the ratio of medians is printed too
-    pair = statistics.median(p / a for p, a in zip(plain, agent))
+    pair = statistics.median(p / a for p, a in zip(plain, agent, strict=True))
     return {"bench": "copy", "bytes": nbytes, "pages": pages, "page_bytes": page_bytes, "rounds": rounds,
             "plain_gbps": nbytes / tp / 1e9, "agent_gbps": nbytes / ta / 1e9, "ratio": pair,
             "ratio_of_medians": tp / ta, "target": 0.8}
@@ -186,7 +185,7 @@ def bench_store(pages: int, page_bytes: int, rounds: int) -> dict:
             ptrs, sizes = pool.get_page_buffer_meta(host_indices)
             t0 = time.perf_counter()
             off = dst.ctypes.data
-            for p, s in zip(ptrs, sizes):
+            for p, s in zip(ptrs, sizes, strict=True):
                 ctypes.memmove(off, p, s)
                 off += s
             t_mm = time.perf_counter() - t0
@@ -214,8 +213,8 @@ def bench_store(pages: int, page_bytes: int, rounds: int) -> dict:
     tm, ts, tg = statistics.median(mm_t), statistics.median(set_t), statistics.median(get_t)
     return {"bench": "store", "bytes": nbytes, "pages": pages, "page_bytes": page_bytes, "rounds": rounds,
             "memmove_gbps": nbytes / tm / 1e9, "set_gbps": nbytes / ts / 1e9, "get_gbps": nbytes / tg / 1e9,
-            "set_ratio": statistics.median(m / x for m, x in zip(mm_t, set_t)),
-            "get_ratio": statistics.median(m / x for m, x in zip(mm_t, get_t)), "target": 0.5}
+            "set_ratio": statistics.median(m / x for m, x in zip(mm_t, set_t, strict=True)),
+            "get_ratio": statistics.median(m / x for m, x in zip(mm_t, get_t, strict=True)), "target": 0.5}
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import netns  # noqa: E402
+import netns
 
 
 def _rate(text: str) -> float | None:

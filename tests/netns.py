@@ -59,9 +59,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import pytest
 
@@ -534,7 +534,7 @@ class Host(Endpoint):
 
 #: Testbeds of this process not closed yet (closed at interpreter exit; a strong reference, so that a testbed
 #: dropped without close is still removed).
-_open: "set[Testbed]" = set()
+_open: set[Testbed] = set()
 
 
 @atexit.register
@@ -656,7 +656,7 @@ class Testbed:
         _ip(sw, "link", "set", ep._far.dev, "up")
 
     @classmethod
-    def attach(cls, prefix: str = DEFAULT_PREFIX) -> "Testbed":
+    def attach(cls, prefix: str = DEFAULT_PREFIX) -> Testbed:
         """A view of testbed ``prefix`` that is up (made by another process, e.g. ``scripts/testbed.py up``), from
         its record: change links, run commands; it does not own the testbed (its close does nothing)."""
         _check_prefix(prefix)
@@ -757,7 +757,7 @@ class Testbed:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,10 +22,9 @@ import time
 import unittest
 from array import array
 
-import torch
-
 import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as _assembler
 import sglang.test.kits.unified_radix_cache.fixtures as _fixtures
+import torch
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What ruff checks (the same paths as the README's command).
-LINTED = ("btbctl", "tests", "benchmarks")
+LINTED = ("btbctl", "tests", "benchmarks", "scripts")
 
 
 def _tool(name: str) -> list[str]:

@@ -16,11 +16,10 @@ from urllib.parse import urlparse
 
 import pytest
 
+from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time
 from launcher_helpers import cli, force_cleanup, http_json, wait_gone
 from netns import make_testbed, require_sshd, start_sshd  # noqa: F401 - fixture
 from test_ssh_fleet import FAST, write_cluster
-
-from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time
 
 pytestmark = pytest.mark.netns
 
@@ -115,7 +114,7 @@ def test_up_status_down_across_two_namespace_hosts(make_testbed, tmp_path):  # n
         assert wait_gone([p.pid for p in state.processes]) == []
         assert all(not group_members(p.pgid) for p in remote.values())
         assert RunDir(run_dir).load() is None
-        for host, server in zip(tb.hosts, servers):
+        for host, server in zip(tb.hosts, servers, strict=True):
             assert only_sshd_left(host, server.proc.pid) == [], f"left running in {host.name}"
     finally:
         # safety net for a failed test: the remote groups (the testbed's close kills whatever else runs in the

@@ -26,9 +26,22 @@ except ModuleNotFoundError:  # Python 3.10
 import pytest
 
 import netns
-from netns import (Testbed, TestbedBusy, TestbedError, leftovers, open_testbed, pick_subnet, require_netem,
-                   require_sshd, require_testbed, start_sshd, sweep, sweep_stale)
-from netns import make_testbed, testbed  # noqa: F401 - fixtures
+from netns import (  # noqa: F401 - fixtures
+    Testbed,
+    TestbedBusy,
+    TestbedError,
+    leftovers,
+    make_testbed,
+    open_testbed,
+    pick_subnet,
+    require_netem,
+    require_sshd,
+    require_testbed,
+    start_sshd,
+    sweep,
+    sweep_stale,
+    testbed,
+)
 
 pytestmark = pytest.mark.netns
 
@@ -162,16 +175,17 @@ def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):  # noqa: F811
     serve(b, ECHO, b.address, 7000)
     serve(a, ECHO, a.address, 7000)
     # host to host
-    r = a.run([sys.executable, "-c", "import socket,sys; c=socket.create_connection((sys.argv[1],7000),timeout=2);"
-               "c.sendall(b'hi'); print(c.recv(2).decode())", b.address], capture_output=True, text=True, timeout=10)
+    r = a.run([sys.executable, "-c", ("import socket,sys; c=socket.create_connection((sys.argv[1],7000),timeout=2);"
+                                      "c.sendall(b'hi'); print(c.recv(2).decode())"), b.address],
+              capture_output=True, text=True, timeout=10)
     assert r.stdout.strip() == "hi", r.stderr
     # the operator (this process, root namespace) to each host
     assert echo_once(a.address, 7000) == b"ping" and echo_once(b.address, 7000) == b"ping"
     # a host to the operator
     with socket.create_server((op.address, 0)) as srv:
         port = srv.getsockname()[1]
-        r = a.popen([sys.executable, "-c", "import socket,sys; socket.create_connection((sys.argv[1],int(sys.argv[2])),"
-                     "timeout=2).sendall(b'up')", op.address, port])
+        code = "import socket,sys; socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=2).sendall(b'up')"
+        r = a.popen([sys.executable, "-c", code, op.address, port])
         srv.settimeout(5)
         c, peer = srv.accept()
         with c:
@@ -235,7 +249,7 @@ def test_cut_link_drops_traffic_and_comes_back(testbed):  # noqa: F811
     with kept:
         b.set_link(up=False)
         assert not b.up
-        with pytest.raises(OSError):  # timeout (the switch port drops the SYN) or unreachable
+        with pytest.raises(OSError):  # noqa: PT011 - timeout (the switch port drops the SYN) or unreachable
             echo_once(b.address, 7003, timeout=0.5)
         kept.sendall(b"late")
         kept.settimeout(0.4)
@@ -407,7 +421,7 @@ def test_script_up_exec_set_down(tmp_path):
         node0, node1 = (h["address"] for h in up["hosts"])
         # it outlived the script; a test never sweeps it; status shows it; a second up refuses
         assert f"netns {prefix}-node1" in leftovers(prefix)
-        with pytest.raises(TestbedBusy, match="scripts/testbed.py down"):
+        with pytest.raises(TestbedBusy, match=r"scripts/testbed\.py down"):
             sweep(prefix)
         assert json.loads(script("status", "--prefix", prefix).stdout)["hosts"] == up["hosts"]
         again = script("up", "--prefix", prefix, check=False)
@@ -429,7 +443,7 @@ def test_script_up_exec_set_down(tmp_path):
         qd = subprocess.run(["tc", "-n", f"{prefix}-switch", "qdisc", "show", "dev", "node1"], capture_output=True,
                             text=True).stdout
         assert "rate 500Mbit" in qd
-        with pytest.raises(OSError):
+        with pytest.raises(OSError):  # noqa: PT011 - refused, unreachable or timed out: any of them
             socket.create_connection((node1, 22), timeout=0.5)
         script("set", "--prefix", prefix, "node1", "--link", "up")
         socket.create_connection((node1, 22), timeout=3).close()

@@ -70,7 +70,7 @@ def test_sglang_factory_loads_btb_l3_store_from_the_flag_json(tmp_path):
 
 
 def test_factory_refuses_a_bad_extra_config_with_one_line():
-    with pytest.raises(ValueError) as ei:
+    with pytest.raises(ValueError) as ei:  # noqa: PT011 - the message is checked below
         StorageBackendFactory.create_backend("dynamic", _config(
             {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store",
              "agent_sokcet": "/x"}), None)

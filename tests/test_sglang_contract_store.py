@@ -20,9 +20,8 @@ pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache",
                            "printed by scripts/sglang-venv.sh (pytest -m sglang)")
 
 from agent_helpers import start_agent, wait_for  # noqa: E402
-from sglang_kit import CFG, Worker  # noqa: E402
-
 from btbctl.sglang_l3 import page_keys  # noqa: E402
+from sglang_kit import CFG, Worker  # noqa: E402
 
 PAGES = 10
 

@@ -50,7 +50,7 @@ def test_page_keys_chain_and_inputs():
 
 
 def _ns(**kw) -> Namespace:
-    base = dict(model="llama", tp_size=4, tp_rank=1, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0, page_size=64,
+    base = dict(model="llama", tp_size=4, tp_rank=1, pp_size=1, pp_rank=0, cp_size=1, cp_rank=0, page_size=64,  # noqa: C408
                 layout="page_first", kv_dtype="torch.bfloat16", page_bytes=1 << 20, interface="v1",
                 sglang_version="0.5.23")
     base.update(kw)

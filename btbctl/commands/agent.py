@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -21,14 +21,14 @@ def agent(
     = "127.0.0.1:0",
     control: Annotated[str, typer.Option("--control", help="HOST:PORT of the control API and /metrics "
                                          "(loopback by default).")] = "127.0.0.1:0",
-    control_token_file: Annotated[Optional[str], typer.Option("--control-token-file",
+    control_token_file: Annotated[str | None, typer.Option("--control-token-file",
                                                               help="File holding the control API's bearer token "
                                                               "(default: none; then only bind to loopback).")] = None,
-    agent_id: Annotated[Optional[str], typer.Option("--agent-id", help="This agent's id in logs and peers' "
+    agent_id: Annotated[str | None, typer.Option("--agent-id", help="This agent's id in logs and peers' "
                                                     "logs (default: hostname-random).")] = None,
     idle_timeout_s: Annotated[float, typer.Option("--idle-timeout-s", help="Cut off a peer silent this long, "
                                                   "seconds.")] = 10.0,
-    file_dir: Annotated[Optional[str], typer.Option("--file-dir", help="File mode: copy the page files of SGLang's "
+    file_dir: Annotated[str | None, typer.Option("--file-dir", help="File mode: copy the page files of SGLang's "
                                                     "stock 'file' L3 backend in this (node-local) directory instead "
                                                     "of serving BtbL3Store; --arena-mib then sizes the staging "
                                                     "area.")] = None,

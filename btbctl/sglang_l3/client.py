@@ -140,9 +140,10 @@ class AgentClient:
         try:
             c.sock.sendall(encode(req))
             rep = recv_frame(c.sock)
-        except socket.timeout:
+        except TimeoutError:
             self._drop()
-            raise AgentUnavailable("timeout", f"agent did not answer {req.get('op')} within {self.timeout_s} s") from None
+            op = req.get("op")
+            raise AgentUnavailable("timeout", f"agent did not answer {op} within {self.timeout_s} s") from None
         except (OSError, WireError) as e:
             self._drop()
             raise AgentUnavailable("connection", f"agent connection lost during {req.get('op')}: {e}") from None

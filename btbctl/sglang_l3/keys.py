@@ -30,8 +30,8 @@ import hashlib
 import json
 import sys
 from array import array
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
 
 #: Prefix of the namespace seed (SGLang 0.5.23 ``srt/mem_cache/utils.py:133``).
 NAMESPACE_SEED_PREFIX = b"sglang-cache-namespace-v1"
@@ -164,7 +164,7 @@ class Namespace:
         return hashlib.sha256(raw).hexdigest()[:NAMESPACE_ID_CHARS]
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Namespace":
+    def from_dict(cls, d: dict) -> Namespace:
         """Rebuild from :meth:`describe`. Raises TypeError/ValueError for a malformed description."""
         if not isinstance(d, dict):
             raise TypeError("namespace description must be an object")

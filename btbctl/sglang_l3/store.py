@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -66,7 +66,7 @@ def _sglang_version() -> str:
         from sglang.version import __version__
 
         return str(__version__)
-    except Exception:  # pragma: no cover - SGLang without its version module
+    except Exception:  # noqa: BLE001  # pragma: no cover - SGLang without its version module
         return "unknown"
 
 
@@ -90,7 +90,7 @@ def parse_extra_config(extra: dict | None) -> tuple[str, float, bool]:
 class BtbL3Store(HiCacheStorage):
     """See the module docstring. Args as SGLang passes them: ``storage_config`` and a (positional, unused) dict."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.storage_config = storage_config
         self.socket_path, self.timeout_s, self.interface_v1 = parse_extra_config(storage_config.extra_config)
         self.client: AgentClient | None = None
@@ -143,7 +143,7 @@ class BtbL3Store(HiCacheStorage):
 
     # -- existence --------------------------------------------------------------------------------------------
 
-    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+    def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """Length of the leading run of ``keys`` whose pages are ready in the node's store (0 on any failure)."""
         if not keys or self.client is None:
             return 0
@@ -151,7 +151,7 @@ class BtbL3Store(HiCacheStorage):
             rep, _ = self.client.call({"op": "exists", "ns": self.ns_id, "keys": list(keys), "size": self.page_bytes})
             n = rep.get("n")
             return n if isinstance(n, int) and 0 <= n <= len(keys) else 0
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the data path never raises: a failure is a miss
             self._fail(e)
             return 0
 
@@ -160,7 +160,7 @@ class BtbL3Store(HiCacheStorage):
 
     # -- zero-copy path ---------------------------------------------------------------------------------------
 
-    def _segments(self, keys: List[str], host_indices) -> list[list[tuple[int, int]]] | None:
+    def _segments(self, keys: list[str], host_indices) -> list[list[tuple[int, int]]] | None:
         """Per page, its host buffers as ``(address, bytes)``, or None when they do not add up to a page."""
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         n = len(keys)
@@ -168,13 +168,13 @@ class BtbL3Store(HiCacheStorage):
             self._warn_once("layout", f"host pool gave {len(ptrs)} buffers for {n} pages; treated as a miss")
             return None
         per = len(ptrs) // n
-        pages = [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per])) for i in range(n)]
+        pages = [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per], strict=True)) for i in range(n)]
         if any(sum(s for _, s in p) != self.page_bytes for p in pages):
             self._warn_once("page_bytes", "host buffers do not add up to the namespace's page size; miss")
             return None
         return pages
 
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         """Copy the leading run of present pages into the host pool at ``host_indices`` (``len(keys) x page_size``
         token slots). Returns one bool per key; False from the first miss on."""
         out = [False] * len(keys)
@@ -195,14 +195,14 @@ class BtbL3Store(HiCacheStorage):
                     src += size
                 out[i] = True
             return out
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the data path never raises: a failure is a miss
             self._fail(e)
             return [False] * len(keys)
         finally:
             if lease:
                 self.client.send({"op": "release", "lease": lease})
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info=None) -> list[bool]:
         """Store the pages at ``host_indices`` under ``keys``. Returns one bool per key (True: stored, or already
         there)."""
         if not keys or self.client is None:
@@ -212,11 +212,11 @@ class BtbL3Store(HiCacheStorage):
             if pages is None:
                 return [False] * len(keys)
             return self._put(keys, lambda i, dst: _gather(pages[i], dst))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the data path never raises: a failure is a miss
             self._fail(e)
             return [False] * len(keys)
 
-    def _put(self, keys: List[str], fill) -> List[bool]:
+    def _put(self, keys: list[str], fill) -> list[bool]:
         rep, conn = self.client.call({"op": "put", "ns": self.ns_id, "keys": list(keys), "size": self.page_bytes})
         offsets, token = rep.get("offsets") or [], rep.get("token")
         base = conn.arena.base
@@ -236,8 +236,8 @@ class BtbL3Store(HiCacheStorage):
 
     # -- generic path -----------------------------------------------------------------------------------------
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
         """Fill ``target_locations`` (flat host tensors of one page each) with the leading run of present pages;
         None for the rest."""
         n = len(keys)
@@ -256,21 +256,21 @@ class BtbL3Store(HiCacheStorage):
                 memmove(targets[i].data_ptr(), conn.arena.base + off, self.page_bytes)
                 out[i] = targets[i]
             return out
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the data path never raises: a failure is a miss
             self._fail(e)
             return [None] * n
         finally:
             if lease:
                 self.client.send({"op": "release", "lease": lease})
 
-    def get(self, key: str, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
         if target_location is None:
             return None
         return self.batch_get([key], [target_location])[0]
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
         """Store flat pages ``values`` under ``keys``; True only when every one is stored."""
         if not keys or values is None or self.client is None:
             return False
@@ -280,12 +280,12 @@ class BtbL3Store(HiCacheStorage):
                 self._warn_once("value_size", "generic set values are not pages of the namespace's size")
                 return False
             return all(self._put(keys, lambda i, dst: memmove(dst, vals[i].data_ptr(), self.page_bytes)))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the data path never raises: a failure is a miss
             self._fail(e)
             return False
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
     # -- misc -------------------------------------------------------------------------------------------------

@@ -145,7 +145,8 @@ class Agent:
         try:
             self.peer_port = self.peers.start()
         except OSError as e:
-            raise BtbctlError(f"cannot listen for peers on {cfg.peer_host}:{cfg.peer_port}: {e.strerror or e}") from None
+            where = f"{cfg.peer_host}:{cfg.peer_port}"
+            raise BtbctlError(f"cannot listen for peers on {where}: {e.strerror or e}") from None
         if cfg.file_dir is None:
             self.local = LocalServer(self.store, cfg.socket_path, on_event=self.event)
             try:

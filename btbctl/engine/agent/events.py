@@ -20,7 +20,7 @@ Metrics (their own registry, served at the control endpoint's ``/metrics``):
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

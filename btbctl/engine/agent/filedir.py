@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from typing import Sequence
+from collections.abc import Sequence
 
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
 
@@ -121,7 +121,7 @@ class FileDirStore(PageStore):
         with self.lock:
             objs, offsets = [], []
             try:
-                for name, size in zip(names, sizes):
+                for name, size in zip(names, sizes, strict=True):
                     if name in present:
                         objs.append(None)
                         offsets.append(-1)

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from btbctl.engine.agent.pages import NoRoom, PageStore
 from btbctl.sglang_l3.keys import NAMESPACE_ID_CHARS, Namespace, is_page_key

@@ -26,8 +26,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import xxhash
 
@@ -329,7 +329,7 @@ class PageStore:
             objs: list[Obj | None] = []
             offsets: list[int | None] = []
             try:
-                for name, size in zip(names, sizes):
+                for name, size in zip(names, sizes, strict=True):
                     if skip_ready and name in self.ready:
                         objs.append(None)
                         offsets.append(-1)

@@ -8,7 +8,8 @@ kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64
    :data:`AUTH_TIMEOUT_S`)::
 
        target -> source  J {"op": "challenge", "v": 1, "nonce": n_t, "agent": id_t}
-       source -> target  J {"op": "auth", "nonce": n_s, "agent": id_s, "mac": HMAC(secret, "client" | n_t | n_s | id_s | id_t)}
+       source -> target  J {"op": "auth", "nonce": n_s, "agent": id_s,
+                            "mac": HMAC(secret, "client" | n_t | n_s | id_s | id_t)}
        target -> source  J {"op": "auth_ok", "mac": HMAC(secret, "server" | n_s | n_t | id_t | id_s)}
 
    A failed check closes the connection with one ``auth_failed`` log line; the source checks the target's MAC too.
@@ -44,8 +45,8 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 import xxhash
 
@@ -70,7 +71,7 @@ class SendFaults:
     delay_s: float = 0.0
 
     @classmethod
-    def parse(cls, spec: str) -> "SendFaults":
+    def parse(cls, spec: str) -> SendFaults:
         """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
         kw: dict = {}
         for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -85,7 +86,7 @@ class SendFaults:
         return cls(**kw)
 
     @classmethod
-    def from_env(cls) -> "SendFaults | None":
+    def from_env(cls) -> SendFaults | None:
         import os
 
         spec = os.environ.get(FAULT_ENV, "").strip()
@@ -176,7 +177,7 @@ class Conn:
             self._check_deadline()
             try:
                 k = recv(view[got:])
-            except (BlockingIOError, socket.timeout):
+            except (TimeoutError, BlockingIOError):
                 raise PeerError(f"peer idle for {self._idle} s ({got} of {n} bytes of a frame)") from None
             if k == 0:
                 raise PeerError(f"connection closed ({got} of {n} bytes of a frame)")
@@ -213,7 +214,7 @@ class Conn:
         self._check_deadline()
         try:
             self.sock.sendall(data)
-        except (BlockingIOError, socket.timeout):
+        except (TimeoutError, BlockingIOError):
             raise PeerError(f"peer did not take data for {self._idle} s") from None
 
     def send_json(self, obj: dict) -> None:
@@ -225,7 +226,7 @@ class Conn:
         self._check_deadline()
         try:
             sent = self.sock.sendmsg([head, data])  # one system call for the header and (most of) the page
-        except (BlockingIOError, socket.timeout):
+        except (TimeoutError, BlockingIOError):
             raise PeerError(f"peer did not take data for {self._idle} s") from None
         if sent < len(head):
             self._sendall(head[sent:])
@@ -290,7 +291,7 @@ def fanout_plan(targets: Sequence[dict], fanout: str) -> list[dict]:
     if fanout == "star":
         return nodes
     if fanout == "chain":
-        for a, b in zip(nodes, nodes[1:]):
+        for a, b in zip(nodes, nodes[1:], strict=False):
             a["children"] = [b]
         return [nodes[0]]
     if fanout == "tree":
@@ -397,7 +398,7 @@ class LocalPages(PageSource):
         self.store = store
         self.names = names
         self.objs = store.pin_ready(names)
-        missing = [n for n, o in zip(names, self.objs) if o is None]
+        missing = [n for n, o in zip(names, self.objs, strict=True) if o is None]
         if missing:
             store.unpin_objs(self.objs)
             raise NoRoom(f"{len(missing)} of {len(names)} pages are not held here (first: {missing[0]})")
@@ -454,7 +455,7 @@ class _Verifier:
     (xxhash releases the GIL on large inputs). A page counts as arrived (relays may forward it, the record counts
     it) only once verified; :meth:`finish` waits for every queued page and raises the first mismatch."""
 
-    def __init__(self, store: PageStore, pages: InboundPages, names: list[str], rec: "CopyRecord", metrics) -> None:
+    def __init__(self, store: PageStore, pages: InboundPages, names: list[str], rec: CopyRecord, metrics) -> None:
         import queue
 
         self.store, self.pages, self.names, self.rec, self.metrics = store, pages, names, rec, metrics
@@ -895,7 +896,7 @@ class PeerService:
             return
         rec = self.book.put(CopyRecord(copy_id, "target", CopyState.RUNNING, len(names), total, peer=peer))
         pages = InboundPages(store, names, sizes)
-        held = store.pin_ready([n for n, o in zip(names, offsets) if o == -1]) if children else []
+        held = store.pin_ready([n for n, o in zip(names, offsets, strict=True) if o == -1]) if children else []
         hi = 0
         for i, off in enumerate(offsets):
             if off == -1 and children:

@@ -410,7 +410,7 @@ def verify_arena_pages(view: memoryview, pages: list[tuple[int, int]], digests: 
     the first mismatch, or None when all match."""
     if len(digests) != len(pages):
         return 0
-    for k, ((off, size), want) in enumerate(zip(pages, digests)):
+    for k, ((off, size), want) in enumerate(zip(pages, digests, strict=True)):
         if xxhash.xxh3_64_intdigest(view[off:off + size]) != want:
             return k
     return None
