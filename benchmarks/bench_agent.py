@@ -63,7 +63,7 @@ def _sender(port: int, nbytes: int, go_q, page_bytes: int) -> None:
         c = socket.create_connection(("127.0.0.1", port))
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for off in range(0, nbytes, page_bytes):
-            c.sendall(view[off:off + page_bytes])
+            c.sendall(view[off : off + page_bytes])
         c.close()
 
 
@@ -91,15 +91,18 @@ def bench_copy(pages: int, page_bytes: int, rounds: int) -> dict:
             keys = page_keys(list(range(r * 1_000_000, r * 1_000_000 + pages * 64)), 64)
             rep, conn = c.call({"op": "put", "ns": ns.ns_id, "keys": keys, "size": page_bytes})
             for off in rep["offsets"]:
-                conn.arena.view[off:off + page_bytes] = os.urandom(64) * (page_bytes // 64)
+                conn.arena.view[off : off + page_bytes] = os.urandom(64) * (page_bytes // 64)
             c.call({"op": "commit", "token": rep["token"], "written": [True] * pages})
             t0 = time.time()
             go_q.put(1)
             t_plain = done_q.get() - t0
             token = b.expect(f"bench{r}", keys)
             t0 = time.time()
-            st, _ = a.call("POST", "/v1/push", {"copy_id": f"bench{r}", "keys": keys,
-                                                "targets": [{"addr": b.peer, "token": token}]})
+            st, _ = a.call(
+                "POST",
+                "/v1/push",
+                {"copy_id": f"bench{r}", "keys": keys, "targets": [{"addr": b.peer, "token": token}]},
+            )
             assert st == 202
             rec = b.wait_final(f"bench{r}", "target", 120)
             assert rec["state"] == "done", rec
@@ -107,8 +110,10 @@ def bench_copy(pages: int, page_bytes: int, rounds: int) -> dict:
             if r:
                 plain.append(t_plain)
                 agent.append(t_agent)
-                print(f"copy round {r}: plain {nbytes / t_plain / 1e9:.2f} GB/s, agent {nbytes / t_agent / 1e9:.2f} "
-                      f"GB/s", file=sys.stderr)
+                print(
+                    f"copy round {r}: plain {nbytes / t_plain / 1e9:.2f} GB/s, agent {nbytes / t_agent / 1e9:.2f} GB/s",
+                    file=sys.stderr,
+                )
             st, _ = b.call("POST", "/v1/unpin", {"keys": keys})
     finally:
         go_q.put(None)
@@ -120,9 +125,18 @@ def bench_copy(pages: int, page_bytes: int, rounds: int) -> dict:
     # rounds interleave the two, so each round's pair shared the machine's load: the median of per-round ratios
     # is the figure; the ratio of medians is printed too
     pair = statistics.median(p / a for p, a in zip(plain, agent, strict=True))
-    return {"bench": "copy", "bytes": nbytes, "pages": pages, "page_bytes": page_bytes, "rounds": rounds,
-            "plain_gbps": nbytes / tp / 1e9, "agent_gbps": nbytes / ta / 1e9, "ratio": pair,
-            "ratio_of_medians": tp / ta, "target": 0.8}
+    return {
+        "bench": "copy",
+        "bytes": nbytes,
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "rounds": rounds,
+        "plain_gbps": nbytes / tp / 1e9,
+        "agent_gbps": nbytes / ta / 1e9,
+        "ratio": pair,
+        "ratio_of_medians": tp / ta,
+        "target": 0.8,
+    }
 
 
 # -- store vs memmove ---------------------------------------------------------------------------------------------
@@ -143,7 +157,7 @@ class _Pool:
         self.pages = pages
 
     def get_page_buffer_meta(self, indices):
-        idx = [int(i) for i in indices][::self.page_size]
+        idx = [int(i) for i in indices][:: self.page_size]
         kb, vb = self.k.ctypes.data, self.v.ctypes.data
         ptrs, sizes = [], []
         for i in idx:
@@ -160,8 +174,10 @@ def bench_store(pages: int, page_bytes: int, rounds: int) -> dict:
 
         from btbctl.sglang_l3.store import BtbL3Store
     except ImportError as e:
-        return {"bench": "store", "skipped": f"SGLang not importable here ({e}); use the python of "
-                                           "scripts/sglang-venv.sh"}
+        return {
+            "bench": "store",
+            "skipped": f"SGLang not importable here ({e}); use the python of scripts/sglang-venv.sh",
+        }
     import numpy as np
 
     from agent_helpers import start_agent
@@ -170,9 +186,19 @@ def bench_store(pages: int, page_bytes: int, rounds: int) -> dict:
     nbytes = pages * page_bytes
     tmp = Path(tempfile.mkdtemp(prefix="bench-store-"))
     agent = start_agent(tmp, "bench-store", arena_mib=(nbytes >> 20) * (rounds + 2) + 64)
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="bench", extra_config={"interface_v1": 1, "agent_socket": agent.socket})
+    cfg = HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="bench",
+        extra_config={"interface_v1": 1, "agent_socket": agent.socket},
+    )
     store = BtbL3Store(cfg, {})
     pool = _Pool(pages, page_bytes)
     store.register_mem_pool_host(pool)
@@ -205,16 +231,28 @@ def bench_store(pages: int, page_bytes: int, rounds: int) -> dict:
                 mm_t.append(t_mm)
                 set_t.append(t_set)
                 get_t.append(t_get)
-                print(f"store round {r}: memmove {nbytes / t_mm / 1e9:.2f} GB/s, set {nbytes / t_set / 1e9:.2f} GB/s, "
-                      f"get {nbytes / t_get / 1e9:.2f} GB/s", file=sys.stderr)
+                print(
+                    f"store round {r}: memmove {nbytes / t_mm / 1e9:.2f} GB/s, set {nbytes / t_set / 1e9:.2f} GB/s, "
+                    f"get {nbytes / t_get / 1e9:.2f} GB/s",
+                    file=sys.stderr,
+                )
     finally:
         store.close()
         agent.stop()
     tm, ts, tg = statistics.median(mm_t), statistics.median(set_t), statistics.median(get_t)
-    return {"bench": "store", "bytes": nbytes, "pages": pages, "page_bytes": page_bytes, "rounds": rounds,
-            "memmove_gbps": nbytes / tm / 1e9, "set_gbps": nbytes / ts / 1e9, "get_gbps": nbytes / tg / 1e9,
-            "set_ratio": statistics.median(m / x for m, x in zip(mm_t, set_t, strict=True)),
-            "get_ratio": statistics.median(m / x for m, x in zip(mm_t, get_t, strict=True)), "target": 0.5}
+    return {
+        "bench": "store",
+        "bytes": nbytes,
+        "pages": pages,
+        "page_bytes": page_bytes,
+        "rounds": rounds,
+        "memmove_gbps": nbytes / tm / 1e9,
+        "set_gbps": nbytes / ts / 1e9,
+        "get_gbps": nbytes / tg / 1e9,
+        "set_ratio": statistics.median(m / x for m, x in zip(mm_t, set_t, strict=True)),
+        "get_ratio": statistics.median(m / x for m, x in zip(mm_t, get_t, strict=True)),
+        "target": 0.5,
+    }
 
 
 def main() -> None:
@@ -238,15 +276,19 @@ def main() -> None:
         if "skipped" in r:
             print(f"{r['bench']}: skipped: {r['skipped']}")
         elif r["bench"] == "copy":
-            print(f"copy {r['bytes'] / 2**20:.0f} MiB ({r['pages']} x {r['page_bytes'] / 2**20:g} MiB), median of "
-                  f"{r['rounds']}: plain socket {r['plain_gbps']:.2f} GB/s, agent {r['agent_gbps']:.2f} GB/s, "
-                  f"ratio {r['ratio']:.2f} (median of per-round ratios; of medians {r['ratio_of_medians']:.2f}; "
-                  f"target >= {r['target']})")
+            print(
+                f"copy {r['bytes'] / 2**20:.0f} MiB ({r['pages']} x {r['page_bytes'] / 2**20:g} MiB), median of "
+                f"{r['rounds']}: plain socket {r['plain_gbps']:.2f} GB/s, agent {r['agent_gbps']:.2f} GB/s, "
+                f"ratio {r['ratio']:.2f} (median of per-round ratios; of medians {r['ratio_of_medians']:.2f}; "
+                f"target >= {r['target']})"
+            )
         else:
-            print(f"store {r['bytes'] / 2**20:.0f} MiB ({r['pages']} x {r['page_bytes'] / 2**20:g} MiB), median of "
-                  f"{r['rounds']}: memmove {r['memmove_gbps']:.2f} GB/s, set_v1 {r['set_gbps']:.2f} GB/s "
-                  f"(ratio {r['set_ratio']:.2f}), get_v1 {r['get_gbps']:.2f} GB/s (ratio {r['get_ratio']:.2f}) "
-                  f"(target >= {r['target']})")
+            print(
+                f"store {r['bytes'] / 2**20:.0f} MiB ({r['pages']} x {r['page_bytes'] / 2**20:g} MiB), median of "
+                f"{r['rounds']}: memmove {r['memmove_gbps']:.2f} GB/s, set_v1 {r['set_gbps']:.2f} GB/s "
+                f"(ratio {r['set_ratio']:.2f}), get_v1 {r['get_gbps']:.2f} GB/s (ratio {r['get_ratio']:.2f}) "
+                f"(target >= {r['target']})"
+            )
 
 
 if __name__ == "__main__":

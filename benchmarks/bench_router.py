@@ -92,8 +92,22 @@ class Fleet:
         return [p.url for p in started]
 
     def btbctl_gateway(self, urls: list[str], policy: str, prefix_blocks: int) -> str:
-        argv = [sys.executable, "-m", "btbctl", "gateway", "--port", "0", "--control-port", "0", "--policy", policy,
-                "--prefix-blocks", str(prefix_blocks), "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "btbctl",
+            "gateway",
+            "--port",
+            "0",
+            "--control-port",
+            "0",
+            "--policy",
+            policy,
+            "--prefix-blocks",
+            str(prefix_blocks),
+            "--log-level",
+            "warning",
+        ]
         for u in urls:
             argv += ["--worker", u]
         p = spawn("gateway", argv, self.logdir / "gateway.log")
@@ -103,8 +117,20 @@ class Fleet:
 
     def smg(self, exe: str, urls: list[str], policy: str = "cache_aware") -> str:
         port = free_port()
-        argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-                "--policy", policy, "--log-level", "warn"]
+        argv = [
+            exe,
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+        ]
         p = spawn("smg", argv, self.logdir / "smg.log")
         self.procs.append(p)
         url = f"http://127.0.0.1:{port}"
@@ -127,9 +153,20 @@ class Fleet:
 
 
 def burst_trace(n: int, prefix_blocks: int, spread_s: float, seed: int):
-    return generate_bursted(BurstedParams(bursts=1, burst_size=n, first_burst_s=0.0, jitter_s=0.0, spread_s=spread_s,
-                                          prefix_tokens=prefix_blocks * 256, suffix_tokens=256, output_tokens=1,
-                                          decoys=0), seed=seed)
+    return generate_bursted(
+        BurstedParams(
+            bursts=1,
+            burst_size=n,
+            first_burst_s=0.0,
+            jitter_s=0.0,
+            spread_s=spread_s,
+            prefix_tokens=prefix_blocks * 256,
+            suffix_tokens=256,
+            output_tokens=1,
+            decoys=0,
+        ),
+        seed=seed,
+    )
 
 
 def burst_round(router: str, args, logdir: Path, prefix_blocks: int) -> dict:
@@ -146,11 +183,18 @@ def burst_round(router: str, args, logdir: Path, prefix_blocks: int) -> dict:
         counts = [worker_counters(u) for u in urls]
         copies = copy_timeline(urls, unix0)
     ok = [r for r in report.results if r.ttft_s is not None]
-    return {"router": router, "prefix_blocks": prefix_blocks, "requests": rep["requests"], "errors": rep["errors"],
-            "ttft_s": rep["ttft_s"], "workers_used": sum(1 for c in counts if c["requests"] > 0),
-            "served_per_worker": [c["requests"] for c in counts],
-            "prefill_tokens_computed": sum(c["prompt_tokens"] - c["cached_tokens"] for c in counts),
-            "first_answer_s": min((r.sent_s + r.ttft_s for r in ok), default=None), "copies": copies}
+    return {
+        "router": router,
+        "prefix_blocks": prefix_blocks,
+        "requests": rep["requests"],
+        "errors": rep["errors"],
+        "ttft_s": rep["ttft_s"],
+        "workers_used": sum(1 for c in counts if c["requests"] > 0),
+        "served_per_worker": [c["requests"] for c in counts],
+        "prefill_tokens_computed": sum(c["prompt_tokens"] - c["cached_tokens"] for c in counts),
+        "first_answer_s": min((r.sent_s + r.ttft_s for r in ok), default=None),
+        "copies": copies,
+    }
 
 
 def copy_timeline(urls: list[str], unix0: float) -> list[dict]:
@@ -175,9 +219,16 @@ def copy_timeline(urls: list[str], unix0: float) -> list[dict]:
             if c.get("role") != "source":
                 continue
             fin = c.get("finished_s")
-            out.append({"source": i, "target": addrs.get(c.get("peer"), c.get("peer")), "state": c.get("state"),
-                        "blocks": c.get("blocks"), "started_s": round(c["started_s"] - unix0, 3),
-                        "finished_s": None if fin is None else round(fin - unix0, 3)})
+            out.append(
+                {
+                    "source": i,
+                    "target": addrs.get(c.get("peer"), c.get("peer")),
+                    "state": c.get("state"),
+                    "blocks": c.get("blocks"),
+                    "started_s": round(c["started_s"] - unix0, 3),
+                    "finished_s": None if fin is None else round(fin - unix0, 3),
+                }
+            )
     out.sort(key=lambda c: c["started_s"])
     return out
 
@@ -188,8 +239,11 @@ def worker_counters(url: str) -> dict:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {"requests": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0}
-    names = {"sglang:num_requests_total": "requests", "sglang:prompt_tokens_total": "prompt_tokens",
-             "sglang:cached_tokens_total": "cached_tokens"}
+    names = {
+        "sglang:num_requests_total": "requests",
+        "sglang:prompt_tokens_total": "prompt_tokens",
+        "sglang:cached_tokens_total": "cached_tokens",
+    }
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in names:
@@ -212,6 +266,7 @@ async def closed_loop(urls: list[str], n: int, concurrency: int, tokens: int, ta
     nxt = 0
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
         async def one(i: int) -> None:
             nonlocal errors
             body = {"text": prompts[i], "sampling_params": {"max_new_tokens": 1}}
@@ -243,8 +298,14 @@ async def closed_loop(urls: list[str], n: int, concurrency: int, tokens: int, ta
         await asyncio.gather(*(runner() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     s_ = summarize(lat)
-    return {"requests": n, "errors": errors, "concurrency": concurrency, "requests_per_s": len(lat) / wall,
-            "p50_s": s_["p50"], "p95_s": s_["p95"]}
+    return {
+        "requests": n,
+        "errors": errors,
+        "concurrency": concurrency,
+        "requests_per_s": len(lat) / wall,
+        "p50_s": s_["p50"],
+        "p95_s": s_["p95"],
+    }
 
 
 def overhead(args, logdir: Path) -> list[dict]:
@@ -257,11 +318,19 @@ def overhead(args, logdir: Path) -> list[dict]:
         targets.append(("btbctl btb", [fleet.btbctl_gateway(urls, "btb", 256)]))
         for name, tgt in targets:
             lat = asyncio.run(closed_loop(tgt, args.overhead_latency_requests, 1, args.overhead_tokens, f"{name}-l"))
-            thr = asyncio.run(closed_loop(tgt, args.overhead_requests, args.overhead_concurrency,
-                                          args.overhead_tokens, f"{name}-t"))
-            rows.append({"target": name, "p50_s_at_c1": lat["p50_s"], "p95_s_at_c1": lat["p95_s"],
-                         "requests_per_s": thr["requests_per_s"], "concurrency": thr["concurrency"],
-                         "errors": lat["errors"] + thr["errors"]})
+            thr = asyncio.run(
+                closed_loop(tgt, args.overhead_requests, args.overhead_concurrency, args.overhead_tokens, f"{name}-t")
+            )
+            rows.append(
+                {
+                    "target": name,
+                    "p50_s_at_c1": lat["p50_s"],
+                    "p95_s_at_c1": lat["p95_s"],
+                    "requests_per_s": thr["requests_per_s"],
+                    "concurrency": thr["concurrency"],
+                    "errors": lat["errors"] + thr["errors"],
+                }
+            )
     direct = rows[0]
     for r in rows:
         r["added_p50_ms"] = (r["p50_s_at_c1"] - direct["p50_s_at_c1"]) * 1000
@@ -276,12 +345,20 @@ def main() -> int:
     ap.add_argument("--smg", default=shutil.which("smg"), help="smg executable (default: smg on PATH)")
     ap.add_argument("--skip-smg", action="store_true", help="measure the btbctl gateway only")
     ap.add_argument("--skip-overhead", action="store_true", help="run the burst part only")
-    ap.add_argument("--routers", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                    default=list(ROUTERS), help="comma-separated subset of: " + ", ".join(ROUTERS))
+    ap.add_argument(
+        "--routers",
+        type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+        default=list(ROUTERS),
+        help="comma-separated subset of: " + ", ".join(ROUTERS),
+    )
     ap.add_argument("--repeat", type=int, default=1, help="runs of every burst round (default 1)")
     ap.add_argument("--burst-size", type=int, default=80)
-    ap.add_argument("--prefix-blocks", type=lambda s: [int(x) for x in s.split(",")], default=[8, 64],
-                    help="comma-separated prefix lengths in 256-token blocks (default 8,64)")
+    ap.add_argument(
+        "--prefix-blocks",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[8, 64],
+        help="comma-separated prefix lengths in 256-token blocks (default 8,64)",
+    )
     ap.add_argument("--spread-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--overhead-requests", type=int, default=3000)
@@ -295,8 +372,9 @@ def main() -> int:
         return 2
     unknown = [r for r in args.routers if r not in ROUTERS]
     if unknown or args.repeat < 1:
-        sys.stderr.write(f"bench_router: unknown router(s) {unknown}; valid: {', '.join(ROUTERS)}; "
-                         "--repeat must be >= 1\n")
+        sys.stderr.write(
+            f"bench_router: unknown router(s) {unknown}; valid: {', '.join(ROUTERS)}; --repeat must be >= 1\n"
+        )
         return 2
     routers = [r for r in args.routers if not (args.skip_smg and r.startswith("smg"))]
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
@@ -315,8 +393,12 @@ def main() -> int:
             return 2
     ratios: dict = {}
     for pb in args.prefix_blocks:
-        for num, den in (("btbctl btb", "smg cache_aware"), ("btbctl btb_plus", "smg cache_aware"),
-                         ("btbctl btb", "btbctl cache_aware"), ("btbctl btb_plus", "btbctl cache_aware")):
+        for num, den in (
+            ("btbctl btb", "smg cache_aware"),
+            ("btbctl btb_plus", "smg cache_aware"),
+            ("btbctl btb", "btbctl cache_aware"),
+            ("btbctl btb_plus", "btbctl cache_aware"),
+        ):
             per_run = []
             for run in range(args.repeat):
                 by = {r["router"]: r for r in burst if r["prefix_blocks"] == pb and r["run"] == run}
@@ -330,35 +412,50 @@ def main() -> int:
                     ratios[name + "_runs"] = per_run
     ov = {r["target"]: r for r in over}
     if "smg cache_aware" in ov and "btbctl btb" in ov:
-        ratios["btbctl_over_smg_throughput"] = (ov["btbctl btb"]["requests_per_s"]
-                                                / ov["smg cache_aware"]["requests_per_s"])
-    result = {"smg_version": SMG_VERSION if not args.skip_smg else None, "burst": burst, "overhead": over,
-              "ratios": ratios}
+        ratios["btbctl_over_smg_throughput"] = (
+            ov["btbctl btb"]["requests_per_s"] / ov["smg cache_aware"]["requests_per_s"]
+        )
+    result = {
+        "smg_version": SMG_VERSION if not args.skip_smg else None,
+        "burst": burst,
+        "overhead": over,
+        "ratios": ratios,
+    }
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return 0
     print(f"burst: {args.burst_size} requests over {args.spread_s:g} s, 4 emulated Llama-3.3-70B workers (4xH100)")
-    print(f"{'router':22} {'run':>3} {'prefix':>7} {'mean ms':>8} {'p50 ms':>8} {'p95 ms':>8} {'served':>14} "
-          f"{'prefilled':>9} {'1st ms':>7} {'err':>4}  copies (source>target start-finish ms)")
+    print(
+        f"{'router':22} {'run':>3} {'prefix':>7} {'mean ms':>8} {'p50 ms':>8} {'p95 ms':>8} {'served':>14} "
+        f"{'prefilled':>9} {'1st ms':>7} {'err':>4}  copies (source>target start-finish ms)"
+    )
     for r in burst:
         t = r["ttft_s"]
         served = "/".join(str(x) for x in r["served_per_worker"])
         first = r["first_answer_s"] * 1000 if r["first_answer_s"] is not None else float("nan")
-        copies = " ".join(f"{c['source']}>{c['target']} {c['started_s'] * 1000:.0f}-"
-                          f"{'?' if c['finished_s'] is None else round(c['finished_s'] * 1000)}"
-                          f"{'' if c['state'] == 'done' else ' ' + str(c['state'])}" for c in r["copies"])
-        print(f"{r['router']:22} {r['run']:>3} {r['prefix_blocks'] * 256:>7} {t['mean'] * 1000:>8.1f} "
-              f"{t['p50'] * 1000:>8.1f} {t['p95'] * 1000:>8.1f} {served:>14} {r['prefill_tokens_computed']:>9} "
-              f"{first:>7.0f} {r['errors']:>4}  {copies}")
-    print("(served: requests per worker; prefilled: prompt tokens the workers computed, i.e. not served from their "
-          "prefix cache; 1st: the first answer's time after the replay started)")
+        copies = " ".join(
+            f"{c['source']}>{c['target']} {c['started_s'] * 1000:.0f}-"
+            f"{'?' if c['finished_s'] is None else round(c['finished_s'] * 1000)}"
+            f"{'' if c['state'] == 'done' else ' ' + str(c['state'])}"
+            for c in r["copies"]
+        )
+        print(
+            f"{r['router']:22} {r['run']:>3} {r['prefix_blocks'] * 256:>7} {t['mean'] * 1000:>8.1f} "
+            f"{t['p50'] * 1000:>8.1f} {t['p95'] * 1000:>8.1f} {served:>14} {r['prefill_tokens_computed']:>9} "
+            f"{first:>7.0f} {r['errors']:>4}  {copies}"
+        )
+    print(
+        "(served: requests per worker; prefilled: prompt tokens the workers computed, i.e. not served from their "
+        "prefix cache; 1st: the first answer's time after the replay started)"
+    )
     if over:
         print(f"\noverhead: zero-delay workers, {args.overhead_tokens}-token prompts")
-        print(f"{'target':22} {'p50 ms @1':>10} {'added p50 ms':>13} "
-              f"{'req/s @' + str(args.overhead_concurrency):>12}")
+        print(f"{'target':22} {'p50 ms @1':>10} {'added p50 ms':>13} {'req/s @' + str(args.overhead_concurrency):>12}")
         for r in over:
-            print(f"{r['target']:22} {r['p50_s_at_c1'] * 1000:>10.2f} {r['added_p50_ms']:>13.2f} "
-                  f"{r['requests_per_s']:>12.0f}")
+            print(
+                f"{r['target']:22} {r['p50_s_at_c1'] * 1000:>10.2f} {r['added_p50_ms']:>13.2f} "
+                f"{r['requests_per_s']:>12.0f}"
+            )
     print()
     for k, v in ratios.items():
         if isinstance(v, list):

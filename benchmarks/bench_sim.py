@@ -48,8 +48,15 @@ def bench(trace, cluster, policies, repeat):
             res = simulate(trace, pol, cluster, BtbConstants(), seed=42)
             best = min(best, time.perf_counter() - t0)
             summary = res.summary()
-        rows.append({"policy": pol, "wall_s": best, "requests_per_s": len(trace) / best,
-                     "ttft_mean_s": summary["ttft_s"]["mean"], "replications": summary["replications"]})
+        rows.append(
+            {
+                "policy": pol,
+                "wall_s": best,
+                "requests_per_s": len(trace) / best,
+                "ttft_mean_s": summary["ttft_s"]["mean"],
+                "replications": summary["replications"],
+            }
+        )
     base = next((r for r in rows if r["policy"] == "round_robin"), rows[0])
     for r in rows:
         r["ratio_vs_" + base["policy"]] = r["requests_per_s"] / base["requests_per_s"]
@@ -75,8 +82,15 @@ def compare(args) -> int:
                     best[name][key] = min(best[name].get(key, float("inf")), r["wall_s"])
     rows = []
     for key in best["this"]:
-        rows.append({"workload": key[0], "policy": key[1], "this_s": best["this"][key],
-                     "other_s": best["other"][key], "speed_ratio": best["other"][key] / best["this"][key]})
+        rows.append(
+            {
+                "workload": key[0],
+                "policy": key[1],
+                "this_s": best["this"][key],
+                "other_s": best["other"][key],
+                "speed_ratio": best["other"][key] / best["this"][key],
+            }
+        )
     totals = {}
     for r in rows:
         t = totals.setdefault(r["workload"], {"this_s": 0.0, "other_s": 0.0})
@@ -110,14 +124,20 @@ def main() -> int:
     policies = list(DEFAULT_POLICIES)
     out = {}
     bursted = generate_bursted(BurstedParams(), seed=42)
-    out["bursted_window"] = {"requests": len(bursted), "cluster": "4 x llama-3.3-70b on 4xh100",
-                             "rows": bench(bursted, ClusterConfig(), policies, args.repeat)}
+    out["bursted_window"] = {
+        "requests": len(bursted),
+        "cluster": "4 x llama-3.3-70b on 4xh100",
+        "rows": bench(bursted, ClusterConfig(), policies, args.repeat),
+    }
     if args.no_mooncake:
         pass
     elif args.mooncake.exists():
         mc = read_trace(str(args.mooncake))
-        out["mooncake"] = {"requests": len(mc), "cluster": "4 x llama-3.3-70b on 8xh100",
-                           "rows": bench(mc, ClusterConfig(gpus_per_replica=8), policies, args.repeat)}
+        out["mooncake"] = {
+            "requests": len(mc),
+            "cluster": "4 x llama-3.3-70b on 8xh100",
+            "rows": bench(mc, ClusterConfig(gpus_per_replica=8), policies, args.repeat),
+        }
     else:
         print(f"skipping Mooncake: {args.mooncake} not found", file=sys.stderr)
     if args.format == "json":
@@ -128,8 +148,10 @@ def main() -> int:
         print(f"  {'policy':<20}{'wall s':>8}{'req/s':>10}{'ratio':>8}{'TTFT mean s':>13}{'copies':>8}")
         for r in part["rows"]:
             ratio = next(v for k, v in r.items() if k.startswith("ratio_vs_"))
-            print(f"  {r['policy']:<20}{r['wall_s']:>8.2f}{r['requests_per_s']:>10.0f}{ratio:>8.2f}"
-                  f"{r['ttft_mean_s']:>13.3f}{r['replications']:>8}")
+            print(
+                f"  {r['policy']:<20}{r['wall_s']:>8.2f}{r['requests_per_s']:>10.0f}{ratio:>8.2f}"
+                f"{r['ttft_mean_s']:>13.3f}{r['replications']:>8}"
+            )
     return 0
 
 

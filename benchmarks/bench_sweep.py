@@ -22,8 +22,13 @@ import time
 from btbctl.engine.dryrun import DryRunConfig, load_trace
 from btbctl.engine.sweep import SweepGrid, SweepSpec, default_jobs, grid_points, run_point, run_sweep
 
-GRID = SweepGrid(prefix_blocks=(32, 64, 128, 256), threshold=(2, 3, 4, 8), window_s=(0.5, 1.0, 2.0),
-                 warm_replicas=(1, 2, 3, 4), policy=("btb",))
+GRID = SweepGrid(
+    prefix_blocks=(32, 64, 128, 256),
+    threshold=(2, 3, 4, 8),
+    window_s=(0.5, 1.0, 2.0),
+    warm_replicas=(1, 2, 3, 4),
+    policy=("btb",),
+)
 
 
 def main() -> int:
@@ -44,15 +49,24 @@ def main() -> int:
     report = run_sweep(spec, trace=trace)
     wall = report["timing"]["wall_s"]
     jobs = report["timing"]["jobs"]
-    out = {"runs": report["points"], "requests": report["trace"]["requests"], "jobs": jobs,
-           "cpus": default_jobs(), "wall_s": wall, "baseline_s_per_run": per_run,
-           "speedup": per_run * report["points"] / wall, "best": report["results"][0]["point"],
-           "best_ttft_mean_s": report["results"][0]["ttft_s"]["mean"]}
+    out = {
+        "runs": report["points"],
+        "requests": report["trace"]["requests"],
+        "jobs": jobs,
+        "cpus": default_jobs(),
+        "wall_s": wall,
+        "baseline_s_per_run": per_run,
+        "speedup": per_run * report["points"] / wall,
+        "best": report["results"][0]["point"],
+        "best_ttft_mean_s": report["results"][0]["ttft_s"]["mean"],
+    }
     if args.format == "json":
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{out['runs']} runs over {out['requests']} requests on {jobs} worker(s): {wall:.1f} s wall "
-          f"({per_run:.2f} s per run alone; speedup {out['speedup']:.2f}x)")
+    print(
+        f"{out['runs']} runs over {out['requests']} requests on {jobs} worker(s): {wall:.1f} s wall "
+        f"({per_run:.2f} s per run alone; speedup {out['speedup']:.2f}x)"
+    )
     print(f"best: {out['best']} -> mean TTFT {out['best_ttft_mean_s']:.3f} s")
     return 0
 

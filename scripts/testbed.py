@@ -50,11 +50,20 @@ def _emit(data) -> None:
 
 def cmd_up(args) -> int:
     try:
-        tb = netns.Testbed(args.hosts, rate_gbit=args.rate_gbit, delay_us=args.delay_us, prefix=args.prefix,
-                           subnet=args.subnet, persistent=True)
+        tb = netns.Testbed(
+            args.hosts,
+            rate_gbit=args.rate_gbit,
+            delay_us=args.delay_us,
+            prefix=args.prefix,
+            subnet=args.subnet,
+            persistent=True,
+        )
     except netns.TestbedBusy as e:
-        return _fail(f"{e}" if "down --prefix" in str(e) else f"{e}; if it is left over, run: "
-                     f"scripts/testbed.py down --prefix {args.prefix}")
+        return _fail(
+            f"{e}"
+            if "down --prefix" in str(e)
+            else f"{e}; if it is left over, run: scripts/testbed.py down --prefix {args.prefix}"
+        )
     except (netns.TestbedError, ValueError) as e:
         return _fail(str(e))
     out = tb.describe()
@@ -82,16 +91,29 @@ def _start_sshds(tb: netns.Testbed, folder: Path) -> dict:
     root = Path(__file__).resolve().parents[1]
     lines = [f"# [[hosts]] of testbed {tb.prefix!r} (scripts/testbed.py up --sshd); paste into a cluster file", ""]
     for s in servers:
-        entry = {"name": s.host.name, "address": s.host.address, "port": s.port, "user": s.user,
-                 "identity_file": str(s.client_key), "known_hosts": str(s.known_hosts), "python": sys.executable,
-                 "workdir": str(folder / "remote" / s.host.name), "env": {"PYTHONPATH": str(root)}}
+        entry = {
+            "name": s.host.name,
+            "address": s.host.address,
+            "port": s.port,
+            "user": s.user,
+            "identity_file": str(s.client_key),
+            "known_hosts": str(s.known_hosts),
+            "python": sys.executable,
+            "workdir": str(folder / "remote" / s.host.name),
+            "env": {"PYTHONPATH": str(root)},
+        }
         lines += ["[[hosts]]", *(f"{k} = {_toml(v)}" for k, v in entry.items()), ""]
     hosts_toml = folder / "hosts.toml"
     hosts_toml.write_text("\n".join(lines))
     first = servers[0]
-    return {"port": first.port, "user": first.user, "identity_file": str(first.client_key),
-            "known_hosts": str(first.known_hosts), "hosts_toml": str(hosts_toml),
-            "sshd_pids": {s.host.name: s.proc.pid for s in servers}}
+    return {
+        "port": first.port,
+        "user": first.user,
+        "identity_file": str(first.client_key),
+        "known_hosts": str(first.known_hosts),
+        "hosts_toml": str(hosts_toml),
+        "sshd_pids": {s.host.name: s.proc.pid for s in servers},
+    }
 
 
 def cmd_down(args) -> int:
@@ -145,8 +167,7 @@ def cmd_set(args) -> int:
     if tb is None:
         return 1
     try:
-        eps = tb.endpoints() if args.host == "all" else [
-            tb.operator if args.host == "operator" else tb.host(args.host)]
+        eps = tb.endpoints() if args.host == "all" else [tb.operator if args.host == "operator" else tb.host(args.host)]
         for ep in eps:
             if args.rate_gbit is not None:
                 ep.set_rate(None if args.rate_gbit == "none" else _rate(args.rate_gbit))
@@ -174,14 +195,25 @@ def main(argv: list[str] | None = None) -> int:
 
     up = add("up", "build a testbed and leave it up; prints its layout as JSON")
     up.add_argument("--hosts", type=int, default=2, help="number of hosts (default: %(default)s)")
-    up.add_argument("--rate-gbit", type=_rate, default=10.0,
-                    help="rate of every link, each direction, Gbit/s; 'none' = unlimited (default: %(default)s)")
-    up.add_argument("--delay-us", type=float, default=0.0,
-                    help="one-way delay of every link, each direction, microseconds (needs the kernel's netem; "
-                         "default: %(default)s)")
+    up.add_argument(
+        "--rate-gbit",
+        type=_rate,
+        default=10.0,
+        help="rate of every link, each direction, Gbit/s; 'none' = unlimited (default: %(default)s)",
+    )
+    up.add_argument(
+        "--delay-us",
+        type=float,
+        default=0.0,
+        help="one-way delay of every link, each direction, microseconds (needs the kernel's netem; "
+        "default: %(default)s)",
+    )
     up.add_argument("--subnet", help="a /24 to use instead of the first free one of 198.18.0.0/15")
-    up.add_argument("--sshd", metavar="DIR", help="run sshd in every host (keys, known_hosts and a hosts.toml of "
-                                                   "[[hosts]] entries go to DIR)")
+    up.add_argument(
+        "--sshd",
+        metavar="DIR",
+        help="run sshd in every host (keys, known_hosts and a hosts.toml of [[hosts]] entries go to DIR)",
+    )
     up.set_defaults(func=cmd_up)
     down = add("down", "remove the testbed and every process in it (nothing to remove is fine)")
     down.set_defaults(func=cmd_down)

@@ -71,8 +71,14 @@ class AgentProc:
         self.proc.wait()
 
 
-def start_agent(tmp: Path, name: str, arena_mib: int = 64, secret: bytes = SECRET, extra: list[str] | None = None,
-                python: str | None = None) -> AgentProc:
+def start_agent(
+    tmp: Path,
+    name: str,
+    arena_mib: int = 64,
+    secret: bytes = SECRET,
+    extra: list[str] | None = None,
+    python: str | None = None,
+) -> AgentProc:
     """Start ``btbctl agent`` with a fresh socket under ``tmp``; returns once it printed its ready line."""
     tmp.mkdir(parents=True, exist_ok=True)
     sec = tmp / f"{name}.secret"
@@ -80,8 +86,21 @@ def start_agent(tmp: Path, name: str, arena_mib: int = 64, secret: bytes = SECRE
     sock = str(tmp / f"{name}.sock")
     log_path = tmp / f"{name}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [python or sys.executable, "-m", "btbctl", "agent", "--secret-file", str(sec), "--arena-mib",
-           str(arena_mib), "--socket", sock, "--agent-id", name, *(extra or [])]
+    cmd = [
+        python or sys.executable,
+        "-m",
+        "btbctl",
+        "agent",
+        "--secret-file",
+        str(sec),
+        "--arena-mib",
+        str(arena_mib),
+        "--socket",
+        sock,
+        "--agent-id",
+        name,
+        *(extra or []),
+    ]
     logf = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, text=True, env=env)
     logf.close()

@@ -116,8 +116,19 @@ class FakeWorker:
         return web.json_response({}, status=self.health_status)
 
     async def loads(self, request):
-        return web.json_response({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 2, "num_used_tokens": 30,
-                                             "max_total_num_tokens": 100, "token_usage": 0.3}]})
+        return web.json_response(
+            {
+                "loads": [
+                    {
+                        "num_running_reqs": 1,
+                        "num_waiting_reqs": 2,
+                        "num_used_tokens": 30,
+                        "max_total_num_tokens": 100,
+                        "token_usage": 0.3,
+                    }
+                ]
+            }
+        )
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
@@ -180,9 +191,18 @@ class FakeWorker:
     async def info(self, request):
         if not self.btb:
             raise web.HTTPNotFound()
-        return web.json_response({"transfer_addr": self.transfer_addr, "page_size": self.page_size,
-                                  "kv_bytes_per_token": 10, "block_bytes": self.block_bytes, "model": "fake",
-                                  "gpu": "h100", "tp_size": 1, "capacity_tokens": 100000})
+        return web.json_response(
+            {
+                "transfer_addr": self.transfer_addr,
+                "page_size": self.page_size,
+                "kv_bytes_per_token": 10,
+                "block_bytes": self.block_bytes,
+                "model": "fake",
+                "gpu": "h100",
+                "tp_size": 1,
+                "capacity_tokens": 100000,
+            }
+        )
 
     async def push(self, request):
         if not self.btb:
@@ -214,9 +234,19 @@ class FakeWorker:
                 target = self.registry.get(c["target"])
                 if target is not None:
                     target.held.update(c["chain"])
-        return web.json_response({"copy_id": request.match_info["copy_id"], "role": "source", "state": state,
-                                  "bytes_sent": sent, "bytes_total": total, "blocks_verified": 0, "error": err,
-                                  "started_s": 0.0, "finished_s": None})
+        return web.json_response(
+            {
+                "copy_id": request.match_info["copy_id"],
+                "role": "source",
+                "state": state,
+                "bytes_sent": sent,
+                "bytes_total": total,
+                "blocks_verified": 0,
+                "error": err,
+                "started_s": 0.0,
+                "finished_s": None,
+            }
+        )
 
 
 async def start_fleet(n: int, **kw) -> list[FakeWorker]:
@@ -270,8 +300,7 @@ class GatewayEnv:
 
     async def post(self, path: str, body, **kw) -> tuple[int, object]:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        async with self.http.post(self.url + path, data=data, headers={"Content-Type": "application/json"},
-                                  **kw) as r:
+        async with self.http.post(self.url + path, data=data, headers={"Content-Type": "application/json"}, **kw) as r:
             text = await r.text()
             try:
                 return r.status, json.loads(text)

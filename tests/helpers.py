@@ -120,8 +120,9 @@ class FakeFleet:
     # -- CostView ----------------------------------------------------------------------------------------------
 
     def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        return leading_run(chain, self.cached[replica] | self.pending[replica] | self._arriving(replica)
-                           | self.planned[replica])
+        return leading_run(
+            chain, self.cached[replica] | self.pending[replica] | self._arriving(replica) | self.planned[replica]
+        )
 
     def queued_prefill_s(self, replica: int) -> float:
         return self.queued[replica]
@@ -134,8 +135,9 @@ class FakeFleet:
         return None if got is None else got[1]
 
     def nic_copies(self, replica: int) -> int:
-        return sum(1 for r in range(self.n_replicas) for _, st in self.in_flight[r].values()
-                   if replica in (r, st.source))
+        return sum(
+            1 for r in range(self.n_replicas) for _, st in self.in_flight[r].values() if replica in (r, st.source)
+        )
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         return 0.0
@@ -145,8 +147,9 @@ class FakeFleet:
 
     # -- the executor and test controls -------------------------------------------------------------------------
 
-    def arrive(self, replica: int, prefix: Sequence[Hashable], source: int = 0,
-               status: CopyStatus | None = None) -> None:
+    def arrive(
+        self, replica: int, prefix: Sequence[Hashable], source: int = 0, status: CopyStatus | None = None
+    ) -> None:
         """Put a copy of ``prefix`` in flight towards ``replica`` (nothing sent yet unless ``status`` says)."""
         prefix = tuple(prefix)
         if status is None:
@@ -154,8 +157,9 @@ class FakeFleet:
             status = CopyStatus(source, total, 0.0, total, self.cost.nic_bytes_per_s)
         self.in_flight[replica][prefix[-1]] = (prefix, status)
 
-    def replicate(self, chain: Sequence[Hashable], source: int, target: int, now_s: float,
-                  hot_since_s: float | None = None) -> bool:
+    def replicate(
+        self, chain: Sequence[Hashable], source: int, target: int, now_s: float, hot_since_s: float | None = None
+    ) -> bool:
         if source == target or target in self.refuse or chain[-1] in self.in_flight[target]:
             return False
         self.arrive(target, chain, source)
@@ -198,6 +202,9 @@ def route(policy, req, view, now_s):
     hot_since_s)`` (a fake view's executor), reporting each attempt to the policy; returns the chosen replica."""
     r = policy.route(req, view, now_s)
     for plan in r.copies:
-        carry_out(plan, lambda t, p=plan: view.replicate(p.prefix, p.source, t, now_s, p.hot_since_s),
-                  lambda t, ok, p=plan: policy.on_copy_result(p, t, ok, now_s))
+        carry_out(
+            plan,
+            lambda t, p=plan: view.replicate(p.prefix, p.source, t, now_s, p.hot_since_s),
+            lambda t, ok, p=plan: policy.on_copy_result(p, t, ok, now_s),
+        )
     return r.replica

@@ -21,11 +21,13 @@ def cli(*args: str, timeout: float = 120.0, check: bool = True) -> subprocess.Co
     env = dict(os.environ)
     env.pop("BTBCTL_RUN_DIR", None)
     env.pop("BTBCTL_DEBUG", None)
-    proc = subprocess.run([sys.executable, "-m", "btbctl", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "btbctl", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"btbctl {' '.join(args)} exited {proc.returncode}\nstdout: {proc.stdout}\n"
-                             f"stderr: {proc.stderr}")
+        raise AssertionError(
+            f"btbctl {' '.join(args)} exited {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+        )
     return proc
 
 
@@ -68,7 +70,8 @@ def force_cleanup(run_dir: Path) -> None:
 
 def http_json(url: str, body=None, timeout: float = 10.0):
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method="GET" if body is None else "POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())

@@ -123,17 +123,25 @@ def _probe() -> tuple[str | None, bool]:
             _probed = (f"cannot create network namespaces here (`ip netns add`: {r.stderr.strip()})", False)
             return _probed
         try:
-            steps = [("veth", ["ip", "-n", ns, "link", "add", "name", "a", "type", "veth", "peer", "name", "b"]),
-                     ("bridge", ["ip", "-n", ns, "link", "add", "name", "br", "type", "bridge"]),
-                     ("tbf", ["tc", "-n", ns, "qdisc", "add", "dev", "a", "root", *_tbf_args(1.0)])]
+            steps = [
+                ("veth", ["ip", "-n", ns, "link", "add", "name", "a", "type", "veth", "peer", "name", "b"]),
+                ("bridge", ["ip", "-n", ns, "link", "add", "name", "br", "type", "bridge"]),
+                ("tbf", ["tc", "-n", ns, "qdisc", "add", "dev", "a", "root", *_tbf_args(1.0)]),
+            ]
             why = None
             for what, argv in steps:
                 r = subprocess.run(argv, capture_output=True, text=True)
                 if r.returncode != 0:
                     why = f"the kernel cannot make a {what} here (`{' '.join(argv[3:])}`: {r.stderr.strip()})"
                     break
-            netem = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"],
-                                   capture_output=True, text=True).returncode == 0
+            netem = (
+                subprocess.run(
+                    ["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1us"],
+                    capture_output=True,
+                    text=True,
+                ).returncode
+                == 0
+            )
             _probed = (why, netem)
         finally:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -220,8 +228,9 @@ def netns_pids(ns: str) -> list[int]:
 def leftovers(prefix: str) -> list[str]:
     """What of testbed ``prefix`` exists: namespaces ``<prefix>-*`` and root links ``<prefix>-*``."""
     tag = f"{prefix}-"
-    return ([f"netns {n}" for n in list_netns() if n.startswith(tag)]
-            + [f"link {n}" for n in root_links() if n.startswith(tag)])
+    return [f"netns {n}" for n in list_netns() if n.startswith(tag)] + [
+        f"link {n}" for n in root_links() if n.startswith(tag)
+    ]
 
 
 def _kill_netns(ns: str, tracked: Iterable[subprocess.Popen] = (), grace_s: float = 1.0) -> None:
@@ -264,8 +273,9 @@ def _signal(pid: int, sig: int) -> None:
 # -- subnets -------------------------------------------------------------------------------------------------------
 
 
-def pick_subnet(taken: Iterable[ipaddress.IPv4Network], pool: ipaddress.IPv4Network = SUBNET_POOL
-                ) -> ipaddress.IPv4Network:
+def pick_subnet(
+    taken: Iterable[ipaddress.IPv4Network], pool: ipaddress.IPv4Network = SUBNET_POOL
+) -> ipaddress.IPv4Network:
     """The first /24 of ``pool`` that overlaps none of ``taken``."""
     taken = list(taken)
     for net in pool.subnets(new_prefix=24):
@@ -375,8 +385,10 @@ def sweep(prefix: str = DEFAULT_PREFIX, *, include_persistent: bool = False) -> 
     try:
         rec = read_record(prefix)
         if rec and rec.get("persistent") and not include_persistent:
-            raise TestbedBusy(f"testbed {prefix!r} was brought up on purpose (scripts/testbed.py up); remove it "
-                              f"with: scripts/testbed.py down --prefix {prefix}")
+            raise TestbedBusy(
+                f"testbed {prefix!r} was brought up on purpose (scripts/testbed.py up); remove it "
+                f"with: scripts/testbed.py down --prefix {prefix}"
+            )
         removed = _remove(prefix)
         _lock_path(prefix).unlink(missing_ok=True)
         return removed
@@ -422,13 +434,36 @@ class _Port:
     def shape(self, rate_gbit: float | None, delay_us: float, netem: bool) -> None:
         """Make the egress qdiscs say ``rate_gbit`` (None: unlimited) and ``delay_us`` (netem only)."""
         if netem:
-            _tc(self.ns, "qdisc", "replace", "dev", self.dev, "root", "handle", "1:", "netem", "delay",
-                f"{delay_us:g}us", "limit", str(NETEM_LIMIT))
+            _tc(
+                self.ns,
+                "qdisc",
+                "replace",
+                "dev",
+                self.dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{delay_us:g}us",
+                "limit",
+                str(NETEM_LIMIT),
+            )
             if rate_gbit is None:
                 _tc(self.ns, "qdisc", "del", "dev", self.dev, "parent", "1:1", "handle", "10:", check=False)
             else:
-                _tc(self.ns, "qdisc", "replace", "dev", self.dev, "parent", "1:1", "handle", "10:",
-                    *_tbf_args(rate_gbit))
+                _tc(
+                    self.ns,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    self.dev,
+                    "parent",
+                    "1:1",
+                    "handle",
+                    "10:",
+                    *_tbf_args(rate_gbit),
+                )
         elif rate_gbit is None:
             _tc(self.ns, "qdisc", "del", "dev", self.dev, "root", check=False)
         else:
@@ -472,8 +507,9 @@ class Endpoint:
         if us < 0:
             raise ValueError("delay_us must be >= 0")
         if us and not self._netem:
-            raise TestbedError(f"delay_us={us:g} needs the netem qdisc, which this kernel lacks "
-                               f"(CONFIG_NET_SCH_NETEM is not set)")
+            raise TestbedError(
+                f"delay_us={us:g} needs the netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM is not set)"
+            )
         self.delay_us = us
         self._shape()
 
@@ -554,9 +590,17 @@ class Testbed:
 
     __test__ = False
 
-    def __init__(self, n_hosts: int = 2, rate_gbit: float | None = 10.0, delay_us: float = 0.0,
-                 prefix: str = DEFAULT_PREFIX, *, names: Sequence[str] | None = None, subnet: str | None = None,
-                 persistent: bool = False) -> None:
+    def __init__(
+        self,
+        n_hosts: int = 2,
+        rate_gbit: float | None = 10.0,
+        delay_us: float = 0.0,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        names: Sequence[str] | None = None,
+        subnet: str | None = None,
+        persistent: bool = False,
+    ) -> None:
         why = missing_requirements()
         if why:
             raise TestbedError(why)
@@ -586,8 +630,10 @@ class Testbed:
         if rec and rec.get("persistent"):
             os.close(self._lock_fd)
             self._lock_fd = None
-            raise TestbedBusy(f"testbed {prefix!r} was brought up on purpose (scripts/testbed.py up); remove it "
-                              f"with: scripts/testbed.py down --prefix {prefix}")
+            raise TestbedBusy(
+                f"testbed {prefix!r} was brought up on purpose (scripts/testbed.py up); remove it "
+                f"with: scripts/testbed.py down --prefix {prefix}"
+            )
         if not persistent:
             _open.add(self)
         try:
@@ -604,8 +650,10 @@ class Testbed:
         op_if = f"{self.prefix}-op"
         self.netem = _probe()[1]
         if delay_us and not self.netem:
-            raise TestbedError(f"delay_us={delay_us:g} needs the netem qdisc, which this kernel lacks "
-                               f"(CONFIG_NET_SCH_NETEM is not set); use delay_us=0")
+            raise TestbedError(
+                f"delay_us={delay_us:g} needs the netem qdisc, which this kernel lacks "
+                f"(CONFIG_NET_SCH_NETEM is not set); use delay_us=0"
+            )
         with _GlobalLock():
             taken = taken_networks()
             if subnet is None:
@@ -613,14 +661,30 @@ class Testbed:
             else:
                 net = ipaddress.ip_network(subnet)
                 if net.prefixlen > 24 or any(net.overlaps(t) for t in taken):
-                    raise TestbedError(f"subnet {net} overlaps a route, an address or another testbed here "
-                                       f"(or is smaller than a /24)")
+                    raise TestbedError(
+                        f"subnet {net} overlaps a route, an address or another testbed here (or is smaller than a /24)"
+                    )
             self.subnet = net
             self._write_record()  # reserves the subnet for other testbeds being built
             _cmd(["ip", "netns", "add", sw])
             _ip(sw, "link", "set", "lo", "up")
-            _ip(sw, "link", "add", "name", BRIDGE, "type", "bridge", "stp_state", "0", "nf_call_iptables", "0",
-                "nf_call_ip6tables", "0", "nf_call_arptables", "0")
+            _ip(
+                sw,
+                "link",
+                "add",
+                "name",
+                BRIDGE,
+                "type",
+                "bridge",
+                "stp_state",
+                "0",
+                "nf_call_iptables",
+                "0",
+                "nf_call_ip6tables",
+                "0",
+                "nf_call_arptables",
+                "0",
+            )
             _ip(sw, "link", "set", BRIDGE, "addrgenmode", "none")
             _ip(sw, "link", "set", BRIDGE, "up")
             hosts_ip = list(net.hosts())
@@ -628,9 +692,16 @@ class Testbed:
             _ip(None, "link", "add", "name", op_if, "type", "veth", "peer", "name", OPERATOR_PORT, "netns", sw)
             _ip(None, "link", "set", op_if, "addrgenmode", "none")
             _ip(None, "addr", "add", f"{hosts_ip[0]}/{net.prefixlen}", "dev", op_if)
-            self.operator = Operator(name="operator", address=str(hosts_ip[0]), rate_gbit=rate_gbit,
-                                     delay_us=delay_us, _near=_Port(None, op_if), _far=_Port(sw, OPERATOR_PORT),
-                                     _netem=self.netem, interface=op_if)
+            self.operator = Operator(
+                name="operator",
+                address=str(hosts_ip[0]),
+                rate_gbit=rate_gbit,
+                delay_us=delay_us,
+                _near=_Port(None, op_if),
+                _far=_Port(sw, OPERATOR_PORT),
+                _netem=self.netem,
+                interface=op_if,
+            )
             self._plug(self.operator)
             _ip(None, "link", "set", op_if, "up")
         for i, name in enumerate(names):
@@ -641,8 +712,16 @@ class Testbed:
             _ip(ns, "link", "set", HOST_IFACE, "addrgenmode", "none")
             addr = str(hosts_ip[1 + i])
             _ip(ns, "addr", "add", f"{addr}/{net.prefixlen}", "dev", HOST_IFACE)
-            host = Host(name=name, address=addr, rate_gbit=rate_gbit, delay_us=delay_us,
-                        _near=_Port(ns, HOST_IFACE), _far=_Port(sw, name), _netem=self.netem, netns=ns)
+            host = Host(
+                name=name,
+                address=addr,
+                rate_gbit=rate_gbit,
+                delay_us=delay_us,
+                _near=_Port(ns, HOST_IFACE),
+                _far=_Port(sw, name),
+                _netem=self.netem,
+                netns=ns,
+            )
             self.hosts.append(host)
             self._plug(host)
             _ip(ns, "link", "set", HOST_IFACE, "up")
@@ -665,18 +744,41 @@ class Testbed:
             raise TestbedError(f"no testbed {prefix!r} is up")
         tb = cls.__new__(cls)
         tb.prefix, tb.persistent, tb.switch_netns = prefix, rec["persistent"], rec["switch_netns"]
-        tb.subnet, tb.netem, tb.closed, tb._lock_fd, tb.swept = (ipaddress.ip_network(rec["subnet"]), rec["netem"],
-                                                                 True, None, [])
+        tb.subnet, tb.netem, tb.closed, tb._lock_fd, tb.swept = (
+            ipaddress.ip_network(rec["subnet"]),
+            rec["netem"],
+            True,
+            None,
+            [],
+        )
         tb._owner_pid = rec.get("owner_pid")
         sw = tb.switch_netns
         o = rec["operator"]
-        tb.operator = Operator(name="operator", address=o["address"], rate_gbit=o["rate_gbit"],
-                               delay_us=o["delay_us"], _near=_Port(None, o["interface"]),
-                               _far=_Port(sw, OPERATOR_PORT), _netem=tb.netem, up=o.get("up", True),
-                               interface=o["interface"])
-        tb.hosts = [Host(name=h["name"], address=h["address"], rate_gbit=h["rate_gbit"], delay_us=h["delay_us"],
-                         _near=_Port(h["netns"], HOST_IFACE), _far=_Port(sw, h["name"]), _netem=tb.netem,
-                         up=h.get("up", True), netns=h["netns"]) for h in rec["hosts"]]
+        tb.operator = Operator(
+            name="operator",
+            address=o["address"],
+            rate_gbit=o["rate_gbit"],
+            delay_us=o["delay_us"],
+            _near=_Port(None, o["interface"]),
+            _far=_Port(sw, OPERATOR_PORT),
+            _netem=tb.netem,
+            up=o.get("up", True),
+            interface=o["interface"],
+        )
+        tb.hosts = [
+            Host(
+                name=h["name"],
+                address=h["address"],
+                rate_gbit=h["rate_gbit"],
+                delay_us=h["delay_us"],
+                _near=_Port(h["netns"], HOST_IFACE),
+                _far=_Port(sw, h["name"]),
+                _netem=tb.netem,
+                up=h.get("up", True),
+                netns=h["netns"],
+            )
+            for h in rec["hosts"]
+        ]
         return tb
 
     def update_record(self) -> None:
@@ -723,10 +825,26 @@ class Testbed:
             "netem": getattr(self, "netem", None),
             "persistent": self.persistent,
             "owner_pid": getattr(self, "_owner_pid", os.getpid()),
-            "operator": {"address": op.address, "interface": op.interface, "rate_gbit": op.rate_gbit,
-                         "delay_us": op.delay_us, "up": op.up} if op else None,
-            "hosts": [{"name": h.name, "address": h.address, "netns": h.netns, "rate_gbit": h.rate_gbit,
-                       "delay_us": h.delay_us, "up": h.up} for h in self.hosts],
+            "operator": {
+                "address": op.address,
+                "interface": op.interface,
+                "rate_gbit": op.rate_gbit,
+                "delay_us": op.delay_us,
+                "up": op.up,
+            }
+            if op
+            else None,
+            "hosts": [
+                {
+                    "name": h.name,
+                    "address": h.address,
+                    "netns": h.netns,
+                    "rate_gbit": h.rate_gbit,
+                    "delay_us": h.delay_us,
+                    "up": h.up,
+                }
+                for h in self.hosts
+            ],
         }
 
     # -- teardown --------------------------------------------------------------------------------------------------
@@ -764,8 +882,9 @@ class Testbed:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Testbed({self.prefix!r}, subnet={getattr(self, 'subnet', None)}, "
-                f"hosts={[h.address for h in self.hosts]})")
+        return (
+            f"Testbed({self.prefix!r}, subnet={getattr(self, 'subnet', None)}, hosts={[h.address for h in self.hosts]})"
+        )
 
 
 # -- sshd inside a host --------------------------------------------------------------------------------------------
@@ -773,8 +892,12 @@ class Testbed:
 
 def _keygen(path: Path) -> str:
     if not path.exists():
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "btbctl-testbed", "-f", str(path)],
-                       check=True, stdin=subprocess.DEVNULL, capture_output=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "btbctl-testbed", "-f", str(path)],
+            check=True,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+        )
     return " ".join(path.with_suffix(".pub").read_text().split()[:2])
 
 
@@ -833,29 +956,38 @@ def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0
     lines = [ln for ln in (known.read_text().splitlines() if known.exists() else []) if ln.split(" ")[0] != entry]
     known.write_text("".join(ln + "\n" for ln in [*lines, f"{entry} {host_pub}"]))
     cfg = own / "sshd_config"
-    cfg.write_text("\n".join([
-        f"Port {port}",
-        f"ListenAddress {host.address}",
-        f"HostKey {own / 'host_ed25519'}",
-        f"AuthorizedKeysFile {auth}",
-        "PubkeyAuthentication yes",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "UseDNS no",
-        "StrictModes no",
-        "PermitRootLogin prohibit-password",
-        "MaxSessions 64",
-        "MaxStartups 64",
-        "LogLevel ERROR",
-        "",
-    ]))
+    cfg.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                f"ListenAddress {host.address}",
+                f"HostKey {own / 'host_ed25519'}",
+                f"AuthorizedKeysFile {auth}",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "UseDNS no",
+                "StrictModes no",
+                "PermitRootLogin prohibit-password",
+                "MaxSessions 64",
+                "MaxStartups 64",
+                "LogLevel ERROR",
+                "",
+            ]
+        )
+    )
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
     log_path = own / "sshd.log"
     with open(log_path, "wb") as log:
-        proc = host.popen([sshd, "-D", "-e", "-f", str(cfg), "-o", "PidFile=none"], stdin=subprocess.DEVNULL,
-                          stdout=log, stderr=subprocess.STDOUT, start_new_session=detach)
+        proc = host.popen(
+            [sshd, "-D", "-e", "-f", str(cfg), "-o", "PidFile=none"],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=detach,
+        )
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
@@ -871,8 +1003,9 @@ def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0
             proc.kill()
             raise TestbedError(f"sshd in {host.name} did not answer on {host.address}:{port} within {timeout_s} s")
         time.sleep(0.05)
-    return HostSshd(host=host, port=port, client_key=client_key, known_hosts=known, user=getpass.getuser(),
-                    proc=proc, dir=folder)
+    return HostSshd(
+        host=host, port=port, client_key=client_key, known_hosts=known, user=getpass.getuser(), proc=proc, dir=folder
+    )
 
 
 # -- pytest fixtures -----------------------------------------------------------------------------------------------

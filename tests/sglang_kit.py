@@ -83,15 +83,30 @@ class _Kit(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
 
 
 def backend_config(socket: str, interface_v1: bool, **extra) -> dict:
-    return {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store",
-            "interface_v1": int(interface_v1), "agent_socket": socket, "prefetch_threshold": 1, **extra}
+    return {
+        "backend_name": "btb",
+        "module_path": "btbctl.sglang_l3",
+        "class_name": "BtbL3Store",
+        "interface_v1": int(interface_v1),
+        "agent_socket": socket,
+        "prefetch_threshold": 1,
+        **extra,
+    }
 
 
 class Worker:
     """One SGLang HiCache worker (tree, controller, host pool) whose L3 is ``BtbL3Store`` on ``socket``."""
 
-    def __init__(self, socket: str | None, layout: str = "page_first", interface_v1: bool = True,
-                 policy: str = "wait_complete", model: str = "", file_dir: str | None = None, **extra) -> None:
+    def __init__(
+        self,
+        socket: str | None,
+        layout: str = "page_first",
+        interface_v1: bool = True,
+        policy: str = "wait_complete",
+        model: str = "",
+        file_dir: str | None = None,
+        **extra,
+    ) -> None:
         """With ``file_dir``, the L3 backend is SGLang's stock ``file`` backend on that directory instead."""
         self.kit = _Kit()
         kit = self.kit
@@ -99,13 +114,19 @@ class Worker:
         po = get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
         po.__enter__()
         kit.addCleanup(po.__exit__, None, None, None)
-        args = ServerArgs(model_path="dummy", served_model_name=model or None, page_size=CFG.page_size,
-                          hicache_io_backend="kernel", hicache_mem_layout=layout, hicache_write_policy="write_through",
-                          hicache_storage_backend="file" if file_dir else "dynamic",
-                          hicache_storage_backend_extra_config=json.dumps(
-                              {"prefetch_threshold": 1, **extra} if file_dir
-                              else backend_config(socket, interface_v1, **extra)),
-                          hicache_storage_prefetch_policy=policy)
+        args = ServerArgs(
+            model_path="dummy",
+            served_model_name=model or None,
+            page_size=CFG.page_size,
+            hicache_io_backend="kernel",
+            hicache_mem_layout=layout,
+            hicache_write_policy="write_through",
+            hicache_storage_backend="file" if file_dir else "dynamic",
+            hicache_storage_backend_extra_config=json.dumps(
+                {"prefetch_threshold": 1, **extra} if file_dir else backend_config(socket, interface_v1, **extra)
+            ),
+            hicache_storage_prefetch_policy=policy,
+        )
         set_global_server_args_for_scheduler(args)
         cache = self.cache
         if file_dir:

@@ -38,8 +38,10 @@ def require_sshd() -> str:
     """The sshd binary, or skip the test with the reason."""
     path = sshd_path()
     if path is None:
-        pytest.skip("sshd is not installed (apt-get install openssh-server); the SSH launcher tests need a real "
-                    "sshd on loopback")
+        pytest.skip(
+            "sshd is not installed (apt-get install openssh-server); the SSH launcher tests need a real "
+            "sshd on loopback"
+        )
     if shutil.which("ssh-keygen") is None:
         pytest.skip("ssh-keygen is not installed (openssh-client)")
     if not sys.platform.startswith("linux"):
@@ -90,8 +92,11 @@ class Sshd:
 
 
 def _keygen(path: Path) -> str:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "btbctl-test", "-f", str(path)], check=True,
-                   stdin=subprocess.DEVNULL)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "btbctl-test", "-f", str(path)],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
     return (path.with_suffix(".pub")).read_text().split(None, 2)[0:2]
 
 
@@ -114,27 +119,35 @@ def start_sshd(folder: Path) -> Sshd:
     other = folder / "known_hosts_other"
     other.write_text("".join(f"[{h}]:{port} {otype} {okey}\n" for h in HOSTS))
     cfg = folder / "sshd_config"
-    cfg.write_text("\n".join([
-        f"Port {port}",
-        *(f"ListenAddress {h}" for h in HOSTS),
-        f"HostKey {host_key}",
-        f"AuthorizedKeysFile {folder / 'authorized_keys'}",
-        "PubkeyAuthentication yes",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "StrictModes no",
-        "PermitRootLogin prohibit-password",
-        "MaxSessions 64",
-        "MaxStartups 64",
-        "LogLevel ERROR",
-        "",
-    ]))
+    cfg.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                *(f"ListenAddress {h}" for h in HOSTS),
+                f"HostKey {host_key}",
+                f"AuthorizedKeysFile {folder / 'authorized_keys'}",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "PermitRootLogin prohibit-password",
+                "MaxSessions 64",
+                "MaxStartups 64",
+                "LogLevel ERROR",
+                "",
+            ]
+        )
+    )
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
     log = open(folder / "sshd.log", "wb")
-    proc = subprocess.Popen([sshd, "-D", "-e", "-f", str(cfg), "-o", "PidFile=none"], stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sshd, "-D", "-e", "-f", str(cfg), "-o", "PidFile=none"],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()
     deadline = time.monotonic() + 10
     while True:
@@ -150,16 +163,31 @@ def start_sshd(folder: Path) -> Sshd:
                 proc.kill()
                 raise RuntimeError("sshd did not listen within 10 s") from None
             time.sleep(0.05)
-    return Sshd(port=port, client_key=client_key, known_hosts=known, other_key_known_hosts=other,
-                user=getpass.getuser(), proc=proc, dir=folder)
+    return Sshd(
+        port=port,
+        client_key=client_key,
+        known_hosts=known,
+        other_key_known_hosts=other,
+        user=getpass.getuser(),
+        proc=proc,
+        dir=folder,
+    )
 
 
 def host_table(server: Sshd, name: str, address: str, **over) -> dict:
     """A ``[[hosts]]`` entry (as a dict) reaching ``address`` through ``server``, running this Python."""
-    entry = {"name": name, "address": address, "port": server.port, "user": server.user,
-             "identity_file": str(server.client_key), "known_hosts": str(server.known_hosts),
-             "python": sys.executable, "workdir": str(server.dir / "remote" / name),
-             "env": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-             "connect_timeout_s": 5.0, "start_timeout_s": 20.0}
+    entry = {
+        "name": name,
+        "address": address,
+        "port": server.port,
+        "user": server.user,
+        "identity_file": str(server.client_key),
+        "known_hosts": str(server.known_hosts),
+        "python": sys.executable,
+        "workdir": str(server.dir / "remote" / name),
+        "env": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        "connect_timeout_s": 5.0,
+        "start_timeout_s": 20.0,
+    }
     entry.update(over)
     return entry

@@ -84,12 +84,15 @@ def test_local_protocol_put_get_with_the_mapped_arena(tmp_path):
     try:
         rep, conn = c.call({"op": "put", "ns": ns.ns_id, "keys": keys, "size": PAGE})
         for i, off in enumerate(rep["offsets"]):
-            conn.arena.view[off:off + PAGE] = bytes([i + 1]) * PAGE
-        assert c.call({"op": "commit", "token": rep["token"], "written": [True, False, True]})[0]["committed"] == \
-            [True, False, True]
+            conn.arena.view[off : off + PAGE] = bytes([i + 1]) * PAGE
+        assert c.call({"op": "commit", "token": rep["token"], "written": [True, False, True]})[0]["committed"] == [
+            True,
+            False,
+            True,
+        ]
         assert c.call({"op": "exists", "ns": ns.ns_id, "keys": keys})[0]["n"] == 1  # page 1 was not written
         rep, conn = c.call({"op": "get", "ns": ns.ns_id, "keys": keys, "size": PAGE})
-        assert len(rep["offsets"]) == 1 and bytes(conn.arena.view[rep["offsets"][0]:][:PAGE]) == b"\x01" * PAGE
+        assert len(rep["offsets"]) == 1 and bytes(conn.arena.view[rep["offsets"][0] :][:PAGE]) == b"\x01" * PAGE
         c.send({"op": "release", "lease": rep["lease"]})
         assert store.namespaces[ns.ns_id]["model"] == "m"
         with pytest.raises(AgentUnavailable, match="keys must be"):

@@ -126,8 +126,9 @@ def test_garbage_before_authentication_is_cut_off(nodes):
     assert dst.store.stats()["used_bytes"] == 0
 
 
-@pytest.mark.parametrize("fault,reason", [(SendFaults(corrupt_wire=2), "xxh3_64 mismatch"),
-                                          (SendFaults(truncate=1), "bytes where")])
+@pytest.mark.parametrize(
+    "fault,reason", [(SendFaults(corrupt_wire=2), "xxh3_64 mismatch"), (SendFaults(truncate=1), "bytes where")]
+)
 def test_forged_or_truncated_page_is_refused_and_nothing_is_served(nodes, fault, reason):
     src = nodes("src", faults=fault)
     dst = nodes("dst")
@@ -211,8 +212,9 @@ def test_source_agent_killed_mid_copy_leaves_the_target_cold(tmp_path, monkeypat
         rep, conn = c.call({"op": "put", "ns": ns.ns_id, "keys": keys, "size": PAGE})
         c.call({"op": "commit", "token": rep["token"], "written": [True] * len(keys)})
         token = dst.expect("k1", keys)
-        st, _ = src.call("POST", "/v1/push", {"copy_id": "k1", "keys": keys,
-                                              "targets": [{"addr": dst.peer, "token": token}]})
+        st, _ = src.call(
+            "POST", "/v1/push", {"copy_id": "k1", "keys": keys, "targets": [{"addr": dst.peer, "token": token}]}
+        )
         assert st == 202
         wait_for(lambda: dst.records("k1").get("target", {}).get("pages_done", 0) >= 3, 10, "3 pages in")
         src.kill()
@@ -239,11 +241,19 @@ def test_control_api_auth_and_errors(tmp_path):
         t = "control-token-0123456789abcdef"
         st, rep = a.call("POST", "/v1/has", {"keys": keys}, token=t)
         assert st == 200 and rep["complete"] == []
-        st, rep = a.call("POST", "/v1/push", {"copy_id": "x", "keys": keys,
-                                              "targets": [{"addr": "127.0.0.1:9", "token": "t"}]}, token=t)
+        st, rep = a.call(
+            "POST",
+            "/v1/push",
+            {"copy_id": "x", "keys": keys, "targets": [{"addr": "127.0.0.1:9", "token": "t"}]},
+            token=t,
+        )
         assert st == 409 and "does not hold" in rep["error"]
-        st, rep = a.call("POST", "/v1/push", {"copy_id": "x", "keys": keys, "fanout": "ring",
-                                              "targets": [{"addr": "127.0.0.1:9", "token": "t"}]}, token=t)
+        st, rep = a.call(
+            "POST",
+            "/v1/push",
+            {"copy_id": "x", "keys": keys, "fanout": "ring", "targets": [{"addr": "127.0.0.1:9", "token": "t"}]},
+            token=t,
+        )
         assert st == 400 and "fanout" in rep["error"]
         assert a.call("POST", "/v1/expect", {"copy_id": "bad id!"}, token=t)[0] == 400
         assert a.call("POST", "/v1/expect", {"copy_id": "e1"}, token=t)[0] == 200
@@ -261,18 +271,28 @@ def test_cli_errors_are_one_line(tmp_path):
 
     sec = tmp_path / "s"
     sec.write_bytes(b"short")
-    for args, needle in ((["--secret-file", str(sec)], "--secret-file"),
-                         (["--secret-file", str(tmp_path / "none")], "cannot read"),
-                         (["--secret-file", __file__, "--peer", "nope"], "--peer: bad address"),
-                         (["--secret-file", __file__, "--transport", "carrier-pigeon"], "--transport"),
-                         (["--secret-file", __file__, "--arena-mib", "0"], "--arena-mib")):
-        p = subprocess.run([sys.executable, "-m", "btbctl", "agent", "--socket", str(tmp_path / "x.sock"), *args],
-                           capture_output=True, text=True, timeout=60)
+    for args, needle in (
+        (["--secret-file", str(sec)], "--secret-file"),
+        (["--secret-file", str(tmp_path / "none")], "cannot read"),
+        (["--secret-file", __file__, "--peer", "nope"], "--peer: bad address"),
+        (["--secret-file", __file__, "--transport", "carrier-pigeon"], "--transport"),
+        (["--secret-file", __file__, "--arena-mib", "0"], "--arena-mib"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "btbctl", "agent", "--socket", str(tmp_path / "x.sock"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 2, (args, p.stderr)
         assert p.stderr.count("\n") == 1 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr
-    p = subprocess.run([sys.executable, "-m", "btbctl", "agent", "--socket", str(tmp_path / "x.sock"),
-                        "--secret-file", str(sec)], capture_output=True, text=True, timeout=60,
-                       env={**__import__("os").environ, "BTBCTL_DEBUG": "1"})
+    p = subprocess.run(
+        [sys.executable, "-m", "btbctl", "agent", "--socket", str(tmp_path / "x.sock"), "--secret-file", str(sec)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "BTBCTL_DEBUG": "1"},
+    )
     assert "Traceback" in p.stderr
 
 
@@ -303,12 +323,28 @@ def test_file_mode_copies_exactly_the_named_files(tmp_path, monkeypatch):
     try:
         st, have = a.call("POST", "/v1/has", {"keys": keys})
         assert have["complete"] == ["_m_0_1", "_m_1_2"]
-        rec_f = f.call("POST", "/v1/push", {"copy_id": "f0", "keys": keys, "namespaces": ["_m_0_1"],
-                                            "targets": [{"addr": b.peer, "token": b.expect("f0", keys)}]})
+        rec_f = f.call(
+            "POST",
+            "/v1/push",
+            {
+                "copy_id": "f0",
+                "keys": keys,
+                "namespaces": ["_m_0_1"],
+                "targets": [{"addr": b.peer, "token": b.expect("f0", keys)}],
+            },
+        )
         assert rec_f[0] == 202 and b.wait_final("f0", "target")["state"] == "failed"
         assert not dir_b.exists() or not any(dir_b.iterdir())  # a forged copy leaves no file, not even a temp one
-        st, rec = a.call("POST", "/v1/push", {"copy_id": "f1", "keys": keys, "namespaces": ["_m_0_1"],
-                                              "targets": [{"addr": b.peer, "token": b.expect("f1", keys)}]})
+        st, rec = a.call(
+            "POST",
+            "/v1/push",
+            {
+                "copy_id": "f1",
+                "keys": keys,
+                "namespaces": ["_m_0_1"],
+                "targets": [{"addr": b.peer, "token": b.expect("f1", keys)}],
+            },
+        )
         assert st == 202 and b.wait_final("f1", "target")["state"] == "done"
         assert sorted(p.name for p in dir_b.iterdir()) == sorted(f"{k}_m_0_1.bin" for k in keys)
         assert all((dir_b / p).read_bytes() == (dir_a / p).read_bytes() for p in os.listdir(dir_b))

@@ -41,7 +41,7 @@ class FakeDevice:
         dst, doff = self.bufs[remote_addr >> 40], remote_addr & ((1 << 40) - 1)
         assert lkey == local_addr >> 40 and rkey == remote_addr >> 40
         assert soff + length <= len(src) and doff + length <= len(dst)  # never crosses a registered slice
-        dst[doff:doff + length] = src[soff:soff + length]
+        dst[doff : doff + length] = src[soff : soff + length]
         self.writes.append((wr_id, length))
         if wr_id != self.lose_wr:
             self.cq.append((wr_id, wr_id != self.fail_wr))
@@ -66,7 +66,10 @@ def test_writes_split_at_slice_boundaries_and_message_size():
     w = plan_arena_writes([(90, 60, 30), (0, 150, 40)], src, dst, max_msg_bytes=16)
     # page 0: src 90..120 crosses src slice 1 at 100, dst 60..90 crosses dst slice 1 at 64
     assert [(x.page, x.src_slice, x.src_off, x.dst_slice, x.dst_off, x.length) for x in w[:3]] == [
-        (0, 0, 90, 0, 60, 4), (0, 0, 94, 1, 0, 6), (0, 1, 0, 1, 6, 16)]
+        (0, 0, 90, 0, 60, 4),
+        (0, 0, 94, 1, 0, 6),
+        (0, 1, 0, 1, 6, 16),
+    ]
     assert sum(x.length for x in w if x.page == 0) == 30 and sum(x.length for x in w if x.page == 1) == 40
     assert all(x.length <= 16 for x in w)
     with pytest.raises(ValueError, match="outside"):
@@ -88,12 +91,13 @@ def test_arena_copy_moves_verifies_and_reports_each_page():
     assert len(s_sl) == 6 and len(d_sl) == 6
     pages = [(k * page, (n - 1 - k) * page + 100, page) for k in range(n)]  # scattered target extents
     done = []
-    write_arena_pages(dev, plan_arena_writes(pages, s_sl, d_sl, 1024), s_sl, s_lk, d_sl, max_outstanding=4,
-                      on_page=done.append)
+    write_arena_pages(
+        dev, plan_arena_writes(pages, s_sl, d_sl, 1024), s_sl, s_lk, d_sl, max_outstanding=4, on_page=done.append
+    )
     assert sorted(done) == list(range(n))
     import xxhash
 
-    digests = [xxhash.xxh3_64_intdigest(src[o:o + page]) for o, _, _ in pages]
+    digests = [xxhash.xxh3_64_intdigest(src[o : o + page]) for o, _, _ in pages]
     assert verify_arena_pages(dst, [(d, sz) for _, d, sz in pages], digests) is None
     dst[pages[3][1] + 5] ^= 1
     assert verify_arena_pages(dst, [(d, sz) for _, d, sz in pages], digests) == 3  # the target refuses to commit

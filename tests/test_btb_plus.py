@@ -48,6 +48,7 @@ def policy(n: int = 4, **k) -> BtbPlus:
 
 # -- rule 4: break-even ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("nic_gbps,copies", [(400.0, True), (0.5, False)])
 def test_break_even_copies_over_a_fast_fabric_and_not_over_a_slow_one(nic_gbps, copies):
     c = cost(nic_gbps)
@@ -96,6 +97,7 @@ def test_copies_trail_a_source_still_computing_and_carry_the_fire_time():
 
 # -- rule 2: how many replicas ----------------------------------------------------------------------------------------
 
+
 def test_rate_target_grows_with_the_arrival_rate_and_is_capped_by_m():
     pol = policy(8, replicas=3, window_s=2.0)
     s = 0.05  # seconds of suffix prefill per request: one replica serves 20 requests/s
@@ -126,6 +128,7 @@ def test_replicas_warmed_follow_the_rate_not_a_fixed_m():
 
 # -- rule 1: the deepest hot prefix ---------------------------------------------------------------------------------
 
+
 def test_deepest_chain_match_beyond_y():
     pol = policy(2, prefix_blocks=2, threshold=2)
     shared = tuple(f"s{j}" for j in range(9))
@@ -141,6 +144,7 @@ def test_deepest_chain_match_beyond_y():
 
 
 # -- rule 5: expected-TTFT routing ----------------------------------------------------------------------------------
+
 
 def test_routing_prefers_a_nearly_done_copy_over_a_long_queue():
     view = FakeFleet(3)
@@ -210,10 +214,20 @@ def test_set_constants_retunes_live():
 
 # -- end to end -------------------------------------------------------------------------------------------------------
 
+
 def test_small_simulation_end_to_end():
-    params = BurstedParams(bursts=2, burst_size=60, spread_s=1.0, prefix_tokens=256 * BT, decoys=10,
-                           first_burst_s=5.0, burst_period_s=20.0, jitter_s=1.0, decoy_start_s=0.0,
-                           decoy_end_s=40.0)
+    params = BurstedParams(
+        bursts=2,
+        burst_size=60,
+        spread_s=1.0,
+        prefix_tokens=256 * BT,
+        decoys=10,
+        first_burst_s=5.0,
+        burst_period_s=20.0,
+        jitter_s=1.0,
+        decoy_start_s=0.0,
+        decoy_end_s=40.0,
+    )
     trace = generate_bursted(params, seed=3)
     k = BtbConstants(prefix_blocks=16, threshold=2, window_s=1.0, replicas=4)
     cl = ClusterConfig()

@@ -55,6 +55,7 @@ def run_config(capsys, tmp_path, name: str, text: str) -> tuple[Path, int, str]:
 
 # -- errors: exit 2, one line, no traceback -----------------------------------------------------------------------
 
+
 def test_unknown_model_preset(capsys):
     code, out, err = run(capsys, "dry-run", *SMALL, "--model", "llama-9")
     line = assert_one_line_error(code, err, "--model", "'llama-9'", "llama-3.3-70b", "qwen3-8b")
@@ -95,12 +96,12 @@ def test_bad_top_level_toml_key(capsys, tmp_path):
 
 
 def test_bad_toml_value_names_dotted_key(capsys, tmp_path):
-    cfg, code, err = run_config(capsys, tmp_path, "value.toml", '[btb]\nthreshold = 0\n')
+    cfg, code, err = run_config(capsys, tmp_path, "value.toml", "[btb]\nthreshold = 0\n")
     assert_one_line_error(code, err, str(cfg), "btb.threshold", "greater than or equal to 1")
 
 
 def test_toml_syntax_error_names_file_and_line(capsys, tmp_path):
-    cfg, code, err = run_config(capsys, tmp_path, "broken.toml", 'seed = 1\n[cluster]\nmodel = \n')
+    cfg, code, err = run_config(capsys, tmp_path, "broken.toml", "seed = 1\n[cluster]\nmodel = \n")
     assert_one_line_error(code, err, str(cfg), "line 3", "invalid TOML")
 
 
@@ -120,20 +121,22 @@ def test_unknown_fidelity(capsys):
 
 
 def test_infersim_fidelity_runs(capsys):
-    code, out, err = run(capsys, "dry-run", *SMALL, "--policies", "cache_aware", "--format", "json",
-                         "--fidelity", "infersim")
+    code, out, err = run(
+        capsys, "dry-run", *SMALL, "--policies", "cache_aware", "--format", "json", "--fidelity", "infersim"
+    )
     assert code == 0, err
     assert json.loads(out)["fidelity"] == "infersim"
 
 
 def test_generator_cross_field_rule(capsys, tmp_path):
-    cfg, code, err = run_config(capsys, tmp_path, "gen.toml", '[trace.generate]\nfirst_burst_s = 1.0\njitter_s = 2.0\n')
+    cfg, code, err = run_config(capsys, tmp_path, "gen.toml", "[trace.generate]\nfirst_burst_s = 1.0\njitter_s = 2.0\n")
     assert_one_line_error(code, err, str(cfg), "trace.generate.jitter_s")
 
 
 def test_unwritable_requests_out(capsys, tmp_path):
-    code, _, err = run(capsys, "dry-run", *SMALL, "--policies", "btb",
-                       "--requests-out", str(tmp_path / "no-such-dir" / "r.jsonl"))
+    code, _, err = run(
+        capsys, "dry-run", *SMALL, "--policies", "btb", "--requests-out", str(tmp_path / "no-such-dir" / "r.jsonl")
+    )
     assert_one_line_error(code, err, "--requests-out", "no-such-dir")
 
 
@@ -145,13 +148,13 @@ def test_error_funnel_in_a_real_process(tmp_path):
     assert proc.stdout == ""
     assert proc.stderr.startswith("btbctl: error: --model: unknown preset 'gpt-17'")
     assert len(proc.stderr.strip().splitlines()) == 1
-    debug = subprocess.run(cmd, capture_output=True, text=True, env={**env, "BTBCTL_DEBUG": "1"}, cwd=REPO,
-                           timeout=60)
+    debug = subprocess.run(cmd, capture_output=True, text=True, env={**env, "BTBCTL_DEBUG": "1"}, cwd=REPO, timeout=60)
     assert debug.returncode != 0
     assert "Traceback" in debug.stderr and "ConfigError" in debug.stderr
 
 
 # -- JSON report ----------------------------------------------------------------------------------------------------
+
 
 def test_json_report_has_exactly_the_schema(capsys):
     r = run_json(capsys)
@@ -160,17 +163,35 @@ def test_json_report_has_exactly_the_schema(capsys):
     assert list(r["cluster"]) == ["model", "gpu", "gpus_per_replica", "replicas", "nic_gbps"]
     assert list(r["constants"]) == ["prefix_blocks", "threshold", "window_s", "warm_replicas"]
     assert list(r["timing"]) == ["wall_s", "requests_per_s"]
-    assert r["trace"] == {"path": None, "format": "generated", "requests": SMALL_REQUESTS,
-                          "span_s": r["trace"]["span_s"], "block_tokens": 256}
+    assert r["trace"] == {
+        "path": None,
+        "format": "generated",
+        "requests": SMALL_REQUESTS,
+        "span_s": r["trace"]["span_s"],
+        "block_tokens": 256,
+    }
     assert r["trace"]["span_s"] > 0
-    assert r["cluster"] == {"model": "llama-3.3-70b", "gpu": "h100", "gpus_per_replica": 4, "replicas": 4,
-                            "nic_gbps": 400.0}
+    assert r["cluster"] == {
+        "model": "llama-3.3-70b",
+        "gpu": "h100",
+        "gpus_per_replica": 4,
+        "replicas": 4,
+        "nic_gbps": 400.0,
+    }
     assert r["constants"] == {"prefix_blocks": 256, "threshold": 2, "window_s": 1.0, "warm_replicas": 4}
     assert r["fidelity"] == "realistic" and r["seed"] == 42
     assert [s["policy"] for s in r["results"]] == list(DEFAULT_POLICIES)
     for s in r["results"]:
-        assert list(s) == ["policy", "requests", "ttft_s", "by_kind", "prefix_hit_ratio", "replications",
-                           "replicated_bytes", "recomputed_prefix_tokens"]
+        assert list(s) == [
+            "policy",
+            "requests",
+            "ttft_s",
+            "by_kind",
+            "prefix_hit_ratio",
+            "replications",
+            "replicated_bytes",
+            "recomputed_prefix_tokens",
+        ]
         assert list(s["ttft_s"]) == ["mean", "p50", "p95", "p99", "max"]
         assert s["requests"] == SMALL_REQUESTS
         assert set(s["by_kind"]) == {"burst", "decoy"}
@@ -201,12 +222,33 @@ def test_floats_are_rounded_to_six_significant_digits(capsys):
 
 
 def test_policy_order_and_flags_are_reported(capsys):
-    r = run_json(capsys, "--policies", "btb, round_robin", "--model", "qwen3-8b", "--gpu", "h200",
-                 "--gpus-per-replica", "1", "--replicas", "3", "--nic-gbps", "200", "--prefix-blocks", "128",
-                 "--threshold", "3", "--window-s", "0.5", "--btb-replicas", "2", "--seed", "7")
+    r = run_json(
+        capsys,
+        "--policies",
+        "btb, round_robin",
+        "--model",
+        "qwen3-8b",
+        "--gpu",
+        "h200",
+        "--gpus-per-replica",
+        "1",
+        "--replicas",
+        "3",
+        "--nic-gbps",
+        "200",
+        "--prefix-blocks",
+        "128",
+        "--threshold",
+        "3",
+        "--window-s",
+        "0.5",
+        "--btb-replicas",
+        "2",
+        "--seed",
+        "7",
+    )
     assert [s["policy"] for s in r["results"]] == ["btb", "round_robin"]
-    assert r["cluster"] == {"model": "qwen3-8b", "gpu": "h200", "gpus_per_replica": 1, "replicas": 3,
-                            "nic_gbps": 200.0}
+    assert r["cluster"] == {"model": "qwen3-8b", "gpu": "h200", "gpus_per_replica": 1, "replicas": 3, "nic_gbps": 200.0}
     assert r["constants"] == {"prefix_blocks": 128, "threshold": 3, "window_s": 0.5, "warm_replicas": 2}
     assert r["seed"] == 7
 
@@ -251,14 +293,21 @@ def test_spread_s_1_is_the_adversarial_variant(capsys):
 
 # -- human output ---------------------------------------------------------------------------------------------------
 
+
 def test_human_output_has_header_tables_and_chart(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     code, out, err = run(capsys, "dry-run", *SMALL)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith("trace: generated Bursted window")
-    for needle in ("fleet: 4 x llama-3.3-70b on 4 x h100", "prefix_blocks=256", "fidelity: realistic",
-                   "TTFT by policy", "TTFT by request kind", "TTFT p50 | p95 | p99"):
+    for needle in (
+        "fleet: 4 x llama-3.3-70b on 4 x h100",
+        "prefix_blocks=256",
+        "fidelity: realistic",
+        "TTFT by policy",
+        "TTFT by request kind",
+        "TTFT p50 | p95 | p99",
+    ):
         assert needle in out, needle
     for policy in DEFAULT_POLICIES:
         assert any(line.startswith(policy + " ") for line in lines), policy
@@ -267,10 +316,13 @@ def test_human_output_has_header_tables_and_chart(capsys, monkeypatch):
 
 # -- config files ---------------------------------------------------------------------------------------------------
 
+
 def test_flags_override_config_values(capsys, tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('seed = 5\npolicies = ["btb"]\n[cluster]\nreplicas = 2\nmodel = "qwen3-8b"\ngpus_per_replica = 1\n'
-                   '[trace.generate]\nbursts = 1\nburst_size = 20\ndecoys = 2\n')
+    cfg.write_text(
+        'seed = 5\npolicies = ["btb"]\n[cluster]\nreplicas = 2\nmodel = "qwen3-8b"\ngpus_per_replica = 1\n'
+        "[trace.generate]\nbursts = 1\nburst_size = 20\ndecoys = 2\n"
+    )
     code, out, err = run(capsys, "dry-run", "-c", str(cfg), "--replicas", "3", "--format", "json")
     assert code == 0, err
     r = json.loads(out)
@@ -284,8 +336,10 @@ def test_flags_override_config_values(capsys, tmp_path):
 
 
 def _write_mooncake(path: Path, n: int = 30) -> None:
-    rows = [{"timestamp": 100 * i, "input_length": 1500, "output_length": 4,
-             "hash_ids": [1, 2, 3 + (i % 3)]} for i in range(n)]
+    rows = [
+        {"timestamp": 100 * i, "input_length": 1500, "output_length": 4, "hash_ids": [1, 2, 3 + (i % 3)]}
+        for i in range(n)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -295,8 +349,10 @@ def test_relative_trace_path_resolves_against_config_folder(capsys, tmp_path, mo
     _write_mooncake(trace)
     cfg = tmp_path / "proj" / "configs" / "tiny.toml"
     cfg.parent.mkdir(parents=True)
-    cfg.write_text('policies = ["least_load", "cache_aware"]\n[trace]\npath = "../traces/tiny.jsonl"\n'
-                   'format = "mooncake"\n[btb]\nprefix_blocks = 2\n')
+    cfg.write_text(
+        'policies = ["least_load", "cache_aware"]\n[trace]\npath = "../traces/tiny.jsonl"\n'
+        'format = "mooncake"\n[btb]\nprefix_blocks = 2\n'
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -320,8 +376,10 @@ def test_overlay_adds_generated_window_to_a_file(tmp_path):
     trace = tmp_path / "base.jsonl"
     _write_mooncake(trace, n=10)
     cfg_file = tmp_path / "overlay.toml"
-    cfg_file.write_text('policies = ["btb"]\n[trace]\npath = "base.jsonl"\noverlay = true\n'
-                        '[trace.generate]\nbursts = 1\nburst_size = 8\ndecoys = 1\nprefix_tokens = 4096\n')
+    cfg_file.write_text(
+        'policies = ["btb"]\n[trace]\npath = "base.jsonl"\noverlay = true\n'
+        "[trace.generate]\nbursts = 1\nburst_size = 8\ndecoys = 1\nprefix_tokens = 4096\n"
+    )
     cfg = load_dryrun_config(cfg_file)
     r = run_dry_run(cfg)
     assert r["trace"]["format"] == "mooncake+generated"
@@ -356,8 +414,14 @@ def test_every_config_field_has_a_docstring():
 
 
 def test_progress_reports_every_simulated_request(tmp_path):
-    cfg = DryRunConfig().with_overrides({"trace.generate.bursts": 1, "trace.generate.burst_size": 10,
-                                         "trace.generate.decoys": 2, "policies": ["round_robin", "btb"]})
+    cfg = DryRunConfig().with_overrides(
+        {
+            "trace.generate.bursts": 1,
+            "trace.generate.burst_size": 10,
+            "trace.generate.decoys": 2,
+            "policies": ["round_robin", "btb"],
+        }
+    )
     seen: list[int] = []
     run_dry_run(cfg, progress=seen.append)
     assert sum(seen) == 2 * 12
@@ -370,13 +434,15 @@ def test_bad_cluster_fails_before_any_simulation(monkeypatch):
         raise AssertionError("simulated before checking the cluster")
 
     monkeypatch.setattr(sim, "simulate", must_not_run)
-    cfg = DryRunConfig().model_copy(update={"cluster": DryRunConfig().cluster.model_copy(
-        update={"gpus_per_replica": 1})})
+    cfg = DryRunConfig().model_copy(
+        update={"cluster": DryRunConfig().cluster.model_copy(update={"gpus_per_replica": 1})}
+    )
     with pytest.raises(ConfigError, match=r"cluster\.gpus_per_replica"):
         run_dry_run(cfg)
 
 
 # -- examples -------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["dryrun-default.toml", "dryrun-adversarial-1s.toml", "dryrun-mooncake.toml"])
 def test_example_configs_load(name):
@@ -411,8 +477,18 @@ SHARED_MOONCAKE = REPO.parent / "shared" / "data" / "traces" / "mooncake_convers
 @pytest.mark.data
 @pytest.mark.skipif(not SHARED_MOONCAKE.is_file(), reason="public Mooncake trace not in ../shared/data/traces")
 def test_mooncake_example_on_the_public_trace(capsys):
-    code, out, err = run(capsys, "dry-run", "-c", str(EXAMPLES / "dryrun-mooncake.toml"), "--trace",
-                         str(SHARED_MOONCAKE), "--policies", "round_robin,cache_aware", "--format", "json")
+    code, out, err = run(
+        capsys,
+        "dry-run",
+        "-c",
+        str(EXAMPLES / "dryrun-mooncake.toml"),
+        "--trace",
+        str(SHARED_MOONCAKE),
+        "--policies",
+        "round_robin,cache_aware",
+        "--format",
+        "json",
+    )
     assert code == 0, err
     r = json.loads(out)
     assert r["trace"]["format"] == "mooncake" and r["trace"]["requests"] == 12031
@@ -423,9 +499,11 @@ def test_mooncake_example_on_the_public_trace(capsys):
 
 
 def test_cli_import_leaves_the_engine_for_later():
-    probe = ("import sys, btbctl.commands.app; "
-             "print(sorted(m for m in ('btbctl.engine.sim', 'btbctl.engine.dryrun', 'btbctl.engine.policies', "
-             "'plotext') if m in sys.modules))")
+    probe = (
+        "import sys, btbctl.commands.app; "
+        "print(sorted(m for m in ('btbctl.engine.sim', 'btbctl.engine.dryrun', 'btbctl.engine.policies', "
+        "'plotext') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -435,6 +513,14 @@ def test_help_shows_defaults_and_the_two_replica_flags(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = run(capsys, "dry-run", "--help")
     assert code == 0
-    for needle in ("--config", "--warm-replicas", "--btb-replicas", "--replicas", "--spread-s", "--requests-out",
-                   "(default: 4)", "not the fleet size"):
+    for needle in (
+        "--config",
+        "--warm-replicas",
+        "--btb-replicas",
+        "--replicas",
+        "--spread-s",
+        "--requests-out",
+        "(default: 4)",
+        "not the fleet size",
+    ):
         assert needle in out, needle

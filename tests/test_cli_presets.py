@@ -26,10 +26,29 @@ def test_presets_json_has_stable_keys_and_every_preset(capsys):
     assert [g["name"] for g in data["gpus"]] == list(GPUS)
     assert [f["name"] for f in data["fabrics"]] == list(FABRICS)
     assert list(data["models"][0]) == [
-        "name", "total_params", "active_params", "dtype_bytes", "kv_dtype_bytes", "layers", "kv_heads", "head_dim",
-        "attn_dim", "kv_bytes_per_token", "kv_kib_per_token", "weight_bytes", "source"]
+        "name",
+        "total_params",
+        "active_params",
+        "dtype_bytes",
+        "kv_dtype_bytes",
+        "layers",
+        "kv_heads",
+        "head_dim",
+        "attn_dim",
+        "kv_bytes_per_token",
+        "kv_kib_per_token",
+        "weight_bytes",
+        "source",
+    ]
     assert list(data["gpus"][0]) == [
-        "name", "flop_per_s", "hbm_bytes", "hbm_bytes_per_s", "pcie_bytes_per_s", "nic_bytes_per_s", "source"]
+        "name",
+        "flop_per_s",
+        "hbm_bytes",
+        "hbm_bytes_per_s",
+        "pcie_bytes_per_s",
+        "nic_bytes_per_s",
+        "source",
+    ]
     assert list(data["fabrics"][0]) == ["name", "bytes_per_s", "source"]
     llama = next(m for m in data["models"] if m["name"] == "llama-3.3-70b")
     assert llama["kv_bytes_per_token"] == 327_680

@@ -25,8 +25,13 @@ SMALL = ["--bursts", "2", "--burst-size", "20", "--decoys", "3", "--prefix-token
 
 def _mooncake_file(tmp_path: Path, n: int = 5) -> Path:
     p = tmp_path / "base.jsonl"
-    p.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 1000, "output_length": 5,
-                                     "hash_ids": [0, 100 + i]}) + "\n" for i in range(n)))
+    p.write_text(
+        "".join(
+            json.dumps({"timestamp": 1000 * i, "input_length": 1000, "output_length": 5, "hash_ids": [0, 100 + i]})
+            + "\n"
+            for i in range(n)
+        )
+    )
     return p
 
 
@@ -51,8 +56,7 @@ def test_gen_json_summary(capsys, tmp_path):
     code, stdout, _ = run(capsys, "trace", "gen", "-o", str(out), *SMALL, "--spread-s", "1", "--format", "json")
     assert code == 0
     summary = json.loads(stdout)
-    assert list(summary) == ["path", "format", "requests", "span_s", "block_tokens", "kinds", "seed", "base",
-                             "params"]
+    assert list(summary) == ["path", "format", "requests", "span_s", "block_tokens", "kinds", "seed", "base", "params"]
     assert summary["requests"] == 43 and summary["kinds"] == {"burst": 40, "decoy": 3}
     assert summary["params"]["spread_s"] == 1.0 and summary["seed"] == 42 and summary["base"] is None
     assert set(summary["params"]) == {f.name for f in dataclasses.fields(BurstedParams)}
@@ -68,8 +72,20 @@ def test_gen_same_seed_same_bytes(capsys, tmp_path):
 def test_gen_overlay_on_base(capsys, tmp_path):
     base = _mooncake_file(tmp_path)
     out = tmp_path / "ov.jsonl"
-    code, stdout, stderr = run(capsys, "trace", "gen", "--out", str(out), *SMALL, "--base", str(base),
-                               "--base-format", "mooncake", "--format", "json")
+    code, stdout, stderr = run(
+        capsys,
+        "trace",
+        "gen",
+        "--out",
+        str(out),
+        *SMALL,
+        "--base",
+        str(base),
+        "--base-format",
+        "mooncake",
+        "--format",
+        "json",
+    )
     assert code == 0, stderr
     summary = json.loads(stdout)
     assert summary["block_tokens"] == 512 and summary["requests"] == 48
@@ -105,8 +121,9 @@ def test_gen_bad_base_exit_2(capsys, tmp_path):
 def test_audit_json(capsys, tmp_path):
     out = tmp_path / "w.jsonl"
     run(capsys, "trace", "gen", "--out", str(out), *SMALL)
-    code, stdout, _ = run(capsys, "trace", "audit", str(out), "--format", "json", "-k", "16", "-k", "17",
-                          "--window-s", "60")
+    code, stdout, _ = run(
+        capsys, "trace", "audit", str(out), "--format", "json", "-k", "16", "-k", "17", "--window-s", "60"
+    )
     assert code == 0
     report = json.loads(stdout)
     assert report["path"] == str(out) and report["format"] == "btb-mixed-trace-v1" and report["requests"] == 43
@@ -132,12 +149,24 @@ def test_help_names_every_format(capsys):
 
 
 ERRORS = [
-    ("malformed", '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": \n', 2,
-     "malformed JSON"),
-    ("missing", '{"arrival_s": 0, "input_length": 5, "output_length": 1, "hash_ids": []}\n', 1,
-     "missing field 'request_id'"),
-    ("negative", '\n{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": []}\n', 2,
-     "input_length: must be >= 1"),
+    (
+        "malformed",
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": \n',
+        2,
+        "malformed JSON",
+    ),
+    (
+        "missing",
+        '{"arrival_s": 0, "input_length": 5, "output_length": 1, "hash_ids": []}\n',
+        1,
+        "missing field 'request_id'",
+    ),
+    (
+        "negative",
+        '\n{"timestamp": 0, "input_length": -5, "output_length": 1, "hash_ids": []}\n',
+        2,
+        "input_length: must be >= 1",
+    ),
     ("empty", "", 1, "no requests"),
     ("unknown", "id,size\n1,2\n", 1, "unknown trace format; valid formats: mooncake"),
 ]
@@ -162,17 +191,20 @@ def test_audit_unknown_format_name(capsys, tmp_path):
 def test_subprocess_error_funnel(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n')
-    res = subprocess.run([sys.executable, "-m", "btbctl", "trace", "audit", str(p)], capture_output=True, text=True,
-                         cwd=REPO, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "btbctl", "trace", "audit", str(p)], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr == f"btbctl: error: {p}:1: missing field 'hash_ids'\n"
 
 
 def test_cli_import_does_not_load_trace_engine():
-    code = ("import sys, btbctl.commands.app; "
-            "print(sorted(m for m in sys.modules if m.startswith('btbctl.engine.trace.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
-                         timeout=60).stdout.strip()
+    code = (
+        "import sys, btbctl.commands.app; print(sorted(m for m in sys.modules if m.startswith('btbctl.engine.trace.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, timeout=60
+    ).stdout.strip()
     assert out == "[]"
 
 

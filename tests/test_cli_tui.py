@@ -5,8 +5,9 @@ import pytest
 from helpers import run_cli
 
 
-@pytest.mark.parametrize("flag", [["--threshold", "3"], ["--prefix-blocks", "8"], ["--seed", "1"], ["--speed", "2"],
-                                  ["--model", "qwen3-8b"]])
+@pytest.mark.parametrize(
+    "flag", [["--threshold", "3"], ["--prefix-blocks", "8"], ["--seed", "1"], ["--speed", "2"], ["--model", "qwen3-8b"]]
+)
 def test_simulation_options_without_sim_are_refused(flag, tmp_path, capsys):
     code, out, err = run_cli(capsys, "tui", "--run-dir", str(tmp_path), *flag)
     assert code == 2

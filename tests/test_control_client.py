@@ -17,8 +17,13 @@ from btbctl.engine.control.steering import replicate_and_wait
 from btbctl.engine.errors import BtbctlError, ConfigError
 from gateway_fakes import GatewayEnv
 
-CONSTANTS = {"policy": "btb", "policies": ["btb"], "page_size": 16, "prefix_tokens": 128,
-             "constants": {"prefix_blocks": 8, "threshold": 2, "window_s": 1.0, "warm_replicas": 4}}
+CONSTANTS = {
+    "policy": "btb",
+    "policies": ["btb"],
+    "page_size": 16,
+    "prefix_tokens": 128,
+    "constants": {"prefix_blocks": 8, "threshold": 2, "window_s": 1.0, "warm_replicas": 4},
+}
 
 
 def _free_port() -> int:
@@ -77,6 +82,7 @@ def _answer(body, status: int = 200, text: str | None = None):
         if text is not None:
             return web.Response(text=text, status=status, content_type="text/html")
         return web.json_response(body, status=status)
+
     return h
 
 
@@ -88,8 +94,9 @@ def test_only_http_and_https_urls():
 
 
 def test_answers_are_validated_into_the_schema_and_the_token_goes_along():
-    with ThreadServer({("GET", "/control/constants"): _answer(CONSTANTS),
-                       ("PUT", "/control/constants"): _answer(CONSTANTS)}) as srv:
+    with ThreadServer(
+        {("GET", "/control/constants"): _answer(CONSTANTS), ("PUT", "/control/constants"): _answer(CONSTANTS)}
+    ) as srv:
         with ControlClient(srv.url, token="tok") as api:
             c = api.constants()
             assert isinstance(c, schema.ConstantsAnswer) and c.constants.warm_replicas == 4
@@ -112,9 +119,16 @@ def test_every_failure_is_one_line():
         return web.json_response(CONSTANTS)
 
     routes = {
-        ("PUT", "/control/constants"): _answer({"error": {"message": "threshold: must be an integer in [1, 1048576], "
-                                                                     "got 0", "key": "threshold",
-                                                          "valid": "an integer in [1, 1048576]"}}, 400),
+        ("PUT", "/control/constants"): _answer(
+            {
+                "error": {
+                    "message": "threshold: must be an integer in [1, 1048576], got 0",
+                    "key": "threshold",
+                    "valid": "an integer in [1, 1048576]",
+                }
+            },
+            400,
+        ),
         ("GET", "/control/fleet"): _answer(None, 502, text="<html>\n<h1>502 Bad Gateway</h1>\n</html>"),
         ("GET", "/control/constants"): _answer({"policy": "btb"}),
         ("GET", "/control/transfers"): _answer(None, text="not json at all"),
@@ -124,14 +138,21 @@ def test_every_failure_is_one_line():
         with pytest.raises(ControlApiError) as ei:
             api.set_constants({"threshold": 0})
         e = ei.value
-        assert str(e) == ("control API PUT /control/constants: HTTP 400: threshold: must be an integer in "
-                          "[1, 1048576], got 0")
+        assert str(e) == (
+            "control API PUT /control/constants: HTTP 400: threshold: must be an integer in [1, 1048576], got 0"
+        )
         assert e.status == 400 and e.key == "threshold" and e.detail.valid == "an integer in [1, 1048576]"
-        with pytest.raises(ControlApiError, match=r"^control API GET /control/fleet: HTTP 502: <html> <h1>502 Bad "
-                                                  r"Gateway</h1> </html>$"):
+        with pytest.raises(
+            ControlApiError,
+            match=r"^control API GET /control/fleet: HTTP 502: <html> <h1>502 Bad "
+            r"Gateway</h1> </html>$",
+        ):
             api.fleet()
-        with pytest.raises(ControlApiError, match=r"^control API GET /control/constants: unexpected answer: "
-                                                  r"policies: Field required$"):
+        with pytest.raises(
+            ControlApiError,
+            match=r"^control API GET /control/constants: unexpected answer: "
+            r"policies: Field required$",
+        ):
             api.constants()
         with pytest.raises(ControlApiError, match=r"^control API GET /control/transfers: the answer is not JSON$"):
             api.transfers()
@@ -151,8 +172,10 @@ def test_proxy_variables_never_see_the_request(monkeypatch):
         proxied.append((request.method, str(request.url), request.headers.get("Authorization")))
         return web.json_response({"error": {"message": "proxy"}}, status=502)
 
-    with ThreadServer({("GET", "/control/constants"): _answer(CONSTANTS)}) as srv, \
-            ThreadServer({("GET", "/{tail:.*}"): proxy}) as prx:
+    with (
+        ThreadServer({("GET", "/control/constants"): _answer(CONSTANTS)}) as srv,
+        ThreadServer({("GET", "/{tail:.*}"): proxy}) as prx,
+    ):
         for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
             monkeypatch.setenv(var, prx.url)
         for var in ("NO_PROXY", "no_proxy"):
@@ -163,8 +186,16 @@ def test_proxy_variables_never_see_the_request(monkeypatch):
 
 
 async def test_event_stream_parsing():
-    fleet_event = {"now_s": 1.0, "policy": "btb", "page_size": 16, "constants": CONSTANTS["constants"],
-                   "healthy": 0, "total": 0, "replication": "supported on all workers", "workers": []}
+    fleet_event = {
+        "now_s": 1.0,
+        "policy": "btb",
+        "page_size": 16,
+        "constants": CONSTANTS["constants"],
+        "healthy": 0,
+        "total": 0,
+        "replication": "supported on all workers",
+        "workers": [],
+    }
 
     async def events(request):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -212,8 +243,9 @@ async def test_event_stream_parsing():
 
 
 async def test_replicate_and_wait_through_the_sync_client():
-    async with GatewayEnv(3, policy="round_robin",
-                          constants={"prefix_blocks": 4, "threshold": 100, "window_s": 5.0}) as env:
+    async with GatewayEnv(
+        3, policy="round_robin", constants={"prefix_blocks": 4, "threshold": 100, "window_s": 5.0}
+    ) as env:
         text = "manual prefix " * 10
         assert (await env.post("/generate", {"text": text}))[0] == 200
         pid = env.fleet[0].chain_of("/generate", {"text": text})[3]
@@ -226,8 +258,9 @@ async def test_replicate_and_wait_through_the_sync_client():
         res = await asyncio.to_thread(work)
         assert res["status"] == "done" and res["prefix"] == pid and len(res["targets"]) == 2
         assert set(res["holders"]) == {res["source"], *res["targets"]} and res["bytes"] > 0
-        assert progress[-1][0]["state"] == "done" and progress[-1][0]["copy_id"] in {c["copy_id"] for c in
-                                                                                   res["copies"]}
+        assert progress[-1][0]["state"] == "done" and progress[-1][0]["copy_id"] in {
+            c["copy_id"] for c in res["copies"]
+        }
 
         def refused(prefix: str) -> None:
             with ControlClient(env.control, token="test-token") as api:

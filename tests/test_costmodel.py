@@ -19,7 +19,7 @@ from btbctl.engine.errors import ConfigError
 LLAMA = MODELS["llama-3.3-70b"]
 H100 = GPUS["h100"]
 KIB = 1024
-GIB = 1024 ** 3
+GIB = 1024**3
 
 #: H100 SXM dense FP8 peak, 1,979 TFLOP/s (NVIDIA H100 datasheet): the FP8 prefill of the break-even figures.
 H100_FP8_FLOPS = 1979e12
@@ -100,12 +100,15 @@ def test_fp8_prefill_rate_matches_published_figure():
     assert 4_000 < per_gpu_tokens_per_s < 8_000  # "at least about 6k tokens/s per H100"
 
 
-@pytest.mark.parametrize("fabric, lo, hi", [
-    ("rdma-8x400g", 8.0, 25.0),   # "about 10x"
-    ("rdma-1x400g", 1.8, 6.0),    # "2-3x"
-    ("tcp", 0.0, 1.0),            # loses
-    ("100gbe", 0.0, 1.0),         # loses
-])
+@pytest.mark.parametrize(
+    "fabric, lo, hi",
+    [
+        ("rdma-8x400g", 8.0, 25.0),  # "about 10x"
+        ("rdma-1x400g", 1.8, 6.0),  # "2-3x"
+        ("tcp", 0.0, 1.0),  # loses
+        ("100gbe", 0.0, 1.0),  # loses
+    ],
+)
 def test_copy_vs_recompute_break_even_32k_prefix(fabric, lo, hi):
     rc = _fp8_tp8_replica()
     tokens = 32 * 1024

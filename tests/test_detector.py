@@ -199,13 +199,13 @@ def test_bad_arguments_raise_config_errors():
 
 arrivals = st.lists(
     st.tuples(st.integers(min_value=0, max_value=4), st.integers(min_value=0, max_value=300)),
-    min_size=1, max_size=120,
+    min_size=1,
+    max_size=120,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(arrivals=arrivals, threshold=st.integers(1, 4), window_ms=st.integers(1, 120),
-       max_tracked=st.integers(1, 6))
+@given(arrivals=arrivals, threshold=st.integers(1, 4), window_ms=st.integers(1, 120), max_tracked=st.integers(1, 6))
 def test_property_fires_iff_threshold_arrivals_in_a_window(arrivals, threshold, window_ms, max_tracked):
     """A fire only ever happens with at least X arrivals in the trailing window; X arrivals in the window always
     make the prefix hot; the reported count is exact; tracked prefixes never exceed the cap.
@@ -214,8 +214,11 @@ def test_property_fires_iff_threshold_arrivals_in_a_window(arrivals, threshold, 
     LRU of the same size), which is the only way the detector may undercount.
     """
     window_s = window_ms / 100.0
-    d = BurstDetector(BtbConstants(prefix_blocks=2, threshold=threshold, window_s=window_s),
-                      max_tracked=max_tracked, retention_s=1000.0)
+    d = BurstDetector(
+        BtbConstants(prefix_blocks=2, threshold=threshold, window_s=window_s),
+        max_tracked=max_tracked,
+        retention_s=1000.0,
+    )
     model: OrderedDict[int, list[float]] = OrderedDict()
     for key, t_cs in sorted(arrivals, key=lambda a: a[1]):
         t = t_cs / 100.0

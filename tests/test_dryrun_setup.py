@@ -25,7 +25,12 @@ def cluster_of(capsys, *argv):
 
 def test_setup_flag_fills_the_cluster(capsys):
     assert cluster_of(capsys, "--setup", "glm52_h100x8") == {
-        "model": "glm-5.2-like", "gpu": "h100", "gpus_per_replica": 8, "replicas": 4, "nic_gbps": 400.0}
+        "model": "glm-5.2-like",
+        "gpu": "h100",
+        "gpus_per_replica": 8,
+        "replicas": 4,
+        "nic_gbps": 400.0,
+    }
     assert cluster_of(capsys, "--setup", "dense1t_b300x4")["nic_gbps"] == 800.0
 
 
@@ -63,9 +68,24 @@ def test_without_setup_nothing_changes():
 
 def test_infersim_dry_run_on_a_setup(capsys):
     # 120 requests over 60 s: two arrivals within BTB's 1 s window, so it fires
-    code, out, err = run(capsys, "dry-run", "--bursts", "1", "--burst-size", "120", "--decoys", "4",
-                         "--setup", "70b_h100x4", "--fidelity", "infersim",
-                         "--policies", "cache_aware,btb", "--format", "json")
+    code, out, err = run(
+        capsys,
+        "dry-run",
+        "--bursts",
+        "1",
+        "--burst-size",
+        "120",
+        "--decoys",
+        "4",
+        "--setup",
+        "70b_h100x4",
+        "--fidelity",
+        "infersim",
+        "--policies",
+        "cache_aware,btb",
+        "--format",
+        "json",
+    )
     assert code == 0, err
     r = json.loads(out)
     assert r["fidelity"] == "infersim"
@@ -75,8 +95,18 @@ def test_infersim_dry_run_on_a_setup(capsys):
 
 def test_infersim_checks_the_fit_with_all_of_hbm(capsys):
     # GLM-5.2-like (372 GB of int4 weights) on 5 x H100 fits only without SGLang's memory fraction, as in Infer-Sim
-    args = ["dry-run", *SMALL, "--setup", "glm52_h100x8", "--gpus-per-replica", "5", "--policies", "cache_aware",
-            "--format", "json"]
+    args = [
+        "dry-run",
+        *SMALL,
+        "--setup",
+        "glm52_h100x8",
+        "--gpus-per-replica",
+        "5",
+        "--policies",
+        "cache_aware",
+        "--format",
+        "json",
+    ]
     code, _, err = run(capsys, *args)
     assert code == 2 and "--gpus-per-replica" in err
     code, out, err = run(capsys, *args, "--fidelity", "infersim")

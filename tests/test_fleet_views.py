@@ -37,8 +37,18 @@ BT = 256
 CHAINS: tuple[tuple[Hashable, ...], ...] = (A, A[:2], A + ("a-more",), B, B[:1], B + ("b-more",), ("zz0", "zz1"))
 
 FLEET_MEMBERS = ("n_replicas", "load", "cached_blocks", "pending_blocks", "copy_in_flight")
-COST_MEMBERS = ("planned_blocks", "queued_prefill_s", "waiting_groups", "copy_status", "nic_copies",
-                "admission_wait_s", "kv_headroom_tokens", "cost", "block_tokens", "chunk_tokens")
+COST_MEMBERS = (
+    "planned_blocks",
+    "queued_prefill_s",
+    "waiting_groups",
+    "copy_status",
+    "nic_copies",
+    "admission_wait_s",
+    "kv_headroom_tokens",
+    "cost",
+    "block_tokens",
+    "chunk_tokens",
+)
 
 
 @dataclass
@@ -111,8 +121,19 @@ def gateway(check: Callable[[Scenario], None]) -> None:
         busy.inflight += 1
         busy.start_prefill(rid, B, len(B) * BT)
     # pushed, and the source has reported its first progress
-    st.transfers.add(Transfer("c1", str(A[-1]), A, HOLDER, TARGET, state=CopyState.RUNNING, bytes_sent=1000,
-                              bytes_total=4000, started_s=0.0))
+    st.transfers.add(
+        Transfer(
+            "c1",
+            str(A[-1]),
+            A,
+            HOLDER,
+            TARGET,
+            state=CopyState.RUNNING,
+            bytes_sent=1000,
+            bytes_total=4000,
+            started_s=0.0,
+        )
+    )
     check(Scenario(st, [0, 2, 0, 0]))
 
 
@@ -137,7 +158,7 @@ def _check_members(view: FleetView, protocol: type, names: Sequence[str]) -> Non
         if inspect.isfunction(want):
             wp = list(inspect.signature(want).parameters)[1:]  # without self
             hp = list(inspect.signature(getattr(view, name)).parameters)
-            assert hp[:len(wp)] == wp, (name, wp, hp)
+            assert hp[: len(wp)] == wp, (name, wp, hp)
 
 
 def _check_protocol(view: FleetView) -> bool:

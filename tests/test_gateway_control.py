@@ -57,10 +57,16 @@ async def test_put_constants_needs_the_token_and_validates_every_key():
             assert r.status == 401
         async with env.http.put(url, json={"threshold": 3}, headers=env.auth("wrong")) as r:
             assert r.status == 401
-        bad = [({"threshold": 0}, "threshold"), ({"window_s": -1}, "window_s"), ({"replicas": "4"}, "replicas"),
-               ({"warm_replicas": 0}, "warm_replicas"), ({"prefix_blocks": True}, "prefix_blocks"),
-               ({"policy": "nope"}, "policy"),
-               ({"speed": 2}, "speed"), ({"threshold": 3, "window_s": 0}, "window_s")]
+        bad = [
+            ({"threshold": 0}, "threshold"),
+            ({"window_s": -1}, "window_s"),
+            ({"replicas": "4"}, "replicas"),
+            ({"warm_replicas": 0}, "warm_replicas"),
+            ({"prefix_blocks": True}, "prefix_blocks"),
+            ({"policy": "nope"}, "policy"),
+            ({"speed": 2}, "speed"),
+            ({"threshold": 3, "window_s": 0}, "window_s"),
+        ]
         for obj, key in bad:
             async with env.http.put(url, json=obj, headers=env.auth()) as r:
                 assert r.status == 400, obj
@@ -72,8 +78,9 @@ async def test_put_constants_needs_the_token_and_validates_every_key():
                 assert r.status == 400
         async with env.http.put(url, data=b" " * 70000, headers=env.auth()) as r:
             assert r.status == 413
-        async with env.http.put(url, json={"threshold": 3, "window_s": 2.5, "policy": "cache_aware"},
-                                headers=env.auth()) as r:
+        async with env.http.put(
+            url, json={"threshold": 3, "window_s": 2.5, "policy": "cache_aware"}, headers=env.auth()
+        ) as r:
             assert r.status == 200
             now = await r.json()
         assert now["constants"]["threshold"] == 3 and now["constants"]["window_s"] == 2.5
@@ -113,8 +120,14 @@ async def test_manual_replicate_by_short_id_and_status():
         async with env.http.post(url, json={"prefix": pid, "n": 5}, headers=env.auth()) as r:
             ans2 = await r.json()
             assert r.status == 202 and len(ans2["targets"]) == 1 and ans2["skipped"] == 4
-        errors = [({"prefix": "zz"}, 400), ({"prefix": "abc"}, 400), ({"prefix": "0123456789abcdef"}, 404),
-                  ({"n": 2}, 400), ({"prefix": pid, "n": 0}, 400), ({"prefix": chain[0][:8], "n": "x"}, 400)]
+        errors = [
+            ({"prefix": "zz"}, 400),
+            ({"prefix": "abc"}, 400),
+            ({"prefix": "0123456789abcdef"}, 404),
+            ({"n": 2}, 400),
+            ({"prefix": pid, "n": 0}, 400),
+            ({"prefix": chain[0][:8], "n": "x"}, 400),
+        ]
         for obj, want in errors:
             async with env.http.post(url, json=obj, headers=env.auth()) as r:
                 assert r.status == want, obj
@@ -126,8 +139,9 @@ async def test_manual_replicate_without_a_holder_is_409():
         chain = env.fleet[0].chain_of("/generate", {"text": TEXT})
         for w in env.fleet:
             w.held.clear()  # the workers evicted it; the gateway's record is stale
-        async with env.http.post(env.control + "/control/replicate", json={"prefix": chain[-1]},
-                                 headers=env.auth()) as r:
+        async with env.http.post(
+            env.control + "/control/replicate", json={"prefix": chain[-1]}, headers=env.auth()
+        ) as r:
             assert r.status == 409
             assert "no healthy worker holds" in (await r.json())["error"]["message"]
         assert all(not w.pushes for w in env.fleet)
@@ -152,9 +166,11 @@ async def test_event_stream_delivers_coalesced_snapshots():
                 return seen[kind][-1] if seen.get(kind) else {}
 
             def settled() -> bool:
-                return (last("constants").get("constants", {}).get("warm_replicas") == 2
-                        and last("ttft").get("last_10s", {}).get("n") == 20
-                        and last("transfers").get("totals", {}).get("done") == 1)
+                return (
+                    last("constants").get("constants", {}).get("warm_replicas") == 2
+                    and last("ttft").get("last_10s", {}).get("n") == 20
+                    and last("transfers").get("totals", {}).get("done") == 1
+                )
 
             task = asyncio.ensure_future(reader())
             await _until(lambda: "fleet" in seen)  # subscribed: the first full picture arrived
@@ -162,8 +178,9 @@ async def test_event_stream_delivers_coalesced_snapshots():
             t0 = loop.time()
             for i in range(20):
                 await env.post("/generate", {"text": TEXT + str(i)})
-            async with env.http.put(env.control + "/control/constants", json={"replicas": 2},
-                                    headers=env.auth()) as resp:
+            async with env.http.put(
+                env.control + "/control/constants", json={"replicas": 2}, headers=env.auth()
+            ) as resp:
                 assert resp.status == 200
             await _until(settled)
             elapsed = loop.time() - t0
@@ -219,19 +236,23 @@ async def test_every_answer_and_event_is_its_schema_model():
             task = asyncio.ensure_future(reader())
             assert (await env.post("/generate", {"text": TEXT, "stream": True}))[0] == 200
             pid = env.fleet[0].chain_of("/generate", {"text": TEXT})[3]
-            async with env.http.post(env.control + "/control/replicate", json={"prefix": pid, "n": 1},
-                                     headers=env.auth()) as r:
+            async with env.http.post(
+                env.control + "/control/replicate", json={"prefix": pid, "n": 1}, headers=env.auth()
+            ) as r:
                 assert r.status == 202
                 _same_after_validation(schema.ReplicateAnswer, await r.json())
             for _ in range(200):
                 if env.gw.state.transfers.recent:
                     break
                 await asyncio.sleep(0.02)
-            reads = [("/control/fleet", schema.FleetAnswer), ("/control/prefixes?top=5", schema.PrefixesAnswer),
-                     ("/control/transfers", schema.TransfersAnswer),
-                     ("/control/ttft?window_s=5&step_s=0.5", schema.TtftAnswer),
-                     ("/control/constants", schema.ConstantsAnswer),
-                     (f"/control/replications/{pid[:10]}", schema.ReplicationAnswer)]
+            reads = [
+                ("/control/fleet", schema.FleetAnswer),
+                ("/control/prefixes?top=5", schema.PrefixesAnswer),
+                ("/control/transfers", schema.TransfersAnswer),
+                ("/control/ttft?window_s=5&step_s=0.5", schema.TtftAnswer),
+                ("/control/constants", schema.ConstantsAnswer),
+                (f"/control/replications/{pid[:10]}", schema.ReplicationAnswer),
+            ]
             for path, model in reads:
                 status, ans = await env.get_control(path)
                 assert status == 200, (path, ans)
@@ -239,11 +260,11 @@ async def test_every_answer_and_event_is_its_schema_model():
             _, prefixes = await env.get_control("/control/prefixes")
             _, transfers = await env.get_control("/control/transfers")
             assert prefixes["prefixes"] and transfers["transfers"][0]["state"] == "done"
-            async with env.http.put(env.control + "/control/constants", json={"threshold": 7},
-                                    headers=env.auth()) as r:
+            async with env.http.put(env.control + "/control/constants", json={"threshold": 7}, headers=env.auth()) as r:
                 _same_after_validation(schema.ConstantsAnswer, await r.json())
-            await _until(lambda: set(seen) == set(schema.EVENT_MODELS)
-                         and seen["constants"][-1]["constants"]["threshold"] == 7)
+            await _until(
+                lambda: set(seen) == set(schema.EVENT_MODELS) and seen["constants"][-1]["constants"]["threshold"] == 7
+            )
             task.cancel()
         assert set(seen) == set(schema.EVENT_MODELS)
         for kind, payloads in seen.items():
@@ -251,12 +272,14 @@ async def test_every_answer_and_event_is_its_schema_model():
                 _same_after_validation(schema.EVENT_MODELS[kind], data)
         # error bodies: refused value, ambiguous/unknown prefix, no token, unknown route, bad query
         c = env.control
-        errors = [lambda: env.http.put(c + "/control/constants", json={"threshold": 0}, headers=env.auth()),
-                  lambda: env.http.put(c + "/control/constants", json={"speed": 1}, headers=env.auth()),
-                  lambda: env.http.post(c + "/control/replicate", json={"prefix": "0" * 16}, headers=env.auth()),
-                  lambda: env.http.post(c + "/control/replicate", json={"prefix": pid}),
-                  lambda: env.http.get(c + "/control/nothing"),
-                  lambda: env.http.get(c + "/control/ttft?step_s=x")]
+        errors = [
+            lambda: env.http.put(c + "/control/constants", json={"threshold": 0}, headers=env.auth()),
+            lambda: env.http.put(c + "/control/constants", json={"speed": 1}, headers=env.auth()),
+            lambda: env.http.post(c + "/control/replicate", json={"prefix": "0" * 16}, headers=env.auth()),
+            lambda: env.http.post(c + "/control/replicate", json={"prefix": pid}),
+            lambda: env.http.get(c + "/control/nothing"),
+            lambda: env.http.get(c + "/control/ttft?step_s=x"),
+        ]
         for call in errors:
             async with call() as r:
                 assert 400 <= r.status < 500
@@ -272,8 +295,14 @@ def test_the_control_api_page_documents_every_route_model_and_field():
     assert len(routes) == 9
     for route in routes:
         assert f"`{route}" in page, route
-    models = [m for m in vars(schema).values() if isinstance(m, type) and issubclass(m, BaseModel)
-              and m.__module__ == schema.__name__ and m not in (schema.Answer, schema.Body)]
+    models = [
+        m
+        for m in vars(schema).values()
+        if isinstance(m, type)
+        and issubclass(m, BaseModel)
+        and m.__module__ == schema.__name__
+        and m not in (schema.Answer, schema.Body)
+    ]
     assert len(models) >= 18
     for m in models:
         assert f"`{m.__name__}`" in page, m.__name__
@@ -304,8 +333,13 @@ def test_token_file_is_created_0600_and_reused(tmp_path):
 
 def test_loads_summary_shapes():
     rank = {"num_running_reqs": 2, "num_waiting_reqs": 1, "num_used_tokens": 50, "max_total_num_tokens": 200}
-    assert summarize_loads([rank, rank]) == {"running": 4, "waiting": 2, "used_tokens": 100, "max_tokens": 400,
-                                             "token_usage": 0.25}
+    assert summarize_loads([rank, rank]) == {
+        "running": 4,
+        "waiting": 2,
+        "used_tokens": 100,
+        "max_tokens": 400,
+        "token_usage": 0.25,
+    }
     assert summarize_loads({"loads": [rank]})["running"] == 2
     assert summarize_loads(rank)["waiting"] == 1
     assert summarize_loads({"x": 1}) is None and summarize_loads("x") is None

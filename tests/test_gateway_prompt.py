@@ -45,27 +45,34 @@ def test_routes_pick_their_prompt_field():
     assert chain_from_packed(prompt_of("completions", {"prompt": ids})[0], page) == want_ids
     assert chain_from_packed(prompt_of("completions", {"prompt": [ids]})[0], page) == want_ids
     assert chain_from_packed(prompt_of("generate", {"input_ids": [ids]})[0], page) == want_ids
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "image_url"},
-                                         {"type": "text", "text": "there"}]}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hi "}, {"type": "image_url"}, {"type": "text", "text": "there"}],
+        },
+    ]
     assert render_chat(msgs) == "system: be brief\nuser: hi there\n"
     chat = chain_from_packed(prompt_of("chat", {"messages": msgs})[0], page)
     assert chat == tuple(hashing.chain_hashes(hashing.text_to_tokens(render_chat(msgs)), page))
 
 
-@pytest.mark.parametrize("route,body,word", [
-    ("generate", {}, "text"),
-    ("generate", {"text": 5}, "text"),
-    ("generate", {"input_ids": "abc"}, "input_ids"),
-    ("generate", {"input_ids": [1, "x"]}, "input_ids"),
-    ("generate", {"input_ids": [1.5]}, "input_ids"),
-    ("completions", {"text": "x"}, "prompt"),
-    ("completions", {"prompt": {"a": 1}}, "prompt"),
-    ("chat", {"prompt": "x"}, "messages"),
-    ("chat", {"messages": []}, "messages"),
-    ("chat", {"messages": ["hi"]}, "messages[0]"),
-    ("chat", {"messages": [{"content": "x"}]}, "role"),
-])
+@pytest.mark.parametrize(
+    "route,body,word",
+    [
+        ("generate", {}, "text"),
+        ("generate", {"text": 5}, "text"),
+        ("generate", {"input_ids": "abc"}, "input_ids"),
+        ("generate", {"input_ids": [1, "x"]}, "input_ids"),
+        ("generate", {"input_ids": [1.5]}, "input_ids"),
+        ("completions", {"text": "x"}, "prompt"),
+        ("completions", {"prompt": {"a": 1}}, "prompt"),
+        ("chat", {"prompt": "x"}, "messages"),
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": ["hi"]}, "messages[0]"),
+        ("chat", {"messages": [{"content": "x"}]}, "role"),
+    ],
+)
 def test_bad_prompts_name_the_field(route, body, word):
     with pytest.raises(PromptError) as e:
         prompt_of(route, body)

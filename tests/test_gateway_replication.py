@@ -58,8 +58,7 @@ async def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
 
 
 async def test_failed_copy_never_makes_the_target_a_holder():
-    async with GatewayEnv(2, policy="btb", constants=CONSTANTS,
-                          worker_kw={"copy_outcome": "failed"}) as env:
+    async with GatewayEnv(2, policy="btb", constants=CONSTANTS, worker_kw={"copy_outcome": "failed"}) as env:
         gw = env.gw
         await _burst(env, 2)
         await _until(lambda: len(gw.state.transfers.recent) == 1)
@@ -76,8 +75,9 @@ async def test_failed_copy_never_makes_the_target_a_holder():
 
 
 async def test_copy_in_flight_is_visible_with_progress_then_done():
-    async with GatewayEnv(2, policy="btb", constants=CONSTANTS, poll_interval_s=0.05,
-                          worker_kw={"copy_polls": 6}) as env:
+    async with GatewayEnv(
+        2, policy="btb", constants=CONSTANTS, poll_interval_s=0.05, worker_kw={"copy_polls": 6}
+    ) as env:
         gw = env.gw
         await _burst(env, 2)
         await _until(lambda: any(t.bytes_sent for t in gw.state.transfers.active.values()))

@@ -38,8 +38,7 @@ async def test_cache_aware_sticks_to_the_first_holder_and_openai_routes_forward(
             assert status == 200
         counts = sorted(len(w.requests) for w in env.fleet)
         assert counts == [0, 0, 4]
-        status, _ = await env.post("/v1/chat/completions",
-                                   {"messages": [{"role": "user", "content": TEXT}]})
+        status, _ = await env.post("/v1/chat/completions", {"messages": [{"role": "user", "content": TEXT}]})
         assert status == 200
         path, sent = next(r for w in env.fleet for r in w.requests if r[0] == "/v1/chat/completions")
         assert sent["messages"][0]["content"] == TEXT  # the body is forwarded unchanged
@@ -51,8 +50,9 @@ async def test_cache_aware_sticks_to_the_first_holder_and_openai_routes_forward(
 
 async def test_streaming_is_passed_through_chunk_by_chunk_and_ttft_is_measured():
     rest = asyncio.Event()  # the worker holds the stream after its first chunk until this is set
-    async with GatewayEnv(2, policy="round_robin",
-                          worker_kw={"first_byte_delay_s": 0.15, "chunks": 4, "chunk_gate": rest}) as env:
+    async with GatewayEnv(
+        2, policy="round_robin", worker_kw={"first_byte_delay_s": 0.15, "chunks": 4, "chunk_gate": rest}
+    ) as env:
         lines = []
         ttft_at_first_chunk = None
         async with env.http.post(env.url + "/generate", json={"text": TEXT, "stream": True}) as r:
@@ -83,8 +83,9 @@ async def test_failure_before_first_byte_is_retried_elsewhere_once(mode):
     async with GatewayEnv(3, policy="round_robin", max_retries=2) as env:
         bad = env.fleet[0]
         bad.fail = mode
-        results = await asyncio.gather(*(env.post("/generate", {"text": f"{i} {TEXT}", "stream": s})
-                                         for i in range(6) for s in (False, True)))
+        results = await asyncio.gather(
+            *(env.post("/generate", {"text": f"{i} {TEXT}", "stream": s}) for i in range(6) for s in (False, True))
+        )
         assert all(st == 200 for st, _ in results), results
         served = sum(len(w.requests) for w in env.fleet[1:])
         assert served == 12  # every request answered exactly once by a good worker
@@ -102,8 +103,7 @@ async def test_failure_after_first_byte_ends_the_stream_with_an_error_and_is_not
         async with env.http.post(env.url + "/generate", json={"text": TEXT, "stream": True}) as r:
             assert r.status == 200
             raw = await r.read()
-        events = [json.loads(line[6:]) for line in raw.decode().splitlines()
-                  if line.startswith("data: {")]
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
         assert events[0]["text"] == "chunk0"
         assert events[-1]["error"]["type"] == "upstream_error"
         assert b"[DONE]" not in raw
@@ -128,8 +128,9 @@ async def test_no_healthy_worker_gives_503_and_exhausted_retries_502():
 
 async def test_killed_worker_mid_burst_loses_nothing_and_is_marked_unhealthy():
     first_byte = asyncio.Event()  # the workers hold every first byte until this is set
-    async with GatewayEnv(3, policy="round_robin",
-                          worker_kw={"first_byte_gate": first_byte, "chunks": 3, "chunk_delay_s": 0.05}) as env:
+    async with GatewayEnv(
+        3, policy="round_robin", worker_kw={"first_byte_gate": first_byte, "chunks": 3, "chunk_delay_s": 0.05}
+    ) as env:
         victim = env.fleet[1]
 
         async def one(i):
@@ -177,10 +178,12 @@ async def test_bad_input_gets_4xx_and_the_gateway_keeps_serving():
             assert r.status == 404 and (await r.json())["error"]["type"] == "not_found"
         async with env.http.get(env.url + "/generate") as r:
             assert r.status == 405
+
         # a chunked body (no Content-Length) over the limit is refused too
         async def gen():
             for _ in range(8):
                 yield b"x" * 2048
+
         async with env.http.post(env.url + "/generate", data=gen()) as r:
             assert r.status == 413
         assert sum(len(w.requests) for w in env.fleet) == 0

@@ -32,7 +32,7 @@ def test_pending_counts_until_the_first_byte():
     # a request computing its own chain waits for nobody; a second one with the same chain waits for its blocks
     assert st.waiting_groups(1) == [] and st.queued_prefill_s(1) > 0
     st.workers[1].start_prefill("r2", chain + ("q4",), 4 * 256)
-    (key, n, work), = st.waiting_groups(1)
+    ((key, n, work),) = st.waiting_groups(1)
     assert (key, n) == ("p3", 1) and 0 < work < st.queued_prefill_s(1) / 2  # it computes one block of four
     st.workers[1].end_prefill("r2")
     st.workers[1].end_prefill("r1")

@@ -18,10 +18,25 @@ PREFIX_BLOCKS = 8
 
 async def _start_worker(tmp_path, i: int, token_file: str, *extra: str):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "btbctl", "worker", "--model-path", "llama-3.3-70b", "--port", "0",
-        "--transfer-port", "0", "--page-size", str(PAGE), "--btb-token-file", token_file, *extra,
-        stdout=asyncio.subprocess.PIPE, stderr=open(tmp_path / f"w{i}.log", "wb"),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sys.executable,
+        "-m",
+        "btbctl",
+        "worker",
+        "--model-path",
+        "llama-3.3-70b",
+        "--port",
+        "0",
+        "--transfer-port",
+        "0",
+        "--page-size",
+        str(PAGE),
+        "--btb-token-file",
+        token_file,
+        *extra,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=open(tmp_path / f"w{i}.log", "wb"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
     assert line.startswith("ready "), line
     return proc, line.split()[1]
@@ -48,18 +63,27 @@ async def _stop(procs):
 
 async def test_btb_replicates_between_real_workers(tmp_path):
     procs, urls, token_file = await _fleet(tmp_path, 3)
-    gw = await serve_gateway(GatewayConfig(
-        workers=urls, port=0, control_port=0, token="ctl", worker_token_file=token_file, poll_interval_s=0.02,
-        constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 5.0, "replicas": 3}))
+    gw = await serve_gateway(
+        GatewayConfig(
+            workers=urls,
+            port=0,
+            control_port=0,
+            token="ctl",
+            worker_token_file=token_file,
+            poll_interval_s=0.02,
+            constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 5.0, "replicas": 3},
+        )
+    )
     try:
         assert gw.page_size == PAGE and all(w.btb for w in gw.state.workers)
         prefix = "".join(f"line {i:04d} of a long shared system prompt\n" for i in range(30))
         async with aiohttp.ClientSession() as s:
             served = []
             for i in range(2):
-                async with s.post(gw.data_url + "/generate",
-                                  json={"text": prefix + f"question {i}",
-                                        "sampling_params": {"max_new_tokens": 1}}) as r:
+                async with s.post(
+                    gw.data_url + "/generate",
+                    json={"text": prefix + f"question {i}", "sampling_params": {"max_new_tokens": 1}},
+                ) as r:
                     assert r.status == 200, await r.text()
                     served.append(r.headers["X-BTB-Worker"])
                     meta = (await r.json())["meta_info"]
@@ -79,13 +103,13 @@ async def test_btb_replicates_between_real_workers(tmp_path):
             # the rest of the burst spreads over the three holders, each reusing the copied prefix
             answers = []
             for i in range(2, 11):
-                async with s.post(gw.data_url + "/v1/completions",
-                                  json={"prompt": prefix + f"question {i}", "max_tokens": 1}) as r:
+                async with s.post(
+                    gw.data_url + "/v1/completions", json={"prompt": prefix + f"question {i}", "max_tokens": 1}
+                ) as r:
                     assert r.status == 200
                     answers.append((r.headers["X-BTB-Worker"], await r.json()))
             assert len({w for w, _ in answers}) == 3
-            assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_BLOCKS * PAGE
-                       for _, a in answers)
+            assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_BLOCKS * PAGE for _, a in answers)
             async with s.get(gw.control_url + "/control/fleet") as r:
                 fleet = await r.json()
             assert all(w["replication"] and w["kv_capacity_tokens"] for w in fleet["workers"])
@@ -96,14 +120,15 @@ async def test_btb_replicates_between_real_workers(tmp_path):
 
 async def test_worker_killed_mid_burst_loses_no_request(tmp_path):
     procs, urls, _ = await _fleet(tmp_path, 3, "--time-scale", "1.0")
-    gw = await serve_gateway(GatewayConfig(workers=urls, port=0, control_port=0, policy="round_robin",
-                                           health_interval_s=0.2))
+    gw = await serve_gateway(
+        GatewayConfig(workers=urls, port=0, control_port=0, policy="round_robin", health_interval_s=0.2)
+    )
     try:
         async with aiohttp.ClientSession() as s:
+
             async def one(i: int):
                 stream = i % 2 == 0
-                body = {"text": f"request {i} " * 40, "stream": stream,
-                        "sampling_params": {"max_new_tokens": 40}}
+                body = {"text": f"request {i} " * 40, "stream": stream, "sampling_params": {"max_new_tokens": 40}}
                 async with s.post(gw.data_url + "/generate", json=body) as r:
                     raw = await r.read()
                     return r.status, stream, r.headers.get("X-BTB-Worker"), raw
@@ -143,9 +168,25 @@ async def test_gateway_command_prints_ready_and_stops_on_sigterm(tmp_path):
     procs, urls, _ = await _fleet(tmp_path, 1, "--zero-delay")
     token_file = tmp_path / "control.token"
     gw = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "btbctl", "gateway", "-w", urls[0], "--port", "0", "--control-port", "0",
-        "--token-file", str(token_file), "--policy", "least_load", "--threshold", "3",
-        stdout=asyncio.subprocess.PIPE, stderr=open(tmp_path / "gateway.log", "wb"))
+        sys.executable,
+        "-m",
+        "btbctl",
+        "gateway",
+        "-w",
+        urls[0],
+        "--port",
+        "0",
+        "--control-port",
+        "0",
+        "--token-file",
+        str(token_file),
+        "--policy",
+        "least_load",
+        "--threshold",
+        "3",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=open(tmp_path / "gateway.log", "wb"),
+    )
     try:
         line = (await asyncio.wait_for(gw.stdout.readline(), 20)).decode().split()
         assert line[0] == "ready" and line[2] == "control", line
@@ -158,8 +199,9 @@ async def test_gateway_command_prints_ready_and_stops_on_sigterm(tmp_path):
             async with s.get(control + "/control/constants") as r:
                 c = await r.json()
                 assert c["policy"] == "least_load" and c["constants"]["threshold"] == 3
-            async with s.put(control + "/control/constants", json={"policy": "btb"},
-                             headers={"Authorization": f"Bearer {token}"}) as r:
+            async with s.put(
+                control + "/control/constants", json={"policy": "btb"}, headers={"Authorization": f"Bearer {token}"}
+            ) as r:
                 assert r.status == 200 and (await r.json())["policy"] == "btb"
         gw.terminate()
         assert await asyncio.wait_for(gw.wait(), 10) == 0
@@ -173,9 +215,14 @@ async def test_gateway_command_prints_ready_and_stops_on_sigterm(tmp_path):
 def test_gateway_command_reports_bad_settings_in_one_line(tmp_path):
     import subprocess
 
-    r = subprocess.run([sys.executable, "-m", "btbctl", "gateway", "-w", "not-a-url"], capture_output=True,
-                       text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "btbctl", "gateway", "-w", "not-a-url"], capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 2 and r.stderr.startswith("btbctl: error: workers") and r.stderr.count("\n") == 1
-    r = subprocess.run([sys.executable, "-m", "btbctl", "gateway", "-w", "http://127.0.0.1:1", "--policy", "x"],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "btbctl", "gateway", "-w", "http://127.0.0.1:1", "--policy", "x"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2 and "policy" in r.stderr and "btb" in r.stderr

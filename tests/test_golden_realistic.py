@@ -17,10 +17,12 @@ from helpers import assert_close
 
 GOLDEN = Path(__file__).parent / "golden" / "realistic_small.json"
 CASES = {
-    "bursted_60s": BurstedParams(bursts=2, burst_size=60, decoys=6, prefix_tokens=16384, spread_s=6.0,
-                                 decoy_end_s=120.0),
-    "bursted_1s": BurstedParams(bursts=2, burst_size=60, decoys=6, prefix_tokens=16384, spread_s=1.0,
-                                decoy_end_s=120.0),
+    "bursted_60s": BurstedParams(
+        bursts=2, burst_size=60, decoys=6, prefix_tokens=16384, spread_s=6.0, decoy_end_s=120.0
+    ),
+    "bursted_1s": BurstedParams(
+        bursts=2, burst_size=60, decoys=6, prefix_tokens=16384, spread_s=1.0, decoy_end_s=120.0
+    ),
 }
 CLUSTER = ClusterConfig()
 CONSTANTS = BtbConstants(prefix_blocks=64)

@@ -30,6 +30,7 @@ def one_error_line(err: str) -> str:
 
 # -- BTB's constants and the config tree: non-finite floats and wrong types ------------------------------------------
 
+
 @pytest.mark.parametrize("window_s", [math.inf, -math.inf, math.nan, 0.0, True])
 def test_constants_refuse_a_window_that_is_not_a_finite_positive_number(window_s):
     with pytest.raises(ConfigError) as e:
@@ -52,14 +53,17 @@ def test_dry_run_refuses_infinite_flags_with_one_line(capsys, flag):
     assert one_error_line(err).startswith(f"btbctl: error: {flag}: ")
 
 
-@pytest.mark.parametrize("toml, key", [
-    ("[btb]\nwindow_s = inf\n", "btb.window_s"),
-    ("[cluster]\nnic_gbps = inf\n", "cluster.nic_gbps"),
-    ("[cluster]\nreplicas = true\n", "cluster.replicas"),  # was taken as 1 replica
-    ('[cluster]\nreplicas = "4"\n', "cluster.replicas"),
-    ("[btb]\nthreshold = 2.0\n", "btb.threshold"),
-    ("seed = true\n", "seed"),
-])
+@pytest.mark.parametrize(
+    "toml, key",
+    [
+        ("[btb]\nwindow_s = inf\n", "btb.window_s"),
+        ("[cluster]\nnic_gbps = inf\n", "cluster.nic_gbps"),
+        ("[cluster]\nreplicas = true\n", "cluster.replicas"),  # was taken as 1 replica
+        ('[cluster]\nreplicas = "4"\n', "cluster.replicas"),
+        ("[btb]\nthreshold = 2.0\n", "btb.threshold"),
+        ("seed = true\n", "seed"),
+    ],
+)
 def test_config_values_of_the_wrong_type_or_not_finite_are_refused(capsys, tmp_path, toml, key):
     cfg = tmp_path / "c.toml"
     cfg.write_text(toml)
@@ -76,11 +80,15 @@ def test_dry_run_on_a_directory_says_so(capsys, tmp_path):
 
 # -- the generator: windows too large to generate, and empty ones -------------------------------------------------
 
-@pytest.mark.parametrize("changes, key", [
-    ({"background_rps": 1e9}, "background_rps"),
-    ({"bursts": 100_000, "burst_size": 1000}, "burst_size"),
-    ({"prefix_tokens": 10**12, "block_tokens": 1, "bursts": 1, "burst_size": 1, "decoys": 0}, "prefix_tokens"),
-])
+
+@pytest.mark.parametrize(
+    "changes, key",
+    [
+        ({"background_rps": 1e9}, "background_rps"),
+        ({"bursts": 100_000, "burst_size": 1000}, "burst_size"),
+        ({"prefix_tokens": 10**12, "block_tokens": 1, "bursts": 1, "burst_size": 1, "decoys": 0}, "prefix_tokens"),
+    ],
+)
 def test_generator_refuses_windows_too_large_to_build(changes, key):
     with pytest.raises(ConfigError) as e:
         BurstedParams(**changes)
@@ -109,16 +117,27 @@ def test_trace_gen_of_an_empty_window_writes_nothing(capsys, tmp_path):
 
 # -- the run directory: a damaged state.json ---------------------------------------------------------------------
 
+
 def _state(tmp_path, procs) -> RunDir:
     rd = RunDir(tmp_path)
-    rd.state_path.write_text(json.dumps({"version": 1, "run_dir": str(tmp_path), "created_at": 0.0,
-                                         "detached": True, "processes": procs}))
+    rd.state_path.write_text(
+        json.dumps({"version": 1, "run_dir": str(tmp_path), "created_at": 0.0, "detached": True, "processes": procs})
+    )
     return rd
 
 
 def _proc(**changes) -> dict:
-    return {"name": "worker-0", "role": "worker", "kind": "emulated", "pid": 12345, "pgid": 12345,
-            "start_time": "1", "argv": [], "log": "x.log", **changes}
+    return {
+        "name": "worker-0",
+        "role": "worker",
+        "kind": "emulated",
+        "pid": 12345,
+        "pgid": 12345,
+        "start_time": "1",
+        "argv": [],
+        "log": "x.log",
+        **changes,
+    }
 
 
 @pytest.mark.parametrize("changes", [{"pid": "abc"}, {"pid": None}, {"pgid": 0}, {"pgid": -1}, {"pid": True}])
@@ -153,8 +172,9 @@ def test_report_refuses_an_unusable_out_before_simulating(capsys, tmp_path, monk
     from btbctl.engine import report as rp
 
     m = tmp_path / "m.toml"
-    m.write_text(MATRIX.replace('path = "{path}"', "[workloads.trace.generate]\nbursts = 1\nburst_size = 2\n"
-                                                   "decoys = 0"))
+    m.write_text(
+        MATRIX.replace('path = "{path}"', "[workloads.trace.generate]\nbursts = 1\nburst_size = 2\ndecoys = 0")
+    )
     blocker = tmp_path / "file"
     blocker.write_text("x")
     monkeypatch.setattr(rp, "run_matrix", lambda *a, **k: pytest.fail("simulated before checking --out"))
@@ -179,6 +199,7 @@ def test_report_errors_carry_no_pydantic_prefix(capsys, tmp_path):
 
 
 # -- devices are not traces ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
 def test_reading_a_device_is_refused_instead_of_filling_memory(capsys):
@@ -217,9 +238,20 @@ def test_bench_refuses_an_unwritable_requests_out_before_replaying(capsys, tmp_p
     from btbctl.engine.launcher import bench as lb
 
     monkeypatch.setattr(lb, "replay", lambda *a, **k: pytest.fail("replayed before checking --requests-out"))
-    code, _, err = run(capsys, "bench", "--target", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run"),
-                       "--burst-size", "2", "--prefix-blocks", "1",
-                       "--requests-out", str(tmp_path / "missing" / "r.jsonl"))
+    code, _, err = run(
+        capsys,
+        "bench",
+        "--target",
+        "http://127.0.0.1:9",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--burst-size",
+        "2",
+        "--prefix-blocks",
+        "1",
+        "--requests-out",
+        str(tmp_path / "missing" / "r.jsonl"),
+    )
     assert code == 2
     assert one_error_line(err).startswith("btbctl: error: --requests-out: cannot write ")
 

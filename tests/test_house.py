@@ -1,6 +1,6 @@
-"""The house tools run as part of the suite: ``ruff check`` (lint), ``mypy`` (the engine's pure core, strictly) and
-``lint-imports`` (the import contracts), all configured in ``pyproject.toml``. Each test fails with the tool's own
-output. The tools come with the ``test`` extra (``pip install -e '.[test]'``).
+"""The house tools run as part of the suite: ``ruff check`` (lint), ``ruff format --check``, ``mypy`` (the engine's
+pure core, strictly) and ``lint-imports`` (the import contracts), all configured in ``pyproject.toml``. Each test
+fails with the tool's own output. The tools come with the ``test`` extra (``pip install -e '.[test]'``).
 
 One more contract lives here because import-linter cannot state it: no module-level import cycle anywhere in
 ``btbctl``, counting imports inside functions (``acyclic_siblings`` compares sibling packages, so a cycle between a
@@ -52,6 +52,11 @@ def _report(proc: subprocess.CompletedProcess[str]) -> str:
 
 def test_ruff_check():
     proc = _run([*_tool("ruff"), "check", "--no-cache", "--output-format", "concise", *LINTED], 120)
+    assert proc.returncode == 0, _report(proc)
+
+
+def test_ruff_format():
+    proc = _run([*_tool("ruff"), "format", "--check", "--no-cache", *LINTED], 120)
     assert proc.returncode == 0, _report(proc)
 
 

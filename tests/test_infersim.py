@@ -69,6 +69,7 @@ def run(reqs, cluster=None, policy=None, replicas=1, tweak=None):
 
 # -- the replica model ---------------------------------------------------------------------------------------------
 
+
 def test_cost_figures_follow_the_reference_tables():
     cost = InferSimCost(ClusterConfig(mem_fraction=0.5, chunked_prefill_tokens=1024), BT)
     assert cost.kv_bytes_per_token == KV_PER_TOKEN
@@ -140,10 +141,12 @@ def test_decode_pauses_while_a_request_is_admitted():
 
 def test_evicted_blocks_come_back_from_host_ram_at_pcie_bandwidth():
     p = chain("p", 1000)
-    reqs = [req("x", 0.0, p + chain("x", 1)),
-            req("y", 100.0, chain("y", 1500)),  # pushes p out of HBM into host RAM
-            req("z", 200.0, chain("z", 1500)),
-            req("w", 300.0, p + chain("w", 1))]
+    reqs = [
+        req("x", 0.0, p + chain("x", 1)),
+        req("y", 100.0, chain("y", 1500)),  # pushes p out of HBM into host RAM
+        req("z", 200.0, chain("z", 1500)),
+        req("w", 300.0, p + chain("w", 1)),
+    ]
     seen = []
 
     def look(r, view, now_s):
@@ -161,8 +164,12 @@ def test_evicted_blocks_come_back_from_host_ram_at_pcie_bandwidth():
 
 def test_reload_is_replaced_by_recompute_when_that_is_cheaper():
     p = chain("p", 1000)
-    reqs = [req("x", 0.0, p + chain("x", 1)), req("y", 100.0, chain("y", 1500)), req("z", 200.0, chain("z", 1500)),
-            req("w", 300.0, p + chain("w", 1))]
+    reqs = [
+        req("x", 0.0, p + chain("x", 1)),
+        req("y", 100.0, chain("y", 1500)),
+        req("z", 200.0, chain("z", 1500)),
+        req("w", 300.0, p + chain("w", 1)),
+    ]
 
     def slow_pcie(sim):
         sim.cost.pcie_bytes_per_s = 1e6
@@ -188,12 +195,13 @@ def test_blocks_are_inserted_at_admission_before_the_prefill_ran():
 def test_copy_is_charged_to_the_target_only_and_ready_before_the_source_finished():
     consts = BtbConstants(prefix_blocks=1000, threshold=2, window_s=1.0, replicas=2)
     p = chain("p", 1000)
-    reqs = [req("a1", 0.0, p + chain("a1", 1)),
-            req("a2", 0.1, p + chain("a2", 1)),  # fires: copy to the other replica
-            req("u", 0.15, chain("u", 1)),  # unrelated, goes to the idle target while the copy occupies it
-            req("a3", 0.6, p + chain("a3", 1))]  # after the copy: the target holds p
-    sim, recs = run(reqs, cluster=ClusterConfig(replicas=2),
-                    policy=InferSimBtb(2, random.Random(3), consts))
+    reqs = [
+        req("a1", 0.0, p + chain("a1", 1)),
+        req("a2", 0.1, p + chain("a2", 1)),  # fires: copy to the other replica
+        req("u", 0.15, chain("u", 1)),  # unrelated, goes to the idle target while the copy occupies it
+        req("a3", 0.6, p + chain("a3", 1)),
+    ]  # after the copy: the target holds p
+    sim, recs = run(reqs, cluster=ClusterConfig(replicas=2), policy=InferSimBtb(2, random.Random(3), consts))
     src = recs["a1"].replica
     dst = 1 - src
     copy_s = 1000 * BT * KV_PER_TOKEN / NIC
@@ -219,9 +227,11 @@ def test_view_reports_scheduled_copies():
 
     def act(r, view, now_s):
         if r.request_id == "b":
-            return [CopyPlan(p, 0, (1,), 1),
-                    CopyPlan(p, 0, (1,), 1),  # already scheduled
-                    CopyPlan(p, 1, (0,), 1)]  # the source does not hold it
+            return [
+                CopyPlan(p, 0, (1,), 1),
+                CopyPlan(p, 0, (1,), 1),  # already scheduled
+                CopyPlan(p, 1, (0,), 1),
+            ]  # the source does not hold it
         if r.request_id == "b2":  # same time as b, after its plans were carried out
             got["status"] = view.copy_status(1, p)
             got["nic"] = (view.nic_copies(0), view.nic_copies(1))
@@ -230,8 +240,12 @@ def test_view_reports_scheduled_copies():
             got["after"] = (view.copy_in_flight(1, p), view.hbm_blocks(1, p), view.copy_status(1, p))
         return None
 
-    reqs = [req("a", 0.0, p), req("b", 10.0, chain("b", 1)), req("b2", 10.0, chain("b2", 1)),
-            req("c", 20.0, chain("c", 1))]
+    reqs = [
+        req("a", 0.0, p),
+        req("b", 10.0, chain("b", 1)),
+        req("b2", 10.0, chain("b2", 1)),
+        req("c", 20.0, chain("c", 1)),
+    ]
     policy = Scripted(2, on_arrival=act)
     sim, _ = run(reqs, cluster=ClusterConfig(replicas=2), policy=policy)
     assert [ok for _, _, ok in policy.results] == [True, False, False]
@@ -254,6 +268,7 @@ def test_requests_larger_than_a_replica_are_refused():
 
 
 # -- the routing rules -----------------------------------------------------------------------------------------------
+
 
 def fleet(loads: list[int], cached: list[int], of: tuple) -> FakeFleet:
     """A fake fleet with ``loads`` where replica ``r`` holds the first ``cached[r]`` blocks of ``of``."""
@@ -311,6 +326,7 @@ def test_make_policy_takes_the_infersim_variants_only_in_that_fidelity():
 
 # -- windows, dispatch, setups ---------------------------------------------------------------------------------------
 
+
 def test_simulate_dispatches_and_uses_the_index_percentile():
     trace = generate_bursted(SMALL, seed=7)
     res = simulate(trace, "cache_aware", ClusterConfig(), BtbConstants(), fidelity="infersim")
@@ -338,8 +354,10 @@ def test_windows_of_a_reference_style_file_are_replayed_apart(tmp_path):
     consts = BtbConstants()
     cl = ClusterConfig()
     split = simulate(both, "btb", cl, consts, fidelity="infersim")
-    apart = (simulate_infersim(read_trace_subset(both, "bursted-seed7"), "btb", cl, consts).records
-             + simulate_infersim(read_trace_subset(both, "second"), "btb", cl, consts).records)
+    apart = (
+        simulate_infersim(read_trace_subset(both, "bursted-seed7"), "btb", cl, consts).records
+        + simulate_infersim(read_trace_subset(both, "second"), "btb", cl, consts).records
+    )
     assert sorted(r.ttft_s for r in split.records) == sorted(r.ttft_s for r in apart)
     merged = simulate_infersim(both, "btb", cl, consts, split_windows=False)
     assert merged.summary()["ttft_s"]["mean"] != split.summary()["ttft_s"]["mean"]
@@ -350,8 +368,14 @@ def read_trace_subset(trace, trace_id):
 
 
 def test_setups():
-    assert list(SETUPS) == ["70b_h100x4", "qwen3_8b_h100x4", "glm45_h100x4", "glm52_h100x8", "kimi_k2_h100x8",
-                            "dense1t_b300x4"]
+    assert list(SETUPS) == [
+        "70b_h100x4",
+        "qwen3_8b_h100x4",
+        "glm45_h100x4",
+        "glm52_h100x8",
+        "kimi_k2_h100x8",
+        "dense1t_b300x4",
+    ]
     c = setup_cluster("dense1t_b300x4")
     assert (c.model, c.gpu, c.gpus_per_replica, c.replicas, c.nic_gbps) == ("dense-1t", "b300", 4, 4, 800.0)
     assert setup_cluster("glm52_h100x8", replicas=2).replicas == 2
@@ -434,8 +458,12 @@ def test_infersim_summaries_match_golden(small_trace):
     got = {}
     for setup in ("70b_h100x4", "qwen3_8b_h100x4"):
         cl = setup_cluster(setup)
-        got[setup] = {pol: simulate(small_trace, pol, cl, BtbConstants(), seed=7, fidelity="infersim")
-                      .summary(replication_details=True) for pol in DEFAULT_POLICIES}
+        got[setup] = {
+            pol: simulate(small_trace, pol, cl, BtbConstants(), seed=7, fidelity="infersim").summary(
+                replication_details=True
+            )
+            for pol in DEFAULT_POLICIES
+        }
     got = json.loads(json.dumps(got))
     if os.environ.get("BTBCTL_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
@@ -448,12 +476,15 @@ def test_same_seed_same_result_and_seed_matters(small_trace):
     a = simulate(small_trace, "least_load", cl, BtbConstants(), seed=3, fidelity="infersim")
     b = simulate(small_trace, "least_load", cl, BtbConstants(), seed=3, fidelity="infersim")
     assert [r.as_dict() for r in a.records] == [r.as_dict() for r in b.records]
-    others = {simulate(small_trace, "least_load", cl, BtbConstants(), seed=s, fidelity="infersim")
-              .summary()["ttft_s"]["mean"] for s in range(4, 8)}
+    others = {
+        simulate(small_trace, "least_load", cl, BtbConstants(), seed=s, fidelity="infersim").summary()["ttft_s"]["mean"]
+        for s in range(4, 8)
+    }
     assert len(others | {a.summary()["ttft_s"]["mean"]}) > 1
 
 
 # -- the published claim ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def bursted_window():

@@ -35,8 +35,17 @@ PREFIX_BLOCKS = 8
 
 
 def _trace(path: Path, n: int, spread_s: float, seed: int):
-    params = BurstedParams(bursts=1, burst_size=n, first_burst_s=0.0, jitter_s=0.0, spread_s=spread_s,
-                           prefix_tokens=PREFIX_BLOCKS * 256, suffix_tokens=256, output_tokens=1, decoys=0)
+    params = BurstedParams(
+        bursts=1,
+        burst_size=n,
+        first_burst_s=0.0,
+        jitter_s=0.0,
+        spread_s=spread_s,
+        prefix_tokens=PREFIX_BLOCKS * 256,
+        suffix_tokens=256,
+        output_tokens=1,
+        decoys=0,
+    )
     trace = generate_bursted(params, seed=seed)
     write_btb_mixed(trace, path)
     text = PromptSynth(trace.block_tokens).text(trace.requests[0])
@@ -83,8 +92,10 @@ def test_btb_spreads_a_burst_over_verified_copies_and_beats_cache_aware(tmp_path
     btb = _run_policy(dirs("btb"), "btb", tmp_path / "burst.jsonl", tmp_path / "btb.jsonl")
     ca = _run_policy(dirs("ca"), "cache_aware", tmp_path / "burst.jsonl", tmp_path / "ca.jsonl")
     rb, rc = btb["report"], ca["report"]
-    summary = (f"p95 TTFT btb {rb['ttft_s']['p95']:.3f} s vs cache_aware {rc['ttft_s']['p95']:.3f} s; "
-               f"by worker btb {rb['by_worker']} cache_aware {rc['by_worker']}")
+    summary = (
+        f"p95 TTFT btb {rb['ttft_s']['p95']:.3f} s vs cache_aware {rc['ttft_s']['p95']:.3f} s; "
+        f"by worker btb {rb['by_worker']} cache_aware {rc['by_worker']}"
+    )
     print(summary)
     assert rb["requests"] == rc["requests"] == 80
     assert rb["errors"] == 0 and rc["errors"] == 0
@@ -126,10 +137,27 @@ def test_a_worker_killed_mid_burst_loses_no_request(tmp_path, dirs):
     cli("tune", "--run-dir", str(run_dir), f"prefix_blocks={PREFIX_BLOCKS}")
     served_before = {w["url"]: w["served"] for w in http_json(control + "/control/fleet")["workers"]}
     env = {k: v for k, v in os.environ.items() if k != "BTBCTL_RUN_DIR"}
-    bench = subprocess.Popen([sys.executable, "-m", "btbctl", "bench", "--run-dir", str(run_dir), "--trace",
-                              str(tmp_path / "burst.jsonl"), "--requests-out", str(tmp_path / "out.jsonl"),
-                              "--format", "json"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    bench = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "btbctl",
+            "bench",
+            "--run-dir",
+            str(run_dir),
+            "--trace",
+            str(tmp_path / "burst.jsonl"),
+            "--requests-out",
+            str(tmp_path / "out.jsonl"),
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # wait until the burst is under way, then SIGKILL the busiest worker
         victim = None
@@ -159,8 +187,10 @@ def test_a_worker_killed_mid_burst_loses_no_request(tmp_path, dirs):
             assert r["ttft_s"] is not None and r["worker"].startswith("http://127.0.0.1:")
         else:
             assert r["error"] and (r["http_status"] in (None, 200, 502, 503)), r
-    print(f"killed {victim}: {rep['ok']} ok, {rep['errors']} errors {rep['errors_by_status']}, "
-          f"by worker {rep['by_worker']}")
+    print(
+        f"killed {victim}: {rep['ok']} ok, {rep['errors']} errors {rep['errors_by_status']}, "
+        f"by worker {rep['by_worker']}"
+    )
     assert rep["ok"] >= n - 5, rep  # only answers already streaming from the dead worker may break
     # none served twice: the gateway counted exactly one served answer per successful request
     fleet = http_json(control + "/control/fleet")

@@ -36,7 +36,7 @@ def test_equal_hashes_give_equal_prompts_and_equal_chains():
     c = _req("c", 0, ["q0", "p1", "p2", "b3"], block=256)
     ta, tb, tc = synth.text(a), synth.text(b), synth.text(c)
     assert len(ta) == 4 * 1024 and ta.isascii() and ta.isprintable() and " " not in ta
-    assert ta[:3 * 1024] == tb[:3 * 1024] and ta[3 * 1024:] != tb[3 * 1024:]
+    assert ta[: 3 * 1024] == tb[: 3 * 1024] and ta[3 * 1024 :] != tb[3 * 1024 :]
     assert PromptSynth(256).text(a) == ta  # deterministic across instances
     ha = chain_hashes(text_to_tokens(ta), 256)
     hb = chain_hashes(text_to_tokens(tb), 256)
@@ -199,13 +199,16 @@ def test_unreachable_target_gives_connection_errors_not_exceptions():
     assert d["ttft_s"]["p95"] is None
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"target": "localhost:1"}, "--target"),
-    ({"time_scale": 0}, "--time-scale"),
-    ({"max_requests": 0}, "--max-requests"),
-    ({"concurrency": 0}, "--concurrency"),
-    ({"endpoint": "chat"}, "--endpoint"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"target": "localhost:1"}, "--target"),
+        ({"time_scale": 0}, "--time-scale"),
+        ({"max_requests": 0}, "--max-requests"),
+        ({"concurrency": 0}, "--concurrency"),
+        ({"endpoint": "chat"}, "--endpoint"),
+    ],
+)
 def test_bad_options(kw, msg):
     opts = BenchOptions(**{"target": "http://127.0.0.1:1", **kw})
     with pytest.raises(BtbctlError, match=msg):
@@ -229,10 +232,26 @@ def test_bench_cli_against_any_endpoint(endpoint, tmp_path):
 
     trace = default_burst_trace(burst_size=6, prefix_blocks=2)
     write_btb_mixed(trace, tmp_path / "t.jsonl")
-    base = [sys.executable, "-m", "btbctl", "bench", "--target", endpoint.url, "--trace", str(tmp_path / "t.jsonl"),
-            "--run-dir", str(tmp_path / "no-fleet"), "--time-scale", "4"]
-    proc = subprocess.run(base + ["--format", "json", "--requests-out", str(tmp_path / "r.jsonl")],
-                          capture_output=True, text=True, timeout=60)
+    base = [
+        sys.executable,
+        "-m",
+        "btbctl",
+        "bench",
+        "--target",
+        endpoint.url,
+        "--trace",
+        str(tmp_path / "t.jsonl"),
+        "--run-dir",
+        str(tmp_path / "no-fleet"),
+        "--time-scale",
+        "4",
+    ]
+    proc = subprocess.run(
+        base + ["--format", "json", "--requests-out", str(tmp_path / "r.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert {"requests", "errors", "ttft_s", "by_worker"} <= set(d)

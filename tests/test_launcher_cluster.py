@@ -37,7 +37,8 @@ def test_default_cluster_is_four_emulated_llama_70b_on_4xh100():
     insts = c.instances()
     assert [i.name for i in insts] == ["worker-0", "worker-1", "worker-2", "worker-3"]
     assert {(i.spec.kind, i.spec.model, i.spec.gpu, i.spec.tp_size) for i in insts} == {
-        ("emulated", "llama-3.3-70b", "h100", 4)}
+        ("emulated", "llama-3.3-70b", "h100", 4)
+    }
     assert all(i.spec.host == "127.0.0.1" for i in insts)
     assert c.gateway.host == "127.0.0.1" and c.gateway.control_host == "127.0.0.1"
     assert c.gateway.policy == "btb"
@@ -54,7 +55,9 @@ def test_examples_load_and_agree_with_the_default():
 
 
 def test_ports_are_consecutive_and_names_unique(tmp_path):
-    p = _write(tmp_path, """
+    p = _write(
+        tmp_path,
+        """
 [[workers]]
 count = 3
 port = 31000
@@ -68,33 +71,41 @@ model = "meta-llama/Llama-3.3-70B-Instruct"
 tp_size = 2
 gpu_ids = [0, 1, 2, 3]
 port = 31010
-""")
+""",
+    )
     c = load_cluster(p)
     insts = c.instances()
     assert [(i.name, i.port, i.transfer_port) for i in insts] == [
-        ("worker-0", 31000, 32000), ("worker-1", 31001, 32001), ("worker-2", 31002, 32002),
-        ("big-0", 31010, 0), ("big-1", 31011, 0)]
+        ("worker-0", 31000, 32000),
+        ("worker-1", 31001, 32001),
+        ("worker-2", 31002, 32002),
+        ("big-0", 31010, 0),
+        ("big-1", 31011, 0),
+    ]
     assert insts[3].env() == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert insts[4].env() == {"CUDA_VISIBLE_DEVICES": "2,3"}
 
 
-@pytest.mark.parametrize("text, key, words", [
-    ("[gateway]\npolicy = 'nope'\n", "gateway.policy", "valid: "),
-    ("[gateway]\nbogus = 1\n", "gateway.bogus", "valid keys"),
-    ("[[workers]]\nkind = 'docker'\n", "workers.0.kind", "'emulated' or 'sglang'"),
-    ("[[workers]]\ncount = 0\n", "workers.0.count", "greater than or equal to 1"),
-    ("[[workers]]\nport = 65535\ncount = 2\n", "workers.0", "past 65535"),
-    ("[[workers]]\nmodel = 'gpt-9'\n", "workers.0.model", "unknown preset"),
-    ("[[workers]]\ngpu = 'tpu'\n", "workers.0.gpu", "unknown preset"),
-    ("[[workers]]\nextra_args = '--foo bar'\n", "workers.0.extra_args", "list"),
-    ("[[workers]]\ncommand = ['x', '{nope}']\n", "workers.0.command", "unknown placeholder"),
-    ("[[workers]]\nkind = 'sglang'\ncount = 2\ntp_size = 2\ngpu_ids = [0, 1]\n", "workers.0", "gpu_ids"),
-    ("[[workers]]\npage_size = 64\n", "workers.0.page_size", "gateway.page_size"),
-    ("[gateway]\nport = 31000\n[[workers]]\nport = 31000\n", "workers.0.port", "already gateway.port"),
-    ("[[workers]]\nport = 31000\ncount = 2\n[[workers]]\nport = 31001\n", "workers.1.port", "already"),
-    ("[btb]\nthreshold = 0\n", "btb.threshold", "greater than or equal to 1"),
-    ("[[workers]]\nname = 'a b'\n", "workers.0.name", "letters"),
-])
+@pytest.mark.parametrize(
+    "text, key, words",
+    [
+        ("[gateway]\npolicy = 'nope'\n", "gateway.policy", "valid: "),
+        ("[gateway]\nbogus = 1\n", "gateway.bogus", "valid keys"),
+        ("[[workers]]\nkind = 'docker'\n", "workers.0.kind", "'emulated' or 'sglang'"),
+        ("[[workers]]\ncount = 0\n", "workers.0.count", "greater than or equal to 1"),
+        ("[[workers]]\nport = 65535\ncount = 2\n", "workers.0", "past 65535"),
+        ("[[workers]]\nmodel = 'gpt-9'\n", "workers.0.model", "unknown preset"),
+        ("[[workers]]\ngpu = 'tpu'\n", "workers.0.gpu", "unknown preset"),
+        ("[[workers]]\nextra_args = '--foo bar'\n", "workers.0.extra_args", "list"),
+        ("[[workers]]\ncommand = ['x', '{nope}']\n", "workers.0.command", "unknown placeholder"),
+        ("[[workers]]\nkind = 'sglang'\ncount = 2\ntp_size = 2\ngpu_ids = [0, 1]\n", "workers.0", "gpu_ids"),
+        ("[[workers]]\npage_size = 64\n", "workers.0.page_size", "gateway.page_size"),
+        ("[gateway]\nport = 31000\n[[workers]]\nport = 31000\n", "workers.0.port", "already gateway.port"),
+        ("[[workers]]\nport = 31000\ncount = 2\n[[workers]]\nport = 31001\n", "workers.1.port", "already"),
+        ("[btb]\nthreshold = 0\n", "btb.threshold", "greater than or equal to 1"),
+        ("[[workers]]\nname = 'a b'\n", "workers.0.name", "letters"),
+    ],
+)
 def test_errors_name_file_and_key(tmp_path, text, key, words):
     p = _write(tmp_path, text)
     with pytest.raises(ConfigError) as ei:
@@ -113,18 +124,49 @@ def test_toml_syntax_and_missing_file(tmp_path):
 
 
 def test_sglang_argv_is_a_list_in_launch_server_order():
-    spec = WorkerSpec(kind="sglang", model="meta-llama/Llama-3.3-70B-Instruct", tp_size=8, host="127.0.0.1",
-                      mem_fraction=0.85, page_size=256, gpu="h200", python="/opt/sglang/bin/python",
-                      extra_args=["--load-format", "dummy", "--attention-backend", "fa3"])
+    spec = WorkerSpec(
+        kind="sglang",
+        model="meta-llama/Llama-3.3-70B-Instruct",
+        tp_size=8,
+        host="127.0.0.1",
+        mem_fraction=0.85,
+        page_size=256,
+        gpu="h200",
+        python="/opt/sglang/bin/python",
+        extra_args=["--load-format", "dummy", "--attention-backend", "fa3"],
+    )
     assert sglang_argv(spec, 30001) == [
-        "/opt/sglang/bin/python", "-m", "sglang.launch_server",
-        "--model-path", "meta-llama/Llama-3.3-70B-Instruct", "--tp-size", "8", "--host", "127.0.0.1",
-        "--port", "30001", "--mem-fraction-static", "0.85", "--page-size", "256",
-        "--chunked-prefill-size", "16384", "--enable-metrics",
-        "--load-format", "dummy", "--attention-backend", "fa3"]
+        "/opt/sglang/bin/python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "--tp-size",
+        "8",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30001",
+        "--mem-fraction-static",
+        "0.85",
+        "--page-size",
+        "256",
+        "--chunked-prefill-size",
+        "16384",
+        "--enable-metrics",
+        "--load-format",
+        "dummy",
+        "--attention-backend",
+        "fa3",
+    ]
     # user text with spaces or shell characters stays one argument
-    spec2 = WorkerSpec(kind="sglang", model="/models/my model; rm -rf ~", chunked_prefill_size=4096,
-                       enable_metrics=False, served_model_name="m")
+    spec2 = WorkerSpec(
+        kind="sglang",
+        model="/models/my model; rm -rf ~",
+        chunked_prefill_size=4096,
+        enable_metrics=False,
+        served_model_name="m",
+    )
     argv = sglang_argv(spec2, 30000)
     assert argv[0] == sys.executable
     assert argv[argv.index("--model-path") + 1] == "/models/my model; rm -rf ~"
@@ -150,8 +192,10 @@ def test_emulated_argv_carries_the_emulation_flags():
 def _standin_executable(tmp_path: Path) -> Path:
     exe = tmp_path / "bin" / "python-standin"
     exe.parent.mkdir()
-    exe.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(STANDIN)!r}\n"
-                   f"runpy.run_path({str(STANDIN)!r}, run_name='__main__')\n")
+    exe.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(STANDIN)!r}\n"
+        f"runpy.run_path({str(STANDIN)!r}, run_name='__main__')\n"
+    )
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     return exe
 
@@ -159,7 +203,9 @@ def _standin_executable(tmp_path: Path) -> Path:
 def test_sglang_worker_is_launched_with_exactly_that_argv(tmp_path):
     """The launcher executes the argv as built (no shell): a stand-in interpreter records what it received."""
     exe = _standin_executable(tmp_path)
-    p = _write(tmp_path, f"""
+    p = _write(
+        tmp_path,
+        f"""
 [[workers]]
 kind = "sglang"
 model = "Qwen/Qwen3-8B"
@@ -167,8 +213,9 @@ tp_size = 1
 python = "{exe}"
 port = 0
 extra_args = ["--load-format", "dummy", "--context-length", "8192"]
-env = {{ STANDIN_ARGV_FILE = "{tmp_path / 'argv.json'}" }}
-""")
+env = {{ STANDIN_ARGV_FILE = "{tmp_path / "argv.json"}" }}
+""",
+    )
     inst = load_cluster(p).instances()[0]
     from btbctl.engine.launcher.fleet import free_port
 
@@ -181,24 +228,51 @@ env = {{ STANDIN_ARGV_FILE = "{tmp_path / 'argv.json'}" }}
     finally:
         stop_group(proc.pid, 5.0, popen=proc.popen)
     # sys.argv[0] is the script; the rest is exactly what the launcher built after the interpreter
-    assert recorded[1:] == ["-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-8B", "--tp-size", "1",
-                            "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.9",
-                            "--page-size", "256", "--chunked-prefill-size", "8192", "--enable-metrics",
-                            "--load-format", "dummy", "--context-length", "8192"]
+    assert recorded[1:] == [
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "Qwen/Qwen3-8B",
+        "--tp-size",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        "0.9",
+        "--page-size",
+        "256",
+        "--chunked-prefill-size",
+        "8192",
+        "--enable-metrics",
+        "--load-format",
+        "dummy",
+        "--context-length",
+        "8192",
+    ]
     assert argv[0] == str(exe)
 
 
 def test_command_override_placeholders_and_relative_path(tmp_path):
     (tmp_path / "scripts").mkdir()
-    p = _write(tmp_path, """
+    p = _write(
+        tmp_path,
+        """
 [[workers]]
 name = "custom"
 count = 2
 port = 31100
 command = ["scripts/serve", "--listen", "{host}:{port}", "--id={name}/{index}", "{model}"]
-""")
+""",
+    )
     c = load_cluster(p)
     a0, a1 = (worker_argv(i, i.port) for i in c.instances())
-    assert a0 == [os.path.join(str(tmp_path), "scripts", "serve"), "--listen", "127.0.0.1:31100",
-                  "--id=custom-0/0", "llama-3.3-70b"]
+    assert a0 == [
+        os.path.join(str(tmp_path), "scripts", "serve"),
+        "--listen",
+        "127.0.0.1:31100",
+        "--id=custom-0/0",
+        "llama-3.3-70b",
+    ]
     assert a1[2:4] == ["127.0.0.1:31101", "--id=custom-1/1"]

@@ -47,12 +47,24 @@ def _one_error_line(proc: subprocess.CompletedProcess, *words: str, after_progre
 
 
 def test_parse_tune_args():
-    assert parse_tune_args(["prefix_blocks=16", "threshold=3", "window_s=0.5", "replicas=2", "policy=cache_aware"]) \
-        == {"prefix_blocks": 16, "threshold": 3, "window_s": 0.5, "warm_replicas": 2, "policy": "cache_aware"}
+    assert parse_tune_args(["prefix_blocks=16", "threshold=3", "window_s=0.5", "replicas=2", "policy=cache_aware"]) == {
+        "prefix_blocks": 16,
+        "threshold": 3,
+        "window_s": 0.5,
+        "warm_replicas": 2,
+        "policy": "cache_aware",
+    }
     assert parse_tune_args(["window-s=2"]) == {"window_s": 2.0}
-    for bad, key in ((["threshold=0"], "threshold"), (["threshold=two"], "threshold"), (["window_s=-1"], "window_s"),
-                     (["window_s=nan"], "window_s"), (["policy=fastest"], "policy"), (["speed=1"], "speed"),
-                     (["threshold"], "threshold"), (["replicas=2", "replicas=3"], "warm_replicas")):
+    for bad, key in (
+        (["threshold=0"], "threshold"),
+        (["threshold=two"], "threshold"),
+        (["window_s=-1"], "window_s"),
+        (["window_s=nan"], "window_s"),
+        (["policy=fastest"], "policy"),
+        (["speed=1"], "speed"),
+        (["threshold"], "threshold"),
+        (["replicas=2", "replicas=3"], "warm_replicas"),
+    ):
         with pytest.raises(BtbctlError) as ei:
             parse_tune_args(bad)
         assert key in str(ei.value)
@@ -83,8 +95,9 @@ def test_up_detached_status_tune_down(run_dir):
     assert len(pids) == 5
 
     # a second fleet in the same run directory is refused; the first is untouched
-    _one_error_line(cli("up", "-d", "--run-dir", str(run_dir), *FREE_PORTS, check=False), "already running",
-                    after_progress=True)
+    _one_error_line(
+        cli("up", "-d", "--run-dir", str(run_dir), *FREE_PORTS, check=False), "already running", after_progress=True
+    )
     assert recorded_pids(run_dir) == pids
 
     st2 = cli_json("status", "--run-dir", str(run_dir))
@@ -115,8 +128,13 @@ def test_up_detached_status_tune_down(run_dir):
 @pytest.mark.slow
 def test_foreground_up_stops_everything_on_ctrl_c_and_on_down(run_dir):
     for how in ("sigint", "down"):
-        proc = subprocess.Popen([sys.executable, "-m", "btbctl", "up", "--run-dir", str(run_dir), *FREE_PORTS],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "btbctl", "up", "--run-dir", str(run_dir), *FREE_PORTS],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 60
             state = None
@@ -170,8 +188,10 @@ env = {{ STANDIN_EXIT = "7" }}
 def test_sglang_workers_start_with_their_command_line_behind_the_gateway(tmp_path, run_dir):
     """kind = "sglang" through `up`: a stand-in interpreter records the argv and answers /health like SGLang."""
     exe = tmp_path / "python-standin"
-    exe.write_text(f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(STANDIN)!r}\n"
-                   f"runpy.run_path({str(STANDIN)!r}, run_name='__main__')\n")
+    exe.write_text(
+        f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(STANDIN)!r}\n"
+        f"runpy.run_path({str(STANDIN)!r}, run_name='__main__')\n"
+    )
     exe.chmod(0o755)
     cfg = tmp_path / "sglang.toml"
     cfg.write_text(f"""
@@ -191,10 +211,27 @@ extra_args = ["--load-format", "dummy"]
     for w in st["workers"]:
         argv = http_json(w["url"] + "/argv")
         port = w["url"].rsplit(":", 1)[1]
-        assert argv[1:] == ["-m", "sglang.launch_server", "--model-path", "meta-llama/Llama-3.3-70B-Instruct",
-                            "--tp-size", "2", "--host", "127.0.0.1", "--port", port, "--mem-fraction-static", "0.9",
-                            "--page-size", "256", "--chunked-prefill-size", "8192", "--enable-metrics",
-                            "--load-format", "dummy"]
+        assert argv[1:] == [
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "meta-llama/Llama-3.3-70B-Instruct",
+            "--tp-size",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            port,
+            "--mem-fraction-static",
+            "0.9",
+            "--page-size",
+            "256",
+            "--chunked-prefill-size",
+            "8192",
+            "--enable-metrics",
+            "--load-format",
+            "dummy",
+        ]
     state = RunDir(run_dir).load()
     assert [p.kind for p in state.workers()] == ["sglang", "sglang"]
     cli("down", "--run-dir", str(run_dir))
@@ -202,8 +239,17 @@ extra_args = ["--load-format", "dummy"]
 
 
 def _burst_trace(path: Path, n: int, prefix_blocks: int, spread_s: float, seed: int = 3):
-    params = BurstedParams(bursts=1, burst_size=n, first_burst_s=0.0, jitter_s=0.0, spread_s=spread_s,
-                           prefix_tokens=prefix_blocks * 256, suffix_tokens=256, output_tokens=1, decoys=0)
+    params = BurstedParams(
+        bursts=1,
+        burst_size=n,
+        first_burst_s=0.0,
+        jitter_s=0.0,
+        spread_s=spread_s,
+        prefix_tokens=prefix_blocks * 256,
+        suffix_tokens=256,
+        output_tokens=1,
+        decoys=0,
+    )
     trace = generate_bursted(params, seed=seed)
     write_btb_mixed(trace, path)
     return trace
@@ -227,8 +273,10 @@ def test_replicate_makes_three_more_workers_hold_the_prefix(tmp_path, run_dir):
     assert before == {u: (8 if u == holder else 0) for u in urls}
 
     _one_error_line(cli("replicate", "--run-dir", str(run_dir), "--prefix", "not-hex", check=False), "hexadecimal")
-    _one_error_line(cli("replicate", "--run-dir", str(run_dir), "--prefix", "deadbeefdeadbeef", "-n", "3",
-                        check=False), "unknown prefix")
+    _one_error_line(
+        cli("replicate", "--run-dir", str(run_dir), "--prefix", "deadbeefdeadbeef", "-n", "3", check=False),
+        "unknown prefix",
+    )
 
     proc = cli("replicate", "--run-dir", str(run_dir), "--prefix", chain[-1][:10], "-n", "3", "--format", "json")
     res = json.loads(proc.stdout)
@@ -239,6 +287,7 @@ def test_replicate_makes_three_more_workers_hold_the_prefix(tmp_path, run_dir):
     after = {u: http_json(u + "/btb/match", {"chain": chain})["cached_blocks"] for u in urls}
     assert after == dict.fromkeys(urls, 8)
     # nobody left to copy to
-    _one_error_line(cli("replicate", "--run-dir", str(run_dir), "--prefix", chain[-1], "-n", "1", check=False),
-                    "no eligible target")
+    _one_error_line(
+        cli("replicate", "--run-dir", str(run_dir), "--prefix", chain[-1], "-n", "1", check=False), "no eligible target"
+    )
     cli("down", "--run-dir", str(run_dir))

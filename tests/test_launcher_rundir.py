@@ -55,9 +55,26 @@ def test_tokens_and_state_are_private(tmp_path):
     assert rd.read_token() == control
     control2, _ = rd.new_tokens()
     assert control2 != control and rd.read_token() == control2
-    state = RunState(run_dir=str(rd.path), created_at=1.0, detached=True, policy="btb",
-                     processes=[ProcessRecord("worker-0", "worker", "emulated", 123, 123, "99", ["x"], "l",
-                                              url="http://127.0.0.1:1", extra={"transfer": "127.0.0.1:2"})])
+    state = RunState(
+        run_dir=str(rd.path),
+        created_at=1.0,
+        detached=True,
+        policy="btb",
+        processes=[
+            ProcessRecord(
+                "worker-0",
+                "worker",
+                "emulated",
+                123,
+                123,
+                "99",
+                ["x"],
+                "l",
+                url="http://127.0.0.1:1",
+                extra={"transfer": "127.0.0.1:2"},
+            )
+        ],
+    )
     rd.save(state)
     assert _mode(rd.state_path) == 0o600
     back = rd.load()
@@ -134,9 +151,17 @@ def test_spawn_of_a_missing_program_is_a_user_error(tmp_path):
 
 def test_stop_group_escalates_to_sigkill_and_takes_children(tmp_path):
     pidfile = tmp_path / "child.pid"
-    p = spawn("stubborn", [sys.executable, STANDIN], tmp_path / "s.log",
-              env={"STANDIN_READY_LINE": "1", "STANDIN_IGNORE_TERM": "1", "STANDIN_CHILD": "1",
-                   "STANDIN_CHILD_PID_FILE": str(pidfile)})
+    p = spawn(
+        "stubborn",
+        [sys.executable, STANDIN],
+        tmp_path / "s.log",
+        env={
+            "STANDIN_READY_LINE": "1",
+            "STANDIN_IGNORE_TERM": "1",
+            "STANDIN_CHILD": "1",
+            "STANDIN_CHILD_PID_FILE": str(pidfile),
+        },
+    )
     wait_ready(p, 20.0)
     child = int(pidfile.read_text())
     assert sorted(group_members(p.pid)) == sorted([p.pid, child])
@@ -165,8 +190,13 @@ def test_refuse_to_start_over_a_live_run_and_clean_a_stale_one(tmp_path):
     p = spawn("worker-0", [sys.executable, STANDIN], rd.log_path("worker-0"), env={"STANDIN_READY_LINE": "1"})
     try:
         wait_ready(p, 20.0)
-        state = RunState(run_dir=str(rd.path), created_at=time.time(), detached=True, complete=True,
-                         processes=[p.record("worker", "emulated")])
+        state = RunState(
+            run_dir=str(rd.path),
+            created_at=time.time(),
+            detached=True,
+            complete=True,
+            processes=[p.record("worker", "emulated")],
+        )
         rd.save(state)
         with pytest.raises(BtbctlError, match="already running"):
             check_no_live_run(rd)

@@ -22,12 +22,16 @@ print(json.dumps({"imported": names, "forbidden_loaded": loaded}))
 
 
 def test_engine_imports_no_ui_or_cli_modules():
-    proc = subprocess.run([sys.executable, "-c", _PROBE % (FORBIDDEN,)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", _PROBE % (FORBIDDEN,)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     # the walk really covered the engine (not just the empty package)
-    for name in ("btbctl.engine.costmodel", "btbctl.engine.config", "btbctl.engine.dryrun",
-                 "btbctl.engine.trace.model", "btbctl.engine.policies.base"):
+    for name in (
+        "btbctl.engine.costmodel",
+        "btbctl.engine.config",
+        "btbctl.engine.dryrun",
+        "btbctl.engine.trace.model",
+        "btbctl.engine.policies.base",
+    ):
         assert name in report["imported"]
     assert report["forbidden_loaded"] == []

@@ -35,10 +35,19 @@ WORKER = {**FAST, "kv_bytes_scale": 64}
 def host_entry(server, **over) -> dict:
     """A ``[[hosts]]`` entry reaching ``server`` (a :class:`netns.HostSshd`) at its namespace address; the remote
     Python is this one (the namespaces share the file system)."""
-    entry = {"name": server.host.name, "address": server.host.address, "port": server.port, "user": server.user,
-             "identity_file": str(server.client_key), "known_hosts": str(server.known_hosts),
-             "python": sys.executable, "workdir": str(server.dir / "remote" / server.host.name),
-             "env": {"PYTHONPATH": str(ROOT)}, "connect_timeout_s": 5.0, "start_timeout_s": 20.0}
+    entry = {
+        "name": server.host.name,
+        "address": server.host.address,
+        "port": server.port,
+        "user": server.user,
+        "identity_file": str(server.client_key),
+        "known_hosts": str(server.known_hosts),
+        "python": sys.executable,
+        "workdir": str(server.dir / "remote" / server.host.name),
+        "env": {"PYTHONPATH": str(ROOT)},
+        "connect_timeout_s": 5.0,
+        "start_timeout_s": 20.0,
+    }
     entry.update(over)
     return entry
 
@@ -71,15 +80,21 @@ def test_up_status_down_across_two_namespace_hosts(make_testbed, tmp_path):  # n
     tb = make_testbed(2, rate_gbit=RATE_GBIT)
     n0, n1 = tb.hosts
     servers = [start_sshd(h, tmp_path / "ssh") for h in tb.hosts]
-    cfg = write_cluster(tmp_path / "c.toml", [host_entry(s) for s in servers],
-                        [{"name": "a", "host": n0.name, **WORKER}, {"name": "b", "host": n1.name, **WORKER}])
+    cfg = write_cluster(
+        tmp_path / "c.toml",
+        [host_entry(s) for s in servers],
+        [{"name": "a", "host": n0.name, **WORKER}, {"name": "b", "host": n1.name, **WORKER}],
+    )
     run_dir = tmp_path / "run"
     try:
-        st = json.loads(cli("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), "--format", "json",
-                            timeout=60).stdout)
+        st = json.loads(
+            cli("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), "--format", "json", timeout=60).stdout
+        )
         by_name = {w["name"]: w for w in st["workers"]}
         assert {n: (w["host"], w["healthy"]) for n, w in by_name.items()} == {
-            "a-0": (n0.name, True), "b-0": (n1.name, True)}
+            "a-0": (n0.name, True),
+            "b-0": (n1.name, True),
+        }
         assert by_name["a-0"]["url"].startswith(f"http://{n0.address}:")
         assert by_name["b-0"]["url"].startswith(f"http://{n1.address}:")
         state = RunDir(run_dir).load()
@@ -96,16 +111,32 @@ def test_up_status_down_across_two_namespace_hosts(make_testbed, tmp_path):  # n
         assert n0.name in human and n1.name in human
 
         # the gateway (here, on the operator side) routes a burst to both hosts across the switch
-        bench = json.loads(cli("bench", "--run-dir", str(run_dir), "--burst-size", "8", "--prefix-blocks", "4",
-                               "--spread-s", "0.2", "--format", "json", timeout=60).stdout)
+        bench = json.loads(
+            cli(
+                "bench",
+                "--run-dir",
+                str(run_dir),
+                "--burst-size",
+                "8",
+                "--prefix-blocks",
+                "4",
+                "--spread-s",
+                "0.2",
+                "--format",
+                "json",
+                timeout=60,
+            ).stdout
+        )
         assert (bench["requests"], bench["ok"], bench["errors"]) == (8, 8, 0)
         # the burst made the prefix hot: its KV blocks went from one host to the other, paced by the links
         copy = wait_copy_done(st["control_url"])
         assert {urlparse(copy["source"]).hostname, urlparse(copy["target"]).hostname} == {n0.address, n1.address}
         seconds = copy["finished_s"] - copy["started_s"]
         floor = copy["bytes_total"] * 8 / (RATE_GBIT * 1e9)
-        print(f"\ncopy of {copy['bytes_total'] / 1e6:.1f} MB across the testbed: {seconds:.3f} s "
-              f"({copy['bytes_total'] * 8 / seconds / 1e9:.3f} Gbit/s; link {RATE_GBIT} Gbit/s)")
+        print(
+            f"\ncopy of {copy['bytes_total'] / 1e6:.1f} MB across the testbed: {seconds:.3f} s "
+            f"({copy['bytes_total'] * 8 / seconds / 1e9:.3f} Gbit/s; link {RATE_GBIT} Gbit/s)"
+        )
         assert copy["bytes_total"] > 5e6 and seconds >= 0.85 * floor
 
         down = json.loads(cli("down", "--run-dir", str(run_dir), "--grace-s", "5", "--format", "json").stdout)

@@ -145,16 +145,50 @@ def test_shaping_commands(monkeypatch):
     monkeypatch.setattr(netns, "_tc", lambda ns, *args, check=True: calls.append((ns, *args)))
     netns._Port("h", "eth0").shape(1.0, 0, netem=False)
     netns._Port(None, "x-op").shape(None, 0, netem=False)
-    assert calls == [("h", "qdisc", "replace", "dev", "eth0", "root", "handle", "10:", "tbf", "rate", "1000000000bit",
-                      "burst", "131072", "latency", "20ms"),
-                     (None, "qdisc", "del", "dev", "x-op", "root")]
+    assert calls == [
+        (
+            "h",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "root",
+            "handle",
+            "10:",
+            "tbf",
+            "rate",
+            "1000000000bit",
+            "burst",
+            "131072",
+            "latency",
+            "20ms",
+        ),
+        (None, "qdisc", "del", "dev", "x-op", "root"),
+    ]
     calls.clear()
     # with netem: the delay at the root, the token bucket as its child (the tree tc-netem(8) describes)
     netns._Port("h", "eth0").shape(10.0, 50, netem=True)
-    assert calls == [("h", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "netem", "delay", "50us",
-                      "limit", "100000"),
-                     ("h", "qdisc", "replace", "dev", "eth0", "parent", "1:1", "handle", "10:", "tbf", "rate",
-                      "10000000000bit", "burst", "1250000", "latency", "20ms")]
+    assert calls == [
+        ("h", "qdisc", "replace", "dev", "eth0", "root", "handle", "1:", "netem", "delay", "50us", "limit", "100000"),
+        (
+            "h",
+            "qdisc",
+            "replace",
+            "dev",
+            "eth0",
+            "parent",
+            "1:1",
+            "handle",
+            "10:",
+            "tbf",
+            "rate",
+            "10000000000bit",
+            "burst",
+            "1250000",
+            "latency",
+            "20ms",
+        ),
+    ]
 
 
 # -- the network ---------------------------------------------------------------------------------------------------
@@ -167,17 +201,31 @@ def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):  # noqa: F811
     assert {ipaddress.ip_address(x) in net for x in (op.address, a.address, b.address)} == {True}
     assert a.netns == f"{testbed.prefix}-node0" and b.name == "node1"
     # the subnet does not collide with any route of the machine (but its own)
-    routes = json.loads(subprocess.run(["ip", "-j", "-4", "route", "show", "table", "all"], capture_output=True,
-                                       text=True, check=True).stdout)
+    routes = json.loads(
+        subprocess.run(
+            ["ip", "-j", "-4", "route", "show", "table", "all"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     others = [r for r in routes if r.get("dst", "default") != "default" and r.get("dev") != op.interface]
     assert not any(net.overlaps(ipaddress.ip_network(r["dst"], strict=False)) for r in others)
 
     serve(b, ECHO, b.address, 7000)
     serve(a, ECHO, a.address, 7000)
     # host to host
-    r = a.run([sys.executable, "-c", ("import socket,sys; c=socket.create_connection((sys.argv[1],7000),timeout=2);"
-                                      "c.sendall(b'hi'); print(c.recv(2).decode())"), b.address],
-              capture_output=True, text=True, timeout=10)
+    r = a.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import socket,sys; c=socket.create_connection((sys.argv[1],7000),timeout=2);"
+                "c.sendall(b'hi'); print(c.recv(2).decode())"
+            ),
+            b.address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert r.stdout.strip() == "hi", r.stderr
     # the operator (this process, root namespace) to each host
     assert echo_once(a.address, 7000) == b"ping" and echo_once(b.address, 7000) == b"ping"
@@ -192,8 +240,12 @@ def test_hosts_talk_tcp_and_the_operator_reaches_them(testbed):  # noqa: F811
             assert c.recv(2) == b"up" and peer[0] == a.address
         assert r.wait(5) == 0
     # a host reaches nothing outside the testbed (no default route)
-    r = a.run([sys.executable, "-c", "import socket; socket.create_connection(('192.0.2.1', 22), timeout=1)"],
-              capture_output=True, text=True, timeout=10)
+    r = a.run(
+        [sys.executable, "-c", "import socket; socket.create_connection(('192.0.2.1', 22), timeout=1)"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert r.returncode != 0 and "Network is unreachable" in r.stderr
 
 
@@ -270,8 +322,10 @@ def test_close_removes_everything_and_kills_every_process():
     prefix = tb.prefix
     tracked = tb.hosts[0].popen(["sleep", "60"])
     # an untracked process: a detached grandchild in the other host
-    detached = ("import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True, "
-                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    detached = (
+        "import subprocess; print(subprocess.Popen(['sleep', '60'], start_new_session=True, "
+        "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"
+    )
     r = tb.hosts[1].run([sys.executable, "-c", detached], capture_output=True, text=True, timeout=10)
     orphan = int(r.stdout)
     assert orphan in tb.hosts[1].pids()
@@ -299,19 +353,27 @@ def test_close_after_the_body_raised():
 
 def test_fixture_teardown_cleans_up_after_a_failed_test(tmp_path):
     require_testbed()
-    (tmp_path / "test_inner.py").write_text(textwrap.dedent(f"""
+    (tmp_path / "test_inner.py").write_text(
+        textwrap.dedent(f"""
         import json
         from netns import make_testbed, testbed
 
         def test_fails(testbed):
             p = testbed.hosts[0].popen(["sleep", "60"])
-            with open({str(tmp_path / 'out.json')!r}, "w") as f:
+            with open({str(tmp_path / "out.json")!r}, "w") as f:
                 json.dump({{"prefix": testbed.prefix, "pid": p.pid}}, f)
             assert False, "the test body failed"
-    """))
+    """)
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and "the test body failed" in r.stdout, r.stdout + r.stderr
     out = json.loads((tmp_path / "out.json").read_text())
     assert leftovers(out["prefix"]) == []
@@ -333,8 +395,9 @@ def test_a_crashed_run_is_swept(tmp_path):
     require_testbed()
     prefix = f"btbtc{os.getpid()}"  # no other run of this test can sweep it meanwhile
     try:
-        r = subprocess.run([sys.executable, "-c", CRASH, str(ROOT / "tests"), prefix], capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run(
+            [sys.executable, "-c", CRASH, str(ROOT / "tests"), prefix], capture_output=True, text=True, timeout=30
+        )
         assert r.returncode == -signal.SIGKILL, r.stderr
         pid = int(r.stdout)
         left = leftovers(prefix)
@@ -382,8 +445,15 @@ def test_sshd_in_a_host_takes_a_key_login_checked_against_known_hosts(testbed, t
     wrong.write_text(f"{a.address} {sb.known_hosts.read_text().splitlines()[1].split(' ', 1)[1]}\n")
 
     async def login(known_hosts: Path) -> str:
-        async with asyncssh.connect(a.address, port=sa.port, username=sa.user, client_keys=[str(sa.client_key)],
-                                    known_hosts=str(known_hosts), agent_path=None, connect_timeout=5) as conn:
+        async with asyncssh.connect(
+            a.address,
+            port=sa.port,
+            username=sa.user,
+            client_keys=[str(sa.client_key)],
+            known_hosts=str(known_hosts),
+            agent_path=None,
+            connect_timeout=5,
+        ) as conn:
             r = await conn.run("ip -4 -o addr show", check=True, timeout=10)
             return r.stdout
 
@@ -392,10 +462,33 @@ def test_sshd_in_a_host_takes_a_key_login_checked_against_known_hosts(testbed, t
     with pytest.raises(asyncssh.HostKeyNotVerifiable):
         asyncio.run(login(wrong))
     # the stock client works too (a benchmark may drive hosts with plain ssh)
-    r = subprocess.run(["ssh", "-F", "none", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={sb.known_hosts}",
-                        "-o", "StrictHostKeyChecking=yes", "-i", str(sb.client_key), f"{sb.user}@{b.address}",
-                        "ip", "-4", "-o", "addr", "show", "dev", "eth0"],
-                       capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [
+            "ssh",
+            "-F",
+            "none",
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"UserKnownHostsFile={sb.known_hosts}",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "-i",
+            str(sb.client_key),
+            f"{sb.user}@{b.address}",
+            "ip",
+            "-4",
+            "-o",
+            "addr",
+            "show",
+            "dev",
+            "eth0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0 and f"inet {b.address}/24" in r.stdout, r.stderr
 
 
@@ -403,8 +496,9 @@ def test_sshd_in_a_host_takes_a_key_login_checked_against_known_hosts(testbed, t
 
 
 def script(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "testbed.py"), *args], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "testbed.py"), *args], capture_output=True, text=True, timeout=60
+    )
     if check:
         assert r.returncode == 0, r.stderr
     return r
@@ -415,8 +509,21 @@ def test_script_up_exec_set_down(tmp_path):
     require_sshd()
     prefix = f"btbts{os.getpid()}"
     try:
-        up = json.loads(script("up", "--hosts", "2", "--rate-gbit", "2", "--delay-us", "0", "--prefix", prefix,
-                               "--sshd", str(tmp_path / "ssh")).stdout)
+        up = json.loads(
+            script(
+                "up",
+                "--hosts",
+                "2",
+                "--rate-gbit",
+                "2",
+                "--delay-us",
+                "0",
+                "--prefix",
+                prefix,
+                "--sshd",
+                str(tmp_path / "ssh"),
+            ).stdout
+        )
         assert [h["name"] for h in up["hosts"]] == ["node0", "node1"] and up["persistent"]
         node0, node1 = (h["address"] for h in up["hosts"])
         # it outlived the script; a test never sweeps it; status shows it; a second up refuses
@@ -433,15 +540,34 @@ def test_script_up_exec_set_down(tmp_path):
         hosts = tomllib.loads(Path(up["ssh"]["hosts_toml"]).read_text())["hosts"]
         assert [(h["name"], h["address"], h["port"]) for h in hosts] == [("node0", node0, 22), ("node1", node1, 22)]
         h0 = hosts[0]
-        r = subprocess.run(["ssh", "-F", "none", "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={h0['known_hosts']}",
-                            "-o", "StrictHostKeyChecking=yes", "-i", h0["identity_file"], f"{h0['user']}@{node0}",
-                            "true"], capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+        r = subprocess.run(
+            [
+                "ssh",
+                "-F",
+                "none",
+                "-o",
+                "BatchMode=yes",
+                "-o",
+                f"UserKnownHostsFile={h0['known_hosts']}",
+                "-o",
+                "StrictHostKeyChecking=yes",
+                "-i",
+                h0["identity_file"],
+                f"{h0['user']}@{node0}",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            stdin=subprocess.DEVNULL,
+        )
         assert r.returncode == 0, r.stderr
         # links change while it runs
         st = json.loads(script("set", "--prefix", prefix, "node1", "--rate-gbit", "0.5", "--link", "down").stdout)
         assert [(h["rate_gbit"], h["up"]) for h in st["hosts"]] == [(2.0, True), (0.5, False)]
-        qd = subprocess.run(["tc", "-n", f"{prefix}-switch", "qdisc", "show", "dev", "node1"], capture_output=True,
-                            text=True).stdout
+        qd = subprocess.run(
+            ["tc", "-n", f"{prefix}-switch", "qdisc", "show", "dev", "node1"], capture_output=True, text=True
+        ).stdout
         assert "rate 500Mbit" in qd
         with pytest.raises(OSError):  # noqa: PT011 - refused, unreachable or timed out: any of them
             socket.create_connection((node1, 22), timeout=0.5)

@@ -39,6 +39,7 @@ def rng(seed: int = 0) -> random.Random:
 
 # -- registry ------------------------------------------------------------------------------------------------------
 
+
 def test_registry_and_factory():
     assert set(DEFAULT_POLICIES) <= set(POLICIES)
     assert {"random", "power_of_two"} <= set(POLICIES)
@@ -62,6 +63,7 @@ def test_unknown_policy_names_the_valid_ones():
 
 
 # -- simple policies -----------------------------------------------------------------------------------------------
+
 
 def test_round_robin_cycles():
     pol = make_policy("round_robin", 3, rng())
@@ -98,6 +100,7 @@ def test_power_of_two_never_picks_the_worse_of_its_pair():
 
 
 # -- cache_aware (sglang-router 0.3.2) -----------------------------------------------------------------------------
+
 
 def test_cache_aware_sticks_a_prefix_to_its_creator():
     pol = CacheAware(2, rng())
@@ -143,12 +146,15 @@ def test_cache_aware_match_ratio_counts_a_partial_last_block():
     assert pol.match_ratio(req(("a", "b", "c"), input_tokens=520), 2) == pytest.approx(200 / 520)
 
 
-@pytest.mark.parametrize("loads, expected", [
-    ([70, 5], 1),    # spread 65 > 64 and 70 > 7.5: imbalanced -> least loaded
-    ([69, 5], 0),    # spread 64 is not above 64: affinity
-    ([300, 210], 0),  # spread 90 > 64 but 300 < 1.5 x 210: affinity
-    ([316, 210], 1),  # spread 106 > 64 and 316 > 315: imbalanced
-])
+@pytest.mark.parametrize(
+    "loads, expected",
+    [
+        ([70, 5], 1),  # spread 65 > 64 and 70 > 7.5: imbalanced -> least loaded
+        ([69, 5], 0),  # spread 64 is not above 64: affinity
+        ([300, 210], 0),  # spread 90 > 64 but 300 < 1.5 x 210: affinity
+        ([316, 210], 1),  # spread 106 > 64 and 316 > 315: imbalanced
+    ],
+)
 def test_cache_aware_imbalance_needs_both_abs_64_and_rel_1_5(loads, expected):
     pol = CacheAware(2, rng())
     p = blocks("p", 4)
@@ -197,8 +203,11 @@ def chained(path: list[int]) -> tuple:
 
 
 @settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(paths, st.integers(0, 2), st.booleans()), min_size=1, max_size=60),
-       bound=st.integers(1, 8), queries=st.lists(paths, min_size=1, max_size=10))
+@given(
+    ops=st.lists(st.tuples(paths, st.integers(0, 2), st.booleans()), min_size=1, max_size=60),
+    bound=st.integers(1, 8),
+    queries=st.lists(paths, min_size=1, max_size=10),
+)
 def test_property_block_tree_stays_prefix_closed_so_binary_search_matches_a_walk(ops, bound, queries):
     tree = BlockPrefixTree(3, max_blocks_per_worker=bound)
     for path, tenant, evict in ops:
@@ -246,10 +255,22 @@ def test_cache_aware_rejects_bad_thresholds():
 
 # -- cache_aware_spill (smg 1.13.0) --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("avg, margin", [
-    (0.0, 4.0), (1.0, 4.0), (4.0, 4.0), (5.0, 5.0), (16.0, 8.0), (64.0, 16.0), (128.0, 23.0), (400.0, 40.0),
-    (1024.0, 64.0), (2000.0, 64.0),
-])
+
+@pytest.mark.parametrize(
+    "avg, margin",
+    [
+        (0.0, 4.0),
+        (1.0, 4.0),
+        (4.0, 4.0),
+        (5.0, 5.0),
+        (16.0, 8.0),
+        (64.0, 16.0),
+        (128.0, 23.0),
+        (400.0, 40.0),
+        (1024.0, 64.0),
+        (2000.0, 64.0),
+    ],
+)
 def test_spill_margin_is_the_poisson_swing_floored_at_4_capped_at_64(avg, margin):
     assert absolute_margin(avg, 64) == margin
 
@@ -262,9 +283,9 @@ def test_spill_margin_below_the_floor_follows_the_configured_value():
 def test_spill_gate_needs_both_margins():
     pol = CacheAwareSpill(2, rng())
     assert not pol.gated(19, 16)  # under 1.5 x mean
-    assert pol.gated(25, 16)      # 25 > 24 and 25 > 16 + 8
+    assert pol.gated(25, 16)  # 25 > 24 and 25 > 16 + 8
     assert not pol.gated(24, 16)  # 24 is not above 1.5 x 16
-    assert not pol.gated(9, 5)    # 9 > 7.5 but not > 5 + 5
+    assert not pol.gated(9, 5)  # 9 > 7.5 but not > 5 + 5
     assert not pol.gated(0, 0)
     rel_only = CacheAwareSpill(2, rng(), balance_abs_threshold=0)
     assert rel_only.gated(7, 4) and not rel_only.gated(6, 4)
@@ -465,8 +486,14 @@ def test_btb_retunes_the_detector_live():
     route(pol, burst(2), view, 0.2)
     assert len(view.copies) == 2
     assert pol.detector.constants.threshold == 3
-    assert set(pol.stats()) >= {"fires", "copies_requested", "copies_refused", "holder_routes",
-                                "fallback_routes", "cache_aware_hits"}
+    assert set(pol.stats()) >= {
+        "fires",
+        "copies_requested",
+        "copies_refused",
+        "holder_routes",
+        "fallback_routes",
+        "cache_aware_hits",
+    }
 
 
 def test_btb_after_a_quiet_window_the_prefix_is_no_longer_active():
@@ -480,6 +507,7 @@ def test_btb_after_a_quiet_window_the_prefix_is_no_longer_active():
 
 
 # -- determinism ---------------------------------------------------------------------------------------------------
+
 
 def _workload(seed: int, n: int = 400) -> list[Request]:
     r = random.Random(seed)

@@ -46,10 +46,10 @@ class FakeConn:
     def post_write(self, wr_id, local, local_offset, length, remote_addr, rkey):
         assert rkey == 99 and length <= self.dev.max_msg
         off = remote_addr - 0x1000
-        data = bytes(local.buf[local_offset:local_offset + length])
+        data = bytes(local.buf[local_offset : local_offset + length])
         if self.dev.flip_write == len(self.dev.writes):
             data = bytes([data[0] ^ 1]) + data[1:]
-        self.region[off:off + length] = data
+        self.region[off : off + length] = data
         self.dev.writes.append((off, length))
         self.cq.append((wr_id, wr_id != self.dev.fail_wr))
 
@@ -60,7 +60,7 @@ class FakeConn:
     def commit(self, copy_id, digests):
         bb = self.block_bytes
         for k, h in enumerate(self.chain):
-            data = bytes(self.region[k * bb:(k + 1) * bb])
+            data = bytes(self.region[k * bb : (k + 1) * bb])
             if xxhash.xxh3_64_intdigest(data) != digests[k]:
                 return {"ok": False, "error": f"block {k}: digest mismatch", "block": k}
             if data != block_payload(h, bb):
@@ -105,8 +105,7 @@ def test_plan_writes_coalesces_whole_blocks_within_staging_rounds():
     assert covered[0][0] == 0 and covered[-1][1] == 10
     assert all(a[1] == b[0] for a, b in pairwise(covered))
     big = plan_writes(3, 5000, staging_bytes=1000, max_msg_bytes=1000)  # a block larger than both limits
-    assert [(o.round, o.first, o.count, o.length) for o in big] == [(0, 0, 1, 5000), (1, 1, 1, 5000),
-                                                                   (2, 2, 1, 5000)]
+    assert [(o.round, o.first, o.count, o.length) for o in big] == [(0, 0, 1, 5000), (1, 1, 1, 5000), (2, 2, 1, 5000)]
     assert plan_writes(0, 10) == []
     with pytest.raises(ValueError, match="sizes must be positive"):
         plan_writes(1, 0)

@@ -92,16 +92,16 @@ async def test_async_block_source_works():
     assert len(sink.committed["c-async"]) == 3
 
 
-@pytest.mark.parametrize("fault,needle", [("corrupt_wire=4", "digest mismatch"),
-                                          ("corrupt_content=4", "content does not match")])
+@pytest.mark.parametrize(
+    "fault,needle", [("corrupt_wire=4", "digest mismatch"), ("corrupt_content=4", "content does not match")]
+)
 async def test_corrupted_block_is_detected_and_nothing_commits(fault, needle):
     sink = Sink()
     chain = _chain(10)
 
     async with receiving(sink) as addr:
         with pytest.raises(TransferError) as ei:
-            await TcpTransport(fault=FaultPlan.parse(fault)).send(addr, "bad", chain, _blocks(chain),
-                                                                  lambda s, t: None)
+            await TcpTransport(fault=FaultPlan.parse(fault)).send(addr, "bad", chain, _blocks(chain), lambda s, t: None)
     err = ei.value
     assert needle in str(err) and "block 4" in str(err)
     assert err.block == 4
@@ -115,8 +115,9 @@ async def test_sender_dying_mid_copy_leaves_nothing_warm():
 
     async with receiving(sink) as addr:
         with pytest.raises(TransferError, match="after 7 of 30"):
-            await TcpTransport(fault=FaultPlan(close_after=7)).send(addr, "dies", chain, _blocks(chain),
-                                                                    lambda s, t: None)
+            await TcpTransport(fault=FaultPlan(close_after=7)).send(
+                addr, "dies", chain, _blocks(chain), lambda s, t: None
+            )
         for _ in range(100):  # the receiver notices the reset
             if "dies" in sink.failed:
                 break
@@ -191,8 +192,7 @@ async def test_silent_sender_times_out_and_is_discarded():
 
 async def test_unreachable_target_raises_transfer_error():
     with pytest.raises(TransferError, match="cannot connect"):
-        await TcpTransport(connect_timeout_s=2).send("127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)],
-                                                     lambda s, t: None)
+        await TcpTransport(connect_timeout_s=2).send("127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)], lambda s, t: None)
 
 
 async def test_cancelling_a_copy_while_it_waits_for_the_targets_reason_cancels_it():
@@ -220,8 +220,17 @@ def test_parse_address():
     assert parse_address("127.0.0.1:8000") == ("127.0.0.1", 8000)
     assert parse_address("[::1]:9") == ("::1", 9)
     assert parse_address("worker-3.example:41000") == ("worker-3.example", 41000)
-    for bad in ("", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:70000", "a b:1", "$(reboot):1", "[zz]:1",
-                "http://x:1", "host:1;ls"):
+    for bad in (
+        "",
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:70000",
+        "a b:1",
+        "$(reboot):1",
+        "[zz]:1",
+        "http://x:1",
+        "host:1;ls",
+    ):
         with pytest.raises(TransferError):
             parse_address(bad)
 

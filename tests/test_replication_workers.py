@@ -137,13 +137,14 @@ def _start_prefill(worker, seed: int, extra: int = 0):
     import threading
 
     ids = [(seed * 11 + i * 17) % 32000 for i in range(TRAIL_BLOCKS * PAGE + extra)]
-    chain = hashing.chain_hashes(ids[:TRAIL_BLOCKS * PAGE], PAGE)
+    chain = hashing.chain_hashes(ids[: TRAIL_BLOCKS * PAGE], PAGE)
     box: dict = {}
 
     def go():
         try:
-            box["answer"] = worker.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}},
-                                        timeout=30)
+            box["answer"] = worker.post(
+                "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}, timeout=30
+            )
         except OSError as e:  # the worker was killed under it
             box["answer"] = (None, repr(e))
 
@@ -176,8 +177,10 @@ def test_push_from_a_prefilling_source_streams_blocks_and_warms_the_target_at_th
     assert partial and all(s <= a * block_bytes for a, s in partial)
     assert len({a for a, _ in seen}) >= 3
     assert c["state"] == "done" and c["blocks_verified"] == TRAIL_BLOCKS
-    assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": TRAIL_BLOCKS,
-                                                           "pending_blocks": TRAIL_BLOCKS}
+    assert dst.post("/btb/match", {"chain": chain})[1] == {
+        "cached_blocks": TRAIL_BLOCKS,
+        "pending_blocks": TRAIL_BLOCKS,
+    }
     th.join(10)
     assert box["answer"][0] == 200
     # the target finished no earlier than the source computed the last block
@@ -196,8 +199,11 @@ def test_source_killed_while_prefilling_leaves_the_target_cold(trailing):
     assert tc["blocks_verified"] < TRAIL_BLOCKS
     assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
     # a later request of the prefix computes it there (nothing was left reserved or pending)
-    st, g = dst.post("/generate", {"input_ids": ids[:TRAIL_BLOCKS * PAGE] + [5], "sampling_params":
-                                   {"max_new_tokens": 1}}, timeout=30)
+    st, g = dst.post(
+        "/generate",
+        {"input_ids": ids[: TRAIL_BLOCKS * PAGE] + [5], "sampling_params": {"max_new_tokens": 1}},
+        timeout=30,
+    )
     assert st == 200 and g["meta_info"]["cached_tokens"] == 0
 
 
@@ -207,7 +213,7 @@ def test_request_at_the_target_during_the_copy_waits_for_it(trailing):
     st, r = src.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-wait"})
     assert st == 202
     assert _copy(src, "trail-wait")["state"] == "running"  # the source is still computing
-    prompt = ids[:TRAIL_BLOCKS * PAGE] + [7, 8, 9]
+    prompt = ids[: TRAIL_BLOCKS * PAGE] + [7, 8, 9]
     st, g = dst.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}, timeout=30)
     assert st == 200
     assert g["meta_info"]["cached_tokens"] == TRAIL_BLOCKS * PAGE  # served from the copy, not recomputed

@@ -46,8 +46,9 @@ def matrix_file(tmp_path):
     from btbctl.engine.trace.generate import BurstedParams, generate_bursted
     from btbctl.engine.trace.writer import write_btb_mixed
 
-    trace = generate_bursted(BurstedParams(bursts=1, burst_size=20, decoys=2, spread_s=2.0, prefix_tokens=16384),
-                             seed=5)
+    trace = generate_bursted(
+        BurstedParams(bursts=1, burst_size=20, decoys=2, spread_s=2.0, prefix_tokens=16384), seed=5
+    )
     write_btb_mixed(trace, str(tmp_path / "small.jsonl"))
     path = tmp_path / "m.toml"
     path.write_text(MATRIX)
@@ -60,14 +61,17 @@ def test_matrix_loads_and_resolves_paths(matrix_file):
     assert m.workloads[1].trace.path == str(matrix_file.parent / "small.jsonl")
 
 
-@pytest.mark.parametrize("edit,key", [
-    (("70b_h100x4", "70b_a100x1"), "setups"),
-    (('"btb_plus"]', '"btb_plus", "fastest"]'), "policies"),
-    (('["infersim", "realistic"]', '["exact"]'), "fidelities"),
-    (('name = "file"', 'name = "b1"'), "workloads"),
-    (('title = "small"', 'title = "small"\ncolour = 3'), "colour"),
-    (("spread_s = 1.0", "spread_s = -1.0"), "workloads.0.trace.generate.spread_s"),
-])
+@pytest.mark.parametrize(
+    "edit,key",
+    [
+        (("70b_h100x4", "70b_a100x1"), "setups"),
+        (('"btb_plus"]', '"btb_plus", "fastest"]'), "policies"),
+        (('["infersim", "realistic"]', '["exact"]'), "fidelities"),
+        (('name = "file"', 'name = "b1"'), "workloads"),
+        (('title = "small"', 'title = "small"\ncolour = 3'), "colour"),
+        (("spread_s = 1.0", "spread_s = -1.0"), "workloads.0.trace.generate.spread_s"),
+    ],
+)
 def test_bad_matrices_name_the_key(tmp_path, matrix_file, edit, key):
     bad = tmp_path / "bad.toml"
     bad.write_text(MATRIX.replace(*edit))
@@ -81,7 +85,7 @@ def test_missing_trace_file_and_bad_toml(tmp_path):
     with pytest.raises(ConfigError) as err:
         rp.run_matrix(rp.load_matrix(tmp_path / "m.toml"), jobs=1)
     assert "no such trace file" in str(err.value)
-    (tmp_path / "bad.toml").write_text("title = \"x\"\nseed = = 3\n")
+    (tmp_path / "bad.toml").write_text('title = "x"\nseed = = 3\n')
     with pytest.raises(ConfigError) as err:
         rp.load_matrix(tmp_path / "bad.toml")
     assert "line 2" in str(err.value)
@@ -95,20 +99,35 @@ def test_small_matrix_run_markdown_and_determinism(matrix_file, tmp_path):
     assert len(one["cells"]) == 2 * 2 * 2 * 3 == len(seen)
     assert list(one["cells"]) == list(two["cells"])  # order and values independent of workers
     c0 = one["cells"][0]
-    assert (c0["setup"], c0["workload"], c0["fidelity"], c0["policy"]) == ("70b_h100x4", "b1", "infersim",
-                                                                           "cache_aware")
-    assert set(c0) >= {"ttft_s", "by_kind", "replications", "replicated_bytes", "wasted_replications",
-                       "time_to_warm_s", "prefix_hit_ratio"}
+    assert (c0["setup"], c0["workload"], c0["fidelity"], c0["policy"]) == (
+        "70b_h100x4",
+        "b1",
+        "infersim",
+        "cache_aware",
+    )
+    assert set(c0) >= {
+        "ttft_s",
+        "by_kind",
+        "replications",
+        "replicated_bytes",
+        "wasted_replications",
+        "time_to_warm_s",
+        "prefix_hit_ratio",
+    }
     idx = {(c["setup"], c["workload"], c["fidelity"], c["policy"]): c for c in one["cells"]}
     btb = idx[("70b_h100x4", "b1", "realistic", "btb")]
     assert btb["replications"] > 0 and btb["time_to_warm_s"]["mean"] > 0
     assert 0 <= btb["wasted_replications"] <= btb["replications"]
-    assert one["workloads"][0]["prefill_demand"]["70b_h100x4"] > one["workloads"][0]["prefill_demand"][
-        "qwen3_8b_h100x4"] > 0
+    assert (
+        one["workloads"][0]["prefill_demand"]["70b_h100x4"]
+        > one["workloads"][0]["prefill_demand"]["qwen3_8b_h100x4"]
+        > 0
+    )
     cmp_ = rp.comparison(one, "70b_h100x4", "b1", "realistic")
     assert cmp_["best_other"]["mean"][0] == "cache_aware"  # the only non-BTB policy of this matrix
     assert cmp_["vs_cache_aware"]["mean"] == pytest.approx(
-        (cmp_["mean"] - cmp_["cache_aware"]["mean"]) / cmp_["cache_aware"]["mean"])
+        (cmp_["mean"] - cmp_["cache_aware"]["mean"]) / cmp_["cache_aware"]["mean"]
+    )
 
     md = rp.render_markdown(one, "btbctl report m.toml --out out")
     assert md.startswith("# small\n\nRegenerate with `btbctl report m.toml --out out`")
@@ -139,8 +158,9 @@ def test_write_report_with_and_without_charts(matrix_file, tmp_path, monkeypatch
 def test_cli_report(matrix_file, tmp_path):
     runner = CliRunner()
     out = tmp_path / "rep"
-    res = runner.invoke(app, ["report", str(matrix_file), "--out", str(out), "-j", "1", "--no-charts",
-                              "--format", "json"])
+    res = runner.invoke(
+        app, ["report", str(matrix_file), "--out", str(out), "-j", "1", "--no-charts", "--format", "json"]
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["cells"] == 24 and summary["charts"] == [] and summary["charts_skipped"] == "disabled"

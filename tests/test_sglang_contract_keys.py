@@ -9,9 +9,11 @@ from array import array
 import pytest
 
 pytestmark = pytest.mark.sglang
-pytest.importorskip("sglang.srt.mem_cache.utils",
-                    reason="SGLang is not importable in this interpreter; run the contract tests with the python "
-                           "printed by scripts/sglang-venv.sh (pytest -m sglang)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.utils",
+    reason="SGLang is not importable in this interpreter; run the contract tests with the python "
+    "printed by scripts/sglang-venv.sh (pytest -m sglang)",
+)
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -22,8 +24,11 @@ from sglang.srt.mem_cache.utils import get_storage_hash_str, storage_namespace_s
 
 from btbctl.sglang_l3 import BtbL3Store, namespace_seed, page_keys  # noqa: E402
 
-_tokens = st.lists(st.one_of(st.integers(0, 200_000), st.integers(0, (1 << 32) - 1),
-                             st.integers(1 << 32, (1 << 63) - 1)), min_size=0, max_size=200)
+_tokens = st.lists(
+    st.one_of(st.integers(0, 200_000), st.integers(0, (1 << 32) - 1), st.integers(1 << 32, (1 << 63) - 1)),
+    min_size=0,
+    max_size=200,
+)
 _parts = st.one_of(st.none(), st.text(max_size=12))
 
 
@@ -53,14 +58,32 @@ def test_long_prompt_keys_equal_sglangs():
 
 
 def _config(extra: dict) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                                model_name="m", extra_config=extra)
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="m",
+        extra_config=extra,
+    )
 
 
 def test_sglang_factory_loads_btb_l3_store_from_the_flag_json(tmp_path):
-    flag = json.dumps({"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store",
-                       "interface_v1": 1, "agent_socket": str(tmp_path / "a.sock"), "timeout_s": 0.5})
+    flag = json.dumps(
+        {
+            "backend_name": "btb",
+            "module_path": "btbctl.sglang_l3",
+            "class_name": "BtbL3Store",
+            "interface_v1": 1,
+            "agent_socket": str(tmp_path / "a.sock"),
+            "timeout_s": 0.5,
+        }
+    )
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 
     extra, *_ = HybridCacheController.parse_storage_backend_extra_config(flag)
@@ -71,7 +94,16 @@ def test_sglang_factory_loads_btb_l3_store_from_the_flag_json(tmp_path):
 
 def test_factory_refuses_a_bad_extra_config_with_one_line():
     with pytest.raises(ValueError) as ei:  # noqa: PT011 - the message is checked below
-        StorageBackendFactory.create_backend("dynamic", _config(
-            {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store",
-             "agent_sokcet": "/x"}), None)
+        StorageBackendFactory.create_backend(
+            "dynamic",
+            _config(
+                {
+                    "backend_name": "btb",
+                    "module_path": "btbctl.sglang_l3",
+                    "class_name": "BtbL3Store",
+                    "agent_sokcet": "/x",
+                }
+            ),
+            None,
+        )
     assert "agent_sokcet" in str(ei.value) and "agent_socket" in str(ei.value) and "\n" not in str(ei.value)

@@ -15,9 +15,11 @@ import time
 import pytest
 
 pytestmark = pytest.mark.sglang
-pytest.importorskip("sglang.srt.mem_cache.unified_radix_cache",
-                    reason="SGLang is not importable in this interpreter; run the contract tests with the python "
-                           "printed by scripts/sglang-venv.sh (pytest -m sglang)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.unified_radix_cache",
+    reason="SGLang is not importable in this interpreter; run the contract tests with the python "
+    "printed by scripts/sglang-venv.sh (pytest -m sglang)",
+)
 
 from agent_helpers import start_agent, wait_for  # noqa: E402
 from btbctl.sglang_l3 import page_keys  # noqa: E402
@@ -46,8 +48,9 @@ def _seq(pages: int = PAGES) -> list[int]:
 
 def _copy(src, dst, copy_id: str, keys: list[str], **kw) -> dict:
     token = dst.expect(copy_id, keys)
-    st, rec = src.call("POST", "/v1/push", {"copy_id": copy_id, "keys": keys,
-                                           "targets": [{"addr": dst.peer, "token": token}], **kw})
+    st, rec = src.call(
+        "POST", "/v1/push", {"copy_id": copy_id, "keys": keys, "targets": [{"addr": dst.peer, "token": token}], **kw}
+    )
     assert st == 202, rec
     return dst.wait_final(copy_id, "target")
 
@@ -87,7 +90,7 @@ def test_missing_pages_load_only_the_leading_run(agents):
         assert rec["state"] == "done"
         hit, _ = wb.prefetch(seq)
         assert hit == 4 * CFG.page_size
-        assert wb.host_bytes(seq) == expected[:len(expected) * 4 // PAGES]
+        assert wb.host_bytes(seq) == expected[: len(expected) * 4 // PAGES]
     finally:
         wa.close()
         wb.close()
@@ -146,8 +149,11 @@ def test_source_agent_killed_mid_copy_leaves_b_cold(agents, tmp_path):
     try:
         ws.produce(seq, seed=5)
         token = node_b.expect("c-killed", keys)
-        st, _ = slow.call("POST", "/v1/push", {"copy_id": "c-killed", "keys": keys,
-                                               "targets": [{"addr": node_b.peer, "token": token}]})
+        st, _ = slow.call(
+            "POST",
+            "/v1/push",
+            {"copy_id": "c-killed", "keys": keys, "targets": [{"addr": node_b.peer, "token": token}]},
+        )
         assert st == 202
         wait_for(lambda: node_b.records("c-killed").get("target", {}).get("pages_done", 0) >= 2, 10, "2 pages in")
         slow.kill()
@@ -190,15 +196,17 @@ def test_timeout_policy_releases_the_request_within_sglangs_budget(tmp_path):
     finally:
         w0.close()
     # SGLang's budget: prefetch_timeout_base + pages x per-page share (hybrid_cache_controller.py:378-438)
-    w = Worker(node.socket, policy="timeout", timeout_s=3.0, prefetch_timeout_base=0.2,
-               prefetch_timeout_per_ki_token=0.0)
+    w = Worker(
+        node.socket, policy="timeout", timeout_s=3.0, prefetch_timeout_base=0.2, prefetch_timeout_per_ki_token=0.0
+    )
     try:
         hit, held = w.prefetch(seq)  # agent healthy: the prefetch completes within the budget
         assert hit == len(seq)
     finally:
         w.close()
-    w = Worker(node.socket, policy="timeout", timeout_s=3.0, prefetch_timeout_base=0.2,
-               prefetch_timeout_per_ki_token=0.0)
+    w = Worker(
+        node.socket, policy="timeout", timeout_s=3.0, prefetch_timeout_base=0.2, prefetch_timeout_per_ki_token=0.0
+    )
     try:
         os.kill(node.proc.pid, signal.SIGSTOP)
         try:
@@ -291,17 +299,42 @@ def test_mla_pages_round_trip_through_two_agents_bit_exact(agents, layout, inter
     node_a, node_b = agents
 
     def pool_and_store(agent, tp_rank):
-        dev = MLATokenToKVPool(size=256, page_size=16, dtype=torch.bfloat16, kv_lora_rank=64, qk_rope_head_dim=16,
-                               layer_num=3, device="cpu", enable_memory_saver=False)
-        host = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, host_to_device_ratio=2.0,
-                                    host_size=0, page_size=16, layout=layout, pin_memory=False,
-                                    device_capacity_tokens=dev.size, start_layer=dev.start_layer,
-                                    end_layer=dev.end_layer, target_layer_num=dev.layer_num,
-                                    override_kv_cache_dim=dev.kv_cache_dim)
-        cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                   is_mla_model=True, enable_storage_metrics=False,
-                                   is_page_first_layout=layout == "page_first", model_name="mla",
-                                   extra_config={"interface_v1": int(interface_v1), "agent_socket": agent.socket})
+        dev = MLATokenToKVPool(
+            size=256,
+            page_size=16,
+            dtype=torch.bfloat16,
+            kv_lora_rank=64,
+            qk_rope_head_dim=16,
+            layer_num=3,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        host = MLATokenToKVPoolHost(
+            dev.get_device_pool_infos()[0].buffer_info,
+            host_to_device_ratio=2.0,
+            host_size=0,
+            page_size=16,
+            layout=layout,
+            pin_memory=False,
+            device_capacity_tokens=dev.size,
+            start_layer=dev.start_layer,
+            end_layer=dev.end_layer,
+            target_layer_num=dev.layer_num,
+            override_kv_cache_dim=dev.kv_cache_dim,
+        )
+        cfg = HiCacheStorageConfig(
+            tp_rank=tp_rank,
+            tp_size=2,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=True,
+            enable_storage_metrics=False,
+            is_page_first_layout=layout == "page_first",
+            model_name="mla",
+            extra_config={"interface_v1": int(interface_v1), "agent_socket": agent.socket},
+        )
         store = BtbL3Store(cfg, {})
         store.register_mem_pool_host(host)
         return host, store
@@ -315,8 +348,10 @@ def test_mla_pages_round_trip_through_two_agents_bit_exact(agents, layout, inter
     host_a.kv_buffer.copy_(torch.randn(host_a.kv_buffer.shape).to(host_a.kv_buffer.dtype))
 
     def pages(host, idx):
-        return b"".join(host.get_data_page(int(idx[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
-                        for i in range(0, len(idx), 16))
+        return b"".join(
+            host.get_data_page(int(idx[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+            for i in range(0, len(idx), 16)
+        )
 
     if interface_v1:
         assert store_a.batch_set_v1(keys, idx_a) == [True] * 4

@@ -6,8 +6,17 @@ from btbctl.engine.sim.network import Copy, Network
 
 
 def mk(cid, src, dst, total=100.0, avail=None):
-    return Copy(cid=cid, src=src, dst=dst, chain=("h",), offset=0, bytes_per_block=total, started_s=0.0,
-                total_bytes=total, avail_bytes=total if avail is None else avail)
+    return Copy(
+        cid=cid,
+        src=src,
+        dst=dst,
+        chain=("h",),
+        offset=0,
+        bytes_per_block=total,
+        started_s=0.0,
+        total_bytes=total,
+        avail_bytes=total if avail is None else avail,
+    )
 
 
 def test_one_copy_gets_the_whole_nic():

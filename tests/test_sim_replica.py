@@ -26,8 +26,9 @@ class Driver:
         self.inserted = []
         self.evicted = []
         self.now = 0.0
-        self.rep = ReplicaModel(0, COST, block_tokens=BT, chunk_tokens=CLUSTER.chunk_tokens(),
-                                max_running=CLUSTER.max_running, events=self)
+        self.rep = ReplicaModel(
+            0, COST, block_tokens=BT, chunk_tokens=CLUSTER.chunk_tokens(), max_running=CLUSTER.max_running, events=self
+        )
         self.seq = 0
 
     # ReplicaEvents
@@ -85,10 +86,10 @@ def test_a_request_runs_through_prefill_and_decode_and_reports_each_stage():
     d.run_until()
     assert d.events("admitted") == [("admitted", "a", 0)]
     assert d.events("computed") == [("computed", "a", 0, 32), ("computed", "a", 32, 40)]  # two 8192-token chunks
-    (_, _, ttft, cached), = d.events("first")
+    ((_, _, ttft, cached),) = d.events("first")
     assert ttft == pytest.approx(COST.prefill_time_s(8192) + COST.prefill_time_s(40 * BT - 8192, 8192))
     assert cached == 0 and rq.ttft_s == ttft
-    (_, _, finish), = d.events("finished")
+    ((_, _, finish),) = d.events("finished")
     assert finish > ttft
     assert d.inserted == list(chain("p", 40))
     st = d.rep.state()
@@ -173,7 +174,7 @@ def test_abort_ends_a_decoding_request_now_and_a_prefilling_one_at_its_first_tok
     b = d.submit("b", chain("q", 60), out=5000)
     assert d.rep.abort(b, d.now) is True
     d.run_until()
-    (_, _, ttft, _), = [e for e in d.events("first") if e[1] == "b"]
+    ((_, _, ttft, _),) = [e for e in d.events("first") if e[1] == "b"]
     assert [e for e in d.events("finished") if e[1] == "b"] == [("finished", "b", pytest.approx(2.0 + ttft))]
 
 

@@ -70,8 +70,9 @@ def test_new_request_shares_the_budget_of_the_last_partial_chunk():
     short = req("short", 0.01, (), "x")
     _, recs, _ = run([long_r, short])
     assert recs["short"].finish_s == pytest.approx(recs["long"].finish_s)
-    assert recs["short"].queue_wait_s == pytest.approx(COST.prefill_time_s(CHUNK) +
-                                                       COST.prefill_time_s(CHUNK, CHUNK) - 0.01)
+    assert recs["short"].queue_wait_s == pytest.approx(
+        COST.prefill_time_s(CHUNK) + COST.prefill_time_s(CHUNK, CHUNK) - 0.01
+    )
 
 
 def test_decode_closed_form_matches_step_by_step_sum():
@@ -94,6 +95,7 @@ def test_arrival_cuts_a_decode_run_at_the_next_step_boundary():
 
 def test_copy_trails_the_source_prefill_and_target_uses_it_only_after_arrival():
     p = chain("p", 128)
+
     def on_arrival(r, view, now):
         if r.request_id == "b":
             return [CopyPlan(p, 0, (1,), 1)]
@@ -116,8 +118,10 @@ def test_copy_is_refused_when_source_lacks_the_prefix_or_target_has_it():
     p = chain("p", 8)
 
     def on_arrival(r, view, now):
-        return [CopyPlan(p, 1, (0,), 1),  # replica 1 has nothing
-                CopyPlan(p, 0, (0,), 1)]  # same replica
+        return [
+            CopyPlan(p, 1, (0,), 1),  # replica 1 has nothing
+            CopyPlan(p, 0, (0,), 1),
+        ]  # same replica
 
     sim, _, res = run([req("a", 0.0, p, "s")], on_arrival=on_arrival)
     assert [ok for _, _, ok in sim.policy.results] == [False, False]

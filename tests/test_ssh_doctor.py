@@ -20,13 +20,21 @@ def test_doctor_table_and_json(sshd, tmp_path):
         closed.bind(("127.0.0.2", 0))
         closed_port = closed.getsockname()[1]
         closed.close()
-        cfg = write_cluster(tmp_path / "c.toml", [
-            host_table(sshd, "good", "127.0.0.1"),
-            host_table(sshd, "rekeyed", "127.0.0.2", known_hosts=str(sshd.other_key_known_hosts)),
-            host_table(sshd, "down", "127.0.0.2", port=closed_port),
-            host_table(sshd, "nopy", "127.0.0.2", python="/nonexistent/python3"),
-        ], [{"name": "g", "host": "good", "port": busy_port}, {"name": "r", "host": "rekeyed"},
-            {"name": "d", "host": "down"}, {"name": "n", "host": "nopy"}])
+        cfg = write_cluster(
+            tmp_path / "c.toml",
+            [
+                host_table(sshd, "good", "127.0.0.1"),
+                host_table(sshd, "rekeyed", "127.0.0.2", known_hosts=str(sshd.other_key_known_hosts)),
+                host_table(sshd, "down", "127.0.0.2", port=closed_port),
+                host_table(sshd, "nopy", "127.0.0.2", python="/nonexistent/python3"),
+            ],
+            [
+                {"name": "g", "host": "good", "port": busy_port},
+                {"name": "r", "host": "rekeyed"},
+                {"name": "d", "host": "down"},
+                {"name": "n", "host": "nopy"},
+            ],
+        )
         res = cli("doctor", "-c", str(cfg), "--format", "json", check=False)
         human = cli("doctor", "-c", str(cfg), check=False)
     assert res.returncode == 1 and human.returncode == 1

@@ -80,15 +80,19 @@ def run_dir(tmp_path):
 
 
 def test_two_hosts_up_burst_status_logs_down(sshd, tmp_path, run_dir):
-    cfg = write_cluster(tmp_path / "c.toml",
-                        [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
-                        [{"name": "a", "host": "node-a", "count": 1, **FAST},
-                         {"name": "b", "host": "node-b", "count": 2, **FAST}])
+    cfg = write_cluster(
+        tmp_path / "c.toml",
+        [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
+        [{"name": "a", "host": "node-a", "count": 1, **FAST}, {"name": "b", "host": "node-b", "count": 2, **FAST}],
+    )
     up = cli("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), "--format", "json", timeout=60)
     st = json.loads(up.stdout)
     by_name = {w["name"]: w for w in st["workers"]}
     assert {n: (w["host"], w["healthy"]) for n, w in by_name.items()} == {
-        "a-0": ("node-a", True), "b-0": ("node-b", True), "b-1": ("node-b", True)}
+        "a-0": ("node-a", True),
+        "b-0": ("node-b", True),
+        "b-1": ("node-b", True),
+    }
     assert by_name["a-0"]["url"].startswith("http://127.0.0.1:")
     assert by_name["b-0"]["url"].startswith("http://127.0.0.2:")
     state = RunDir(run_dir).load()
@@ -97,8 +101,22 @@ def test_two_hosts_up_burst_status_logs_down(sshd, tmp_path, run_dir):
     for p in remote:  # same machine: the recorded group is really running, led by the recorded process
         assert process_start_time(p.pid) == p.start_time
 
-    bench = json.loads(cli("bench", "--run-dir", str(run_dir), "--burst-size", "12", "--prefix-blocks", "4",
-                           "--spread-s", "0.3", "--format", "json", timeout=60).stdout)
+    bench = json.loads(
+        cli(
+            "bench",
+            "--run-dir",
+            str(run_dir),
+            "--burst-size",
+            "12",
+            "--prefix-blocks",
+            "4",
+            "--spread-s",
+            "0.3",
+            "--format",
+            "json",
+            timeout=60,
+        ).stdout
+    )
     assert (bench["requests"], bench["ok"], bench["errors"]) == (12, 12, 0)
 
     status = json.loads(cli("status", "--run-dir", str(run_dir), "--format", "json").stdout)
@@ -131,9 +149,11 @@ def _fail_up(cfg: Path, run_dir: Path, server) -> str:
 
 def _good_and(server, tmp_path, bad_host: dict, bad_worker: dict | None = None) -> Path:
     """A cluster with one healthy worker on node-a and one worker on the broken node-b."""
-    return write_cluster(tmp_path / "c.toml", [host_table(server, "node-a", "127.0.0.1"), bad_host],
-                         [{"name": "a", "host": "node-a", **FAST},
-                          {"name": "b", "host": "node-b", **FAST, **(bad_worker or {})}])
+    return write_cluster(
+        tmp_path / "c.toml",
+        [host_table(server, "node-a", "127.0.0.1"), bad_host],
+        [{"name": "a", "host": "node-a", **FAST}, {"name": "b", "host": "node-b", **FAST, **(bad_worker or {})}],
+    )
 
 
 def test_wrong_host_key(sshd, tmp_path, run_dir):
@@ -192,9 +212,11 @@ def test_port_already_taken(sshd, tmp_path, run_dir):
 
 
 def test_down_reports_an_unreachable_host_and_keeps_its_workers(sshd, tmp_path, run_dir):
-    cfg = write_cluster(tmp_path / "c.toml",
-                        [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
-                        [{"name": "a", "host": "node-a", **FAST}, {"name": "b", "host": "node-b", **FAST}])
+    cfg = write_cluster(
+        tmp_path / "c.toml",
+        [host_table(sshd, "node-a", "127.0.0.1"), host_table(sshd, "node-b", "127.0.0.2")],
+        [{"name": "a", "host": "node-a", **FAST}, {"name": "b", "host": "node-b", **FAST}],
+    )
     cli("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), timeout=60)
     state_path = run_dir / "state.json"
     good = state_path.read_text()

@@ -12,8 +12,13 @@ from btbctl.engine.dryrun import DryRunConfig
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.sweep import AXES, SweepGrid, SweepSpec, grid_points, heatmap, parse_list, run_sweep
 
-SMALL = {"trace.generate.bursts": 2, "trace.generate.burst_size": 24, "trace.generate.decoys": 3,
-         "trace.generate.spread_s": 1.0, "policies": ["btb"]}
+SMALL = {
+    "trace.generate.bursts": 2,
+    "trace.generate.burst_size": 24,
+    "trace.generate.decoys": 3,
+    "trace.generate.spread_s": 1.0,
+    "policies": ["btb"],
+}
 
 
 def base(**extra) -> DryRunConfig:
@@ -35,12 +40,18 @@ def test_grid_expands_in_axis_order_with_base_values_for_missing_axes():
     assert SweepGrid(threshold=(2, 2, 3)).axes(base())["threshold"] == [2, 3]  # duplicates dropped
 
 
-@pytest.mark.parametrize("grid,key", [
-    (SweepGrid(prefix_blocks=(0,)), "prefix_blocks"), (SweepGrid(threshold=(1.5,)), "threshold"),
-    (SweepGrid(window_s=(0,)), "window_s"), (SweepGrid(replicas=(2000,)), "replicas"),
-    (SweepGrid(nic_gbps=(-1,)), "nic_gbps"), (SweepGrid(fidelity=("exact",)), "fidelity"),
-    (SweepGrid(policy=("fastest",)), "policy"),
-])
+@pytest.mark.parametrize(
+    "grid,key",
+    [
+        (SweepGrid(prefix_blocks=(0,)), "prefix_blocks"),
+        (SweepGrid(threshold=(1.5,)), "threshold"),
+        (SweepGrid(window_s=(0,)), "window_s"),
+        (SweepGrid(replicas=(2000,)), "replicas"),
+        (SweepGrid(nic_gbps=(-1,)), "nic_gbps"),
+        (SweepGrid(fidelity=("exact",)), "fidelity"),
+        (SweepGrid(policy=("fastest",)), "policy"),
+    ],
+)
 def test_bad_axis_values_name_the_axis(grid, key):
     with pytest.raises(ConfigError) as err:
         SweepSpec(base=base(), grid=grid).validate()
@@ -83,15 +94,24 @@ def test_results_do_not_depend_on_worker_count_or_scheduling():
 
 def test_ranking_and_stable_keys():
     rep = run_sweep(SweepSpec(base=base(), grid=GRID, jobs=1, rank_by="p95"))
-    assert list(rep) == ["btbctl_version", "seed", "rank_by", "trace", "cluster", "axes", "points", "results",
-                         "timing"]
+    assert list(rep) == ["btbctl_version", "seed", "rank_by", "trace", "cluster", "axes", "points", "results", "timing"]
     rows = rep["results"]
     assert [r["rank"] for r in rows] == list(range(1, 9))
     assert sorted(r["index"] for r in rows) == list(range(8))
     p95 = [r["ttft_s"]["p95"] for r in rows]
     assert p95 == sorted(p95)
-    assert list(rows[0]) == ["rank", "index", "point", "ttft_s", "by_kind", "prefix_hit_ratio", "replications",
-                             "replicated_bytes", "wasted_replications", "time_to_warm_mean_s"]
+    assert list(rows[0]) == [
+        "rank",
+        "index",
+        "point",
+        "ttft_s",
+        "by_kind",
+        "prefix_hit_ratio",
+        "replications",
+        "replicated_bytes",
+        "wasted_replications",
+        "time_to_warm_mean_s",
+    ]
     assert set(rows[0]["point"]) == set(AXES)
     # M = 1 never copies; M = 4 on the published prefix copies
     by_point = {(r["point"]["prefix_blocks"], r["point"]["threshold"], r["point"]["warm_replicas"]): r for r in rows}
@@ -105,8 +125,11 @@ def test_heatmap_takes_the_best_over_other_axes():
     assert hm["x"] == [2, 8] and hm["y"] == [64, 256] and hm["metric"] == "mean"
     for j, y in enumerate(hm["y"]):
         for i, x in enumerate(hm["x"]):
-            cell = [r["ttft_s"]["mean"] for r in rep["results"]
-                    if r["point"]["threshold"] == x and r["point"]["prefix_blocks"] == y]
+            cell = [
+                r["ttft_s"]["mean"]
+                for r in rep["results"]
+                if r["point"]["threshold"] == x and r["point"]["prefix_blocks"] == y
+            ]
             assert hm["values"][j][i] == min(cell)
     with pytest.raises(ConfigError):
         heatmap(rep, "threshold", "threshold")
@@ -116,8 +139,25 @@ def test_heatmap_takes_the_best_over_other_axes():
 
 def test_cli_json_heatmap_and_errors(capsys):
     runner = CliRunner()
-    args = ["sweep", "--bursts", "2", "--burst-size", "24", "--decoys", "3", "--spread-s", "1",
-            "--prefix-blocks", "64,256", "--threshold", "2,8", "--policies", "btb,btb_plus", "-j", "1"]
+    args = [
+        "sweep",
+        "--bursts",
+        "2",
+        "--burst-size",
+        "24",
+        "--decoys",
+        "3",
+        "--spread-s",
+        "1",
+        "--prefix-blocks",
+        "64,256",
+        "--threshold",
+        "2,8",
+        "--policies",
+        "btb,btb_plus",
+        "-j",
+        "1",
+    ]
     res = runner.invoke(app, args + ["--format", "json", "--heatmap", "prefix_blocks,policy"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
@@ -128,8 +168,12 @@ def test_cli_json_heatmap_and_errors(capsys):
     assert "TTFT by grid point" in res.stdout and "6 more" in res.stdout and "best TTFT mean" in res.stdout
     from btbctl.commands.app import main
 
-    for bad, flag in (["--threshold", "0"], "--threshold"), (["--heatmap", "threshold"], "--heatmap"), \
-            (["--rank-by", "p42"], "--rank-by"), (["--window-s", "a"], "--window-s"):
+    for bad, flag in (
+        (["--threshold", "0"], "--threshold"),
+        (["--heatmap", "threshold"], "--heatmap"),
+        (["--rank-by", "p42"], "--rank-by"),
+        (["--window-s", "a"], "--window-s"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(["sweep", "--bursts", "1", *bad])
         assert exit_.value.code == 2

@@ -20,8 +20,10 @@ MOONCAKE = DATA / "traces" / "mooncake_conversation_trace.jsonl"
 
 def _trace(rows, block_tokens=16) -> Trace:
     """rows: (arrival_s, hashes[, kind])."""
-    reqs = [Request(str(i), row[0], 10 + i, 1 + i, tuple(row[1]), *(row[2:] or ["background"]))
-            for i, row in enumerate(rows)]
+    reqs = [
+        Request(str(i), row[0], 10 + i, 1 + i, tuple(row[1]), *(row[2:] or ["background"]))
+        for i, row in enumerate(rows)
+    ]
     return Trace(reqs, block_tokens, "generated")
 
 
@@ -32,12 +34,22 @@ def _entry(report, k, t):
 
 def test_keys_are_stable():
     r = audit_trace(_trace([(0.0, "ab"), (2.0, "ac")]))
-    assert list(r) == ["requests", "span_s", "block_tokens", "rate_rps", "input_tokens", "output_tokens", "kinds",
-                       "event_min_requests", "fan_out"]
+    assert list(r) == [
+        "requests",
+        "span_s",
+        "block_tokens",
+        "rate_rps",
+        "input_tokens",
+        "output_tokens",
+        "kinds",
+        "event_min_requests",
+        "fan_out",
+    ]
     assert list(r["rate_rps"]) == ["mean", "peak_1s"]
     assert list(r["input_tokens"]) == list(r["output_tokens"]) == ["mean", "p50", "p95", "max"]
     assert [(e["k_blocks"], e["window_s"]) for e in r["fan_out"]] == [
-        (k, t) for k in (1, 16, 64, 256) for t in (1.0, 10.0, 60.0)]
+        (k, t) for k in (1, 16, 64, 256) for t in (1.0, 10.0, 60.0)
+    ]
     assert all(list(e) == ["k_blocks", "window_s", "max_requests", "events"] for e in r["fan_out"])
 
 
@@ -45,7 +57,7 @@ def test_fan_out_window_is_half_open_and_prefix_deep():
     rows = [
         (0.0, ["a", "a1", "a1x"]),
         (0.5, ["a", "a1", "a1y"]),
-        (1.0, ["a", "a1"]),         # exactly 1 s after the first: outside [0, 1)
+        (1.0, ["a", "a1"]),  # exactly 1 s after the first: outside [0, 1)
         (1.2, ["a", "a2", "a2x"]),
         (1.3, ["b"]),
     ]
@@ -60,8 +72,11 @@ def test_fan_out_window_is_half_open_and_prefix_deep():
 
 
 def test_events_count_groups():
-    rows = [(t * 0.1, ["p"]) for t in range(10)] + [(5 + t * 0.1, ["q"]) for t in range(8)] + \
-           [(9 + t * 0.1, ["r"]) for t in range(7)]
+    rows = (
+        [(t * 0.1, ["p"]) for t in range(10)]
+        + [(5 + t * 0.1, ["q"]) for t in range(8)]
+        + [(9 + t * 0.1, ["r"]) for t in range(7)]
+    )
     r = audit_trace(_trace(rows), ks=(1,), windows_s=(1.0,))
     assert r["fan_out"] == [{"k_blocks": 1, "window_s": 1.0, "max_requests": 10, "events": 2}]
     r1 = audit_trace(_trace(rows + [(20.0, ["s"])]), ks=(1,), windows_s=(1.0,), event_min_requests=1)
@@ -89,11 +104,17 @@ def test_empty_and_single_request_traces():
     assert r1["rate_rps"]["mean"] is None and [e["max_requests"] for e in r1["fan_out"][::3]] == [1, 1, 0]
 
 
-@pytest.mark.parametrize("kwargs,key", [
-    ({"ks": (0,)}, "ks"), ({"ks": (1.5,)}, "ks"), ({"windows_s": (0.0,)}, "windows_s"),
-    ({"windows_s": (float("inf"),)}, "windows_s"), ({"windows_s": ("1",)}, "windows_s"),
-    ({"event_min_requests": 0}, "event_min_requests"),
-])
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        ({"ks": (0,)}, "ks"),
+        ({"ks": (1.5,)}, "ks"),
+        ({"windows_s": (0.0,)}, "windows_s"),
+        ({"windows_s": (float("inf"),)}, "windows_s"),
+        ({"windows_s": ("1",)}, "windows_s"),
+        ({"event_min_requests": 0}, "event_min_requests"),
+    ],
+)
 def test_bad_arguments(kwargs, key):
     with pytest.raises(ConfigError) as ei:
         audit_trace(_trace([(0.0, "a")]), **kwargs)
@@ -115,20 +136,22 @@ def _brute_fan_out(trace: Trace, k: int, t: float, event_min: int) -> tuple[int,
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.lists(st.tuples(st.integers(0, 40).map(lambda x: x / 4),
-                            st.lists(st.sampled_from("xy"), max_size=4)), max_size=30),
+    rows=st.lists(
+        st.tuples(st.integers(0, 40).map(lambda x: x / 4), st.lists(st.sampled_from("xy"), max_size=4)), max_size=30
+    ),
     t=st.sampled_from([0.25, 1.0, 2.5, 10.0]),
     event_min=st.integers(1, 4),
 )
 def test_fan_out_matches_brute_force(rows, t, event_min):
     # prefix-chained hashes: the k-th hash names the whole k-block prefix
-    trace = _trace([(a, ["".join(h[:i + 1]) for i in range(len(h))]) for a, h in rows])
+    trace = _trace([(a, ["".join(h[: i + 1]) for i in range(len(h))]) for a, h in rows])
     report = audit_trace(trace, ks=(1, 2, 3, 5), windows_s=(t,), event_min_requests=event_min)
     for e in report["fan_out"]:
         assert (e["max_requests"], e["events"]) == _brute_fan_out(trace, e["k_blocks"], t, event_min)
     arrivals = [r.arrival_s for r in trace.requests]
-    assert report["rate_rps"]["peak_1s"] == max([sum(1 for b in arrivals if a <= b < a + 1) for a in arrivals],
-                                                default=0)
+    assert report["rate_rps"]["peak_1s"] == max(
+        [sum(1 for b in arrivals if a <= b < a + 1) for a in arrivals], default=0
+    )
 
 
 def test_max_in_window():
@@ -145,8 +168,11 @@ def test_bursted_window_fan_out():
     assert _entry(r, 256, 0.9)["max_requests"] == 2
     assert _entry(r, 256, 1.4)["max_requests"] == 3
     assert _entry(r, 257, 60.0)["max_requests"] == 1  # suffix blocks are unique
-    adv = audit_trace(generate_bursted(BurstedParams.adversarial(bursts=3, burst_size=120, decoys=10), seed=2),
-                      ks=(256,), windows_s=(1.0,))
+    adv = audit_trace(
+        generate_bursted(BurstedParams.adversarial(bursts=3, burst_size=120, decoys=10), seed=2),
+        ks=(256,),
+        windows_s=(1.0,),
+    )
     assert adv["fan_out"][0]["max_requests"] == 120
 
 

@@ -107,8 +107,16 @@ def test_partial_blocks_are_unique_to_the_request():
 
 
 def test_background_traffic():
-    p = BurstedParams(bursts=1, burst_size=10, decoys=0, background_rps=20.0, background_end_s=30.0,
-                      background_input_min_tokens=100, background_input_max_tokens=700, background_output_tokens=9)
+    p = BurstedParams(
+        bursts=1,
+        burst_size=10,
+        decoys=0,
+        background_rps=20.0,
+        background_end_s=30.0,
+        background_input_min_tokens=100,
+        background_input_max_tokens=700,
+        background_output_tokens=9,
+    )
     t = generate_bursted(p, seed=3)
     bg = [r for r in t.requests if r.kind == "background"]
     assert 400 < len(bg) < 800  # Poisson with mean 600
@@ -126,12 +134,28 @@ def test_offset_shifts_every_arrival():
     assert [round(r.arrival_s + 1000.0, 6) for r in base.requests] == [r.arrival_s for r in shifted.requests]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("bursts", -1), ("burst_size", 0), ("prefix_tokens", 0), ("suffix_tokens", -1), ("output_tokens", 0),
-    ("decoys", -2), ("block_tokens", 0), ("spread_s", -1.0), ("jitter_s", 25.0), ("decoy_end_s", 10.0),
-    ("background_rps", -0.1), ("background_input_max_tokens", 100), ("background_end_s", -5.0),
-    ("first_burst_s", float("nan")), ("bursts", 2.5), ("burst_size", True), ("offset_s", "3"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("bursts", -1),
+        ("burst_size", 0),
+        ("prefix_tokens", 0),
+        ("suffix_tokens", -1),
+        ("output_tokens", 0),
+        ("decoys", -2),
+        ("block_tokens", 0),
+        ("spread_s", -1.0),
+        ("jitter_s", 25.0),
+        ("decoy_end_s", 10.0),
+        ("background_rps", -0.1),
+        ("background_input_max_tokens", 100),
+        ("background_end_s", -5.0),
+        ("first_burst_s", float("nan")),
+        ("bursts", 2.5),
+        ("burst_size", True),
+        ("offset_s", "3"),
+    ],
+)
 def test_validation_names_the_field(field, value):
     with pytest.raises(ConfigError) as ei:
         BurstedParams(**{field: value})
@@ -206,8 +230,16 @@ def test_write_read_round_trip_is_exact(tmp_path, window):
     assert back.format == "btb-mixed-trace-v1" and back.block_tokens == 256
     assert back.requests == window.requests
     row = json.loads(out.read_text().splitlines()[0])
-    assert list(row) == ["arrival_s", "input_length", "output_length", "hash_ids", "request_id", "trace_id",
-                         "source", "metadata"]
+    assert list(row) == [
+        "arrival_s",
+        "input_length",
+        "output_length",
+        "hash_ids",
+        "request_id",
+        "trace_id",
+        "source",
+        "metadata",
+    ]
     assert row["source"] == "synthetic" and row["metadata"]["job_kind"] in ("burst", "decoy")
     assert not (tmp_path / "w.jsonl.tmp").exists()
 
@@ -233,17 +265,19 @@ def test_write_failure_is_a_user_error(tmp_path):
 _label_values = st.one_of(st.integers(-5, 5), st.text(max_size=4), st.booleans(), st.none())
 _requests = st.lists(
     st.builds(
-        lambda rid, arrival, inp, out, hashes, kind, labels: Request(rid, arrival, inp, out, tuple(hashes), kind,
-                                                                       labels or None),
+        lambda rid, arrival, inp, out, hashes, kind, labels: Request(
+            rid, arrival, inp, out, tuple(hashes), kind, labels or None
+        ),
         st.just(""),
         st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False),
-        st.integers(1, 10 ** 6),
-        st.integers(1, 10 ** 4),
+        st.integers(1, 10**6),
+        st.integers(1, 10**4),
         st.lists(st.text(min_size=1, max_size=6), max_size=6),
         st.sampled_from(["burst", "decoy", "background", "custom kind"]),
         st.dictionaries(st.sampled_from(["trace_id", "source", "burst", "note"]), _label_values, max_size=3),
     ),
-    min_size=1, max_size=8,
+    min_size=1,
+    max_size=8,
 )
 
 

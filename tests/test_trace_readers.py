@@ -41,8 +41,7 @@ def _mc(ts, inp=1000, out=10, hashes=(1, 2)) -> str:
 
 
 def _bm(arrival, rid, inp=300, out=2, hashes=("a", "b"), **extra) -> str:
-    row = {"arrival_s": arrival, "input_length": inp, "output_length": out, "hash_ids": list(hashes),
-           "request_id": rid}
+    row = {"arrival_s": arrival, "input_length": inp, "output_length": out, "hash_ids": list(hashes), "request_id": rid}
     row.update(extra)
     return json.dumps(row)
 
@@ -105,11 +104,13 @@ def test_btb_mixed_equal_hashes_share_one_object(tmp_path):
 
 
 def test_azure_relative_arrivals_and_columns(tmp_path):
-    text = ("GeneratedTokens,TIMESTAMP,ContextTokens,Extra\n"
-            "5,2023-11-16 18:15:47.0000001,100,x\n"
-            "0,2023-11-16 18:15:46.6805900,374,y\n"
-            "\n"
-            "7,2023-11-17 00:00:00,20,z\n")
+    text = (
+        "GeneratedTokens,TIMESTAMP,ContextTokens,Extra\n"
+        "5,2023-11-16 18:15:47.0000001,100,x\n"
+        "0,2023-11-16 18:15:46.6805900,374,y\n"
+        "\n"
+        "7,2023-11-17 00:00:00,20,z\n"
+    )
     t = read_azure(_write(tmp_path, "a.csv", text))
     assert t.format == "azure2023" and t.block_tokens == 512
     assert [r.request_id for r in t.requests] == ["3", "2", "5"]
@@ -158,16 +159,35 @@ ERROR_CASES = [
     # (id, content, fmt, line, message fragment)
     ("malformed-json", _mc(0) + "\n" + '{"timestamp": 1,', None, 2, "malformed JSON"),
     ("not-an-object", _mc(0) + "\n[1, 2]", None, 2, "expected a JSON object"),
-    ("missing-timestamp", _mc(0) + "\n\n" + '{"input_length": 5, "output_length": 1, "hash_ids": []}', "mooncake", 3,
-     "missing field 'timestamp'"),
-    ("mooncake-missing-hash-ids", '{"timestamp": 0, "input_length": 5, "output_length": 1}', None, 1,
-     "missing field 'hash_ids'"),
-    ("missing-input", '{"timestamp": 0, "output_length": 1, "hash_ids": []}', None, 1,
-     "missing field 'input_length'"),
-    ("missing-hash-ids", _bm(0, "a") + "\n" + '{"arrival_s": 1, "input_length": 5, "output_length": 1, '
-     '"request_id": "b"}', None, 2, "missing field 'hash_ids'"),
-    ("missing-request-id", '{"arrival_s": 1, "input_length": 5, "output_length": 1, "hash_ids": []}', None, 1,
-     "missing field 'request_id'"),
+    (
+        "missing-timestamp",
+        _mc(0) + "\n\n" + '{"input_length": 5, "output_length": 1, "hash_ids": []}',
+        "mooncake",
+        3,
+        "missing field 'timestamp'",
+    ),
+    (
+        "mooncake-missing-hash-ids",
+        '{"timestamp": 0, "input_length": 5, "output_length": 1}',
+        None,
+        1,
+        "missing field 'hash_ids'",
+    ),
+    ("missing-input", '{"timestamp": 0, "output_length": 1, "hash_ids": []}', None, 1, "missing field 'input_length'"),
+    (
+        "missing-hash-ids",
+        _bm(0, "a") + "\n" + '{"arrival_s": 1, "input_length": 5, "output_length": 1, "request_id": "b"}',
+        None,
+        2,
+        "missing field 'hash_ids'",
+    ),
+    (
+        "missing-request-id",
+        '{"arrival_s": 1, "input_length": 5, "output_length": 1, "hash_ids": []}',
+        None,
+        1,
+        "missing field 'request_id'",
+    ),
     ("string-timestamp", _mc("5"), None, 1, "timestamp: expected a number"),
     ("bool-input", _mc(0, inp=True), None, 1, "input_length: expected an integer"),
     ("float-output", _mc(0, out=2.5), None, 1, "output_length: expected an integer"),
@@ -179,39 +199,78 @@ ERROR_CASES = [
     ("negative-output", _mc(0) + "\n" + _mc(1, out=-1), None, 2, "output_length: must be >= 0"),
     ("negative-timestamp", _mc(-1), None, 1, "timestamp: must be >= 0"),
     ("negative-arrival", _bm(-0.5, "a"), None, 1, "arrival_s: must be >= 0"),
-    ("nan-arrival", '{"arrival_s": NaN, "input_length": 5, "output_length": 1, "hash_ids": [], "request_id": "a"}',
-     None, 1, "must be finite"),
-    ("huge-timestamp", _mc(10 ** 400), None, 1, "out of range"),
+    (
+        "nan-arrival",
+        '{"arrival_s": NaN, "input_length": 5, "output_length": 1, "hash_ids": [], "request_id": "a"}',
+        None,
+        1,
+        "must be finite",
+    ),
+    ("huge-timestamp", _mc(10**400), None, 1, "out of range"),
     ("duplicate-request-id", _bm(0, "a") + "\n" + _bm(1, "a"), None, 2, "duplicate 'a' (first seen on line 1)"),
     ("empty-request-id", _bm(0, ""), None, 1, "request_id: must not be empty"),
     ("list-request-id", _bm(0, ["a"]), None, 1, "request_id: expected a string"),
     ("metadata-not-object", _bm(0, "a", metadata="burst"), None, 1, "metadata: expected an object"),
     ("job-kind-not-string", _bm(0, "a", metadata={"job_kind": 3}), None, 1, "metadata.job_kind"),
-    ("block-size-differs", _bm(0, "a", block_tokens=256) + "\n" + _bm(1, "b", block_size=512), None, 2,
-     "differs from the block size 256 given on line 1"),
+    (
+        "block-size-differs",
+        _bm(0, "a", block_tokens=256) + "\n" + _bm(1, "b", block_size=512),
+        None,
+        2,
+        "differs from the block size 256 given on line 1",
+    ),
     ("block-size-bad", _bm(0, "a", block_tokens=0), None, 1, "block_tokens: expected an integer >= 1"),
-    ("deep-nesting", "{" + '"timestamp": ' + "[" * 100000 + "]" * 100000 + "}", "mooncake", 1,
-     "malformed JSON"),
+    ("deep-nesting", "{" + '"timestamp": ' + "[" * 100000 + "]" * 100000 + "}", "mooncake", 1, "malformed JSON"),
     ("empty-file", "", None, 1, "no requests"),
     ("blank-lines-only", "\n  \n\n", None, 1, "no requests"),
     ("empty-with-format", "\n\n", "mooncake", 3, "no requests"),
     ("unknown-format", "hello world\n", None, 1, "unknown trace format; valid formats: mooncake"),
     ("unknown-json-object", '{"foo": 1}', None, 1, "unknown trace format: a JSON object with keys 'foo'"),
-    ("azure-missing-column", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,3", "azure2023", 1,
-     "missing column 'GeneratedTokens'"),
+    (
+        "azure-missing-column",
+        "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46,3",
+        "azure2023",
+        1,
+        "missing column 'GeneratedTokens'",
+    ),
     ("azure-header-only", "TIMESTAMP,ContextTokens,GeneratedTokens\n", None, 2, "no requests"),
-    ("azure-bad-timestamp", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,4\nyesterday,3,4",
-     None, 3, "TIMESTAMP: expected"),
+    (
+        "azure-bad-timestamp",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,4\nyesterday,3,4",
+        None,
+        3,
+        "TIMESTAMP: expected",
+    ),
     ("azure-bad-date", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-02-30 18:15:46,3,4", None, 2, "TIMESTAMP"),
     ("azure-bad-hour", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-02-03 25:15:46,3,4", None, 2, "out of range"),
-    ("azure-bad-int", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3.5,4", None, 2,
-     "ContextTokens: expected an integer"),
-    ("azure-zero-context", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,0,4", None, 2,
-     "ContextTokens: must be >= 1"),
-    ("azure-negative-generated", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,-4", None, 2,
-     "GeneratedTokens: must be >= 0"),
-    ("azure-short-row", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3", None, 2,
-     "expected 3 columns, got 2"),
+    (
+        "azure-bad-int",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3.5,4",
+        None,
+        2,
+        "ContextTokens: expected an integer",
+    ),
+    (
+        "azure-zero-context",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,0,4",
+        None,
+        2,
+        "ContextTokens: must be >= 1",
+    ),
+    (
+        "azure-negative-generated",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3,-4",
+        None,
+        2,
+        "GeneratedTokens: must be >= 0",
+    ),
+    (
+        "azure-short-row",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,3",
+        None,
+        2,
+        "expected 3 columns, got 2",
+    ),
 ]
 
 
@@ -287,17 +346,39 @@ def test_fuzz_random_bytes(fuzz_dir, data, fmt):
     _read_or_format_error(p, fmt)
 
 
-_json_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2 ** 70), 2 ** 70),
-                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5))
-_json_value = st.recursive(_json_scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                                 st.dictionaries(st.text(max_size=5), inner,
-                                                                                 max_size=3)), max_leaves=8)
-_FIELDS = ["timestamp", "arrival_s", "input_length", "output_length", "hash_ids", "request_id", "metadata",
-           "trace_id", "source", "block_tokens", "block_size"]
-_field_value = st.one_of(_json_value, st.integers(-3, 5000), st.lists(st.integers(0, 9), max_size=4),
-                         st.lists(st.text(max_size=3), max_size=4), st.fixed_dictionaries({"job_kind": _json_value}))
-_rows = st.lists(st.dictionaries(st.sampled_from(_FIELDS), _field_value, max_size=len(_FIELDS)), min_size=0,
-                 max_size=5)
+_json_scalar = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+)
+_json_value = st.recursive(
+    _json_scalar,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=8,
+)
+_FIELDS = [
+    "timestamp",
+    "arrival_s",
+    "input_length",
+    "output_length",
+    "hash_ids",
+    "request_id",
+    "metadata",
+    "trace_id",
+    "source",
+    "block_tokens",
+    "block_size",
+]
+_field_value = st.one_of(
+    _json_value,
+    st.integers(-3, 5000),
+    st.lists(st.integers(0, 9), max_size=4),
+    st.lists(st.text(max_size=3), max_size=4),
+    st.fixed_dictionaries({"job_kind": _json_value}),
+)
+_rows = st.lists(st.dictionaries(st.sampled_from(_FIELDS), _field_value, max_size=len(_FIELDS)), min_size=0, max_size=5)
 
 
 @FUZZ
@@ -352,10 +433,17 @@ def test_real_azure():
 
 
 def test_trace_modules_import_no_ui():
-    code = ("import sys; import btbctl.engine.trace.readers, btbctl.engine.trace.writer, "
-            "btbctl.engine.trace.generate, btbctl.engine.trace.audit; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'textual', 'click') "
-            "or m.startswith(('btbctl.commands', 'btbctl.tui'))]; print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    code = (
+        "import sys; import btbctl.engine.trace.readers, btbctl.engine.trace.writer, "
+        "btbctl.engine.trace.generate, btbctl.engine.trace.audit; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('typer', 'rich', 'textual', 'click') "
+        "or m.startswith(('btbctl.commands', 'btbctl.tui'))]; print(bad)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout.strip()
     assert out == "[]"

@@ -30,10 +30,24 @@ PREFIX_BLOCKS = 8
 
 async def _start_worker(tmp_path, i: int, token_file: str):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "btbctl", "worker", "--model-path", "llama-3.3-70b", "--port", "0",
-        "--transfer-port", "0", "--page-size", str(PAGE), "--btb-token-file", token_file,
-        stdout=asyncio.subprocess.PIPE, stderr=open(tmp_path / f"w{i}.log", "wb"),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        sys.executable,
+        "-m",
+        "btbctl",
+        "worker",
+        "--model-path",
+        "llama-3.3-70b",
+        "--port",
+        "0",
+        "--transfer-port",
+        "0",
+        "--page-size",
+        str(PAGE),
+        "--btb-token-file",
+        token_file,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=open(tmp_path / f"w{i}.log", "wb"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
     assert line.startswith("ready "), line
     return proc, line.split()[1]
@@ -49,21 +63,31 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
     token_file.write_text("wtok\n")
     started = await asyncio.gather(*(_start_worker(tmp_path, i, str(token_file)) for i in range(3)))
     procs, urls = [p for p, _ in started], [u for _, u in started]
-    gw = await serve_gateway(GatewayConfig(
-        workers=urls, port=0, control_port=0, token="ctl", worker_token_file=str(token_file),
-        poll_interval_s=0.05, health_interval_s=0.2, policy="cache_aware",
-        constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 30.0, "replicas": 1}))
+    gw = await serve_gateway(
+        GatewayConfig(
+            workers=urls,
+            port=0,
+            control_port=0,
+            token="ctl",
+            worker_token_file=str(token_file),
+            poll_interval_s=0.05,
+            health_interval_s=0.2,
+            policy="cache_aware",
+            constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 30.0, "replicas": 1},
+        )
+    )
     try:
         prefix = "".join(f"line {i:04d} of a long shared system prompt\n" for i in range(30))
         async with aiohttp.ClientSession() as s:
             for i in range(3):
-                async with s.post(gw.data_url + "/generate", json={
-                        "text": prefix + f"question {i}", "sampling_params": {"max_new_tokens": 1}}) as r:
+                async with s.post(
+                    gw.data_url + "/generate",
+                    json={"text": prefix + f"question {i}", "sampling_params": {"max_new_tokens": 1}},
+                ) as r:
                     assert r.status == 200, await r.text()
         app = build_app(ControlApiSource(gw.control_url, "ctl"), poll_hz=10)
         async with app.run_test(size=(120, 36)) as pilot:
-            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.prefixes
-                           and app.snapshot.ttft)
+            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.prefixes and app.snapshot.ttft)
             snap = app.snapshot
             assert snap.connected and [w.name for w in snap.workers] == ["w0", "w1", "w2"]
             assert all(w.healthy for w in snap.workers) and snap.policy == "cache_aware"
@@ -136,17 +160,52 @@ class FakeControlApi:
 
     def fleet(self) -> schema.FleetAnswer:
         w = schema.FleetWorker(
-            name="w0", url="http://a", healthy=True, error=None, load=0, prefilling=0, served=0, failed=0,
-            running=1, waiting=2, kv_used_tokens=10, kv_capacity_tokens=100, kv_use=0.1, replication=True,
-            replication_note="supported", held_blocks=0, model=None, gpu=None, tp_size=None, page_size=16,
-            transfer_addr=None, last_health_s=None, ttft_ewma_s=None, hbm_used_bytes=5e9, hbm_total_bytes=80e9,
-            gpu_util_pct=40)
-        return schema.FleetAnswer(now_s=self._now(), policy=self.policy, page_size=16, constants=self.constants,
-                                  healthy=1, total=1, replication="supported on all workers", workers=[w])
+            name="w0",
+            url="http://a",
+            healthy=True,
+            error=None,
+            load=0,
+            prefilling=0,
+            served=0,
+            failed=0,
+            running=1,
+            waiting=2,
+            kv_used_tokens=10,
+            kv_capacity_tokens=100,
+            kv_use=0.1,
+            replication=True,
+            replication_note="supported",
+            held_blocks=0,
+            model=None,
+            gpu=None,
+            tp_size=None,
+            page_size=16,
+            transfer_addr=None,
+            last_health_s=None,
+            ttft_ewma_s=None,
+            hbm_used_bytes=5e9,
+            hbm_total_bytes=80e9,
+            gpu_util_pct=40,
+        )
+        return schema.FleetAnswer(
+            now_s=self._now(),
+            policy=self.policy,
+            page_size=16,
+            constants=self.constants,
+            healthy=1,
+            total=1,
+            replication="supported on all workers",
+            workers=[w],
+        )
 
     def constants_answer(self) -> schema.ConstantsAnswer:
-        return schema.ConstantsAnswer(policy=self.policy, policies=["btb"], constants=self.constants, page_size=16,
-                                      prefix_tokens=self.constants.prefix_blocks * 16)
+        return schema.ConstantsAnswer(
+            policy=self.policy,
+            policies=["btb"],
+            constants=self.constants,
+            page_size=16,
+            prefix_tokens=self.constants.prefix_blocks * 16,
+        )
 
     def answers(self) -> dict:
         c = self.constants
@@ -155,10 +214,17 @@ class FakeControlApi:
         return {
             "/control/fleet": self.fleet(),
             "/control/prefixes": schema.PrefixesAnswer(
-                now_s=now, window_s=c.window_s, threshold=c.threshold, prefix_blocks=c.prefix_blocks,
-                prefix_tokens=c.prefix_blocks * 16, page_size=16, prefixes=[]),
-            "/control/transfers": schema.TransfersAnswer(now_s=now, in_flight=0, transfers=[],
-                                                         totals=schema.TransferTotals(done=0, failed=0, bytes=0)),
+                now_s=now,
+                window_s=c.window_s,
+                threshold=c.threshold,
+                prefix_blocks=c.prefix_blocks,
+                prefix_tokens=c.prefix_blocks * 16,
+                page_size=16,
+                prefixes=[],
+            ),
+            "/control/transfers": schema.TransfersAnswer(
+                now_s=now, in_flight=0, transfers=[], totals=schema.TransferTotals(done=0, failed=0, bytes=0)
+            ),
             "/control/ttft": schema.TtftAnswer(now_s=now, window_s=120.0, step_s=1.0, series=[], summary=empty),
         }
 
@@ -250,8 +316,9 @@ async def test_a_change_arrives_through_the_gateways_event_stream_without_a_poll
             assert src.streaming and _text(app.query_one("#status")).endswith("| live: event stream")
             polls, pushed = src.polls, app.pushed
             # another client retunes the fleet: the screen follows from the stream alone
-            async with env.http.put(env.control + "/control/constants", json={"threshold": 5,
-                                    "policy": "cache_aware"}, headers=env.auth()) as r:
+            async with env.http.put(
+                env.control + "/control/constants", json={"threshold": 5, "policy": "cache_aware"}, headers=env.auth()
+            ) as r:
                 assert r.status == 200
             await wait_for(pilot, lambda: app.query_one("#const-threshold", Input).value == "5")
             await wait_for(pilot, lambda: app.snapshot.policy == "cache_aware")
@@ -262,8 +329,9 @@ async def test_a_change_arrives_through_the_gateways_event_stream_without_a_poll
 
 async def test_polling_takes_over_while_the_event_stream_is_down():
     api = await FakeControlApi(_free_port()).start()
-    src = ControlApiSource(f"http://127.0.0.1:{api.port}", "t", local_gpus=False, reconnect_min_s=0.05,
-                           reconnect_max_s=0.2)
+    src = ControlApiSource(
+        f"http://127.0.0.1:{api.port}", "t", local_gpus=False, reconnect_min_s=0.05, reconnect_max_s=0.2
+    )
     status = lambda: _text(app.query_one("#status"))
     try:
         app = build_app(src, poll_hz=20)
@@ -324,5 +392,4 @@ def test_ttft_trail_from_stream_points():
     trail.advance(9.0)  # keeps the latest 5
     assert [p.t_s for p in trail.points] == [3.5, 4.5, 5.5, 6.5, 7.5]
     trail.advance(100.0)  # a silence longer than the series: empty buckets up to a second before now
-    assert [(p.t_s, p.rps) for p in trail.points] == [(95.0, 0.0), (96.0, 0.0), (97.0, 0.0), (98.0, 0.0),
-                                                      (99.0, 0.0)]
+    assert [(p.t_s, p.rps) for p in trail.points] == [(95.0, 0.0), (96.0, 0.0), (97.0, 0.0), (98.0, 0.0), (99.0, 0.0)]

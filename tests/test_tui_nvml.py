@@ -34,10 +34,13 @@ def fake_nvml(devices=(), init_error=None, util_error=False):
         return types.SimpleNamespace(gpu=devices[h][3])
 
     mod = types.SimpleNamespace(
-        NVMLError=NVMLError, NVMLError_LibraryNotFound=NVMLError_LibraryNotFound,
+        NVMLError=NVMLError,
+        NVMLError_LibraryNotFound=NVMLError_LibraryNotFound,
         NVMLError_DriverNotLoaded=NVMLError_DriverNotLoaded,
-        nvmlInit=init, nvmlShutdown=lambda: calls.append("shutdown"),
-        nvmlDeviceGetCount=lambda: len(devices), nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlInit=init,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: len(devices),
+        nvmlDeviceGetHandleByIndex=lambda i: i,
         nvmlDeviceGetName=lambda h: devices[h][0],
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=devices[h][1], total=devices[h][2]),
         nvmlDeviceGetUtilizationRates=util,
@@ -46,13 +49,15 @@ def fake_nvml(devices=(), init_error=None, util_error=False):
 
 
 def test_values_are_read_per_device_and_nvml_is_shut_down():
-    mod, calls = fake_nvml([(b"NVIDIA H100 80GB HBM3", 10 * 2**30, 80 * 2**30, 37),
-                            ("NVIDIA H100 80GB HBM3", 0, 80 * 2**30, 0)])
+    mod, calls = fake_nvml(
+        [(b"NVIDIA H100 80GB HBM3", 10 * 2**30, 80 * 2**30, 37), ("NVIDIA H100 80GB HBM3", 0, 80 * 2**30, 0)]
+    )
     res = read_gpus(mod)
     assert res.available and res.reason is None
     assert [(g.index, g.name, g.used_bytes, g.total_bytes, g.util_pct) for g in res.gpus] == [
         (0, "NVIDIA H100 80GB HBM3", 10 * 2**30, 80 * 2**30, 37.0),
-        (1, "NVIDIA H100 80GB HBM3", 0, 80 * 2**30, 0.0)]
+        (1, "NVIDIA H100 80GB HBM3", 0, 80 * 2**30, 0.0),
+    ]
     assert calls == ["init", "shutdown"]
 
 

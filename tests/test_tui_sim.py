@@ -43,7 +43,8 @@ async def test_panels_fill_from_the_simulation():
         # the fleet panel shows every worker as up and every GPU
         fleet = [ln.split() for ln in _rich_text(app.query_one("#fleet-body", Static)).splitlines()]
         assert {f[0]: f[1] for f in fleet if f and f[0] in ("w0", "w1", "w2", "w3")} == dict.fromkeys(
-            ["w0", "w1", "w2", "w3"], "up")
+            ["w0", "w1", "w2", "w3"], "up"
+        )
         assert {f[0] for f in fleet if f and "/gpu" in f[0]} == {g.name for g in snap.gpus}
         assert len(snap.gpus) == 16 and all(g.total_bytes == 80e9 for g in snap.gpus)
         assert any(x.state == "done" for x in snap.transfers)  # BTB copied the first burst's prefix
@@ -66,8 +67,7 @@ async def test_editing_threshold_changes_the_engine_and_bad_values_are_refused()
         await press(pilot, "5", "enter")
         await wait_for(pilot, lambda: src.sim.detector.constants.threshold == 5)
         assert src.constants.threshold == 5
-        await wait_for(pilot, lambda: "threshold = 5 confirmed" in
-                       _text(app.query_one("#const-status")))
+        await wait_for(pilot, lambda: "threshold = 5 confirmed" in _text(app.query_one("#const-status")))
         # refused before sending: the engine keeps 5
         inp.value = ""
         await press(pilot, "0", "enter")
@@ -116,14 +116,17 @@ async def test_replicating_a_prefix_shows_a_transfer_that_completes():
         await wait_for(pilot, lambda: isinstance(app.screen, ReplicateScreen) and isinstance(app.focused, Input))
         app.screen.query_one(Input).value = ""
         await press(pilot, "2", "enter")
-        await wait_for(pilot, lambda: any(t.prefix_id == target.prefix_id and t.state == "running"
-                                          for t in app.snapshot.transfers))
+        await wait_for(
+            pilot, lambda: any(t.prefix_id == target.prefix_id and t.state == "running" for t in app.snapshot.transfers)
+        )
         ours = [t for t in app.snapshot.transfers if t.prefix_id == target.prefix_id]
         assert len(ours) == 2 and all(t.bytes_total > 0 and t.source == "w" + t.source[1:] for t in ours)
         assert all(t.bytes_per_s > 0 and t.eta_s is not None for t in ours)
         src.advance_to(src.sim.now + max(t.eta_s for t in ours) + 0.5)
-        await wait_for(pilot, lambda: [t.state for t in app.snapshot.transfers
-                                       if t.prefix_id == target.prefix_id] == ["done", "done"])
+        await wait_for(
+            pilot,
+            lambda: [t.state for t in app.snapshot.transfers if t.prefix_id == target.prefix_id] == ["done", "done"],
+        )
         row = next(p for p in app.snapshot.prefixes if p.prefix_id == target.prefix_id)
         assert row.holders == 3
 
@@ -152,8 +155,7 @@ async def test_policy_change_and_pause():
         await press(pilot, "p")
         await wait_for(pilot, lambda: app.applied > n)
         await press(pilot, "c")
-        await wait_for(pilot, lambda: isinstance(app.screen, PolicyScreen)
-                       and isinstance(app.focused, OptionList))
+        await wait_for(pilot, lambda: isinstance(app.screen, PolicyScreen) and isinstance(app.focused, OptionList))
         await press(pilot, "home", "enter")  # the first policy of the registry
         await wait_for(pilot, lambda: src.sim.policy_name == "round_robin")
         await wait_for(pilot, lambda: app.snapshot.policy == "round_robin")
@@ -187,8 +189,7 @@ async def _key_to_update(app, key: str, done) -> float:
 async def test_stays_responsive_while_replaying_1000_requests_per_second():
     """A speed test (``pytest -m speed``): key-to-update latency and replay rate on the wall clock."""
     # 20,000 requests over 20 s of trace time, replayed at 1x: 1,000 requests/s of wall time.
-    src = small_source(paced=True, speed=1.0, bursts=1, burst_size=20000, spread_s=20.0, decoys=0,
-                       first_burst_s=0.5)
+    src = small_source(paced=True, speed=1.0, bursts=1, burst_size=20000, spread_s=20.0, decoys=0, first_burst_s=0.5)
     latencies = []
 
     async with running_app(src, (160, 48), poll_hz=4) as (app, pilot):
@@ -198,11 +199,15 @@ async def test_stays_responsive_while_replaying_1000_requests_per_second():
         fleet = app.query_one("#p2")
         for i in range(10):
             want = not app.paused
-            latencies.append(await _key_to_update(
-                app, "p", lambda want=want: app.paused == want and ("PAUSED" in _text(status)) == want))
+            latencies.append(
+                await _key_to_update(
+                    app, "p", lambda want=want: app.paused == want and ("PAUSED" in _text(status)) == want
+                )
+            )
             target = fleet if i % 2 == 0 else table
-            latencies.append(await _key_to_update(app, "2" if i % 2 == 0 else "1",
-                                                  lambda target=target: app.focused is target))
+            latencies.append(
+                await _key_to_update(app, "2" if i % 2 == 0 else "1", lambda target=target: app.focused is target)
+            )
             await asyncio.sleep(0.15)
         assert "PAUSED" not in _text(status)  # an even number of presses
         n_applied = app.applied
@@ -214,8 +219,10 @@ async def test_stays_responsive_while_replaying_1000_requests_per_second():
 
     latencies.sort()
     worst = latencies[-1]
-    print(f"key->update latency: median {latencies[len(latencies) // 2] * 1000:.1f} ms, "
-          f"max {worst * 1000:.1f} ms over {len(latencies)} presses")
+    print(
+        f"key->update latency: median {latencies[len(latencies) // 2] * 1000:.1f} ms, "
+        f"max {worst * 1000:.1f} ms over {len(latencies)} presses"
+    )
     # The median is the gate: on a shared CI machine a single press can land behind another process's burst of
     # CPU. The worst case is printed for the record.
     assert latencies[len(latencies) // 2] < 0.1, [round(x * 1000) for x in latencies]

@@ -22,8 +22,20 @@ def workers(tmp_path_factory):
     tok = tmp_path_factory.mktemp("tok") / "token"
     tok.write_text(TOKEN + "\n")
     procs = start_workers(
-        (("--model-path", "meta-llama/Llama-3.3-70B-Instruct", "--served-model-name", "llama-test",
-          "--time-scale", "20", "--enable-metrics", "--btb-token-file", str(tok)), None),
+        (
+            (
+                "--model-path",
+                "meta-llama/Llama-3.3-70B-Instruct",
+                "--served-model-name",
+                "llama-test",
+                "--time-scale",
+                "20",
+                "--enable-metrics",
+                "--btb-token-file",
+                str(tok),
+            ),
+            None,
+        ),
         (("--model-path", "qwen3-8b", "--tp-size", "1", "--zero-delay", "--page-size", "64"), None),
     )
     yield procs
@@ -97,8 +109,9 @@ def test_a_cached_prompt_answers_faster(w):
 
 
 def test_generate_streaming_sse(w):
-    events = w.stream("/generate", {"text": "stream me " * 100, "sampling_params": {"max_new_tokens": 6},
-                                    "stream": True})
+    events = w.stream(
+        "/generate", {"text": "stream me " * 100, "sampling_params": {"max_new_tokens": 6}, "stream": True}
+    )
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) >= 2
@@ -118,17 +131,25 @@ def test_openai_completions_and_chat(w):
     assert u["completion_tokens"] == 3 and u["total_tokens"] == u["prompt_tokens"] + 3
     assert u["prompt_tokens_details"]["cached_tokens"] == 0
     st, r = w.post("/v1/completions", {"prompt": "Hello " * 200, "max_tokens": 3})
-    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(hashing.text_to_tokens("Hello " * 200))
-                                                                    // PAGE) * PAGE
+    assert (
+        r["usage"]["prompt_tokens_details"]["cached_tokens"]
+        == (len(hashing.text_to_tokens("Hello " * 200)) // PAGE) * PAGE
+    )
     msgs = [{"role": "system", "content": "You label data. " * 80}, {"role": "user", "content": "item 1"}]
     st, r = w.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2})
     assert st == 200 and r["object"] == "chat.completion"
     assert r["choices"][0]["message"]["role"] == "assistant"
     expect = len(hashing.text_to_tokens("".join(f"{m['role']}: {m['content']}\n" for m in msgs)))
     assert r["usage"]["prompt_tokens"] == expect
-    events = w.stream("/v1/chat/completions", {"messages": msgs[:1] + [{"role": "user", "content": "item 2"}],
-                                               "max_tokens": 4, "stream": True,
-                                               "stream_options": {"include_usage": True}})
+    events = w.stream(
+        "/v1/chat/completions",
+        {
+            "messages": msgs[:1] + [{"role": "user", "content": "item 2"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["object"] == "chat.completion.chunk"
@@ -149,8 +170,14 @@ def test_info_routes(w):
     assert w.get("/model_info")[1]["is_generation"] is True
     st, loads = w.get("/v1/loads")
     one = loads["loads"][0]
-    for k in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage",
-              "cache_hit_rate"):
+    for k in (
+        "num_running_reqs",
+        "num_waiting_reqs",
+        "num_used_tokens",
+        "max_total_num_tokens",
+        "token_usage",
+        "cache_hit_rate",
+    ):
         assert k in one
     assert one["max_total_num_tokens"] > 100_000 and 0 <= one["token_usage"] <= 1
 
@@ -159,10 +186,17 @@ def test_metrics_names_and_labels(w):
     w.post("/generate", {"text": "metrics " * 50, "sampling_params": {"max_new_tokens": 3}})
     st, text = w.get("/metrics")
     assert st == 200
-    for name in ("sglang:time_to_first_token_seconds_bucket", "sglang:e2e_request_latency_seconds_count",
-                 "sglang:inter_token_latency_seconds_sum", "sglang:num_queue_reqs", "sglang:num_running_reqs",
-                 "sglang:cache_hit_rate", "sglang:token_usage", "sglang:num_used_tokens",
-                 "sglang:max_total_num_tokens"):
+    for name in (
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:e2e_request_latency_seconds_count",
+        "sglang:inter_token_latency_seconds_sum",
+        "sglang:num_queue_reqs",
+        "sglang:num_running_reqs",
+        "sglang:cache_hit_rate",
+        "sglang:token_usage",
+        "sglang:num_used_tokens",
+        "sglang:max_total_num_tokens",
+    ):
         assert name in text, name
     assert 'model_name="llama-test"' in text
     count = [ln for ln in text.splitlines() if ln.startswith("sglang:time_to_first_token_seconds_count")]
@@ -202,8 +236,7 @@ def test_bad_input_gets_4xx_and_worker_survives(w):
         ("POST", "/generate", json.dumps({"input_ids": ["x"]}).encode(), 400),
         ("POST", "/generate", json.dumps({"input_ids": []}).encode(), 400),
         ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": -1}}).encode(), 400),
-        ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 1 << 20}}).encode(),
-         400),
+        ("POST", "/generate", json.dumps({"text": "a", "sampling_params": {"max_new_tokens": 1 << 20}}).encode(), 400),
         ("POST", "/generate", json.dumps({"text": "a", "stream": "yes"}).encode(), 400),
         ("POST", "/generate", b"\xff\xfe", 400),
         ("POST", "/generate", b"[" * 100_000, 400),
@@ -227,10 +260,13 @@ def test_bad_input_gets_4xx_and_worker_survives(w):
         st, r = w.call(method, path, raw=raw)
         assert st == want, (method, path, raw, st, r)
         assert isinstance(r, dict) and r["code"] == want and "Traceback" not in r["message"], r
-    for body, want in (({"chain": ["ab"]}, 400), ({"chain": ["ab"], "target": "127.0.0.1; rm -rf /:1"}, 400),
-                       ({"chain": ["ab"], "target": "127.0.0.1:0"}, 400),
-                       ({"chain": ["ab"], "target": "127.0.0.1:1", "copy_id": "a b"}, 400),
-                       ({"chain": [], "target": "127.0.0.1:1"}, 400)):
+    for body, want in (
+        ({"chain": ["ab"]}, 400),
+        ({"chain": ["ab"], "target": "127.0.0.1; rm -rf /:1"}, 400),
+        ({"chain": ["ab"], "target": "127.0.0.1:0"}, 400),
+        ({"chain": ["ab"], "target": "127.0.0.1:1", "copy_id": "a b"}, 400),
+        ({"chain": [], "target": "127.0.0.1:1"}, 400),
+    ):
         st, r = w.post("/btb/push", body, headers=auth)
         assert st == want, (body, st, r)
     huge = b'{"text": "' + b"a" * (9 << 20) + b'"}'
@@ -245,7 +281,7 @@ def test_zero_delay_keeps_cache_bookkeeping(zw):
     ids = _ids(64 * 256, 11)  # 16k tokens: over a second of 8B prefill on one H100 in model time
     st, r1 = zw.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 64}})
     assert st == 200 and r1["meta_info"]["cached_tokens"] == 0
-    st, r2 = zw.post("/generate", {"input_ids": ids[:32 * 256] + [5] * 10, "sampling_params": {"max_new_tokens": 1}})
+    st, r2 = zw.post("/generate", {"input_ids": ids[: 32 * 256] + [5] * 10, "sampling_params": {"max_new_tokens": 1}})
     assert r2["meta_info"]["cached_tokens"] == 32 * 256  # page size 64 here: 128 full pages shared
     events = zw.stream("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 3}, "stream": True})
     assert events[-1] == "[DONE]" and json.loads(events[-2])["meta_info"]["completion_tokens"] == 3
@@ -297,8 +333,12 @@ def _model_times(w, seed: int) -> tuple[float, float, float, float]:
     # decode: 40 more tokens cost about 40 decode steps of one sequence at its KV size
     st, r2 = w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 41}})
     # prefix cached: almost all of the second request is decode
-    return (r["meta_info"]["e2e_latency"], cost.prefill_time_s(32 * PAGE, 0) / 20,
-            r2["meta_info"]["e2e_latency"], 40 * cost.decode_step_time_s(1, 32 * PAGE + 20) / 20)
+    return (
+        r["meta_info"]["e2e_latency"],
+        cost.prefill_time_s(32 * PAGE, 0) / 20,
+        r2["meta_info"]["e2e_latency"],
+        40 * cost.decode_step_time_s(1, 32 * PAGE + 20) / 20,
+    )
 
 
 def test_the_worker_never_answers_before_model_time_over_time_scale(w):
@@ -318,8 +358,7 @@ def test_wall_latency_is_model_time_over_time_scale(w):
 def _stream_60_tokens(w, seed: int) -> list[tuple[float, dict]]:
     ids = _ids(8 * PAGE, seed)
     w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})  # warm the prefix
-    timed = w.stream_timed("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 60},
-                                         "stream": True})
+    timed = w.stream_timed("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 60}, "stream": True})
     assert timed[-1][1] == "[DONE]"
     return [(t, json.loads(p)) for t, p in timed[:-1]]
 

@@ -15,14 +15,41 @@ from btbctl.engine.worker.core import Worker
 from btbctl.engine.worker.http import build_app
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/btb/match", "/btb/push", "/flush_cache")
-KEYS = ("text", "input_ids", "sampling_params", "max_new_tokens", "stream", "rid", "prompt", "max_tokens",
-        "messages", "role", "content", "type", "chain", "target", "copy_id", "stream_options", "include_usage", "n",
-        "max_completion_tokens")
+KEYS = (
+    "text",
+    "input_ids",
+    "sampling_params",
+    "max_new_tokens",
+    "stream",
+    "rid",
+    "prompt",
+    "max_tokens",
+    "messages",
+    "role",
+    "content",
+    "type",
+    "chain",
+    "target",
+    "copy_id",
+    "stream_options",
+    "include_usage",
+    "n",
+    "max_completion_tokens",
+)
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False),
-                    st.text(max_size=20), st.sampled_from(["127.0.0.1:1", "ab12", "user", "text"]))
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=5), st.dictionaries(st.sampled_from(KEYS), inner, max_size=5)), max_leaves=20)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+    st.sampled_from(["127.0.0.1:1", "ab12", "user", "text"]),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.sampled_from(KEYS), inner, max_size=5)),
+    max_leaves=20,
+)
 bodies = st.dictionaries(st.sampled_from(KEYS), values, max_size=6)
 
 
@@ -43,12 +70,14 @@ class _Harness:
         async def go():
             async with self.client.post(path, data=raw, headers={"Content-Type": "application/json"}) as r:
                 return r.status, await r.read()
+
         return self.loop.run_until_complete(go())
 
     def close(self) -> None:
         async def stop():
             await self.client.close()
             await self.worker.stop()
+
         self.loop.run_until_complete(stop())
         self.loop.close()
 
@@ -80,8 +109,9 @@ def test_random_bodies_never_get_5xx(route, body):
 
 
 def test_worker_still_serves_after_fuzzing():
-    status, raw = _h().post("/generate", json.dumps({"text": "hello " * 20,
-                                                     "sampling_params": {"max_new_tokens": 2}}).encode())
+    status, raw = _h().post(
+        "/generate", json.dumps({"text": "hello " * 20, "sampling_params": {"max_new_tokens": 2}}).encode()
+    )
     assert status == 200 and json.loads(raw)["meta_info"]["completion_tokens"] == 2
 
 
@@ -92,8 +122,11 @@ async def test_not_ready_answers_503_on_health_and_generation():
     await client.start_server()
     try:
         out = []
-        for method, path, body in (("GET", "/health", None), ("GET", "/health_generate", None),
-                                   ("POST", "/generate", {"text": "hi"})):
+        for method, path, body in (
+            ("GET", "/health", None),
+            ("GET", "/health_generate", None),
+            ("POST", "/generate", {"text": "hi"}),
+        ):
             async with client.request(method, path, json=body) as r:
                 out.append(r.status)
         worker.ready = True

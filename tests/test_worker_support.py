@@ -28,8 +28,9 @@ class WorkerProc:
         full_env.pop("BTBCTL_REPLICATION_FAULT", None)
         full_env.update(env or {})
         argv = [sys.executable, "-m", "btbctl", "worker", "--port", "0", "--transfer-port", "0", *args]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, start_new_session=True
+        )
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.url = ""
@@ -74,8 +75,15 @@ class WorkerProc:
         self.proc.wait(5)
 
     # -- HTTP -------------------------------------------------------------------------------------------------
-    def call(self, method: str, path: str, body=None, headers: dict | None = None, raw: bytes | None = None,
-             timeout: float = 20.0):
+    def call(
+        self,
+        method: str,
+        path: str,
+        body=None,
+        headers: dict | None = None,
+        raw: bytes | None = None,
+        timeout: float = 20.0,
+    ):
         """``(status, parsed JSON or text)``."""
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers or {})
@@ -98,8 +106,9 @@ class WorkerProc:
 
     def stream(self, path: str, body: dict) -> list[str]:
         """The ``data:`` payloads of an SSE response, in order (raw strings), checking the framing."""
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=20) as r:
             assert r.headers["Content-Type"].startswith("text/event-stream")
             text = r.read().decode()
@@ -108,14 +117,14 @@ class WorkerProc:
         out = []
         for ev in events[:-1]:
             assert ev.startswith("data: "), ev
-            out.append(ev[len("data: "):])
+            out.append(ev[len("data: ") :])
         return out
-
 
     def stream_timed(self, path: str, body: dict) -> list[tuple[float, str]]:
         """``(monotonic arrival time, data payload)`` of each SSE event as it is read."""
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        )
         out = []
         with urllib.request.urlopen(req, timeout=20) as r:
             while True:
@@ -124,7 +133,7 @@ class WorkerProc:
                     break
                 line = line.decode().rstrip("\n")
                 if line.startswith("data: "):
-                    out.append((time.monotonic(), line[len("data: "):]))
+                    out.append((time.monotonic(), line[len("data: ") :]))
         return out
 
 
@@ -155,8 +164,7 @@ def wait_for(pred, timeout: float = 10.0, interval: float = 0.02):
 
 # -- command-line tests ------------------------------------------------------------------------------------------
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "btbctl", "worker", *args], capture_output=True, text=True,
-                          timeout=30)
+    return subprocess.run([sys.executable, "-m", "btbctl", "worker", *args], capture_output=True, text=True, timeout=30)
 
 
 def test_worker_refuses_a_model_that_does_not_fit_with_one_line():
@@ -168,9 +176,12 @@ def test_worker_refuses_a_model_that_does_not_fit_with_one_line():
 
 
 def test_worker_rejects_bad_flag_values():
-    for args, key in ((("--gpu", "tpu9"), "gpu"), (("--page-size", "0"), "page_size"),
-                      (("--chunked-prefill-size", "10"), "chunked_prefill_size"),
-                      (("--btb-token-file", "/nonexistent/token"), "btb_token_file")):
+    for args, key in (
+        (("--gpu", "tpu9"), "gpu"),
+        (("--page-size", "0"), "page_size"),
+        (("--chunked-prefill-size", "10"), "chunked_prefill_size"),
+        (("--btb-token-file", "/nonexistent/token"), "btb_token_file"),
+    ):
         r = _run_cli("--model-path", "llama-3.3-70b", "--port", "0", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert key in r.stderr, (args, r.stderr)
@@ -179,9 +190,23 @@ def test_worker_rejects_bad_flag_values():
 def test_worker_help_lists_sglang_and_emulation_flags():
     r = _run_cli("--help")
     assert r.returncode == 0
-    for flag in ("--model-path", "--tp-size", "--host", "--port", "--mem-fraction-static", "--page-size",
-                 "--chunked-prefill-size", "--enable-metrics", "--served-model-name", "--gpu", "--time-scale",
-                 "--zero-delay", "--kv-bytes-scale", "--transfer-port", "--btb-token-file"):
+    for flag in (
+        "--model-path",
+        "--tp-size",
+        "--host",
+        "--port",
+        "--mem-fraction-static",
+        "--page-size",
+        "--chunked-prefill-size",
+        "--enable-metrics",
+        "--served-model-name",
+        "--gpu",
+        "--time-scale",
+        "--zero-delay",
+        "--kv-bytes-scale",
+        "--transfer-port",
+        "--btb-token-file",
+    ):
         assert flag in r.stdout, flag
 
 

@@ -16,17 +16,26 @@ from btbctl.tui.app import build_app
 
 #: A short Bursted window: 3 bursts of 200 requests over 20 s each, sharing 8,192-token prefixes (32 blocks of
 #: 256 tokens), on 4 replicas of Llama-3.3-70B over 4 x H100 each.
-SMALL = {"bursts": 3, "burst_size": 200, "first_burst_s": 2.0, "burst_period_s": 10.0, "jitter_s": 0.0,
-         "spread_s": 20.0, "prefix_tokens": 8192, "suffix_tokens": 256, "decoys": 10, "decoy_start_s": 1.0,
-         "decoy_end_s": 40.0}
+SMALL = {
+    "bursts": 3,
+    "burst_size": 200,
+    "first_burst_s": 2.0,
+    "burst_period_s": 10.0,
+    "jitter_s": 0.0,
+    "spread_s": 20.0,
+    "prefix_tokens": 8192,
+    "suffix_tokens": 256,
+    "decoys": 10,
+    "decoy_start_s": 1.0,
+    "decoy_end_s": 40.0,
+}
 SMALL_CONSTANTS = BtbConstants(prefix_blocks=32, threshold=2, window_s=1.0, replicas=4)
 
 
 def small_source(*, paced: bool = False, speed: float = 1.0, policy: str = "btb", **overrides) -> SimSource:
     params = BurstedParams(**{**SMALL, **overrides})
     trace = generate_bursted(params, seed=7)
-    return SimSource(trace, ClusterConfig(), SMALL_CONSTANTS, policy, seed=7, speed=speed, paced=paced,
-                         start_s=0.0)
+    return SimSource(trace, ClusterConfig(), SMALL_CONSTANTS, policy, seed=7, speed=speed, paced=paced, start_s=0.0)
 
 
 async def wait_for(pilot, cond, timeout_s: float = 10.0, step_s: float = 0.02) -> float:

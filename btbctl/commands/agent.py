@@ -11,29 +11,55 @@ from btbctl.commands.app import app
 
 @app.command("agent")
 def agent(
-    secret_file: Annotated[str, typer.Option("--secret-file", help="File holding the fleet secret (at least 16 "
-                                             "bytes; the same on every agent of the fleet).")],
-    arena_mib: Annotated[int, typer.Option("--arena-mib", help="Byte budget of the page store, MiB (shared "
-                                           "memory).")] = 1024,
-    socket_path: Annotated[str, typer.Option("--socket", help="Unix socket the local BtbL3Store instances "
-                                             "connect to.")] = "/run/btbctl/agent.sock",
-    peer: Annotated[str, typer.Option("--peer", help="HOST:PORT peers connect to (authenticated first).")]
-    = "127.0.0.1:0",
-    control: Annotated[str, typer.Option("--control", help="HOST:PORT of the control API and /metrics "
-                                         "(loopback by default).")] = "127.0.0.1:0",
-    control_token_file: Annotated[str | None, typer.Option("--control-token-file",
-                                                              help="File holding the control API's bearer token "
-                                                              "(default: none; then only bind to loopback).")] = None,
-    agent_id: Annotated[str | None, typer.Option("--agent-id", help="This agent's id in logs and peers' "
-                                                    "logs (default: hostname-random).")] = None,
-    idle_timeout_s: Annotated[float, typer.Option("--idle-timeout-s", help="Cut off a peer silent this long, "
-                                                  "seconds.")] = 10.0,
-    file_dir: Annotated[str | None, typer.Option("--file-dir", help="File mode: copy the page files of SGLang's "
-                                                    "stock 'file' L3 backend in this (node-local) directory instead "
-                                                    "of serving BtbL3Store; --arena-mib then sizes the staging "
-                                                    "area.")] = None,
-    transport: Annotated[str, typer.Option("--transport", help="auto, tcp or rdma (auto: RDMA where a device and "
-                                           "the pyverbs layer exist, else TCP).")] = "auto",
+    secret_file: Annotated[
+        str,
+        typer.Option(
+            "--secret-file",
+            help="File holding the fleet secret (at least 16 bytes; the same on every agent of the fleet).",
+        ),
+    ],
+    arena_mib: Annotated[
+        int, typer.Option("--arena-mib", help="Byte budget of the page store, MiB (shared memory).")
+    ] = 1024,
+    socket_path: Annotated[
+        str, typer.Option("--socket", help="Unix socket the local BtbL3Store instances connect to.")
+    ] = "/run/btbctl/agent.sock",
+    peer: Annotated[
+        str, typer.Option("--peer", help="HOST:PORT peers connect to (authenticated first).")
+    ] = "127.0.0.1:0",
+    control: Annotated[
+        str, typer.Option("--control", help="HOST:PORT of the control API and /metrics (loopback by default).")
+    ] = "127.0.0.1:0",
+    control_token_file: Annotated[
+        str | None,
+        typer.Option(
+            "--control-token-file",
+            help="File holding the control API's bearer token (default: none; then only bind to loopback).",
+        ),
+    ] = None,
+    agent_id: Annotated[
+        str | None,
+        typer.Option("--agent-id", help="This agent's id in logs and peers' logs (default: hostname-random)."),
+    ] = None,
+    idle_timeout_s: Annotated[
+        float, typer.Option("--idle-timeout-s", help="Cut off a peer silent this long, seconds.")
+    ] = 10.0,
+    file_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--file-dir",
+            help="File mode: copy the page files of SGLang's "
+            "stock 'file' L3 backend in this (node-local) directory instead "
+            "of serving BtbL3Store; --arena-mib then sizes the staging "
+            "area.",
+        ),
+    ] = None,
+    transport: Annotated[
+        str,
+        typer.Option(
+            "--transport", help="auto, tcp or rdma (auto: RDMA where a device and the pyverbs layer exist, else TCP)."
+        ),
+    ] = "auto",
 ) -> None:
     """Run the node agent. Prints 'ready peer HOST:PORT control HOST:PORT socket PATH' when listening."""
     from btbctl.engine.agent.agent import AgentConfig, read_secret, run
@@ -45,8 +71,9 @@ def agent(
         try:  # parse_address wants a port in 1..65535; port 0 means ephemeral here
             host, port = parse_address(value[:-1] + "1" if ephemeral else value)
         except TransferError as e:
-            raise ConfigError(opt, str(e).replace("bad target address", "bad address")
-                              + " (HOST:PORT, port 0 = ephemeral)") from None
+            raise ConfigError(
+                opt, str(e).replace("bad target address", "bad address") + " (HOST:PORT, port 0 = ephemeral)"
+            ) from None
         return host, 0 if ephemeral else port
 
     if arena_mib < 1:
@@ -56,7 +83,19 @@ def agent(
     peer_host, peer_port = addr("--peer", peer)
     control_host, control_port = addr("--control", control)
     token = read_secret(control_token_file, "control token file").decode() if control_token_file else None
-    run(AgentConfig(socket_path=socket_path, arena_bytes=arena_mib << 20, secret=read_secret(secret_file),
-                    peer_host=peer_host, peer_port=peer_port, control_host=control_host, control_port=control_port,
-                    control_token=token, agent_id=agent_id, idle_timeout_s=idle_timeout_s, transport=transport,
-                    file_dir=file_dir))
+    run(
+        AgentConfig(
+            socket_path=socket_path,
+            arena_bytes=arena_mib << 20,
+            secret=read_secret(secret_file),
+            peer_host=peer_host,
+            peer_port=peer_port,
+            control_host=control_host,
+            control_port=control_port,
+            control_token=token,
+            agent_id=agent_id,
+            idle_timeout_s=idle_timeout_s,
+            transport=transport,
+            file_dir=file_dir,
+        )
+    )

@@ -41,8 +41,22 @@ def _register() -> None:
     # Each command module adds its commands to ``app`` on import (they import engine modules lazily).
     import importlib
 
-    for mod in ("trace", "presets", "dryrun", "worker", "gateway", "tui", "fleet", "steer", "bench", "sweep", "report",
-                "logs", "doctor", "agent"):
+    for mod in (
+        "trace",
+        "presets",
+        "dryrun",
+        "worker",
+        "gateway",
+        "tui",
+        "fleet",
+        "steer",
+        "bench",
+        "sweep",
+        "report",
+        "logs",
+        "doctor",
+        "agent",
+    ):
         importlib.import_module(f"btbctl.commands.{mod}")
 
 

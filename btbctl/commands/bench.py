@@ -21,9 +21,11 @@ def _render(out: Output, d: dict) -> None:
     from rich.table import Table
 
     c = out.console
-    c.print(f"{d['requests']} requests to {d['target']} ({d['endpoint']}): {d['ok']} ok, {d['errors']} errors"
-            + (f" ({', '.join(f'{k}: {v}' for k, v in d['errors_by_status'].items())})" if d["errors"] else "")
-            + f", {d['duration_s']:.2f} s")
+    c.print(
+        f"{d['requests']} requests to {d['target']} ({d['endpoint']}): {d['ok']} ok, {d['errors']} errors"
+        + (f" ({', '.join(f'{k}: {v}' for k, v in d['errors_by_status'].items())})" if d["errors"] else "")
+        + f", {d['duration_s']:.2f} s"
+    )
     t = Table(box=None, pad_edge=False)
     t.add_column("ms")
     for k in ("mean", "p50", "p95", "p99", "max"):
@@ -59,36 +61,59 @@ def _served(control_url: str | None):
 
 @app.command("bench")
 def bench(
-    trace: Annotated[Path | None, typer.Option(
-        "--trace", metavar="PATH", dir_okay=False,
-        help="Trace to replay (default: one generated burst, see --burst-size).")] = None,
-    trace_format: Annotated[str | None, typer.Option(
-        "--trace-format", help="mooncake, btb-mixed-trace-v1 or azure2023 (default: detect).")] = None,
-    target: Annotated[str | None, typer.Option(
-        "--target", metavar="URL", help="SGLang-compatible endpoint (default: the running fleet's gateway).")] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace",
+            metavar="PATH",
+            dir_okay=False,
+            help="Trace to replay (default: one generated burst, see --burst-size).",
+        ),
+    ] = None,
+    trace_format: Annotated[
+        str | None, typer.Option("--trace-format", help="mooncake, btb-mixed-trace-v1 or azure2023 (default: detect).")
+    ] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(
+            "--target", metavar="URL", help="SGLang-compatible endpoint (default: the running fleet's gateway)."
+        ),
+    ] = None,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    time_scale: Annotated[float, typer.Option(
-        "--time-scale", help="Trace seconds per wall second (10 replays ten times faster).")] = 1.0,
-    max_requests: Annotated[int | None, typer.Option(
-        "--max-requests", help="Send only the first N requests (default: all).")] = None,
-    concurrency: Annotated[int | None, typer.Option(
-        "--concurrency", help="Most requests in flight at once (default: no limit).")] = None,
-    endpoint: Annotated[str, typer.Option(
-        "--endpoint", help="generate (POST /generate) or completions (POST /v1/completions).")] = "generate",
-    prompt: Annotated[str, typer.Option(
-        "--prompt", help="Send synthesised text, or ids (input_ids) for servers with a real tokenizer.")] = "text",
-    model: Annotated[str | None, typer.Option(
-        "--model", help="Model name for --endpoint completions (default: the endpoint's first model).")] = None,
+    time_scale: Annotated[
+        float, typer.Option("--time-scale", help="Trace seconds per wall second (10 replays ten times faster).")
+    ] = 1.0,
+    max_requests: Annotated[
+        int | None, typer.Option("--max-requests", help="Send only the first N requests (default: all).")
+    ] = None,
+    concurrency: Annotated[
+        int | None, typer.Option("--concurrency", help="Most requests in flight at once (default: no limit).")
+    ] = None,
+    endpoint: Annotated[
+        str, typer.Option("--endpoint", help="generate (POST /generate) or completions (POST /v1/completions).")
+    ] = "generate",
+    prompt: Annotated[
+        str,
+        typer.Option("--prompt", help="Send synthesised text, or ids (input_ids) for servers with a real tokenizer."),
+    ] = "text",
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Model name for --endpoint completions (default: the endpoint's first model)."),
+    ] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Per-request limit, seconds.")] = 300.0,
-    burst_size: Annotated[int, typer.Option(
-        "--burst-size", help="Default trace: requests in the burst.")] = 64,
-    prefix_blocks: Annotated[int, typer.Option(
-        "--prefix-blocks", help="Default trace: shared prefix in 256-token blocks (256 = 65,536 tokens).")] = 256,
-    spread_s: Annotated[float, typer.Option(
-        "--spread-s", help="Default trace: seconds over which the burst arrives.")] = 1.0,
+    burst_size: Annotated[int, typer.Option("--burst-size", help="Default trace: requests in the burst.")] = 64,
+    prefix_blocks: Annotated[
+        int,
+        typer.Option("--prefix-blocks", help="Default trace: shared prefix in 256-token blocks (256 = 65,536 tokens)."),
+    ] = 256,
+    spread_s: Annotated[
+        float, typer.Option("--spread-s", help="Default trace: seconds over which the burst arrives.")
+    ] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="Default trace: random seed.")] = 42,
-    requests_out: Annotated[Path | None, typer.Option(
-        "--requests-out", metavar="PATH", dir_okay=False, help="Write one JSON line per request.")] = None,
+    requests_out: Annotated[
+        Path | None,
+        typer.Option("--requests-out", metavar="PATH", dir_okay=False, help="Write one JSON line per request."),
+    ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Replay a trace against an SGLang-compatible endpoint and report client-side TTFT."""
@@ -123,8 +148,16 @@ def bench(
         state = RunDir(run_dir).load()
         if state is not None and state.gateway_url and state.gateway_url.rstrip("/") == target.rstrip("/"):
             control = state.control_url
-    opts = BenchOptions(target=target, time_scale=time_scale, max_requests=max_requests, concurrency=concurrency,
-                        endpoint=endpoint, prompt_mode=prompt, model=model, timeout_s=timeout_s)
+    opts = BenchOptions(
+        target=target,
+        time_scale=time_scale,
+        max_requests=max_requests,
+        concurrency=concurrency,
+        endpoint=endpoint,
+        prompt_mode=prompt,
+        model=model,
+        timeout_s=timeout_s,
+    )
     opts.check()
     if requests_out is not None:  # fail before the replay, not after it
         try:

@@ -25,17 +25,29 @@ def _render(out: Output, res: dict) -> None:
         ports = r.get("ports") or {}
         free = [p for p, st in ports.items() if st == "free"]
         busy = [p for p, st in ports.items() if st != "free"]
-        port_cell = ("none fixed" if not ports else
-                     ", ".join([f"{p} free" for p in free] + [f"[red]{p} busy[/red]" for p in busy]))
+        port_cell = (
+            "none fixed"
+            if not ports
+            else ", ".join([f"{p} free" for p in free] + [f"[red]{p} busy[/red]" for p in busy])
+        )
         gpus = r.get("gpus")
         gpu_cell = "none (no nvidia-smi)" if gpus is None else (str(len(gpus)) if gpus else "none")
         rdma = r.get("rdma")
         probed = r["python"] not in (None, "not found")
         if not probed:  # not reached, or no Python there: nothing else is known
             port_cell = gpu_cell = "-"
-        t.add_row(r["host"], r["address"], cell(r["reachable"]), cell(r["auth"]), cell(r["python"]),
-                  (r["btbctl"] or "no") if probed else "-", (r["sglang"] or "no") if probed else "-",
-                  port_cell, gpu_cell, (", ".join(rdma) if rdma else "none") if probed else "-")
+        t.add_row(
+            r["host"],
+            r["address"],
+            cell(r["reachable"]),
+            cell(r["auth"]),
+            cell(r["python"]),
+            (r["btbctl"] or "no") if probed else "-",
+            (r["sglang"] or "no") if probed else "-",
+            port_cell,
+            gpu_cell,
+            (", ".join(rdma) if rdma else "none") if probed else "-",
+        )
     out.console.print(t)
     for r in res["hosts"]:
         for p in r["problems"]:
@@ -45,8 +57,12 @@ def _render(out: Output, res: dict) -> None:
 
 @app.command("doctor")
 def doctor(
-    config: Annotated[str | None, typer.Option(
-        "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet).")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet)."
+        ),
+    ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Check that every host can run its workers: SSH, Python, btbctl/SGLang, free ports, GPUs, RDMA."""

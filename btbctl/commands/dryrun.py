@@ -33,48 +33,75 @@ _FLAGS = {
 
 @app.command("dry-run")
 def dry_run(
-    config: Annotated[str | None, typer.Option(
-        "-c", "--config", metavar="FILE",
-        help="TOML config (see examples/). Relative trace paths in it resolve against its folder; flags override "
-             "its values.")] = None,
-    trace: Annotated[str | None, typer.Option(
-        "--trace", metavar="PATH", help="Trace file (relative to the current directory). Default: a generated "
-                                        "Bursted window.")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "-c",
+            "--config",
+            metavar="FILE",
+            help="TOML config (see examples/). Relative trace paths in it resolve against its folder; flags override "
+            "its values.",
+        ),
+    ] = None,
+    trace: Annotated[
+        str | None,
+        typer.Option(
+            "--trace",
+            metavar="PATH",
+            help="Trace file (relative to the current directory). Default: a generated Bursted window.",
+        ),
+    ] = None,
     trace_format: options.TraceFormat = None,
     bursts: options.Bursts = None,
     burst_size: options.BurstSize = None,
     spread_s: options.SpreadS = None,
     decoys: options.Decoys = None,
-    setup: Annotated[str | None, typer.Option(
-        "--setup", metavar="NAME",
-        help="Named setup of the published BTB table: 70b_h100x4, qwen3_8b_h100x4, glm45_h100x4, glm52_h100x8, "
-             "kimi_k2_h100x8, dense1t_b300x4. Sets model, GPU, GPUs per replica, replicas and NIC; the flags "
-             "below still override it.")] = None,
+    setup: Annotated[
+        str | None,
+        typer.Option(
+            "--setup",
+            metavar="NAME",
+            help="Named setup of the published BTB table: 70b_h100x4, qwen3_8b_h100x4, glm45_h100x4, glm52_h100x8, "
+            "kimi_k2_h100x8, dense1t_b300x4. Sets model, GPU, GPUs per replica, replicas and NIC; the flags "
+            "below still override it.",
+        ),
+    ] = None,
     model: options.Model = None,
-    gpu: Annotated[str | None, typer.Option(
-        "--gpu", help="GPU preset (btbctl presets) (default: h100).")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset (btbctl presets) (default: h100).")] = None,
     gpus_per_replica: options.GpusPerReplica = None,
-    replicas: Annotated[int | None, typer.Option(
-        "--replicas", help="Replicas in the fleet (default: 4).")] = None,
-    nic_gbps: Annotated[float | None, typer.Option(
-        "--nic-gbps", help="NIC bandwidth per GPU, Gb/s (default: 400).")] = None,
-    policies: Annotated[str | None, typer.Option(
-        "--policies", metavar="A,B,C",
-        help="Comma-separated routing policies, in report order (default: round_robin,least_load,cache_aware,"
-             "cache_aware_spill,btb).")] = None,
+    replicas: Annotated[int | None, typer.Option("--replicas", help="Replicas in the fleet (default: 4).")] = None,
+    nic_gbps: Annotated[
+        float | None, typer.Option("--nic-gbps", help="NIC bandwidth per GPU, Gb/s (default: 400).")
+    ] = None,
+    policies: Annotated[
+        str | None,
+        typer.Option(
+            "--policies",
+            metavar="A,B,C",
+            help="Comma-separated routing policies, in report order (default: round_robin,least_load,cache_aware,"
+            "cache_aware_spill,btb).",
+        ),
+    ] = None,
     prefix_blocks: options.PrefixBlocks = None,
     threshold: options.Threshold = None,
     window_s: options.WindowS = None,
     warm_replicas: options.WarmReplicas = None,
-    seed: Annotated[int | None, typer.Option(
-        "--seed", help="Seed of the simulator and the trace generator (default: 42).")] = None,
-    fidelity: Annotated[str | None, typer.Option(
-        "--fidelity", help="Simulator profile: realistic or infersim (default: realistic).")] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed of the simulator and the trace generator (default: 42).")
+    ] = None,
+    fidelity: Annotated[
+        str | None, typer.Option("--fidelity", help="Simulator profile: realistic or infersim (default: realistic).")
+    ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
-    requests_out: Annotated[str | None, typer.Option(
-        "--requests-out", metavar="PATH",
-        help="Also write one JSON line per request per policy (arrival_s, policy, replica, ttft_s, queue_wait_s, "
-             "cached_tokens, kind, request_id).")] = None,
+    requests_out: Annotated[
+        str | None,
+        typer.Option(
+            "--requests-out",
+            metavar="PATH",
+            help="Also write one JSON line per request per policy (arrival_s, policy, replica, ttft_s, queue_wait_s, "
+            "cached_tokens, kind, request_id).",
+        ),
+    ] = None,
 ) -> None:
     """Simulate a fleet and a trace under several routing policies and compare time to first token."""
     from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, load_trace, run_dry_run
@@ -85,14 +112,25 @@ def dry_run(
     if policies is not None:
         policy_list = [p.strip() for p in policies.split(",") if p.strip()]
     overrides = {
-        "trace.path": trace, "trace.format": trace_format,
-        "trace.generate.bursts": bursts, "trace.generate.burst_size": burst_size,
-        "trace.generate.spread_s": spread_s, "trace.generate.decoys": decoys,
-        "cluster.model": model, "cluster.gpu": gpu, "cluster.gpus_per_replica": gpus_per_replica,
-        "cluster.replicas": replicas, "cluster.nic_gbps": nic_gbps,
-        "btb.prefix_blocks": prefix_blocks, "btb.threshold": threshold, "btb.window_s": window_s,
+        "trace.path": trace,
+        "trace.format": trace_format,
+        "trace.generate.bursts": bursts,
+        "trace.generate.burst_size": burst_size,
+        "trace.generate.spread_s": spread_s,
+        "trace.generate.decoys": decoys,
+        "cluster.model": model,
+        "cluster.gpu": gpu,
+        "cluster.gpus_per_replica": gpus_per_replica,
+        "cluster.replicas": replicas,
+        "cluster.nic_gbps": nic_gbps,
+        "btb.prefix_blocks": prefix_blocks,
+        "btb.threshold": threshold,
+        "btb.window_s": window_s,
         "btb.warm_replicas": warm_replicas,
-        "policies": policy_list, "seed": seed, "fidelity": fidelity, "setup": setup,
+        "policies": policy_list,
+        "seed": seed,
+        "fidelity": fidelity,
+        "setup": setup,
     }
     given = {k for k, v in overrides.items() if v is not None}
     if requests_out is not None:
@@ -125,6 +163,7 @@ def _flag_error(e, given: set[str]):
 
 # -- human rendering --------------------------------------------------------------------------------------------
 
+
 def _f(x, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -145,11 +184,13 @@ def header_line(r: dict) -> str:
     t, c, k = r["trace"], r["cluster"], r["constants"]
     src = t["path"] if t["path"] is not None else "generated Bursted window"
     span = _f(t["span_s"], 1)
-    return (f"trace: {src} ({t['format']}, {t['requests']:,} requests over {span} s, {t['block_tokens']}-token "
-            f"blocks)\nfleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
-            f"{c['nic_gbps']:g} Gb/s per GPU\nBTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
-            f"window_s={float(k['window_s'])!r} warm_replicas={k['warm_replicas']}\n"
-            f"fidelity: {r['fidelity']}, seed {r['seed']}")
+    return (
+        f"trace: {src} ({t['format']}, {t['requests']:,} requests over {span} s, {t['block_tokens']}-token "
+        f"blocks)\nfleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
+        f"{c['nic_gbps']:g} Gb/s per GPU\nBTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
+        f"window_s={float(k['window_s'])!r} warm_replicas={k['warm_replicas']}\n"
+        f"fidelity: {r['fidelity']}, seed {r['seed']}"
+    )
 
 
 def _table(title: str):
@@ -157,8 +198,9 @@ def _table(title: str):
     from rich import box
     from rich.table import Table
 
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0),
-                 pad_edge=False)
+    return Table(
+        title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 0), pad_edge=False
+    )
 
 
 def _mtok(tokens: int) -> str:
@@ -173,8 +215,10 @@ def render_human(out: Output, r: dict) -> None:
     con.print(header_line(r))
 
     tab = _table("TTFT by policy (seconds)")
-    tab.caption = ("hit % = prompt tokens served from cache; copies = KV replications; GB moved = bytes they "
-                   "copied / 1e9; recomp Mtok = prefix tokens recomputed, millions")
+    tab.caption = (
+        "hit % = prompt tokens served from cache; copies = KV replications; GB moved = bytes they "
+        "copied / 1e9; recomp Mtok = prefix tokens recomputed, millions"
+    )
     tab.caption_justify = "left"
     tab.add_column("policy", no_wrap=True)
     for name in ("reqs", "mean", "p50", "p95", "p99", "max", "hit\n%", "copies", "GB\nmoved", "recomp\nMtok"):
@@ -183,9 +227,17 @@ def render_human(out: Output, r: dict) -> None:
         tt = s["ttft_s"]
         hit = s.get("prefix_hit_ratio")
         tab.add_row(
-            s["policy"], f"{s['requests']:,}", _t(tt["mean"]), _t(tt["p50"]), _t(tt["p95"]), _t(tt["p99"]),
-            _t(tt["max"]), "-" if hit is None else f"{100 * hit:.1f}", f"{s['replications']:,}",
-            _f(s["replicated_bytes"] / 1e9, 1), _mtok(s["recomputed_prefix_tokens"]),
+            s["policy"],
+            f"{s['requests']:,}",
+            _t(tt["mean"]),
+            _t(tt["p50"]),
+            _t(tt["p95"]),
+            _t(tt["p99"]),
+            _t(tt["max"]),
+            "-" if hit is None else f"{100 * hit:.1f}",
+            f"{s['replications']:,}",
+            _f(s["replicated_bytes"] / 1e9, 1),
+            _mtok(s["recomputed_prefix_tokens"]),
         )
     con.print(tab)
 

@@ -30,28 +30,51 @@ def _render_status(out: Output, st: dict) -> None:
     for col in ("name", "host", "url", "healthy", "process", "in flight", "note"):
         t.add_column(col)
     for w in st["workers"]:
-        t.add_row(w["name"], w.get("host") or "local", w["url"] or "-", "yes" if w["healthy"] else "[red]no[/red]",
-                  f"pid {w['pid']}" if w["alive"] else "[red]exited[/red]",
-                  "-" if w.get("inflight") is None else str(w["inflight"]), w.get("health_error") or "")
+        t.add_row(
+            w["name"],
+            w.get("host") or "local",
+            w["url"] or "-",
+            "yes" if w["healthy"] else "[red]no[/red]",
+            f"pid {w['pid']}" if w["alive"] else "[red]exited[/red]",
+            "-" if w.get("inflight") is None else str(w["inflight"]),
+            w.get("health_error") or "",
+        )
     c.print(t)
     c.print(f"run directory {st['run_dir']}")
 
 
 @app.command("up")
 def up(
-    config: Annotated[str | None, typer.Option(
-        "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet).")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet)."
+        ),
+    ] = None,
     detach: Annotated[bool, typer.Option("-d", "--detach", help="Start in the background and return.")] = False,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    policy: Annotated[str | None, typer.Option(
-        "--policy", help="Routing policy instead of the cluster file's (btb, cache_aware, least_load, ...).")] = None,
-    port: Annotated[int | None, typer.Option(
-        "--port", help="Gateway data-plane port instead of the cluster file's (0 = a free port).")] = None,
-    control_port: Annotated[int | None, typer.Option(
-        "--control-port", help="Control-API port instead of the cluster file's (0 = a free port).")] = None,
-    keep_partial: Annotated[bool, typer.Option(
-        "--keep-partial", help="If a worker fails to start, leave the others running (stop them with `btbctl "
-                               "down`) instead of stopping everything.")] = False,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy", help="Routing policy instead of the cluster file's (btb, cache_aware, least_load, ...)."
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option("--port", help="Gateway data-plane port instead of the cluster file's (0 = a free port)."),
+    ] = None,
+    control_port: Annotated[
+        int | None,
+        typer.Option("--control-port", help="Control-API port instead of the cluster file's (0 = a free port)."),
+    ] = None,
+    keep_partial: Annotated[
+        bool,
+        typer.Option(
+            "--keep-partial",
+            help="If a worker fails to start, leave the others running (stop them with `btbctl "
+            "down`) instead of stopping everything.",
+        ),
+    ] = False,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`)."""
@@ -72,8 +95,17 @@ def up(
 
     old = signal.signal(signal.SIGTERM, _term)
     try:
-        state, started = fleet.up(cluster, rd, detach=detach, policy=policy, port=port, control_port=control_port,
-                                  cluster_path=config, log=out.info, keep_partial=keep_partial)
+        state, started = fleet.up(
+            cluster,
+            rd,
+            detach=detach,
+            policy=policy,
+            port=port,
+            control_port=control_port,
+            cluster_path=config,
+            log=out.info,
+            keep_partial=keep_partial,
+        )
         if detach:
             import shlex
 
@@ -96,8 +128,9 @@ def up(
 @app.command("down")
 def down(
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    grace_s: Annotated[float, typer.Option(
-        "--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")] = 10.0,
+    grace_s: Annotated[
+        float, typer.Option("--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")
+    ] = 10.0,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Stop exactly the processes `btbctl up` started (gateway first, then workers)."""
@@ -115,8 +148,10 @@ def down(
     if res.get("unreachable"):
         from btbctl.engine.errors import BtbctlError
 
-        raise BtbctlError(f"could not reach {len(res['unreachable'])} worker(s), still recorded for another "
-                          f"`btbctl down`: " + "; ".join(res["errors"]))
+        raise BtbctlError(
+            f"could not reach {len(res['unreachable'])} worker(s), still recorded for another "
+            f"`btbctl down`: " + "; ".join(res["errors"])
+        )
 
 
 @app.command("status")

@@ -13,36 +13,53 @@ from btbctl.commands.app import app
 
 @app.command("gateway")
 def gateway(
-    worker: Annotated[list[str] | None, typer.Option("--worker", "-w", help="Worker base URL "
-                                                        "(http://host:port); repeat for each worker.")] = None,
-    config: Annotated[str | None, typer.Option("--config", help="JSON file of gateway settings (GatewayConfig "
-                                                  "fields); the flags below override it.")] = None,
+    worker: Annotated[
+        list[str] | None,
+        typer.Option("--worker", "-w", help="Worker base URL (http://host:port); repeat for each worker."),
+    ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "--config", help="JSON file of gateway settings (GatewayConfig fields); the flags below override it."
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option("--host", help="Data-plane address (default: 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option("--port", help="Data-plane port, 0 = any free one "
-                                                "(default: 8000).")] = None,
-    control_host: Annotated[str | None, typer.Option("--control-host", help="Control API address "
-                                                        "[127.0.0.1].")] = None,
-    control_port: Annotated[int | None, typer.Option("--control-port", help="Control API port, 0 = any free "
-                                                        "one (default: 8001).")] = None,
+    port: Annotated[
+        int | None, typer.Option("--port", help="Data-plane port, 0 = any free one (default: 8000).")
+    ] = None,
+    control_host: Annotated[str | None, typer.Option("--control-host", help="Control API address [127.0.0.1].")] = None,
+    control_port: Annotated[
+        int | None, typer.Option("--control-port", help="Control API port, 0 = any free one (default: 8001).")
+    ] = None,
     policy: Annotated[str | None, typer.Option("--policy", help="Routing policy (default: btb).")] = None,
-    page_size: Annotated[int | None, typer.Option("--page-size", help="Tokens per block (default: the "
-                                                     "workers' /btb/info page_size, else 256).")] = None,
+    page_size: Annotated[
+        int | None,
+        typer.Option("--page-size", help="Tokens per block (default: the workers' /btb/info page_size, else 256)."),
+    ] = None,
     prefix_blocks: options.PrefixBlocks = None,
     threshold: options.Threshold = None,
     window_s: options.WindowS = None,
     warm_replicas: options.WarmReplicas = None,
-    token_file: Annotated[str | None, typer.Option("--token-file", help="Bearer token of control-API writes; "
-                                                      "created (mode 0600) when missing.")] = None,
-    worker_token_file: Annotated[str | None, typer.Option("--worker-token-file", help="Bearer token sent to "
-                                                             "the workers' /btb/push.")] = None,
-    max_retries: Annotated[int | None, typer.Option("--max-retries", help="Further workers tried when one "
-                                                       "fails before the first byte (default: 2).")] = None,
-    health_interval_s: Annotated[float | None, typer.Option("--health-interval-s", help="Seconds between "
-                                                               "health checks (default: 1.0).")] = None,
-    max_body_bytes: Annotated[int | None, typer.Option("--max-body-bytes", help="Largest request body, "
-                                                          "bytes (default: 33554432).")] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="Diagnostics on stderr: debug, info, warning.")]
-    = "info",
+    token_file: Annotated[
+        str | None,
+        typer.Option("--token-file", help="Bearer token of control-API writes; created (mode 0600) when missing."),
+    ] = None,
+    worker_token_file: Annotated[
+        str | None, typer.Option("--worker-token-file", help="Bearer token sent to the workers' /btb/push.")
+    ] = None,
+    max_retries: Annotated[
+        int | None,
+        typer.Option("--max-retries", help="Further workers tried when one fails before the first byte (default: 2)."),
+    ] = None,
+    health_interval_s: Annotated[
+        float | None, typer.Option("--health-interval-s", help="Seconds between health checks (default: 1.0).")
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None, typer.Option("--max-body-bytes", help="Largest request body, bytes (default: 33554432).")
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="Diagnostics on stderr: debug, info, warning.")
+    ] = "info",
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM. Prints 'ready http://HOST:PORT control http://HOST:CPORT' when both
     listeners accept connections."""
@@ -63,15 +80,28 @@ def gateway(
             raise ConfigError("config", f"cannot read {config}: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError("config", f"{config} must hold a JSON object")
-    flags = {"host": host, "port": port, "control_host": control_host, "control_port": control_port,
-             "policy": policy, "page_size": page_size, "token_file": token_file,
-             "worker_token_file": worker_token_file, "max_retries": max_retries,
-             "health_interval_s": health_interval_s, "max_body_bytes": max_body_bytes}
+    flags = {
+        "host": host,
+        "port": port,
+        "control_host": control_host,
+        "control_port": control_port,
+        "policy": policy,
+        "page_size": page_size,
+        "token_file": token_file,
+        "worker_token_file": worker_token_file,
+        "max_retries": max_retries,
+        "health_interval_s": health_interval_s,
+        "max_body_bytes": max_body_bytes,
+    }
     data.update({k: v for k, v in flags.items() if v is not None})
     if worker:
         data["workers"] = list(worker)
-    consts = {"prefix_blocks": prefix_blocks, "threshold": threshold, "window_s": window_s,
-              "warm_replicas": warm_replicas}
+    consts = {
+        "prefix_blocks": prefix_blocks,
+        "threshold": threshold,
+        "window_s": window_s,
+        "warm_replicas": warm_replicas,
+    }
     consts = {k: v for k, v in consts.items() if v is not None}
     if consts:
         data["constants"] = {**(data.get("constants") or {}), **consts}

@@ -10,33 +10,55 @@ from typing import Annotated
 
 import typer
 
-TraceFormat = Annotated[str | None, typer.Option(
-    "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected.")]
-Bursts = Annotated[int | None, typer.Option(
-    "--bursts", help="Generated trace: number of bursts (default: 8).")]
-BurstSize = Annotated[int | None, typer.Option(
-    "--burst-size", help="Generated trace: requests per burst (default: 500).")]
-SpreadS = Annotated[float | None, typer.Option(
-    "--spread-s", help="Generated trace: seconds over which one burst arrives (default: 60); 1 is the "
-                       "adversarial variant.")]
-Decoys = Annotated[int | None, typer.Option(
-    "--decoys", help="Generated trace: single requests with their own long prefix (default: 120).")]
-Model = Annotated[str | None, typer.Option(
-    "--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")]
-GpusPerReplica = Annotated[int | None, typer.Option(
-    "--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")]
+TraceFormat = Annotated[
+    str | None,
+    typer.Option(
+        "--trace-format", help="Format of --trace: mooncake, btb-mixed-trace-v1, azure2023. Default: detected."
+    ),
+]
+Bursts = Annotated[int | None, typer.Option("--bursts", help="Generated trace: number of bursts (default: 8).")]
+BurstSize = Annotated[
+    int | None, typer.Option("--burst-size", help="Generated trace: requests per burst (default: 500).")
+]
+SpreadS = Annotated[
+    float | None,
+    typer.Option(
+        "--spread-s",
+        help="Generated trace: seconds over which one burst arrives (default: 60); 1 is the adversarial variant.",
+    ),
+]
+Decoys = Annotated[
+    int | None,
+    typer.Option("--decoys", help="Generated trace: single requests with their own long prefix (default: 120)."),
+]
+Model = Annotated[str | None, typer.Option("--model", help="Model preset (btbctl presets) (default: llama-3.3-70b).")]
+GpusPerReplica = Annotated[
+    int | None, typer.Option("--gpus-per-replica", help="GPUs per replica, tensor parallel (default: 4).")
+]
 
 # BTB's four constants (btbctl.engine.constants.BtbConstants validates the values; the help only names them).
-PrefixBlocks = Annotated[int | None, typer.Option(
-    "--prefix-blocks", help="BTB Y: prefix length matched and copied, in KV blocks (default: 256).")]
-Threshold = Annotated[int | None, typer.Option(
-    "--threshold", help="BTB X: arrivals of a prefix inside the window that fire replication (default: 2).")]
-WindowS = Annotated[float | None, typer.Option(
-    "--window-s", help="BTB Z: trailing detection window, seconds (default: 1.0).")]
-WarmReplicas = Annotated[int | None, typer.Option(
-    "--warm-replicas", "--btb-replicas",
-    help="BTB M (not the fleet size): replicas that should hold a hot prefix, the holder included; "
-         "--btb-replicas is the old spelling (default: 4).")]
+PrefixBlocks = Annotated[
+    int | None,
+    typer.Option("--prefix-blocks", help="BTB Y: prefix length matched and copied, in KV blocks (default: 256)."),
+]
+Threshold = Annotated[
+    int | None,
+    typer.Option(
+        "--threshold", help="BTB X: arrivals of a prefix inside the window that fire replication (default: 2)."
+    ),
+]
+WindowS = Annotated[
+    float | None, typer.Option("--window-s", help="BTB Z: trailing detection window, seconds (default: 1.0).")
+]
+WarmReplicas = Annotated[
+    int | None,
+    typer.Option(
+        "--warm-replicas",
+        "--btb-replicas",
+        help="BTB M (not the fleet size): replicas that should hold a hot prefix, the holder included; "
+        "--btb-replicas is the old spelling (default: 4).",
+    ),
+]
 
 #: ``[btb]`` key -> the flag that sets it.
 CONSTANT_FLAGS = {

@@ -80,8 +80,14 @@ class _Progress:
             return lambda n=1: None
         from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                             TimeElapsedColumn(), console=self.out.err_console, transient=True)
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TimeElapsedColumn(),
+            console=self.out.err_console,
+            transient=True,
+        )
         self._bar.__enter__()
         task = self._bar.add_task(self.description, total=self.total)
         return lambda n=1: self._bar.advance(task, n)

@@ -27,35 +27,43 @@ def presets_report() -> dict:
     models = []
     for m in MODELS.values():
         kv_dtype = m.dtype_bytes if m.kv_dtype_bytes is None else m.kv_dtype_bytes
-        models.append({
-            "name": m.name,
-            "total_params": m.total_params,
-            "active_params": m.active_params,
-            "dtype_bytes": m.dtype_bytes,
-            "kv_dtype_bytes": kv_dtype,
-            "layers": m.layers,
-            "kv_heads": m.kv_heads,
-            "head_dim": m.head_dim,
-            "attn_dim": m.attn_dim,
-            "kv_bytes_per_token": m.kv_bytes_per_token,
-            "kv_kib_per_token": m.kv_bytes_per_token / 1024,
-            "weight_bytes": m.weight_bytes,
-            "source": m.source,
-        })
-    gpus = [{
-        "name": g.name,
-        "flop_per_s": g.flops,
-        "hbm_bytes": g.hbm_bytes,
-        "hbm_bytes_per_s": g.hbm_bytes_per_s,
-        "pcie_bytes_per_s": g.pcie_bytes_per_s,
-        "nic_bytes_per_s": g.nic_bytes_per_s,
-        "source": g.source,
-    } for g in GPUS.values()]
-    fabrics = [{
-        "name": name,
-        "bytes_per_s": bw,
-        "source": FABRIC_SOURCES.get(name, "btbctl.engine.costmodel.FABRICS"),
-    } for name, bw in FABRICS.items()]
+        models.append(
+            {
+                "name": m.name,
+                "total_params": m.total_params,
+                "active_params": m.active_params,
+                "dtype_bytes": m.dtype_bytes,
+                "kv_dtype_bytes": kv_dtype,
+                "layers": m.layers,
+                "kv_heads": m.kv_heads,
+                "head_dim": m.head_dim,
+                "attn_dim": m.attn_dim,
+                "kv_bytes_per_token": m.kv_bytes_per_token,
+                "kv_kib_per_token": m.kv_bytes_per_token / 1024,
+                "weight_bytes": m.weight_bytes,
+                "source": m.source,
+            }
+        )
+    gpus = [
+        {
+            "name": g.name,
+            "flop_per_s": g.flops,
+            "hbm_bytes": g.hbm_bytes,
+            "hbm_bytes_per_s": g.hbm_bytes_per_s,
+            "pcie_bytes_per_s": g.pcie_bytes_per_s,
+            "nic_bytes_per_s": g.nic_bytes_per_s,
+            "source": g.source,
+        }
+        for g in GPUS.values()
+    ]
+    fabrics = [
+        {
+            "name": name,
+            "bytes_per_s": bw,
+            "source": FABRIC_SOURCES.get(name, "btbctl.engine.costmodel.FABRICS"),
+        }
+        for name, bw in FABRICS.items()
+    ]
     return {"models": models, "gpus": gpus, "fabrics": fabrics}
 
 
@@ -69,26 +77,58 @@ def render_human(out: Output, r: dict) -> None:
     from rich.table import Table
 
     con = out.console
-    mt = Table(title="Model presets (params total / active; dtype = bytes per element)",
-               title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
-    for col, just in (("name", "left"), ("total", "right"), ("active", "right"), ("dtype", "right"),
-                      ("layers", "right"), ("KV\nheads", "right"), ("head\ndim", "right"),
-                      ("KV bytes\n/token", "right"), ("KV KiB\n/token", "right")):
+    mt = Table(
+        title="Model presets (params total / active; dtype = bytes per element)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
+    for col, just in (
+        ("name", "left"),
+        ("total", "right"),
+        ("active", "right"),
+        ("dtype", "right"),
+        ("layers", "right"),
+        ("KV\nheads", "right"),
+        ("head\ndim", "right"),
+        ("KV bytes\n/token", "right"),
+        ("KV KiB\n/token", "right"),
+    ):
         mt.add_column(col, justify=just, no_wrap=col == "name")
     for m in r["models"]:
-        mt.add_row(m["name"], f"{m['total_params'] / 1e9:g}B", f"{m['active_params'] / 1e9:g}B",
-                   f"{m['dtype_bytes']:g}", str(m["layers"]), str(m["kv_heads"]), str(m["head_dim"]),
-                   f"{m['kv_bytes_per_token']:.0f}", f"{m['kv_kib_per_token']:.4g}")
+        mt.add_row(
+            m["name"],
+            f"{m['total_params'] / 1e9:g}B",
+            f"{m['active_params'] / 1e9:g}B",
+            f"{m['dtype_bytes']:g}",
+            str(m["layers"]),
+            str(m["kv_heads"]),
+            str(m["head_dim"]),
+            f"{m['kv_bytes_per_token']:.0f}",
+            f"{m['kv_kib_per_token']:.4g}",
+        )
     con.print(mt)
 
     gt = Table(title="GPU presets (per GPU; GB = 1e9 bytes)", title_justify="left")
-    for col, just in (("name", "left"), ("TFLOP/s", "right"), ("HBM GB", "right"), ("HBM TB/s", "right"),
-                      ("PCIe GB/s", "right"), ("NIC GB/s", "right")):
+    for col, just in (
+        ("name", "left"),
+        ("TFLOP/s", "right"),
+        ("HBM GB", "right"),
+        ("HBM TB/s", "right"),
+        ("PCIe GB/s", "right"),
+        ("NIC GB/s", "right"),
+    ):
         gt.add_column(col, justify=just)
     for g in r["gpus"]:
-        gt.add_row(g["name"], f"{g['flop_per_s'] / 1e12:g}", f"{g['hbm_bytes'] / 1e9:g}",
-                   f"{g['hbm_bytes_per_s'] / 1e12:g}", f"{g['pcie_bytes_per_s'] / 1e9:g}",
-                   f"{g['nic_bytes_per_s'] / 1e9:g}")
+        gt.add_row(
+            g["name"],
+            f"{g['flop_per_s'] / 1e12:g}",
+            f"{g['hbm_bytes'] / 1e9:g}",
+            f"{g['hbm_bytes_per_s'] / 1e12:g}",
+            f"{g['pcie_bytes_per_s'] / 1e9:g}",
+            f"{g['nic_bytes_per_s'] / 1e9:g}",
+        )
     con.print(gt)
 
     ft = Table(title="Fabrics (KV copy bandwidth per replica-side link)", title_justify="left")

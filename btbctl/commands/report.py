@@ -13,14 +13,21 @@ from btbctl.commands.output import Format, Output
 
 @app.command("report")
 def report(
-    matrix: Annotated[str, typer.Argument(
-        metavar="MATRIX", help="Experiment matrix, TOML (see examples/evidence-matrix.toml).")],
-    out_dir: Annotated[str, typer.Option(
-        "-o", "--out", metavar="DIR", help="Folder for README.md and the charts (created if missing).")] = "report",
-    jobs: Annotated[int | None, typer.Option(
-        "-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process).")] = None,
-    charts: Annotated[bool, typer.Option(
-        "--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]').")] = True,
+    matrix: Annotated[
+        str, typer.Argument(metavar="MATRIX", help="Experiment matrix, TOML (see examples/evidence-matrix.toml).")
+    ],
+    out_dir: Annotated[
+        str,
+        typer.Option("-o", "--out", metavar="DIR", help="Folder for README.md and the charts (created if missing)."),
+    ] = "report",
+    jobs: Annotated[
+        int | None,
+        typer.Option("-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process)."),
+    ] = None,
+    charts: Annotated[
+        bool,
+        typer.Option("--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]')."),
+    ] = True,
     fmt: Annotated[Format, typer.Option("--format", help="Output format of the summary on stdout.")] = Format.human,
 ) -> None:
     """Run an experiment matrix (setups x workloads x fidelities x policies) and write a Markdown report."""
@@ -49,8 +56,17 @@ def report(
     files = write_report(rep, out_dir, command, charts=charts)
     if files["charts_skipped"] and files["charts_skipped"] != "disabled":
         out.warn(f"charts skipped: {files['charts_skipped']}; the Markdown has the tables")
-    summary = {"markdown": files["markdown"], "charts": files["charts"], "charts_skipped": files["charts_skipped"],
-               "cells": len(rep["cells"]), "timing": rep["timing"]}
-    out.result(summary, lambda s: out.console.print(
-        f"wrote {s['markdown']} ({s['cells']} simulations, {len(s['charts'])} charts) in "
-        f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} worker(s)"))
+    summary = {
+        "markdown": files["markdown"],
+        "charts": files["charts"],
+        "charts_skipped": files["charts_skipped"],
+        "cells": len(rep["cells"]),
+        "timing": rep["timing"],
+    }
+    out.result(
+        summary,
+        lambda s: out.console.print(
+            f"wrote {s['markdown']} ({s['cells']} simulations, {len(s['charts'])} charts) in "
+            f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} worker(s)"
+        ),
+    )

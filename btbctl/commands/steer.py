@@ -17,11 +17,15 @@ def _mib(n) -> str:
 
 @app.command("tune")
 def tune(
-    settings: Annotated[list[str] | None, typer.Argument(
-        metavar="KEY=VALUE...",
-        help="prefix_blocks=N threshold=N window_s=SECONDS warm_replicas=N policy=NAME (none: show the current "
-             "ones; replicas= is the old spelling of warm_replicas).",
-        show_default=False)] = None,
+    settings: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="KEY=VALUE...",
+            help="prefix_blocks=N threshold=N window_s=SECONDS warm_replicas=N policy=NAME (none: show the current "
+            "ones; replicas= is the old spelling of warm_replicas).",
+            show_default=False,
+        ),
+    ] = None,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
@@ -37,10 +41,12 @@ def tune(
 
     def human(d: dict) -> None:
         c = d.get("constants", {})
-        out.console.print(f"policy {d.get('policy')}  prefix_blocks {c.get('prefix_blocks')}  "
-                          f"threshold {c.get('threshold')}  window_s {c.get('window_s')}  "
-                          f"warm_replicas {c.get('warm_replicas')}"
-                          + (f"  ({d['prefix_tokens']} tokens per prefix)" if d.get("prefix_tokens") else ""))
+        out.console.print(
+            f"policy {d.get('policy')}  prefix_blocks {c.get('prefix_blocks')}  "
+            f"threshold {c.get('threshold')}  window_s {c.get('window_s')}  "
+            f"warm_replicas {c.get('warm_replicas')}"
+            + (f"  ({d['prefix_tokens']} tokens per prefix)" if d.get("prefix_tokens") else "")
+        )
 
     if updates:
         out.info("the gateway now holds:")
@@ -49,9 +55,16 @@ def tune(
 
 @app.command("replicate")
 def replicate(
-    prefix: Annotated[str, typer.Option(
-        "--prefix", metavar="HASH", help="Prefix id (or at least 8 leading hex digits of it), as `btbctl tui` and "
-                                         "GET /control/prefixes show it.", show_default=False)],
+    prefix: Annotated[
+        str,
+        typer.Option(
+            "--prefix",
+            metavar="HASH",
+            help="Prefix id (or at least 8 leading hex digits of it), as `btbctl tui` and "
+            "GET /control/prefixes show it.",
+            show_default=False,
+        ),
+    ],
     n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
@@ -66,20 +79,25 @@ def replicate(
     out = Output(fmt)
     if not timeout_s > 0:
         raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
+
     def progress(rows: list[dict]) -> None:
         for r in rows:
             total = r.get("bytes_total") or 0
             pct = f" {100 * (r.get('bytes_sent') or 0) / total:.0f}%" if total else ""
             err = f": {r['error']}" if r.get("error") else ""
-            out.info(f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
-                     f"({_mib(r.get('bytes_sent'))}){err}")
+            out.info(
+                f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
+                f"({_mib(r.get('bytes_sent'))}){err}"
+            )
 
     with client_for_run(run_dir) as api:
         res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=progress)
 
     def human(d: dict) -> None:
-        out.console.print(f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "
-                          f"{d['status']}, {_mib(d['bytes'])} copied")
+        out.console.print(
+            f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "
+            f"{d['status']}, {_mib(d['bytes'])} copied"
+        )
         for url in d["targets"]:
             out.console.print(f"  {url}")
         if d.get("skipped"):

@@ -18,51 +18,91 @@ from btbctl.commands.output import Format, Output
 
 @app.command("sweep")
 def sweep(
-    config: Annotated[str | None, typer.Option(
-        "-c", "--config", metavar="FILE",
-        help="Dry-run TOML config for the trace and the fleet (see examples/); flags override its values.")] = None,
-    trace: Annotated[str | None, typer.Option(
-        "--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")] = None,
+    config: Annotated[
+        str | None,
+        typer.Option(
+            "-c",
+            "--config",
+            metavar="FILE",
+            help="Dry-run TOML config for the trace and the fleet (see examples/); flags override its values.",
+        ),
+    ] = None,
+    trace: Annotated[
+        str | None, typer.Option("--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")
+    ] = None,
     trace_format: options.TraceFormat = None,
     bursts: options.Bursts = None,
     burst_size: options.BurstSize = None,
     spread_s: options.SpreadS = None,
     decoys: options.Decoys = None,
-    setup: Annotated[str | None, typer.Option(
-        "--setup", metavar="NAME", help="Named setup of the published BTB table (70b_h100x4, qwen3_8b_h100x4, "
-                                        "glm45_h100x4, glm52_h100x8, kimi_k2_h100x8, dense1t_b300x4).")] = None,
+    setup: Annotated[
+        str | None,
+        typer.Option(
+            "--setup",
+            metavar="NAME",
+            help="Named setup of the published BTB table (70b_h100x4, qwen3_8b_h100x4, "
+            "glm45_h100x4, glm52_h100x8, kimi_k2_h100x8, dense1t_b300x4).",
+        ),
+    ] = None,
     model: options.Model = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU preset (default: h100).")] = None,
     gpus_per_replica: options.GpusPerReplica = None,
-    prefix_blocks: Annotated[str | None, typer.Option(
-        "--prefix-blocks", metavar="A,B,..", help="Grid of BTB Y: prefix lengths in trace blocks.")] = None,
-    threshold: Annotated[str | None, typer.Option(
-        "--threshold", metavar="A,B,..", help="Grid of BTB X: arrivals inside the window that fire.")] = None,
-    window_s: Annotated[str | None, typer.Option(
-        "--window-s", metavar="A,B,..", help="Grid of BTB Z: detection windows, seconds.")] = None,
-    warm_replicas: Annotated[str | None, typer.Option(
-        "--warm-replicas", "--btb-replicas", metavar="A,B,..",
-        help="Grid of BTB M: replicas that should hold a hot prefix (--btb-replicas is the old spelling).")] = None,
-    replicas: Annotated[str | None, typer.Option(
-        "--replicas", metavar="A,B,..", help="Grid of fleet sizes (default: the config's, 4).")] = None,
-    nic_gbps: Annotated[str | None, typer.Option(
-        "--nic-gbps", metavar="A,B,..", help="Grid of NIC bandwidths per GPU, Gb/s (default: the config's, "
-                                             "400).")] = None,
-    fidelity: Annotated[str | None, typer.Option(
-        "--fidelity", metavar="A,B", help="Grid of simulator profiles: realistic, infersim (default: "
-                                          "realistic).")] = None,
-    policies: Annotated[str | None, typer.Option(
-        "--policies", metavar="A,B,..", help="Grid of routing policies (default: btb).")] = None,
-    seed: Annotated[int | None, typer.Option(
-        "--seed", help="Seed of every run and of the trace generator (default: 42).")] = None,
-    jobs: Annotated[int | None, typer.Option(
-        "-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process).")] = None,
-    rank_by: Annotated[str, typer.Option(
-        "--rank-by", help="Rank grid points by TTFT mean or p95.")] = "mean",
-    heatmap: Annotated[str | None, typer.Option(
-        "--heatmap", metavar="X,Y", help="Draw the best ranked TTFT for each pair of values of two axes, e.g. "
-                                         "threshold,window_s (axes: prefix_blocks, threshold, window_s, "
-                                         "warm_replicas, replicas, nic_gbps, fidelity, policy).")] = None,
+    prefix_blocks: Annotated[
+        str | None,
+        typer.Option("--prefix-blocks", metavar="A,B,..", help="Grid of BTB Y: prefix lengths in trace blocks."),
+    ] = None,
+    threshold: Annotated[
+        str | None,
+        typer.Option("--threshold", metavar="A,B,..", help="Grid of BTB X: arrivals inside the window that fire."),
+    ] = None,
+    window_s: Annotated[
+        str | None, typer.Option("--window-s", metavar="A,B,..", help="Grid of BTB Z: detection windows, seconds.")
+    ] = None,
+    warm_replicas: Annotated[
+        str | None,
+        typer.Option(
+            "--warm-replicas",
+            "--btb-replicas",
+            metavar="A,B,..",
+            help="Grid of BTB M: replicas that should hold a hot prefix (--btb-replicas is the old spelling).",
+        ),
+    ] = None,
+    replicas: Annotated[
+        str | None, typer.Option("--replicas", metavar="A,B,..", help="Grid of fleet sizes (default: the config's, 4).")
+    ] = None,
+    nic_gbps: Annotated[
+        str | None,
+        typer.Option(
+            "--nic-gbps", metavar="A,B,..", help="Grid of NIC bandwidths per GPU, Gb/s (default: the config's, 400)."
+        ),
+    ] = None,
+    fidelity: Annotated[
+        str | None,
+        typer.Option(
+            "--fidelity", metavar="A,B", help="Grid of simulator profiles: realistic, infersim (default: realistic)."
+        ),
+    ] = None,
+    policies: Annotated[
+        str | None, typer.Option("--policies", metavar="A,B,..", help="Grid of routing policies (default: btb).")
+    ] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed of every run and of the trace generator (default: 42).")
+    ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option("-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process)."),
+    ] = None,
+    rank_by: Annotated[str, typer.Option("--rank-by", help="Rank grid points by TTFT mean or p95.")] = "mean",
+    heatmap: Annotated[
+        str | None,
+        typer.Option(
+            "--heatmap",
+            metavar="X,Y",
+            help="Draw the best ranked TTFT for each pair of values of two axes, e.g. "
+            "threshold,window_s (axes: prefix_blocks, threshold, window_s, "
+            "warm_replicas, replicas, nic_gbps, fidelity, policy).",
+        ),
+    ] = None,
     top: Annotated[int, typer.Option("--top", help="Rows of the ranked table (human output; 0 = all).")] = 20,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
 ) -> None:
@@ -73,10 +113,19 @@ def sweep(
     from btbctl.engine.sweep import heatmap as make_heatmap
 
     out = Output(fmt)
-    flags = {"prefix_blocks": "--prefix-blocks", "threshold": "--threshold", "window_s": "--window-s",
-             "warm_replicas": "--warm-replicas", "replicas": "--replicas", "nic_gbps": "--nic-gbps",
-             "fidelity": "--fidelity", "policy": "--policies", "rank_by": "--rank-by", "jobs": "--jobs",
-             "heatmap": "--heatmap"}
+    flags = {
+        "prefix_blocks": "--prefix-blocks",
+        "threshold": "--threshold",
+        "window_s": "--window-s",
+        "warm_replicas": "--warm-replicas",
+        "replicas": "--replicas",
+        "nic_gbps": "--nic-gbps",
+        "fidelity": "--fidelity",
+        "policy": "--policies",
+        "rank_by": "--rank-by",
+        "jobs": "--jobs",
+        "heatmap": "--heatmap",
+    }
     try:
         grid = SweepGrid(
             prefix_blocks=parse_list("prefix_blocks", prefix_blocks, int),
@@ -99,13 +148,26 @@ def sweep(
     cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
     unset = options.trace_unset(cfg, trace)
     overrides = {
-        "trace.path": trace, "trace.format": trace_format, "trace.generate.bursts": bursts,
-        "trace.generate.burst_size": burst_size, "trace.generate.spread_s": spread_s,
-        "trace.generate.decoys": decoys, "setup": setup, "cluster.model": model, "cluster.gpu": gpu,
-        "cluster.gpus_per_replica": gpus_per_replica, "seed": seed,
+        "trace.path": trace,
+        "trace.format": trace_format,
+        "trace.generate.bursts": bursts,
+        "trace.generate.burst_size": burst_size,
+        "trace.generate.spread_s": spread_s,
+        "trace.generate.decoys": decoys,
+        "setup": setup,
+        "cluster.model": model,
+        "cluster.gpu": gpu,
+        "cluster.gpus_per_replica": gpus_per_replica,
+        "seed": seed,
     }
-    dashed = {**options.TRACE_FLAGS, "setup": "--setup", "cluster.model": "--model",
-              "cluster.gpu": "--gpu", "cluster.gpus_per_replica": "--gpus-per-replica", "seed": "--seed"}
+    dashed = {
+        **options.TRACE_FLAGS,
+        "setup": "--setup",
+        "cluster.model": "--model",
+        "cluster.gpu": "--gpu",
+        "cluster.gpus_per_replica": "--gpus-per-replica",
+        "seed": "--seed",
+    }
     try:
         cfg = cfg.with_overrides(overrides, unset=unset)
         spec = SweepSpec(base=cfg, grid=grid, rank_by=rank_by, jobs=jobs)
@@ -136,8 +198,16 @@ def sweep(
 # -- human rendering ------------------------------------------------------------------------------------------------
 
 #: Column headers of the grid axes (the four constants by their BTB letters).
-_SHORT = {"prefix_blocks": "Y", "threshold": "X", "window_s": "Z", "warm_replicas": "M", "replicas": "fleet",
-          "nic_gbps": "Gb/s", "fidelity": "fidelity", "policy": "policy"}
+_SHORT = {
+    "prefix_blocks": "Y",
+    "threshold": "X",
+    "window_s": "Z",
+    "warm_replicas": "M",
+    "replicas": "fleet",
+    "nic_gbps": "Gb/s",
+    "fidelity": "fidelity",
+    "policy": "policy",
+}
 
 
 def _f(x, nd: int = 3) -> str:
@@ -159,14 +229,18 @@ def render_human(out: Output, r: dict, top: int = 20) -> None:
     varying = [a for a, vals in r["axes"].items() if len(vals) > 1]
     fixed = ", ".join(f"{a}={_v(vals[0])}" for a, vals in r["axes"].items() if len(vals) == 1)
     t = r["trace"]
-    console.print(f"sweep of {r['points']} grid points over {t['requests']} requests ({t['format']}), "
-                  f"{r['cluster']['model']} on {r['cluster']['gpus_per_replica']} x {r['cluster']['gpu']}, "
-                  f"seed {r['seed']}; ranked by TTFT {r['rank_by']}")
+    console.print(
+        f"sweep of {r['points']} grid points over {t['requests']} requests ({t['format']}), "
+        f"{r['cluster']['model']} on {r['cluster']['gpus_per_replica']} x {r['cluster']['gpu']}, "
+        f"seed {r['seed']}; ranked by TTFT {r['rank_by']}"
+    )
     if fixed:
         console.print(f"fixed: {fixed}")
     table = Table(title="TTFT by grid point, seconds", show_edge=False, header_style="bold")
-    table.caption = "Y prefix blocks, X threshold, Z window s, M replicas holding a hot prefix; copies = KV " \
-                    "replications, wasted = copies never reused"
+    table.caption = (
+        "Y prefix blocks, X threshold, Z window s, M replicas holding a hot prefix; copies = KV "
+        "replications, wasted = copies never reused"
+    )
     table.caption_justify = "left"
     table.add_column("#", justify="right")
     for a in varying:
@@ -177,8 +251,15 @@ def render_human(out: Output, r: dict, top: int = 20) -> None:
     for row in rows:
         tt = row["ttft_s"]
         wasted = row.get("wasted_replications")
-        table.add_row(str(row["rank"]), *(_v(row["point"][a]) for a in varying), _f(tt["mean"]), _f(tt["p95"]),
-                      _f(tt["p99"]), str(row["replications"]), "-" if wasted is None else str(wasted))
+        table.add_row(
+            str(row["rank"]),
+            *(_v(row["point"][a]) for a in varying),
+            _f(tt["mean"]),
+            _f(tt["p95"]),
+            _f(tt["p99"]),
+            str(row["replications"]),
+            "-" if wasted is None else str(wasted),
+        )
     console.print(table)
     if top > 0 and len(r["results"]) > top:
         console.print(f"({len(r['results']) - top} more; --top 0 shows all)")
@@ -229,8 +310,11 @@ def heatmap_table(hm: dict):
     """The heatmap's numbers as a rich table (rows: y values, columns: x values)."""
     from rich.table import Table
 
-    table = Table(title=f"best TTFT {hm['metric']}, seconds: {hm['y_axis']} down, {hm['x_axis']} across",
-                  show_edge=False, header_style="bold")
+    table = Table(
+        title=f"best TTFT {hm['metric']}, seconds: {hm['y_axis']} down, {hm['x_axis']} across",
+        show_edge=False,
+        header_style="bold",
+    )
     table.add_column(hm["y_axis"], justify="right")
     for x in hm["x"]:
         table.add_column(_v(x), justify="right")

@@ -29,38 +29,57 @@ _FORMATS_HELP = "mooncake, btb-mixed-trace-v1 or azure2023"
 
 @trace_app.command("gen")
 def gen(
-    out_path: Annotated[Path, typer.Option(
-        "--out", "-o", help="Output file (btb-mixed-trace-v1 JSONL; .gz compresses).", dir_okay=False)],
+    out_path: Annotated[
+        Path,
+        typer.Option("--out", "-o", help="Output file (btb-mixed-trace-v1 JSONL; .gz compresses).", dir_okay=False),
+    ],
     bursts: Annotated[int, typer.Option(help="Burst jobs in the window.")] = 8,
     burst_size: Annotated[int, typer.Option(help="Requests per burst.")] = 500,
     first_burst_s: Annotated[float, typer.Option(help="Nominal start of the first burst, seconds.")] = 20.0,
     burst_period_s: Annotated[float, typer.Option(help="Nominal gap between burst starts, seconds.")] = 40.0,
     jitter_s: Annotated[float, typer.Option(help="Uniform +- jitter of each burst start, seconds.")] = 2.0,
-    spread_s: Annotated[float, typer.Option(
-        help="Seconds over which a burst's requests arrive evenly (1.0 is the adversarial variant).")] = 60.0,
-    prefix_tokens: Annotated[int, typer.Option(help="Tokens of each burst's shared prefix (and of each decoy's "
-                                                    "own prefix).")] = 65536,
+    spread_s: Annotated[
+        float,
+        typer.Option(help="Seconds over which a burst's requests arrive evenly (1.0 is the adversarial variant)."),
+    ] = 60.0,
+    prefix_tokens: Annotated[
+        int, typer.Option(help="Tokens of each burst's shared prefix (and of each decoy's own prefix).")
+    ] = 65536,
     suffix_tokens: Annotated[int, typer.Option(help="Unique tokens each request adds after the prefix.")] = 256,
     output_tokens: Annotated[int, typer.Option(help="Output tokens per burst or decoy request.")] = 1,
     decoys: Annotated[int, typer.Option(help="Single requests with their own unique prefix.")] = 120,
     decoy_start_s: Annotated[float, typer.Option(help="Earliest decoy arrival, seconds.")] = 14.0,
     decoy_end_s: Annotated[float, typer.Option(help="Latest decoy arrival, seconds.")] = 340.0,
-    block_tokens: Annotated[int, typer.Option(
-        help="Tokens per hash block (ignored with --base: the base trace's block size is used).")] = 256,
-    background_rps: Annotated[float, typer.Option(
-        help="Mean rate of background requests (Poisson, unique prompts), requests/s; 0 = none.")] = 0.0,
-    background_end_s: Annotated[float | None, typer.Option(
-        help="End of background arrivals, seconds (default: end of the window).", show_default=False)] = None,
+    block_tokens: Annotated[
+        int, typer.Option(help="Tokens per hash block (ignored with --base: the base trace's block size is used).")
+    ] = 256,
+    background_rps: Annotated[
+        float, typer.Option(help="Mean rate of background requests (Poisson, unique prompts), requests/s; 0 = none.")
+    ] = 0.0,
+    background_end_s: Annotated[
+        float | None,
+        typer.Option(help="End of background arrivals, seconds (default: end of the window).", show_default=False),
+    ] = None,
     background_input_min_tokens: Annotated[int, typer.Option(help="Shortest background prompt, tokens.")] = 256,
     background_input_max_tokens: Annotated[int, typer.Option(help="Longest background prompt, tokens.")] = 8192,
     background_output_tokens: Annotated[int, typer.Option(help="Output tokens per background request.")] = 128,
-    offset_s: Annotated[float, typer.Option(help="Seconds added to every generated arrival (to place the window "
-                                                 "inside a longer --base trace).")] = 0.0,
+    offset_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds added to every generated arrival (to place the window inside a longer --base trace)."
+        ),
+    ] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed; equal seeds give identical traces.")] = 42,
-    base: Annotated[Path | None, typer.Option(help="Trace to overlay the window on (its requests are kept).",
-                                                 dir_okay=False, show_default=False)] = None,
-    base_format: Annotated[str | None, typer.Option(
-        help=f"Format of --base: {_FORMATS_HELP} (default: detect from content).", show_default=False)] = None,
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            help="Trace to overlay the window on (its requests are kept).", dir_okay=False, show_default=False
+        ),
+    ] = None,
+    base_format: Annotated[
+        str | None,
+        typer.Option(help=f"Format of --base: {_FORMATS_HELP} (default: detect from content).", show_default=False),
+    ] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Summary on stdout: human (none) or json.")] = Format.human,
 ) -> None:
     """Write a Bursted workload: bursts of requests sharing one long prefix, plus decoys (REFERENCE.md s3)."""
@@ -71,13 +90,25 @@ def gen(
 
     out = Output(fmt)
     params = BurstedParams(
-        bursts=bursts, burst_size=burst_size, first_burst_s=first_burst_s, burst_period_s=burst_period_s,
-        jitter_s=jitter_s, spread_s=spread_s, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
-        output_tokens=output_tokens, decoys=decoys, decoy_start_s=decoy_start_s, decoy_end_s=decoy_end_s,
-        block_tokens=block_tokens, background_rps=background_rps, background_end_s=background_end_s,
+        bursts=bursts,
+        burst_size=burst_size,
+        first_burst_s=first_burst_s,
+        burst_period_s=burst_period_s,
+        jitter_s=jitter_s,
+        spread_s=spread_s,
+        prefix_tokens=prefix_tokens,
+        suffix_tokens=suffix_tokens,
+        output_tokens=output_tokens,
+        decoys=decoys,
+        decoy_start_s=decoy_start_s,
+        decoy_end_s=decoy_end_s,
+        block_tokens=block_tokens,
+        background_rps=background_rps,
+        background_end_s=background_end_s,
         background_input_min_tokens=background_input_min_tokens,
         background_input_max_tokens=background_input_max_tokens,
-        background_output_tokens=background_output_tokens, offset_s=offset_s,
+        background_output_tokens=background_output_tokens,
+        offset_s=offset_s,
     )
     base_trace = read_trace(base, base_format) if base is not None else None
     trace = generate_bursted(params, seed=seed, base=base_trace)
@@ -85,44 +116,64 @@ def gen(
         from btbctl.engine.errors import BtbctlError
 
         # An empty file would be refused by every reader ("no requests"); say so now and write nothing.
-        raise BtbctlError("the window has no requests (no bursts, no decoys, no background arrivals); set --bursts, "
-                          "--decoys or --background-rps; nothing written")
+        raise BtbctlError(
+            "the window has no requests (no bursts, no decoys, no background arrivals); set --bursts, "
+            "--decoys or --background-rps; nothing written"
+        )
     rows = write_btb_mixed(trace, out_path)
     summary = audit_trace(trace, ks=(), windows_s=())
     kinds = ", ".join(f"{k} {n}" for k, n in summary["kinds"].items())
     on = f" on {base} ({base_trace.format})" if base_trace is not None else ""
-    _info_line(out, f"wrote {rows} requests ({kinds}) over {trace.span_s:.1f} s, {trace.block_tokens}-token blocks, "
-                    f"seed {seed}{on} to {out_path}")
+    _info_line(
+        out,
+        f"wrote {rows} requests ({kinds}) over {trace.span_s:.1f} s, {trace.block_tokens}-token blocks, "
+        f"seed {seed}{on} to {out_path}",
+    )
     if out.format is Format.json:
-        out.result({
-            "path": str(out_path),
-            "format": "btb-mixed-trace-v1",
-            "requests": rows,
-            "span_s": trace.span_s,
-            "block_tokens": trace.block_tokens,
-            "kinds": summary["kinds"],
-            "seed": seed,
-            "base": None if base_trace is None else {"path": str(base), "format": base_trace.format,
-                                                     "requests": len(base_trace)},
-            "params": params.as_dict(),
-        })
+        out.result(
+            {
+                "path": str(out_path),
+                "format": "btb-mixed-trace-v1",
+                "requests": rows,
+                "span_s": trace.span_s,
+                "block_tokens": trace.block_tokens,
+                "kinds": summary["kinds"],
+                "seed": seed,
+                "base": None
+                if base_trace is None
+                else {"path": str(base), "format": base_trace.format, "requests": len(base_trace)},
+                "params": params.as_dict(),
+            }
+        )
 
 
 @trace_app.command("audit")
 def audit(
-    path: Annotated[Path, typer.Argument(help="Trace file (.gz is decompressed).", dir_okay=False,
-                                         show_default=False)],
+    path: Annotated[Path, typer.Argument(help="Trace file (.gz is decompressed).", dir_okay=False, show_default=False)],
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human tables or json.")] = Format.human,
-    trace_format: Annotated[str | None, typer.Option(
-        help=f"Trace format: {_FORMATS_HELP} (default: detect from content).", show_default=False)] = None,
-    blocks: Annotated[list[int] | None, typer.Option(
-        "--k-blocks", "-k", help="Prefix depth in blocks for the fan-out table (repeat; default: 1 16 64 256).",
-        show_default=False)] = None,
-    windows_s: Annotated[list[float] | None, typer.Option(
-        "--window-s", "-t", help="Window in seconds for the fan-out table (repeat; default: 1 10 60).",
-        show_default=False)] = None,
-    event_min_requests: Annotated[int, typer.Option(
-        help="Fan-out a prefix group needs to count as an event.")] = 8,
+    trace_format: Annotated[
+        str | None,
+        typer.Option(help=f"Trace format: {_FORMATS_HELP} (default: detect from content).", show_default=False),
+    ] = None,
+    blocks: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--k-blocks",
+            "-k",
+            help="Prefix depth in blocks for the fan-out table (repeat; default: 1 16 64 256).",
+            show_default=False,
+        ),
+    ] = None,
+    windows_s: Annotated[
+        list[float] | None,
+        typer.Option(
+            "--window-s",
+            "-t",
+            help="Window in seconds for the fan-out table (repeat; default: 1 10 60).",
+            show_default=False,
+        ),
+    ] = None,
+    event_min_requests: Annotated[int, typer.Option(help="Fan-out a prefix group needs to count as an event.")] = 8,
 ) -> None:
     """Sizes, arrival rates and prefix fan-out: how many requests share >= k blocks within t seconds."""
     from btbctl.engine.trace.audit import DEFAULT_KS, DEFAULT_WINDOWS_S, audit_trace
@@ -130,9 +181,12 @@ def audit(
 
     out = Output(fmt)
     trace = read_trace(path, trace_format)
-    report = audit_trace(trace, ks=tuple(blocks) if blocks else DEFAULT_KS,
-                         windows_s=tuple(windows_s) if windows_s else DEFAULT_WINDOWS_S,
-                         event_min_requests=event_min_requests)
+    report = audit_trace(
+        trace,
+        ks=tuple(blocks) if blocks else DEFAULT_KS,
+        windows_s=tuple(windows_s) if windows_s else DEFAULT_WINDOWS_S,
+        event_min_requests=event_min_requests,
+    )
     out.result({"path": str(path), "format": trace.format, **report}, lambda d: _print_audit(out, d))
 
 
@@ -184,8 +238,11 @@ def _print_audit(out: Output, d: dict) -> None:
     windows = list(dict.fromkeys(e["window_s"] for e in fan))
     ks = list(dict.fromkeys(e["k_blocks"] for e in fan))
     cell = {(e["k_blocks"], e["window_s"]): e for e in fan}
-    table = Table(title=f"fan-out: most requests sharing >= k blocks within t s (events: prefix groups reaching "
-                        f"{d['event_min_requests']})", title_justify="left")
+    table = Table(
+        title=f"fan-out: most requests sharing >= k blocks within t s (events: prefix groups reaching "
+        f"{d['event_min_requests']})",
+        title_justify="left",
+    )
     table.add_column("k blocks", justify="right")
     table.add_column("tokens", justify="right")
     for t in windows:
@@ -195,7 +252,10 @@ def _print_audit(out: Output, d: dict) -> None:
         for t in windows:
             e = cell[(k, t)]
             events = e["events"]
-            row.append(f"{e['max_requests']} ({events} event{'s' if events != 1 else ''})" if events
-                       else str(e["max_requests"]))
+            row.append(
+                f"{e['max_requests']} ({events} event{'s' if events != 1 else ''})"
+                if events
+                else str(e["max_requests"])
+            )
         table.add_row(*row)
     c.print(table)

@@ -93,5 +93,14 @@ def check_prefix_id(text: object) -> str:
     return p
 
 
-__all__ = ["Chain", "DEFAULT_BLOCK_TOKENS", "MIN_PREFIX_ID_CHARS", "SHORT_ID_CHARS", "check_prefix_id",
-           "leading_run", "leading_run_linear", "prefix_id", "short_id"]
+__all__ = [
+    "Chain",
+    "DEFAULT_BLOCK_TOKENS",
+    "MIN_PREFIX_ID_CHARS",
+    "SHORT_ID_CHARS",
+    "check_prefix_id",
+    "leading_run",
+    "leading_run_linear",
+    "prefix_id",
+    "short_id",
+]

@@ -54,8 +54,9 @@ class ClusterConfig(BaseModel):
     hbm_efficiency: float = Field(DEFAULT_HBM_EFFICIENCY, gt=0, le=1)
     """Achieved fraction of HBM bandwidth in decode."""
 
-    def replica_cost(self, *, attention_term: bool = True, mem_fraction: float | None = None,
-                     step_overhead_s: float | None = None) -> ReplicaCost:
+    def replica_cost(
+        self, *, attention_term: bool = True, mem_fraction: float | None = None, step_overhead_s: float | None = None
+    ) -> ReplicaCost:
         """The cost model of one replica. Raises :class:`ConfigError` for unknown presets or a model that does not
         fit its GPUs."""
         kw = {}
@@ -102,7 +103,7 @@ def clean_message(msg: str) -> str:
     """A pydantic error message without its ``Value error, `` / ``Assertion failed, `` prefix."""
     for lead in ("Value error, ", "Assertion failed, "):
         if msg.startswith(lead):
-            return msg[len(lead):]
+            return msg[len(lead) :]
     return msg
 
 
@@ -172,5 +173,13 @@ def toml_error(path: str, err: Exception) -> ConfigError:
     return ConfigError(where, f"invalid TOML: {msg}", path)
 
 
-__all__ = ["BtbConstants", "ClusterConfig", "FIDELITIES", "Fidelity", "clean_message", "read_toml", "toml_error",
-           "validate"]
+__all__ = [
+    "BtbConstants",
+    "ClusterConfig",
+    "FIDELITIES",
+    "Fidelity",
+    "clean_message",
+    "read_toml",
+    "toml_error",
+    "validate",
+]

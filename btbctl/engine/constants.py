@@ -36,8 +36,14 @@ class BtbConstants(BaseModel):
     Build user-given values with :meth:`parse` (one-line :class:`ConfigError` naming the key); as a section of a
     config model it validates like any pydantic field (the config loader names the file and the dotted key)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False,
-                              use_attribute_docstrings=True, populate_by_name=True)
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        strict=True,
+        allow_inf_nan=False,
+        use_attribute_docstrings=True,
+        populate_by_name=True,
+    )
 
     prefix_blocks: int = Field(256, ge=1, le=MAX_COUNT)
     """Y: length of the matched and copied prefix, in KV blocks (pages) of the trace's or the gateway's block size
@@ -46,8 +52,9 @@ class BtbConstants(BaseModel):
     """X: arrivals of the same Y-block prefix inside the window that fire replication."""
     window_s: float = Field(1.0, gt=0, le=MAX_WINDOW_S)
     """Z: trailing detection window, seconds."""
-    warm_replicas: int = Field(4, ge=1, le=MAX_WARM_REPLICAS,
-                               validation_alias=AliasChoices("warm_replicas", WARM_REPLICAS_ALIAS))
+    warm_replicas: int = Field(
+        4, ge=1, le=MAX_WARM_REPLICAS, validation_alias=AliasChoices("warm_replicas", WARM_REPLICAS_ALIAS)
+    )
     """M: how many replicas should hold a hot prefix, the holder included (not the fleet size)."""
 
     @model_validator(mode="before")
@@ -63,8 +70,9 @@ class BtbConstants(BaseModel):
         return tuple(cls.model_fields)
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any], *, where: str | None = None, prefix: str = "",
-              from_text: bool = False) -> BtbConstants:
+    def parse(
+        cls, data: Mapping[str, Any], *, where: str | None = None, prefix: str = "", from_text: bool = False
+    ) -> BtbConstants:
         """Build from a mapping (a config section, a control-API body, parsed ``KEY=VALUE`` arguments).
 
         Args:
@@ -163,8 +171,7 @@ def constants_error(e: ValidationError, where: str | None = None, prefix: str = 
     err = e.errors()[0]
     loc = [str(p) for p in err.get("loc", ())]
     if err.get("type") == "extra_forbidden":
-        return ConfigError(_dotted(prefix, loc[0]), f"unknown key; valid keys: {', '.join(BtbConstants.keys())}",
-                           where)
+        return ConfigError(_dotted(prefix, loc[0]), f"unknown key; valid keys: {', '.join(BtbConstants.keys())}", where)
     if not loc:  # the model-level check (both spellings of M given)
         msg = err.get("msg", "invalid value")
         return ConfigError(_dotted(prefix, WARM_REPLICAS_ALIAS), msg.removeprefix("Value error, "), where)
@@ -172,5 +179,4 @@ def constants_error(e: ValidationError, where: str | None = None, prefix: str = 
     return ConfigError(_dotted(prefix, key), f"must be {BtbConstants.describe(key)}, got {err.get('input')!r}", where)
 
 
-__all__ = ["BtbConstants", "MAX_COUNT", "MAX_WARM_REPLICAS", "MAX_WINDOW_S", "WARM_REPLICAS_ALIAS",
-           "constants_error"]
+__all__ = ["BtbConstants", "MAX_COUNT", "MAX_WARM_REPLICAS", "MAX_WINDOW_S", "WARM_REPLICAS_ALIAS", "constants_error"]

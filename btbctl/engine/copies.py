@@ -92,12 +92,14 @@ class CopyPlan:
 
     def __post_init__(self) -> None:
         if not self.prefix or not self.targets or not 1 <= self.want <= len(self.targets):
-            raise ValueError(f"malformed copy plan: {len(self.prefix)} blocks, targets {self.targets}, "
-                             f"want {self.want}")
+            raise ValueError(
+                f"malformed copy plan: {len(self.prefix)} blocks, targets {self.targets}, want {self.want}"
+            )
 
 
-def carry_out(plan: CopyPlan, start: Callable[[int], bool],
-              report: Callable[[int, bool], None] | None = None) -> list[int]:
+def carry_out(
+    plan: CopyPlan, start: Callable[[int], bool], report: Callable[[int, bool], None] | None = None
+) -> list[int]:
     """Execute ``plan``: try its targets in order with ``start(target)`` (True: the copy started) until
     ``plan.want`` started; ``report(target, started)`` hears of every attempt. Returns the targets started."""
     started: list[int] = []

@@ -109,8 +109,9 @@ class BurstDetector:
         ConfigError: ``max_tracked`` < 1 or ``retention_s`` <= 0.
     """
 
-    def __init__(self, constants: BtbConstants, max_tracked: int = 65536,
-                 retention_s: float = DEFAULT_RETENTION_S) -> None:
+    def __init__(
+        self, constants: BtbConstants, max_tracked: int = 65536, retention_s: float = DEFAULT_RETENTION_S
+    ) -> None:
         if not isinstance(max_tracked, int) or max_tracked < 1:
             raise ConfigError("max_tracked", f"must be an integer >= 1, got {max_tracked!r}")
         if not retention_s > 0:
@@ -223,8 +224,7 @@ class BurstDetector:
             rows.append((n, st.last_s, key, st))
         best = nlargest(top, rows, key=lambda r: (r[0], r[1]))
         return [
-            PrefixHeat(key, y, n, st.total, st.first_s, st.last_s,
-                       st.hot and now_s - st.last_s < window, st.fires)
+            PrefixHeat(key, y, n, st.total, st.first_s, st.last_s, st.hot and now_s - st.last_s < window, st.fires)
             for n, _, key, st in best
         ]
 
@@ -250,8 +250,7 @@ class BurstDetector:
     def stats(self) -> dict[str, int]:
         """Counters: ``fires`` (activations), ``tracked`` (prefixes held now), ``observed`` (arrivals of prompts
         with at least ``prefix_blocks`` blocks), ``dropped`` (prefixes forgotten by expiry, cap or retune)."""
-        return {"fires": self._fires, "tracked": len(self._keys), "observed": self._observed,
-                "dropped": self._dropped}
+        return {"fires": self._fires, "tracked": len(self._keys), "observed": self._observed, "dropped": self._dropped}
 
     def __len__(self) -> int:
         return len(self._keys)

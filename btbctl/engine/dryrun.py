@@ -50,6 +50,7 @@ from btbctl.engine.trace.model import Trace
 #: TTFT of 100 s to 0.1 ms, far below the simulator's modelling error, and keep reports stable across platforms.
 SIGNIFICANT_DIGITS = 6
 
+
 def _error(kind: str, message: str) -> PydanticCustomError:
     """A validation error whose message pydantic shows as is (no "Value error, " prefix)."""
     return PydanticCustomError(kind, "{message}", {"message": message})
@@ -159,14 +160,18 @@ class TraceSource(BaseModel):
     def _consistent(self) -> TraceSource:
         if self.path is None:
             if self.format is not None:
-                raise _error("format_without_path",
-                             f"format {self.format!r} given without a trace path; set path too or drop format")
+                raise _error(
+                    "format_without_path",
+                    f"format {self.format!r} given without a trace path; set path too or drop format",
+                )
             if self.overlay:
                 raise _error("overlay_without_path", "overlay = true needs a trace path to lay the generated window on")
         elif "generate" in self.model_fields_set and not self.overlay:
-            raise _error("generate_with_path",
-                         f"generate settings apply to a generated trace, but path {self.path!r} is set; drop one of "
-                         "them, or set overlay = true to add the generated window to the file")
+            raise _error(
+                "generate_with_path",
+                f"generate settings apply to a generated trace, but path {self.path!r} is set; drop one of "
+                "them, or set overlay = true to add the generated window to the file",
+            )
         return self
 
 
@@ -380,8 +385,13 @@ def _trace_format(cfg: DryRunConfig, trace: Trace) -> str:
     return trace.format
 
 
-def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None,
-                requests_out: str | os.PathLike | None = None, *, trace: Trace | None = None) -> dict:
+def run_dry_run(
+    cfg: DryRunConfig,
+    progress: Callable[[int], None] | None = None,
+    requests_out: str | os.PathLike | None = None,
+    *,
+    trace: Trace | None = None,
+) -> dict:
     """Simulate ``cfg``'s trace under each of ``cfg.policies`` and report.
 
     Args:
@@ -426,8 +436,9 @@ def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None
     try:
         for name in cfg.policies:
             try:
-                res = simulate(trace, name, cfg.cluster, constants, seed=cfg.seed, fidelity=cfg.fidelity,
-                               progress=progress)
+                res = simulate(
+                    trace, name, cfg.cluster, constants, seed=cfg.seed, fidelity=cfg.fidelity, progress=progress
+                )
             except ConfigError as e:
                 key = f"cluster.{e.key}" if e.key in ClusterConfig.model_fields else e.key
                 raise ConfigError(key, e.reason, e.path) from None
@@ -436,8 +447,13 @@ def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None
             if sink is not None:
                 for rec in res.records:
                     row = {
-                        "arrival_s": rec.arrival_s, "policy": name, "replica": rec.replica, "ttft_s": rec.ttft_s,
-                        "queue_wait_s": rec.queue_wait_s, "cached_tokens": rec.cached_tokens, "kind": rec.kind,
+                        "arrival_s": rec.arrival_s,
+                        "policy": name,
+                        "replica": rec.replica,
+                        "ttft_s": rec.ttft_s,
+                        "queue_wait_s": rec.queue_wait_s,
+                        "cached_tokens": rec.cached_tokens,
+                        "kind": rec.kind,
                         "request_id": rec.request_id,
                     }
                     sink.write(json.dumps(round_floats(row), separators=(",", ":")) + "\n")
@@ -476,6 +492,14 @@ def run_dry_run(cfg: DryRunConfig, progress: Callable[[int], None] | None = None
 
 
 __all__ = [
-    "DryRunConfig", "GenerateSection", "REQUEST_KEYS", "SIGNIFICANT_DIGITS", "TraceSource",
-    "load_dryrun_config", "load_trace", "round_floats", "run_dry_run", "validate_config",
+    "DryRunConfig",
+    "GenerateSection",
+    "REQUEST_KEYS",
+    "SIGNIFICANT_DIGITS",
+    "TraceSource",
+    "load_dryrun_config",
+    "load_trace",
+    "round_floats",
+    "run_dry_run",
+    "validate_config",
 ]

@@ -49,7 +49,7 @@ def text_to_tokens(text: str) -> list[int]:
     """Pseudo-tokens of ``text``: each group of :data:`BYTES_PER_TOKEN` UTF-8 bytes read as a little-endian
     integer (the last group zero-padded). Empty text gives ``[]``."""
     data = pack_text(text)
-    return [int.from_bytes(data[i:i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)]
+    return [int.from_bytes(data[i : i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)]
 
 
 def tokens_to_text(tokens: Sequence[int]) -> str:
@@ -64,7 +64,7 @@ def chain_hashes(tokens: Sequence[int], block_tokens: int) -> list[str]:
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
     n_full = len(tokens) // block_tokens
-    return chain_from_packed(pack_tokens(tokens[:n_full * block_tokens]), block_tokens)
+    return chain_from_packed(pack_tokens(tokens[: n_full * block_tokens]), block_tokens)
 
 
 def chain_from_packed(data: bytes, block_tokens: int) -> list[str]:
@@ -78,7 +78,7 @@ def chain_from_packed(data: bytes, block_tokens: int) -> list[str]:
     prev = b""
     mv = memoryview(data)
     for k in range(len(data) // step):
-        prev = _xxh3_digest(prev + mv[k * step:(k + 1) * step])
+        prev = _xxh3_digest(prev + mv[k * step : (k + 1) * step])
         out.append(prev.hex())
     return out
 

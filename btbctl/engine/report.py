@@ -115,9 +115,16 @@ class ReportMatrix(BaseModel):
 
     def dryrun_config(self, workload: WorkloadSpec, setup: str, fidelity: str) -> DryRunConfig:
         """The dry-run config of one cell (its policy aside)."""
-        return DryRunConfig.model_validate({"trace": workload.trace.model_dump(exclude_unset=True),
-                                            "setup": setup, "seed": self.seed, "fidelity": fidelity,
-                                            "btb": self.btb.model_dump(), "policies": list(self.policies)})
+        return DryRunConfig.model_validate(
+            {
+                "trace": workload.trace.model_dump(exclude_unset=True),
+                "setup": setup,
+                "seed": self.seed,
+                "fidelity": fidelity,
+                "btb": self.btb.model_dump(),
+                "policies": list(self.policies),
+            }
+        )
 
 
 def _known(v: list[str], valid, what: str) -> list[str]:
@@ -185,15 +192,25 @@ def run_cell(matrix: ReportMatrix, setup: str, workload: str, fidelity: str, pol
     res = simulate(trace, policy, setup_cluster(setup), matrix.btb, seed=matrix.seed, fidelity=fidelity)
     s = res.summary(replication_details=True)
     return {
-        "setup": setup, "workload": workload, "fidelity": fidelity, "policy": policy,
-        "requests": s["requests"], "ttft_s": s["ttft_s"],
-        "by_kind": {k: {"requests": v["requests"], "mean": v["ttft_s"]["mean"], "p95": v["ttft_s"]["p95"]}
-                    for k, v in s["by_kind"].items()},
-        "prefix_hit_ratio": s["prefix_hit_ratio"], "replications": s["replications"],
-        "replicated_bytes": s["replicated_bytes"], "wasted_replications": s["wasted_replications"],
-        "time_to_warm_s": s["time_to_warm_s"], "copies_refused": s["copies_refused"],
+        "setup": setup,
+        "workload": workload,
+        "fidelity": fidelity,
+        "policy": policy,
+        "requests": s["requests"],
+        "ttft_s": s["ttft_s"],
+        "by_kind": {
+            k: {"requests": v["requests"], "mean": v["ttft_s"]["mean"], "p95": v["ttft_s"]["p95"]}
+            for k, v in s["by_kind"].items()
+        },
+        "prefix_hit_ratio": s["prefix_hit_ratio"],
+        "replications": s["replications"],
+        "replicated_bytes": s["replicated_bytes"],
+        "wasted_replications": s["wasted_replications"],
+        "time_to_warm_s": s["time_to_warm_s"],
+        "copies_refused": s["copies_refused"],
         "drain_s": max((r.finish_s for r in res.records), default=0.0) - trace.requests[-1].arrival_s
-        if trace.requests else 0.0,
+        if trace.requests
+        else 0.0,
     }
 
 
@@ -229,8 +246,7 @@ def prefill_demand(trace: Trace, setup: str) -> float:
     return flops / (cost.flops * cost.mfu) / (cl.replicas * span)
 
 
-def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = None, *,
-               jobs: int | None = None) -> dict:
+def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = None, *, jobs: int | None = None) -> dict:
     """Run every cell of ``matrix``.
 
     Args:
@@ -256,14 +272,27 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
 
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise ConfigError("jobs", f"must be an integer >= 1, got {jobs!r}")
-    tasks = [(setup, wl.name, fid, pol) for setup in matrix.setups for wl in matrix.workloads
-             for fid in matrix.fidelities for pol in matrix.policies]
+    tasks = [
+        (setup, wl.name, fid, pol)
+        for setup in matrix.setups
+        for wl in matrix.workloads
+        for fid in matrix.fidelities
+        for pol in matrix.policies
+    ]
     workloads = []
     for wl in matrix.workloads:
         tr = _trace(matrix, wl.name)
-        workloads.append({"name": wl.name, "description": wl.description, "requests": len(tr), "span_s": tr.span_s,
-                          "block_tokens": tr.block_tokens, "format": tr.format,
-                          "prefill_demand": {s: prefill_demand(tr, s) for s in matrix.setups}})
+        workloads.append(
+            {
+                "name": wl.name,
+                "description": wl.description,
+                "requests": len(tr),
+                "span_s": tr.span_s,
+                "block_tokens": tr.block_tokens,
+                "format": tr.format,
+                "prefill_demand": {s: prefill_demand(tr, s) for s in matrix.setups},
+            }
+        )
     size = {wl["name"]: wl["requests"] for wl in workloads}
     # biggest traces first, so the pool's last tasks are short; results go back in task order
     order = sorted(range(len(tasks)), key=lambda i: (-size[tasks[i][1]], i))
@@ -285,15 +314,25 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
                 cells[i] = cell
                 if progress:
                     progress(1)
-    return round_floats({
-        "btbctl_version": __version__, "title": matrix.title, "seed": matrix.seed, "notes": matrix.notes,
-        "constants": matrix.btb.as_dict(), "setups": list(matrix.setups),
-        "policies": list(matrix.policies), "fidelities": list(matrix.fidelities), "workloads": workloads,
-        "cells": cells, "timing": {"wall_s": time.perf_counter() - t0, "jobs": jobs},
-    })
+    return round_floats(
+        {
+            "btbctl_version": __version__,
+            "title": matrix.title,
+            "seed": matrix.seed,
+            "notes": matrix.notes,
+            "constants": matrix.btb.as_dict(),
+            "setups": list(matrix.setups),
+            "policies": list(matrix.policies),
+            "fidelities": list(matrix.fidelities),
+            "workloads": workloads,
+            "cells": cells,
+            "timing": {"wall_s": time.perf_counter() - t0, "jobs": jobs},
+        }
+    )
 
 
 # -- Markdown --------------------------------------------------------------------------------------------------------
+
 
 def _t(x) -> str:
     """Seconds with 3 significant digits (at least 3 decimals below 1 s)."""
@@ -321,16 +360,22 @@ def comparison(report: dict, setup: str, workload: str, fidelity: str, policy: s
     rows = [idx[(setup, workload, fidelity, p)] for p in others if (setup, workload, fidelity, p) in idx]
     if me is None or not rows:
         return None
-    out: dict[str, Any] = {"policy": policy, "mean": me["ttft_s"]["mean"], "p95": me["ttft_s"]["p95"],
-                           "best_other": {}, "vs_best_other": {}}
+    out: dict[str, Any] = {
+        "policy": policy,
+        "mean": me["ttft_s"]["mean"],
+        "p95": me["ttft_s"]["p95"],
+        "best_other": {},
+        "vs_best_other": {},
+    }
     for m in ("mean", "p95"):
         best = min(rows, key=lambda c: c["ttft_s"][m])
         out["best_other"][m] = (best["policy"], best["ttft_s"][m])
         out["vs_best_other"][m] = (me["ttft_s"][m] - best["ttft_s"][m]) / best["ttft_s"][m]
     ca = idx.get((setup, workload, fidelity, "cache_aware"))
     out["cache_aware"] = None if ca is None else {m: ca["ttft_s"][m] for m in ("mean", "p95")}
-    out["vs_cache_aware"] = None if ca is None else {
-        m: (me["ttft_s"][m] - ca["ttft_s"][m]) / ca["ttft_s"][m] for m in ("mean", "p95")}
+    out["vs_cache_aware"] = (
+        None if ca is None else {m: (me["ttft_s"][m] - ca["ttft_s"][m]) / ca["ttft_s"][m] for m in ("mean", "p95")}
+    )
     return out
 
 
@@ -347,47 +392,77 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
     charts = charts or {}
     idx = _cell_index(report)
     k = report["constants"]
-    L: list[str] = [f"# {report['title']}", "",
-                    (f"Regenerate with `{command}` (btbctl {report['btbctl_version']}, seed {report['seed']}; BTB "
-                     f"constants Y = {k['prefix_blocks']} blocks, X = {k['threshold']}, Z = {k['window_s']:g} s, "
-                     f"M = {k['warm_replicas']}). Times are seconds of simulated time to first token (TTFT)."), ""]
+    L: list[str] = [
+        f"# {report['title']}",
+        "",
+        (
+            f"Regenerate with `{command}` (btbctl {report['btbctl_version']}, seed {report['seed']}; BTB "
+            f"constants Y = {k['prefix_blocks']} blocks, X = {k['threshold']}, Z = {k['window_s']:g} s, "
+            f"M = {k['warm_replicas']}). Times are seconds of simulated time to first token (TTFT)."
+        ),
+        "",
+    ]
     L += ["## Workloads", "", "| workload | what | requests | span s | block tokens |", "|---|---|---:|---:|---:|"]
     for wl in report["workloads"]:
-        L.append(f"| {wl['name']} | {wl['description']} | {wl['requests']:,} | {wl['span_s']:,.0f} | "
-                 f"{wl['block_tokens']} |")
+        L.append(
+            f"| {wl['name']} | {wl['description']} | {wl['requests']:,} | {wl['span_s']:,.0f} | {wl['block_tokens']} |"
+        )
     fid = "realistic" if "realistic" in report["fidelities"] else report["fidelities"][0]
-    L += ["", (f"Load of each setup: prefill demand with ideal reuse (every distinct block computed once in the "
-               f"fleet, as a fraction of the fleet's compute over the trace's span: above 1 no routing can keep up) "
-               f"and the backlog left when the last request arrives (seconds the best {fid} run still needed to "
-               f"finish every request; large values mean the fleet fell behind and TTFT mostly measures the queue)."),
-          "",
-          "| setup | " + " | ".join(f"{w['name']} demand | backlog s" for w in report["workloads"]) + " |",
-          "|---|" + "---:|---:|" * len(report["workloads"])]
+    L += [
+        "",
+        (
+            f"Load of each setup: prefill demand with ideal reuse (every distinct block computed once in the "
+            f"fleet, as a fraction of the fleet's compute over the trace's span: above 1 no routing can keep up) "
+            f"and the backlog left when the last request arrives (seconds the best {fid} run still needed to "
+            f"finish every request; large values mean the fleet fell behind and TTFT mostly measures the queue)."
+        ),
+        "",
+        "| setup | " + " | ".join(f"{w['name']} demand | backlog s" for w in report["workloads"]) + " |",
+        "|---|" + "---:|---:|" * len(report["workloads"]),
+    ]
     over = []
     for s in report["setups"]:
         cells = []
         for wl in report["workloads"]:
             d = wl["prefill_demand"].get(s)
-            drains = [c.get("drain_s") for c in report["cells"] if c["setup"] == s and c["workload"] == wl["name"]
-                      and c["fidelity"] == fid and c.get("drain_s") is not None]
+            drains = [
+                c.get("drain_s")
+                for c in report["cells"]
+                if c["setup"] == s
+                and c["workload"] == wl["name"]
+                and c["fidelity"] == fid
+                and c.get("drain_s") is not None
+            ]
             cells += ["-" if d is None else f"{d:.2f}", _t(min(drains)) if drains else "-"]
             if d is not None and d > 1:
                 over.append(f"{s} on {wl['name']} ({d:.1f}x)")
         L.append(f"| {s} | " + " | ".join(cells) + " |")
     L.append("")
     if over:
-        L += ["Overloaded whatever the routing (prefill demand above 1 even with ideal reuse): " + "; ".join(over)
-              + ". Their numbers are reported as they come out.", ""]
+        L += [
+            "Overloaded whatever the routing (prefill demand above 1 even with ideal reuse): "
+            + "; ".join(over)
+            + ". Their numbers are reported as they come out.",
+            "",
+        ]
     if report.get("notes"):
         L += ["## Notes", "", report["notes"].strip(), ""]
 
     if "btb_plus" in report["policies"]:
-        L += ["## btb_plus against the best other policy", "",
-              ("Change of btb_plus's TTFT against cache_aware and against the best non-BTB policy of the same cell "
-               "(negative is better)."), "",
-              ("| setup | workload | fidelity | btb_plus mean | p95 | best other mean | best other p95 | "
-               "vs cache_aware mean | p95 | vs best other mean | p95 |"),
-              "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
+        L += [
+            "## btb_plus against the best other policy",
+            "",
+            (
+                "Change of btb_plus's TTFT against cache_aware and against the best non-BTB policy of the same cell "
+                "(negative is better)."
+            ),
+            "",
+            (
+                "| setup | workload | fidelity | btb_plus mean | p95 | best other mean | best other p95 | "
+                "vs cache_aware mean | p95 | vs best other mean | p95 |"
+            ),
+            "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|",
+        ]
         for s in report["setups"]:
             for wl in report["workloads"]:
                 for f in report["fidelities"]:
@@ -396,10 +471,12 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                         continue
                     ca = c["vs_cache_aware"] or {}
                     bo_m, bo_p = c["best_other"]["mean"], c["best_other"]["p95"]
-                    L.append(f"| {s} | {wl['name']} | {f} | {_t(c['mean'])} | {_t(c['p95'])} | "
-                             f"{_t(bo_m[1])} ({bo_m[0]}) | {_t(bo_p[1])} ({bo_p[0]}) | "
-                             f"{_fmt_frac(ca.get('mean'))} | {_fmt_frac(ca.get('p95'))} | "
-                             f"{_fmt_frac(c['vs_best_other']['mean'])} | {_fmt_frac(c['vs_best_other']['p95'])} |")
+                    L.append(
+                        f"| {s} | {wl['name']} | {f} | {_t(c['mean'])} | {_t(c['p95'])} | "
+                        f"{_t(bo_m[1])} ({bo_m[0]}) | {_t(bo_p[1])} ({bo_p[0]}) | "
+                        f"{_fmt_frac(ca.get('mean'))} | {_fmt_frac(ca.get('p95'))} | "
+                        f"{_fmt_frac(c['vs_best_other']['mean'])} | {_fmt_frac(c['vs_best_other']['p95'])} |"
+                    )
         L.append("")
 
     for s in report["setups"]:
@@ -407,10 +484,15 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
         L += [f"## {s}: {st.description}", ""]
         if "infersim" in report["fidelities"]:
             pub = st.published
-            L += [(f"Published (Bursted-ART test set, reference simulator): cache_aware mean "
-                   f"{pub.cache_aware_mean_s:g} / p95 {pub.cache_aware_p95_s:g} s, btb mean {pub.btb_mean_s:g} / p95 "
-                   f"{pub.btb_p95_s:g} s. The test set mixed real ART-Chat windows with synthetic ones; the synthetic "
-                   "windows alone (below) give other absolute numbers."), ""]
+            L += [
+                (
+                    f"Published (Bursted-ART test set, reference simulator): cache_aware mean "
+                    f"{pub.cache_aware_mean_s:g} / p95 {pub.cache_aware_p95_s:g} s, btb mean {pub.btb_mean_s:g} / p95 "
+                    f"{pub.btb_p95_s:g} s. The test set mixed real ART-Chat windows with synthetic ones; the synthetic "
+                    "windows alone (below) give other absolute numbers."
+                ),
+                "",
+            ]
         for f in report["fidelities"]:
             key = f"{s}/{f}"
             if key in charts:
@@ -422,8 +504,11 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                     continue
                 kinds = sorted({kd for r in rows for kd in r["by_kind"]})
                 L += [f"### {s} / {wl['name']} / {f}", ""]
-                head = ["policy", "mean", "p50", "p95", "p99"] + [f"{kd} mean" for kd in kinds] + [
-                    "hit %", "copies", "GB moved", "wasted", "warm mean", "warm p95"]
+                head = (
+                    ["policy", "mean", "p50", "p95", "p99"]
+                    + [f"{kd} mean" for kd in kinds]
+                    + ["hit %", "copies", "GB moved", "wasted", "warm mean", "warm p95"]
+                )
                 L.append("| " + " | ".join(head) + " |")
                 L.append("|---|" + "---:|" * (len(head) - 1))
                 for r in rows:
@@ -432,18 +517,28 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                     wasted = r["wasted_replications"]
                     cells = [r["policy"], _t(tt["mean"]), _t(tt["p50"]), _t(tt["p95"]), _t(tt["p99"])]
                     cells += [_t(r["by_kind"][kd]["mean"]) if kd in r["by_kind"] else "-" for kd in kinds]
-                    cells += [f"{100 * r['prefix_hit_ratio']:.1f}", f"{r['replications']:,}",
-                              f"{r['replicated_bytes'] / 1e9:,.1f}", "-" if wasted is None else f"{wasted:,}",
-                              _t(warm.get("mean")) if r["replications"] else "-",
-                              _t(warm.get("p95")) if r["replications"] else "-"]
+                    cells += [
+                        f"{100 * r['prefix_hit_ratio']:.1f}",
+                        f"{r['replications']:,}",
+                        f"{r['replicated_bytes'] / 1e9:,.1f}",
+                        "-" if wasted is None else f"{wasted:,}",
+                        _t(warm.get("mean")) if r["replications"] else "-",
+                        _t(warm.get("p95")) if r["replications"] else "-",
+                    ]
                     L.append("| " + " | ".join(cells) + " |")
                 L.append("")
-    L += ["## Columns", "",
-          ("mean/p50/p95/p99: TTFT over all requests (the infersim fidelity uses the reference simulator's "
-           "percentile, sorted[int(q n)]); <kind> mean: TTFT mean by request kind; hit %: prompt tokens served from "
-           "cache; copies: KV-cache replications completed; GB moved: their bytes / 1e9; wasted: copies that no "
-           "request reused afterwards; warm mean/p95: seconds from the moment the policy saw the need for a copy "
-           "(its detector firing) to the copy's last byte."), ""]
+    L += [
+        "## Columns",
+        "",
+        (
+            "mean/p50/p95/p99: TTFT over all requests (the infersim fidelity uses the reference simulator's "
+            "percentile, sorted[int(q n)]); <kind> mean: TTFT mean by request kind; hit %: prompt tokens served from "
+            "cache; copies: KV-cache replications completed; GB moved: their bytes / 1e9; wasted: copies that no "
+            "request reused afterwards; warm mean/p95: seconds from the moment the policy saw the need for a copy "
+            "(its detector firing) to the copy's last byte."
+        ),
+        "",
+    ]
     return "\n".join(L)
 
 
@@ -452,6 +547,7 @@ def _fmt_frac(x) -> str:
 
 
 # -- charts and files ------------------------------------------------------------------------------------------------
+
 
 def charts_available() -> bool:
     """Whether matplotlib can be imported (the ``report`` extra)."""
@@ -498,8 +594,7 @@ def write_charts(report: dict, out_dir: str) -> dict[str, str]:
     return written
 
 
-def write_report(report: dict, out_dir: str, command: str, *, charts: bool = True,
-                 filename: str = "README.md") -> dict:
+def write_report(report: dict, out_dir: str, command: str, *, charts: bool = True, filename: str = "README.md") -> dict:
     """Write the Markdown (and charts unless ``charts`` is False or matplotlib is missing) into ``out_dir``.
 
     Returns:
@@ -527,10 +622,25 @@ def write_report(report: dict, out_dir: str, command: str, *, charts: bool = Tru
             f.write(md)
     except OSError as e:
         raise ConfigError("out", f"cannot write {path}: {e.strerror or e}") from None
-    return {"markdown": path, "charts": [os.path.join(out_dir, n) for n in chart_files.values()],
-            "charts_skipped": skipped}
+    return {
+        "markdown": path,
+        "charts": [os.path.join(out_dir, n) for n in chart_files.values()],
+        "charts_skipped": skipped,
+    }
 
 
-__all__ = ["BTB_POLICIES", "CHARTS_EXTRA", "ReportMatrix", "WorkloadSpec", "charts_available", "comparison",
-           "load_matrix", "prefill_demand", "render_markdown", "run_cell", "run_matrix", "write_charts",
-           "write_report"]
+__all__ = [
+    "BTB_POLICIES",
+    "CHARTS_EXTRA",
+    "ReportMatrix",
+    "WorkloadSpec",
+    "charts_available",
+    "comparison",
+    "load_matrix",
+    "prefill_demand",
+    "render_markdown",
+    "run_cell",
+    "run_matrix",
+    "write_charts",
+    "write_report",
+]

@@ -39,8 +39,10 @@ class PublishedTtft:
     btb_p95_s: float
 
     def as_dict(self) -> dict:
-        return {"cache_aware": {"mean": self.cache_aware_mean_s, "p95": self.cache_aware_p95_s},
-                "btb": {"mean": self.btb_mean_s, "p95": self.btb_p95_s}}
+        return {
+            "cache_aware": {"mean": self.cache_aware_mean_s, "p95": self.cache_aware_p95_s},
+            "btb": {"mean": self.btb_mean_s, "p95": self.btb_p95_s},
+        }
 
 
 @dataclass(frozen=True)
@@ -73,26 +75,62 @@ class Setup:
     def cluster_settings(self) -> dict:
         """The :class:`~btbctl.engine.config.ClusterConfig` keys this setup fills: ``model``, ``gpu``,
         ``gpus_per_replica``, ``replicas``, ``nic_gbps``."""
-        return {"model": self.model, "gpu": self.gpu, "gpus_per_replica": self.gpus_per_replica,
-                "replicas": self.replicas, "nic_gbps": self.nic_gbps}
+        return {
+            "model": self.model,
+            "gpu": self.gpu,
+            "gpus_per_replica": self.gpus_per_replica,
+            "replicas": self.replicas,
+            "nic_gbps": self.nic_gbps,
+        }
 
 
 #: The published setups by name, in the order of the published table.
 SETUPS: dict[str, Setup] = {
     s.name: s
     for s in (
-        Setup("70b_h100x4", "llama-3.3-70b", "h100", 4, "Llama-3.3-70B, 4 replicas x 4xH100",
-              PublishedTtft(1.373, 4.697, 0.632, 4.697)),
-        Setup("qwen3_8b_h100x4", "qwen3-8b", "h100", 4, "Qwen3-8B, 4 x 4xH100",
-              PublishedTtft(0.034, 0.325, 0.023, 0.059)),
-        Setup("glm45_h100x4", "glm-4.5-like", "h100", 4, "GLM-4.5-like (355B/32B active, int4), 4 x 4xH100",
-              PublishedTtft(0.288, 1.905, 0.115, 0.780)),
-        Setup("glm52_h100x8", "glm-5.2-like", "h100", 8, "GLM-5.2-like (744B/40B, int4), 4 x 8xH100",
-              PublishedTtft(0.134, 1.101, 0.062, 0.243)),
-        Setup("kimi_k2_h100x8", "kimi-k2-like", "h100", 8, "Kimi-K2-like (1T/32B, int4), 4 x 8xH100",
-              PublishedTtft(0.093, 0.832, 0.048, 0.167)),
-        Setup("dense1t_b300x4", "dense-1t", "b300", 4, "dense 1T fp8, 4 x 4xB300",
-              PublishedTtft(436.8, 926.1, 392.0, 857.9)),
+        Setup(
+            "70b_h100x4",
+            "llama-3.3-70b",
+            "h100",
+            4,
+            "Llama-3.3-70B, 4 replicas x 4xH100",
+            PublishedTtft(1.373, 4.697, 0.632, 4.697),
+        ),
+        Setup(
+            "qwen3_8b_h100x4", "qwen3-8b", "h100", 4, "Qwen3-8B, 4 x 4xH100", PublishedTtft(0.034, 0.325, 0.023, 0.059)
+        ),
+        Setup(
+            "glm45_h100x4",
+            "glm-4.5-like",
+            "h100",
+            4,
+            "GLM-4.5-like (355B/32B active, int4), 4 x 4xH100",
+            PublishedTtft(0.288, 1.905, 0.115, 0.780),
+        ),
+        Setup(
+            "glm52_h100x8",
+            "glm-5.2-like",
+            "h100",
+            8,
+            "GLM-5.2-like (744B/40B, int4), 4 x 8xH100",
+            PublishedTtft(0.134, 1.101, 0.062, 0.243),
+        ),
+        Setup(
+            "kimi_k2_h100x8",
+            "kimi-k2-like",
+            "h100",
+            8,
+            "Kimi-K2-like (1T/32B, int4), 4 x 8xH100",
+            PublishedTtft(0.093, 0.832, 0.048, 0.167),
+        ),
+        Setup(
+            "dense1t_b300x4",
+            "dense-1t",
+            "b300",
+            4,
+            "dense 1T fp8, 4 x 4xB300",
+            PublishedTtft(436.8, 926.1, 392.0, 857.9),
+        ),
     )
 }
 

@@ -77,13 +77,15 @@ class TtftSeries:
         rows = []
         for i, b in enumerate(buckets):
             b.sort()
-            rows.append({
-                "t_s": round(start + (i + 1) * step_s, 6),
-                "n": len(b),
-                "p50_s": percentile(b, 50.0) if b else None,
-                "p95_s": percentile(b, 95.0) if b else None,
-                "rps": len(b) / step_s,
-            })
+            rows.append(
+                {
+                    "t_s": round(start + (i + 1) * step_s, 6),
+                    "n": len(b),
+                    "p50_s": percentile(b, 50.0) if b else None,
+                    "p95_s": percentile(b, 95.0) if b else None,
+                    "rps": len(b) / step_s,
+                }
+            )
         return rows
 
     def summary(self, now_s: float, window_s: float) -> dict[str, Any]:
@@ -91,5 +93,11 @@ class TtftSeries:
         vals = sorted(v for _, v in self.window(now_s, window_s))
         if not vals:
             return {"n": 0, "mean_s": None, "p50_s": None, "p95_s": None, "p99_s": None, "max_s": None}
-        return {"n": len(vals), "mean_s": math.fsum(vals) / len(vals), "p50_s": percentile(vals, 50.0),
-                "p95_s": percentile(vals, 95.0), "p99_s": percentile(vals, 99.0), "max_s": vals[-1]}
+        return {
+            "n": len(vals),
+            "mean_s": math.fsum(vals) / len(vals),
+            "p50_s": percentile(vals, 50.0),
+            "p95_s": percentile(vals, 95.0),
+            "p99_s": percentile(vals, 99.0),
+            "max_s": vals[-1],
+        }

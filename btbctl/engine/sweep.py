@@ -69,7 +69,9 @@ class SweepGrid:
         """
         defaults = {
             **base.btb.as_dict(),
-            "replicas": base.cluster.replicas, "nic_gbps": base.cluster.nic_gbps, "fidelity": base.fidelity,
+            "replicas": base.cluster.replicas,
+            "nic_gbps": base.cluster.nic_gbps,
+            "fidelity": base.fidelity,
             "policy": base.policies[0],
         }
         out = {}
@@ -119,8 +121,11 @@ class _Point:
 
 def _prepare(base: DryRunConfig, point: dict) -> _Point:
     """The cluster and constants of one grid point. Raises :class:`ConfigError` for a fleet that cannot run."""
-    cluster = validate(ClusterConfig, {**base.cluster.model_dump(), "replicas": point["replicas"],
-                                       "nic_gbps": point["nic_gbps"]}, prefix="cluster")
+    cluster = validate(
+        ClusterConfig,
+        {**base.cluster.model_dump(), "replicas": point["replicas"], "nic_gbps": point["nic_gbps"]},
+        prefix="cluster",
+    )
     constants = BtbConstants.parse({k: point[k] for k in BtbConstants.keys()})
     return _Point(cluster, constants, point["fidelity"], point["policy"])
 
@@ -192,8 +197,16 @@ class SweepSpec:
         self.base.check()
         axes = self.grid.axes(self.base)
         for replicas, nic in itertools.product(axes["replicas"], axes["nic_gbps"]):
-            point = {"replicas": replicas, "nic_gbps": nic, "prefix_blocks": 1, "threshold": 1, "window_s": 1.0,
-                     "warm_replicas": 1, "fidelity": "realistic", "policy": "round_robin"}
+            point = {
+                "replicas": replicas,
+                "nic_gbps": nic,
+                "prefix_blocks": 1,
+                "threshold": 1,
+                "window_s": 1.0,
+                "warm_replicas": 1,
+                "fidelity": "realistic",
+                "policy": "round_robin",
+            }
             _prepare(self.base, point).cluster.replica_cost()
         return axes
 
@@ -214,8 +227,7 @@ def _rank_key(metric: str):
     return key
 
 
-def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *,
-              trace: Trace | None = None) -> dict:
+def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *, trace: Trace | None = None) -> dict:
     """Run every grid point of ``spec`` and rank them.
 
     Args:
@@ -273,14 +285,22 @@ def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *,
         "btbctl_version": __version__,
         "seed": spec.base.seed,
         "rank_by": spec.rank_by,
-        "trace": round_floats({"path": spec.base.trace.path, "format": trace.format, "requests": len(trace),
-                               "span_s": trace.span_s, "block_tokens": trace.block_tokens}),
+        "trace": round_floats(
+            {
+                "path": spec.base.trace.path,
+                "format": trace.format,
+                "requests": len(trace),
+                "span_s": trace.span_s,
+                "block_tokens": trace.block_tokens,
+            }
+        ),
         "cluster": {"model": cl.model, "gpu": cl.gpu, "gpus_per_replica": cl.gpus_per_replica},
         "axes": round_floats(axes),
         "points": len(points),
         "results": results,
-        "timing": round_floats({"wall_s": wall_s, "jobs": jobs,
-                                "runs_per_s": len(points) / wall_s if wall_s > 0 else None}),
+        "timing": round_floats(
+            {"wall_s": wall_s, "jobs": jobs, "runs_per_s": len(points) / wall_s if wall_s > 0 else None}
+        ),
     }
 
 
@@ -316,8 +336,14 @@ def heatmap(report: dict, x_axis: str, y_axis: str, metric: str | None = None) -
         key = (row["point"][x_axis], row["point"][y_axis])
         if key not in best or v < best[key]:
             best[key] = v
-    return {"x_axis": x_axis, "y_axis": y_axis, "metric": metric, "x": xs, "y": ys,
-            "values": [[best.get((x, y)) for x in xs] for y in ys]}
+    return {
+        "x_axis": x_axis,
+        "y_axis": y_axis,
+        "metric": metric,
+        "x": xs,
+        "y": ys,
+        "values": [[best.get((x, y)) for x in xs] for y in ys],
+    }
 
 
 def parse_list(axis: str, text: str | None, kind: type) -> tuple:
@@ -337,5 +363,16 @@ def parse_list(axis: str, text: str | None, kind: type) -> tuple:
     return tuple(out)
 
 
-__all__ = ["AXES", "DEFAULT_SWEEP_POLICY", "RANK_BY", "SweepGrid", "SweepSpec", "default_jobs", "grid_points",
-           "heatmap", "parse_list", "run_point", "run_sweep"]
+__all__ = [
+    "AXES",
+    "DEFAULT_SWEEP_POLICY",
+    "RANK_BY",
+    "SweepGrid",
+    "SweepSpec",
+    "default_jobs",
+    "grid_points",
+    "heatmap",
+    "parse_list",
+    "run_point",
+    "run_sweep",
+]

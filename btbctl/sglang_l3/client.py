@@ -66,9 +66,9 @@ class _Conn:
 
 class AgentClient:
     """Args:
-        socket_path: the agent's Unix socket.
-        timeout_s: bound of every call, seconds.
-        namespace: the namespace description this store registers (``Namespace.describe()``), or None.
+    socket_path: the agent's Unix socket.
+    timeout_s: bound of every call, seconds.
+    namespace: the namespace description this store registers (``Namespace.describe()``), or None.
     """
 
     def __init__(self, socket_path: str, timeout_s: float = 2.0, namespace: dict | None = None) -> None:
@@ -85,8 +85,9 @@ class AgentClient:
     def _connect(self) -> _Conn:
         now = time.monotonic()
         if now < self._down_until:
-            raise AgentUnavailable("agent_down", f"agent at {self.socket_path} unavailable (retrying in "
-                                                 f"{self._down_until - now:.1f} s)")
+            raise AgentUnavailable(
+                "agent_down", f"agent at {self.socket_path} unavailable (retrying in {self._down_until - now:.1f} s)"
+            )
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout_s)
         try:

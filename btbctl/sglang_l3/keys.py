@@ -78,8 +78,9 @@ def _page_payload(page: Sequence[int]) -> bytes:
     return (WIDE_PAGE_TAG + arr.tobytes()) if wide else arr.tobytes()
 
 
-def page_keys(token_ids: Iterable[int], page_size: int, extra_key: str | None = None,
-              cache_salt: str | None = None) -> list[str]:
+def page_keys(
+    token_ids: Iterable[int], page_size: int, extra_key: str | None = None, cache_salt: str | None = None
+) -> list[str]:
     """SGLang's storage page keys for ``token_ids`` split into pages of ``page_size`` tokens.
 
     Args:
@@ -106,7 +107,7 @@ def page_keys(token_ids: Iterable[int], page_size: int, extra_key: str | None = 
         h = hashlib.sha256()
         if prior is not None:
             h.update(prior)
-        h.update(_page_payload(ids[start:start + page_size]))
+        h.update(_page_payload(ids[start : start + page_size]))
         prior = h.digest()
         keys.append(prior.hex())
     return keys
@@ -180,5 +181,13 @@ def object_key(ns_id: str, key: str) -> str:
     return f"{ns_id}.{key}"
 
 
-__all__ = ["NAMESPACE_ID_CHARS", "NAMESPACE_SEED_PREFIX", "Namespace", "WIDE_PAGE_TAG", "is_page_key",
-           "namespace_seed", "object_key", "page_keys"]
+__all__ = [
+    "NAMESPACE_ID_CHARS",
+    "NAMESPACE_SEED_PREFIX",
+    "Namespace",
+    "WIDE_PAGE_TAG",
+    "is_page_key",
+    "namespace_seed",
+    "object_key",
+    "page_keys",
+]

@@ -57,8 +57,15 @@ DEFAULT_TIMEOUT_S = 2.0
 OWN_KEYS = ("agent_socket", "timeout_s")
 #: Keys SGLang itself leaves in ``extra_config`` (``backend_factory.py:140-151``, ``unified_radix_cache.py:497-501``,
 #: ``cache_controller.py:664``) or that belong to other backends and are ignored here.
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "file_storage_path",
-               "enable_metadata_cache", "metadata_ttl")
+SGLANG_KEYS = (
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "file_storage_path",
+    "enable_metadata_cache",
+    "metadata_ttl",
+)
 
 
 def _sglang_version() -> str:
@@ -76,8 +83,10 @@ def parse_extra_config(extra: dict | None) -> tuple[str, float, bool]:
     extra = dict(extra or {})
     unknown = sorted(k for k in extra if k not in OWN_KEYS + SGLANG_KEYS)
     if unknown:
-        raise ValueError(f"BtbL3Store: unknown extra-config key {unknown[0]!r}; valid: {', '.join(OWN_KEYS)} "
-                         f"(plus SGLang's {', '.join(SGLANG_KEYS[:4])})")
+        raise ValueError(
+            f"BtbL3Store: unknown extra-config key {unknown[0]!r}; valid: {', '.join(OWN_KEYS)} "
+            f"(plus SGLang's {', '.join(SGLANG_KEYS[:4])})"
+        )
     sock = extra.get("agent_socket", os.environ.get(AGENT_SOCKET_ENV) or DEFAULT_AGENT_SOCKET)
     if not isinstance(sock, str) or not sock:
         raise ValueError("BtbL3Store: agent_socket must be a non-empty path string")
@@ -118,15 +127,30 @@ class BtbL3Store(HiCacheStorage):
             self.page_bytes = int(flat.numel() * flat.element_size())
         mla = bool(cfg.is_mla_model)
         self.namespace = Namespace(
-            model=cfg.model_name or "", tp_size=int(cfg.tp_size), tp_rank=None if mla else int(cfg.tp_rank),
-            pp_size=int(cfg.pp_size), pp_rank=int(cfg.pp_rank), cp_size=int(getattr(cfg, "attn_cp_size", 1)),
-            cp_rank=int(getattr(cfg, "attn_cp_rank", 0)), page_size=self.page_size, layout=str(pool.layout),
-            kv_dtype=str(pool.dtype), page_bytes=self.page_bytes, interface="v1" if self.interface_v1 else "generic",
-            sglang_version=_sglang_version(), mla=mla)
+            model=cfg.model_name or "",
+            tp_size=int(cfg.tp_size),
+            tp_rank=None if mla else int(cfg.tp_rank),
+            pp_size=int(cfg.pp_size),
+            pp_rank=int(cfg.pp_rank),
+            cp_size=int(getattr(cfg, "attn_cp_size", 1)),
+            cp_rank=int(getattr(cfg, "attn_cp_rank", 0)),
+            page_size=self.page_size,
+            layout=str(pool.layout),
+            kv_dtype=str(pool.dtype),
+            page_bytes=self.page_bytes,
+            interface="v1" if self.interface_v1 else "generic",
+            sglang_version=_sglang_version(),
+            mla=mla,
+        )
         self.ns_id = self.namespace.ns_id
         self.client = AgentClient(self.socket_path, self.timeout_s, self.namespace.describe())
-        log.info("btbctl L3 store: namespace %s (%s), page %d bytes, agent %s", self.ns_id,
-                 self.namespace.describe(), self.page_bytes, self.socket_path)
+        log.info(
+            "btbctl L3 store: namespace %s (%s), page %d bytes, agent %s",
+            self.ns_id,
+            self.namespace.describe(),
+            self.page_bytes,
+            self.socket_path,
+        )
 
     def _warn_once(self, kind: str, message: str) -> None:
         with self._warn_lock:
@@ -168,7 +192,9 @@ class BtbL3Store(HiCacheStorage):
             self._warn_once("layout", f"host pool gave {len(ptrs)} buffers for {n} pages; treated as a miss")
             return None
         per = len(ptrs) // n
-        pages = [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per], strict=True)) for i in range(n)]
+        pages = [
+            list(zip(ptrs[i * per : (i + 1) * per], sizes[i * per : (i + 1) * per], strict=True)) for i in range(n)
+        ]
         if any(sum(s for _, s in p) != self.page_bytes for p in pages):
             self._warn_once("page_bytes", "host buffers do not add up to the namespace's page size; miss")
             return None
@@ -188,7 +214,7 @@ class BtbL3Store(HiCacheStorage):
             rep, conn = self.client.call({"op": "get", "ns": self.ns_id, "keys": list(keys), "size": self.page_bytes})
             offsets, lease = rep.get("offsets") or [], rep.get("lease") or 0
             base = conn.arena.base
-            for i, off in enumerate(offsets[:len(keys)]):
+            for i, off in enumerate(offsets[: len(keys)]):
                 src = base + off
                 for addr, size in pages[i]:
                     memmove(addr, src, size)
@@ -236,8 +262,9 @@ class BtbL3Store(HiCacheStorage):
 
     # -- generic path -----------------------------------------------------------------------------------------
 
-    def batch_get(self, keys: list[str], target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
         """Fill ``target_locations`` (flat host tensors of one page each) with the leading run of present pages;
         None for the rest."""
         n = len(keys)
@@ -263,14 +290,18 @@ class BtbL3Store(HiCacheStorage):
             if lease:
                 self.client.send({"op": "release", "lease": lease})
 
-    def get(self, key: str, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> torch.Tensor | None:
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         if target_location is None:
             return None
         return self.batch_get([key], [target_location])[0]
 
-    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
-                  target_sizes: Any | None = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
         """Store flat pages ``values`` under ``keys``; True only when every one is stored."""
         if not keys or values is None or self.client is None:
             return False
@@ -284,8 +315,9 @@ class BtbL3Store(HiCacheStorage):
             self._fail(e)
             return False
 
-    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
-            target_sizes: Any | None = None) -> bool:
+    def set(
+        self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
         return self.batch_set([key], [value] if value is not None else None)
 
     # -- misc -------------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def recv_frame(sock: socket.socket, prefix: bytes = b"") -> dict:
     (n,) = _LEN.unpack(head)
     if n > MAX_FRAME_BYTES:
         raise WireError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
-    rest = prefix[4:4 + n]
+    rest = prefix[4 : 4 + n]
     body = rest + (_recv_exact(sock, n - len(rest)) if len(rest) < n else b"")
     return decode_body(body)
 

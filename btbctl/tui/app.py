@@ -138,8 +138,9 @@ class PolicyScreen(ModalScreen[str | None]):
         with Vertical(id="dialog"):
             yield Label(f"Routing policy (now {self.current}):")
             names = list(POLICIES)
-            ol = OptionList(*[Option(f"{n}  [dim]{POLICIES[n].summary[:40]}[/dim]", id=n) for n in names],
-                            id="policy-list")
+            ol = OptionList(
+                *[Option(f"{n}  [dim]{POLICIES[n].summary[:40]}[/dim]", id=n) for n in names], id="policy-list"
+            )
             if self.current in names:
                 ol.highlighted = names.index(self.current)
             yield ol

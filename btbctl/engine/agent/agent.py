@@ -76,11 +76,14 @@ def read_secret(path: str, what: str = "secret file") -> bytes:
         with open(path, "rb") as f:
             data = f.read(1 << 16).strip()
     except OSError as e:
-        raise ConfigError("--secret-file" if "secret" in what else "--control-token-file",
-                          f"cannot read {path}: {e.strerror or e}") from None
+        raise ConfigError(
+            "--secret-file" if "secret" in what else "--control-token-file", f"cannot read {path}: {e.strerror or e}"
+        ) from None
     if len(data) < MIN_SECRET_BYTES:
-        raise ConfigError("--secret-file" if "secret" in what else "--control-token-file",
-                          f"{path} holds {len(data)} bytes; at least {MIN_SECRET_BYTES} are needed")
+        raise ConfigError(
+            "--secret-file" if "secret" in what else "--control-token-file",
+            f"{path} holds {len(data)} bytes; at least {MIN_SECRET_BYTES} are needed",
+        )
     return data
 
 
@@ -127,8 +130,9 @@ class Agent:
             else:
                 self.store = PageStore(cfg.arena_bytes, on_event=self.event)
         except OSError as e:
-            raise BtbctlError(f"cannot create the arena of {cfg.arena_bytes} bytes or the file directory: "
-                              f"{e.strerror or e}") from None
+            raise BtbctlError(
+                f"cannot create the arena of {cfg.arena_bytes} bytes or the file directory: {e.strerror or e}"
+            ) from None
         from btbctl.engine.agent.peer import FAULT_ENV, SendFaults
 
         try:
@@ -138,10 +142,24 @@ class Agent:
         if cfg.file_dir is None:
             loop = asyncio.get_running_loop()
             fut = loop.run_in_executor(None, self.store.populate)
-            fut.add_done_callback(lambda f: self.event("arena_populated", {"seconds": round(f.result(), 3)})
-                                  if not f.cancelled() and f.exception() is None else None)
-        self.peers = PeerService(self.store, cfg.secret, self.agent_id, self.event, self.metrics, cfg.peer_host,
-                                 cfg.peer_port, idle_timeout_s=cfg.idle_timeout_s, faults=faults)
+            fut.add_done_callback(
+                lambda f: (
+                    self.event("arena_populated", {"seconds": round(f.result(), 3)})
+                    if not f.cancelled() and f.exception() is None
+                    else None
+                )
+            )
+        self.peers = PeerService(
+            self.store,
+            cfg.secret,
+            self.agent_id,
+            self.event,
+            self.metrics,
+            cfg.peer_host,
+            cfg.peer_port,
+            idle_timeout_s=cfg.idle_timeout_s,
+            faults=faults,
+        )
         try:
             self.peer_port = self.peers.start()
         except OSError as e:
@@ -159,20 +177,35 @@ class Agent:
         try:
             await site.start()
         except OSError as e:
-            raise BtbctlError(f"cannot listen for control on {cfg.control_host}:{cfg.control_port}: "
-                              f"{e.strerror or e}") from None
+            raise BtbctlError(
+                f"cannot listen for control on {cfg.control_host}:{cfg.control_port}: {e.strerror or e}"
+            ) from None
         server = getattr(site, "_server", None)
         socks = server.sockets if server is not None else []
         self.control_port = socks[0].getsockname()[1] if socks else cfg.control_port
         from btbctl.engine.replication.rdma import probe
 
         rdma = probe() if cfg.transport == "auto" else "--transport tcp"
-        self.event("transport_selected", {"transport": "tcp", "rdma": "unavailable: " + rdma if rdma else
-                                          "devices present; the arena's pyverbs device layer is not part of this "
-                                          "build"})
-        self.event("agent_started", {"agent": self.agent_id, "peer": f"{cfg.peer_host}:{self.peer_port}",
-                                     "control": f"{cfg.control_host}:{self.control_port}",
-                                     "socket": cfg.socket_path, "arena_bytes": cfg.arena_bytes, "transport": "tcp"})
+        self.event(
+            "transport_selected",
+            {
+                "transport": "tcp",
+                "rdma": "unavailable: " + rdma
+                if rdma
+                else "devices present; the arena's pyverbs device layer is not part of this build",
+            },
+        )
+        self.event(
+            "agent_started",
+            {
+                "agent": self.agent_id,
+                "peer": f"{cfg.peer_host}:{self.peer_port}",
+                "control": f"{cfg.control_host}:{self.control_port}",
+                "socket": cfg.socket_path,
+                "arena_bytes": cfg.arena_bytes,
+                "transport": "tcp",
+            },
+        )
 
     async def close(self) -> None:
         if self.local is not None:
@@ -200,10 +233,16 @@ class Agent:
 
     def info(self) -> dict:
         assert self.store is not None
-        return {"agent": self.agent_id, "peer_addr": f"{self.cfg.peer_host}:{self.peer_port}",
-                "control_port": self.control_port, "socket": self.cfg.socket_path, "transport": "tcp",
-                "store": self.store.stats(), "namespaces": dict(self.store.namespaces),
-                "seen_namespaces": sorted(self.store.seen_namespaces)}
+        return {
+            "agent": self.agent_id,
+            "peer_addr": f"{self.cfg.peer_host}:{self.peer_port}",
+            "control_port": self.control_port,
+            "socket": self.cfg.socket_path,
+            "transport": "tcp",
+            "store": self.store.stats(),
+            "namespaces": dict(self.store.namespaces),
+            "seen_namespaces": sorted(self.store.seen_namespaces),
+        }
 
 
 def run(cfg: AgentConfig, ready_line: bool = True) -> None:
@@ -220,8 +259,11 @@ def run(cfg: AgentConfig, ready_line: bool = True) -> None:
         try:
             await agent.start()
             if ready_line:
-                print(f"ready peer {cfg.peer_host}:{agent.peer_port} control {cfg.control_host}:{agent.control_port} "
-                      f"socket {cfg.socket_path}", flush=True)
+                print(
+                    f"ready peer {cfg.peer_host}:{agent.peer_port} control {cfg.control_host}:{agent.control_port} "
+                    f"socket {cfg.socket_path}",
+                    flush=True,
+                )
             await stop.wait()
         finally:
             await agent.close()

@@ -144,17 +144,25 @@ class _Handlers:
         if fanout not in FANOUTS:
             raise _Err(400, f"fanout must be one of {', '.join(FANOUTS)}")
         targets = body.get("targets")
-        if not isinstance(targets, list) or not targets or not all(
+        if (
+            not isinstance(targets, list)
+            or not targets
+            or not all(
                 isinstance(t, dict) and isinstance(t.get("addr"), str) and isinstance(t.get("token"), str)
-                for t in targets):
+                for t in targets
+            )
+        ):
             raise _Err(400, "targets must be a non-empty list of {addr, token}")
         known = self.a.known_namespaces()
         have = self.a.has(keys, _namespaces(body, known))
         nss = have["complete"] if body.get("namespaces") is None else _namespaces(body, known)
         missing = [ns for ns in nss if have["namespaces"].get(ns, 0) < len(keys)]
         if not nss or missing:
-            raise _Err(409, f"this node does not hold all {len(keys)} pages"
-                            + (f" in namespace {missing[0]}" if missing else " in any namespace"))
+            raise _Err(
+                409,
+                f"this node does not hold all {len(keys)} pages"
+                + (f" in namespace {missing[0]}" if missing else " in any namespace"),
+            )
         names = [self.a.store.name_of(ns, k) for ns in nss for k in keys]
         try:
             rec = self.a.peers.push(body.get("copy_id"), names, fanout_plan(targets, fanout))

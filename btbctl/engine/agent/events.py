@@ -33,7 +33,7 @@ DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 
 def _fmt(v: object) -> str:
     s = str(v)
-    if not s or any(c in s for c in " \t\"=\n"):
+    if not s or any(c in s for c in ' \t"=\n'):
         return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
     return s
 
@@ -52,16 +52,23 @@ class AgentMetrics:
         self.pages = Counter("btbctl_agent_pages", "Pages moved by peer copies", ["direction"], registry=r)
         self.bytes = Counter("btbctl_agent_bytes", "Bytes moved by peer copies", ["direction"], registry=r)
         self.copies = Counter("btbctl_agent_copies", "Copies by role and outcome", ["role", "outcome"], registry=r)
-        self.duration = Histogram("btbctl_agent_copy_duration_seconds", "Duration of finished copies", ["role"],
-                                  buckets=DURATION_BUCKETS_S, registry=r)
+        self.duration = Histogram(
+            "btbctl_agent_copy_duration_seconds",
+            "Duration of finished copies",
+            ["role"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
         self.evictions = Counter("btbctl_agent_evictions", "Pages evicted (LRU)", registry=r)
         self.evicted_bytes = Counter("btbctl_agent_evicted_bytes", "Bytes evicted (LRU)", registry=r)
         self.auth_failures = Counter("btbctl_agent_auth_failures", "Peers that failed authentication", registry=r)
         self._stats = stats
         if stats is not None:
-            for name, key, doc in (("btbctl_agent_arena_bytes", "arena_bytes", "Arena size (byte budget)"),
-                                   ("btbctl_agent_used_bytes", "used_bytes", "Arena bytes in use (ready + pending)"),
-                                   ("btbctl_agent_ready_pages", "ready_pages", "Pages ready to serve")):
+            for name, key, doc in (
+                ("btbctl_agent_arena_bytes", "arena_bytes", "Arena size (byte budget)"),
+                ("btbctl_agent_used_bytes", "used_bytes", "Arena bytes in use (ready + pending)"),
+                ("btbctl_agent_ready_pages", "ready_pages", "Pages ready to serve"),
+            ):
                 g = Gauge(name, doc, registry=r)
                 g.set_function(lambda key=key: float(self._stats()[key]))
 

@@ -109,7 +109,7 @@ class FileDirStore(PageStore):
         import xxhash
 
         if o.digest is None:
-            o.digest = xxhash.xxh3_64_intdigest(self.view[o.offset:o.offset + o.size])
+            o.digest = xxhash.xxh3_64_intdigest(self.view[o.offset : o.offset + o.size])
         return o.digest
 
     # -- writes -----------------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class FileDirStore(PageStore):
                 path = self._path(o.name)
                 tmp = os.path.join(self.directory, f".btbctl-{secrets.token_hex(8)}.tmp")
                 with open(tmp, "wb") as f:
-                    f.write(self.view[o.offset:o.offset + o.size])
+                    f.write(self.view[o.offset : o.offset + o.size])
                 os.replace(tmp, path)
                 self.seen_namespaces.add(o.name[64:])
             with self.lock:

@@ -36,14 +36,15 @@ MAX_LOCAL_CONNECTIONS = 256
 
 class LocalServer:
     """Args:
-        store: the node's page store.
-        path: the Unix socket path (an existing socket file there is replaced).
-        socket_mode: permission bits of the socket file.
-        on_event: ``on_event(event, fields)`` for structured log lines.
+    store: the node's page store.
+    path: the Unix socket path (an existing socket file there is replaced).
+    socket_mode: permission bits of the socket file.
+    on_event: ``on_event(event, fields)`` for structured log lines.
     """
 
-    def __init__(self, store: PageStore, path: str, socket_mode: int = 0o600,
-                 on_event: Callable[[str, dict], None] | None = None) -> None:
+    def __init__(
+        self, store: PageStore, path: str, socket_mode: int = 0o600, on_event: Callable[[str, dict], None] | None = None
+    ) -> None:
         self.store = store
         self.path = path
         self.socket_mode = socket_mode
@@ -148,9 +149,18 @@ class LocalServer:
             ns_id = nso.ns_id
             if ns_id not in self.store.namespaces:
                 self.store.register_namespace(ns_id, ns)
-                self.on_event("namespace_registered", {"ns": ns_id, "model": nso.model, "tp_rank": nso.tp_rank,
-                                                       "tp_size": nso.tp_size, "page_bytes": nso.page_bytes,
-                                                       "layout": nso.layout, "interface": nso.interface})
+                self.on_event(
+                    "namespace_registered",
+                    {
+                        "ns": ns_id,
+                        "model": nso.model,
+                        "tp_rank": nso.tp_rank,
+                        "tp_size": nso.tp_size,
+                        "page_bytes": nso.page_bytes,
+                        "layout": nso.layout,
+                        "interface": nso.interface,
+                    },
+                )
         return {"ok": True, "arena_id": self.store.arena_id, "arena_bytes": self.store.arena_bytes, "ns_id": ns_id}
 
     def _names(self, req: dict) -> list[str]:
@@ -186,8 +196,15 @@ class LocalServer:
             except NoRoom as e:  # pragma: no cover - all_or_none=False never raises
                 raise _Bad(str(e)) from None
             if offsets and all(o is None for o in offsets):
-                self.on_event("local_write_refused", {"owner": owner, "pages": len(names), "bytes": size * len(names),
-                                                      "reason": "store full (pinned, leased or pending pages)"})
+                self.on_event(
+                    "local_write_refused",
+                    {
+                        "owner": owner,
+                        "pages": len(names),
+                        "bytes": size * len(names),
+                        "reason": "store full (pinned, leased or pending pages)",
+                    },
+                )
             return {"ok": True, "offsets": offsets, "token": token}
         if op == "commit":
             token, written = req.get("token"), req.get("written")

@@ -119,8 +119,9 @@ class PageStore:
         OSError: the memfd cannot be created or sized.
     """
 
-    def __init__(self, arena_bytes: int, on_event: Callable[[str, dict], None] | None = None,
-                 allocate: bool = True) -> None:
+    def __init__(
+        self, arena_bytes: int, on_event: Callable[[str, dict], None] | None = None, allocate: bool = True
+    ) -> None:
         if arena_bytes < ALIGN_BYTES:
             raise ValueError(f"arena_bytes must be >= {ALIGN_BYTES}")
         self.arena_bytes = arena_bytes
@@ -168,10 +169,15 @@ class PageStore:
         with self.lock:
             ready_bytes = sum(o.size for o in self.ready.values())
             pending = sum(o.size for r in self.reservations.values() for o in r.objs if o is not None)
-            return {"arena_bytes": self.arena_bytes, "used_bytes": self.alloc.used, "ready_pages": len(self.ready),
-                    "ready_bytes": ready_bytes, "pending_bytes": pending,
-                    "pinned_pages": sum(1 for o in self.ready.values() if self._held(o, time.monotonic())),
-                    "evictions": self.evictions}
+            return {
+                "arena_bytes": self.arena_bytes,
+                "used_bytes": self.alloc.used,
+                "ready_pages": len(self.ready),
+                "ready_bytes": ready_bytes,
+                "pending_bytes": pending,
+                "pinned_pages": sum(1 for o in self.ready.values() if self._held(o, time.monotonic())),
+                "evictions": self.evictions,
+            }
 
     def _held(self, o: Obj, now: float) -> bool:
         if o.pins or o.leases:
@@ -199,8 +205,10 @@ class PageStore:
             off = self.alloc.alloc(size)
             if off is not None:
                 return off
-        raise NoRoom(f"no room for {size} bytes: {self.alloc.used} of {self.arena_bytes} bytes held by pinned, "
-                     "leased or pending pages")
+        raise NoRoom(
+            f"no room for {size} bytes: {self.alloc.used} of {self.arena_bytes} bytes held by pinned, "
+            "leased or pending pages"
+        )
 
     def _report_evictions(self, evicted: list[Obj], reason: str) -> None:
         if evicted:
@@ -307,15 +315,16 @@ class PageStore:
         """xxh3_64 of a ready or pending object's bytes (cached once the object is ready)."""
         if o.digest is not None:
             return o.digest
-        d = xxhash.xxh3_64_intdigest(self.view[o.offset:o.offset + o.size])
+        d = xxhash.xxh3_64_intdigest(self.view[o.offset : o.offset + o.size])
         if o.ready:
             o.digest = d
         return d
 
     # -- writes -----------------------------------------------------------------------------------------------
 
-    def reserve(self, names: Sequence[str], sizes: Sequence[int], owner: str, *, all_or_none: bool,
-                skip_ready: bool = True) -> tuple[str, list[int | None]]:
+    def reserve(
+        self, names: Sequence[str], sizes: Sequence[int], owner: str, *, all_or_none: bool, skip_ready: bool = True
+    ) -> tuple[str, list[int | None]]:
         """Reserve room for pages ``names`` (``sizes[i]`` bytes each), pending under ``owner``.
 
         Returns a token for :meth:`commit`/:meth:`abort` and per name the offset to write at, ``-1`` when the page is
@@ -360,8 +369,9 @@ class PageStore:
         with self.lock:
             return list(self.reservations[token].objs)
 
-    def commit(self, token: str, written: Sequence[bool] | None = None,
-               digests: Sequence[int | None] | None = None) -> list[bool]:
+    def commit(
+        self, token: str, written: Sequence[bool] | None = None, digests: Sequence[int | None] | None = None
+    ) -> list[bool]:
         """Make the reservation's pages ready (only those with ``written[i]`` true, when given; the others are
         freed). A page that became ready meanwhile keeps the existing copy. Returns per name whether it is ready
         now. Unknown tokens commit nothing."""
@@ -409,7 +419,7 @@ class PageStore:
                     continue
                 o.pins += 1  # held while hashed: its extent cannot be reused meanwhile
             try:
-                d = xxhash.xxh3_64_intdigest(self.view[o.offset:o.offset + o.size])
+                d = xxhash.xxh3_64_intdigest(self.view[o.offset : o.offset + o.size])
             finally:
                 with self.lock:
                     o.pins -= 1
@@ -442,19 +452,22 @@ class PageStore:
         owners."""
         with self.lock:
             now = time.monotonic()
-            old = [(t, r.owner) for t, r in self.reservations.items()
-                   if now - r.created_s > max_age_s and r.owner.startswith(owner_prefix)]
+            old = [
+                (t, r.owner)
+                for t, r in self.reservations.items()
+                if now - r.created_s > max_age_s and r.owner.startswith(owner_prefix)
+            ]
             for t, _ in old:
                 self.abort(t)
             return [o for _, o in old]
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Copy ``data`` into the arena at ``offset`` (tests and the file mode)."""
-        self.view[offset:offset + len(data)] = data
+        self.view[offset : offset + len(data)] = data
 
     def read(self, offset: int, size: int) -> memoryview:
         """A view of ``size`` bytes at ``offset`` (valid while the page is pinned, leased or pending)."""
-        return self.view[offset:offset + size]
+        return self.view[offset : offset + size]
 
     def names_with_suffix_key(self, keys: Sequence[str]) -> dict[str, list[str]]:
         """For each page key, the ready object names ``<ns>.<key>`` of every namespace (sorted)."""

@@ -77,8 +77,9 @@ class SendFaults:
         for item in filter(None, (x.strip() for x in spec.split(","))):
             key, sep, val = item.partition("=")
             if not sep or key not in ("corrupt_wire", "truncate", "close_after", "delay_s"):
-                raise ValueError(f"bad fault item {item!r}; valid: corrupt_wire=K, truncate=K, close_after=K, "
-                                 "delay_s=X")
+                raise ValueError(
+                    f"bad fault item {item!r}; valid: corrupt_wire=K, truncate=K, close_after=K, delay_s=X"
+                )
             try:
                 kw[key] = float(val) if key == "delay_s" else int(val)
             except ValueError:
@@ -91,6 +92,7 @@ class SendFaults:
 
         spec = os.environ.get(FAULT_ENV, "").strip()
         return cls.parse(spec) if spec else None
+
 
 log = logging.getLogger("btbctl.agent")
 
@@ -232,7 +234,7 @@ class Conn:
             self._sendall(head[sent:])
             sent = len(head)
         if sent - len(head) < len(data):
-            self._sendall(data[sent - len(head):])
+            self._sendall(data[sent - len(head) :])
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -244,12 +246,17 @@ def client_auth(conn: Conn, secret: bytes, agent_id: str) -> str:
     """Authenticate to a target (we push). Returns the target's agent id. Raises :class:`PeerError`."""
     ch = conn.recv_json(MAX_PREAUTH_BYTES)
     if ch.get("op") != "challenge" or ch.get("v") != PROTOCOL_VERSION:
-        raise PeerError(f"not a btbctl agent (protocol version {ch.get('v')!r}, this agent speaks "
-                        f"{PROTOCOL_VERSION})")
+        raise PeerError(f"not a btbctl agent (protocol version {ch.get('v')!r}, this agent speaks {PROTOCOL_VERSION})")
     n_t, id_t = str(ch.get("nonce", "")), str(ch.get("agent", ""))
     n_s = secrets.token_hex(16)
-    conn.send_json({"op": "auth", "nonce": n_s, "agent": agent_id,
-                    "mac": _mac(secret, b"client", n_t.encode(), n_s.encode(), agent_id.encode(), id_t.encode())})
+    conn.send_json(
+        {
+            "op": "auth",
+            "nonce": n_s,
+            "agent": agent_id,
+            "mac": _mac(secret, b"client", n_t.encode(), n_s.encode(), agent_id.encode(), id_t.encode()),
+        }
+    )
     ok = conn.recv_json(MAX_PREAUTH_BYTES)
     want = _mac(secret, b"server", n_s.encode(), n_t.encode(), id_t.encode(), agent_id.encode())
     if ok.get("op") != "auth_ok" or not hmac.compare_digest(str(ok.get("mac", "")), want):
@@ -270,8 +277,9 @@ def server_auth(conn: Conn, secret: bytes, agent_id: str) -> str:
     want = _mac(secret, b"client", n_t.encode(), n_s.encode(), id_s.encode(), agent_id.encode())
     if not hmac.compare_digest(str(a.get("mac", "")), want):
         raise PeerError("bad MAC (wrong fleet secret)")
-    conn.send_json({"op": "auth_ok",
-                    "mac": _mac(secret, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())})
+    conn.send_json(
+        {"op": "auth_ok", "mac": _mac(secret, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())}
+    )
     return id_s
 
 
@@ -526,11 +534,21 @@ class PeerService:
         max_peer_bytes: most bytes reserved for one peer's copies at once (default: half the arena).
     """
 
-    def __init__(self, store: PageStore, secret: bytes, agent_id: str, event: Callable[[str, dict], None],
-                 metrics=None, host: str = "127.0.0.1", port: int = 0,
-                 idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S, max_copy_bytes: int | None = None,
-                 max_peer_bytes: int | None = None, connect_timeout_s: float = 5.0,
-                 faults: SendFaults | None = None) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        secret: bytes,
+        agent_id: str,
+        event: Callable[[str, dict], None],
+        metrics=None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_copy_bytes: int | None = None,
+        max_peer_bytes: int | None = None,
+        connect_timeout_s: float = 5.0,
+        faults: SendFaults | None = None,
+    ) -> None:
         if len(secret) < 16:
             raise ValueError("the fleet secret must be at least 16 bytes")
         self.store = store
@@ -609,8 +627,11 @@ class PeerService:
         now = time.monotonic()
         with self.lock:
             # unused ones go at their expiry; used ones (kept so that their id cannot be replayed) one ttl later
-            for cid in [c for c, e in self.expects.items()
-                        if e.expires < now and (not e.used or e.expires < now - DEFAULT_EXPECT_TTL_S)]:
+            for cid in [
+                c
+                for c, e in self.expects.items()
+                if e.expires < now and (not e.used or e.expires < now - DEFAULT_EXPECT_TTL_S)
+            ]:
                 del self.expects[cid]
             if len(self.expects) >= MAX_EXPECTS:
                 raise ValueError(f"{len(self.expects)} copies are expected already (limit {MAX_EXPECTS})")
@@ -661,10 +682,26 @@ class PeerService:
             with self.lock:
                 self.cancels.pop(copy_id, None)
             raise
-        rec = self.book.put(CopyRecord(copy_id, "source", CopyState.RUNNING, len(names), sum(src.sizes),
-                                       peer=",".join(c["addr"] for c in children)))
-        self.event("copy_started", {"copy_id": copy_id, "role": "source", "pages": len(names),
-                                    "bytes": rec.bytes_total, "targets": ",".join(plan_targets(children))})
+        rec = self.book.put(
+            CopyRecord(
+                copy_id,
+                "source",
+                CopyState.RUNNING,
+                len(names),
+                sum(src.sizes),
+                peer=",".join(c["addr"] for c in children),
+            )
+        )
+        self.event(
+            "copy_started",
+            {
+                "copy_id": copy_id,
+                "role": "source",
+                "pages": len(names),
+                "bytes": rec.bytes_total,
+                "targets": ",".join(plan_targets(children)),
+            },
+        )
 
         def run() -> None:
             try:
@@ -679,13 +716,15 @@ class PeerService:
 
     # -- sending ----------------------------------------------------------------------------------------------
 
-    def _fan_out(self, copy_id: str, src: PageSource, children: list[dict], rec: CopyRecord,
-                 cancel: threading.Event) -> None:
+    def _fan_out(
+        self, copy_id: str, src: PageSource, children: list[dict], rec: CopyRecord, cancel: threading.Event
+    ) -> None:
         t0 = time.monotonic()
         for c in children:
             rec.targets[c["addr"]] = {"state": CopyState.STALLED.value, "bytes_sent": 0, "error": None}
-        threads = [self._spawn(self._send_one, f"btbctl-send-{copy_id}", copy_id, src, c, rec, cancel)
-                   for c in children]
+        threads = [
+            self._spawn(self._send_one, f"btbctl-send-{copy_id}", copy_id, src, c, rec, cancel) for c in children
+        ]
         for t in threads:
             t.join()
         errors = [f"{a}: {t['error']}" for a, t in rec.targets.items() if t["state"] != CopyState.DONE.value]
@@ -694,9 +733,18 @@ class PeerService:
             rec.state = CopyState.FAILED if errors else CopyState.DONE
             rec.error = "; ".join(errors) or None
             rec.finished_s = time.time()
-            self.event("copy_finished", {"copy_id": copy_id, "role": "source", "outcome": rec.state.value,
-                                         "pages": rec.pages, "bytes": rec.bytes_total,
-                                         "duration_s": round(time.monotonic() - t0, 6), "error": rec.error})
+            self.event(
+                "copy_finished",
+                {
+                    "copy_id": copy_id,
+                    "role": "source",
+                    "outcome": rec.state.value,
+                    "pages": rec.pages,
+                    "bytes": rec.bytes_total,
+                    "duration_s": round(time.monotonic() - t0, 6),
+                    "error": rec.error,
+                },
+            )
 
     def _send_one(self, copy_id: str, src: PageSource, child: dict, rec: CopyRecord, cancel: threading.Event) -> None:
         addr = child["addr"]
@@ -715,14 +763,21 @@ class PeerService:
             conn.deadline = time.monotonic() + AUTH_TIMEOUT_S
             client_auth(conn, self.secret, self.agent_id)
             conn.deadline = time.monotonic() + DEADLINE_BASE_S + total / MIN_RATE_BYTES_PER_S
-            conn.send_json({"op": "offer", "copy_id": copy_id, "token": child["token"], "names": src.names,
-                            "sizes": src.sizes, "children": child["children"]})
+            conn.send_json(
+                {
+                    "op": "offer",
+                    "copy_id": copy_id,
+                    "token": child["token"],
+                    "names": src.names,
+                    "sizes": src.sizes,
+                    "children": child["children"],
+                }
+            )
             rep = conn.recv_json()
             if rep.get("op") != "accept":
                 raise PeerError(f"refused: {rep.get('error', rep.get('op'))}")
             need = rep.get("need")
-            if not isinstance(need, list) or any(not isinstance(i, int) or not 0 <= i < len(src.names)
-                                                 for i in need):
+            if not isinstance(need, list) or any(not isinstance(i, int) or not 0 <= i < len(src.names) for i in need):
                 raise PeerError("malformed accept")
             st["state"] = CopyState.RUNNING.value
             sent = 0
@@ -810,8 +865,10 @@ class PeerService:
             conn.close()
 
     def _refuse(self, conn: Conn, copy_id: object, peer: str, reason: str, pages: int = 0, nbytes: int = 0) -> None:
-        self.event("copy_refused", {"copy_id": copy_id, "role": "target", "peer": peer, "pages": pages,
-                                    "bytes": nbytes, "reason": reason})
+        self.event(
+            "copy_refused",
+            {"copy_id": copy_id, "role": "target", "peer": peer, "pages": pages, "bytes": nbytes, "reason": reason},
+        )
         with contextlib.suppress(Exception):
             conn.send_json({"op": "refuse", "error": reason})
 
@@ -829,8 +886,9 @@ class PeerService:
         if not 1 <= len(names) <= MAX_COPY_PAGES:
             raise PeerError(f"a copy carries 1..{MAX_COPY_PAGES} pages, got {len(names)}")
         if not all(isinstance(n, str) and self.store.valid_name(n) for n in names):
-            raise PeerError("page names must be valid names of this store (1..256 characters; file mode: "
-                            "<page key><suffix>)")
+            raise PeerError(
+                "page names must be valid names of this store (1..256 characters; file mode: <page key><suffix>)"
+            )
         if not all(isinstance(s, int) and 1 <= s <= MAX_PAGE_BYTES for s in sizes):
             raise PeerError(f"page sizes must be 1..{MAX_PAGE_BYTES} bytes")
         if len(set(names)) != len(names):
@@ -885,8 +943,17 @@ class PeerService:
                 self.peer_bytes[peer_id] -= total
                 self.cancels.pop(copy_id, None)
 
-    def _receive_pages(self, conn: Conn, peer: str, copy_id: str, names: list[str], sizes: list[int],
-                       children: list[dict], total: int, cancel: threading.Event) -> None:
+    def _receive_pages(
+        self,
+        conn: Conn,
+        peer: str,
+        copy_id: str,
+        names: list[str],
+        sizes: list[int],
+        children: list[dict],
+        total: int,
+        cancel: threading.Event,
+    ) -> None:
         store = self.store
         t0 = time.monotonic()
         try:
@@ -910,8 +977,17 @@ class PeerService:
                 if o is not None:
                     o.pins += 1
         need = [i for i, off in enumerate(offsets) if off != -1]
-        self.event("copy_accepted", {"copy_id": copy_id, "peer": peer, "pages": len(names), "need": len(need),
-                                     "bytes": total, "relay_to": ",".join(plan_targets(children)) or None})
+        self.event(
+            "copy_accepted",
+            {
+                "copy_id": copy_id,
+                "peer": peer,
+                "pages": len(names),
+                "need": len(need),
+                "bytes": total,
+                "relay_to": ",".join(plan_targets(children)) or None,
+            },
+        )
         relay: threading.Thread | None = None
         if children:
             rrec = CopyRecord(copy_id, "relay", CopyState.RUNNING, len(names), total, peer=peer)
@@ -976,11 +1052,36 @@ class PeerService:
                 store.abort(token)
             store.unpin_objs(held)
             rec.state, rec.error, rec.finished_s = outcome, error, time.time()
-            self.event("copy_finished", {"copy_id": copy_id, "role": "target", "peer": peer,
-                                         "outcome": outcome.value, "pages": rec.pages_done, "bytes": rec.bytes_done,
-                                         "duration_s": round(time.monotonic() - t0, 6), "error": error})
+            self.event(
+                "copy_finished",
+                {
+                    "copy_id": copy_id,
+                    "role": "target",
+                    "peer": peer,
+                    "outcome": outcome.value,
+                    "pages": rec.pages_done,
+                    "bytes": rec.bytes_done,
+                    "duration_s": round(time.monotonic() - t0, 6),
+                    "error": error,
+                },
+            )
 
 
-__all__ = ["AUTH_TIMEOUT_S", "Conn", "CopyBook", "CopyRecord", "DEADLINE_BASE_S", "FANOUTS", "InboundPages",
-           "LocalPages", "MIN_RATE_BYTES_PER_S", "PageSource", "PeerError", "PeerService", "client_auth",
-           "fanout_plan", "plan_targets", "server_auth"]
+__all__ = [
+    "AUTH_TIMEOUT_S",
+    "Conn",
+    "CopyBook",
+    "CopyRecord",
+    "DEADLINE_BASE_S",
+    "FANOUTS",
+    "InboundPages",
+    "LocalPages",
+    "MIN_RATE_BYTES_PER_S",
+    "PageSource",
+    "PeerError",
+    "PeerService",
+    "client_auth",
+    "fanout_plan",
+    "plan_targets",
+    "server_auth",
+]

@@ -122,8 +122,9 @@ def _http_error(method: str, path: str, status: int, raw: bytes) -> ControlApiEr
         text = detail.message
     except (ValueError, ValidationError):
         text = raw.decode("utf-8", "replace").strip()[:_ERROR_TEXT_CHARS] or "no message"
-    return ControlApiError(f"control API {method} {path}: HTTP {status}: {_one_line(text)}", status=status,
-                           detail=detail)
+    return ControlApiError(
+        f"control API {method} {path}: HTTP {status}: {_one_line(text)}", status=status, detail=detail
+    )
 
 
 class AsyncControlClient:
@@ -161,8 +162,7 @@ class AsyncControlClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(trust_env=False,
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
     def _headers(self) -> dict[str, str]:
@@ -171,11 +171,13 @@ class AsyncControlClient:
             h["Authorization"] = f"Bearer {self.token}"
         return h
 
-    async def _call(self, method: str, path: str, model: type[M], body: Any = None,
-                    params: Mapping[str, str] | None = None) -> M:
+    async def _call(
+        self, method: str, path: str, model: type[M], body: Any = None, params: Mapping[str, str] | None = None
+    ) -> M:
         try:
-            async with self._http().request(method, self.base_url + path, json=body, params=params,
-                                            headers=self._headers()) as resp:
+            async with self._http().request(
+                method, self.base_url + path, json=body, params=params, headers=self._headers()
+            ) as resp:
                 status = resp.status
                 raw = await resp.read()
         except asyncio.TimeoutError:
@@ -191,8 +193,9 @@ class AsyncControlClient:
         try:
             return model.model_validate(data)
         except ValidationError as e:
-            raise ControlApiError(f"control API {method} {path}: unexpected answer: {_validation_text(e)}",
-                                  status=status) from None
+            raise ControlApiError(
+                f"control API {method} {path}: unexpected answer: {_validation_text(e)}", status=status
+            ) from None
 
     # -- reads --------------------------------------------------------------------------------------------------
 
@@ -210,8 +213,9 @@ class AsyncControlClient:
 
     async def ttft(self, window_s: float = 60.0, step_s: float = 1.0) -> TtftAnswer:
         """``GET /control/ttft?window_s=&step_s=`` (at most 10,000 buckets)."""
-        return await self._call("GET", "/control/ttft", TtftAnswer,
-                                params={"window_s": f"{window_s:g}", "step_s": f"{step_s:g}"})
+        return await self._call(
+            "GET", "/control/ttft", TtftAnswer, params={"window_s": f"{window_s:g}", "step_s": f"{step_s:g}"}
+        )
 
     async def constants(self) -> ConstantsAnswer:
         """``GET /control/constants``."""
@@ -371,5 +375,12 @@ class ControlClient:
         return self._run(self.aio.replicate(prefix, n))
 
 
-__all__ = ["AsyncControlClient", "ControlApiError", "ControlClient", "ControlEvent", "DEFAULT_TIMEOUT_S",
-           "EVENT_SILENCE_S", "check_base_url"]
+__all__ = [
+    "AsyncControlClient",
+    "ControlApiError",
+    "ControlClient",
+    "ControlEvent",
+    "DEFAULT_TIMEOUT_S",
+    "EVENT_SILENCE_S",
+    "check_base_url",
+]

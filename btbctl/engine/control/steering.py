@@ -60,9 +60,16 @@ def parse_tune_args(args: list[str]) -> dict:
     return out
 
 
-def replicate_and_wait(client: ControlClient, prefix: str, n: int, *, timeout_s: float = 120.0,
-                       poll_s: float = 0.2, on_progress: Callable[[list[dict]], None] | None = None,
-                       sleep: Callable[[float], None] = time.sleep) -> dict:
+def replicate_and_wait(
+    client: ControlClient,
+    prefix: str,
+    n: int,
+    *,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.2,
+    on_progress: Callable[[list[dict]], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict:
     """Copy one prefix to ``n`` more workers and wait for the copies to finish.
 
     ``POST /control/replicate {"prefix", "n"}`` starts the copies; ``GET /control/replications/{prefix}`` is polled

@@ -29,5 +29,15 @@ from btbctl.engine.dashboard.snapshot import (
     WorkerRow,
 )
 
-__all__ = ["DashboardSource", "FleetSnapshot", "GpuRow", "PrefixRow", "ReplicateResult", "SourceError",
-           "StreamingSource", "TransferRow", "TtftPoint", "WorkerRow"]
+__all__ = [
+    "DashboardSource",
+    "FleetSnapshot",
+    "GpuRow",
+    "PrefixRow",
+    "ReplicateResult",
+    "SourceError",
+    "StreamingSource",
+    "TransferRow",
+    "TtftPoint",
+    "WorkerRow",
+]

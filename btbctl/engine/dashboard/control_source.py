@@ -104,7 +104,7 @@ class TtftTrail:
         self.points: list[TtftPoint] = []
 
     def reset(self, buckets: Iterable[TtftBucket]) -> None:
-        self.points = [_point(b) for b in buckets][-self.keep:]
+        self.points = [_point(b) for b in buckets][-self.keep :]
 
     def add(self, bucket: TtftBucket) -> None:
         p = _point(bucket)
@@ -113,7 +113,7 @@ class TtftTrail:
                 self.points[-1] = p
             return
         self.points.append(p)
-        del self.points[:-self.keep]
+        del self.points[: -self.keep]
 
     def advance(self, now_s: float) -> None:
         if not self.points:
@@ -126,7 +126,7 @@ class TtftTrail:
         while last + self.step_s <= now_s - self.step_s:
             last += self.step_s
             self.points.append(TtftPoint(round(last, 6), math.nan, math.nan, 0.0))
-        del self.points[:-self.keep]
+        del self.points[: -self.keep]
 
 
 class ControlApiSource:
@@ -155,9 +155,19 @@ class ControlApiSource:
         failures: polls that found the fleet unreachable.
     """
 
-    def __init__(self, base_url: str, token: str | None = None, *, top: int = 10, nvml_module: Any = None,
-                 local_gpus: bool | None = None, clock: Callable[[], float] = time.monotonic, stream: bool = True,
-                 reconnect_min_s: float = RECONNECT_MIN_S, reconnect_max_s: float = RECONNECT_MAX_S) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        top: int = 10,
+        nvml_module: Any = None,
+        local_gpus: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        stream: bool = True,
+        reconnect_min_s: float = RECONNECT_MIN_S,
+        reconnect_max_s: float = RECONNECT_MAX_S,
+    ) -> None:
         self.api = AsyncControlClient(base_url, token, timeout_s=REQUEST_TIMEOUT_S)
         self.base_url = self.api.base_url
         self.token = token
@@ -236,11 +246,11 @@ class ControlApiSource:
     async def _fetch_all(self) -> tuple[FleetAnswer, PrefixesAnswer, TransfersAnswer, TtftAnswer]:
         """The four reads, concurrently (raises :class:`BtbctlError` when any fails)."""
         api = self.api
-        return await asyncio.gather(api.fleet(), api.prefixes(self.top), api.transfers(),
-                                    api.ttft(TTFT_WINDOW_S, TTFT_BUCKET_S))
+        return await asyncio.gather(
+            api.fleet(), api.prefixes(self.top), api.transfers(), api.ttft(TTFT_WINDOW_S, TTFT_BUCKET_S)
+        )
 
-    def _take(self, fleet: FleetAnswer, prefixes: PrefixesAnswer, transfers: TransfersAnswer,
-              ttft: TtftAnswer) -> None:
+    def _take(self, fleet: FleetAnswer, prefixes: PrefixesAnswer, transfers: TransfersAnswer, ttft: TtftAnswer) -> None:
         """Make fetched answers the current picture."""
         self._fleet, self._prefixes, self._transfers = fleet, prefixes, transfers
         self._trail.reset(ttft.series)
@@ -324,8 +334,11 @@ class ControlApiSource:
         return msg
 
     async def _gpus(self, fleet: FleetAnswer) -> tuple[tuple[GpuRow, ...], str | None]:
-        rows = tuple(GpuRow(w.name, w.hbm_used_bytes or 0.0, w.hbm_total_bytes, w.gpu_util_pct, "worker")
-                     for w in fleet.workers if w.hbm_total_bytes)
+        rows = tuple(
+            GpuRow(w.name, w.hbm_used_bytes or 0.0, w.hbm_total_bytes, w.gpu_util_pct, "worker")
+            for w in fleet.workers
+            if w.hbm_total_bytes
+        )
         if rows:
             return rows, None
         if not self._local:
@@ -343,19 +356,50 @@ class ControlApiSource:
         fleet, prefixes, transfers = self._fleet, self._prefixes, self._transfers
         assert fleet is not None and prefixes is not None and transfers is not None
         names = {w.url: w.name for w in fleet.workers}
-        workers = tuple(WorkerRow(w.name, w.healthy, w.running or 0, w.waiting or 0, w.kv_used_tokens,
-                                  w.kv_capacity_tokens, w.error) for w in fleet.workers)
-        prows = tuple(PrefixRow(p.id, p.prefix_tokens, p.arrivals_in_window, p.threshold, len(p.holders),
-                                p.copies_in_flight, p.hot) for p in prefixes.prefixes)
-        trows = tuple(TransferRow(t.copy_id, t.prefix, names.get(t.source, t.source), names.get(t.target, t.target),
-                                  float(t.bytes_sent), float(t.bytes_total), t.bytes_per_s, t.eta_s, str(t.state),
-                                  t.error) for t in transfers.transfers)
+        workers = tuple(
+            WorkerRow(
+                w.name, w.healthy, w.running or 0, w.waiting or 0, w.kv_used_tokens, w.kv_capacity_tokens, w.error
+            )
+            for w in fleet.workers
+        )
+        prows = tuple(
+            PrefixRow(
+                p.id, p.prefix_tokens, p.arrivals_in_window, p.threshold, len(p.holders), p.copies_in_flight, p.hot
+            )
+            for p in prefixes.prefixes
+        )
+        trows = tuple(
+            TransferRow(
+                t.copy_id,
+                t.prefix,
+                names.get(t.source, t.source),
+                names.get(t.target, t.target),
+                float(t.bytes_sent),
+                float(t.bytes_total),
+                t.bytes_per_s,
+                t.eta_s,
+                str(t.state),
+                t.error,
+            )
+            for t in transfers.transfers
+        )
         pts = tuple(self._trail.points)
         gpus, note = await self._gpus(fleet)
         return FleetSnapshot(
-            now_s=fleet.now_s, connected=True, message=self._message(feed), workers=workers, gpus=gpus,
-            gpu_note=note, prefixes=prows, transfers=trows, ttft=pts, constants=fleet.constants.as_dict(),
-            policy=fleet.policy, rps=pts[-1].rps if pts else 0.0, feed=feed)
+            now_s=fleet.now_s,
+            connected=True,
+            message=self._message(feed),
+            workers=workers,
+            gpus=gpus,
+            gpu_note=note,
+            prefixes=prows,
+            transfers=trows,
+            ttft=pts,
+            constants=fleet.constants.as_dict(),
+            policy=fleet.policy,
+            rps=pts[-1].rps if pts else 0.0,
+            feed=feed,
+        )
 
     # -- actions ------------------------------------------------------------------------------------------------
 

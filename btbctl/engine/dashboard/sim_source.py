@@ -67,13 +67,17 @@ class _CompleteBuckets:
                 series.add(*new.popleft())
         window_s = TTFT_BUCKETS * TTFT_BUCKET_S
         pts: list[TtftPoint] = []
-        for row, arr in zip(self.ttft.series(end, window_s, TTFT_BUCKET_S),
-                            self.arrivals.series(end, window_s, TTFT_BUCKET_S), strict=True):
+        for row, arr in zip(
+            self.ttft.series(end, window_s, TTFT_BUCKET_S),
+            self.arrivals.series(end, window_s, TTFT_BUCKET_S),
+            strict=True,
+        ):
             if not row["n"] and not arr["n"] and not pts:
                 continue
             p50, p95 = row["p50_s"], row["p95_s"]
-            pts.append(TtftPoint(row["t_s"], math.nan if p50 is None else p50, math.nan if p95 is None else p95,
-                                 arr["rps"]))
+            pts.append(
+                TtftPoint(row["t_s"], math.nan if p50 is None else p50, math.nan if p95 is None else p95, arr["rps"])
+            )
         return pts, (pts[-1].rps if pts else 0.0)
 
 
@@ -99,9 +103,20 @@ class SimSource:
         ConfigError: unknown policy or presets, a request that cannot fit, speed <= 0.
     """
 
-    def __init__(self, trace, cluster, constants: BtbConstants | None = None, policy: str = "btb", *,
-                 seed: int = 42, speed: float = 1.0, paced: bool = True, start_s: float | None = None,
-                 tick_s: float = 0.01, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        trace,
+        cluster,
+        constants: BtbConstants | None = None,
+        policy: str = "btb",
+        *,
+        seed: int = 42,
+        speed: float = 1.0,
+        paced: bool = True,
+        start_s: float | None = None,
+        tick_s: float = 0.01,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not speed > 0:
             raise ConfigError("speed", f"must be a number > 0, got {speed!r}")
         self.constants = constants or BtbConstants()
@@ -117,8 +132,9 @@ class SimSource:
         self._reqs = list(trace.requests)
         self._next = 0
         self.block_tokens = trace.block_tokens
-        pol = make_policy(policy, cluster.replicas, random.Random(seed), self.constants,
-                          block_tokens=trace.block_tokens)
+        pol = make_policy(
+            policy, cluster.replicas, random.Random(seed), self.constants, block_tokens=trace.block_tokens
+        )
         self.sim = Simulator(trace, pol, cluster, self.constants)
         first = self._reqs[0].arrival_s if self._reqs else 0.0
         self.start_s = max(0.0, first - 1.0) if start_s is None else float(start_s)
@@ -200,8 +216,11 @@ class SimSource:
             if key not in self._chains:
                 self._chains[key] = tuple(chain[:y])
                 if len(self._chains) > 4 * max(1024, len(det)):
-                    self._chains = {k: v for k, v in self._chains.items() if det.prefix_of(k) is not None
-                                    or det.arrivals_in_window(k, self.sim.now)}
+                    self._chains = {
+                        k: v
+                        for k, v in self._chains.items()
+                        if det.prefix_of(k) is not None or det.arrivals_in_window(k, self.sim.now)
+                    }
         self._buckets.add_arrival(self.sim.now)
         self.submitted += 1
         self.sim.submit(req)
@@ -265,24 +284,53 @@ class SimSource:
         for h in det.heat(now, top):
             chain = self._chains.get(h.key) or det.prefix_of(h.key)
             holders = len(sim.holders(chain)) if chain is not None else 0
-            prefixes.append(PrefixRow(self._prefix_id(h.key), y * self.block_tokens, h.arrivals_in_window,
-                                      det.constants.threshold, holders, copies_by_key.get(h.key, 0), h.hot))
+            prefixes.append(
+                PrefixRow(
+                    self._prefix_id(h.key),
+                    y * self.block_tokens,
+                    h.arrivals_in_window,
+                    det.constants.threshold,
+                    holders,
+                    copies_by_key.get(h.key, 0),
+                    h.hot,
+                )
+            )
         transfers = [self._transfer_row(c, y) for c in active]
         recent = [self._transfer_row(c, y) for c in sim.finished_copies(RECENT_TRANSFERS)]
         transfers.extend(reversed(recent))
         ttft, rps = self._buckets.points(now)
         mode = "manual clock" if not self.paced else f"x{self.speed:g}"
         msg = f"simulation {mode}, t={now:.1f} s, {self.submitted} requests"
-        return FleetSnapshot(now_s=now, connected=True, message=msg, workers=tuple(workers), gpus=tuple(gpus),
-                             gpu_note=None, prefixes=tuple(prefixes), transfers=tuple(transfers), ttft=tuple(ttft),
-                             constants=self.constants.as_dict(), policy=sim.policy_name, rps=rps,
-                             finished=self.finished)
+        return FleetSnapshot(
+            now_s=now,
+            connected=True,
+            message=msg,
+            workers=tuple(workers),
+            gpus=tuple(gpus),
+            gpu_note=None,
+            prefixes=tuple(prefixes),
+            transfers=tuple(transfers),
+            ttft=tuple(ttft),
+            constants=self.constants.as_dict(),
+            policy=sim.policy_name,
+            rps=rps,
+            finished=self.finished,
+        )
 
     def _transfer_row(self, c: CopyInfo, y: int) -> TransferRow:
         key = c.prefix[y - 1] if len(c.prefix) >= y else c.prefix[-1]
         pid = self._copy_keys.get(c.copy_id) or self._prefix_id(key)
-        return TransferRow(f"c{c.copy_id}", pid, f"w{c.source}", f"w{c.target}", c.sent_bytes, c.total_bytes,
-                           c.rate_bytes_per_s, c.eta_s, c.state.value)
+        return TransferRow(
+            f"c{c.copy_id}",
+            pid,
+            f"w{c.source}",
+            f"w{c.target}",
+            c.sent_bytes,
+            c.total_bytes,
+            c.rate_bytes_per_s,
+            c.eta_s,
+            c.state.value,
+        )
 
     # -- actions ----------------------------------------------------------------------------------------------
     async def set_constants(self, **changes: Any) -> dict:
@@ -305,8 +353,9 @@ class SimSource:
 
     def set_policy_sync(self, name: str) -> str:
         with self._lock:
-            pol = make_policy(name, self.sim.n_replicas, random.Random(self._seed), self.constants,
-                              block_tokens=self.block_tokens)
+            pol = make_policy(
+                name, self.sim.n_replicas, random.Random(self._seed), self.constants, block_tokens=self.block_tokens
+            )
             self.sim.set_policy(pol)
             self._sync_detector()
             return pol.name
@@ -344,9 +393,11 @@ class SimSource:
             if not holders:
                 raise SourceError(f"no worker holds all of prefix {full[:SHORT_ID_CHARS]} yet")
             source = min(holders, key=lambda r: (view.load(r), r))
-            free = [r for r in range(view.n_replicas)
-                    if r not in holders and not view.copy_in_flight(r, chain)
-                    and view.pending_blocks(r, chain) < y]
+            free = [
+                r
+                for r in range(view.n_replicas)
+                if r not in holders and not view.copy_in_flight(r, chain) and view.pending_blocks(r, chain) < y
+            ]
             free.sort(key=lambda r: (view.load(r), r))
             started, targets = [], []
             if free:
@@ -357,16 +408,18 @@ class SimSource:
                     started.append(f"c{c.copy_id}")
                     targets.append(f"w{r}")
             if not started:
-                raise SourceError(f"prefix {full[:SHORT_ID_CHARS]}: no worker can take a copy (all hold it, "
-                                "receive it, or lack room)")
+                raise SourceError(
+                    f"prefix {full[:SHORT_ID_CHARS]}: no worker can take a copy (all hold it, receive it, or lack room)"
+                )
             msg = f"copying {full[:SHORT_ID_CHARS]} from w{source} to {', '.join(targets)}"
             if len(started) < n:
                 msg += f" ({n - len(started)} fewer than asked: no other worker can take it)"
             return ReplicateResult(full, tuple(started), f"w{source}", tuple(targets), msg)
 
 
-def sim_source_from_config(cfg, policy: str | None = None, *, speed: float = 1.0, paced: bool = True,
-                           trace=None) -> SimSource:
+def sim_source_from_config(
+    cfg, policy: str | None = None, *, speed: float = 1.0, paced: bool = True, trace=None
+) -> SimSource:
     """A :class:`SimSource` for a :class:`~btbctl.engine.dryrun.DryRunConfig`: its trace (or ``trace``),
     cluster, constants and seed; ``policy`` default: ``btb`` when listed, else the config's first policy."""
     cfg.check()
@@ -375,5 +428,3 @@ def sim_source_from_config(cfg, policy: str | None = None, *, speed: float = 1.0
     if policy is None:
         policy = "btb" if "btb" in cfg.policies else cfg.policies[0]
     return SimSource(trace, cfg.cluster, cfg.btb, policy, seed=cfg.seed, speed=speed, paced=paced)
-
-

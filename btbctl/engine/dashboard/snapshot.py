@@ -16,6 +16,7 @@ class SourceError(BtbctlError):
 
 # -- the snapshot -------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class WorkerRow:
     """One worker (a replica: one model instance over ``gpus`` GPUs).

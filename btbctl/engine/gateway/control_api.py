@@ -36,8 +36,11 @@ MAX_CONTROL_BODY = 64 * 1024
 
 def _err(status: int, message: str, headers: dict | None = None, **fields) -> web.Response:
     """An error answer: :class:`~btbctl.engine.control.schema.ErrorAnswer` with ``message`` and ``fields``."""
-    return web.json_response(ErrorAnswer(error=ErrorDetail(message=message, **fields)).model_dump(mode="json"),
-                             status=status, headers=headers)
+    return web.json_response(
+        ErrorAnswer(error=ErrorDetail(message=message, **fields)).model_dump(mode="json"),
+        status=status,
+        headers=headers,
+    )
 
 
 def _ok(answer: BaseModel, status: int = 200) -> web.Response:
@@ -95,8 +98,11 @@ class ControlApi:
     async def middleware(self, request: web.Request, handler):
         write = request.method not in ("GET", "HEAD", "OPTIONS")
         if (write or not self.open_reads) and not self.steering.check_token(request.headers.get("Authorization")):
-            return _err(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                        headers={"WWW-Authenticate": "Bearer"})
+            return _err(
+                401,
+                "missing or wrong bearer token (Authorization: Bearer <token>)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -112,8 +118,9 @@ class ControlApi:
             return _err(400, str(e))
 
     @staticmethod
-    def _num_query(request: web.Request, name: str, default: float, lo: float, hi: float,
-                   integer: bool = False) -> float | web.Response:
+    def _num_query(
+        request: web.Request, name: str, default: float, lo: float, hi: float, integer: bool = False
+    ) -> float | web.Response:
         raw = request.query.get(name)
         if raw is None:
             return default
@@ -211,8 +218,9 @@ class ControlApi:
     # -- events -------------------------------------------------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         await resp.prepare(request)
         bus = self.bus
         q = bus.subscribe()

@@ -165,8 +165,9 @@ class DataPlane:
     async def health(self, request: web.Request) -> web.Response:
         ws = self.gw.state.workers
         n = sum(1 for w in ws if w.healthy)
-        return web.json_response({"status": "ok" if n else "unavailable", "healthy": n, "total": len(ws)},
-                                 status=200 if n else 503)
+        return web.json_response(
+            {"status": "ok" if n else "unavailable", "healthy": n, "total": len(ws)}, status=200 if n else 503
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -178,9 +179,11 @@ class DataPlane:
                 async with gw.session.get(f"{w.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     body = await resp.read()
                     if resp.status < 500:
-                        return web.Response(status=resp.status, body=body,
-                                            headers={"Content-Type": resp.headers.get("Content-Type",
-                                                                                      "application/json")})
+                        return web.Response(
+                            status=resp.status,
+                            body=body,
+                            headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
+                        )
             except _UPSTREAM_ERRORS:
                 continue
         return json_error(503, "no healthy worker", "unavailable")
@@ -200,8 +203,13 @@ class DataPlane:
         except PromptError as e:
             return json_error(400, str(e))
         chain = chain_from_packed(data, gw.page_size)
-        req = Request(request_id=gw.next_request_id(), arrival_s=t0, input_tokens=max(1, n_tokens),
-                      output_tokens=output_tokens_of(route, obj), block_hashes=chain)
+        req = Request(
+            request_id=gw.next_request_id(),
+            arrival_s=t0,
+            input_tokens=max(1, n_tokens),
+            output_tokens=output_tokens_of(route, obj),
+            block_hashes=chain,
+        )
         if chain:
             gw.state.chains.add(chain)
             if len(chain) >= gw.constants.prefix_blocks:
@@ -209,8 +217,9 @@ class DataPlane:
         stream = obj.get("stream") is True
         return await self._forward(request, path, body, req, stream, t0)
 
-    async def _forward(self, request: web.Request, path: str, body: bytes, req: Request, stream: bool,
-                       t0: float) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, t0: float
+    ) -> web.StreamResponse:
         gw = self.gw
         state = gw.state
         metrics = gw.metrics
@@ -286,10 +295,12 @@ class DataPlane:
                         w.served += 1
                         metrics.request(w.url, policy_name, str(status))
                         metrics.observe_duration(w.url, state.clock() - t0)
-                        return web.Response(status=status, body=payload,
-                                            headers={"Content-Type": ctype, WORKER_HEADER: w.url})
-                    return await self._stream(request, resp, w, idx, policy_name, ctype, first_byte, attempts,
-                                              excluded, t0)
+                        return web.Response(
+                            status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url}
+                        )
+                    return await self._stream(
+                        request, resp, w, idx, policy_name, ctype, first_byte, attempts, excluded, t0
+                    )
                 finally:
                     resp.release()
             except _RetryStream:
@@ -304,12 +315,26 @@ class DataPlane:
             metrics.request("none", policy_name, "503")
             return json_error(503, "no healthy worker", "unavailable")
         metrics.request("none", policy_name, "502")
-        return json_error(502, f"no worker could serve the request after {len(attempts)} attempt(s)",
-                          "upstream_error", attempts=attempts)
+        return json_error(
+            502,
+            f"no worker could serve the request after {len(attempts)} attempt(s)",
+            "upstream_error",
+            attempts=attempts,
+        )
 
-    async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, w, idx: int, policy_name: str,
-                      ctype: str, first_byte, attempts: list[str], excluded: list[int],
-                      t0: float) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        w,
+        idx: int,
+        policy_name: str,
+        ctype: str,
+        first_byte,
+        attempts: list[str],
+        excluded: list[int],
+        t0: float,
+    ) -> web.StreamResponse:
         gw = self.gw
         content = resp.content
         held: list[bytes] = []
@@ -331,8 +356,9 @@ class DataPlane:
             excluded.append(idx)
             raise _RetryStream() from None
         first_byte()
-        out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache",
-                                                      WORKER_HEADER: w.url})
+        out = web.StreamResponse(
+            status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: w.url}
+        )
         status = "200"
         try:
             await out.prepare(request)
@@ -352,8 +378,14 @@ class DataPlane:
                 if _DONE_MARK in tail:  # the client already has the whole answer: it counts as served
                     break
                 status = "stream_error"
-                err = {"error": {"message": f"worker {w.url} failed mid-answer ({reason}); the answer is "
-                                            "incomplete and was not retried", "type": "upstream_error", "code": 502}}
+                err = {
+                    "error": {
+                        "message": f"worker {w.url} failed mid-answer ({reason}); the answer is "
+                        "incomplete and was not retried",
+                        "type": "upstream_error",
+                        "code": 502,
+                    }
+                }
                 try:
                     await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                 except (ConnectionResetError, RuntimeError):

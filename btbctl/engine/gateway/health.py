@@ -42,8 +42,12 @@ def summarize_loads(body: Any) -> dict | None:
     for r in ranks:
         if not isinstance(r, dict):
             continue
-        for src, dst in (("num_running_reqs", "running"), ("num_waiting_reqs", "waiting"),
-                         ("num_used_tokens", "used_tokens"), ("max_total_num_tokens", "max_tokens")):
+        for src, dst in (
+            ("num_running_reqs", "running"),
+            ("num_waiting_reqs", "waiting"),
+            ("num_used_tokens", "used_tokens"),
+            ("max_total_num_tokens", "max_tokens"),
+        ):
             v = r.get(src)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 out[dst] += int(v)
@@ -77,12 +81,20 @@ class HealthProber:
             (None when unknown).
     """
 
-    def __init__(self, workers: Sequence[WorkerState], session: Callable[[], aiohttp.ClientSession],
-                 clock: Callable[[], float], *, interval_s: float, timeout_s: float, unhealthy_after: int,
-                 on_down: Callable[[WorkerState, str], None],
-                 on_info: Callable[[WorkerState, dict | None], None],
-                 on_up: Callable[[WorkerState], None],
-                 on_loads: Callable[[WorkerState, dict | None], None]) -> None:
+    def __init__(
+        self,
+        workers: Sequence[WorkerState],
+        session: Callable[[], aiohttp.ClientSession],
+        clock: Callable[[], float],
+        *,
+        interval_s: float,
+        timeout_s: float,
+        unhealthy_after: int,
+        on_down: Callable[[WorkerState, str], None],
+        on_info: Callable[[WorkerState, dict | None], None],
+        on_up: Callable[[WorkerState], None],
+        on_loads: Callable[[WorkerState, dict | None], None],
+    ) -> None:
         self.workers = workers
         self._session = session
         self._clock = clock
@@ -113,8 +125,10 @@ class HealthProber:
                 reason = None if ok else f"/health answered HTTP {resp.status}"
                 await resp.read()
         except _PROBE_ERRORS as e:
-            ok, reason = False, f"/health failed: {type(e).__name__}: {e}" if str(e) else \
-                f"/health failed: {type(e).__name__}"
+            ok, reason = (
+                False,
+                f"/health failed: {type(e).__name__}: {e}" if str(e) else f"/health failed: {type(e).__name__}",
+            )
         w.last_health_s = now
         if not ok:
             w.consecutive_failures += 1

@@ -28,8 +28,24 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 #: Histogram buckets of ``btb_ttft_seconds`` and ``btb_request_duration_seconds``, seconds.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                   float("inf"))
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    float("inf"),
+)
 
 
 class _FiresCollector:
@@ -50,12 +66,23 @@ class GatewayMetrics:
 
     def __init__(self, fires: Callable[[], int]) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Counter("btb_requests", "Requests answered by the gateway.",
-                                ("worker", "policy", "status"), registry=r)
-        self.ttft = Histogram("btb_ttft_seconds", "Time to first byte from the worker, measured at the gateway.",
-                              ("worker",), buckets=LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram("btb_request_duration_seconds", "Arrival to last byte sent, at the gateway.",
-                                  ("worker",), buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "btb_requests", "Requests answered by the gateway.", ("worker", "policy", "status"), registry=r
+        )
+        self.ttft = Histogram(
+            "btb_ttft_seconds",
+            "Time to first byte from the worker, measured at the gateway.",
+            ("worker",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "btb_request_duration_seconds",
+            "Arrival to last byte sent, at the gateway.",
+            ("worker",),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.inflight = Gauge("btb_inflight_requests", "Requests in flight to a worker.", ("worker",), registry=r)
         self.healthy = Gauge("btb_worker_healthy", "1 when the worker is healthy.", ("worker",), registry=r)
         self.retries = Counter("btb_retries", "Attempts moved to another worker after a failure.", registry=r)

@@ -69,8 +69,11 @@ def render_chat(messages: Any) -> str:
         elif isinstance(content, str):
             text = content
         elif isinstance(content, list):
-            text = "".join(p.get("text", "") for p in content
-                           if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+            text = "".join(
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            )
         else:
             raise PromptError(f"'messages[{i}].content' must be a string or a list of parts")
         parts.append(f"{role}: {text}\n")

@@ -100,14 +100,19 @@ class Replicator:
         on_finish: called once with the transfer when it ends ``done`` or ``failed``.
     """
 
-    def __init__(self, state: FleetState, session: Callable[[], aiohttp.ClientSession], *,
-                 worker_token: str | None = None,
-                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
-                 source_wait_s: float = DEFAULT_SOURCE_WAIT_S,
-                 copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
-                 on_change: Callable[[Transfer], None] | None = None,
-                 on_finish: Callable[[Transfer], None] | None = None) -> None:
+    def __init__(
+        self,
+        state: FleetState,
+        session: Callable[[], aiohttp.ClientSession],
+        *,
+        worker_token: str | None = None,
+        poll_interval_s: float = DEFAULT_POLL_INTERVAL_S,
+        source_wait_s: float = DEFAULT_SOURCE_WAIT_S,
+        copy_timeout_s: float = DEFAULT_COPY_TIMEOUT_S,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+        on_change: Callable[[Transfer], None] | None = None,
+        on_finish: Callable[[Transfer], None] | None = None,
+    ) -> None:
         self.state = state
         self._session = session
         self.worker_token = worker_token
@@ -161,16 +166,31 @@ class Replicator:
             return self.request_copy(plan.prefix, source, target) is not None
 
         return carry_out(plan, start, lambda t, ok: policy.on_copy_result(plan, t, ok, now))
-    def request_copy(self, chain: Sequence[Hashable], source: int, target: int, *, manual: bool = False,
-                     source_confirmed: bool = False) -> Transfer | None:
+
+    def request_copy(
+        self,
+        chain: Sequence[Hashable],
+        source: int,
+        target: int,
+        *,
+        manual: bool = False,
+        source_confirmed: bool = False,
+    ) -> Transfer | None:
         """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
         :meth:`refusal`). Never blocks: the source check, the push and the polling run in a task."""
         chain = tuple(chain)
         if self.refusal(chain, source, target) is not None:
             self.refused += 1
             return None
-        t = Transfer(copy_id=secrets.token_hex(8), key=chain[-1], chain=chain, source=source, target=target,
-                     created_s=self.state.clock(), manual=manual)
+        t = Transfer(
+            copy_id=secrets.token_hex(8),
+            key=chain[-1],
+            chain=chain,
+            source=source,
+            target=target,
+            created_s=self.state.clock(),
+            manual=manual,
+        )
         t.pushed = asyncio.Event()
         self.state.transfers.add(t)
         task = asyncio.get_running_loop().create_task(self._run(t, source_confirmed))
@@ -198,8 +218,11 @@ class Replicator:
         ws = self.state.workers
         cands = [w.index for w in ws if self._usable(w.index)]
         if not cands:
-            raise ReplicateError(409, "no healthy worker with the BTB routes (replication needs emulated workers "
-                                      "or workers with the /btb extension)")
+            raise ReplicateError(
+                409,
+                "no healthy worker with the BTB routes (replication needs emulated workers "
+                "or workers with the /btb extension)",
+            )
         answers = await asyncio.gather(*(self._match(r, chain) for r in cands))
         holders = [r for r, a in zip(cands, answers, strict=True) if a is not None and a[0] >= len(chain)]
         if not holders:
@@ -215,14 +238,16 @@ class Replicator:
             if t is not None:
                 started.append(t)
         if not started:
-            raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: every other healthy worker "
-                                      "with the BTB routes holds it or is receiving it")
+            raise ReplicateError(
+                409,
+                f"no eligible target for prefix {chain[-1]}: every other healthy worker "
+                "with the BTB routes holds it or is receiving it",
+            )
         try:
             await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started)), timeout=wait_s)
         except asyncio.TimeoutError:
             pass
-        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started,
-                                skipped=max(0, n - len(started)))
+        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started, skipped=max(0, n - len(started)))
 
     async def close(self) -> None:
         """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
@@ -242,8 +267,9 @@ class Replicator:
         A full match is recorded as a holding."""
         w = self.state.workers[r]
         try:
-            async with self._session().post(f"{w.url}/btb/match", json={"chain": list(chain)},
-                                            timeout=self.timeout) as resp:
+            async with self._session().post(
+                f"{w.url}/btb/match", json={"chain": list(chain)}, timeout=self.timeout
+            ) as resp:
                 if resp.status != 200:
                     return None
                 body = await resp.json(content_type=None)
@@ -339,8 +365,9 @@ class Replicator:
             return "target has no transfer_addr in /btb/info"
         body = {"chain": list(t.chain), "target": addr, "copy_id": t.copy_id}
         try:
-            async with self._session().post(f"{ws[t.source].url}/btb/push", json=body, headers=self._headers(),
-                                            timeout=self.timeout) as resp:
+            async with self._session().post(
+                f"{ws[t.source].url}/btb/push", json=body, headers=self._headers(), timeout=self.timeout
+            ) as resp:
                 text = await resp.text()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -402,8 +429,12 @@ class Replicator:
                 continue
             errors = 0
             changed = False
-            for attr, key in (("bytes_sent", "bytes_sent"), ("bytes_total", "bytes_total"),
-                              ("blocks_verified", "blocks_verified"), ("blocks_available", "blocks_available")):
+            for attr, key in (
+                ("bytes_sent", "bytes_sent"),
+                ("bytes_total", "bytes_total"),
+                ("blocks_verified", "blocks_verified"),
+                ("blocks_available", "blocks_available"),
+            ):
                 v = body.get(key)
                 if isinstance(v, int) and v != getattr(t, attr):
                     setattr(t, attr, v)

@@ -103,16 +103,29 @@ class Reports:
         loads = w.loads or {}
         info = w.info or {}
         return FleetWorker(
-            name=w.name, url=w.url, healthy=w.healthy, error=w.health_error,
-            load=w.inflight, prefilling=w.prefilling, served=w.served, failed=w.failed,
-            running=loads.get("running"), waiting=loads.get("waiting"),
-            kv_used_tokens=loads.get("used_tokens"), kv_capacity_tokens=loads.get("max_tokens"),
+            name=w.name,
+            url=w.url,
+            healthy=w.healthy,
+            error=w.health_error,
+            load=w.inflight,
+            prefilling=w.prefilling,
+            served=w.served,
+            failed=w.failed,
+            running=loads.get("running"),
+            waiting=loads.get("waiting"),
+            kv_used_tokens=loads.get("used_tokens"),
+            kv_capacity_tokens=loads.get("max_tokens"),
             kv_use=loads.get("token_usage"),
-            replication=w.btb is True, replication_note=_typed(info, "note", str) or w.replication_note,
+            replication=w.btb is True,
+            replication_note=_typed(info, "note", str) or w.replication_note,
             held_blocks=len(w.holdings),
-            model=_typed(info, "model", str), gpu=_typed(info, "gpu", str), tp_size=_typed(info, "tp_size", int),
-            page_size=_typed(info, "page_size", int), transfer_addr=_typed(info, "transfer_addr", str),
-            last_health_s=w.last_health_s, ttft_ewma_s=w.ttft_ewma_s,
+            model=_typed(info, "model", str),
+            gpu=_typed(info, "gpu", str),
+            tp_size=_typed(info, "tp_size", int),
+            page_size=_typed(info, "page_size", int),
+            transfer_addr=_typed(info, "transfer_addr", str),
+            last_health_s=w.last_health_s,
+            ttft_ewma_s=w.ttft_ewma_s,
         )
 
     def fleet(self) -> FleetAnswer:
@@ -126,9 +139,16 @@ class Reports:
             note = "unsupported: no worker has the /btb routes (plain SGLang); routing only"
         else:
             note = f"supported on {n_btb} of {len(ws)} workers"
-        return FleetAnswer(now_s=src.state.clock(), policy=src.policy_name, page_size=src.page_size,
-                           constants=src.constants, healthy=sum(1 for w in ws if w.healthy), total=len(ws),
-                           replication=note, workers=[self.worker(w) for w in ws])
+        return FleetAnswer(
+            now_s=src.state.clock(),
+            policy=src.policy_name,
+            page_size=src.page_size,
+            constants=src.constants,
+            healthy=sum(1 for w in ws if w.healthy),
+            total=len(ws),
+            replication=note,
+            workers=[self.worker(w) for w in ws],
+        )
 
     # -- prefixes -----------------------------------------------------------------------------------------------
 
@@ -141,16 +161,32 @@ class Reports:
         ps = src.page_size
         urls = self._urls
         active = state.transfers.active
-        rows = [PrefixEntry(
-            id=str(h.key), prefix_blocks=h.prefix_blocks, prefix_tokens=h.prefix_blocks * ps,
-            arrivals_in_window=h.arrivals_in_window, total_arrivals=h.total_arrivals,
-            threshold=c.threshold, hot=h.hot, fires=h.fires,
-            first_seen_s=h.first_seen_s, last_seen_s=h.last_seen_s,
-            holders=[urls[i] for i in state.holders(h.key)],
-            copies_in_flight=sum(1 for (_, k) in active if k == h.key),
-        ) for h in src.detector.heat(now, top)]
-        return PrefixesAnswer(now_s=now, window_s=c.window_s, threshold=c.threshold, prefix_blocks=c.prefix_blocks,
-                              prefix_tokens=c.prefix_blocks * ps, page_size=ps, prefixes=rows)
+        rows = [
+            PrefixEntry(
+                id=str(h.key),
+                prefix_blocks=h.prefix_blocks,
+                prefix_tokens=h.prefix_blocks * ps,
+                arrivals_in_window=h.arrivals_in_window,
+                total_arrivals=h.total_arrivals,
+                threshold=c.threshold,
+                hot=h.hot,
+                fires=h.fires,
+                first_seen_s=h.first_seen_s,
+                last_seen_s=h.last_seen_s,
+                holders=[urls[i] for i in state.holders(h.key)],
+                copies_in_flight=sum(1 for (_, k) in active if k == h.key),
+            )
+            for h in src.detector.heat(now, top)
+        ]
+        return PrefixesAnswer(
+            now_s=now,
+            window_s=c.window_s,
+            threshold=c.threshold,
+            prefix_blocks=c.prefix_blocks,
+            prefix_tokens=c.prefix_blocks * ps,
+            page_size=ps,
+            prefixes=rows,
+        )
 
     # -- transfers ----------------------------------------------------------------------------------------------
 
@@ -158,10 +194,23 @@ class Reports:
         """One copy of ``GET /control/transfers``."""
         urls = self._urls
         return TransferEntry(
-            copy_id=t.copy_id, prefix=str(t.key), prefix_blocks=len(t.chain), source=urls[t.source],
-            target=urls[t.target], state=t.state, bytes_sent=t.bytes_sent, bytes_total=t.bytes_total,
-            blocks_verified=t.blocks_verified, bytes_per_s=t.bytes_per_s(now), eta_s=t.eta_s(now),
-            error=t.error, created_s=t.created_s, started_s=t.started_s, finished_s=t.finished_s, manual=t.manual)
+            copy_id=t.copy_id,
+            prefix=str(t.key),
+            prefix_blocks=len(t.chain),
+            source=urls[t.source],
+            target=urls[t.target],
+            state=t.state,
+            bytes_sent=t.bytes_sent,
+            bytes_total=t.bytes_total,
+            blocks_verified=t.blocks_verified,
+            bytes_per_s=t.bytes_per_s(now),
+            eta_s=t.eta_s(now),
+            error=t.error,
+            created_s=t.created_s,
+            started_s=t.started_s,
+            finished_s=t.finished_s,
+            manual=t.manual,
+        )
 
     def transfers(self, limit: int = EVENT_TRANSFERS) -> TransfersAnswer:
         """``GET /control/transfers``: in flight first, then the most recent finished, at most ``limit`` rows."""
@@ -170,9 +219,15 @@ class Reports:
         tt = state.transfers
         done = [t for t in tt.recent if t.state is CopyState.DONE]
         return TransfersAnswer(
-            now_s=now, in_flight=len(tt.active), transfers=[self.transfer(t, now) for t in tt.all()[:limit]],
-            totals=TransferTotals(done=len(done), failed=sum(1 for t in tt.recent if t.state is CopyState.FAILED),
-                                  bytes=sum(t.bytes_sent for t in done)))
+            now_s=now,
+            in_flight=len(tt.active),
+            transfers=[self.transfer(t, now) for t in tt.all()[:limit]],
+            totals=TransferTotals(
+                done=len(done),
+                failed=sum(1 for t in tt.recent if t.state is CopyState.FAILED),
+                bytes=sum(t.bytes_sent for t in done),
+            ),
+        )
 
     # -- TTFT ---------------------------------------------------------------------------------------------------
 
@@ -181,16 +236,23 @@ class Reports:
         state = self.src.state
         now = state.clock()
         series = state.ttft
-        return TtftAnswer(now_s=now, window_s=window_s, step_s=step_s,
-                          series=[TtftBucket(**r) for r in series.series(now, window_s, step_s)],
-                          summary=TtftSummary(**series.summary(now, window_s)))
+        return TtftAnswer(
+            now_s=now,
+            window_s=window_s,
+            step_s=step_s,
+            series=[TtftBucket(**r) for r in series.series(now, window_s, step_s)],
+            summary=TtftSummary(**series.summary(now, window_s)),
+        )
 
     def ttft_event(self) -> TtftEvent:
         """The ``ttft`` event: the last 10 s summarised and the trailing 1-second bucket."""
         state = self.src.state
         now = state.clock()
-        return TtftEvent(now_s=now, last_10s=TtftSummary(**state.ttft.summary(now, 10.0)),
-                         point=TtftBucket(**state.ttft.series(now, 1.0, 1.0)[-1]))
+        return TtftEvent(
+            now_s=now,
+            last_10s=TtftSummary(**state.ttft.summary(now, 10.0)),
+            point=TtftBucket(**state.ttft.series(now, 1.0, 1.0)[-1]),
+        )
 
     # -- constants ----------------------------------------------------------------------------------------------
 
@@ -198,8 +260,13 @@ class Reports:
         """``GET /control/constants``."""
         src = self.src
         c = src.constants
-        return ConstantsAnswer(policy=src.policy_name, policies=list(POLICIES), constants=c,
-                               page_size=src.page_size, prefix_tokens=c.prefix_blocks * src.page_size)
+        return ConstantsAnswer(
+            policy=src.policy_name,
+            policies=list(POLICIES),
+            constants=c,
+            page_size=src.page_size,
+            prefix_tokens=c.prefix_blocks * src.page_size,
+        )
 
     # -- replication --------------------------------------------------------------------------------------------
 
@@ -220,11 +287,13 @@ class Reports:
         else:
             cands = chains.find(s)
             if not cands:
-                raise PrefixLookupError(404, f"unknown prefix {s!r}: the gateway knows the prefixes of the requests "
-                                             "it routed", key="prefix")
+                raise PrefixLookupError(
+                    404, f"unknown prefix {s!r}: the gateway knows the prefixes of the requests it routed", key="prefix"
+                )
             if len(cands) > 1:
-                raise PrefixLookupError(400, f"prefix {s!r} is ambiguous", key="prefix",
-                                        candidates=[str(c) for c in cands])
+                raise PrefixLookupError(
+                    400, f"prefix {s!r} is ambiguous", key="prefix", candidates=[str(c) for c in cands]
+                )
             key = cands[0]
         chain = chains.chain_of(key) or self.src.detector.prefix_of(key)
         if chain is None:
@@ -236,20 +305,26 @@ class Reports:
         state = self.src.state
         now = state.clock()
         return ReplicationAnswer(
-            prefix=key, prefix_blocks=len(chain),
+            prefix=key,
+            prefix_blocks=len(chain),
             holders=[w.url for w in state.workers if w.held_blocks(chain) >= len(chain)],
-            copies=[self.transfer(t, now) for t in state.transfers.for_key(key)])
+            copies=[self.transfer(t, now) for t in state.transfers.for_key(key)],
+        )
 
     def replicate(self, outcome: ReplicateOutcome) -> ReplicateAnswer:
         """``POST /control/replicate``'s answer for what the replicator started."""
         urls = self._urls
         started = outcome.started
         return ReplicateAnswer(
-            prefix=outcome.prefix, source=urls[outcome.source], targets=[urls[t.target] for t in started],
+            prefix=outcome.prefix,
+            source=urls[outcome.source],
+            targets=[urls[t.target] for t in started],
             copy_ids=[t.copy_id for t in started],
-            copies=[ReplicateCopy(copy_id=t.copy_id, target=urls[t.target], state=t.state, error=t.error)
-                    for t in started],
-            skipped=outcome.skipped)
+            copies=[
+                ReplicateCopy(copy_id=t.copy_id, target=urls[t.target], state=t.state, error=t.error) for t in started
+            ],
+            skipped=outcome.skipped,
+        )
 
 
 __all__ = ["EVENT_TOP_PREFIXES", "EVENT_TRANSFERS", "HeatSource", "PrefixLookupError", "ReportInputs", "Reports"]

@@ -143,14 +143,28 @@ class Gateway:
         self.bus = EventBus()
         self.reports = Reports(self)
         self._session: aiohttp.ClientSession | None = None
-        self.replicator = Replicator(self.state, lambda: self.session, worker_token=wt,
-                                     poll_interval_s=config.poll_interval_s, source_wait_s=config.source_wait_s,
-                                     copy_timeout_s=config.copy_timeout_s, on_change=self._transfer_changed,
-                                     on_finish=self._transfer_finished)
-        self.prober = HealthProber(self.state.workers, lambda: self.session, self.clock,
-                                   interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
-                                   unhealthy_after=config.unhealthy_after, on_down=self._mark_unhealthy,
-                                   on_info=self._worker_info, on_up=self._worker_up, on_loads=self._worker_loads)
+        self.replicator = Replicator(
+            self.state,
+            lambda: self.session,
+            worker_token=wt,
+            poll_interval_s=config.poll_interval_s,
+            source_wait_s=config.source_wait_s,
+            copy_timeout_s=config.copy_timeout_s,
+            on_change=self._transfer_changed,
+            on_finish=self._transfer_finished,
+        )
+        self.prober = HealthProber(
+            self.state.workers,
+            lambda: self.session,
+            self.clock,
+            interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s,
+            unhealthy_after=config.unhealthy_after,
+            on_down=self._mark_unhealthy,
+            on_info=self._worker_info,
+            on_up=self._worker_up,
+            on_loads=self._worker_loads,
+        )
         self._runners: list[web.AppRunner] = []
         self.data_url = ""
         self.control_url = ""
@@ -288,8 +302,9 @@ class Gateway:
         ps = info.get("page_size")
         if self._page_size_fixed and w.btb and isinstance(ps, int) and ps != self.page_size:
             w.btb = False
-            w.info = dict(info, note=f"page_size {ps} differs from the gateway's {self.page_size}; "
-                                     "no replication to or from it")
+            w.info = dict(
+                info, note=f"page_size {ps} differs from the gateway's {self.page_size}; no replication to or from it"
+            )
         cap = info.get("capacity_tokens")
         if isinstance(cap, int) and cap > 0:
             w.capacity_blocks = max(1, cap // self.page_size)
@@ -340,11 +355,14 @@ class Gateway:
             ConfigError: a listen address/port that cannot be bound (key ``port`` or ``control_port``).
         """
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0,
-                                         keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300)
+        connector = aiohttp.TCPConnector(
+            limit=cfg.max_connections, limit_per_host=0, keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300
+        )
         self._session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=cfg.connect_timeout_s))
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=cfg.connect_timeout_s),
+        )
         await self.prober.probe_all()
         self._settle_page_size()
         self._install_policy(self.policy, None)
@@ -360,15 +378,15 @@ class Gateway:
         control = build_control_app(reports, self, self.bus, open_reads=is_loopback(cfg.control_host))
         try:
             self.data_url = await self._listen(data, cfg.host, cfg.port, "port", cfg.access_log)
-            self.control_url = await self._listen(control, cfg.control_host, cfg.control_port, "control_port",
-                                                  False)
+            self.control_url = await self._listen(control, cfg.control_host, cfg.control_port, "control_port", False)
         except BaseException:
             await self.stop()
             raise
 
     async def _listen(self, app: web.Application, host: str, port: int, key: str, access_log: bool) -> str:
-        runner = web.AppRunner(app, access_log=logging.getLogger("aiohttp.access") if access_log else None,
-                               shutdown_timeout=1.0)
+        runner = web.AppRunner(
+            app, access_log=logging.getLogger("aiohttp.access") if access_log else None, shutdown_timeout=1.0
+        )
         await runner.setup()
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)

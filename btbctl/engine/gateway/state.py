@@ -503,8 +503,13 @@ class FleetState:
             avail = total * min(1.0, t.blocks_available / len(t.chain))
         else:
             avail = 0.0 if t.state is CopyState.STALLED else total
-        return CopyStatus(source=t.source, total_bytes=total, sent_bytes=float(t.bytes_sent),
-                          available_bytes=avail, rate_bytes_per_s=t.bytes_per_s(now) if avail >= total else 0.0)
+        return CopyStatus(
+            source=t.source,
+            total_bytes=total,
+            sent_bytes=float(t.bytes_sent),
+            available_bytes=avail,
+            rate_bytes_per_s=t.bytes_per_s(now) if avail >= total else 0.0,
+        )
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica``."""
@@ -558,8 +563,11 @@ class FleetState:
             for w in self.workers:
                 info = w.info or {}
                 try:
-                    cfg = ClusterConfig(model=str(info.get("model_preset") or info.get("model")),
-                                        gpu=str(info.get("gpu")), gpus_per_replica=int(info.get("tp_size") or 1))
+                    cfg = ClusterConfig(
+                        model=str(info.get("model_preset") or info.get("model")),
+                        gpu=str(info.get("gpu")),
+                        gpus_per_replica=int(info.get("tp_size") or 1),
+                    )
                     cost = cfg.replica_cost()
                     break
                 except Exception:  # noqa: BLE001 - untrusted /btb/info: unknown preset names (a real model), missing fields
@@ -576,8 +584,9 @@ class FleetState:
     def record_ttft(self, replica: int, now_s: float, ttft_s: float) -> None:
         self.ttft.add(now_s, ttft_s)
         w = self.workers[replica]
-        w.ttft_ewma_s = ttft_s if w.ttft_ewma_s is None else (
-            w.ttft_ewma_s + TTFT_EWMA_ALPHA * (ttft_s - w.ttft_ewma_s))
+        w.ttft_ewma_s = (
+            ttft_s if w.ttft_ewma_s is None else (w.ttft_ewma_s + TTFT_EWMA_ALPHA * (ttft_s - w.ttft_ewma_s))
+        )
 
     def holders(self, key: Hashable) -> list[int]:
         """Workers recorded as holding the prefix whose last block hash is ``key``."""

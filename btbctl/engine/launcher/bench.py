@@ -76,7 +76,7 @@ def block_text(block_hash, block_tokens: int) -> str:
 
 def _text_to_ids(text: str) -> list[int]:
     data = text.encode("ascii")
-    return [int.from_bytes(data[i:i + 4], "little") % IDS_VOCAB for i in range(0, len(data), 4)]
+    return [int.from_bytes(data[i : i + 4], "little") % IDS_VOCAB for i in range(0, len(data), 4)]
 
 
 class PromptSynth:
@@ -109,12 +109,12 @@ class PromptSynth:
                 break
             take = min(bt, need - have)
             blk = self._block(h)
-            parts.append(blk if take == bt else blk[:take * BYTES_PER_TOKEN])
+            parts.append(blk if take == bt else blk[: take * BYTES_PER_TOKEN])
             have += take
         k = 0
         while have < need:
             take = min(bt, need - have)
-            parts.append(block_text(f"unique:{req.request_id}:{k}", bt)[:take * BYTES_PER_TOKEN])
+            parts.append(block_text(f"unique:{req.request_id}:{k}", bt)[: take * BYTES_PER_TOKEN])
             have += take
             k += 1
         return "".join(parts)
@@ -154,8 +154,7 @@ class BenchOptions:
         """Raises :class:`BtbctlError` for a bad option."""
         if not (self.target.startswith("http://") or self.target.startswith("https://")):
             raise BtbctlError(f"--target must be an http:// or https:// URL, got {self.target!r}")
-        if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale)
-                and self.time_scale > 0):
+        if not (isinstance(self.time_scale, (int, float)) and math.isfinite(self.time_scale) and self.time_scale > 0):
             raise BtbctlError(f"--time-scale must be a number > 0, got {self.time_scale!r}")
         if self.max_requests is not None and self.max_requests < 1:
             raise BtbctlError(f"--max-requests must be >= 1, got {self.max_requests}")
@@ -298,16 +297,25 @@ async def _discover_model(session, target: str) -> str:
 
 def _body(opts: BenchOptions, req: Request, synth: PromptSynth, model: str) -> dict:
     if opts.endpoint == "generate":
-        body: dict = {"sampling_params": {"max_new_tokens": req.output_tokens, "temperature": 0.0},
-                      "stream": True, "rid": req.request_id}
+        body: dict = {
+            "sampling_params": {"max_new_tokens": req.output_tokens, "temperature": 0.0},
+            "stream": True,
+            "rid": req.request_id,
+        }
         if opts.prompt_mode == "ids":
             body["input_ids"] = synth.ids(req)
         else:
             body["text"] = synth.text(req)
         return body
     prompt = synth.ids(req) if opts.prompt_mode == "ids" else synth.text(req)
-    return {"model": model, "prompt": prompt, "max_tokens": req.output_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": req.output_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 def _cached_from(chunk: dict) -> int | None:
@@ -386,8 +394,9 @@ async def _one(session, opts: BenchOptions, url: str, body: dict, res: RequestRe
         res.error = f"connection: {e.strerror or e}"
 
 
-async def replay_async(trace: Trace, opts: BenchOptions,
-                       on_result: Callable[[RequestResult], None] | None = None) -> BenchReport:
+async def replay_async(
+    trace: Trace, opts: BenchOptions, on_result: Callable[[RequestResult], None] | None = None
+) -> BenchReport:
     """Replay ``trace`` against ``opts.target`` (see the module docstring). Every request gets exactly one
     :class:`RequestResult`; ``on_result`` is called as each one finishes. Raises :class:`BtbctlError` for bad
     options or an empty selection."""
@@ -401,8 +410,10 @@ async def replay_async(trace: Trace, opts: BenchOptions,
     url = target + ("/generate" if opts.endpoint == "generate" else "/v1/completions")
     synth = PromptSynth(trace.block_tokens)
     base = reqs[0].arrival_s
-    results = [RequestResult(r.request_id, r.kind, (r.arrival_s - base) / opts.time_scale,
-                             prompt_tokens=r.input_tokens) for r in reqs]
+    results = [
+        RequestResult(r.request_id, r.kind, (r.arrival_s - base) / opts.time_scale, prompt_tokens=r.input_tokens)
+        for r in reqs
+    ]
     limit = opts.concurrency or 0
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
@@ -428,27 +439,37 @@ async def replay_async(trace: Trace, opts: BenchOptions,
 
         await asyncio.gather(*(run(i) for i in range(len(reqs))))
         duration = time.perf_counter() - t0
-    return BenchReport(target=target, endpoint=opts.endpoint, time_scale=opts.time_scale, results=results,
-                       duration_s=duration)
+    return BenchReport(
+        target=target, endpoint=opts.endpoint, time_scale=opts.time_scale, results=results, duration_s=duration
+    )
 
 
-def replay(trace: Trace, opts: BenchOptions,
-           on_result: Callable[[RequestResult], None] | None = None) -> BenchReport:
+def replay(trace: Trace, opts: BenchOptions, on_result: Callable[[RequestResult], None] | None = None) -> BenchReport:
     """Synchronous wrapper of :func:`replay_async` (runs its own event loop)."""
     return asyncio.run(replay_async(trace, opts, on_result))
 
 
-def default_burst_trace(seed: int = 42, burst_size: int = 64, prefix_blocks: int = 256, spread_s: float = 1.0,
-                        block_tokens: int = 256) -> Trace:
+def default_burst_trace(
+    seed: int = 42, burst_size: int = 64, prefix_blocks: int = 256, spread_s: float = 1.0, block_tokens: int = 256
+) -> Trace:
     """A small Bursted burst for ``btbctl bench`` without ``--trace``: one burst of ``burst_size`` requests sharing
     a ``prefix_blocks x block_tokens``-token prefix (256 x 256 = 65,536 tokens, the published prefix), each with a
     unique 256-token suffix and 1 output token, arriving evenly over ``spread_s`` seconds (1 s = the adversarial
     Bursted variant, REFERENCE.md s3); no decoys, no background."""
     from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 
-    params = BurstedParams(bursts=1, burst_size=burst_size, first_burst_s=0.0, jitter_s=0.0, spread_s=spread_s,
-                           prefix_tokens=prefix_blocks * block_tokens, suffix_tokens=block_tokens, output_tokens=1,
-                           decoys=0, block_tokens=block_tokens)
+    params = BurstedParams(
+        bursts=1,
+        burst_size=burst_size,
+        first_burst_s=0.0,
+        jitter_s=0.0,
+        spread_s=spread_s,
+        prefix_tokens=prefix_blocks * block_tokens,
+        suffix_tokens=block_tokens,
+        output_tokens=1,
+        decoys=0,
+        block_tokens=block_tokens,
+    )
     return generate_bursted(params, seed=seed)
 
 
@@ -480,6 +501,19 @@ def write_results_jsonl(results: Iterable[RequestResult], path) -> int:
     return n
 
 
-__all__ = ["BenchOptions", "BenchReport", "ENDPOINTS", "PromptSynth", "RequestResult", "WORKER_HEADER",
-           "block_text", "default_burst_trace", "replay", "replay_async", "select_requests", "served_counts",
-           "served_delta", "write_results_jsonl"]
+__all__ = [
+    "BenchOptions",
+    "BenchReport",
+    "ENDPOINTS",
+    "PromptSynth",
+    "RequestResult",
+    "WORKER_HEADER",
+    "block_text",
+    "default_burst_trace",
+    "replay",
+    "replay_async",
+    "select_requests",
+    "served_counts",
+    "served_delta",
+    "write_results_jsonl",
+]

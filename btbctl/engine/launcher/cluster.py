@@ -188,8 +188,9 @@ class WorkerSpec(BaseModel):
     @classmethod
     def _name_ok(cls, v: str | None) -> str | None:
         if v is not None and not _NAME.match(v):
-            raise ValueError("must be 1-63 characters of letters, digits, '_', '.', '-' (starting with a letter "
-                             "or digit)")
+            raise ValueError(
+                "must be 1-63 characters of letters, digits, '_', '.', '-' (starting with a letter or digit)"
+            )
         return v
 
     @field_validator("command")
@@ -202,8 +203,10 @@ class WorkerSpec(BaseModel):
         for arg in v:
             for m in _PLACEHOLDER.finditer(arg):
                 if m.group(1) not in COMMAND_FIELDS:
-                    raise ValueError(f"unknown placeholder {{{m.group(1)}}}; valid: "
-                                     + ", ".join("{" + f + "}" for f in COMMAND_FIELDS))
+                    raise ValueError(
+                        f"unknown placeholder {{{m.group(1)}}}; valid: "
+                        + ", ".join("{" + f + "}" for f in COMMAND_FIELDS)
+                    )
         return v
 
     @model_validator(mode="after")
@@ -213,8 +216,9 @@ class WorkerSpec(BaseModel):
         if self.transfer_port and self.transfer_port + self.count - 1 > 65535:
             raise ValueError(f"transfer_port {self.transfer_port} + count {self.count} runs past 65535")
         if self.gpu_ids is not None and len(self.gpu_ids) != self.count * self.tp_size:
-            raise ValueError(f"gpu_ids holds {len(self.gpu_ids)} ids; count x tp_size needs "
-                             f"{self.count * self.tp_size}")
+            raise ValueError(
+                f"gpu_ids holds {len(self.gpu_ids)} ids; count x tp_size needs {self.count * self.tp_size}"
+            )
         return self
 
     @property
@@ -261,13 +265,18 @@ class ClusterFile(BaseModel):
                 name = f"{spec.name}-{i}" if spec.name else f"worker-{n}"
                 gpus = None
                 if spec.gpu_ids is not None:
-                    gpus = tuple(spec.gpu_ids[i * spec.tp_size:(i + 1) * spec.tp_size])
-                out.append(WorkerInstance(
-                    name=name, entry=e, index=i, spec=spec,
-                    port=spec.port + i if spec.port else 0,
-                    transfer_port=spec.transfer_port + i if spec.transfer_port else 0,
-                    gpu_ids=gpus,
-                ))
+                    gpus = tuple(spec.gpu_ids[i * spec.tp_size : (i + 1) * spec.tp_size])
+                out.append(
+                    WorkerInstance(
+                        name=name,
+                        entry=e,
+                        index=i,
+                        spec=spec,
+                        port=spec.port + i if spec.port else 0,
+                        transfer_port=spec.transfer_port + i if spec.transfer_port else 0,
+                        gpu_ids=gpus,
+                    )
+                )
                 n += 1
         return out
 
@@ -290,8 +299,10 @@ class ClusterFile(BaseModel):
                 except ConfigError as err:
                     raise ConfigError(f"workers.{e}.gpu", err.reason) from None
             if spec.page_size != self.gateway.page_size:
-                raise ConfigError(f"workers.{e}.page_size", f"is {spec.page_size} but gateway.page_size is "
-                                                            f"{self.gateway.page_size}; they must be equal")
+                raise ConfigError(
+                    f"workers.{e}.page_size",
+                    f"is {spec.page_size} but gateway.page_size is {self.gateway.page_size}; they must be equal",
+                )
         self._check_gateway_settings()
         self._check_hosts()
         names: dict[str, int] = {}
@@ -316,7 +327,6 @@ class ClusterFile(BaseModel):
                     raise ConfigError(f"workers.{inst.entry}.{field}", f"port {port} is already {ports[key]}")
                 ports[key] = f"workers.{inst.entry}.{field} (+{inst.index})"
 
-
     def _check_hosts(self) -> None:
         seen: set[str] = set()
         for i, h in enumerate(self.hosts):
@@ -328,9 +338,12 @@ class ClusterFile(BaseModel):
         for e, spec in enumerate(self.workers):
             if spec.host in seen or is_address(spec.host):
                 continue
-            raise ConfigError(f"workers.{e}.host", f"{spec.host!r} is not the name of a [[hosts]] entry "
-                                                   f"(valid: {', '.join(sorted(seen))}) nor an IP address of this "
-                                                   f"machine")
+            raise ConfigError(
+                f"workers.{e}.host",
+                f"{spec.host!r} is not the name of a [[hosts]] entry "
+                f"(valid: {', '.join(sorted(seen))}) nor an IP address of this "
+                f"machine",
+            )
 
     def _check_gateway_settings(self) -> None:
         from btbctl.engine.gateway.config import GatewayConfig
@@ -338,35 +351,68 @@ class ClusterFile(BaseModel):
         reserved = set(GATEWAY_SET_BY_UP)
         for key in self.gateway.settings:
             if key in reserved:
-                raise ConfigError(f"gateway.settings.{key}", "is set by `btbctl up` (use the [gateway] or [btb] "
-                                                             "key of that name where there is one)")
+                raise ConfigError(
+                    f"gateway.settings.{key}",
+                    "is set by `btbctl up` (use the [gateway] or [btb] key of that name where there is one)",
+                )
         try:
-            validate(GatewayConfig, {"workers": ["http://127.0.0.1:1"], **self.gateway.settings}, None,
-                     "gateway.settings")
+            validate(
+                GatewayConfig, {"workers": ["http://127.0.0.1:1"], **self.gateway.settings}, None, "gateway.settings"
+            )
         except ConfigError as e:
             raise ConfigError(e.key, e.reason) from None
 
-    def gateway_config(self, worker_urls: list[str], *, policy: str | None = None, port: int | None = None,
-                       control_port: int | None = None, token_file: str | None = None,
-                       worker_token_file: str | None = None) -> dict:
+    def gateway_config(
+        self,
+        worker_urls: list[str],
+        *,
+        policy: str | None = None,
+        port: int | None = None,
+        control_port: int | None = None,
+        token_file: str | None = None,
+        worker_token_file: str | None = None,
+    ) -> dict:
         """The gateway's settings (``GatewayConfig`` fields as a JSON-ready dict) for these workers."""
         gw = self.gateway
         data = dict(gw.settings)
-        data.update({
-            "workers": list(worker_urls), "host": gw.host, "port": gw.port if port is None else port,
-            "control_host": gw.control_host,
-            "control_port": gw.control_port if control_port is None else control_port,
-            "policy": policy or gw.policy, "constants": self.btb.model_dump(), "page_size": gw.page_size,
-            "max_retries": gw.max_retries, "health_interval_s": gw.health_interval_s,
-            "max_body_bytes": gw.max_body_bytes, "token_file": token_file, "worker_token_file": worker_token_file,
-        })
+        data.update(
+            {
+                "workers": list(worker_urls),
+                "host": gw.host,
+                "port": gw.port if port is None else port,
+                "control_host": gw.control_host,
+                "control_port": gw.control_port if control_port is None else control_port,
+                "policy": policy or gw.policy,
+                "constants": self.btb.model_dump(),
+                "page_size": gw.page_size,
+                "max_retries": gw.max_retries,
+                "health_interval_s": gw.health_interval_s,
+                "max_body_bytes": gw.max_body_bytes,
+                "token_file": token_file,
+                "worker_token_file": worker_token_file,
+            }
+        )
         return data
 
 
 #: ``GatewayConfig`` fields ``up`` fills in itself (not allowed in ``gateway.settings``).
-GATEWAY_SET_BY_UP = ("workers", "host", "port", "control_host", "control_port", "policy", "constants", "page_size",
-                     "max_retries", "health_interval_s", "max_body_bytes", "token", "token_file", "worker_token",
-                     "worker_token_file")
+GATEWAY_SET_BY_UP = (
+    "workers",
+    "host",
+    "port",
+    "control_host",
+    "control_port",
+    "policy",
+    "constants",
+    "page_size",
+    "max_retries",
+    "health_interval_s",
+    "max_body_bytes",
+    "token",
+    "token_file",
+    "worker_token",
+    "worker_token_file",
+)
 
 
 @dataclass(frozen=True)
@@ -454,14 +500,23 @@ def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None) -> list[st
     ``gpu`` preset when ``chunked_prefill_size`` is unset.
     """
     argv = [
-        _python(spec), "-m", "sglang.launch_server",
-        "--model-path", spec.model,
-        "--tp-size", str(spec.tp_size),
-        "--host", host or spec.host,
-        "--port", str(port),
-        "--mem-fraction-static", _num(spec.mem_fraction),
-        "--page-size", str(spec.page_size),
-        "--chunked-prefill-size", str(spec.chunk_tokens()),
+        _python(spec),
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model,
+        "--tp-size",
+        str(spec.tp_size),
+        "--host",
+        host or spec.host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        _num(spec.mem_fraction),
+        "--page-size",
+        str(spec.page_size),
+        "--chunked-prefill-size",
+        str(spec.chunk_tokens()),
     ]
     if spec.enable_metrics:
         argv.append("--enable-metrics")
@@ -471,24 +526,39 @@ def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None) -> list[st
     return argv
 
 
-def emulated_argv(spec: WorkerSpec, port: int, transfer_port: int = 0, token_file: str | None = None,
-                  host: str | None = None) -> list[str]:
+def emulated_argv(
+    spec: WorkerSpec, port: int, transfer_port: int = 0, token_file: str | None = None, host: str | None = None
+) -> list[str]:
     """The emulated worker's command line (``python -m btbctl worker ...``) as an argv list; the flags mirror
     SGLang's (:func:`sglang_argv`) plus the emulation's own (``--gpu``, ``--time-scale``, ``--zero-delay``,
     ``--kv-bytes-scale``, ``--transfer-port``, ``--btb-token-file``)."""
     argv = [
-        _python(spec), "-m", "btbctl", "worker",
-        "--model-path", spec.model,
-        "--served-model-name", spec.served_model_name or spec.model,
-        "--tp-size", str(spec.tp_size),
-        "--host", host or spec.host,
-        "--port", str(port),
-        "--mem-fraction-static", _num(spec.mem_fraction),
-        "--page-size", str(spec.page_size),
-        "--chunked-prefill-size", str(spec.chunk_tokens()),
-        "--gpu", spec.gpu,
-        "--time-scale", _num(spec.time_scale),
-        "--transfer-port", str(transfer_port),
+        _python(spec),
+        "-m",
+        "btbctl",
+        "worker",
+        "--model-path",
+        spec.model,
+        "--served-model-name",
+        spec.served_model_name or spec.model,
+        "--tp-size",
+        str(spec.tp_size),
+        "--host",
+        host or spec.host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        _num(spec.mem_fraction),
+        "--page-size",
+        str(spec.page_size),
+        "--chunked-prefill-size",
+        str(spec.chunk_tokens()),
+        "--gpu",
+        spec.gpu,
+        "--time-scale",
+        _num(spec.time_scale),
+        "--transfer-port",
+        str(transfer_port),
     ]
     if spec.enable_metrics:
         argv.append("--enable-metrics")
@@ -506,9 +576,16 @@ def command_argv(inst: WorkerInstance, port: int, transfer_port: int = 0) -> lis
     """A worker's ``command`` override with its placeholders filled in (element by element; no shell)."""
     spec = inst.spec
     assert spec.command is not None
-    values = {"host": spec.host, "port": str(port), "model": spec.model, "tp_size": str(spec.tp_size),
-              "page_size": str(spec.page_size), "name": inst.name, "index": str(inst.index),
-              "transfer_port": str(transfer_port)}
+    values = {
+        "host": spec.host,
+        "port": str(port),
+        "model": spec.model,
+        "tp_size": str(spec.tp_size),
+        "page_size": str(spec.page_size),
+        "name": inst.name,
+        "index": str(inst.index),
+        "transfer_port": str(transfer_port),
+    }
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in spec.command]
 
 
@@ -526,5 +603,16 @@ def _num(x: float) -> str:
     return repr(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-__all__ = ["ClusterFile", "GatewaySection", "WorkerInstance", "WorkerSpec", "command_argv",
-           "default_cluster", "emulated_argv", "load_cluster", "sglang_argv", "validate_cluster", "worker_argv"]
+__all__ = [
+    "ClusterFile",
+    "GatewaySection",
+    "WorkerInstance",
+    "WorkerSpec",
+    "command_argv",
+    "default_cluster",
+    "emulated_argv",
+    "load_cluster",
+    "sglang_argv",
+    "validate_cluster",
+    "worker_argv",
+]

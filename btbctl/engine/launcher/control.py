@@ -8,8 +8,14 @@ from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.rundir import RunDir
 
 
-def resolve_control_api(*, url: str | None = None, token: str | None = None, token_file: str | None = None,
-                        run_dir: str | None = None, need_token: bool = False) -> tuple[str, str | None]:
+def resolve_control_api(
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    token_file: str | None = None,
+    run_dir: str | None = None,
+    need_token: bool = False,
+) -> tuple[str, str | None]:
     """The control-API base URL and bearer token to use: ``url`` or the one recorded by ``btbctl up`` in the run
     directory; ``token``, else the content of ``token_file``, else the run directory's ``control.token`` (None when
     there is none and ``need_token`` is false: reads work, writes will be refused).

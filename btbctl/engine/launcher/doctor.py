@@ -81,8 +81,19 @@ def _ports_by_place(cluster: ClusterFile) -> dict[str, tuple[str, list[int]]]:
 
 
 def _row(name: str, address: str) -> dict:
-    return {"host": name, "address": address, "reachable": None, "auth": None, "python": None, "btbctl": None,
-            "sglang": None, "ports": {}, "gpus": None, "rdma": None, "problems": []}
+    return {
+        "host": name,
+        "address": address,
+        "reachable": None,
+        "auth": None,
+        "python": None,
+        "btbctl": None,
+        "sglang": None,
+        "ports": {},
+        "gpus": None,
+        "rdma": None,
+        "problems": [],
+    }
 
 
 def _fill(row: dict, probe: dict, need_btbctl: bool, need_sglang: bool) -> None:
@@ -147,8 +158,12 @@ def _check_local(address: str, ports: list[int], need_btbctl: bool, need_sglang:
     row = _row("local", address)
     row["reachable"] = row["auth"] = "yes"
     try:
-        res = subprocess.run([python, "-c", PROBE_CODE, address, *map(str, ports)], capture_output=True,
-                             timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        res = subprocess.run(
+            [python, "-c", PROBE_CODE, address, *map(str, ports)],
+            capture_output=True,
+            timeout=PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
     except FileNotFoundError:
         row["python"] = "not found"
         row["problems"].append(f"command not found: {python}")
@@ -183,8 +198,9 @@ def doctor(cluster: ClusterFile) -> dict:
     remote = [(h, places.get(h.name, (h.bind_address, []))[1]) for h in cluster.hosts]
 
     async def _all():
-        return await asyncio.gather(*[_check_host(h, ports, *needs.get(h.name, (False, False, ""))[:2])
-                                      for h, ports in remote])
+        return await asyncio.gather(
+            *[_check_host(h, ports, *needs.get(h.name, (False, False, ""))[:2]) for h, ports in remote]
+        )
 
     rows = []
     for key, (bind, ports) in places.items():

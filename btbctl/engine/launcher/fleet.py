@@ -80,8 +80,9 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
     if live or rd.owner_alive(state):
         where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
         stop = "btbctl down" if rd.path == RunDir(None).path else f"btbctl down --run-dir {shlex.quote(str(rd.path))}"
-        raise BtbctlError(f"a fleet is already running from {rd.path} ({where}); stop it with `{stop}` "
-                          f"(or use another --run-dir)")
+        raise BtbctlError(
+            f"a fleet is already running from {rd.path} ({where}); stop it with `{stop}` (or use another --run-dir)"
+        )
     log(f"removing stale state of a fleet that is no longer running ({rd.state_path})")
     rd.clear()
 
@@ -101,9 +102,19 @@ def write_gateway_config(rd: RunDir, data: dict) -> str:
     return str(path)
 
 
-def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = None, port: int | None = None,
-       control_port: int | None = None, cluster_path: str | None = None, log: Log = _nolog,
-       should_stop: Callable[[], bool] | None = None, keep_partial: bool = False) -> tuple[RunState, list[Started]]:
+def up(
+    cluster: ClusterFile,
+    rd: RunDir,
+    *,
+    detach: bool,
+    policy: str | None = None,
+    port: int | None = None,
+    control_port: int | None = None,
+    cluster_path: str | None = None,
+    log: Log = _nolog,
+    should_stop: Callable[[], bool] | None = None,
+    keep_partial: bool = False,
+) -> tuple[RunState, list[Started]]:
     """Start the fleet of ``cluster`` and record it in ``rd``.
 
     Args:
@@ -134,10 +145,15 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
     check_no_live_run(rd, log)
     rd.prepare()
     rd.new_tokens()
-    state = RunState(run_dir=str(rd.path), created_at=time.time(), detached=detach,
-                     owner_pid=None if detach else os.getpid(),
-                     owner_start_time=None if detach else process_start_time(os.getpid()),
-                     cluster_file=cluster_path, policy=policy)
+    state = RunState(
+        run_dir=str(rd.path),
+        created_at=time.time(),
+        detached=detach,
+        owner_pid=None if detach else os.getpid(),
+        owner_start_time=None if detach else process_start_time(os.getpid()),
+        cluster_file=cluster_path,
+        policy=policy,
+    )
     rd.save(state)
     started: list[Started] = []
     pool = None
@@ -178,8 +194,14 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
         local_urls = {inst.name: p.url for inst, p, _ in pending}
         urls = [local_urls.get(i.name) or remote_urls[i.name] for i in cluster.instances()]
         gw = cluster.gateway
-        gcfg = cluster.gateway_config(urls, policy=policy, port=port, control_port=control_port,
-                                      token_file=str(rd.token_path), worker_token_file=str(rd.worker_token_path))
+        gcfg = cluster.gateway_config(
+            urls,
+            policy=policy,
+            port=port,
+            control_port=control_port,
+            token_file=str(rd.token_path),
+            worker_token_file=str(rd.worker_token_path),
+        )
         from btbctl.engine.config import validate
         from btbctl.engine.gateway.config import GatewayConfig
 
@@ -233,8 +255,15 @@ def up(cluster: ClusterFile, rd: RunDir, *, detach: bool, policy: str | None = N
     return state, started
 
 
-def _start_remote(cluster: ClusterFile, remote: list[WorkerInstance], rd: RunDir, state: RunState, pool,
-                  log: Log, should_stop: Callable[[], bool] | None) -> dict[str, str]:
+def _start_remote(
+    cluster: ClusterFile,
+    remote: list[WorkerInstance],
+    rd: RunDir,
+    state: RunState,
+    pool,
+    log: Log,
+    should_stop: Callable[[], bool] | None,
+) -> dict[str, str]:
     """Start the workers of ``remote`` on their hosts (all hosts in parallel); record each as soon as it was
     launched; return ``{name: url}`` once every one is ready. Raises ``SshFailure``."""
     import secrets
@@ -258,8 +287,15 @@ def _start_remote(cluster: ClusterFile, remote: list[WorkerInstance], rd: RunDir
 
     for host, insts in plan.values():
         log(f"starting {len(insts)} worker(s) on host {host.name} ({host.address}:{host.port})")
-    workers = ssh.start_all(pool, list(plan.values()), run_id=run_id, logs_dir=rd.logs_dir, token=token,
-                            on_started=on_started, should_stop=should_stop)
+    workers = ssh.start_all(
+        pool,
+        list(plan.values()),
+        run_id=run_id,
+        logs_dir=rd.logs_dir,
+        token=token,
+        on_started=on_started,
+        should_stop=should_stop,
+    )
     urls = {}
     with lock:
         for w in workers:
@@ -312,8 +348,14 @@ def stop_started(started: list[Started], grace_s: float, log: Log = _nolog) -> N
 REMOTE_POLL_S = 1.0
 
 
-def supervise(rd: RunDir, state: RunState, started: list[Started], log: Log = _nolog, poll_s: float = 0.5,
-              should_stop: Callable[[], bool] | None = None) -> None:
+def supervise(
+    rd: RunDir,
+    state: RunState,
+    started: list[Started],
+    log: Log = _nolog,
+    poll_s: float = 0.5,
+    should_stop: Callable[[], bool] | None = None,
+) -> None:
     """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; report a
     process that exits on its own; then stop everything (the gateway first) and remove the state."""
     reported: set[int] = set()
@@ -387,8 +429,10 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
             time.sleep(0.1)
     # the gateway first (no new requests reach the workers), then all workers together
     left = []
-    for batch in ([p for p in state.processes if p.role == "gateway"],
-                  [p for p in state.processes if p.role != "gateway"]):
+    for batch in (
+        [p for p in state.processes if p.role == "gateway"],
+        [p for p in state.processes if p.role != "gateway"],
+    ):
         local = [p for p in batch if not p.host]
         for rec, result in zip(local, stop_records(local, grace_s), strict=True):
             if result == "gone" and rec.name in by_owner:
@@ -464,8 +508,19 @@ def status(rd: RunDir) -> dict:
             err = rst["error"]
         elif rst is not None and rst["state"].startswith("exit:"):
             err = f"process exited with status {rst['state'][5:]}"
-        workers.append({"name": rec.name, "host": rec.host or "local", "url": rec.url, "healthy": healthy,
-                        "alive": alive, "pid": rec.pid, "kind": rec.kind, "inflight": inflight, "health_error": err})
+        workers.append(
+            {
+                "name": rec.name,
+                "host": rec.host or "local",
+                "url": rec.url,
+                "healthy": healthy,
+                "alive": alive,
+                "pid": rec.pid,
+                "kind": rec.kind,
+                "inflight": inflight,
+                "health_error": err,
+            }
+        )
     gw = state.gateway()
     return {
         "gateway_url": state.gateway_url,
@@ -473,11 +528,23 @@ def status(rd: RunDir) -> dict:
         "run_dir": str(rd.path),
         "policy": fleet.policy if fleet is not None else state.policy,
         "detached": state.detached,
-        "gateway": {"pid": gw.pid if gw else None, "alive": bool(gw and record_is_ours(gw)),
-                    "reachable": fleet is not None},
+        "gateway": {
+            "pid": gw.pid if gw else None,
+            "alive": bool(gw and record_is_ours(gw)),
+            "reachable": fleet is not None,
+        },
         "workers": workers,
     }
 
 
-__all__ = ["check_no_live_run", "connect_host", "down", "free_port", "gateway_argv", "status", "stop_started",
-           "supervise", "up"]
+__all__ = [
+    "check_no_live_run",
+    "connect_host",
+    "down",
+    "free_port",
+    "gateway_argv",
+    "status",
+    "stop_started",
+    "supervise",
+    "up",
+]

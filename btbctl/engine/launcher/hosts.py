@@ -109,8 +109,9 @@ class HostSpec(BaseModel):
     @classmethod
     def _name_ok(cls, v: str) -> str:
         if not _NAME.match(v):
-            raise ValueError("must be 1-63 characters of letters, digits, '_', '.', '-' (starting with a letter "
-                             "or digit)")
+            raise ValueError(
+                "must be 1-63 characters of letters, digits, '_', '.', '-' (starting with a letter or digit)"
+            )
         return v
 
     @field_validator("address", "bind")
@@ -160,5 +161,12 @@ class HostSpec(BaseModel):
         return ident, os.path.expanduser(self.known_hosts)
 
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_SSH_PORT", "DEFAULT_START_TIMEOUT_S", "DEFAULT_WORKDIR", "HostSpec",
-           "check_hostname", "is_address"]
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_SSH_PORT",
+    "DEFAULT_START_TIMEOUT_S",
+    "DEFAULT_WORKDIR",
+    "HostSpec",
+    "check_hostname",
+    "is_address",
+]

@@ -65,9 +65,19 @@ class Started:
 
     def record(self, role: str, kind: str) -> ProcessRecord:
         """This process as a ``state.json`` record."""
-        return ProcessRecord(name=self.name, role=role, kind=kind, pid=self.pid, pgid=self.pid,
-                             start_time=self.start_time, argv=list(self.argv), log=str(self.log), url=self.url,
-                             extra=dict(self.extra), started_at=self.started_at)
+        return ProcessRecord(
+            name=self.name,
+            role=role,
+            kind=kind,
+            pid=self.pid,
+            pgid=self.pid,
+            start_time=self.start_time,
+            argv=list(self.argv),
+            log=str(self.log),
+            url=self.url,
+            extra=dict(self.extra),
+            started_at=self.started_at,
+        )
 
 
 def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Started:
@@ -85,8 +95,15 @@ def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = No
     log.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                                 start_new_session=True, env=full_env, close_fds=True)
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=full_env,
+            close_fds=True,
+        )
     except FileNotFoundError:
         raise BtbctlError(f"cannot start {name}: program not found: {argv[0]}") from None
     except PermissionError:
@@ -118,8 +135,13 @@ def health_ok(url: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
-               poll_s: float = 0.05, should_stop: Callable[[], bool] | None = None) -> Started:
+def wait_ready(
+    proc: Started,
+    timeout_s: float,
+    health_url: str | None = None,
+    poll_s: float = 0.05,
+    should_stop: Callable[[], bool] | None = None,
+) -> Started:
     """Wait until ``proc`` is ready; fill in ``proc.url`` and ``proc.extra`` and return it.
 
     Ready means: its log holds a :data:`READY_LINE` (its URL becomes ``proc.url``), or ``health_url`` is given and
@@ -141,8 +163,10 @@ def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
         rc = proc.popen.poll()
         if rc is not None:
             tail = log_tail(proc.log)
-            raise BtbctlError(f"{proc.name} exited with status {rc} before it was ready (log {proc.log})"
-                              + (f": {tail}" if tail else ""))
+            raise BtbctlError(
+                f"{proc.name} exited with status {rc} before it was ready (log {proc.log})"
+                + (f": {tail}" if tail else "")
+            )
         now = time.monotonic()
         if health_url is not None and now - last_health >= 0.25:
             last_health = now
@@ -151,8 +175,9 @@ def wait_ready(proc: Started, timeout_s: float, health_url: str | None = None,
                 return proc
         if now >= deadline:
             tail = log_tail(proc.log)
-            raise BtbctlError(f"{proc.name} was not ready after {timeout_s:g} s (log {proc.log})"
-                              + (f": {tail}" if tail else ""))
+            raise BtbctlError(
+                f"{proc.name} was not ready after {timeout_s:g} s (log {proc.log})" + (f": {tail}" if tail else "")
+            )
         if should_stop is not None and should_stop():
             raise KeyboardInterrupt
         time.sleep(poll_s)
@@ -247,5 +272,15 @@ def stop_records(recs: list[ProcessRecord], grace_s: float = DEFAULT_GRACE_S) ->
     return out
 
 
-__all__ = ["READY_LINE", "Started", "health_ok", "log_tail", "spawn", "stop_group", "stop_groups", "stop_record",
-           "stop_records", "wait_ready"]
+__all__ = [
+    "READY_LINE",
+    "Started",
+    "health_ok",
+    "log_tail",
+    "spawn",
+    "stop_group",
+    "stop_groups",
+    "stop_record",
+    "stop_records",
+    "wait_ready",
+]

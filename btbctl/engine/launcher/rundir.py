@@ -154,7 +154,7 @@ def _proc_stat(pid: int) -> list[str] | None:
     except OSError:
         return None
     # the command name (field 2) is in parentheses and may itself hold spaces or parentheses
-    return raw[raw.rfind(")") + 2:].split()
+    return raw[raw.rfind(")") + 2 :].split()
 
 
 def _has_proc() -> bool:
@@ -172,8 +172,7 @@ def process_start_time(pid: int) -> str | None:
             return None
         return st[19]
     try:
-        out = subprocess.run(["ps", "-o", "stat=,lstart=", "-p", str(pid)], capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(["ps", "-o", "stat=,lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return None
     line = out.stdout.strip()
@@ -274,8 +273,10 @@ class RunDir:
         try:
             return self.token_path.read_text(encoding="utf-8").strip()
         except OSError as e:
-            raise BtbctlError(f"cannot read the control token {self.token_path}: {e.strerror or e}; is a fleet "
-                              f"running with this --run-dir?") from None
+            raise BtbctlError(
+                f"cannot read the control token {self.token_path}: {e.strerror or e}; is a fleet "
+                f"running with this --run-dir?"
+            ) from None
 
     def load(self) -> RunState | None:
         """The recorded state, or None when there is none. Raises :class:`BtbctlError` for a corrupt file."""
@@ -291,8 +292,9 @@ class RunDir:
                 raise ValueError(f"unknown layout version {data.get('version') if isinstance(data, dict) else None}")
             return RunState.from_dict(data)
         except (ValueError, TypeError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-            raise BtbctlError(f"{self.state_path}: unreadable run state ({e}); remove the file if no fleet from it "
-                              f"is running") from None
+            raise BtbctlError(
+                f"{self.state_path}: unreadable run state ({e}); remove the file if no fleet from it is running"
+            ) from None
 
     def save(self, state: RunState) -> None:
         """Write ``state.json`` atomically (temporary file + rename), mode 0600."""
@@ -323,11 +325,14 @@ class RunDir:
         """The state of a running fleet. Raises :class:`BtbctlError` (naming the directory) when there is none."""
         state = self.load()
         if state is None:
-            raise BtbctlError(f"no fleet is running (nothing recorded in {self.path}); start one with `btbctl up` "
-                              f"or pass the --run-dir it used")
+            raise BtbctlError(
+                f"no fleet is running (nothing recorded in {self.path}); start one with `btbctl up` "
+                f"or pass the --run-dir it used"
+            )
         if not self.live_processes(state) and not self.owner_alive(state):
-            raise BtbctlError(f"the fleet recorded in {self.path} is no longer running; `btbctl down` cleans up "
-                              f"its state")
+            raise BtbctlError(
+                f"the fleet recorded in {self.path} is no longer running; `btbctl down` cleans up its state"
+            )
         return state
 
 
@@ -348,5 +353,13 @@ def now_s() -> float:
     return time.time()
 
 
-__all__ = ["ProcessRecord", "RunDir", "RunState", "default_run_dir", "group_members", "is_same_process",
-           "process_start_time", "record_is_ours"]
+__all__ = [
+    "ProcessRecord",
+    "RunDir",
+    "RunState",
+    "default_run_dir",
+    "group_members",
+    "is_same_process",
+    "process_start_time",
+    "record_is_ours",
+]

@@ -179,28 +179,49 @@ async def connect(host: HostSpec):
 
     ident, known_hosts = host.key_paths()
     if not os.path.exists(known_hosts):
-        raise SshFailure(host, "unknown host key", f"{known_hosts} does not exist; add the host's key with: "
-                                                   f"{_keyscan_hint(host, known_hosts)}")
+        raise SshFailure(
+            host,
+            "unknown host key",
+            f"{known_hosts} does not exist; add the host's key with: {_keyscan_hint(host, known_hosts)}",
+        )
     if ident is not None and not os.path.exists(ident):
         raise SshFailure(host, "authentication failed", f"identity file {ident} does not exist")
     try:
-        return await asyncio.wait_for(asyncssh.connect(
-            host.address, host.port, username=host.login, known_hosts=known_hosts,
-            client_keys=[ident] if ident else (), agent_path=() if ident is None else None,
-            password=None, password_auth=False, kbdint_auth=False, gss_auth=False,
-            preferred_auth="publickey", config=None, login_timeout=host.connect_timeout_s,
-        ), timeout=host.connect_timeout_s)
+        return await asyncio.wait_for(
+            asyncssh.connect(
+                host.address,
+                host.port,
+                username=host.login,
+                known_hosts=known_hosts,
+                client_keys=[ident] if ident else (),
+                agent_path=() if ident is None else None,
+                password=None,
+                password_auth=False,
+                kbdint_auth=False,
+                gss_auth=False,
+                preferred_auth="publickey",
+                config=None,
+                login_timeout=host.connect_timeout_s,
+            ),
+            timeout=host.connect_timeout_s,
+        )
     except ConnectionRefusedError:
         raise SshFailure(host, "connection refused", "nothing listens on that port (is sshd running?)") from None
     except asyncio.TimeoutError:
         raise SshFailure(host, "unreachable", f"no answer within {host.connect_timeout_s:g} s") from None
     except asyncssh.HostKeyNotVerifiable:
         if _host_known(host, known_hosts):
-            raise SshFailure(host, "host key mismatch",
-                             f"the key the host offered is not the one in {known_hosts} (if the host was "
-                             f"reinstalled, check it and replace its line)") from None
-        raise SshFailure(host, "unknown host key", f"{host.address} is not in {known_hosts}; add its key with: "
-                                                   f"{_keyscan_hint(host, known_hosts)}") from None
+            raise SshFailure(
+                host,
+                "host key mismatch",
+                f"the key the host offered is not the one in {known_hosts} (if the host was "
+                f"reinstalled, check it and replace its line)",
+            ) from None
+        raise SshFailure(
+            host,
+            "unknown host key",
+            f"{host.address} is not in {known_hosts}; add its key with: {_keyscan_hint(host, known_hosts)}",
+        ) from None
     except asyncssh.PermissionDenied:
         how = f"key {ident}" if ident else "the SSH agent and default keys"
         raise SshFailure(host, "authentication failed", f"user {host.login} with {how}") from None
@@ -210,12 +231,14 @@ async def connect(host: HostSpec):
         raise SshFailure(host, "unreachable", e.strerror or str(e)) from None
 
 
-async def run_script(conn, script: str, args: list[str], *, stdin: bytes | None = None,
-                     timeout_s: float = 30.0) -> tuple[int, bytes]:
+async def run_script(
+    conn, script: str, args: list[str], *, stdin: bytes | None = None, timeout_s: float = 30.0
+) -> tuple[int, bytes]:
     """Run a fixed ``sh`` script with quoted positional arguments; return ``(exit status, stdout+stderr bytes)``."""
     cmd = shlex.join(["sh", "-c", script, "btbctl", *args])
-    res = await asyncio.wait_for(conn.run(cmd, input=stdin, encoding=None, check=False,
-                                          stderr=_stderr_to_stdout()), timeout=timeout_s)
+    res = await asyncio.wait_for(
+        conn.run(cmd, input=stdin, encoding=None, check=False, stderr=_stderr_to_stdout()), timeout=timeout_s
+    )
     out = res.stdout or b""
     return (res.exit_status if res.exit_status is not None else 255), out
 
@@ -332,15 +355,27 @@ class RemoteWorker:
         extra = dict(self.extra)
         extra["ssh"] = host_record(self.host)
         extra["remote_dir"] = self.remote_dir
-        return ProcessRecord(name=self.name, role="worker", kind=kind, pid=self.pid, pgid=self.pid,
-                             start_time=self.start_time, argv=list(self.argv), log=str(self.log), url=self.url,
-                             extra=extra, started_at=self.started_at, host=self.host.name)
+        return ProcessRecord(
+            name=self.name,
+            role="worker",
+            kind=kind,
+            pid=self.pid,
+            pgid=self.pid,
+            start_time=self.start_time,
+            argv=list(self.argv),
+            log=str(self.log),
+            url=self.url,
+            extra=extra,
+            started_at=self.started_at,
+            host=self.host.name,
+        )
 
 
 def host_record(host: HostSpec) -> dict:
     """The fields of ``host`` that ``down``, ``logs`` and ``status`` need, for ``state.json``."""
-    return host.model_dump(include={"name", "address", "port", "user", "identity_file", "known_hosts",
-                                    "connect_timeout_s"})
+    return host.model_dump(
+        include={"name", "address", "port", "user", "identity_file", "known_hosts", "connect_timeout_s"}
+    )
 
 
 def host_from_record(rec: ProcessRecord) -> HostSpec:
@@ -357,8 +392,15 @@ def remote_argv(inst: WorkerInstance, host: HostSpec, port: int, transfer_port: 
     """The argv of ``inst`` on ``host``: the worker binds to the host's ``bind_address``, ``python -m ...`` uses
     the worker's ``python`` or the host's, and the host's ``command_prefix`` comes first."""
     spec = inst.spec.model_copy(update={"host": host.bind_address, "python": inst.spec.python or host.python})
-    local = WorkerInstance(name=inst.name, entry=inst.entry, index=inst.index, spec=spec, port=inst.port,
-                           transfer_port=inst.transfer_port, gpu_ids=inst.gpu_ids)
+    local = WorkerInstance(
+        name=inst.name,
+        entry=inst.entry,
+        index=inst.index,
+        spec=spec,
+        port=inst.port,
+        transfer_port=inst.transfer_port,
+        gpu_ids=inst.gpu_ids,
+    )
     return list(host.command_prefix) + worker_argv(local, port, transfer_port, token_file=token_file)
 
 
@@ -372,9 +414,11 @@ def _url(host: str, port: int) -> str:
 
 
 async def _pick_port(conn, host: HostSpec, python: str, timeout_s: float) -> int:
-    code = ("import socket,sys\n"
-            "s=socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET)\n"
-            "s.bind((sys.argv[1],0));print(s.getsockname()[1])")
+    code = (
+        "import socket,sys\n"
+        "s=socket.socket(socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET)\n"
+        "s.bind((sys.argv[1],0));print(s.getsockname()[1])"
+    )
     rc, out = await run_script(conn, '"$@"', [python, "-c", code, host.bind_address], timeout_s=timeout_s)
     text = out.decode("utf-8", "replace").strip()
     if rc == EXIT_NOT_FOUND:
@@ -394,17 +438,19 @@ async def launch(conn, w: RemoteWorker, env: dict[str, str], timeout_s: float) -
     envs = [f"{k}={v}" for k, v in env.items()]
     w.log.parent.mkdir(parents=True, exist_ok=True)
     w.log.write_bytes(b"")
-    rc, out = await run_script(conn, LAUNCH_SCRIPT, [w.remote_dir, w.name, str(len(envs)), *envs, *w.argv],
-                               timeout_s=timeout_s)
+    rc, out = await run_script(
+        conn, LAUNCH_SCRIPT, [w.remote_dir, w.name, str(len(envs)), *envs, *w.argv], timeout_s=timeout_s
+    )
     text = out.decode("utf-8", "replace").strip()
     if rc == EXIT_NOT_FOUND:
         what = text.splitlines()[-1] if text else w.argv[0]
-        what = what[len("command not found: "):] if what.startswith("command not found: ") else what
+        what = what[len("command not found: ") :] if what.startswith("command not found: ") else what
         raise SshFailure(w.host, "command not found", what, worker=w.name)
     m = re.search(r"^started (\d+) (\S+)$", text, re.MULTILINE)
     if rc != 0 or m is None:
-        raise SshFailure(w.host, "cannot prepare", (text.splitlines() or [f"launch exited with status {rc}"])[-1],
-                         worker=w.name)
+        raise SshFailure(
+            w.host, "cannot prepare", (text.splitlines() or [f"launch exited with status {rc}"])[-1], worker=w.name
+        )
     w.pid = int(m.group(1))
     w.start_time = m.group(2)
     w.started_at = time.time()
@@ -429,7 +475,7 @@ async def poll(conn, host: HostSpec, remote_dir: str, workers: list[RemoteWorker
         if len(parts) != 4 or not parts[2].isdigit() or not parts[3].isdigit():
             break
         name, state, start, end = parts[0], parts[1], int(parts[2]), int(parts[3])
-        chunk = out[pos:pos + (end - start)]
+        chunk = out[pos : pos + (end - start)]
         pos += end - start
         w = by_name.get(name)
         if w is None:
@@ -450,10 +496,8 @@ def _classify_exit(w: RemoteWorker) -> SshFailure:
         status = state[5:] or "?"
         if status == str(EXIT_NOT_FOUND):
             return SshFailure(w.host, "command not found", last or w.argv[0], worker=w.name)
-        return SshFailure(w.host, "exited at once", f"status {status}" + (f": {last}" if last else ""),
-                          worker=w.name)
-    return SshFailure(w.host, "exited at once", "killed by a signal" + (f": {last}" if last else ""),
-                      worker=w.name)
+        return SshFailure(w.host, "exited at once", f"status {status}" + (f": {last}" if last else ""), worker=w.name)
+    return SshFailure(w.host, "exited at once", "killed by a signal" + (f": {last}" if last else ""), worker=w.name)
 
 
 def _head(path: Path) -> str:
@@ -464,8 +508,9 @@ def _head(path: Path) -> str:
         return ""
 
 
-async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[RemoteWorker],
-                     should_stop: Callable[[], bool] | None = None) -> None:
+async def wait_ready(
+    conn, host: HostSpec, remote_dir: str, workers: list[RemoteWorker], should_stop: Callable[[], bool] | None = None
+) -> None:
     """Poll until every worker in ``workers`` is ready and answers ``GET /health`` from this machine.
 
     Raises:
@@ -501,16 +546,23 @@ async def wait_ready(conn, host: HostSpec, remote_dir: str, workers: list[Remote
                 else:
                     seen = f"no answer on GET {url or 'its URL'}/health within {limit:g} s"
                 last = log_tail(w.log, 1)
-                raise SshFailure(host, "health timeout", seen + (f" (last log line: {last})" if last else ""),
-                                 worker=w.name)
+                raise SshFailure(
+                    host, "health timeout", seen + (f" (last log line: {last})" if last else ""), worker=w.name
+                )
         if should_stop is not None and should_stop():
             raise KeyboardInterrupt
         if pending:
             await asyncio.sleep(POLL_INTERVAL_S)
 
 
-async def _launch_recorded(conn, w: RemoteWorker, env: dict[str, str], timeout_s: float,
-                           workers: list[RemoteWorker], on_started: Callable[[RemoteWorker], None]) -> None:
+async def _launch_recorded(
+    conn,
+    w: RemoteWorker,
+    env: dict[str, str],
+    timeout_s: float,
+    workers: list[RemoteWorker],
+    on_started: Callable[[RemoteWorker], None],
+) -> None:
     """:func:`launch`, then record ``w``, as one step that a cancellation (another host failed) waits for: a
     launch already sent to the host finishes and is recorded, so it can be stopped with the rest."""
 
@@ -530,9 +582,17 @@ async def _launch_recorded(conn, w: RemoteWorker, env: dict[str, str], timeout_s
         raise
 
 
-async def start_host(pool: SshPool, host: HostSpec, instances: list[WorkerInstance], *, run_id: str,
-                     logs_dir: Path, token: str, on_started: Callable[[RemoteWorker], None],
-                     should_stop: Callable[[], bool] | None = None) -> list[RemoteWorker]:
+async def start_host(
+    pool: SshPool,
+    host: HostSpec,
+    instances: list[WorkerInstance],
+    *,
+    run_id: str,
+    logs_dir: Path,
+    token: str,
+    on_started: Callable[[RemoteWorker], None],
+    should_stop: Callable[[], bool] | None = None,
+) -> list[RemoteWorker]:
     """Connect to ``host``, start its workers and wait until they are ready (the whole start bounded by
     ``host.start_timeout_s``; waiting for readiness by each worker's ``ready_timeout_s``).
 
@@ -545,8 +605,9 @@ async def start_host(pool: SshPool, host: HostSpec, instances: list[WorkerInstan
 
     async def _start() -> None:
         conn = await pool.conn(host)
-        rc, out = await run_script(conn, TOKEN_SCRIPT, [remote_dir], stdin=(token + "\n").encode(),
-                                   timeout_s=host.start_timeout_s)
+        rc, out = await run_script(
+            conn, TOKEN_SCRIPT, [remote_dir], stdin=(token + "\n").encode(), timeout_s=host.start_timeout_s
+        )
         if rc != 0:
             text = out.decode("utf-8", "replace").strip().splitlines()
             raise SshFailure(host, "cannot prepare", text[-1] if text else f"cannot create {remote_dir}")
@@ -556,8 +617,14 @@ async def start_host(pool: SshPool, host: HostSpec, instances: list[WorkerInstan
             if not port and not expects_ready_line(inst):
                 port = await _pick_port(conn, host, py, host.start_timeout_s)
             argv = remote_argv(inst, host, port, inst.transfer_port, "worker.token")
-            w = RemoteWorker(name=inst.name, inst=inst, host=host, argv=argv, remote_dir=remote_dir,
-                             log=logs_dir / f"{inst.name}.log")
+            w = RemoteWorker(
+                name=inst.name,
+                inst=inst,
+                host=host,
+                argv=argv,
+                remote_dir=remote_dir,
+                log=logs_dir / f"{inst.name}.log",
+            )
             if not expects_ready_line(inst):
                 w.extra["health_url"] = _url(host.bind_address, port)
             env = dict(host.env)
@@ -568,16 +635,24 @@ async def start_host(pool: SshPool, host: HostSpec, instances: list[WorkerInstan
     try:
         await asyncio.wait_for(_start(), timeout=host.start_timeout_s)
     except asyncio.TimeoutError:
-        raise SshFailure(host, "start timeout", f"connecting and launching took longer than "
-                                                f"{host.start_timeout_s:g} s") from None
+        raise SshFailure(
+            host, "start timeout", f"connecting and launching took longer than {host.start_timeout_s:g} s"
+        ) from None
     conn = await pool.conn(host)
     await wait_ready(conn, host, remote_dir, workers, should_stop=should_stop)
     return workers
 
 
-def start_all(pool: SshPool, plan: list[tuple[HostSpec, list[WorkerInstance]]], *, run_id: str, logs_dir: Path,
-              token: str, on_started: Callable[[RemoteWorker], None],
-              should_stop: Callable[[], bool] | None = None) -> list[RemoteWorker]:
+def start_all(
+    pool: SshPool,
+    plan: list[tuple[HostSpec, list[WorkerInstance]]],
+    *,
+    run_id: str,
+    logs_dir: Path,
+    token: str,
+    on_started: Callable[[RemoteWorker], None],
+    should_stop: Callable[[], bool] | None = None,
+) -> list[RemoteWorker]:
     """:func:`start_host` for every host in parallel. Returns every worker, ready, in plan order.
 
     On the first failure the other hosts' starts are cancelled and that failure is raised (workers already
@@ -591,9 +666,21 @@ def start_all(pool: SshPool, plan: list[tuple[HostSpec, list[WorkerInstance]]], 
             on_started(w)
 
     async def _all() -> list[list[RemoteWorker]]:
-        tasks = [asyncio.ensure_future(start_host(pool, h, insts, run_id=run_id, logs_dir=logs_dir, token=token,
-                                                  on_started=_started, should_stop=should_stop))
-                 for h, insts in plan]
+        tasks = [
+            asyncio.ensure_future(
+                start_host(
+                    pool,
+                    h,
+                    insts,
+                    run_id=run_id,
+                    logs_dir=logs_dir,
+                    token=token,
+                    on_started=_started,
+                    should_stop=should_stop,
+                )
+            )
+            for h, insts in plan
+        ]
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         errors = [t.exception() for t in tasks if t in done and t.exception() is not None]
         if errors:
@@ -647,8 +734,7 @@ def stop_records(pool: SshPool, recs: list[ProcessRecord], grace_s: float) -> li
         except SshFailure as e:
             return {r.pgid: ("unreachable", str(e)) for r in hrecs}
         except (asyncio.TimeoutError, OSError) as e:
-            return {r.pgid: ("unreachable", str(SshFailure(host, "ssh error", str(e) or "timed out")))
-                    for r in hrecs}
+            return {r.pgid: ("unreachable", str(SshFailure(host, "ssh error", str(e) or "timed out"))) for r in hrecs}
         res: dict[int, tuple[str, str]] = {}
         for line in out.decode("utf-8", "replace").splitlines():
             parts = line.split()
@@ -679,11 +765,20 @@ def poll_records(pool: SshPool, recs: list[ProcessRecord], offsets: dict[str, in
         ws = []
         for r in hrecs:
             log = Path(r.log)
-            off = offsets.get(r.name) if offsets and r.name in offsets else (log.stat().st_size
-                                                                             if log.exists() else 0)
-            ws.append(RemoteWorker(name=r.name, inst=None, host=host, argv=r.argv,
-                                   remote_dir=str(r.extra.get("remote_dir")), log=log, pid=r.pgid,
-                                   start_time=r.start_time, offset=off))
+            off = offsets.get(r.name) if offsets and r.name in offsets else (log.stat().st_size if log.exists() else 0)
+            ws.append(
+                RemoteWorker(
+                    name=r.name,
+                    inst=None,
+                    host=host,
+                    argv=r.argv,
+                    remote_dir=str(r.extra.get("remote_dir")),
+                    log=log,
+                    pid=r.pgid,
+                    start_time=r.start_time,
+                    offset=off,
+                )
+            )
         try:
             conn = await pool.conn(host)
             dirs = {w.remote_dir for w in ws}
@@ -705,6 +800,24 @@ def poll_records(pool: SshPool, recs: list[ProcessRecord], offsets: dict[str, in
     return out
 
 
-__all__ = ["LAUNCH_SCRIPT", "POLL_SCRIPT", "RemoteWorker", "STOP_SCRIPT", "SshFailure", "SshPool", "connect",
-           "expects_ready_line", "host_from_record", "host_record", "launch", "poll", "poll_records", "remote_argv",
-           "run_script", "start_all", "start_host", "stop_records", "wait_ready"]
+__all__ = [
+    "LAUNCH_SCRIPT",
+    "POLL_SCRIPT",
+    "RemoteWorker",
+    "STOP_SCRIPT",
+    "SshFailure",
+    "SshPool",
+    "connect",
+    "expects_ready_line",
+    "host_from_record",
+    "host_record",
+    "launch",
+    "poll",
+    "poll_records",
+    "remote_argv",
+    "run_script",
+    "start_all",
+    "start_host",
+    "stop_records",
+    "wait_ready",
+]

@@ -32,8 +32,15 @@ POLICIES: dict[str, type[Policy[Any]]] = {
 DEFAULT_POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb")
 
 
-def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                block_tokens: int | None = None, fidelity: str = "realistic") -> Policy[Any]:
+def make_policy(
+    name: str,
+    n_replicas: int,
+    rng: random.Random,
+    constants: BtbConstants | None = None,
+    *,
+    block_tokens: int | None = None,
+    fidelity: str = "realistic",
+) -> Policy[Any]:
     """A fresh policy by registry name.
 
     Args:
@@ -64,5 +71,19 @@ def make_policy(name: str, n_replicas: int, rng: random.Random, constants: BtbCo
     return policy
 
 
-__all__ = ["POLICIES", "DEFAULT_POLICIES", "make_policy", "Policy", "FleetView", "least_loaded", "RoundRobin",
-           "RandomPolicy", "LeastLoad", "PowerOfTwo", "CacheAware", "CacheAwareSpill", "Btb", "BtbPlus"]
+__all__ = [
+    "POLICIES",
+    "DEFAULT_POLICIES",
+    "make_policy",
+    "Policy",
+    "FleetView",
+    "least_loaded",
+    "RoundRobin",
+    "RandomPolicy",
+    "LeastLoad",
+    "PowerOfTwo",
+    "CacheAware",
+    "CacheAwareSpill",
+    "Btb",
+    "BtbPlus",
+]

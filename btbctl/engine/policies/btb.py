@@ -60,8 +60,15 @@ class Btb(Policy[FleetView]):
     name = "btb"
     summary = "BTB (published): X arrivals of a Y-block prefix in Z s -> copy to M replicas, route to holders"
 
-    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS, max_tracked: int = 65536) -> None:
+    def __init__(
+        self,
+        n_replicas: int,
+        rng: random.Random,
+        constants: BtbConstants | None = None,
+        *,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        max_tracked: int = 65536,
+    ) -> None:
         super().__init__(n_replicas, rng, constants)
         self.detector = BurstDetector(self.constants, max_tracked=max_tracked)
         self.fallback = CacheAware(n_replicas, rng, self.constants, block_tokens=block_tokens)
@@ -101,8 +108,9 @@ class Btb(Policy[FleetView]):
         else:
             self._refused += 1
 
-    def _ensure_replicas(self, prefix: tuple[Hashable, ...], view: FleetView,
-                         now_s: float) -> tuple[list[int], CopyPlan | None]:
+    def _ensure_replicas(
+        self, prefix: tuple[Hashable, ...], view: FleetView, now_s: float
+    ) -> tuple[list[int], CopyPlan | None]:
         """The replicas holding all of ``prefix`` now, and the plan topping its copies up towards M (None: no copy
         needed or no source)."""
         y = len(prefix)
@@ -141,9 +149,15 @@ class Btb(Policy[FleetView]):
         ``fallback_routes`` (active-prefix requests with no holder yet), ``tracked_prefixes``, and the
         cache-aware fallback's counters prefixed ``cache_aware_``. All values are integers."""
         det = self.detector.stats()
-        out = {"fires": det["fires"], "copies_requested": self._copies, "copies_refused": self._refused,
-               "no_source": self._no_source, "holder_routes": self._holder_routes,
-               "fallback_routes": self._fallback_routes, "tracked_prefixes": det["tracked"]}
+        out = {
+            "fires": det["fires"],
+            "copies_requested": self._copies,
+            "copies_refused": self._refused,
+            "no_source": self._no_source,
+            "holder_routes": self._holder_routes,
+            "fallback_routes": self._fallback_routes,
+            "tracked_prefixes": det["tracked"],
+        }
         for k, v in self.fallback.stats().items():
             out[f"cache_aware_{k}"] = v
         return out

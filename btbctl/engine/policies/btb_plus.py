@@ -94,11 +94,13 @@ class BtbPlus(Policy[CostView]):
 
     name = "btb_plus"
     needs_cost_view = True
-    summary = ("BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, "
-               "expected-TTFT routing")
+    summary = (
+        "BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, expected-TTFT routing"
+    )
 
-    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                 max_tracked: int = 65536) -> None:
+    def __init__(
+        self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *, max_tracked: int = 65536
+    ) -> None:
         super().__init__(n_replicas, rng, constants)
         self.max_tracked = max_tracked
         self._levels: dict[int, BurstDetector] = {}
@@ -110,9 +112,18 @@ class BtbPlus(Policy[CostView]):
         self._first_s: float | None = None
         self._arrivals = 0
         self._stats = {
-            "fires": 0, "copies_requested": 0, "copies_refused": 0, "rate_copies": 0, "backlog_copies": 0,
-            "copy_not_paying": 0, "copy_no_room": 0, "no_source": 0, "hot_routes": 0, "speculative_routes": 0,
-            "deepest_above_min": 0, "harm_avoiding_routes": 0,
+            "fires": 0,
+            "copies_requested": 0,
+            "copies_refused": 0,
+            "rate_copies": 0,
+            "backlog_copies": 0,
+            "copy_not_paying": 0,
+            "copy_no_room": 0,
+            "no_source": 0,
+            "hot_routes": 0,
+            "speculative_routes": 0,
+            "deepest_above_min": 0,
+            "harm_avoiding_routes": 0,
         }
 
     # -- constants --------------------------------------------------------------------------------------------
@@ -237,9 +248,17 @@ class BtbPlus(Policy[CostView]):
         out.sort(key=lambda g: g[0])
         return out
 
-    def estimate(self, view: CostView, replica: int, req: Request, now_s: float, depths: Sequence[int] = (),
-                 groups: _Groups | None = None, ready_s: float | None = None,
-                 copied_blocks: int = 0) -> tuple[float, float, float]:
+    def estimate(
+        self,
+        view: CostView,
+        replica: int,
+        req: Request,
+        now_s: float,
+        depths: Sequence[int] = (),
+        groups: _Groups | None = None,
+        ready_s: float | None = None,
+        copied_blocks: int = 0,
+    ) -> tuple[float, float, float]:
         """``(expected TTFT, delay imposed on requests waiting for a hot prefix, start)`` of ``req`` on
         ``replica``, seconds (rule 5). ``depths``: prefix lengths at which a copy towards ``replica`` may bring the
         request's blocks; ``groups``: :meth:`blocked_groups` (computed when None); ``ready_s`` and
@@ -277,8 +296,9 @@ class BtbPlus(Policy[CostView]):
                 harm += n * (start + own - lands)
         return start + own, harm, start
 
-    def expected_ttft_s(self, view: CostView, replica: int, req: Request, now_s: float,
-                        depths: Sequence[int] = ()) -> float:
+    def expected_ttft_s(
+        self, view: CostView, replica: int, req: Request, now_s: float, depths: Sequence[int] = ()
+    ) -> float:
         """Expected seconds to the first token of ``req`` on ``replica`` (rule 5)."""
         return self.estimate(view, replica, req, now_s, depths)[0]
 
@@ -317,22 +337,33 @@ class BtbPlus(Policy[CostView]):
         choice = self._best(view, cost)
         if ests[choice][0] > min(e[0] for e in ests) * (1 + 1e-9) + 1e-12:
             self._stats["harm_avoiding_routes"] += 1
-        copied = len(plan.prefix) if plan is not None and choice in plan.targets[:plan.want] else 0
+        copied = len(plan.prefix) if plan is not None and choice in plan.targets[: plan.want] else 0
         if depths:
             self._note_planned(view, choice, req, now_s, depths, ests[choice][2], copied)
         if hot is not None:
             prefix = hot[0].prefix
             self._stats["hot_routes"] += 1
-            if not copied and view.planned_blocks(choice, prefix) < len(prefix) and any(
-                    view.cached_blocks(r, prefix) >= len(prefix) for r in range(n) if r != choice):
+            if (
+                not copied
+                and view.planned_blocks(choice, prefix) < len(prefix)
+                and any(view.cached_blocks(r, prefix) >= len(prefix) for r in range(n) if r != choice)
+            ):
                 self._stats["speculative_routes"] += 1
         return Route(choice, (plan,) if plan is not None else ())
 
     def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
         self._stats["copies_requested" if started else "copies_refused"] += 1
 
-    def _note_planned(self, view: CostView, replica: int, req: Request, now_s: float, depths: Sequence[int],
-                      start_s: float, copied_blocks: int = 0) -> None:
+    def _note_planned(
+        self,
+        view: CostView,
+        replica: int,
+        req: Request,
+        now_s: float,
+        depths: Sequence[int],
+        start_s: float,
+        copied_blocks: int = 0,
+    ) -> None:
         """``req`` goes to ``replica``: remember when each depth's prefix it will compute there should be done
         (its start + its prefill up to that depth; queues are FCFS, so later arrivals do not delay it).
         ``copied_blocks``: leading blocks a copy planned with this route brings there (not computed by it)."""
@@ -349,9 +380,17 @@ class BtbPlus(Policy[CostView]):
 
     # -- rules 2-4: warming ---------------------------------------------------------------------------------------
 
-    def _warm(self, req: Request, det: Detection, since: float, view: CostView, now_s: float,
-              ests: list[tuple[float, float, float]], groups: list[_Groups],
-              depths: Sequence[int]) -> CopyPlan | None:
+    def _warm(
+        self,
+        req: Request,
+        det: Detection,
+        since: float,
+        view: CostView,
+        now_s: float,
+        ests: list[tuple[float, float, float]],
+        groups: list[_Groups],
+        depths: Sequence[int],
+    ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
         their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
         fallbacks the executor tries when it refuses a picked one."""

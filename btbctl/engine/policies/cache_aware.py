@@ -202,13 +202,19 @@ class CacheAware(Policy[FleetView]):
     name = "cache_aware"
     summary = "SGLang router 0.3.2: longest prefix match (ratio > 0.3) unless load spread > 64 and > 1.5x"
 
-    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                 cache_threshold: float = CACHE_THRESHOLD,
-                 balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 max_blocks_per_worker: int | None = None,
-                 eviction_interval_s: float = EVICTION_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        n_replicas: int,
+        rng: random.Random,
+        constants: BtbConstants | None = None,
+        *,
+        cache_threshold: float = CACHE_THRESHOLD,
+        balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        max_blocks_per_worker: int | None = None,
+        eviction_interval_s: float = EVICTION_INTERVAL_S,
+    ) -> None:
         super().__init__(n_replicas, rng, constants)
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError("cache_threshold", f"must be within [0, 1], got {cache_threshold!r}")
@@ -226,8 +232,9 @@ class CacheAware(Policy[FleetView]):
         self.eviction_interval_s = float(eviction_interval_s)
         self._explicit_max = max_blocks_per_worker
         self.block_tokens = self._check_block_tokens(block_tokens)
-        self.tree = BlockPrefixTree(n_replicas, max_blocks_per_worker or default_max_blocks_per_worker(
-            self.block_tokens))
+        self.tree = BlockPrefixTree(
+            n_replicas, max_blocks_per_worker or default_max_blocks_per_worker(self.block_tokens)
+        )
         self._next_evict_s: float | None = None
         self._hits = 0
         self._misses = 0
@@ -281,8 +288,7 @@ class CacheAware(Policy[FleetView]):
         max_load = max(loads)
         min_load = min(loads)
         chain = req.block_hashes
-        if (max_load - min_load > self.balance_abs_threshold
-                and max_load > min_load * self.balance_rel_threshold):
+        if max_load - min_load > self.balance_abs_threshold and max_load > min_load * self.balance_rel_threshold:
             self._imbalanced += 1
             choice = loads.index(min_load)
         else:
@@ -299,5 +305,10 @@ class CacheAware(Policy[FleetView]):
     def stats(self) -> dict[str, int]:
         """``hits`` (affinity routes), ``misses`` (ratio at or under the threshold), ``imbalanced`` (shortest-queue
         routes), ``tree_blocks`` (nodes now), ``evicted_blocks`` (tenant entries evicted)."""
-        return {"hits": self._hits, "misses": self._misses, "imbalanced": self._imbalanced,
-                "tree_blocks": len(self.tree), "evicted_blocks": self.tree.evicted_blocks}
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "imbalanced": self._imbalanced,
+            "tree_blocks": len(self.tree),
+            "evicted_blocks": self.tree.evicted_blocks,
+        }

@@ -74,23 +74,37 @@ class CacheAwareSpill(CacheAware):
     name = "cache_aware_spill"
     summary = "smg 1.13: least-loaded tenant of the matched prefix, spill when > 1.5x mean and > mean + margin"
 
-    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                 cache_threshold: float = CACHE_THRESHOLD,
-                 balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
-                 block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 max_blocks_per_worker: int | None = None,
-                 eviction_interval_s: float = EVICTION_INTERVAL_S) -> None:
-        super().__init__(n_replicas, rng, constants, cache_threshold=cache_threshold,
-                         balance_abs_threshold=balance_abs_threshold, balance_rel_threshold=balance_rel_threshold,
-                         block_tokens=block_tokens, max_blocks_per_worker=max_blocks_per_worker,
-                         eviction_interval_s=eviction_interval_s)
+    def __init__(
+        self,
+        n_replicas: int,
+        rng: random.Random,
+        constants: BtbConstants | None = None,
+        *,
+        cache_threshold: float = CACHE_THRESHOLD,
+        balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        max_blocks_per_worker: int | None = None,
+        eviction_interval_s: float = EVICTION_INTERVAL_S,
+    ) -> None:
+        super().__init__(
+            n_replicas,
+            rng,
+            constants,
+            cache_threshold=cache_threshold,
+            balance_abs_threshold=balance_abs_threshold,
+            balance_rel_threshold=balance_rel_threshold,
+            block_tokens=block_tokens,
+            max_blocks_per_worker=max_blocks_per_worker,
+            eviction_interval_s=eviction_interval_s,
+        )
         self._spills = 0
 
     def gated(self, load: float, avg_load: float) -> bool:
         """Whether a replica with ``load`` in flight is over the spill gate at fleet mean ``avg_load``."""
-        return (load > avg_load * self.balance_rel_threshold
-                and load > avg_load + absolute_margin(avg_load, self.balance_abs_threshold))
+        return load > avg_load * self.balance_rel_threshold and load > avg_load + absolute_margin(
+            avg_load, self.balance_abs_threshold
+        )
 
     def choose(self, req: Request, view: FleetView, now_s: float) -> int:
         self.maybe_evict(now_s)

@@ -90,12 +90,20 @@ class InferSimCacheAware(Policy[FleetView]):
     """
 
     name = "cache_aware"
-    summary = "Infer-Sim: longest match in the replicas' caches, then load, then random; least-load if max > 64 " \
-              "and > 1.5x min"
+    summary = (
+        "Infer-Sim: longest match in the replicas' caches, then load, then random; least-load if max > 64 "
+        "and > 1.5x min"
+    )
 
-    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None, *,
-                 balance_abs_threshold: int = INFERSIM_BALANCE_ABS,
-                 balance_rel_threshold: float = INFERSIM_BALANCE_REL) -> None:
+    def __init__(
+        self,
+        n_replicas: int,
+        rng: random.Random,
+        constants: BtbConstants | None = None,
+        *,
+        balance_abs_threshold: int = INFERSIM_BALANCE_ABS,
+        balance_rel_threshold: float = INFERSIM_BALANCE_REL,
+    ) -> None:
         super().__init__(n_replicas, rng, constants)
         if balance_abs_threshold < 0:
             raise ConfigError("balance_abs_threshold", f"must be >= 0, got {balance_abs_threshold!r}")
@@ -157,8 +165,9 @@ class InferSimBtb(Policy[FleetView]):
     """
 
     name = "btb"
-    summary = "BTB as run in Infer-Sim: X arrivals of a Y-block prefix within Z s -> copy to M replicas, " \
-              "route to holders"
+    summary = (
+        "BTB as run in Infer-Sim: X arrivals of a Y-block prefix within Z s -> copy to M replicas, route to holders"
+    )
 
     def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None) -> None:
         super().__init__(n_replicas, rng, constants)
@@ -245,8 +254,13 @@ class InferSimBtb(Policy[FleetView]):
         """``fires`` (a prefix turning active), ``copies_requested`` (accepted copies), ``copies_refused``,
         ``holder_routes``, ``fallback_routes`` (active prefix, no holder yet), and the fallback's counters prefixed
         ``cache_aware_``."""
-        out = {"fires": self._fires, "copies_requested": self._copies, "copies_refused": self._refused,
-               "holder_routes": self._holder_routes, "fallback_routes": self._fallback_routes}
+        out = {
+            "fires": self._fires,
+            "copies_requested": self._copies,
+            "copies_refused": self._refused,
+            "holder_routes": self._holder_routes,
+            "fallback_routes": self._fallback_routes,
+        }
         for k, v in self.fallback.stats().items():
             out[f"cache_aware_{k}"] = v
         return out
@@ -257,5 +271,11 @@ INFERSIM_POLICIES: dict[str, type[Policy[FleetView]]] = {
     cls.name: cls for cls in (InferSimCacheAware, InferSimLeastLoad, InferSimBtb)
 }
 
-__all__ = ["INFERSIM_BALANCE_ABS", "INFERSIM_BALANCE_REL", "INFERSIM_POLICIES", "InferSimBtb", "InferSimCacheAware",
-           "InferSimLeastLoad"]
+__all__ = [
+    "INFERSIM_BALANCE_ABS",
+    "INFERSIM_BALANCE_REL",
+    "INFERSIM_POLICIES",
+    "InferSimBtb",
+    "InferSimCacheAware",
+    "InferSimLeastLoad",
+]

@@ -38,5 +38,14 @@ def make_transport(name: str, **kwargs) -> Transport:
     return cls(**kwargs)
 
 
-__all__ = ["TRANSPORTS", "CopyRefused", "CopySink", "RdmaTransport", "TcpTransport", "Transport", "TransferError",
-           "make_transport", "parse_address"]
+__all__ = [
+    "TRANSPORTS",
+    "CopyRefused",
+    "CopySink",
+    "RdmaTransport",
+    "TcpTransport",
+    "Transport",
+    "TransferError",
+    "make_transport",
+    "parse_address",
+]

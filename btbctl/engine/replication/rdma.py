@@ -51,8 +51,12 @@ class WriteOp:
     length: int
 
 
-def plan_writes(n_blocks: int, block_bytes: int, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> list[WriteOp]:
+def plan_writes(
+    n_blocks: int,
+    block_bytes: int,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+) -> list[WriteOp]:
     """Plan the WRITEs that move ``n_blocks`` blocks of ``block_bytes`` each.
 
     Messages carry whole blocks: ``max(1, max_msg_bytes // block_bytes)`` blocks each (a block larger than
@@ -103,8 +107,9 @@ class Connection(Protocol):
     def open_region(self, copy_id: str, chain: list[str], block_bytes: int) -> RemoteRegion:
         """Ask the target to register a region for the copy (control message); it may refuse (raise)."""
 
-    def post_write(self, wr_id: int, local: LocalRegion, local_offset: int, length: int, remote_addr: int,
-                   rkey: int) -> None:
+    def post_write(
+        self, wr_id: int, local: LocalRegion, local_offset: int, length: int, remote_addr: int, rkey: int
+    ) -> None:
         """Post one signalled RDMA WRITE."""
 
     def poll(self, max_entries: int) -> list[tuple[int, bool]]:
@@ -156,22 +161,34 @@ class RdmaTransport:
 
     name = "rdma"
 
-    def __init__(self, device: DeviceLayer | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES, poll_budget: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        device: DeviceLayer | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+        poll_budget: int = 1_000_000,
+    ) -> None:
         if device is None:
             reason = probe()
             if reason is None:
-                reason = ("RDMA devices are present but this build has no pyverbs device layer; "
-                          "use the tcp transport")
+                reason = "RDMA devices are present but this build has no pyverbs device layer; use the tcp transport"
             raise BtbctlError(f"RDMA unavailable: {reason}")
         self.device = device
         self.staging_bytes = staging_bytes
         self.max_msg_bytes = max_msg_bytes
         self.poll_budget = poll_budget
 
-    async def send(self, target: str, copy_id: str, chain: list[str], blocks: Blocks,
-                   on_progress: Callable[[int, int], None], *, block_bytes: int | None = None,
-                   on_accept: Callable[[], None] | None = None) -> None:
+    async def send(
+        self,
+        target: str,
+        copy_id: str,
+        chain: list[str],
+        blocks: Blocks,
+        on_progress: Callable[[int, int], None],
+        *,
+        block_bytes: int | None = None,
+        on_accept: Callable[[], None] | None = None,
+    ) -> None:
         """See :meth:`Transport.send`. Raises :class:`TransferError`. The blocks are gathered first (a source
         still computing the prefix delays the whole copy); ``on_accept`` is called once the target opened its
         region; ``block_bytes``, when given, must match the blocks."""
@@ -206,8 +223,9 @@ class RdmaTransport:
             if on_accept is not None:
                 on_accept()
             if remote.length < total:
-                raise TransferError(f"copy {copy_id}: target region of {remote.length} bytes is smaller than the "
-                                    f"copy ({total} bytes)")
+                raise TransferError(
+                    f"copy {copy_id}: target region of {remote.length} bytes is smaller than the copy ({total} bytes)"
+                )
             ops = plan_writes(len(data), block_bytes, self.staging_bytes, self.max_msg_bytes)
             per_round = max(1, self.staging_bytes // block_bytes)  # as plan_writes
             staging = conn.reg_mr(min(total, per_round * block_bytes))
@@ -219,11 +237,12 @@ class RdmaTransport:
             for rnd in sorted(rnd_ops):
                 outstanding: dict[int, WriteOp] = {}
                 for op in rnd_ops[rnd]:
-                    chunk = b"".join(data[op.first:op.first + op.count])
-                    staging.buf[op.local_offset:op.local_offset + op.length] = chunk
+                    chunk = b"".join(data[op.first : op.first + op.count])
+                    staging.buf[op.local_offset : op.local_offset + op.length] = chunk
                     wr_id += 1
-                    conn.post_write(wr_id, staging, op.local_offset, op.length, remote.addr + op.remote_offset,
-                                    remote.rkey)
+                    conn.post_write(
+                        wr_id, staging, op.local_offset, op.length, remote.addr + op.remote_offset, remote.rkey
+                    )
                     outstanding[wr_id] = op
                 polls = 0
                 while outstanding:
@@ -232,8 +251,10 @@ class RdmaTransport:
                         if op is None:
                             continue
                         if not ok:
-                            raise TransferError(f"copy {copy_id}: RDMA write of blocks {op.first}.."
-                                                f"{op.first + op.count - 1} failed", op.first)
+                            raise TransferError(
+                                f"copy {copy_id}: RDMA write of blocks {op.first}..{op.first + op.count - 1} failed",
+                                op.first,
+                            )
                         sent += op.length
                         on_progress(sent, total)
                     polls += 1
@@ -243,14 +264,25 @@ class RdmaTransport:
             if not isinstance(reply, dict) or reply.get("ok") is not True:
                 err = reply.get("error") if isinstance(reply, dict) else "malformed reply"
                 blk = reply.get("block") if isinstance(reply, dict) else None
-                raise TransferError(f"copy {copy_id}: {target} rejected the copy: {err}",
-                                    blk if isinstance(blk, int) else None)
+                raise TransferError(
+                    f"copy {copy_id}: {target} rejected the copy: {err}", blk if isinstance(blk, int) else None
+                )
         finally:
             conn.close()
 
 
-__all__ = ["DEFAULT_MAX_MSG_BYTES", "DEFAULT_STAGING_BYTES", "Connection", "DeviceLayer", "LocalRegion",
-           "RdmaTransport", "RemoteRegion", "WriteOp", "plan_writes", "probe"]
+__all__ = [
+    "DEFAULT_MAX_MSG_BYTES",
+    "DEFAULT_STAGING_BYTES",
+    "Connection",
+    "DeviceLayer",
+    "LocalRegion",
+    "RdmaTransport",
+    "RemoteRegion",
+    "WriteOp",
+    "plan_writes",
+    "probe",
+]
 
 
 # -- the agent's arena as an RDMA target ------------------------------------------------------------------------------
@@ -313,8 +345,12 @@ def _locate(slices: list[ArenaSlice], offset: int) -> int:
     return lo
 
 
-def plan_arena_writes(pages: list[tuple[int, int, int]], src_slices: list[ArenaSlice], dst_slices: list[ArenaSlice],
-                      max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES) -> list[ArenaWrite]:
+def plan_arena_writes(
+    pages: list[tuple[int, int, int]],
+    src_slices: list[ArenaSlice],
+    dst_slices: list[ArenaSlice],
+    max_msg_bytes: int = DEFAULT_MAX_MSG_BYTES,
+) -> list[ArenaWrite]:
     """Plan the WRITEs of ``pages`` (each ``(source offset, target offset, bytes)`` in the two arenas).
 
     A WRITE never crosses a slice boundary on either side (each side's memory region is one slice) and carries at
@@ -352,20 +388,28 @@ class ArenaDevice(Protocol):
         """Completed work requests as ``(wr_id, success)``."""
 
 
-def register_arena(device: ArenaDevice, view: memoryview,
-                   max_region_bytes: int = MAX_REGION_BYTES) -> tuple[list[ArenaSlice], list[int]]:
+def register_arena(
+    device: ArenaDevice, view: memoryview, max_region_bytes: int = MAX_REGION_BYTES
+) -> tuple[list[ArenaSlice], list[int]]:
     """Register an arena in slices; returns the slices (with ``addr``/``rkey``) and their lkeys."""
     slices, lkeys = [], []
     for off, length in arena_slices(len(view), max_region_bytes):
-        addr, lkey, rkey = device.reg_slice(view[off:off + length])
+        addr, lkey, rkey = device.reg_slice(view[off : off + length])
         slices.append(ArenaSlice(off, length, addr, rkey))
         lkeys.append(lkey)
     return slices, lkeys
 
 
-def write_arena_pages(device: ArenaDevice, writes: list[ArenaWrite], src_slices: list[ArenaSlice], lkeys: list[int],
-                      dst_slices: list[ArenaSlice], max_outstanding: int = 64, poll_budget: int = 1_000_000,
-                      on_page: Callable[[int], None] | None = None) -> None:
+def write_arena_pages(
+    device: ArenaDevice,
+    writes: list[ArenaWrite],
+    src_slices: list[ArenaSlice],
+    lkeys: list[int],
+    dst_slices: list[ArenaSlice],
+    max_outstanding: int = 64,
+    poll_budget: int = 1_000_000,
+    on_page: Callable[[int], None] | None = None,
+) -> None:
     """Post ``writes`` (at most ``max_outstanding`` in flight) and wait for every completion; ``on_page(k)`` when the
     last WRITE of page ``k`` completed.
 
@@ -411,10 +455,19 @@ def verify_arena_pages(view: memoryview, pages: list[tuple[int, int]], digests: 
     if len(digests) != len(pages):
         return 0
     for k, ((off, size), want) in enumerate(zip(pages, digests, strict=True)):
-        if xxhash.xxh3_64_intdigest(view[off:off + size]) != want:
+        if xxhash.xxh3_64_intdigest(view[off : off + size]) != want:
             return k
     return None
 
 
-__all__ += ["ArenaDevice", "ArenaSlice", "ArenaWrite", "MAX_REGION_BYTES", "arena_slices", "plan_arena_writes",
-            "register_arena", "verify_arena_pages", "write_arena_pages"]
+__all__ += [
+    "ArenaDevice",
+    "ArenaSlice",
+    "ArenaWrite",
+    "MAX_REGION_BYTES",
+    "arena_slices",
+    "plan_arena_writes",
+    "register_arena",
+    "verify_arena_pages",
+    "write_arena_pages",
+]

@@ -89,8 +89,9 @@ class FaultPlan:
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, val = item.partition("=")
             if not sep or key not in ("corrupt_wire", "corrupt_content", "close_after", "delay_s"):
-                raise ValueError(f"bad fault item {item!r}; valid: corrupt_wire=K, corrupt_content=K, "
-                                 "close_after=K, delay_s=X")
+                raise ValueError(
+                    f"bad fault item {item!r}; valid: corrupt_wire=K, corrupt_content=K, close_after=K, delay_s=X"
+                )
             try:
                 kw[key] = float(val) if key == "delay_s" else int(val)
             except ValueError:
@@ -144,15 +145,24 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0,
-                 fault: FaultPlan | None = None) -> None:
+    def __init__(
+        self, connect_timeout_s: float = 5.0, io_timeout_s: float = 30.0, fault: FaultPlan | None = None
+    ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
         self.fault = fault
 
-    async def send(self, target: str, copy_id: str, chain: list[str], blocks: Blocks,
-                   on_progress: Callable[[int, int], None], *, block_bytes: int | None = None,
-                   on_accept: Callable[[], None] | None = None) -> None:
+    async def send(
+        self,
+        target: str,
+        copy_id: str,
+        chain: list[str],
+        blocks: Blocks,
+        on_progress: Callable[[int, int], None],
+        *,
+        block_bytes: int | None = None,
+        on_accept: Callable[[], None] | None = None,
+    ) -> None:
         """See :meth:`Transport.send`. Raises :class:`TransferError`.
 
         With ``block_bytes`` given, the connection is opened and the header sent before the first block is
@@ -177,15 +187,15 @@ class TcpTransport:
             raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_BLOCK_BYTES} bytes")
         total = n * block_bytes
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
-                                                    self.connect_timeout_s)
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as e:
             raise TransferError(f"copy {copy_id}: cannot connect to {target}: {e or 'timed out'}") from None
         sent_blocks = 0
         final: asyncio.Task | None = None
         try:
-            header = json.dumps({"copy_id": copy_id, "chain": list(chain), "block_bytes": block_bytes},
-                                separators=(",", ":")).encode()
+            header = json.dumps(
+                {"copy_id": copy_id, "chain": list(chain), "block_bytes": block_bytes}, separators=(",", ":")
+            ).encode()
             writer.write(_PREAMBLE.pack(MAGIC, VERSION, 0, len(header)) + header)
             await asyncio.wait_for(writer.drain(), self.io_timeout_s)
             line = await asyncio.wait_for(reader.readline(), self.connect_timeout_s + self.io_timeout_s)
@@ -221,8 +231,9 @@ class TcpTransport:
                     break  # the target answered early: an error
                 if fault and fault.close_after is not None and k >= fault.close_after:
                     writer.transport.abort()
-                    raise TransferError(f"copy {copy_id}: fault injection closed the connection after {k} of "
-                                        f"{n} blocks")
+                    raise TransferError(
+                        f"copy {copy_id}: fault injection closed the connection after {k} of {n} blocks"
+                    )
                 if fault and fault.corrupt_content == k:
                     data = _flip(data)
                 digest = xxhash.xxh3_64_intdigest(data)
@@ -238,25 +249,31 @@ class TcpTransport:
                     await asyncio.sleep(fault.delay_s)
             line = await asyncio.wait_for(final, self.io_timeout_s)
             if not line:
-                raise TransferError(f"copy {copy_id}: connection to {target} lost after {sent_blocks} of {n} "
-                                    "blocks (no acknowledgement)")
+                raise TransferError(
+                    f"copy {copy_id}: connection to {target} lost after {sent_blocks} of {n} "
+                    "blocks (no acknowledgement)"
+                )
             rep = _parse_reply(line, target)
             if not rep["ok"]:
                 blk = rep.get("block")
-                raise TransferError(f"copy {copy_id}: {target} rejected the copy: {rep.get('error')}",
-                                    blk if isinstance(blk, int) else None)
+                raise TransferError(
+                    f"copy {copy_id}: {target} rejected the copy: {rep.get('error')}",
+                    blk if isinstance(blk, int) else None,
+                )
             if sent_blocks != n:
                 raise TransferError(f"copy {copy_id}: {target} acknowledged after {sent_blocks} of {n} blocks")
         except asyncio.TimeoutError:
-            raise TransferError(f"copy {copy_id}: timed out talking to {target} after {sent_blocks} of {n} "
-                                "blocks") from None
+            raise TransferError(
+                f"copy {copy_id}: timed out talking to {target} after {sent_blocks} of {n} blocks"
+            ) from None
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
             # the target may have said why before closing
             reason = await _early_reason(final)
             if reason:
                 raise TransferError(f"copy {copy_id}: {target} rejected the copy: {reason}") from None
-            raise TransferError(f"copy {copy_id}: connection to {target} lost after {sent_blocks} of {n} blocks: "
-                                f"{type(e).__name__}") from None
+            raise TransferError(
+                f"copy {copy_id}: connection to {target} lost after {sent_blocks} of {n} blocks: {type(e).__name__}"
+            ) from None
         finally:
             if final is not None and not final.done():
                 final.cancel()
@@ -300,8 +317,14 @@ class TcpReceiver:
         max_connections: copies received at once; more are refused with an error reply.
     """
 
-    def __init__(self, sink: CopySink, host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 30.0,
-                 max_connections: int = 16) -> None:
+    def __init__(
+        self,
+        sink: CopySink,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        idle_timeout_s: float = 30.0,
+        max_connections: int = 16,
+    ) -> None:
         self.sink = sink
         self.host = host
         self.port = port
@@ -313,8 +336,7 @@ class TcpReceiver:
 
     async def start(self) -> int:
         """Bind and listen; returns the bound port. Raises OSError when the address is taken."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port,
-                                                  limit=MAX_REPLY_BYTES)
+        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_REPLY_BYTES)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -414,8 +436,10 @@ class TcpReceiver:
         if not all(isinstance(h, str) and _HASH.match(h) for h in chain):
             raise _Reject("header.chain entries must be 1..64 lowercase hex digits")
         if not isinstance(block_bytes, int) or block_bytes != self.sink.block_bytes:
-            raise _Reject(f"block size {block_bytes!r} differs from this receiver's {self.sink.block_bytes} bytes "
-                          "(model, page size and kv-bytes-scale must match)")
+            raise _Reject(
+                f"block size {block_bytes!r} differs from this receiver's {self.sink.block_bytes} bytes "
+                "(model, page size and kv-bytes-scale must match)"
+            )
         return copy_id, chain, block_bytes
 
     async def _read_block(self, reader: asyncio.StreamReader, k: int, expect_hash: str, block_bytes: int) -> bytes:
@@ -442,5 +466,12 @@ def _blocks_in(received: int, block_bytes: int) -> int:
     return received // block_bytes if block_bytes > 0 else 0
 
 
-__all__ = ["FAULT_ENV", "FaultPlan", "MAX_BLOCK_BYTES", "MAX_CHAIN_BLOCKS", "MAX_HEADER_BYTES", "TcpReceiver",
-           "TcpTransport"]
+__all__ = [
+    "FAULT_ENV",
+    "FaultPlan",
+    "MAX_BLOCK_BYTES",
+    "MAX_CHAIN_BLOCKS",
+    "MAX_HEADER_BYTES",
+    "TcpReceiver",
+    "TcpTransport",
+]

@@ -59,9 +59,17 @@ class Transport(Protocol):
 
     name: str
 
-    async def send(self, target: str, copy_id: str, chain: list[str], blocks: Blocks,
-                   on_progress: Callable[[int, int], None], *, block_bytes: int | None = None,
-                   on_accept: Callable[[], None] | None = None) -> None:
+    async def send(
+        self,
+        target: str,
+        copy_id: str,
+        chain: list[str],
+        blocks: Blocks,
+        on_progress: Callable[[int, int], None],
+        *,
+        block_bytes: int | None = None,
+        on_accept: Callable[[], None] | None = None,
+    ) -> None:
         """Send every block of ``chain`` to ``target`` (``host:port`` of the target's transfer endpoint).
 
         Args:
@@ -121,9 +129,9 @@ def parse_address(addr: str) -> tuple[str, int]:
         raise TransferError(f"bad target address {addr!r}: expected host:port")
     if addr.startswith("["):
         end = addr.find("]")
-        if end < 0 or addr[end + 1:end + 2] != ":":
+        if end < 0 or addr[end + 1 : end + 2] != ":":
             raise TransferError(f"bad target address {addr!r}: expected [ipv6]:port")
-        host, port_s = addr[1:end], addr[end + 2:]
+        host, port_s = addr[1:end], addr[end + 2 :]
         try:
             ipaddress.IPv6Address(host)
         except ValueError:

@@ -19,17 +19,32 @@ from collections.abc import Callable, Hashable, Sequence
 
 class PrefixCache:
     """Args:
-        capacity_tokens: KV budget of the replica in tokens (from the cost model).
-        block_tokens: tokens per block.
-        on_insert, on_evict: optional callbacks ``f(hash)`` (fleet-wide bookkeeping).
+    capacity_tokens: KV budget of the replica in tokens (from the cost model).
+    block_tokens: tokens per block.
+    on_insert, on_evict: optional callbacks ``f(hash)`` (fleet-wide bookkeeping).
     """
 
-    __slots__ = ("capacity_tokens", "block_tokens", "parent", "children", "refs", "lru", "reserved_blocks",
-                 "private_tokens", "on_insert", "on_evict", "evictions")
+    __slots__ = (
+        "capacity_tokens",
+        "block_tokens",
+        "parent",
+        "children",
+        "refs",
+        "lru",
+        "reserved_blocks",
+        "private_tokens",
+        "on_insert",
+        "on_evict",
+        "evictions",
+    )
 
-    def __init__(self, capacity_tokens: int, block_tokens: int,
-                 on_insert: Callable[[Hashable], None] | None = None,
-                 on_evict: Callable[[Hashable], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_tokens: int,
+        on_insert: Callable[[Hashable], None] | None = None,
+        on_evict: Callable[[Hashable], None] | None = None,
+    ) -> None:
         self.capacity_tokens = capacity_tokens
         self.block_tokens = block_tokens
         self.parent: dict[Hashable, Hashable | None] = {}

@@ -16,8 +16,16 @@ from btbctl.engine.sim.simulator import simulate_realistic
 from btbctl.engine.trace.model import Trace
 
 
-def simulate(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbConstants, *, seed: int = 42,
-             fidelity: str = "realistic", progress: Callable[[int], None] | None = None) -> SimResult:
+def simulate(
+    trace: Trace,
+    policy: str,
+    cluster: ClusterConfig,
+    constants: BtbConstants,
+    *,
+    seed: int = 42,
+    fidelity: str = "realistic",
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
     """Simulate ``trace`` on ``cluster`` routed by the policy named ``policy``.
 
     Args:

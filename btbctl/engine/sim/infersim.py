@@ -41,8 +41,21 @@ class _OutBlock:
 class _Seq:
     """A request inside the infersim model (queued, then running)."""
 
-    __slots__ = ("req", "blocks", "prefix_tokens", "need", "left", "context", "start_s", "reuse_s", "prefill_s",
-                 "hit_tokens", "recomputed", "window", "est_s")
+    __slots__ = (
+        "req",
+        "blocks",
+        "prefix_tokens",
+        "need",
+        "left",
+        "context",
+        "start_s",
+        "reuse_s",
+        "prefill_s",
+        "hit_tokens",
+        "recomputed",
+        "window",
+        "est_s",
+    )
 
     def __init__(self, req: Request, block_tokens: int, window: int) -> None:
         self.req = req
@@ -355,8 +368,13 @@ class InferSimFleetView:
         rate = sim.cost.nic_bytes_per_s
         sent = min(total, max(0.0, sim.now - c.start_s) * rate)
         sending = c.start_s <= sim.now < c.ready_s
-        return CopyStatus(source=c.source, total_bytes=total, sent_bytes=sent, available_bytes=total,
-                          rate_bytes_per_s=rate if sending else 0.0)
+        return CopyStatus(
+            source=c.source,
+            total_bytes=total,
+            sent_bytes=sent,
+            available_bytes=total,
+            rate_bytes_per_s=rate if sending else 0.0,
+        )
 
     def nic_copies(self, replica: int) -> int:
         """Scheduled copies towards ``replica`` not yet in its cache (sources are not charged in this model)."""
@@ -411,8 +429,15 @@ class InferSimulator:
         on_finish: called with each finished request's record.
     """
 
-    def __init__(self, requests: Sequence[Request], block_tokens: int, policy, cluster: ClusterConfig,
-                 window: int = 0, on_finish: Callable[[RequestRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        requests: Sequence[Request],
+        block_tokens: int,
+        policy,
+        cluster: ClusterConfig,
+        window: int = 0,
+        on_finish: Callable[[RequestRecord], None] | None = None,
+    ) -> None:
         self.requests = requests
         self.policy = policy
         self.cost = InferSimCost(cluster, block_tokens)
@@ -450,8 +475,11 @@ class InferSimulator:
             if not (isinstance(r, int) and 0 <= r < n):
                 raise RuntimeError(f"policy {policy.name!r} returned replica {r!r} of {n}")  # a bug, not input
             for plan in route.copies:
-                carry_out(plan, lambda tgt, p=plan, t=t: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
-                          lambda tgt, ok, p=plan, t=t: policy.on_copy_result(p, tgt, ok, t))
+                carry_out(
+                    plan,
+                    lambda tgt, p=plan, t=t: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
+                    lambda tgt, ok, p=plan, t=t: policy.on_copy_result(p, tgt, ok, t),
+                )
             reps[r].enqueue(_Seq(req, self.cost.block_tokens, self.window))
         for rep in reps:
             rep.advance(None)
@@ -473,9 +501,16 @@ class InferSimulator:
         req = s.req
         ttft = s.start_s - req.arrival_s + s.reuse_s + s.prefill_s
         rec = RequestRecord(
-            request_id=req.request_id, kind=req.kind, arrival_s=req.arrival_s, replica=rep.idx, ttft_s=ttft,
-            queue_wait_s=s.start_s - req.arrival_s, cached_tokens=s.hit_tokens,
-            prefill_tokens=req.input_tokens - s.hit_tokens, finish_s=rep.clock, input_tokens=req.input_tokens,
+            request_id=req.request_id,
+            kind=req.kind,
+            arrival_s=req.arrival_s,
+            replica=rep.idx,
+            ttft_s=ttft,
+            queue_wait_s=s.start_s - req.arrival_s,
+            cached_tokens=s.hit_tokens,
+            prefill_tokens=req.input_tokens - s.hit_tokens,
+            finish_s=rep.clock,
+            input_tokens=req.input_tokens,
             recomputed_prefix_tokens=s.recomputed,
         )
         self.records.append(rec)
@@ -484,16 +519,21 @@ class InferSimulator:
             self.on_finish(rec)
 
     # -- copies -----------------------------------------------------------------------------------------------
-    def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
-                   hot_since_s: float | None = None) -> bool:
+    def start_copy(
+        self, chain: tuple, source: int, target: int, now_s: float, hot_since_s: float | None = None
+    ) -> bool:
         """Schedule a copy of ``chain`` to ``target``: charged to the target's clock only, not waiting for the source
         (see ``docs/simulator.md``). Refused (False) for a bad index, ``source == target``, an empty chain, a source
         that holds neither in HBM nor in host RAM the whole chain, or a copy of it already scheduled to the target.
         ``hot_since_s``: start of the time-to-warm measurement (default ``now_s``)."""
         n = len(self.replicas)
-        if (not chain or not (0 <= source < n and 0 <= target < n) or source == target
-                or (target, chain) in self.planned
-                or self.view.cached_blocks(source, chain) < len(chain)):
+        if (
+            not chain
+            or not (0 <= source < n and 0 <= target < n)
+            or source == target
+            or (target, chain) in self.planned
+            or self.view.cached_blocks(source, chain) < len(chain)
+        ):
             self.copies_refused += 1
             return False
         dst = self.replicas[target]
@@ -539,7 +579,8 @@ def trace_windows(trace: Trace, split_windows: bool | None = None) -> list[list[
     reqs = trace.requests
     if split_windows is None:
         split_windows = trace.format == "btb-mixed-trace-v1" and all(
-            r.labels is not None and r.labels.get("trace_id") is not None for r in reqs)
+            r.labels is not None and r.labels.get("trace_id") is not None for r in reqs
+        )
     if not split_windows:
         return [list(reqs)]
     groups: dict = {}
@@ -573,9 +614,16 @@ def _merge_stats(total: dict, part: dict) -> None:
             total[k] = v
 
 
-def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbConstants, *,
-                      seed: int = 42, progress: Callable[[int], None] | None = None,
-                      split_windows: bool | None = None) -> SimResult:
+def simulate_infersim(
+    trace: Trace,
+    policy: str,
+    cluster: ClusterConfig,
+    constants: BtbConstants,
+    *,
+    seed: int = 42,
+    progress: Callable[[int], None] | None = None,
+    split_windows: bool | None = None,
+) -> SimResult:
     """Simulate ``trace`` on ``cluster`` under the policy named ``policy`` with the infersim model.
 
     Args:
@@ -610,8 +658,9 @@ def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constan
     warm: list[float] = []
     name = policy
     for w, reqs in enumerate(trace_windows(trace, split_windows)):
-        pol = make_policy(policy, cluster.replicas, random.Random(seed), constants,
-                          block_tokens=trace.block_tokens, fidelity=FIDELITY)
+        pol = make_policy(
+            policy, cluster.replicas, random.Random(seed), constants, block_tokens=trace.block_tokens, fidelity=FIDELITY
+        )
         name = getattr(pol, "name", policy) or policy
         sim = InferSimulator(reqs, trace.block_tokens, pol, cluster, window=w)
         recs = sim.run()
@@ -627,10 +676,28 @@ def simulate_infersim(trace: Trace, policy: str, cluster: ClusterConfig, constan
         wasted += sum(1 for c in sim.all_copies if not c.used)
         warm.extend(sim.time_to_warm_s)
     records.sort(key=lambda r: (r.arrival_s, r.request_id))
-    return SimResult(policy=name, records=records, replications=started, replicated_bytes=copied,
-                     copies_started=started, copies_refused=refused, policy_stats=stats, fidelity=FIDELITY,
-                     percentile_method="index", wasted_replications=wasted, time_to_warm_s=warm)
+    return SimResult(
+        policy=name,
+        records=records,
+        replications=started,
+        replicated_bytes=copied,
+        copies_started=started,
+        copies_refused=refused,
+        policy_stats=stats,
+        fidelity=FIDELITY,
+        percentile_method="index",
+        wasted_replications=wasted,
+        time_to_warm_s=warm,
+    )
 
 
-__all__ = ["FIDELITY", "InferSimCost", "InferSimFleetView", "InferSimReplica", "InferSimulator",
-           "check_fits_infersim", "simulate_infersim", "trace_windows"]
+__all__ = [
+    "FIDELITY",
+    "InferSimCost",
+    "InferSimFleetView",
+    "InferSimReplica",
+    "InferSimulator",
+    "check_fits_infersim",
+    "simulate_infersim",
+    "trace_windows",
+]

@@ -37,9 +37,26 @@ class ReplicaRequest:
     ``aborted``.
     """
 
-    __slots__ = ("req", "chain", "replica", "admitted_s", "computed", "next_block", "cached_tokens", "ttft_s",
-                 "private", "recomputed", "finish_g", "join_g", "seq", "est_flops", "queued_from", "dep_key",
-                 "kv_need", "aborted")
+    __slots__ = (
+        "req",
+        "chain",
+        "replica",
+        "admitted_s",
+        "computed",
+        "next_block",
+        "cached_tokens",
+        "ttft_s",
+        "private",
+        "recomputed",
+        "finish_g",
+        "join_g",
+        "seq",
+        "est_flops",
+        "queued_from",
+        "dep_key",
+        "kv_need",
+        "aborted",
+    )
 
     def __init__(self, req: Request, seq: int) -> None:
         self.req = req
@@ -149,14 +166,50 @@ class ReplicaModel:
     this class.
     """
 
-    __slots__ = ("idx", "cost", "block_tokens", "chunk_tokens", "max_running", "events", "cache", "version",
-                 "_waiting", "_prefilling", "_decoding", "_n_decoding", "_dec_s", "_dec_g", "_pending", "_busy",
-                 "_step_kind", "_step_start", "_step_end", "_step_m", "_step_payload", "_queued_flops",
-                 "_queued_blocks", "_dep_flops", "_dep_count", "_waiting_kv", "_dec_finish_sum", "_dec_a", "_dec_b",
-                 "_dec_c", "_dec_oh")
+    __slots__ = (
+        "idx",
+        "cost",
+        "block_tokens",
+        "chunk_tokens",
+        "max_running",
+        "events",
+        "cache",
+        "version",
+        "_waiting",
+        "_prefilling",
+        "_decoding",
+        "_n_decoding",
+        "_dec_s",
+        "_dec_g",
+        "_pending",
+        "_busy",
+        "_step_kind",
+        "_step_start",
+        "_step_end",
+        "_step_m",
+        "_step_payload",
+        "_queued_flops",
+        "_queued_blocks",
+        "_dep_flops",
+        "_dep_count",
+        "_waiting_kv",
+        "_dec_finish_sum",
+        "_dec_a",
+        "_dec_b",
+        "_dec_c",
+        "_dec_oh",
+    )
 
-    def __init__(self, idx: int, cost: ReplicaCost, *, block_tokens: int, chunk_tokens: int, max_running: int,
-                 events: ReplicaEvents) -> None:
+    def __init__(
+        self,
+        idx: int,
+        cost: ReplicaCost,
+        *,
+        block_tokens: int,
+        chunk_tokens: int,
+        max_running: int,
+        events: ReplicaEvents,
+    ) -> None:
         self.idx = idx
         self.cost = cost
         self.block_tokens = block_tokens
@@ -287,9 +340,14 @@ class ReplicaModel:
     def state(self) -> ReplicaState:
         """The counters of :class:`ReplicaState`."""
         cache = self.cache
-        return ReplicaState(running=len(self._prefilling) + self._n_decoding, waiting=len(self._waiting),
-                            used_tokens=cache.used_tokens, capacity_tokens=cache.capacity_tokens,
-                            cached_blocks=len(cache), busy=self._busy)
+        return ReplicaState(
+            running=len(self._prefilling) + self._n_decoding,
+            waiting=len(self._waiting),
+            used_tokens=cache.used_tokens,
+            capacity_tokens=cache.capacity_tokens,
+            cached_blocks=len(cache),
+            busy=self._busy,
+        )
 
     def resident_chains(self, limit: int) -> list[tuple[Hashable, int]]:
         """The deepest block of each resident chain and the chain's length in blocks, at most ``limit`` of them:
@@ -301,7 +359,7 @@ class ReplicaModel:
         leaves.sort(key=lambda h: (0, 0) if h in refs else (1, -pos.get(h, -1)))
         depth: dict[Hashable, int] = {}
         out = []
-        for h in leaves[:max(0, limit)]:
+        for h in leaves[: max(0, limit)]:
             path = []
             x = h
             while x is not None and x not in depth:

@@ -87,8 +87,9 @@ class SimResult:
             out["copies_started"] = self.copies_started
             out["copies_refused"] = self.copies_refused
             out["wasted_replications"] = self.wasted_replications
-            out["time_to_warm_s"] = (None if self.time_to_warm_s is None
-                                     else summarize(self.time_to_warm_s, self.percentile_method))
+            out["time_to_warm_s"] = (
+                None if self.time_to_warm_s is None else summarize(self.time_to_warm_s, self.percentile_method)
+            )
         return out
 
 

@@ -93,8 +93,13 @@ class SimFleetView:
         c = self._sim._copies_in[replica].get(chain[-1]) if chain else None
         if c is None:
             return None
-        return CopyStatus(source=c.src, total_bytes=c.total_bytes, sent_bytes=c.sent_bytes,
-                          available_bytes=min(c.avail_bytes, c.total_bytes), rate_bytes_per_s=c.rate)
+        return CopyStatus(
+            source=c.src,
+            total_bytes=c.total_bytes,
+            sent_bytes=c.sent_bytes,
+            available_bytes=min(c.avail_bytes, c.total_bytes),
+            rate_bytes_per_s=c.rate,
+        )
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight that send from or receive at ``replica`` (they share its NIC)."""
@@ -222,8 +227,14 @@ class Simulator:
     :attr:`on_finish`. :attr:`now` is the simulated time, seconds.
     """
 
-    def __init__(self, trace: Trace, policy, cluster: ClusterConfig, constants: BtbConstants,
-                 progress: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        trace: Trace,
+        policy,
+        cluster: ClusterConfig,
+        constants: BtbConstants,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
         self.trace = trace
         self.policy = policy
         self.cluster = cluster
@@ -238,8 +249,14 @@ class Simulator:
         events = _FleetEvents(self)
         n = cluster.replicas
         self.replicas = [
-            ReplicaModel(i, self.cost, block_tokens=self.block_tokens, chunk_tokens=self.chunk_tokens,
-                         max_running=self.max_running, events=events)
+            ReplicaModel(
+                i,
+                self.cost,
+                block_tokens=self.block_tokens,
+                chunk_tokens=self.chunk_tokens,
+                max_running=self.max_running,
+                events=events,
+            )
             for i in range(n)
         ]
         self._net = Network(n, self.cost.nic_bytes_per_s)
@@ -332,9 +349,16 @@ class Simulator:
             self._submitted.pop(req.request_id, None)
         self.policy.on_finish(req, rep.idx, now_s)
         record = RequestRecord(
-            request_id=req.request_id, kind=req.kind, arrival_s=req.arrival_s, replica=rep.idx,
-            ttft_s=rq.ttft_s, queue_wait_s=rq.admitted_s - req.arrival_s, cached_tokens=rq.cached_tokens,
-            prefill_tokens=req.input_tokens - rq.cached_tokens, finish_s=now_s, input_tokens=req.input_tokens,
+            request_id=req.request_id,
+            kind=req.kind,
+            arrival_s=req.arrival_s,
+            replica=rep.idx,
+            ttft_s=rq.ttft_s,
+            queue_wait_s=rq.admitted_s - req.arrival_s,
+            cached_tokens=rq.cached_tokens,
+            prefill_tokens=req.input_tokens - rq.cached_tokens,
+            finish_s=now_s,
+            input_tokens=req.input_tokens,
             recomputed_prefix_tokens=rq.recomputed,
         )
         self.records.append(record)
@@ -422,8 +446,19 @@ class Simulator:
 
     def _copy_info(self, c: Copy) -> CopyInfo:
         if c.done_s is not None:
-            return CopyInfo(c.cid, c.src, c.dst, c.chain, c.total_bytes, c.total_bytes, 0.0, None, CopyState.DONE,
-                            c.started_s, c.done_s)
+            return CopyInfo(
+                c.cid,
+                c.src,
+                c.dst,
+                c.chain,
+                c.total_bytes,
+                c.total_bytes,
+                0.0,
+                None,
+                CopyState.DONE,
+                c.started_s,
+                c.done_s,
+            )
         sent = min(c.total_bytes, c.avail_bytes, c.sent_bytes + c.rate * max(0.0, self.now - c.t_last))
         sent = max(sent, c.sent_bytes)
         eta = (c.total_bytes - sent) / c.rate if c.rate > 0 else None
@@ -446,11 +481,15 @@ class Simulator:
         reporting every attempt to the policy; returns the targets whose copies started."""
         now = self.now
         policy = self.policy
-        return carry_out(plan, lambda t: self.start_copy(plan.prefix, plan.source, t, now, plan.hot_since_s),
-                         lambda t, ok: policy.on_copy_result(plan, t, ok, now))
+        return carry_out(
+            plan,
+            lambda t: self.start_copy(plan.prefix, plan.source, t, now, plan.hot_since_s),
+            lambda t, ok: policy.on_copy_result(plan, t, ok, now),
+        )
 
-    def start_copy(self, chain: tuple, source: int, target: int, now_s: float,
-                   hot_since_s: float | None = None) -> bool:
+    def start_copy(
+        self, chain: tuple, source: int, target: int, now_s: float, hot_since_s: float | None = None
+    ) -> bool:
         """Start copying ``chain``'s KV from ``source`` to ``target``; False when refused (same replica, a bad index,
         a copy of it to the target in flight or the target already holding or computing it, no room there, or a
         source that will not have the blocks).
@@ -476,9 +515,17 @@ class Simulator:
         offset = inc.have
         send = len(chain) - offset
         self._cid += 1
-        c = Copy(cid=self._cid, src=source, dst=target, chain=chain, offset=offset,
-                 bytes_per_block=self.bytes_per_block, started_s=now_s, total_bytes=send * self.bytes_per_block,
-                 t_last=now_s)
+        c = Copy(
+            cid=self._cid,
+            src=source,
+            dst=target,
+            chain=chain,
+            offset=offset,
+            bytes_per_block=self.bytes_per_block,
+            started_s=now_s,
+            total_bytes=send * self.bytes_per_block,
+            t_last=now_s,
+        )
         c.meta["hot_since_s"] = now_s if hot_since_s is None else min(hot_since_s, now_s)
         c.meta["used"] = 0
         c.meta["incoming"] = inc
@@ -557,8 +604,15 @@ class Simulator:
             self._source_progress(c.dst)  # copies chained behind this one may send more
 
 
-def simulate_realistic(trace: Trace, policy: str, cluster: ClusterConfig, constants: BtbConstants, *,
-                       seed: int = 42, progress: Callable[[int], None] | None = None) -> SimResult:
+def simulate_realistic(
+    trace: Trace,
+    policy: str,
+    cluster: ClusterConfig,
+    constants: BtbConstants,
+    *,
+    seed: int = 42,
+    progress: Callable[[int], None] | None = None,
+) -> SimResult:
     """Simulate ``trace`` on ``cluster`` routed by the policy named ``policy`` with this module's model.
 
     Args:

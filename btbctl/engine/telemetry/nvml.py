@@ -59,9 +59,11 @@ def _import_pynvml():
 
 def _reason_for(nv: Any, err: BaseException) -> str:
     """Map an NVML exception to a one-line reason using the module's own error classes when it has them."""
-    for attr, text in (("NVMLError_LibraryNotFound", "NVIDIA driver library not found"),
-                       ("NVMLError_DriverNotLoaded", "NVIDIA driver not loaded"),
-                       ("NVMLError_NoPermission", "no permission to query the GPUs")):
+    for attr, text in (
+        ("NVMLError_LibraryNotFound", "NVIDIA driver library not found"),
+        ("NVMLError_DriverNotLoaded", "NVIDIA driver not loaded"),
+        ("NVMLError_NoPermission", "no permission to query the GPUs"),
+    ):
         cls = getattr(nv, attr, None)
         if isinstance(cls, type) and isinstance(err, cls):
             return text

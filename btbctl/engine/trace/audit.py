@@ -31,8 +31,12 @@ DEFAULT_WINDOWS_S = (1.0, 10.0, 60.0)
 DEFAULT_EVENT_MIN_REQUESTS = 8
 
 
-def audit_trace(trace: Trace, ks: Sequence[int] = DEFAULT_KS, windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
-                event_min_requests: int = DEFAULT_EVENT_MIN_REQUESTS) -> dict:
+def audit_trace(
+    trace: Trace,
+    ks: Sequence[int] = DEFAULT_KS,
+    windows_s: Sequence[float] = DEFAULT_WINDOWS_S,
+    event_min_requests: int = DEFAULT_EVENT_MIN_REQUESTS,
+) -> dict:
     """Summarise ``trace``.
 
     Args:
@@ -141,5 +145,4 @@ def _stats(values: list[int]) -> dict:
     if not n:
         return {"mean": None, "p50": None, "p95": None, "max": None}
     s = sorted(values)
-    return {"mean": sum(s) / n, "p50": s[min(n - 1, int(0.5 * n))], "p95": s[min(n - 1, int(0.95 * n))],
-            "max": s[-1]}
+    return {"mean": sum(s) / n, "p50": s[min(n - 1, int(0.5 * n))], "p95": s[min(n - 1, int(0.95 * n))], "max": s[-1]}

@@ -122,14 +122,19 @@ class BurstedParams:
         _at_least(self, "background_output_tokens", 1)
         _at_least(self, "offset_s", 0)
         if self.jitter_s > self.first_burst_s:
-            raise ConfigError("jitter_s", f"must be <= first_burst_s ({self.first_burst_s}) so no arrival is "
-                                          f"negative, got {self.jitter_s}")
+            raise ConfigError(
+                "jitter_s",
+                f"must be <= first_burst_s ({self.first_burst_s}) so no arrival is negative, got {self.jitter_s}",
+            )
         if self.decoy_end_s < self.decoy_start_s:
             raise ConfigError("decoy_end_s", f"must be >= decoy_start_s ({self.decoy_start_s}), got {self.decoy_end_s}")
         if self.background_input_max_tokens < self.background_input_min_tokens:
-            raise ConfigError("background_input_max_tokens", f"must be >= background_input_min_tokens "
-                                                             f"({self.background_input_min_tokens}), got "
-                                                             f"{self.background_input_max_tokens}")
+            raise ConfigError(
+                "background_input_max_tokens",
+                f"must be >= background_input_min_tokens "
+                f"({self.background_input_min_tokens}), got "
+                f"{self.background_input_max_tokens}",
+            )
         if self.background_end_s is not None and self.background_end_s < 0:
             raise ConfigError("background_end_s", f"must be >= 0 or unset, got {self.background_end_s}")
         self.check_size(self.block_tokens)
@@ -150,18 +155,24 @@ class BurstedParams:
         if requests > MAX_GENERATED_REQUESTS:
             parts = {"burst_size": burst_requests, "decoys": self.decoys, "background_rps": bg_requests}
             key = max(parts, key=parts.__getitem__)
-            raise ConfigError(key, f"the window would hold about {requests:,.0f} requests (bursts x burst_size "
-                                   f"{burst_requests:,} + decoys {self.decoys:,} + background about "
-                                   f"{bg_requests:,.0f}); at most {MAX_GENERATED_REQUESTS:,} are supported")
+            raise ConfigError(
+                key,
+                f"the window would hold about {requests:,.0f} requests (bursts x burst_size "
+                f"{burst_requests:,} + decoys {self.decoys:,} + background about "
+                f"{bg_requests:,.0f}); at most {MAX_GENERATED_REQUESTS:,} are supported",
+            )
         bg_mean_tokens = (self.background_input_min_tokens + self.background_input_max_tokens) // 2
         bg_blocks = bg_requests * -(-bg_mean_tokens // block_tokens)
         blocks = self.bursts * shared + burst_requests * (n_blocks - shared) + self.decoys * n_blocks + bg_blocks
         if blocks > MAX_GENERATED_BLOCKS:
             key = "background_input_max_tokens" if bg_blocks * 2 > blocks else "prefix_tokens"
-            raise ConfigError(key, f"the window would hold about {blocks:,.0f} block hashes ({input_tokens:,} "
-                                   f"prompt tokens in {block_tokens}-token blocks per request); at most "
-                                   f"{MAX_GENERATED_BLOCKS:,} are supported: use fewer or shorter requests or "
-                                   f"larger blocks")
+            raise ConfigError(
+                key,
+                f"the window would hold about {blocks:,.0f} block hashes ({input_tokens:,} "
+                f"prompt tokens in {block_tokens}-token blocks per request); at most "
+                f"{MAX_GENERATED_BLOCKS:,} are supported: use fewer or shorter requests or "
+                f"larger blocks",
+            )
 
     @classmethod
     def adversarial(cls, **changes) -> BurstedParams:
@@ -171,8 +182,11 @@ class BurstedParams:
 
     def window_end_s(self) -> float:
         """Latest possible burst or decoy arrival, seconds from the window start (before ``offset_s``)."""
-        last_burst = (self.first_burst_s + self.burst_period_s * (self.bursts - 1) + self.jitter_s + self.spread_s
-                      if self.bursts else 0.0)
+        last_burst = (
+            self.first_burst_s + self.burst_period_s * (self.bursts - 1) + self.jitter_s + self.spread_s
+            if self.bursts
+            else 0.0
+        )
         return max(last_burst, self.decoy_end_s if self.decoys else 0.0)
 
     def as_dict(self) -> dict:
@@ -232,14 +246,31 @@ def generate_bursted(params: BurstedParams | None = None, seed: int = 42, base: 
         prefix = tuple(f"{ns}b{k}p{j}" for j in range(shared_blocks))
         for i in range(n):
             own = tuple(f"{ns}b{k}r{i}s{j}" for j in own_blocks)
-            append(Request(f"{id_prefix}burst{k}-{i}", round(off + start + p.spread_s * i / n, 6), input_tokens,
-                           p.output_tokens, prefix + own, "burst",
-                           {"trace_id": trace_id, "source": "synthetic", "burst": k}))
+            append(
+                Request(
+                    f"{id_prefix}burst{k}-{i}",
+                    round(off + start + p.spread_s * i / n, 6),
+                    input_tokens,
+                    p.output_tokens,
+                    prefix + own,
+                    "burst",
+                    {"trace_id": trace_id, "source": "synthetic", "burst": k},
+                )
+            )
     for d in range(p.decoys):
         at = rng.uniform(p.decoy_start_s, p.decoy_end_s)
         hashes = tuple(f"{ns}d{d}p{j}" for j in range(shared_blocks)) + tuple(f"{ns}d{d}s{j}" for j in own_blocks)
-        append(Request(f"{id_prefix}decoy{d}", round(off + at, 6), input_tokens, p.output_tokens, hashes, "decoy",
-                       {"trace_id": trace_id, "source": "synthetic", "decoy": d}))
+        append(
+            Request(
+                f"{id_prefix}decoy{d}",
+                round(off + at, 6),
+                input_tokens,
+                p.output_tokens,
+                hashes,
+                "decoy",
+                {"trace_id": trace_id, "source": "synthetic", "decoy": d},
+            )
+        )
     if p.background_rps > 0:
         end = p.background_end_s if p.background_end_s is not None else p.window_end_s()
         t = rng.expovariate(p.background_rps)
@@ -247,8 +278,17 @@ def generate_bursted(params: BurstedParams | None = None, seed: int = 42, base: 
         while t < end:
             tokens = rng.randint(p.background_input_min_tokens, p.background_input_max_tokens)
             hashes = tuple(f"{ns}g{g}s{j}" for j in range(-(-tokens // block_tokens)))
-            append(Request(f"{id_prefix}bg{g}", round(off + t, 6), tokens, p.background_output_tokens, hashes,
-                           "background", {"trace_id": trace_id, "source": "synthetic"}))
+            append(
+                Request(
+                    f"{id_prefix}bg{g}",
+                    round(off + t, 6),
+                    tokens,
+                    p.background_output_tokens,
+                    hashes,
+                    "background",
+                    {"trace_id": trace_id, "source": "synthetic"},
+                )
+            )
             g += 1
             t += rng.expovariate(p.background_rps)
 

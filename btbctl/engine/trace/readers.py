@@ -138,8 +138,9 @@ def detect_format(text: str, path: str | None = None) -> str:
             if "timestamp" in obj:  # Mooncake rows also carry hash_ids; a row without them gets "missing field"
                 return "mooncake"
             keys = ", ".join(repr(k) for k in list(obj)[:8])
-            raise TraceFormatError(path, f"unknown trace format: a JSON object with keys {keys}; {_FORMAT_HELP}",
-                                   lineno)
+            raise TraceFormatError(
+                path, f"unknown trace format: a JSON object with keys {keys}; {_FORMAT_HELP}", lineno
+            )
     columns = [c.strip().strip('"') for c in first.split(",")]
     if "ContextTokens" in columns:
         return "azure2023"
@@ -181,8 +182,7 @@ def _read_text(path: str) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise TraceFormatError(path, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})",
-                               line) from None
+        raise TraceFormatError(path, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})", line) from None
     if text.startswith("\ufeff"):
         text = text[1:]
     return text
@@ -307,10 +307,18 @@ def _parse_mooncake(text: str, path: str) -> Trace:
     requests: list[Request] = []
     append = requests.append
     for lineno, _, (ts, inp, outp, hs) in _json_rows(
-            text, path, ("timestamp", "input_length", "output_length", "hash_ids")):
+        text, path, ("timestamp", "input_length", "output_length", "hash_ids")
+    ):
         # Fast path for well-formed rows; anything unusual goes through the named checks.
-        if (type(ts) is int and 0 <= ts <= _MAX_TIME and type(inp) is int and inp >= 1 and type(outp) is int
-                and outp >= 1 and type(hs) is list):
+        if (
+            type(ts) is int
+            and 0 <= ts <= _MAX_TIME
+            and type(inp) is int
+            and inp >= 1
+            and type(outp) is int
+            and outp >= 1
+            and type(hs) is list
+        ):
             arrival_s = ts / 1000.0
             for h in hs:
                 if type(h) is not int:
@@ -336,7 +344,8 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
     # Equal hash strings share one object: a Bursted window repeats each burst's 256 prefix hashes 500 times.
     same = {}.setdefault
     for lineno, d, (arrival, inp, outp, hs, rid) in _json_rows(
-            text, path, ("arrival_s", "input_length", "output_length", "hash_ids", "request_id")):
+        text, path, ("arrival_s", "input_length", "output_length", "hash_ids", "request_id")
+    ):
         arrival_s = _time(arrival, "arrival_s", 1.0, path, lineno)
         inp = _input_tokens(inp, "input_length", path, lineno)
         outp = _output_tokens(outp, "output_length", path, lineno)
@@ -363,8 +372,9 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
                 jk = meta.get("job_kind")
                 if jk is not None:
                     if type(jk) is not str:
-                        raise TraceFormatError(path, f"metadata.job_kind: expected a string, got {_type_name(jk)}",
-                                               lineno)
+                        raise TraceFormatError(
+                            path, f"metadata.job_kind: expected a string, got {_type_name(jk)}", lineno
+                        )
                     kind = jk
                 if len(meta) > (1 if "job_kind" in meta else 0):
                     labels = {k: v for k, v in meta.items() if k != "job_kind"}
@@ -383,8 +393,10 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
                     block_tokens, block_line = bt, lineno
                 elif bt != block_tokens:
                     raise TraceFormatError(
-                        path, f"{key}: {bt} differs from the block size {block_tokens} given on line {block_line}",
-                        lineno)
+                        path,
+                        f"{key}: {bt} differs from the block size {block_tokens} given on line {block_line}",
+                        lineno,
+                    )
         append(Request(rid, arrival_s, inp, outp, hashes, kind, labels))
     if not requests:
         raise _no_requests(text, path)
@@ -434,7 +446,8 @@ def _parse_azure(text: str, path: str) -> Trace:
             m = ts_match(row[i_ts])
             if m is None:
                 raise TraceFormatError(
-                    path, f"TIMESTAMP: expected 'YYYY-MM-DD HH:MM:SS[.fraction]', got {row[i_ts]!r}", lineno)
+                    path, f"TIMESTAMP: expected 'YYYY-MM-DD HH:MM:SS[.fraction]', got {row[i_ts]!r}", lineno
+                )
             y, mo, dd, hh, mi, ss, frac = m.groups()
             key = (y, mo, dd)
             days = days_cache.get(key)

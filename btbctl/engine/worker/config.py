@@ -93,11 +93,18 @@ class WorkerConfig(BaseModel):
         chunk = self.chunked_prefill_size
         if chunk is not None and chunk <= 0:
             chunk = 1 << 30  # SGLang: -1 disables chunked prefill
-        return validate(ClusterConfig, {
-            "model": self.preset_name(), "gpu": self.gpu, "gpus_per_replica": self.tp_size, "replicas": 1,
-            "mem_fraction": self.mem_fraction_static, "chunked_prefill_tokens": chunk,
-            "max_running": self.max_running_requests,
-        })
+        return validate(
+            ClusterConfig,
+            {
+                "model": self.preset_name(),
+                "gpu": self.gpu,
+                "gpus_per_replica": self.tp_size,
+                "replicas": 1,
+                "mem_fraction": self.mem_fraction_static,
+                "chunked_prefill_tokens": chunk,
+                "max_running": self.max_running_requests,
+            },
+        )
 
     def block_bytes(self) -> int:
         """Bytes of one block in the store: ``page_size x kv_bytes_per_token / kv_bytes_scale``, at least
@@ -127,8 +134,11 @@ def make_config(**kwargs) -> WorkerConfig:
     if cfg.chunked_prefill_size is not None and 0 <= cfg.chunked_prefill_size < 64:
         raise ConfigError("chunked_prefill_size", "must be >= 64 tokens or -1 (disabled)")
     if cfg.btb_token is None and not _is_loopback(cfg.host):
-        raise ConfigError("btb_token_file", f"the worker listens on {cfg.host}, beyond loopback: give "
-                          "--btb-token-file so that /btb/push and /flush_cache require a bearer token")
+        raise ConfigError(
+            "btb_token_file",
+            f"the worker listens on {cfg.host}, beyond loopback: give "
+            "--btb-token-file so that /btb/push and /flush_cache require a bearer token",
+        )
     cfg.cluster().replica_cost()  # the model must fit its GPUs
     return cfg
 

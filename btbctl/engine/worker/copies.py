@@ -144,8 +144,9 @@ class CopySender:
         block_bytes: bytes per block of the store.
     """
 
-    def __init__(self, book: CopyBook, model: ModelDriver, store: BlockStore, transport: Transport,
-                 block_bytes: int) -> None:
+    def __init__(
+        self, book: CopyBook, model: ModelDriver, store: BlockStore, transport: Transport, block_bytes: int
+    ) -> None:
         self.book = book
         self.model = model
         self.store = store
@@ -158,10 +159,22 @@ class CopySender:
         (being computed, or a request queued here will compute it): blocks are sent as the model commits them.
         Returns the record and a future resolved when the target accepted the copy or the copy ended."""
         n = len(chain)
-        rec = self.book.record(CopyRecord(copy_id=copy_id, role="source", state=CopyState.RUNNING, bytes_sent=0,
-                                          bytes_total=n * self.block_bytes, blocks_verified=0, error=None,
-                                          started_s=time.time(), finished_s=None, peer=target, blocks=n,
-                                          chain=tuple(chain)))
+        rec = self.book.record(
+            CopyRecord(
+                copy_id=copy_id,
+                role="source",
+                state=CopyState.RUNNING,
+                bytes_sent=0,
+                bytes_total=n * self.block_bytes,
+                blocks_verified=0,
+                error=None,
+                started_s=time.time(),
+                finished_s=None,
+                peer=target,
+                blocks=n,
+                chain=tuple(chain),
+            )
+        )
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         task = loop.create_task(self._push(rec, chain, target, accepted))
@@ -187,8 +200,9 @@ class CopySender:
 
         blocks = SourceBlocks(self, rec, chain)
         try:
-            await self.transport.send(target, rec.copy_id, chain, blocks, progress, block_bytes=self.block_bytes,
-                                      on_accept=accept)
+            await self.transport.send(
+                target, rec.copy_id, chain, blocks, progress, block_bytes=self.block_bytes, on_accept=accept
+            )
             rec.blocks_verified = rec.blocks
             rec.state = CopyState.DONE
         except TransferError as e:
@@ -265,8 +279,7 @@ class CopySink:
         self.store = store
         self.page_size = page_size
         self.block_bytes = store.block_bytes
-        self.max_blocks = max(1, min(model.capacity_tokens // page_size,
-                                     MAX_INBOUND_COPY_BYTES // store.block_bytes))
+        self.max_blocks = max(1, min(model.capacity_tokens // page_size, MAX_INBOUND_COPY_BYTES // store.block_bytes))
         self.incoming: dict[str, IncomingCopy] = {}  # copy id -> the model's reservation for it
 
     def begin(self, copy_id: str, chain: Sequence[str], peer: str) -> None:
@@ -274,9 +287,22 @@ class CopySink:
         if old is not None and old.in_flight:
             raise CopyRefused(f"copy {copy_id} is already arriving")
         n = len(chain)
-        self.book.record(CopyRecord(copy_id=copy_id, role="target", state=CopyState.RUNNING, bytes_sent=0,
-                                    bytes_total=n * self.block_bytes, blocks_verified=0, error=None,
-                                    started_s=time.time(), finished_s=None, peer=peer, blocks=n, chain=tuple(chain)))
+        self.book.record(
+            CopyRecord(
+                copy_id=copy_id,
+                role="target",
+                state=CopyState.RUNNING,
+                bytes_sent=0,
+                bytes_total=n * self.block_bytes,
+                blocks_verified=0,
+                error=None,
+                started_s=time.time(),
+                finished_s=None,
+                peer=peer,
+                blocks=n,
+                chain=tuple(chain),
+            )
+        )
         self.book.changed()
         if n * self.page_size > self.model.capacity_tokens:
             raise CopyRefused(f"{n} blocks do not fit in this worker's KV cache")
@@ -317,5 +343,14 @@ class CopySink:
         self.book.changed()
 
 
-__all__ = ["CopyBook", "CopyRecord", "CopySender", "CopySink", "MAX_COPY_RECORDS", "MAX_INBOUND_COPY_BYTES",
-           "MAX_OUTBOUND_COPIES", "SOURCE_BLOCK_WAIT_S", "SourceBlocks"]
+__all__ = [
+    "CopyBook",
+    "CopyRecord",
+    "CopySender",
+    "CopySink",
+    "MAX_COPY_RECORDS",
+    "MAX_INBOUND_COPY_BYTES",
+    "MAX_OUTBOUND_COPIES",
+    "SOURCE_BLOCK_WAIT_S",
+    "SourceBlocks",
+]

@@ -53,9 +53,18 @@ PUSH_ACCEPT_WAIT_S = 2.0
 #: Longest wait of a long poll ``GET /btb/copies/{id}?wait_s=``, seconds.
 MAX_COPY_POLL_WAIT_S = 10.0
 
-_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestTooLarge", 429: "TooManyRequests",
-          500: "InternalServerError", 503: "ServiceUnavailable"}
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    409: "ConflictError",
+    413: "RequestTooLarge",
+    429: "TooManyRequests",
+    500: "InternalServerError",
+    503: "ServiceUnavailable",
+}
 
 
 class ApiError(Exception):
@@ -69,8 +78,7 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, headers: dict | None = None) -> web.Response:
-    body = {"object": "error", "message": message, "type": _TYPES.get(status, "Error"), "param": None,
-            "code": status}
+    body = {"object": "error", "message": message, "type": _TYPES.get(status, "Error"), "param": None, "code": status}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -83,8 +91,11 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        msg = {404: f"no route {request.method} {request.path}", 405: f"method {request.method} not allowed on "
-               f"{request.path}", 413: f"request body larger than {MAX_BODY_BYTES} bytes"}.get(e.status, e.reason)
+        msg = {
+            404: f"no route {request.method} {request.path}",
+            405: f"method {request.method} not allowed on {request.path}",
+            413: f"request body larger than {MAX_BODY_BYTES} bytes",
+        }.get(e.status, e.reason)
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
         return error_response(e.status, msg, headers)
     except (asyncio.CancelledError, ConnectionResetError):
@@ -132,10 +143,11 @@ def _token_ids(v: Any, key: str) -> list[int]:
     if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list):
         v = v[0]
     if not isinstance(v, list) or not v or len(v) > MAX_PROMPT_TOKENS:
-        raise ApiError(400, f"{key} must be a non-empty list of at most {MAX_PROMPT_TOKENS} token ids "
-                            "(batches are not supported)")
+        raise ApiError(
+            400, f"{key} must be a non-empty list of at most {MAX_PROMPT_TOKENS} token ids (batches are not supported)"
+        )
     for t in v:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 32:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
             raise ApiError(400, f"{key} entries must be integers in [0, 2^32), got {t!r}")
     return v
 
@@ -227,8 +239,11 @@ class _Handlers:
             return
         h = request.headers.get("Authorization", "")
         if not h.startswith("Bearer "):
-            raise ApiError(401, "this route needs 'Authorization: Bearer <token>'",
-                           {"WWW-Authenticate": 'Bearer realm="btbctl-worker"'})
+            raise ApiError(
+                401,
+                "this route needs 'Authorization: Bearer <token>'",
+                {"WWW-Authenticate": 'Bearer realm="btbctl-worker"'},
+            )
         if not hmac.compare_digest(h[7:].strip().encode(), tok.encode()):
             raise ApiError(403, "invalid bearer token")
 
@@ -252,41 +267,89 @@ class _Handlers:
     async def server_info(self, request: web.Request) -> web.Response:
         c = self.cfg
         st = self.model.state()
-        return web.json_response({
-            "model_path": c.model_path, "served_model_name": c.served_name, "tp_size": c.tp_size,
-            "host": c.host, "port": self.w.http_port, "mem_fraction_static": c.mem_fraction_static,
-            "page_size": c.page_size,
-            "chunked_prefill_size": (c.chunked_prefill_size if c.chunked_prefill_size is not None
-                                     else self.model.cluster.chunk_tokens()),
-            "max_running_requests": c.max_running_requests, "enable_metrics": c.enable_metrics,
-            "max_total_num_tokens": st.capacity_tokens, "version": f"btbctl-emulated-{__version__}",
-            "internal_states": [{"num_running_reqs": st.running, "num_waiting_reqs": st.waiting}],
-            "btb": {"emulated": True, "model_preset": c.preset_name(), "gpu": c.gpu, "time_scale": c.time_scale,
-                    "zero_delay": c.zero, "kv_bytes_scale": c.kv_bytes_scale, "block_bytes": self.w.block_bytes,
-                    "transfer_addr": self.w.transfer_addr, "token_required": c.btb_token is not None},
-        })
+        return web.json_response(
+            {
+                "model_path": c.model_path,
+                "served_model_name": c.served_name,
+                "tp_size": c.tp_size,
+                "host": c.host,
+                "port": self.w.http_port,
+                "mem_fraction_static": c.mem_fraction_static,
+                "page_size": c.page_size,
+                "chunked_prefill_size": (
+                    c.chunked_prefill_size if c.chunked_prefill_size is not None else self.model.cluster.chunk_tokens()
+                ),
+                "max_running_requests": c.max_running_requests,
+                "enable_metrics": c.enable_metrics,
+                "max_total_num_tokens": st.capacity_tokens,
+                "version": f"btbctl-emulated-{__version__}",
+                "internal_states": [{"num_running_reqs": st.running, "num_waiting_reqs": st.waiting}],
+                "btb": {
+                    "emulated": True,
+                    "model_preset": c.preset_name(),
+                    "gpu": c.gpu,
+                    "time_scale": c.time_scale,
+                    "zero_delay": c.zero,
+                    "kv_bytes_scale": c.kv_bytes_scale,
+                    "block_bytes": self.w.block_bytes,
+                    "transfer_addr": self.w.transfer_addr,
+                    "token_required": c.btb_token is not None,
+                },
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "model_path": self.cfg.model_path, "tokenizer_path": self.cfg.model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": self.cfg.preset_name(), "architectures": None,
-        })
+        return web.json_response(
+            {
+                "model_path": self.cfg.model_path,
+                "tokenizer_path": self.cfg.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": self.cfg.preset_name(),
+                "architectures": None,
+            }
+        )
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.cfg.served_name, "object": "model", "created": int(self.w.started_unix),
-            "owned_by": "sglang", "root": self.cfg.model_path, "max_model_len": self.model.capacity_tokens,
-        }]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.cfg.served_name,
+                        "object": "model",
+                        "created": int(self.w.started_unix),
+                        "owned_by": "sglang",
+                        "root": self.cfg.model_path,
+                        "max_model_len": self.model.capacity_tokens,
+                    }
+                ],
+            }
+        )
 
     async def loads(self, request: web.Request) -> web.Response:
         st = self.model.state()
         cap = st.capacity_tokens
-        return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{
-            "dp_rank": 0, "num_running_reqs": st.running, "num_waiting_reqs": st.waiting,
-            "num_used_tokens": st.used_tokens, "max_total_num_tokens": cap,
-            "token_usage": st.used_tokens / cap if cap else 0.0, "cache_hit_rate": self.model.cache_hit_rate(),
-        }]})
+        return web.json_response(
+            {
+                "timestamp": time.time(),
+                "dp_rank_count": 1,
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": st.running,
+                        "num_waiting_reqs": st.waiting,
+                        "num_used_tokens": st.used_tokens,
+                        "max_total_num_tokens": cap,
+                        "token_usage": st.used_tokens / cap if cap else 0.0,
+                        "cache_hit_rate": self.model.cache_hit_rate(),
+                    }
+                ],
+            }
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_metrics:
@@ -297,8 +360,9 @@ class _Handlers:
     async def flush_cache(self, request: web.Request) -> web.Response:
         self._auth(request)
         if self.model.busy() or self.w.copies.any_in_flight():
-            return web.Response(status=400, text="Cache not flushed: there are running or waiting requests or "
-                                                 "copies in flight.\n")
+            return web.Response(
+                status=400, text="Cache not flushed: there are running or waiting requests or copies in flight.\n"
+            )
         dropped = self.model.flush()
         self.w.store.clear()
         return web.Response(status=200, text=f"Cache flushed. {dropped} blocks dropped.\n")
@@ -356,7 +420,9 @@ class _Handlers:
         now = self.model.clock()
         end = lr.finish_wall if finished and not math.isnan(lr.finish_wall) else now
         return {
-            "id": lr.rid, "prompt_tokens": lr.prompt_tokens, "completion_tokens": tokens_out,
+            "id": lr.rid,
+            "prompt_tokens": lr.prompt_tokens,
+            "completion_tokens": tokens_out,
             "cached_tokens": lr.cached_tokens,
             "cached_tokens_details": {"device": lr.cached_tokens, "host": 0},
             "finish_reason": {"type": "length", "length": lr.max_new_tokens} if finished else None,
@@ -364,8 +430,9 @@ class _Handlers:
         }
 
     async def _sse_start(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         return resp
 
@@ -379,8 +446,11 @@ class _Handlers:
         has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
         if has_text == has_ids:
             raise ApiError(400, "give exactly one of 'text' or 'input_ids'")
-        prompt = (self._prompt(ids=_token_ids(body["input_ids"], "input_ids")) if has_ids
-                  else self._prompt(text=_text(body["text"], "text")))
+        prompt = (
+            self._prompt(ids=_token_ids(body["input_ids"], "input_ids"))
+            if has_ids
+            else self._prompt(text=_text(body["text"], "text"))
+        )
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise ApiError(400, "sampling_params must be an object")
@@ -400,12 +470,14 @@ class _Handlers:
         return resp
 
     def _usage(self, lr: LiveRequest, completion: int) -> dict:
-        return {"prompt_tokens": lr.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": lr.prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": lr.cached_tokens}}
+        return {
+            "prompt_tokens": lr.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": lr.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": lr.cached_tokens},
+        }
 
-    async def _openai(self, request: web.Request, body: dict, prompt: tuple[int, list[str]], max_new: int,
-                      chat: bool):
+    async def _openai(self, request: web.Request, body: dict, prompt: tuple[int, list[str]], max_new: int, chat: bool):
         _int(body, "n", 1, 1, 1)  # one choice per request only
         stream = _bool(body, "stream")
         so = body.get("stream_options") or {}
@@ -421,11 +493,26 @@ class _Handlers:
         if not stream:
             await lr.done
             text = TOKEN_TEXT * max_new
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                       "finish_reason": "length"} if chat else
-                      {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
-            return web.json_response({"id": oid, "object": obj, "created": created, "model": model,
-                                      "choices": [choice], "usage": self._usage(lr, max_new)})
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": "length",
+                }
+                if chat
+                else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+            )
+            return web.json_response(
+                {
+                    "id": oid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                    "usage": self._usage(lr, max_new),
+                }
+            )
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         resp = await self._sse_start(request)
 
@@ -446,8 +533,17 @@ class _Handlers:
                 first = False
                 sent = k
             if include_usage:
-                await self._sse(resp, {"id": oid, "object": chunk_obj, "created": created, "model": model,
-                                       "choices": [], "usage": self._usage(lr, max_new)})
+                await self._sse(
+                    resp,
+                    {
+                        "id": oid,
+                        "object": chunk_obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": self._usage(lr, max_new),
+                    },
+                )
             await self._sse(resp, "[DONE]")
         except ConnectionError:
             self.model.abort(lr)  # the client went away: abort it, as SGLang does
@@ -515,13 +611,22 @@ class _Handlers:
             # bound to every interface: advertise the address this client reached us on
             h = request.url.host
             addr = f"[{h}]:{self.w.receiver.port}" if ":" in h else f"{h}:{self.w.receiver.port}"
-        return web.json_response({
-            "transfer_addr": addr, "page_size": c.page_size,
-            "kv_bytes_per_token": self.model.cost.model.kv_bytes_per_token, "block_bytes": self.w.block_bytes,
-            "model": c.served_name, "model_preset": c.preset_name(), "gpu": c.gpu, "tp_size": c.tp_size,
-            "capacity_tokens": self.model.capacity_tokens, "transport": self.w.transport.name,
-            "time_scale": c.time_scale, "zero_delay": c.zero,
-        })
+        return web.json_response(
+            {
+                "transfer_addr": addr,
+                "page_size": c.page_size,
+                "kv_bytes_per_token": self.model.cost.model.kv_bytes_per_token,
+                "block_bytes": self.w.block_bytes,
+                "model": c.served_name,
+                "model_preset": c.preset_name(),
+                "gpu": c.gpu,
+                "tp_size": c.tp_size,
+                "capacity_tokens": self.model.capacity_tokens,
+                "transport": self.w.transport.name,
+                "time_scale": c.time_scale,
+                "zero_delay": c.zero,
+            }
+        )
 
     async def btb_push(self, request: web.Request) -> web.Response:
         self._auth(request)
@@ -548,15 +653,24 @@ class _Handlers:
         if have < len(chain):
             planned = self.model.planned_blocks(chain)
             if planned < len(chain):
-                raise ApiError(409, f"this worker holds {have} of the chain's {len(chain)} blocks and computes "
-                                    f"{planned - have} more")
+                raise ApiError(
+                    409,
+                    f"this worker holds {have} of the chain's {len(chain)} blocks and computes {planned - have} more",
+                )
         rec, accepted = self.w.sender.start_push(chain, target, copy_id)
         try:
             await asyncio.wait_for(asyncio.shield(accepted), PUSH_ACCEPT_WAIT_S)
         except asyncio.TimeoutError:
             pass  # answered anyway; the record tells how the copy goes
-        return web.json_response({"copy_id": rec.copy_id, "blocks": rec.blocks, "bytes": rec.bytes_total,
-                                  "blocks_available": rec.blocks_available}, status=202)
+        return web.json_response(
+            {
+                "copy_id": rec.copy_id,
+                "blocks": rec.blocks,
+                "bytes": rec.bytes_total,
+                "blocks_available": rec.blocks_available,
+            },
+            status=202,
+        )
 
     async def btb_copies(self, request: web.Request) -> web.Response:
         return web.json_response({"copies": [r.as_dict() for r in self.w.copies.newest_first()]})

@@ -10,11 +10,52 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from btbctl.engine.worker.model import LiveRequest, ModelDriver
 
 #: Latency histogram buckets, seconds (a spread like SGLang's collector: milliseconds to minutes).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 15.0,
-                20.0, 30.0, 60.0, 120.0, 300.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 E2E_BUCKETS = (0.01, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-               0.3, 0.5, 1.0, 2.0)
+ITL_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+)
 
 
 class WorkerMetrics:
@@ -28,21 +69,38 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.model_name = model_name
-        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              ["model_name"], buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in "
-                             "seconds", ["model_name"], buckets=E2E_BUCKETS, registry=r)
-        self.itl = Histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ["model_name"], buckets=ITL_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            ["model_name"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            ["model_name"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ["model_name"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
         # counters (exposed with the _total suffix, as SGLang's)
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", ["model_name"],
-                                     registry=r)
-        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
-                                         ["model_name"], registry=r)
-        self.cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", ["model_name"],
-                                     registry=r)
-        self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", ["model_name"],
-                                    registry=r)
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", ["model_name"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", ["model_name"], registry=r
+        )
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens", "Number of cached prompt tokens.", ["model_name"], registry=r
+        )
+        self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", ["model_name"], registry=r)
         labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
         self.gauges = {
             name: Gauge(f"sglang:{name}", doc, labels, registry=r)
@@ -75,9 +133,14 @@ class WorkerMetrics:
         """The exposition text, with the gauges set from ``model``'s counters now."""
         st = model.state()
         cap = st.capacity_tokens
-        vals = {"num_running_reqs": st.running, "num_queue_reqs": st.waiting,
-                "num_used_tokens": st.used_tokens, "max_total_num_tokens": cap,
-                "token_usage": st.used_tokens / cap if cap else 0.0, "cache_hit_rate": model.cache_hit_rate()}
+        vals = {
+            "num_running_reqs": st.running,
+            "num_queue_reqs": st.waiting,
+            "num_used_tokens": st.used_tokens,
+            "max_total_num_tokens": cap,
+            "token_usage": st.used_tokens / cap if cap else 0.0,
+            "cache_hit_rate": model.cache_hit_rate(),
+        }
         for k, v in vals.items():
             self.gauges[k].labels(*self.lv).set(v)
         return generate_latest(self.registry)

@@ -107,9 +107,14 @@ class ModelDriver:
         self._incoming: set[int] = set()  # ids of incoming copies still open
         self.now_s = 0.0  # model time reached, seconds
         self._step_end: float | None = None  # model time the replica's step in progress ends (None: idle)
-        self.replica = ReplicaModel(0, self.cost, block_tokens=self.block_tokens,
-                                    chunk_tokens=self.cluster.chunk_tokens(),
-                                    max_running=self.cluster.max_running, events=self)
+        self.replica = ReplicaModel(
+            0,
+            self.cost,
+            block_tokens=self.block_tokens,
+            chunk_tokens=self.cluster.chunk_tokens(),
+            max_running=self.cluster.max_running,
+            events=self,
+        )
 
     # -- clock ------------------------------------------------------------------------------------------------
     def model_now(self) -> float:
@@ -228,8 +233,10 @@ class ModelDriver:
         """Raise :class:`TooLarge` when the request can never fit in the KV cache."""
         need = max(n_blocks * self.block_tokens, prompt_tokens) + max(1, max_new_tokens)
         if need > self.capacity_tokens:
-            raise TooLarge(f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) need {need} "
-                           f"tokens of KV cache; this worker holds {self.capacity_tokens}")
+            raise TooLarge(
+                f"the prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) need {need} "
+                f"tokens of KV cache; this worker holds {self.capacity_tokens}"
+            )
 
     def submit(self, chain: Sequence[str], prompt_tokens: int, max_new_tokens: int, rid: str) -> LiveRequest:
         """Start a request now. ``chain``: block hashes of the prompt's full pages; ``prompt_tokens`` >= 1.
@@ -240,14 +247,26 @@ class ModelDriver:
         self.check_fits(prompt_tokens, len(chain), max_new_tokens)
         loop = asyncio.get_running_loop()
         sim_id = f"r{next(self._ids)}"
-        lr = LiveRequest(rid=rid, sim_id=sim_id, prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                         arrival_wall=self.clock(), first=loop.create_future(), done=loop.create_future())
+        lr = LiveRequest(
+            rid=rid,
+            sim_id=sim_id,
+            prompt_tokens=prompt_tokens,
+            max_new_tokens=max_new_tokens,
+            arrival_wall=self.clock(),
+            first=loop.create_future(),
+            done=loop.create_future(),
+        )
         self._live[sim_id] = lr
         self.requests_total += 1
         self.prompt_tokens_total += prompt_tokens
         self.sync()
-        req = Request(request_id=sim_id, arrival_s=self.now_s, input_tokens=prompt_tokens,
-                      output_tokens=max(1, max_new_tokens), block_hashes=tuple(chain))
+        req = Request(
+            request_id=sim_id,
+            arrival_s=self.now_s,
+            input_tokens=prompt_tokens,
+            output_tokens=max(1, max_new_tokens),
+            block_hashes=tuple(chain),
+        )
         rq = ReplicaRequest(req, next(self._seqs))
         self._requests[sim_id] = rq
         self.replica.enqueue(rq, self.now_s)
@@ -366,8 +385,9 @@ class ModelDriver:
             if have >= need:
                 fut.set_result(have)
             elif rep.planned_blocks(chain) < need:
-                fut.set_exception(BlocksLost(f"block {have} ({chain[have]}) was evicted or is no longer "
-                                             "being computed here"))
+                fut.set_exception(
+                    BlocksLost(f"block {have} ({chain[have]}) was evicted or is no longer being computed here")
+                )
             else:
                 keep.append(entry)
         self._block_waiters = keep
@@ -395,8 +415,10 @@ class ModelDriver:
         chain = tuple(chain)
         inc = self.replica.begin_incoming(chain, claim_pending=False)
         if inc is None:
-            raise NoRoom(f"no room in the KV cache for {len(chain) - self.replica.cached_blocks(chain)} blocks "
-                         "(in use by running requests)")
+            raise NoRoom(
+                f"no room in the KV cache for {len(chain) - self.replica.cached_blocks(chain)} blocks "
+                "(in use by running requests)"
+            )
         self._incoming.add(id(inc))
         return inc
 

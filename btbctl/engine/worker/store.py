@@ -20,7 +20,7 @@ from btbctl.engine.hashing import block_payload
 
 class BlockStore:
     """Args:
-        block_bytes: bytes per block.
+    block_bytes: bytes per block.
     """
 
     def __init__(self, block_bytes: int) -> None:

@@ -52,5 +52,6 @@ def sparkline(values: Sequence[float], width: int) -> str:
     top = max(vals, default=0)
     if top <= 0:
         return " " * len(vals)
-    return "".join(_SPARKS[min(len(_SPARKS) - 1, int(v / top * (len(_SPARKS) - 1) + 0.5))] if v > 0 else " "
-                   for v in vals)
+    return "".join(
+        _SPARKS[min(len(_SPARKS) - 1, int(v / top * (len(_SPARKS) - 1) + 0.5))] if v > 0 else " " for v in vals
+    )

@@ -64,8 +64,15 @@ class PrefixPanel(Vertical):
         for p in self.rows:
             arr = Text(f"{p.arrivals_in_window}/{p.threshold}", style="bold red" if p.hot else "")
             cp = str(p.copies_in_flight) if p.copies_in_flight else "-"
-            t.add_row(p.short_id, human_tokens(p.prefix_tokens), arr, str(p.holders), cp,
-                      sparkline(self._history[p.prefix_id], 5), key=p.prefix_id)
+            t.add_row(
+                p.short_id,
+                human_tokens(p.prefix_tokens),
+                arr,
+                str(p.holders),
+                cp,
+                sparkline(self._history[p.prefix_id], 5),
+                key=p.prefix_id,
+            )
         if keep is not None:
             for i, p in enumerate(self.rows):
                 if p.prefix_id == keep:
@@ -85,8 +92,7 @@ class FleetPanel(VerticalScroll):
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
         w = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
-        for col, just in (("worker", "left"), ("ok", "left"), ("run", "right"), ("queue", "right"),
-                          ("KV", "left")):
+        for col, just in (("worker", "left"), ("ok", "left"), ("run", "right"), ("queue", "right"), ("KV", "left")):
             w.add_column(col, justify=just, no_wrap=True)
         for row in snap.workers:
             ok = Text("up", style="green") if row.healthy else Text("DOWN", style="bold red")
@@ -103,8 +109,7 @@ class FleetPanel(VerticalScroll):
                 g.add_column(col, justify=just, no_wrap=True)
             for gpu in snap.gpus:
                 util = "-" if gpu.util_pct is None else f"{gpu.util_pct:.0f}%"
-                g.add_row(gpu.name, f"{human_bytes(gpu.used_bytes)}/{human_bytes(gpu.total_bytes)}", util,
-                          gpu.source)
+                g.add_row(gpu.name, f"{human_bytes(gpu.used_bytes)}/{human_bytes(gpu.total_bytes)}", util, gpu.source)
             parts.append(g)
         if snap.gpu_note:
             parts.append(Text(snap.gpu_note, style="yellow"))
@@ -133,8 +138,14 @@ class TransferPanel(VerticalScroll):
         self._last = snap
         wide = self.size.width >= 60
         lines = Text(no_wrap=True, overflow="ellipsis")
-        lines.append(("prefix   route   progress       rate      eta   state" if wide
-                      else "prefix route  progress    eta  state"), style="bold")
+        lines.append(
+            (
+                "prefix   route   progress       rate      eta   state"
+                if wide
+                else "prefix route  progress    eta  state"
+            ),
+            style="bold",
+        )
         live = 0
         for x in snap.transfers:
             style = {"done": "green", "failed": "bold red", "stalled": "yellow"}.get(x.state, "cyan")
