@@ -12,6 +12,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import DataTable, Input, Label, Static
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.copies import CopyState
 from btbctl.engine.dashboard import FleetSnapshot, PrefixRow
 from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, seconds, sparkline
 
@@ -148,8 +149,10 @@ class TransferPanel(VerticalScroll):
         )
         live = 0
         for x in snap.transfers:
-            style = {"done": "green", "failed": "bold red", "stalled": "yellow"}.get(x.state, "cyan")
-            if x.state in ("running", "stalled"):
+            style = {CopyState.DONE: "green", CopyState.FAILED: "bold red", CopyState.STALLED: "yellow"}.get(
+                CopyState(x.state), "cyan"
+            )
+            if not CopyState(x.state).final:
                 live += 1
             state = x.state if not x.error else f"{x.state}: {x.error}"
             route = f"{x.source}>{x.target}"
