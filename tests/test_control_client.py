@@ -15,6 +15,7 @@ from btbctl.engine.control import schema
 from btbctl.engine.control.client import AsyncControlClient, ControlApiError, ControlClient
 from btbctl.engine.control.steering import replicate_and_wait
 from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.launcher.local import health_ok
 from gateway_fakes import GatewayEnv
 
 CONSTANTS = {
@@ -173,7 +174,9 @@ def test_proxy_variables_never_see_the_request(monkeypatch):
         return web.json_response({"error": {"message": "proxy"}}, status=502)
 
     with (
-        ThreadServer({("GET", "/control/constants"): _answer(CONSTANTS)}) as srv,
+        ThreadServer(
+            {("GET", "/control/constants"): _answer(CONSTANTS), ("GET", "/health"): _answer({"status": "ok"})}
+        ) as srv,
         ThreadServer({("GET", "/{tail:.*}"): proxy}) as prx,
     ):
         for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
@@ -182,7 +185,9 @@ def test_proxy_variables_never_see_the_request(monkeypatch):
             monkeypatch.delenv(var, raising=False)
         with ControlClient(srv.url, token="secret") as api:
             assert api.constants().policy == "btb"
-    assert proxied == [] and srv.seen == [("GET", "/control/constants", "Bearer secret")]
+        assert health_ok(srv.url)  # the launcher's readiness probe (urllib honoured http_proxy even for loopback)
+    assert proxied == []
+    assert srv.seen == [("GET", "/control/constants", "Bearer secret"), ("GET", "/health", None)]
 
 
 async def test_event_stream_parsing():

@@ -148,6 +148,40 @@ def test_state_with_unusable_process_ids_is_refused(tmp_path, changes):
         rd.load()
 
 
+def test_state_whose_pgid_is_not_the_pid_is_refused(tmp_path, capsys):
+    # an edited pgid used to make `down` signal another process group and leave the gateway orphaned
+    rd = _state(tmp_path, [_proc(pgid=os.getpgid(0))])
+    with pytest.raises(BtbctlError, match=r"pgid \d+ differs from pid 12345"):
+        rd.load()
+    code, _, err = run(capsys, "down", "--run-dir", str(tmp_path))
+    assert code == 2 and "differs from pid" in one_error_line(err)
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "http://[::1", "http://127.0.0.1:99999", "ftp://h/", 7])
+def test_state_with_a_control_url_that_is_not_http_is_refused(tmp_path, capsys, url):
+    # a file:// control_url made the control client read a local file; a malformed one gave a traceback
+    rd = _state(tmp_path, [])
+    data = json.loads(rd.state_path.read_text())
+    rd.state_path.write_text(json.dumps({**data, "control_url": url}))
+    code, _, err = run(capsys, "tune", "--run-dir", str(tmp_path), "threshold=3")
+    assert code == 2 and "control_url must be an http:// or https:// URL" in one_error_line(err)
+
+
+def test_a_process_that_does_not_lead_its_recorded_group_is_not_ours():
+    import subprocess
+    import sys
+
+    from btbctl.engine.launcher.rundir import ProcessRecord, process_start_time, record_is_ours
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # stays in our group
+    try:
+        rec = ProcessRecord(**{**_proc(pid=child.pid, pgid=child.pid), "start_time": process_start_time(child.pid)})
+        assert not record_is_ours(rec)  # signalling group child.pid would reach nothing (or a stranger)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_state_that_is_not_utf8_is_refused(tmp_path, capsys):
     rd = RunDir(tmp_path)
     rd.state_path.write_bytes(b"\xff\xfe{}")
@@ -264,3 +298,141 @@ def test_constants_have_sane_upper_bounds():
         with pytest.raises(ConfigError, match=key):
             BtbConstants().with_updates(**{key: bad})
     assert BtbConstants(prefix_blocks=1 << 20, threshold=1 << 20, replicas=4096, window_s=86400.0)
+
+
+# -- every reader is bounded: devices, FIFOs without a writer, deep nesting, decompression bombs ---------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+@pytest.mark.parametrize("command", [["dry-run", "-c"], ["doctor", "-c"], ["report"]])
+def test_a_device_as_a_config_file_is_one_line_not_a_read_forever(capsys, command):
+    # used to read /dev/zero until memory ran out (8 GB in 15 s)
+    code, _, err = run(capsys, *command, "/dev/zero")
+    assert code == 2
+    line = one_error_line(err)
+    assert "/dev/zero" in line and "device" in line
+
+
+def test_a_fifo_without_a_writer_is_refused_instead_of_a_hang(capsys, tmp_path, monkeypatch):
+    from btbctl.engine import fileio
+
+    monkeypatch.setattr(fileio, "FIFO_WAIT_S", 0.05)
+    fifo = tmp_path / "t.fifo"
+    os.mkfifo(fifo)
+    code, _, err = run(capsys, "trace", "audit", str(fifo))  # used to block forever in open()
+    assert code == 2 and "FIFO with no writer for 0.05 s" in one_error_line(err)
+    code, _, err = run(capsys, "doctor", "-c", str(fifo))
+    assert code == 2 and "FIFO with no writer" in one_error_line(err)
+
+
+def test_a_fifo_whose_writer_comes_later_is_read(tmp_path):
+    import threading
+
+    from btbctl.engine.fileio import read_bounded
+
+    fifo = tmp_path / "late.fifo"
+    os.mkfifo(fifo)
+    opened = threading.Event()
+
+    def feed():
+        opened.wait(5)
+        with open(fifo, "wb") as f:  # connects only after the reader is waiting
+            f.write(b"late data")
+
+    t = threading.Thread(target=feed)
+    t.start()
+    try:
+        threading.Timer(0.05, opened.set).start()
+        assert read_bounded(fifo, limit_bytes=100) == b"late data"
+    finally:
+        t.join(5)
+
+
+def test_deeply_nested_toml_is_one_line(capsys, tmp_path):
+    p = tmp_path / "deep.toml"
+    p.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    code, _, err = run(capsys, "dry-run", "-c", str(p))
+    assert code == 2 and "nested too deeply" in one_error_line(err) and str(p) in err
+
+
+def test_a_gzip_bomb_trace_stops_at_the_limit(tmp_path, monkeypatch):
+    import gzip
+
+    from btbctl.engine import fileio
+    from btbctl.engine.errors import TraceFormatError
+    from btbctl.engine.trace.readers import read_trace
+
+    p = tmp_path / "bomb.jsonl.gz"
+    p.write_bytes(gzip.compress(b"\n" * (8 << 20), 9))  # 8 MiB of output from about 8 KiB
+    assert p.stat().st_size < 64 << 10
+    monkeypatch.setattr(fileio, "TRACE_LIMIT_BYTES", 1 << 20)
+    with pytest.raises(TraceFormatError, match="decompresses to over the 1 MiB limit"):
+        read_trace(str(p))
+
+
+def test_bounded_reads_of_regular_files_pipes_and_gzip_members(tmp_path):
+    import gzip
+
+    from btbctl.engine.fileio import ReadRefused, read_bounded
+
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 100)
+    assert read_bounded(p, limit_bytes=100) == b"x" * 100
+    with pytest.raises(ReadRefused, match="over the 99 bytes limit"):
+        read_bounded(p, limit_bytes=99)
+    g = tmp_path / "f.gz"
+    g.write_bytes(gzip.compress(b"ab") + gzip.compress(b"cd"))  # two members, as `cat a.gz b.gz` makes
+    assert read_bounded(g, limit_bytes=4, gzip=True) == b"abcd"
+    g.write_bytes(gzip.compress(b"abcdef")[:-6])
+    with pytest.raises(ReadRefused, match="truncated"):
+        read_bounded(g, limit_bytes=100, gzip=True)
+    g.write_bytes(b"not gzip")
+    with pytest.raises(ReadRefused, match="not a valid gzip file"):
+        read_bounded(g, limit_bytes=100, gzip=True)
+
+
+# -- cluster values that used to end in a traceback or a hang -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "toml, key",
+    [
+        ('[[workers]]\nenv = { A = "x\\u0000y" }\n', "workers.0.env"),
+        ('[[workers]]\nextra_args = ["--a\\u0000"]\n', "workers.0.extra_args"),
+        ("[gateway]\nhealth_interval_s = inf\n", "gateway.health_interval_s"),
+    ],
+)
+def test_cluster_values_that_cannot_run_are_refused_up_front(capsys, tmp_path, toml, key):
+    p = tmp_path / "cluster.toml"
+    p.write_text(toml)
+    code, _, err = run(capsys, "doctor", "-c", str(p))  # the same loader as up's, refused before any check
+    assert code == 2
+    line = one_error_line(err)
+    assert str(p) in line and key in line, line
+
+
+def test_a_full_disk_is_one_line_naming_the_file(capsys, monkeypatch):
+    import errno
+
+    from btbctl.commands import app as app_mod
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device", "/run/btbctl/state.json")
+
+    monkeypatch.setattr(app_mod, "app", full)
+    code, out, err = run(capsys, "status")
+    assert code == 1 and out == ""
+    assert err == "btbctl: error: /run/btbctl/state.json: No space left on device\n"
+
+
+def test_an_unexpected_os_error_still_shows_its_traceback(monkeypatch):
+    import errno
+
+    from btbctl.commands import app as app_mod
+
+    def bug(*_a, **_k):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(app_mod, "app", bug)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        app_mod.main(["status"])

@@ -6,6 +6,7 @@ User errors (:class:`btbctl.engine.errors.BtbctlError`) print one line ``btbctl:
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -75,8 +76,22 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.stderr.write(f"btbctl: error: {e}\n")
         sys.exit(e.exit_code)
+    except OSError as e:
+        # The machine, not btbctl, failed (a full disk during `up`, descriptors exhausted): one line naming the
+        # file. Other OSErrors are bugs and keep their traceback.
+        if debug or e.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        sys.stderr.write(f"btbctl: error: {where}{e.strerror or e}\n")
+        sys.exit(1)
     except KeyboardInterrupt:
         if debug:
             raise
         sys.stderr.write("btbctl: interrupted\n")
         sys.exit(130)
+
+
+#: OSError numbers that describe the machine's state rather than a bug: shown as one line by :func:`main`.
+_ENVIRONMENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+)

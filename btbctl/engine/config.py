@@ -142,10 +142,13 @@ def read_toml(path, what: str = "config") -> dict:
     else:  # pragma: no cover - Python 3.10
         import tomli as tomllib
 
+    from btbctl.engine.fileio import CONFIG_LIMIT_BYTES, ReadRefused, read_bounded
+
     spath = os.fspath(path)
     try:
-        with open(spath, "rb") as f:
-            raw = f.read()
+        raw = read_bounded(spath, limit_bytes=CONFIG_LIMIT_BYTES)
+    except ReadRefused as e:
+        raise ConfigError("file", f"cannot read {what}: {e}", spath) from None
     except OSError as e:
         raise ConfigError("file", f"cannot read {what}: {e.strerror or e}", spath) from None
     try:
@@ -154,6 +157,8 @@ def read_toml(path, what: str = "config") -> dict:
         raise ConfigError("file", f"not UTF-8 text ({e.reason} at byte {e.start})", spath) from None
     except tomllib.TOMLDecodeError as e:
         raise toml_error(spath, e) from None
+    except RecursionError:
+        raise ConfigError("file", f"cannot read {what}: arrays or tables nested too deeply", spath) from None
 
 
 def toml_error(path: str, err: Exception) -> ConfigError:

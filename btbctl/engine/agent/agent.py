@@ -28,6 +28,7 @@ from btbctl.engine.agent.local import LocalServer
 from btbctl.engine.agent.pages import PageStore
 from btbctl.engine.agent.peer import PeerService
 from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.fileio import ReadRefused, read_bounded
 
 log = logging.getLogger("btbctl.agent")
 
@@ -73,8 +74,11 @@ class AgentConfig:
 def read_secret(path: str, what: str = "secret file") -> bytes:
     """The secret in ``path`` (surrounding whitespace stripped). Raises :class:`ConfigError` naming the file."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 16).strip()
+        data = read_bounded(path, limit_bytes=1 << 16).strip()
+    except ReadRefused as e:
+        raise ConfigError(
+            "--secret-file" if "secret" in what else "--control-token-file", f"cannot read {path}: {e}"
+        ) from None
     except OSError as e:
         raise ConfigError(
             "--secret-file" if "secret" in what else "--control-token-file", f"cannot read {path}: {e.strerror or e}"

@@ -16,7 +16,7 @@ class GatewayConfig(BaseModel):
     errors that name the key.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     workers: list[str] = Field(min_length=1)
     """Worker base URLs (``http://host:port``), SGLang servers or emulated workers; their order numbers the

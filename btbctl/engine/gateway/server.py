@@ -41,6 +41,7 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.detector import BurstDetector
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.gateway.control_api import build_control_app, is_loopback
 from btbctl.engine.gateway.dataplane import build_data_app
@@ -81,10 +82,9 @@ def _read_or_create_token(path: str, key: str) -> str:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         try:
-            with open(path, encoding="utf-8") as f:
-                tok = f.read().strip()
-        except OSError as e:
-            raise ConfigError(key, f"cannot read {path}: {e.strerror}") from None
+            tok = read_text_bounded(path).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(key, f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
         if not tok:
             raise ConfigError(key, f"{path} is empty") from None
         return tok

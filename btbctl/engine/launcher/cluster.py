@@ -72,7 +72,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 class GatewaySection(BaseModel):
     """The BTB gateway in front of the workers (data plane + control API)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     host: str = "127.0.0.1"
     """Address the data plane binds to. Loopback by default; bind another address only on a trusted network."""
@@ -121,7 +121,7 @@ class WorkerSpec(BaseModel):
     machine). ``command`` replaces either command line.
     """
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     kind: Literal["emulated", "sglang"] = "emulated"
     """``emulated`` (runs anywhere) or ``sglang`` (a real SGLang server)."""
@@ -193,6 +193,23 @@ class WorkerSpec(BaseModel):
             )
         return v
 
+    @field_validator("env")
+    @classmethod
+    def _env_ok(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, val in v.items():
+            if not key or "=" in key or "\0" in key:
+                raise ValueError(f"variable name {key!r} must be non-empty, without '=' or NUL")
+            if "\0" in val:
+                raise ValueError(f"{key}: a value cannot hold a NUL character")
+        return v
+
+    @field_validator("extra_args", "command")
+    @classmethod
+    def _no_nul(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any("\0" in a for a in v):
+            raise ValueError("an argument cannot hold a NUL character")
+        return v
+
     @field_validator("command")
     @classmethod
     def _command_ok(cls, v: list[str] | None) -> list[str] | None:
@@ -238,7 +255,7 @@ class WorkerSpec(BaseModel):
 class ClusterFile(BaseModel):
     """A whole fleet: the gateway, BTB's constants and the workers. Defaults: :func:`default_cluster`."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     gateway: GatewaySection = Field(default_factory=GatewaySection)
     """The gateway (data plane + control API)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from btbctl.engine.control.client import ControlClient, check_base_url
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.launcher.rundir import RunDir
 
 
@@ -33,10 +34,9 @@ def resolve_control_api(
     url = check_base_url(url)
     if token is None and token_file is not None:
         try:
-            with open(token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise BtbctlError(f"cannot read the token file {token_file}: {e.strerror or e}") from None
+            token = read_text_bounded(token_file).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BtbctlError(f"cannot read the token file {token_file}: {getattr(e, 'strerror', None) or e}") from None
     if token is None:
         try:
             token = rd.read_token()

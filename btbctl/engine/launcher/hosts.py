@@ -72,7 +72,7 @@ def check_hostname(value: str) -> str:
 class HostSpec(BaseModel):
     """One ``[[hosts]]`` entry: a machine reached over SSH."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     name: str
     """Name the ``[[workers]]`` entries use in their ``host`` key (1-63 letters, digits, '_', '.', '-')."""

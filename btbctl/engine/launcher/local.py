@@ -126,10 +126,14 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return " | ".join(tail)
 
 
+#: urllib without proxies: ``http_proxy`` must not see (or break) a probe of a worker this machine started.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def health_ok(url: str, timeout_s: float = 1.0) -> bool:
     """Whether ``GET url/health`` answers 2xx within ``timeout_s`` (any failure counts as not healthy)."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+        with _NO_PROXY.open(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.fileio import RECORD_LIMIT_BYTES, ReadRefused, read_bounded, read_text_bounded
 
 #: Version of the ``state.json`` layout; bumped on incompatible changes.
 STATE_VERSION = 1
@@ -127,7 +128,14 @@ class RunState:
                 v = getattr(p, key)
                 if type(v) is not int or v < 1:
                     raise ValueError(f"process {p.name!r}: {key} must be a positive integer, got {v!r}")
+            if p.pgid != p.pid:
+                # every process up starts leads its own group; another pgid would make down signal a stranger
+                raise ValueError(f"process {p.name!r}: pgid {p.pgid} differs from pid {p.pid}")
         kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "processes"}
+        for key in ("gateway_url", "control_url"):
+            url = kw.get(key)
+            if url is not None and not _is_http_url(url):
+                raise ValueError(f"{key} must be an http:// or https:// URL with a host, got {str(url)[:80]!r}")
         return cls(processes=procs, **kw)
 
     def workers(self) -> list[ProcessRecord]:
@@ -138,6 +146,19 @@ class RunState:
             if p.role == "gateway":
                 return p
         return None
+
+
+def _is_http_url(url: object) -> bool:
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str):
+        return False
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # a malformed port raises ValueError
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,7 +241,10 @@ def record_is_ours(rec: ProcessRecord) -> bool:
     if rec.host:
         return False
     if is_same_process(rec.pid, rec.start_time):
-        return True
+        try:
+            return os.getpgid(rec.pid) == rec.pgid
+        except OSError:
+            return False
     if process_start_time(rec.pid) is not None:
         return False  # the pid was reused by another process
     return bool(group_members(rec.pgid))
@@ -271,19 +295,21 @@ class RunDir:
     def read_token(self) -> str:
         """The control API token. Raises :class:`BtbctlError` when the file is missing or unreadable."""
         try:
-            return self.token_path.read_text(encoding="utf-8").strip()
-        except OSError as e:
+            return read_text_bounded(self.token_path).strip()
+        except (OSError, UnicodeDecodeError) as e:
             raise BtbctlError(
-                f"cannot read the control token {self.token_path}: {e.strerror or e}; is a fleet "
+                f"cannot read the control token {self.token_path}: {getattr(e, 'strerror', None) or e}; is a fleet "
                 f"running with this --run-dir?"
             ) from None
 
     def load(self) -> RunState | None:
         """The recorded state, or None when there is none. Raises :class:`BtbctlError` for a corrupt file."""
         try:
-            raw = self.state_path.read_bytes()
+            raw = read_bounded(self.state_path, limit_bytes=RECORD_LIMIT_BYTES)
         except FileNotFoundError:
             return None
+        except ReadRefused as e:
+            raise BtbctlError(f"cannot read {self.state_path}: {e}") from None
         except OSError as e:
             raise BtbctlError(f"cannot read {self.state_path}: {e.strerror or e}") from None
         try:

@@ -46,7 +46,6 @@ import math
 import operator
 import os
 import re
-import stat
 from collections.abc import Callable
 from datetime import date
 
@@ -152,24 +151,14 @@ def detect_format(text: str, path: str | None = None) -> str:
 
 
 def _read_text(path: str) -> str:
-    """The file's text (gzip-decompressed for ``.gz``), decoded as UTF-8 with an optional BOM removed. Regular files
-    and pipes are read; a device or socket is refused (``/dev/zero`` would be read until memory runs out)."""
-    try:
-        mode = os.stat(path).st_mode
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
-            raise TraceFormatError(path, "is a device or socket, not a trace file")
-        if path.endswith(".gz"):
-            import gzip
-            import zlib
+    """The file's text (gzip-decompressed for ``.gz``), decoded as UTF-8 with an optional BOM removed; read with
+    :func:`~btbctl.engine.fileio.read_bounded` (devices refused, FIFOs never block, size bounded)."""
+    from btbctl.engine.fileio import TRACE_LIMIT_BYTES, ReadRefused, read_bounded
 
-            try:
-                with gzip.open(path, "rb") as f:
-                    data = f.read()
-            except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-                raise TraceFormatError(path, f"not a valid gzip file ({e})") from None
-        else:
-            with open(path, "rb") as f:
-                data = f.read()
+    try:
+        data = read_bounded(path, limit_bytes=TRACE_LIMIT_BYTES, gzip=path.endswith(".gz"))
+    except ReadRefused as e:
+        raise TraceFormatError(path, str(e)) from None
     except FileNotFoundError:
         raise TraceFormatError(path, "no such file") from None
     except IsADirectoryError:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from btbctl.engine.config import ClusterConfig, validate
 from btbctl.engine.costmodel import DEFAULT_MAX_RUNNING, DEFAULT_MEM_FRACTION, MODELS, model_preset
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.fileio import read_text_bounded
 
 #: Smallest block in the emulated store, bytes (so that a scaled-down block still carries a meaningful payload).
 MIN_BLOCK_BYTES = 64
@@ -25,7 +26,7 @@ class WorkerConfig(BaseModel):
     """One emulated worker. Every field maps to a ``btbctl worker`` flag of the same name (dashes for
     underscores)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model_path: str = Field(min_length=1, max_length=512)
     """SGLang ``--model-path``: a model preset name (``btbctl presets``) or any string (a HF id, a directory);
@@ -119,9 +120,8 @@ def load_token(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
-            tok = f.read().strip()
-    except OSError as e:
+        tok = read_text_bounded(os.path.expanduser(path)).strip()
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError("btb_token_file", f"cannot read {path}: {e.strerror or e}") from None
     if not tok or any(c.isspace() for c in tok) or len(tok) > 4096:
         raise ConfigError("btb_token_file", f"{path} must hold one token (no spaces, at most 4096 characters)")
