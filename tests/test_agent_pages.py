@@ -114,11 +114,12 @@ def test_local_protocol_put_get_with_the_mapped_arena(tmp_path):
         store.close()
 
 
+@pytest.mark.timeout(20)
 def test_client_without_agent_fails_fast_with_a_kind(tmp_path):
-    c = AgentClient(str(tmp_path / "none.sock"), 0.5, None)
-    t0 = time.monotonic()
+    # a one-hour call timeout: failing fast means not waiting on it (the per-test timeout catches a wait; no
+    # wall-clock bound is asserted)
+    c = AgentClient(str(tmp_path / "none.sock"), 3600.0, None)
     for _ in range(3):
         with pytest.raises(AgentUnavailable) as ei:
             c.call({"op": "exists", "ns": "0" * 16, "keys": []})
         assert ei.value.kind in ("connect", "agent_down")
-    assert time.monotonic() - t0 < 1.0
