@@ -15,6 +15,8 @@ import math
 import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
+from itertools import filterfalse
+from operator import or_
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -30,6 +32,14 @@ FIDELITY = "infersim"
 #: Copies whose ready time is within this many seconds after "now" count as arrived (absorbs float rounding of
 #: ``start + duration``; the reference harness uses the same slack).
 READY_SLACK_S = 1e-12
+
+
+def _leading_true(flags: list[bool]) -> int:
+    """How many leading entries of ``flags`` are true."""
+    try:
+        return flags.index(False)
+    except ValueError:
+        return len(flags)
 
 
 class _OutBlock:
@@ -167,40 +177,43 @@ class InferSimReplica:
     # -- cache ------------------------------------------------------------------------------------------------
     def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
         """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``."""
-        hbm, host = self.hbm, self.host
-        n_hbm = n_host = 0
-        for h in chain:
-            if h in hbm:
-                n_hbm += 1
-            elif h in host:
-                n_host += 1
-            else:
-                break
-        return n_hbm, n_host
+        in_hbm = list(map(self.hbm.__contains__, chain))
+        host = self.host
+        if not host:
+            n = _leading_true(in_hbm)
+            return n, 0
+        n = _leading_true(list(map(or_, in_hbm, map(host.__contains__, chain))))
+        n_hbm = in_hbm[:n].count(True)
+        return n_hbm, n - n_hbm
 
     def hbm_run(self, chain: Sequence[Hashable]) -> int:
         """Length of the leading run of ``chain`` resident in HBM."""
-        hbm = self.hbm
-        n = 0
-        for h in chain:
-            if h not in hbm:
-                break
-            n += 1
-        return n
+        return _leading_true(list(map(self.hbm.__contains__, chain)))
 
     def insert(self, blocks: Sequence[Hashable]) -> None:
         """Make ``blocks`` the most recently used HBM entries (in order), spilling LRU blocks to host RAM."""
         hbm, host = self.hbm, self.host
         fleet = self.sim.fleet_blocks
-        for h in blocks:
-            if h in hbm:
-                hbm.move_to_end(h)
-                continue
-            if h in host:
-                host.discard(h)
-            else:
-                fleet[h] = fleet.get(h, 0) + 1
-            hbm[h] = None
+        new = list(filterfalse(hbm.__contains__, blocks))
+        if len(set(new)) < len(new):  # a block repeated within the chain: one at a time
+            for h in blocks:
+                if h in hbm:
+                    hbm.move_to_end(h)
+                    continue
+                if h in host:
+                    host.discard(h)
+                else:
+                    fleet[h] = fleet.get(h, 0) + 1
+                hbm[h] = None
+        else:
+            for h in new:
+                if h in host:
+                    host.discard(h)
+                else:
+                    fleet[h] = fleet.get(h, 0) + 1
+                hbm[h] = None
+            # every block to the MRU end in order: the same order a block-by-block pass leaves
+            deque(map(hbm.move_to_end, blocks), maxlen=0)
         over = len(hbm) - self.cost.budget_blocks
         while over > 0:
             h, _ = hbm.popitem(last=False)
