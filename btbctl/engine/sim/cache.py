@@ -13,8 +13,19 @@ unpinned *leaf* (a block with no resident child), which keeps ancestor closure.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from functools import partial
+from itertools import compress, filterfalse, repeat
+from operator import add, ge, sub
+
+#: Chains shorter than this are pinned and unpinned by a plain loop (the C-level passes pay off above it).
+_LOOP_BELOW = 8
+_le_zero = partial(ge, 0)  # _le_zero(x) == (0 >= x)
+
+
+def _consume(it: Iterable[object]) -> None:
+    deque(it, maxlen=0)
 
 
 class PrefixCache:
@@ -103,7 +114,8 @@ class PrefixCache:
         if need > self.evictable_tokens:
             return False
         lru, children, parent = self.lru, self.children, self.parent
-        while self.free_tokens < tokens:
+        evict = -(-need // self.block_tokens)  # every eviction frees one block
+        while evict > 0:
             h, _ = lru.popitem(last=False)
             if children.get(h, 0):
                 # Unreachable while callers commit pinned and unpin deepest-first (descendants then sit nearer the
@@ -119,6 +131,7 @@ class PrefixCache:
                 else:
                     del children[p]
             self.evictions += 1
+            evict -= 1
             if self.on_evict is not None:
                 self.on_evict(h)
         return True
@@ -127,26 +140,42 @@ class PrefixCache:
     def pin(self, chain: Sequence[Hashable], n: int) -> None:
         """Pin the first ``n`` blocks of ``chain`` (all resident)."""
         refs, lru = self.refs, self.lru
-        for i in range(n):
-            h = chain[i]
-            r = refs.get(h, 0)
-            if r == 0:
-                lru.pop(h, None)
-            refs[h] = r + 1
+        hs = chain[:n]
+        if n <= _LOOP_BELOW or len(set(hs)) < len(hs):
+            for h in hs:
+                r = refs.get(h, 0)
+                if r == 0:
+                    lru.pop(h, None)
+                refs[h] = r + 1
+            return
+        # the same in C-level passes (a chain of distinct hashes; refs never holds a 0)
+        unpinned = list(filterfalse(refs.__contains__, hs))
+        if unpinned:
+            _consume(map(lru.pop, unpinned, repeat(None)))
+        refs.update(zip(hs, map(add, map(refs.get, hs, repeat(0)), repeat(1)), strict=True))
 
     def unpin(self, chain: Sequence[Hashable], n: int) -> None:
         """Unpin the first ``n`` blocks of ``chain``; blocks reaching zero go to the MRU end, deepest first so
         that ancestors stay more recent than their descendants."""
-        refs, lru = self.refs, self.lru
-        for i in range(n - 1, -1, -1):
-            h = chain[i]
-            r = refs.get(h, 0) - 1
-            if r <= 0:
-                refs.pop(h, None)
-                if h in self.parent:
-                    lru[h] = None
-            else:
-                refs[h] = r
+        refs, lru, parent = self.refs, self.lru, self.parent
+        hs = chain[n - 1 :: -1] if n > 0 else ()
+        if n <= _LOOP_BELOW or len(set(hs)) < len(hs):
+            for h in hs:
+                r = refs.get(h, 0) - 1
+                if r <= 0:
+                    refs.pop(h, None)
+                    if h in parent:
+                        lru[h] = None
+                else:
+                    refs[h] = r
+            return
+        # the same in C-level passes; only the blocks reaching zero (in order) take a Python step
+        left = list(map(sub, map(refs.get, hs, repeat(0)), repeat(1)))
+        refs.update(zip(hs, left, strict=True))
+        if min(left) <= 0:
+            zeros = list(compress(hs, map(_le_zero, left)))
+            _consume(map(refs.__delitem__, zeros))
+            lru.update(zip(filter(parent.__contains__, zeros), repeat(None)))
 
     def touch(self, chain: Sequence[Hashable], n: int) -> None:
         """Mark the first ``n`` resident blocks as recently used (unpinned ones move to the MRU end)."""

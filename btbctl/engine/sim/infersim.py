@@ -15,6 +15,7 @@ import math
 import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
+from itertools import filterfalse
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -166,7 +167,9 @@ class InferSimReplica:
 
     # -- cache ------------------------------------------------------------------------------------------------
     def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
-        """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``."""
+        """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``.
+        A plain loop: it stops at the first miss, which is usually the first block on a replica that never saw the
+        chain (a C-level pass over the whole chain costs more there)."""
         hbm, host = self.hbm, self.host
         n_hbm = n_host = 0
         for h in chain:
@@ -192,15 +195,26 @@ class InferSimReplica:
         """Make ``blocks`` the most recently used HBM entries (in order), spilling LRU blocks to host RAM."""
         hbm, host = self.hbm, self.host
         fleet = self.sim.fleet_blocks
-        for h in blocks:
-            if h in hbm:
-                hbm.move_to_end(h)
-                continue
-            if h in host:
-                host.discard(h)
-            else:
-                fleet[h] = fleet.get(h, 0) + 1
-            hbm[h] = None
+        new = list(filterfalse(hbm.__contains__, blocks))
+        if len(set(new)) < len(new):  # a block repeated within the chain: one at a time
+            for h in blocks:
+                if h in hbm:
+                    hbm.move_to_end(h)
+                    continue
+                if h in host:
+                    host.discard(h)
+                else:
+                    fleet[h] = fleet.get(h, 0) + 1
+                hbm[h] = None
+        else:
+            for h in new:
+                if h in host:
+                    host.discard(h)
+                else:
+                    fleet[h] = fleet.get(h, 0) + 1
+                hbm[h] = None
+            # every block to the MRU end in order: the same order a block-by-block pass leaves
+            deque(map(hbm.move_to_end, blocks), maxlen=0)
         over = len(hbm) - self.cost.budget_blocks
         while over > 0:
             h, _ = hbm.popitem(last=False)

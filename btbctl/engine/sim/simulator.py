@@ -66,19 +66,20 @@ class SimFleetView:
 
     def __init__(self, sim: Simulator) -> None:
         self._sim = sim
+        self._reps = sim.replicas  # the same list (policies call the view once per replica per request)
 
     @property
     def n_replicas(self) -> int:
-        return len(self._sim.replicas)
+        return len(self._reps)
 
     def load(self, replica: int) -> int:
-        return self._sim.replicas[replica].load
+        return self._reps[replica].load
 
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        return self._sim.replicas[replica].cache.match(chain)
+        return self._reps[replica].cache.match(chain)
 
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        return self._sim.replicas[replica].pending_blocks(chain)
+        return self._reps[replica].pending_blocks(chain)
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self._sim._copies_in[replica]
@@ -108,7 +109,7 @@ class SimFleetView:
     def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` that ``replica`` holds, is computing or receiving, or that a request waiting
         there will compute before a new request would (>= :meth:`pending_blocks` up to evictions). O(log n)."""
-        return self._sim.replicas[replica].planned_blocks(chain)
+        return self._reps[replica].planned_blocks(chain)
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """See :meth:`~btbctl.engine.sim.replica.ReplicaModel.waiting_groups`."""
@@ -116,7 +117,7 @@ class SimFleetView:
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """See :meth:`~btbctl.engine.sim.replica.ReplicaModel.admission_wait_s`. O(1)."""
-        return self._sim.replicas[replica].admission_wait_s(kv_tokens)
+        return self._reps[replica].admission_wait_s(kv_tokens)
 
     def kv_headroom_tokens(self, replica: int) -> int:
         """KV-cache tokens ``replica`` could give a new copy now: free plus evictable (unpinned) tokens."""
