@@ -53,6 +53,7 @@ class FakeWorker:
     requests: list = field(default_factory=list)
     pushes: list = field(default_factory=list)
     matches: list = field(default_factory=list)
+    expects: dict = field(default_factory=dict)
     held: set = field(default_factory=set)
     computing: dict = field(default_factory=dict)  # block -> requests computing it (before their first byte)
     copies: dict = field(default_factory=dict)
@@ -74,6 +75,7 @@ class FakeWorker:
         r.add_post("/btb/match", self.match)
         r.add_get("/btb/info", self.info)
         r.add_post("/btb/push", self.push)
+        r.add_post("/btb/expect", self.expect)
         r.add_get("/btb/copies/{copy_id}", self.copy)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
@@ -213,8 +215,26 @@ class FakeWorker:
         if not all(h in self.held or h in self.computing for h in chain):
             return web.json_response({"error": "not held"}, status=409)
         total = len(chain) * self.block_bytes
-        self.copies[body["copy_id"]] = {"polls": 0, "chain": chain, "target": body["target"], "total": total}
+        self.copies[body["copy_id"]] = {
+            "polls": 0,
+            "chain": chain,
+            "target": body["target"],
+            "total": total,
+            "token": body.get("token"),
+        }
         return web.json_response({"copy_id": body["copy_id"], "blocks": len(chain), "bytes": total}, status=202)
+
+    async def expect(self, request):
+        """Authorize an inbound copy (recorded; a copy lands here only with the token it was expected with)."""
+        if not self.btb:
+            raise web.HTTPNotFound()
+        body = await request.json()
+        self.expects[body["copy_id"]] = {
+            "chain": body["chain"],
+            "token": body["token"],
+            "auth": request.headers.get("Authorization"),
+        }
+        return web.json_response({"copy_id": body["copy_id"], "blocks": len(body["chain"])}, status=201)
 
     async def copy(self, request):
         c = self.copies.get(request.match_info["copy_id"])
@@ -232,8 +252,11 @@ class FakeWorker:
             if state == "done" and not c.get("committed"):
                 c["committed"] = True
                 target = self.registry.get(c["target"])
-                if target is not None:
+                exp = target.expects.get(request.match_info["copy_id"]) if target is not None else None
+                if exp is not None and exp["token"] == c["token"] and exp["chain"] == c["chain"]:
                     target.held.update(c["chain"])
+                else:  # the real target refuses a copy it was not told to expect with this token
+                    state, sent, err = "failed", 0, "copy not expected by the target"
         return web.json_response(
             {
                 "copy_id": request.match_info["copy_id"],

@@ -43,6 +43,13 @@ async def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
         # the copies went to workers that really received them (the fake commits on "done")
         targets = {p["body"]["target"] for p in pushes}
         assert all(prefix_id in w.held for w in env.fleet if w.transfer_addr in targets)
+        # each copy was authorized at its target first, with a fresh token the push carried too
+        for p in pushes:
+            tw = next(w for w in env.fleet if w.transfer_addr == p["body"]["target"])
+            exp = tw.expects[p["body"]["copy_id"]]
+            assert exp["token"] == p["body"]["token"] and len(exp["token"]) == 64 and exp["auth"] == "Bearer wtok"
+            assert exp["chain"] == p["body"]["chain"]
+        assert pushes[0]["body"]["token"] != pushes[1]["body"]["token"]
         m = await env.metrics()
         assert metric_value(m, "btb_detector_fires_total") == 1
         assert metric_value(m, "btb_replications_total", result="done") == 2

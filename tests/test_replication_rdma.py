@@ -13,6 +13,8 @@ from btbctl.engine.hashing import block_payload, chain_hashes
 from btbctl.engine.replication.rdma import RdmaTransport, RemoteRegion, plan_writes, probe
 from btbctl.engine.replication.transport import TransferError
 
+TOKEN = "ab" * 32
+
 
 class _Mr:
     def __init__(self, n: int, lkey: int) -> None:
@@ -36,9 +38,10 @@ class FakeConn:
         self.dev.registered.append(length)
         return _Mr(length, 7)
 
-    def open_region(self, copy_id, chain, block_bytes):
+    def open_region(self, copy_id, chain, block_bytes, auth):
         if self.dev.refuse:
             raise BtbctlError(self.dev.refuse)
+        self.dev.auth.run(auth)  # the control channel's handshake, before anything is registered
         self.chain, self.block_bytes = chain, block_bytes
         self.region = bytearray(len(chain) * block_bytes)
         return RemoteRegion(addr=0x1000, rkey=99, length=len(self.region))
@@ -72,14 +75,22 @@ class FakeConn:
         self.closed = True
 
 
+class _AcceptAny:
+    """A control channel that runs the sender's side of the handshake and checks only that it is well formed."""
+
+    def run(self, auth):
+        assert len(auth.proof("ab" * 16)) == 64 and auth.hello()["blocks"] >= 1
+
+
 class FakeDevice:
     name = "fake"
 
-    def __init__(self, max_msg=1 << 20, refuse=None, fail_wr=None, flip_write=None):
+    def __init__(self, max_msg=1 << 20, refuse=None, fail_wr=None, flip_write=None, auth=None):
         self.max_msg = max_msg
         self.refuse = refuse
         self.fail_wr = fail_wr
         self.flip_write = flip_write
+        self.auth = auth or _AcceptAny()
         self.writes: list = []
         self.registered: list = []
         self.committed = False
@@ -116,7 +127,7 @@ async def test_rdma_send_moves_and_verifies_blocks():
     chain, pairs = _pairs(9)
     prog = []
     t = RdmaTransport(device=dev, staging_bytes=4000, max_msg_bytes=3000)
-    await t.send("10.0.0.2:4791", "c1", chain, pairs, lambda s, tot: prog.append((s, tot)))
+    await t.send("10.0.0.2:4791", "c1", chain, pairs, lambda s, tot: prog.append((s, tot)), token=TOKEN)
     assert dev.committed and dev.conn.closed
     assert bytes(dev.conn.region) == b"".join(b for _, b in pairs)
     assert dev.registered == [4000]  # one staging registration, reused every round
@@ -127,15 +138,19 @@ async def test_rdma_failed_completion_and_corruption_are_reported():
     chain, pairs = _pairs(6)
     dev = FakeDevice(fail_wr=2)
     with pytest.raises(TransferError, match="RDMA write of blocks"):
-        await RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None)
+        await RdmaTransport(device=dev, max_msg_bytes=2000).send(
+            "h:1", "c", chain, pairs, lambda s, t: None, token=TOKEN
+        )
     assert not dev.committed and dev.conn.closed
     dev = FakeDevice(flip_write=1)
     with pytest.raises(TransferError, match="digest mismatch") as ei:
-        await RdmaTransport(device=dev, max_msg_bytes=2000).send("h:1", "c", chain, pairs, lambda s, t: None)
+        await RdmaTransport(device=dev, max_msg_bytes=2000).send(
+            "h:1", "c", chain, pairs, lambda s, t: None, token=TOKEN
+        )
     assert ei.value.block == 2 and not dev.committed
     dev = FakeDevice(refuse="no room")
     with pytest.raises(TransferError, match="refused: no room"):
-        await RdmaTransport(device=dev).send("h:1", "c", chain, pairs, lambda s, t: None)
+        await RdmaTransport(device=dev).send("h:1", "c", chain, pairs, lambda s, t: None, token=TOKEN)
 
 
 def test_rdma_unavailable_is_a_clear_error_here():

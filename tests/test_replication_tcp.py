@@ -13,6 +13,7 @@ import pytest
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.hashing import block_payload, chain_hashes
 from btbctl.engine.replication import TRANSPORTS, make_transport
+from btbctl.engine.replication.auth import CopyAuth, new_token
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import CopyRefused, TransferError, parse_address
 
@@ -56,15 +57,50 @@ def _blocks(chain, nbytes=BLOCK):
     return [(h, block_payload(h, nbytes)) for h in chain]
 
 
+class Target(str):
+    """A receiver's ``host:port`` that can authorize copies at it (as the gateway's ``/btb/expect`` does)."""
+
+    rx: TcpReceiver
+
+    def authorize(self, copy_id: str, chain: list[str]) -> str:
+        token = new_token()
+        self.rx.expectations.expect(copy_id, chain, token)
+        return token
+
+
 @contextlib.asynccontextmanager
-async def receiving(sink, idle_timeout_s: float = 2.0):
-    """A TCP receiver for ``sink`` on a loopback port the OS picks; yields its ``host:port``."""
-    rx = TcpReceiver(sink, "127.0.0.1", 0, idle_timeout_s=idle_timeout_s)
+async def receiving(sink, idle_timeout_s: float = 2.0, **kw):
+    """A TCP receiver for ``sink`` on a loopback port the OS picks; yields its ``host:port`` (a :class:`Target`)."""
+    rx = TcpReceiver(sink, "127.0.0.1", 0, idle_timeout_s=idle_timeout_s, **kw)
     port = await rx.start()
+    addr = Target(f"127.0.0.1:{port}")
+    addr.rx = rx
     try:
-        yield f"127.0.0.1:{port}"
+        yield addr
     finally:
         await rx.close()
+
+
+async def _send(addr: Target, copy_id, chain, blocks, progress=lambda s, t: None, transport=None, **kw):
+    """An authorized copy: the target expects it, the sender holds its token."""
+    token = addr.authorize(copy_id, chain)
+    await (transport or TcpTransport()).send(addr, copy_id, chain, blocks, progress, token=token, **kw)
+
+
+async def handshake(addr: str, auth: CopyAuth) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict]:
+    """A raw connection through the handshake with ``auth``; returns the streams and the target's last answer."""
+    host, port = parse_address(addr)
+    r, w = await asyncio.open_connection(host, port)
+    hello = json.dumps(auth.hello()).encode()
+    w.write(struct.pack(">4sHHI", b"BTBK", 2, 0, len(hello)) + hello)
+    await w.drain()
+    ch = json.loads(await r.readline())
+    if not ch["ok"]:
+        return r, w, ch
+    proof = json.dumps({"mac": auth.proof(ch["nonce"])}).encode()
+    w.write(struct.pack(">I", len(proof)) + proof)
+    await w.drain()
+    return r, w, json.loads(await r.readline())
 
 
 async def test_copy_arrives_verified_and_committed():
@@ -73,7 +109,7 @@ async def test_copy_arrives_verified_and_committed():
     progress = []
 
     async with receiving(sink) as addr:
-        await TcpTransport().send(addr, "c1", chain, _blocks(chain), lambda s, t: progress.append((s, t)))
+        await _send(addr, "c1", chain, _blocks(chain), lambda s, t: progress.append((s, t)))
     assert sink.committed["c1"] == [b for _, b in _blocks(chain)]
     assert progress[-1] == (20 * BLOCK, 20 * BLOCK) and len(progress) == 20
     assert sink.progressed[-1] == 20 and not sink.failed
@@ -88,7 +124,7 @@ async def test_async_block_source_works():
             yield pair
 
     async with receiving(sink) as addr:
-        await TcpTransport().send(addr, "c-async", chain, agen(), lambda s, t: None)
+        await _send(addr, "c-async", chain, agen())
     assert len(sink.committed["c-async"]) == 3
 
 
@@ -101,7 +137,7 @@ async def test_corrupted_block_is_detected_and_nothing_commits(fault, needle):
 
     async with receiving(sink) as addr:
         with pytest.raises(TransferError) as ei:
-            await TcpTransport(fault=FaultPlan.parse(fault)).send(addr, "bad", chain, _blocks(chain), lambda s, t: None)
+            await _send(addr, "bad", chain, _blocks(chain), transport=TcpTransport(fault=FaultPlan.parse(fault)))
     err = ei.value
     assert needle in str(err) and "block 4" in str(err)
     assert err.block == 4
@@ -115,9 +151,7 @@ async def test_sender_dying_mid_copy_leaves_nothing_warm():
 
     async with receiving(sink) as addr:
         with pytest.raises(TransferError, match="after 7 of 30"):
-            await TcpTransport(fault=FaultPlan(close_after=7)).send(
-                addr, "dies", chain, _blocks(chain), lambda s, t: None
-            )
+            await _send(addr, "dies", chain, _blocks(chain), transport=TcpTransport(fault=FaultPlan(close_after=7)))
         for _ in range(100):  # the receiver notices the reset
             if "dies" in sink.failed:
                 break
@@ -131,12 +165,12 @@ async def test_receiver_refusal_and_incompatible_block_size():
 
     async with receiving(Sink(refuse="full")) as addr:
         with pytest.raises(TransferError, match="refused: full"):
-            await TcpTransport().send(addr, "r1", chain, _blocks(chain), lambda s, t: None)
+            await _send(addr, "r1", chain, _blocks(chain))
     sink = Sink(block_bytes=512)
     async with receiving(sink) as addr:
         with pytest.raises(TransferError, match="block size"):
-            await TcpTransport().send(addr, "r2", chain, _blocks(chain, 256), lambda s, t: None)
-    assert not sink.begun  # refused at the header, before the sink heard of it
+            await _send(addr, "r2", chain, _blocks(chain, 256))
+    assert not sink.begun  # refused at the hello, before the sink heard of it
 
 
 async def test_chain_longer_than_the_sink_allows_is_refused():
@@ -144,7 +178,7 @@ async def test_chain_longer_than_the_sink_allows_is_refused():
 
     async with receiving(Sink(max_blocks=4)) as addr:
         with pytest.raises(TransferError, match="exceeds this receiver's limit of 4"):
-            await TcpTransport().send(addr, "long", chain, _blocks(chain), lambda s, t: None)
+            await _send(addr, "long", chain, _blocks(chain))
 
 
 async def test_garbage_and_oversized_headers_get_error_replies():
@@ -160,15 +194,17 @@ async def test_garbage_and_oversized_headers_get_error_replies():
     sink = Sink()
     async with receiving(sink) as addr:
         a = await raw(addr, b"GET / HTTP/1.1\r\n\r\n")
-        b = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, 1 << 30))
+        b = await raw(addr, struct.pack(">4sHHI", b"BTBK", 2, 0, 1 << 30))
         c = await raw(addr, struct.pack(">4sHHI", b"BTBK", 9, 0, 10))
         hdr = b"[1, 2, 3]"
-        d = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
-        hdr = json.dumps({"copy_id": "x", "chain": ["not-hex"], "block_bytes": BLOCK}).encode()
-        e = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
+        d = await raw(addr, struct.pack(">4sHHI", b"BTBK", 2, 0, len(hdr)) + hdr)
+        hdr = json.dumps({"copy_id": "x", "blocks": 1, "block_bytes": BLOCK, "nonce": "not-hex"}).encode()
+        e = await raw(addr, struct.pack(">4sHHI", b"BTBK", 2, 0, len(hdr)) + hdr)
+        hdr = json.dumps({"copy_id": "x", "chain": _chain(1), "block_bytes": BLOCK}).encode()
+        f = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)  # the unauthenticated version 1
     assert "bad magic" in a["error"] and "outside" in b["error"] and "version 9" in c["error"]
-    assert "JSON object" in d["error"] and "hex" in e["error"]
-    assert all(x["ok"] is False for x in (a, b, c, d, e)) and not sink.begun
+    assert "JSON object" in d["error"] and "hex" in e["error"] and "version 1" in f["error"]
+    assert all(x["ok"] is False for x in (a, b, c, d, e, f)) and not sink.begun
 
 
 async def test_silent_sender_times_out_and_is_discarded():
@@ -176,12 +212,8 @@ async def test_silent_sender_times_out_and_is_discarded():
     chain = _chain(3)
 
     async with receiving(sink, idle_timeout_s=0.5) as addr:
-        host, port = parse_address(addr)
-        r, w = await asyncio.open_connection(host, port)
-        hdr = json.dumps({"copy_id": "quiet", "chain": chain, "block_bytes": BLOCK}).encode()
-        w.write(struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)
-        await w.drain()
-        assert json.loads(await r.readline())["ok"] is True
+        r, w, ans = await handshake(addr, CopyAuth(addr.authorize("quiet", chain), "quiet", chain, BLOCK))
+        assert ans["ok"] is True
         for _ in range(400):
             if "quiet" in sink.failed:
                 break
@@ -192,7 +224,9 @@ async def test_silent_sender_times_out_and_is_discarded():
 
 async def test_unreachable_target_raises_transfer_error():
     with pytest.raises(TransferError, match="cannot connect"):
-        await TcpTransport(connect_timeout_s=2).send("127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)], lambda s, t: None)
+        await TcpTransport(connect_timeout_s=2).send(
+            "127.0.0.1:1", "x", ["ab"], [("ab", b"x" * 64)], lambda s, t: None, token=new_token()
+        )
 
 
 async def test_cancelling_a_copy_while_it_waits_for_the_targets_reason_cancels_it():
@@ -208,7 +242,7 @@ async def test_cancelling_a_copy_while_it_waits_for_the_targets_reason_cancels_i
         raise ValueError("the source lost its KV cache")
 
     async with receiving(Sink(), idle_timeout_s=10.0) as addr:  # a target that accepts, then stays silent
-        copy = asyncio.ensure_future(TcpTransport().send(addr, "c-cancel", chain, source(), lambda s, t: None))
+        copy = asyncio.ensure_future(_send(addr, "c-cancel", chain, source()))
         await asyncio.wait_for(broke.wait(), 5)
         await asyncio.sleep(0.1)  # the sender now waits (up to 0.5 s) for the target's reason
         copy.cancel()

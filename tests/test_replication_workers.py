@@ -8,7 +8,7 @@ import urllib.error
 import pytest
 
 from btbctl.engine import hashing
-from test_worker_support import start_workers, wait_for
+from test_worker_support import authorized_push, start_workers, wait_for
 
 PAGE = 256
 COMMON = ("--model-path", "llama-3.3-70b", "--time-scale", "50")
@@ -47,7 +47,7 @@ def test_push_makes_the_target_warm(fleet):
     chain = _prefix(a, 6, 1)
     ids = [(1 * 7 + i * 13) % 32000 for i in range(6 * PAGE)]
     assert b.post("/btb/match", {"chain": chain})[1]["cached_blocks"] == 0
-    st, r = a.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "warm-1"})
+    st, r = authorized_push(a, b, chain, "warm-1")
     assert st == 202 and r["copy_id"] == "warm-1" and r["blocks"] == 6
     block_bytes = a.get("/btb/info")[1]["block_bytes"]
     assert r["bytes"] == 6 * block_bytes
@@ -62,7 +62,7 @@ def test_push_makes_the_target_warm(fleet):
     assert g["meta_info"]["cached_tokens"] == 6 * PAGE
     assert any(c["copy_id"] == "warm-1" for c in b.get("/btb/copies")[1]["copies"])
     # the target can relay the arrived bytes onwards (they verify again at the next hop)
-    st, r = b.post("/btb/push", {"chain": chain[:3], "target": a.transfer, "copy_id": "relay-1"})
+    st, r = authorized_push(b, a, chain[:3], "relay-1")
     assert st == 202
     assert wait_for(lambda: (c := _copy(b, "relay-1")) and c["state"] != "running" and c)["state"] == "done"
 
@@ -77,7 +77,7 @@ def test_push_of_a_chain_not_held_is_409(fleet):
 def test_corrupted_block_is_refused_and_target_stays_cold(fleet):
     f, b = fleet["F"], fleet["B"]
     chain = _prefix(f, 4, 3)
-    st, r = f.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "corrupt-1"})
+    st, r = authorized_push(f, b, chain, "corrupt-1")
     assert st == 202
     src = wait_for(lambda: (c := _copy(f, "corrupt-1")) and c["state"] != "running" and c)
     assert src["state"] == "failed" and "block 1" in src["error"] and "digest mismatch" in src["error"]
@@ -90,7 +90,7 @@ def test_corrupted_block_is_refused_and_target_stays_cold(fleet):
 def test_target_killed_mid_copy_fails_the_source_side(fleet):
     s, t = fleet["S"], fleet["T"]
     chain = _prefix(s, 100, 5)
-    st, r = s.post("/btb/push", {"chain": chain, "target": t.transfer, "copy_id": "tdies-1"})
+    st, r = authorized_push(s, t, chain, "tdies-1")
     assert st == 202
     wait_for(lambda: (c := _copy(s, "tdies-1")) and c["bytes_sent"] > 0)
     t.kill()
@@ -101,7 +101,7 @@ def test_target_killed_mid_copy_fails_the_source_side(fleet):
 def test_source_killed_mid_copy_leaves_target_cold(fleet):
     s, b = fleet["S"], fleet["B"]
     chain = _prefix(s, 150, 4)  # 150 blocks at 20 ms each: about 3 s of sending
-    st, r = s.post("/btb/push", {"chain": chain, "target": b.transfer, "copy_id": "killed-1"})
+    st, r = authorized_push(s, b, chain, "killed-1")
     assert st == 202
     wait_for(lambda: (c := _copy(b, "killed-1")) and c["blocks_verified"] >= 5)
     # while arriving, the blocks count as pending on the target but not as cached
@@ -159,7 +159,7 @@ def test_push_from_a_prefilling_source_streams_blocks_and_warms_the_target_at_th
     ids, chain, th, box = _start_prefill(src, 21)
     m = src.post("/btb/match", {"chain": chain})[1]
     assert m["cached_blocks"] < TRAIL_BLOCKS  # still computing when the push goes out
-    st, r = src.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-1"})
+    st, r = authorized_push(src, dst, chain, "trail-1")
     assert st == 202 and r["blocks_available"] < TRAIL_BLOCKS
     # accepted: the target counts the blocks as arriving at once, and serves none of them as cached yet
     assert dst.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": TRAIL_BLOCKS}
@@ -190,7 +190,7 @@ def test_push_from_a_prefilling_source_streams_blocks_and_warms_the_target_at_th
 def test_source_killed_while_prefilling_leaves_the_target_cold(trailing):
     victim, dst = trailing["victim"], trailing["dst"]
     ids, chain, th, box = _start_prefill(victim, 22)
-    st, r = victim.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-killed"})
+    st, r = authorized_push(victim, dst, chain, "trail-killed")
     assert st == 202
     assert dst.post("/btb/match", {"chain": chain})[1]["pending_blocks"] == TRAIL_BLOCKS
     victim.kill()
@@ -210,7 +210,7 @@ def test_source_killed_while_prefilling_leaves_the_target_cold(trailing):
 def test_request_at_the_target_during_the_copy_waits_for_it(trailing):
     src, dst = trailing["src"], trailing["dst"]
     ids, chain, th, box = _start_prefill(src, 23, extra=10)
-    st, r = src.post("/btb/push", {"chain": chain, "target": dst.transfer, "copy_id": "trail-wait"})
+    st, r = authorized_push(src, dst, chain, "trail-wait")
     assert st == 202
     assert _copy(src, "trail-wait")["state"] == "running"  # the source is still computing
     prompt = ids[: TRAIL_BLOCKS * PAGE] + [7, 8, 9]

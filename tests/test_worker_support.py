@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -135,6 +136,20 @@ class WorkerProc:
                 if line.startswith("data: "):
                     out.append((time.monotonic(), line[len("data: ") :]))
         return out
+
+
+def authorized_push(src: WorkerProc, dst: WorkerProc, chain: list[str], copy_id: str | None = None, headers=None):
+    """What the gateway does for one copy: mint a token, ``/btb/expect`` it at ``dst`` with the copy id and chain,
+    then ``/btb/push`` from ``src`` with the token. Returns the push's ``(status, body)``. (A worker without
+    ``/btb/expect`` gets the push alone.)"""
+    copy_id = copy_id or secrets.token_hex(8)
+    token = secrets.token_hex(32)
+    st, r = dst.post("/btb/expect", {"chain": chain, "copy_id": copy_id, "token": token}, headers=headers)
+    body = {"chain": chain, "target": dst.transfer, "copy_id": copy_id}
+    if st != 404:
+        assert st == 201, (st, r)
+        body["token"] = token
+    return src.post("/btb/push", body, headers=headers)
 
 
 def start_workers(*specs: tuple) -> list[WorkerProc]:

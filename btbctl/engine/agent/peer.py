@@ -35,7 +35,6 @@ carrying every replica. :func:`fanout_plan` builds ``chain``, ``tree`` (binary) 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import json
 import logging
@@ -52,6 +51,7 @@ import xxhash
 
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
 from btbctl.engine.copies import CopyState
+from btbctl.engine.replication.auth import mac
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
 
 #: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
@@ -134,7 +134,7 @@ class PeerError(Exception):
 
 
 def _mac(secret: bytes, *parts: bytes) -> str:
-    return hmac.new(secret, b"\0".join((_AUTH_LABEL,) + parts), hashlib.sha256).hexdigest()
+    return mac(secret, _AUTH_LABEL, *parts)
 
 
 # -- frame I/O ------------------------------------------------------------------------------------------------

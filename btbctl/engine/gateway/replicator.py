@@ -14,9 +14,12 @@ A copy job (one source, one target, one prefix chain):
    the source does not show yet (it is on its way) does the job wait (state ``stalled``), re-checking every
    :data:`SOURCE_RECHECK_S` for at most ``source_wait_s``. Otherwise the job fails ("source does not hold the
    prefix").
-2. **Push.** ``POST {source}/btb/push {"chain", "target": <target's transfer_addr from /btb/info>, "copy_id"}``
-   with ``Authorization: Bearer <worker token>``; 202 once the target accepted the copy (it then makes requests
-   needing the blocks wait for them; state ``running``), 409 means the source lost the chain.
+2. **Push.** The gateway mints a random per-copy token and authorizes the copy at the target first: ``POST
+   {target}/btb/expect {"chain", "copy_id", "token"}`` (201; the target's transfer port accepts nothing
+   else, see :mod:`btbctl.engine.replication.auth`). Then ``POST {source}/btb/push {"chain", "target": <target's
+   transfer_addr from /btb/info>, "copy_id", "token"}``; both with ``Authorization: Bearer <worker token>``.
+   202 once the target accepted the copy (it then makes requests needing the blocks wait for them; state
+   ``running``), 409 means the source lost the chain.
 3. **Progress.** ``GET {source}/btb/copies/{copy_id}?wait_s=<poll_interval_s>&since=<version>`` (a long poll: the worker
    answers at its copies' next change after the version it last reported) updates ``bytes_sent``, ``bytes_total``,
    ``blocks_verified`` and ``blocks_available`` (blocks the source has computed so far); the rate is the average since
@@ -46,7 +49,9 @@ import aiohttp
 
 from btbctl.engine.copies import CopyPlan, CopyState, carry_out
 from btbctl.engine.gateway.state import FleetState, Transfer
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
+from btbctl.engine.replication.auth import new_token
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +368,11 @@ class Replicator:
         addr = (ws[t.target].info or {}).get("transfer_addr")
         if not addr:
             return "target has no transfer_addr in /btb/info"
-        body = {"chain": list(t.chain), "target": addr, "copy_id": t.copy_id}
+        token = new_token()
+        reason = await self._expect(t, token)
+        if reason is not None:
+            return reason
+        body = {"chain": list(t.chain), "target": addr, "copy_id": t.copy_id, "token": token}
         try:
             async with self._session().post(
                 f"{ws[t.source].url}/btb/push", json=body, headers=self._headers(), timeout=self.timeout
@@ -385,6 +394,23 @@ class Replicator:
         t.state = CopyState.RUNNING
         t.started_s = self.state.clock()
         self._changed(t)
+        return None
+
+    async def _expect(self, t: Transfer, token: str) -> str | None:
+        """Authorize copy ``t`` at its target with ``token`` (``/btb/expect``); None when done, else why not."""
+        w = self.state.workers[t.target]
+        body = {"chain": list(t.chain), "copy_id": t.copy_id, "token": token}
+        try:
+            async with self._session().post(
+                f"{w.url}/btb/expect", json=body, headers=self._headers(), timeout=self.timeout
+            ) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return f"authorizing the copy at the target failed: {type(e).__name__}: {e}"
+        if status not in (200, 201):
+            return f"target refused to expect the copy: HTTP {status}: {text[:200]}"
+        log_event(log, "copy_authorized", copy_id=t.copy_id, prefix=t.key, blocks=len(t.chain), target=w.url)
         return None
 
     async def _poll(self, t: Transfer) -> None:

@@ -29,6 +29,7 @@ from typing import Protocol
 import xxhash
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.replication.auth import AuthError, CopyAuth
 from btbctl.engine.replication.transport import Blocks, TransferError, check_copy_id, parse_address
 
 #: Default largest single WRITE message, bytes (1 MiB: well above the 256 KiB needed to approach line rate).
@@ -104,8 +105,13 @@ class Connection(Protocol):
     def reg_mr(self, length: int) -> LocalRegion:
         """Register ``length`` bytes of local memory for RDMA."""
 
-    def open_region(self, copy_id: str, chain: list[str], block_bytes: int) -> RemoteRegion:
-        """Ask the target to register a region for the copy (control message); it may refuse (raise)."""
+    def open_region(self, copy_id: str, chain: list[str], block_bytes: int, auth: CopyAuth) -> RemoteRegion:
+        """Ask the target to register a region for the copy (control messages); it may refuse (raise).
+
+        The control channel carries the same authorization as the TCP wire (:mod:`btbctl.engine.replication.auth`):
+        it sends ``auth.hello()``, answers the target's nonce with ``auth.proof(nonce)`` and believes the target
+        only if ``auth.target_ok(nonce, its_mac)``; the target registers nothing before the proof verified
+        (:class:`~btbctl.engine.replication.auth.Expectations`). The token itself never goes on the wire."""
 
     def post_write(
         self, wr_id: int, local: LocalRegion, local_offset: int, length: int, remote_addr: int, rkey: int
@@ -188,8 +194,10 @@ class RdmaTransport:
         *,
         block_bytes: int | None = None,
         on_accept: Callable[[], None] | None = None,
+        token: str | None = None,
     ) -> None:
-        """See :meth:`Transport.send`. Raises :class:`TransferError`. The blocks are gathered first (a source
+        """See :meth:`Transport.send`. Raises :class:`TransferError`. ``token`` authorizes the copy at the target
+        (as over TCP; no copy without one). The blocks are gathered first (a source
         still computing the prefix delays the whole copy); ``on_accept`` is called once the target opened its
         region; ``block_bytes``, when given, must match the blocks."""
         host, port = parse_address(target)
@@ -211,14 +219,20 @@ class RdmaTransport:
         if block_bytes < 1 or any(len(b) != block_bytes for b in data):
             raise TransferError(f"copy {copy_id}: blocks must all have the same non-zero size")
         total = block_bytes * len(data)
+        if token is None:
+            raise TransferError(f"copy {copy_id}: no token (every copy must be authorized by the gateway)")
+        try:
+            auth = CopyAuth(token, copy_id, chain, block_bytes)
+        except AuthError as e:
+            raise TransferError(f"copy {copy_id}: {e}") from None
         try:
             conn = self.device.connect(host, port)
         except (OSError, BtbctlError) as e:
             raise TransferError(f"copy {copy_id}: cannot connect to {target} over RDMA: {e}") from None
         try:
             try:
-                remote = conn.open_region(copy_id, list(chain), block_bytes)
-            except (OSError, BtbctlError) as e:
+                remote = conn.open_region(copy_id, list(chain), block_bytes, auth)
+            except (OSError, BtbctlError, AuthError) as e:
                 raise TransferError(f"copy {copy_id}: {target} refused: {e}") from None
             if on_accept is not None:
                 on_accept()

@@ -1,26 +1,46 @@
 """TCP transport: the source worker streams a prefix's KV blocks straight to the target worker's transfer port.
 
-Wire format (version 1; all integers big-endian; one copy per connection)::
+Wire format (version 2; all integers big-endian; one copy per connection). Only a copy the gateway authorized is
+received: the sender proves it knows the copy's token (see :mod:`btbctl.engine.replication.auth`) before anything is
+reserved on the target::
 
-    sender -> target   preamble   4s magic b"BTBK" | u16 version (1) | u16 flags (0) | u32 header_len
-                       header     header_len bytes of UTF-8 JSON:
-                                  {"copy_id": str, "chain": [hash, ...], "block_bytes": int}
-    target -> sender   reply      one JSON line: {"ok": true} (go ahead) or {"ok": false, "error": str, "block": null}
+    sender -> target   preamble   4s magic b"BTBK" | u16 version (2) | u16 flags (0) | u32 hello_len
+                       hello      hello_len bytes (at most MAX_HELLO_BYTES) of UTF-8 JSON:
+                                  {"copy_id": str, "blocks": n, "block_bytes": int, "nonce": n_s}
+    target -> sender   challenge  one JSON line: {"ok": true, "nonce": n_t}
+                                  or {"ok": false, "error": str, "block": null}
+    sender -> target   proof      u32 proof_len | JSON {"mac": HMAC(token, "sender" | n_t | n_s | copy_id |
+                                  sha256(chain) | n | block_bytes)}
+    target -> sender   accept     one JSON line: {"ok": true, "mac": HMAC(token, "target" | n_s | n_t | copy_id)}
+                                  or {"ok": false, "error": str, "block": null}
     sender -> target   n frames   u32 index | u8 hash_len | hash (ASCII) | u32 length | u64 xxh3_64(bytes) | bytes
     target -> sender   reply      one JSON line: {"ok": true, "blocks_verified": n, "bytes": total}
                                   or {"ok": false, "error": str, "block": k | null}
+
+The target refuses at the challenge a copy it does not expect (the gateway's ``/btb/expect`` registers each copy's
+id, chain and token), an expired one, one already arriving or received, or one of another block count or size; and
+at the proof a wrong MAC (compared in constant time). A refused connection never touches another copy, not even one
+with the same id. Only after the proof verified is the expectation claimed (once), room reserved and the blocks
+counted as arriving (:meth:`CopySink.begin` with the *authorized* chain).
 
 The target checks every frame as it arrives: the index is the next one, the hash is ``chain[index]``, the length is
 its own block size, the xxh3_64 digest of the bytes matches (wire integrity), and then the sink's content check
 (the emulated worker compares the bytes with ``hashing.block_payload(hash, length)``). The first failure is
 answered with an error reply naming the block, and the connection is closed. Only after all ``n`` blocks
-verified does the target commit the chain (it becomes cached) and answer ``ok``. If the connection drops or goes
-quiet for ``idle_timeout_s`` before that, the partial copy is discarded: nothing becomes warm. The target may also
-send an error reply at any time (the sender watches for it while streaming).
+verified does the target commit the chain (it becomes cached) and answer ``ok``. The target may also send an error
+reply at any time (the sender watches for it while streaming).
 
-Bounds (against memory abuse): header at most :data:`MAX_HEADER_BYTES`; chain at most :data:`MAX_CHAIN_BLOCKS`
-blocks and at most the sink's ``max_blocks``; hashes 1..64 hex digits; block size must equal the sink's; reply
-lines at most :data:`MAX_REPLY_BYTES`; at most ``max_connections`` copies received at once.
+Bounds and deadlines (against a hostile or stuck peer): a connection must finish the handshake within
+``auth_timeout_s`` of connecting, and at most ``max_unauthenticated`` connections may be in the handshake at once
+(a new one pushes the oldest out, so idle sockets cannot lock real senders out; they never count against the copy
+slots); at most ``max_connections`` authenticated copies at once, ``max_per_peer`` from one peer address; every
+copy must finish within its deadline ``deadline_base_s + blocks x deadline_per_block_s + bytes /
+min_rate_bytes_per_s`` after authentication (data arriving in fragments does not extend it) and may go quiet for at
+most ``idle_timeout_s``; a copy cut off or broken off leaves nothing warm. Header and proof at most
+:data:`MAX_HELLO_BYTES`; chain at most :data:`MAX_CHAIN_BLOCKS` blocks and the sink's ``max_blocks``; reply lines at
+most :data:`MAX_REPLY_BYTES`. Every state change of an inbound copy is one structured log line on the
+``btbctl.replication`` logger (``event=transfer_authorized|transfer_refused|transfer_timed_out|transfer_done|
+transfer_failed copy_id=... peer=... reason=...``).
 
 Fault injection (tests only): :class:`FaultPlan`, given to :class:`TcpTransport` or read from the environment
 variable :data:`FAULT_ENV` (``BTBCTL_REPLICATION_FAULT``) by the worker, a comma-separated list of
@@ -35,15 +55,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
-import re
 import struct
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
 
 from btbctl.engine.aiotasks import cancel_all
+from btbctl.engine.logfmt import log_event
+from btbctl.engine.replication.auth import AuthError, CopyAuth, Expectations, Expected, Hello, new_nonce, parse_hello
 from btbctl.engine.replication.transport import (
     Blocks,
     CopyRefused,
@@ -54,12 +78,15 @@ from btbctl.engine.replication.transport import (
 )
 
 MAGIC = b"BTBK"
-VERSION = 1
+VERSION = 2
 _PREAMBLE = struct.Struct(">4sHHI")
 _FRAME_HEAD = struct.Struct(">IB")
 _FRAME_TAIL = struct.Struct(">IQ")
-#: Largest header accepted, bytes (a 65,536-block chain of 16-hex-digit hashes is about 1.3 MB of JSON).
-MAX_HEADER_BYTES = 8 << 20
+_LEN = struct.Struct(">I")
+
+log = logging.getLogger("btbctl.replication")
+#: Largest hello and proof accepted, bytes (both are read before the sender is authenticated).
+MAX_HELLO_BYTES = 4096
 #: Most blocks in one copy: 65,536 pages of 256 tokens = 16.7M tokens, beyond any model's context.
 MAX_CHAIN_BLOCKS = 1 << 16
 #: Largest block accepted on the wire, bytes (Llama-3.3-70B at 256 tokens per page and full size is 80 MiB; the
@@ -67,10 +94,24 @@ MAX_CHAIN_BLOCKS = 1 << 16
 MAX_BLOCK_BYTES = 128 << 20
 #: Longest reply line, bytes.
 MAX_REPLY_BYTES = 64 << 10
+#: Seconds a connection has to authenticate (a handshake takes milliseconds on loopback and LAN).
+DEFAULT_AUTH_TIMEOUT_S = 5.0
+#: Connections in the handshake at once; a new one pushes the oldest out.
+DEFAULT_MAX_UNAUTHENTICATED = 32
+#: Authenticated copies received at once, and from one peer address.
+DEFAULT_MAX_CONNECTIONS = 16
+DEFAULT_MAX_PER_PEER = 8
+#: A copy's deadline after authentication: base + blocks x per-block allowance + bytes / floor rate. The per-block
+#: allowance covers a copy that trails its source's prefill (a 256-token page of a 70B model prefills in well under
+#: a second on any preset GPU); the floor rate is far below kernel TCP (about 1 GB/s, REFERENCE.md s6).
+DEFAULT_DEADLINE_BASE_S = 30.0
+DEFAULT_DEADLINE_PER_BLOCK_S = 0.5
+DEFAULT_MIN_RATE_BYTES_PER_S = 50e6
+#: A copy silent this long is cut off, seconds (above the source's wait for its own prefill of one block,
+#: ``SOURCE_BLOCK_WAIT_S`` of the worker).
+DEFAULT_IDLE_TIMEOUT_S = 30.0
 #: Environment variable the worker reads a :class:`FaultPlan` from (tests only).
 FAULT_ENV = "BTBCTL_REPLICATION_FAULT"
-
-_HASH = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -162,8 +203,12 @@ class TcpTransport:
         *,
         block_bytes: int | None = None,
         on_accept: Callable[[], None] | None = None,
+        token: str | None = None,
     ) -> None:
         """See :meth:`Transport.send`. Raises :class:`TransferError`.
+
+        ``token`` is the copy's token the gateway minted (it authorized the copy at the target with it); without
+        one no copy is sent. It never goes on the wire: the sender answers the target's challenge with a MAC.
 
         With ``block_bytes`` given, the connection is opened and the header sent before the first block is
         available, so the target knows the copy is coming while the source still computes it; each block is sent
@@ -186,6 +231,12 @@ class TcpTransport:
         if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
             raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_BLOCK_BYTES} bytes")
         total = n * block_bytes
+        if token is None:
+            raise TransferError(f"copy {copy_id}: no token (every copy must be authorized by the gateway)")
+        try:
+            auth = CopyAuth(token, copy_id, chain, block_bytes)
+        except AuthError as e:
+            raise TransferError(f"copy {copy_id}: {e}") from None
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as e:
@@ -193,17 +244,19 @@ class TcpTransport:
         sent_blocks = 0
         final: asyncio.Task | None = None
         try:
-            header = json.dumps(
-                {"copy_id": copy_id, "chain": list(chain), "block_bytes": block_bytes}, separators=(",", ":")
-            ).encode()
-            writer.write(_PREAMBLE.pack(MAGIC, VERSION, 0, len(header)) + header)
+            hello = json.dumps(auth.hello(), separators=(",", ":")).encode()
+            writer.write(_PREAMBLE.pack(MAGIC, VERSION, 0, len(hello)) + hello)
             await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            line = await asyncio.wait_for(reader.readline(), self.connect_timeout_s + self.io_timeout_s)
-            if not line:
-                raise TransferError(f"copy {copy_id}: {target} closed the connection before accepting")
-            rep = _parse_reply(line, target)
-            if not rep["ok"]:
-                raise TransferError(f"copy {copy_id}: {target} refused: {rep.get('error')}")
+            rep = await self._answer(reader, copy_id, target)
+            try:
+                proof = json.dumps({"mac": auth.proof(rep.get("nonce"))}).encode()
+            except AuthError:
+                raise TransferError(f"copy {copy_id}: malformed challenge from {target}") from None
+            writer.write(_LEN.pack(len(proof)) + proof)
+            await asyncio.wait_for(writer.drain(), self.io_timeout_s)
+            acc = await self._answer(reader, copy_id, target)
+            if not auth.target_ok(rep["nonce"], acc.get("mac")):
+                raise TransferError(f"copy {copy_id}: {target} failed authentication (it does not know the token)")
             final = asyncio.ensure_future(reader.readline())
             if on_accept is not None:
                 on_accept()
@@ -283,6 +336,16 @@ class TcpTransport:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
+    async def _answer(self, reader: asyncio.StreamReader, copy_id: str, target: str) -> dict:
+        """One handshake answer: the reply object when ``ok``; raises :class:`TransferError` with the refusal."""
+        line = await asyncio.wait_for(reader.readline(), self.connect_timeout_s + self.io_timeout_s)
+        if not line:
+            raise TransferError(f"copy {copy_id}: {target} closed the connection before accepting")
+        rep = _parse_reply(line, target)
+        if not rep["ok"]:
+            raise TransferError(f"copy {copy_id}: {target} refused: {rep.get('error')}")
+        return rep
+
 
 async def _early_reason(final: asyncio.Task | None) -> str | None:
     if final is None:
@@ -307,14 +370,33 @@ class _Reject(Exception):
         super().__init__(message)
 
 
+class _Deadline(Exception):
+    pass
+
+
+def _peer_of(writer: asyncio.StreamWriter) -> tuple[str, str]:
+    peer = writer.get_extra_info("peername")
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return host, (f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}")
+    return "?", "?"
+
+
 class TcpReceiver:
-    """Receiver side: listens on a TCP port and delivers verified copies into a :class:`CopySink`.
+    """Receiver side: listens on a TCP port and delivers authorized, verified copies into a :class:`CopySink`.
 
     Args:
         sink: where copies go.
         host, port: address to bind (port 0 = ephemeral; read :attr:`port` after :meth:`start`).
-        idle_timeout_s: a connection that sends nothing for this long is dropped (its copy discarded).
-        max_connections: copies received at once; more are refused with an error reply.
+        expectations: the copies this receiver accepts (the worker's ``/btb/expect`` fills it); default: an empty
+            table of its own (:attr:`expectations`).
+        idle_timeout_s: a copy that sends nothing for this long is dropped (its copy discarded).
+        max_connections: authenticated copies received at once; more are refused with an error reply.
+        max_per_peer: authenticated copies received at once from one peer address.
+        max_unauthenticated: connections in the handshake at once (a new one pushes the oldest out).
+        auth_timeout_s: seconds from connect to the end of the handshake.
+        deadline_base_s, deadline_per_block_s, min_rate_bytes_per_s: a copy's deadline (module docstring).
+        clock: monotonic seconds (injectable for tests; deadlines are measured on it).
     """
 
     def __init__(
@@ -322,15 +404,34 @@ class TcpReceiver:
         sink: CopySink,
         host: str = "127.0.0.1",
         port: int = 0,
-        idle_timeout_s: float = 30.0,
-        max_connections: int = 16,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        *,
+        expectations: Expectations | None = None,
+        max_per_peer: int = DEFAULT_MAX_PER_PEER,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        auth_timeout_s: float = DEFAULT_AUTH_TIMEOUT_S,
+        deadline_base_s: float = DEFAULT_DEADLINE_BASE_S,
+        deadline_per_block_s: float = DEFAULT_DEADLINE_PER_BLOCK_S,
+        min_rate_bytes_per_s: float = DEFAULT_MIN_RATE_BYTES_PER_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.sink = sink
         self.host = host
         self.port = port
+        self.expectations = expectations if expectations is not None else Expectations(clock)
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
+        self.max_per_peer = max_per_peer
+        self.max_unauthenticated = max_unauthenticated
+        self.auth_timeout_s = auth_timeout_s
+        self.deadline_base_s = deadline_base_s
+        self.deadline_per_block_s = deadline_per_block_s
+        self.min_rate_bytes_per_s = min_rate_bytes_per_s
+        self.clock = clock
         self._active = 0
+        self._per_peer: dict[str, int] = {}
+        self._preauth: OrderedDict[asyncio.Task | None, asyncio.StreamWriter] = OrderedDict()
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
 
@@ -348,111 +449,219 @@ class TcpReceiver:
                 await self._server.wait_closed()
         await cancel_all(self._tasks)
 
-    async def _read(self, reader: asyncio.StreamReader, n: int) -> bytes:
-        return await asyncio.wait_for(reader.readexactly(n), self.idle_timeout_s)
+    def deadline_s(self, blocks: int, block_bytes: int) -> float:
+        """Seconds a copy of ``blocks`` blocks of ``block_bytes`` may take after authentication."""
+        return (
+            self.deadline_base_s
+            + blocks * self.deadline_per_block_s
+            + blocks * block_bytes / max(1.0, self.min_rate_bytes_per_s)
+        )
+
+    async def _read(self, reader: asyncio.StreamReader, n: int, deadline: float) -> bytes:
+        """``n`` bytes, each arriving within ``idle_timeout_s`` of the last, all before ``deadline`` (clock
+        seconds; checked as every fragment arrives). Raises :class:`_Deadline`, TimeoutError (idle) or
+        IncompleteReadError."""
+        buf = bytearray()
+        while len(buf) < n:
+            left = deadline - self.clock()
+            if left <= 0:
+                raise _Deadline
+            chunk = await asyncio.wait_for(reader.read(n - len(buf)), min(self.idle_timeout_s, left))
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(buf), n)
+            buf += chunk
+        if self.clock() > deadline:
+            raise _Deadline
+        return bytes(buf)
+
+    def _event(self, event: str, **fields: object) -> None:
+        log_event(
+            log,
+            event,
+            logging.WARNING if event in ("transfer_refused", "transfer_timed_out") else logging.INFO,
+            **fields,
+        )
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
-        peer = writer.get_extra_info("peername")
-        peer_s = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+        host, peer_s = _peer_of(writer)
         copy_id: str | None = None
         begun = False
+        counted = False
         received = 0
         n = 0
+        phase = "handshake"
         try:
+            exp, hello, nonce = await self._authenticate(reader, writer, task, peer_s)
+            copy_id, n = exp.copy_id, len(exp.chain)
+            chain = list(exp.chain)
             if self._active >= self.max_connections:
-                writer.write(_reply({"ok": False, "error": "too many copies in progress", "block": None}))
-                await writer.drain()
-                return
-            self._active += 1
+                raise _Reject(f"too many copies in progress ({self.max_connections})")
+            if self._per_peer.get(host, 0) >= self.max_per_peer:
+                raise _Reject(f"peer {host} has {self.max_per_peer} copies in progress already")
             try:
-                copy_id, chain, block_bytes = await self._read_header(reader)
-                n = len(chain)
-                begun = True
-                self.sink.begin(copy_id, chain, peer_s)
-                writer.write(_reply({"ok": True}))
-                await writer.drain()
-                blocks: list[bytes] = []
-                for k in range(n):
-                    blocks.append(await self._read_block(reader, k, chain[k], block_bytes))
-                    received += block_bytes
-                    self.sink.progress(copy_id, k + 1, received)
-                self.sink.commit(copy_id, chain, blocks)
-                writer.write(_reply({"ok": True, "blocks_verified": n, "bytes": received}))
-                await writer.drain()
-            finally:
-                self._active -= 1
+                self.expectations.claim(exp)
+            except AuthError as e:
+                raise _Reject(str(e)) from None
+            self._active += 1
+            self._per_peer[host] = self._per_peer.get(host, 0) + 1
+            counted = True
+            # authenticated and claimed: only now is room reserved and are the blocks counted as arriving
+            self.sink.begin(copy_id, chain, peer_s)
+            begun = True
+            deadline = self.clock() + self.deadline_s(n, hello.block_bytes)
+            self._event(
+                "transfer_authorized",
+                copy_id=copy_id,
+                peer=peer_s,
+                blocks=n,
+                bytes=n * hello.block_bytes,
+                deadline_s=round(self.deadline_s(n, hello.block_bytes), 3),
+            )
+            writer.write(_reply({"ok": True, "mac": self.expectations.answer(exp, hello, nonce)}))
+            await writer.drain()
+            phase = "copy"
+            blocks: list[bytes] = []
+            for k in range(n):
+                blocks.append(await self._read_block(reader, k, chain[k], hello.block_bytes, deadline))
+                received += hello.block_bytes
+                self.sink.progress(copy_id, k + 1, received)
+            self.sink.commit(copy_id, chain, blocks)
+            self._event("transfer_done", copy_id=copy_id, peer=peer_s, blocks=n, bytes=received)
+            writer.write(_reply({"ok": True, "blocks_verified": n, "bytes": received}))
+            await writer.drain()
         except (_Reject, CopyRefused) as e:
             if begun and copy_id is not None:
                 self.sink.fail(copy_id, str(e))
+                self._event("transfer_failed", copy_id=copy_id, peer=peer_s, block=e.block, reason=str(e))
+            else:
+                self._event("transfer_refused", copy_id=copy_id, peer=peer_s, reason=str(e))
             with contextlib.suppress(Exception):
                 writer.write(_reply({"ok": False, "error": str(e), "block": e.block}))
                 await asyncio.wait_for(writer.drain(), 2.0)
+        except _Deadline:
+            if begun and copy_id is not None:
+                blocks_in = _blocks_in(received, self.sink.block_bytes)
+                reason = f"copy deadline passed after {blocks_in} of {n} blocks; partial copy discarded"
+                self.sink.fail(copy_id, reason)
+                self._event("transfer_timed_out", copy_id=copy_id, peer=peer_s, reason=reason)
+                with contextlib.suppress(Exception):
+                    writer.write(_reply({"ok": False, "error": reason, "block": None}))
+                    await asyncio.wait_for(writer.drain(), 2.0)
+            else:
+                self._event(
+                    "transfer_timed_out", copy_id=copy_id, peer=peer_s, reason=f"no {phase} within the deadline"
+                )
         except asyncio.TimeoutError:
             if begun and copy_id is not None:
                 blocks_in = _blocks_in(received, self.sink.block_bytes)
-                self.sink.fail(copy_id, f"sender went quiet after {blocks_in} of {n} blocks; partial copy discarded")
+                reason = f"sender went quiet after {blocks_in} of {n} blocks; partial copy discarded"
+                self.sink.fail(copy_id, reason)
+                self._event("transfer_timed_out", copy_id=copy_id, peer=peer_s, reason=reason)
+            else:
+                self._event("transfer_timed_out", copy_id=copy_id, peer=peer_s, reason=f"idle during the {phase}")
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             if begun and copy_id is not None:
                 blocks_in = _blocks_in(received, self.sink.block_bytes)
-                self.sink.fail(copy_id, f"connection lost after {blocks_in} of {n} blocks; partial copy discarded")
+                reason = f"connection lost after {blocks_in} of {n} blocks; partial copy discarded"
+                self.sink.fail(copy_id, reason)
+                self._event("transfer_failed", copy_id=copy_id, peer=peer_s, reason=reason)
         except asyncio.CancelledError:
             if begun and copy_id is not None:
                 self.sink.fail(copy_id, "receiver shut down; partial copy discarded")
             raise
         finally:
+            self._preauth.pop(task, None)
+            if counted:
+                self._active -= 1
+                left = self._per_peer.get(host, 1) - 1
+                if left > 0:
+                    self._per_peer[host] = left
+                else:
+                    self._per_peer.pop(host, None)
             writer.close()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
             if task is not None:
                 self._tasks.discard(task)
 
-    async def _read_header(self, reader: asyncio.StreamReader) -> tuple[str, list[str], int]:
-        magic, version, _flags, hlen = _PREAMBLE.unpack(await self._read(reader, _PREAMBLE.size))
+    async def _authenticate(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, task: asyncio.Task | None, peer_s: str
+    ) -> tuple[Expected, Hello, str]:
+        """The handshake (module docstring) within ``auth_timeout_s``, in one of the ``max_unauthenticated`` slots
+        (the oldest connection still in its handshake is pushed out for a new one). Returns the expectation and the
+        hello once the sender proved it knows the copy's token. Raises :class:`_Reject` (refusals), :class:`_Deadline`
+        or I/O errors."""
+        while len(self._preauth) >= self.max_unauthenticated:
+            _old, old_writer = self._preauth.popitem(last=False)
+            self._event(
+                "transfer_refused",
+                peer=_peer_of(old_writer)[1],
+                reason=f"{self.max_unauthenticated} connections in the handshake: the oldest is dropped",
+            )
+            old_writer.transport.abort()
+        self._preauth[task] = writer
+        deadline = self.clock() + self.auth_timeout_s
+        magic, version, _flags, hlen = _PREAMBLE.unpack(await self._read(reader, _PREAMBLE.size, deadline))
         if magic != MAGIC:
             raise _Reject("not a btbctl block transfer (bad magic)")
         if version != VERSION:
             raise _Reject(f"unsupported protocol version {version}; this receiver speaks {VERSION}")
-        if not 2 <= hlen <= MAX_HEADER_BYTES:
-            raise _Reject(f"header of {hlen} bytes outside 2..{MAX_HEADER_BYTES}")
-        try:
-            hdr = json.loads(await self._read(reader, hlen))
-        except ValueError:
-            raise _Reject("malformed header JSON") from None
-        if not isinstance(hdr, dict):
-            raise _Reject("header must be a JSON object")
-        copy_id, chain, block_bytes = hdr.get("copy_id"), hdr.get("chain"), hdr.get("block_bytes")
-        try:
-            check_copy_id(copy_id)
-        except TransferError as e:
-            raise _Reject(str(e)) from None
-        if not isinstance(chain, list) or not chain:
-            raise _Reject("header.chain must be a non-empty list of block hashes")
+        hello = self._parse_hello(await self._read(reader, self._check_len(hlen, "hello"), deadline))
         limit = min(MAX_CHAIN_BLOCKS, self.sink.max_blocks)
-        if len(chain) > limit:
-            raise _Reject(f"chain of {len(chain)} blocks exceeds this receiver's limit of {limit}")
-        if not all(isinstance(h, str) and _HASH.match(h) for h in chain):
-            raise _Reject("header.chain entries must be 1..64 lowercase hex digits")
-        if not isinstance(block_bytes, int) or block_bytes != self.sink.block_bytes:
-            raise _Reject(
-                f"block size {block_bytes!r} differs from this receiver's {self.sink.block_bytes} bytes "
-                "(model, page size and kv-bytes-scale must match)"
-            )
-        return copy_id, chain, block_bytes
+        if hello.blocks > limit:
+            raise _Reject(f"chain of {hello.blocks} blocks exceeds this receiver's limit of {limit}")
+        try:
+            exp = self.expectations.lookup(hello, self.sink.block_bytes)
+        except AuthError as e:
+            raise _Reject(str(e)) from None
+        nonce = new_nonce()
+        writer.write(_reply({"ok": True, "nonce": nonce}))
+        await asyncio.wait_for(writer.drain(), max(0.0, deadline - self.clock()) or 0.001)
+        (plen,) = _LEN.unpack(await self._read(reader, _LEN.size, deadline))
+        try:
+            proof = json.loads(await self._read(reader, self._check_len(plen, "proof"), deadline))
+        except ValueError:
+            raise _Reject("malformed proof JSON") from None
+        try:
+            self.expectations.verify(exp, hello, nonce, proof.get("mac") if isinstance(proof, dict) else None)
+        except AuthError as e:
+            raise _Reject(str(e)) from None
+        self._preauth.pop(task, None)
+        return exp, hello, nonce
 
-    async def _read_block(self, reader: asyncio.StreamReader, k: int, expect_hash: str, block_bytes: int) -> bytes:
-        index, hlen = _FRAME_HEAD.unpack(await self._read(reader, _FRAME_HEAD.size))
+    @staticmethod
+    def _check_len(n: int, what: str) -> int:
+        if not 2 <= n <= MAX_HELLO_BYTES:
+            raise _Reject(f"{what} of {n} bytes outside 2..{MAX_HELLO_BYTES}")
+        return n
+
+    @staticmethod
+    def _parse_hello(raw: bytes) -> Hello:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            raise _Reject("malformed hello JSON") from None
+        try:
+            return parse_hello(obj)
+        except AuthError as e:
+            raise _Reject(str(e)) from None
+
+    async def _read_block(
+        self, reader: asyncio.StreamReader, k: int, expect_hash: str, block_bytes: int, deadline: float
+    ) -> bytes:
+        index, hlen = _FRAME_HEAD.unpack(await self._read(reader, _FRAME_HEAD.size, deadline))
         if index != k:
             raise _Reject(f"block {k}: frame carries index {index}", k)
-        h = (await self._read(reader, hlen)).decode("ascii", errors="replace")
+        h = (await self._read(reader, hlen, deadline)).decode("ascii", errors="replace")
         if h != expect_hash:
             raise _Reject(f"block {k}: hash {h!r} is not chain[{k}] {expect_hash!r}", k)
-        length, digest = _FRAME_TAIL.unpack(await self._read(reader, _FRAME_TAIL.size))
+        length, digest = _FRAME_TAIL.unpack(await self._read(reader, _FRAME_TAIL.size, deadline))
         if length != block_bytes:
             raise _Reject(f"block {k}: length {length} differs from the block size {block_bytes}", k)
-        data = await self._read(reader, length)
+        data = await self._read(reader, length, deadline)
         if xxhash.xxh3_64_intdigest(data) != digest:
             raise _Reject(f"block {k} ({h}): xxh3_64 digest mismatch (corrupted in transit)", k)
         try:
@@ -471,7 +680,7 @@ __all__ = [
     "FaultPlan",
     "MAX_BLOCK_BYTES",
     "MAX_CHAIN_BLOCKS",
-    "MAX_HEADER_BYTES",
+    "MAX_HELLO_BYTES",
     "TcpReceiver",
     "TcpTransport",
 ]

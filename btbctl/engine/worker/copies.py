@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 
 from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.copies import CopyState
-from btbctl.engine.replication.transport import CopyRefused, TransferError, Transport
+from btbctl.engine.logfmt import log_event
+from btbctl.engine.replication.auth import DEFAULT_EXPECT_TTL_S, AuthError, Expectations, Expected
+from btbctl.engine.replication.transport import CopyRefused, TransferError, Transport, check_copy_id
 from btbctl.engine.sim.replica import IncomingCopy
 from btbctl.engine.worker.model import BlocksLost, ModelDriver, NoRoom
 from btbctl.engine.worker.store import BlockStore
@@ -154,9 +156,13 @@ class CopySender:
         self.block_bytes = block_bytes
         self.tasks: set[asyncio.Task] = set()
 
-    def start_push(self, chain: list[str], target: str, copy_id: str) -> tuple[CopyRecord, asyncio.Future]:
-        """Start sending ``chain`` to ``target`` in the background. The chain must be resident here or planned
-        (being computed, or a request queued here will compute it): blocks are sent as the model commits them.
+    def start_push(
+        self, chain: list[str], target: str, copy_id: str, token: str | None = None
+    ) -> tuple[CopyRecord, asyncio.Future]:
+        """Start sending ``chain`` to ``target`` in the background, authorized by ``token`` (the gateway minted it
+        and told the target to expect the copy; without one the copy fails at once). The chain must be resident
+        here or planned (being computed, or a request queued here will compute it): blocks are sent as the model
+        commits them.
         Returns the record and a future resolved when the target accepted the copy or the copy ended."""
         n = len(chain)
         rec = self.book.record(
@@ -177,7 +183,7 @@ class CopySender:
         )
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
-        task = loop.create_task(self._push(rec, chain, target, accepted))
+        task = loop.create_task(self._push(rec, chain, target, accepted, token))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         self.book.changed()
@@ -187,7 +193,9 @@ class CopySender:
         """Cancel every push (their copies fail)."""
         await cancel_all(self.tasks)
 
-    async def _push(self, rec: CopyRecord, chain: list[str], target: str, accepted: asyncio.Future) -> None:
+    async def _push(
+        self, rec: CopyRecord, chain: list[str], target: str, accepted: asyncio.Future, token: str | None
+    ) -> None:
         book = self.book
 
         def progress(sent: int, total: int) -> None:
@@ -201,7 +209,14 @@ class CopySender:
         blocks = SourceBlocks(self, rec, chain)
         try:
             await self.transport.send(
-                target, rec.copy_id, chain, blocks, progress, block_bytes=self.block_bytes, on_accept=accept
+                target,
+                rec.copy_id,
+                chain,
+                blocks,
+                progress,
+                block_bytes=self.block_bytes,
+                on_accept=accept,
+                token=token,
             )
             rec.blocks_verified = rec.blocks
             rec.state = CopyState.DONE
@@ -266,6 +281,10 @@ class CopySink:
     """The receiving side, a :class:`~btbctl.engine.replication.transport.CopySink`: records the copy, tells the
     model its blocks are arriving (requests needing them wait), and makes them resident once all verified.
 
+    It also keeps the copies this worker expects (:attr:`expected`, filled by ``POST /btb/expect`` through
+    :meth:`expect`): the transfer receiver accepts only those, from a sender that proves it knows the copy's token,
+    and only then calls :meth:`begin` (see :mod:`btbctl.engine.replication.auth`).
+
     Args:
         book: where the records go.
         model: the worker's model.
@@ -281,10 +300,30 @@ class CopySink:
         self.block_bytes = store.block_bytes
         self.max_blocks = max(1, min(model.capacity_tokens // page_size, MAX_INBOUND_COPY_BYTES // store.block_bytes))
         self.incoming: dict[str, IncomingCopy] = {}  # copy id -> the model's reservation for it
+        self.expected = Expectations()
+
+    def expect(self, copy_id: object, chain: Sequence[str], token: object, ttl_s: object = None) -> Expected:
+        """Authorize one inbound copy of ``chain`` (``POST /btb/expect``). Raises
+        :class:`~btbctl.engine.replication.auth.AuthError` (its ``status`` is the HTTP answer) for a malformed
+        field, a copy that could never fit, an id already expected or received here, or too many expected."""
+        try:
+            cid = check_copy_id(copy_id)  # type: ignore[arg-type]
+        except TransferError as e:
+            raise AuthError(str(e)) from None
+        if len(chain) > self.max_blocks:
+            raise AuthError(f"chain of {len(chain)} blocks exceeds this worker's limit of {self.max_blocks}")
+        old = self.book.get(cid, "target")
+        if old is not None and old.in_flight:
+            raise AuthError(f"copy {cid} is already arriving", 409)
+        ttl = DEFAULT_EXPECT_TTL_S if ttl_s is None else ttl_s
+        exp = self.expected.expect(cid, chain, token, ttl)  # type: ignore[arg-type]
+        log_event(log, "copy_expected", copy_id=cid, blocks=len(chain), ttl_s=ttl)
+        return exp
 
     def begin(self, copy_id: str, chain: Sequence[str], peer: str) -> None:
         old = self.book.get(copy_id, "target")
         if old is not None and old.in_flight:
+            # never touches the copy already arriving under this id
             raise CopyRefused(f"copy {copy_id} is already arriving")
         n = len(chain)
         self.book.record(
@@ -304,13 +343,18 @@ class CopySink:
             )
         )
         self.book.changed()
+        reason = None
         if n * self.page_size > self.model.capacity_tokens:
-            raise CopyRefused(f"{n} blocks do not fit in this worker's KV cache")
-        try:
-            # from now on the model counts the blocks as arriving: requests needing them wait for this copy
-            self.incoming[copy_id] = self.model.begin_copy(chain)
-        except NoRoom as e:
-            raise CopyRefused(str(e)) from None
+            reason = f"{n} blocks do not fit in this worker's KV cache"
+        else:
+            try:
+                # from now on the model counts the blocks as arriving: requests needing them wait for this copy
+                self.incoming[copy_id] = self.model.begin_copy(chain)
+            except NoRoom as e:
+                reason = str(e)
+        if reason is not None:
+            self.fail(copy_id, reason)  # this copy's own record; the receiver does not call fail for a refusal
+            raise CopyRefused(reason)
 
     def check_block(self, index: int, block_hash: str, data: bytes) -> None:
         if data != self.store.expected(block_hash):

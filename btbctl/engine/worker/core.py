@@ -39,7 +39,7 @@ class Worker:
         self.copies = CopyBook()
         self.sender = CopySender(self.copies, self.model, self.store, self.transport, self.block_bytes)
         self.sink = CopySink(self.copies, self.model, self.store, cfg.page_size)
-        self.receiver = TcpReceiver(self.sink, cfg.host, cfg.transfer_port)
+        self.receiver = TcpReceiver(self.sink, cfg.host, cfg.transfer_port, expectations=self.sink.expected)
         self.ready = False
         self.http_port = cfg.port
         self.metrics = WorkerMetrics(cfg.served_name)

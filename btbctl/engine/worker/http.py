@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from btbctl import __version__
+from btbctl.engine.replication.auth import AuthError
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
 from btbctl.engine.worker.copies import MAX_OUTBOUND_COPIES
@@ -220,6 +221,7 @@ def build_app(worker: Worker) -> web.Application:
     r.add_get("/btb/prefixes", h.btb_prefixes)
     r.add_get("/btb/info", h.btb_info)
     r.add_post("/btb/push", h.btb_push)
+    r.add_post("/btb/expect", h.btb_expect)
     r.add_get("/btb/copies", h.btb_copies)
     r.add_get("/btb/copies/{copy_id}", h.btb_copy)
     app[WORKER_KEY] = worker
@@ -657,7 +659,10 @@ class _Handlers:
                     409,
                     f"this worker holds {have} of the chain's {len(chain)} blocks and computes {planned - have} more",
                 )
-        rec, accepted = self.w.sender.start_push(chain, target, copy_id)
+        token = body.get("token")
+        if token is not None and not isinstance(token, str):
+            raise ApiError(400, "token must be a string (the copy's token from the gateway)")
+        rec, accepted = self.w.sender.start_push(chain, target, copy_id, token)
         try:
             await asyncio.wait_for(asyncio.shield(accepted), PUSH_ACCEPT_WAIT_S)
         except asyncio.TimeoutError:
@@ -671,6 +676,17 @@ class _Handlers:
             },
             status=202,
         )
+
+    async def btb_expect(self, request: web.Request) -> web.Response:
+        """Authorize one inbound copy (the gateway's call; see :mod:`btbctl.engine.replication.auth`)."""
+        self._auth(request)
+        body = await _json_body(request)
+        chain = _chain(body)
+        try:
+            exp = self.w.sink.expect(body.get("copy_id"), chain, body.get("token"), body.get("ttl_s"))
+        except AuthError as e:
+            raise ApiError(e.status, str(e)) from None
+        return web.json_response({"copy_id": exp.copy_id, "blocks": len(exp.chain)}, status=201)
 
     async def btb_copies(self, request: web.Request) -> web.Response:
         return web.json_response({"copies": [r.as_dict() for r in self.w.copies.newest_first()]})
