@@ -16,6 +16,24 @@ class Format(str, Enum):
     json = "json"
 
 
+#: Width of a console that is not a terminal (piped, redirected): wide enough that no line is broken; tables are
+#: only as wide as their content.
+PIPE_WIDTH = 4096
+
+
+def make_console(stderr: bool = False):
+    """A rich console on stdout or stderr. On a terminal it takes the terminal's width; piped or redirected it
+    breaks no line (rich's fallback would wrap at 80 columns mid-word), unless ``COLUMNS`` asks for a width."""
+    import os
+
+    from rich.console import Console
+
+    con = Console(stderr=stderr, highlight=False)
+    if not con.is_terminal and not os.environ.get("COLUMNS"):
+        con = Console(stderr=stderr, highlight=False, width=PIPE_WIDTH)
+    return con
+
+
 class Output:
     """Where every command prints.
 
@@ -31,20 +49,16 @@ class Output:
 
     @property
     def console(self):
-        """Rich console on stdout (human results)."""
+        """Rich console on stdout (human results); see :func:`make_console` for its width."""
         if self._out is None:
-            from rich.console import Console
-
-            self._out = Console(highlight=False)
+            self._out = make_console(stderr=False)
         return self._out
 
     @property
     def err_console(self):
         """Rich console on stderr (diagnostics, progress)."""
         if self._err is None:
-            from rich.console import Console
-
-            self._err = Console(stderr=True, highlight=False)
+            self._err = make_console(stderr=True)
         return self._err
 
     def result(self, data: Any, human: Callable[[Any], None] | None = None) -> None:
