@@ -70,3 +70,18 @@ def test_heatmap_shades_by_value_with_a_legend():
     best, worst = HEAT_SHADES[0][0], HEAT_SHADES[-1][0]
     assert best in plain[2] and "1.000" in plain[2] and worst in plain[3] and "-" in plain[3]
     assert plain[-1].startswith("shades: ") and "lower is better" in plain[-1]
+
+
+def test_progress_lines_when_piped(capsys):
+    from btbctl.commands.output import Output
+
+    out = Output()
+    with out.progress("running 20 simulations", 20, lines_when_piped=True) as advance:
+        for _ in range(20):
+            advance(1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "running 20 simulations: 2/20 (10%)" and err[-1] == "running 20 simulations: 20/20 (100%)"
+    assert len(err) == 10
+    with out.progress("quiet by default", 5) as advance:
+        advance(5)
+    assert capsys.readouterr().err == ""
