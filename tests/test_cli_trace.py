@@ -138,6 +138,22 @@ def test_audit_human_tables(capsys, tmp_path):
     code, stdout, _ = run(capsys, "trace", "audit", str(base), "--trace-format", "mooncake")
     assert code == 0
     assert "requests" in stdout and "fan-out" in stdout and "t = 10 s" in stdout and "(mooncake)" in stdout
+    assert "verdict: BTB " in stdout
+
+
+def test_audit_verdict_follows_the_constants(capsys, tmp_path):
+    out = tmp_path / "w.jsonl"
+    run(capsys, "trace", "gen", "--out", str(out), *SMALL)
+    json_args = ("trace", "audit", str(out), "--format", "json", "--btb-window-s", "60")
+    code, stdout, _ = run(capsys, *json_args, "--prefix-blocks", "16")
+    assert code == 0
+    v = json.loads(stdout)["verdict"]
+    assert v["fires"] and (v["prefix_blocks"], v["threshold"], v["window_s"]) == (16, 2, 60.0)
+    code, stdout, _ = run(capsys, *json_args, "--prefix-blocks", "17")
+    v = json.loads(stdout)["verdict"]
+    assert not v["fires"] and v["fires_with_prefix_blocks"] == 16
+    code, _, stderr = run(capsys, "trace", "audit", str(out), "--threshold", "0")
+    assert code == 2 and "threshold" in stderr
 
 
 def test_help_names_every_format(capsys):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.trace.audit import audit_trace, max_in_window
+from btbctl.engine.trace.audit import audit_trace, btb_verdict, max_in_window
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request, Trace
 from btbctl.engine.trace.readers import read_trace
@@ -185,3 +185,44 @@ def test_mooncake_has_no_deep_bursts():
     assert _entry(r, 16, 10.0)["max_requests"] == 2
     assert _entry(r, 256, 60.0)["max_requests"] == 0  # no prompt reaches 256 blocks of 512 tokens
     assert r["requests"] == 12031 and r["block_tokens"] == 512
+
+
+# -- the verdict: does BTB fire on this trace? ------------------------------------------------------------------
+
+
+def test_verdict_fires_on_a_burst_and_names_the_constants():
+    rows = [(0.1 * i, [1, 2, 3, 4]) for i in range(5)]
+    v = btb_verdict(_trace(rows), prefix_blocks=4, threshold=2, window_s=1.0)
+    assert v["fires"] and v["hot_prefixes"] == 1 and v["max_arrivals"] == 5
+    assert v["reason"].startswith("BTB fires with prefix_blocks=4 threshold=2 window_s=1")
+
+
+def test_verdict_says_why_not_and_which_prefix_blocks_would_fire():
+    rows = [(0.1 * i, [1, 2, 3, 4 + i]) for i in range(5)]  # share 3 blocks, then differ
+    v = btb_verdict(_trace(rows), prefix_blocks=8, threshold=2, window_s=1.0)
+    assert not v["fires"] and v["requests_tracked"] == 0 and v["longest_blocks"] == 4
+    assert "no request has 8 blocks" in v["reason"] and v["fires_with_prefix_blocks"] == 2
+    assert "it would fire with prefix_blocks=2" in v["reason"]
+    # deep enough, but spread out: at most one arrival of the prefix per window
+    spread = [(5.0 * i, [1, 2]) for i in range(4)]
+    v = btb_verdict(_trace(spread), prefix_blocks=2, threshold=2, window_s=1.0)
+    assert not v["fires"] and v["max_arrivals"] == 1 and "at most 1 arrival(s)" in v["reason"]
+    assert v["fires_with_prefix_blocks"] is None and "no shorter prefix_blocks fires either" in v["reason"]
+
+
+def test_verdict_on_a_trace_without_hashes():
+    v = btb_verdict(_trace([(0.0, []), (0.1, [])]), prefix_blocks=256, threshold=2, window_s=1.0)
+    assert not v["fires"] and "no prefix hashes" in v["reason"]
+
+
+@pytest.mark.data
+def test_verdict_on_the_public_traces():
+    """The Mooncake and Azure traces: BTB with its published constants never fires, and the verdict says why."""
+    if not MOONCAKE.exists():
+        pytest.skip(f"public traces not present ({MOONCAKE})")
+    v = btb_verdict(read_trace(MOONCAKE), 256, 2, 1.0)
+    assert not v["fires"] and "no request has 256 blocks" in v["reason"]
+    azure = DATA / "traces" / "azure2023_conv.csv"
+    if azure.exists():
+        v = btb_verdict(read_trace(azure), 256, 2, 1.0)
+        assert not v["fires"] and "no prefix hashes" in v["reason"]

@@ -21,6 +21,7 @@ from btbctl.engine.control.client import ControlApiError
 from btbctl.engine.dashboard.control_source import ControlApiSource, TtftTrail
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.tui.app import ReplicateScreen, build_app
+from btbctl.tui.widgets.panels import ConstantsPanel
 from gateway_fakes import GatewayEnv
 from tui_helpers import press, running_app, wait_for
 
@@ -95,13 +96,15 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
             assert row.arrivals_in_window == 3 and row.holders == 1 and row.prefix_tokens == PREFIX_BLOCKS * PAGE
             assert snap.gpu_note and snap.gpu_note.startswith("NVML unavailable") or snap.gpus
             # threshold: edited on screen, confirmed by the gateway
-            await press(pilot, "e")
+            await press(pilot, "e")  # the first field, prefix_blocks; tab: the next, threshold
+            await wait_for(pilot, lambda: app.focused is app.query_one("#const-prefix_blocks"))
+            await press(pilot, "tab")
             inp = app.query_one("#const-threshold", Input)
             await wait_for(pilot, lambda: inp.has_focus)
             inp.value = "4"
             await press(pilot, "enter")
             await wait_for(pilot, lambda: gw.constants.threshold == 4)
-            await wait_for(pilot, lambda: "threshold = 4 confirmed" in _text(app.query_one("#const-status")))
+            await wait_for(pilot, lambda: "threshold = 4 confirmed" in app.query_one(ConstantsPanel).message)
             # refused by the gateway's own validation (window_s must be > 0): engine unchanged
             with pytest.raises(ControlApiError, match="window_s") as refused:
                 await app.source.api.set_constants({"window_s": 0})

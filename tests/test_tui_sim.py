@@ -11,6 +11,7 @@ from rich.console import Console
 from textual.widgets import DataTable, Input, OptionList, Static
 
 from btbctl.tui.app import HelpScreen, PolicyScreen, ReplicateScreen
+from btbctl.tui.widgets.panels import ConstantsPanel
 from tui_helpers import press, running_app, small_source, wait_for
 
 
@@ -49,8 +50,9 @@ async def test_panels_fill_from_the_simulation():
         assert len(snap.gpus) == 16 and all(g.total_bytes == 80e9 for g in snap.gpus)
         assert any(x.state == "done" for x in snap.transfers)  # BTB copied the first burst's prefix
         assert [p.t_s for p in snap.ttft] == sorted(p.t_s for p in snap.ttft) and snap.ttft
-        head = _text(app.query_one("#ttft-head", Static))
-        assert head.startswith("btb ") and "p95" in head
+        head = str(app.query_one("#p4").border_title)
+        assert head.startswith("4 TTFT ") and "req/s" in head and "p95" in head
+        assert app.query_one(ConstantsPanel).border_title == "5 Constants | policy btb"
         assert app.query_one("#const-threshold", Input).value == "2"
         assert app.query_one("#const-prefix_blocks", Input).value == "32"
 
@@ -60,21 +62,23 @@ async def test_editing_threshold_changes_the_engine_and_bad_values_are_refused()
     src.advance_to(4.0)
 
     async with running_app(src, (100, 30)) as (app, pilot):
-        await press(pilot, "e")
+        await press(pilot, "e")  # the first field, prefix_blocks; tab: the next, threshold
+        await wait_for(pilot, lambda: app.focused is app.query_one("#const-prefix_blocks"))
+        await press(pilot, "tab")
         inp = app.query_one("#const-threshold", Input)
         await wait_for(pilot, lambda: inp.has_focus)
         inp.value = ""
         await press(pilot, "5", "enter")
         await wait_for(pilot, lambda: src.sim.detector.constants.threshold == 5)
         assert src.constants.threshold == 5
-        await wait_for(pilot, lambda: "threshold = 5 confirmed" in _text(app.query_one("#const-status")))
+        await wait_for(pilot, lambda: "threshold = 5 confirmed" in app.query_one(ConstantsPanel).message)
         # refused before sending: the engine keeps 5
         inp.value = ""
         await press(pilot, "0", "enter")
-        await wait_for(pilot, lambda: "must be an integer in [1," in _text(app.query_one("#const-status")))
+        await wait_for(pilot, lambda: "must be an integer in [1," in app.query_one(ConstantsPanel).message)
         inp.value = "x"
         await press(pilot, "enter")
-        await wait_for(pilot, lambda: "must be an integer, got 'x'" in _text(app.query_one("#const-status")))
+        await wait_for(pilot, lambda: "must be an integer, got 'x'" in app.query_one(ConstantsPanel).message)
         assert src.sim.detector.constants.threshold == 5
         # the next snapshot reports the engine's value
         await wait_for(pilot, lambda: app.snapshot.constants["threshold"] == 5)
@@ -97,7 +101,7 @@ async def test_engine_refusal_is_shown():
         inp.focus()
         inp.value = "0.5"
         await press(pilot, "enter")
-        await wait_for(pilot, lambda: "refused by the fleet" in _text(app.query_one("#const-status")))
+        await wait_for(pilot, lambda: "refused by the fleet" in app.query_one(ConstantsPanel).message)
         assert src.constants.window_s == 1.0
 
 

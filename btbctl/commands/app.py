@@ -8,13 +8,60 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 
 import typer
+import typer.core
 
 from btbctl import __version__
 
+#: Placeholders of options without a metavar of their own, in one style (upper case, as FILE, DIR, URL elsewhere):
+#: typer's ``<int>``, ``<float>``, ``<str>``, ``<list[str]>`` become these; a choice ``<a|b>`` becomes ``[a|b]``.
+METAVARS = {"int": "N", "float": "NUM", "str": "TEXT", "path": "PATH", "bool": "BOOL"}
+
+
+def _plain_metavar(label: str) -> str:
+    inner = label[1:-1] if label.startswith("<") and label.endswith(">") else label
+    m = re.fullmatch(r"list\[(.*)\]", inner)
+    if m:  # a repeatable option: the help says "repeat"
+        inner = m.group(1)
+    if inner in METAVARS:
+        return METAVARS[inner]
+    if "|" in inner:
+        return f"[{inner}]"
+    return inner.upper() if label.startswith("<") else label
+
+
+_display_type = typer.core._TyperParameter.display_type
+
+
+def _display_type_plain(self, ctx):
+    return _plain_metavar(_display_type(self, ctx))
+
+
+# One placeholder style for every command's help (typer's own is ``<type>``).
+typer.core._TyperParameter.display_type = _display_type_plain  # type: ignore[method-assign]
+
+
+class FullHelpGroup(typer.core.TyperGroup):
+    """The root group: each command listed with the whole first sentence of its description (click cuts it to
+    the terminal's width with '...'); the formatter wraps long ones."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is None or cmd.hidden:
+                continue
+            rows.append((name, cmd.get_short_help_str(limit=10_000)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 app = typer.Typer(
+    cls=FullHelpGroup,
     name="btbctl",
     help="Burst-aware LLM serving: simulate, run and steer BTB predictive KV-cache replication.",
     no_args_is_help=True,

@@ -209,7 +209,6 @@ def _mtok(tokens: int) -> str:
 
 def render_human(out: Output, r: dict) -> None:
     """Print a dry-run report: header line, summary table, per-kind table, TTFT percentile chart."""
-    from rich.text import Text
 
     con = out.console
     con.print(header_line(r))
@@ -260,60 +259,40 @@ def render_human(out: Output, r: dict) -> None:
             kt.add_row(*row)
         con.print(kt)
 
-    width = min(con.width, 80)
-    chart = ttft_chart(r, width=width)
-    if chart:
-        con.print(Text.from_ansi(chart), no_wrap=True, crop=True)
-        for line in chart_key(r, width):
-            con.print(line, no_wrap=True, crop=False)
+    chart = ttft_chart(r, width=min(con.width, 80))
+    if chart is not None:
+        con.print(chart, no_wrap=True, crop=False)
 
 
-def ttft_chart(r: dict, width: int = 80, height: int = 18) -> str:
-    """A plotext bar chart of TTFT p50 / p95 / p99 (seconds), one group of three bars per policy, as text with ANSI
-    colours; '' when a percentile is missing. Policy names label the x axis when they fit, else numbers with a key
-    line under the chart. Works with plotext 6 (figure API) and 5 (functional API)."""
-    import plotext as plt
-
-    names = [s["policy"] for s in r["results"]]
-    series = [[s["ttft_s"][q] for s in r["results"]] for q in ("p50", "p95", "p99")]
-    if not names or any(v is None for vals in series for v in vals):
-        return ""
-    fits = not chart_key(r, width)
-    ticks = names if fits else [str(i + 1) for i in range(len(names))]
-    title = "TTFT p50 | p95 | p99 per policy, seconds (bars left to right)"
-    if hasattr(plt, "figure") and hasattr(plt.figure, "draw"):  # plotext >= 6
-        fig = plt.figure
-        fig.clear()
-        fig.theme("simple")
-        fig.draw(fig.bar(ticks, series))
-        fig.legend(active=False)
-        fig.plot_size(width, height)
-        fig.title(title)
-        text = fig.build().string()
-        fig.clear()
-    else:  # plotext 5
-        plt.clear_figure()
-        plt.theme("clear")
-        plt.multiple_bar(ticks, series)
-        plt.plotsize(width, height)
-        plt.title(title)
-        text = plt.build()
-        plt.clear_figure()
-    return text.rstrip("\n")
+#: The percentiles of the TTFT chart: (key, glyph, colour). Distinct glyphs keep neighbouring bars apart without
+#: colour (piped output, NO_COLOR); with colour each has its own as well.
+CHART_SERIES = (("p50", "░", "green"), ("p95", "▒", "yellow"), ("p99", "█", "red"))
 
 
-def chart_key(r: dict, width: int = 80) -> list[str]:
-    """Lines mapping the chart's numbered x ticks to policy names (empty when the names label the axis)."""
-    names = [s["policy"] for s in r["results"]]
-    if not names or max(len(n) for n in names) < (width - 8) // len(names):
-        return []
-    lines, cur = [], ""
-    for i, n in enumerate(names):
-        item = f"{i + 1} {n}"
-        if cur and len(cur) + 2 + len(item) > width:
-            lines.append(cur)
-            cur = item
-        else:
-            cur = f"{cur}  {item}" if cur else item
-    lines.append(cur)
-    return lines
+def ttft_chart(r: dict, width: int = 80):
+    """TTFT p50 / p95 / p99 per policy as horizontal bars on one scale (seconds), as rich Text: a legend line,
+    then per policy one bar per percentile, each with its own glyph and colour and its value at the end; None when
+    a percentile is missing."""
+    from rich.text import Text
+
+    results = r["results"]
+    if not results or any(s["ttft_s"][q] is None for s in results for q, _, _ in CHART_SERIES):
+        return None
+    top = max(s["ttft_s"][q] for s in results for q, _, _ in CHART_SERIES) or 1.0
+    name_w = max(len(s["policy"]) for s in results)
+    bar_w = max(10, width - name_w - 4 - 1 - 8)
+    text = Text("TTFT per policy, seconds (bars on one scale):")
+    for q, glyph, colour in CHART_SERIES:
+        text.append("  ")
+        text.append(glyph * 2, style=colour)
+        text.append(f" {q}")
+    for s in results:
+        for i, (q, glyph, colour) in enumerate(CHART_SERIES):
+            v = s["ttft_s"][q]
+            n = int(round(v / top * bar_w))
+            if v > 0 and n == 0:
+                n = 1
+            text.append(f"\n{s['policy'] if i == 0 else '':<{name_w}} {q} ")
+            text.append(glyph * n, style=colour)
+            text.append(f"{' ' * (bar_w - n)} {_t(v):>7}")
+    return text

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+
+# The ports `btbctl up` gives its gateway (defined once, with the launcher's cluster defaults): a gateway started by
+# hand listens where the rest of btbctl looks by default.
+from btbctl.engine.launcher.cluster import DEFAULT_CONTROL_PORT
+from btbctl.engine.launcher.cluster import DEFAULT_GATEWAY_PORT as DEFAULT_PORT
 
 
 @app.command("gateway")
@@ -20,16 +24,27 @@ def gateway(
     config: Annotated[
         str | None,
         typer.Option(
-            "--config", help="JSON file of gateway settings (GatewayConfig fields); the flags below override it."
+            "--config",
+            "-c",
+            metavar="FILE",
+            help="TOML file of gateway settings (GatewayConfig fields, top level); the flags below override it. "
+            "A .json file is still read as JSON.",
         ),
     ] = None,
     host: Annotated[str | None, typer.Option("--host", help="Data-plane address (default: 127.0.0.1).")] = None,
     port: Annotated[
-        int | None, typer.Option("--port", help="Data-plane port, 0 = any free one (default: 8000).")
+        int | None,
+        typer.Option("--port", help=f"Data-plane port, 0 = any free one (default: {DEFAULT_PORT}, as btbctl up)."),
     ] = None,
-    control_host: Annotated[str | None, typer.Option("--control-host", help="Control API address [127.0.0.1].")] = None,
+    control_host: Annotated[
+        str | None, typer.Option("--control-host", help="Control API address (default: 127.0.0.1).")
+    ] = None,
     control_port: Annotated[
-        int | None, typer.Option("--control-port", help="Control API port, 0 = any free one (default: 8001).")
+        int | None,
+        typer.Option(
+            "--control-port",
+            help=f"Control API port, 0 = any free one (default: {DEFAULT_CONTROL_PORT}, as btbctl up).",
+        ),
     ] = None,
     policy: Annotated[str | None, typer.Option("--policy", help="Routing policy (default: btb).")] = None,
     page_size: Annotated[
@@ -71,15 +86,9 @@ def gateway(
     from btbctl.engine.gateway.config import GatewayConfig
     from btbctl.engine.gateway.server import run_gateway
 
-    data: dict = {}
+    data: dict = {"port": DEFAULT_PORT, "control_port": DEFAULT_CONTROL_PORT}
     if config:
-        try:
-            with open(config, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ConfigError("config", f"cannot read {config}: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError("config", f"{config} must hold a JSON object")
+        data.update(_read_settings(config))
     flags = {
         "host": host,
         "port": port,
@@ -118,3 +127,23 @@ def gateway(
         sys.stdout.flush()
 
     run_gateway(cfg, on_ready=ready)
+
+
+def _read_settings(path: str) -> dict:
+    """Gateway settings from a TOML file (as every other btbctl config), or JSON for a ``.json`` file (the format
+    this command read first)."""
+    from btbctl.engine.config import read_toml
+    from btbctl.engine.errors import ConfigError
+
+    if path.lower().endswith(".json"):
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError("config", f"cannot read {path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("config", f"{path} must hold a JSON object")
+        return data
+    return read_toml(path, "gateway settings")

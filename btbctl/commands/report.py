@@ -50,7 +50,7 @@ def report(
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ConfigError("--out", f"cannot write into {out_dir}: permission denied")
     total = len(m.setups) * len(m.workloads) * len(m.fidelities) * len(m.policies)
-    with out.progress(f"running {total} simulations", total) as advance:
+    with out.progress(f"running {total} simulations", total, lines_when_piped=True) as advance:
         rep = run_matrix(m, progress=advance, jobs=jobs)
     command = " ".join(["btbctl", "report", shlex.quote(matrix), "--out", shlex.quote(out_dir)])
     files = write_report(rep, out_dir, command, charts=charts)

@@ -223,7 +223,6 @@ def _v(x) -> str:
 def render_human(out: Output, r: dict, top: int = 20) -> None:
     """The ranked table, then the heatmap (if any), on the output console."""
     from rich.table import Table
-    from rich.text import Text
 
     console = out.console
     varying = [a for a, vals in r["axes"].items() if len(vals) > 1]
@@ -267,57 +266,51 @@ def render_human(out: Output, r: dict, top: int = 20) -> None:
     out.info(f"{r['points']} runs in {tm['wall_s']:.1f} s on {tm['jobs']} worker(s)")
     hm = r.get("heatmap")
     if hm:
-        console.print(Text.from_ansi(heatmap_chart(hm)), no_wrap=True, crop=True)
-        console.print(heatmap_table(hm))
+        console.print(heatmap_chart(hm), no_wrap=True, crop=False)
 
 
-def heatmap_chart(hm: dict, cell_w: int = 8, cell_h: int = 2) -> str:
-    """A plotext matrix plot of a sweep heatmap (lower TTFT = greener), as text with ANSI colours. Each cell of
-    the grid is ``cell_w`` x ``cell_h`` characters. Works with plotext 5 and 6."""
-    import plotext as plt
+#: Shades of the heatmap, best (lowest TTFT) first, with their colours: readable without colour (the glyph
+#: alone orders the cells) and with it.
+HEAT_SHADES = (("·", "green"), ("░", "green_yellow"), ("▒", "yellow"), ("▓", "dark_orange"), ("█", "red"))
+
+
+def heatmap_chart(hm: dict, cell_w: int = 8):
+    """A sweep heatmap as rich Text: one row per y value, one cell per x value, each cell ``cell_w`` characters
+    of a shade by its TTFT (:data:`HEAT_SHADES`: ``·`` best .. ``█`` worst, also coloured green .. red) then its
+    value, and a legend line with the value range of each shade."""
+    from rich.text import Text
 
     vals = [v for row in hm["values"] for v in row if v is not None]
     lo, hi = (min(vals), max(vals)) if vals else (0.0, 1.0)
     span = (hi - lo) or 1.0
+    n = len(HEAT_SHADES)
 
-    def colour(v):
-        if v is None:
-            return (60, 60, 60)
-        f = (v - lo) / span  # 0 best (green) .. 1 worst (red)
-        return (int(40 + 200 * f), int(200 - 150 * f), 60)
+    def shade(v):
+        return HEAT_SHADES[min(n - 1, int((v - lo) / span * n))]
 
-    matrix = []
-    for row in hm["values"]:  # matrix rows count from the top: the first y value is the top row
-        line = []
-        for v in row:
-            line.extend([colour(v)] * cell_w)
-        matrix.extend([list(line) for _ in range(cell_h)])
-    plt.clear_figure()
-    plt.matrix_plot(matrix)
-    plt.plotsize(len(hm["x"]) * cell_w + 8, len(hm["y"]) * cell_h + 5)
-    plt.xticks([i * cell_w + (cell_w + 1) / 2 for i in range(len(hm["x"]))], [_v(x) for x in hm["x"]])
-    rows = len(hm["y"]) * cell_h  # the y axis counts rows from the bottom
-    plt.yticks([rows - j * cell_h - cell_h / 2 - 1 for j in range(len(hm["y"]))], [_v(y) for y in hm["y"]])
-    plt.xlabel(hm["x_axis"])
-    plt.ylabel(hm["y_axis"])
-    plt.title(f"best TTFT {hm['metric']} (s): green low, red high")
-    text = plt.build()
-    plt.clear_figure()
-    return text.rstrip("\n")
-
-
-def heatmap_table(hm: dict):
-    """The heatmap's numbers as a rich table (rows: y values, columns: x values)."""
-    from rich.table import Table
-
-    table = Table(
-        title=f"best TTFT {hm['metric']}, seconds: {hm['y_axis']} down, {hm['x_axis']} across",
-        show_edge=False,
-        header_style="bold",
-    )
-    table.add_column(hm["y_axis"], justify="right")
-    for x in hm["x"]:
-        table.add_column(_v(x), justify="right")
-    for y, row in zip(hm["y"], hm["values"], strict=True):
-        table.add_row(_v(y), *(_f(v) for v in row))
-    return table
+    ys = [_v(y) for y in hm["y"]]
+    label_w = max(len(hm["y_axis"]), *(len(y) for y in ys))
+    col_w = max(cell_w, *(len(_v(x)) for x in hm["x"]))
+    text = Text(f"best TTFT {hm['metric']} (s) by {hm['y_axis']} (down) and {hm['x_axis']} (across)\n", style="bold")
+    text.append(f"{hm['y_axis']:>{label_w}} " + " ".join(f"{_v(x):>{col_w}}" for x in hm["x"]))
+    for y, row in zip(ys, hm["values"], strict=True):
+        text.append(f"\n{y:>{label_w}} ")
+        for i, v in enumerate(row):
+            if i:
+                text.append(" ")
+            if v is None:
+                text.append(f"{'-':>{col_w}}", style="dim")
+                continue
+            glyph, colour = shade(v)
+            value = _f(v)
+            text.append(glyph * max(1, col_w - len(value) - 1) + " ", style=colour)
+            text.append(value)
+    if hi == lo:
+        text.append(f"\nshades: every cell {_f(lo)}")
+        return text
+    text.append("\nshades: ")
+    for i, (glyph, colour) in enumerate(HEAT_SHADES):
+        text.append(glyph * 2, style=colour)
+        text.append(f" {_f(lo + span * i / n)}-{_f(lo + span * (i + 1) / n)}  ")
+    text.append("(lower is better)")
+    return text

@@ -174,12 +174,34 @@ def audit(
         ),
     ] = None,
     event_min_requests: Annotated[int, typer.Option(help="Fan-out a prefix group needs to count as an event.")] = 8,
+    prefix_blocks: Annotated[
+        int | None,
+        typer.Option(
+            "--prefix-blocks", help="BTB Y for the verdict, in the trace's blocks (default: 256).", show_default=False
+        ),
+    ] = None,
+    threshold: Annotated[
+        int | None,
+        typer.Option("--threshold", help="BTB X for the verdict (default: 2).", show_default=False),
+    ] = None,
+    btb_window_s: Annotated[
+        float | None,
+        typer.Option(
+            "--btb-window-s",
+            help="BTB Z for the verdict, seconds (default: 1.0; --window-s sets the fan-out table's windows).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Sizes, arrival rates and prefix fan-out: how many requests share >= k blocks within t seconds."""
-    from btbctl.engine.trace.audit import DEFAULT_KS, DEFAULT_WINDOWS_S, audit_trace
+    """Sizes, arrival rates, prefix fan-out (how many requests share >= k blocks within t seconds) and a verdict:
+    does BTB fire on this trace with these constants, and if not, why and with which prefix_blocks it would."""
+    from btbctl.engine.constants import BtbConstants
+    from btbctl.engine.trace.audit import DEFAULT_KS, DEFAULT_WINDOWS_S, audit_trace, btb_verdict
     from btbctl.engine.trace.readers import read_trace
 
     out = Output(fmt)
+    given = {"prefix_blocks": prefix_blocks, "threshold": threshold, "window_s": btb_window_s}
+    consts = BtbConstants.parse({k: v for k, v in given.items() if v is not None}, where="btbctl trace audit")
     trace = read_trace(path, trace_format)
     report = audit_trace(
         trace,
@@ -187,7 +209,9 @@ def audit(
         windows_s=tuple(windows_s) if windows_s else DEFAULT_WINDOWS_S,
         event_min_requests=event_min_requests,
     )
-    out.result({"path": str(path), "format": trace.format, **report}, lambda d: _print_audit(out, d))
+    verdict = btb_verdict(trace, consts.prefix_blocks, consts.threshold, consts.window_s)
+    data = {"path": str(path), "format": trace.format, **report, "verdict": verdict}
+    out.result(data, lambda d: _print_audit(out, d))
 
 
 def _info_line(out: Output, text: str) -> None:
@@ -233,8 +257,14 @@ def _print_audit(out: Output, d: dict) -> None:
     c.print(sizes)
 
     fan = d["fan_out"]
-    if not fan:
-        return
+    if fan:
+        _print_fan_out(c, d, fan)
+    _print_verdict(out, d["verdict"])
+
+
+def _print_fan_out(c, d: dict, fan: list) -> None:
+    from rich.table import Table
+
     windows = list(dict.fromkeys(e["window_s"] for e in fan))
     ks = list(dict.fromkeys(e["k_blocks"] for e in fan))
     cell = {(e["k_blocks"], e["window_s"]): e for e in fan}
@@ -259,3 +289,9 @@ def _print_audit(out: Output, d: dict) -> None:
             )
         table.add_row(*row)
     c.print(table)
+
+
+def _print_verdict(out: Output, v: dict) -> None:
+    from rich.text import Text
+
+    out.console.print(Text.assemble(("verdict: ", "bold"), (v["reason"], "green" if v["fires"] else "yellow")))

@@ -135,7 +135,7 @@ def _summary(res) -> dict:
     ttw = s.get("time_to_warm_s")
     return {
         "ttft_s": s["ttft_s"],
-        "by_kind": {k: v["ttft_s"]["mean"] for k, v in s["by_kind"].items()},
+        "by_kind": s["by_kind"],  # the dry-run report's shape: {kind: {"requests", "ttft_s": {...}}}
         "prefix_hit_ratio": s["prefix_hit_ratio"],
         "replications": s["replications"],
         "replicated_bytes": s["replicated_bytes"],
@@ -243,7 +243,8 @@ def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *,
         "axes": {axis: [values]} (every axis of :data:`AXES`),
         "points": number of grid points,
         "results": [{"rank", "index", "point": {axis: value}, "ttft_s": {"mean", "p50", "p95", "p99", "max"},
-        "by_kind": {kind: mean TTFT s}, "prefix_hit_ratio", "replications", "replicated_bytes",
+        "by_kind": {kind: {"requests", "ttft_s": {"mean", "p50", "p95", "p99", "max"}}} (as in dry-run),
+        "prefix_hit_ratio", "replications", "replicated_bytes",
         "wasted_replications", "time_to_warm_mean_s"}, ...] best first (ties by index),
         "timing": {"wall_s", "jobs", "runs_per_s"}}``; times in seconds, floats rounded as in dry-run reports, NaN as
         None. Everything except ``timing`` depends only on ``spec``.

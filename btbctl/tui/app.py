@@ -20,19 +20,30 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Vertical
+from textual.containers import Grid, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
+from textual.widget import Widget
 from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
+from btbctl.engine.chains import short_id
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.dashboard import DashboardSource, FleetSnapshot, StreamingSource
 from btbctl.engine.errors import BtbctlError
-from btbctl.tui.widgets.panels import ConstantsPanel, FleetPanel, PrefixPanel, TransferPanel, TtftPanel
+from btbctl.tui.widgets.panels import (
+    ConstantInput,
+    ConstantsPanel,
+    FleetPanel,
+    PrefixPanel,
+    TransferPanel,
+    TtftPanel,
+    constant_help,
+)
 
 #: Snapshot requests per second (4 Hz: a refresh rate a person reads comfortably; each costs one round of
 #: control-API calls).
@@ -49,47 +60,97 @@ Screen { layout: vertical; }
 #status { height: 1; background: $boost; padding: 0 1; }
 #status.down { background: $error; color: $text; }
 #status.paused { background: $warning; color: $text; }
-#panels { layout: grid; grid-size: 2 2; grid-columns: 1fr 1fr; grid-rows: 1fr 1fr; height: 1fr; }
+#panels { layout: grid; grid-size: 2 2; grid-columns: 1fr 1fr; grid-rows: 4fr 3fr; height: 1fr; }
 #panels > * { border: round $primary 50%; }
 #panels > *:focus-within { border: round $accent; }
-ConstantsPanel { height: 4; border: round $primary 50%; }
+ConstantsPanel { height: 3; border: round $primary 50%; }
 ConstantsPanel:focus-within { border: round $accent; }
 #const-row { height: 1; }
 .const-label { color: $text-muted; }
-.const-input { width: 7; margin-right: 1; }
+.const-input { width: 6; margin-right: 1; }
 #p2, #p3, #prefix-table { scrollbar-size-vertical: 1; }
-#const-status { height: 1; }
 #prefix-table { height: 1fr; }
-#ttft-head { height: 1; }
+#prefix-empty { height: auto; }
+#transfer-body { text-wrap: nowrap; text-overflow: ellipsis; }
 #ttft-plot { height: 1fr; }
 HelpScreen, ReplicateScreen, PolicyScreen { align: center middle; }
-#dialog { width: 60; max-width: 95%; height: auto; border: thick $accent; background: $surface; padding: 0 1; }
+#dialog { width: 60; max-width: 95%; height: auto; max-height: 100%; border: thick $accent; background: $surface;
+          padding: 0 1; }
+#help-dialog { width: 100; max-width: 100%; height: auto; max-height: 100%; border: thick $accent;
+               background: $surface; padding: 0 1; }
 #dialog Input { margin: 1 0 0 0; }
-#dialog OptionList { height: auto; max-height: 12; }
+#dialog OptionList { height: auto; max-height: 20; }
 """
 
-HELP = """\
-[b]btbctl tui[/b]: live prefix heat, fleet and HBM, transfers, TTFT and BTB's constants.
+KEYS = """\
+[b]btbctl tui[/b]: prefix heat, fleet and HBM, transfers, TTFT, BTB's constants.
 
-  [b]1..5[/b]   jump to a panel (prefixes, fleet, transfers, TTFT, constants)
-  [b]tab[/b]    next panel
-  [b]up/down[/b] select a prefix (panel 1)
-  [b]r[/b]      replicate the selected prefix to n more workers
-  [b]c[/b]      change the routing policy
-  [b]e[/b]      edit the constants (Enter sends a field; the fleet confirms or refuses)
-  [b]p[/b]      pause / resume the live view (the fleet keeps running)
-  [b]?[/b]      this help
-  [b]q[/b]      quit
+  [b]1..5[/b]    jump to a panel (prefixes, fleet, transfers, TTFT, constants)
+  [b]tab[/b]     next panel (next field while editing)
+  [b]up/down[/b] select a prefix in panel 1 (kept when the list re-sorts)
+  [b]r[/b]       replicate the selected prefix to n more workers
+  [b]c[/b]       change the routing policy
+  [b]e[/b]       edit the constants: [b]enter[/b] sends the field (the fleet
+          confirms or refuses), [b]escape[/b] leaves editing and sends
+          nothing; keys typed in a field are text
+  [b]p[/b]       pause / resume the view (the fleet keeps running)
+  [b]?[/b]       this help
+  [b]q[/b]       quit
+"""
 
-[dim]escape closes this screen[/dim]"""
+LEGEND = """\
+[b]1 Prefix heat[/b]: prefixes in the detector window, hottest first
+  [b]prefix[/b]  prefix id, as [i]btbctl replicate --prefix[/i] takes it
+  [b]len[/b]     prefix length, tokens (prefix_blocks blocks; k = 1024)
+  [b]arr/X[/b]   arrivals in the last window_s seconds / threshold
+          (red: hot, replication fired)
+  [b]hold[/b]    workers holding the whole prefix in their KV cache
+  [b]cp[/b]      copies of it in flight
+  [b]trend[/b]   arrivals over the last snapshots
+[b]2 Fleet / HBM[/b]
+  [b]ok[/b]      health check: up or DOWN
+  [b]run[/b]     requests running    [b]queue[/b] requests waiting
+  [b]KV[/b]      KV cache in use / capacity
+  [b]HBM GB[/b]  GPU memory in use / size, GB (1e9 bytes, as in
+          [i]btbctl presets[/i])
+  [b]util[/b]    GPU utilisation
+  [b]via[/b]     source of the GPU row: nvml (read here), worker (as
+          it reports), sim (modelled by the simulation)
+[b]3 Transfers[/b]: KV-cache copies, in flight first
+  [b]route[/b]   source>target worker
+  [b]size[/b]    bytes the copy moves (GB = 1e9 bytes)
+  [b]rate[/b]    bytes per second    [b]eta[/b] time left
+  [b]time[/b]    time since it started, or how long it took
+[b]4 TTFT[/b]: time to first token, p50 and p95 per time bucket (the
+  title shows the latest, in the lines' colours); x: time, seconds
+[b]5 Constants[/b]: as named in the config's \\[btb] and by [i]btbctl tune[/i]
+"""
+
+
+def help_text() -> str:
+    """The help screen: keys, then the legend of every panel, then each constant from :class:`BtbConstants`."""
+    import textwrap
+
+    lines = []
+    for k in BtbConstants.keys():
+        text = textwrap.fill(constant_help(k), width=72, initial_indent="  ", subsequent_indent="          ")
+        lines.append(escape_markup(text).replace(f"  {k}:", f"  [b]{k}[/b]:", 1))
+    consts = "\n".join(lines)
+    return f"{KEYS}\n{LEGEND}{consts}\n\n[dim]escape closes this screen[/dim]"
+
+
+def escape_markup(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,q,question_mark", "dismiss", "close")]
 
     def compose(self) -> ComposeResult:
-        with Vertical(id="dialog"):
-            yield Static(HELP)
+        with VerticalScroll(id="help-dialog"):
+            yield Static(help_text())
 
 
 class ReplicateScreen(ModalScreen[int | None]):
@@ -104,7 +165,7 @@ class ReplicateScreen(ModalScreen[int | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(f"Replicate prefix {self.prefix_id[:12]} to how many more workers?")
+            yield Label(f"Replicate prefix {short_id(self.prefix_id)} to how many more workers?")
             yield Input(str(self.default_n), id="replicate-n", type="integer")
             yield Label("", id="replicate-error")
 
@@ -138,9 +199,8 @@ class PolicyScreen(ModalScreen[str | None]):
         with Vertical(id="dialog"):
             yield Label(f"Routing policy (now {self.current}):")
             names = list(POLICIES)
-            ol = OptionList(
-                *[Option(f"{n}  [dim]{POLICIES[n].summary[:40]}[/dim]", id=n) for n in names], id="policy-list"
-            )
+            # whole summaries: the option list wraps them at word boundaries
+            ol = OptionList(*[Option(policy_prompt(n, POLICIES[n].summary), id=n) for n in names], id="policy-list")
             if self.current in names:
                 ol.highlighted = names.index(self.current)
             yield ol
@@ -151,6 +211,15 @@ class PolicyScreen(ModalScreen[str | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+def policy_prompt(name: str, summary: str) -> Text:
+    """A policy picker entry: the name, then its whole summary (dim), wrapped by the list at word boundaries."""
+    text = Text(name, style="bold")
+    if summary:
+        text.append("  ")
+        text.append(summary, style="dim")
+    return text
 
 
 class Dashboard(App):
@@ -200,6 +269,7 @@ class Dashboard(App):
         self._push_posted = False
         self.pushed = 0
         self.sub_title = title
+        self._before_edit: Widget | None = None
 
     # -- layout -----------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -328,11 +398,32 @@ class Dashboard(App):
         self._show_status(self.snapshot)
 
     def action_panel(self, n: int) -> None:
-        target = {1: "#prefix-table", 2: "#p2", 3: "#p3", 4: "#ttft-plot", 5: "#const-threshold"}[n]
+        if n == 5:
+            self.action_edit()
+            return
+        target = {1: "#prefix-table", 2: "#p2", 3: "#p3", 4: "#ttft-plot"}[n]
         self._main(target).focus()
 
     def action_edit(self) -> None:
-        self._main("#const-threshold", Input).focus()
+        """Focus the first constant's field (as shown); Escape comes back to the widget focused now."""
+        focused = self.focused
+        if not isinstance(focused, ConstantInput):
+            self._before_edit = focused
+        self._main(ConstantsPanel).field(BtbConstants.keys()[0]).focus()
+
+    @on(ConstantInput.Leave)
+    def _leave_edit(self, event: ConstantInput.Leave) -> None:
+        """Escape in a field: nothing is sent; the fields show the constants in force, the focus goes back."""
+        panel = self._main(ConstantsPanel)
+        back = self._before_edit
+        self._before_edit = None
+        if back is None or not back.is_attached or isinstance(back, ConstantInput):
+            back = self._main("#prefix-table")
+        back.focus()
+        if self.snapshot is not None:
+            panel.update_snapshot(self.snapshot, force=True)
+        if not panel.error:
+            panel.show("left editing; nothing sent")
 
     def action_replicate(self) -> None:
         row = self._main(PrefixPanel).selected
@@ -375,7 +466,7 @@ class Dashboard(App):
             panel.show(f"policy refused: {e}", error=True)
             return
         panel.show(f"policy {confirmed} confirmed")
-        self._main("#const-policy", Label).update(f"policy {confirmed}")
+        panel.show_policy(confirmed)
 
     @on(Input.Submitted, ".const-input")
     def _constant_submitted(self, event: Input.Submitted) -> None:

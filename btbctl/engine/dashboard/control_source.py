@@ -380,6 +380,7 @@ class ControlApiSource:
                 t.eta_s,
                 str(t.state),
                 t.error,
+                _duration(t.started_s, t.finished_s, transfers.now_s),
             )
             for t in transfers.transfers
         )
@@ -453,3 +454,10 @@ class ControlApiSource:
 
 
 __all__ = ["ControlApiSource", "FEED_POLL", "FEED_STREAM", "RECONNECT_MAX_S", "RECONNECT_MIN_S", "TtftTrail"]
+
+
+def _duration(started_s: float | None, finished_s: float | None, now_s: float) -> float | None:
+    """How long a copy ran: start to end once finished, start to now while in flight; None before it starts."""
+    if started_s is None:
+        return None
+    return max(0.0, (now_s if finished_s is None else finished_s) - started_s)

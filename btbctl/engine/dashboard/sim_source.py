@@ -330,6 +330,7 @@ class SimSource:
             c.rate_bytes_per_s,
             c.eta_s,
             c.state.value,
+            duration_s=max(0.0, (self.sim.now if c.done_s is None else c.done_s) - c.started_s),
         )
 
     # -- actions ----------------------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ class PrefixRow:
 @dataclass(frozen=True, slots=True)
 class TransferRow:
     """One KV-cache copy. ``state``: ``running``, ``stalled`` (waiting for the source's prefill), ``done`` or
-    ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished)."""
+    ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished). ``duration_s``: seconds
+    since it started while in flight, start to end once finished (None when unknown)."""
 
     copy_id: str
     prefix_id: str
@@ -92,6 +93,7 @@ class TransferRow:
     eta_s: float | None
     state: str
     error: str | None = None
+    duration_s: float | None = None
 
     @property
     def fraction(self) -> float:

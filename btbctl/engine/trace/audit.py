@@ -146,3 +146,85 @@ def _stats(values: list[int]) -> dict:
         return {"mean": None, "p50": None, "p95": None, "max": None}
     s = sorted(values)
     return {"mean": sum(s) / n, "p50": s[min(n - 1, int(0.5 * n))], "p95": s[min(n - 1, int(0.95 * n))], "max": s[-1]}
+
+
+def btb_verdict(trace: Trace, prefix_blocks: int, threshold: int, window_s: float) -> dict:
+    """Whether BTB's detector fires on ``trace`` with these constants, and if not, why and with which
+    ``prefix_blocks`` it would.
+
+    BTB fires for a prefix when ``threshold`` requests sharing its first ``prefix_blocks`` blocks arrive within
+    ``window_s`` seconds (the fan-out above for ``k = prefix_blocks``, ``t = window_s``). Requests with fewer
+    blocks are never tracked.
+
+    Returns:
+        ``{"prefix_blocks", "threshold", "window_s", "fires": bool, "hot_prefixes": groups that reach the
+        threshold, "max_arrivals": most arrivals of one prefix in a window, "requests_tracked": requests with
+        >= prefix_blocks blocks, "longest_blocks": most blocks of any request, "fires_with_prefix_blocks": the
+        largest power-of-two prefix_blocks (<= the longest request) at which it would fire with the same threshold
+        and window, or None, "reason": one sentence}``.
+    """
+    reqs = trace.requests
+    longest = max((len(r.block_hashes) for r in reqs), default=0)
+
+    def fan(k: int) -> tuple[int, int, int]:
+        groups: dict = {}
+        tracked = 0
+        for r in reqs:
+            if len(r.block_hashes) >= k:
+                tracked += 1
+                groups.setdefault(r.block_hashes[k - 1], []).append(r.arrival_s)
+        peaks = [max_in_window(g, window_s) for g in groups.values()]
+        return tracked, max(peaks, default=0), sum(1 for p in peaks if p >= threshold)
+
+    tracked, peak, hot = fan(prefix_blocks)
+    fires = hot > 0
+    alt = None
+    if not fires and longest:
+        k = 1
+        while k * 2 <= min(longest, prefix_blocks):
+            k *= 2
+        while k >= 1:
+            if fan(k)[2]:
+                alt = k
+                break
+            k //= 2
+    tokens = trace.block_tokens
+    consts = f"prefix_blocks={prefix_blocks} threshold={threshold} window_s={window_s:g}"
+    if fires:
+        reason = (
+            f"BTB fires with {consts}: {hot} prefix(es) of {prefix_blocks} blocks "
+            f"({prefix_blocks * tokens:,} tokens) reach {threshold} arrivals within {window_s:g} s (peak {peak})"
+        )
+    elif longest == 0:
+        reason = (
+            f"BTB never fires: the trace has no prefix hashes ({trace.format} records sizes and times only), "
+            "so no two requests are known to share a prefix"
+        )
+    elif tracked == 0:
+        reason = (
+            f"BTB never fires with {consts}: no request has {prefix_blocks} blocks ({prefix_blocks * tokens:,} "
+            f"tokens; the longest has {longest} blocks of {tokens} tokens), so no prefix is tracked"
+        )
+    else:
+        reason = (
+            f"BTB never fires with {consts}: at most {peak} arrival(s) of one {prefix_blocks}-block prefix fall "
+            f"within {window_s:g} s ({tracked:,} requests have that many blocks)"
+        )
+    if not fires and longest:
+        reason += (
+            f"; it would fire with prefix_blocks={alt} (same threshold and window)"
+            if alt is not None
+            else "; no shorter prefix_blocks fires either (no burst of shared prefixes at this threshold and window)"
+        )
+    return {
+        "prefix_blocks": prefix_blocks,
+        "threshold": threshold,
+        "window_s": window_s,
+        "fires": fires,
+        "hot_prefixes": hot,
+        "max_arrivals": peak,
+        "requests_tracked": tracked,
+        "longest_blocks": longest,
+        "fires_with_prefix_blocks": alt,
+        "reason": reason,
+    }

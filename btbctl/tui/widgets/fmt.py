@@ -8,15 +8,20 @@ from collections.abc import Sequence
 _SPARKS = "▁▂▃▄▅▆▇█"
 
 
+#: Decimal byte units, as ``btbctl presets`` prints them (GB = 1e9 bytes: an H100's 80 GB shows as ``80.0GB``).
+BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
 def human_bytes(n: float | None) -> str:
-    """``n`` bytes with a binary-prefixed unit (``1.5G``); ``-`` for None/NaN."""
+    """``n`` bytes with a decimal unit (``1.3GB``; GB = 1e9 bytes, the unit of ``btbctl presets``); ``-`` for
+    None/NaN."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "-"
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(n) < 1024 or unit == "T":
+    for unit in BYTE_UNITS:
+        if abs(n) < 1000 or unit == BYTE_UNITS[-1]:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024.0
-    return f"{n:.1f}T"
+        n /= 1000.0
+    raise AssertionError("unreachable")  # pragma: no cover - the last unit returns
 
 
 def human_tokens(n: int) -> str:

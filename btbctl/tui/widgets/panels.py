@@ -8,9 +8,12 @@ from collections import deque
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
 from textual.widgets import DataTable, Input, Label, Static
 
+from btbctl.engine.chains import short_id
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.dashboard import FleetSnapshot, PrefixRow
@@ -21,7 +24,11 @@ SPARK_POINTS = 12
 
 
 class PrefixPanel(Vertical):
-    """Top prefixes by arrivals in the detector window, with a row cursor (the selection ``r`` replicates)."""
+    """Top prefixes by arrivals in the detector window, with a row cursor (the selection ``r`` replicates).
+
+    The selection is kept by prefix id: when a snapshot re-sorts the list, the cursor moves with the prefix it was
+    on, so ``r`` replicates the prefix the user sees highlighted. When that prefix leaves the list the cursor stays
+    at its row, on whatever prefix is shown there."""
 
     BORDER_TITLE = "1 Prefix heat"
 
@@ -33,6 +40,7 @@ class PrefixPanel(Vertical):
     def compose(self) -> ComposeResult:
         table = DataTable(id="prefix-table", cursor_type="row", zebra_stripes=False, cell_padding=0)
         yield table
+        yield Static("", id="prefix-empty")
 
     def on_mount(self) -> None:
         t = self.query_one(DataTable)
@@ -45,14 +53,18 @@ class PrefixPanel(Vertical):
 
     @property
     def selected(self) -> PrefixRow | None:
+        """The prefix of the highlighted row (what ``r`` replicates), None when the list is empty."""
         t = self.query_one(DataTable)
-        if not self.rows or t.cursor_row < 0 or t.cursor_row >= len(self.rows):
+        if not self.rows or not 0 <= t.cursor_row < t.row_count:
             return None
-        return self.rows[t.cursor_row]
+        key = t.coordinate_to_cell_key(t.cursor_coordinate).row_key.value
+        return next((p for p in self.rows if p.prefix_id == key), None)
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
         t = self.query_one(DataTable)
-        keep = self.selected.prefix_id if self.selected else None
+        was = self.selected
+        keep = was.prefix_id if was is not None else None
+        keep_row = t.cursor_row
         seen = set()
         for p in snap.prefixes:
             h = self._history.setdefault(p.prefix_id, deque(maxlen=SPARK_POINTS))
@@ -74,12 +86,27 @@ class PrefixPanel(Vertical):
                 sparkline(self._history[p.prefix_id], 5),
                 key=p.prefix_id,
             )
-        if keep is not None:
-            for i, p in enumerate(self.rows):
-                if p.prefix_id == keep:
-                    t.move_cursor(row=i, animate=False)
-                    break
+        row = next((i for i, p in enumerate(self.rows) if p.prefix_id == keep), None)
+        if row is None:
+            row = min(max(keep_row, 0), max(len(self.rows) - 1, 0))
+        if self.rows:
+            t.move_cursor(row=row, animate=False)
+        empty = self.query_one("#prefix-empty", Static)
+        empty.display = not self.rows
+        if not self.rows:
+            empty.update(Text(empty_heat_hint(snap.constants), style="dim"))
         self.border_subtitle = f"{len(self.rows)} tracked"
+
+
+def empty_heat_hint(constants: dict) -> str:
+    """Why the heat list is empty: no prompt carried a prefix of ``prefix_blocks`` blocks inside the window."""
+    y, z = constants.get("prefix_blocks"), constants.get("window_s")
+    if y is None:
+        return "no prefix seen yet"
+    return (
+        f"no prefix of {y} blocks seen yet (prefix_blocks={y}: shorter prompts are not tracked; "
+        f"arrivals count over the last {z:g} s)"
+    )
 
 
 class FleetPanel(VerticalScroll):
@@ -106,11 +133,11 @@ class FleetPanel(VerticalScroll):
         parts: list = [w]
         if snap.gpus:
             g = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
-            for col, just in (("gpu", "left"), ("HBM", "right"), ("util", "right"), ("via", "left")):
+            for col, just in (("gpu", "left"), ("HBM GB", "right"), ("util", "right"), ("via", "left")):
                 g.add_column(col, justify=just, no_wrap=True)
             for gpu in snap.gpus:
                 util = "-" if gpu.util_pct is None else f"{gpu.util_pct:.0f}%"
-                g.add_row(gpu.name, f"{human_bytes(gpu.used_bytes)}/{human_bytes(gpu.total_bytes)}", util, gpu.source)
+                g.add_row(gpu.name, hbm_gb(gpu.used_bytes, gpu.total_bytes), util, gpu.source)
             parts.append(g)
         if snap.gpu_note:
             parts.append(Text(snap.gpu_note, style="yellow"))
@@ -121,8 +148,21 @@ class FleetPanel(VerticalScroll):
         self.border_subtitle = f"{len(snap.workers)} workers" + (f", {down} down" if down else "")
 
 
+def hbm_gb(used: float, total: float) -> str:
+    """HBM in use / size in GB (1e9 bytes, the unit of ``btbctl presets``): ``62.4/80.0``."""
+    return f"{used / 1e9:.1f}/{total / 1e9:.1f}"
+
+
+#: The transfers panel's columns: (header, width) for a wide panel (>= :data:`TRANSFERS_WIDE` cells) and a
+#: narrow one. Prefix ids are shown as ``btbctl replicate --prefix`` takes them (:func:`btbctl.engine.chains.short_id`).
+TRANSFERS_WIDE = 70
+_WIDE_HEAD = f"{'prefix':12} {'route':7} {'progress':13} {'size':>7} {'rate':>9} {'time':>6} {'eta':>6}  state"
+_NARROW_HEAD = f"{'prefix':12} {'route':5} {'size':>6} {'time':>5} state"
+
+
 class TransferPanel(VerticalScroll):
-    """KV-cache copies in flight, then recent ones: prefix, source -> target, progress, rate, ETA, result."""
+    """KV-cache copies in flight, then recent ones: prefix, source > target, progress, size, rate, time, ETA,
+    state (a narrow panel drops progress, rate and ETA; the state of a running copy then shows its percentage)."""
 
     BORDER_TITLE = "3 Transfers"
     can_focus = True
@@ -137,96 +177,148 @@ class TransferPanel(VerticalScroll):
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
         self._last = snap
-        wide = self.size.width >= 60
+        wide = self.size.width >= TRANSFERS_WIDE
         lines = Text(no_wrap=True, overflow="ellipsis")
-        lines.append(
-            (
-                "prefix   route   progress       rate      eta   state"
-                if wide
-                else "prefix route  progress    eta  state"
-            ),
-            style="bold",
-        )
+        lines.append(_WIDE_HEAD if wide else _NARROW_HEAD, style="bold")
         live = 0
         for x in snap.transfers:
-            style = {CopyState.DONE: "green", CopyState.FAILED: "bold red", CopyState.STALLED: "yellow"}.get(
-                CopyState(x.state), "cyan"
-            )
-            if not CopyState(x.state).final:
+            cs = CopyState(x.state)
+            style = {CopyState.DONE: "green", CopyState.FAILED: "bold red", CopyState.STALLED: "yellow"}.get(cs, "cyan")
+            if not cs.final:
                 live += 1
-            state = x.state if not x.error else f"{x.state}: {x.error}"
-            route = f"{x.source}>{x.target}"
             pct = f"{x.fraction * 100:3.0f}%"
+            size = human_bytes(x.bytes_total) if x.bytes_total > 0 else "-"
+            took = seconds(x.duration_s)
             if wide:
+                route = f"{x.source}>{x.target}"
                 rate = f"{human_bytes(x.bytes_per_s)}/s" if x.bytes_per_s else "-"
-                row = f"{x.prefix_id[:8]} {route:7} {bar(x.fraction, 8)} {pct} {rate:>9} {seconds(x.eta_s):>6}   "
+                row = (
+                    f"{short_id(x.prefix_id):12} {route:7} {bar(x.fraction, 8)} {pct} {size:>7} {rate:>9} "
+                    f"{took:>6} {seconds(x.eta_s):>6}  "
+                )
+                state = x.state
             else:
-                row = f"{x.prefix_id[:6]} {route:6} {bar(x.fraction, 5)}{pct} {seconds(x.eta_s):>5}  "
+                route = f"{x.source}>{x.target}"
+                row = f"{short_id(x.prefix_id):12} {route:5} {size:>6} {took:>5} "
+                state = x.state if cs.final or cs is CopyState.STALLED else pct.strip()
+            if x.error:
+                state = f"{state}: {x.error}"
             lines.append("\n" + row)
             lines.append(state, style=style)
-        t = lines
-        body = t if snap.transfers else Text("no transfers yet", style="dim")
+        body = lines if snap.transfers else Text("no transfers yet", style="dim")
         self.query_one("#transfer-body", Static).update(body)
         self.border_subtitle = f"{live} in flight"
 
 
+#: Colours and plotext markers of the TTFT lines (the head line is their legend).
+TTFT_LINES = (("p50", "cyan", "braille"), ("p95", "magenta", "braille"))
+
+
 class TtftPanel(Vertical):
-    """TTFT p50 and p95 over time (plotext), with the policy and requests/s in the title line."""
+    """TTFT p50 and p95 over time (plotext); the title line holds requests/s and the legend (the latest p50 and
+    p95 in their lines' colours), so every row of the panel goes to the chart (the policy is in panel 5's title)."""
 
     BORDER_TITLE = "4 TTFT"
 
     def compose(self) -> ComposeResult:
         from textual_plotext import PlotextPlot
 
-        yield Static(id="ttft-head")
         yield PlotextPlot(id="ttft-plot")
 
     def on_mount(self) -> None:
-        self.query_one("#ttft-plot").plt.theme("clear")
+        plt = self.query_one("#ttft-plot").plt
+        plt.theme("clear")
+        # no top and right frame lines, no axis label: every row of a short panel goes to the lines
+        plt.xaxes(True, False)
+        plt.yaxes(True, False)
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
         from textual_plotext import PlotextPlot
 
         pts = [p for p in snap.ttft if not math.isnan(p.p50_s)]
         last = pts[-1] if pts else None
-        head = f"{snap.policy or '-'} {snap.rps:.0f} req/s"
-        if last is not None:
-            head += f" p50 {seconds(last.p50_s)} p95 {seconds(last.p95_s)}"
-        self.query_one("#ttft-head", Static).update(head)
+        head = Text(f"{self.BORDER_TITLE} {snap.rps:.0f} req/s")
+        for name, colour, _ in TTFT_LINES:
+            value = seconds(getattr(last, f"{name}_s")) if last is not None else "-"
+            head.append(f" {name} ", style=f"bold {colour}")
+            head.append(value)
+        self.border_title = head
         plot = self.query_one("#ttft-plot", PlotextPlot)
         plt = plot.plt
         plt.clear_data()
         if pts:
             xs = [p.t_s for p in pts]
-            plt.plot(xs, [p.p50_s for p in pts], label="p50", marker="braille")
-            plt.plot(xs, [p.p95_s for p in pts], label="p95", marker="braille")
-        plt.xlabel("t (s)")
+            for name, colour, marker in TTFT_LINES:
+                plt.plot(xs, [getattr(p, f"{name}_s") for p in pts], marker=marker, color=colour)
         plot.refresh()
 
 
+class ConstantInput(Input):
+    """One constant's field. Enter sends it; Escape leaves editing without sending (the field shows the value in
+    force again and the focus returns to where it was before ``e``). Printable keys (``q``, ``e``, ...) are text
+    while it has the focus."""
+
+    BINDINGS = [
+        Binding("escape", "leave", "leave editing"),
+        Binding("enter", "submit", "send", show=True),
+        Binding("tab", "app.focus_next", "next field", show=True),
+    ]
+
+    class Leave(Message):
+        """Escape in a constant's field."""
+
+    def action_leave(self) -> None:
+        self.post_message(self.Leave())
+
+
 class ConstantsPanel(Vertical):
-    """BTB's four constants, editable (Enter sends a field), the policy, and what the fleet confirmed."""
+    """BTB's four constants under their config and ``btbctl tune`` names (from :class:`BtbConstants`), editable
+    (Enter sends a field, Escape leaves editing); the policy in the title and the fleet's last answer in the
+    subtitle (``message``)."""
 
     BORDER_TITLE = "5 Constants"
-    FIELDS = tuple(zip(BtbConstants.keys(), ("Y blk", "X arr", "Z s", "M"), strict=True))
+    #: The fields in the order shown: the constants' own keys (``e`` focuses the first).
+    FIELDS = BtbConstants.keys()
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.message = ""
+        self.error = False
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="const-row"):
-            for key, label in self.FIELDS:
-                yield Label(f"{label} ", classes="const-label")
-                yield Input(id=f"const-{key}", compact=True, classes="const-input", select_on_focus=True)
-            yield Label("", id="const-policy")
-        yield Label("", id="const-status")
+            for key in self.FIELDS:
+                yield Label(f"{key} ", classes="const-label")
+                inp = ConstantInput(id=f"const-{key}", compact=True, classes="const-input", select_on_focus=True)
+                inp.tooltip = constant_help(key)
+                yield inp
+
+    def field(self, key: str) -> ConstantInput:
+        return self.query_one(f"#const-{key}", ConstantInput)
 
     def update_snapshot(self, snap: FleetSnapshot, force: bool = False) -> None:
-        for key, _ in self.FIELDS:
-            inp = self.query_one(f"#const-{key}", Input)
+        for key in self.FIELDS:
+            inp = self.field(key)
             if key in snap.constants and (force or not inp.has_focus):
                 val = str(snap.constants[key])
                 if inp.value != val:
                     inp.value = val
-        self.query_one("#const-policy", Label).update(f"policy {snap.policy}")
+        self.show_policy(snap.policy)
+
+    def reset(self, constants: dict, key: str) -> None:
+        """Show the value in force for ``key`` again (what Escape leaves)."""
+        if key in constants:
+            self.field(key).value = str(constants[key])
+
+    def show_policy(self, policy: str) -> None:
+        self.border_title = f"{self.BORDER_TITLE} | policy {policy or '-'}"
 
     def show(self, message: str, error: bool = False) -> None:
-        lbl = self.query_one("#const-status", Label)
-        lbl.update(Text(message, style="bold red" if error else "green"))
+        self.message, self.error = message, error
+        self.border_subtitle = Text(message, style="bold red" if error else "green")
+
+
+def constant_help(key: str) -> str:
+    """The description of a constant (its docstring in :class:`BtbConstants`) and its valid values."""
+    desc = (BtbConstants.model_fields[key].description or "").replace("\n", " ")
+    return f"{key}: {' '.join(desc.split())} Valid: {BtbConstants.describe(key)}."

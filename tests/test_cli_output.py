@@ -1,0 +1,87 @@
+"""Human output as an operator meets it: piped output is never broken at 80 columns, charts read without colour."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from btbctl.commands.dryrun import CHART_SERIES, ttft_chart
+from btbctl.commands.output import PIPE_WIDTH, make_console
+from btbctl.commands.sweep import HEAT_SHADES, heatmap_chart
+
+
+def test_piped_console_does_not_wrap(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    con = make_console()  # under pytest stdout is not a terminal
+    assert not con.is_terminal and con.width == PIPE_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert make_console().width == 100  # asked for
+
+
+def test_piped_dry_run_lines_are_not_broken(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    long_dir = tmp_path / ("a-rather-long-folder-name-" * 3)
+    long_dir.mkdir()
+    trace = long_dir / "t.jsonl"
+    gen = [sys.executable, "-c", "from btbctl.commands.app import main; main()"]
+    subprocess.run(
+        [*gen, "trace", "gen", "--out", str(trace), "--bursts", "1", "--burst-size", "20"], check=True, env=env
+    )
+    proc = subprocess.run(
+        [*gen, "dry-run", "--trace", str(trace), "--policies", "btb"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("trace: ") and str(trace) in first and len(first) > 80  # one line, not wrapped
+
+
+def test_ttft_chart_has_a_glyph_per_percentile():
+    r = {
+        "results": [
+            {"policy": "a", "ttft_s": {"p50": 1.0, "p95": 2.0, "p99": 4.0}},
+            {"policy": "bb", "ttft_s": {"p50": 0.5, "p95": 1.0, "p99": 1.5}},
+        ]
+    }
+    text = ttft_chart(r, width=60)
+    plain = text.plain.splitlines()
+    glyphs = [g for _, g, _ in CHART_SERIES]
+    assert len(set(glyphs)) == 3 and all(g in plain[0] for g in glyphs)  # the legend
+    assert len(plain) == 1 + 2 * 3 and max(len(ln) for ln in plain[1:]) <= 60
+    for line, (q, g, _) in zip(plain[1:4], CHART_SERIES, strict=True):
+        assert f" {q} " in line and g in line
+    assert plain[3].count("█") > plain[2].count("▒") > plain[1].count("░")  # one scale
+    assert {s.style for s in text.spans} >= {c for _, _, c in CHART_SERIES}  # and colours where shown
+
+
+def test_heatmap_shades_by_value_with_a_legend():
+    hm = {
+        "metric": "mean",
+        "x_axis": "threshold",
+        "y_axis": "prefix_blocks",
+        "x": [2, 4],
+        "y": [64, 256],
+        "values": [[1.0, 2.0], [3.0, None]],
+    }
+    plain = heatmap_chart(hm).plain.splitlines()
+    best, worst = HEAT_SHADES[0][0], HEAT_SHADES[-1][0]
+    assert best in plain[2] and "1.000" in plain[2] and worst in plain[3] and "-" in plain[3]
+    assert plain[-1].startswith("shades: ") and "lower is better" in plain[-1]
+
+
+def test_progress_lines_when_piped(capsys):
+    from btbctl.commands.output import Output
+
+    out = Output()
+    with out.progress("running 20 simulations", 20, lines_when_piped=True) as advance:
+        for _ in range(20):
+            advance(1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "running 20 simulations: 2/20 (10%)" and err[-1] == "running 20 simulations: 20/20 (100%)"
+    assert len(err) == 10
+    with out.progress("quiet by default", 5) as advance:
+        advance(5)
+    assert capsys.readouterr().err == ""
