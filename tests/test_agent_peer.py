@@ -156,10 +156,14 @@ def test_copy_ids_need_their_token_and_are_single_use(nodes):
     src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))
     assert dst.final("c1", "target")["state"] == "done"
     third.peers.push("c1x", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))
+    assert third.final("c1x", "source")["state"] == "failed"  # a token bound to another copy id
     dup = nodes("dup")
     dup.fill(names)
     dup.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": token}], "star"))  # replayed token
     assert "already used" in dup.final("c1", "source")["error"]
+    deadline = time.monotonic() + 10  # the target logs a refusal after answering it: wait for the fourth line
+    while len(dst.lines("copy_refused")) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
     refused = dst.lines("copy_refused")
     assert len(refused) == 4 and all("reason=" in line for line in refused)
     with pytest.raises(ValueError, match="already expected or used"):
