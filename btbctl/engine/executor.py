@@ -82,7 +82,7 @@ class Executor:
 
 def valid_ray_address(address: str) -> bool:
     """Whether ``address`` reads as a Ray address: ``local``, ``auto``, ``HOST[:PORT]`` or ``ray://HOST[:PORT]``."""
-    return address in (LOCAL_RAY, "auto") or bool(_ADDRESS.match(address))
+    return address in (LOCAL_RAY, "auto") or bool(_ADDRESS.fullmatch(address))
 
 
 def default_jobs() -> int:
