@@ -67,7 +67,7 @@ DEFAULT_SGLANG_READY_TIMEOUT_S = 1800.0
 COMMAND_FIELDS = ("host", "port", "model", "tp_size", "page_size", "name", "index", "transfer_port")
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
 class GatewaySection(BaseModel):

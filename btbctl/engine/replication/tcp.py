@@ -70,7 +70,7 @@ MAX_REPLY_BYTES = 64 << 10
 #: Environment variable the worker reads a :class:`FaultPlan` from (tests only).
 FAULT_ENV = "BTBCTL_REPLICATION_FAULT"
 
-_HASH = re.compile(r"^[0-9a-f]{1,64}$")
+_HASH = re.compile(r"^[0-9a-f]{1,64}\Z")
 
 
 @dataclass(frozen=True)
