@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +31,7 @@ EXAMPLE = ROOT / "examples" / "cluster-k8s.toml"
 VERSIONS = ("1.28.0", "1.37.0")
 
 kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (in the test extra)")
+yaml = pytest.importorskip("yaml", reason="needs PyYAML (kubernetes-validate brings it)")
 
 
 def _validate(obj: dict) -> None:
@@ -128,6 +128,38 @@ def test_worker_containers_run_the_command_line_btbctl_up_generates(monkeypatch)
     with pytest.raises(ConfigError) as err:
         kube.render(cluster, "f.toml")
     assert err.value.key == "kubernetes.agent_socket_dir" and "'/tmp/x.sock'" in err.value.reason
+
+
+class _Captured(Exception):
+    """Stops ``fleet.up`` once it has spawned every local worker."""
+
+
+def test_worker_containers_run_what_fleet_up_spawns(monkeypatch, tmp_path):
+    """The command lines ``btbctl up`` hands to ``spawn`` for this cluster file (captured, nothing of them runs),
+    flag for flag against the containers' commands."""
+    from btbctl.engine.launcher import fleet, local
+    from btbctl.engine.launcher.rundir import RunDir
+
+    cluster = _load()
+    spawned: dict[str, list[str]] = {}
+    harmless = [sys.executable, "-c", "pass"]
+
+    def record_spawn(name, argv, log, env=None):
+        spawned[name] = list(argv)
+        return local.spawn(name, harmless, log)
+
+    def stop(*args, **kwargs):
+        raise _Captured
+
+    monkeypatch.setattr(fleet, "spawn", record_spawn)
+    monkeypatch.setattr(fleet, "wait_ready", stop)  # called once every local worker was spawned
+    with pytest.raises(_Captured):
+        fleet.up(cluster, RunDir(tmp_path / "run"), detach=False)
+    assert list(spawned) == [inst.name for inst in cluster.instances()]
+    sts = {o["metadata"]["name"]: o for o in _by_kind(_objects(cluster), "StatefulSet")}
+    for inst in cluster.instances():
+        command = sts[f"btb-{inst.spec.name}"]["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert _flags(command) == _flags(spawned[inst.name]), inst.name
 
 
 def test_gateway_agents_and_workers_fit_together():
@@ -290,12 +322,31 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
         main(["deploy", "render", "-c", str(EXAMPLE)])
     stream = list(yaml.safe_load_all(capsys.readouterr().out))
     assert stream == _objects(_load())
+    # a later render without agents removes the agents.yaml the first one wrote, and nothing else
+    (out / "notes.yaml").write_text("kind: mine\n")
+    emu_only = tmp_path / "emu.toml"
+    text = EXAMPLE.read_text()
+    emu_only.write_text(
+        text[: text.index("[[workers]]")] + text[text.index("[[workers]]", text.index("[[workers]]") + 1) :]
+    )
+    with pytest.raises(SystemExit):
+        main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
+    capsys.readouterr()
+    assert sorted(os.listdir(out)) == ["gateway.yaml", "kustomization.yaml", "notes.yaml", "workers.yaml"]
+    # an agents.yaml someone else wrote is left alone
+    (out / "agents.yaml").write_text("# my agents\nkind: mine\n")
+    with pytest.raises(SystemExit):
+        main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
+    capsys.readouterr()
+    assert (out / "agents.yaml").read_text() == "# my agents\nkind: mine\n"
 
 
 def test_the_committed_base_is_what_the_renderer_writes(tmp_path):
     cluster = cl.load_cluster(EXAMPLE)
     from btbctl import __version__
     from btbctl.commands.deploy import HEADER
+
+    assert HEADER.startswith(kube.RENDERED_MARK)
 
     header = HEADER.format(config="cluster-k8s.toml", version=__version__, secret="btb-secrets")
     kube.write(kube.render(cluster), cluster.kubernetes, str(tmp_path), header)

@@ -73,6 +73,11 @@ _SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential"
 #: Last words that say the value only names where a secret is (a file, a path).
 _REFERENCE_WORDS = {"file", "path", "dir", "name", "id"}
 
+#: How every rendered file starts (``btbctl deploy render`` writes it in its header).
+RENDERED_MARK = "# Rendered by `btbctl deploy render"
+#: Files a render writes only for some cluster files (a later render without them removes its own old copy).
+OPTIONAL_FILES = ("namespace.yaml", "agents.yaml")
+
 _WORKER_TOKEN = f"{SECRET_DIR}/worker-token"
 _CONTROL_TOKEN = f"{SECRET_DIR}/control-token"
 _FLEET_SECRET = f"{SECRET_DIR}/fleet-secret"
@@ -592,8 +597,10 @@ def kustomization(manifests: list[Manifest], k8s: KubernetesSection) -> dict:
 
 
 def write(manifests: list[Manifest], k8s: KubernetesSection, out_dir: str, header: str = "") -> list[str]:
-    """Write each manifest and ``kustomization.yaml`` into ``out_dir`` (created if missing); returns the paths.
-    Raises :class:`ConfigError` (key ``--out``) when the folder cannot be written."""
+    """Write each manifest and ``kustomization.yaml`` into ``out_dir`` (created if missing), each starting with
+    ``header``; remove a file of :data:`OPTIONAL_FILES` that an earlier render wrote (it starts with
+    :data:`RENDERED_MARK`) and this one does not. Returns the paths written. Raises :class:`ConfigError` (key
+    ``--out``) when the folder cannot be written."""
     from btbctl.engine.deploy.yamltext import dump, dump_all
 
     try:
@@ -602,6 +609,10 @@ def write(manifests: list[Manifest], k8s: KubernetesSection, out_dir: str, heade
         raise ConfigError("--out", f"cannot create {out_dir}: {e.strerror or e}") from None
     texts = {m.name: dump_all(m.objects) for m in manifests}
     texts["kustomization.yaml"] = dump(kustomization(manifests, k8s))
+    for name in OPTIONAL_FILES:  # a file an earlier render wrote that this one does not: remove it
+        old = os.path.join(out_dir, name)
+        if name not in texts and _first_line_starts_with(old, RENDERED_MARK):
+            os.unlink(old)
     paths = []
     for name, text in texts.items():
         path = os.path.join(out_dir, name)
@@ -612,6 +623,14 @@ def write(manifests: list[Manifest], k8s: KubernetesSection, out_dir: str, heade
             raise ConfigError("--out", f"cannot write {path}: {e.strerror or e}") from None
         paths.append(path)
     return paths
+
+
+def _first_line_starts_with(path: str, prefix: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith(prefix)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def objects(manifests: list[Manifest]) -> list[dict]:
