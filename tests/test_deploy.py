@@ -406,4 +406,8 @@ def test_yaml_text_keeps_strings_strings():
     tricky += ["#x", "*a", "&a", "!t", "%x", "@x", "`x", "{x}", "[x]", "x/", "", " lead", "line\n", "a\nb\n", "\x7f"]
     assert yaml.safe_load(dump(tricky)) == tricky
     assert dump({"a": "x\ny\n"}) == "a: |\n  x\n  y\n"
+    # floats in exponent form keep a dot in the mantissa (YAML 1.1 reads 1e-05 as a string); infinities are floats
+    floats = [5e-324, 1e16, 1e-05, -2.5e100, 0.1, -0.0, float("inf"), float("-inf")]
+    assert yaml.safe_load(dump(floats)) == floats
+    assert dump([1e-05]) == "- 1.0e-05\n"
     assert sys.version_info >= (3, 10)

@@ -9,7 +9,6 @@ block (``|``). So ``"0.9"``, ``"true"``, ``"30000"`` and ``"--port"`` stay strin
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -27,12 +26,26 @@ def scalar(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        return json.dumps(v)
+        return _float(v)
     if isinstance(v, str):
         if _PLAIN.fullmatch(v) and v.lower() not in _SPECIAL and not v.endswith(("/", ".")):
             return v
         return quote(v)
     raise TypeError(f"cannot write {type(v).__name__} as YAML")
+
+
+def _float(v: float) -> str:
+    """A float as YAML 1.1 readers take it for one: a mantissa with a dot (``1.0e-05``, not ``1e-05``, which PyYAML
+    and go-yaml's 1.1 rules read as a string), ``.inf``, ``-.inf``, ``.nan``."""
+    if v != v:
+        return ".nan"
+    if v in (float("inf"), float("-inf")):
+        return ".inf" if v > 0 else "-.inf"
+    text = repr(v)
+    mantissa, e, exponent = text.partition("e")
+    if e and "." not in mantissa:
+        text = f"{mantissa}.0e{exponent}"
+    return text
 
 
 def quote(s: str) -> str:
