@@ -436,3 +436,32 @@ def test_an_unexpected_os_error_still_shows_its_traceback(monkeypatch):
     monkeypatch.setattr(app_mod, "app", bug)
     with pytest.raises(OSError, match="Bad file descriptor"):
         app_mod.main(["status"])
+
+
+# -- names and addresses: a trailing newline is not a valid last character ------------------------------------------
+
+
+def test_names_and_addresses_with_a_trailing_newline_are_refused():
+    """The validating patterns end at the end of the string (``\\Z``): ``$`` would also match before a final newline,
+    and ``re.match`` would let ``"w0\\n"`` through as a worker name, an SSH host or user, or a page file name."""
+    from pydantic import ValidationError
+
+    from btbctl.engine.agent.filedir import FileDirStore as FileDir
+    from btbctl.engine.launcher.cluster import validate_cluster
+    from btbctl.engine.launcher.hosts import HostSpec, check_hostname
+    from btbctl.engine.replication.transport import TransferError, parse_address
+
+    assert validate_cluster({"workers": [{"name": "w0"}]}).workers[0].name == "w0"
+    with pytest.raises(ConfigError) as e:
+        validate_cluster({"workers": [{"name": "w0\n"}]})
+    assert e.value.key == "workers.0.name"
+    assert HostSpec(name="h", address="gpu1.example", user="me", env={"A": "1"}).name == "h"
+    for bad in ({"name": "h\n"}, {"address": "gpu1.example\n"}, {"user": "me\n"}, {"env": {"A\n": "1"}}):
+        with pytest.raises(ValidationError):
+            HostSpec(**{"name": "h", "address": "gpu1.example", **bad})
+    with pytest.raises(ValueError, match="not a host name"):
+        check_hostname("gpu1\n")
+    assert parse_address("node-1:7000") == ("node-1", 7000)
+    with pytest.raises(TransferError):
+        parse_address("node-1\n:7000")
+    assert FileDir.valid_name("a" * 64) and not FileDir.valid_name("a" * 64 + "\n")

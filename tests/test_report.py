@@ -12,6 +12,9 @@ from typer.testing import CliRunner
 from btbctl.commands.app import app
 from btbctl.engine import report as rp
 from btbctl.engine.errors import ConfigError
+from ray_helpers import local_ray_fixture
+
+local_ray = local_ray_fixture()
 
 MATRIX = """
 title = "small"
@@ -168,3 +171,24 @@ def test_cli_report(matrix_file, tmp_path):
     assert f"Regenerate with `btbctl report {matrix_file} --out {out}`" in text
     res = runner.invoke(app, ["report", str(tmp_path / "nope.toml")])
     assert res.exit_code != 0
+
+
+@pytest.mark.ray
+def test_ray_gives_the_same_report_as_the_process_pool(local_ray, matrix_file, tmp_path):
+    m = rp.load_matrix(matrix_file)
+    pool = rp.run_matrix(m, jobs=2)
+    ray = rp.run_matrix(m, ray="local")
+    assert pool["timing"]["executor"] == "processes" and ray["timing"]["executor"] == "ray"
+    strip = lambda r: json.dumps({k: v for k, v in r.items() if k != "timing"}, indent=2)
+    assert strip(pool) == strip(ray)
+    # the command: the same Markdown, byte for byte, into the same folder
+    runner = CliRunner()
+    out = tmp_path / "rep"
+    args = ["report", str(matrix_file), "--out", str(out), "--no-charts", "--format", "json"]
+    res = runner.invoke(app, args + ["-j", "2"])
+    assert res.exit_code == 0, res.output
+    md_pool = (out / "README.md").read_bytes()
+    res = runner.invoke(app, args + ["--ray"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["timing"]["executor"] == "ray"
+    assert (out / "README.md").read_bytes() == md_pool

@@ -11,6 +11,7 @@ from btbctl.commands.app import app
 from btbctl.engine.dryrun import DryRunConfig
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.sweep import AXES, SweepGrid, SweepSpec, grid_points, heatmap, parse_list, run_sweep
+from ray_helpers import local_ray_fixture
 
 SMALL = {
     "trace.generate.bursts": 2,
@@ -24,6 +25,8 @@ SMALL = {
 def base(**extra) -> DryRunConfig:
     return DryRunConfig().with_overrides({**SMALL, **extra})
 
+
+local_ray = local_ray_fixture()
 
 GRID = SweepGrid(prefix_blocks=(64, 256), threshold=(2, 8), warm_replicas=(1, 4))
 
@@ -179,3 +182,19 @@ def test_cli_json_heatmap_and_errors(capsys):
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith(f"btbctl: error: {flag}: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.ray
+def test_ray_gives_the_same_json_as_the_process_pool(local_ray):
+    runner = CliRunner()
+    args = ["sweep", "--bursts", "2", "--burst-size", "24", "--decoys", "3", "--spread-s", "1"]
+    args += ["--prefix-blocks", "64,256", "--threshold", "2,8", "--policies", "btb,btb_plus", "--format", "json"]
+    pool = runner.invoke(app, args + ["-j", "2"])
+    ray = runner.invoke(app, args + ["--ray"])
+    assert pool.exit_code == 0, pool.output
+    assert ray.exit_code == 0, ray.output
+    one, two = json.loads(pool.stdout), json.loads(ray.stdout)
+    assert one["timing"]["executor"] == "processes" and two["timing"]["executor"] == "ray"
+    assert two["timing"]["jobs"] == 2  # the Ray's CPUs
+    # everything but the timing, byte for byte as printed
+    assert json.dumps(_strip(one), indent=2) == json.dumps(_strip(two), indent=2)

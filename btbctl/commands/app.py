@@ -104,6 +104,7 @@ def _register() -> None:
         "logs",
         "doctor",
         "agent",
+        "deploy",
     ):
         importlib.import_module(f"btbctl.commands.{mod}")
 

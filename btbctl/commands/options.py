@@ -85,3 +85,44 @@ def trace_unset(cfg, trace: str | None) -> tuple[str, ...]:
     if trace is None:
         return ()
     return ("trace.format",) if cfg.trace.overlay else ("trace.format", "trace.generate")
+
+
+# Where the simulations of sweep and report run (btbctl.engine.executor). Typer has no option with an optional
+# value, so `--ray` alone means a Ray started on this machine and `--ray-address ADDRESS` an existing cluster.
+Ray = Annotated[
+    bool,
+    typer.Option(
+        "--ray",
+        help="Run every simulation as a Ray task: on a Ray started here for the run (with --jobs CPUs), or on the "
+        "cluster of --ray-address. Needs the ray extra: pip install 'btbctl[ray]'.",
+    ),
+]
+RayAddress = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="Existing Ray cluster for --ray (implies it): auto, HOST:PORT of the head node, or ray://HOST:PORT "
+        "(Ray Client). Every node needs this btbctl version installed.",
+    ),
+]
+
+
+def ray_target(ray: bool, address: str | None) -> str | None:
+    """The executor's ``ray`` setting for ``--ray``/``--ray-address`` (None: local processes). Checks that Ray is
+    installed before anything runs: raises ``ConfigError('--ray', ...)`` with the install line otherwise."""
+    if not ray and address is None:
+        return None
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.executor import LOCAL_RAY, require_ray, valid_ray_address
+
+    if address is not None and not valid_ray_address(address):
+        raise ConfigError(
+            "--ray-address",
+            f"{address!r} is not a Ray address; valid: auto, HOST:PORT of the head node, ray://HOST:PORT",
+        )
+    try:
+        require_ray()
+    except ConfigError as e:
+        raise ConfigError("--ray", e.reason) from None
+    return address or LOCAL_RAY

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from btbctl.commands import options
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
 
@@ -22,8 +23,15 @@ def report(
     ] = "report",
     jobs: Annotated[
         int | None,
-        typer.Option("-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process)."),
+        typer.Option(
+            "-j",
+            "--jobs",
+            help="Worker processes, or CPUs of the Ray started by --ray (default: the CPUs available; 1 without "
+            "--ray runs in this process).",
+        ),
     ] = None,
+    ray: options.Ray = False,
+    ray_address: options.RayAddress = None,
     charts: Annotated[
         bool,
         typer.Option("--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]')."),
@@ -37,6 +45,7 @@ def report(
     from btbctl.engine.report import load_matrix, run_matrix, write_report
 
     out = Output(fmt)
+    ray_at = options.ray_target(ray, ray_address)
     m = load_matrix(matrix)
     if jobs is not None and jobs < 1:
         raise ConfigError("--jobs", f"must be an integer >= 1, got {jobs}")
@@ -51,7 +60,7 @@ def report(
         raise ConfigError("--out", f"cannot write into {out_dir}: permission denied")
     total = len(m.setups) * len(m.workloads) * len(m.fidelities) * len(m.policies)
     with out.progress(f"running {total} simulations", total, lines_when_piped=True) as advance:
-        rep = run_matrix(m, progress=advance, jobs=jobs)
+        rep = run_matrix(m, progress=advance, jobs=jobs, ray=ray_at)
     command = " ".join(["btbctl", "report", shlex.quote(matrix), "--out", shlex.quote(out_dir)])
     files = write_report(rep, out_dir, command, charts=charts)
     if files["charts_skipped"] and files["charts_skipped"] != "disabled":
@@ -67,6 +76,7 @@ def report(
         summary,
         lambda s: out.console.print(
             f"wrote {s['markdown']} ({s['cells']} simulations, {len(s['charts'])} charts) in "
-            f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} worker(s)"
+            f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} "
+            + ("Ray CPU(s)" if s["timing"].get("executor") == "ray" else "worker(s)")
         ),
     )

@@ -90,8 +90,15 @@ def sweep(
     ] = None,
     jobs: Annotated[
         int | None,
-        typer.Option("-j", "--jobs", help="Worker processes (default: the CPUs available; 1 runs in this process)."),
+        typer.Option(
+            "-j",
+            "--jobs",
+            help="Worker processes, or CPUs of the Ray started by --ray (default: the CPUs available; 1 without "
+            "--ray runs in this process).",
+        ),
     ] = None,
+    ray: options.Ray = False,
+    ray_address: options.RayAddress = None,
     rank_by: Annotated[str, typer.Option("--rank-by", help="Rank grid points by TTFT mean or p95.")] = "mean",
     heatmap: Annotated[
         str | None,
@@ -113,6 +120,7 @@ def sweep(
     from btbctl.engine.sweep import heatmap as make_heatmap
 
     out = Output(fmt)
+    ray_at = options.ray_target(ray, ray_address)
     flags = {
         "prefix_blocks": "--prefix-blocks",
         "threshold": "--threshold",
@@ -125,6 +133,7 @@ def sweep(
         "rank_by": "--rank-by",
         "jobs": "--jobs",
         "heatmap": "--heatmap",
+        "ray": "--ray-address",
     }
     try:
         grid = SweepGrid(
@@ -170,7 +179,7 @@ def sweep(
     }
     try:
         cfg = cfg.with_overrides(overrides, unset=unset)
-        spec = SweepSpec(base=cfg, grid=grid, rank_by=rank_by, jobs=jobs)
+        spec = SweepSpec(base=cfg, grid=grid, rank_by=rank_by, jobs=jobs, ray=ray_at)
         n_points = 1
         for values in spec.validate().values():
             n_points *= len(values)
@@ -263,7 +272,8 @@ def render_human(out: Output, r: dict, top: int = 20) -> None:
     if top > 0 and len(r["results"]) > top:
         console.print(f"({len(r['results']) - top} more; --top 0 shows all)")
     tm = r["timing"]
-    out.info(f"{r['points']} runs in {tm['wall_s']:.1f} s on {tm['jobs']} worker(s)")
+    where = "Ray CPU(s)" if tm.get("executor") == "ray" else "worker(s)"
+    out.info(f"{r['points']} runs in {tm['wall_s']:.1f} s on {tm['jobs']} {where}")
     hm = r.get("heatmap")
     if hm:
         console.print(heatmap_chart(hm), no_wrap=True, crop=False)

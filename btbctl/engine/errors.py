@@ -25,6 +25,10 @@ class TraceFormatError(BtbctlError):
             where = f"{where}:{line}"
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self) -> tuple[type[TraceFormatError], tuple[str | None, str, int | None]]:
+        # pickled by a process pool or Ray: rebuilt from its fields, not from ``args``
+        return (type(self), (self.path, self.reason, self.line))
+
 
 class ConfigError(BtbctlError):
     """A bad setting. The message names the key (and file, if any) and what would be valid."""
@@ -35,3 +39,7 @@ class ConfigError(BtbctlError):
         self.reason = message
         where = f"{path}: " if path else ""
         super().__init__(f"{where}{key}: {message}")
+
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, str | None]]:
+        # pickled by a process pool or Ray: rebuilt from its fields, not from ``args``
+        return (type(self), (self.key, self.reason, self.path))

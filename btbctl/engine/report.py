@@ -18,10 +18,12 @@ A matrix is a TOML file (see ``examples/evidence-matrix.toml``)::
     [workloads.trace.generate]                            # a dry-run trace section: a file or a generated window
     spread_s = 1.0
 
-Relative trace paths resolve against the matrix file's folder. :func:`run_matrix` runs every cell (one simulation
-per setup x workload x fidelity x policy) over worker processes, each reading or generating a workload's trace at
-most once; :func:`render_markdown` turns the results into Markdown; :func:`write_report` writes it, with charts.
-Everything in the Markdown depends only on the matrix (no timings), so re-running it gives the same file.
+Relative trace paths resolve against the matrix file's folder. :func:`run_matrix` reads or generates each
+workload's trace once, here, and runs every cell (one simulation per setup x workload x fidelity x policy) through
+:func:`btbctl.engine.executor.run_batch` (this process, a local process pool, or Ray tasks; the matrix and its traces
+travel once per worker, or once to Ray's object store); :func:`render_markdown` turns the results into Markdown;
+:func:`write_report` writes it, with charts. Everything in the Markdown depends only on the matrix (no timings, not
+where the runs went), so re-running it gives the same file.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from btbctl.engine.config import FIDELITIES, read_toml, validate
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.dryrun import DryRunConfig, TraceSource, _error, load_trace, round_floats
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.executor import Executor, run_batch
 from btbctl.engine.trace.model import Trace
 
 #: The non-BTB policies a report compares BTB-style policies against (every policy of the matrix not in
@@ -165,7 +168,6 @@ def load_matrix(path: str | os.PathLike) -> ReportMatrix:
 # -- running ---------------------------------------------------------------------------------------------------------
 
 _TRACES: dict[tuple, Trace] = {}
-_MATRIX: dict = {}
 
 
 def _trace(matrix: ReportMatrix, name: str) -> Trace:
@@ -179,16 +181,22 @@ def _trace(matrix: ReportMatrix, name: str) -> Trace:
     return tr
 
 
-def _init_worker(matrix: ReportMatrix) -> None:
-    _MATRIX["m"] = matrix
-
-
 def run_cell(matrix: ReportMatrix, setup: str, workload: str, fidelity: str, policy: str) -> dict:
     """Simulate one cell; its result fields (see :func:`run_matrix`)."""
+    return _simulate_cell(matrix, _trace(matrix, workload), setup, workload, fidelity, policy)
+
+
+def cell_task(shared: tuple[ReportMatrix, dict[str, Trace]], task: tuple[str, str, str, str]) -> dict:
+    """One run of a batch (:func:`btbctl.engine.executor.run_batch`): ``shared`` is ``(matrix, {workload name:
+    trace})``, ``task`` is ``(setup, workload, fidelity, policy)``."""
+    matrix, traces = shared
+    return _simulate_cell(matrix, traces[task[1]], *task)
+
+
+def _simulate_cell(matrix: ReportMatrix, trace: Trace, setup: str, workload: str, fidelity: str, policy: str) -> dict:
     from btbctl.engine.setups import setup_cluster
     from btbctl.engine.sim import simulate
 
-    trace = _trace(matrix, workload)
     res = simulate(trace, policy, setup_cluster(setup), matrix.btb, seed=matrix.seed, fidelity=fidelity)
     s = res.summary(replication_details=True)
     return {
@@ -212,11 +220,6 @@ def run_cell(matrix: ReportMatrix, setup: str, workload: str, fidelity: str, pol
         if trace.requests
         else 0.0,
     }
-
-
-def _run_task(task: tuple) -> tuple[int, dict]:
-    i, setup, workload, fidelity, policy = task
-    return i, run_cell(_MATRIX["m"], setup, workload, fidelity, policy)
 
 
 def prefill_demand(trace: Trace, setup: str) -> float:
@@ -246,13 +249,22 @@ def prefill_demand(trace: Trace, setup: str) -> float:
     return flops / (cost.flops * cost.mfu) / (cl.replicas * span)
 
 
-def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = None, *, jobs: int | None = None) -> dict:
+def run_matrix(
+    matrix: ReportMatrix,
+    progress: Callable[[int], None] | None = None,
+    *,
+    jobs: int | None = None,
+    ray: str | None = None,
+) -> dict:
     """Run every cell of ``matrix``.
 
     Args:
         matrix: the experiment.
         progress: called with 1 each time a cell finishes.
-        jobs: worker processes (default: the CPUs available; 1 runs in this process).
+        jobs: worker processes, or CPUs of a local Ray (default: the CPUs available; 1 without Ray runs in this
+            process).
+        ray: None to run on this machine's processes; ``"local"`` to start a Ray here; or the address of a running
+            Ray cluster (see :class:`btbctl.engine.executor.Executor`).
 
     Returns:
         ``{"btbctl_version", "title", "seed", "notes", "constants", "setups", "policies", "fidelities",
@@ -263,15 +275,17 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
         "replicated_bytes", "wasted_replications", "time_to_warm_s": {...} or None, "copies_refused", "drain_s"
         (seconds from the last arrival to the last request's end)}, ...]
         (setups x workloads x fidelities x policies, in that nesting order),
-        "timing": {"wall_s", "jobs"}}``; seconds, floats rounded as in dry-run reports.
+        "timing": {"wall_s", "jobs", "executor"}}``; seconds, floats rounded as in dry-run reports; ``timing.jobs``
+        counts worker processes (Ray: the cluster's CPUs), ``timing.executor`` is ``inline``, ``processes`` or
+        ``ray``. Everything but ``timing`` depends only on the matrix.
 
     Raises:
-        ConfigError: bad settings; TraceFormatError: an unreadable trace.
+        ConfigError: bad settings (``jobs``, ``ray``; ``ray`` set without Ray installed); TraceFormatError: an
+            unreadable trace; BtbctlError: a Ray cluster that cannot be reached or a cell that failed there after
+            its retries.
     """
-    from btbctl.engine.sweep import default_jobs
-
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise ConfigError("jobs", f"must be an integer >= 1, got {jobs!r}")
+    executor = Executor(jobs=jobs, ray=ray)
+    executor.check()
     tasks = [
         (setup, wl.name, fid, pol)
         for setup in matrix.setups
@@ -280,8 +294,9 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
         for pol in matrix.policies
     ]
     workloads = []
+    traces = {}
     for wl in matrix.workloads:
-        tr = _trace(matrix, wl.name)
+        tr = traces[wl.name] = _trace(matrix, wl.name)
         workloads.append(
             {
                 "name": wl.name,
@@ -296,24 +311,8 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
     size = {wl["name"]: wl["requests"] for wl in workloads}
     # biggest traces first, so the pool's last tasks are short; results go back in task order
     order = sorted(range(len(tasks)), key=lambda i: (-size[tasks[i][1]], i))
-    jobs = min(jobs or default_jobs(), len(tasks))
-    cells: list[dict | None] = [None] * len(tasks)
     t0 = time.perf_counter()
-    if jobs <= 1:
-        for i in order:
-            cells[i] = run_cell(matrix, *tasks[i])
-            if progress:
-                progress(1)
-    else:
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(matrix,)) as pool:
-            futures = [pool.submit(_run_task, (i, *tasks[i])) for i in order]
-            for fut in as_completed(futures):
-                i, cell = fut.result()
-                cells[i] = cell
-                if progress:
-                    progress(1)
+    cells, info = run_batch(cell_task, (matrix, traces), tasks, executor, progress=progress, order=order)
     return round_floats(
         {
             "btbctl_version": __version__,
@@ -326,7 +325,7 @@ def run_matrix(matrix: ReportMatrix, progress: Callable[[int], None] | None = No
             "fidelities": list(matrix.fidelities),
             "workloads": workloads,
             "cells": cells,
-            "timing": {"wall_s": time.perf_counter() - t0, "jobs": jobs},
+            "timing": {"wall_s": time.perf_counter() - t0, "jobs": info["jobs"], "executor": info["executor"]},
         }
     )
 
@@ -634,6 +633,7 @@ __all__ = [
     "CHARTS_EXTRA",
     "ReportMatrix",
     "WorkloadSpec",
+    "cell_task",
     "charts_available",
     "comparison",
     "load_matrix",

@@ -3,18 +3,18 @@ fidelity and policy) in parallel, then rank the grid points and build heatmaps o
 
 The base settings (trace, cluster, seed, fidelity, policy) are a :class:`~btbctl.engine.dryrun.DryRunConfig`, so a
 sweep takes the same trace options as a dry-run. The grid is the cartesian product of the values of every axis in
-:data:`AXES` order; a point's ``index`` is its position in that product (the last axis varies fastest). Runs are
-spread over worker processes (:class:`concurrent.futures.ProcessPoolExecutor`); each worker reads or generates the
-trace once, in its initializer, and every task carries only its grid point. Every run is independent and seeded with
-the config's seed, and results are put back in ``index`` order, so the output does not depend on how the runs were
-scheduled (nor on the number of workers).
+:data:`AXES` order; a point's ``index`` is its position in that product (the last axis varies fastest). The trace is
+read or generated once, here; the runs go through :func:`btbctl.engine.executor.run_batch` (this process, a local
+process pool, or Ray tasks), which ships the base settings and the trace once per worker (or once to Ray's object
+store) while every task carries only its grid point. Every run is independent and seeded with the config's seed,
+and results are put back in ``index`` order, so the output does not depend on how or where the runs were scheduled
+(nor on the number of workers).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +25,7 @@ from btbctl.engine.config import FIDELITIES, ClusterConfig, validate
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.dryrun import DryRunConfig, load_trace, round_floats
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.executor import Executor, default_jobs, run_batch
 from btbctl.engine.trace.model import Trace
 
 #: Grid axes in product order: the four BTB constants, then fleet size, NIC bandwidth per GPU (Gb/s), fidelity,
@@ -153,20 +154,10 @@ def run_point(trace: Trace, base: DryRunConfig, point: dict) -> dict:
     return _summary(res)
 
 
-# -- worker processes ------------------------------------------------------------------------------------------------
-
-_WORKER: dict = {}
-
-
-def _init_worker(base: DryRunConfig) -> None:
-    """Process-pool initializer: read or generate the trace once per worker."""
-    _WORKER["base"] = base
-    _WORKER["trace"] = load_trace(base)
-
-
-def _run_task(task: tuple[int, dict]) -> tuple[int, dict]:
-    index, point = task
-    return index, run_point(_WORKER["trace"], _WORKER["base"], point)
+def point_task(shared: tuple[DryRunConfig, Trace], point: dict) -> dict:
+    """One run of a batch (:func:`btbctl.engine.executor.run_batch`): ``shared`` is ``(base, trace)``."""
+    base, trace = shared
+    return run_point(trace, base, point)
 
 
 @dataclass
@@ -178,22 +169,30 @@ class SweepSpec:
             empty.
         grid: the values of each axis.
         rank_by: ``mean`` or ``p95`` (TTFT over all requests).
-        jobs: worker processes (>= 1; 1 runs in this process). Default: the CPUs this process may use.
+        jobs: worker processes, or CPUs of a local Ray (>= 1; 1 without Ray runs in this process). Default: the
+            CPUs this process may use.
+        ray: None to run on this machine's processes; ``"local"`` to start a Ray here; or the address of a running
+            Ray cluster (see :class:`btbctl.engine.executor.Executor`).
     """
 
     base: DryRunConfig
     grid: SweepGrid = field(default_factory=SweepGrid)
     rank_by: str = "mean"
     jobs: int | None = None
+    ray: str | None = None
+
+    @property
+    def executor(self) -> Executor:
+        """Where the runs go."""
+        return Executor(jobs=self.jobs, ray=self.ray)
 
     def validate(self) -> dict[str, list]:
         """Check everything that can be checked before simulating; returns the axes. Raises :class:`ConfigError`:
-        bad ``rank_by`` or ``jobs``, an axis value out of range, or a grid point whose fleet cannot run (the model
-        does not fit its GPUs)."""
+        bad ``rank_by``, ``jobs`` or ``ray``, an axis value out of range, or a grid point whose fleet cannot run
+        (the model does not fit its GPUs)."""
         if self.rank_by not in RANK_BY:
             raise ConfigError("rank_by", f"unknown metric {self.rank_by!r}; valid: {', '.join(RANK_BY)}")
-        if self.jobs is not None and (isinstance(self.jobs, bool) or not isinstance(self.jobs, int) or self.jobs < 1):
-            raise ConfigError("jobs", f"must be an integer >= 1, got {self.jobs!r}")
+        self.executor.check()
         self.base.check()
         axes = self.grid.axes(self.base)
         for replicas, nic in itertools.product(axes["replicas"], axes["nic_gbps"]):
@@ -211,14 +210,6 @@ class SweepSpec:
         return axes
 
 
-def default_jobs() -> int:
-    """CPUs this process may run on (``os.sched_getaffinity`` where available, else ``os.cpu_count()``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - platforms without affinity
-        return max(1, os.cpu_count() or 1)
-
-
 def _rank_key(metric: str):
     def key(row: dict):
         v = row["ttft_s"][metric]
@@ -233,8 +224,7 @@ def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *,
     Args:
         spec: the sweep.
         progress: called with 1 each time a grid point finishes.
-        trace: the trace, if the caller loaded it already (used by in-process runs; worker processes load their
-            own).
+        trace: the trace, if the caller loaded it already (else it is read or generated here, once).
 
     Returns:
         ``{"btbctl_version", "seed", "rank_by",
@@ -246,35 +236,22 @@ def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *,
         "by_kind": {kind: {"requests", "ttft_s": {"mean", "p50", "p95", "p99", "max"}}} (as in dry-run),
         "prefix_hit_ratio", "replications", "replicated_bytes",
         "wasted_replications", "time_to_warm_mean_s"}, ...] best first (ties by index),
-        "timing": {"wall_s", "jobs", "runs_per_s"}}``; times in seconds, floats rounded as in dry-run reports, NaN as
-        None. Everything except ``timing`` depends only on ``spec``.
+        "timing": {"wall_s", "jobs", "runs_per_s", "executor"}}``; times in seconds, floats rounded as in dry-run
+        reports, NaN as None; ``timing.jobs`` counts worker processes (Ray: the cluster's CPUs) and
+        ``timing.executor`` is ``inline``, ``processes`` or ``ray``. Everything except ``timing`` depends only on
+        ``spec``, not on where the runs went.
 
     Raises:
-        ConfigError: see :meth:`SweepSpec.validate`; a missing trace file.
+        ConfigError: see :meth:`SweepSpec.validate`; a missing trace file; ``ray`` set without Ray installed.
         TraceFormatError: an unreadable trace file.
+        BtbctlError: a Ray cluster that cannot be reached or a run that failed there after its retries.
     """
     axes = spec.validate()
     points = grid_points(axes)
-    jobs = min(spec.jobs or default_jobs(), len(points))
     if trace is None:
         trace = load_trace(spec.base)
     t0 = time.perf_counter()
-    rows: list[dict | None] = [None] * len(points)
-    if jobs <= 1:
-        for i, point in enumerate(points):
-            rows[i] = run_point(trace, spec.base, point)
-            if progress:
-                progress(1)
-    else:
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_worker, initargs=(spec.base,)) as pool:
-            futures = [pool.submit(_run_task, (i, p)) for i, p in enumerate(points)]
-            for fut in as_completed(futures):
-                i, row = fut.result()
-                rows[i] = row
-                if progress:
-                    progress(1)
+    rows, info = run_batch(point_task, (spec.base, trace), points, spec.executor, progress=progress)
     wall_s = time.perf_counter() - t0
     results = [{"rank": 0, "index": i, "point": points[i], **rows[i]} for i in range(len(points))]
     results = round_floats(results)
@@ -300,7 +277,12 @@ def run_sweep(spec: SweepSpec, progress: Callable[[int], None] | None = None, *,
         "points": len(points),
         "results": results,
         "timing": round_floats(
-            {"wall_s": wall_s, "jobs": jobs, "runs_per_s": len(points) / wall_s if wall_s > 0 else None}
+            {
+                "wall_s": wall_s,
+                "jobs": info["jobs"],
+                "runs_per_s": len(points) / wall_s if wall_s > 0 else None,
+                "executor": info["executor"],
+            }
         ),
     }
 
@@ -374,6 +356,7 @@ __all__ = [
     "grid_points",
     "heatmap",
     "parse_list",
+    "point_task",
     "run_point",
     "run_sweep",
 ]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
 
-_NAME = re.compile(r"^[0-9a-f]{64}[A-Za-z0-9_.+-]{0,160}$")
+_NAME = re.compile(r"^[0-9a-f]{64}[A-Za-z0-9_.+-]{0,160}\Z")
 
 
 class FileDirStore(PageStore):

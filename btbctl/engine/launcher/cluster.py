@@ -52,6 +52,7 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.costmodel import DEFAULT_MEM_FRACTION, default_chunked_prefill_tokens, gpu_preset, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.launcher.hosts import HostSpec, is_address
+from btbctl.engine.launcher.kubernetes import KubernetesSection
 
 #: Default data-plane port of the gateway. SGLang workers default to 30000 (REFERENCE.md s5); the gateway sits
 #: next to that range so a single-host fleet keeps its ports together.
@@ -66,7 +67,7 @@ DEFAULT_SGLANG_READY_TIMEOUT_S = 1800.0
 COMMAND_FIELDS = ("host", "port", "model", "tp_size", "page_size", "name", "index", "transfer_port")
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
 class GatewaySection(BaseModel):
@@ -265,6 +266,9 @@ class ClusterFile(BaseModel):
     """Worker entries; default one entry of 4 emulated Llama-3.3-70B workers on 4 x H100."""
     hosts: list[HostSpec] = Field(default_factory=list)
     """Machines reached over SSH, referred to by ``workers.N.host``; none: every worker runs on this machine."""
+    kubernetes: KubernetesSection | None = None
+    """Namespace, images, node selector, GPU resource name and storage for ``btbctl deploy render`` (manifests for
+    Kubernetes); ``up`` does not read it."""
 
     def host_of(self, spec: WorkerSpec) -> HostSpec | None:
         """The ``[[hosts]]`` entry a worker entry runs on, or None for this machine."""

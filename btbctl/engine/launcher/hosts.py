@@ -39,13 +39,13 @@ DEFAULT_START_TIMEOUT_S = 30.0
 #: Remote working directory when none is given, relative to the remote user's home (SSH sessions start there).
 DEFAULT_WORKDIR = ".btbctl"
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 #: DNS names (RFC 1123 labels) or IP literals; nothing a shell or ssh option parser could read as anything else.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*\.?$")
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*\.?\Z")
 #: POSIX portable user names (letters, digits, '.', '_', '-', not starting with '-').
-_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def is_address(value: str) -> bool:

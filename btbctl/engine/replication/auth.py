@@ -48,8 +48,8 @@ REPLAY_WINDOW_S = 600.0
 #: Most blocks in one authorized copy (as the TCP wire's limit).
 MAX_EXPECTED_BLOCKS = 1 << 16
 
-_HEX = re.compile(r"^[0-9a-f]+$")
-_HASH = re.compile(r"^[0-9a-f]{1,64}$")
+_HEX = re.compile(r"^[0-9a-f]+\Z")
+_HASH = re.compile(r"^[0-9a-f]{1,64}\Z")
 
 
 class AuthError(ValueError):

@@ -30,7 +30,7 @@ from btbctl.engine.errors import BtbctlError
 Blocks = Iterable[tuple[str, bytes]] | AsyncIterator[tuple[str, bytes]]
 
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*\Z")
 
 
 class TransferError(BtbctlError):

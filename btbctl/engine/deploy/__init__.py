@@ -1,0 +1,2 @@
+"""Deployment targets beyond ``btbctl up``: manifests for Kubernetes rendered from a cluster file
+(:mod:`btbctl.engine.deploy.kubernetes`), written as YAML by :mod:`btbctl.engine.deploy.yamltext`."""

@@ -1,0 +1,654 @@
+"""Kubernetes manifests of a BTB fleet, rendered from a cluster file (``btbctl deploy render``).
+
+What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``kubernetes.namespace``):
+
+* ``NAME-gateway`` ConfigMap: ``gateway.json``, the gateway's settings as ``btbctl up`` writes them
+  (:meth:`~btbctl.engine.launcher.cluster.ClusterFile.gateway_config`), listening on all of the pod's addresses,
+  workers by their stable DNS names, tokens read from the mounted Secret.
+* ``NAME-gateway`` Deployment (one replica, ``Recreate``: the detector and the map of which worker holds which
+  prefix live in the gateway; two gateways would each see half of every burst) running ``up``'s own gateway
+  command line (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
+  ``gateway_service_type``) and ``NAME-control`` Service (control API, always ClusterIP).
+* ``NAME-workers`` headless Service and one StatefulSet per ``[[workers]]`` entry (``NAME-<entry name>``, or
+  ``NAME-workers<N>``): stable pod names and DNS (``NAME-x-0.NAME-workers.NS.svc.DOMAIN``) for the gateway's worker
+  list, all pods started at once as ``up`` does. Each container's command line is the launcher's own
+  (:func:`~btbctl.engine.launcher.cluster.worker_argv`, the function ``btbctl up`` calls), with the worker bound
+  to all of the pod's addresses and the image's interpreter, as the SSH launcher does for a remote host
+  (:func:`~btbctl.engine.launcher.ssh.remote_argv`): flags are never written here. SGLang workers ask for
+  ``tp_size`` GPUs (``gpu_resource``), get a memory-backed ``/dev/shm`` and, with ``model_cache_gib``, a volume per
+  pod for the weights.
+* ``NAME-agent`` DaemonSet and headless Service: one ``btbctl agent`` per node (host network, see below), its Unix
+  socket in the host directory ``agent_socket_dir`` that the node's SGLang workers mount at the same path. The
+  arena is a memfd the agent hands to SGLang's ``BtbL3Store`` over that socket, so nothing else is shared between
+  the pods (no hostIPC, no host ``/dev/shm``); the memfd is charged to the agent's memory limit.
+
+Why host network for the agents: they move KV pages between nodes at NIC speed and, where the fabric has it, over
+RDMA; on the host network they use the node's NICs (and RDMA devices) directly, without an overlay in the path,
+and each node's agent has one stable address, the node's (``status.hostIP``), which a worker pod on the same node
+also knows from the downward API. The headless ``NAME-agent`` Service lists every agent (DNS, endpoints) for
+discovery and scraping. Host network and a hostPath need the ``privileged`` Pod Security level in the namespace.
+
+Secrets: the fleet secret and both tokens come from the Secret ``secret_name`` (keys
+:data:`~btbctl.engine.launcher.kubernetes.SECRET_KEYS`), mounted as files; environment variables that hold secrets
+come from ``secret_env``. The render refuses a worker environment variable or flag that looks like a secret value
+(:func:`check_no_secret_values`) and never renders a Secret.
+
+Prometheus: pods carry ``prometheus.io/scrape``, ``/port`` and ``/path`` annotations (gateway, workers with
+``enable_metrics``, agents).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.launcher.cluster import (
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_GATEWAY_PORT,
+    ClusterFile,
+    WorkerInstance,
+    worker_argv,
+)
+from btbctl.engine.launcher.kubernetes import KubernetesSection
+
+#: Where the Secret's files are mounted in every pod that needs them.
+SECRET_DIR = "/var/run/secrets/btbctl"
+#: Where the gateway's ConfigMap is mounted.
+GATEWAY_CONFIG_DIR = "/etc/btbctl"
+#: Every pod and worker listens on all of its own addresses (a pod's network namespace is its own).
+BIND_ALL = "0.0.0.0"
+#: Name of the agent's socket in ``agent_socket_dir`` (``btbctl agent --socket``).
+AGENT_SOCKET_NAME = "agent.sock"
+#: Environment variable of ``btbctl.sglang_l3``'s default agent socket (``btbctl.sglang_l3.store.AGENT_SOCKET_ENV``).
+AGENT_SOCKET_ENV = "BTBCTL_AGENT_SOCKET"
+#: SGLang's flag carrying the HiCache backend's JSON settings (SGLANG.md, "Worker flags").
+HICACHE_EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+#: Words of an environment variable's or a flag's name that say its value is a secret.
+_SECRET_WORDS = {"token", "secret", "password", "passwd", "apikey", "credential", "credentials"}
+#: Last words that say the value only names where a secret is (a file, a path).
+_REFERENCE_WORDS = {"file", "path", "dir", "name", "id"}
+
+#: How every rendered file starts (``btbctl deploy render`` writes it in its header).
+RENDERED_MARK = "# Rendered by `btbctl deploy render"
+#: Files a render writes only for some cluster files (a later render without them removes its own old copy).
+OPTIONAL_FILES = ("namespace.yaml", "agents.yaml")
+
+_WORKER_TOKEN = f"{SECRET_DIR}/worker-token"
+_CONTROL_TOKEN = f"{SECRET_DIR}/control-token"
+_FLEET_SECRET = f"{SECRET_DIR}/fleet-secret"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One file of the rendered fleet: ``name`` (e.g. ``gateway.yaml``) and its objects, in apply order."""
+
+    name: str
+    objects: list[dict]
+
+
+def render(cluster: ClusterFile, path: str | None = None) -> list[Manifest]:
+    """The manifests of ``cluster`` (files ``namespace.yaml`` when asked for, ``gateway.yaml``, ``workers.yaml``,
+    ``agents.yaml`` when agents run), every object a plain dict as the Kubernetes API takes it.
+
+    Raises:
+        ConfigError: no ``[kubernetes]`` section; a worker entry that Kubernetes cannot run as written (a command
+            using ``{name}`` or ``{index}``, which differ per pod of one StatefulSet); an environment variable or
+            flag that would put a secret value in a manifest; the workers' HiCache settings naming another agent
+            socket than the agents'. The message names ``path`` and the key.
+    """
+    k8s = cluster.kubernetes
+    if k8s is None:
+        raise ConfigError(
+            "kubernetes",
+            'missing: add a [kubernetes] section with at least image = "REGISTRY/btbctl:TAG" '
+            "(see examples/cluster-k8s.toml)",
+            path,
+        )
+    try:
+        return _render(cluster, k8s)
+    except ConfigError as e:
+        raise ConfigError(e.key, e.reason, path) from None
+
+
+def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
+    check_no_secret_values(cluster)
+    agents = k8s.agents if k8s.agents is not None else any(w.kind == "sglang" for w in cluster.workers)
+    workers = _workers(cluster, k8s, agents)
+    files = []
+    if k8s.create_namespace:
+        files.append(Manifest("namespace.yaml", [_namespace(k8s)]))
+    files.append(Manifest("gateway.yaml", _gateway(cluster, k8s, workers.urls)))
+    files.append(Manifest("workers.yaml", workers.objects))
+    if agents:
+        files.append(Manifest("agents.yaml", _agents(k8s)))
+    return files
+
+
+def worker_pod_argv(inst: WorkerInstance, k8s: KubernetesSection, port: int) -> list[str]:
+    """The command line of ``inst``'s container: :func:`worker_argv` (what ``btbctl up`` runs) for the worker bound
+    to all of the pod's addresses, on ``port``, with the image's interpreter unless the entry names its own, and
+    the Secret's worker token for emulated workers. Same construction as the SSH launcher's ``remote_argv``."""
+    spec = inst.spec.model_copy(update={"host": BIND_ALL, "python": inst.spec.python or k8s.python})
+    local = WorkerInstance(
+        name=inst.name,
+        entry=inst.entry,
+        index=inst.index,
+        spec=spec,
+        port=port,
+        transfer_port=inst.transfer_port,
+        gpu_ids=None,
+    )
+    return worker_argv(local, port, local.transfer_port, token_file=_WORKER_TOKEN)
+
+
+def agent_argv(k8s: KubernetesSection) -> list[str]:
+    """The node agent's command line (``btbctl agent``); ``$(HOST_IP)`` and ``$(NODE_NAME)`` are filled in by the
+    kubelet from the pod's environment (downward API)."""
+    return [
+        k8s.python,
+        "-m",
+        "btbctl",
+        "agent",
+        "--secret-file",
+        _FLEET_SECRET,
+        "--socket",
+        f"{k8s.agent_socket_dir}/{AGENT_SOCKET_NAME}",
+        "--peer",
+        f"$(HOST_IP):{k8s.agent_peer_port}",
+        "--control",
+        f"$(HOST_IP):{k8s.agent_control_port}",
+        "--control-token-file",
+        _CONTROL_TOKEN,
+        "--arena-mib",
+        str(k8s.agent_arena_mib),
+        "--agent-id",
+        "$(NODE_NAME)",
+    ]
+
+
+def check_no_secret_values(cluster: ClusterFile) -> None:
+    """Refuse what would write a secret value into a manifest: a worker environment variable named like a secret
+    (``*TOKEN*``, ``*SECRET*``, ``*PASSWORD*``, ``*API_KEY*``, ...) or such a flag in ``extra_args`` or
+    ``command`` (SGLang's ``--api-key``). Raises :class:`ConfigError` naming the key."""
+    for e, spec in enumerate(cluster.workers):
+        for name in spec.env:
+            if _secretish(name.split("_")):
+                raise ConfigError(
+                    f"workers.{e}.env.{name}",
+                    "looks like a secret, and the render never writes secret values: put it in a Kubernetes Secret "
+                    f'and map it with kubernetes.secret_env.{name} = "SECRET/KEY"',
+                )
+        for field in ("extra_args", "command"):
+            for arg in getattr(spec, field) or []:
+                flag = arg.split("=", 1)[0]
+                if flag.startswith("--") and _secretish(flag[2:].split("-")):
+                    raise ConfigError(
+                        f"workers.{e}.{field}",
+                        f"{flag} would write a secret value into the manifests; the render never does (pass it "
+                        "through an environment variable from kubernetes.secret_env where the program reads one)",
+                    )
+
+
+def _secretish(words: list[str]) -> bool:
+    """``HF_TOKEN``, ``OPENAI_API_KEY``, ``--api-key``, ``DB_PASSWORD``: yes; ``TOKENIZERS_PARALLELISM``,
+    ``--max-total-tokens``, ``--btb-token-file``: no."""
+    w = [x.lower() for x in words if x]
+    if not w or w[-1] in _REFERENCE_WORDS:
+        return False
+    pairs = {"".join(w[i : i + 2]) for i in range(len(w) - 1)}
+    return bool(_SECRET_WORDS & set(w)) or bool({"apikey", "privatekey", "accesskey"} & pairs) or w[-1] == "key"
+
+
+# -- objects ---------------------------------------------------------------------------------------------------------
+
+
+def _labels(k8s: KubernetesSection, component: str | None = None) -> dict[str, str]:
+    out = {"app.kubernetes.io/name": "btbctl", "app.kubernetes.io/instance": k8s.name}
+    if component:
+        out["app.kubernetes.io/component"] = component
+    return out
+
+
+def _meta(k8s: KubernetesSection, name: str, component: str | None, **extra: Any) -> dict:
+    labels = {**_labels(k8s, component), "app.kubernetes.io/managed-by": "btbctl", **k8s.labels}
+    return {"name": name, "namespace": k8s.namespace, "labels": labels, **extra}
+
+
+def _scrape(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
+def _namespace(k8s: KubernetesSection) -> dict:
+    meta = _meta(k8s, k8s.namespace, None)
+    del meta["namespace"]
+    # the agents use the host network and a hostPath: the namespace must admit privileged pods
+    meta["labels"]["pod-security.kubernetes.io/enforce"] = "privileged"
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
+
+
+def _secret_volume(k8s: KubernetesSection, keys: list[str]) -> dict:
+    return {
+        "name": "secrets",
+        "secret": {
+            "secretName": k8s.secret_name,
+            "defaultMode": 0o400,
+            "items": [{"key": key, "path": key} for key in keys],
+        },
+    }
+
+
+def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> list[dict]:
+    from btbctl.engine.config import validate
+    from btbctl.engine.gateway.config import GatewayConfig
+    from btbctl.engine.launcher.fleet import gateway_argv
+
+    gw = cluster.gateway
+    port = gw.port or DEFAULT_GATEWAY_PORT
+    control_port = gw.control_port or DEFAULT_CONTROL_PORT
+    if port == control_port:
+        raise ConfigError("gateway.control_port", f"port {control_port} is already gateway.port")
+    config = cluster.gateway_config(
+        urls, port=port, control_port=control_port, token_file=_CONTROL_TOKEN, worker_token_file=_WORKER_TOKEN
+    )
+    config.update({"host": BIND_ALL, "control_host": BIND_ALL})
+    validate(GatewayConfig, config, None, "gateway")
+    text = json.dumps(config, indent=2) + "\n"
+    name = f"{k8s.name}-gateway"
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(k8s, name, "gateway"),
+        "data": {"gateway.json": text},
+    }
+    container = {
+        "name": "gateway",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": gateway_argv(f"{GATEWAY_CONFIG_DIR}/gateway.json", python=k8s.python),
+        "ports": [
+            {"name": "http", "containerPort": port, "protocol": "TCP"},
+            {"name": "control", "containerPort": control_port, "protocol": "TCP"},
+        ],
+        # ready while at least one worker is healthy (the data plane's /health answers 503 before)
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": [
+            {"name": "config", "mountPath": GATEWAY_CONFIG_DIR, "readOnly": True},
+            {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
+        ],
+    }
+    pod_labels = {**_labels(k8s, "gateway"), **k8s.labels}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(k8s, name, "gateway"),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": _labels(k8s, "gateway")},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        **_scrape(port),
+                        # a changed gateway.json rolls the gateway
+                        "btbctl.io/config-sha256": hashlib.sha256(text.encode()).hexdigest(),
+                    },
+                },
+                "spec": {
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": name}},
+                        _secret_volume(k8s, ["control-token", "worker-token"]),
+                    ],
+                },
+            },
+        },
+    }
+    data_service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(k8s, name, "gateway"),
+        "spec": {
+            "type": k8s.gateway_service_type,
+            "selector": _labels(k8s, "gateway"),
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    control_service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(k8s, f"{k8s.name}-control", "gateway"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _labels(k8s, "gateway"),
+            "ports": [{"name": "control", "port": control_port, "targetPort": "control", "protocol": "TCP"}],
+        },
+    }
+    return [config_map, deployment, data_service, control_service]
+
+
+@dataclass
+class _Workers:
+    objects: list[dict]
+    urls: list[str]
+
+
+def _entry_name(cluster: ClusterFile, k8s: KubernetesSection, e: int) -> str:
+    spec = cluster.workers[e]
+    base = (spec.name or f"workers{e}").lower().replace("_", "-").replace(".", "-")
+    name = f"{k8s.name}-{base}"
+    # a StatefulSet's pods add "-<ordinal>" and a controller-revision-hash label "<name>-<10 chars>" (63 at most)
+    if len(name) > 52 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
+        raise ConfigError(
+            f"workers.{e}.name",
+            f"gives the StatefulSet name {name!r}; on Kubernetes it must be a DNS label of at most 52 characters "
+            "(kubernetes.name + '-' + the entry's name)",
+        )
+    return name
+
+
+def _workers(cluster: ClusterFile, k8s: KubernetesSection, agents: bool) -> _Workers:
+    headless = f"{k8s.name}-workers"
+    objects: list[dict] = []
+    urls: list[str] = []
+    ports: dict[int, str] = {}
+    seen: dict[str, int] = {}
+    by_entry: dict[int, list[WorkerInstance]] = {}
+    for inst in cluster.instances():
+        by_entry.setdefault(inst.entry, []).append(inst)
+    for e, spec in enumerate(cluster.workers):
+        name = _entry_name(cluster, k8s, e)
+        if name in seen:
+            raise ConfigError(f"workers.{e}.name", f"gives the StatefulSet name {name!r} of workers.{seen[name]} too")
+        seen[name] = e
+        if spec.command is not None and any(("{name}" in a or "{index}" in a) for a in spec.command):
+            raise ConfigError(
+                f"workers.{e}.command",
+                "uses {name} or {index}, which differ per worker, but the pods of one StatefulSet share one command "
+                "line; on Kubernetes give each such worker an entry of its own",
+            )
+        port = spec.port or k8s.worker_port
+        ports.setdefault(port, f"http-{len(ports)}" if ports else "http")
+        argvs = {tuple(worker_pod_argv(inst, k8s, port)) for inst in by_entry[e]}
+        if len(argvs) != 1:  # pragma: no cover - guarded by the {name}/{index} check above
+            raise ConfigError(f"workers.{e}", "the workers of this entry would need different command lines")
+        argv = list(next(iter(argvs)))
+        for i in range(spec.count):
+            urls.append(f"http://{name}-{i}.{headless}.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}")
+        objects.append(_statefulset(cluster, k8s, e, name, headless, argv, port, agents))
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(k8s, headless, "worker"),
+        "spec": {
+            "clusterIP": "None",
+            # the gateway resolves every worker from the start and tracks their health itself
+            "publishNotReadyAddresses": True,
+            "selector": _labels(k8s, "worker"),
+            "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for p, n in ports.items()],
+        },
+    }
+    return _Workers([service, *objects], urls)
+
+
+def _statefulset(
+    cluster: ClusterFile,
+    k8s: KubernetesSection,
+    e: int,
+    name: str,
+    headless: str,
+    argv: list[str],
+    port: int,
+    agents: bool,
+) -> dict:
+    spec = cluster.workers[e]
+    env: list[dict] = [{"name": k, "value": v} for k, v in spec.env.items()]
+    env += [
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.split("/", 1)[0], "key": ref.split("/", 1)[1]}}}
+        for k, ref in k8s.secret_env.items()
+    ]
+    mounts: list[dict] = []
+    volumes: list[dict] = []
+    claims: list[dict] = []
+    if spec.kind == "emulated" and spec.command is None:
+        mounts.append({"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True})
+        volumes.append(_secret_volume(k8s, ["worker-token"]))
+    if spec.kind == "sglang":
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{k8s.shm_gib}Gi"}})
+        if agents:
+            socket = f"{k8s.agent_socket_dir}/{AGENT_SOCKET_NAME}"
+            _check_agent_socket(argv, socket, e)
+            env.append({"name": AGENT_SOCKET_ENV, "value": socket})
+            mounts.append({"name": "agent-socket", "mountPath": k8s.agent_socket_dir})
+            volumes.append(
+                {"name": "agent-socket", "hostPath": {"path": k8s.agent_socket_dir, "type": "DirectoryOrCreate"}}
+            )
+        if k8s.model_cache_gib is not None:
+            mounts.append({"name": "model-cache", "mountPath": k8s.model_cache_path})
+            claim_spec: dict[str, Any] = {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": f"{k8s.model_cache_gib}Gi"}},
+            }
+            if k8s.storage_class is not None:
+                claim_spec["storageClassName"] = k8s.storage_class
+            claims.append({"metadata": {"name": "model-cache"}, "spec": claim_spec})
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": (k8s.sglang_image or k8s.image) if spec.kind == "sglang" else k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": argv,
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5},
+        # loading weights takes minutes: ready_timeout_s bounds the start, as it bounds `btbctl up`'s wait
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": max(1, -(-int(spec.effective_ready_timeout_s) // 10)),
+        },
+    }
+    if env:
+        container["env"] = env
+    if mounts:
+        container["volumeMounts"] = mounts
+    if spec.kind == "sglang":
+        limits = {k8s.gpu_resource: str(spec.tp_size), **{k: str(v) for k, v in k8s.extra_resources.items()}}
+        container["resources"] = {"limits": limits}
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    if volumes:
+        pod_spec["volumes"] = volumes
+    selector = {**_labels(k8s, "worker"), "btbctl.io/worker-entry": name}
+    annotations = _scrape(port) if spec.enable_metrics else {}
+    template_meta: dict[str, Any] = {"labels": {**selector, **k8s.labels}}
+    if annotations:
+        template_meta["annotations"] = annotations
+    sts: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(k8s, name, "worker"),
+        "spec": {
+            "serviceName": headless,
+            "replicas": spec.count,
+            # start every worker at once, as `btbctl up` does
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": template_meta, "spec": pod_spec},
+        },
+    }
+    if claims:
+        sts["spec"]["volumeClaimTemplates"] = claims
+    return sts
+
+
+def _check_agent_socket(argv: list[str], socket: str, e: int) -> None:
+    """Where the workers' HiCache settings name the agent's socket, it must be the one the agents serve."""
+    for i, arg in enumerate(argv[:-1]):
+        if arg != HICACHE_EXTRA_FLAG or not argv[i + 1].startswith("{"):
+            continue
+        try:
+            extra = json.loads(argv[i + 1])
+        except ValueError:
+            continue
+        named = extra.get("agent_socket") if isinstance(extra, dict) else None
+        if named is not None and named != socket:
+            raise ConfigError(
+                "kubernetes.agent_socket_dir",
+                f"the agents serve {socket} but workers.{e}'s {HICACHE_EXTRA_FLAG} names agent_socket {named!r}; "
+                f"set agent_socket_dir = {os.path.dirname(named)!r} (and the socket name {AGENT_SOCKET_NAME})",
+            )
+
+
+def _agents(k8s: KubernetesSection) -> list[dict]:
+    name = f"{k8s.name}-agent"
+    selector = _labels(k8s, "agent")
+    container = {
+        "name": "agent",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": agent_argv(k8s),
+        "env": [
+            {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        ],
+        "ports": [
+            {"name": "peer", "containerPort": k8s.agent_peer_port, "protocol": "TCP"},
+            {"name": "control", "containerPort": k8s.agent_control_port, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "control"}, "periodSeconds": 5},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "control"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        # the arena is a memfd the agent fills: its pages count against this container's memory
+        "resources": {
+            "requests": {"memory": f"{k8s.agent_arena_mib + 512}Mi", "cpu": "1"},
+            "limits": {"memory": f"{k8s.agent_arena_mib + 512}Mi"},
+        },
+        "volumeMounts": [
+            {"name": "agent-socket", "mountPath": k8s.agent_socket_dir},
+            {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
+        ],
+    }
+    pod_spec: dict[str, Any] = {
+        "hostNetwork": True,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        "containers": [container],
+        "volumes": [
+            {"name": "agent-socket", "hostPath": {"path": k8s.agent_socket_dir, "type": "DirectoryOrCreate"}},
+            _secret_volume(k8s, ["fleet-secret", "control-token"]),
+        ],
+    }
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    daemonset = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(k8s, name, "agent"),
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": {**selector, **k8s.labels}, "annotations": _scrape(k8s.agent_control_port)},
+                "spec": pod_spec,
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(k8s, name, "agent"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector,
+            "ports": [
+                {"name": "peer", "port": k8s.agent_peer_port, "targetPort": "peer", "protocol": "TCP"},
+                {"name": "control", "port": k8s.agent_control_port, "targetPort": "control", "protocol": "TCP"},
+            ],
+        },
+    }
+    return [daemonset, service]
+
+
+# -- files -----------------------------------------------------------------------------------------------------------
+
+
+def kustomization(manifests: list[Manifest], k8s: KubernetesSection) -> dict:
+    """The ``kustomization.yaml`` of a rendered folder (a kustomize base: overlays patch it)."""
+    return {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": k8s.namespace,
+        "resources": [m.name for m in manifests],
+    }
+
+
+def write(manifests: list[Manifest], k8s: KubernetesSection, out_dir: str, header: str = "") -> list[str]:
+    """Write each manifest and ``kustomization.yaml`` into ``out_dir`` (created if missing), each starting with
+    ``header``; remove a file of :data:`OPTIONAL_FILES` that an earlier render wrote (it starts with
+    :data:`RENDERED_MARK`) and this one does not. Returns the paths written. Raises :class:`ConfigError` (key
+    ``--out``) when the folder cannot be written."""
+    from btbctl.engine.deploy.yamltext import dump, dump_all
+
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError("--out", f"cannot create {out_dir}: {e.strerror or e}") from None
+    texts = {m.name: dump_all(m.objects) for m in manifests}
+    texts["kustomization.yaml"] = dump(kustomization(manifests, k8s))
+    for name in OPTIONAL_FILES:  # a file an earlier render wrote that this one does not: remove it
+        old = os.path.join(out_dir, name)
+        if name not in texts and _first_line_starts_with(old, RENDERED_MARK):
+            os.unlink(old)
+    paths = []
+    for name, text in texts.items():
+        path = os.path.join(out_dir, name)
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(header + text)
+        except OSError as e:
+            raise ConfigError("--out", f"cannot write {path}: {e.strerror or e}") from None
+        paths.append(path)
+    return paths
+
+
+def _first_line_starts_with(path: str, prefix: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith(prefix)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def objects(manifests: list[Manifest]) -> list[dict]:
+    """Every object of ``manifests``, in order."""
+    return [obj for m in manifests for obj in m.objects]
+
+
+__all__ = [
+    "AGENT_SOCKET_ENV",
+    "AGENT_SOCKET_NAME",
+    "GATEWAY_CONFIG_DIR",
+    "SECRET_DIR",
+    "Manifest",
+    "agent_argv",
+    "check_no_secret_values",
+    "kustomization",
+    "objects",
+    "render",
+    "worker_pod_argv",
+    "write",
+]

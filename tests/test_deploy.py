@@ -1,0 +1,413 @@
+"""``btbctl deploy render``: Kubernetes manifests from a cluster file. The rendered objects validate against the
+Kubernetes API schemas (offline, kubernetes-validate, strict: no unknown field), the worker containers run exactly
+the command line ``btbctl up`` generates, secrets never appear as values, ``[kubernetes]`` errors are one line
+naming the file and the key, the committed kustomize base is what the renderer writes, and the example overlay
+builds (``kubectl kustomize``) into objects that validate too. No API server is involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from btbctl.commands.app import main
+from btbctl.engine.config import read_toml
+from btbctl.engine.deploy import kubernetes as kube
+from btbctl.engine.deploy.yamltext import dump, dump_all
+from btbctl.engine.errors import ConfigError
+from btbctl.engine.gateway.config import GatewayConfig
+from btbctl.engine.launcher import cluster as cl
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "cluster-k8s.toml"
+#: Oldest and newest Kubernetes minor the manifests are checked against.
+VERSIONS = ("1.28.0", "1.37.0")
+
+kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (in the test extra)")
+yaml = pytest.importorskip("yaml", reason="needs PyYAML (kubernetes-validate brings it)")
+
+
+def _validate(obj: dict) -> None:
+    for version in VERSIONS:
+        kv.validate(obj, version, strict=True)
+
+
+def _load(path=EXAMPLE, **kube_overrides) -> cl.ClusterFile:
+    data = read_toml(path)
+    data["kubernetes"] = {**data.get("kubernetes", {}), **kube_overrides}
+    return cl.validate_cluster(data, str(path))
+
+
+def _objects(cluster: cl.ClusterFile) -> list[dict]:
+    return kube.objects(kube.render(cluster))
+
+
+def _by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def test_every_rendered_object_validates_against_the_api_schemas():
+    objs = _objects(_load(create_namespace=True))
+    assert sorted(o["kind"] for o in objs) == sorted(
+        ["Namespace", "ConfigMap", "Deployment", "Service", "Service", "Service", "StatefulSet", "StatefulSet"]
+        + ["DaemonSet", "Service"]
+    )
+    for obj in objs:
+        _validate(obj)
+    # the check is not vacuous: a misspelled field or a wrong type fails it
+    sts = json.loads(json.dumps(_by_kind(objs, "StatefulSet")[0]))
+    sts["spec"]["replica"] = 2
+    with pytest.raises(kv.ValidationError):
+        kv.validate(sts, VERSIONS[0], strict=True)
+    sts = json.loads(json.dumps(_by_kind(objs, "StatefulSet")[0]))
+    sts["spec"]["replicas"] = "two"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(sts, VERSIONS[0], strict=True)
+
+
+#: Values that differ between ``up`` and a pod by design: where the worker listens and where its token file is.
+MASKED = ("--host", "--port", "--btb-token-file")
+
+
+def _flags(argv: list[str]) -> list[str]:
+    """``argv`` without the interpreter, the values of :data:`MASKED` replaced by a placeholder."""
+    return [("<value>" if i > 0 and argv[i - 1] in MASKED else a) for i, a in enumerate(argv)][1:]
+
+
+def test_worker_containers_run_the_command_line_btbctl_up_generates(monkeypatch):
+    cluster = _load()
+    k8s = cluster.kubernetes
+    sts = {o["metadata"]["name"]: o for o in _by_kind(_objects(cluster), "StatefulSet")}
+    for inst in cluster.instances():
+        name = f"btb-{inst.spec.name}"
+        command = sts[name]["spec"]["template"]["spec"]["containers"][0]["command"]
+        # what `btbctl up` runs for this worker (launcher.fleet.up), flag for flag
+        up = cl.worker_argv(inst, inst.port or 31000 + inst.index, inst.transfer_port, token_file="/run/tok")
+        assert _flags(command) == _flags(up), inst.name
+        # and the masked values are the pod's: all addresses, the pod port, the mounted Secret, the image's python
+        assert command[0] == k8s.python
+        assert command[command.index("--host") + 1] == "0.0.0.0"
+        assert command[command.index("--port") + 1] == str(k8s.worker_port)
+        if inst.spec.kind == "emulated":
+            assert command[command.index("--btb-token-file") + 1] == f"{kube.SECRET_DIR}/worker-token"
+
+    # flags the launcher adds (as the SGLang L3 work adds HiCache flags to sglang_argv) reach the manifests as they
+    # are, and an agent socket named there must be the one the agents serve
+    real = cl.sglang_argv
+
+    def with_l3(spec, port, host=None, socket="/run/btbctl/agent.sock"):
+        extra = {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store"}
+        extra["agent_socket"] = socket
+        return real(spec, port, host) + [
+            "--enable-hierarchical-cache",
+            "--hicache-storage-backend",
+            "dynamic",
+            kube.HICACHE_EXTRA_FLAG,
+            json.dumps(extra),
+        ]
+
+    monkeypatch.setattr(cl, "sglang_argv", with_l3)
+    llama = _by_kind(_objects(cluster), "StatefulSet")[0]
+    command = llama["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-5:-1] == [
+        "--enable-hierarchical-cache",
+        "--hicache-storage-backend",
+        "dynamic",
+        kube.HICACHE_EXTRA_FLAG,
+    ]
+    assert json.loads(command[-1])["module_path"] == "btbctl.sglang_l3"
+    _validate(llama)
+    monkeypatch.setattr(cl, "sglang_argv", lambda spec, port, host=None: with_l3(spec, port, host, "/tmp/x.sock"))
+    with pytest.raises(ConfigError) as err:
+        kube.render(cluster, "f.toml")
+    assert err.value.key == "kubernetes.agent_socket_dir" and "'/tmp/x.sock'" in err.value.reason
+
+
+class _Captured(Exception):
+    """Stops ``fleet.up`` once it has spawned every local worker."""
+
+
+def test_worker_containers_run_what_fleet_up_spawns(monkeypatch, tmp_path):
+    """The command lines ``btbctl up`` hands to ``spawn`` for this cluster file (captured, nothing of them runs),
+    flag for flag against the containers' commands."""
+    from btbctl.engine.launcher import fleet, local
+    from btbctl.engine.launcher.rundir import RunDir
+
+    cluster = _load()
+    spawned: dict[str, list[str]] = {}
+    harmless = [sys.executable, "-c", "pass"]
+
+    def record_spawn(name, argv, log, env=None):
+        spawned[name] = list(argv)
+        return local.spawn(name, harmless, log)
+
+    def stop(*args, **kwargs):
+        raise _Captured
+
+    monkeypatch.setattr(fleet, "spawn", record_spawn)
+    monkeypatch.setattr(fleet, "wait_ready", stop)  # called once every local worker was spawned
+    with pytest.raises(_Captured):
+        fleet.up(cluster, RunDir(tmp_path / "run"), detach=False)
+    assert list(spawned) == [inst.name for inst in cluster.instances()]
+    sts = {o["metadata"]["name"]: o for o in _by_kind(_objects(cluster), "StatefulSet")}
+    for inst in cluster.instances():
+        command = sts[f"btb-{inst.spec.name}"]["spec"]["template"]["spec"]["containers"][0]["command"]
+        assert _flags(command) == _flags(spawned[inst.name]), inst.name
+
+
+def test_gateway_agents_and_workers_fit_together():
+    cluster = _load()
+    objs = _objects(cluster)
+    k8s = cluster.kubernetes
+    config_map = _by_kind(objs, "ConfigMap")[0]
+    gw = GatewayConfig.model_validate(json.loads(config_map["data"]["gateway.json"]))
+    assert gw.host == gw.control_host == "0.0.0.0" and (gw.port, gw.control_port) == (30080, 30081)
+    assert gw.token is None and gw.token_file == f"{kube.SECRET_DIR}/control-token"
+    assert gw.constants.prefix_blocks == 64 and gw.policy == "btb"
+    # one URL per worker, in cluster-file order: the StatefulSets' pods behind the headless Service
+    assert gw.workers == [f"http://btb-llama-{i}.btb-workers.llm.svc.cluster.local:30000" for i in range(2)] + [
+        f"http://btb-emu-{i}.btb-workers.llm.svc.cluster.local:30000" for i in range(4)
+    ]
+    headless = next(o for o in objs if o["metadata"]["name"] == "btb-workers")
+    assert headless["spec"]["clusterIP"] == "None"
+    for sts in _by_kind(objs, "StatefulSet"):
+        assert sts["spec"]["serviceName"] == "btb-workers" and sts["spec"]["podManagementPolicy"] == "Parallel"
+    llama, emu = _by_kind(objs, "StatefulSet")
+    pod = llama["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert llama["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-nvme"
+    assert "resources" not in emu["spec"]["template"]["spec"]["containers"][0]  # emulated: no GPU
+    # the node agent: host network, its socket in the host directory the SGLang workers mount at the same path
+    ds = _by_kind(objs, "DaemonSet")[0]
+    dpod = ds["spec"]["template"]["spec"]
+    assert dpod["hostNetwork"] is True and dpod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    argv = dpod["containers"][0]["command"]
+    socket = argv[argv.index("--socket") + 1]
+    assert socket == f"{k8s.agent_socket_dir}/agent.sock" == "/run/btbctl/agent.sock"
+    assert {"name": "agent-socket", "mountPath": k8s.agent_socket_dir} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "BTBCTL_AGENT_SOCKET", "value": socket} in pod["containers"][0]["env"]
+    host_dirs = {v["hostPath"]["path"] for p in (pod, dpod) for v in p["volumes"] if "hostPath" in v}
+    assert host_dirs == {k8s.agent_socket_dir}
+    assert argv[argv.index("--peer") + 1] == "$(HOST_IP):30090"
+    assert dpod["containers"][0]["resources"]["limits"]["memory"] == f"{65536 + 512}Mi"
+    # Prometheus annotations: gateway, workers with metrics, agents
+    for obj in (*_by_kind(objs, "Deployment"), llama, emu, ds):
+        ann = obj["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
+    # the control API is never exposed beyond the cluster; the data plane's type is the file's choice
+    control = next(o for o in objs if o["metadata"]["name"] == "btb-control")
+    assert control["spec"]["type"] == "ClusterIP"
+    # without SGLang workers there is no agent (nothing reads HiCache pages), unless asked for
+    data = read_toml(EXAMPLE)
+    data["workers"] = data["workers"][1:]
+    emu_only = cl.validate_cluster(data)
+    assert not _by_kind(_objects(emu_only), "DaemonSet")
+    data["kubernetes"]["agents"] = True
+    assert _by_kind(_objects(cl.validate_cluster(data)), "DaemonSet")
+
+
+def test_secrets_come_from_kubernetes_secrets_and_values_are_refused():
+    cluster = _load()
+    objs = _objects(cluster)
+    text = dump_all(objs)
+    assert not _by_kind(objs, "Secret")
+    secret_volumes = [
+        v["secret"]
+        for o in objs
+        if "template" in o.get("spec", {})
+        for v in o["spec"]["template"]["spec"].get("volumes", [])
+        if "secret" in v
+    ]
+    assert secret_volumes and all(v["secretName"] == "btb-secrets" for v in secret_volumes)
+    keys = {i["key"] for v in secret_volumes for i in v["items"]}
+    assert keys == {"fleet-secret", "control-token", "worker-token"}
+    assert '"token":' not in text and "hf_" not in text
+    env = _by_kind(objs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
+
+    def refused(edit) -> ConfigError:
+        data = read_toml(EXAMPLE)
+        edit(data)
+        with pytest.raises(ConfigError) as err:
+            kube.render(cl.validate_cluster(data, "c.toml"), "c.toml")
+        assert str(err.value).startswith("c.toml: ") and "\n" not in str(err.value)
+        return err.value
+
+    err = refused(lambda d: d["workers"][0]["env"].update(HF_TOKEN="hf_abc"))
+    assert err.key == "workers.0.env.HF_TOKEN" and "kubernetes.secret_env.HF_TOKEN" in err.reason
+    err = refused(lambda d: d["workers"][1].update(env={"OPENAI_API_KEY": "sk-1"}))
+    assert err.key == "workers.1.env.OPENAI_API_KEY"
+    err = refused(lambda d: d["workers"][0]["extra_args"].extend(["--api-key", "k"]))
+    assert err.key == "workers.0.extra_args" and "--api-key" in err.reason
+    # names that only mention tokens are fine
+    data = read_toml(EXAMPLE)
+    data["workers"][0]["env"] = {"TOKENIZERS_PARALLELISM": "false", "HF_TOKEN_PATH": "/secrets/hf"}
+    data["workers"][0]["extra_args"] = ["--max-total-tokens", "65536", "--tokenizer-path", "x"]
+    kube.render(cl.validate_cluster(data))
+
+
+@pytest.mark.parametrize(
+    "edit,key,says",
+    [
+        ({"namespace": "Bad_NS"}, "kubernetes.namespace", "is not a DNS label"),
+        ({"imagee": "x"}, "kubernetes.imagee", "unknown key; valid keys: namespace, name,"),
+        ({"gpu_resource": "gpu"}, "kubernetes.gpu_resource", "nvidia.com/gpu, amd.com/gpu"),
+        ({"secret_env": {"HF_TOKEN": "hf"}}, "kubernetes.secret_env", '"SECRET/KEY"'),
+        ({"tolerations": [{"key": "a", "effect": "Never"}]}, "kubernetes.tolerations", "NoSchedule"),
+        ({"model_cache_gib": 0}, "kubernetes.model_cache_gib", "greater than or equal to 1"),
+        ({"agent_socket_dir": "run/btbctl"}, "kubernetes.agent_socket_dir", "absolute path"),
+        ({"image_pull_policy": "Sometimes"}, "kubernetes.image_pull_policy", "Always"),
+    ],
+)
+def test_kubernetes_section_errors_are_one_line_naming_file_and_key(tmp_path, capsys, edit, key, says):
+    fields = {"image": "registry.example.com/btbctl:0.1.0", **edit}
+    path = tmp_path / "c.toml"
+    path.write_text(
+        EXAMPLE.read_text().split("\n[kubernetes]\n")[0]
+        + "\n"
+        + "[kubernetes]\n"
+        + "".join(f"{k} = {_toml(v)}\n" for k, v in fields.items())
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["deploy", "render", "-c", str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"btbctl: error: {path}: {key}: ") and err.count("\n") == 1, err
+    assert says in err, err
+
+
+def _toml(v) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+def test_missing_section_and_per_pod_placeholders_are_refused(tmp_path, capsys):
+    path = tmp_path / "ssh.toml"
+    path.write_text(EXAMPLE.read_text().split("\n[kubernetes]\n")[0] + "\n")
+    with pytest.raises(SystemExit):
+        main(["deploy", "render", "-c", str(path)])
+    assert capsys.readouterr().err.startswith(f"btbctl: error: {path}: kubernetes: missing: add a [kubernetes]")
+    data = read_toml(EXAMPLE)
+    data["workers"][1]["command"] = ["/opt/run", "--name", "{name}", "--port", "{port}"]
+    with pytest.raises(ConfigError) as err:
+        kube.render(cl.validate_cluster(data))
+    assert err.value.key == "workers.1.command" and "{name} or {index}" in err.value.reason
+    data["workers"][1]["command"] = ["/opt/run", "--port", "{port}"]  # the same for every pod: fine
+    sts = _by_kind(_objects(cl.validate_cluster(data)), "StatefulSet")[1]
+    assert sts["spec"]["template"]["spec"]["containers"][0]["command"] == ["/opt/run", "--port", "30000"]
+
+
+def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
+    out = tmp_path / "base"
+    with pytest.raises(SystemExit) as exit_:
+        main(["deploy", "render", "-c", str(EXAMPLE), "--out", str(out), "--format", "json"])
+    assert exit_.value.code in (0, None)
+    summary = json.loads(capsys.readouterr().out)
+    assert sorted(os.listdir(out)) == ["agents.yaml", "gateway.yaml", "kustomization.yaml", "workers.yaml"]
+    assert len(summary["objects"]) == 9 and summary["secret"] == "btb-secrets"
+    kust = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert kust["namespace"] == "llm" and kust["resources"] == ["gateway.yaml", "workers.yaml", "agents.yaml"]
+    with pytest.raises(SystemExit):
+        main(["deploy", "render", "-c", str(EXAMPLE)])
+    stream = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert stream == _objects(_load())
+    # a later render without agents removes the agents.yaml the first one wrote, and nothing else
+    (out / "notes.yaml").write_text("kind: mine\n")
+    emu_only = tmp_path / "emu.toml"
+    text = EXAMPLE.read_text()
+    emu_only.write_text(
+        text[: text.index("[[workers]]")] + text[text.index("[[workers]]", text.index("[[workers]]") + 1) :]
+    )
+    with pytest.raises(SystemExit):
+        main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
+    capsys.readouterr()
+    assert sorted(os.listdir(out)) == ["gateway.yaml", "kustomization.yaml", "notes.yaml", "workers.yaml"]
+    # an agents.yaml someone else wrote is left alone
+    (out / "agents.yaml").write_text("# my agents\nkind: mine\n")
+    with pytest.raises(SystemExit):
+        main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
+    capsys.readouterr()
+    assert (out / "agents.yaml").read_text() == "# my agents\nkind: mine\n"
+
+
+def test_the_committed_base_is_what_the_renderer_writes(tmp_path):
+    cluster = cl.load_cluster(EXAMPLE)
+    from btbctl import __version__
+    from btbctl.commands.deploy import HEADER
+
+    assert HEADER.startswith(kube.RENDERED_MARK)
+
+    header = HEADER.format(config="cluster-k8s.toml", version=__version__, secret="btb-secrets")
+    kube.write(kube.render(cluster), cluster.kubernetes, str(tmp_path), header)
+    base = ROOT / "deploy" / "base"
+    stale = [n for n in sorted(os.listdir(tmp_path)) if (base / n).read_text() != (tmp_path / n).read_text()]
+    assert sorted(os.listdir(base)) == sorted(os.listdir(tmp_path))
+    assert not stale, (
+        f"deploy/base is stale ({stale}): btbctl deploy render -c examples/cluster-k8s.toml --out deploy/base"
+    )
+
+
+def test_the_example_overlay_builds_and_validates():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (its built-in kustomize builds the overlay)")
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "deploy" / "overlays" / "example")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    objs = list(yaml.safe_load_all(proc.stdout))
+    assert len(objs) == 9
+    for obj in objs:
+        _validate(obj)
+        assert obj["metadata"]["namespace"] == "llm" and obj["metadata"]["labels"]["team"] == "inference-platform"
+    svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "btb-gateway")
+    assert svc["spec"]["type"] == "LoadBalancer"
+    images = {
+        c["image"] for o in objs if "template" in o.get("spec", {}) for c in o["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {
+        "registry.internal.example/ml/btbctl:0.1.0",
+        "registry.internal.example/ml/sglang-btb:0.5.23-btbctl0.1.0",
+    }
+
+
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12)
+)
+_DATA = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_DATA)
+def test_yaml_text_reads_back_as_the_same_data(data):
+    assert yaml.safe_load(dump({"x": data})) == {"x": data}
+
+
+def test_yaml_text_keeps_strings_strings():
+    tricky = ["0.9", "30000", "true", "no", "ON", "null", "~", "-m", "--port", "1e3", "0x1f", "2024-01-01", "a: b"]
+    tricky += ["#x", "*a", "&a", "!t", "%x", "@x", "`x", "{x}", "[x]", "x/", "", " lead", "line\n", "a\nb\n", "\x7f"]
+    assert yaml.safe_load(dump(tricky)) == tricky
+    assert dump({"a": "x\ny\n"}) == "a: |\n  x\n  y\n"
+    # floats in exponent form keep a dot in the mantissa (YAML 1.1 reads 1e-05 as a string); infinities are floats
+    floats = [5e-324, 1e16, 1e-05, -2.5e100, 0.1, -0.0, float("inf"), float("-inf")]
+    assert yaml.safe_load(dump(floats)) == floats
+    assert dump([1e-05]) == "- 1.0e-05\n"
+    assert sys.version_info >= (3, 10)
