@@ -65,8 +65,10 @@ class GatewayConfig(BaseModel):
     keepalive_timeout_s: float = Field(4.0, gt=0)
     """Seconds an idle pooled connection is kept; below uvicorn's default 5 s (SGLang's server), so the gateway
     never reuses a connection the worker is closing."""
-    seed: int = 0
-    """Seed of the policy's random source (ties, sampling)."""
+    seed: int | None = None
+    """Seed of the policies' random source (ties between equally good workers, sampling). None (the default): a
+    fresh seed for each gateway process, so restarted or parallel gateways do not break ties in lockstep; set it
+    only for a reproducible run (the seed in use is ``Gateway.seed``)."""
     poll_interval_s: float = Field(0.1, gt=0)
     """Seconds between a copy's progress polls (``/btb/copies/{id}``)."""
     source_wait_s: float = Field(60.0, gt=0)
