@@ -31,7 +31,9 @@ def gateway(
     control_port: Annotated[
         int | None, typer.Option("--control-port", help="Control API port, 0 = any free one (default: 8001).")
     ] = None,
-    policy: Annotated[str | None, typer.Option("--policy", help="Routing policy (default: btb).")] = None,
+    policy: Annotated[
+        str | None, typer.Option("--policy", help="Routing policy (default: btb_plus; btb is the published rule).")
+    ] = None,
     seed: Annotated[
         int | None,
         typer.Option("--seed", help="Seed of the policy's tie-breaks, for reproducible runs (default: fresh per run)."),

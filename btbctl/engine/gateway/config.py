@@ -29,8 +29,9 @@ class GatewayConfig(BaseModel):
     """Control API listen address (loopback by default; on another address reads need the token too)."""
     control_port: int = Field(8001, ge=0, le=65535)
     """Control API port (0: any free port)."""
-    policy: str = "btb"
-    """Routing policy name (``btbctl.engine.policies.POLICIES``); changeable at run time."""
+    policy: str = "btb_plus"
+    """Routing policy name (``btbctl.engine.policies.POLICIES``; default ``btb_plus``, ``btb`` is the published
+    rule); changeable at run time."""
     constants: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants at start; changeable at run time through the control API."""
     page_size: int | None = Field(None, ge=1)
