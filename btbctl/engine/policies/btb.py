@@ -32,10 +32,11 @@ Where copies cannot be made (ours; the published simulator never refused one). A
 in a copy (``view.accepts_copies`` False: a gateway's worker without the BTB routes, such as a stock SGLang server,
 or an unhealthy one) is neither a copy target nor a source, and neither is, for ``Z`` seconds, a target the executor
 just refused (:class:`~btbctl.engine.policies.base.CopyRefusals`, fed by :meth:`Btb.on_copy_result`). When the
-holders cannot grow towards M that way (no candidate target, or no holder or computing replica that can send), a
-hot request is not forced onto the holders past the fallback's load rule: if the fleet's loads trip the
-cache-aware imbalance switch (spread > 64 and > 1.5x) it goes to the least-loaded replica, as the fallback would
-send it; otherwise to the least-loaded holder as above. Where copies are accepted (every simulated fleet) this
+holders cannot grow towards M that way (no candidate target, or no holder or computing replica that can send; the
+replicas the load rule sent a request to, which then compute the prefix, do not count towards M), a hot request
+is not forced onto the holders past the fallback's load rule: if the fleet's loads trip the cache-aware imbalance
+switch (spread > 64 and > 1.5x) it goes to the least-loaded replica, as the fallback would send it; otherwise to
+the least-loaded holder as above. Where copies are accepted (every simulated fleet) this
 changes nothing.
 
 What the published rule does that we keep, as evidence: while the first request still computes the prefix nothing
@@ -149,22 +150,26 @@ class Btb(Policy[FleetView]):
         holders: list[int] = []
         computing: list[int] = []
         free: list[int] = []
-        covered = 0
+        arriving = 0
         for r in range(n):
             if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
             elif view.copy_in_flight(r, prefix):
-                covered += 1
+                arriving += 1
             elif view.pending_blocks(r, prefix) >= y:
                 computing.append(r)
-                covered += 1
             elif view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s):
                 free.append(r)
-        need = min(self.constants.warm_replicas, n) - len(holders) - covered
-        if need <= 0:
-            return holders, None, False
-        if not free:
-            return holders, None, True
+        want = min(self.constants.warm_replicas, n)
+        # Stuck: short of M even counting the copies on their way, and no copy can be made (no replica that could
+        # receive one, or none that could send one). Replicas computing the prefix do not make up for it here: where
+        # copies are refused they compute it only because the load rule below sent them a request.
+        receivers = free or [r for r in computing if view.accepts_copies(r)]
+        can_send = any(view.accepts_copies(r) for r in holders + computing)
+        stuck = want - len(holders) - arriving > 0 and not (receivers and can_send)
+        need = want - len(holders) - arriving - len(computing)
+        if need <= 0 or not free:
+            return holders, None, stuck
         senders = [r for r in holders if view.accepts_copies(r)]
         if senders:
             source = least_loaded(view, senders, self.rng)
@@ -172,7 +177,7 @@ class Btb(Policy[FleetView]):
             senders = [r for r in computing if view.accepts_copies(r)]
             if not senders:
                 self._no_source += 1
-                return holders, None, bool(holders or computing)
+                return holders, None, stuck
             source = least_loaded(view, senders, self.rng)
         rng = self.rng
         order = sorted(free, key=lambda r: (view.load(r), rng.random()))
