@@ -192,33 +192,39 @@ def _ids(tag: int, n: int) -> list[int]:
     return [(tag * 7919 + i * 31) % 30000 + 1 for i in range(n)]
 
 
+#: Case 3 live: tokens per block and burst size (the report's 256-token blocks; half its 480 requests, so that client,
+#: gateway and eight workers in one event loop keep up on a loaded machine).
+PS3, N3 = 256, 240
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["fresh_gateway", "after_one_request"])
 async def test_case3_btb_plus_spreads_a_burst_on_a_fresh_gateway(warm):
-    """480 concurrent requests sharing a 15-block prefix on 8 workers, on a gateway that has just started (and, for
-    comparison, on one that served one earlier request).
+    """A burst of concurrent requests sharing a 15-block prefix on 8 workers, on a gateway that has just started
+    (and, for comparison, on one that served one earlier request). The report: 480 requests; here 240.
 
     Before: the arrival rate was divided by the time since the first request ever seen, microseconds at a cold
     start, so the burst read as tens of thousands of requests per second and went to two workers (0 x 6, 240, 240).
     The workers take no copies (no ``/btb`` routes), so the split is the routing rule's alone (with copies, planned
-    towards every worker, the burst spreads whatever the rate reads). Expected now: the same split on a fresh gateway
-    as on a warm one, no worker above 1.5x the mean (90); with the old rate it went 20/92/0/92/0/92/92/92."""
+    towards every worker, the burst spreads whatever the rate reads). Expected now: no worker above 1.5x the mean
+    (45), fresh or warm; with the old rate the fresh gateway's split was 0/2/43/68/60/67/0/0."""
     gate = asyncio.Event()
-    shared = _ids(1, 15 * BT)
+    shared = _ids(1, 15 * PS3)
+    worker_kw = {**IDLE, "page_size": PS3, "btb": False}
     async with GatewayEnv(
-        8, policy="btb_plus", seed=3, worker_kw={**IDLE, "page_size": BT, "btb": False}, client_connections=0
+        8, policy="btb_plus", seed=3, page_size=PS3, worker_kw=worker_kw, client_connections=0
     ) as env:
         if warm:
-            assert (await env.post("/generate", {"input_ids": _ids(2, BT)}))[0] == 200
+            assert (await env.post("/generate", {"input_ids": _ids(2, PS3)}))[0] == 200
         for w in env.fleet:
             w.first_byte_gate = gate
             w.requests.clear()
-        bodies = [{"input_ids": shared + _ids(100 + i, BT)} for i in range(480)]
+        bodies = [{"input_ids": shared + _ids(100 + i, PS3)} for i in range(N3)]
         tasks = [asyncio.ensure_future(env.post("/generate", b)) for b in bodies]
-        counts = await _in_flight(env, 480)
+        counts = await _in_flight(env, N3)
         gate.set()
         assert all(st == 200 for st, _ in await asyncio.gather(*tasks))
-        assert sum(counts) == 480
-        assert max(counts) <= 90, counts
+        assert sum(counts) == N3
+        assert max(counts) <= 1.5 * N3 / 8, counts
         _loads_back_to_zero(env)
 
 
