@@ -35,6 +35,9 @@ class FakeWorker:
     * ``copy_outcome``: ``"done"`` or ``"failed"`` for pushes from this worker; ``copy_polls``: progress answers
       (``sending``) before the outcome.
     * ``health_status``: status of ``/health``.
+    * ``waiting_reqs`` / ``max_tokens``: what ``/v1/loads`` reports as ``num_waiting_reqs`` and
+      ``max_total_num_tokens`` (default 2 and 100: a busy worker with a full cache; 0 and a large capacity for an
+      idle one).
     """
 
     page_size: int = 4
@@ -48,6 +51,8 @@ class FakeWorker:
     copy_outcome: str = "done"
     copy_polls: int = 2
     health_status: int = 200
+    waiting_reqs: int = 2
+    max_tokens: int = 100
     block_bytes: int = 1000
     registry: dict = field(default_factory=dict)  # transfer_addr -> FakeWorker (shared by a fleet)
     requests: list = field(default_factory=list)
@@ -123,10 +128,10 @@ class FakeWorker:
                 "loads": [
                     {
                         "num_running_reqs": 1,
-                        "num_waiting_reqs": 2,
+                        "num_waiting_reqs": self.waiting_reqs,
                         "num_used_tokens": 30,
-                        "max_total_num_tokens": 100,
-                        "token_usage": 0.3,
+                        "max_total_num_tokens": self.max_tokens,
+                        "token_usage": 30 / self.max_tokens,
                     }
                 ]
             }
@@ -285,9 +290,10 @@ async def stop_fleet(fleet: list[FakeWorker]) -> None:
 class GatewayEnv:
     """A fake fleet plus a gateway in front of it (``async with GatewayEnv(3, policy="btb") as env``)."""
 
-    def __init__(self, n: int = 3, worker_kw: dict | None = None, **config) -> None:
+    def __init__(self, n: int = 3, worker_kw: dict | None = None, client_connections: int = 100, **config) -> None:
         self.n = n
         self.worker_kw = worker_kw or {}
+        self.client_connections = client_connections  # the test client's pool (aiohttp's default: 100; 0: no limit)
         self.config = config
         self.fleet: list[FakeWorker] = []
         self.gw = None
@@ -302,7 +308,7 @@ class GatewayEnv:
         cfg = {"port": 0, "control_port": 0, "token": "test-token", "health_interval_s": 0.2, "poll_interval_s": 0.02}
         cfg.update(self.config)
         self.gw = await serve_gateway(GatewayConfig(workers=[w.url for w in self.fleet], **cfg))
-        self.http = aiohttp.ClientSession()
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.client_connections))
         return self
 
     async def __aexit__(self, *exc) -> None:

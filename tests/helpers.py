@@ -75,8 +75,12 @@ class FakeFleet:
     * ``queued[r]``: seconds of queued prefill; ``groups[r]``: waiting groups; ``headroom[r]``: KV tokens a copy
       may use.
 
+    * ``no_copies``: replicas that cannot take part in a copy (``accepts_copies`` False: a worker without the BTB
+      routes); ``prefilling``: per replica, requests without a first token yet (None: ``loads``).
+
     ``copies`` logs every copy :meth:`replicate` accepted; it refuses a copy to itself, to a replica in ``refuse``
-    or of a chain already arriving there. :meth:`land_copies` makes every copy in flight resident at its target.
+    or ``no_copies``, from a source in ``no_copies``, or of a chain already arriving there. :meth:`land_copies`
+    makes every copy in flight resident at its target.
     The cost view is Llama-3.3-70B on 4 x H100 (``cost`` to change it), 256-token blocks, chunks of 8192 tokens.
     """
 
@@ -96,6 +100,8 @@ class FakeFleet:
         self.headroom = [self.cost.kv_budget_tokens] * n
         self.copies: list[Copy] = []
         self.refuse: set[int] = set()
+        self.no_copies: set[int] = set()
+        self.prefilling: list[int] | None = None
 
     # -- FleetView ---------------------------------------------------------------------------------------------
 
@@ -117,6 +123,9 @@ class FakeFleet:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self.in_flight[replica]
 
+    def accepts_copies(self, replica: int) -> bool:
+        return replica not in self.no_copies
+
     # -- CostView ----------------------------------------------------------------------------------------------
 
     def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
@@ -126,6 +135,9 @@ class FakeFleet:
 
     def queued_prefill_s(self, replica: int) -> float:
         return self.queued[replica]
+
+    def prefill_load(self, replica: int) -> int:
+        return self.loads[replica] if self.prefilling is None else self.prefilling[replica]
 
     def waiting_groups(self, replica: int) -> list:
         return list(self.groups[replica])
@@ -161,6 +173,8 @@ class FakeFleet:
         self, chain: Sequence[Hashable], source: int, target: int, now_s: float, hot_since_s: float | None = None
     ) -> bool:
         if source == target or target in self.refuse or chain[-1] in self.in_flight[target]:
+            return False
+        if source in self.no_copies or target in self.no_copies:
             return False
         self.arrive(target, chain, source)
         self.copies.append(Copy(tuple(chain), source, target, now_s, hot_since_s))

@@ -36,10 +36,11 @@ BT = 256
 #: Chains every check reads: the two of the scenario, their leading parts, longer chains and unknown ones.
 CHAINS: tuple[tuple[Hashable, ...], ...] = (A, A[:2], A + ("a-more",), B, B[:1], B + ("b-more",), ("zz0", "zz1"))
 
-FLEET_MEMBERS = ("n_replicas", "load", "cached_blocks", "pending_blocks", "copy_in_flight")
+FLEET_MEMBERS = ("n_replicas", "load", "cached_blocks", "pending_blocks", "copy_in_flight", "accepts_copies")
 COST_MEMBERS = (
     "planned_blocks",
     "queued_prefill_s",
+    "prefill_load",
     "waiting_groups",
     "copy_status",
     "nic_copies",
@@ -112,9 +113,11 @@ def infersim(check: Callable[[Scenario], None]) -> None:
 def gateway(check: Callable[[Scenario], None]) -> None:
     """The gateway's live state, set the way the data plane and the replicator set it."""
     st = FleetState([f"http://w{i}" for i in range(4)])
-    for w in st.workers:  # as the health checker leaves them: up, with their /v1/loads
+    for w in st.workers:  # as the health checker leaves them: up, with their /v1/loads and /btb/info
         w.healthy = True
         w.loads = {"running": 0, "waiting": 0, "used_tokens": 0, "max_tokens": 100_000, "token_usage": 0.0}
+        w.btb = True
+        w.info = {"transfer_addr": f"127.0.0.1:{4000 + w.index}"}
     st.workers[HOLDER].hold(A)
     busy = st.workers[BUSY]
     for rid in ("r1", "r2"):
@@ -200,6 +203,8 @@ def _check_scenario(view: FleetView, s: Scenario, is_cost: bool, spare_excluded:
     # the idle replica knows nothing
     assert all(view.pending_blocks(SPARE, c) == 0 for c in CHAINS)
     assert not any(view.copy_in_flight(SPARE, c) for c in CHAINS)
+    # every replica takes part in copies, except one a wrapping view excludes
+    assert [view.accepts_copies(r) for r in range(4)] == [not (spare_excluded and r == SPARE) for r in range(4)]
     if is_cost:
         cv: CostView = view
         st = cv.copy_status(TARGET, A)
@@ -211,6 +216,10 @@ def _check_scenario(view: FleetView, s: Scenario, is_cost: bool, spare_excluded:
         assert (cv.kv_headroom_tokens(SPARE) == 0) is spare_excluded  # an excluded replica has no room
         assert cv.kv_headroom_tokens(BUSY) > 0 and cv.block_tokens > 0 and cv.chunk_tokens >= 0
         assert cv.queued_prefill_s(SPARE) == 0.0 and cv.waiting_groups(SPARE) == []
+        # requests without a first token yet: part of the load; the two computing B have none yet
+        assert all(0 <= cv.prefill_load(r) <= cv.load(r) for r in range(4)) and cv.prefill_load(SPARE) == 0
+        if s.counts_prefill:
+            assert cv.prefill_load(BUSY) == 2
         assert cv.admission_wait_s(SPARE, 1) == 0.0
         assert cv.cost.model.kv_bytes_per_token > 0
 
@@ -245,6 +254,7 @@ def test_excluding_view_hides_the_excluded_replicas_holdings_copies_and_headroom
                     assert view.copy_status(r, chain) is None
             if is_cost:
                 assert view.kv_headroom_tokens(r) == 0
+            assert not view.accepts_copies(r)
         # loads and everything about the other replicas are the inner view's
         assert view.n_replicas == inner.n_replicas
         assert [view.load(r) for r in range(4)] == [inner.load(r) for r in range(4)]
@@ -253,9 +263,11 @@ def test_excluding_view_hides_the_excluded_replicas_holdings_copies_and_headroom
                 assert view.cached_blocks(r, chain) == inner.cached_blocks(r, chain)
                 assert view.pending_blocks(r, chain) == inner.pending_blocks(r, chain)
                 assert view.copy_in_flight(r, chain) == inner.copy_in_flight(r, chain)
+            assert view.accepts_copies(r) == inner.accepts_copies(r)
             if is_cost:
                 assert view.kv_headroom_tokens(r) == inner.kv_headroom_tokens(r)
                 assert view.queued_prefill_s(r) == inner.queued_prefill_s(r)
+                assert view.prefill_load(r) == inner.prefill_load(r)
 
     build(check)
 
@@ -275,6 +287,9 @@ def test_a_view_without_the_cost_members_is_a_fleet_view_only():
 
         def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
             return False
+
+        def accepts_copies(self, replica: int) -> bool:
+            return True
 
     m = Minimal()
     assert isinstance(m, FleetView) and not isinstance(m, CostView)

@@ -71,6 +71,7 @@ async def test_btb_replicates_between_real_workers(tmp_path):
             token="ctl",
             worker_token_file=token_file,
             poll_interval_s=0.02,
+            policy="btb",
             constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 5.0, "replicas": 3},
         )
     )

@@ -41,7 +41,7 @@ def test_default_cluster_is_four_emulated_llama_70b_on_4xh100():
     }
     assert all(i.spec.host == "127.0.0.1" for i in insts)
     assert c.gateway.host == "127.0.0.1" and c.gateway.control_host == "127.0.0.1"
-    assert c.gateway.policy == "btb"
+    assert c.gateway.policy == "btb_plus"
     assert c.btb.as_dict() == {"prefix_blocks": 256, "threshold": 2, "window_s": 1.0, "warm_replicas": 4}
     # an empty file means the default
     assert ClusterFile.model_validate({}).model_dump() == c.model_dump()

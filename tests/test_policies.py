@@ -406,8 +406,11 @@ def test_btb_without_any_source_copies_nothing_and_falls_back_to_cache_aware():
     view = FakeFleet(4)
     picks = fire(pol, view)
     assert view.copies == [] and pol.stats()["no_source"] == 1
-    assert picks == [0, 0]  # cache-aware: a miss to the first least-loaded, then affinity to its creator
+    # cache-aware: a miss to a least-loaded replica (ties at random), then affinity to its creator
+    assert picks[0] == picks[1]
     assert pol.stats()["fallback_routes"] == 1
+    firsts = {fire(Btb(4, rng(seed), K), FakeFleet(4))[0] for seed in range(12)}
+    assert len(firsts) > 1  # the fallback's ties are not "first in list"
 
 
 def test_btb_moves_on_when_the_fleet_refuses_a_copy_and_tops_up_later():
@@ -417,11 +420,16 @@ def test_btb_moves_on_when_the_fleet_refuses_a_copy_and_tops_up_later():
     view.refuse = {1}
     fire(pol, view)
     assert [c[2] for c in view.copies] == [2, 3] and pol.stats()["copies_refused"] == 1
-    # the copy to 3 is lost; the next arrival of the active prefix tops up
+    # the copy to 3 is lost; the next arrival of the active prefix tops up, not with 1, which refused within Z
     del view.in_flight[3][P[-1]]
     view.refuse = set()
     route(pol, burst(2), view, 0.3)
-    assert [c[2] for c in view.copies] == [2, 3, 1]
+    assert [c[2] for c in view.copies] == [2, 3, 3]
+    # Z = 1 s after the refusal, 1 is a candidate again (the least loaded)
+    del view.in_flight[3][P[-1]]
+    del view.in_flight[2][P[-1]]
+    route(pol, burst(3), view, 1.15)
+    assert [c[2] for c in view.copies[3:]] == [1, 2]
 
 
 def test_btb_routes_an_active_prefix_to_the_least_loaded_holder():
@@ -470,7 +478,8 @@ def test_btb_uses_cache_aware_for_other_requests():
     pol = Btb(2, rng(), K)
     view = FakeFleet(2, [0, 0])
     short = blocks("P", Y - 1)
-    assert [route(pol, req(short), view, i * 0.01) for i in range(5)] == [0] * 5
+    picks = [route(pol, req(short), view, i * 0.01) for i in range(5)]
+    assert picks == [picks[0]] * 5  # a miss, then affinity to the replica it went to
     assert pol.stats()["fires"] == 0 and pol.detector.stats()["tracked"] == 0
     view.loads = [100, 0]  # imbalanced for cache-aware
     assert route(pol, req(blocks("Q", 8)), view, 1.0) == 1

@@ -79,7 +79,7 @@ def dry_run(
             "--policies",
             metavar="A,B,C",
             help="Comma-separated routing policies, in report order (default: round_robin,least_load,cache_aware,"
-            "cache_aware_spill,btb).",
+            "cache_aware_spill,btb,btb_plus).",
         ),
     ] = None,
     prefix_blocks: options.PrefixBlocks = None,

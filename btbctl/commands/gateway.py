@@ -46,7 +46,13 @@ def gateway(
             help=f"Control API port, 0 = any free one (default: {DEFAULT_CONTROL_PORT}, as btbctl up).",
         ),
     ] = None,
-    policy: Annotated[str | None, typer.Option("--policy", help="Routing policy (default: btb).")] = None,
+    policy: Annotated[
+        str | None, typer.Option("--policy", help="Routing policy (default: btb_plus; btb is the published rule).")
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option("--seed", help="Seed of the policy's tie-breaks, for reproducible runs (default: fresh per run)."),
+    ] = None,
     page_size: Annotated[
         int | None,
         typer.Option("--page-size", help="Tokens per block (default: the workers' /btb/info page_size, else 256)."),
@@ -95,6 +101,7 @@ def gateway(
         "control_host": control_host,
         "control_port": control_port,
         "policy": policy,
+        "seed": seed,
         "page_size": page_size,
         "token_file": token_file,
         "worker_token_file": worker_token_file,

@@ -54,7 +54,7 @@ def tui(
     replicas: Annotated[
         int | None, typer.Option("--replicas", help="--sim: replicas in the fleet (default: 4).")
     ] = None,
-    policy: Annotated[str | None, typer.Option("--policy", help="--sim: routing policy (default: btb).")] = None,
+    policy: Annotated[str | None, typer.Option("--policy", help="--sim: routing policy (default: btb_plus).")] = None,
     prefix_blocks: options.PrefixBlocks = None,
     threshold: options.Threshold = None,
     window_s: options.WindowS = None,

@@ -10,7 +10,7 @@ A config file looks like::
     seed = 42
     fidelity = "realistic"
     # setup = "70b_h100x4"   # a named setup of the published table fills [cluster]; keys set there still win
-    policies = ["round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb"]
+    policies = ["round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb", "btb_plus"]
 
     [trace]                  # either a file ...
     # path = "traces/mooncake_conversation_trace.jsonl"   # relative paths resolve against this file's folder

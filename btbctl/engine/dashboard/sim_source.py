@@ -108,7 +108,7 @@ class SimSource:
         trace,
         cluster,
         constants: BtbConstants | None = None,
-        policy: str = "btb",
+        policy: str = "btb_plus",
         *,
         seed: int = 42,
         speed: float = 1.0,
@@ -422,10 +422,11 @@ def sim_source_from_config(
     cfg, policy: str | None = None, *, speed: float = 1.0, paced: bool = True, trace=None
 ) -> SimSource:
     """A :class:`SimSource` for a :class:`~btbctl.engine.dryrun.DryRunConfig`: its trace (or ``trace``),
-    cluster, constants and seed; ``policy`` default: ``btb`` when listed, else the config's first policy."""
+    cluster, constants and seed; ``policy`` default: ``btb_plus`` when listed, else ``btb`` when listed, else the
+    config's first policy."""
     cfg.check()
     if trace is None:
         trace = load_trace(cfg)
     if policy is None:
-        policy = "btb" if "btb" in cfg.policies else cfg.policies[0]
+        policy = next((p for p in ("btb_plus", "btb") if p in cfg.policies), cfg.policies[0])
     return SimSource(trace, cfg.cluster, cfg.btb, policy, seed=cfg.seed, speed=speed, paced=paced)

@@ -29,8 +29,9 @@ class GatewayConfig(BaseModel):
     """Control API listen address (loopback by default; on another address reads need the token too)."""
     control_port: int = Field(8001, ge=0, le=65535)
     """Control API port (0: any free port)."""
-    policy: str = "btb"
-    """Routing policy name (``btbctl.engine.policies.POLICIES``); changeable at run time."""
+    policy: str = "btb_plus"
+    """Routing policy name (``btbctl.engine.policies.POLICIES``; default ``btb_plus``, ``btb`` is the published
+    rule); changeable at run time."""
     constants: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants at start; changeable at run time through the control API."""
     page_size: int | None = Field(None, ge=1)
@@ -65,8 +66,10 @@ class GatewayConfig(BaseModel):
     keepalive_timeout_s: float = Field(4.0, gt=0)
     """Seconds an idle pooled connection is kept; below uvicorn's default 5 s (SGLang's server), so the gateway
     never reuses a connection the worker is closing."""
-    seed: int = 0
-    """Seed of the policy's random source (ties, sampling)."""
+    seed: int | None = None
+    """Seed of the policies' random source (ties between equally good workers, sampling). None (the default): a
+    fresh seed for each gateway process, so restarted or parallel gateways do not break ties in lockstep; set it
+    only for a reproducible run (the seed in use is ``Gateway.seed``)."""
     poll_interval_s: float = Field(0.1, gt=0)
     """Seconds between a copy's progress polls (``/btb/copies/{id}``)."""
     source_wait_s: float = Field(60.0, gt=0)

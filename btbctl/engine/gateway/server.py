@@ -129,7 +129,9 @@ class Gateway:
         self.state = FleetState(config.workers, self.clock)
         self.constants: BtbConstants = config.constants
         self.detector = BurstDetector(self.constants)
-        self.rng = random.Random(config.seed)
+        #: seed of the policies' random source: the configured one, else fresh for this process
+        self.seed: int = config.seed if config.seed is not None else secrets.randbits(63)
+        self.rng = random.Random(self.seed)
         self.policy: Policy = make_policy(config.policy, len(config.workers), self.rng, self.constants)
         self._feeds_detector = False
         self.page_size = config.page_size or DEFAULT_PAGE_SIZE
@@ -240,7 +242,7 @@ class Gateway:
 
     def choose(self, req: Request, excluded: Sequence[int]) -> int | None:
         """The worker for ``req``: the policy's choice, unless that worker is unavailable (unhealthy or in
-        ``excluded``), in which case the least-loaded available one (ties: lowest index). None when no worker is
+        ``excluded``), in which case the least-loaded available one (ties at random). None when no worker is
         available. The route's copy plans go to the replicator (never to or from an excluded worker). Feeds the
         detector when the policy does not (once per request: not again on a retry; a BTB-style policy observes the
         arrival again when asked again, a rare double count after a failure)."""
@@ -257,11 +259,11 @@ class Gateway:
         ws = state.workers
         if 0 <= idx < len(ws) and ws[idx].healthy and idx not in excluded:
             return idx
-        best = None
-        for w in ws:
-            if w.healthy and w.index not in excluded and (best is None or w.inflight < best.inflight):
-                best = w
-        return None if best is None else best.index
+        open_ = [w for w in ws if w.healthy and w.index not in excluded]
+        if not open_:
+            return None
+        low = min(w.inflight for w in open_)
+        return self.rng.choice([w.index for w in open_ if w.inflight == low])
 
     def worker_failed(self, idx: int, reason: str) -> None:
         """A forwarded request failed on worker ``idx`` (connection error or 5xx): mark it unhealthy now."""
@@ -374,6 +376,7 @@ class Gateway:
         self.bus.register("constants", reports.constants)
         self.bus.start()
         self.prober.start()
+        log.info("routing policy %s, seed %d", self.policy.name, self.seed)
         data = build_data_app(self, max_body_bytes=cfg.max_body_bytes, max_retries=cfg.max_retries)
         control = build_control_app(reports, self, self.bus, open_reads=is_loopback(cfg.control_host))
         try:

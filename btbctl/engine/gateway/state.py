@@ -423,6 +423,16 @@ class FleetState:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and self.transfers.in_flight(replica, chain[-1])
 
+    def accepts_copies(self, replica: int) -> bool:
+        """Whether ``replica`` can send or receive a copy: healthy, serving the BTB routes (a stock SGLang server
+        does not) and naming its ``transfer_addr`` in ``/btb/info``, the conditions the replicator checks."""
+        w = self.workers[replica]
+        return w.healthy and w.btb is True and bool((w.info or {}).get("transfer_addr"))
+
+    def prefill_load(self, replica: int) -> int:
+        """Requests the gateway has in flight to ``replica`` without a first byte yet."""
+        return self.workers[replica].prefilling
+
     def _queue(self, replica: int) -> tuple[float, dict]:
         """``(seconds of queued prefill, {block: [requests, seconds]})`` of the requests the gateway has on
         ``replica`` without a first byte yet, modelled as the simulator's view does (``queued_prefill_s``,

@@ -6,7 +6,8 @@ A cluster file is TOML::
     host = "127.0.0.1"          # data plane (OpenAI / SGLang routes)
     port = 30080
     control_port = 30081        # control API (loopback by default)
-    policy = "btb"
+    policy = "btb_plus"         # the default; "btb" is the published rule
+    settings = { seed = 7 }     # optional: fixed tie-breaks for a reproducible run (default: fresh per start)
 
     [btb]                       # BTB's four constants (published defaults)
     prefix_blocks = 256
@@ -28,7 +29,8 @@ A cluster file is TOML::
 A worker entry whose ``host`` is the name of a ``[[hosts]]`` entry runs on that machine over SSH
 (:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is
 optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``) means: 4 emulated
-Llama-3.3-70B workers on 4 x H100 each behind the gateway, all on loopback, the published BTB setting (REFERENCE.md s1).
+Llama-3.3-70B workers on 4 x H100 each behind the gateway (policy ``btb_plus``), all on loopback, the published BTB
+setting (REFERENCE.md s1).
 
 Command lines are always argv lists, never shell strings: :func:`sglang_argv` builds SGLang's
 ``python -m sglang.launch_server`` line (REFERENCE.md s5), :func:`emulated_argv` the emulated worker's
@@ -83,8 +85,9 @@ class GatewaySection(BaseModel):
     """Address the control API binds to (fleet state, constants, replication). Loopback by default."""
     control_port: int = Field(DEFAULT_CONTROL_PORT, ge=0, le=65535)
     """Control-API port; 0 picks a free port at ``up``."""
-    policy: str = "btb"
-    """Routing policy at start: ``btb`` (the published rule), ``cache_aware`` (SGLang's router),
+    policy: str = "btb_plus"
+    """Routing policy at start: ``btb_plus`` (the default: BTB with copies checked against recompute and routing by
+    expected time to first token), ``btb`` (the published rule), ``cache_aware`` (SGLang's router),
     ``cache_aware_spill``, ``least_load``, ``power_of_two``, ``round_robin`` or ``random``; ``btbctl tune
     policy=NAME`` changes it later."""
     page_size: int = Field(256, ge=1)
@@ -99,8 +102,9 @@ class GatewaySection(BaseModel):
     """Largest request body the gateway accepts, bytes (32 MiB, the gateway's default, holds a 65,536-token prompt
     as text many times over)."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    """Further gateway settings by name (``GatewayConfig`` fields such as ``unhealthy_after = 1`` or
-    ``connect_timeout_s = 2.0``); the ones above and the listen addresses, workers and tokens are set by ``up``."""
+    """Further gateway settings by name (``GatewayConfig`` fields such as ``unhealthy_after = 1``,
+    ``connect_timeout_s = 2.0`` or ``seed = 7``, which fixes the policy's tie-breaks for a reproducible run; without
+    it each start draws a fresh seed); the ones above and the listen addresses, workers and tokens are set by ``up``."""
     ready_timeout_s: float = Field(DEFAULT_EMULATED_READY_TIMEOUT_S, gt=0)
     """Seconds to wait for the gateway to report ready."""
 
@@ -468,7 +472,7 @@ class WorkerInstance:
 
 def default_cluster() -> ClusterFile:
     """The embedded default fleet: 4 emulated Llama-3.3-70B workers, 4 x H100 each (the published BTB setting,
-    REFERENCE.md s1), behind the gateway with the ``btb`` policy, everything on 127.0.0.1."""
+    REFERENCE.md s1), behind the gateway with the ``btb_plus`` policy, everything on 127.0.0.1."""
     return ClusterFile()
 
 

@@ -29,7 +29,7 @@ POLICIES: dict[str, type[Policy[Any]]] = {
 }
 
 #: The policies a dry-run compares when none are named, in report order.
-DEFAULT_POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb")
+DEFAULT_POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb", "btb_plus")
 
 
 def make_policy(

@@ -66,6 +66,12 @@ class FleetView(Protocol):
         """Whether a copy of (a prefix ending with) ``chain[-1]`` towards ``replica`` is in flight."""
         ...
 
+    def accepts_copies(self, replica: int) -> bool:
+        """Whether ``replica`` can take part in a copy now, as its source or its target (the simulators' replicas
+        always can; a gateway's worker can while it is healthy and serves the BTB routes). A policy plans no copy
+        to or from a replica that cannot."""
+        ...
+
 
 @runtime_checkable
 class CostView(FleetView, Protocol):
@@ -80,6 +86,11 @@ class CostView(FleetView, Protocol):
     def queued_prefill_s(self, replica: int) -> float:
         """Seconds of prefill compute queued on ``replica`` ahead of a new request, counting for each queued request
         only the prompt tokens it must compute itself (attention included). O(1)."""
+        ...
+
+    def prefill_load(self, replica: int) -> int:
+        """Requests on ``replica`` that have not produced their first token yet (waiting or prefilling there): the
+        part of :meth:`load` whose time to first token a new prefill there can still delay. O(1)."""
         ...
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
@@ -129,7 +140,8 @@ ViewT = TypeVar("ViewT", bound=FleetView, contravariant=True)
 class ExcludingView:
     """A view of ``inner`` in which the replicas in ``excluded`` are unavailable (a retry after they failed this
     request): they hold, compute and receive nothing and have no KV headroom, so no policy routes a hot request to
-    them as holders, picks them as a copy source or plans a copy to them. Everything else is ``inner``'s."""
+    them as holders, picks them as a copy source or plans a copy to them (:meth:`accepts_copies` is False there).
+    Everything else is ``inner``'s."""
 
     __slots__ = ("_inner", "_excluded")
 
@@ -158,6 +170,9 @@ class ExcludingView:
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return replica not in self._excluded and self._inner.copy_in_flight(replica, chain)
+
+    def accepts_copies(self, replica: int) -> bool:
+        return replica not in self._excluded and self._inner.accepts_copies(replica)
 
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
         return None if replica in self._excluded else self._inner.copy_status(replica, chain)  # type: ignore[attr-defined]
@@ -193,7 +208,8 @@ class Policy(Generic[ViewT]):
 
     def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
         """Hook: the executor tried to start a copy of ``plan`` to ``target`` (``started``: it accepted; else it
-        refused). No-op by default."""
+        refused). No-op by default; the policies that copy remember refusals (see
+        :class:`CopyRefusals`) so that a replica that refused is not planned as a target again at once."""
 
     def on_finish(self, req: Request, replica: int, now_s: float) -> None:
         """Hook: ``req`` finished on ``replica`` (no-op by default)."""
@@ -215,6 +231,33 @@ class Policy(Generic[ViewT]):
         return {}
 
 
+class CopyRefusals:
+    """Replicas an executor refused a copy to recently, for the policies that plan copies (``btb``, ``btb_plus``).
+
+    A refusal reported through :meth:`Policy.on_copy_result` marks its target; for ``hold_s`` seconds of the time
+    passed in (the policies use BTB's window Z) the target is not planned as a copy target again, so an arrival does
+    not keep asking for copies the fleet will not make, and the policy knows its holder set cannot grow there. A
+    copy the executor starts towards the target clears the mark. Memory: one entry per replica at most.
+    """
+
+    __slots__ = ("_at",)
+
+    def __init__(self) -> None:
+        self._at: dict[int, float] = {}
+
+    def note(self, target: int, started: bool, now_s: float) -> None:
+        """Record the executor's answer for a copy to ``target`` at ``now_s``."""
+        if started:
+            self._at.pop(target, None)
+        else:
+            self._at[target] = now_s
+
+    def refused(self, target: int, now_s: float, hold_s: float) -> bool:
+        """Whether ``target`` refused a copy within the last ``hold_s`` seconds before ``now_s``."""
+        at = self._at.get(target)
+        return at is not None and now_s - at < hold_s
+
+
 def least_loaded(view: FleetView, candidates: Sequence[int], rng: random.Random | None = None) -> int:
     """The candidate with the lowest load; ties go to a random one when ``rng`` is given, else to the first."""
     best = min(view.load(r) for r in candidates)
@@ -224,4 +267,4 @@ def least_loaded(view: FleetView, candidates: Sequence[int], rng: random.Random 
     return rng.choice(tied)
 
 
-__all__ = ["CostView", "ExcludingView", "FleetView", "Policy", "Route", "ViewT", "least_loaded"]
+__all__ = ["CopyRefusals", "CostView", "ExcludingView", "FleetView", "Policy", "Route", "ViewT", "least_loaded"]

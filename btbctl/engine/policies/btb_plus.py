@@ -44,38 +44,102 @@ weakness REFERENCE.md s1 lists or a point the published rule leaves open. Per re
    + the delay it imposes on requests already waiting there for a hot prefix (those whose prefix lands while it
    runs wait for it: requests x overlap seconds; a prefix computed there counts as landing one prefill chunk
    early, because the step computing its last block admits other work first) + ``own`` x the requests expected to
-   wait behind this one's prefill there: the larger of the requests in flight there (``view.load`` minus those
-   waiting for a hot prefix; by Little's law, in a steady state as many arrive during one stay) and the
-   arrivals expected during its expected TTFT at the fleet's long-run arrival rate per replica (requests seen so
-   far / seconds since the first / replicas). The second term keeps a long cold prompt out of a burst's warm
-   queue when it can wait elsewhere; the third makes the rule prefer cache hits in proportion to how loaded the
-   fleet is (under overload every second of prefill delays everyone queued after it). Ties go to
-   the lower load, then at random (the policy's seeded rng). Requests without a hot prefix are routed by the same
-   rule; on traffic without bursts (no copies) it is a shortest-expected-delay router that weighs cache hits.
+   wait behind this one's prefill there: the larger of the requests there still waiting for their first token
+   (``view.prefill_load`` minus those waiting for a hot prefix; by Little's law, in a steady state as many arrive
+   during one time to first token) and the arrivals expected during its expected TTFT at the fleet's recent
+   arrival rate per replica (arrivals in the trailing :data:`RATE_WINDOW_S` seconds / :data:`RATE_WINDOW_S` /
+   replicas). The second term keeps a long cold prompt out of a burst's warm queue when it can wait elsewhere; the
+   third makes the rule prefer cache hits in proportion to how loaded the fleet is (under overload every second of
+   prefill delays everyone queued after it). Requests that already have their first token (decoding) do not count:
+   a prefill slows their later tokens, not their first, and counting them made the rule shun a replica with long
+   decodes in flight although it could start the prefill at once (on 2 replicas with 430-token answers that
+   alone cost +16% p95 TTFT against round robin). The rate is counted over a bounded window, never since the
+   first request: at a gateway's cold start "since the first" is microseconds, and a burst then read as tens of
+   thousands of requests per second, which made every request chase the replicas that would reuse the most.
+   Ties go to the lower load, then at random (the policy's seeded rng). Requests without a hot prefix are routed by
+   the same rule; on traffic without bursts (no copies) it is a shortest-expected-delay router that weighs cache
+   hits.
 
-No constant of this module is tuned to a workload: the rule uses only the four BTB constants, the cost model and
-the fleet view. No rollback: copies age out by LRU, as in BTB. ``set_constants`` retunes live.
+Copies only where they can be made. A replica that cannot take part in a copy (``view.accepts_copies`` False: a
+gateway's worker without the BTB routes, such as a stock SGLang server, or an unhealthy one) is neither a target nor
+a source, and neither is, for ``Z`` seconds, a target the executor just refused
+(:class:`~btbctl.engine.policies.base.CopyRefusals`, fed by :meth:`BtbPlus.on_copy_result`). Rule 5 then weighs the
+holders' queues against recomputing elsewhere, so a burst is never forced onto a holder that cannot keep up.
+
+No constant of this module is tuned to a workload: the rule uses only the four BTB constants, the cost model, the
+fleet view and the rate window (:data:`RATE_WINDOW_S`, a horizon, not a fitted value). No rollback: copies age out
+by LRU, as in BTB. ``set_constants`` retunes live.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from typing import TypeVar
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.detector import BurstDetector, Detection
-from btbctl.engine.policies.base import CostView, Policy, Route
+from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route
 from btbctl.engine.trace.model import Request
+
+#: Seconds of arrivals behind the recent arrival rate of rule 5 (a product choice: long against one request's time to
+#: first token, seconds, and short against a shift in traffic, minutes; the horizon of a one-minute load average).
+RATE_WINDOW_S = 60.0
+#: Slots the rate window is counted in (its resolution is ``RATE_WINDOW_S / RATE_SLOTS`` seconds).
+RATE_SLOTS = 60
 
 #: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
 #: (seconds until it is there, requests, seconds of their prefill, prefix key, seconds of grace).
 _Groups = list[tuple[float, int, float, Hashable, float]]
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+
+class ArrivalRate:
+    """Arrivals in the trailing ``window_s`` seconds of the time passed in, counted in ``slots`` equal slots: O(1) per
+    arrival, memory bounded by ``slots``. :meth:`per_s` divides by the whole window, also before a window has passed
+    since the first arrival (the time before it counts as quiet): a cold start or an idle gap never reads as a
+    high rate.
+
+    Args:
+        window_s: seconds (> 0).
+        slots: resolution (>= 1).
+    """
+
+    __slots__ = ("window_s", "slots", "_width", "_counts", "_total")
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, slots: int = RATE_SLOTS) -> None:
+        if not window_s > 0 or slots < 1:
+            raise ValueError(f"window_s must be > 0 and slots >= 1, got {window_s!r}, {slots!r}")
+        self.window_s = float(window_s)
+        self.slots = slots
+        self._width = self.window_s / slots
+        self._counts: deque[list[int]] = deque()  # [slot index, arrivals], oldest first
+        self._total = 0
+
+    def _expire(self, slot: int) -> None:
+        counts = self._counts
+        while counts and counts[0][0] <= slot - self.slots:
+            self._total -= counts.popleft()[1]
+
+    def add(self, now_s: float) -> None:
+        """One arrival at ``now_s`` (times never go back; an earlier one counts in the latest slot)."""
+        slot = math.floor(now_s / self._width)
+        self._expire(slot)
+        counts = self._counts
+        if counts and counts[-1][0] >= slot:
+            counts[-1][1] += 1
+        else:
+            counts.append([slot, 1])
+        self._total += 1
+
+    def per_s(self, now_s: float) -> float:
+        """Arrivals per second over the trailing window at ``now_s``."""
+        self._expire(math.floor(now_s / self._width))
+        return self._total / self.window_s
 
 
 class BtbPlus(Policy[CostView]):
@@ -109,8 +173,8 @@ class BtbPlus(Policy[CostView]):
         self._prefixes: OrderedDict[Hashable, tuple[Hashable, ...]] = OrderedDict()
         # (replica, prefix key) -> when the replica should have computed a prefix this policy sent there
         self._ready_at: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
-        self._first_s: float | None = None
-        self._arrivals = 0
+        self.arrivals = ArrivalRate()
+        self.refusals = CopyRefusals()
         self._stats = {
             "fires": 0,
             "copies_requested": 0,
@@ -323,16 +387,13 @@ class BtbPlus(Policy[CostView]):
         if hot is not None:
             det, since = hot
             plan = self._warm(req, det, since, view, now_s, ests, groups, depths)
-        if self._first_s is None:
-            self._first_s = now_s
-        self._arrivals += 1
-        span = now_s - self._first_s
-        per_replica = self._arrivals / span / n if span > 0 else 0.0  # requests/s per replica, long-run
+        self.arrivals.add(now_s)
+        per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         cost = []
         for r, (est, harm, start) in enumerate(ests):
             own = est - start
             blocked = sum(g[1] for g in groups[r])
-            behind = max(view.load(r) - blocked, per_replica * est)
+            behind = max(view.prefill_load(r) - blocked, per_replica * est)
             cost.append(est + harm + own * behind)
         choice = self._best(view, cost)
         if ests[choice][0] > min(e[0] for e in ests) * (1 + 1e-9) + 1e-12:
@@ -352,6 +413,7 @@ class BtbPlus(Policy[CostView]):
         return Route(choice, (plan,) if plan is not None else ())
 
     def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
+        self.refusals.note(target, started, now_s)
         self._stats["copies_requested" if started else "copies_refused"] += 1
 
     def _note_planned(
@@ -402,6 +464,7 @@ class BtbPlus(Policy[CostView]):
         inp = req.input_tokens
         ptoks = min(y * bt, inp - 1)
         suffix_s = cost.prefill_time_s(inp - ptoks, ptoks)
+        hold_s = self.constants.window_s
         holders: list[int] = []
         computing: list[int] = []
         covered: list[int] = []
@@ -415,17 +478,19 @@ class BtbPlus(Policy[CostView]):
             elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
                 covered.append(r)
-            else:
+            elif view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s):
                 free.append(r)
         cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
         if not free or len(covered) >= cap:
             return None
         want = self.rate_target(det.arrivals_in_window, suffix_s)
-        if holders:
-            source = min(holders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r))
+        senders = [r for r in holders if view.accepts_copies(r)]
+        feeders = [r for r in computing if view.accepts_copies(r)]
+        if senders:
+            source = min(senders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r))
             src_left = 0.0
-        elif computing:
-            src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in computing)
+        elif feeders:
+            src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in feeders)
         else:
             self._stats["no_source"] += 1
             return None

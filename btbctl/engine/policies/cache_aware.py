@@ -7,9 +7,31 @@ Rule (REFERENCE.md s4; smg-project/smg ``src/policies/cache_aware.rs`` at the 0.
    (the fleet is imbalanced): send to the least-loaded replica (ties: the first, i.e. lowest index).
 3. Otherwise match the prompt against the router's own approximate prefix tree; if
    ``matched tokens / input tokens > cache_threshold`` send to the replica that created the deepest matched node
-   (if that replica's entry was evicted there, the node's oldest remaining tenant); else to the least-loaded
-   replica (ties: the first).
+   (if that replica's entry was evicted there, the node's oldest remaining tenant); else (a miss) to the
+   least-loaded replica (ties: the first).
 4. In every case insert the prompt into the tree under the chosen replica.
+
+Read from the released source (the ``sglang-router`` 0.3.2 sdist on PyPI; ``src/policies/cache_aware.rs`` and
+``src/policies/tree.rs`` of that release; read, not copied):
+
+* imbalance: ``cache_aware.rs:363-372`` (min and max over every worker's load, then both thresholds), routed by
+  ``select_worker_min_load`` (``cache_aware.rs:306-310``: ``min_by_key`` over the healthy workers, which keeps the
+  first of equal minima) and still inserted into the tree (``cache_aware.rs:312-320``);
+* hit: ``cache_aware.rs:403-409``, the matched node's cached tenant (``tree.rs:566-599``), set to the tenant that
+  created the node (``tree.rs:409``), kept when the node is split (``tree.rs:449-451``) and replaced by another of
+  the node's tenants only once the creator's entry is gone (``tree.rs:573-585``: whichever its hash map yields
+  first; here the oldest remaining tenant);
+* miss: ``cache_aware.rs:410-416``, ``min_by_key`` over the healthy workers' loads: the least-loaded worker, the
+  first in the worker list among equals. The file's header comment (``cache_aware.rs:29-30``) still says a miss
+  goes to "the worker with smallest tree size"; that was the rule of the router before its policies moved to
+  ``src/policies/`` (``tree.get_smallest_tenant()`` in the old ``router.rs``), not what 0.3.2 runs;
+* a hit whose tenant is unhealthy removes it from the tree and goes to the first healthy worker
+  (``cache_aware.rs:442-461``; here a fleet view has no unhealthy replicas, the gateway overrides the choice).
+
+So on a fleet with equal loads every miss goes to the first worker: 20 unrelated sequential prompts on an idle
+4-worker fleet all land on worker 0. That is the shipped rule and this policy keeps it (the evidence, not a bug of
+ours); ``btb``'s fallback (:class:`~btbctl.engine.policies.btb.Btb`) uses the same rule with random ties, as the
+published BTB simulator does (REFERENCE.md s2), and ``cache_aware_spill`` models smg 1.13, whose ties are random.
 
 Thresholds (the router's CLI defaults): ``cache_threshold`` 0.3, ``balance_abs_threshold`` 64,
 ``balance_rel_threshold`` 1.5; eviction every 60 s down to ``max_tree_size`` = 2**26 characters per worker.
@@ -186,7 +208,7 @@ class CacheAware(Policy[FleetView]):
 
     Args:
         n_replicas: fleet size.
-        rng: seeded random source (unused by this rule, whose ties go to the first replica; kept for subclasses).
+        rng: seeded random source (ties when ``random_ties``; the router's own ties go to the first replica).
         constants: BTB constants (unused).
         cache_threshold: minimum match ratio (exclusive) for affinity routing, in [0, 1] (default 0.3).
         balance_abs_threshold: requests; imbalance needs ``max - min`` above it (default 64).
@@ -194,6 +216,8 @@ class CacheAware(Policy[FleetView]):
         block_tokens: tokens per block of the requests' hash chains (default 256; :meth:`configure` may set it).
         max_blocks_per_worker: per-replica tree bound in blocks (default: :func:`default_max_blocks_per_worker`).
         eviction_interval_s: seconds of (passed-in) time between evictions (default 60).
+        random_ties: break ties between equally loaded replicas (misses, imbalance) with ``rng`` instead of taking
+            the first (default False: the router's rule; ``btb``'s fallback sets it).
 
     Raises:
         ConfigError: a threshold out of range.
@@ -214,8 +238,10 @@ class CacheAware(Policy[FleetView]):
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         max_blocks_per_worker: int | None = None,
         eviction_interval_s: float = EVICTION_INTERVAL_S,
+        random_ties: bool = False,
     ) -> None:
         super().__init__(n_replicas, rng, constants)
+        self.random_ties = random_ties
         if not 0.0 <= cache_threshold <= 1.0:
             raise ConfigError("cache_threshold", f"must be within [0, 1], got {cache_threshold!r}")
         if balance_abs_threshold < 0:
@@ -280,17 +306,29 @@ class CacheAware(Policy[FleetView]):
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         return Route(self.choose(req, view, now_s))
 
+    def imbalanced(self, loads: Sequence[int]) -> bool:
+        """Whether ``loads`` (one per replica) trip the rule's imbalance switch: ``max - min >
+        balance_abs_threshold`` and ``max > balance_rel_threshold x min``."""
+        max_load = max(loads)
+        min_load = min(loads)
+        return max_load - min_load > self.balance_abs_threshold and max_load > min_load * self.balance_rel_threshold
+
+    def least_loaded(self, loads: Sequence[int]) -> int:
+        """The replica with the lowest load: the first of equals, or a random one with ``random_ties``."""
+        low = min(loads)
+        if not self.random_ties:
+            return loads.index(low)
+        tied = [r for r, x in enumerate(loads) if x == low]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
     def choose(self, req: Request, view: FleetView, now_s: float) -> int:
         """The rule's replica for ``req`` (inserted into the tree under it)."""
         self.maybe_evict(now_s)
-        n = self.n_replicas
-        loads = [view.load(r) for r in range(n)]
-        max_load = max(loads)
-        min_load = min(loads)
+        loads = [view.load(r) for r in range(self.n_replicas)]
         chain = req.block_hashes
-        if max_load - min_load > self.balance_abs_threshold and max_load > min_load * self.balance_rel_threshold:
+        if self.imbalanced(loads):
             self._imbalanced += 1
-            choice = loads.index(min_load)
+            choice = self.least_loaded(loads)
         else:
             matched, node = self.tree.match(chain)
             if node is not None and self.match_ratio(req, matched) > self.cache_threshold:
@@ -298,9 +336,13 @@ class CacheAware(Policy[FleetView]):
                 choice = BlockPrefixTree.owner(node)
             else:
                 self._misses += 1
-                choice = loads.index(min_load)
+                choice = self.least_loaded(loads)
         self.tree.insert(chain, choice)
         return choice
+
+    def record_imbalanced(self) -> None:
+        """Count a route made by the imbalance switch on behalf of a policy that uses this one as its fallback."""
+        self._imbalanced += 1
 
     def stats(self) -> dict[str, int]:
         """``hits`` (affinity routes), ``misses`` (ratio at or under the threshold), ``imbalanced`` (shortest-queue

@@ -20,6 +20,30 @@ cache_aware.rs`` and ``crates/kv_index``), per request:
 4. Insert the prompt into the tree under the chosen replica, so a spill target becomes a new tenant of the prefix
    and later requests spread over both.
 
+Where the release says so (the ``smg`` 1.13.0 sdist on PyPI, ``model_gateway/src/policies/cache_aware.rs``,
+``least_load.rs`` beside it and ``crates/kv_index/src/common.rs``; read, not copied), for the HTTP (text) path:
+
+* imbalance: no request-count switch. The file's header (``cache_aware.rs:4-6``) still describes one, but
+  ``is_kv_imbalanced`` (``cache_aware.rs:617-660``) fires only on backend KV usage and returns at once with the
+  defaults (``cache_aware.rs:638-644``); request-count pressure is the per-request gate below.
+* miss (``cache_aware.rs:3246-3256``: ratio at or under ``cache_threshold``): ``resolve_selection`` with no
+  candidates (``cache_aware.rs:2133-2134``) -> ``select_final_from_affinity`` (``cache_aware.rs:2089-2090``) ->
+  the least expected wait over every healthy worker (``select_expected_wait``, ``cache_aware.rs:1773``), ties
+  within ``TIE_EPSILON_SECS`` = 1 microsecond drawn uniformly (``least_load.rs:25-31``, ``least_load.rs:560-600``:
+  "instead of first-index-wins, which herded ties onto one worker").
+* hit: the candidates are the healthy workers among the matched node's tenants (``cache_aware.rs:2296-2305``), at
+  most ``MATCHED_TENANTS_CAP`` = 8 (``crates/kv_index/src/common.rs:41``); those not over the gate
+  (``candidate_requires_spill``, ``cache_aware.rs:1842``; ``over_count_pressure_gate``, ``cache_aware.rs:1805-1808``;
+  ``absolute_margin``, ``cache_aware.rs:1827-1831``; ``MIN_ABSOLUTE_MARGIN``, ``cache_aware.rs:150``) go to the
+  least expected wait (``cache_aware.rs:2076-2083``); if all are over it, the request spills to the least expected
+  wait among the healthy workers not over the gate, or among all if none (``cache_aware.rs:2092-2102``).
+* the warm-up slice and divert that send some misses to a returning worker (``cache_aware.rs:1880``, ``1973``)
+  run only on the event-driven (gRPC + KV events) path (``cache_aware.rs:2439``, ``2449``), not on the text path.
+
+So a miss on an idle fleet goes to a random worker, and a hot prefix spreads once its holders pass the gate. The
+two released rules users run differ only there: ``cache_aware`` models sglang-router 0.3.2 (imbalance switch,
+ties to the first worker), this policy smg 1.13.0.
+
 Thresholds (``smg launch`` defaults in 1.13.0): ``cache_threshold`` 0.3, ``balance_abs_threshold``
 (alias ``--spill-abs-threshold``) 64, ``balance_rel_threshold`` (``--spill-rel-threshold``) 1.5,
 ``MIN_ABSOLUTE_MARGIN`` 4, ``MATCHED_TENANTS_CAP`` 8.

@@ -370,6 +370,14 @@ class InferSimFleetView:
         """Whether a copy of exactly ``chain`` towards ``replica`` is scheduled and not yet in its cache."""
         return (replica, tuple(chain)) in self._sim.planned
 
+    def accepts_copies(self, replica: int) -> bool:
+        """Always True: every replica of this model can send and receive copies."""
+        return True
+
+    def prefill_load(self, replica: int) -> int:
+        """Requests queued on ``replica`` (not admitted yet; an admission computes the first token at once here)."""
+        return len(self._sim.replicas[replica].queue)
+
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
         """The scheduled copy of ``chain`` towards ``replica``, or None. In this model the copy moves at the target's
         NIC rate from its start (when the target is free) to its ready time, and never waits for the source: all its

@@ -251,6 +251,11 @@ class ReplicaModel:
         """Requests waiting, prefilling or decoding here."""
         return len(self._waiting) + len(self._prefilling) + self._n_decoding
 
+    @property
+    def prefill_load(self) -> int:
+        """Requests waiting or prefilling here (no first token yet)."""
+        return len(self._waiting) + len(self._prefilling)
+
     def cached_blocks(self, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` resident here."""
         return self.cache.match(chain)

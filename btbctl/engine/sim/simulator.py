@@ -84,6 +84,15 @@ class SimFleetView:
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self._sim._copies_in[replica]
 
+    def accepts_copies(self, replica: int) -> bool:
+        """Always True: every simulated replica can send and receive copies (a copy may still be refused, see
+        :meth:`Simulator.start_copy`)."""
+        return True
+
+    def prefill_load(self, replica: int) -> int:
+        """Requests waiting or prefilling on ``replica`` (no first token yet). O(1)."""
+        return self._sim.replicas[replica].prefill_load
+
     def queued_prefill_s(self, replica: int) -> float:
         """See :meth:`~btbctl.engine.sim.replica.ReplicaModel.queued_prefill_s` (at the simulator's time). O(1)."""
         sim = self._sim
