@@ -93,9 +93,9 @@ class ReportMatrix(BaseModel):
     @field_validator("policies")
     @classmethod
     def _known_policies(cls, v: list[str]) -> list[str]:
-        from btbctl.engine.policies import POLICIES
+        from btbctl.engine.policies import SIM_POLICIES
 
-        return _known(v, POLICIES, "policy")
+        return _known(v, SIM_POLICIES, "policy")
 
     @field_validator("fidelities")
     @classmethod
