@@ -208,9 +208,9 @@ class DryRunConfig(BaseModel):
     def _apply_setup(cls, data: Any, handler):
         filled: frozenset = frozenset()
         if isinstance(data, dict) and isinstance(data.get("setup"), str):
-            from btbctl.engine.setups import SETUPS
+            from btbctl.engine.setups import ALL_SETUPS
 
-            known = SETUPS.get(data["setup"])
+            known = ALL_SETUPS.get(data["setup"])
             cluster = data.get("cluster", {})
             if known is not None and isinstance(cluster, dict):
                 settings = known.cluster_settings()
@@ -223,10 +223,10 @@ class DryRunConfig(BaseModel):
     @field_validator("setup")
     @classmethod
     def _known_setup(cls, v: str | None) -> str | None:
-        from btbctl.engine.setups import SETUPS
+        from btbctl.engine.setups import ALL_SETUPS
 
-        if v is not None and v not in SETUPS:
-            raise _error("unknown_setup", f"unknown setup {v!r}; valid: {', '.join(SETUPS)}")
+        if v is not None and v not in ALL_SETUPS:
+            raise _error("unknown_setup", f"unknown setup {v!r}; valid: {', '.join(ALL_SETUPS)}")
         return v
 
     @field_validator("policies")
