@@ -53,6 +53,13 @@ class ClusterConfig(BaseModel):
     """Achieved fraction of peak FLOP/s in prefill."""
     hbm_efficiency: float = Field(DEFAULT_HBM_EFFICIENCY, gt=0, le=1)
     """Achieved fraction of HBM bandwidth in decode."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """Weights/activation precision (``btbctl.engine.costmodel.PRECISIONS``): ``bf16`` (the preset's weight bytes at
+    the BF16 tensor-core peak) or ``fp8`` (1-byte weights at the FP8 peak, 2x BF16: prefill compute halves; NVIDIA
+    datasheets). Separate from ``kv_dtype``."""
+    kv_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    """KV-cache element type (``btbctl.engine.costmodel.KV_DTYPES``, SGLang ``--kv-cache-dtype``): ``auto`` (the
+    preset's, BF16 for the BF16 checkpoints), ``bf16`` or ``fp8`` (half the KV bytes to store and to copy)."""
 
     def replica_cost(
         self, *, attention_term: bool = True, mem_fraction: float | None = None, step_overhead_s: float | None = None
@@ -71,6 +78,8 @@ class ClusterConfig(BaseModel):
             mfu=self.mfu,
             hbm_efficiency=self.hbm_efficiency,
             attention_term=attention_term,
+            precision=self.precision,
+            kv_dtype=self.kv_dtype,
             **kw,
         )
 

@@ -11,7 +11,7 @@ a reasonable first-order model for TP within one NVLink domain).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from btbctl.engine.errors import ConfigError
@@ -69,6 +69,7 @@ class GpuPreset:
 
     Attributes:
         flops: dense BF16 peak FLOP/s.
+        fp8_flops: dense FP8 peak FLOP/s; None for a GPU without FP8 tensor cores.
         hbm_bytes: HBM capacity in bytes (GB = 1e9).
         hbm_bytes_per_s: HBM bandwidth.
         pcie_bytes_per_s: host link bandwidth (used for host-RAM cache reloads).
@@ -82,10 +83,16 @@ class GpuPreset:
     pcie_bytes_per_s: float
     nic_bytes_per_s: float
     source: str
+    fp8_flops: float | None = None
 
 
 _INFERSIM = "Infer-Sim model table (jwlaboratory/inference-sim), REFERENCE.md s2"
 _INFERSIM_GPU = "Infer-Sim GPU table (jwlaboratory/inference-sim), REFERENCE.md s2"
+#: Dense FP8 tensor-core peak = 2 x the dense BF16 peak on Hopper and Blackwell: NVIDIA H100 SXM datasheet
+#: (989 TFLOP/s BF16, 1,979 TFLOP/s FP8, dense), H200 (same tensor cores as H100), B200 / B300 (2.25 PFLOP/s
+#: BF16, 4.5 PFLOP/s FP8, dense). Ampere (A100) has no FP8 tensor cores.
+FP8_FLOPS_PER_BF16 = 2.0
+_FP8_GPU = _INFERSIM_GPU + "; FP8 peak: NVIDIA datasheets (2 x dense BF16)"
 
 MODELS: dict[str, ModelPreset] = {
     m.name: m
@@ -174,10 +181,10 @@ GPUS: dict[str, GpuPreset] = {
     g.name: g
     for g in (
         GpuPreset("a100", 312e12, 80 * GB, 2.0e12, 25 * GB, 25 * GB, _INFERSIM_GPU),
-        GpuPreset("h100", 989e12, 80 * GB, 3.35e12, 55 * GB, 50 * GB, _INFERSIM_GPU),
-        GpuPreset("h200", 989e12, 141 * GB, 4.8e12, 55 * GB, 50 * GB, _INFERSIM_GPU),
-        GpuPreset("b200", 2250e12, 192 * GB, 8.0e12, 60 * GB, 100 * GB, _INFERSIM_GPU),
-        GpuPreset("b300", 2250e12, 288 * GB, 8.0e12, 120 * GB, 100 * GB, _INFERSIM_GPU),
+        GpuPreset("h100", 989e12, 80 * GB, 3.35e12, 55 * GB, 50 * GB, _FP8_GPU, FP8_FLOPS_PER_BF16 * 989e12),
+        GpuPreset("h200", 989e12, 141 * GB, 4.8e12, 55 * GB, 50 * GB, _FP8_GPU, FP8_FLOPS_PER_BF16 * 989e12),
+        GpuPreset("b200", 2250e12, 192 * GB, 8.0e12, 60 * GB, 100 * GB, _FP8_GPU, FP8_FLOPS_PER_BF16 * 2250e12),
+        GpuPreset("b300", 2250e12, 288 * GB, 8.0e12, 120 * GB, 100 * GB, _FP8_GPU, FP8_FLOPS_PER_BF16 * 2250e12),
     )
 }
 
@@ -206,6 +213,17 @@ DEFAULT_STEP_OVERHEAD_S = 0.002
 DEFAULT_CHUNKED_PREFILL_TOKENS = 8192
 #: SGLang caps running requests per instance; Infer-Sim uses 256.
 DEFAULT_MAX_RUNNING = 256
+
+
+#: Weights/activation precisions of the prefill and decode math (``precision``): ``bf16`` (the default: the preset's
+#: weight bytes, BF16 tensor-core peak) and ``fp8`` (FP8 weights, 1 byte each, and FP8 activations: the GPU's FP8
+#: tensor-core peak, 2x BF16, so prefill compute takes half the time; TensorRT-LLM's and SGLang's FP8 checkpoints).
+PRECISIONS = ("bf16", "fp8")
+#: KV-cache element types (``kv_dtype``; SGLang ``--kv-cache-dtype``): ``auto`` (the model's: the preset's KV bytes,
+#: 2 for the BF16 checkpoints, whatever ``precision`` is, as SGLang keeps the KV in the model dtype unless told),
+#: ``bf16`` (2 bytes) or ``fp8`` (1 byte: half the KV bytes to store and to copy).
+KV_DTYPES = ("auto", "bf16", "fp8")
+_KV_BYTES = {"bf16": 2.0, "fp8": 1.0}
 
 
 def _lookup(table: Mapping[str, _P], name: str, key: str) -> _P:
@@ -239,9 +257,15 @@ class ReplicaCost:
         hbm_efficiency: achieved fraction of HBM bandwidth in decode.
         step_overhead_s: fixed cost added to every scheduler iteration.
         attention_term: include the quadratic attention FLOPs in prefill (Infer-Sim leaves it out).
+        precision: weights/activation precision (:data:`PRECISIONS`): ``bf16`` keeps the preset as it is; ``fp8``
+            stores weights at 1 byte (at most; int4 presets stay int4) and computes at the GPU's FP8 peak.
+            ``model`` is then the effective preset (its ``dtype_bytes`` and ``kv_dtype_bytes``).
+        kv_dtype: KV-cache element type (:data:`KV_DTYPES`), separate from ``precision``: ``auto`` keeps the
+            preset's KV bytes; ``bf16`` / ``fp8`` set 2 / 1 bytes per element.
 
     Raises:
-        ConfigError: the weights do not fit in ``mem_fraction`` of the replica's HBM (key ``gpus_per_replica``).
+        ConfigError: the weights do not fit in ``mem_fraction`` of the replica's HBM (key ``gpus_per_replica``);
+            an unknown ``precision`` or ``kv_dtype``, or ``fp8`` on a GPU without FP8 tensor cores.
     """
 
     model: ModelPreset
@@ -253,8 +277,22 @@ class ReplicaCost:
     hbm_efficiency: float = DEFAULT_HBM_EFFICIENCY
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     attention_term: bool = True
+    precision: str = "bf16"
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError("kv_dtype", f"unknown KV dtype {self.kv_dtype!r}; valid: {', '.join(KV_DTYPES)}")
+        if self.precision == "fp8" and self.gpu.fp8_flops is None:
+            raise ConfigError("precision", f"{self.gpu.name} has no FP8 tensor cores; valid for it: bf16")
+        given = self.model
+        given_kv = given.dtype_bytes if given.kv_dtype_bytes is None else given.kv_dtype_bytes
+        kv = given_kv if self.kv_dtype == "auto" else _KV_BYTES[self.kv_dtype]
+        weights = min(given.dtype_bytes, 1.0) if self.precision == "fp8" else given.dtype_bytes
+        if weights != given.dtype_bytes or kv != given_kv:  # the effective preset; bf16 + auto keep the given one
+            object.__setattr__(self, "model", replace(given, dtype_bytes=weights, kv_dtype_bytes=kv))
         if self.gpus_per_replica < 1:
             raise ConfigError("gpus_per_replica", f"must be >= 1, got {self.gpus_per_replica}")
         if not 0 < self.mem_fraction <= 1:
@@ -273,8 +311,17 @@ class ReplicaCost:
     # -- capacities -------------------------------------------------------------------------------------------
     @property
     def flops(self) -> float:
-        """Peak FLOP/s of the replica."""
+        """Peak FLOP/s of the replica at its ``precision`` (BF16, or the GPUs' FP8 peak)."""
+        if self.precision == "fp8" and self.gpu.fp8_flops is not None:
+            return self.gpu.fp8_flops * self.gpus_per_replica
         return self.gpu.flops * self.gpus_per_replica
+
+    def prefill_tokens_per_s_per_gpu(self, prompt_tokens: int) -> float:
+        """Prefill throughput of one GPU on ``prompt_tokens``-token prompts from scratch (tokens/s): the figure
+        published benchmarks quote. Step overhead excluded; unchunked (one prefill of the whole prompt)."""
+        compute = self.prefill_flops(prompt_tokens, 0) / (self.flops * self.mfu)
+        weights = self.model.active_params * self.model.dtype_bytes / (self.hbm_bytes_per_s * self.hbm_efficiency)
+        return prompt_tokens / max(compute, weights) / self.gpus_per_replica
 
     @property
     def hbm_bytes(self) -> float:

@@ -188,7 +188,8 @@ class DryRunConfig(BaseModel):
     btb: BtbConstants = Field(default_factory=BtbConstants)
     """BTB's four constants."""
     policies: list[str] = Field(default_factory=_default_policies)
-    """Routing policies to compare, in report order (``btbctl.engine.policies.POLICIES``)."""
+    """Routing policies to compare, in report order (``btbctl.engine.policies.SIM_POLICIES``: the live ones and the
+    simulator-only reference ``clairvoyant``)."""
     seed: int = 42
     """Seed of the simulator (ties, random choices) and, unless ``trace.seed`` is set, of the trace generator."""
     fidelity: Literal["realistic", "infersim"] = "realistic"
@@ -207,9 +208,9 @@ class DryRunConfig(BaseModel):
     def _apply_setup(cls, data: Any, handler):
         filled: frozenset = frozenset()
         if isinstance(data, dict) and isinstance(data.get("setup"), str):
-            from btbctl.engine.setups import SETUPS
+            from btbctl.engine.setups import ALL_SETUPS
 
-            known = SETUPS.get(data["setup"])
+            known = ALL_SETUPS.get(data["setup"])
             cluster = data.get("cluster", {})
             if known is not None and isinstance(cluster, dict):
                 settings = known.cluster_settings()
@@ -222,23 +223,23 @@ class DryRunConfig(BaseModel):
     @field_validator("setup")
     @classmethod
     def _known_setup(cls, v: str | None) -> str | None:
-        from btbctl.engine.setups import SETUPS
+        from btbctl.engine.setups import ALL_SETUPS
 
-        if v is not None and v not in SETUPS:
-            raise _error("unknown_setup", f"unknown setup {v!r}; valid: {', '.join(SETUPS)}")
+        if v is not None and v not in ALL_SETUPS:
+            raise _error("unknown_setup", f"unknown setup {v!r}; valid: {', '.join(ALL_SETUPS)}")
         return v
 
     @field_validator("policies")
     @classmethod
     def _known_policies(cls, v: list[str]) -> list[str]:
-        from btbctl.engine.policies import POLICIES
+        from btbctl.engine.policies import SIM_POLICIES
 
         if not v:
-            raise _error("no_policies", f"at least one policy is needed; valid: {', '.join(POLICIES)}")
+            raise _error("no_policies", f"at least one policy is needed; valid: {', '.join(SIM_POLICIES)}")
         seen: set[str] = set()
         for name in v:
-            if name not in POLICIES:
-                raise _error("unknown_policy", f"unknown policy {name!r}; valid: {', '.join(POLICIES)}")
+            if name not in SIM_POLICIES:
+                raise _error("unknown_policy", f"unknown policy {name!r}; valid: {', '.join(SIM_POLICIES)}")
             if name in seen:
                 raise _error("duplicate_policy", f"policy {name!r} is listed twice")
             seen.add(name)

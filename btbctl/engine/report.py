@@ -47,6 +47,8 @@ from btbctl.engine.trace.model import Trace
 #: The non-BTB policies a report compares BTB-style policies against (every policy of the matrix not in
 #: :data:`BTB_POLICIES`).
 BTB_POLICIES = ("btb", "btb_plus")
+#: The reference policy whose mean TTFT is each cell's floor ("gap to floor"; realistic fidelity only).
+FLOOR_POLICY = "clairvoyant"
 #: The extra to install for PNG charts (``pyproject.toml``: ``report = ["matplotlib>=3.7"]``).
 CHARTS_EXTRA = "pip install 'btbctl[report]'"
 
@@ -89,16 +91,16 @@ class ReportMatrix(BaseModel):
     @field_validator("setups")
     @classmethod
     def _known_setups(cls, v: list[str]) -> list[str]:
-        from btbctl.engine.setups import SETUPS
+        from btbctl.engine.setups import ALL_SETUPS
 
-        return _known(v, SETUPS, "setup")
+        return _known(v, ALL_SETUPS, "setup")
 
     @field_validator("policies")
     @classmethod
     def _known_policies(cls, v: list[str]) -> list[str]:
-        from btbctl.engine.policies import POLICIES
+        from btbctl.engine.policies import SIM_POLICIES
 
-        return _known(v, POLICIES, "policy")
+        return _known(v, SIM_POLICIES, "policy")
 
     @field_validator("fidelities")
     @classmethod
@@ -284,6 +286,8 @@ def run_matrix(
             unreadable trace; BtbctlError: a Ray cluster that cannot be reached or a cell that failed there after
             its retries.
     """
+    from btbctl.engine.policies import REFERENCE_POLICIES
+
     executor = Executor(jobs=jobs, ray=ray)
     executor.check()
     tasks = [
@@ -292,6 +296,7 @@ def run_matrix(
         for wl in matrix.workloads
         for fid in matrix.fidelities
         for pol in matrix.policies
+        if fid == "realistic" or pol not in REFERENCE_POLICIES  # reference policies run realistic only
     ]
     workloads = []
     traces = {}
@@ -355,7 +360,7 @@ def comparison(report: dict, setup: str, workload: str, fidelity: str, policy: s
     ``(policy - other) / other`` (negative = better). None when the policy or every non-BTB policy is missing."""
     idx = _cell_index(report)
     me = idx.get((setup, workload, fidelity, policy))
-    others = [p for p in report["policies"] if p not in BTB_POLICIES]
+    others = [p for p in report["policies"] if p not in BTB_POLICIES and p != FLOOR_POLICY]
     rows = [idx[(setup, workload, fidelity, p)] for p in others if (setup, workload, fidelity, p) in idx]
     if me is None or not rows:
         return None
@@ -378,6 +383,16 @@ def comparison(report: dict, setup: str, workload: str, fidelity: str, policy: s
     return out
 
 
+def gap_to_floor(report: dict, setup: str, workload: str, fidelity: str, policy: str) -> float | None:
+    """``(policy mean TTFT - floor) / floor`` where the floor is :data:`FLOOR_POLICY`'s mean TTFT in the same
+    (setup, workload, fidelity); None without both cells (or a zero floor)."""
+    idx = _cell_index(report)
+    me, floor = idx.get((setup, workload, fidelity, policy)), idx.get((setup, workload, fidelity, FLOOR_POLICY))
+    if me is None or floor is None or not floor["ttft_s"]["mean"]:
+        return None
+    return (me["ttft_s"]["mean"] - floor["ttft_s"]["mean"]) / floor["ttft_s"]["mean"]
+
+
 def render_markdown(report: dict, command: str, charts: dict[str, str] | None = None) -> str:
     """The report as Markdown.
 
@@ -386,7 +401,7 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
         command: the command line that regenerates the report (printed at the top).
         charts: chart file names (relative to the Markdown file) by ``"<setup>/<fidelity>"``; none when empty.
     """
-    from btbctl.engine.setups import SETUPS
+    from btbctl.engine.setups import ALL_SETUPS as SETUPS
 
     charts = charts or {}
     idx = _cell_index(report)
@@ -447,6 +462,28 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
     if report.get("notes"):
         L += ["## Notes", "", report["notes"].strip(), ""]
 
+    if FLOOR_POLICY in report["policies"]:
+        pols = [p for p in report["policies"] if p != FLOOR_POLICY]
+        L += [
+            "## Gap to the clairvoyant floor",
+            "",
+            (
+                f"Mean TTFT of {FLOOR_POLICY} (btb_plus with every burst known in advance; realistic fidelity "
+                "only) and each policy's gap to it, (mean - floor) / floor; negative: below the floor."
+            ),
+            "",
+            "| setup | workload | floor mean | " + " | ".join(pols) + " |",
+            "|---|---|---:|" + "---:|" * len(pols),
+        ]
+        for s in report["setups"]:
+            for wl in report["workloads"]:
+                fl = idx.get((s, wl["name"], "realistic", FLOOR_POLICY))
+                if fl is None:
+                    continue
+                gaps = [_fmt_frac(gap_to_floor(report, s, wl["name"], "realistic", p)) for p in pols]
+                L.append(f"| {s} | {wl['name']} | {_t(fl['ttft_s']['mean'])} | " + " | ".join(gaps) + " |")
+        L.append("")
+
     if "btb_plus" in report["policies"]:
         L += [
             "## btb_plus against the best other policy",
@@ -503,10 +540,12 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                     continue
                 kinds = sorted({kd for r in rows for kd in r["by_kind"]})
                 L += [f"### {s} / {wl['name']} / {f}", ""]
+                floor = idx.get((s, wl["name"], f, FLOOR_POLICY))
                 head = (
                     ["policy", "mean", "p50", "p95", "p99"]
                     + [f"{kd} mean" for kd in kinds]
                     + ["hit %", "copies", "GB moved", "wasted", "warm mean", "warm p95"]
+                    + (["gap to floor"] if floor is not None else [])
                 )
                 L.append("| " + " | ".join(head) + " |")
                 L.append("|---|" + "---:|" * (len(head) - 1))
@@ -524,6 +563,8 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
                         _t(warm.get("mean")) if r["replications"] else "-",
                         _t(warm.get("p95")) if r["replications"] else "-",
                     ]
+                    if floor is not None:
+                        cells.append(_fmt_frac(gap_to_floor(report, s, wl["name"], f, r["policy"])))
                     L.append("| " + " | ".join(cells) + " |")
                 L.append("")
     L += [
@@ -534,7 +575,8 @@ def render_markdown(report: dict, command: str, charts: dict[str, str] | None = 
             "percentile, sorted[int(q n)]); <kind> mean: TTFT mean by request kind; hit %: prompt tokens served from "
             "cache; copies: KV-cache replications completed; GB moved: their bytes / 1e9; wasted: copies that no "
             "request reused afterwards; warm mean/p95: seconds from the moment the policy saw the need for a copy "
-            "(its detector firing) to the copy's last byte."
+            "(its detector firing) to the copy's last byte; gap to floor: (mean - the clairvoyant reference's mean) "
+            "/ its mean, in the same cell."
         ),
         "",
     ]
@@ -631,11 +673,13 @@ def write_report(report: dict, out_dir: str, command: str, *, charts: bool = Tru
 __all__ = [
     "BTB_POLICIES",
     "CHARTS_EXTRA",
+    "FLOOR_POLICY",
     "ReportMatrix",
     "WorkloadSpec",
     "cell_task",
     "charts_available",
     "comparison",
+    "gap_to_floor",
     "load_matrix",
     "prefill_demand",
     "render_markdown",

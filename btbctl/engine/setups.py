@@ -57,6 +57,7 @@ class Setup:
         replicas: replicas in the fleet (4).
         description: the setup as the published table names it.
         published: the published cache-aware / BTB TTFT on Bursted-ART.
+        precision: weights/activation precision (``bf16``, ``fp8``; :data:`~btbctl.engine.costmodel.PRECISIONS`).
     """
 
     name: str
@@ -66,6 +67,7 @@ class Setup:
     description: str
     published: PublishedTtft
     replicas: int = SETUP_REPLICAS
+    precision: str = "bf16"
 
     @property
     def nic_gbps(self) -> float:
@@ -74,14 +76,17 @@ class Setup:
 
     def cluster_settings(self) -> dict:
         """The :class:`~btbctl.engine.config.ClusterConfig` keys this setup fills: ``model``, ``gpu``,
-        ``gpus_per_replica``, ``replicas``, ``nic_gbps``."""
-        return {
+        ``gpus_per_replica``, ``replicas``, ``nic_gbps``, and ``precision`` when it is not the default bf16."""
+        out: dict = {
             "model": self.model,
             "gpu": self.gpu,
             "gpus_per_replica": self.gpus_per_replica,
             "replicas": self.replicas,
             "nic_gbps": self.nic_gbps,
         }
+        if self.precision != "bf16":
+            out["precision"] = self.precision
+        return out
 
 
 #: The published setups by name, in the order of the published table.
@@ -135,12 +140,32 @@ SETUPS: dict[str, Setup] = {
 }
 
 
+#: Variants of the published setups (not in the published table): the 70B setup in FP8.
+VARIANT_SETUPS: dict[str, Setup] = {
+    s.name: s
+    for s in (
+        Setup(
+            "70b_h100x4_fp8",
+            "llama-3.3-70b",
+            "h100",
+            4,
+            "Llama-3.3-70B in FP8 (weights and activations; KV cache BF16), 4 replicas x 4xH100",
+            PublishedTtft(1.373, 4.697, 0.632, 4.697),  # the published table is BF16 only: its 70B row
+            precision="fp8",
+        ),
+    )
+}
+#: Every named setup: :data:`SETUPS` then :data:`VARIANT_SETUPS`.
+ALL_SETUPS: dict[str, Setup] = {**SETUPS, **VARIANT_SETUPS}
+
+
 def get_setup(name: str) -> Setup:
-    """The setup ``name``. Raises :class:`ConfigError` (key ``setup``) naming the valid ones if unknown."""
+    """The setup ``name`` (published or variant). Raises :class:`ConfigError` (key ``setup``) naming the valid ones
+    if unknown."""
     try:
-        return SETUPS[name]
+        return ALL_SETUPS[name]
     except (KeyError, TypeError):
-        raise ConfigError("setup", f"unknown setup {name!r}; valid: {', '.join(SETUPS)}") from None
+        raise ConfigError("setup", f"unknown setup {name!r}; valid: {', '.join(ALL_SETUPS)}") from None
 
 
 def setup_cluster(name: str, **overrides) -> ClusterConfig:
@@ -156,4 +181,13 @@ def setup_cluster(name: str, **overrides) -> ClusterConfig:
     return validate(ClusterConfig, data)
 
 
-__all__ = ["SETUPS", "SETUP_REPLICAS", "PublishedTtft", "Setup", "get_setup", "setup_cluster"]
+__all__ = [
+    "ALL_SETUPS",
+    "SETUPS",
+    "VARIANT_SETUPS",
+    "SETUP_REPLICAS",
+    "PublishedTtft",
+    "Setup",
+    "get_setup",
+    "setup_cluster",
+]

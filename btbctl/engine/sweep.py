@@ -100,10 +100,10 @@ def _check(axis: str, v: Any) -> Any:
         if v not in FIDELITIES:
             raise ConfigError(axis, f"unknown fidelity {v!r}; valid: {', '.join(FIDELITIES)}")
         return v
-    from btbctl.engine.policies import POLICIES
+    from btbctl.engine.policies import SIM_POLICIES
 
-    if v not in POLICIES:
-        raise ConfigError(axis, f"unknown policy {v!r}; valid: {', '.join(POLICIES)}")
+    if v not in SIM_POLICIES:
+        raise ConfigError(axis, f"unknown policy {v!r}; valid: {', '.join(SIM_POLICIES)}")
     return v
 
 

@@ -11,7 +11,7 @@ from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.copies import FINAL_STATES
 from btbctl.engine.errors import BtbctlError, ConfigError
-from btbctl.engine.policies import POLICIES
+from btbctl.engine.policies import POLICIES, live_policy_error
 
 #: What ``btbctl tune`` sets besides the four constants.
 POLICY_KEY = "policy"
@@ -51,7 +51,7 @@ def parse_tune_args(args: list[str]) -> dict:
         if key in out:
             raise ConfigError(key, "given twice", where)
         if key == POLICY_KEY and raw not in POLICIES:
-            raise ConfigError(key, f"unknown policy {raw!r}; valid: {', '.join(POLICIES)}", where)
+            raise ConfigError(key, live_policy_error(raw) or "", where)
         out[key] = raw
     consts = {k: v for k, v in out.items() if k != POLICY_KEY}
     if consts:

@@ -95,8 +95,9 @@ class GatewayConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _policy(cls, v: str) -> str:
-        from btbctl.engine.policies import POLICIES
+        from btbctl.engine.policies import live_policy_error
 
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; valid: {', '.join(POLICIES)}")
+        why = live_policy_error(v)
+        if why is not None:
+            raise ValueError(why)
         return v

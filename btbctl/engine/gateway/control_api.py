@@ -26,7 +26,7 @@ from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
 from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.reports import PrefixLookupError, Reports
-from btbctl.engine.policies import POLICIES
+from btbctl.engine.policies import POLICIES, live_policy_error
 
 #: Seconds between keep-alive comments on an idle event stream.
 KEEPALIVE_S = 15.0
@@ -183,7 +183,7 @@ class ControlApi:
                 return _err(400, f"{k}: unknown key", key=k, valid=valid)
         policy = obj.get("policy")
         if "policy" in obj and policy not in POLICIES:
-            return _err(400, f"policy: unknown policy {policy!r}", key="policy", valid=list(POLICIES))
+            return _err(400, f"policy: {live_policy_error(policy)}", key="policy", valid=list(POLICIES))
         updates = {k: v for k, v in obj.items() if k != "policy"}
         steering = self.steering
         try:

@@ -111,10 +111,11 @@ class GatewaySection(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        from btbctl.engine.policies import POLICIES
+        from btbctl.engine.policies import live_policy_error
 
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; valid: {', '.join(POLICIES)}")
+        why = live_policy_error(v)
+        if why is not None:
+            raise ValueError(why)
         return v
 
 

@@ -137,11 +137,12 @@ def up(
             started is stopped again and the state removed). For a remote worker it is an
             :class:`~btbctl.engine.launcher.ssh.SshFailure` naming the host and the cause.
     """
-    from btbctl.engine.policies import POLICIES
+    from btbctl.engine.policies import live_policy_error
 
     policy = policy or cluster.gateway.policy
-    if policy not in POLICIES:
-        raise BtbctlError(f"unknown policy {policy!r}; valid: {', '.join(POLICIES)}")
+    why = live_policy_error(policy)
+    if why is not None:
+        raise BtbctlError(why)
     check_no_live_run(rd, log)
     rd.prepare()
     rd.new_tokens()

@@ -104,7 +104,9 @@ class InferSimCost:
         self.hbm_bytes_per_s = cost.hbm_bytes_per_s
         self.pcie_bytes_per_s = cost.pcie_bytes_per_s
         self.nic_bytes_per_s = cost.nic_bytes_per_s
-        self.kv_bytes_per_token = 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes  # one dtype knob
+        # Infer-Sim has one dtype knob for weights and KV; every preset keeps them equal, and ``precision`` /
+        # ``kv_dtype`` (the cost model's effective preset) set them apart
+        self.kv_bytes_per_token = m.kv_bytes_per_token
         self.block_bytes = self.kv_bytes_per_token * block_tokens
         self.active_bytes = m.active_params * m.dtype_bytes
         free = cost.kv_budget_bytes  # all of HBM less the weights (mem_fraction 1.0)
