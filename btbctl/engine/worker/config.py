@@ -7,6 +7,7 @@ flags say what hardware is pretended and how fast time runs.
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,6 +64,33 @@ class WorkerConfig(BaseModel):
     """TCP port receiving replicated blocks (0 = ephemeral; printed in the ready line and ``/btb/info``)."""
     btb_token: str | None = Field(None, repr=False)
     """Bearer token required by state-changing routes (``/btb/push``, ``/flush_cache``); None = none required."""
+    # -- SGLang's HiCache flags (emulated by :mod:`btbctl.engine.worker.hicache`) ----------------------------------
+    enable_hierarchical_cache: bool = False
+    """SGLang ``--enable-hierarchical-cache``: a host tier behind the device cache (and an L3 tier with a storage
+    backend)."""
+    hicache_ratio: float | None = Field(None, gt=0)
+    """SGLang ``--hicache-ratio``: host pool size / device pool size (None: SGLang's default 2.0)."""
+    hicache_size: int = Field(0, ge=0)
+    """SGLang ``--hicache-size``: host pool per TP rank, GB (0: use the ratio)."""
+    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    """SGLang ``--hicache-write-policy``."""
+    hicache_mem_layout: Literal[
+        "layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"
+    ] = "page_first"
+    """SGLang ``--hicache-mem-layout`` (part of the L3 namespace)."""
+    hicache_io_backend: Literal["direct", "kernel", "kernel_ascend"] = "kernel"
+    """SGLang ``--hicache-io-backend`` (accepted; no effect on the emulated timing)."""
+    hicache_storage_backend: str | None = None
+    """SGLang ``--hicache-storage-backend``; the emulation has one L3 tier: ``dynamic`` with btbctl's
+    ``BtbL3Store`` (the node's ``btbctl agent``)."""
+    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    """SGLang ``--hicache-storage-prefetch-policy``."""
+    hicache_storage_backend_extra_config: str | None = None
+    """SGLang ``--hicache-storage-backend-extra-config``: inline JSON or ``@FILE`` (JSON)."""
+    kv_cache_dtype: str = "auto"
+    """SGLang ``--kv-cache-dtype`` (part of the L3 namespace; the emulated timing keeps the preset's KV size)."""
+    enable_cache_report: bool = False
+    """SGLang ``--enable-cache-report`` (accepted: the emulated OpenAI routes always report cached tokens)."""
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -140,6 +168,10 @@ def make_config(**kwargs) -> WorkerConfig:
             "--btb-token-file so that /btb/push and /flush_cache require a bearer token",
         )
     cfg.cluster().replica_cost()  # the model must fit its GPUs
+    if cfg.hicache_storage_backend is not None or cfg.enable_hierarchical_cache:
+        from btbctl.engine.worker.hicache import check_settings
+
+        check_settings(cfg)
     return cfg
 
 
