@@ -48,17 +48,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from btbctl.engine.errors import ConfigError
 from btbctl.engine.hashing import block_payload
-from btbctl.engine.worker.config import MIN_BLOCK_BYTES, WorkerConfig
+from btbctl.engine.worker.config import MIN_BLOCK_BYTES, StorageSettings, WorkerConfig, check_settings
 from btbctl.engine.worker.model import ModelDriver, NoRoom
-from btbctl.sglang_l3.config import load_extra_config, parse_extra_config, split_consumed
 from btbctl.sglang_l3.keys import Namespace
 
 log = logging.getLogger("btbctl.worker")
@@ -71,9 +68,6 @@ L3_READ_BYTES_PER_S_PER_RANK = 10e9
 DEFAULT_HICACHE_RATIO = 2.0
 #: Name SGLang reports as ``storage_backend``: the backend class's name (``output_streamer.py:89-100``).
 STORAGE_BACKEND_NAME = "BtbL3Store"
-#: The only L3 backend the emulation has.
-BACKEND_MODULE = "btbctl.sglang_l3"
-BACKEND_CLASS = "BtbL3Store"
 #: ``sglang_version`` of the emulated workers' namespaces: their pages never mix with a real SGLang's.
 EMULATED_SGLANG_VERSION = "btbctl-emulated"
 #: Pages per L3 write or read call (SGLang's storage batches are 128 pages, ``hicache_storage.py:25``).
@@ -87,73 +81,6 @@ _KV_DTYPES = {
     "fp8_e4m3": "torch.float8_e4m3fn",
     "fp8_e5m2": "torch.float8_e5m2",
 }
-
-
-def _num(v: object, key: str, lo: float) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
-        raise ConfigError("hicache_storage_backend_extra_config", f"{key} must be a number >= {lo:g}, got {v!r}")
-    return float(v)
-
-
-@dataclass(frozen=True)
-class StorageSettings:
-    """The L3 tier's settings, from the extra config."""
-
-    agent_socket: str
-    timeout_s: float
-    interface_v1: bool
-    prefetch_threshold: int
-    prefetch_timeout_base: float
-    prefetch_timeout_per_ki_token: float
-
-
-def check_settings(cfg: WorkerConfig) -> StorageSettings | None:
-    """Validate the HiCache flags; the L3 settings, or None without a storage backend.
-
-    Raises:
-        ConfigError: naming the flag: a storage backend without ``--enable-hierarchical-cache``, another backend
-            than btbctl's, a malformed extra config.
-    """
-    if cfg.hicache_storage_backend is None:
-        return None
-    if not cfg.enable_hierarchical_cache:
-        raise ConfigError("hicache_storage_backend", "needs --enable-hierarchical-cache (as in SGLang)")
-    if cfg.hicache_storage_backend != "dynamic":
-        raise ConfigError(
-            "hicache_storage_backend",
-            f"{cfg.hicache_storage_backend!r}: the emulated worker's L3 tier is btbctl's node agent; valid: dynamic "
-            f'with extra config {{"module_path": "{BACKEND_MODULE}", "class_name": "{BACKEND_CLASS}"}}',
-        )
-    try:
-        extra = load_extra_config(cfg.hicache_storage_backend_extra_config)
-    except ValueError as e:
-        raise ConfigError("hicache_storage_backend_extra_config", str(e)) from None
-    if extra.get("module_path") != BACKEND_MODULE or extra.get("class_name") != BACKEND_CLASS:
-        raise ConfigError(
-            "hicache_storage_backend_extra_config",
-            f"module_path/class_name must be {BACKEND_MODULE!r}/{BACKEND_CLASS!r} (the emulated L3 tier), got "
-            f"{extra.get('module_path')!r}/{extra.get('class_name')!r}",
-        )
-    consumed, rest = split_consumed(extra)
-    try:
-        sock, timeout_s, v1 = parse_extra_config(rest)
-    except ValueError as e:
-        raise ConfigError("hicache_storage_backend_extra_config", str(e)) from None
-    threshold = consumed["prefetch_threshold"]
-    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-        raise ConfigError(
-            "hicache_storage_backend_extra_config", f"prefetch_threshold must be an integer >= 0, got {threshold!r}"
-        )
-    return StorageSettings(
-        agent_socket=sock,
-        timeout_s=timeout_s,
-        interface_v1=v1,
-        prefetch_threshold=threshold,
-        prefetch_timeout_base=_num(consumed["prefetch_timeout_base"], "prefetch_timeout_base", 0),
-        prefetch_timeout_per_ki_token=_num(
-            consumed["prefetch_timeout_per_ki_token"], "prefetch_timeout_per_ki_token", 0
-        ),
-    )
 
 
 def kv_dtype_name(cfg: WorkerConfig, dtype_bytes: float) -> str:
