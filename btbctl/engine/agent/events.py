@@ -24,23 +24,13 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from btbctl.engine.logfmt import format_event
+
 log = logging.getLogger("btbctl.agent")
 
 #: Copy-duration histogram buckets, seconds (a 16k-token prefix of a 70B model is 5 GiB: 0.1 s over RDMA, seconds
 #: over TCP).
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-
-
-def _fmt(v: object) -> str:
-    s = str(v)
-    if not s or any(c in s for c in ' \t"=\n'):
-        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
-    return s
-
-
-def format_event(event: str, fields: dict) -> str:
-    """``event=<event> k=v ...`` (one line)."""
-    return " ".join([f"event={event}"] + [f"{k}={_fmt(v)}" for k, v in fields.items() if v is not None])
 
 
 class AgentMetrics:
