@@ -380,6 +380,7 @@ class ControlApiSource:
                 t.eta_s,
                 str(t.state),
                 t.error,
+                t.proof_storage_tokens,
             )
             for t in transfers.transfers
         )
@@ -397,6 +398,7 @@ class ControlApiSource:
             ttft=pts,
             constants=fleet.constants.as_dict(),
             policy=fleet.policy,
+            replication=fleet.replication_mode,
             rps=pts[-1].rps if pts else 0.0,
             feed=feed,
         )

@@ -80,7 +80,8 @@ class PrefixRow:
 @dataclass(frozen=True, slots=True)
 class TransferRow:
     """One KV-cache copy. ``state``: ``running``, ``stalled`` (waiting for the source's prefill), ``done`` or
-    ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished)."""
+    ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished). ``proof_storage_tokens``: an
+    ``l3`` copy's proof, the tokens its target's warm-up loaded from L3 (None before, and for pushed copies)."""
 
     copy_id: str
     prefix_id: str
@@ -92,6 +93,7 @@ class TransferRow:
     eta_s: float | None
     state: str
     error: str | None = None
+    proof_storage_tokens: int | None = None
 
     @property
     def fraction(self) -> float:
@@ -126,6 +128,7 @@ class FleetSnapshot:
         finished: the simulation replayed its whole trace (always False for a live fleet).
         feed: how this snapshot arrived from a live fleet: ``stream`` (pushed by the control API's event stream)
             or ``poll`` (fetched on request, while the stream is down); empty for a source without a stream.
+        replication: the fleet's replication mode (``l3``, ``push``, ``none``); empty when unknown (simulation).
     """
 
     now_s: float
@@ -142,6 +145,7 @@ class FleetSnapshot:
     rps: float = 0.0
     finished: bool = False
     feed: str = ""
+    replication: str = ""
 
 
 @dataclass(frozen=True, slots=True)

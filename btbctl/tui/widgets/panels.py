@@ -118,7 +118,11 @@ class FleetPanel(VerticalScroll):
 
         self.query_one("#fleet-body", Static).update(Group(*parts))
         down = sum(1 for r in snap.workers if not r.healthy)
-        self.border_subtitle = f"{len(snap.workers)} workers" + (f", {down} down" if down else "")
+        self.border_subtitle = (
+            f"{len(snap.workers)} workers"
+            + (f", {down} down" if down else "")
+            + (f", copies {snap.replication}" if snap.replication else "")
+        )
 
 
 class TransferPanel(VerticalScroll):
@@ -155,6 +159,8 @@ class TransferPanel(VerticalScroll):
             if not CopyState(x.state).final:
                 live += 1
             state = x.state if not x.error else f"{x.state}: {x.error}"
+            if x.proof_storage_tokens is not None:  # an l3 copy's proof: tokens its target loaded from L3
+                state += f" (proof {human_tokens(x.proof_storage_tokens)} from L3)"
             route = f"{x.source}>{x.target}"
             pct = f"{x.fraction * 100:3.0f}%"
             if wide:
