@@ -46,10 +46,12 @@ from btbctl.engine.gateway.control_api import build_control_app, is_loopback
 from btbctl.engine.gateway.dataplane import build_data_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.health import HealthProber
+from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.replicator import ReplicateOutcome, Replicator
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
+from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import CacheAware
@@ -180,9 +182,6 @@ class Gateway:
     def _setup_l3(self, config: GatewayConfig) -> None:
         """Replication mode ``l3``: prompts become SGLang's page keys (:mod:`~btbctl.engine.gateway.tokens`) and
         copies go through the node agents with a warm-up proof (:mod:`~btbctl.engine.gateway.l3`)."""
-        from btbctl.engine.gateway.l3 import L3Replicator
-        from btbctl.engine.gateway.tokens import L3Prompts
-
         token = config.agent_token
         if token is None and config.agent_token_file:
             token = _read_or_create_token(config.agent_token_file, "agent_token_file")
