@@ -52,7 +52,10 @@ def test_examples_load_and_agree_with_the_default():
     c = load_cluster(ROOT / "examples" / "cluster-default.toml")
     assert c.model_dump() == default_cluster().model_dump()
     s = load_cluster(ROOT / "examples" / "cluster-sglang.toml")
-    assert {w.kind for w in s.workers} == {"sglang"}
+    assert {w.kind for w in s.workers} == {"sglang"} and s.replication_mode == "none"
+    l3 = load_cluster(ROOT / "examples" / "cluster-sglang-l3.toml")
+    assert {w.kind for w in l3.workers} == {"sglang"} and l3.replication_mode == "l3"
+    assert [h is None for h in l3.agent_hosts()] == [True]  # one agent, on this machine
 
 
 def test_ports_are_consecutive_and_names_unique(tmp_path):

@@ -12,12 +12,14 @@ same shape, in ``l3`` and ``push`` mode, and print copy rate against the link ra
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from launcher_helpers import cli
 from netns import make_testbed, require_sshd  # noqa: F401 - fixture
-from netns_fleet import PAGE, PREFIX_BLOCKS, check_answers, check_proofs, metric, start_fleet, stop_fleet
+from netns_fleet import PAGE, PREFIX_BLOCKS, ROOT, check_answers, check_proofs, metric, start_fleet, stop_fleet
 
 pytestmark = pytest.mark.netns
 
@@ -84,6 +86,19 @@ def test_l3_burst_moves_pages_agent_to_agent_and_spreads_once_proved(make_testbe
         for mb, secs, ratio in _copy_rates(fleet, copies):
             print(f"\nl3 copy of {mb:.2f} MB across the link: {secs:.3f} s ({ratio:.2f} x the {RATE_GBIT} Gbit/s link)")
             assert ratio <= 1.1
+        # the real-GPU proof script, against these emulated workers: compute, replicate, prove, reuse
+        proof = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "sglang-l3-proof.py"), "--run-dir", str(fleet.run_dir)]
+            + ["--prefix-tokens", str(PREFIX_BLOCKS * PAGE), "--seed", "7", "--format", "json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proof.returncode == 0, proof.stdout + proof.stderr
+        res = json.loads(proof.stdout)
+        assert res["ok"] and res["copy_state"] == "done" and res["source"] != res["target"]
+        assert res["proof_storage_tokens"] >= res["covered_tokens"] == PREFIX_BLOCKS * PAGE
+        assert res["reuse"]["cached_tokens"] >= PREFIX_BLOCKS * PAGE
     finally:
         stop_fleet(fleet, tmp_path / "run-l3")
 
