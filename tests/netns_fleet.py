@@ -73,9 +73,8 @@ def write_fleet(
         "",
         "[replication]",
         f'mode = "{mode}"',
-        "arena_mib = 64",
     ]
-    lines += [f"{k} = {_toml(v)}" for k, v in (replication or {}).items()]
+    lines += [f"{k} = {_toml(v)}" for k, v in {"arena_mib": 64, **(replication or {})}.items()]
     lines.append("")
     for s in servers:
         lines.append("[[hosts]]")

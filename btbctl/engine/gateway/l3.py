@@ -8,6 +8,10 @@ with ``mode="l3"``, ``routable=False``):
 1. **Source holds it.** ``POST {source agent}/v1/has {"keys": chain}`` until a complete set of namespaces holds
    every page: every TP rank of one namespace (the source's HiCache writes the pages through after its prefill;
    the job waits at most ``source_wait_s``, state ``stalled``). Namespace descriptions come from ``GET /v1/info``.
+   Then ``POST {source agent}/v1/pin`` holds those pages against eviction (a burst's own write-throughs would
+   otherwise push a hot prefix out of a small arena mid-copy), and so does the target's agent for the pages it is
+   about to receive, until the job ends: the pins are counted per agent and prefix across jobs, and the last job
+   of a prefix on an agent unpins it (each pin also expires on its own after the job's longest possible run).
 2. **Copy.** When the target's node is the source's node, its L3 tier holds the pages already: no copy. Otherwise
    ``POST {target agent}/v1/expect {"copy_id", "keys"}`` returns a one-time token, and ``POST {source agent}/v1/push
    {"copy_id", "keys", "namespaces", "targets": [{"addr": target agent's peer address, "token"}], "fanout"}``
@@ -144,6 +148,7 @@ class L3Replicator:
         self._tasks: set[asyncio.Task] = set()
         self._excluded: dict[tuple[int, Hashable], float] = {}
         self._pushes: dict[tuple[int, Hashable], asyncio.Future] = {}
+        self._pins: dict[tuple[str, Hashable], int] = {}
         self.refused = 0
         self.proofs = {"proved": 0, "short": 0, "failed": 0}
 
@@ -391,13 +396,46 @@ class L3Replicator:
                 return group
         return None
 
+    def pin_ttl_s(self) -> float:
+        """How long a job's pins last at most: its longest possible run (source wait, copy, warm-up) plus slack."""
+        return min(86400.0, self.source_wait_s + self.copy_timeout_s + self.warmup_timeout_s + 30.0)
+
+    async def _pin(self, t: Transfer, pinned: list, agent: dict, keys: list, group: list[str]) -> None:
+        """Pin ``keys`` of namespaces ``group`` on ``agent`` for this job (best effort: a failure is logged, the
+        copy goes on and may then find the pages gone)."""
+        ref = (agent["name"], t.key)
+        self._pins[ref] = self._pins.get(ref, 0) + 1
+        pinned.append((agent, ref, keys, group))
+        try:
+            st, ans = await self._call(
+                agent, "POST", "/v1/pin", {"keys": keys, "namespaces": group, "ttl_s": self.pin_ttl_s()}
+            )
+            if st != 200:
+                self._event("l3_pin_failed", t, agent=agent["name"], error=ans.get("error", st))
+        except AgentCallError as e:
+            self._event("l3_pin_failed", t, agent=agent["name"], error=str(e))
+
+    async def _unpin(self, pinned: list) -> None:
+        """Release this job's pins; an agent's pages of a prefix are unpinned when no other job holds them."""
+        for agent, ref, keys, group in pinned:
+            n = self._pins.get(ref, 0) - 1
+            if n > 0:
+                self._pins[ref] = n
+                continue
+            self._pins.pop(ref, None)
+            try:
+                await self._call(agent, "POST", "/v1/unpin", {"keys": keys, "namespaces": group})
+            except Exception:  # noqa: BLE001 - best effort (also while the gateway stops): the pin expires
+                pass
+
     # -- the job ------------------------------------------------------------------------------------------------
 
     async def _run(self, t: Transfer) -> None:
         pushed = t.pushed
         assert pushed is not None
+        pinned: list = []
         try:
-            reason = await self._job(t)
+            reason = await self._job(t, pinned)
             if isinstance(reason, tuple):
                 self._fail(t, *reason)
             elif reason is not None:
@@ -412,8 +450,10 @@ class L3Replicator:
                 self._fail(t, f"internal error: {e!r}")
         finally:
             pushed.set()
+            if pinned:
+                await asyncio.shield(self._unpin(pinned))
 
-    async def _job(self, t: Transfer) -> str | tuple | None:
+    async def _job(self, t: Transfer, pinned: list) -> str | tuple | None:
         src_agent, dst_agent = self.agent_of(t.source), self.agent_of(t.target)
         keys = list(t.chain)
         clock = self.state.clock
@@ -439,6 +479,10 @@ class L3Replicator:
             if clock() >= deadline:
                 return f"the source's agent does not hold the prefix's {len(keys)} pages after {self.source_wait_s:g} s"
             await asyncio.sleep(POLL_S)
+        # the pages stay until the target proved it has them (a pin also holds pages that arrive later)
+        await self._pin(t, pinned, src_agent, keys, group)
+        if dst_agent is not src_agent:
+            await self._pin(t, pinned, dst_agent, keys, group)
         # 2. the pages reach the target's agent
         if dst_agent is src_agent:
             t.state = CopyState.RUNNING
