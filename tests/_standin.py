@@ -1,7 +1,9 @@
 """A stand-in server for launcher tests (not a test module).
 
 Run as a program with any argv; it reads ``--host`` and ``--port`` from it (defaults 127.0.0.1 and a free port) and
-serves ``GET /health`` (200) and ``GET /argv`` (its argv as JSON). Behaviour switches, from the environment:
+serves ``GET /health`` (200) and ``GET /argv`` (its argv as JSON). Started as a node agent (``-m btbctl agent``), it
+serves them on ``--control HOST:PORT`` instead and prints the agent's ready line (``ready peer P control HOST:PORT
+socket S``). Behaviour switches, from the environment:
 
 * ``STANDIN_ARGV_FILE``: write ``sys.argv`` (JSON list) there before anything else.
 * ``STANDIN_READY_LINE=1``: print ``ready http://HOST:PORT`` once listening.
@@ -43,8 +45,13 @@ def main():
         with open(os.environ["STANDIN_CHILD_PID_FILE"], "w") as f:
             f.write(str(child.pid))
     time.sleep(float(os.environ.get("STANDIN_DELAY_S", "0")))
-    host = _arg("--host", "127.0.0.1")
-    port = int(_arg("--port", "0"))
+    agent = sys.argv[1:4] == ["-m", "btbctl", "agent"]
+    if agent:
+        host, _, p = _arg("--control", "127.0.0.1:0").rpartition(":")
+        port = int(p)
+    else:
+        host = _arg("--host", "127.0.0.1")
+        port = int(_arg("--port", "0"))
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -65,7 +72,10 @@ def main():
             pass
 
     srv = ThreadingHTTPServer((host, port), Handler)
-    if os.environ.get("STANDIN_READY_LINE") == "1":
+    if agent:
+        peer, sock = _arg("--peer", "?"), _arg("--socket", "?")
+        print(f"ready peer {peer} control {host}:{srv.server_address[1]} socket {sock}", flush=True)
+    elif os.environ.get("STANDIN_READY_LINE") == "1":
         print(f"ready http://{host}:{srv.server_address[1]}", flush=True)
     srv.serve_forever()
 

@@ -18,6 +18,7 @@ from btbctl.engine.launcher.cluster import (
     emulated_argv,
     load_cluster,
     sglang_argv,
+    validate_cluster,
     worker_argv,
 )
 from btbctl.engine.launcher.local import spawn, stop_group, wait_ready
@@ -51,7 +52,10 @@ def test_examples_load_and_agree_with_the_default():
     c = load_cluster(ROOT / "examples" / "cluster-default.toml")
     assert c.model_dump() == default_cluster().model_dump()
     s = load_cluster(ROOT / "examples" / "cluster-sglang.toml")
-    assert {w.kind for w in s.workers} == {"sglang"}
+    assert {w.kind for w in s.workers} == {"sglang"} and s.replication_mode == "none"
+    l3 = load_cluster(ROOT / "examples" / "cluster-sglang-l3.toml")
+    assert {w.kind for w in l3.workers} == {"sglang"} and l3.replication_mode == "l3"
+    assert [h is None for h in l3.agent_hosts()] == [True]  # one agent, on this machine
 
 
 def test_ports_are_consecutive_and_names_unique(tmp_path):
@@ -276,3 +280,239 @@ command = ["scripts/serve", "--listen", "{host}:{port}", "--id={name}/{index}", 
         "llama-3.3-70b",
     ]
     assert a1[2:4] == ["127.0.0.1:31101", "--id=custom-1/1"]
+
+
+# -- replication mode l3: generated HiCache flags, agents, fleet consistency ---------------------------------------
+
+SGLANG_L3_FLEET = {
+    "hosts": [{"name": "gpu-b", "address": "10.0.0.12", "python": "/opt/sg/bin/python"}],
+    "workers": [
+        {
+            "kind": "sglang",
+            "name": "a",
+            "count": 2,
+            "model": "meta-llama/Llama-3.3-70B-Instruct",
+            "served_model_name": "llama-70b",
+            "tp_size": 2,
+            "gpu_ids": [0, 1, 2, 3],
+            "python": "/opt/sg/bin/python",
+            "extra_args": ["--load-format", "dummy"],
+        },
+        {
+            "kind": "sglang",
+            "name": "b",
+            "host": "gpu-b",
+            "model": "meta-llama/Llama-3.3-70B-Instruct",
+            "served_model_name": "llama-70b",
+            "tp_size": 2,
+            "gpu_ids": [0, 1],
+            "kv_cache_dtype": "auto",
+        },
+    ],
+    "replication": {"local_peer_host": "10.0.0.11", "arena_mib": 2048},
+}
+
+
+def _sglang_l3_line(port: int, socket_path: str, python: str, extra: list[str], host: str) -> list[str]:
+    """The whole launch line of one worker of SGLANG_L3_FLEET, written out by hand (SGLANG.md "Worker flags")."""
+    return [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "--tp-size",
+        "2",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        "0.9",
+        "--page-size",
+        "256",
+        "--chunked-prefill-size",
+        "8192",
+        "--enable-metrics",
+        "--served-model-name",
+        "llama-70b",
+        "--enable-hierarchical-cache",
+        "--hicache-mem-layout",
+        "page_first",
+        "--hicache-write-policy",
+        "write_through",
+        # twice the 65,536-token prefix (256 blocks x 256 tokens) at 327,680 B/token over 2 ranks: 21.5 GB -> 22
+        "--hicache-size",
+        "22",
+        "--hicache-storage-prefetch-policy",
+        "wait_complete",
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        (
+            '{"backend_name":"btb","module_path":"btbctl.sglang_l3","class_name":"BtbL3Store","interface_v1":1,'
+            f'"agent_socket":"{socket_path}","timeout_s":2.0,"prefetch_threshold":256}}'
+        ),
+        "--kv-cache-dtype",
+        "auto",
+        "--enable-cache-report",
+        *extra,
+    ]
+
+
+def test_sglang_fleet_in_l3_mode_gets_exactly_the_hicache_flags(tmp_path):
+    from btbctl.engine.launcher.agents import REMOTE_SOCKET, plan_agents
+    from btbctl.engine.launcher.cluster import hicache_args
+    from btbctl.engine.launcher.rundir import RunDir
+    from btbctl.engine.launcher.ssh import remote_argv
+
+    c = validate_cluster(SGLANG_L3_FLEET)
+    assert c.replication_mode == "l3"  # SGLang workers, no mode given
+    rd = RunDir(tmp_path / "run")
+    plans = plan_agents(c, rd)
+    assert [(p.name, p.host.name if p.host else None) for p in plans] == [
+        ("agent-local", None),
+        ("agent-gpu-b", "gpu-b"),
+    ]
+    local, remote = plans
+    assert local.argv == [
+        sys.executable,
+        "-m",
+        "btbctl",
+        "agent",
+        "--secret-file",
+        str(rd.agent_secret_path),
+        "--control-token-file",
+        str(rd.agent_token_path),
+        "--socket",
+        local.socket,
+        "--peer",
+        "10.0.0.11:0",
+        "--control",
+        "127.0.0.1:0",
+        "--arena-mib",
+        "2048",
+        "--agent-id",
+        "agent-local",
+    ]
+    assert remote.socket == REMOTE_SOCKET
+    assert remote.argv == [
+        "/opt/sg/bin/python",
+        "-m",
+        "btbctl",
+        "agent",
+        "--secret-file",
+        "agent.secret",
+        "--control-token-file",
+        "agent.token",
+        "--socket",
+        "agent.sock",
+        "--peer",
+        "10.0.0.12:0",
+        "--control",
+        "10.0.0.12:0",
+        "--arena-mib",
+        "2048",
+        "--agent-id",
+        "agent-gpu-b",
+    ]
+    insts = c.instances()
+    assert [i.name for i in insts] == ["a-0", "a-1", "b-0"]
+    for inst, port in zip(insts, (30000, 30001, 30000), strict=True):
+        host = c.host_of(inst.spec)
+        sock = local.socket if host is None else remote.socket
+        l3 = hicache_args(c, inst.spec, inst.entry, sock)
+        if host is None:
+            argv = worker_argv(inst, port, 0, l3=l3)
+            assert argv == _sglang_l3_line(port, sock, "/opt/sg/bin/python", ["--load-format", "dummy"], "127.0.0.1")
+        else:  # on its host: bound to the host's address, run by the host's python
+            argv = remote_argv(inst, host, port, 0, "worker.token", l3=l3)
+            assert argv == _sglang_l3_line(port, sock, "/opt/sg/bin/python", [], "10.0.0.12")
+        cfg = json.loads(argv[argv.index("--hicache-storage-backend-extra-config") + 1])
+        assert cfg == {
+            "backend_name": "btb",
+            "module_path": "btbctl.sglang_l3",
+            "class_name": "BtbL3Store",
+            "interface_v1": 1,
+            "agent_socket": sock,
+            "timeout_s": 2.0,
+            "prefetch_threshold": 256,
+        }
+    # the L3 store parses that JSON as SGLang hands it over (torch-free parser)
+    from btbctl.sglang_l3.config import load_extra_config, parse_extra_config, split_consumed
+
+    consumed, own = split_consumed(load_extra_config(argv[argv.index("--hicache-storage-backend-extra-config") + 1]))
+    assert parse_extra_config(own) == (remote.socket, 2.0, True)
+    assert consumed["prefetch_threshold"] == 256
+
+
+def test_l3_settings_reach_the_generated_flags():
+    data = json.loads(json.dumps(SGLANG_L3_FLEET))
+    data["replication"].update(
+        prefetch_policy="best_effort",
+        write_policy="write_through_selective",
+        mem_layout="page_first_direct",
+        prefetch_threshold=512,
+        store_timeout_s=0.5,
+        hicache_size_gb=40,
+    )
+    for w in data["workers"]:
+        w["kv_cache_dtype"] = "fp8_e4m3"
+    c = validate_cluster(data)
+    from btbctl.engine.launcher.cluster import hicache_args
+
+    args = hicache_args(c, c.workers[0], 0, "/s")
+    assert args == [
+        "--enable-hierarchical-cache",
+        "--hicache-mem-layout",
+        "page_first_direct",
+        "--hicache-write-policy",
+        "write_through_selective",
+        "--hicache-size",
+        "40",
+        "--hicache-storage-prefetch-policy",
+        "best_effort",
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        (
+            '{"backend_name":"btb","module_path":"btbctl.sglang_l3","class_name":"BtbL3Store","interface_v1":1,'
+            '"agent_socket":"/s","timeout_s":0.5,"prefetch_threshold":512}'
+        ),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--enable-cache-report",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"tp_size": 4, "gpu_ids": [0, 1, 2, 3]}, "workers.1.tp_size"),
+        ({"page_size": 64}, "workers.1.page_size"),
+        ({"served_model_name": "other"}, "workers.1.served_model_name"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "workers.1.kv_cache_dtype"),
+        ({"extra_args": ["--hicache-size=8"]}, "workers.1.extra_args"),
+        ({"command": ["x", "{port}"]}, "workers.1.command"),
+    ],
+)
+def test_l3_refuses_a_mixed_fleet_naming_the_key(change, key):
+    data = json.loads(json.dumps(SGLANG_L3_FLEET))
+    data["workers"][1].update(change)
+    if "page_size" in change:
+        data["gateway"] = {"page_size": 256}
+    with pytest.raises(ConfigError) as ei:
+        validate_cluster(data)
+    assert str(ei.value).startswith(key), str(ei.value)
+
+
+def test_l3_with_workers_here_and_on_hosts_needs_a_reachable_local_peer_address():
+    data = json.loads(json.dumps(SGLANG_L3_FLEET))
+    del data["replication"]["local_peer_host"]
+    with pytest.raises(ConfigError, match=r"^replication.local_peer_host"):
+        validate_cluster(data)
+    # push and none start no agents and generate no flags
+    for mode in ("push", "none"):
+        data["replication"]["mode"] = mode
+        c = validate_cluster(data)
+        assert c.replication_mode == mode and c.agent_hosts() == []

@@ -186,7 +186,9 @@ env = {{ STANDIN_EXIT = "7" }}
 
 @pytest.mark.slow
 def test_sglang_workers_start_with_their_command_line_behind_the_gateway(tmp_path, run_dir):
-    """kind = "sglang" through `up`: a stand-in interpreter records the argv and answers /health like SGLang."""
+    """kind = "sglang" through `up` (replication mode l3, their default): a stand-in interpreter records the argv
+    of the node agent and of each worker and answers /health like them; the workers' HiCache flags name the agent's
+    socket, and `down` stops the agent after the workers."""
     exe = tmp_path / "python-standin"
     exe.write_text(
         f"#!{sys.executable}\nimport runpy, sys\nsys.argv[0] = {str(STANDIN)!r}\n"
@@ -195,6 +197,13 @@ def test_sglang_workers_start_with_their_command_line_behind_the_gateway(tmp_pat
     exe.chmod(0o755)
     cfg = tmp_path / "sglang.toml"
     cfg.write_text(f"""
+[btb]
+prefix_blocks = 64
+
+[replication]
+python = "{exe}"
+arena_mib = 512
+
 [[workers]]
 kind = "sglang"
 name = "sg"
@@ -206,8 +215,36 @@ python = "{exe}"
 extra_args = ["--load-format", "dummy"]
 """)
     st = cli_json("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), *FREE_PORTS)
+    assert st["replication"] == "l3"
     assert [w["name"] for w in st["workers"]] == ["sg-0", "sg-1"]
-    assert all(w["healthy"] for w in st["workers"])
+    assert all(w["healthy"] and w["replication"] == "l3" for w in st["workers"])
+    assert [(a["name"], a["host"], a["alive"]) for a in st["agents"]] == [("agent-local", "local", True)]
+    agent = http_json(st["agents"][0]["control_url"] + "/argv")
+    sock = agent[agent.index("--socket") + 1]
+    assert agent[1:] == [
+        "-m",
+        "btbctl",
+        "agent",
+        "--secret-file",
+        str(run_dir / "agent.secret"),
+        "--control-token-file",
+        str(run_dir / "agent.token"),
+        "--socket",
+        sock,
+        "--peer",
+        "127.0.0.1:0",
+        "--control",
+        "127.0.0.1:0",
+        "--arena-mib",
+        "512",
+        "--agent-id",
+        "agent-local",
+    ]
+    assert sock.endswith("agent.sock")
+    extra_config = (
+        '{"backend_name":"btb","module_path":"btbctl.sglang_l3","class_name":"BtbL3Store","interface_v1":1,'
+        f'"agent_socket":"{sock}","timeout_s":2.0,"prefetch_threshold":256}}'
+    )
     for w in st["workers"]:
         argv = http_json(w["url"] + "/argv")
         port = w["url"].rsplit(":", 1)[1]
@@ -229,12 +266,33 @@ extra_args = ["--load-format", "dummy"]
             "--chunked-prefill-size",
             "8192",
             "--enable-metrics",
+            "--served-model-name",
+            "meta-llama/Llama-3.3-70B-Instruct",
+            "--enable-hierarchical-cache",
+            "--hicache-mem-layout",
+            "page_first",
+            "--hicache-write-policy",
+            "write_through",
+            # twice the 16,384-token prefix (64 blocks x 256 tokens) at 327,680 B/token over 2 ranks: 5.4 GB -> 6
+            "--hicache-size",
+            "6",
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
+            "--hicache-storage-backend",
+            "dynamic",
+            "--hicache-storage-backend-extra-config",
+            extra_config,
+            "--kv-cache-dtype",
+            "auto",
+            "--enable-cache-report",
             "--load-format",
             "dummy",
         ]
     state = RunDir(run_dir).load()
     assert [p.kind for p in state.workers()] == ["sglang", "sglang"]
-    cli("down", "--run-dir", str(run_dir))
+    assert [p.role for p in state.processes] == ["agent", "worker", "worker", "gateway"]
+    down = cli_json("down", "--run-dir", str(run_dir))
+    assert sorted(down["stopped"] + down["killed"]) == ["agent-local", "gateway", "sg-0", "sg-1"]
     assert wait_gone([p.pid for p in state.processes]) == []
 
 

@@ -59,3 +59,39 @@ def test_doctor_local_only(tmp_path):
     assert res["ok"] is True
     assert [r["host"] for r in res["hosts"]] == ["local"]
     assert res["hosts"][0]["btbctl"]
+    assert res["hosts"][0]["l3"] is None  # push mode: no agent
+
+
+def test_doctor_l3_checks_the_agent_place(tmp_path):
+    """Replication mode l3: the agent's arena must fit in /dev/shm, its fixed ports must be free, and the workers'
+    Python must import btbctl (SGLang loads the L3 backend from it)."""
+    import os
+
+    st = os.statvfs("/dev/shm")
+    free_mib = st.f_bavail * st.f_frsize // (1 << 20)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = write_cluster(tmp_path / "c.toml", [], [{"name": "w", "count": 2}])
+        cfg.write_text(
+            cfg.read_text() + f"\n[replication]\nmode = 'l3'\narena_mib = {free_mib + 1024}\npeer_port = {port}\n"
+        )
+        res = json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)
+    assert res["ok"] is False
+    (row,) = res["hosts"]
+    assert row["l3"]["arena_mib"] == free_mib + 1024 and abs(row["l3"]["shm_free_mib"] - free_mib) < 512
+    assert any(p.startswith("/dev/shm has ") and "replication.arena_mib" in p for p in row["problems"]), row
+    assert any(p.startswith(f"port {port}:") for p in row["problems"]), row
+    # a fitting arena, free ports: ready; an SGLang worker's Python without btbctl is a problem in l3 mode
+    bare = tmp_path / "python-without-btbctl"  # isolated mode: no working directory or PYTHONPATH on sys.path
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    bare.chmod(0o755)
+    cfg.write_text(
+        "[replication]\nmode = 'l3'\narena_mib = 1\n[[workers]]\nkind = 'sglang'\nmodel = 'Qwen/Qwen3-8B'\n"
+        f"tp_size = 1\npython = '{bare}'\n"
+    )
+    res = json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)
+    (row,) = res["hosts"]
+    assert row["btbctl"] is None and row["l3"]["arena_mib"] == 1
+    assert any("btbctl is not importable" in p and "l3" in p for p in row["problems"]), row

@@ -66,7 +66,8 @@ def test_generate_text_shape_and_counts(w):
     assert m["prompt_tokens"] == len(hashing.text_to_tokens(text))
     assert m["completion_tokens"] == 5
     assert m["finish_reason"] == {"type": "length", "length": 5}
-    assert m["cached_tokens"] == 0 and m["cached_tokens_details"] == {"device": 0, "host": 0}
+    # SGLang answers null when no prompt token was cached (output_streamer.py get_cached_tokens_details)
+    assert m["cached_tokens"] == 0 and m["cached_tokens_details"] is None
     assert m["e2e_latency"] > 0
     assert isinstance(r["text"], str) and r["text"]
 

@@ -42,6 +42,29 @@ def _render(out: Output, d: dict) -> None:
         c.print(w)
     if d.get("cached_tokens") is not None and d["prompt_tokens"]:
         c.print(f"prompt tokens served from cache: {d['cached_tokens'] / d['prompt_tokens']:.1%}")
+    if d.get("copies"):
+        cp = Table(box=None, pad_edge=False)
+        for col in ("copy", "source", "target", "state", "bytes", "seconds", "proof (L3 tokens)"):
+            cp.add_column(col)
+        for x in d["copies"]:
+            proof = "-" if x.get("proof_storage_tokens") is None else str(x["proof_storage_tokens"])
+            secs = "-" if x.get("duration_s") is None else f"{x['duration_s']:.3f}"
+            cp.add_row(x["copy_id"][:8], x["source"], x["target"], x["state"], str(x["bytes"]), secs, proof)
+        c.print(cp)
+
+
+def _transfers(control_url: str | None):
+    """The gateway's ``GET /control/transfers`` answer (the latest 200 copies), or None."""
+    if control_url is None:
+        return None
+    from btbctl.engine.control.client import ControlClient
+    from btbctl.engine.errors import BtbctlError
+
+    try:
+        with ControlClient(control_url, timeout_s=3.0) as api:
+            return api.transfers(limit=200).model_dump(mode="json")
+    except BtbctlError:
+        return None
 
 
 def _served(control_url: str | None):
@@ -120,6 +143,7 @@ def bench(
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher.bench import (
         BenchOptions,
+        copies_during,
         default_burst_trace,
         replay,
         select_requests,
@@ -170,9 +194,11 @@ def bench(
     span = (chosen[-1].arrival_s - chosen[0].arrival_s) if chosen else 0.0
     out.info(f"replaying {n} requests over {span / time_scale:.2f} s against {target}")
     before = _served(control)
+    copies_before = _transfers(control)
     with out.progress("requests", n) as advance:
         report = replay(tr, opts, on_result=lambda _r: advance(1))
     report.served_by = served_delta(before, _served(control))
+    report.copies = copies_during(copies_before, _transfers(control))
     if requests_out is not None:
         try:
             write_results_jsonl(report.results, requests_out)

@@ -27,7 +27,7 @@ def _render_status(out: Output, st: dict) -> None:
     c.print(f"gateway {st.get('gateway_url') or '-'} ({state}), policy {st.get('policy') or '-'}")
     c.print(f"control {st.get('control_url') or '-'}")
     t = Table(box=None, pad_edge=False)
-    for col in ("name", "host", "url", "healthy", "process", "in flight", "note"):
+    for col in ("name", "host", "url", "healthy", "process", "in flight", "copies", "note"):
         t.add_column(col)
     for w in st["workers"]:
         t.add_row(
@@ -37,9 +37,13 @@ def _render_status(out: Output, st: dict) -> None:
             "yes" if w["healthy"] else "[red]no[/red]",
             f"pid {w['pid']}" if w["alive"] else "[red]exited[/red]",
             "-" if w.get("inflight") is None else str(w["inflight"]),
+            w.get("replication") or "-",
             w.get("health_error") or "",
         )
     c.print(t)
+    for a in st.get("agents") or []:
+        alive = f"pid {a['pid']}" if a["alive"] else "[red]exited[/red]"
+        c.print(f"{a['name']} on {a['host']}: control {a['control_url'] or '-'}, peer {a['peer'] or '-'}, {alive}")
     c.print(f"run directory {st['run_dir']}")
 
 

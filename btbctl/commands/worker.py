@@ -52,6 +52,46 @@ def worker(
         str | None,
         typer.Option("--btb-token-file", help="File holding the bearer token required by /btb/push and /flush_cache."),
     ] = None,
+    enable_hierarchical_cache: Annotated[
+        bool,
+        typer.Option(
+            "--enable-hierarchical-cache", "--enable-hicache", help="SGLang's HiCache: a host tier (and L3 tier)."
+        ),
+    ] = False,
+    hicache_ratio: Annotated[
+        float | None, typer.Option("--hicache-ratio", help="Host pool / device pool (default 2.0).")
+    ] = None,
+    hicache_size: Annotated[int, typer.Option("--hicache-size", help="Host pool per TP rank, GB (0: ratio).")] = 0,
+    hicache_write_policy: Annotated[
+        str,
+        typer.Option("--hicache-write-policy", help="write_through, write_through_selective or write_back."),
+    ] = "write_through",
+    hicache_mem_layout: Annotated[
+        str, typer.Option("--hicache-mem-layout", help="Host pool layout (part of the L3 namespace).")
+    ] = "page_first",
+    hicache_io_backend: Annotated[
+        str, typer.Option("--hicache-io-backend", help="Accepted for SGLang compatibility (no effect).")
+    ] = "kernel",
+    hicache_storage_backend: Annotated[
+        str | None,
+        typer.Option("--hicache-storage-backend", help="L3 backend: dynamic (btbctl's BtbL3Store, the node agent)."),
+    ] = None,
+    hicache_storage_prefetch_policy: Annotated[
+        str,
+        typer.Option("--hicache-storage-prefetch-policy", help="best_effort, wait_complete or timeout."),
+    ] = "timeout",
+    hicache_storage_backend_extra_config: Annotated[
+        str | None,
+        typer.Option(
+            "--hicache-storage-backend-extra-config", help="JSON (or @FILE) of the L3 backend, as SGLang takes it."
+        ),
+    ] = None,
+    kv_cache_dtype: Annotated[
+        str, typer.Option("--kv-cache-dtype", help="KV dtype (auto, bf16, fp8_e4m3, ...; part of the L3 namespace).")
+    ] = "auto",
+    enable_cache_report: Annotated[
+        bool, typer.Option("--enable-cache-report", help="Accepted for SGLang compatibility (always on here).")
+    ] = False,
 ) -> None:
     """Run an emulated SGLang worker. Prints 'ready http://HOST:PORT transfer HOST:TPORT' when listening."""
     from btbctl.engine.worker.config import load_token, make_config
@@ -75,5 +115,16 @@ def worker(
         kv_bytes_scale=kv_bytes_scale,
         transfer_port=transfer_port,
         btb_token=load_token(btb_token_file),
+        enable_hierarchical_cache=enable_hierarchical_cache,
+        hicache_ratio=hicache_ratio,
+        hicache_size=hicache_size,
+        hicache_write_policy=hicache_write_policy,
+        hicache_mem_layout=hicache_mem_layout,
+        hicache_io_backend=hicache_io_backend,
+        hicache_storage_backend=hicache_storage_backend,
+        hicache_storage_prefetch_policy=hicache_storage_prefetch_policy,
+        hicache_storage_backend_extra_config=hicache_storage_backend_extra_config,
+        kv_cache_dtype=kv_cache_dtype,
+        enable_cache_report=enable_cache_report,
     )
     serve(cfg)

@@ -2,7 +2,8 @@
 
 Values with spaces, tabs, quotes, ``=`` or newlines are double-quoted (newlines become spaces); fields whose value is
 None are left out. The node agent (:mod:`btbctl.engine.agent.events`), the workers' transfer receivers
-(:mod:`btbctl.engine.replication.tcp`) and the gateway's replicator write their events this way.
+(:mod:`btbctl.engine.replication.tcp`) and the gateway's copy executors write their events this way, so one
+``grep event=`` follows a copy across processes.
 """
 
 from __future__ import annotations

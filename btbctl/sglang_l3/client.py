@@ -57,6 +57,20 @@ class Arena:
             pass
 
 
+#: Arenas mapped in this process, by ``arena_id``: clients of the same agent share one mapping (an emulated worker
+#: runs every TP rank's client in one process; SGLang runs one rank per process, where this holds one entry).
+_ARENAS: dict[str, Arena] = {}
+_ARENAS_LOCK = threading.Lock()
+
+
+def _shared_arena(fd: int, size: int, arena_id: str) -> Arena:
+    with _ARENAS_LOCK:
+        a = _ARENAS.get(arena_id)
+        if a is None or a.size != size:
+            a = _ARENAS[arena_id] = Arena(fd, size, arena_id)
+        return a
+
+
 class _Conn:
     def __init__(self, sock: socket.socket, arena: Arena, ns_id: str | None) -> None:
         self.sock = sock
@@ -104,7 +118,7 @@ class AgentClient:
             with self._lock:
                 arena = self._arena
                 if arena is None or arena.arena_id != rep.get("arena_id"):
-                    arena = Arena(fds[0], int(rep["arena_bytes"]), str(rep["arena_id"]))
+                    arena = _shared_arena(fds[0], int(rep["arena_bytes"]), str(rep["arena_id"]))
                     self._arena = arena
         except AgentUnavailable:
             s.close()

@@ -113,6 +113,33 @@ def page_keys(
     return keys
 
 
+def page_keys_packed(
+    data: bytes | memoryview, page_size: int, extra_key: str | None = None, cache_salt: str | None = None
+) -> list[str]:
+    """:func:`page_keys` of token ids already packed as little-endian uint32 (4 bytes each, every id < 2**32):
+    SGLang hashes such pages over exactly these bytes, so no per-token work is needed. ``len(data)`` must be a
+    multiple of 4. Raises ValueError for ``page_size < 1`` or a ragged buffer."""
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+    if len(data) % 4:
+        raise ValueError("packed token ids must be a whole number of 4-byte words")
+    if sys.byteorder != "little":  # pragma: no cover - SGLang itself runs only on little-endian Linux
+        arr = array("I", bytes(data))
+        return page_keys(arr.tolist(), page_size, extra_key, cache_salt)
+    view = memoryview(data).cast("B")
+    step = 4 * page_size
+    prior = namespace_seed(extra_key, cache_salt or None)
+    keys: list[str] = []
+    for start in range(0, len(view), step):
+        h = hashlib.sha256()
+        if prior is not None:
+            h.update(prior)
+        h.update(view[start : start + step])
+        prior = h.digest()
+        keys.append(prior.hex())
+    return keys
+
+
 def is_page_key(key: object) -> bool:
     """Whether ``key`` looks like an SGLang page key (64 lowercase hex characters)."""
     return isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
@@ -190,4 +217,5 @@ __all__ = [
     "namespace_seed",
     "object_key",
     "page_keys",
+    "page_keys_packed",
 ]

@@ -11,7 +11,7 @@ HiCacheStorage)``, calls ``cls(storage_config, kwargs)``). Flag::
 Extra-config keys read here (SGLang passes every key it does not consume, ``hybrid_cache_controller.py:378-438``):
 
 * ``agent_socket``: the node agent's Unix socket (default ``$BTBCTL_AGENT_SOCKET`` or
-  :data:`DEFAULT_AGENT_SOCKET`);
+  :data:`~btbctl.sglang_l3.config.DEFAULT_AGENT_SOCKET`);
 * ``timeout_s``: bound of every call to the agent, seconds (default :data:`DEFAULT_TIMEOUT_S`);
 * ``interface_v1``: SGLang's own switch to the zero-copy ``batch_get_v1``/``batch_set_v1`` path
   (``managers/cache_controller.py:651-667``); without it SGLang uses the generic ``batch_get``/``batch_set``.
@@ -34,7 +34,6 @@ values) raise ``ValueError`` with one line at construction, when SGLang starts.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
@@ -42,30 +41,17 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from btbctl.sglang_l3.client import AgentClient, AgentUnavailable, memmove
+from btbctl.sglang_l3.config import (
+    AGENT_SOCKET_ENV,
+    DEFAULT_AGENT_SOCKET,
+    DEFAULT_TIMEOUT_S,
+    OWN_KEYS,
+    SGLANG_KEYS,
+    parse_extra_config,
+)
 from btbctl.sglang_l3.keys import Namespace
 
 log = logging.getLogger("btbctl.sglang_l3")
-
-#: Default agent socket (``btbctl agent --socket`` uses the same default).
-DEFAULT_AGENT_SOCKET = "/run/btbctl/agent.sock"
-#: Environment variable overriding the default socket.
-AGENT_SOCKET_ENV = "BTBCTL_AGENT_SOCKET"
-#: Default bound of one call to the agent, seconds (a product choice: a local round trip takes tens of
-#: microseconds; under ``wait_complete`` a stuck call would stall the request, so the bound is short).
-DEFAULT_TIMEOUT_S = 2.0
-#: Extra-config keys this backend reads.
-OWN_KEYS = ("agent_socket", "timeout_s")
-#: Keys SGLang itself leaves in ``extra_config`` (``backend_factory.py:140-151``, ``unified_radix_cache.py:497-501``,
-#: ``cache_controller.py:664``) or that belong to other backends and are ignored here.
-SGLANG_KEYS = (
-    "backend_name",
-    "module_path",
-    "class_name",
-    "interface_v1",
-    "file_storage_path",
-    "enable_metadata_cache",
-    "metadata_ttl",
-)
 
 
 def _sglang_version() -> str:
@@ -75,25 +61,6 @@ def _sglang_version() -> str:
         return str(__version__)
     except Exception:  # noqa: BLE001  # pragma: no cover - SGLang without its version module
         return "unknown"
-
-
-def parse_extra_config(extra: dict | None) -> tuple[str, float, bool]:
-    """``(agent_socket, timeout_s, interface_v1)`` from SGLang's extra config. Raises ValueError (one line, naming
-    the key and what is valid)."""
-    extra = dict(extra or {})
-    unknown = sorted(k for k in extra if k not in OWN_KEYS + SGLANG_KEYS)
-    if unknown:
-        raise ValueError(
-            f"BtbL3Store: unknown extra-config key {unknown[0]!r}; valid: {', '.join(OWN_KEYS)} "
-            f"(plus SGLang's {', '.join(SGLANG_KEYS[:4])})"
-        )
-    sock = extra.get("agent_socket", os.environ.get(AGENT_SOCKET_ENV) or DEFAULT_AGENT_SOCKET)
-    if not isinstance(sock, str) or not sock:
-        raise ValueError("BtbL3Store: agent_socket must be a non-empty path string")
-    timeout = extra.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
-        raise ValueError(f"BtbL3Store: timeout_s must be a number of seconds in (0, 60], got {timeout!r}")
-    return sock, float(timeout), bool(extra.get("interface_v1", 0))
 
 
 class BtbL3Store(HiCacheStorage):
@@ -337,4 +304,12 @@ def _gather(segments: list[tuple[int, int]], dst: int) -> None:
         dst += size
 
 
-__all__ = ["AGENT_SOCKET_ENV", "BtbL3Store", "DEFAULT_AGENT_SOCKET", "DEFAULT_TIMEOUT_S", "parse_extra_config"]
+__all__ = [
+    "AGENT_SOCKET_ENV",
+    "BtbL3Store",
+    "DEFAULT_AGENT_SOCKET",
+    "DEFAULT_TIMEOUT_S",
+    "OWN_KEYS",
+    "SGLANG_KEYS",
+    "parse_extra_config",
+]

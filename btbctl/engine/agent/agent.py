@@ -71,6 +71,18 @@ class AgentConfig:
     file_dir: str | None = None
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) reaches only this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def read_secret(path: str, what: str = "secret file") -> bytes:
     """The secret in ``path`` (surrounding whitespace stripped). Raises :class:`ConfigError` naming the file."""
     try:
@@ -105,6 +117,11 @@ class Agent:
             raise BtbctlError(f"RDMA unavailable: {reason}; use --transport tcp")
         if cfg.arena_bytes < (1 << 20):
             raise ConfigError("--arena-mib", "the arena must be at least 1 MiB")
+        if cfg.control_token is None and not is_loopback(cfg.control_host):
+            raise ConfigError(
+                "--control-token-file",
+                f"the control API listens on {cfg.control_host}, beyond loopback: give --control-token-file",
+            )
         self.cfg = cfg
         self.agent_id = cfg.agent_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
         self.control_token = cfg.control_token
@@ -175,7 +192,7 @@ class Agent:
                 self.local.start()
             except OSError as e:
                 raise BtbctlError(f"cannot bind the local socket {cfg.socket_path}: {e.strerror or e}") from None
-        self._runner = web.AppRunner(make_app(self), access_log=None)
+        self._runner = web.AppRunner(make_app(self, open_metrics=is_loopback(cfg.control_host)), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.control_host, cfg.control_port)
         try:
@@ -279,4 +296,13 @@ def run(cfg: AgentConfig, ready_line: bool = True) -> None:
     asyncio.run(main())
 
 
-__all__ = ["Agent", "AgentConfig", "DEFAULT_SOCKET", "MIN_SECRET_BYTES", "TRANSPORTS", "read_secret", "run"]
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "DEFAULT_SOCKET",
+    "MIN_SECRET_BYTES",
+    "TRANSPORTS",
+    "is_loopback",
+    "read_secret",
+    "run",
+]

@@ -1,7 +1,9 @@
 """The agent's control API (HTTP/JSON, bound to loopback by default): what the gateway's ``l3`` executor and
 operators call.
 
-All routes but ``GET /health`` and ``GET /metrics`` need ``Authorization: Bearer <control token>``. Keys are SGLang
+All routes but ``GET /health`` and ``GET /metrics`` need ``Authorization: Bearer <control token>``; on an address
+beyond loopback (an agent the gateway reaches from another machine) ``/metrics`` needs it too, and the agent
+refuses to start there without a token. Keys are SGLang
 page keys (:func:`btbctl.sglang_l3.keys.page_keys`); ``namespaces`` (optional) restricts to some namespace ids,
 by default every namespace this node knows (each TP rank of a worker registers its own).
 
@@ -44,13 +46,15 @@ class _Err(Exception):
         super().__init__(message)
 
 
-def make_app(agent) -> web.Application:
-    """The aiohttp application serving ``agent`` (:class:`~btbctl.engine.agent.agent.Agent`)."""
+def make_app(agent, open_metrics: bool = True) -> web.Application:
+    """The aiohttp application serving ``agent`` (:class:`~btbctl.engine.agent.agent.Agent`); ``open_metrics``:
+    ``/metrics`` without the token (loopback only)."""
+    open_paths = ("/health", "/metrics") if open_metrics else ("/health",)
 
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
-            if request.path not in ("/health", "/metrics"):
+            if request.path not in open_paths:
                 _auth(request, agent.control_token)
             return await handler(request)
         except _Err as e:

@@ -137,9 +137,14 @@ class FleetWorker(Answer):
     kv_use: float | None
     """``kv_used_tokens / kv_capacity_tokens`` (or the worker's own ``token_usage``), 0..1."""
     replication: bool
-    """Copies to and from it are possible (it has the ``/btb`` routes and the gateway's page size)."""
+    """Copies to and from it are possible (``push``: it has the ``/btb`` routes and the gateway's page size; ``l3``:
+    it is healthy and has a node agent)."""
     replication_note: str
     """Why (not), in words."""
+    replication_mode: str = "push"
+    """How copies reach it: ``l3`` (node agents and a warm-up proof), ``push`` (its ``/btb/push``) or ``none``."""
+    agent: str | None = None
+    """l3: the node agent its HiCache L3 tier lives in (null in other modes)."""
     held_blocks: int
     """Blocks the gateway records as resident there (its approximate record)."""
     model: str | None
@@ -189,6 +194,8 @@ class FleetAnswer(Answer):
     """Workers."""
     replication: str
     """On how many workers copies are possible, in words."""
+    replication_mode: str = "push"
+    """The fleet's replication mode: ``l3``, ``push`` or ``none``."""
     workers: list[FleetWorker]
     """One row per worker, in replica order."""
 
@@ -284,6 +291,19 @@ class TransferEntry(Answer):
     """When it ended."""
     manual: bool
     """Started through ``POST /control/replicate`` (else by the policy)."""
+    mode: str = "push"
+    """``push`` (the workers' ``/btb/push``) or ``l3`` (node agents, then a warm-up proof)."""
+    duration_s: float | None = None
+    """When finished: seconds from planned to done or failed (an ``l3`` copy: source wait, copy and proof)."""
+    transfer_s: float | None = None
+    """l3: seconds the pages took between the agents (null before, 0 when the target's node already had them)."""
+    covered_tokens: int | None = None
+    """l3: prompt tokens the proof must cover (the prefix's whole pages)."""
+    proof: dict[str, int] | None = None
+    """l3: the target's warm-up answer, ``{"device", "host", "storage"}`` tokens of ``cached_tokens_details``
+    (null before the warm-up)."""
+    proof_storage_tokens: int | None = None
+    """l3: ``proof["storage"]``, the prompt tokens the target loaded from L3 (its HiCache storage tier)."""
 
 
 class TransferTotals(Answer):

@@ -381,6 +381,7 @@ class ControlApiSource:
                 str(t.state),
                 t.error,
                 _duration(t.started_s, t.finished_s, transfers.now_s),
+                t.proof_storage_tokens,
             )
             for t in transfers.transfers
         )
@@ -398,6 +399,7 @@ class ControlApiSource:
             ttft=pts,
             constants=fleet.constants.as_dict(),
             policy=fleet.policy,
+            replication=fleet.replication_mode,
             rps=pts[-1].rps if pts else 0.0,
             feed=feed,
         )

@@ -81,7 +81,8 @@ class PrefixRow:
 class TransferRow:
     """One KV-cache copy. ``state``: ``running``, ``stalled`` (waiting for the source's prefill), ``done`` or
     ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished). ``duration_s``: seconds
-    since it started while in flight, start to end once finished (None when unknown)."""
+    since it started while in flight, start to end once finished (None when unknown). ``proof_storage_tokens``: an
+    ``l3`` copy's proof, the tokens its target's warm-up loaded from L3 (None before, and for pushed copies)."""
 
     copy_id: str
     prefix_id: str
@@ -94,6 +95,7 @@ class TransferRow:
     state: str
     error: str | None = None
     duration_s: float | None = None
+    proof_storage_tokens: int | None = None
 
     @property
     def fraction(self) -> float:
@@ -128,6 +130,7 @@ class FleetSnapshot:
         finished: the simulation replayed its whole trace (always False for a live fleet).
         feed: how this snapshot arrived from a live fleet: ``stream`` (pushed by the control API's event stream)
             or ``poll`` (fetched on request, while the stream is down); empty for a source without a stream.
+        replication: the fleet's replication mode (``l3``, ``push``, ``none``); empty when unknown (simulation).
     """
 
     now_s: float
@@ -144,6 +147,7 @@ class FleetSnapshot:
     rps: float = 0.0
     finished: bool = False
     feed: str = ""
+    replication: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from btbctl.engine.constants import BtbConstants
+
+
+class AgentRef(BaseModel):
+    """A node agent the gateway drives in replication mode ``l3``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    """Its name (``agent-local``, ``agent-<host>``), for logs and answers."""
+    control_url: str
+    """Base URL of its control API (``http://host:port``)."""
+    peer_addr: str
+    """``host:port`` other agents copy to (what a push names as a target)."""
+
+    @field_validator("control_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        p = urlsplit(v)
+        if p.scheme not in ("http", "https") or not p.hostname:
+            raise ValueError(f"agent control URL {v!r} must look like http://host:port")
+        return v.rstrip("/")
 
 
 class GatewayConfig(BaseModel):
@@ -78,6 +100,27 @@ class GatewayConfig(BaseModel):
     """Longest time a pushed copy may take, seconds."""
     access_log: bool = False
     """Log every data-plane request (aiohttp's access log) on stderr."""
+    replication: Literal["push", "l3", "none"] = "push"
+    """How copies are made: ``push`` (the workers' ``/btb/push``), ``l3`` (node agents and warm-up proofs,
+    :mod:`btbctl.engine.gateway.l3`) or ``none`` (routing only)."""
+    agents: list[AgentRef] = Field(default_factory=list)
+    """l3: the node agents."""
+    worker_agents: list[int] = Field(default_factory=list)
+    """l3: for each worker (in ``workers`` order), the index in ``agents`` of its node's agent."""
+    agent_token: str | None = Field(None, repr=False)
+    """l3: bearer token of the agents' control APIs (None: read ``agent_token_file``)."""
+    agent_token_file: str | None = None
+    """l3: file holding ``agent_token``."""
+    l3_fanout: Literal["chain", "tree", "star"] = "chain"
+    """l3: how one copy reaches several agents."""
+    l3_source_wait_s: float = Field(30.0, gt=0)
+    """l3: longest wait for the source's agent to hold the prefix (its HiCache write-through), seconds."""
+    l3_warmup_timeout_s: float = Field(120.0, gt=0)
+    """l3: longest a warm-up request may take, seconds."""
+    l3_exclude_s: float = Field(30.0, gt=0)
+    """l3: after a failed copy or proof, seconds during which no copy of that prefix goes to that worker again."""
+    tokenize_timeout_s: float = Field(10.0, gt=0)
+    """l3: timeout of one call to a worker's tokenizer (``/v1/tokenize``), seconds."""
 
     @field_validator("workers")
     @classmethod
@@ -91,6 +134,17 @@ class GatewayConfig(BaseModel):
         if len(set(out)) != len(out):
             raise ValueError("worker URLs must be distinct")
         return out
+
+    @model_validator(mode="after")
+    def _l3(self) -> GatewayConfig:
+        if self.replication == "l3":
+            if not self.agents:
+                raise ValueError("replication l3 needs agents")
+            if len(self.worker_agents) != len(self.workers):
+                raise ValueError("worker_agents must name one agent per worker")
+            if any(not 0 <= i < len(self.agents) for i in self.worker_agents):
+                raise ValueError(f"worker_agents entries must be in 0..{len(self.agents) - 1}")
+        return self
 
     @field_validator("policy")
     @classmethod

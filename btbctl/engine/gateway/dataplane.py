@@ -4,7 +4,8 @@ Routes:
 
 * ``POST /generate`` (SGLang native: ``text`` or ``input_ids``), ``POST /v1/completions`` (``prompt``),
   ``POST /v1/chat/completions`` (``messages``): routed by the policy and forwarded with the body unchanged;
-  ``"stream": true`` answers are passed through chunk by chunk.
+  ``"stream": true`` answers are passed through chunk by chunk. In replication mode ``l3`` the prompt's chain is
+  SGLang's page keys of its token ids (text and chats tokenized by a worker, :mod:`btbctl.engine.gateway.tokens`).
 * ``GET /v1/models``: forwarded to a healthy worker. ``GET /health``: 200 ``{"status": "ok", "healthy",
   "total"}`` while at least one worker is healthy, else 503. ``GET /metrics``: Prometheus text
   (:mod:`btbctl.engine.gateway.metrics`).
@@ -197,12 +198,16 @@ class DataPlane:
         if cl is not None and cl > self.max_body:
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
         body = await request.read()
+        l3 = getattr(gw, "l3_prompts", None)
         try:
             obj = parse_json_object(body)
-            data, n_tokens = prompt_of(route, obj)
+            if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
+                chain, n_tokens = await l3.chain(route, obj, gw.page_size)
+            else:
+                data, n_tokens = prompt_of(route, obj)
+                chain = chain_from_packed(data, gw.page_size)
         except PromptError as e:
             return json_error(400, str(e))
-        chain = chain_from_packed(data, gw.page_size)
         req = Request(
             request_id=gw.next_request_id(),
             arrival_s=t0,

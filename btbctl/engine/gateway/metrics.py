@@ -15,6 +15,12 @@ name                                type      meaning
 ``btb_replications_total``          counter   finished copies by ``result`` (``done``, ``failed``)
 ``btb_replicated_bytes_total``      counter   bytes of copies that finished ``done``
 ``btb_detector_fires_total``        counter   burst-detector activations (read from the detector at scrape)
+``btb_copy_proofs_total``           counter   finished ``l3`` copies by ``result``: ``proved`` (the warm-up
+                                              covered the prefix), ``short`` (it did not), ``failed`` (an
+                                              earlier step failed)
+``btb_proof_storage_tokens_total``  counter   prompt tokens proved loaded from L3 by warm-ups
+``btb_worker_replication``          gauge     1 for each ``worker`` with its ``mode`` (``l3``, ``push``,
+                                              ``none``)
 =================================== ========= ==========================================================
 
 TTFT buckets span 1 ms to 60 s (sub-millisecond answers of zero-delay workers up to cold 64k-token prefills).
@@ -88,6 +94,13 @@ class GatewayMetrics:
         self.retries = Counter("btb_retries", "Attempts moved to another worker after a failure.", registry=r)
         self.replications = Counter("btb_replications", "Finished prefix copies.", ("result",), registry=r)
         self.replicated_bytes = Counter("btb_replicated_bytes", "Bytes of copies that finished done.", registry=r)
+        self.proofs = Counter("btb_copy_proofs", "Finished l3 copies by proof result.", ("result",), registry=r)
+        self.proof_storage_tokens = Counter(
+            "btb_proof_storage_tokens", "Prompt tokens proved loaded from L3 by warm-ups.", registry=r
+        )
+        self.worker_mode = Gauge(
+            "btb_worker_replication", "1 for each worker with its replication mode.", ("worker", "mode"), registry=r
+        )
         r.register(_FiresCollector(fires))
         self._req: dict[tuple, object] = {}
         self._ttft: dict[str, object] = {}

@@ -94,7 +94,8 @@ class ReplicateOutcome:
 
 
 class Replicator:
-    """Starts and runs prefix copies between the workers of ``state``.
+    """Starts and runs prefix copies between the workers of ``state`` (replication mode ``push``; with
+    ``enabled`` False, mode ``none``: every copy is refused).
 
     Args:
         state: the live fleet state (its transfer table is where jobs are tracked).
@@ -104,6 +105,8 @@ class Replicator:
         on_change: called with the transfer after every state or progress change (metrics, events).
         on_finish: called once with the transfer when it ends ``done`` or ``failed``.
     """
+
+    mode = "push"
 
     def __init__(
         self,
@@ -129,6 +132,11 @@ class Replicator:
         self.on_finish = on_finish
         self._tasks: set[asyncio.Task] = set()
         self.refused = 0
+        self.enabled = True
+
+    def hold_back(self, chain: Sequence[Hashable]) -> list[int]:
+        """Workers a request for ``chain`` must not reach now: none (a pushed copy's target waits for the blocks)."""
+        return []
 
     # -- eligibility ---------------------------------------------------------------------------------------------
 
@@ -138,6 +146,8 @@ class Replicator:
 
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
         """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""
+        if not self.enabled:
+            return "replication mode none: the gateway only routes"
         if not chain:
             return "empty chain"
         if source == target:
@@ -198,6 +208,16 @@ class Replicator:
         )
         t.pushed = asyncio.Event()
         self.state.transfers.add(t)
+        log_event(
+            log,
+            "copy_accepted",
+            copy_id=t.copy_id,
+            prefix=t.key,
+            source=self.state.workers[source].url,
+            target=self.state.workers[target].url,
+            blocks=len(chain),
+            manual=manual,
+        )
         task = asyncio.get_running_loop().create_task(self._run(t, source_confirmed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -221,6 +241,8 @@ class Replicator:
         """
         chain = tuple(chain)
         ws = self.state.workers
+        if not self.enabled:
+            raise ReplicateError(409, "replication mode none: the gateway only routes")
         cands = [w.index for w in ws if self._usable(w.index)]
         if not cands:
             raise ReplicateError(
@@ -295,7 +317,18 @@ class Replicator:
         t.error = reason
         t.finished_s = self.state.clock()
         self.state.transfers.finish(t)
-        log.info("copy %s of %s to %s failed: %s", t.copy_id, t.key, self.state.workers[t.target].url, reason)
+        log_event(
+            log,
+            "copy_failed",
+            copy_id=t.copy_id,
+            prefix=t.key,
+            source=self.state.workers[t.source].url,
+            target=self.state.workers[t.target].url,
+            bytes=t.bytes_sent,
+            duration_s=round(t.finished_s - t.created_s, 6),
+            outcome="failed",
+            reason=reason,
+        )
         self._changed(t)
         if self.on_finish is not None:
             self.on_finish(t)
@@ -307,6 +340,17 @@ class Replicator:
             t.bytes_sent = t.bytes_total
         self.state.workers[t.target].hold(t.chain)
         self.state.transfers.finish(t)
+        log_event(
+            log,
+            "copy_done",
+            copy_id=t.copy_id,
+            prefix=t.key,
+            source=self.state.workers[t.source].url,
+            target=self.state.workers[t.target].url,
+            bytes=t.bytes_sent,
+            duration_s=round(t.finished_s - t.created_s, 6),
+            outcome="done",
+        )
         self._changed(t)
         if self.on_finish is not None:
             self.on_finish(t)
@@ -393,6 +437,15 @@ class Replicator:
             pass
         t.state = CopyState.RUNNING
         t.started_s = self.state.clock()
+        log_event(
+            log,
+            "copy_started",
+            copy_id=t.copy_id,
+            prefix=t.key,
+            source=ws[t.source].url,
+            target=ws[t.target].url,
+            bytes=t.bytes_total,
+        )
         self._changed(t)
         return None
 

@@ -102,6 +102,16 @@ class Reports:
         """One worker of ``GET /control/fleet``."""
         loads = w.loads or {}
         info = w.info or {}
+        mode = getattr(self.src, "replication_mode", "push")
+        agents = getattr(self.src, "worker_agent_names", None)
+        agent = agents[w.index] if agents else None
+        if mode == "l3":
+            possible = w.healthy
+            note = f"l3: HiCache L3 tier in node agent {agent}; copies proved by a warm-up"
+        elif mode == "none":
+            possible, note = False, "replication mode none: routing only"
+        else:
+            possible, note = w.btb is True, _typed(info, "note", str) or w.replication_note
         return FleetWorker(
             name=w.name,
             url=w.url,
@@ -116,8 +126,10 @@ class Reports:
             kv_used_tokens=loads.get("used_tokens"),
             kv_capacity_tokens=loads.get("max_tokens"),
             kv_use=loads.get("token_usage"),
-            replication=w.btb is True,
-            replication_note=_typed(info, "note", str) or w.replication_note,
+            replication=possible,
+            replication_note=note,
+            replication_mode=mode,
+            agent=agent,
             held_blocks=len(w.holdings),
             model=_typed(info, "model", str),
             gpu=_typed(info, "gpu", str),
@@ -132,8 +144,13 @@ class Reports:
         """``GET /control/fleet``; ``replication`` says on how many workers copies are possible."""
         src = self.src
         ws = src.state.workers
+        mode = getattr(src, "replication_mode", "push")
         n_btb = sum(1 for w in ws if w.btb is True)
-        if n_btb == len(ws):
+        if mode == "l3":
+            note = "l3: copies through the node agents, each proved by a warm-up"
+        elif mode == "none":
+            note = "replication mode none: routing only"
+        elif n_btb == len(ws):
             note = "supported on all workers"
         elif n_btb == 0:
             note = "unsupported: no worker has the /btb routes (plain SGLang); routing only"
@@ -147,6 +164,7 @@ class Reports:
             healthy=sum(1 for w in ws if w.healthy),
             total=len(ws),
             replication=note,
+            replication_mode=mode,
             workers=[self.worker(w) for w in ws],
         )
 
@@ -210,6 +228,12 @@ class Reports:
             started_s=t.started_s,
             finished_s=t.finished_s,
             manual=t.manual,
+            mode=t.mode,
+            duration_s=None if t.finished_s is None else t.finished_s - t.created_s,
+            transfer_s=t.transfer_s,
+            covered_tokens=t.covered_tokens,
+            proof=t.proof,
+            proof_storage_tokens=t.proof_storage_tokens,
         )
 
     def transfers(self, limit: int = EVENT_TRANSFERS) -> TransfersAnswer:

@@ -47,10 +47,12 @@ from btbctl.engine.gateway.control_api import build_control_app, is_loopback
 from btbctl.engine.gateway.dataplane import build_data_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.health import HealthProber
+from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.replicator import ReplicateOutcome, Replicator
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
+from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import CacheAware
@@ -155,6 +157,12 @@ class Gateway:
             on_change=self._transfer_changed,
             on_finish=self._transfer_finished,
         )
+        self.replication_mode = config.replication
+        self.l3_prompts = None
+        if config.replication == "none":
+            self.replicator.enabled = False
+        elif config.replication == "l3":
+            self._setup_l3(config)
         self.prober = HealthProber(
             self.state.workers,
             lambda: self.session,
@@ -173,6 +181,30 @@ class Gateway:
         self._stopped = False
         self._request_seq = 0
 
+    def _setup_l3(self, config: GatewayConfig) -> None:
+        """Replication mode ``l3``: prompts become SGLang's page keys (:mod:`~btbctl.engine.gateway.tokens`) and
+        copies go through the node agents with a warm-up proof (:mod:`~btbctl.engine.gateway.l3`)."""
+        token = config.agent_token
+        if token is None and config.agent_token_file:
+            token = _read_or_create_token(config.agent_token_file, "agent_token_file")
+        self.l3_prompts = L3Prompts(lambda: self.session, self.state, config.tokenize_timeout_s)
+        self.replicator = L3Replicator(  # type: ignore[assignment]
+            self.state,
+            lambda: self.session,
+            agents=[a.model_dump() for a in config.agents],
+            worker_agents=config.worker_agents,
+            agent_token=token,
+            prefix_tokens=self.l3_prompts.prefixes,
+            page_size=lambda: self.page_size,
+            fanout=config.l3_fanout,
+            source_wait_s=config.l3_source_wait_s,
+            copy_timeout_s=config.copy_timeout_s,
+            warmup_timeout_s=config.l3_warmup_timeout_s,
+            exclude_s=config.l3_exclude_s,
+            on_change=self._transfer_changed,
+            on_finish=self._transfer_finished,
+        )
+
     # -- what the pieces read -----------------------------------------------------------------------------------
 
     @property
@@ -184,6 +216,14 @@ class Gateway:
     @property
     def policy_name(self) -> str:
         return self.policy.name
+
+    @property
+    def worker_agent_names(self) -> list[str] | None:
+        """l3: the node agent of each worker (by name); None in other modes."""
+        cfg = self.config
+        if cfg.replication != "l3":
+            return None
+        return [cfg.agents[i].name for i in cfg.worker_agents]
 
     def next_request_id(self) -> str:
         self._request_seq += 1
@@ -250,6 +290,9 @@ class Gateway:
         now = self.clock()
         if self._feeds_detector and not excluded:
             self.detector.observe(req.block_hashes, now)
+        held = self.replicator.hold_back(req.block_hashes)  # l3: copy targets not proved yet
+        if held and any(w.healthy and w.index not in excluded and w.index not in held for w in state.workers):
+            excluded = [*excluded, *(h for h in held if h not in excluded)]
         view = ExcludingView(state, excluded) if excluded else state
         policy = self.policy
         route = policy.route(req, view, now)
@@ -332,6 +375,12 @@ class Gateway:
         self.metrics.replications.labels(t.state.value).inc()
         if t.state is CopyState.DONE:
             self.metrics.replicated_bytes.inc(t.bytes_sent)
+        if t.mode == "l3":
+            short = (t.error or "").startswith("proof short")
+            result = "proved" if t.state is CopyState.DONE else ("short" if short else "failed")
+            self.metrics.proofs.labels(result).inc()
+            if t.state is CopyState.DONE and t.proof_storage_tokens:
+                self.metrics.proof_storage_tokens.inc(t.proof_storage_tokens)
         self.bus.mark("prefixes")
         self.bus.mark("fleet")
 
@@ -368,6 +417,8 @@ class Gateway:
         await self.prober.probe_all()
         self._settle_page_size()
         self._install_policy(self.policy, None)
+        for w in self.state.workers:
+            self.metrics.worker_mode.labels(w.url, self.replication_mode).set(1)
         reports = self.reports
         self.bus.register("fleet", reports.fleet)
         self.bus.register("prefixes", lambda: reports.prefixes(EVENT_TOP_PREFIXES))

@@ -222,6 +222,13 @@ class Transfer:
         created_s / started_s / finished_s: gateway ``now_s`` (None until reached).
         error: the reason of a failure.
         manual: started through the control API (else by the policy).
+        mode: ``push`` (the workers' ``/btb/push``) or ``l3`` (node agents + warm-up proof).
+        routable: requests for the prefix may go to the target while the copy is in flight (a pushed copy: the
+            target waits for the arriving blocks); False for ``l3`` copies, whose target counts only once proved.
+        transfer_s: seconds the bytes took (push accepted to every page committed at the target), once known.
+        proof: the target's warm-up answer, ``{"device", "host", "storage"}`` tokens (l3), once it came.
+        proof_storage_tokens: ``proof["storage"]``: prompt tokens the target loaded from L3 (l3).
+        covered_tokens: tokens the proof must cover (the prefix, whole pages).
     """
 
     copy_id: str
@@ -241,6 +248,12 @@ class Transfer:
     manual: bool = False
     waited: bool = False
     pushed: asyncio.Event | None = field(default=None, repr=False, compare=False)
+    mode: str = "push"
+    routable: bool = True
+    transfer_s: float | None = None
+    proof: dict | None = None
+    proof_storage_tokens: int | None = None
+    covered_tokens: int | None = None
 
     @property
     def active(self) -> bool:
@@ -299,9 +312,19 @@ class TransferTable:
         n = len(chain)
         for (r, key), t in self.active.items():
             m = len(t.chain)
-            if r == target and best < m <= n and chain[m - 1] == key:
+            if r == target and t.routable and best < m <= n and chain[m - 1] == key:
                 best = m
         return best
+
+    def unproven(self, chain: Sequence[Hashable]) -> list[int]:
+        """Targets of copies in flight that are not routable (``l3``) of a leading part of ``chain``: requests for
+        the prefix must not reach them before their proof."""
+        n = len(chain)
+        return [
+            t.target
+            for (_, key), t in self.active.items()
+            if not t.routable and len(t.chain) <= n and chain[len(t.chain) - 1] == key
+        ]
 
     def for_key(self, key: Hashable) -> list[Transfer]:
         """Copies of prefix ``key``, in flight first, then recent (newest first)."""
@@ -496,7 +519,8 @@ class FleetState:
         return [(b, g[0], g[1]) for b, g in self._queue(replica)[1].items()]
 
     def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
-        return self.transfers.active.get((replica, chain[-1])) if chain else None
+        t = self.transfers.active.get((replica, chain[-1])) if chain else None
+        return t if t is not None and t.routable else None
 
     def copy_status(self, replica: int, chain: Sequence[Hashable]):
         """The in-flight copy of ``chain`` towards ``replica`` as a ``CopyStatus``, or None. Bytes come from the

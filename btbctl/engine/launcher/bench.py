@@ -31,6 +31,12 @@ counters include any other traffic during the replay); otherwise every request c
 ``errors_by_status`` counts failed requests by :meth:`RequestResult.error_kind` (an HTTP status such as ``"503"``, or
 ``connection``, ``timeout``, ``stream``). Percentiles are linear-interpolated (:func:`btbctl.engine.stats.summarize`),
 over successful requests only; a summary with no successful request holds nulls.
+
+When the target is a BTB gateway whose control API is known, the result also has ``copies``: the copies that
+finished (``done`` or ``failed``) during the replay, oldest first, each ``{"copy_id", "prefix", "source", "target",
+"mode", "state", "bytes", "duration_s", "transfer_s", "proof_storage_tokens", "error"}`` (:func:`copies_during`;
+``proof_storage_tokens``: the tokens the target's warm-up loaded from L3, ``l3`` mode only). Without a control API
+``copies`` is null.
 """
 
 from __future__ import annotations
@@ -231,6 +237,8 @@ class BenchReport:
     served_by: dict | None = None
     """Requests each worker served during the replay by the gateway's own counters (``GET /control/fleet``
     ``served`` after minus before), used for ``by_worker`` when no answer named its worker."""
+    copies: list[dict] | None = None
+    """Copies that finished during the replay (:func:`copies_during`), or None without a control API."""
 
     def as_dict(self) -> dict:
         """The stable JSON summary (see the module docstring)."""
@@ -267,6 +275,7 @@ class BenchReport:
             "late_s_max": max((r.sent_s - r.scheduled_s for r in self.results), default=0.0),
             "prompt_tokens": sum(r.prompt_tokens for r in ok),
             "cached_tokens": sum(cached) if cached else None,
+            "copies": self.copies,
         }
 
 
@@ -491,6 +500,40 @@ def served_delta(before: dict[str, int] | None, after: dict[str, int] | None) ->
     return {url: n - before.get(url, 0) for url, n in after.items()}
 
 
+def copies_during(before: dict | None, after: dict | None) -> list[dict] | None:
+    """The copies of a ``GET /control/transfers`` answer ``after`` that finished since the answer ``before`` (by
+    the gateway's clock ``now_s``), oldest first, in the shape of the bench result's ``copies``; None when either
+    answer is missing."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return None
+    t0 = before.get("now_s")
+    if not isinstance(t0, (int, float)):
+        return None
+    rows = []
+    for t in after.get("transfers") or []:
+        fin = t.get("finished_s")
+        if not isinstance(fin, (int, float)) or fin < t0 or t.get("state") not in ("done", "failed"):
+            continue
+        rows.append(
+            {
+                "copy_id": t.get("copy_id"),
+                "prefix": t.get("prefix"),
+                "source": t.get("source"),
+                "target": t.get("target"),
+                "mode": t.get("mode", "push"),
+                "state": t.get("state"),
+                "bytes": t.get("bytes_total") or t.get("bytes_sent") or 0,
+                "duration_s": t.get("duration_s"),
+                "transfer_s": t.get("transfer_s"),
+                "proof_storage_tokens": t.get("proof_storage_tokens"),
+                "error": t.get("error"),
+                "finished_s": fin,
+            }
+        )
+    rows.sort(key=lambda r: r["finished_s"])
+    return rows
+
+
 def write_results_jsonl(results: Iterable[RequestResult], path) -> int:
     """Write one JSON object per request (:meth:`RequestResult.as_dict`); returns the count."""
     n = 0
@@ -509,6 +552,7 @@ __all__ = [
     "RequestResult",
     "WORKER_HEADER",
     "block_text",
+    "copies_during",
     "default_burst_trace",
     "replay",
     "replay_async",

@@ -26,6 +26,9 @@ A cluster file is TOML::
     name = "node-a"
     address = "10.0.0.11"
 
+    [replication]               # optional: how copies are made (see ReplicationSection)
+    mode = "l3"                 # l3 (default for sglang workers), push (default for emulated ones) or none
+
 A worker entry whose ``host`` is the name of a ``[[hosts]]`` entry runs on that machine over SSH
 (:mod:`~btbctl.engine.launcher.ssh`); any other ``host`` is an address on this machine. Every section and key is
 optional; :func:`default_cluster` is what an empty file (and ``btbctl up`` without ``-c``) means: 4 emulated
@@ -34,13 +37,21 @@ setting (REFERENCE.md s1).
 
 Command lines are always argv lists, never shell strings: :func:`sglang_argv` builds SGLang's
 ``python -m sglang.launch_server`` line (REFERENCE.md s5), :func:`emulated_argv` the emulated worker's
-``python -m btbctl worker`` line, and a worker's ``command`` replaces either with a user-given argv in which
-``{host}``, ``{port}``, ``{model}``, ``{tp_size}``, ``{page_size}``, ``{name}``, ``{index}`` and ``{transfer_port}``
-are substituted element by element.
+``python -m btbctl worker`` line, :func:`agent_argv` a node agent's ``python -m btbctl agent`` line, and a worker's
+``command`` replaces either worker line with a user-given argv in which ``{host}``, ``{port}``, ``{model}``,
+``{tp_size}``, ``{page_size}``, ``{name}``, ``{index}`` and ``{transfer_port}`` are substituted element by element.
+
+**Replication modes** (``[replication] mode``): ``l3`` (BTB on stock SGLang, SGLANG.md): one ``btbctl agent`` per
+host, and every worker started with SGLang's HiCache flags and btbctl's L3 backend (:func:`hicache_args`; the emulated
+worker emulates HiCache with the same flags); the gateway copies a hot prefix agent to agent and proves each copy
+with a warm-up request. ``push``: the emulated workers' own ``/btb/push`` (no agents, no HiCache flags). ``none``: the
+gateway only routes. Absent: ``l3`` when the workers are SGLang, ``push`` when they are emulated.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import sys
@@ -51,9 +62,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from btbctl.engine.config import read_toml, validate
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.costmodel import DEFAULT_MEM_FRACTION, default_chunked_prefill_tokens, gpu_preset, model_preset
+from btbctl.engine.costmodel import (
+    DEFAULT_MEM_FRACTION,
+    MODELS,
+    ReplicaCost,
+    default_chunked_prefill_tokens,
+    gpu_preset,
+    model_preset,
+)
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.launcher.hosts import HostSpec, is_address
+from btbctl.engine.launcher.hosts import HostSpec, is_address, is_loopback
 from btbctl.engine.launcher.kubernetes import KubernetesSection
 
 #: Default data-plane port of the gateway. SGLang workers default to 30000 (REFERENCE.md s5); the gateway sits
@@ -67,6 +85,29 @@ DEFAULT_EMULATED_READY_TIMEOUT_S = 60.0
 DEFAULT_SGLANG_READY_TIMEOUT_S = 1800.0
 #: Substitutions allowed in a worker's ``command`` override.
 COMMAND_FIELDS = ("host", "port", "model", "tp_size", "page_size", "name", "index", "transfer_port")
+
+#: Replication modes of a fleet (see the module docstring).
+REPLICATION_MODES = ("l3", "push", "none")
+#: Default byte budget of each host's agent, MiB (a product choice: a 64k-token prefix of an 8B model is 9 GiB at
+#: bf16, of a 70B model 20 GiB; 4 GiB holds the published 64-block prefix of an 8B model at page size 256 twice).
+DEFAULT_AGENT_ARENA_MIB = 4096
+#: SGLang flags ``up`` generates for every worker in ``l3`` mode; a worker's ``extra_args`` must not set them.
+HICACHE_FLAGS = (
+    "--enable-hierarchical-cache",
+    "--enable-hicache",
+    "--hicache-ratio",
+    "--hicache-size",
+    "--hicache-mem-layout",
+    "--hicache-write-policy",
+    "--hicache-storage-backend",
+    "--hicache-storage-prefetch-policy",
+    "--hicache-storage-backend-extra-config",
+    "--kv-cache-dtype",
+    "--page-size",
+    "--tp-size",
+    "--served-model-name",
+    "--enable-cache-report",
+)
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
@@ -187,6 +228,13 @@ class WorkerSpec(BaseModel):
     answers 2xx."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for these workers."""
+    kv_cache_dtype: str = "auto"
+    """SGLang ``--kv-cache-dtype`` (``auto``, ``bf16``, ``fp8_e4m3``, ...); passed in ``l3`` mode, where it must be
+    the same on every worker (it is part of the L3 pages' namespace)."""
+    model_preset: str | None = None
+    """sglang: the model preset (``btbctl presets``) of ``model``, to size ``--hicache-size`` in ``l3`` mode. None:
+    the preset whose name ``model`` ends with or starts with (``meta-llama/Llama-3.3-70B-Instruct`` ->
+    ``llama-3.3-70b``), if any."""
     ready_timeout_s: float | None = Field(None, gt=0)
     """Seconds to wait for each worker to become ready. None: 60 for emulated, 1,800 for sglang."""
 
@@ -258,6 +306,52 @@ class WorkerSpec(BaseModel):
         return default_chunked_prefill_tokens(gpu_preset(self.gpu))
 
 
+class ReplicationSection(BaseModel):
+    """``[replication]``: how BTB copies a hot prefix between workers, and (``l3``) the node agents and HiCache
+    flags ``up`` generates."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    mode: Literal["l3", "push", "none"] | None = None
+    """``l3`` (node agents + SGLang's HiCache L3 backend; warm-up proofs), ``push`` (the emulated workers'
+    ``/btb/push``) or ``none`` (routing only). None: ``l3`` when every worker is SGLang, else ``push``."""
+    arena_mib: int = Field(DEFAULT_AGENT_ARENA_MIB, ge=1)
+    """l3: byte budget of each host's agent (its shared-memory page store), MiB; allocated when the agent starts."""
+    peer_port: int = Field(0, ge=0, le=65535)
+    """l3: port the agents accept copies on (authenticated by the fleet secret); 0 = a free port per agent."""
+    control_port: int = Field(0, ge=0, le=65535)
+    """l3: port of each agent's control API (bearer token); 0 = a free port."""
+    local_peer_host: str = "127.0.0.1"
+    """l3: address the agent on this machine accepts copies on. Loopback by default; with workers on this machine
+    and on ``[[hosts]]`` it must be an address the other hosts reach this machine at."""
+    python: str | None = None
+    """l3: interpreter that runs ``-m btbctl agent`` (default: this machine's btbctl interpreter here, the host's
+    ``python`` on ``[[hosts]]``)."""
+    fanout: Literal["chain", "tree", "star"] = "chain"
+    """l3: how one copy reaches several agents (``chain``: each relays to the next)."""
+    prefetch_policy: Literal["wait_complete", "timeout", "best_effort"] = "wait_complete"
+    """l3: ``--hicache-storage-prefetch-policy`` (``wait_complete``: a warm-up waits for the whole prefix)."""
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    """l3: ``--hicache-write-policy`` (``write_through``: a computed prefix reaches L3 right after its prefill)."""
+    mem_layout: Literal["page_first", "page_first_direct", "layer_first"] = "page_first"
+    """l3: ``--hicache-mem-layout``."""
+    prefetch_threshold: int = Field(256, ge=0)
+    """l3: SGLang's ``prefetch_threshold`` (extra config): tokens beyond the device/host hit below which no L3
+    prefetch is tried."""
+    store_timeout_s: float = Field(2.0, gt=0, le=60)
+    """l3: ``timeout_s`` of the L3 backend: bound of each call from a worker to its agent, seconds."""
+    hicache_size_gb: int | None = Field(None, ge=1)
+    """l3: ``--hicache-size`` (host pool per TP rank, GB). None: twice the largest replicated prefix, at least the
+    device pool (sized from the model preset, the GPU and ``mem_fraction``)."""
+    max_prefix_tokens: int | None = Field(None, ge=1)
+    """l3: the largest prefix that will be replicated, tokens (sizes ``--hicache-size``); None: ``btb.prefix_blocks
+    x gateway.page_size``."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """l3: extra environment of the agents."""
+    ready_timeout_s: float = Field(30.0, gt=0)
+    """l3: seconds to wait for each agent to report ready."""
+
+
 class ClusterFile(BaseModel):
     """A whole fleet: the gateway, BTB's constants and the workers. Defaults: :func:`default_cluster`."""
 
@@ -271,9 +365,31 @@ class ClusterFile(BaseModel):
     """Worker entries; default one entry of 4 emulated Llama-3.3-70B workers on 4 x H100."""
     hosts: list[HostSpec] = Field(default_factory=list)
     """Machines reached over SSH, referred to by ``workers.N.host``; none: every worker runs on this machine."""
+    replication: ReplicationSection = Field(default_factory=ReplicationSection)
+    """How copies are made (``mode``) and, in ``l3`` mode, the node agents and HiCache flags."""
     kubernetes: KubernetesSection | None = None
     """Namespace, images, node selector, GPU resource name and storage for ``btbctl deploy render`` (manifests for
     Kubernetes); ``up`` does not read it."""
+
+    @property
+    def replication_mode(self) -> str:
+        """The fleet's replication mode: ``replication.mode``, else ``l3`` when every worker is SGLang and ``push``
+        otherwise (emulated workers; in a mixed fleet the SGLang ones only take requests, as before ``l3``)."""
+        if self.replication.mode is not None:
+            return self.replication.mode
+        return "l3" if all(w.kind == "sglang" for w in self.workers) else "push"
+
+    def agent_hosts(self) -> list[HostSpec | None]:
+        """Where ``l3`` mode runs an agent: each ``[[hosts]]`` entry with workers, and None (this machine) when
+        some worker runs here; in that order, each once. Empty in other modes."""
+        if self.replication_mode != "l3":
+            return []
+        out: list[HostSpec | None] = []
+        for spec in self.workers:
+            h = self.host_of(spec)
+            if h not in out:
+                out.append(h)
+        return sorted(out, key=lambda h: (h is not None, self.hosts.index(h) if h is not None else -1))
 
     def host_of(self, spec: WorkerSpec) -> HostSpec | None:
         """The ``[[hosts]]`` entry a worker entry runs on, or None for this machine."""
@@ -331,6 +447,7 @@ class ClusterFile(BaseModel):
                 )
         self._check_gateway_settings()
         self._check_hosts()
+        self._check_replication()
         names: dict[str, int] = {}
         ports: dict[tuple[str, int], str] = {}
         gw = self.gateway
@@ -370,6 +487,92 @@ class ClusterFile(BaseModel):
                 f"(valid: {', '.join(sorted(seen))}) nor an IP address of this "
                 f"machine",
             )
+
+    def _check_replication(self) -> None:
+        """``l3`` needs byte-compatible pages on every worker: the same kind, served model name, TP size, page size
+        and KV dtype (a mix is refused, naming the first key that differs); the generated flags must not be set by
+        hand; sizes must be derivable."""
+        rep = self.replication
+        if self.replication_mode != "l3":
+            return
+        first = self.workers[0]
+        for e, spec in enumerate(self.workers):
+            for key, value, ref in (
+                ("kind", spec.kind, first.kind),
+                ("served_model_name", spec.served_model_name or spec.model, first.served_model_name or first.model),
+                ("tp_size", spec.tp_size, first.tp_size),
+                ("page_size", spec.page_size, first.page_size),
+                ("kv_cache_dtype", spec.kv_cache_dtype, first.kv_cache_dtype),
+            ):
+                if value != ref:
+                    raise ConfigError(
+                        f"workers.{e}.{key}",
+                        f"is {value!r} but workers.0 has {ref!r}; replication mode l3 shares pages by key, so every "
+                        f"worker needs the same {key}",
+                    )
+            for arg in spec.extra_args:
+                if arg.split("=", 1)[0] in HICACHE_FLAGS:
+                    raise ConfigError(
+                        f"workers.{e}.extra_args",
+                        f"{arg.split('=', 1)[0]} is generated by `up` in replication mode l3 (set it through "
+                        "[replication] or the worker's own key)",
+                    )
+            if spec.command is not None:
+                raise ConfigError(
+                    f"workers.{e}.command",
+                    "a command override cannot get the generated HiCache flags; use replication mode push or none",
+                )
+        if any(h is not None for h in self.agent_hosts()) and None in self.agent_hosts():
+            if is_loopback(rep.local_peer_host):
+                raise ConfigError(
+                    "replication.local_peer_host",
+                    "workers run on this machine and on [[hosts]]: give the address the other hosts reach this "
+                    "machine at (the agent here accepts their copies there)",
+                )
+        if rep.hicache_size_gb is None:
+            for e, spec in enumerate(self.workers):
+                self.hicache_size_gb(spec, e)
+
+    def kv_preset(self, spec: WorkerSpec, entry: int):
+        """The model preset of a worker entry (for sizes): ``model_preset``, else the model itself (emulated), else
+        the preset ``model`` names. Raises :class:`ConfigError` naming ``workers.N.model_preset``."""
+        name = spec.model_preset
+        if name is None and spec.kind == "emulated":
+            name = spec.model
+        if name is None:
+            base = spec.model.strip().lower().rstrip("/").rsplit("/", 1)[-1]
+            for cand in sorted(MODELS, key=len, reverse=True):
+                if base == cand or base.startswith(cand):
+                    name = cand
+                    break
+        if name is None:
+            raise ConfigError(
+                f"workers.{entry}.model_preset",
+                f"cannot size --hicache-size for model {spec.model!r}: name its architecture preset (valid: "
+                f"{', '.join(sorted(MODELS))}) or set replication.hicache_size_gb",
+            )
+        try:
+            return model_preset(name)
+        except ConfigError as err:
+            raise ConfigError(f"workers.{entry}.model_preset", err.reason) from None
+
+    def hicache_size_gb(self, spec: WorkerSpec, entry: int) -> int:
+        """``--hicache-size`` of a worker entry, GB per TP rank: ``replication.hicache_size_gb``, else twice the
+        largest replicated prefix (``max_prefix_tokens``, default ``btb.prefix_blocks x gateway.page_size``) and at
+        least the device pool (SGLANG.md: a prefetch is refused once half the host pool is in flight; SGLang wants
+        the host pool no smaller than the device pool), rounded up to whole GB."""
+        rep = self.replication
+        if rep.hicache_size_gb is not None:
+            return rep.hicache_size_gb
+        m = self.kv_preset(spec, entry)
+        try:
+            cost = ReplicaCost(m, gpu_preset(spec.gpu), spec.tp_size, mem_fraction=spec.mem_fraction)
+        except ConfigError as err:
+            raise ConfigError(f"workers.{entry}.tp_size", err.reason) from None
+        per_rank = m.kv_bytes_per_token / spec.tp_size
+        prefix = rep.max_prefix_tokens or self.btb.prefix_blocks * self.gateway.page_size
+        need = max(2 * prefix * per_rank, cost.kv_budget_bytes / spec.tp_size)
+        return max(1, math.ceil(need / 1e9))
 
     def _check_gateway_settings(self) -> None:
         from btbctl.engine.gateway.config import GatewayConfig
@@ -438,6 +641,12 @@ GATEWAY_SET_BY_UP = (
     "token_file",
     "worker_token",
     "worker_token_file",
+    "replication",
+    "agents",
+    "worker_agents",
+    "agent_token",
+    "agent_token_file",
+    "l3_fanout",
 )
 
 
@@ -514,16 +723,96 @@ def _python(spec: WorkerSpec) -> str:
     return spec.python or sys.executable or "python3"
 
 
-def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None) -> list[str]:
+#: The L3 backend's extra-config keys ``up`` writes, in this order (SGLANG.md "Worker flags").
+L3_BACKEND = {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store", "interface_v1": 1}
+
+
+def l3_extra_config(agent_socket: str, timeout_s: float, prefetch_threshold: int) -> str:
+    """The ``--hicache-storage-backend-extra-config`` JSON of a worker whose node agent listens on
+    ``agent_socket``: btbctl's backend (:data:`L3_BACKEND`), its socket and call bound, and SGLang's
+    ``prefetch_threshold`` (compact JSON, keys in that order)."""
+    d = dict(L3_BACKEND)
+    d.update(agent_socket=agent_socket, timeout_s=float(timeout_s), prefetch_threshold=int(prefetch_threshold))
+    return json.dumps(d, separators=(",", ":"))
+
+
+def hicache_args(cluster: ClusterFile, spec: WorkerSpec, entry: int, agent_socket: str) -> list[str]:
+    """SGLang's HiCache flags of a worker in ``l3`` mode (SGLANG.md "Worker flags"), whose node agent listens on
+    ``agent_socket``::
+
+        --enable-hierarchical-cache --hicache-mem-layout L --hicache-write-policy W --hicache-size GB
+        --hicache-storage-prefetch-policy P --hicache-storage-backend dynamic
+        --hicache-storage-backend-extra-config JSON --kv-cache-dtype D --enable-cache-report
+
+    (``--page-size``, ``--tp-size``, ``--served-model-name`` and ``--enable-metrics`` are in the worker's line
+    already.) Raises :class:`ConfigError` when ``--hicache-size`` cannot be sized."""
+    rep = cluster.replication
+    return [
+        "--enable-hierarchical-cache",
+        "--hicache-mem-layout",
+        rep.mem_layout,
+        "--hicache-write-policy",
+        rep.write_policy,
+        "--hicache-size",
+        str(cluster.hicache_size_gb(spec, entry)),
+        "--hicache-storage-prefetch-policy",
+        rep.prefetch_policy,
+        "--hicache-storage-backend",
+        "dynamic",
+        "--hicache-storage-backend-extra-config",
+        l3_extra_config(agent_socket, rep.store_timeout_s, rep.prefetch_threshold),
+        "--kv-cache-dtype",
+        spec.kv_cache_dtype,
+        "--enable-cache-report",
+    ]
+
+
+def agent_argv(
+    python: str,
+    *,
+    secret_file: str,
+    token_file: str,
+    socket: str,
+    peer: str,
+    control: str,
+    arena_mib: int,
+    agent_id: str,
+) -> list[str]:
+    """A node agent's command line: ``python -m btbctl agent --secret-file F --control-token-file T --socket S
+    --peer HOST:PORT --control HOST:PORT --arena-mib N --agent-id NAME`` (the secrets are files, never arguments)."""
+    return [
+        python,
+        "-m",
+        "btbctl",
+        "agent",
+        "--secret-file",
+        secret_file,
+        "--control-token-file",
+        token_file,
+        "--socket",
+        socket,
+        "--peer",
+        peer,
+        "--control",
+        control,
+        "--arena-mib",
+        str(arena_mib),
+        "--agent-id",
+        agent_id,
+    ]
+
+
+def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None, l3: list[str] | None = None) -> list[str]:
     """SGLang's launch command for one worker of ``spec`` on ``port`` (REFERENCE.md s5), as an argv list:
 
     ``[python, "-m", "sglang.launch_server", "--model-path", M, "--tp-size", N, "--host", H, "--port", P,
     "--mem-fraction-static", F, "--page-size", S, "--chunked-prefill-size", C, "--enable-metrics",
-    ("--served-model-name", NAME,) *extra_args]``.
+    ("--served-model-name", NAME,) *l3, *extra_args]``.
 
     ``python`` is ``spec.python`` or the running interpreter; ``--enable-metrics`` only when
-    ``spec.enable_metrics``; ``--served-model-name`` only when set. Raises :class:`ConfigError` for an unknown
-    ``gpu`` preset when ``chunked_prefill_size`` is unset.
+    ``spec.enable_metrics``; ``--served-model-name`` when set, and always in ``l3`` mode (``l3``: the flags of
+    :func:`hicache_args`). Raises :class:`ConfigError` for an unknown ``gpu`` preset when ``chunked_prefill_size``
+    is unset.
     """
     argv = [
         _python(spec),
@@ -546,18 +835,25 @@ def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None) -> list[st
     ]
     if spec.enable_metrics:
         argv.append("--enable-metrics")
-    if spec.served_model_name:
-        argv += ["--served-model-name", spec.served_model_name]
+    if spec.served_model_name or l3:
+        argv += ["--served-model-name", spec.served_model_name or spec.model]
+    argv += list(l3 or ())
     argv += list(spec.extra_args)
     return argv
 
 
 def emulated_argv(
-    spec: WorkerSpec, port: int, transfer_port: int = 0, token_file: str | None = None, host: str | None = None
+    spec: WorkerSpec,
+    port: int,
+    transfer_port: int = 0,
+    token_file: str | None = None,
+    host: str | None = None,
+    l3: list[str] | None = None,
 ) -> list[str]:
     """The emulated worker's command line (``python -m btbctl worker ...``) as an argv list; the flags mirror
-    SGLang's (:func:`sglang_argv`) plus the emulation's own (``--gpu``, ``--time-scale``, ``--zero-delay``,
-    ``--kv-bytes-scale``, ``--transfer-port``, ``--btb-token-file``)."""
+    SGLang's (:func:`sglang_argv`, ``l3``: the HiCache flags of :func:`hicache_args`, which the emulated worker
+    honours) plus the emulation's own (``--gpu``, ``--time-scale``, ``--zero-delay``, ``--kv-bytes-scale``,
+    ``--transfer-port``, ``--btb-token-file``)."""
     argv = [
         _python(spec),
         "-m",
@@ -594,6 +890,7 @@ def emulated_argv(
         argv += ["--kv-bytes-scale", str(spec.kv_bytes_scale)]
     if token_file:
         argv += ["--btb-token-file", token_file]
+    argv += list(l3 or ())
     argv += list(spec.extra_args)
     return argv
 
@@ -615,13 +912,20 @@ def command_argv(inst: WorkerInstance, port: int, transfer_port: int = 0) -> lis
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in spec.command]
 
 
-def worker_argv(inst: WorkerInstance, port: int, transfer_port: int = 0, token_file: str | None = None) -> list[str]:
-    """The argv that starts ``inst``: its ``command`` override, else SGLang's or the emulated worker's line."""
+def worker_argv(
+    inst: WorkerInstance,
+    port: int,
+    transfer_port: int = 0,
+    token_file: str | None = None,
+    l3: list[str] | None = None,
+) -> list[str]:
+    """The argv that starts ``inst``: its ``command`` override, else SGLang's or the emulated worker's line (with
+    the HiCache flags ``l3`` in ``l3`` mode)."""
     if inst.spec.command is not None:
         return command_argv(inst, port, transfer_port)
     if inst.spec.kind == "sglang":
-        return sglang_argv(inst.spec, port)
-    return emulated_argv(inst.spec, port, transfer_port, token_file)
+        return sglang_argv(inst.spec, port, l3=l3)
+    return emulated_argv(inst.spec, port, transfer_port, token_file, l3=l3)
 
 
 def _num(x: float) -> str:
@@ -632,9 +936,14 @@ def _num(x: float) -> str:
 __all__ = [
     "ClusterFile",
     "GatewaySection",
+    "REPLICATION_MODES",
+    "ReplicationSection",
     "WorkerInstance",
     "WorkerSpec",
+    "agent_argv",
     "command_argv",
+    "hicache_args",
+    "l3_extra_config",
     "default_cluster",
     "emulated_argv",
     "load_cluster",

@@ -12,8 +12,12 @@ in front of them (``python -m btbctl gateway --config <run dir>/gateway.json``) 
 rewritten after every step, so a fleet that failed half way (or whose ``up`` was killed) can still be stopped with
 ``down``. If a step fails, everything started so far is stopped and the state removed before the error is raised.
 
-``down`` (:func:`down`) stops the gateway first, then the workers, each by process group (SIGTERM, then SIGKILL
-after a grace period), and only processes that are provably the ones ``up`` started
+In replication mode ``l3`` each host's node agent starts before that host's workers, whose HiCache flags name its
+socket (:mod:`~btbctl.engine.launcher.agents`), and the gateway gets every agent's control URL and which worker
+uses which agent.
+
+``down`` (:func:`down`) stops the gateway first, then the workers, then the agents, each by process group (SIGTERM,
+then SIGKILL after a grace period), and only processes that are provably the ones ``up`` started
 (:func:`~btbctl.engine.launcher.rundir.record_is_ours`).
 
 ``status`` (:func:`status`) reports the gateway's view of the fleet (``GET /control/fleet``), falling back to
@@ -32,7 +36,7 @@ from collections.abc import Callable
 
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, worker_argv
+from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, hicache_args, worker_argv
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (
     RunDir,
@@ -154,6 +158,7 @@ def up(
         owner_start_time=None if detach else process_start_time(os.getpid()),
         cluster_file=cluster_path,
         policy=policy,
+        replication=cluster.replication_mode,
     )
     rd.save(state)
     started: list[Started] = []
@@ -161,6 +166,25 @@ def up(
     try:
         instances = [i for i in cluster.instances() if cluster.host_of(i.spec) is None]
         remote = [i for i in cluster.instances() if cluster.host_of(i.spec) is not None]
+        agent_plans = {}
+        if cluster.replication_mode == "l3":
+            from btbctl.engine.launcher import agents as agents_mod
+
+            rd.new_agent_secrets()
+            agent_plans = {(p.host.name if p.host else None): p for p in agents_mod.plan_agents(cluster, rd)}
+            local_agent = agent_plans.get(None)
+            if local_agent is not None:
+                aproc = spawn(
+                    local_agent.name, local_agent.argv, rd.log_path(local_agent.name), env=cluster.replication.env
+                )
+                started.append(aproc)
+                state.processes.append(aproc.record("agent", "agent"))
+                rd.save(state)
+                log(f"started {local_agent.name} (pid {aproc.pid})")
+                agents_mod.wait_local_ready(aproc, cluster.replication.ready_timeout_s, should_stop=should_stop)
+                _update(state, aproc)
+                rd.save(state)
+                log(f"{local_agent.name} ready (control {aproc.url}, peer {aproc.extra['peer']})")
         pending: list[tuple[WorkerInstance, Started, str | None]] = []
         for inst in instances:
             spec = inst.spec
@@ -169,7 +193,8 @@ def up(
             expect_ready_line = spec.kind == "emulated" and spec.command is None
             if not wport and not expect_ready_line:
                 wport = free_port(spec.host)
-            argv = worker_argv(inst, wport, tport, token_file=str(rd.worker_token_path))
+            l3 = hicache_args(cluster, spec, inst.entry, agent_plans[None].socket) if agent_plans else None
+            argv = worker_argv(inst, wport, tport, token_file=str(rd.worker_token_path), l3=l3)
             proc = spawn(inst.name, argv, rd.log_path(inst.name), env=inst.env())
             started.append(proc)
             kind = "command" if spec.command is not None else spec.kind
@@ -183,7 +208,7 @@ def up(
             from btbctl.engine.launcher import ssh
 
             pool = ssh.SshPool()
-            remote_urls = _start_remote(cluster, remote, rd, state, pool, log, should_stop)
+            remote_urls = _start_remote(cluster, remote, rd, state, pool, log, should_stop, agent_plans)
         for inst, proc, health in pending:
             wait_ready(proc, inst.spec.effective_ready_timeout_s, health_url=health, should_stop=should_stop)
             if proc.url is None:  # pragma: no cover - wait_ready sets it
@@ -203,6 +228,7 @@ def up(
             token_file=str(rd.token_path),
             worker_token_file=str(rd.worker_token_path),
         )
+        gcfg.update(_replication_config(cluster, state, rd))
         from btbctl.engine.config import validate
         from btbctl.engine.gateway.config import GatewayConfig
 
@@ -256,6 +282,26 @@ def up(
     return state, started
 
 
+def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> dict:
+    """The gateway's replication settings: the mode, and in ``l3`` mode the agents (control URL, peer address),
+    which agent each worker uses (by position), the agents' token file and the fan-out."""
+    mode = cluster.replication_mode
+    out: dict = {"replication": mode}
+    if mode != "l3":
+        return out
+    recs = {r.host or None: r for r in state.agents()}
+    order = [h.name if h is not None else None for h in cluster.agent_hosts()]
+    out["agents"] = [
+        {"name": recs[k].name, "control_url": recs[k].url, "peer_addr": recs[k].extra.get("peer")} for k in order
+    ]
+    out["worker_agents"] = [
+        order.index(cluster.host_of(i.spec).name if cluster.host_of(i.spec) else None) for i in cluster.instances()
+    ]
+    out["agent_token_file"] = str(rd.agent_token_path)
+    out["l3_fanout"] = cluster.replication.fanout
+    return out
+
+
 def _start_remote(
     cluster: ClusterFile,
     remote: list[WorkerInstance],
@@ -264,9 +310,11 @@ def _start_remote(
     pool,
     log: Log,
     should_stop: Callable[[], bool] | None,
+    agent_plans: dict | None = None,
 ) -> dict[str, str]:
-    """Start the workers of ``remote`` on their hosts (all hosts in parallel); record each as soon as it was
-    launched; return ``{name: url}`` once every one is ready. Raises ``SshFailure``."""
+    """Start the workers of ``remote`` on their hosts (all hosts in parallel; in ``l3`` mode each host's agent
+    first); record each as soon as it was launched; return ``{name: url}`` of the workers once every one is ready.
+    Raises ``SshFailure``."""
     import secrets
     import threading
 
@@ -288,6 +336,23 @@ def _start_remote(
 
     for host, insts in plan.values():
         log(f"starting {len(insts)} worker(s) on host {host.name} ({host.address}:{host.port})")
+    launches = {}
+    if agent_plans:
+        secret = rd.agent_secret_path.read_text(encoding="utf-8").strip()
+        atoken = rd.agent_token_path.read_text(encoding="utf-8").strip()
+        from btbctl.engine.launcher.agents import REMOTE_SECRET, REMOTE_TOKEN
+
+        for name, ap in agent_plans.items():
+            if name is None:
+                continue
+            launches[name] = ssh.AgentLaunch(
+                name=ap.name,
+                argv=ap.argv,
+                files=[(REMOTE_SECRET, secret + "\n"), (REMOTE_TOKEN, atoken + "\n")],
+                l3_args=lambda inst, sock=ap.socket: hicache_args(cluster, inst.spec, inst.entry, sock),
+                env=dict(cluster.replication.env),
+                ready_timeout_s=cluster.replication.ready_timeout_s,
+            )
     workers = ssh.start_all(
         pool,
         list(plan.values()),
@@ -296,6 +361,7 @@ def _start_remote(
         token=token,
         on_started=on_started,
         should_stop=should_stop,
+        agents=launches,
     )
     urls = {}
     with lock:
@@ -304,7 +370,8 @@ def _start_remote(
             for i, p in enumerate(state.processes):
                 if p.host == rec.host and p.pgid == rec.pgid:
                     state.processes[i] = rec
-            urls[w.name] = w.url
+            if w.role == "worker":
+                urls[w.name] = w.url
             log(f"{w.name} ready at {w.url} (host {w.host.name})")
         rd.save(state)
     return urls
@@ -330,10 +397,14 @@ def _update(state: RunState, proc: Started) -> None:
 
 
 def stop_started(started: list[Started], grace_s: float, log: Log = _nolog) -> None:
-    """Stop processes this process started (the gateway, started last, first; then the workers together),
-    reaping them."""
-    batches = [started[-1:], started[:-1]] if started and started[-1].name == "gateway" else [started]
+    """Stop processes this process started (the gateway, started last, first; then the workers together; then the
+    node agents), reaping them."""
+    gw = [p for p in started if p.name == "gateway"]
+    agents = [p for p in started if p.name.startswith("agent-")]
+    batches = [gw, [p for p in started if p not in gw and p not in agents], agents]
     for batch in batches:
+        if not batch:
+            continue
         live = []
         for proc in batch:
             if proc.popen.poll() is None or group_members(proc.pid):
@@ -428,11 +499,12 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
         deadline = time.monotonic() + grace_s + 15.0
         while time.monotonic() < deadline and is_same_process(state.owner_pid, state.owner_start_time):
             time.sleep(0.1)
-    # the gateway first (no new requests reach the workers), then all workers together
+    # the gateway first (no new requests reach the workers), then all workers together, then the node agents
     left = []
     for batch in (
         [p for p in state.processes if p.role == "gateway"],
-        [p for p in state.processes if p.role != "gateway"],
+        [p for p in state.processes if p.role == "worker"],
+        [p for p in state.processes if p.role not in ("gateway", "worker")],
     ):
         local = [p for p in batch if not p.host]
         for rec, result in zip(local, stop_records(local, grace_s), strict=True):
@@ -463,14 +535,17 @@ def status(rd: RunDir) -> dict:
 
     Returns (keys stable)::
 
-        {"gateway_url", "control_url", "run_dir", "policy", "detached",
+        {"gateway_url", "control_url", "run_dir", "policy", "detached", "replication",
          "gateway": {"pid", "alive", "reachable"},
-         "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error"}]}
+         "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error",
+                      "replication"}],
+         "agents": [{"name", "host", "control_url", "peer", "alive", "pid"}]}
 
     ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether the
     worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is the
-    gateway's count of requests in flight to it; ``health_error`` why it is unhealthy. Raises :class:`BtbctlError` when
-    nothing is recorded.
+    gateway's count of requests in flight to it; ``health_error`` why it is unhealthy; ``replication`` how copies
+    reach it (``l3``, ``push`` or ``none``: the gateway's view, else the fleet's mode). ``agents`` are the node
+    agents of ``l3`` mode (empty otherwise). Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
     if state is None:
@@ -484,7 +559,7 @@ def status(rd: RunDir) -> dict:
             fleet = None
     by_url = {w.url.rstrip("/"): w for w in fleet.workers} if fleet is not None else {}
     remote_state: dict[str, dict] = {}
-    remote = [p for p in state.workers() if p.host]
+    remote = [p for p in state.processes if p.host and p.role in ("worker", "agent")]
     if remote:
         from btbctl.engine.launcher import ssh
 
@@ -495,10 +570,12 @@ def status(rd: RunDir) -> dict:
         rst = remote_state.get(rec.name)
         alive = rst["state"] == "alive" if rst is not None else record_is_ours(rec)
         g = by_url.get((rec.url or "").rstrip("/"))
+        mode = state.replication or "push"
         if g is not None:
             healthy = g.healthy and alive
             inflight = g.load
             err = g.error
+            mode = g.replication_mode or mode
         else:
             healthy = alive and rec.url is not None and health_ok(rec.url, timeout_s=2.0)
             inflight = None
@@ -520,6 +597,20 @@ def status(rd: RunDir) -> dict:
                 "kind": rec.kind,
                 "inflight": inflight,
                 "health_error": err,
+                "replication": mode,
+            }
+        )
+    agents = []
+    for rec in state.agents():
+        rst = remote_state.get(rec.name)
+        agents.append(
+            {
+                "name": rec.name,
+                "host": rec.host or "local",
+                "control_url": rec.url,
+                "peer": (rec.extra or {}).get("peer"),
+                "alive": rst["state"] == "alive" if rst is not None else record_is_ours(rec),
+                "pid": rec.pid,
             }
         )
     gw = state.gateway()
@@ -529,12 +620,14 @@ def status(rd: RunDir) -> dict:
         "run_dir": str(rd.path),
         "policy": fleet.policy if fleet is not None else state.policy,
         "detached": state.detached,
+        "replication": state.replication or "push",
         "gateway": {
             "pid": gw.pid if gw else None,
             "alive": bool(gw and record_is_ours(gw)),
             "reachable": fleet is not None,
         },
         "workers": workers,
+        "agents": agents,
     }
 
 

@@ -59,6 +59,16 @@ def is_address(value: str) -> bool:
         return False
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP literal or ``localhost``) reaches only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def check_hostname(value: str) -> str:
     """Return ``value`` if it is an IP literal or a DNS host name; raise ``ValueError`` otherwise (so that an
     address can never carry shell metacharacters or start with ``-``)."""
@@ -169,4 +179,5 @@ __all__ = [
     "HostSpec",
     "check_hostname",
     "is_address",
+    "is_loopback",
 ]

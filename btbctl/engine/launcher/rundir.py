@@ -6,6 +6,9 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
     <run dir>/state.json      the fleet: urls, and per process pid, process group, start time, argv, log file
     <run dir>/control.token   bearer token for the control API's writes (``secrets.token_urlsafe(32)``)
     <run dir>/worker.token    token the gateway presents to the workers' BTB routes
+    <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): peers authenticate with it
+    <run dir>/agent.token     bearer token of the agents' control APIs (l3)
+    <run dir>/agent.sock      the local node agent's socket (l3; elsewhere when this path is too long)
     <run dir>/logs/<name>.log stdout + stderr of each process
 
 The default run directory is ``platformdirs.user_state_dir("btbctl")/runs/default`` (for example
@@ -54,9 +57,9 @@ class ProcessRecord:
     """One process ``up`` started.
 
     Attributes:
-        name: ``worker-0`` ..., or ``gateway``.
-        role: ``worker`` or ``gateway``.
-        kind: ``emulated``, ``sglang``, ``command`` (a worker's command override) or ``gateway``.
+        name: ``worker-0`` ..., ``gateway``, or ``agent-local`` / ``agent-<host>`` (a node agent, l3 mode).
+        role: ``worker``, ``gateway`` or ``agent``.
+        kind: ``emulated``, ``sglang``, ``command`` (a worker's command override), ``gateway`` or ``agent``.
         pid: process id; the process leads its own session and process group, so ``pgid == pid``.
         pgid: process group id (what ``down`` signals).
         start_time: identity of the process as read by :func:`process_start_time` at launch.
@@ -95,6 +98,7 @@ class RunState:
         owner_start_time: its start time, to tell whether it is still alive.
         cluster_file: the cluster file used, or None for the embedded default.
         policy: routing policy the gateway started with.
+        replication: the fleet's replication mode (``l3``, ``push``, ``none``).
         gateway_url: data-plane base URL, once the gateway is ready.
         control_url: control-API base URL, once the gateway is ready.
         processes: every process started, workers first, the gateway last.
@@ -108,6 +112,7 @@ class RunState:
     owner_start_time: str | None = None
     cluster_file: str | None = None
     policy: str | None = None
+    replication: str | None = None
     gateway_url: str | None = None
     control_url: str | None = None
     processes: list[ProcessRecord] = field(default_factory=list)
@@ -140,6 +145,9 @@ class RunState:
 
     def workers(self) -> list[ProcessRecord]:
         return [p for p in self.processes if p.role == "worker"]
+
+    def agents(self) -> list[ProcessRecord]:
+        return [p for p in self.processes if p.role == "agent"]
 
     def gateway(self) -> ProcessRecord | None:
         for p in self.processes:
@@ -273,6 +281,14 @@ class RunDir:
         return self.path / "worker.token"
 
     @property
+    def agent_secret_path(self) -> Path:
+        return self.path / "agent.secret"
+
+    @property
+    def agent_token_path(self) -> Path:
+        return self.path / "agent.token"
+
+    @property
     def logs_dir(self) -> Path:
         return self.path / "logs"
 
@@ -291,6 +307,10 @@ class RunDir:
     def new_tokens(self) -> tuple[str, str]:
         """Write a fresh control token and worker token (0600 each, replacing old ones); return both."""
         return _write_secret(self.token_path), _write_secret(self.worker_token_path)
+
+    def new_agent_secrets(self) -> tuple[str, str]:
+        """Write a fresh fleet secret and agent control token for the node agents (0600 each); return both."""
+        return _write_secret(self.agent_secret_path), _write_secret(self.agent_token_path)
 
     def read_token(self) -> str:
         """The control API token. Raises :class:`BtbctlError` when the file is missing or unreadable."""
@@ -340,8 +360,16 @@ class RunDir:
         return state.owner_pid is not None and is_same_process(state.owner_pid, state.owner_start_time)
 
     def clear(self) -> None:
-        """Forget the run: remove ``state.json``, both tokens and ``gateway.json`` (logs stay for a post-mortem)."""
-        for p in (self.state_path, self.token_path, self.worker_token_path, self.path / "gateway.json"):
+        """Forget the run: remove ``state.json``, the tokens and secrets and ``gateway.json`` (logs stay for a
+        post-mortem)."""
+        for p in (
+            self.state_path,
+            self.token_path,
+            self.worker_token_path,
+            self.agent_secret_path,
+            self.agent_token_path,
+            self.path / "gateway.json",
+        ):
             try:
                 p.unlink()
             except FileNotFoundError:

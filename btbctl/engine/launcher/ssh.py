@@ -5,7 +5,9 @@ from the cluster file that reach the remote shell are its positional arguments, 
 :func:`shlex.join`, so an argument like ``"; rm -rf ~"`` stays one literal argument):
 
 * ``<workdir>/runs/<run id>/`` is created on the host; the gateway's worker token is written there (mode 0600,
-  sent on stdin, never on a command line);
+  sent on stdin, never on a command line), and in replication mode ``l3`` the fleet secret and the agent control
+  token too (same way), before the host's ``btbctl agent`` starts there (:mod:`~btbctl.engine.launcher.agents`;
+  it is ready when its ready line is in its log and its control API answers ``/health`` from this machine);
 * each worker is started as ``setsid sh -c '"$@"; echo $? > NAME.status' ... ARGV`` in the background with stdin
   from ``/dev/null`` and stdout+stderr appended to ``NAME.log``. ``setsid`` makes it lead a new session and process
   group whose id is the pid printed back; that pid and its start time (``/proc/PID/stat`` field 22, clock ticks
@@ -124,6 +126,12 @@ exit 0
 TOKEN_SCRIPT = r"""
 umask 077
 mkdir -p -- "$1" && cat > "$1/worker.token" && chmod 600 -- "$1/worker.token"
+"""
+
+# Positional arguments: DIR NAME (a fixed file name of btbctl's). Content on stdin.
+SECRET_SCRIPT = r"""
+umask 077
+mkdir -p -- "$1" && cat > "$1/$2" && chmod 600 -- "$1/$2"
 """
 
 
@@ -346,18 +354,22 @@ class RemoteWorker:
     state: str = "alive"
     url: str | None = None
     extra: dict = field(default_factory=dict)
+    role: str = "worker"
 
     def record(self) -> ProcessRecord:
-        """This worker as a ``state.json`` record (``host`` set; ``extra["ssh"]`` holds what ``down`` needs to
-        reach the host again)."""
-        assert self.inst is not None
-        kind = "command" if self.inst.spec.command is not None else self.inst.spec.kind
+        """This worker (or node agent, ``role`` ``agent``) as a ``state.json`` record (``host`` set;
+        ``extra["ssh"]`` holds what ``down`` needs to reach the host again)."""
+        if self.role == "agent":
+            kind = "agent"
+        else:
+            assert self.inst is not None
+            kind = "command" if self.inst.spec.command is not None else self.inst.spec.kind
         extra = dict(self.extra)
         extra["ssh"] = host_record(self.host)
         extra["remote_dir"] = self.remote_dir
         return ProcessRecord(
             name=self.name,
-            role="worker",
+            role=self.role,
             kind=kind,
             pid=self.pid,
             pgid=self.pid,
@@ -369,6 +381,27 @@ class RemoteWorker:
             started_at=self.started_at,
             host=self.host.name,
         )
+
+
+@dataclass
+class AgentLaunch:
+    """A host's node agent to start before its workers (replication mode ``l3``).
+
+    Attributes:
+        name: ``agent-<host>``.
+        argv: its command line (secrets are files in the run folder there, named in ``files``).
+        files: ``(file name, content)`` written into the run folder (mode 0600) over stdin before it starts.
+        l3_args: the HiCache flags of each of the host's workers.
+        env: extra environment of the agent.
+        ready_timeout_s: how long to wait for it.
+    """
+
+    name: str
+    argv: list[str]
+    files: list[tuple[str, str]]
+    l3_args: Callable[[WorkerInstance], list[str]]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 30.0
 
 
 def host_record(host: HostSpec) -> dict:
@@ -388,9 +421,16 @@ def host_from_record(rec: ProcessRecord) -> HostSpec:
     return validate(HostSpec, data, None, f"state.{rec.name}.ssh")
 
 
-def remote_argv(inst: WorkerInstance, host: HostSpec, port: int, transfer_port: int, token_file: str) -> list[str]:
+def remote_argv(
+    inst: WorkerInstance,
+    host: HostSpec,
+    port: int,
+    transfer_port: int,
+    token_file: str,
+    l3: list[str] | None = None,
+) -> list[str]:
     """The argv of ``inst`` on ``host``: the worker binds to the host's ``bind_address``, ``python -m ...`` uses
-    the worker's ``python`` or the host's, and the host's ``command_prefix`` comes first."""
+    the worker's ``python`` or the host's, and the host's ``command_prefix`` comes first (``l3``: HiCache flags)."""
     spec = inst.spec.model_copy(update={"host": host.bind_address, "python": inst.spec.python or host.python})
     local = WorkerInstance(
         name=inst.name,
@@ -401,7 +441,7 @@ def remote_argv(inst: WorkerInstance, host: HostSpec, port: int, transfer_port: 
         transfer_port=inst.transfer_port,
         gpu_ids=inst.gpu_ids,
     )
-    return list(host.command_prefix) + worker_argv(local, port, transfer_port, token_file=token_file)
+    return list(host.command_prefix) + worker_argv(local, port, transfer_port, token_file=token_file, l3=l3)
 
 
 def expects_ready_line(inst: WorkerInstance) -> bool:
@@ -555,6 +595,39 @@ async def wait_ready(
             await asyncio.sleep(POLL_INTERVAL_S)
 
 
+async def wait_agent(conn, host: HostSpec, remote_dir: str, w: RemoteWorker, timeout_s: float) -> None:
+    """Poll until the agent ``w`` printed its ready line and its control API answers ``/health`` from this
+    machine; fill ``w.url`` (its control URL) and ``w.extra`` (``peer``, ``control``, ``socket``).
+
+    Raises:
+        SshFailure: it exited (``port busy``, ``command not found``, ``exited at once``) or ``health timeout``.
+    """
+    from btbctl.engine.launcher.agents import control_url, health_ok, parse_ready
+
+    t0 = time.monotonic()
+    while True:
+        await poll(conn, host, remote_dir, [w])
+        if w.state != "alive":
+            raise _classify_exit(w)
+        info = parse_ready(_head(w.log))
+        if info is not None:
+            url = control_url(info["control"], host.bind_address)
+            if await asyncio.to_thread(health_ok, url):
+                w.url = url
+                w.extra = dict(info, control_url=url)
+                return
+        if time.monotonic() - t0 > timeout_s:
+            last = log_tail(w.log, 1)
+            seen = "no ready line" if info is None else f"GET {control_url(info['control'])}/health from here fails"
+            raise SshFailure(
+                host,
+                "health timeout",
+                f"{seen} within {timeout_s:g} s" + (f" (last log line: {last})" if last else ""),
+                worker=w.name,
+            )
+        await asyncio.sleep(POLL_INTERVAL_S)
+
+
 async def _launch_recorded(
     conn,
     w: RemoteWorker,
@@ -592,16 +665,20 @@ async def start_host(
     token: str,
     on_started: Callable[[RemoteWorker], None],
     should_stop: Callable[[], bool] | None = None,
+    agent: AgentLaunch | None = None,
 ) -> list[RemoteWorker]:
-    """Connect to ``host``, start its workers and wait until they are ready (the whole start bounded by
-    ``host.start_timeout_s``; waiting for readiness by each worker's ``ready_timeout_s``).
+    """Connect to ``host``, start its node agent (``agent``, replication mode ``l3``) and wait until it is ready,
+    then start its workers and wait until they are ready (the whole start bounded by ``host.start_timeout_s``;
+    waiting for readiness by each worker's ``ready_timeout_s``).
 
-    ``on_started`` is called for each worker right after it was launched (before it is ready), so the caller can
-    record it and stop it if anything later fails. Raises :class:`SshFailure` (see :func:`connect`,
-    :func:`launch`, :func:`wait_ready`).
+    ``on_started`` is called for each worker (and the agent) right after it was launched (before it is ready), so
+    the caller can record it and stop it if anything later fails; the agent, once ready, is the first element of
+    the list returned. Raises :class:`SshFailure` (see :func:`connect`, :func:`launch`, :func:`wait_ready`,
+    :func:`wait_agent`).
     """
     remote_dir = f"{host.workdir.rstrip('/')}/runs/{run_id}"
     workers: list[RemoteWorker] = []
+    agents: list[RemoteWorker] = []
 
     async def _start() -> None:
         conn = await pool.conn(host)
@@ -611,12 +688,35 @@ async def start_host(
         if rc != 0:
             text = out.decode("utf-8", "replace").strip().splitlines()
             raise SshFailure(host, "cannot prepare", text[-1] if text else f"cannot create {remote_dir}")
+        if agent is not None:
+            for fname, content in agent.files:
+                rc, out = await run_script(
+                    conn, SECRET_SCRIPT, [remote_dir, fname], stdin=content.encode(), timeout_s=host.start_timeout_s
+                )
+                if rc != 0:
+                    text = out.decode("utf-8", "replace").strip().splitlines()
+                    raise SshFailure(host, "cannot prepare", text[-1] if text else f"cannot write {fname}")
+            aw = RemoteWorker(
+                name=agent.name,
+                inst=None,
+                host=host,
+                argv=list(agent.argv),
+                remote_dir=remote_dir,
+                log=logs_dir / f"{agent.name}.log",
+                role="agent",
+            )
+            env = dict(host.env)
+            env.update(agent.env)
+            env["PYTHONUNBUFFERED"] = "1"
+            await _launch_recorded(conn, aw, env, host.start_timeout_s, agents, on_started)
+            await wait_agent(conn, host, remote_dir, aw, agent.ready_timeout_s)
         for inst in instances:
             py = inst.spec.python or host.python
             port = inst.port
             if not port and not expects_ready_line(inst):
                 port = await _pick_port(conn, host, py, host.start_timeout_s)
-            argv = remote_argv(inst, host, port, inst.transfer_port, "worker.token")
+            l3 = agent.l3_args(inst) if agent is not None else None
+            argv = remote_argv(inst, host, port, inst.transfer_port, "worker.token", l3=l3)
             w = RemoteWorker(
                 name=inst.name,
                 inst=inst,
@@ -640,7 +740,7 @@ async def start_host(
         ) from None
     conn = await pool.conn(host)
     await wait_ready(conn, host, remote_dir, workers, should_stop=should_stop)
-    return workers
+    return agents + workers
 
 
 def start_all(
@@ -652,8 +752,10 @@ def start_all(
     token: str,
     on_started: Callable[[RemoteWorker], None],
     should_stop: Callable[[], bool] | None = None,
+    agents: dict[str, AgentLaunch] | None = None,
 ) -> list[RemoteWorker]:
-    """:func:`start_host` for every host in parallel. Returns every worker, ready, in plan order.
+    """:func:`start_host` for every host in parallel (``agents``: the node agent of each host by name, l3 mode).
+    Returns every worker (and agent), ready, in plan order.
 
     On the first failure the other hosts' starts are cancelled and that failure is raised (workers already
     launched were reported through ``on_started``; stopping them is the caller's job, see :func:`stop_records`).
@@ -677,6 +779,7 @@ def start_all(
                     token=token,
                     on_started=_started,
                     should_stop=should_stop,
+                    agent=(agents or {}).get(h.name),
                 )
             )
             for h, insts in plan
@@ -801,9 +904,11 @@ def poll_records(pool: SshPool, recs: list[ProcessRecord], offsets: dict[str, in
 
 
 __all__ = [
+    "AgentLaunch",
     "LAUNCH_SCRIPT",
     "POLL_SCRIPT",
     "RemoteWorker",
+    "SECRET_SCRIPT",
     "STOP_SCRIPT",
     "SshFailure",
     "SshPool",
@@ -819,5 +924,6 @@ __all__ = [
     "start_all",
     "start_host",
     "stop_records",
+    "wait_agent",
     "wait_ready",
 ]

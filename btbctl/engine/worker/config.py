@@ -6,7 +6,10 @@ flags say what hardware is pretended and how fast time runs.
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +17,7 @@ from btbctl.engine.config import ClusterConfig, validate
 from btbctl.engine.costmodel import DEFAULT_MAX_RUNNING, DEFAULT_MEM_FRACTION, MODELS, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
+from btbctl.sglang_l3.config import load_extra_config, parse_extra_config, split_consumed
 
 #: Smallest block in the emulated store, bytes (so that a scaled-down block still carries a meaningful payload).
 MIN_BLOCK_BYTES = 64
@@ -64,6 +68,33 @@ class WorkerConfig(BaseModel):
     """TCP port receiving replicated blocks (0 = ephemeral; printed in the ready line and ``/btb/info``)."""
     btb_token: str | None = Field(None, repr=False)
     """Bearer token required by state-changing routes (``/btb/push``, ``/flush_cache``); None = none required."""
+    # -- SGLang's HiCache flags (emulated by :mod:`btbctl.engine.worker.hicache`) ----------------------------------
+    enable_hierarchical_cache: bool = False
+    """SGLang ``--enable-hierarchical-cache``: a host tier behind the device cache (and an L3 tier with a storage
+    backend)."""
+    hicache_ratio: float | None = Field(None, gt=0)
+    """SGLang ``--hicache-ratio``: host pool size / device pool size (None: SGLang's default 2.0)."""
+    hicache_size: int = Field(0, ge=0)
+    """SGLang ``--hicache-size``: host pool per TP rank, GB (0: use the ratio)."""
+    hicache_write_policy: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    """SGLang ``--hicache-write-policy``."""
+    hicache_mem_layout: Literal[
+        "layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head"
+    ] = "page_first"
+    """SGLang ``--hicache-mem-layout`` (part of the L3 namespace)."""
+    hicache_io_backend: Literal["direct", "kernel", "kernel_ascend"] = "kernel"
+    """SGLang ``--hicache-io-backend`` (accepted; no effect on the emulated timing)."""
+    hicache_storage_backend: str | None = None
+    """SGLang ``--hicache-storage-backend``; the emulation has one L3 tier: ``dynamic`` with btbctl's
+    ``BtbL3Store`` (the node's ``btbctl agent``)."""
+    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    """SGLang ``--hicache-storage-prefetch-policy``."""
+    hicache_storage_backend_extra_config: str | None = None
+    """SGLang ``--hicache-storage-backend-extra-config``: inline JSON or ``@FILE`` (JSON)."""
+    kv_cache_dtype: str = "auto"
+    """SGLang ``--kv-cache-dtype`` (part of the L3 namespace; the emulated timing keeps the preset's KV size)."""
+    enable_cache_report: bool = False
+    """SGLang ``--enable-cache-report`` (accepted: the emulated OpenAI routes always report cached tokens)."""
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -114,6 +145,78 @@ class WorkerConfig(BaseModel):
         return max(MIN_BLOCK_BYTES, int(self.page_size * kv // self.kv_bytes_scale))
 
 
+#: The only L3 backend the emulation has (btbctl's, through the node agent).
+BACKEND_MODULE = "btbctl.sglang_l3"
+BACKEND_CLASS = "BtbL3Store"
+
+
+def _num(v: object, key: str, lo: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo:
+        raise ConfigError("hicache_storage_backend_extra_config", f"{key} must be a number >= {lo:g}, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    """The L3 tier's settings, from the extra config."""
+
+    agent_socket: str
+    timeout_s: float
+    interface_v1: bool
+    prefetch_threshold: int
+    prefetch_timeout_base: float
+    prefetch_timeout_per_ki_token: float
+
+
+def check_settings(cfg: WorkerConfig) -> StorageSettings | None:
+    """Validate the HiCache flags; the L3 settings, or None without a storage backend.
+
+    Raises:
+        ConfigError: naming the flag: a storage backend without ``--enable-hierarchical-cache``, another backend
+            than btbctl's, a malformed extra config.
+    """
+    if cfg.hicache_storage_backend is None:
+        return None
+    if not cfg.enable_hierarchical_cache:
+        raise ConfigError("hicache_storage_backend", "needs --enable-hierarchical-cache (as in SGLang)")
+    if cfg.hicache_storage_backend != "dynamic":
+        raise ConfigError(
+            "hicache_storage_backend",
+            f"{cfg.hicache_storage_backend!r}: the emulated worker's L3 tier is btbctl's node agent; valid: dynamic "
+            f'with extra config {{"module_path": "{BACKEND_MODULE}", "class_name": "{BACKEND_CLASS}"}}',
+        )
+    try:
+        extra = load_extra_config(cfg.hicache_storage_backend_extra_config)
+    except ValueError as e:
+        raise ConfigError("hicache_storage_backend_extra_config", str(e)) from None
+    if extra.get("module_path") != BACKEND_MODULE or extra.get("class_name") != BACKEND_CLASS:
+        raise ConfigError(
+            "hicache_storage_backend_extra_config",
+            f"module_path/class_name must be {BACKEND_MODULE!r}/{BACKEND_CLASS!r} (the emulated L3 tier), got "
+            f"{extra.get('module_path')!r}/{extra.get('class_name')!r}",
+        )
+    consumed, rest = split_consumed(extra)
+    try:
+        sock, timeout_s, v1 = parse_extra_config(rest)
+    except ValueError as e:
+        raise ConfigError("hicache_storage_backend_extra_config", str(e)) from None
+    threshold = consumed["prefetch_threshold"]
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ConfigError(
+            "hicache_storage_backend_extra_config", f"prefetch_threshold must be an integer >= 0, got {threshold!r}"
+        )
+    return StorageSettings(
+        agent_socket=sock,
+        timeout_s=timeout_s,
+        interface_v1=v1,
+        prefetch_threshold=threshold,
+        prefetch_timeout_base=_num(consumed["prefetch_timeout_base"], "prefetch_timeout_base", 0),
+        prefetch_timeout_per_ki_token=_num(
+            consumed["prefetch_timeout_per_ki_token"], "prefetch_timeout_per_ki_token", 0
+        ),
+    )
+
+
 def load_token(path: str | None) -> str | None:
     """Read a bearer token from ``path`` (surrounding whitespace stripped). Raises ConfigError when the file cannot
     be read or is empty."""
@@ -140,6 +243,7 @@ def make_config(**kwargs) -> WorkerConfig:
             "--btb-token-file so that /btb/push and /flush_cache require a bearer token",
         )
     cfg.cluster().replica_cost()  # the model must fit its GPUs
+    check_settings(cfg)
     return cfg
 
 

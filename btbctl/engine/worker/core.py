@@ -26,7 +26,8 @@ class Worker:
     Attributes: ``model`` (:class:`~btbctl.engine.worker.model.ModelDriver`), ``store``
     (:class:`~btbctl.engine.worker.store.BlockStore`), ``copies`` (:class:`~btbctl.engine.worker.copies.CopyBook`),
     ``sender`` and ``sink`` (the two sides of copies), ``receiver`` (the transfer port), ``metrics``, ``ready``
-    (set by the server once both ports listen), ``http_port``, ``started_unix``.
+    (set by the server once both ports listen), ``http_port``, ``started_unix``, ``hicache``
+    (:class:`~btbctl.engine.worker.hicache.HiCache` with ``--enable-hierarchical-cache``, else None).
     """
 
     def __init__(self, cfg: WorkerConfig, transport: Transport | None = None) -> None:
@@ -42,8 +43,13 @@ class Worker:
         self.receiver = TcpReceiver(self.sink, cfg.host, cfg.transfer_port, expectations=self.sink.expected)
         self.ready = False
         self.http_port = cfg.port
-        self.metrics = WorkerMetrics(cfg.served_name)
+        self.metrics = WorkerMetrics(cfg.served_name, hicache=cfg.enable_hierarchical_cache)
         self.started_unix = time.time()
+        self.hicache = None
+        if cfg.enable_hierarchical_cache:
+            from btbctl.engine.worker.hicache import HiCache
+
+            self.hicache = HiCache(cfg, self.model, self.metrics)
 
     async def start(self) -> None:
         """Start the model driver and the transfer receiver (raises OSError when the port is taken)."""
@@ -57,6 +63,8 @@ class Worker:
         await self.receiver.close()
         await self.sender.stop()
         await self.model.stop()
+        if self.hicache is not None:
+            self.hicache.close()
 
     @property
     def transfer_addr(self) -> str:

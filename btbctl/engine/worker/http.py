@@ -24,13 +24,16 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from btbctl import __version__
+from btbctl.engine.hashing import BYTES_PER_TOKEN, pack_text, pack_tokens
 from btbctl.engine.replication.auth import AuthError
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
 from btbctl.engine.worker.copies import MAX_OUTBOUND_COPIES
 from btbctl.engine.worker.core import Worker
+from btbctl.engine.worker.hicache import STORAGE_BACKEND_NAME
 from btbctl.engine.worker.model import LiveRequest, TooLarge
 from btbctl.engine.worker.prompt import ids_chain, text_chain
+from btbctl.sglang_l3.keys import page_keys_packed
 
 log = logging.getLogger("btbctl.worker")
 
@@ -192,6 +195,47 @@ def _chain(body: dict) -> list[str]:
     return out
 
 
+def _render_chat(msgs: Any) -> str:
+    """The emulated chat template: ``"role: content\n"`` per message (text parts of a list content joined), the
+    rendering the gateway's :func:`btbctl.engine.gateway.prompt.render_chat` mirrors. Raises :class:`ApiError`."""
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
+    parts = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for p in content:
+                if not isinstance(p, dict):
+                    raise ApiError(400, f"messages[{i}].content parts must be objects")
+                if p.get("type") == "text":
+                    if not isinstance(p.get("text"), str):
+                        raise ApiError(400, f"messages[{i}].content text parts need a string 'text'")
+                    texts.append(p["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts")
+        parts.append(f"{m['role']}: {content}\n")
+    return "".join(parts)
+
+
+def _salt(body: dict | None, key: str) -> str | None:
+    """A request's ``extra_key`` / ``cache_salt`` (a string, or the first of a one-element list), None when absent
+    or empty (SGLang treats an empty one as none)."""
+    v = None if body is None else body.get(key)
+    if isinstance(v, list) and len(v) == 1:
+        v = v[0]
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise ApiError(400, f"{key} must be a string")
+    return v
+
+
 # -- the application ----------------------------------------------------------------------------------------------
 #: Where the application keeps its :class:`Worker`.
 WORKER_KEY = web.AppKey("worker", Worker)
@@ -217,6 +261,8 @@ def build_app(worker: Worker) -> web.Application:
     r.add_post("/generate", h.generate)
     r.add_post("/v1/completions", h.completions)
     r.add_post("/v1/chat/completions", h.chat)
+    for p in ("/tokenize", "/v1/tokenize"):
+        r.add_post(p, h.tokenize)
     r.add_post("/btb/match", h.btb_match)
     r.add_get("/btb/prefixes", h.btb_prefixes)
     r.add_get("/btb/info", h.btb_info)
@@ -284,6 +330,12 @@ class _Handlers:
                 "max_running_requests": c.max_running_requests,
                 "enable_metrics": c.enable_metrics,
                 "max_total_num_tokens": st.capacity_tokens,
+                "enable_hierarchical_cache": c.enable_hierarchical_cache,
+                "hicache_storage_backend": c.hicache_storage_backend,
+                "hicache_storage_prefetch_policy": c.hicache_storage_prefetch_policy,
+                "hicache_write_policy": c.hicache_write_policy,
+                "hicache_mem_layout": c.hicache_mem_layout,
+                "kv_cache_dtype": c.kv_cache_dtype,
                 "version": f"btbctl-emulated-{__version__}",
                 "internal_states": [{"num_running_reqs": st.running, "num_waiting_reqs": st.waiting}],
                 "btb": {
@@ -296,6 +348,7 @@ class _Handlers:
                     "block_bytes": self.w.block_bytes,
                     "transfer_addr": self.w.transfer_addr,
                     "token_required": c.btb_token is not None,
+                    "hicache": self.w.hicache.describe() if self.w.hicache is not None else None,
                 },
             }
         )
@@ -356,7 +409,7 @@ class _Handlers:
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_metrics:
             raise ApiError(404, "metrics are off; start the worker with --enable-metrics")
-        body = self.w.metrics.render(self.model)
+        body = self.w.metrics.render(self.model, self.w.hicache)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -367,29 +420,65 @@ class _Handlers:
             )
         dropped = self.model.flush()
         self.w.store.clear()
+        if self.w.hicache is not None:
+            self.w.hicache.flush()
         return web.Response(status=200, text=f"Cache flushed. {dropped} blocks dropped.\n")
 
     # -- generation -------------------------------------------------------------------------------------------
-    def _prompt(self, text: str | None = None, ids: list[int] | None = None) -> tuple[int, list[str]]:
-        """``(prompt tokens, chain)`` of a text or token-id prompt (as :mod:`btbctl.engine.hashing` defines)."""
+    def _prompt(
+        self, text: str | None = None, ids: list[int] | None = None, body: dict | None = None
+    ) -> tuple[int, list[str]]:
+        """``(prompt tokens, chain)`` of a text or token-id prompt (as :mod:`btbctl.engine.hashing` defines; with
+        HiCache the chain is SGLang's page keys of the token ids, seeded by the body's ``extra_key`` and
+        ``cache_salt`` strings)."""
+        if self.w.hicache is not None:
+            data = pack_tokens(ids) if ids is not None else pack_text(text or "")
+            n = len(data) // BYTES_PER_TOKEN
+            if n > MAX_PROMPT_TOKENS:
+                raise ApiError(400, f"prompt of {n} tokens exceeds {MAX_PROMPT_TOKENS}")
+            extra_key, salt = _salt(body, "extra_key"), _salt(body, "cache_salt")
+            full = n // self.cfg.page_size * self.cfg.page_size
+            return n, page_keys_packed(data[: full * BYTES_PER_TOKEN], self.cfg.page_size, extra_key, salt)
         n, chain = ids_chain(ids, self.cfg.page_size) if ids is not None else text_chain(text, self.cfg.page_size)
         if n > MAX_PROMPT_TOKENS:
             raise ApiError(400, f"prompt of {n} tokens exceeds {MAX_PROMPT_TOKENS}")
         return n, chain
 
-    def _submit(self, prompt: tuple[int, list[str]], max_new: int, rid: str) -> LiveRequest:
+    def _details(self, lr: LiveRequest) -> dict | None:
+        """SGLang's ``meta_info.cached_tokens_details`` of ``lr`` (null when nothing was cached)."""
+        hc = self.w.hicache
+        if hc is not None and lr.tiers is not None:
+            return lr.tiers.details(lr.cached_tokens, self.cfg.page_size, hc.storage)  # type: ignore[attr-defined]
+        if lr.cached_tokens <= 0:
+            return None
+        out: dict = {"device": lr.cached_tokens, "host": 0}
+        if hc is not None and hc.storage:
+            out.update(storage=0, storage_backend=STORAGE_BACKEND_NAME)
+        return out
+
+    async def _submit(self, prompt: tuple[int, list[str]], max_new: int, rid: str) -> LiveRequest:
         if not self._is_ready():
             raise ApiError(503, "worker is starting or stopping")
         n_tokens, chain = prompt
         try:
+            self.model.check_fits(n_tokens, len(chain), max_new)
+        except TooLarge as e:
+            raise ApiError(400, str(e)) from None
+        tiers = None
+        if self.w.hicache is not None:
+            tiers = await self.w.hicache.admit(chain, n_tokens)
+            if not self._is_ready():
+                raise ApiError(503, "worker is starting or stopping")
+        try:
             lr = self.model.submit(chain, n_tokens, max_new, rid)
         except TooLarge as e:
             raise ApiError(400, str(e)) from None
+        lr.tiers = tiers
         metrics = self.w.metrics
         if lr.done.done():
-            metrics.observe(lr)
+            metrics.observe(lr, self._details(lr))
         else:  # observed when the model finishes it, whether or not the client is still there
-            lr.done.add_done_callback(lambda _f: metrics.observe(lr))
+            lr.done.add_done_callback(lambda _f: metrics.observe(lr, self._details(lr)))
         return lr
 
     async def _progress(self, lr: LiveRequest):
@@ -426,7 +515,7 @@ class _Handlers:
             "prompt_tokens": lr.prompt_tokens,
             "completion_tokens": tokens_out,
             "cached_tokens": lr.cached_tokens,
-            "cached_tokens_details": {"device": lr.cached_tokens, "host": 0},
+            "cached_tokens_details": self._details(lr),
             "finish_reason": {"type": "length", "length": lr.max_new_tokens} if finished else None,
             "e2e_latency": end - lr.arrival_wall,
         }
@@ -449,16 +538,16 @@ class _Handlers:
         if has_text == has_ids:
             raise ApiError(400, "give exactly one of 'text' or 'input_ids'")
         prompt = (
-            self._prompt(ids=_token_ids(body["input_ids"], "input_ids"))
+            self._prompt(ids=_token_ids(body["input_ids"], "input_ids"), body=body)
             if has_ids
-            else self._prompt(text=_text(body["text"], "text"))
+            else self._prompt(text=_text(body["text"], "text"), body=body)
         )
         sp = body.get("sampling_params") or {}
         if not isinstance(sp, dict):
             raise ApiError(400, "sampling_params must be an object")
         max_new = _int(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 0, 1 << 20, "sampling_params.")
         stream = _bool(body, "stream")
-        lr = self._submit(prompt, max_new, _rid(body.get("rid")))
+        lr = await self._submit(prompt, max_new, _rid(body.get("rid")))
         if not stream:
             await lr.done
             return web.json_response({"text": TOKEN_TEXT * max_new, "meta_info": self._meta(lr, max_new, True)})
@@ -486,8 +575,9 @@ class _Handlers:
         if not isinstance(so, dict):
             raise ApiError(400, "stream_options must be an object")
         include_usage = _bool(so, "include_usage")
+        want_details = _bool(body, "return_cached_tokens_details")
         rid = _rid(body.get("rid"))
-        lr = self._submit(prompt, max_new, rid)
+        lr = await self._submit(prompt, max_new, rid)
         created = int(time.time())
         oid = ("chatcmpl-" if chat else "cmpl-") + lr.rid
         model = self.cfg.served_name
@@ -505,16 +595,18 @@ class _Handlers:
                 if chat
                 else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
             )
-            return web.json_response(
-                {
-                    "id": oid,
-                    "object": obj,
-                    "created": created,
-                    "model": model,
-                    "choices": [choice],
-                    "usage": self._usage(lr, max_new),
-                }
-            )
+            answer = {
+                "id": oid,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                "usage": self._usage(lr, max_new),
+            }
+            details = self._details(lr) if want_details else None
+            if details is not None:  # SGLang: response-level ``sglext`` (serving_completions.py:548-570)
+                answer["sglext"] = {"cached_tokens_details": details}
+            return web.json_response(answer)
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         resp = await self._sse_start(request)
 
@@ -534,6 +626,19 @@ class _Handlers:
                 await self._sse(resp, chunk(k - sent, "length" if fin else None, first))
                 first = False
                 sent = k
+            details = self._details(lr) if want_details else None
+            if details is not None:  # SGLang: a chunk without choices carrying ``sglext`` before the usage chunk
+                await self._sse(
+                    resp,
+                    {
+                        "id": oid,
+                        "object": chunk_obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "sglext": {"cached_tokens_details": details},
+                    },
+                )
             if include_usage:
                 await self._sse(
                     resp,
@@ -557,41 +662,45 @@ class _Handlers:
         if prompt is None:
             raise ApiError(400, "missing field 'prompt'")
         if isinstance(prompt, list) and prompt and (isinstance(prompt[0], int) or isinstance(prompt[0], list)):
-            parsed = self._prompt(ids=_token_ids(prompt, "prompt"))
+            parsed = self._prompt(ids=_token_ids(prompt, "prompt"), body=body)
         else:
-            parsed = self._prompt(text=_text(prompt, "prompt"))
+            parsed = self._prompt(text=_text(prompt, "prompt"), body=body)
         max_new = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 0, 1 << 20)
         return await self._openai(request, body, parsed, max_new, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-        parts = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, f"messages[{i}] must be an object with a string 'role'")
-            content = m.get("content")
-            if content is None:
-                content = ""
-            elif isinstance(content, list):
-                texts = []
-                for p in content:
-                    if not isinstance(p, dict):
-                        raise ApiError(400, f"messages[{i}].content parts must be objects")
-                    if p.get("type") == "text":
-                        if not isinstance(p.get("text"), str):
-                            raise ApiError(400, f"messages[{i}].content text parts need a string 'text'")
-                        texts.append(p["text"])
-                content = "".join(texts)
-            elif not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string or a list of parts")
-            parts.append(f"{m['role']}: {content}\n")
-        prompt = self._prompt(text=_text("".join(parts), "messages"))
+        prompt = self._prompt(text=_text(_render_chat(msgs), "messages"), body=body)
         max_new = body.get("max_completion_tokens", body.get("max_tokens"))
         max_new = _int({"max_tokens": max_new}, "max_tokens", DEFAULT_CHAT_MAX_TOKENS, 0, 1 << 20)
         return await self._openai(request, body, prompt, max_new, chat=True)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """SGLang's ``/v1/tokenize`` (``/tokenize``): ``{"prompt": str | [str]}`` or ``{"messages": [...]}`` ->
+        ``{"tokens", "count", "max_model_len"}`` with the emulated tokenizer (4 UTF-8 bytes per token, chats
+        rendered as the chat route renders them)."""
+        body = await _json_body(request)
+        prompt, msgs = body.get("prompt"), body.get("messages")
+        if (prompt is None) == (msgs is None):
+            raise ApiError(400, "Exactly one of 'prompt' or 'messages' must be provided.")
+
+        def ids(text: str) -> list[int]:
+            data = pack_text(text)
+            return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
+
+        if msgs is not None:
+            tokens: list = ids(_render_chat(msgs))
+            count: int | list[int] = len(tokens)
+        elif isinstance(prompt, str):
+            tokens = ids(prompt)
+            count = len(tokens)
+        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+            tokens = [ids(p) for p in prompt]
+            count = [len(t) for t in tokens]
+        else:
+            raise ApiError(400, f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
+        return web.json_response({"tokens": tokens, "count": count, "max_model_len": self.model.capacity_tokens})
 
     # -- BTB extension routes ---------------------------------------------------------------------------------
     async def btb_match(self, request: web.Request) -> web.Response:

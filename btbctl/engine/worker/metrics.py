@@ -1,5 +1,12 @@
 """The emulated worker's Prometheus metrics (``GET /metrics`` with ``--enable-metrics``): SGLang's metric names, in
-a registry of the worker's own. Latencies are wall-clock seconds as a client sees them."""
+a registry of the worker's own. Latencies are wall-clock seconds as a client sees them.
+
+``sglang:cached_tokens_total`` carries SGLang's ``cache_source`` label (``device``, ``host``, ``storage``; ``total``
+for a request without a breakdown). With ``--enable-hierarchical-cache`` the HiCache metrics of SGLang 0.5.23 are
+there too (``srt/observability/metrics_collector.py``): ``sglang:hicache_host_used_tokens``,
+``sglang:hicache_host_total_tokens``, ``sglang:prefetched_tokens_total`` (tokens read from L3),
+``sglang:backuped_tokens_total`` (tokens written to L3) and ``sglang:storage_prefetch_hit_tokens_total`` (L3 hits
+found by prefetch queries)."""
 
 from __future__ import annotations
 
@@ -65,7 +72,7 @@ class WorkerMetrics:
         model_name: the ``model_name`` label (the served model name).
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, hicache: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.model_name = model_name
@@ -98,7 +105,10 @@ class WorkerMetrics:
             "sglang:generation_tokens", "Number of generation tokens processed.", ["model_name"], registry=r
         )
         self.cached_tokens = Counter(
-            "sglang:cached_tokens", "Number of cached prompt tokens.", ["model_name"], registry=r
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens by source (device/host/storage).",
+            ["model_name", "cache_source"],
+            registry=r,
         )
         self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", ["model_name"], registry=r)
         labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
@@ -114,14 +124,47 @@ class WorkerMetrics:
             )
         }
         self.lv = (model_name, "unified", "0", "0")
+        self.hicache = hicache
+        if hicache:
+            hl = ["model_name", "tp_rank", "pp_rank"]
+            self.host_used = Gauge(
+                "sglang:hicache_host_used_tokens",
+                "Number of tokens currently used in the host KV cache.",
+                hl,
+                registry=r,
+            )
+            self.host_total = Gauge(
+                "sglang:hicache_host_total_tokens", "Total capacity of the host KV cache in tokens.", hl, registry=r
+            )
+            self.prefetched_tokens = Counter(
+                "sglang:prefetched_tokens",
+                "Prompt tokens successfully transferred from L3 storage into host memory.",
+                hl,
+                registry=r,
+            ).labels(model_name, "0", "0")
+            self.backuped_tokens = Counter(
+                "sglang:backuped_tokens", "Number of backuped tokens.", hl, registry=r
+            ).labels(model_name, "0", "0")
+            self.storage_hit_tokens = Counter(
+                "sglang:storage_prefetch_hit_tokens",
+                "Storage-hit tokens returned by an L3 query.",
+                hl,
+                registry=r,
+            ).labels(model_name, "0", "0")
 
-    def observe(self, lr: LiveRequest) -> None:
-        """Record one finished request (latencies in wall seconds)."""
+    def observe(self, lr: LiveRequest, details: dict | None = None) -> None:
+        """Record one finished request (latencies in wall seconds); ``details`` is its ``cached_tokens_details``."""
         name = self.model_name
         self.num_requests.labels(name).inc()
         self.prompt_tokens.labels(name).inc(lr.prompt_tokens)
         self.generation_tokens.labels(name).inc(lr.max_new_tokens)
-        self.cached_tokens.labels(name).inc(lr.cached_tokens)
+        if lr.cached_tokens > 0:
+            if details:
+                for src in ("device", "host", "storage"):
+                    if details.get(src, 0) > 0:
+                        self.cached_tokens.labels(name, src).inc(details[src])
+            else:
+                self.cached_tokens.labels(name, "total").inc(lr.cached_tokens)
         if not math.isnan(lr.first_wall):
             self.ttft.labels(name).observe(max(0.0, lr.first_wall - lr.arrival_wall))
         if not math.isnan(lr.finish_wall):
@@ -129,8 +172,8 @@ class WorkerMetrics:
             if lr.max_new_tokens > 1 and not math.isnan(lr.first_wall):
                 self.itl.labels(name).observe(max(0.0, (lr.finish_wall - lr.first_wall) / (lr.max_new_tokens - 1)))
 
-    def render(self, model: ModelDriver) -> bytes:
-        """The exposition text, with the gauges set from ``model``'s counters now."""
+    def render(self, model: ModelDriver, hicache=None) -> bytes:
+        """The exposition text, with the gauges set from ``model``'s counters (and ``hicache``'s) now."""
         st = model.state()
         cap = st.capacity_tokens
         vals = {
@@ -143,6 +186,9 @@ class WorkerMetrics:
         }
         for k, v in vals.items():
             self.gauges[k].labels(*self.lv).set(v)
+        if self.hicache and hicache is not None:
+            self.host_used.labels(self.model_name, "0", "0").set(hicache.host_used_tokens)
+            self.host_total.labels(self.model_name, "0", "0").set(hicache.host_capacity_tokens)
         return generate_latest(self.registry)
 
 

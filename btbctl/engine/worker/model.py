@@ -67,6 +67,8 @@ class LiveRequest:
     e2e_model_s: float = math.nan
     itl_wall_s: float = 0.0
     """Estimated wall seconds between output tokens (decode step time at the first token / time_scale)."""
+    tiers: object | None = None
+    """With HiCache: how its prefix was served (:class:`~btbctl.engine.worker.hicache.Admission`)."""
 
 
 class ModelDriver:
@@ -99,6 +101,8 @@ class ModelDriver:
         self._task: asyncio.Task | None = None
         #: called with the hash of every block the model evicts
         self.on_evict: list[Callable[[Hashable], None]] = []
+        #: called with ``(chain, start, stop)`` whenever a prefill commits ``chain[start:stop]`` (write-through)
+        self.on_computed: list[Callable[[tuple, int, int], None]] = []
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
@@ -188,7 +192,8 @@ class ModelDriver:
         pass
 
     def computed(self, replica: ReplicaModel, rq: ReplicaRequest, start: int, stop: int) -> None:
-        pass
+        for cb in self.on_computed:
+            cb(rq.chain, start, stop)
 
     def blocks_committed(self, replica: ReplicaModel) -> None:
         pass  # block waiters are checked after every advance

@@ -145,7 +145,11 @@ class FleetPanel(VerticalScroll):
 
         self.query_one("#fleet-body", Static).update(Group(*parts))
         down = sum(1 for r in snap.workers if not r.healthy)
-        self.border_subtitle = f"{len(snap.workers)} workers" + (f", {down} down" if down else "")
+        self.border_subtitle = (
+            f"{len(snap.workers)} workers"
+            + (f", {down} down" if down else "")
+            + (f", copies {snap.replication}" if snap.replication else "")
+        )
 
 
 def hbm_gb(used: float, total: float) -> str:
@@ -203,6 +207,8 @@ class TransferPanel(VerticalScroll):
                 state = x.state if cs.final or cs is CopyState.STALLED else pct.strip()
             if x.error:
                 state = f"{state}: {x.error}"
+            if x.proof_storage_tokens is not None:  # an l3 copy's proof: tokens its target loaded from L3
+                state += f" (proof {human_tokens(x.proof_storage_tokens)} from L3)"
             lines.append("\n" + row)
             lines.append(state, style=style)
         body = lines if snap.transfers else Text("no transfers yet", style="dim")

@@ -1,0 +1,193 @@
+"""The node agents of replication mode ``l3``: one ``btbctl agent`` per host that runs workers (SGLANG.md).
+
+``up`` writes a fresh fleet secret and agent control token into the run directory (0600; :meth:`RunDir.
+new_agent_secrets`), starts each host's agent before that host's workers (the workers' HiCache flags name its
+socket), waits for its ready line (``ready peer HOST:PORT control HOST:PORT socket PATH``) and for its control
+API's ``/health``, and records it (role ``agent``) so that ``down`` stops it after the workers. On ``[[hosts]]`` the
+secrets travel over the SSH session's stdin into the run folder there, never on a command line
+(:mod:`~btbctl.engine.launcher.ssh`).
+
+Addresses: the agent on this machine binds its control API to loopback and its peer port to
+``replication.local_peer_host`` (loopback unless other hosts copy to it); an agent on a host binds both to the
+host's ``bind_address``, since the gateway (here) drives its control API and other agents copy to it. Every route of
+a control API beyond loopback needs the token, ``/metrics`` included, and the peer port authenticates every
+connection with the fleet secret before anything else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from btbctl.engine.errors import BtbctlError
+from btbctl.engine.launcher.cluster import ClusterFile, agent_argv
+from btbctl.engine.launcher.hosts import HostSpec
+from btbctl.engine.launcher.local import Started, log_tail
+from btbctl.engine.launcher.rundir import RunDir
+
+#: An agent's ready line (``btbctl agent`` prints it once its three endpoints listen).
+AGENT_READY = re.compile(r"^ready peer (\S+) control (\S+) socket (\S+)\s*$", re.MULTILINE)
+#: Longest Unix socket path (``sun_path`` is 108 bytes on Linux, with its terminating NUL and some margin).
+MAX_SOCKET_PATH = 100
+#: File names of the secrets and the socket in a host's run folder (the agent and the workers run there).
+REMOTE_SECRET = "agent.secret"
+REMOTE_TOKEN = "agent.token"
+REMOTE_SOCKET = "agent.sock"
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@dataclass
+class AgentPlan:
+    """One agent to start.
+
+    Attributes:
+        name: ``agent-local`` or ``agent-<host name>``.
+        host: its ``[[hosts]]`` entry, None for this machine.
+        socket: its Unix socket as the workers of that host name it (relative to the host's run folder there).
+        argv: its command line.
+    """
+
+    name: str
+    host: HostSpec | None
+    socket: str
+    argv: list[str]
+
+
+def local_socket_path(rd: RunDir) -> str:
+    """The local agent's socket: ``<run dir>/agent.sock``, or, when that path is too long for a Unix socket, a
+    file in a private (0700) folder of this user under the temporary directory, named after the run directory."""
+    p = str(rd.path / "agent.sock")
+    if len(p) <= MAX_SOCKET_PATH:
+        return p
+    d = Path(tempfile.gettempdir()) / f"btbctl-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = d.lstat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or not d.is_dir() or d.is_symlink():
+        raise BtbctlError(f"{d} must be a folder of this user with mode 0700 (it holds the agent's socket)")
+    return str(d / (hashlib.sha256(str(rd.path).encode()).hexdigest()[:16] + ".sock"))
+
+
+def plan_agents(cluster: ClusterFile, rd: RunDir) -> list[AgentPlan]:
+    """The agents of ``cluster`` (:meth:`ClusterFile.agent_hosts`): this machine's first, then one per host."""
+    rep = cluster.replication
+    out = []
+    for host in cluster.agent_hosts():
+        if host is None:
+            sock = local_socket_path(rd)
+            argv = agent_argv(
+                rep.python or sys.executable,
+                secret_file=str(rd.agent_secret_path),
+                token_file=str(rd.agent_token_path),
+                socket=sock,
+                peer=_hostport(rep.local_peer_host, rep.peer_port),
+                control=_hostport("127.0.0.1", rep.control_port),
+                arena_mib=rep.arena_mib,
+                agent_id="agent-local",
+            )
+            out.append(AgentPlan("agent-local", None, sock, argv))
+        else:
+            name = f"agent-{host.name}"
+            argv = list(host.command_prefix) + agent_argv(
+                rep.python or host.python,
+                secret_file=REMOTE_SECRET,
+                token_file=REMOTE_TOKEN,
+                socket=REMOTE_SOCKET,
+                peer=_hostport(host.bind_address, rep.peer_port),
+                control=_hostport(host.bind_address, rep.control_port),
+                arena_mib=rep.arena_mib,
+                agent_id=name,
+            )
+            out.append(AgentPlan(name, host, REMOTE_SOCKET, argv))
+    return out
+
+
+def parse_ready(text: str) -> dict | None:
+    """``{"peer", "control", "socket"}`` of the first agent ready line in ``text``, or None."""
+    m = AGENT_READY.search(text)
+    if m is None:
+        return None
+    return {"peer": m.group(1), "control": m.group(2), "socket": m.group(3)}
+
+
+def control_url(control: str, reach: str | None = None) -> str:
+    """The control API's base URL from the ``HOST:PORT`` an agent listens on (``reach`` replaces a wildcard
+    host)."""
+    host, _, port = control.rpartition(":")
+    if host in ("0.0.0.0", "::", "[::]") and reach:
+        host = reach
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def health_ok(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether ``GET url/health`` answers 2xx."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: float = 0.05) -> dict:
+    """Wait for a local agent's ready line and its control API's ``/health``; returns ``{"peer", "control",
+    "socket", "control_url"}`` and fills ``proc.url``/``proc.extra``.
+
+    Raises:
+        BtbctlError: it exited first (status and last log lines), or ``timeout_s`` passed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            head = proc.log.read_bytes()[:65536].decode("utf-8", "replace")
+        except OSError:
+            head = ""
+        info = parse_ready(head)
+        if info is not None:
+            url = control_url(info["control"])
+            if health_ok(url):
+                info["control_url"] = url
+                proc.url = url
+                proc.extra = dict(info)
+                return info
+        rc = proc.popen.poll()
+        if rc is not None:
+            tail = log_tail(proc.log)
+            raise BtbctlError(
+                f"{proc.name} exited with status {rc} before it was ready (log {proc.log})"
+                + (f": {tail}" if tail else "")
+            )
+        if time.monotonic() >= deadline:
+            tail = log_tail(proc.log)
+            raise BtbctlError(
+                f"{proc.name} was not ready after {timeout_s:g} s (log {proc.log})" + (f": {tail}" if tail else "")
+            )
+        if should_stop is not None and should_stop():
+            raise KeyboardInterrupt
+        time.sleep(poll_s)
+
+
+__all__ = [
+    "AGENT_READY",
+    "AgentPlan",
+    "REMOTE_SECRET",
+    "REMOTE_SOCKET",
+    "REMOTE_TOKEN",
+    "control_url",
+    "health_ok",
+    "local_socket_path",
+    "parse_ready",
+    "plan_agents",
+    "wait_local_ready",
+]
