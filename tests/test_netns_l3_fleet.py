@@ -61,9 +61,7 @@ def test_l3_burst_moves_pages_agent_to_agent_and_spreads_once_proved(make_testbe
     tb = make_testbed(2, rate_gbit=RATE_GBIT)
     fleet = None
     try:
-        # a 32 MiB arena per agent: the burst's own write-throughs (1.3 MB per request) would evict the hot prefix
-        # mid-copy if the copy did not pin it
-        fleet = start_fleet(tb, tmp_path, "l3", replication={"arena_mib": 32})
+        fleet = start_fleet(tb, tmp_path, "l3")
         st = fleet.status
         assert st["replication"] == "l3" and {w["replication"] for w in st["workers"]} == {"l3"}
         assert sorted(a["host"] for a in st["agents"]) == sorted(h.name for h in tb.hosts)
