@@ -84,6 +84,7 @@ def test_up_status_down_across_two_namespace_hosts(make_testbed, tmp_path):  # n
         tmp_path / "c.toml",
         [host_entry(s) for s in servers],
         [{"name": "a", "host": n0.name, **WORKER}, {"name": "b", "host": n1.name, **WORKER}],
+        policy="btb",  # the published rule copies a hot prefix on every burst; btb_plus only when a copy pays
     )
     run_dir = tmp_path / "run"
     try:

@@ -33,8 +33,12 @@ def _toml(v) -> str:
     raise TypeError(v)
 
 
-def write_cluster(path: Path, hosts: list[dict], workers: list[dict]) -> Path:
-    lines = ["[gateway]", "port = 0", "control_port = 0", "", "[btb]", "prefix_blocks = 4", ""]
+def write_cluster(path: Path, hosts: list[dict], workers: list[dict], policy: str | None = None) -> Path:
+    """A cluster file; ``policy``: the gateway's (None: the default)."""
+    lines = ["[gateway]", "port = 0", "control_port = 0"]
+    if policy is not None:
+        lines.append(f"policy = {_toml(policy)}")
+    lines += ["", "[btb]", "prefix_blocks = 4", ""]
     for h in hosts:
         lines.append("[[hosts]]")
         lines += [f"{k} = {_toml(v)}" for k, v in h.items()]
