@@ -59,7 +59,9 @@ def write_fleet(
 ) -> Path:
     """Two workers on each host of ``servers`` (entries ``n0``/``n1``...), replication ``mode``; ``gateway``: more
     gateway settings (``[gateway.settings]``)."""
-    lines = ["[gateway]", "port = 0", "control_port = 0", "max_retries = 3", ""]
+    # btb, the published rule, copies as soon as the detector fires: these tests measure the copy path (btb_plus,
+    # the default, finds a 4-block prefix cheaper to recompute than to copy over these links and makes no copy)
+    lines = ["[gateway]", 'policy = "btb"', "port = 0", "control_port = 0", "max_retries = 3", ""]
     if gateway:
         lines.append("[gateway.settings]")
         lines += [f"{k} = {_toml(v)}" for k, v in gateway.items()]

@@ -45,6 +45,14 @@ def _load(path=EXAMPLE, **kube_overrides) -> cl.ClusterFile:
     return cl.validate_cluster(data, str(path))
 
 
+def _load_l3(**kube_overrides) -> cl.ClusterFile:
+    """The example without its emulated entry: every worker SGLang, so replication mode l3 (HiCache flags)."""
+    data = read_toml(EXAMPLE)
+    data["workers"] = [dict(w, extra_args=[]) for w in data["workers"] if w.get("kind") == "sglang"]
+    data["kubernetes"] = {**data.get("kubernetes", {}), **kube_overrides}
+    return cl.validate_cluster(data, str(EXAMPLE))
+
+
 def _objects(cluster: cl.ClusterFile) -> list[dict]:
     return kube.objects(kube.render(cluster))
 
@@ -81,15 +89,18 @@ def _flags(argv: list[str]) -> list[str]:
     return [("<value>" if i > 0 and argv[i - 1] in MASKED else a) for i, a in enumerate(argv)][1:]
 
 
-def test_worker_containers_run_the_command_line_btbctl_up_generates(monkeypatch):
-    cluster = _load()
+@pytest.mark.parametrize("l3", [False, True])
+def test_worker_containers_run_the_command_line_btbctl_up_generates(l3):
+    cluster = _load_l3() if l3 else _load()  # the example is a mixed fleet: replication mode push
     k8s = cluster.kubernetes
+    assert cluster.replication_mode == ("l3" if l3 else "push")
+    socket = f"{k8s.agent_socket_dir}/{kube.AGENT_SOCKET_NAME}"
     sts = {o["metadata"]["name"]: o for o in _by_kind(_objects(cluster), "StatefulSet")}
     for inst in cluster.instances():
-        name = f"btb-{inst.spec.name}"
-        command = sts[name]["spec"]["template"]["spec"]["containers"][0]["command"]
-        # what `btbctl up` runs for this worker (launcher.fleet.up), flag for flag
-        up = cl.worker_argv(inst, inst.port or 31000 + inst.index, inst.transfer_port, token_file="/run/tok")
+        command = sts[f"btb-{inst.spec.name}"]["spec"]["template"]["spec"]["containers"][0]["command"]
+        # what `btbctl up` runs for this worker (launcher.fleet.up), flag for flag, HiCache flags included in l3
+        flags = cl.hicache_args(cluster, inst.spec, inst.entry, socket) if l3 else None
+        up = cl.worker_argv(inst, 31000 + inst.index, inst.transfer_port, token_file="/run/tok", l3=flags)
         assert _flags(command) == _flags(up), inst.name
         # and the masked values are the pod's: all addresses, the pod port, the mounted Secret, the image's python
         assert command[0] == k8s.python
@@ -97,37 +108,14 @@ def test_worker_containers_run_the_command_line_btbctl_up_generates(monkeypatch)
         assert command[command.index("--port") + 1] == str(k8s.worker_port)
         if inst.spec.kind == "emulated":
             assert command[command.index("--btb-token-file") + 1] == f"{kube.SECRET_DIR}/worker-token"
-
-    # flags the launcher adds (as the SGLang L3 work adds HiCache flags to sglang_argv) reach the manifests as they
-    # are, and an agent socket named there must be the one the agents serve
-    real = cl.sglang_argv
-
-    def with_l3(spec, port, host=None, socket="/run/btbctl/agent.sock"):
-        extra = {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store"}
-        extra["agent_socket"] = socket
-        return real(spec, port, host) + [
-            "--enable-hierarchical-cache",
-            "--hicache-storage-backend",
-            "dynamic",
-            kube.HICACHE_EXTRA_FLAG,
-            json.dumps(extra),
-        ]
-
-    monkeypatch.setattr(cl, "sglang_argv", with_l3)
-    llama = _by_kind(_objects(cluster), "StatefulSet")[0]
-    command = llama["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[-5:-1] == [
-        "--enable-hierarchical-cache",
-        "--hicache-storage-backend",
-        "dynamic",
-        kube.HICACHE_EXTRA_FLAG,
-    ]
-    assert json.loads(command[-1])["module_path"] == "btbctl.sglang_l3"
-    _validate(llama)
-    monkeypatch.setattr(cl, "sglang_argv", lambda spec, port, host=None: with_l3(spec, port, host, "/tmp/x.sock"))
-    with pytest.raises(ConfigError) as err:
-        kube.render(cluster, "f.toml")
-    assert err.value.key == "kubernetes.agent_socket_dir" and "'/tmp/x.sock'" in err.value.reason
+        assert ("--enable-hierarchical-cache" in command) == l3
+        if l3:  # the extra config names the socket the agents serve
+            extra = json.loads(command[command.index(kube.HICACHE_EXTRA_FLAG) + 1])
+            assert extra["module_path"] == "btbctl.sglang_l3" and extra["agent_socket"] == socket
+    if l3:  # l3 needs the agents: turning them off is refused by key
+        with pytest.raises(ConfigError) as err:
+            kube.render(_load_l3(agents=False), "f.toml")
+        assert err.value.key == "kubernetes.agents"
 
 
 class _Captured(Exception):

@@ -24,6 +24,7 @@ def test_short_proofs_keep_the_burst_on_the_holder(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("""
 [gateway]
+policy = "btb"  # copies as soon as the detector fires (btb_plus, the default, would recompute 4 blocks)
 port = 0
 control_port = 0
 

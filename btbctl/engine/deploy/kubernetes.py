@@ -52,6 +52,7 @@ from btbctl.engine.launcher.cluster import (
     DEFAULT_GATEWAY_PORT,
     ClusterFile,
     WorkerInstance,
+    hicache_args,
     worker_argv,
 )
 from btbctl.engine.launcher.kubernetes import KubernetesSection
@@ -117,6 +118,9 @@ def render(cluster: ClusterFile, path: str | None = None) -> list[Manifest]:
 
 def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     check_no_secret_values(cluster)
+    l3 = cluster.replication_mode == "l3"
+    if k8s.agents is False and l3:
+        raise ConfigError("kubernetes.agents", "replication mode l3 needs a node agent on every node (its L3 tier)")
     agents = k8s.agents if k8s.agents is not None else any(w.kind == "sglang" for w in cluster.workers)
     workers = _workers(cluster, k8s, agents)
     files = []
@@ -129,10 +133,14 @@ def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     return files
 
 
-def worker_pod_argv(inst: WorkerInstance, k8s: KubernetesSection, port: int) -> list[str]:
+def worker_pod_argv(
+    inst: WorkerInstance, k8s: KubernetesSection, port: int, cluster: ClusterFile | None = None
+) -> list[str]:
     """The command line of ``inst``'s container: :func:`worker_argv` (what ``btbctl up`` runs) for the worker bound
     to all of the pod's addresses, on ``port``, with the image's interpreter unless the entry names its own, and
-    the Secret's worker token for emulated workers. Same construction as the SSH launcher's ``remote_argv``."""
+    the Secret's worker token for emulated workers; in replication mode ``l3`` (of ``cluster``) with the HiCache
+    flags ``up`` generates (:func:`~btbctl.engine.launcher.cluster.hicache_args`), naming the node agent's socket in
+    ``agent_socket_dir``. Same construction as the SSH launcher's ``remote_argv``."""
     spec = inst.spec.model_copy(update={"host": BIND_ALL, "python": inst.spec.python or k8s.python})
     local = WorkerInstance(
         name=inst.name,
@@ -143,7 +151,10 @@ def worker_pod_argv(inst: WorkerInstance, k8s: KubernetesSection, port: int) -> 
         transfer_port=inst.transfer_port,
         gpu_ids=None,
     )
-    return worker_argv(local, port, local.transfer_port, token_file=_WORKER_TOKEN)
+    l3 = None
+    if cluster is not None and cluster.replication_mode == "l3":
+        l3 = hicache_args(cluster, inst.spec, inst.entry, f"{k8s.agent_socket_dir}/{AGENT_SOCKET_NAME}")
+    return worker_argv(local, port, local.transfer_port, token_file=_WORKER_TOKEN, l3=l3)
 
 
 def agent_argv(k8s: KubernetesSection) -> list[str]:
@@ -256,6 +267,10 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
         urls, port=port, control_port=control_port, token_file=_CONTROL_TOKEN, worker_token_file=_WORKER_TOKEN
     )
     config.update({"host": BIND_ALL, "control_host": BIND_ALL})
+    # l3 copies need the gateway to know which node agent serves which worker, which only pod placement decides:
+    # not rendered yet, so on Kubernetes an l3 fleet's gateway routes (cache-aware, HiCache with L3 on every node)
+    # and makes no copies; push fleets (emulated workers) copy as under `up`
+    config["replication"] = "push" if cluster.replication_mode == "push" else "none"
     validate(GatewayConfig, config, None, "gateway")
     text = json.dumps(config, indent=2) + "\n"
     name = f"{k8s.name}-gateway"
@@ -375,7 +390,7 @@ def _workers(cluster: ClusterFile, k8s: KubernetesSection, agents: bool) -> _Wor
             )
         port = spec.port or k8s.worker_port
         ports.setdefault(port, f"http-{len(ports)}" if ports else "http")
-        argvs = {tuple(worker_pod_argv(inst, k8s, port)) for inst in by_entry[e]}
+        argvs = {tuple(worker_pod_argv(inst, k8s, port, cluster)) for inst in by_entry[e]}
         if len(argvs) != 1:  # pragma: no cover - guarded by the {name}/{index} check above
             raise ConfigError(f"workers.{e}", "the workers of this entry would need different command lines")
         argv = list(next(iter(argvs)))

@@ -161,6 +161,11 @@ class L3Replicator:
         ws = self.state.workers
         return 0 <= r < len(ws) and ws[r].healthy
 
+    def accepts_copies(self, r: int) -> bool:
+        """Whether worker ``r`` can send or receive an l3 copy now (the policies' ``accepts_copies``): healthy, with
+        a node agent. A stock SGLang server qualifies: its pages move between agents, not through BTB routes."""
+        return self._usable(r) and 0 <= self.worker_agents[r] < len(self.agents)
+
     def excluded(self, target: int, key: Hashable) -> bool:
         until = self._excluded.get((target, key))
         if until is None:

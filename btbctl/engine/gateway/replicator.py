@@ -144,6 +144,11 @@ class Replicator:
         ws = self.state.workers
         return 0 <= r < len(ws) and ws[r].healthy and ws[r].btb is True
 
+    def accepts_copies(self, r: int) -> bool:
+        """Whether worker ``r`` can send or receive a pushed copy now (the policies' ``accepts_copies``): replication
+        on, healthy, serving the BTB routes and naming its ``transfer_addr``."""
+        return self.enabled and self._usable(r) and bool((self.state.workers[r].info or {}).get("transfer_addr"))
+
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
         """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""
         if not self.enabled:

@@ -163,6 +163,7 @@ class Gateway:
             self.replicator.enabled = False
         elif config.replication == "l3":
             self._setup_l3(config)
+        self.state.copy_capable = self.replicator.accepts_copies
         self.prober = HealthProber(
             self.state.workers,
             lambda: self.session,

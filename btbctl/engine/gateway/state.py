@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -413,6 +413,9 @@ class FleetState:
         self.ttft = TtftSeries()
         self.chains = ChainIndex()
         self.page_size = 256
+        #: Set by the gateway to its copy executor's rule (push: the BTB routes; l3: a node agent); None: the push
+        #: rule below.
+        self.copy_capable: Callable[[int], bool] | None = None
         self._cost = None
         self._queues: dict[int, tuple] = {}
 
@@ -447,8 +450,11 @@ class FleetState:
         return bool(chain) and self.transfers.in_flight(replica, chain[-1])
 
     def accepts_copies(self, replica: int) -> bool:
-        """Whether ``replica`` can send or receive a copy: healthy, serving the BTB routes (a stock SGLang server
-        does not) and naming its ``transfer_addr`` in ``/btb/info``, the conditions the replicator checks."""
+        """Whether ``replica`` can send or receive a copy, by the rule of the gateway's copy executor
+        (:attr:`copy_capable`); without one, the push rule: healthy, serving the BTB routes (a stock SGLang server
+        does not) and naming its ``transfer_addr`` in ``/btb/info``."""
+        if self.copy_capable is not None:
+            return self.copy_capable(replica)
         w = self.workers[replica]
         return w.healthy and w.btb is True and bool((w.info or {}).get("transfer_addr"))
 

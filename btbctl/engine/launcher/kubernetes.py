@@ -111,7 +111,8 @@ class KubernetesSection(BaseModel):
     ``HF_TOKEN = "hf/token"``)."""
     agents: bool | None = None
     """Render the node agents (one ``btbctl agent`` per node, a DaemonSet) that hold SGLang's HiCache L3 pages
-    and copy them between nodes. None: when a worker entry is ``kind = "sglang"``."""
+    and copy them between nodes. None: when a worker entry is ``kind = "sglang"`` (False is refused in replication
+    mode ``l3``)."""
     agent_socket_dir: str = "/run/btbctl"
     """Host directory of the agent's Unix socket (``agent.sock``), mounted at the same path in the agents and in
     the SGLang workers of the node."""
