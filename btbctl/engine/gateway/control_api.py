@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 from typing import Protocol
 
 from aiohttp import web
@@ -26,7 +27,10 @@ from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
 from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.reports import PrefixLookupError, Reports
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies import POLICIES, live_policy_error
+
+log = logging.getLogger(__name__)
 
 #: Seconds between keep-alive comments on an idle event stream.
 KEEPALIVE_S = 15.0
@@ -98,6 +102,15 @@ class ControlApi:
     async def middleware(self, request: web.Request, handler):
         write = request.method not in ("GET", "HEAD", "OPTIONS")
         if (write or not self.open_reads) and not self.steering.check_token(request.headers.get("Authorization")):
+            log_event(
+                log,
+                "control_denied",
+                logging.WARNING,
+                peer=request.remote,
+                method=request.method,
+                path=request.path,
+                token="wrong" if request.headers.get("Authorization") else "no",
+            )
             return _err(
                 401,
                 "missing or wrong bearer token (Authorization: Bearer <token>)",
@@ -190,10 +203,16 @@ class ControlApi:
             steering.constants.with_updates(**updates)  # validate everything before applying anything
         except ConfigError as e:
             return _err(400, str(e), key=e.key, valid=BtbConstants.describe(e.key))
+        old = steering.constants.as_dict()
+        old_policy = self.reports.src.policy_name
         if updates:
-            steering.set_constants(updates)
+            new = steering.set_constants(updates).as_dict()
+            for k in new:
+                if new[k] != old[k] or k in updates:
+                    log_event(log, "control_write", peer=request.remote, token="yes", key=k, old=old[k], new=new[k])
         if policy is not None:
             steering.set_policy(policy)
+            log_event(log, "control_write", peer=request.remote, token="yes", key="policy", old=old_policy, new=policy)
         return _ok(self.reports.constants())
 
     async def replicate(self, request: web.Request) -> web.Response:
@@ -209,9 +228,11 @@ class ControlApi:
             _, chain = self.reports.resolve_prefix(obj["prefix"])
         except PrefixLookupError as e:
             return _err(e.status, str(e), **e.fields)
+        log_event(log, "control_replicate", peer=request.remote, token="yes", prefix=str(obj["prefix"]), n=n)
         try:
             outcome = await self.steering.replicate(chain, n)
         except ReplicateError as e:
+            log_event(log, "control_replicate_refused", peer=request.remote, status=e.status, reason=str(e))
             return _err(e.status, str(e))
         return _ok(self.reports.replicate(outcome), status=202)
 
