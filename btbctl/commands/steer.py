@@ -36,8 +36,16 @@ def tune(
     out = Output(fmt)
     updates = parse_tune_args(settings or [])
     with client_for_run(run_dir, token=bool(updates)) as api:
+        if updates:
+            _warn_replicas(out, api, updates)
         answer = api.set_constants(updates) if updates else api.constants()
     res = answer.model_dump(mode="json")
+    if updates:
+        from btbctl.engine.launcher.rundir import RunDir
+
+        rd = RunDir(run_dir)
+        state = rd.load()
+        rd.save_tuned(res.get("constants") or {}, res.get("policy"), state.cluster_file if state else None)
 
     def human(d: dict) -> None:
         c = d.get("constants", {})
@@ -51,6 +59,28 @@ def tune(
     if updates:
         out.info("the gateway now holds:")
     out.result(res, human)
+
+
+def _warn_replicas(out: Output, api, updates: dict) -> None:
+    """A warning line when ``warm_replicas`` asks for more workers than the fleet has (accepted: the policy then
+    replicates to every other worker, and the fleet may grow)."""
+    from btbctl.engine.constants import WARM_REPLICAS_ALIAS
+
+    want = updates.get("warm_replicas", updates.get(WARM_REPLICAS_ALIAS))
+    if want is None:
+        return
+    try:
+        n = len(api.fleet().workers)
+    except Exception:  # noqa: BLE001 - the warning is best effort; the write below reports real errors
+        return
+    try:
+        want_n = int(want)
+    except (TypeError, ValueError):
+        return
+    if want_n > n:
+        out.warn(
+            f"warm_replicas={want_n} is more than the {n} worker(s) of this fleet; a hot prefix can be on at most {n}"
+        )
 
 
 @app.command("replicate")
