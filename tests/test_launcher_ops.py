@@ -182,3 +182,39 @@ def test_busy_gateway_port_is_refused_before_any_worker_starts(run_dir):
     assert "started worker-" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1  # none started
     assert RunDir(run_dir).load() is None
     assert not (run_dir / "logs" / "worker-0.log").exists()
+
+
+@pytest.mark.slow
+def test_prefixes_flush_and_the_warnings(tmp_path, run_dir):
+    from launcher_helpers import http_json
+
+    st = cli_json("up", "-d", "--run-dir", str(run_dir), "--policy", "cache_aware", *FREE_PORTS)
+    urls = [w["url"] for w in st["workers"]]
+    chain = _trace(tmp_path / "t.jsonl")
+    # --seed shapes only the default trace: with --trace it is refused, not ignored
+    bad = cli("bench", "--run-dir", str(run_dir), "--trace", str(tmp_path / "t.jsonl"), "--seed", "7", check=False)
+    assert bad.returncode == 2 and "--seed" in bad.stderr and "--trace" in bad.stderr
+    cli("tune", "--run-dir", str(run_dir), "prefix_blocks=8")  # the trace's prefix, so the detector tracks it
+    cli_json("bench", "--run-dir", str(run_dir), "--trace", str(tmp_path / "t.jsonl"))
+    assert sum(http_json(u + "/btb/match", {"chain": chain})["cached_blocks"] for u in urls) == 8
+
+    # prefixes: ids in the form replicate --prefix takes, holders by name
+    res = cli_json("prefixes", "--run-dir", str(run_dir))
+    assert [p["id"] for p in res["prefixes"]] == [chain[-1]]
+    human = cli("prefixes", "--run-dir", str(run_dir)).stdout
+    from btbctl.engine.chains import short_id
+
+    assert short_id(chain[-1]) in human and "worker-" in human and "http://" not in human
+    cli_json("replicate", "--run-dir", str(run_dir), "--prefix", short_id(chain[-1]), "-n", "1")
+
+    # tune above the fleet size: accepted, with a warning line
+    proc = cli("tune", "--run-dir", str(run_dir), "replicas=99")
+    assert "warning" in proc.stderr and "4 worker" in proc.stderr
+
+    # flush: every worker's cache and the gateway's records are emptied
+    out = cli_json("flush", "--run-dir", str(run_dir))
+    assert out["flushed"] == 4 and set(out["workers"]) == {f"worker-{i}" for i in range(4)}
+    assert [http_json(u + "/btb/match", {"chain": chain})["cached_blocks"] for u in urls] == [0, 0, 0, 0]
+    assert cli_json("prefixes", "--run-dir", str(run_dir))["prefixes"] == []
+    assert _one(_events(run_dir), "control_flush")["flushed"] == "4"
+    cli("down", "--run-dir", str(run_dir))

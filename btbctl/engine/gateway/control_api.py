@@ -21,7 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
-from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail
+from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail, FlushAnswer
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
@@ -65,6 +65,9 @@ class Steering(Protocol):
 
     async def replicate(self, chain: tuple, n: int) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (raises :class:`ReplicateError`)."""
+
+    async def flush(self) -> dict[str, str]:
+        """Empty every worker's cache and the gateway's records of them; ``{worker name: "flushed" or why not}``."""
 
     def check_token(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the control API's bearer token."""
@@ -236,6 +239,15 @@ class ControlApi:
             return _err(e.status, str(e))
         return _ok(self.reports.replicate(outcome), status=202)
 
+    async def flush(self, request: web.Request) -> web.Response:
+        obj = await self._json_body(request)
+        if isinstance(obj, web.Response):
+            return obj
+        results = await self.steering.flush()
+        flushed = sum(v == "flushed" for v in results.values())
+        log_event(log, "control_flush", peer=request.remote, token="yes", flushed=flushed, workers=len(results))
+        return _ok(FlushAnswer(workers=results, flushed=flushed))
+
     # -- events -------------------------------------------------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
@@ -279,6 +291,7 @@ def build_control_app(reports: Reports, steering: Steering, bus: EventBus, *, op
     r.add_get("/control/constants", api.get_constants)
     r.add_put("/control/constants", api.put_constants)
     r.add_post("/control/replicate", api.replicate)
+    r.add_post("/control/flush", api.flush)
     r.add_get("/control/replications/{prefix}", api.replications)
     r.add_get("/control/events", api.events)
     return app

@@ -322,6 +322,30 @@ class Gateway:
         :meth:`~btbctl.engine.gateway.replicator.Replicator.replicate`)."""
         return await self.replicator.replicate(chain, n)
 
+    async def flush(self) -> dict[str, str]:
+        """Empty every worker's cache (``POST /flush_cache``, SGLang's route) and forget what the gateway recorded
+        about the flushed ones; start a fresh policy (its prefix tree) and detector, so the next bench starts cold.
+        Returns ``{worker name: "flushed" or why not}``."""
+        headers = {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
+        out: dict[str, str] = {}
+        for w in self.state.workers:
+            try:
+                async with self.session.post(
+                    f"{w.url}/flush_cache", headers=headers, timeout=aiohttp.ClientTimeout(total=30)
+                ) as resp:
+                    text = (await resp.text())[:200].strip()
+                    out[w.name] = "flushed" if resp.status == 200 else f"HTTP {resp.status}: {text}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                out[w.name] = f"{type(e).__name__}: {e}".splitlines()[0]
+            if out[w.name] == "flushed":
+                w.forget()
+            log_event(log, "worker_flush", worker=w.name, url=w.url, result=out[w.name])
+        self.detector.reset()
+        self._install_policy(make_policy(self.policy.name, self.state.n_replicas, self.rng, self.constants), None)
+        self.bus.mark("prefixes")
+        self.bus.mark("fleet")
+        return out
+
     # -- worker health (the prober's callbacks) -----------------------------------------------------------------
 
     def _mark_unhealthy(self, w: WorkerState, reason: str) -> None:
