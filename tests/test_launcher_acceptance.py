@@ -211,7 +211,10 @@ def test_a_worker_killed_mid_burst_loses_no_request(tmp_path, dirs):
             break
         time.sleep(0.1)
     assert row["healthy"] is False
-    status = cli_json("status", "--run-dir", str(run_dir))
+    proc = cli("status", "--run-dir", str(run_dir), "--format", "json", check=False)
+    assert proc.returncode == 1, proc.stderr  # degraded
+    status = json.loads(proc.stdout)
+    assert status["verdict"] == "degraded" and any("worker" in p for p in status["problems"])
     dead = next(w for w in status["workers"] if w["url"] == victim)
     assert dead["healthy"] is False and dead["alive"] is False
     assert sum(w["healthy"] for w in status["workers"]) == 3

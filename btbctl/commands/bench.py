@@ -132,7 +132,12 @@ def bench(
     spread_s: Annotated[
         float, typer.Option("--spread-s", help="Default trace: seconds over which the burst arrives.")
     ] = 1.0,
-    seed: Annotated[int, typer.Option("--seed", help="Default trace: random seed.")] = 42,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed", help="Default trace: random seed (default 42; refused with --trace, which fixes the requests)."
+        ),
+    ] = None,
     requests_out: Annotated[
         Path | None,
         typer.Option("--requests-out", metavar="PATH", dir_okay=False, help="Write one JSON line per request."),
@@ -156,11 +161,16 @@ def bench(
     if trace is not None:
         from btbctl.engine.trace.readers import read_trace
 
+        if seed is not None:
+            raise BtbctlError("--seed shapes the default trace only; with --trace the requests come from the file")
+
         tr = read_trace(trace, trace_format)
     else:
         if burst_size < 1 or prefix_blocks < 1 or spread_s < 0:
             raise BtbctlError("--burst-size and --prefix-blocks must be >= 1 and --spread-s >= 0")
-        tr = default_burst_trace(seed=seed, burst_size=burst_size, prefix_blocks=prefix_blocks, spread_s=spread_s)
+        tr = default_burst_trace(
+            seed=42 if seed is None else seed, burst_size=burst_size, prefix_blocks=prefix_blocks, spread_s=spread_s
+        )
     control = None
     if target is None:
         state = RunDir(run_dir).live_state()

@@ -28,14 +28,15 @@ def _render_status(out: Output, st: dict) -> None:
     c.print(f"control {st.get('control_url') or '-'}")
     t = Table(box=None, pad_edge=False)
     for col in ("name", "host", "url", "healthy", "process", "in flight", "copies", "note"):
-        t.add_column(col)
+        # URLs and names are never cut (a script or a reader copies them); the note folds instead
+        t.add_column(col, no_wrap=col != "note", overflow="fold", min_width=len(col))
     for w in st["workers"]:
         t.add_row(
             w["name"],
             w.get("host") or "local",
             w["url"] or "-",
             "yes" if w["healthy"] else "[red]no[/red]",
-            f"pid {w['pid']}" if w["alive"] else "[red]exited[/red]",
+            f"pid {w['pid']}" if w["alive"] else f"[red]{w.get('exit') or 'exited'}[/red]",
             "-" if w.get("inflight") is None else str(w["inflight"]),
             w.get("replication") or "-",
             w.get("health_error") or "",
@@ -45,6 +46,9 @@ def _render_status(out: Output, st: dict) -> None:
         alive = f"pid {a['pid']}" if a["alive"] else "[red]exited[/red]"
         c.print(f"{a['name']} on {a['host']}: control {a['control_url'] or '-'}, peer {a['peer'] or '-'}, {alive}")
     c.print(f"run directory {st['run_dir']}")
+    verdict = st.get("verdict")
+    if verdict and verdict != "up":
+        c.print(f"[red]{verdict}[/red]: {'; '.join(st.get('problems') or [])}")
 
 
 @app.command("up")
@@ -79,15 +83,37 @@ def up(
             "down`) instead of stopping everything.",
         ),
     ] = False,
+    gateway_only: Annotated[
+        bool,
+        typer.Option(
+            "--gateway-only",
+            help="Restart only the gateway in front of the workers recorded in the run directory (after it died; "
+            "the workers keep their caches). Same settings, ports and tokens; the last `tune` is reapplied.",
+        ),
+    ] = False,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
-    """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`)."""
+    """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`).
+
+    Fixed ports (the gateway's, and workers' with a fixed port) are checked before anything starts."""
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.cluster import default_cluster, load_cluster
     from btbctl.engine.launcher.rundir import RunDir
 
     out = Output(fmt)
+    if gateway_only:
+        given = [
+            n
+            for n, v in (("-c", config), ("--policy", policy), ("--port", port), ("--control-port", control_port))
+            if v is not None
+        ]
+        if given:
+            raise BtbctlError(f"--gateway-only reuses the recorded settings; drop {', '.join(given)}")
+        rd = RunDir(run_dir)
+        fleet.up_gateway_only(rd, log=out.info)
+        out.result(fleet.status(rd), lambda d: _render_status(out, d))
+        return
     for name, value in (("--port", port), ("--control-port", control_port)):
         if value is not None and not 0 <= value <= 65535:
             raise BtbctlError(f"{name} must be in 0..65535, got {value}")
@@ -145,6 +171,9 @@ def down(
     res = fleet.down(RunDir(run_dir), grace_s=grace_s, log=out.info)
 
     def human(d: dict) -> None:
+        if d.get("nothing"):
+            out.console.print(f"nothing to stop: no fleet is recorded in {d['run_dir']}")
+            return
         parts = [f"{k} {', '.join(d[k])}" for k in ("stopped", "killed", "gone", "unreachable") if d.get(k)]
         out.console.print("; ".join(parts) if parts else "nothing was running")
 
@@ -163,10 +192,16 @@ def status(
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
-    """Show the running fleet: gateway and control URLs, and each worker's health."""
+    """Show the running fleet: gateway and control URLs, and each worker's health.
+
+    Exit status (like `docker compose ps --status` scripts and `kubectl wait` expect): 0 every process is up and
+    the gateway answers; 1 degraded (the gateway or a worker or agent is down or unhealthy; the table says which);
+    2 no fleet is recorded, or the run directory cannot be read."""
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.rundir import RunDir
 
     out = Output(fmt)
     st = fleet.status(RunDir(run_dir))
     out.result(st, lambda d: _render_status(out, d))
+    if st.get("verdict") != "up":
+        raise typer.Exit(1)

@@ -126,8 +126,13 @@ def gateway(
     level = getattr(logging, log_level.upper(), None)
     if not isinstance(level, int):
         raise ConfigError("log-level", f"unknown level {log_level!r}; valid: debug, info, warning, error")
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = validate(GatewayConfig, data, config)
+    from btbctl.engine.logfmt import configure_logging
+
+    try:
+        configure_logging(level, cfg.log_file, sys.stderr)
+    except OSError as e:
+        raise ConfigError("log_file", f"cannot open {cfg.log_file}: {e.strerror or e}") from None
 
     def ready(gw) -> None:
         sys.stdout.write(f"ready {gw.data_url} control {gw.control_url}\n")

@@ -1,7 +1,9 @@
-"""``btbctl logs NAME``: a worker's (or the gateway's) output; for a worker on another host, fetched over SSH."""
+"""``btbctl logs [NAME]``: a fleet process's log (the gateway's is its operations log); for a worker on another
+host, fetched over SSH first. The logs stay in the run directory after ``down``."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Annotated
@@ -14,37 +16,83 @@ from btbctl.commands.fleet import RUN_DIR_HELP
 
 @app.command("logs")
 def logs(
-    name: Annotated[str, typer.Argument(help="Process name as `btbctl status` lists it (worker-0, gateway, ...).")],
+    name: Annotated[
+        str | None,
+        typer.Argument(
+            help="Log name: gateway (one line per event: control writes, detector fires, copies, errors, health), "
+            "worker-0, ..., gateway.out (the gateway's own output). None: list the names.",
+            show_default=False,
+        ),
+    ] = None,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Last N lines (0 = the whole log).")] = 50,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines until Ctrl-C.")] = False,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            "--since",
+            metavar="WHEN",
+            help="Only lines from WHEN on: a duration back from now (30s, 10m, 2h, 1d) or a timestamp "
+            "(2026-01-02T03:04:05, UTC unless a zone is given). Reads the whole log (rotated copies too).",
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help='One JSON object per line (logfmt fields; other lines as {"msg": ...}).')
+    ] = False,
 ) -> None:
-    """Print a process's log (stdout and stderr); remote workers' logs are fetched from their host first."""
+    """Print a process's log; without NAME, list the logs of the run directory (they outlive `btbctl down`)."""
     from btbctl.engine.launcher import logs as engine_logs
     from btbctl.engine.launcher.rundir import RunDir
 
-    rec = engine_logs.find_record(RunDir(run_dir), name)
+    rd = RunDir(run_dir)
+    if name is None:
+        names = engine_logs.log_names(rd)
+        if not names:
+            from btbctl.engine.errors import BtbctlError
+
+            raise BtbctlError(f"no logs in {rd.logs_dir}; start a fleet with `btbctl up`")
+        if as_json:
+            sys.stdout.write(json.dumps({"run_dir": str(rd.path), "logs": names}) + "\n")
+        else:
+            sys.stdout.write("\n".join(names) + "\n")
+        return
+    start = engine_logs.parse_since(since) if since is not None else None
+    path, rec = engine_logs.find_log(rd, name)
     why = engine_logs.refresh(rec)
     if why:
         sys.stderr.write(f"btbctl: warning: showing the copy fetched earlier; {why}\n")
-    sys.stdout.write(engine_logs.tail(rec, lines))
-    sys.stdout.flush()
+
+    def emit(text: str) -> None:
+        if start is not None:
+            text = engine_logs.since_filter(text, start)
+        if as_json:
+            text = "".join(json.dumps(engine_logs.as_json(ln)) + "\n" for ln in text.splitlines() if ln.strip())
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    if start is None:
+        emit(engine_logs.read_tail(path, lines))
+    else:  # the whole log, rotated copies first, filtered, then the last N lines
+        text = engine_logs.since_filter(engine_logs.read_tail(path, 0, whole=True), start)
+        emit("".join(text.splitlines(keepends=True)[-lines:]) if lines > 0 else text)
     if not follow:
         return
-    from pathlib import Path
-
-    path = Path(rec.log)
     pos = path.stat().st_size if path.exists() else 0
+    buf = ""
     while True:
         time.sleep(1.0)
         engine_logs.refresh(rec)
         try:
+            size = path.stat().st_size
+            if size < pos:  # rotated (or truncated by a new `up`): start again at its beginning
+                pos = 0
             with open(path, "rb") as f:
                 f.seek(pos)
                 data = f.read()
         except FileNotFoundError:
             continue
         pos += len(data)
-        if data:
-            sys.stdout.write(data.decode("utf-8", "replace"))
-            sys.stdout.flush()
+        buf += data.decode("utf-8", "replace")
+        done, _, buf = buf.rpartition("\n")
+        if done:
+            emit(done + "\n")

@@ -1,4 +1,5 @@
-"""``btbctl tune`` and ``btbctl replicate``: steer a running fleet through its control API."""
+"""``btbctl tune``, ``btbctl replicate``, ``btbctl prefixes`` and ``btbctl flush``: look at and steer a running fleet
+through its control API."""
 
 from __future__ import annotations
 
@@ -36,8 +37,16 @@ def tune(
     out = Output(fmt)
     updates = parse_tune_args(settings or [])
     with client_for_run(run_dir, token=bool(updates)) as api:
+        if updates:
+            _warn_replicas(out, api, updates)
         answer = api.set_constants(updates) if updates else api.constants()
     res = answer.model_dump(mode="json")
+    if updates:
+        from btbctl.engine.launcher.rundir import RunDir
+
+        rd = RunDir(run_dir)
+        state = rd.load()
+        rd.save_tuned(res.get("constants") or {}, res.get("policy"), state.cluster_file if state else None)
 
     def human(d: dict) -> None:
         c = d.get("constants", {})
@@ -51,6 +60,28 @@ def tune(
     if updates:
         out.info("the gateway now holds:")
     out.result(res, human)
+
+
+def _warn_replicas(out: Output, api, updates: dict) -> None:
+    """A warning line when ``warm_replicas`` asks for more workers than the fleet has (accepted: the policy then
+    replicates to every other worker, and the fleet may grow)."""
+    from btbctl.engine.constants import WARM_REPLICAS_ALIAS
+
+    want = updates.get("warm_replicas", updates.get(WARM_REPLICAS_ALIAS))
+    if want is None:
+        return
+    try:
+        n = len(api.fleet().workers)
+    except Exception:  # noqa: BLE001 - the warning is best effort; the write below reports real errors
+        return
+    try:
+        want_n = int(want)
+    except (TypeError, ValueError):
+        return
+    if want_n > n:
+        out.warn(
+            f"warm_replicas={want_n} is more than the {n} worker(s) of this fleet; a hot prefix can be on at most {n}"
+        )
 
 
 @app.command("replicate")
@@ -105,4 +136,74 @@ def replicate(
 
     out.result(res, human)
     if res["status"] != "done":
+        raise typer.Exit(1)
+
+
+@app.command("prefixes")
+def prefixes(
+    top: Annotated[int, typer.Option("--top", help="How many prefixes (most arrivals in the window first).")] = 10,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """List the hot prefixes the gateway tracks, with ids `btbctl replicate --prefix` takes."""
+    from btbctl.engine.chains import short_id
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.control import client_for_run
+
+    out = Output(fmt)
+    if not 1 <= top <= 1000:
+        raise BtbctlError(f"--top must be in 1..1000, got {top}")
+    with client_for_run(run_dir, token=False) as api:
+        res = api.prefixes(top).model_dump(mode="json")
+        names = {w.url: w.name for w in api.fleet().workers}
+
+    def human(d: dict) -> None:
+        from rich.table import Table
+
+        out.console.print(
+            f"prefix {d['prefix_blocks']} blocks ({d['prefix_tokens']} tokens); hot at {d['threshold']} arrivals "
+            f"within {d['window_s']:g} s"
+        )
+        if not d["prefixes"]:
+            out.console.print("no prefix tracked yet (prompts shorter than prefix_blocks are not tracked)")
+            return
+        t = Table(box=None, pad_edge=False)
+        for col in ("id", "hot", "in window", "total", "fires", "holders", "copying"):
+            t.add_column(col, no_wrap=True)
+        for p in d["prefixes"]:
+            t.add_row(
+                short_id(p["id"]),
+                "yes" if p["hot"] else "no",
+                str(p["arrivals_in_window"]),
+                str(p["total_arrivals"]),
+                str(p["fires"]),
+                ", ".join(names.get(u, u) for u in p["holders"]) or "-",
+                str(p["copies_in_flight"]),
+            )
+        out.console.print(t)
+
+    out.result(res, human)
+
+
+@app.command("flush")
+def flush(
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), e.g.
+    between the two runs of an A/B bench; exit status 1 when a worker did not flush (busy: try again)."""
+    from btbctl.engine.launcher.control import client_for_run
+
+    out = Output(fmt)
+    with client_for_run(run_dir) as api:
+        res = api.flush().model_dump(mode="json")
+
+    def human(d: dict) -> None:
+        out.console.print(f"flushed {d['flushed']} of {len(d['workers'])} worker(s)")
+        for name, result in d["workers"].items():
+            if result != "flushed":
+                out.console.print(f"  {name}: {result}")
+
+    out.result(res, human)
+    if res["flushed"] != len(res["workers"]):
         raise typer.Exit(1)

@@ -25,7 +25,7 @@ approximate); the detector never reads a clock, so the same code runs live and s
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from heapq import nlargest
 
@@ -121,6 +121,8 @@ class BurstDetector:
         self.retention_s = float(retention_s)
         self._keys: OrderedDict[Hashable, _KeyState] = OrderedDict()
         self._fires = 0
+        #: Called with the :class:`Detection` of each arrival that makes a prefix hot (the gateway logs it).
+        self.on_fire: Callable[[Detection], None] | None = None
         self._observed = 0
         self._dropped = 0
 
@@ -171,7 +173,10 @@ class BurstDetector:
             fired = True
         if st.prefix is None:
             st.prefix = tuple(chain[:y])
-        return Detection(key, st.prefix, count, fired, now_s)
+        det = Detection(key, st.prefix, count, fired, now_s)
+        if fired and self.on_fire is not None:
+            self.on_fire(det)
+        return det
 
     def _sweep(self, now_s: float, keep: _KeyState) -> None:
         """Drop keys unseen for the retention time (oldest first) and enforce ``max_tracked``."""

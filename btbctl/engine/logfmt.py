@@ -9,7 +9,18 @@ None are left out. The node agent (:mod:`btbctl.engine.agent.events`), the worke
 from __future__ import annotations
 
 import logging
+import logging.handlers
+import threading
+import time
 from collections.abc import Mapping
+from datetime import datetime, timezone
+
+#: Size at which a log file written through :func:`rotating_handler` is rotated, bytes.
+ROTATE_BYTES = 10 * 1024 * 1024
+#: Rotated files kept (``NAME.log.1`` ... ``NAME.log.N``).
+ROTATE_BACKUPS = 5
+#: Seconds during which an identical line is written once; the repeats are counted and reported after.
+REPEAT_WINDOW_S = 10.0
 
 
 def _fmt(v: object) -> str:
@@ -30,4 +41,123 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **f
         logger.log(level, "%s", format_event(event, fields))
 
 
-__all__ = ["format_event", "log_event"]
+def parse_line(line: str) -> dict[str, str] | None:
+    """The fields of one logfmt line (``k=v k="quoted v"``), or None when the line is not logfmt (a traceback, a
+    print). Inverse of :func:`format_event` for the lines it writes."""
+    out: dict[str, str] = {}
+    i, n = 0, len(line)
+    while i < n:
+        while i < n and line[i] == " ":
+            i += 1
+        if i >= n:
+            break
+        eq = line.find("=", i)
+        sp = line.find(" ", i)
+        if eq < 0 or (0 <= sp < eq) or eq == i:
+            return None
+        key = line[i:eq]
+        i = eq + 1
+        if i < n and line[i] == '"':
+            i += 1
+            buf = []
+            while i < n and line[i] != '"':
+                if line[i] == "\\" and i + 1 < n:
+                    i += 1
+                buf.append(line[i])
+                i += 1
+            if i >= n:
+                return None
+            i += 1
+            out[key] = "".join(buf)
+        else:
+            end = line.find(" ", i)
+            end = n if end < 0 else end
+            out[key] = line[i:end]
+            i = end
+    return out or None
+
+
+def iso_ts(t: float) -> str:
+    """``t`` (Unix seconds) as an ISO 8601 UTC timestamp with milliseconds (``2026-01-02T03:04:05.678Z``)."""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.") + f"{int(t * 1000) % 1000:03d}Z"
+
+
+class LogfmtFormatter(logging.Formatter):
+    """``ts=<iso> level=<level> logger=<name> event=...`` for event lines, ``... msg="<text>"`` for the rest; an
+    exception's traceback is folded into one ``exc=`` field, so every record is one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        head = f"ts={iso_ts(record.created)} level={record.levelname.lower()} logger={record.name}"
+        body = msg if msg.startswith("event=") else f"msg={_fmt(msg)}"
+        if record.exc_info:
+            body += " exc=" + _fmt(self.formatException(record.exc_info).replace("\n", " | "))
+        return f"{head} {body}"
+
+
+class RepeatFilter(logging.Filter):
+    """Let an identical line (same logger, level and text) through once per ``window_s``; the next one after the
+    window carries ``repeated=N`` (how many were held back), so a flood of one error costs a line per window."""
+
+    def __init__(self, window_s: float = REPEAT_WINDOW_S, clock=time.monotonic) -> None:
+        super().__init__()
+        self.window_s = window_s
+        self.clock = clock
+        self._seen: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.levelno, record.getMessage())
+        now = self.clock()
+        with self._lock:
+            ent = self._seen.get(key)
+            if ent is not None and now - ent[0] < self.window_s:
+                ent[1] += 1
+                return False
+            held = ent[1] if ent is not None else 0
+            self._seen[key] = [now, 0]
+            if len(self._seen) > 4096:  # forget the oldest lines
+                for k in list(self._seen)[:2048]:
+                    del self._seen[k]
+        if held:
+            record.msg = f"{record.getMessage()} repeated={held}"
+            record.args = ()
+        return True
+
+
+def rotating_handler(path: str, max_bytes: int = ROTATE_BYTES, backups: int = ROTATE_BACKUPS) -> logging.Handler:
+    """A handler appending logfmt lines (:class:`LogfmtFormatter`) to ``path``, rotated at ``max_bytes`` with
+    ``backups`` old files kept, identical repeats held back (:class:`RepeatFilter`)."""
+    h = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    h.setFormatter(LogfmtFormatter())
+    h.addFilter(RepeatFilter())
+    return h
+
+
+def configure_logging(level: int, log_file: str | None = None, stream=None) -> None:
+    """Set up a process's logging: with ``log_file``, every record at ``level`` or above goes there
+    (:func:`rotating_handler`) and ``stream`` (stderr) gets warnings and errors only; without it, everything goes to
+    ``stream``. Identical repeats are held back on both (:class:`RepeatFilter`)."""
+    import sys
+
+    root = logging.getLogger()
+    root.setLevel(level)
+    err = logging.StreamHandler(stream or sys.stderr)
+    err.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    err.addFilter(RepeatFilter())
+    if log_file:
+        err.setLevel(max(level, logging.WARNING))
+        root.addHandler(rotating_handler(log_file))
+    root.addHandler(err)
+
+
+__all__ = [
+    "LogfmtFormatter",
+    "configure_logging",
+    "RepeatFilter",
+    "format_event",
+    "iso_ts",
+    "log_event",
+    "parse_line",
+    "rotating_handler",
+]

@@ -35,6 +35,7 @@ from btbctl.engine.control.schema import (
     ErrorAnswer,
     ErrorDetail,
     FleetAnswer,
+    FlushAnswer,
     PrefixesAnswer,
     ReplicateAnswer,
     ReplicateRequest,
@@ -253,6 +254,10 @@ class AsyncControlClient:
             raise BtbctlError(f"replicate: {_validation_text(e)}") from None
         return await self._call("POST", "/control/replicate", ReplicateAnswer, body=body.model_dump(mode="json"))
 
+    async def flush(self) -> FlushAnswer:
+        """``POST /control/flush``: empty every worker's cache and the gateway's records of them."""
+        return await self._call("POST", "/control/flush", FlushAnswer, body={})
+
     # -- the event stream ---------------------------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[ControlEvent]:
@@ -373,6 +378,10 @@ class ControlClient:
     def replicate(self, prefix: str, n: int = 1) -> ReplicateAnswer:
         """``POST /control/replicate``."""
         return self._run(self.aio.replicate(prefix, n))
+
+    def flush(self) -> FlushAnswer:
+        """``POST /control/flush``."""
+        return self._run(self.aio.flush())
 
 
 __all__ = [

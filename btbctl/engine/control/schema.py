@@ -416,6 +416,16 @@ class ReplicateCopy(Answer):
     """Why it failed already, if it did."""
 
 
+class FlushAnswer(Answer):
+    """``POST /control/flush``: every worker's cache emptied (SGLang's ``/flush_cache``) and the gateway's record of
+    what they hold, its prefix tree and its burst detector reset, so the next bench starts cold."""
+
+    workers: dict[str, str]
+    """Per worker name: ``flushed``, or why not (a worker answers 400 while it has requests or copies in flight)."""
+    flushed: int
+    """Workers whose cache was emptied."""
+
+
 class ReplicateAnswer(Answer):
     """``POST /control/replicate`` (202): the copies started; follow them with
     ``GET /control/replications/{prefix}``."""
@@ -472,6 +482,7 @@ __all__ = [
     "Body",
     "ConstantsAnswer",
     "ConstantsUpdate",
+    "FlushAnswer",
     "EVENT_MODELS",
     "ErrorAnswer",
     "ErrorDetail",

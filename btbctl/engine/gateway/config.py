@@ -43,6 +43,14 @@ class GatewayConfig(BaseModel):
     workers: list[str] = Field(min_length=1)
     """Worker base URLs (``http://host:port``), SGLang servers or emulated workers; their order numbers the
     replicas the policies see."""
+    worker_names: list[str] | None = None
+    """A name for each worker (in ``workers`` order; ``btbctl up`` passes its process names, ``worker-0`` ...):
+    the control API, the TUI, the operations log and the copy answers use it (the URL stays a field of its own).
+    None: ``w0``, ``w1``, ..."""
+    log_file: str | None = None
+    """File the gateway writes its log to (logfmt lines, one per event, rotated at 10 MiB with 5 old files kept;
+    ``btbctl up`` passes ``<run dir>/logs/gateway.log``); stderr then carries only warnings and errors. None: all
+    on stderr."""
     host: str = "127.0.0.1"
     """Data-plane listen address (loopback by default)."""
     port: int = Field(8000, ge=0, le=65535)
@@ -137,6 +145,11 @@ class GatewayConfig(BaseModel):
 
     @model_validator(mode="after")
     def _l3(self) -> GatewayConfig:
+        if self.worker_names is not None:
+            if len(self.worker_names) != len(self.workers):
+                raise ValueError("worker_names must name every worker, in the order of workers")
+            if len(set(self.worker_names)) != len(self.worker_names) or not all(self.worker_names):
+                raise ValueError("worker_names must be distinct and non-empty")
         if self.replication == "l3":
             if not self.agents:
                 raise ValueError("replication l3 needs agents")

@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 from typing import Protocol
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
-from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail
+from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail, FlushAnswer
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
 from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.reports import PrefixLookupError, Reports
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies import POLICIES, live_policy_error
+
+log = logging.getLogger(__name__)
 
 #: Seconds between keep-alive comments on an idle event stream.
 KEEPALIVE_S = 15.0
@@ -61,6 +65,9 @@ class Steering(Protocol):
 
     async def replicate(self, chain: tuple, n: int) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (raises :class:`ReplicateError`)."""
+
+    async def flush(self) -> dict[str, str]:
+        """Empty every worker's cache and the gateway's records of them; ``{worker name: "flushed" or why not}``."""
 
     def check_token(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the control API's bearer token."""
@@ -98,6 +105,15 @@ class ControlApi:
     async def middleware(self, request: web.Request, handler):
         write = request.method not in ("GET", "HEAD", "OPTIONS")
         if (write or not self.open_reads) and not self.steering.check_token(request.headers.get("Authorization")):
+            log_event(
+                log,
+                "control_denied",
+                logging.WARNING,
+                peer=request.remote,
+                method=request.method,
+                path=request.path,
+                token="wrong" if request.headers.get("Authorization") else "no",
+            )
             return _err(
                 401,
                 "missing or wrong bearer token (Authorization: Bearer <token>)",
@@ -190,10 +206,16 @@ class ControlApi:
             steering.constants.with_updates(**updates)  # validate everything before applying anything
         except ConfigError as e:
             return _err(400, str(e), key=e.key, valid=BtbConstants.describe(e.key))
+        old = steering.constants.as_dict()
+        old_policy = self.reports.src.policy_name
         if updates:
-            steering.set_constants(updates)
+            new = steering.set_constants(updates).as_dict()
+            for k in new:
+                if new[k] != old[k] or k in updates:
+                    log_event(log, "control_write", peer=request.remote, token="yes", key=k, old=old[k], new=new[k])
         if policy is not None:
             steering.set_policy(policy)
+            log_event(log, "control_write", peer=request.remote, token="yes", key="policy", old=old_policy, new=policy)
         return _ok(self.reports.constants())
 
     async def replicate(self, request: web.Request) -> web.Response:
@@ -209,11 +231,22 @@ class ControlApi:
             _, chain = self.reports.resolve_prefix(obj["prefix"])
         except PrefixLookupError as e:
             return _err(e.status, str(e), **e.fields)
+        log_event(log, "control_replicate", peer=request.remote, token="yes", prefix=str(obj["prefix"]), n=n)
         try:
             outcome = await self.steering.replicate(chain, n)
         except ReplicateError as e:
+            log_event(log, "control_replicate_refused", peer=request.remote, status=e.status, reason=str(e))
             return _err(e.status, str(e))
         return _ok(self.reports.replicate(outcome), status=202)
+
+    async def flush(self, request: web.Request) -> web.Response:
+        obj = await self._json_body(request)
+        if isinstance(obj, web.Response):
+            return obj
+        results = await self.steering.flush()
+        flushed = sum(v == "flushed" for v in results.values())
+        log_event(log, "control_flush", peer=request.remote, token="yes", flushed=flushed, workers=len(results))
+        return _ok(FlushAnswer(workers=results, flushed=flushed))
 
     # -- events -------------------------------------------------------------------------------------------------
 
@@ -258,6 +291,7 @@ def build_control_app(reports: Reports, steering: Steering, bus: EventBus, *, op
     r.add_get("/control/constants", api.get_constants)
     r.add_put("/control/constants", api.put_constants)
     r.add_post("/control/replicate", api.replicate)
+    r.add_post("/control/flush", api.flush)
     r.add_get("/control/replications/{prefix}", api.replications)
     r.add_get("/control/events", api.events)
     return app

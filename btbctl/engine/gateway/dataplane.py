@@ -47,6 +47,7 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
 from btbctl.engine.gateway.state import FleetState
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
 from btbctl.engine.trace.model import Request
 
@@ -237,9 +238,10 @@ class DataPlane:
             idx = gw.choose(req, excluded)
             if idx is None:
                 break
+            w = state.workers[idx]
             if attempt:
                 metrics.retries.inc()
-            w = state.workers[idx]
+                log_event(log, "request_retry", request=rid, attempt=attempt, worker=w.name, after=attempts[-1][:200])
             w.inflight += 1
             w.start_prefill(rid, chain, req.input_tokens)
             gauge = metrics.inflight_gauge(w.url)

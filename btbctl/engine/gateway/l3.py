@@ -318,8 +318,10 @@ class L3Replicator:
             event,
             copy_id=t.copy_id,
             prefix=t.key,
-            source=self._name(t.source),
-            target=self._name(t.target),
+            source=self.state.workers[t.source].name,
+            target=self.state.workers[t.target].name,
+            source_url=self._name(t.source),
+            target_url=self._name(t.target),
             **fields,
         )
 

@@ -53,6 +53,7 @@ from btbctl.engine.gateway.replicator import ReplicateOutcome, Replicator
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
 from btbctl.engine.gateway.tokens import L3Prompts
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import CacheAware
@@ -128,9 +129,10 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.clock = Clock()
-        self.state = FleetState(config.workers, self.clock)
+        self.state = FleetState(config.workers, self.clock, config.worker_names)
         self.constants: BtbConstants = config.constants
         self.detector = BurstDetector(self.constants)
+        self.detector.on_fire = self._detector_fired
         #: seed of the policies' random source: the configured one, else fresh for this process
         self.seed: int = config.seed if config.seed is not None else secrets.randbits(63)
         self.rng = random.Random(self.seed)
@@ -320,6 +322,30 @@ class Gateway:
         :meth:`~btbctl.engine.gateway.replicator.Replicator.replicate`)."""
         return await self.replicator.replicate(chain, n)
 
+    async def flush(self) -> dict[str, str]:
+        """Empty every worker's cache (``POST /flush_cache``, SGLang's route) and forget what the gateway recorded
+        about the flushed ones; start a fresh policy (its prefix tree) and detector, so the next bench starts cold.
+        Returns ``{worker name: "flushed" or why not}``."""
+        headers = {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
+        out: dict[str, str] = {}
+        for w in self.state.workers:
+            try:
+                async with self.session.post(
+                    f"{w.url}/flush_cache", headers=headers, timeout=aiohttp.ClientTimeout(total=30)
+                ) as resp:
+                    text = (await resp.text())[:200].strip()
+                    out[w.name] = "flushed" if resp.status == 200 else f"HTTP {resp.status}: {text}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                out[w.name] = f"{type(e).__name__}: {e}".splitlines()[0]
+            if out[w.name] == "flushed":
+                w.forget()
+            log_event(log, "worker_flush", worker=w.name, url=w.url, result=out[w.name])
+        self.detector.reset()
+        self._install_policy(make_policy(self.policy.name, self.state.n_replicas, self.rng, self.constants), None)
+        self.bus.mark("prefixes")
+        self.bus.mark("fleet")
+        return out
+
     # -- worker health (the prober's callbacks) -----------------------------------------------------------------
 
     def _mark_unhealthy(self, w: WorkerState, reason: str) -> None:
@@ -328,7 +354,7 @@ class Gateway:
             w.healthy = False
             w.forget()
             self.metrics.healthy.labels(w.url).set(0)
-            log.warning("worker %s marked unhealthy: %s", w.url, reason)
+            log_event(log, "worker_down", logging.WARNING, worker=w.name, url=w.url, reason=reason.splitlines()[0])
         self.bus.mark("fleet")
 
     def _worker_info(self, w: WorkerState, info: dict | None) -> None:
@@ -358,10 +384,40 @@ class Gateway:
     def _worker_up(self, w: WorkerState) -> None:
         w.forget()  # a worker coming back may have restarted with an empty cache
         if not w.healthy:
-            log.info("worker %s healthy", w.url)
+            log_event(log, "worker_up", worker=w.name, url=w.url)
         w.healthy = True
         w.health_error = None
         self.metrics.healthy.labels(w.url).set(1)
+
+    def _detector_fired(self, det) -> None:
+        """The burst detector made a prefix hot: one line with its id, the arrivals in the window and the window."""
+        from btbctl.engine.chains import prefix_id, short_id
+
+        c = self.constants
+        log_event(
+            log,
+            "detector_fired",
+            prefix=short_id(prefix_id(det.key)),
+            count=det.arrivals_in_window,
+            threshold=c.threshold,
+            window_s=c.window_s,
+            prefix_blocks=c.prefix_blocks,
+            policy=self.policy.name,
+        )
+
+    async def _log_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Data plane: one line per answer with a 4xx or 5xx status (successes are counted by the metrics only);
+        identical lines are held back and counted by the log's repeat filter."""
+        if response.status >= 400:
+            log_event(
+                log,
+                "request_error",
+                logging.WARNING if response.status >= 500 else logging.INFO,
+                status=response.status,
+                method=request.method,
+                path=request.path,
+                peer=request.remote,
+            )
 
     def _worker_loads(self, w: WorkerState, loads: dict | None) -> None:
         w.loads = loads
@@ -428,8 +484,16 @@ class Gateway:
         self.bus.register("constants", reports.constants)
         self.bus.start()
         self.prober.start()
-        log.info("routing policy %s, seed %d", self.policy.name, self.seed)
+        log_event(
+            log,
+            "gateway_start",
+            policy=self.policy.name,
+            seed=self.seed,
+            workers=",".join(w.name for w in self.state.workers),
+            **self.constants.as_dict(),
+        )
         data = build_data_app(self, max_body_bytes=cfg.max_body_bytes, max_retries=cfg.max_retries)
+        data.on_response_prepare.append(self._log_response)
         control = build_control_app(reports, self, self.bus, open_reads=is_loopback(cfg.control_host))
         try:
             self.data_url = await self._listen(data, cfg.host, cfg.port, "port", cfg.access_log)

@@ -66,7 +66,7 @@ class WorkerState:
     Attributes:
         index: replica number the policies use (position in the configured list).
         url: base URL without a trailing slash.
-        name: ``w<index>``.
+        name: the launcher's process name (``worker-0``) when the gateway was given names, else ``w<index>``.
         healthy: passes health checks and had no connection error or 5xx since the last passing check.
         inflight: requests the gateway has in flight to it (the policies' load).
         prefilling: in-flight requests that have not produced a first byte yet.
@@ -406,8 +406,9 @@ class FleetState:
     :meth:`queued_prefill_s`, copy landing from :meth:`copy_status`) and spreads them over the copy targets.
     """
 
-    def __init__(self, urls: Iterable[str], clock: Clock | None = None) -> None:
-        self.workers = [WorkerState(i, u.rstrip("/"), f"w{i}") for i, u in enumerate(urls)]
+    def __init__(self, urls: Iterable[str], clock: Clock | None = None, names: Sequence[str] | None = None) -> None:
+        urls = list(urls)
+        self.workers = [WorkerState(i, u.rstrip("/"), names[i] if names else f"w{i}") for i, u in enumerate(urls)]
         self.clock = clock or Clock()
         self.transfers = TransferTable()
         self.ttft = TtftSeries()

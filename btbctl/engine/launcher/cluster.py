@@ -627,6 +627,8 @@ class ClusterFile(BaseModel):
 #: ``GatewayConfig`` fields ``up`` fills in itself (not allowed in ``gateway.settings``).
 GATEWAY_SET_BY_UP = (
     "workers",
+    "worker_names",
+    "log_file",
     "host",
     "port",
     "control_host",

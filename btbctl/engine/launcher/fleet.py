@@ -83,9 +83,16 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
     live = rd.live_processes(state) + [p for p in state.processes if p.host]
     if live or rd.owner_alive(state):
         where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
-        stop = "btbctl down" if rd.path == RunDir(None).path else f"btbctl down --run-dir {shlex.quote(str(rd.path))}"
+        suffix = "" if rd.path == RunDir(None).path else f" --run-dir {shlex.quote(str(rd.path))}"
+        gw = state.gateway()
+        if state.complete and gw is not None and gw not in live and any(p.role == "worker" for p in live):
+            raise BtbctlError(
+                f"the workers recorded in {rd.path} are running but the gateway is not; restart it in front of "
+                f"them with `btbctl up --gateway-only{suffix}` (or stop everything with `btbctl down{suffix}`)"
+            )
         raise BtbctlError(
-            f"a fleet is already running from {rd.path} ({where}); stop it with `{stop}` (or use another --run-dir)"
+            f"a fleet is already running from {rd.path} ({where}); stop it with `btbctl down{suffix}` "
+            f"(or use another --run-dir)"
         )
     log(f"removing stale state of a fleet that is no longer running ({rd.state_path})")
     rd.clear()
@@ -104,6 +111,52 @@ def write_gateway_config(rd: RunDir, data: dict) -> str:
         json.dump(data, f, indent=2)
         f.write("\n")
     return str(path)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a TCP listener could bind ``host:port`` now (0: always)."""
+    if not port:
+        return True
+    h = connect_host(host).strip("[]") if host not in ("0.0.0.0", "::", "[::]", "") else host.strip("[]")
+    family = socket.AF_INET6 if ":" in h else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the gateway binds (reuse_address=True)
+        try:
+            s.bind((h, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(cluster: ClusterFile, port: int | None = None, control_port: int | None = None) -> None:
+    """Refuse before anything starts when a fixed port of this machine is taken: the gateway's data and control
+    ports and the fixed HTTP and transfer ports of the local workers. Raises :class:`BtbctlError` naming each."""
+    gw = cluster.gateway
+    wanted = [
+        ("gateway data-plane port (--port)", gw.host, gw.port if port is None else port),
+        (
+            "gateway control port (--control-port)",
+            gw.control_host,
+            gw.control_port if control_port is None else control_port,
+        ),
+    ]
+    for inst in cluster.instances():
+        if cluster.host_of(inst.spec) is None:
+            wanted.append((f"{inst.name} port", inst.spec.host, inst.port))
+            wanted.append((f"{inst.name} transfer port", inst.spec.host, inst.transfer_port))
+    seen: dict[tuple[str, int], str] = {}
+    busy = []
+    for what, host, p in wanted:
+        if not p:
+            continue
+        if (connect_host(host), p) in seen:
+            busy.append(f"{what} {p} is also the {seen[(connect_host(host), p)]}")
+            continue
+        seen[(connect_host(host), p)] = what
+        if not _port_free(host, p):
+            busy.append(f"{what} {host}:{p} is in use")
+    if busy:
+        raise BtbctlError("cannot start the fleet: " + "; ".join(busy) + " (nothing was started)")
 
 
 def up(
@@ -143,12 +196,16 @@ def up(
     """
     from btbctl.engine.policies import live_policy_error
 
+    policy_given = policy is not None
     policy = policy or cluster.gateway.policy
     why = live_policy_error(policy)
     if why is not None:
         raise BtbctlError(why)
     check_no_live_run(rd, log)
+    check_ports(cluster, port, control_port)
     rd.prepare()
+    for old in [rd.log_path("gateway"), *rd.logs_dir.glob("gateway.log.*")] if rd.logs_dir.is_dir() else []:
+        old.unlink(missing_ok=True)  # a fresh fleet starts a fresh gateway log (its workers' logs are truncated too)
     rd.new_tokens()
     state = RunState(
         run_dir=str(rd.path),
@@ -229,25 +286,19 @@ def up(
             worker_token_file=str(rd.worker_token_path),
         )
         gcfg.update(_replication_config(cluster, state, rd))
+        tuned = rd.load_tuned()
+        if tuned and tuned.get("cluster_file") == cluster_path and (tuned.get("constants") or tuned.get("policy")):
+            gcfg["constants"] = {**gcfg["constants"], **(tuned.get("constants") or {})}
+            if tuned.get("policy") and not policy_given:
+                gcfg["policy"] = state.policy = tuned["policy"]
+            log(f"applying the constants and policy last tuned on this cluster file ({rd.tuned_path})")
+        gcfg["worker_names"] = [i.name for i in cluster.instances()]
+        gcfg["log_file"] = str(rd.log_path("gateway"))
         from btbctl.engine.config import validate
         from btbctl.engine.gateway.config import GatewayConfig
 
         validate(GatewayConfig, gcfg, None, "gateway")  # fail here, with the key named, rather than in the child
-        argv = gateway_argv(write_gateway_config(rd, gcfg))
-        gproc = spawn("gateway", argv, rd.log_path("gateway"))
-        started.append(gproc)
-        state.processes.append(gproc.record("gateway", "gateway"))
-        rd.save(state)
-        wait_ready(gproc, gw.ready_timeout_s, should_stop=should_stop)
-        _update(state, gproc)
-        state.gateway_url = _reachable(gproc.url)
-        state.control_url = gproc.extra.get("control")
-        if state.control_url:
-            state.control_url = _reachable(state.control_url)
-        if not state.control_url:
-            raise BtbctlError(f"the gateway's ready line named no control URL (log {gproc.log})")
-        state.complete = True
-        rd.save(state)
+        started.append(_start_gateway(rd, state, write_gateway_config(rd, gcfg), gw.ready_timeout_s, should_stop))
         log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
     except BaseException as exc:
         if keep_partial and not isinstance(exc, KeyboardInterrupt):
@@ -280,6 +331,92 @@ def up(
     if pool is not None:
         pool.close()
     return state, started
+
+
+#: Name of the gateway's own output (its ready line, and a crash's traceback) in the logs folder; its log proper,
+#: rotated, is ``gateway.log``.
+GATEWAY_OUT = "gateway.out"
+
+
+def _start_gateway(
+    rd: RunDir, state: RunState, config_path: str, timeout_s: float, should_stop: Callable[[], bool] | None
+) -> Started:
+    """Start the gateway on ``config_path``, record it in ``state`` (replacing an earlier gateway record), wait
+    until it is ready and record its URLs; ``state.complete`` once done."""
+    gproc = spawn("gateway", gateway_argv(config_path), rd.log_path(GATEWAY_OUT))
+    state.processes = [p for p in state.processes if p.role != "gateway"]
+    state.processes.append(gproc.record("gateway", "gateway"))
+    rd.save(state)
+    try:
+        wait_ready(gproc, timeout_s, should_stop=should_stop)
+    except BaseException:
+        if gproc.popen.poll() is None or group_members(gproc.pid):
+            stop_groups([(gproc.pid, gproc.popen)], grace_s=5.0)
+        raise
+    _update(state, gproc)
+    state.gateway_url = _reachable(gproc.url)
+    state.control_url = gproc.extra.get("control")
+    if state.control_url:
+        state.control_url = _reachable(state.control_url)
+    if not state.control_url:
+        raise BtbctlError(f"the gateway's ready line named no control URL (log {gproc.log})")
+    state.complete = True
+    rd.save(state)
+    return gproc
+
+
+def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> RunState:
+    """Start the gateway again in front of the workers recorded in ``rd`` (after it died), with the settings it
+    had (``<run dir>/gateway.json``), the same tokens and ports, and the constants and policy last set with
+    ``btbctl tune`` (``<run dir>/tuned.json``). Its log is appended to.
+
+    Raises:
+        BtbctlError: nothing is recorded; the gateway still runs; a recorded worker is no longer running (the
+            fleet is broken: ``down`` and ``up``); the settings are gone; the gateway did not become ready (the
+            workers are left running).
+    """
+    state = rd.load()
+    if state is None:
+        raise BtbctlError(f"no fleet is recorded in {rd.path}; start one with `btbctl up`")
+    gw = state.gateway()
+    if gw is not None and record_is_ours(gw):
+        raise BtbctlError(f"the gateway of {rd.path} is still running (pid {gw.pid}); nothing to restart")
+    if rd.owner_alive(state):
+        raise BtbctlError(
+            f"a foreground `btbctl up` (pid {state.owner_pid}) holds {rd.path}; restart it there (Ctrl-C, then up)"
+        )
+    gone = [p.name for p in state.workers() if not p.host and not record_is_ours(p)]
+    if gone or not state.workers():
+        raise BtbctlError(
+            f"worker(s) {', '.join(gone) or 'none'} of {rd.path} are no longer running; restart the whole fleet "
+            f"(`btbctl down`, then `btbctl up`)"
+        )
+    cfg_path = rd.path / "gateway.json"
+    try:
+        gcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BtbctlError(f"cannot read the gateway settings {cfg_path}: {e}; restart the whole fleet") from None
+    tuned = rd.load_tuned()
+    if tuned:
+        gcfg["constants"] = {**(gcfg.get("constants") or {}), **tuned.get("constants", {})}
+        if tuned.get("policy"):
+            gcfg["policy"] = tuned["policy"]
+        log(f"applying the constants and policy last tuned ({rd.tuned_path})")
+    for key, url in (("port", state.gateway_url), ("control_port", state.control_url)):
+        if url and not gcfg.get(key):  # a port picked at up: take the same one again
+            from urllib.parse import urlsplit
+
+            gcfg[key] = urlsplit(url).port
+    gcfg["log_file"] = str(rd.log_path("gateway"))
+    from btbctl.engine.config import validate
+    from btbctl.engine.gateway.config import GatewayConfig
+
+    validate(GatewayConfig, gcfg, None, "gateway")
+    gproc = _start_gateway(rd, state, write_gateway_config(rd, gcfg), timeout_s, None)
+    state.detached = True
+    rd.save(state)
+    log(f"gateway ready at {state.gateway_url} (control {state.control_url}, pid {gproc.pid})")
+    return state
 
 
 def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> dict:
@@ -481,11 +618,19 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     "errors": [line]}``: ``killed`` needed SIGKILL after ``grace_s``; ``gone`` had already exited (or its pid now
     belongs to another program and was left alone); ``unreachable`` are remote workers whose host could not be
     reached (``errors`` says why, one line each); they stay recorded in ``state.json`` for another ``down``.
-    Raises :class:`BtbctlError` when nothing is recorded.
+    When nothing is recorded, returns the same keys, all empty, and ``"nothing": True``.
     """
     state = rd.load()
     if state is None:
-        raise BtbctlError(f"no fleet is recorded in {rd.path}; nothing to stop")
+        return {
+            "run_dir": str(rd.path),
+            "stopped": [],
+            "killed": [],
+            "gone": [],
+            "unreachable": [],
+            "errors": [],
+            "nothing": True,
+        }
     out = {"run_dir": str(rd.path), "stopped": [], "killed": [], "gone": [], "unreachable": [], "errors": []}
     by_owner: set[str] = set()
     if rd.owner_alive(state) and state.owner_pid != os.getpid():
@@ -535,7 +680,8 @@ def status(rd: RunDir) -> dict:
 
     Returns (keys stable)::
 
-        {"gateway_url", "control_url", "run_dir", "policy", "detached", "replication",
+        {"verdict": "up" | "degraded", "problems": [line],
+         "gateway_url", "control_url", "run_dir", "policy", "detached", "replication",
          "gateway": {"pid", "alive", "reachable"},
          "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error",
                       "replication"}],
@@ -580,8 +726,10 @@ def status(rd: RunDir) -> dict:
             healthy = alive and rec.url is not None and health_ok(rec.url, timeout_s=2.0)
             inflight = None
             err = None if healthy else ("process exited" if not alive else "no answer on /health")
-        if not alive and err is None:
-            err = "process exited"
+        if not alive:
+            err = "process exited"  # not the gateway's last connection error (a traceback's worth of text)
+        elif err:
+            err = err.strip().splitlines()[0][:200]
         if rst is not None and rst["state"] == "unreachable":
             err = rst["error"]
         elif rst is not None and rst["state"].startswith("exit:"):
@@ -614,7 +762,17 @@ def status(rd: RunDir) -> dict:
             }
         )
     gw = state.gateway()
+    gw_alive = bool(gw and record_is_ours(gw))
+    problems = []
+    if gw is None or not gw_alive:
+        problems.append("the gateway is not running" + (" (`btbctl up --gateway-only` restarts it)" if workers else ""))
+    elif fleet is None:
+        problems.append("the gateway's control API does not answer")
+    problems += [f"{w['name']}: {w['health_error'] or 'unhealthy'}" for w in workers if not w["healthy"]]
+    problems += [f"{a['name']}: not running" for a in agents if not a["alive"]]
     return {
+        "verdict": "up" if not problems else "degraded",
+        "problems": problems,
         "gateway_url": state.gateway_url,
         "control_url": state.control_url,
         "run_dir": str(rd.path),
@@ -623,7 +781,7 @@ def status(rd: RunDir) -> dict:
         "replication": state.replication or "push",
         "gateway": {
             "pid": gw.pid if gw else None,
-            "alive": bool(gw and record_is_ours(gw)),
+            "alive": gw_alive,
             "reachable": fleet is not None,
         },
         "workers": workers,
@@ -641,4 +799,5 @@ __all__ = [
     "stop_started",
     "supervise",
     "up",
+    "up_gateway_only",
 ]

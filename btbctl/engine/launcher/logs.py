@@ -1,15 +1,53 @@
-"""A worker's log for ``btbctl logs``: the run directory's copy, brought up to date first for a worker on another
-host (its log lives in its run folder there; the new bytes are fetched over SSH and appended)."""
+"""The logs of a fleet for ``btbctl logs``: the files in ``<run dir>/logs`` (they stay after ``down``), a remote
+worker's brought up to date first (its log lives in its run folder on its host; the new bytes are fetched over SSH
+and appended); filtered by time (``--since``) and parsed into JSON objects (``--json``)."""
 
 from __future__ import annotations
 
+import re
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.rundir import ProcessRecord, RunDir
+from btbctl.engine.logfmt import parse_line
 
 #: Bytes read from the end of a log to find its last lines (256 KiB holds thousands of lines).
 TAIL_BYTES = 256 * 1024
+
+
+def log_names(rd: RunDir) -> list[str]:
+    """Every name ``btbctl logs NAME`` accepts: the logs on disk and the recorded processes."""
+    names = set(rd.log_names())
+    try:
+        state = rd.load()
+    except BtbctlError:
+        state = None
+    if state is not None:
+        names.update(p.name for p in state.processes)
+    return sorted(names)
+
+
+def find_log(rd: RunDir, name: str) -> tuple[Path, ProcessRecord | None]:
+    """The log file called ``name`` and its process record (None once ``down`` forgot it). The gateway's log is
+    ``gateway.log`` (its output, the ready line, is ``gateway.out``). Raises :class:`BtbctlError` listing the valid
+    names."""
+    rec = None
+    try:
+        state = rd.load()
+    except BtbctlError:
+        state = None
+    if state is not None:
+        rec = next((p for p in state.processes if p.name == name), None)
+    path = rd.log_path(name)
+    if rec is not None and rec.role != "gateway":
+        path = Path(rec.log)
+    if rec is None and not path.exists():
+        names = ", ".join(log_names(rd)) or "none"
+        where = "" if state is not None else " (no fleet is recorded there now)"
+        raise BtbctlError(f"no log called {name!r} in {rd.logs_dir}{where}; valid: {names}")
+    return path, rec
 
 
 def find_record(rd: RunDir, name: str) -> ProcessRecord:
@@ -24,10 +62,10 @@ def find_record(rd: RunDir, name: str) -> ProcessRecord:
     raise BtbctlError(f"no process called {name!r} in {rd.path}; valid: {names}")
 
 
-def refresh(rec: ProcessRecord) -> str | None:
+def refresh(rec: ProcessRecord | None) -> str | None:
     """Append what is new in a remote worker's log to its local copy. Returns None, or one line saying why the
     host could not be read (the local copy is then what was fetched before). Local processes: nothing to do."""
-    if not rec.host:
+    if rec is None or not rec.host:
         return None
     from btbctl.engine.launcher import ssh
 
@@ -36,22 +74,122 @@ def refresh(rec: ProcessRecord) -> str | None:
     return st["error"] if st["state"] == "unreachable" else None
 
 
-def tail(rec: ProcessRecord, lines: int) -> str:
-    """The last ``lines`` lines of ``rec``'s log (0 = all of it), as text."""
-    path = Path(rec.log)
-    try:
-        with open(path, "rb") as f:
-            if lines > 0:
-                f.seek(0, 2)
-                f.seek(max(0, f.tell() - TAIL_BYTES))
-            data = f.read().decode("utf-8", "replace")
-    except FileNotFoundError:
-        return ""
-    except OSError as e:
-        raise BtbctlError(f"cannot read {path}: {e.strerror or e}") from None
+def read_tail(path: Path, lines: int, whole: bool = False) -> str:
+    """The last ``lines`` lines of the log at ``path`` (0 = all of it; ``whole``: all of it, the rotated copies
+    ``NAME.log.N`` ... ``NAME.log.1`` first), as text."""
+    paths = [path]
+    if whole or lines <= 0:
+        rotated = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -_suffix_num(p))
+        paths = [p for p in rotated if _suffix_num(p) > 0] + [path]
+    chunks = []
+    for p in paths:
+        try:
+            with open(p, "rb") as f:
+                if lines > 0 and not whole:
+                    f.seek(0, 2)
+                    f.seek(max(0, f.tell() - TAIL_BYTES))
+                chunks.append(f.read().decode("utf-8", "replace"))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise BtbctlError(f"cannot read {p}: {e.strerror or e}") from None
+    data = "".join(chunks)
     if lines <= 0:
         return data
     return "".join(data.splitlines(keepends=True)[-lines:])
 
 
-__all__ = ["find_record", "refresh", "tail"]
+def _suffix_num(p: Path) -> int:
+    tail = p.name.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
+
+
+def tail(rec: ProcessRecord, lines: int) -> str:
+    """The last ``lines`` lines of ``rec``'s log (0 = all of it), as text."""
+    return read_tail(Path(rec.log), lines)
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(s|m|h|d)$")
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """``--since``: a duration back from now (``90s``, ``10m``, ``2h``, ``1d``) or a timestamp (ISO 8601, e.g.
+    ``2026-01-02T03:04:05`` (UTC unless it names a zone), or Unix seconds). Returns Unix seconds. Raises
+    :class:`BtbctlError`."""
+    now = time.time() if now is None else now
+    t = text.strip()
+    m = _DURATION.match(t)
+    if m:
+        return now - float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    ts = line_time_of(t)
+    if ts is None:
+        raise BtbctlError(
+            f"--since: expected a duration like 10m or 2h, or a timestamp like 2026-01-02T03:04:05, got {text!r}"
+        )
+    return ts
+
+
+def line_time_of(text: str) -> float | None:
+    """Unix seconds of an ISO 8601 timestamp (``Z`` or an offset; naive ones are UTC), or None."""
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00").replace(" ", "T", 1))
+    except ValueError:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp()
+
+
+def line_time(line: str) -> float | None:
+    """The time of a log line: its ``ts=`` field (the gateway's, the agents'), or a leading ``YYYY-MM-DD
+    HH:MM:SS[,mmm]`` (Python's default log format, local time), else None."""
+    if line.startswith("ts="):
+        end = line.find(" ")
+        return line_time_of(line[3 : end if end > 0 else None])
+    m = re.match(r"^(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:[,.](\d+))?", line)
+    if m:
+        try:
+            base = datetime.strptime(m.group(1).replace("T", " "), "%Y-%m-%d %H:%M:%S").timestamp()
+        except ValueError:
+            return None
+        return base + (float("0." + m.group(2)) if m.group(2) else 0.0)
+    return None
+
+
+def since_filter(text: str, since: float) -> str:
+    """The lines of ``text`` at or after ``since``; a line without a time (a traceback's) goes with the line
+    before it."""
+    out = []
+    keep = False
+    for line in text.splitlines(keepends=True):
+        t = line_time(line)
+        if t is not None:
+            keep = t >= since
+        if keep:
+            out.append(line)
+    return "".join(out)
+
+
+def as_json(line: str) -> dict:
+    """One log line as a JSON object: its logfmt fields, or ``{"msg": line}`` for a line that is not logfmt."""
+    stripped = line.rstrip("\n")
+    fields = parse_line(stripped)
+    return dict(fields) if fields is not None else {"msg": stripped}
+
+
+__all__ = [
+    "as_json",
+    "find_log",
+    "find_record",
+    "line_time",
+    "log_names",
+    "parse_since",
+    "read_tail",
+    "refresh",
+    "since_filter",
+    "tail",
+]

@@ -9,7 +9,12 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
     <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): peers authenticate with it
     <run dir>/agent.token     bearer token of the agents' control APIs (l3)
     <run dir>/agent.sock      the local node agent's socket (l3; elsewhere when this path is too long)
-    <run dir>/logs/<name>.log stdout + stderr of each process
+    <run dir>/tuned.json      the constants and policy last set with ``btbctl tune`` (kept by ``down``; reapplied
+                              by ``up --gateway-only``, and by ``up`` with the same cluster file)
+    <run dir>/logs/<name>.log stdout + stderr of each worker and agent
+    <run dir>/logs/gateway.log the gateway's log: one logfmt line per event (the operations log), rotated at
+                              10 MiB (gateway.log.1 ... .5); kept by ``down``
+    <run dir>/logs/gateway.out.log the gateway's own output (its ready line; a crash's traceback)
 
 The default run directory is ``platformdirs.user_state_dir("btbctl")/runs/default`` (for example
 ``~/.local/state/btbctl/runs/default`` on Linux); ``--run-dir`` picks another, so several fleets can run side by side.
@@ -294,6 +299,38 @@ class RunDir:
 
     def log_path(self, name: str) -> Path:
         return self.logs_dir / f"{name}.log"
+
+    @property
+    def tuned_path(self) -> Path:
+        return self.path / "tuned.json"
+
+    def load_tuned(self) -> dict | None:
+        """What ``btbctl tune`` last set (``{"constants": {...}, "policy", "cluster_file", "at"}``), or None when
+        nothing was tuned or the file is unreadable."""
+        try:
+            data = json.loads(read_bounded(self.tuned_path, limit_bytes=RECORD_LIMIT_BYTES).decode("utf-8"))
+        except (OSError, ReadRefused, ValueError):
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("constants", {}), dict):
+            return None
+        return data
+
+    def save_tuned(self, constants: dict, policy: str | None, cluster_file: str | None) -> None:
+        """Record the constants and policy the gateway holds after a ``tune`` (mode 0600, atomically)."""
+        tmp = self.tuned_path.with_suffix(".json.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"constants": constants, "policy": policy, "cluster_file": cluster_file, "at": time.time()}, f)
+            f.write("\n")
+        os.replace(tmp, self.tuned_path)
+
+    def log_names(self) -> list[str]:
+        """Names of the logs on disk (``gateway``, ``gateway.out``, ``worker-0`` ...), sorted; rotated copies
+        (``gateway.log.1``) are not names of their own."""
+        try:
+            return sorted(p.name[: -len(".log")] for p in self.logs_dir.iterdir() if p.name.endswith(".log"))
+        except OSError:
+            return []
 
     def prepare(self) -> None:
         """Create the directory (0700) and its ``logs`` folder. Raises :class:`BtbctlError` when that fails."""
