@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.gateway.metrics import GatewayMetrics
+from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
 from btbctl.engine.gateway.state import FleetState
 from btbctl.engine.policies.base import Policy
@@ -66,6 +66,8 @@ _DONE_MARK = b"data: [DONE]"
 _DONE_TAIL = 64
 #: Exceptions that mean "the worker failed us" on the upstream side.
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+#: The gateway's metrics on the data app (the error middleware counts the requests aiohttp refused).
+METRICS_KEY = web.AppKey("btb_metrics", GatewayMetrics)
 
 
 def json_error(status: int, message: str, kind: str = "invalid_request_error", **extra) -> web.Response:
@@ -84,6 +86,9 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         kind = "not_found" if e.status == 404 else "invalid_request_error"
+        metrics = request.app.get(METRICS_KEY)
+        if metrics is not None:
+            metrics.reject(e.status)
         msg = e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}"
         return json_error(e.status, msg, kind)
     except asyncio.CancelledError:
@@ -187,6 +192,7 @@ class DataPlane:
                         )
             except _UPSTREAM_ERRORS:
                 continue
+        gw.metrics.reject(503)
         return json_error(503, "no healthy worker", "unavailable")
 
     # -- the request path ---------------------------------------------------------------------------------------
@@ -196,6 +202,7 @@ class DataPlane:
         t0 = gw.state.clock()
         cl = request.content_length
         if cl is not None and cl > self.max_body:
+            gw.metrics.reject(413)
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
         body = await request.read()
         l3 = getattr(gw, "l3_prompts", None)
@@ -207,6 +214,7 @@ class DataPlane:
                 data, n_tokens = prompt_of(route, obj)
                 chain = chain_from_packed(data, gw.page_size)
         except PromptError as e:
+            gw.metrics.reject(400)
             return json_error(400, str(e))
         req = Request(
             request_id=gw.next_request_id(),
@@ -242,7 +250,7 @@ class DataPlane:
             w = state.workers[idx]
             w.inflight += 1
             w.start_prefill(rid, chain, req.input_tokens)
-            gauge = metrics.inflight_gauge(w.url)
+            gauge = metrics.inflight_gauge(worker_label(w))
             gauge.inc()
             prefilled = False
             if chain and state.transfers.active:
@@ -259,7 +267,7 @@ class DataPlane:
                     w.hold(chain)
                 ttft = now - t0
                 state.record_ttft(idx, now, ttft)
-                metrics.observe_ttft(w.url, ttft)
+                metrics.observe_ttft(worker_label(w), ttft, policy_name)
                 gw.mark_changed("ttft")
 
             try:
@@ -298,8 +306,8 @@ class DataPlane:
                             first_byte(t_head)
                         # a 4xx is the client's: passed through as is, the worker stays healthy
                         w.served += 1
-                        metrics.request(w.url, policy_name, str(status))
-                        metrics.observe_duration(w.url, state.clock() - t0)
+                        metrics.request(worker_label(w), policy_name, str(status))
+                        metrics.observe_duration(worker_label(w), state.clock() - t0)
                         return web.Response(
                             status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url}
                         )
@@ -318,6 +326,7 @@ class DataPlane:
                 gw.policy.on_finish(req, idx, state.clock())
         if not attempts:
             metrics.request("none", policy_name, "503")
+            metrics.reject(503)
             return json_error(503, "no healthy worker", "unavailable")
         metrics.request("none", policy_name, "502")
         return json_error(
@@ -370,7 +379,7 @@ class DataPlane:
             await out.write(b"".join(held))
         except (ConnectionResetError, RuntimeError):  # the client went away
             resp.close()
-            gw.metrics.request(w.url, policy_name, "client_gone")
+            gw.metrics.request(worker_label(w), policy_name, "client_gone")
             return out
         # From here on the answer is committed to this worker: never retried.
         tail = b"".join(held)[-_DONE_TAIL:]
@@ -412,8 +421,8 @@ class DataPlane:
             w.served += 1
         else:
             resp.close()  # stop the worker's side of an abandoned or broken stream
-        gw.metrics.request(w.url, policy_name, status)
-        gw.metrics.observe_duration(w.url, gw.state.clock() - t0)
+        gw.metrics.request(worker_label(w), policy_name, status)
+        gw.metrics.observe_duration(worker_label(w), gw.state.clock() - t0)
         return out
 
 
@@ -443,6 +452,7 @@ def _describe(e: BaseException) -> str:
 def build_data_app(gw: Router, *, max_body_bytes: int, max_retries: int) -> web.Application:
     """The data-plane :class:`aiohttp.web.Application` routed by ``gw``."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
+    app[METRICS_KEY] = gw.metrics
     dp = DataPlane(gw, max_body_bytes=max_body_bytes, max_retries=max_retries)
     app.router.add_post("/generate", dp.generate)
     app.router.add_post("/v1/completions", dp.completions)
