@@ -38,6 +38,8 @@ class ModelPreset:
         attn_dim: query heads x query/key head dim, the width of the attention score computation; drives the
             attention FLOP term of prefill (4 x layers x attn_dim FLOPs per token per token of context).
         source: where the numbers come from.
+        context_tokens: longest sequence the model serves (its config's ``max_position_embeddings``; SGLang's
+            ``context_len``, reported by ``/v1/models`` as ``max_model_len``).
     """
 
     name: str
@@ -50,6 +52,7 @@ class ModelPreset:
     attn_dim: int
     source: str
     kv_dtype_bytes: float | None = None
+    context_tokens: int = 131072
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -129,6 +132,7 @@ MODELS: dict[str, ModelPreset] = {
             128,
             32 * 128,
             _INFERSIM + "; 32 query heads from the Qwen3-8B config.json",
+            context_tokens=40960,
         ),
         ModelPreset(
             "glm-4.5-like",

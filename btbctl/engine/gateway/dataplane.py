@@ -14,7 +14,8 @@ Per request: the body is read (at most ``max_body_bytes``: 413 beyond), parsed (
 non-object body or a missing/ill-typed prompt field, naming the field), the prompt becomes a chain of block hashes
 (:mod:`btbctl.engine.gateway.prompt`), the policy picks a worker (``now_s`` = seconds since the gateway started),
 and the body is forwarded as received (no re-encoding). Answers carry ``X-BTB-Worker: <worker URL>``.
-Errors are JSON ``{"error": {"message", "type", "code"}}``; unknown routes get 404 and wrong methods 405.
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` (the emulated worker's shape too); unknown
+routes get 404 and wrong methods 405.
 
 **TTFT** is measured at the gateway from the request's arrival to the first byte of the answer from the worker:
 for a stream, the first chunk carrying an SSE ``data:`` line; for a non-streamed answer, the response head (a
@@ -44,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.errors import api_error_body
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
 from btbctl.engine.gateway.state import FleetState
@@ -70,9 +72,9 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 METRICS_KEY = web.AppKey("btb_metrics", GatewayMetrics)
 
 
-def json_error(status: int, message: str, kind: str = "invalid_request_error", **extra) -> web.Response:
-    """An OpenAI-style error answer ``{"error": {"message", "type", "code", ...}}``."""
-    body = {"error": {"message": message, "type": kind, "code": status, **extra}}
+def json_error(status: int, message: str, kind: str | None = None, **extra) -> web.Response:
+    """An error answer in the shape the emulated worker uses too (:func:`~btbctl.engine.errors.api_error_body`)."""
+    body = api_error_body(status, message, kind, **extra)
     return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
