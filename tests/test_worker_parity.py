@@ -94,3 +94,10 @@ def test_worker_errors_have_the_gateway_shape(zw: WorkerProc):
     st, r = zw.post("/generate", {"sampling_params": {}})
     assert st == 400 and set(r) == {"error"} and set(r["error"]) == set(api_error_body(400, "x")["error"])
     assert r["error"]["code"] == 400 and r["error"]["type"] == "invalid_request_error"
+
+
+def test_btb_info_reports_the_modelled_hbm_and_byte_scale(zw: WorkerProc):
+    st, info = zw.get("/btb/info")
+    m = model_preset("qwen3-8b")
+    assert info["kv_bytes_scale"] == 65536 and info["weight_bytes"] == m.weight_bytes
+    assert info["hbm_total_bytes"] > info["weight_bytes"]
