@@ -134,7 +134,9 @@ def render_human(out: Output, r: dict) -> None:
         )
     con.print(gt)
 
-    ft = Table(title="Fabrics (KV copy bandwidth per replica-side link)", title_justify="left")
+    ft = Table(
+        title="Fabrics (KV copy bandwidth per replica-side link; btbctl dry-run --fabric NAME)", title_justify="left"
+    )
     ft.add_column("name")
     ft.add_column("GB/s", justify="right")
     ft.add_column("source")

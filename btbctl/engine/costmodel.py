@@ -202,6 +202,20 @@ FABRICS: dict[str, float] = {
     "100gbe": 12.5 * GB,
 }
 
+
+def fabric_nic_gbps(name: str, gpus_per_replica: int) -> float:
+    """The per-GPU NIC rate (Gb/s, as ``cluster.nic_gbps`` takes it) that gives a replica of ``gpus_per_replica``
+    GPUs the copy bandwidth of fabric ``name`` (:data:`FABRICS`).
+
+    Raises:
+        ConfigError: unknown fabric (key ``fabric``).
+    """
+    bw = FABRICS.get(name.lower())
+    if bw is None:
+        raise ConfigError("fabric", f"unknown fabric {name!r}; valid: {', '.join(FABRICS)}")
+    return bw * 8 / 1e9 / max(1, gpus_per_replica)
+
+
 #: Fraction of peak FLOP/s reached by prefill. Source: REFERENCE.md s6 (70B FP8 prefill on TensorRT-LLM reaches
 #: about 50% MFU); Infer-Sim uses the same 0.5.
 DEFAULT_MFU = 0.5
