@@ -61,7 +61,7 @@ API_ERROR_TYPES = {
 }
 
 
-def api_error_body(status: int, message: str, kind: str | None = None, **extra: object) -> dict:
+def api_error_body(status: int, message: str, kind: str | None = None, **extra: object) -> dict[str, object]:
     """The one shape of an HTTP error answer of the gateway and the emulated worker (OpenAI's):
     ``{"error": {"message", "type", "param": null, "code": status, ...extra}}``."""
     return {
