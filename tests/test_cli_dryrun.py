@@ -524,3 +524,23 @@ def test_help_shows_defaults_and_the_two_replica_flags(capsys, monkeypatch):
         "not the fleet size",
     ):
         assert needle in out, needle
+
+
+def test_fabric_preset_sets_the_nic_rate(capsys):
+    from btbctl.engine.costmodel import FABRICS
+
+    r = run_json(capsys, "--policies", "least_load", "--fabric", "tcp")
+    assert r["cluster"]["nic_gbps"] * 1e9 / 8 * r["cluster"]["gpus_per_replica"] == pytest.approx(FABRICS["tcp"])
+    code, _, err = run(capsys, "dry-run", *SMALL, "--fabric", "carrier-pigeon")
+    assert_one_line_error(code, err, "--fabric", "unknown fabric", "rdma-8x400g")
+    code, _, err = run(capsys, "dry-run", *SMALL, "--fabric", "tcp", "--nic-gbps", "100")
+    assert_one_line_error(code, err, "--fabric", "not both")
+
+
+def test_a_note_says_when_the_btb_detector_never_fired(capsys):
+    code, out, err = run(capsys, "dry-run", *SMALL, "--spread-s", "600", "--policies", "least_load,btb")
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "btb made no copy" in notes[0] and "never fired" in notes[0]
+    code, out, err = run(capsys, "dry-run", *SMALL, "--spread-s", "1", "--policies", "least_load,btb")
+    assert code == 0 and "never fired" not in out

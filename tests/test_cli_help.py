@@ -44,3 +44,14 @@ def test_gateway_defaults_to_ups_ports():
     assert f"(default: {DEFAULT_GATEWAY_PORT}, as btbctl up)" in flat
     assert f"(default: {DEFAULT_CONTROL_PORT}, as btbctl up)" in flat
     assert "TOML file of gateway settings" in flat
+
+
+def test_a_default_is_shown_once_and_one_way():
+    """Where typer shows ``[default: X]`` the help text does not repeat it as ``(default: X)``."""
+    runner = CliRunner()
+    root = typer.main.get_command(app)
+    for path in _commands(root):
+        res = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "400"})
+        for option in re.split(r"\n(?=\s{2}-)", res.output):
+            flat = " ".join(option.split())
+            assert not ("(default" in flat and "[default:" in flat), (path, flat)

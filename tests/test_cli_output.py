@@ -85,3 +85,12 @@ def test_progress_lines_when_piped(capsys):
     with out.progress("quiet by default", 5) as advance:
         advance(5)
     assert capsys.readouterr().err == ""
+
+
+def test_replicate_says_the_modelled_kv_size_and_the_byte_scale():
+    from btbctl.commands.steer import copy_size, human_bytes
+
+    assert human_bytes(1_342_177_280) == "1.34 GB" and human_bytes(20480) == "20.5 kB" and human_bytes(12) == "12 B"
+    assert copy_size(20480, 1_342_177_280, 65536) == "1.34 GB modelled (20.5 kB moved, KV bytes scaled 1/65,536)"
+    assert copy_size(20480, 1_342_177_280, 1) == "1.34 GB copied"
+    assert copy_size(2_000_000, None, None) == "2 MB copied"

@@ -36,8 +36,9 @@ def test_presets_json_has_stable_keys_and_every_preset(capsys):
         "head_dim",
         "attn_dim",
         "kv_bytes_per_token",
-        "kv_kib_per_token",
+        "kv_kb_per_token",
         "weight_bytes",
+        "context_tokens",
         "source",
     ]
     assert list(data["gpus"][0]) == [
@@ -52,7 +53,7 @@ def test_presets_json_has_stable_keys_and_every_preset(capsys):
     assert list(data["fabrics"][0]) == ["name", "bytes_per_s", "source"]
     llama = next(m for m in data["models"] if m["name"] == "llama-3.3-70b")
     assert llama["kv_bytes_per_token"] == 327_680
-    assert llama["kv_kib_per_token"] == 320
+    assert llama["kv_kb_per_token"] == 327.68 and llama["context_tokens"] == 131072
     h100 = next(g for g in data["gpus"] if g["name"] == "h100")
     assert h100["hbm_bytes"] == 80e9 and h100["nic_bytes_per_s"] == 50e9
     assert all(x["source"] for x in data["models"] + data["gpus"] + data["fabrics"])
@@ -65,4 +66,4 @@ def test_presets_human_tables(capsys, monkeypatch):
     for needle in ("Model presets", "GPU presets", "Fabrics", "llama-3.3-70b", "327680", "h200", "rdma-8x400g"):
         assert needle in out
     row = next(line for line in out.splitlines() if line.strip().startswith("llama-3.3-70b"))
-    assert row.split()[-1] == "320"  # KiB per token
+    assert row.split()[-2:] == ["327.7", "131,072"]  # kB (decimal, as GB everywhere) per token, context

@@ -214,4 +214,4 @@ async def test_health_checker_marks_down_and_revives_with_an_empty_record():
             await asyncio.sleep(0.02)
         assert w0.healthy and w0.health_error is None
         m = await env.metrics()
-        assert metric_value(m, "btb_worker_healthy", worker=env.fleet[0].url) == 1
+        assert metric_value(m, "btb_worker_healthy", worker="w0") == 1

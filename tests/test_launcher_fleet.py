@@ -342,6 +342,8 @@ def test_replicate_makes_three_more_workers_hold_the_prefix(tmp_path, run_dir):
     assert res["prefix"] == chain[-1] and res["source"] == holder
     assert res["status"] == "done" and sorted(res["targets"]) == sorted(u for u in urls if u != holder)
     assert res["bytes"] > 0
+    # the real KV size of 3 copies of 8 blocks of 256 tokens of Llama-3.3-70B, and the emulated byte scale
+    assert res["modelled_bytes"] == 3 * 8 * 256 * 327680 and res["kv_bytes_scale"] == 65536
     assert "copy " in proc.stderr and "done" in proc.stderr  # progress went to stderr
     after = {u: http_json(u + "/btb/match", {"chain": chain})["cached_blocks"] for u in urls}
     assert after == dict.fromkeys(urls, 8)

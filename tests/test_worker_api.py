@@ -223,7 +223,7 @@ def test_token_guards_push_and_flush(w):
     assert w.post("/btb/push", body, headers={"Authorization": "Bearer wrong"})[0] == 403
     assert w.post("/flush_cache")[0] == 401
     st, r = w.post("/btb/push", body, headers={"Authorization": f"Bearer {TOKEN}"})
-    assert st == 409 and "holds 0" in r["message"]
+    assert st == 409 and "holds 0" in r["error"]["message"]
 
 
 def test_bad_input_gets_4xx_and_worker_survives(w):
@@ -260,7 +260,7 @@ def test_bad_input_gets_4xx_and_worker_survives(w):
     for method, path, raw, want in cases:
         st, r = w.call(method, path, raw=raw)
         assert st == want, (method, path, raw, st, r)
-        assert isinstance(r, dict) and r["code"] == want and "Traceback" not in r["message"], r
+        assert isinstance(r, dict) and r["error"]["code"] == want and "Traceback" not in r["error"]["message"], r
     for body, want in (
         ({"chain": ["ab"]}, 400),
         ({"chain": ["ab"], "target": "127.0.0.1; rm -rf /:1"}, 400),
@@ -272,7 +272,7 @@ def test_bad_input_gets_4xx_and_worker_survives(w):
         assert st == want, (body, st, r)
     huge = b'{"text": "' + b"a" * (9 << 20) + b'"}'
     st, r = w.call("POST", "/generate", raw=huge)
-    assert st == 413 and r["code"] == 413
+    assert st == 413 and r["error"]["code"] == 413
     assert w.get("/health")[0] == 200
     st, r = w.post("/generate", {"text": "still alive", "sampling_params": {"max_new_tokens": 1}})
     assert st == 200

@@ -193,7 +193,7 @@ def test_tokenizer_endpoint_and_text_prompts_hash_to_sglang_page_keys(agent, wor
     st, chat = w.post("/v1/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
     assert chat["tokens"] == [int.from_bytes(pack_text("user: hi\n")[i : i + 4], "little") for i in range(0, 12, 4)]
     st, err = w.post("/v1/tokenize", {"prompt": "a", "messages": []})
-    assert st == 400 and "Exactly one" in err["message"]
+    assert st == 400 and "Exactly one" in err["error"]["message"]
     # text and input_ids of the same tokens land on the same pages
     tokens = w.post("/v1/tokenize", {"prompt": text})[1]["tokens"]
     _gen(w, tokens + [1])

@@ -22,6 +22,7 @@ _FLAGS = {
     "cluster.gpus_per_replica": "--gpus-per-replica",
     "cluster.replicas": "--replicas",
     "cluster.nic_gbps": "--nic-gbps",
+    "fabric": "--fabric",
     **{f"btb.{k}": flag for k, flag in options.CONSTANT_FLAGS.items()},
     "policies": "--policies",
     "seed": "--seed",
@@ -72,6 +73,16 @@ def dry_run(
     replicas: Annotated[int | None, typer.Option("--replicas", help="Replicas in the fleet (default: 4).")] = None,
     nic_gbps: Annotated[
         float | None, typer.Option("--nic-gbps", help="NIC bandwidth per GPU, Gb/s (default: 400).")
+    ] = None,
+    fabric: Annotated[
+        str | None,
+        typer.Option(
+            "--fabric",
+            metavar="NAME",
+            help="KV copy fabric preset (btbctl presets: rdma-8x400g, rdma-4x200g, rdma-1x400g, tcp, 100gbe): sets "
+            "the NIC rate so a replica copies at the fabric's bandwidth; instead of --nic-gbps.",
+            show_default=False,
+        ),
     ] = None,
     policies: Annotated[
         str | None,
@@ -135,10 +146,20 @@ def dry_run(
     given = {k for k, v in overrides.items() if v is not None}
     if requests_out is not None:
         given.add("requests_out")
+    if fabric is not None:
+        given.add("fabric")
     cfg = load_dryrun_config(config) if config is not None else DryRunConfig()
     unset = options.trace_unset(cfg, trace)
     try:
         cfg = cfg.with_overrides(overrides, unset=unset)
+        if fabric is not None:
+            from btbctl.engine.costmodel import fabric_nic_gbps
+
+            if nic_gbps is not None:
+                raise ConfigError("fabric", "give --fabric or --nic-gbps, not both")
+            given.add("cluster.nic_gbps")
+            nic = fabric_nic_gbps(fabric, cfg.cluster.gpus_per_replica)
+            cfg = cfg.with_overrides({"cluster.nic_gbps": nic})
         cfg.check()
         trace_obj = load_trace(cfg)
         total = len(trace_obj) * len(cfg.policies)
@@ -146,7 +167,37 @@ def dry_run(
             report = run_dry_run(cfg, progress=advance, requests_out=requests_out, trace=trace_obj)
     except ConfigError as e:
         raise _flag_error(e, given) from None
-    out.result(report, lambda r: render_human(out, r))
+    note = never_fired_note(report, trace_obj, cfg.btb)
+
+    def human(r: dict) -> None:
+        render_human(out, r)
+        if note:
+            out.console.print(note)
+
+    out.result(report, human)
+
+
+#: Policies whose copies start only when BTB's burst detector fires on the Y-block prefix.
+_DETECTOR_POLICIES = ("btb", "btb_plus")
+
+
+def never_fired_note(report: dict, trace, constants) -> str | None:
+    """One line when a BTB policy made no copy because its burst detector never fired on the trace (the prefix of
+    ``prefix_blocks`` blocks never arrived ``threshold`` times within ``window_s``), else None."""
+    from btbctl.engine.detector import BurstDetector
+
+    idle = [s["policy"] for s in report["results"] if s["policy"] in _DETECTOR_POLICIES and not s["replications"]]
+    if not idle:
+        return None
+    det = BurstDetector(constants)
+    for req in sorted(trace.requests, key=lambda q: q.arrival_s):
+        if det.observe(req.block_hashes, req.arrival_s) is not None:
+            return None
+    c = constants
+    return (
+        f"note: {' and '.join(idle)} made no copy: the burst detector never fired (no {c.prefix_blocks}-block "
+        f"prefix arrived {c.threshold} times within {c.window_s:g} s); see btbctl trace audit"
+    )
 
 
 def _flag_error(e, given: set[str]):

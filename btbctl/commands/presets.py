@@ -39,8 +39,9 @@ def presets_report() -> dict:
                 "head_dim": m.head_dim,
                 "attn_dim": m.attn_dim,
                 "kv_bytes_per_token": m.kv_bytes_per_token,
-                "kv_kib_per_token": m.kv_bytes_per_token / 1024,
+                "kv_kb_per_token": m.kv_bytes_per_token / 1e3,
                 "weight_bytes": m.weight_bytes,
+                "context_tokens": m.context_tokens,
                 "source": m.source,
             }
         )
@@ -78,7 +79,7 @@ def render_human(out: Output, r: dict) -> None:
 
     con = out.console
     mt = Table(
-        title="Model presets (params total / active; dtype = bytes per element)",
+        title="Model presets (params total / active; dtype = bytes per element; kB = 1e3 bytes)",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         show_edge=False,
@@ -93,7 +94,8 @@ def render_human(out: Output, r: dict) -> None:
         ("KV\nheads", "right"),
         ("head\ndim", "right"),
         ("KV bytes\n/token", "right"),
-        ("KV KiB\n/token", "right"),
+        ("KV kB\n/token", "right"),
+        ("context", "right"),
     ):
         mt.add_column(col, justify=just, no_wrap=col == "name")
     for m in r["models"]:
@@ -106,7 +108,8 @@ def render_human(out: Output, r: dict) -> None:
             str(m["kv_heads"]),
             str(m["head_dim"]),
             f"{m['kv_bytes_per_token']:.0f}",
-            f"{m['kv_kib_per_token']:.4g}",
+            f"{m['kv_kb_per_token']:.4g}",
+            f"{m['context_tokens']:,}",
         )
     con.print(mt)
 
@@ -131,7 +134,9 @@ def render_human(out: Output, r: dict) -> None:
         )
     con.print(gt)
 
-    ft = Table(title="Fabrics (KV copy bandwidth per replica-side link)", title_justify="left")
+    ft = Table(
+        title="Fabrics (KV copy bandwidth per replica-side link; btbctl dry-run --fabric NAME)", title_justify="left"
+    )
     ft.add_column("name")
     ft.add_column("GB/s", justify="right")
     ft.add_column("source")

@@ -12,8 +12,45 @@ from btbctl.commands.fleet import RUN_DIR_HELP
 from btbctl.commands.output import Format, Output
 
 
-def _mib(n) -> str:
-    return f"{(n or 0) / 2**20:.1f} MiB"
+def human_bytes(n: float | None) -> str:
+    """Bytes in decimal units (GB = 1e9, as ``btbctl presets`` and the TUI): ``1.34 GB``, ``20.5 kB``."""
+    n = float(n or 0)
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def copy_size(moved: int, modelled: float | None, scale: int | None) -> str:
+    """What a copy weighs: the modelled KV size of the prefix when known, and what really moved when an emulated
+    worker scaled the bytes down (``--kv-bytes-scale``), e.g. ``1.34 GB modelled (20.5 kB moved, KV bytes scaled
+    1/65,536)``."""
+    if modelled is None:
+        return f"{human_bytes(moved)} copied"
+    if scale is not None and scale > 1:
+        return f"{human_bytes(modelled)} modelled ({human_bytes(moved)} moved, KV bytes scaled 1/{scale:,})"
+    return f"{human_bytes(modelled)} copied"
+
+
+def _modelled(api, res: dict) -> tuple[float | None, int | None]:
+    """``(modelled KV bytes of the copies that arrived, the workers' KV byte scale)`` from the fleet's
+    ``/btb/info`` figures (None, None when the workers do not report them, e.g. real SGLang servers)."""
+    try:
+        fleet = api.fleet()
+    except Exception:  # noqa: BLE001 - the size note is extra; the copy result stands without it
+        return None, None
+    by_url = {w.url: w for w in fleet.workers}
+    total = 0.0
+    scale = None
+    for row in res.get("copies") or []:
+        if row.get("state") != "done":
+            continue
+        w = by_url.get(row.get("target") or "") or by_url.get(row.get("source") or "")
+        if w is None or w.kv_bytes_per_token is None:
+            return None, None
+        total += (row.get("prefix_blocks") or 0) * fleet.page_size * w.kv_bytes_per_token
+        scale = w.kv_bytes_scale if w.kv_bytes_scale is not None else scale
+    return (total if total > 0 else None), scale
 
 
 @app.command("tune")
@@ -118,16 +155,17 @@ def replicate(
             err = f": {r['error']}" if r.get("error") else ""
             out.info(
                 f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
-                f"({_mib(r.get('bytes_sent'))}){err}"
+                f"({human_bytes(r.get('bytes_sent'))}){err}"
             )
 
     with client_for_run(run_dir) as api:
         res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=progress)
+        res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
 
     def human(d: dict) -> None:
         out.console.print(
             f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "
-            f"{d['status']}, {_mib(d['bytes'])} copied"
+            f"{d['status']}, {copy_size(d['bytes'], d.get('modelled_bytes'), d.get('kv_bytes_scale'))}"
         )
         for url in d["targets"]:
             out.console.print(f"  {url}")

@@ -59,9 +59,7 @@ def tui(
     threshold: options.Threshold = None,
     window_s: options.WindowS = None,
     warm_replicas: options.WarmReplicas = None,
-    speed: Annotated[
-        float, typer.Option("--speed", help="--sim: simulated seconds per wall second (default: 1).")
-    ] = 1.0,
+    speed: Annotated[float, typer.Option("--speed", help="--sim: simulated seconds per wall second.")] = 1.0,
     seed: Annotated[int | None, typer.Option("--seed", help="--sim: seed (default: 42).")] = None,
     poll_hz: Annotated[
         float,

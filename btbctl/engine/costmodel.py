@@ -38,6 +38,8 @@ class ModelPreset:
         attn_dim: query heads x query/key head dim, the width of the attention score computation; drives the
             attention FLOP term of prefill (4 x layers x attn_dim FLOPs per token per token of context).
         source: where the numbers come from.
+        context_tokens: longest sequence the model serves (its config's ``max_position_embeddings``; SGLang's
+            ``context_len``, reported by ``/v1/models`` as ``max_model_len``).
     """
 
     name: str
@@ -50,6 +52,7 @@ class ModelPreset:
     attn_dim: int
     source: str
     kv_dtype_bytes: float | None = None
+    context_tokens: int = 131072
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -129,6 +132,7 @@ MODELS: dict[str, ModelPreset] = {
             128,
             32 * 128,
             _INFERSIM + "; 32 query heads from the Qwen3-8B config.json",
+            context_tokens=40960,
         ),
         ModelPreset(
             "glm-4.5-like",
@@ -197,6 +201,20 @@ FABRICS: dict[str, float] = {
     "tcp": 9.5 * GB,
     "100gbe": 12.5 * GB,
 }
+
+
+def fabric_nic_gbps(name: str, gpus_per_replica: int) -> float:
+    """The per-GPU NIC rate (Gb/s, as ``cluster.nic_gbps`` takes it) that gives a replica of ``gpus_per_replica``
+    GPUs the copy bandwidth of fabric ``name`` (:data:`FABRICS`).
+
+    Raises:
+        ConfigError: unknown fabric (key ``fabric``).
+    """
+    bw = FABRICS.get(name.lower())
+    if bw is None:
+        raise ConfigError("fabric", f"unknown fabric {name!r}; valid: {', '.join(FABRICS)}")
+    return bw * 8 / 1e9 / max(1, gpus_per_replica)
+
 
 #: Fraction of peak FLOP/s reached by prefill. Source: REFERENCE.md s6 (70B FP8 prefill on TensorRT-LLM reaches
 #: about 50% MFU); Infer-Sim uses the same 0.5.

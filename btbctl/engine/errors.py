@@ -43,3 +43,33 @@ class ConfigError(BtbctlError):
     def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, str | None]]:
         # pickled by a process pool or Ray: rebuilt from its fields, not from ``args``
         return (type(self), (self.key, self.reason, self.path))
+
+
+#: ``type`` of an HTTP API error answer by status when the caller names none (OpenAI's vocabulary).
+API_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found",
+    405: "invalid_request_error",
+    409: "conflict",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "unavailable",
+}
+
+
+def api_error_body(status: int, message: str, kind: str | None = None, **extra: object) -> dict[str, object]:
+    """The one shape of an HTTP error answer of the gateway and the emulated worker (OpenAI's):
+    ``{"error": {"message", "type", "param": null, "code": status, ...extra}}``."""
+    return {
+        "error": {
+            "message": message,
+            "type": kind or API_ERROR_TYPES.get(status, "error"),
+            "param": None,
+            "code": status,
+            **extra,
+        }
+    }

@@ -104,7 +104,14 @@ class ConstantsUpdate(Body):
 # -- fleet --------------------------------------------------------------------------------------------------------
 
 #: Worker-row fields a worker reports only when it knows them; left out of the JSON (not ``null``) when unknown.
-_REPORTED_ONLY = ("hbm_used_bytes", "hbm_total_bytes", "gpu_util_pct")
+_REPORTED_ONLY = (
+    "hbm_used_bytes",
+    "hbm_total_bytes",
+    "hbm_modelled",
+    "gpu_util_pct",
+    "kv_bytes_per_token",
+    "kv_bytes_scale",
+)
 
 
 class FleetWorker(Answer):
@@ -165,6 +172,14 @@ class FleetWorker(Answer):
     """HBM in use, bytes, where the worker reports it (left out otherwise)."""
     hbm_total_bytes: float | None = None
     """HBM size, bytes, where the worker reports it (left out otherwise)."""
+    hbm_modelled: bool | None = None
+    """True when ``hbm_used_bytes``/``hbm_total_bytes`` are an emulated worker's model (weights plus the KV cache in
+    use, of its model and GPU presets), not a measurement (left out otherwise)."""
+    kv_bytes_per_token: float | None = None
+    """KV-cache bytes per token of its model, from ``/btb/info`` (left out when unknown)."""
+    kv_bytes_scale: int | None = None
+    """Emulated workers: the factor their copies scale KV bytes down by (``--kv-bytes-scale``; left out
+    otherwise)."""
     gpu_util_pct: float | None = None
     """GPU utilisation 0..100, where the worker reports it (left out otherwise)."""
 

@@ -335,7 +335,13 @@ class ControlApiSource:
 
     async def _gpus(self, fleet: FleetAnswer) -> tuple[tuple[GpuRow, ...], str | None]:
         rows = tuple(
-            GpuRow(w.name, w.hbm_used_bytes or 0.0, w.hbm_total_bytes, w.gpu_util_pct, "worker")
+            GpuRow(
+                w.name,
+                w.hbm_used_bytes or 0.0,
+                w.hbm_total_bytes,
+                w.gpu_util_pct,
+                "model" if w.hbm_modelled else "worker",
+            )
             for w in fleet.workers
             if w.hbm_total_bytes
         )

@@ -40,8 +40,9 @@ class WorkerRow:
 
 @dataclass(frozen=True, slots=True)
 class GpuRow:
-    """One GPU's memory. ``source``: ``nvml`` (read locally), ``worker`` (as its worker reports it) or ``sim``
-    (modelled: weights share plus KV in use). ``util_pct`` 0..100 or None when unknown."""
+    """One GPU's memory. ``source``: ``nvml`` (read locally), ``worker`` (as its worker reports it), ``model`` (an
+    emulated worker's modelled HBM: weights plus KV in use) or ``sim`` (modelled: weights share plus KV in use).
+    ``util_pct`` 0..100 or None when unknown."""
 
     name: str
     used_bytes: float

@@ -14,7 +14,8 @@ Per request: the body is read (at most ``max_body_bytes``: 413 beyond), parsed (
 non-object body or a missing/ill-typed prompt field, naming the field), the prompt becomes a chain of block hashes
 (:mod:`btbctl.engine.gateway.prompt`), the policy picks a worker (``now_s`` = seconds since the gateway started),
 and the body is forwarded as received (no re-encoding). Answers carry ``X-BTB-Worker: <worker URL>``.
-Errors are JSON ``{"error": {"message", "type", "code"}}``; unknown routes get 404 and wrong methods 405.
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` (the emulated worker's shape too); unknown
+routes get 404 and wrong methods 405.
 
 **TTFT** is measured at the gateway from the request's arrival to the first byte of the answer from the worker:
 for a stream, the first chunk carrying an SSE ``data:`` line; for a non-streamed answer, the response head (a
@@ -44,7 +45,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.gateway.metrics import GatewayMetrics
+from btbctl.engine.errors import api_error_body
+from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
 from btbctl.engine.gateway.state import FleetState
 from btbctl.engine.logfmt import log_event
@@ -67,11 +69,13 @@ _DONE_MARK = b"data: [DONE]"
 _DONE_TAIL = 64
 #: Exceptions that mean "the worker failed us" on the upstream side.
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+#: The gateway's metrics on the data app (the error middleware counts the requests aiohttp refused).
+METRICS_KEY = web.AppKey("btb_metrics", GatewayMetrics)
 
 
-def json_error(status: int, message: str, kind: str = "invalid_request_error", **extra) -> web.Response:
-    """An OpenAI-style error answer ``{"error": {"message", "type", "code", ...}}``."""
-    body = {"error": {"message": message, "type": kind, "code": status, **extra}}
+def json_error(status: int, message: str, kind: str | None = None, **extra) -> web.Response:
+    """An error answer in the shape the emulated worker uses too (:func:`~btbctl.engine.errors.api_error_body`)."""
+    body = api_error_body(status, message, kind, **extra)
     return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
@@ -85,6 +89,9 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         kind = "not_found" if e.status == 404 else "invalid_request_error"
+        metrics = request.app.get(METRICS_KEY)
+        if metrics is not None:
+            metrics.reject(e.status)
         msg = e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}"
         return json_error(e.status, msg, kind)
     except asyncio.CancelledError:
@@ -188,6 +195,7 @@ class DataPlane:
                         )
             except _UPSTREAM_ERRORS:
                 continue
+        gw.metrics.reject(503)
         return json_error(503, "no healthy worker", "unavailable")
 
     # -- the request path ---------------------------------------------------------------------------------------
@@ -197,6 +205,7 @@ class DataPlane:
         t0 = gw.state.clock()
         cl = request.content_length
         if cl is not None and cl > self.max_body:
+            gw.metrics.reject(413)
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
         body = await request.read()
         l3 = getattr(gw, "l3_prompts", None)
@@ -208,6 +217,7 @@ class DataPlane:
                 data, n_tokens = prompt_of(route, obj)
                 chain = chain_from_packed(data, gw.page_size)
         except PromptError as e:
+            gw.metrics.reject(400)
             return json_error(400, str(e))
         req = Request(
             request_id=gw.next_request_id(),
@@ -244,7 +254,7 @@ class DataPlane:
                 log_event(log, "request_retry", request=rid, attempt=attempt, worker=w.name, after=attempts[-1][:200])
             w.inflight += 1
             w.start_prefill(rid, chain, req.input_tokens)
-            gauge = metrics.inflight_gauge(w.url)
+            gauge = metrics.inflight_gauge(worker_label(w))
             gauge.inc()
             prefilled = False
             if chain and state.transfers.active:
@@ -261,7 +271,7 @@ class DataPlane:
                     w.hold(chain)
                 ttft = now - t0
                 state.record_ttft(idx, now, ttft)
-                metrics.observe_ttft(w.url, ttft)
+                metrics.observe_ttft(worker_label(w), ttft, policy_name)
                 gw.mark_changed("ttft")
 
             try:
@@ -300,8 +310,8 @@ class DataPlane:
                             first_byte(t_head)
                         # a 4xx is the client's: passed through as is, the worker stays healthy
                         w.served += 1
-                        metrics.request(w.url, policy_name, str(status))
-                        metrics.observe_duration(w.url, state.clock() - t0)
+                        metrics.request(worker_label(w), policy_name, str(status))
+                        metrics.observe_duration(worker_label(w), state.clock() - t0)
                         return web.Response(
                             status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url}
                         )
@@ -320,6 +330,7 @@ class DataPlane:
                 gw.policy.on_finish(req, idx, state.clock())
         if not attempts:
             metrics.request("none", policy_name, "503")
+            metrics.reject(503)
             return json_error(503, "no healthy worker", "unavailable")
         metrics.request("none", policy_name, "502")
         return json_error(
@@ -372,7 +383,7 @@ class DataPlane:
             await out.write(b"".join(held))
         except (ConnectionResetError, RuntimeError):  # the client went away
             resp.close()
-            gw.metrics.request(w.url, policy_name, "client_gone")
+            gw.metrics.request(worker_label(w), policy_name, "client_gone")
             return out
         # From here on the answer is committed to this worker: never retried.
         tail = b"".join(held)[-_DONE_TAIL:]
@@ -414,8 +425,8 @@ class DataPlane:
             w.served += 1
         else:
             resp.close()  # stop the worker's side of an abandoned or broken stream
-        gw.metrics.request(w.url, policy_name, status)
-        gw.metrics.observe_duration(w.url, gw.state.clock() - t0)
+        gw.metrics.request(worker_label(w), policy_name, status)
+        gw.metrics.observe_duration(worker_label(w), gw.state.clock() - t0)
         return out
 
 
@@ -445,6 +456,7 @@ def _describe(e: BaseException) -> str:
 def build_data_app(gw: Router, *, max_body_bytes: int, max_retries: int) -> web.Application:
     """The data-plane :class:`aiohttp.web.Application` routed by ``gw``."""
     app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
+    app[METRICS_KEY] = gw.metrics
     dp = DataPlane(gw, max_body_bytes=max_body_bytes, max_retries=max_retries)
     app.router.add_post("/generate", dp.generate)
     app.router.add_post("/v1/completions", dp.completions)

@@ -3,18 +3,37 @@
 =================================== ========= ==========================================================
 name                                type      meaning
 =================================== ========= ==========================================================
-``btb_requests_total``              counter   answered requests by ``worker`` (URL or ``none``), ``policy``
-                                              and ``status`` (HTTP status sent, or ``stream_error`` when a
-                                              stream broke after its first byte, ``client_gone``)
+``btb_requests_total``              counter   answered requests by ``worker`` (see :func:`worker_label`, or
+                                              ``none``), ``policy`` and ``status`` (HTTP status sent, or
+                                              ``stream_error`` when a stream broke after its first byte,
+                                              ``client_gone``)
+``btb_rejected_requests_total``     counter   requests the gateway answered itself with an error, by
+                                              ``reason`` (``bad_request``, ``body_too_large``,
+                                              ``not_found``, ``method_not_allowed``, ``no_healthy_worker``)
+                                              and ``status`` (400, 413, 404, 405, 503)
 ``btb_ttft_seconds``                histogram time from the request's arrival at the gateway to the first
-                                              byte (streaming: first SSE ``data:`` chunk) from ``worker``
+                                              byte (streaming: first SSE ``data:`` chunk) from ``worker``,
+                                              by ``worker`` and ``policy`` (the policy in force when the
+                                              request arrived: A/B across ``btbctl tune policy=``)
 ``btb_request_duration_seconds``    histogram arrival to last byte sent, by ``worker``
 ``btb_inflight_requests``           gauge     requests the gateway has in flight, by ``worker``
 ``btb_worker_healthy``              gauge     1 when ``worker`` is healthy
 ``btb_retries_total``               counter   attempts moved to another worker after a failure
 ``btb_replications_total``          counter   finished copies by ``result`` (``done``, ``failed``)
 ``btb_replicated_bytes_total``      counter   bytes of copies that finished ``done``
+``btb_copy_duration_seconds``       histogram creation to end of each finished copy, by ``mode`` (``push``,
+                                              ``l3``) and ``outcome`` (``done``, ``failed``)
+``btb_copy_bytes_total``            counter   bytes moved by finished copies, by ``mode`` and ``outcome``
+                                              (bytes on the wire: emulated workers scale KV bytes down,
+                                              see ``--kv-bytes-scale``)
+``btb_copies_in_flight``            gauge     copies not finished yet, by ``mode`` (read at scrape)
 ``btb_detector_fires_total``        counter   burst-detector activations (read from the detector at scrape)
+``btb_hot_prefixes``                gauge     prefixes the detector holds active now (read at scrape)
+``btb_constant``                    gauge     BTB's constants in force, one series per ``constant``
+                                              (``prefix_blocks``, ``threshold``, ``window_s``,
+                                              ``warm_replicas``; read at scrape)
+``btb_policy_info``                 gauge     1, with the routing ``policy`` in force as a label (read at
+                                              scrape)
 ``btb_copy_proofs_total``           counter   finished ``l3`` copies by ``result``: ``proved`` (the warm-up
                                               covered the prefix), ``short`` (it did not), ``failed`` (an
                                               earlier step failed)
@@ -23,15 +42,20 @@ name                                type      meaning
                                               ``none``)
 =================================== ========= ==========================================================
 
+Every ``worker`` label comes from :func:`worker_label` (the worker's name, never its URL).
+
 TTFT buckets span 1 ms to 60 s (sub-millisecond answers of zero-delay workers up to cold 64k-token prefills).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from btbctl.engine.constants import BtbConstants
 
 #: Histogram buckets of ``btb_ttft_seconds`` and ``btb_request_duration_seconds``, seconds.
 LATENCY_BUCKETS = (
@@ -52,6 +76,47 @@ LATENCY_BUCKETS = (
     60.0,
     float("inf"),
 )
+#: Histogram buckets of ``btb_copy_duration_seconds``, seconds (loopback pushes of scaled bytes up to long waits
+#: for a source still computing its prefix).
+COPY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, float("inf"))
+
+#: ``btb_rejected_requests_total`` reasons by the HTTP status the gateway answered with.
+REJECT_REASONS = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    503: "no_healthy_worker",
+}
+
+
+def worker_label(worker: Any) -> str:
+    """The ``worker`` label of a gateway worker (a :class:`~btbctl.engine.gateway.state.WorkerState`): its name.
+
+    The one place metric labels name workers; URLs never become labels (they change with ports and leak hosts).
+    """
+    return str(worker.name)
+
+
+def reject_reason(status: int) -> str:
+    """The ``reason`` label of a request the gateway refused with ``status``."""
+    return REJECT_REASONS.get(status, "other")
+
+
+class LiveSource(Protocol):
+    """What the scrape-time gauges read from the gateway."""
+
+    @property
+    def constants(self) -> BtbConstants: ...
+
+    @property
+    def policy(self) -> Any: ...
+
+    @property
+    def detector(self) -> Any: ...
+
+    @property
+    def state(self) -> Any: ...
 
 
 class _FiresCollector:
@@ -67,18 +132,65 @@ class _FiresCollector:
         return []
 
 
-class GatewayMetrics:
-    """The gateway's metrics; label children are cached so the request path does one dict lookup each."""
+class _LiveCollector:
+    """Gauges read from the gateway at scrape: constants, policy, hot prefixes, copies in flight."""
 
-    def __init__(self, fires: Callable[[], int]) -> None:
+    def __init__(self, src: LiveSource) -> None:
+        self._src = src
+
+    def collect(self):
+        src = self._src
+        c = src.constants
+        g = GaugeMetricFamily("btb_constant", "BTB constant in force.", labels=("constant",))
+        for name in ("prefix_blocks", "threshold", "window_s", "warm_replicas"):
+            g.add_metric([name], float(getattr(c, name)))
+        yield g
+        p = GaugeMetricFamily("btb_policy_info", "1 for the routing policy in force.", labels=("policy",))
+        p.add_metric([str(src.policy.name)], 1.0)
+        yield p
+        state = src.state
+        det = src.detector
+        now = state.clock()
+        hot = sum(1 for h in det.heat(now, top=len(det)) if h.hot) if len(det) else 0
+        h = GaugeMetricFamily("btb_hot_prefixes", "Prefixes the burst detector holds active now.")
+        h.add_metric([], float(hot))
+        yield h
+        modes: dict[str, int] = {}
+        for t in list(state.transfers.active.values()):
+            modes[t.mode] = modes.get(t.mode, 0) + 1
+        f = GaugeMetricFamily("btb_copies_in_flight", "Prefix copies not finished yet.", labels=("mode",))
+        for mode in sorted(modes.keys() | {"push"}):
+            f.add_metric([mode], float(modes.get(mode, 0)))
+        yield f
+
+    def describe(self):
+        return []
+
+
+class GatewayMetrics:
+    """The gateway's metrics; label children are cached so the request path does one dict lookup each.
+
+    Args:
+        fires: the detector's activation count (read at scrape).
+        live: the gateway, read at scrape for the constants, policy, hot-prefix and copies-in-flight gauges
+            (None: those gauges are left out).
+    """
+
+    def __init__(self, fires: Callable[[], int], live: LiveSource | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "btb_requests", "Requests answered by the gateway.", ("worker", "policy", "status"), registry=r
         )
+        self.rejected = Counter(
+            "btb_rejected_requests",
+            "Requests the gateway refused itself (never forwarded).",
+            ("reason", "status"),
+            registry=r,
+        )
         self.ttft = Histogram(
             "btb_ttft_seconds",
             "Time to first byte from the worker, measured at the gateway.",
-            ("worker",),
+            ("worker", "policy"),
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -94,6 +206,16 @@ class GatewayMetrics:
         self.retries = Counter("btb_retries", "Attempts moved to another worker after a failure.", registry=r)
         self.replications = Counter("btb_replications", "Finished prefix copies.", ("result",), registry=r)
         self.replicated_bytes = Counter("btb_replicated_bytes", "Bytes of copies that finished done.", registry=r)
+        self.copy_duration = Histogram(
+            "btb_copy_duration_seconds",
+            "Creation to end of finished prefix copies.",
+            ("mode", "outcome"),
+            buckets=COPY_BUCKETS,
+            registry=r,
+        )
+        self.copy_bytes = Counter(
+            "btb_copy_bytes", "Bytes moved by finished prefix copies.", ("mode", "outcome"), registry=r
+        )
         self.proofs = Counter("btb_copy_proofs", "Finished l3 copies by proof result.", ("result",), registry=r)
         self.proof_storage_tokens = Counter(
             "btb_proof_storage_tokens", "Prompt tokens proved loaded from L3 by warm-ups.", registry=r
@@ -102,10 +224,12 @@ class GatewayMetrics:
             "btb_worker_replication", "1 for each worker with its replication mode.", ("worker", "mode"), registry=r
         )
         r.register(_FiresCollector(fires))
-        self._req: dict[tuple, object] = {}
-        self._ttft: dict[str, object] = {}
-        self._dur: dict[str, object] = {}
-        self._inflight: dict[str, object] = {}
+        if live is not None:
+            r.register(_LiveCollector(live))
+        self._req: dict[tuple, Any] = {}
+        self._ttft: dict[tuple[str, str], Any] = {}
+        self._dur: dict[str, Any] = {}
+        self._inflight: dict[str, Any] = {}
 
     def request(self, worker: str, policy: str, status: str) -> None:
         k = (worker, policy, status)
@@ -114,10 +238,15 @@ class GatewayMetrics:
             c = self._req[k] = self.requests.labels(worker, policy, status)
         c.inc()
 
-    def observe_ttft(self, worker: str, seconds: float) -> None:
-        h = self._ttft.get(worker)
+    def reject(self, status: int) -> None:
+        """Count a request the gateway refused with ``status`` (never forwarded to a worker)."""
+        self.rejected.labels(reject_reason(status), str(status)).inc()
+
+    def observe_ttft(self, worker: str, seconds: float, policy: str = "") -> None:
+        k = (worker, policy)
+        h = self._ttft.get(k)
         if h is None:
-            h = self._ttft[worker] = self.ttft.labels(worker)
+            h = self._ttft[k] = self.ttft.labels(worker, policy)
         h.observe(seconds)
 
     def observe_duration(self, worker: str, seconds: float) -> None:
@@ -125,6 +254,12 @@ class GatewayMetrics:
         if h is None:
             h = self._dur[worker] = self.duration.labels(worker)
         h.observe(seconds)
+
+    def observe_copy(self, mode: str, outcome: str, seconds: float | None, nbytes: int) -> None:
+        """Count a finished copy: its duration (when known) and the bytes it moved."""
+        if seconds is not None and seconds >= 0:
+            self.copy_duration.labels(mode, outcome).observe(seconds)
+        self.copy_bytes.labels(mode, outcome).inc(max(0, nbytes))
 
     def inflight_gauge(self, worker: str):
         g = self._inflight.get(worker)

@@ -7,6 +7,7 @@ policy's name, the page size), never the gateway itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any, Protocol
 
@@ -86,6 +87,14 @@ def _typed(info: dict, key: str, kind: type) -> Any:
     return None
 
 
+def _num(info: dict, key: str) -> float | None:
+    """``info[key]`` when it is a finite number >= 0 (not a bool), else None."""
+    v = info.get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+        return float(v)
+    return None
+
+
 class Reports:
     """Builds every control-API answer from ``src``."""
 
@@ -112,6 +121,10 @@ class Reports:
             possible, note = False, "replication mode none: routing only"
         else:
             possible, note = w.btb is True, _typed(info, "note", str) or w.replication_note
+        hbm_total, hbm_used, kv_tok = _num(info, "hbm_total_bytes"), None, _num(info, "kv_bytes_per_token")
+        weights, used_tokens = _num(info, "weight_bytes"), loads.get("used_tokens")
+        if hbm_total and weights is not None and kv_tok is not None and isinstance(used_tokens, int):
+            hbm_used = weights + used_tokens * kv_tok  # an emulated worker's modelled HBM
         return FleetWorker(
             name=w.name,
             url=w.url,
@@ -138,6 +151,11 @@ class Reports:
             transfer_addr=_typed(info, "transfer_addr", str),
             last_health_s=w.last_health_s,
             ttft_ewma_s=w.ttft_ewma_s,
+            hbm_used_bytes=hbm_used,
+            hbm_total_bytes=hbm_total if hbm_used is not None else None,
+            hbm_modelled=True if hbm_used is not None else None,
+            kv_bytes_per_token=kv_tok,
+            kv_bytes_scale=_typed(info, "kv_bytes_scale", int),
         )
 
     def fleet(self) -> FleetAnswer:

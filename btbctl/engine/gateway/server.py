@@ -48,7 +48,7 @@ from btbctl.engine.gateway.dataplane import build_data_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.health import HealthProber
 from btbctl.engine.gateway.l3 import L3Replicator
-from btbctl.engine.gateway.metrics import GatewayMetrics
+from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.replicator import ReplicateOutcome, Replicator
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
@@ -145,7 +145,7 @@ class Gateway:
         if wt is None and config.worker_token_file:
             wt = _read_or_create_token(config.worker_token_file, "worker_token_file")
         self.worker_token = wt
-        self.metrics = GatewayMetrics(lambda: self.detector.stats()["fires"])
+        self.metrics = GatewayMetrics(lambda: self.detector.stats()["fires"], live=self)
         self.bus = EventBus()
         self.reports = Reports(self)
         self._session: aiohttp.ClientSession | None = None
@@ -353,7 +353,7 @@ class Gateway:
         if w.healthy:
             w.healthy = False
             w.forget()
-            self.metrics.healthy.labels(w.url).set(0)
+            self.metrics.healthy.labels(worker_label(w)).set(0)
             log_event(log, "worker_down", logging.WARNING, worker=w.name, url=w.url, reason=reason.splitlines()[0])
         self.bus.mark("fleet")
 
@@ -387,7 +387,7 @@ class Gateway:
             log_event(log, "worker_up", worker=w.name, url=w.url)
         w.healthy = True
         w.health_error = None
-        self.metrics.healthy.labels(w.url).set(1)
+        self.metrics.healthy.labels(worker_label(w)).set(1)
 
     def _detector_fired(self, det) -> None:
         """The burst detector made a prefix hot: one line with its id, the arrivals in the window and the window."""
@@ -432,6 +432,8 @@ class Gateway:
         self.metrics.replications.labels(t.state.value).inc()
         if t.state is CopyState.DONE:
             self.metrics.replicated_bytes.inc(t.bytes_sent)
+        end = t.finished_s if t.finished_s is not None else self.clock()
+        self.metrics.observe_copy(t.mode, t.state.value, end - t.created_s, t.bytes_sent)
         if t.mode == "l3":
             short = (t.error or "").startswith("proof short")
             result = "proved" if t.state is CopyState.DONE else ("short" if short else "failed")
@@ -475,7 +477,7 @@ class Gateway:
         self._settle_page_size()
         self._install_policy(self.policy, None)
         for w in self.state.workers:
-            self.metrics.worker_mode.labels(w.url, self.replication_mode).set(1)
+            self.metrics.worker_mode.labels(worker_label(w), self.replication_mode).set(1)
         reports = self.reports
         self.bus.register("fleet", reports.fleet)
         self.bus.register("prefixes", lambda: reports.prefixes(EVENT_TOP_PREFIXES))

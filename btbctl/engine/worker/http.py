@@ -1,7 +1,8 @@
 """The emulated worker's HTTP API (aiohttp): SGLang 0.5's routes plus the ``/btb/*`` replication routes.
 
 Shapes follow SGLang 0.5 (REFERENCE.md s5) and OpenAI; errors are JSON
-``{"object": "error", "message", "type", "param": null, "code"}`` with a 4xx status for bad input (413 above
+``{"error": {"message", "type", "param": null, "code"}}`` (the gateway's shape,
+:func:`btbctl.engine.errors.api_error_body`) with a 4xx status for bad input (413 above
 :data:`MAX_BODY_BYTES`, 400 for malformed JSON or fields, 404 unknown route, 405 wrong method, 401/403 token) and
 500 without a traceback for bugs. See :mod:`btbctl.engine.worker` for the route list.
 
@@ -24,6 +25,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from btbctl import __version__
+from btbctl.engine.costmodel import model_preset
+from btbctl.engine.errors import api_error_body
 from btbctl.engine.hashing import BYTES_PER_TOKEN, pack_text, pack_tokens
 from btbctl.engine.replication.auth import AuthError
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
@@ -50,25 +53,21 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 128
 #: Synthetic text of one generated token.
 TOKEN_TEXT = " tok"
+#: Token id reported for :data:`TOKEN_TEXT` in logprobs (SGLang's ``output_token_logprobs``).
+TOKEN_ID = 11059
+#: Runner-up tokens of the synthetic ``top_logprobs`` (text, id), most likely first.
+ALT_TOKENS = ((" the", 279), (" a", 264), (" to", 311), (" and", 323), (" of", 315), (" in", 304), (" is", 374))
+#: Most choices per request (``n``) and stop strings accepted.
+MAX_N = 16
+MAX_STOP = 16
+#: Most ``top_logprobs`` (OpenAI chat) / ``top_logprobs_num`` (SGLang) accepted.
+MAX_TOP_LOGPROBS = 20
 #: Longest ``/btb/push`` waits for the target to accept the copy before answering 202, seconds (the target then
 #: counts the blocks as arriving, so a request routed there right after the push waits for them). A product
 #: choice: loopback and LAN handshakes take milliseconds.
 PUSH_ACCEPT_WAIT_S = 2.0
 #: Longest wait of a long poll ``GET /btb/copies/{id}?wait_s=``, seconds.
 MAX_COPY_POLL_WAIT_S = 10.0
-
-_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowed",
-    409: "ConflictError",
-    413: "RequestTooLarge",
-    429: "TooManyRequests",
-    500: "InternalServerError",
-    503: "ServiceUnavailable",
-}
 
 
 class ApiError(Exception):
@@ -82,8 +81,7 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, headers: dict | None = None) -> web.Response:
-    body = {"object": "error", "message": message, "type": _TYPES.get(status, "Error"), "param": None, "code": status}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(api_error_body(status, message), status=status, headers=headers)
 
 
 @web.middleware
@@ -107,6 +105,143 @@ async def _errors(request: web.Request, handler):
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return error_response(500, "internal error (see the worker's log)")
+
+
+# -- the synthetic output: stop strings and logprobs --------------------------------------------------------------
+class Output:
+    """The text one choice produces: :data:`TOKEN_TEXT` repeated, cut at the first stop string as SGLang does.
+
+    Attributes:
+        tokens: tokens decoded (``max_new``, or fewer when a stop string completed earlier).
+        cut: characters of the text kept (the stop string itself is trimmed), None when no stop string matched.
+        matched: the stop string that ended the text (SGLang's ``matched_stop`` / ``finish_reason.matched``).
+    """
+
+    def __init__(self, max_new: int, stops: list[str]) -> None:
+        self.tokens = max_new
+        self.cut: int | None = None
+        self.matched: str | None = None
+        full = TOKEN_TEXT * max_new
+        best: tuple[int, int, str] | None = None  # (tokens decoded when it completed, position, stop)
+        step = len(TOKEN_TEXT)
+        for stop in stops:
+            i = full.find(stop)
+            if i >= 0:
+                done = -(-(i + len(stop)) // step)
+                if best is None or (done, i) < best[:2]:
+                    best = (done, i, stop)
+        if best is not None:
+            self.tokens, self.cut, self.matched = best
+
+    def text(self, k: int) -> str:
+        """The text after ``k`` tokens."""
+        t = TOKEN_TEXT * k
+        return t if self.cut is None else t[: self.cut]
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's ``finish_reason``."""
+        return "length" if self.matched is None else "stop"
+
+    def sglang_finish(self) -> dict:
+        """SGLang's ``meta_info.finish_reason``."""
+        if self.matched is None:
+            return {"type": "length", "length": self.tokens}
+        return {"type": "stop", "matched": self.matched}
+
+
+def token_logprob(i: int) -> float:
+    """Deterministic, plausible logprob of the ``i``-th generated token (probability 0.6 to 0.98)."""
+    p = 0.6 + 0.38 * ((i * 0.6180339887) % 1.0)
+    return round(math.log(p), 6)
+
+
+def top_logprobs(i: int, n: int) -> list[tuple[str, int, float]]:
+    """``n`` most likely tokens at position ``i`` as ``(text, id, logprob)``: the generated one, then runners-up
+    sharing the rest of the probability (halving each), so the probabilities never sum above 1."""
+    lp = token_logprob(i)
+    out = [(TOKEN_TEXT, TOKEN_ID, lp)]
+    rest = 1.0 - math.exp(lp)
+    for j, (t, tid) in enumerate(ALT_TOKENS[: max(0, n - 1)]):
+        out.append((t, tid, round(math.log(rest * 0.5 ** (j + 1)), 6)))
+    return out[:n]
+
+
+def _stops(v: Any, key: str) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ApiError(400, f"'{key}' must be a string or a list of strings")
+    if len(v) > MAX_STOP:
+        raise ApiError(400, f"'{key}' has {len(v)} strings; at most {MAX_STOP}")
+    return [x for x in v if x]
+
+
+def _openai_logprobs(lo: int, hi: int, top: int, chat: bool, offset: int) -> dict:
+    """OpenAI's ``logprobs`` of tokens ``lo..hi-1`` (chat: ``{"content": [...]}``; completions: ``tokens``,
+    ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+    if chat:
+        content = []
+        for i in range(lo, hi):
+            tops = top_logprobs(i, top)
+            content.append(
+                {
+                    "token": TOKEN_TEXT,
+                    "logprob": token_logprob(i),
+                    "bytes": list(TOKEN_TEXT.encode()),
+                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, _, lp in tops],
+                }
+            )
+        return {"content": content}
+    n = hi - lo
+    return {
+        "tokens": [TOKEN_TEXT] * n,
+        "token_logprobs": [token_logprob(i) for i in range(lo, hi)],
+        "top_logprobs": [{t: lp for t, _, lp in top_logprobs(i, top)} for i in range(lo, hi)] if top else None,
+        "text_offset": [offset + (i - lo) * len(TOKEN_TEXT) for i in range(lo, hi)],
+    }
+
+
+def _sglang_logprobs(lo: int, hi: int, top: int, with_text: bool) -> dict:
+    """SGLang's ``meta_info`` logprob fields of output tokens ``lo..hi-1`` (``[logprob, token_id, text|None]``);
+    no input-token logprobs (the emulated worker has no model to score the prompt with)."""
+
+    def entry(t: str, tid: int, lp: float) -> list:
+        return [lp, tid, t if with_text else None]
+
+    return {
+        "input_token_logprobs": [],
+        "output_token_logprobs": [entry(TOKEN_TEXT, TOKEN_ID, token_logprob(i)) for i in range(lo, hi)],
+        "input_top_logprobs": [],
+        "output_top_logprobs": [[entry(*x) for x in top_logprobs(i, top)] for i in range(lo, hi)] if top else [],
+    }
+
+
+async def _merge(gens: list) -> Any:
+    """Yield ``(index, item)`` from several async generators as items come."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, g) -> None:
+        try:
+            async for x in g:
+                await q.put((i, x))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    left = len(tasks)
+    try:
+        while left:
+            i, x = await q.get()
+            if x is None:
+                left -= 1
+                continue
+            yield i, x
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 # -- request parsing ----------------------------------------------------------------------------------------------
@@ -379,7 +514,7 @@ class _Handlers:
                         "created": int(self.w.started_unix),
                         "owned_by": "sglang",
                         "root": self.cfg.model_path,
-                        "max_model_len": self.model.capacity_tokens,
+                        "max_model_len": model_preset(self.cfg.preset_name()).context_tokens,
                     }
                 ],
             }
@@ -507,18 +642,37 @@ class _Handlers:
         await lr.done
         yield n, True
 
-    def _meta(self, lr: LiveRequest, tokens_out: int, finished: bool) -> dict:
+    def _meta(self, lr: LiveRequest, tokens_out: int, finished: bool, out: Output | None = None) -> dict:
         now = self.model.clock()
         end = lr.finish_wall if finished and not math.isnan(lr.finish_wall) else now
+        finish = (
+            (out.sglang_finish() if out is not None else {"type": "length", "length": lr.max_new_tokens})
+            if finished
+            else None
+        )
         return {
             "id": lr.rid,
             "prompt_tokens": lr.prompt_tokens,
             "completion_tokens": tokens_out,
             "cached_tokens": lr.cached_tokens,
             "cached_tokens_details": self._details(lr),
-            "finish_reason": {"type": "length", "length": lr.max_new_tokens} if finished else None,
+            "finish_reason": finish,
             "e2e_latency": end - lr.arrival_wall,
         }
+
+    async def _submit_n(self, prompt: tuple[int, list[str]], max_new: int, rid: str, n: int) -> list[LiveRequest]:
+        """Submit ``n`` samples of one prompt (SGLang's parallel sampling: ids ``<rid>`` or ``<rid>-<i>``)."""
+        if n == 1:
+            return [await self._submit(prompt, max_new, rid)]
+        lrs: list[LiveRequest] = []
+        try:
+            for i in range(n):
+                lrs.append(await self._submit(prompt, max_new, f"{rid}-{i}"))
+        except ApiError:
+            for lr in lrs:
+                self.model.abort(lr)
+            raise
+        return lrs
 
     async def _sse_start(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(
@@ -546,18 +700,33 @@ class _Handlers:
         if not isinstance(sp, dict):
             raise ApiError(400, "sampling_params must be an object")
         max_new = _int(sp, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 0, 1 << 20, "sampling_params.")
+        n = _int(sp, "n", 1, 1, MAX_N, "sampling_params.") or 1
+        out = Output(max_new or 0, _stops(sp.get("stop"), "sampling_params.stop"))
+        want_lp = _bool(body, "return_logprob")
+        top = (_int(body, "top_logprobs_num", 0, 0, MAX_TOP_LOGPROBS) or 0) if want_lp else 0
+        with_text = _bool(body, "return_text_in_logprobs")
         stream = _bool(body, "stream")
-        lr = await self._submit(prompt, max_new, _rid(body.get("rid")))
+        lrs = await self._submit_n(prompt, out.tokens, _rid(body.get("rid")), n)
+
+        def answer(lr: LiveRequest, k: int, fin: bool) -> dict:
+            meta = self._meta(lr, k, fin, out)
+            if want_lp:
+                meta.update(_sglang_logprobs(0, k, top, with_text))
+            return {"text": out.text(k), "meta_info": meta}
+
         if not stream:
-            await lr.done
-            return web.json_response({"text": TOKEN_TEXT * max_new, "meta_info": self._meta(lr, max_new, True)})
+            for lr in lrs:
+                await lr.done
+            answers = [answer(lr, out.tokens, True) for lr in lrs]
+            return web.json_response(answers[0] if n == 1 else answers)
         resp = await self._sse_start(request)
         try:
-            async for k, fin in self._progress(lr):
-                await self._sse(resp, {"text": TOKEN_TEXT * k, "meta_info": self._meta(lr, k, fin), "index": 0})
+            async for i, (k, fin) in _merge([self._progress(lr) for lr in lrs]):
+                await self._sse(resp, {**answer(lrs[i], k, fin), "index": i})
             await self._sse(resp, "[DONE]")
         except ConnectionError:
-            self.model.abort(lr)  # the client went away: abort it, as SGLang does
+            for lr in lrs:
+                self.model.abort(lr)  # the client went away: abort it, as SGLang does
         return resp
 
     def _usage(self, lr: LiveRequest, completion: int) -> dict:
@@ -569,7 +738,14 @@ class _Handlers:
         }
 
     async def _openai(self, request: web.Request, body: dict, prompt: tuple[int, list[str]], max_new: int, chat: bool):
-        _int(body, "n", 1, 1, 1)  # one choice per request only
+        n = _int(body, "n", 1, 1, MAX_N) or 1
+        out = Output(max_new, _stops(body.get("stop"), "stop"))
+        if chat:  # chat: logprobs true/false and top_logprobs 0..20
+            want_lp = _bool(body, "logprobs")
+            top = (_int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0) if want_lp else 0
+        else:  # completions: logprobs = how many top tokens (0..5), null for none
+            lp = _int(body, "logprobs", None, 0, 5)
+            want_lp, top = lp is not None, lp or 0
         stream = _bool(body, "stream")
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
@@ -577,31 +753,47 @@ class _Handlers:
         include_usage = _bool(so, "include_usage")
         want_details = _bool(body, "return_cached_tokens_details")
         rid = _rid(body.get("rid"))
-        lr = await self._submit(prompt, max_new, rid)
+        lrs = await self._submit_n(prompt, out.tokens, rid, n)
+        lr = lrs[0]
         created = int(time.time())
-        oid = ("chatcmpl-" if chat else "cmpl-") + lr.rid
+        oid = ("chatcmpl-" if chat else "cmpl-") + rid
         model = self.cfg.served_name
         obj = "chat.completion" if chat else "text_completion"
+        completion = out.tokens * n
+
+        def logprobs(lo: int, hi: int) -> dict | None:
+            return _openai_logprobs(lo, hi, top, chat, len(out.text(lo))) if want_lp else None
+
         if not stream:
-            await lr.done
-            text = TOKEN_TEXT * max_new
-            choice = (
+            for x in lrs:
+                await x.done
+            text = out.text(out.tokens)
+            fin = out.finish_reason
+            choices = [
                 {
-                    "index": 0,
+                    "index": i,
                     "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": "length",
+                    "logprobs": logprobs(0, out.tokens),
+                    "finish_reason": fin,
+                    "matched_stop": out.matched,
                 }
                 if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-            )
+                else {
+                    "index": i,
+                    "text": text,
+                    "logprobs": logprobs(0, out.tokens),
+                    "finish_reason": fin,
+                    "matched_stop": out.matched,
+                }
+                for i in range(n)
+            ]
             answer = {
                 "id": oid,
                 "object": obj,
                 "created": created,
                 "model": model,
-                "choices": [choice],
-                "usage": self._usage(lr, max_new),
+                "choices": choices,
+                "usage": self._usage(lr, completion),
             }
             details = self._details(lr) if want_details else None
             if details is not None:  # SGLang: response-level ``sglext`` (serving_completions.py:548-570)
@@ -610,22 +802,25 @@ class _Handlers:
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
         resp = await self._sse_start(request)
 
-        def chunk(delta_tokens: int, finish: str | None, first: bool = False) -> dict:
-            text = TOKEN_TEXT * delta_tokens
+        def chunk(i: int, lo: int, hi: int, fin: bool, first: bool) -> dict:
+            text = out.text(hi)[len(out.text(lo)) :]
+            finish = out.finish_reason if fin else None
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": logprobs(lo, hi), "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": text, "logprobs": logprobs(lo, hi), "finish_reason": finish}
+            if fin:
+                choice["matched_stop"] = out.matched
             return {"id": oid, "object": chunk_obj, "created": created, "model": model, "choices": [choice]}
 
         try:
-            sent = 0
-            first = True
-            async for k, fin in self._progress(lr):
-                await self._sse(resp, chunk(k - sent, "length" if fin else None, first))
-                first = False
-                sent = k
+            sent = [0] * n
+            first = [True] * n
+            async for i, (k, fin) in _merge([self._progress(x) for x in lrs]):
+                await self._sse(resp, chunk(i, sent[i], k, fin, first[i]))
+                first[i] = False
+                sent[i] = k
             details = self._details(lr) if want_details else None
             if details is not None:  # SGLang: a chunk without choices carrying ``sglext`` before the usage chunk
                 await self._sse(
@@ -648,12 +843,13 @@ class _Handlers:
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": self._usage(lr, max_new),
+                        "usage": self._usage(lr, completion),
                     },
                 )
             await self._sse(resp, "[DONE]")
         except ConnectionError:
-            self.model.abort(lr)  # the client went away: abort it, as SGLang does
+            for x in lrs:
+                self.model.abort(x)  # the client went away: abort it, as SGLang does
         return resp
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -700,7 +896,9 @@ class _Handlers:
             count = [len(t) for t in tokens]
         else:
             raise ApiError(400, f"Invalid prompt type: {type(prompt).__name__}. Expected str or List[str].")
-        return web.json_response({"tokens": tokens, "count": count, "max_model_len": self.model.capacity_tokens})
+        return web.json_response(
+            {"tokens": tokens, "count": count, "max_model_len": model_preset(self.cfg.preset_name()).context_tokens}
+        )
 
     # -- BTB extension routes ---------------------------------------------------------------------------------
     async def btb_match(self, request: web.Request) -> web.Response:
@@ -733,6 +931,9 @@ class _Handlers:
                 "gpu": c.gpu,
                 "tp_size": c.tp_size,
                 "capacity_tokens": self.model.capacity_tokens,
+                "kv_bytes_scale": c.kv_bytes_scale,
+                "weight_bytes": self.model.cost.model.weight_bytes,
+                "hbm_total_bytes": self.model.cost.hbm_bytes,
                 "transport": self.w.transport.name,
                 "time_scale": c.time_scale,
                 "zero_delay": c.zero,
