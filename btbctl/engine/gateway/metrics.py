@@ -92,6 +92,21 @@ class GatewayMetrics:
         self.inflight = Gauge("btb_inflight_requests", "Requests in flight to a worker.", ("worker",), registry=r)
         self.healthy = Gauge("btb_worker_healthy", "1 when the worker is healthy.", ("worker",), registry=r)
         self.retries = Counter("btb_retries", "Attempts moved to another worker after a failure.", registry=r)
+        self.rejected = Counter(
+            "btb_rejected",
+            "Requests answered 503 with Retry-After at a limit of the gateway's own (inflight: the in-flight cap; "
+            "over_cap: the connection cap with every connection busy; descriptors: no descriptor left to connect "
+            "upstream).",
+            ("reason",),
+            registry=r,
+        )
+        self.connections_closed = Counter(
+            "btb_connections_closed",
+            "Client connections the gateway closed itself (header_timeout: no complete request head in time; "
+            "evicted: closed for a new one at the connection cap).",
+            ("listener", "reason"),
+            registry=r,
+        )
         self.replications = Counter("btb_replications", "Finished prefix copies.", ("result",), registry=r)
         self.replicated_bytes = Counter("btb_replicated_bytes", "Bytes of copies that finished done.", registry=r)
         self.proofs = Counter("btb_copy_proofs", "Finished l3 copies by proof result.", ("result",), registry=r)
