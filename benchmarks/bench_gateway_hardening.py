@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import signal
 import sys
@@ -95,6 +96,7 @@ class Fleet:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self.keep_log()
         for p in [self.gw, *self.workers]:
             if p is not None and p.returncode is None:
                 p.send_signal(signal.SIGCONT)
@@ -110,6 +112,11 @@ class Fleet:
         async with http.get(self.control_url + "/control/fleet") as r:
             return sum(1 for w in (await r.json())["workers"] if not w["healthy"])
 
+    def keep_log(self) -> None:
+        """``BENCH_KEEP_LOG=path``: keep a copy of the gateway's log there."""
+        if os.environ.get("BENCH_KEEP_LOG"):
+            Path(os.environ["BENCH_KEEP_LOG"]).write_bytes((self.tmp / "gateway.log").read_bytes())
+
     def log_lines(self) -> int:
         return sum(1 for _ in open(self.tmp / "gateway.log", "rb"))
 
@@ -121,6 +128,7 @@ def session() -> aiohttp.ClientSession:
 async def burst(args, tmp: Path) -> None:
     async with Fleet(tmp, 2, args.nofile, 16, ["--zero-delay"]) as fleet, session() as http:
         counts = {"200": 0, "503+Retry-After": 0, "other": 0, "error": 0}
+        errors: dict[str, int] = {}
 
         async def one(i: int) -> None:
             body = {"text": f"{i} {TEXT}", "stream": True, "sampling_params": {"max_new_tokens": 8}}
@@ -133,8 +141,9 @@ async def burst(args, tmp: Path) -> None:
                         counts["503+Retry-After"] += 1
                     else:
                         counts["other"] += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 counts["error"] += 1
+                errors[str(e)[:60]] = errors.get(str(e)[:60], 0) + 1
 
         t = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(args.streams)))
@@ -142,7 +151,7 @@ async def burst(args, tmp: Path) -> None:
         print(
             f"burst: {args.streams} streams under nofile {args.nofile}: {counts}; answered "
             f"{counts['200'] + counts['503+Retry-After']}/{args.streams} in {wall:.1f} s; workers marked unhealthy: "
-            f"{await fleet.unhealthy(http)}; gateway log lines: {fleet.log_lines()}"
+            f"{await fleet.unhealthy(http)}; gateway log lines: {fleet.log_lines()}; client errors: {errors}"
         )
 
 

@@ -116,7 +116,7 @@ async def test_idle_half_sent_connections_do_not_starve_real_clients(tmp_path):
 
             async def legit(i: int):
                 """A well-behaved client: a 503 with Retry-After is retried after that many seconds."""
-                for _ in range(10):
+                for _ in range(15):
                     try:
                         async with http.post(
                             data_url + "/generate",

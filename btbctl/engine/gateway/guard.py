@@ -11,7 +11,7 @@ connections can be read and answered 503 or wait idle between keep-alive request
 **Connections.** :class:`ConnectionGuard` watches one listener (an aiohttp ``web.Server``): a connection that has
 not delivered a complete request head within ``header_timeout_s`` (a fresh or half-sent one) is closed, and when
 the cap is reached a new connection closes the oldest one that is not serving a request (half-sent or idle
-keep-alive; one that never served a request only once it was open a quarter of ``header_timeout_s``: a burst's
+keep-alive; one that never served a request only once it was open half of ``header_timeout_s``: a burst's
 fresh connections have their request heads in flight and must not evict each other), so idle connections can
 never starve real clients for long. When no connection can go, the new one's request is answered 503 with
 ``Retry-After`` and the connection closes.
@@ -36,6 +36,8 @@ from btbctl.engine.logfmt import log_event
 
 log = logging.getLogger(__name__)
 
+#: Largest request body read (and dropped) before a 503 at the connection cap.
+_DRAIN_BYTES = 64 * 1024
 #: Seconds between the sweeps that bring the connections back to the cap.
 SWEEP_INTERVAL_S = 0.5
 #: Errors of the gateway's own process, not of the peer: no descriptor left (per process, system-wide).
@@ -207,9 +209,9 @@ class ConnectionGuard:
         c.timer = loop.call_later(self.header_timeout_s, self._head_due, handler)
 
     def _evict(self, now: float) -> bool:
-        """Close the oldest connection not serving a request (one that never served any only once it is a quarter
-        of ``header_timeout_s`` old); whether one went."""
-        old = now - self.header_timeout_s / 4
+        """Close the oldest connection not serving a request (one that never served any only once it is half of
+        ``header_timeout_s`` old); whether one went."""
+        old = now - self.header_timeout_s / 2
         victim = next((h for h, c in self.conns.items() if not c.busy and (c.served or c.opened <= old)), None)
         if victim is None:
             return False
@@ -246,6 +248,11 @@ class ConnectionGuard:
             c.over_cap = len(self.conns) > self.max_connections and not self._evict(asyncio.get_running_loop().time())
         if c.over_cap:
             self._reject("over_cap")
+            if (request.content_length or 0) <= _DRAIN_BYTES:  # read a small body first: closing on unread
+                try:  # bytes resets the connection, and the client might miss the answer
+                    await asyncio.wait_for(request.read(), 1.0)
+                except (asyncio.TimeoutError, OSError, web.HTTPException):
+                    pass
             return overloaded(self.retry_after_s, f"the gateway's {self.name} listener is at its connection cap")
         c.busy += 1
         if c.timer is not None:
