@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from btbctl.engine import hashing
+from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
 
 #: Fake transfer addresses: names in a fleet's registry (nothing listens there), unique in this process.
 _transfer_ports = itertools.count(40000)
@@ -54,6 +55,7 @@ class FakeWorker:
     waiting_reqs: int = 2
     max_tokens: int = 100
     block_bytes: int = 1000
+    hash_prompts: bool = True  # False: skip hashing the prompt (a big one would stall the test's event loop)
     registry: dict = field(default_factory=dict)  # transfer_addr -> FakeWorker (shared by a fleet)
     requests: list = field(default_factory=list)
     pushes: list = field(default_factory=list)
@@ -69,7 +71,7 @@ class FakeWorker:
     # -- lifecycle -----------------------------------------------------------------------------------------------
 
     async def start(self) -> FakeWorker:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)  # the emulated worker's limit
         r = app.router
         r.add_get("/health", self.health)
         r.add_get("/v1/loads", self.loads)
@@ -149,7 +151,7 @@ class FakeWorker:
             request.transport.abort()
             await asyncio.sleep(0.05)
             return web.Response()
-        chain = self.chain_of(request.path, body)
+        chain = self.chain_of(request.path, body) if self.hash_prompts else []
         if self.first_byte_delay_s or self.first_byte_gate is not None:
             for h in chain:
                 self.computing[h] = self.computing.get(h, 0) + 1

@@ -76,7 +76,8 @@ def gateway(
         float | None, typer.Option("--health-interval-s", help="Seconds between health checks (default: 1.0).")
     ] = None,
     max_body_bytes: Annotated[
-        int | None, typer.Option("--max-body-bytes", help="Largest request body, bytes (default: 33554432).")
+        int | None,
+        typer.Option("--max-body-bytes", help="Largest request body, bytes (default: 8388608)."),
     ] = None,
     log_level: Annotated[
         str, typer.Option("--log-level", help="Diagnostics on stderr: debug, info, warning.")

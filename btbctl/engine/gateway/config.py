@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 
 
 class AgentRef(BaseModel):
@@ -85,8 +86,57 @@ class GatewayConfig(BaseModel):
     request marks it at once)."""
     max_retries: int = Field(2, ge=0)
     """Further workers tried when one fails before any byte went back to the client."""
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
-    """Largest accepted request body, bytes (larger: 413). 32 MiB holds a 1M-token prompt as ``input_ids``."""
+    max_body_bytes: int = Field(MAX_REQUEST_BODY_BYTES, ge=1024)
+    """Largest accepted request body, bytes (larger: 413 before anything is parsed). The default is the emulated
+    worker's own limit (:mod:`btbctl.engine.limits`, 8 MiB): never larger than what the workers accept, or the
+    gateway would hash a prompt that the worker then refuses."""
+    max_prompt_tokens: int = Field(MAX_PROMPT_TOKENS, ge=1)
+    """Longest prompt, tokens (text counts 4 bytes per token): 413 before the prompt is hashed."""
+    max_chain_blocks: int = Field(1 << 16, ge=1)
+    """Blocks of a prompt the gateway hashes and tracks, at most (its leading ones): routing, the chain index and
+    copies see the first ``max_chain_blocks * page_size`` tokens of longer prompts. Bounds the work per request at
+    small page sizes (a 2M-token prompt at SGLang's default page size 1 would otherwise mean 2M hashes, and as many
+    entries in the policy's tree and the holding record, on the event loop)."""
+    offload_bytes: int = Field(256 * 1024, ge=0)
+    """Bodies larger than this are parsed and hashed in a worker thread, not on the event loop, so a big prompt
+    never stalls other requests or ``/health`` (0: always; smaller bodies take microseconds, a thread hop costs
+    more)."""
+    fd_reserve: int = Field(128, ge=16)
+    """Descriptors kept for everything but proxied requests (listeners, health probes, copies, the control API,
+    log files); the rest of ``RLIMIT_NOFILE`` (raised to its hard limit at start) is split between requests in
+    flight and client connections (:mod:`btbctl.engine.gateway.guard`)."""
+    max_inflight: int | None = Field(None, ge=1)
+    """Data-plane requests in flight at most; beyond: 503 with ``Retry-After`` (counted in
+    ``btb_rejected_requests_total``). None: a third of the descriptor budget (each proxied request holds two
+    sockets)."""
+    max_client_connections: int | None = Field(None, ge=1)
+    """Open data-plane client connections at most. At the cap a new connection closes the oldest one not serving
+    a request; when all are busy its request gets 503. None: the descriptor budget less ``max_inflight``."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """A client connection without a complete request head for this long is closed (fresh, half-sent, or idle
+    between keep-alive requests), on both listeners."""
+    body_timeout_s: float = Field(60.0, gt=0)
+    """Longest time reading one request body may take, seconds (408 beyond)."""
+    retry_after_s: int = Field(1, ge=1)
+    """``Retry-After`` of the gateway's 503 answers when it is at a limit of its own, seconds."""
+    control_max_connections: int = Field(64, ge=1)
+    """Open control-API connections at most (same rules as the data plane's cap)."""
+    max_event_subscribers: int = Field(32, ge=1)
+    """Concurrent ``GET /control/events`` streams at most; beyond: 503 with ``Retry-After``."""
+    first_byte_timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for a worker's first byte (a stream's first data chunk; a non-streamed answer's head, which
+    comes when the whole answer is ready), seconds; beyond, the worker counts as failed and the request is retried
+    elsewhere (nothing reached the client yet). Must exceed the longest legitimate prefill plus queueing: 300 s
+    covers a 1M-token prefill at ~5k tokens/s; lower it for short prompts to detect a frozen worker sooner (the
+    health checks usually do it first, see ``reroute_on_unhealthy``)."""
+    idle_timeout_s: float = Field(60.0, gt=0)
+    """Longest silence of a worker after its first byte (between stream chunks, or while a non-streamed answer's
+    body arrives), seconds; beyond, a stream ends with an SSE error event (it cannot be retried once the client has
+    bytes of it). Decode steps take milliseconds, so a minute of silence means a frozen worker."""
+    reroute_on_unhealthy: bool = True
+    """When a worker is marked unhealthy (health checks, or a failed request), its requests that got no first byte
+    yet are retried elsewhere at once instead of waiting for ``first_byte_timeout_s``. A worker whose ``/health``
+    only lags under load loses its queued requests to others (they start over there); never answered twice."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Timeout of connecting to a worker, seconds."""
     upstream_timeout_s: float | None = Field(None, gt=0)

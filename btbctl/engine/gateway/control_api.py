@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -91,9 +92,13 @@ class ControlApi:
         steering: applies the writes and checks the token.
         bus: the event bus behind ``GET /control/events``.
         open_reads: reads need no token (the listener is on loopback).
+        retry_after_s: ``Retry-After`` of the 503 answer when the event streams are at their cap.
     """
 
-    def __init__(self, reports: Reports, steering: Steering, bus: EventBus, *, open_reads: bool) -> None:
+    def __init__(
+        self, reports: Reports, steering: Steering, bus: EventBus, *, open_reads: bool, retry_after_s: int = 1
+    ) -> None:
+        self.retry_after_s = retry_after_s
         self.reports = reports
         self.steering = steering
         self.bus = bus
@@ -251,11 +256,17 @@ class ControlApi:
     # -- events -------------------------------------------------------------------------------------------------
 
     async def events(self, request: web.Request) -> web.StreamResponse:
+        bus = self.bus
+        if bus.subscribers >= bus.max_subscribers:
+            return _err(
+                503,
+                f"{bus.subscribers} event streams are open, the limit; retry later",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await resp.prepare(request)
-        bus = self.bus
         q = bus.subscribe()
         try:
             await resp.write(b": connected\n\n")
@@ -279,10 +290,19 @@ class ControlApi:
         return resp
 
 
-def build_control_app(reports: Reports, steering: Steering, bus: EventBus, *, open_reads: bool) -> web.Application:
-    """The control-API :class:`aiohttp.web.Application` (see :class:`ControlApi` for the arguments)."""
-    api = ControlApi(reports, steering, bus, open_reads=open_reads)
-    app = web.Application(client_max_size=MAX_CONTROL_BODY, middlewares=[api.middleware])
+def build_control_app(
+    reports: Reports,
+    steering: Steering,
+    bus: EventBus,
+    *,
+    open_reads: bool,
+    retry_after_s: int = 1,
+    middlewares: Sequence[Any] = (),
+) -> web.Application:
+    """The control-API :class:`aiohttp.web.Application` (see :class:`ControlApi` for the arguments; ``middlewares``
+    run first)."""
+    api = ControlApi(reports, steering, bus, open_reads=open_reads, retry_after_s=retry_after_s)
+    app = web.Application(client_max_size=MAX_CONTROL_BODY, middlewares=[*middlewares, api.middleware])
     r = app.router
     r.add_get("/control/fleet", api.fleet)
     r.add_get("/control/prefixes", api.prefixes)

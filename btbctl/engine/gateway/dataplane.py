@@ -36,8 +36,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -46,9 +48,12 @@ from yarl import URL
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import api_error_body
+from btbctl.engine.gateway.guard import RateLimiter, is_local_exhaustion, overloaded
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
 from btbctl.engine.gateway.state import FleetState
+from btbctl.engine.hashing import BYTES_PER_TOKEN
+from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
 from btbctl.engine.trace.model import Request
@@ -137,20 +142,62 @@ class Router(Protocol):
         """Something behind the control API's ``kind`` events changed (``prefixes``, ``ttft``)."""
 
 
+@dataclass(frozen=True)
+class DataLimits:
+    """The data plane's limits (the matching :class:`~btbctl.engine.gateway.config.GatewayConfig` fields say
+    why each default is what it is)."""
+
+    max_body_bytes: int = MAX_REQUEST_BODY_BYTES
+    max_retries: int = 2
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS
+    offload_bytes: int = 256 * 1024
+    max_inflight: int = 1 << 30
+    retry_after_s: int = 1
+    body_timeout_s: float = 60.0
+    first_byte_timeout_s: float = 300.0
+    idle_timeout_s: float = 60.0
+    max_chain_blocks: int = 1 << 16
+
+
 class DataPlane:
     """Request handlers in front of the workers, routed by a :class:`Router`.
 
     Args:
         gw: the router (the gateway).
-        max_body_bytes: largest request body (413 beyond).
-        max_retries: further workers tried when one fails before the first byte went to the client.
+        limits: body, prompt, in-flight and upstream time limits.
     """
 
-    def __init__(self, gw: Router, *, max_body_bytes: int, max_retries: int) -> None:
+    def __init__(self, gw: Router, limits: DataLimits | None = None) -> None:
         self.gw = gw
-        self.max_body = max_body_bytes
-        self.max_retries = max_retries
+        self.limits = lim = limits or DataLimits()
+        self.max_body = lim.max_body_bytes
+        self.max_retries = lim.max_retries
         self._urls: dict[tuple[str, str], URL] = {}
+        #: requests admitted and not answered yet
+        self.inflight = 0
+        #: per worker index: futures of attempts without a first byte yet, resolved when the worker goes down
+        self._waiting: dict[int, set[asyncio.Future]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self.limiter = RateLimiter()
+
+    def worker_down(self, idx: int, reason: str) -> None:
+        """Worker ``idx`` was marked unhealthy: its attempts still waiting for a first byte give up on it now and
+        retry elsewhere (nothing of them reached the client)."""
+        for fut in self._waiting.pop(idx, ()):
+            if not fut.done():
+                fut.set_result(reason)
+
+    def close(self) -> None:
+        """Stop the prompt-hashing thread pool (after the listener stopped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _warn(self, event: str, **fields: Any) -> None:
+        """A structured warning, at most one per event and interval (repeats are counted in the next line)."""
+        ok, held = self.limiter.allow(event)
+        if ok:
+            log_event(log, event, logging.WARNING, repeats_held=held or None, **fields)
 
     def _url(self, base: str, path: str) -> URL:
         """The parsed upstream URL (cached: parsing a URL per request costs more than routing it)."""
@@ -201,21 +248,45 @@ class DataPlane:
     # -- the request path ---------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+        lim = self.limits
+        if self.inflight >= lim.max_inflight:
+            self.gw.metrics.reject(503, "inflight")
+            self._warn("request_refused", reason="inflight_cap", inflight=self.inflight, cap=lim.max_inflight)
+            return overloaded(lim.retry_after_s, f"the gateway has {self.inflight} requests in flight, its limit")
+        self.inflight += 1
+        try:
+            return await self._admitted(request, route, path)
+        finally:
+            self.inflight -= 1
+
+    async def _admitted(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         gw = self.gw
+        lim = self.limits
         t0 = gw.state.clock()
         cl = request.content_length
         if cl is not None and cl > self.max_body:
             gw.metrics.reject(413)
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
-        body = await request.read()
-        l3 = getattr(gw, "l3_prompts", None)
         try:
-            obj = parse_json_object(body)
-            if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
-                chain, n_tokens = await l3.chain(route, obj, gw.page_size)
+            body = await asyncio.wait_for(request.read(), lim.body_timeout_s)
+        except asyncio.TimeoutError:
+            return json_error(408, f"the request body did not arrive within {lim.body_timeout_s:g} s")
+        l3 = getattr(gw, "l3_prompts", None)
+        page_size = gw.page_size
+        try:
+            if len(body) > lim.offload_bytes:  # a big prompt: parse and hash it off the event loop
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="btb-prompt")
+                loop = asyncio.get_running_loop()
+                obj, chain, n_tokens = await loop.run_in_executor(
+                    self._pool, self._prepare, route, body, page_size, l3 is None
+                )
             else:
-                data, n_tokens = prompt_of(route, obj)
-                chain = chain_from_packed(data, gw.page_size)
+                obj, chain, n_tokens = self._prepare(route, body, page_size, l3 is None)
+            if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
+                chain, n_tokens = await l3.chain(route, obj, page_size)
+        except _PromptTooLong as e:
+            return json_error(413, str(e))
         except PromptError as e:
             gw.metrics.reject(400)
             return json_error(400, str(e))
@@ -226,12 +297,67 @@ class DataPlane:
             output_tokens=output_tokens_of(route, obj),
             block_hashes=chain,
         )
-        if chain:
-            gw.state.chains.add(chain)
-            if len(chain) >= gw.constants.prefix_blocks:
-                gw.mark_changed("prefixes")
         stream = obj.get("stream") is True
         return await self._forward(request, path, body, req, stream, t0)
+
+    def _prepare(self, route: str, body: bytes, page_size: int, hash_it: bool) -> tuple[dict, tuple, int]:
+        """The parsed body, the prompt's chain (empty unless ``hash_it``) and its length in tokens; the length is
+        checked against ``max_prompt_tokens`` before hashing. Runs in a thread for big bodies.
+
+        Raises:
+            PromptError: malformed body or prompt (400).
+            _PromptTooLong: over ``max_prompt_tokens`` (413).
+        """
+        obj = parse_json_object(body)
+        if not hash_it:
+            return obj, (), 0
+        data, n_tokens = prompt_of(route, obj)
+        if n_tokens > self.limits.max_prompt_tokens:
+            raise _PromptTooLong(
+                f"prompt of {n_tokens} tokens exceeds the limit of {self.limits.max_prompt_tokens} tokens"
+            )
+        keep = self.limits.max_chain_blocks * page_size * BYTES_PER_TOKEN  # the leading blocks only
+        return obj, chain_from_packed(data[:keep] if len(data) > keep else data, page_size), n_tokens
+
+    def _learn(self, chain: tuple) -> None:
+        """A worker answered ``chain``'s request successfully: the chain index may know it now (never before, so
+        refused or failed requests cannot evict good prefixes from it)."""
+        gw = self.gw
+        gw.state.chains.add(chain)
+        if len(chain) >= gw.constants.prefix_blocks:
+            gw.mark_changed("prefixes")
+
+    async def _until_first_byte(self, aw: Awaitable[Any], idx: int, deadline: float) -> Any:
+        """Await ``aw`` (the upstream request or a read before the first byte) until ``deadline`` (loop time) or
+        until worker ``idx`` is marked unhealthy, whichever comes first.
+
+        Raises:
+            asyncio.TimeoutError: the deadline passed (the first-byte timeout).
+            _Abandoned: the worker was marked unhealthy meanwhile.
+        """
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(aw)
+        down: asyncio.Future = loop.create_future()
+        waiting = self._waiting.setdefault(idx, set())
+        waiting.add(down)
+        try:
+            await asyncio.wait((task, down), timeout=max(0.0, deadline - loop.time()), return_when="FIRST_COMPLETED")
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            waiting.discard(down)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait((task,))
+        if not task.cancelled() and task.exception() is None:
+            res = task.result()
+            if isinstance(res, aiohttp.ClientResponse):
+                res.close()
+        if down.done():
+            raise _Abandoned(down.result())
+        raise asyncio.TimeoutError(f"no first byte within {self.limits.first_byte_timeout_s:g} s")
 
     async def _forward(
         self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, t0: float
@@ -244,6 +370,9 @@ class DataPlane:
         rid = req.request_id
         excluded: list[int] = []
         attempts: list[str] = []
+        lim = self.limits
+        loop = asyncio.get_running_loop()
+        learned = False
         for attempt in range(self.max_retries + 1):
             idx = gw.choose(req, excluded)
             if idx is None:
@@ -262,8 +391,11 @@ class DataPlane:
 
             # w and idx bound as defaults: the callback belongs to this attempt's worker
             def first_byte(now: float | None = None, w=w, idx=idx) -> None:
-                nonlocal prefilled
+                nonlocal prefilled, learned
                 prefilled = True
+                if chain and not learned:
+                    learned = True
+                    self._learn(chain)
                 if now is None:
                     now = state.clock()
                 w.end_prefill(rid)
@@ -274,10 +406,21 @@ class DataPlane:
                 metrics.observe_ttft(worker_label(w), ttft, policy_name)
                 gw.mark_changed("ttft")
 
+            deadline = loop.time() + lim.first_byte_timeout_s
             try:
                 try:
-                    resp = await gw.session.post(self._url(w.url, path), data=body, headers=_FORWARD_HEADERS)
+                    resp = await self._until_first_byte(
+                        gw.session.post(self._url(w.url, path), data=body, headers=_FORWARD_HEADERS), idx, deadline
+                    )
+                except _Abandoned as e:
+                    attempts.append(f"{w.url}: marked unhealthy before its first byte ({e})")
+                    excluded.append(idx)
+                    continue
                 except _UPSTREAM_ERRORS as e:
+                    if is_local_exhaustion(e):  # our descriptors, not the worker's fault
+                        metrics.reject(503, "descriptors")
+                        self._warn("upstream_connect_refused", reason="descriptors", worker=w.url, error=_describe(e))
+                        return overloaded(lim.retry_after_s, "the gateway is out of descriptors; retry shortly")
                     reason = _describe(e)
                     attempts.append(f"{w.url}: {reason}")
                     gw.worker_failed(idx, reason)
@@ -288,7 +431,9 @@ class DataPlane:
                     status = resp.status
                     if status >= 500:
                         try:
-                            detail = (await resp.read())[:200].decode("utf-8", "replace")
+                            detail = (await asyncio.wait_for(resp.read(), lim.idle_timeout_s))[:200].decode(
+                                "utf-8", "replace"
+                            )
                         except _UPSTREAM_ERRORS:
                             detail = ""
                         reason = f"HTTP {status}" + (f": {detail}" if detail else "")
@@ -299,7 +444,7 @@ class DataPlane:
                     ctype = resp.headers.get("Content-Type", "application/json")
                     if not (stream and status == 200 and ctype.startswith("text/event-stream")):
                         try:
-                            payload = await resp.read()
+                            payload = await asyncio.wait_for(resp.read(), lim.idle_timeout_s)
                         except _UPSTREAM_ERRORS as e:
                             reason = f"answer broke off: {_describe(e)}"
                             attempts.append(f"{w.url}: {reason}")
@@ -316,7 +461,7 @@ class DataPlane:
                             status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url}
                         )
                     return await self._stream(
-                        request, resp, w, idx, policy_name, ctype, first_byte, attempts, excluded, t0
+                        request, resp, w, idx, policy_name, ctype, first_byte, attempts, excluded, t0, deadline
                     )
                 finally:
                     resp.release()
@@ -352,21 +497,27 @@ class DataPlane:
         attempts: list[str],
         excluded: list[int],
         t0: float,
+        deadline: float,
     ) -> web.StreamResponse:
         gw = self.gw
+        idle = self.limits.idle_timeout_s
         content = resp.content
         held: list[bytes] = []
         size = 0
         # Before the first data chunk nothing has reached the client: a failure here is retried elsewhere.
         try:
             while True:
-                chunk = await content.readany()
+                chunk = await self._until_first_byte(content.readany(), idx, deadline)
                 if not chunk:
                     raise aiohttp.ClientPayloadError("stream ended before any data")
                 held.append(chunk)
                 size += len(chunk)
                 if b"data:" in chunk or size >= _PREAMBLE_LIMIT:
                     break
+        except _Abandoned as e:
+            attempts.append(f"{w.url}: marked unhealthy before its first byte ({e})")
+            excluded.append(idx)
+            raise _RetryStream() from None
         except _UPSTREAM_ERRORS as e:
             reason = f"stream broke before its first byte: {_describe(e)}"
             attempts.append(f"{w.url}: {reason}")
@@ -389,9 +540,10 @@ class DataPlane:
         tail = b"".join(held)[-_DONE_TAIL:]
         while True:
             try:
-                chunk = await content.readany()
+                chunk = await asyncio.wait_for(content.readany(), idle)
             except _UPSTREAM_ERRORS as e:
-                reason = f"stream broke after its first byte: {_describe(e)}"
+                why = f"no data for {idle:g} s (idle timeout)" if isinstance(e, asyncio.TimeoutError) else _describe(e)
+                reason = f"stream broke after its first byte: {why}"
                 gw.worker_failed(idx, reason)
                 if _DONE_MARK in tail:  # the client already has the whole answer: it counts as served
                     break
@@ -448,16 +600,24 @@ class _RetryStream(Exception):
     """Internal: a stream failed before its first byte reached the client."""
 
 
+class _Abandoned(Exception):
+    """Internal: the worker was marked unhealthy while an attempt waited for its first byte."""
+
+
+class _PromptTooLong(PromptError):
+    """Internal: the prompt is over ``max_prompt_tokens`` (413)."""
+
+
 def _describe(e: BaseException) -> str:
     text = str(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def build_data_app(gw: Router, *, max_body_bytes: int, max_retries: int) -> web.Application:
-    """The data-plane :class:`aiohttp.web.Application` routed by ``gw``."""
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware])
-    app[METRICS_KEY] = gw.metrics
-    dp = DataPlane(gw, max_body_bytes=max_body_bytes, max_retries=max_retries)
+def build_data_app(dp: DataPlane, middlewares: Sequence[Any] = ()) -> web.Application:
+    """The data-plane :class:`aiohttp.web.Application` of ``dp`` (``middlewares`` run before the error
+    middleware)."""
+    app = web.Application(client_max_size=dp.max_body, middlewares=[*middlewares, error_middleware])
+    app[METRICS_KEY] = dp.gw.metrics
     app.router.add_post("/generate", dp.generate)
     app.router.add_post("/v1/completions", dp.completions)
     app.router.add_post("/v1/chat/completions", dp.chat)

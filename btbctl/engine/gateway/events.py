@@ -24,10 +24,13 @@ class EventBus:
     ``constants``); a ticker every :attr:`interval_s` (0.1 s: at most 10 events per second per type) builds one
     snapshot per marked type with the registered builder and hands it to every subscriber. Nothing is built while
     nobody listens. A subscriber that falls behind loses its oldest events (queues hold :attr:`queue_size`).
+    At most :attr:`max_subscribers` listen at once (the control API answers 503 beyond; each one costs a
+    connection and a snapshot per event).
     """
 
-    def __init__(self, interval_s: float = 0.1, queue_size: int = 256) -> None:
+    def __init__(self, interval_s: float = 0.1, queue_size: int = 256, max_subscribers: int = 32) -> None:
         self.interval_s = interval_s
+        self.max_subscribers = max_subscribers
         self.queue_size = queue_size
         self.builders: dict[str, Callable[[], BaseModel]] = {}
         self._dirty: set[str] = set()

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from btbctl.engine.aiotasks import cancel_and_wait
+from btbctl.engine.gateway.guard import is_local_exhaustion
 from btbctl.engine.gateway.state import WorkerState
 
 #: Exceptions that mean "no usable answer" from a worker.
@@ -125,6 +126,8 @@ class HealthProber:
                 reason = None if ok else f"/health answered HTTP {resp.status}"
                 await resp.read()
         except _PROBE_ERRORS as e:
+            if is_local_exhaustion(e):  # the gateway has no descriptor left: says nothing about the worker
+                return
             ok, reason = (
                 False,
                 f"/health failed: {type(e).__name__}: {e}" if str(e) else f"/health failed: {type(e).__name__}",

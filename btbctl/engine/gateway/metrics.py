@@ -9,8 +9,9 @@ name                                type      meaning
                                               ``client_gone``)
 ``btb_rejected_requests_total``     counter   requests the gateway answered itself with an error, by
                                               ``reason`` (``bad_request``, ``body_too_large``,
-                                              ``not_found``, ``method_not_allowed``, ``no_healthy_worker``)
-                                              and ``status`` (400, 413, 404, 405, 503)
+                                              ``not_found``, ``method_not_allowed``, ``no_healthy_worker``;
+                                              the 503s of the gateway's own limits: ``inflight``,
+                                              ``over_cap``, ``descriptors``) and ``status``
 ``btb_ttft_seconds``                histogram time from the request's arrival at the gateway to the first
                                               byte (streaming: first SSE ``data:`` chunk) from ``worker``,
                                               by ``worker`` and ``policy`` (the policy in force when the
@@ -204,6 +205,13 @@ class GatewayMetrics:
         self.inflight = Gauge("btb_inflight_requests", "Requests in flight to a worker.", ("worker",), registry=r)
         self.healthy = Gauge("btb_worker_healthy", "1 when the worker is healthy.", ("worker",), registry=r)
         self.retries = Counter("btb_retries", "Attempts moved to another worker after a failure.", registry=r)
+        self.connections_closed = Counter(
+            "btb_connections_closed",
+            "Client connections the gateway closed itself (header_timeout: no complete request head in time; "
+            "evicted: closed for a new one at the connection cap).",
+            ("listener", "reason"),
+            registry=r,
+        )
         self.replications = Counter("btb_replications", "Finished prefix copies.", ("result",), registry=r)
         self.replicated_bytes = Counter("btb_replicated_bytes", "Bytes of copies that finished done.", registry=r)
         self.copy_duration = Histogram(
@@ -238,9 +246,11 @@ class GatewayMetrics:
             c = self._req[k] = self.requests.labels(worker, policy, status)
         c.inc()
 
-    def reject(self, status: int) -> None:
-        """Count a request the gateway refused with ``status`` (never forwarded to a worker)."""
-        self.rejected.labels(reject_reason(status), str(status)).inc()
+    def reject(self, status: int, reason: str | None = None) -> None:
+        """Count a request the gateway refused with ``status`` (never forwarded to a worker); ``reason`` overrides
+        the one :func:`reject_reason` derives from the status (the 503s of the gateway's own limits: ``inflight``,
+        ``over_cap``, ``descriptors``)."""
+        self.rejected.labels(reason or reject_reason(status), str(status)).inc()
 
     def observe_ttft(self, worker: str, seconds: float, policy: str = "") -> None:
         k = (worker, policy)

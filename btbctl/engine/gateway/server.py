@@ -44,8 +44,15 @@ from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.gateway.control_api import build_control_app, is_loopback
-from btbctl.engine.gateway.dataplane import build_data_app
+from btbctl.engine.gateway.dataplane import DataLimits, DataPlane, build_data_app
 from btbctl.engine.gateway.events import EventBus
+from btbctl.engine.gateway.guard import (
+    ConnectionGuard,
+    RateLimiter,
+    fd_budget,
+    install_accept_error_limiter,
+    raise_nofile,
+)
 from btbctl.engine.gateway.health import HealthProber
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
@@ -146,7 +153,11 @@ class Gateway:
             wt = _read_or_create_token(config.worker_token_file, "worker_token_file")
         self.worker_token = wt
         self.metrics = GatewayMetrics(lambda: self.detector.stats()["fires"], live=self)
-        self.bus = EventBus()
+        self.bus = EventBus(max_subscribers=config.max_event_subscribers)
+        self.dataplane: DataPlane | None = None
+        self.guards: list[ConnectionGuard] = []
+        self.limiter = RateLimiter()
+        self._restore_loop_handler: Callable[[], None] | None = None
         self.reports = Reports(self)
         self._session: aiohttp.ClientSession | None = None
         self.replicator = Replicator(
@@ -355,6 +366,8 @@ class Gateway:
             w.forget()
             self.metrics.healthy.labels(worker_label(w)).set(0)
             log_event(log, "worker_down", logging.WARNING, worker=w.name, url=w.url, reason=reason.splitlines()[0])
+            if self.dataplane is not None and self.config.reroute_on_unhealthy:
+                self.dataplane.worker_down(w.index, reason)
         self.bus.mark("fleet")
 
     def _worker_info(self, w: WorkerState, info: dict | None) -> None:
@@ -465,8 +478,27 @@ class Gateway:
             ConfigError: a listen address/port that cannot be bound (key ``port`` or ``control_port``).
         """
         cfg = self.config
+        old_nofile, nofile = raise_nofile()
+        auto_inflight, auto_conns = fd_budget(nofile, cfg.fd_reserve)
+        max_inflight = cfg.max_inflight or auto_inflight
+        max_conns = cfg.max_client_connections or auto_conns
+        log_event(
+            log,
+            "gateway_limits",
+            nofile_before=old_nofile,
+            nofile=nofile,
+            fd_reserve=cfg.fd_reserve,
+            max_inflight=max_inflight,
+            max_client_connections=max_conns,
+            control_max_connections=cfg.control_max_connections,
+        )
+        self._restore_loop_handler = install_accept_error_limiter(asyncio.get_running_loop(), self.limiter)
+        # upstream sockets: one per request in flight, plus room for health probes and copies (in the reserve)
         connector = aiohttp.TCPConnector(
-            limit=cfg.max_connections, limit_per_host=0, keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300
+            limit=min(cfg.max_connections, max_inflight + cfg.fd_reserve // 2),
+            limit_per_host=0,
+            keepalive_timeout=cfg.keepalive_timeout_s,
+            ttl_dns_cache=300,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -494,21 +526,75 @@ class Gateway:
             workers=",".join(w.name for w in self.state.workers),
             **self.constants.as_dict(),
         )
-        data = build_data_app(self, max_body_bytes=cfg.max_body_bytes, max_retries=cfg.max_retries)
+        self.dataplane = DataPlane(
+            self,
+            DataLimits(
+                max_body_bytes=cfg.max_body_bytes,
+                max_retries=cfg.max_retries,
+                max_prompt_tokens=cfg.max_prompt_tokens,
+                offload_bytes=cfg.offload_bytes,
+                max_inflight=max_inflight,
+                retry_after_s=cfg.retry_after_s,
+                body_timeout_s=cfg.body_timeout_s,
+                first_byte_timeout_s=cfg.first_byte_timeout_s,
+                idle_timeout_s=cfg.idle_timeout_s,
+                max_chain_blocks=cfg.max_chain_blocks,
+            ),
+        )
+        data_guard = self._guard("data", max_conns)
+        control_guard = self._guard("control", cfg.control_max_connections)
+        data = build_data_app(self.dataplane, middlewares=[data_guard.middleware])
         data.on_response_prepare.append(self._log_response)
-        control = build_control_app(reports, self, self.bus, open_reads=is_loopback(cfg.control_host))
+        control = build_control_app(
+            reports,
+            self,
+            self.bus,
+            open_reads=is_loopback(cfg.control_host),
+            retry_after_s=cfg.retry_after_s,
+            middlewares=[control_guard.middleware],
+        )
         try:
-            self.data_url = await self._listen(data, cfg.host, cfg.port, "port", cfg.access_log)
-            self.control_url = await self._listen(control, cfg.control_host, cfg.control_port, "control_port", False)
+            self.data_url = await self._listen(data, cfg.host, cfg.port, "port", cfg.access_log, data_guard)
+            self.control_url = await self._listen(
+                control, cfg.control_host, cfg.control_port, "control_port", False, control_guard
+            )
         except BaseException:
             await self.stop()
             raise
 
-    async def _listen(self, app: web.Application, host: str, port: int, key: str, access_log: bool) -> str:
+    def _guard(self, name: str, cap: int) -> ConnectionGuard:
+        closed = self.metrics.connections_closed
+        metrics = self.metrics
+
+        def on_reject(reason: str) -> None:
+            if reason == "over_cap":
+                metrics.reject(503, "over_cap")
+            else:
+                closed.labels(name, reason).inc()
+
+        guard = ConnectionGuard(
+            name,
+            max_connections=cap,
+            header_timeout_s=self.config.header_timeout_s,
+            retry_after_s=self.config.retry_after_s,
+            limiter=self.limiter,
+            on_reject=on_reject,
+        )
+        self.guards.append(guard)
+        return guard
+
+    async def _listen(
+        self, app: web.Application, host: str, port: int, key: str, access_log: bool, guard: ConnectionGuard
+    ) -> str:
         runner = web.AppRunner(
-            app, access_log=logging.getLogger("aiohttp.access") if access_log else None, shutdown_timeout=1.0
+            app,
+            access_log=logging.getLogger("aiohttp.access") if access_log else None,
+            shutdown_timeout=1.0,
+            keepalive_timeout=self.config.header_timeout_s,  # idle keep-alive connections close like half-sent ones
         )
         await runner.setup()
+        assert runner.server is not None
+        guard.install(runner.server)
         self._runners.append(runner)
         site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
         try:
@@ -533,6 +619,13 @@ class Gateway:
         await self.bus.stop()
         if self._session is not None:
             await self._session.close()
+        if self.dataplane is not None:
+            self.dataplane.close()
+        for guard in self.guards:
+            guard.close()
+        if self._restore_loop_handler is not None:
+            self._restore_loop_handler()
+            self._restore_loop_handler = None
 
 
 # -- entry points -----------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ from btbctl.engine.costmodel import (
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.launcher.hosts import HostSpec, is_address, is_loopback
 from btbctl.engine.launcher.kubernetes import KubernetesSection
+from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
 
 #: Default data-plane port of the gateway. SGLang workers default to 30000 (REFERENCE.md s5); the gateway sits
 #: next to that range so a single-host fleet keeps its ports together.
@@ -139,9 +140,9 @@ class GatewaySection(BaseModel):
     (the gateway's default, 2)."""
     health_interval_s: float = Field(1.0, gt=0)
     """Seconds between the gateway's health checks of each worker."""
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
-    """Largest request body the gateway accepts, bytes (32 MiB, the gateway's default, holds a 65,536-token prompt
-    as text many times over)."""
+    max_body_bytes: int = Field(MAX_REQUEST_BODY_BYTES, ge=1024)
+    """Largest request body the gateway accepts, bytes (8 MiB, the gateway's default and the emulated worker's own
+    limit: never set it above what the workers accept, or the gateway hashes prompts the worker then refuses)."""
     settings: dict[str, Any] = Field(default_factory=dict)
     """Further gateway settings by name (``GatewayConfig`` fields such as ``unhealthy_after = 1``,
     ``connect_timeout_s = 2.0`` or ``seed = 7``, which fixes the policy's tie-breaks for a reproducible run; without

@@ -28,6 +28,7 @@ from btbctl import __version__
 from btbctl.engine.costmodel import model_preset
 from btbctl.engine.errors import api_error_body
 from btbctl.engine.hashing import BYTES_PER_TOKEN, pack_text, pack_tokens
+from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.replication.auth import AuthError
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
@@ -40,10 +41,8 @@ from btbctl.sglang_l3.keys import page_keys_packed
 
 log = logging.getLogger("btbctl.worker")
 
-#: Largest request body accepted, bytes (8 MiB: a 2M-token text prompt; larger bodies get 413).
-MAX_BODY_BYTES = 8 << 20
-#: Longest prompt accepted, tokens (above any preset's KV capacity per request anyway).
-MAX_PROMPT_TOKENS = 4 << 20
+#: Largest request body accepted, bytes (the gateway's default limit too: :mod:`btbctl.engine.limits`).
+MAX_BODY_BYTES = MAX_REQUEST_BODY_BYTES
 #: Default ``max_new_tokens`` of ``/generate`` (SGLang's sampling-params default, 128).
 DEFAULT_MAX_NEW_TOKENS = 128
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's default, 16).
