@@ -56,6 +56,7 @@ def _copy_rates(fleet, copies) -> list[tuple[float, float, float]]:
     return out
 
 
+@pytest.mark.slow
 def test_l3_burst_moves_pages_agent_to_agent_and_spreads_once_proved(make_testbed, tmp_path):  # noqa: F811
     require_sshd()
     tb = make_testbed(2, rate_gbit=RATE_GBIT)

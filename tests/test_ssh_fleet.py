@@ -83,6 +83,7 @@ def run_dir(tmp_path):
     force_cleanup(rd)
 
 
+@pytest.mark.slow
 def test_two_hosts_up_burst_status_logs_down(sshd, tmp_path, run_dir):
     cfg = write_cluster(
         tmp_path / "c.toml",
