@@ -29,6 +29,7 @@ from btbctl.engine.agent.pages import PageStore
 from btbctl.engine.agent.peer import PeerService
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.fileio import ReadRefused, read_bounded
+from btbctl.engine.netaddr import is_loopback
 
 log = logging.getLogger("btbctl.agent")
 
@@ -69,18 +70,6 @@ class AgentConfig:
     idle_timeout_s: float = 10.0
     transport: str = "auto"
     file_dir: str | None = None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) reaches only this machine."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def read_secret(path: str, what: str = "secret file") -> bytes:

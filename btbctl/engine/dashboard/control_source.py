@@ -53,6 +53,7 @@ from btbctl.engine.dashboard.snapshot import (
     WorkerRow,
 )
 from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.netaddr import is_loopback
 from btbctl.engine.telemetry.nvml import read_gpus
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,7 @@ FEED_POLL = "poll"
 
 
 def _is_loopback(url: str) -> bool:
-    host = (urlsplit(url).hostname or "").lower()
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return is_loopback(urlsplit(url).hostname or "")
 
 
 def _nan(x: float | None) -> float:

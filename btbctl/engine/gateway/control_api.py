@@ -13,7 +13,6 @@ stream from the :class:`~btbctl.engine.gateway.events.EventBus`; none of them kn
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -72,16 +71,6 @@ class Steering(Protocol):
 
     def check_token(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the control API's bearer token."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names a loopback address (``localhost``, 127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class ControlApi:

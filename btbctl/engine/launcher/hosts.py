@@ -28,6 +28,8 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from btbctl.engine.netaddr import is_loopback
+
 #: Default SSH port (IANA).
 DEFAULT_SSH_PORT = 22
 #: Seconds allowed to connect and authenticate to one host; the TCP+SSH handshake takes well under a second on a
@@ -55,16 +57,6 @@ def is_address(value: str) -> bool:
     try:
         ipaddress.ip_address(value.strip("[]"))
         return True
-    except ValueError:
-        return False
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an IP literal or ``localhost``) reaches only this machine."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 

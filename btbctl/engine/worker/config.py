@@ -17,6 +17,7 @@ from btbctl.engine.config import ClusterConfig, validate
 from btbctl.engine.costmodel import DEFAULT_MAX_RUNNING, DEFAULT_MEM_FRACTION, MODELS, model_preset
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
+from btbctl.engine.netaddr import is_loopback as _is_loopback
 from btbctl.sglang_l3.config import load_extra_config, parse_extra_config, split_consumed
 
 #: Smallest block in the emulated store, bytes (so that a scaled-down block still carries a meaningful payload).
@@ -245,15 +246,3 @@ def make_config(**kwargs) -> WorkerConfig:
     cfg.cluster().replica_cost()  # the model must fit its GPUs
     check_settings(cfg)
     return cfg
-
-
-def _is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (127.0.0.0/8, ::1 or ``localhost``)."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
