@@ -43,7 +43,7 @@ from btbctl.engine.detector import BurstDetector
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
-from btbctl.engine.gateway.control_api import build_control_app, is_loopback
+from btbctl.engine.gateway.control_api import build_control_app
 from btbctl.engine.gateway.dataplane import DataLimits, DataPlane, build_data_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.guard import (
@@ -61,6 +61,7 @@ from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, R
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
 from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.logfmt import log_event
+from btbctl.engine.netaddr import is_loopback
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import CacheAware

@@ -71,9 +71,10 @@ from btbctl.engine.costmodel import (
     model_preset,
 )
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.launcher.hosts import HostSpec, is_address, is_loopback
+from btbctl.engine.launcher.hosts import HostSpec, is_address
 from btbctl.engine.launcher.kubernetes import KubernetesSection
 from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
+from btbctl.engine.netaddr import is_loopback
 
 #: Default data-plane port of the gateway. SGLang workers default to 30000 (REFERENCE.md s5); the gateway sits
 #: next to that range so a single-host fleet keeps its ports together.
