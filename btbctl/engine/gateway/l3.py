@@ -39,18 +39,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.copies import CopyPlan, CopyState, carry_out
-from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
+from btbctl.engine.copies import CopyState
+from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
-from btbctl.engine.logfmt import log_event
-from btbctl.engine.policies.base import Policy
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +89,7 @@ def _namespace_groups(info: dict) -> list[list[str]]:
     return out
 
 
-class L3Replicator:
+class L3Replicator(CopyExecutor):
     """Runs ``l3`` copy jobs between the workers of ``state`` (see the module docstring). The same interface as
     :class:`~btbctl.engine.gateway.replicator.Replicator` (``execute``, ``request_copy``, ``replicate``,
     ``refusal``, ``close``) plus :meth:`hold_back`.
@@ -111,6 +108,9 @@ class L3Replicator:
     """
 
     mode = "l3"
+    event_prefix = "l3_"
+    logged_bytes = "bytes_total"
+    unit = "pages"
 
     def __init__(
         self,
@@ -130,8 +130,7 @@ class L3Replicator:
         on_change: Callable[[Transfer], None] | None = None,
         on_finish: Callable[[Transfer], None] | None = None,
     ) -> None:
-        self.state = state
-        self._session = session
+        super().__init__(state, session, on_change, on_finish)
         self.agents = [dict(a) for a in agents]
         self.worker_agents = list(worker_agents)
         self.token = agent_token
@@ -142,14 +141,10 @@ class L3Replicator:
         self.copy_timeout_s = copy_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
         self.exclude_s = exclude_s
-        self.on_change = on_change
-        self.on_finish = on_finish
         self.timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
-        self._tasks: set[asyncio.Task] = set()
         self._excluded: dict[tuple[int, Hashable], float] = {}
         self._pushes: dict[tuple[int, Hashable], asyncio.Future] = {}
         self._pins: dict[tuple[str, Hashable], int] = {}
-        self.refused = 0
         self.proofs = {"proved": 0, "short": 0, "failed": 0}
 
     # -- eligibility ---------------------------------------------------------------------------------------------
@@ -205,53 +200,9 @@ class L3Replicator:
 
     # -- starting jobs ------------------------------------------------------------------------------------------
 
-    def execute(self, plan: CopyPlan, policy: Policy, excluded: Collection[int] = ()) -> list[int]:
-        """Carry out a policy's copy plan (see :meth:`Replicator.execute
-        <btbctl.engine.gateway.replicator.Replicator.execute>`)."""
-        now = self.state.clock()
-        source = plan.source
-
-        def start(target: int) -> bool:
-            if source in excluded or target in excluded:
-                self.refused += 1
-                return False
-            return self.request_copy(plan.prefix, source, target) is not None
-
-        return carry_out(plan, start, lambda t, ok: policy.on_copy_result(plan, t, ok, now))
-
-    def request_copy(
-        self,
-        chain: Sequence[Hashable],
-        source: int,
-        target: int,
-        *,
-        manual: bool = False,
-        source_confirmed: bool = False,
-    ) -> Transfer | None:
-        """Start a background copy job; its :class:`Transfer`, or None when refused (see :meth:`refusal`)."""
-        chain = tuple(chain)
-        if self.refusal(chain, source, target) is not None:
-            self.refused += 1
-            return None
-        t = Transfer(
-            copy_id=secrets.token_hex(8),
-            key=chain[-1],
-            chain=chain,
-            source=source,
-            target=target,
-            created_s=self.state.clock(),
-            manual=manual,
-            mode="l3",
-            routable=False,
-            covered_tokens=len(chain) * self.page_size(),
-        )
-        t.pushed = asyncio.Event()
-        self.state.transfers.add(t)
-        self._event("l3_copy_accepted", t, pages=len(chain), manual=manual)
-        task = asyncio.get_running_loop().create_task(self._run(t))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        self._changed(t)
+    def _transfer(self, chain: tuple, source: int, target: int, manual: bool) -> Transfer:
+        t = super()._transfer(chain, source, target, manual)
+        t.mode, t.routable, t.covered_tokens = "l3", False, len(chain) * self.page_size()
         return t
 
     async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> ReplicateOutcome:
@@ -277,100 +228,37 @@ class L3Replicator:
                     continue
         if not holders:
             raise ReplicateError(409, f"no healthy worker holds prefix {chain[-1]} ({len(chain)} pages)")
-        source = min(holders, key=lambda r: (ws[r].inflight, r))
-        free = [r for r in cands if r not in holders and not self.state.transfers.in_flight(r, chain[-1])]
-        free.sort(key=lambda r: (ws[r].inflight, r))
-        started: list[Transfer] = []
-        for r in free:
-            if len(started) >= n:
-                break
-            t = self.request_copy(chain, source, r, manual=True, source_confirmed=True)
-            if t is not None:
-                started.append(t)
-        if not started:
-            raise ReplicateError(
-                409,
-                f"no eligible target for prefix {chain[-1]}: every other healthy worker holds it, receives it, is "
-                "excluded after a failed proof, or the prefix's token ids are no longer known",
-            )
-        try:
-            await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started)), timeout=wait_s)
-        except asyncio.TimeoutError:
-            pass
-        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started, skipped=max(0, n - len(started)))
-
-    async def close(self) -> None:
-        """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await self._start_manual(
+            chain,
+            cands,
+            holders,
+            n,
+            wait_s,
+            "every other healthy worker holds it, receives it, is excluded after a failed proof, or the prefix's "
+            "token ids are no longer known",
+        )
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
 
-    def _name(self, r: int) -> str:
-        return self.state.workers[r].url
-
-    def _event(self, event: str, t: Transfer, **fields: object) -> None:
-        log_event(
-            log,
-            event,
-            copy_id=t.copy_id,
-            prefix=t.key,
-            source=self.state.workers[t.source].name,
-            target=self.state.workers[t.target].name,
-            source_url=self._name(t.source),
-            target_url=self._name(t.target),
-            **fields,
-        )
-
-    def _changed(self, t: Transfer) -> None:
-        if self.on_change is not None:
-            self.on_change(t)
-
     def _fail(self, t: Transfer, reason: str, kind: str = "failed") -> None:
-        t.state = CopyState.FAILED
-        t.error = reason
-        t.finished_s = self.state.clock()
-        self.state.transfers.finish(t)
+        """End ``t`` failed (``kind``: ``short`` when its proof fell short) and exclude its target from this prefix
+        for ``exclude_s``."""
         self.proofs["short" if kind == "short" else "failed"] += 1
-        self._event(
-            "l3_copy_failed",
-            t,
-            bytes=t.bytes_total,
-            duration_s=round(t.finished_s - t.created_s, 6),
-            outcome=kind,
-            reason=reason,
-        )
-        until = self.state.clock() + self.exclude_s
-        self._excluded[(t.target, t.key)] = until
-        self._event("l3_target_excluded", t, for_s=self.exclude_s, reason=reason)
-        self._changed(t)
-        if self.on_finish is not None:
-            self.on_finish(t)
+        self._excluded[(t.target, t.key)] = self.state.clock() + self.exclude_s
+        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind)
+        self._event("target_excluded", t, for_s=self.exclude_s, reason=reason)
 
     def _done(self, t: Transfer) -> None:
-        t.state = CopyState.DONE
-        t.finished_s = self.state.clock()
-        if t.bytes_total and t.bytes_sent < t.bytes_total:
-            t.bytes_sent = t.bytes_total
-        self.state.workers[t.target].hold(t.chain)
-        self.state.transfers.finish(t)
         self.proofs["proved"] += 1
-        self._event(
-            "l3_copy_proved",
+        self._finish(
             t,
-            bytes=t.bytes_total,
-            duration_s=round(t.finished_s - t.created_s, 6),
+            CopyState.DONE,
+            "copy_proved",
             transfer_s=None if t.transfer_s is None else round(t.transfer_s, 6),
             storage_tokens=t.proof_storage_tokens,
             covered_tokens=t.covered_tokens,
             outcome="proved",
         )
-        self._changed(t)
-        if self.on_finish is not None:
-            self.on_finish(t)
 
     # -- agent calls --------------------------------------------------------------------------------------------
 
@@ -418,9 +306,9 @@ class L3Replicator:
                 agent, "POST", "/v1/pin", {"keys": keys, "namespaces": group, "ttl_s": self.pin_ttl_s()}
             )
             if st != 200:
-                self._event("l3_pin_failed", t, agent=agent["name"], error=ans.get("error", st))
+                self._event("pin_failed", t, agent=agent["name"], error=ans.get("error", st))
         except AgentCallError as e:
-            self._event("l3_pin_failed", t, agent=agent["name"], error=str(e))
+            self._event("pin_failed", t, agent=agent["name"], error=str(e))
 
     async def _unpin(self, pinned: list) -> None:
         """Release this job's pins; an agent's pages of a prefix are unpinned when no other job holds them."""
@@ -437,12 +325,12 @@ class L3Replicator:
 
     # -- the job ------------------------------------------------------------------------------------------------
 
-    async def _run(self, t: Transfer) -> None:
+    async def _job(self, t: Transfer, source_confirmed: bool) -> None:
         pushed = t.pushed
         assert pushed is not None
         pinned: list = []
         try:
-            reason = await self._job(t, pinned)
+            reason = await self._steps(t, pinned)
             if isinstance(reason, tuple):
                 self._fail(t, *reason)
             elif reason is not None:
@@ -460,7 +348,7 @@ class L3Replicator:
             if pinned:
                 await asyncio.shield(self._unpin(pinned))
 
-    async def _job(self, t: Transfer, pinned: list) -> str | tuple | None:
+    async def _steps(self, t: Transfer, pinned: list) -> str | tuple | None:
         src_agent, dst_agent = self.agent_of(t.source), self.agent_of(t.target)
         keys = list(t.chain)
         clock = self.state.clock
@@ -495,7 +383,7 @@ class L3Replicator:
             t.state = CopyState.RUNNING
             t.started_s = clock()
             t.transfer_s = 0.0
-            self._event("l3_copy_started", t, bytes=0, note="same node: the target's L3 tier holds the pages")
+            self._event("copy_started", t, bytes=0, note="same node: the target's L3 tier holds the pages")
             self._changed(t)
         else:
             reason = await self._copy(t, src_agent, dst_agent, keys, group)
@@ -512,7 +400,7 @@ class L3Replicator:
         if fut is not None:  # another job copies this prefix to the same node: share its outcome
             t.state = CopyState.RUNNING
             t.started_s = self.state.clock()
-            self._event("l3_copy_started", t, note="shares a copy to the same node")
+            self._event("copy_started", t, note="shares a copy to the same node")
             self._changed(t)
             ok, info = await asyncio.shield(fut)
             t.bytes_total = t.bytes_sent = info.get("bytes", 0) if ok else 0
@@ -554,7 +442,7 @@ class L3Replicator:
         t.bytes_total = int(rec.get("bytes_total") or 0)
         t.state = CopyState.RUNNING
         t.started_s = clock()
-        self._event("l3_copy_started", t, bytes=t.bytes_total, pages=rec.get("pages"), namespaces=len(group))
+        self._event("copy_started", t, bytes=t.bytes_total, pages=rec.get("pages"), namespaces=len(group))
         self._changed(t)
         # progress until the source reports the outcome (done: every page verified and committed at the target)
         deadline = clock() + self.copy_timeout_s

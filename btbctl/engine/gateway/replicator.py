@@ -93,7 +93,174 @@ class ReplicateOutcome:
     skipped: int
 
 
-class Replicator:
+class CopyExecutor:
+    """What every executor of copy plans shares (the push :class:`Replicator` and the ``l3`` one): carrying out a
+    policy's plan, a job per copy in a background task, the manual replicate's choice of targets, finishing a
+    job (state, transfer table, one log line, callbacks) and cancelling the jobs at shutdown. Subclasses say why a
+    copy would be refused (:meth:`refusal`), build a job's :class:`Transfer` and run it (:meth:`_job`)."""
+
+    #: Replication mode (``push``, ``l3``) and the prefix of the job's log events (``copy_done``, ``l3_copy_done``).
+    mode = ""
+    event_prefix = ""
+    #: The :class:`Transfer` field a finished job's log line reports as ``bytes``, and what a chain's entries are.
+    logged_bytes = "bytes_sent"
+    unit = "blocks"
+
+    def __init__(
+        self,
+        state: FleetState,
+        session: Callable[[], aiohttp.ClientSession],
+        on_change: Callable[[Transfer], None] | None,
+        on_finish: Callable[[Transfer], None] | None,
+    ) -> None:
+        self.state = state
+        self._session = session
+        self.on_change = on_change
+        self.on_finish = on_finish
+        self._tasks: set[asyncio.Task] = set()
+        self.refused = 0
+
+    def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
+        raise NotImplementedError
+
+    def _transfer(self, chain: tuple, source: int, target: int, manual: bool) -> Transfer:
+        """A new job's record (the subclass adds its mode's fields)."""
+        return Transfer(
+            copy_id=secrets.token_hex(8),
+            key=chain[-1],
+            chain=chain,
+            source=source,
+            target=target,
+            created_s=self.state.clock(),
+            manual=manual,
+        )
+
+    async def _job(self, t: Transfer, source_confirmed: bool) -> None:
+        raise NotImplementedError
+
+    # -- starting jobs ------------------------------------------------------------------------------------------
+
+    def execute(self, plan: CopyPlan, policy: Policy, excluded: Collection[int] = ()) -> list[int]:
+        """Carry out a policy's copy plan: try its targets in order (:func:`~btbctl.engine.copies.carry_out`), each
+        a background job (:meth:`request_copy`), never to or from a worker in ``excluded``; every attempt is
+        reported to ``policy``. Returns the targets whose jobs started."""
+        now = self.state.clock()
+        source = plan.source
+
+        def start(target: int) -> bool:
+            if source in excluded or target in excluded:
+                self.refused += 1
+                return False
+            return self.request_copy(plan.prefix, source, target) is not None
+
+        return carry_out(plan, start, lambda t, ok: policy.on_copy_result(plan, t, ok, now))
+
+    def request_copy(
+        self,
+        chain: Sequence[Hashable],
+        source: int,
+        target: int,
+        *,
+        manual: bool = False,
+        source_confirmed: bool = False,
+    ) -> Transfer | None:
+        """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
+        :meth:`refusal`). Never blocks: the job runs in a task."""
+        chain = tuple(chain)
+        if self.refusal(chain, source, target) is not None:
+            self.refused += 1
+            return None
+        t = self._transfer(chain, source, target, manual)
+        t.pushed = asyncio.Event()
+        self.state.transfers.add(t)
+        self._event("copy_accepted", t, **{self.unit: len(chain)}, manual=manual)
+        task = asyncio.get_running_loop().create_task(self._job(t, source_confirmed))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._changed(t)
+        return t
+
+    async def _start_manual(
+        self, chain: tuple, cands: list[int], holders: list[int], n: int, wait_s: float, why_none: str
+    ) -> ReplicateOutcome:
+        """The manual replicate once the holders are known: the least-loaded holder is the source, the
+        least-loaded candidates that neither hold the prefix nor receive it the targets (ties: lower index); waits
+        up to ``wait_s`` for each push to be accepted or refused. Raises :class:`ReplicateError` (409,
+        ``why_none``) when no copy could start."""
+        ws = self.state.workers
+        source = min(holders, key=lambda r: (ws[r].inflight, r))
+        free = [r for r in cands if r not in holders and not self.state.transfers.in_flight(r, chain[-1])]
+        free.sort(key=lambda r: (ws[r].inflight, r))
+        started: list[Transfer] = []
+        for r in free:
+            if len(started) >= n:
+                break
+            t = self.request_copy(chain, source, r, manual=True, source_confirmed=True)
+            if t is not None:
+                started.append(t)
+        if not started:
+            raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: {why_none}")
+        try:
+            await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started if t.pushed)), timeout=wait_s)
+        except asyncio.TimeoutError:
+            pass
+        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started, skipped=max(0, n - len(started)))
+
+    async def close(self) -> None:
+        """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- bookkeeping --------------------------------------------------------------------------------------------
+
+    def _event(self, event: str, t: Transfer, **fields: object) -> None:
+        """One log line about job ``t``: ``<event_prefix><event>`` with its id, prefix, workers by name and URL."""
+        ws = self.state.workers
+        log_event(
+            log,
+            self.event_prefix + event,
+            copy_id=t.copy_id,
+            prefix=t.key,
+            source=ws[t.source].name,
+            source_url=ws[t.source].url,
+            target=ws[t.target].name,
+            target_url=ws[t.target].url,
+            **fields,
+        )
+
+    def _changed(self, t: Transfer) -> None:
+        if self.on_change is not None:
+            self.on_change(t)
+
+    def _finish(self, t: Transfer, state: CopyState, event: str, reason: str | None = None, **fields: object) -> None:
+        """End job ``t`` in ``state`` (``done``: the target holds the prefix from now on): the transfer table, one
+        log line ``event`` with the bytes and the duration, then the callbacks."""
+        t.state = state
+        t.finished_s = self.state.clock()
+        if state is CopyState.DONE:
+            if t.bytes_total and t.bytes_sent < t.bytes_total:
+                t.bytes_sent = t.bytes_total
+            self.state.workers[t.target].hold(t.chain)
+        else:
+            t.error = reason
+        self.state.transfers.finish(t)
+        self._event(
+            event,
+            t,
+            bytes=getattr(t, self.logged_bytes),
+            duration_s=round(t.finished_s - t.created_s, 6),
+            **fields,
+            reason=reason,
+        )
+        self._changed(t)
+        if self.on_finish is not None:
+            self.on_finish(t)
+
+
+class Replicator(CopyExecutor):
     """Starts and runs prefix copies between the workers of ``state`` (replication mode ``push``; with
     ``enabled`` False, mode ``none``: every copy is refused).
 
@@ -121,17 +288,12 @@ class Replicator:
         on_change: Callable[[Transfer], None] | None = None,
         on_finish: Callable[[Transfer], None] | None = None,
     ) -> None:
-        self.state = state
-        self._session = session
+        super().__init__(state, session, on_change, on_finish)
         self.worker_token = worker_token
         self.poll_interval_s = poll_interval_s
         self.source_wait_s = source_wait_s
         self.copy_timeout_s = copy_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=call_timeout_s)
-        self.on_change = on_change
-        self.on_finish = on_finish
-        self._tasks: set[asyncio.Task] = set()
-        self.refused = 0
         self.enabled = True
 
     def hold_back(self, chain: Sequence[Hashable]) -> list[int]:
@@ -172,65 +334,6 @@ class Replicator:
 
     # -- starting jobs ------------------------------------------------------------------------------------------
 
-    def execute(self, plan: CopyPlan, policy: Policy, excluded: Collection[int] = ()) -> list[int]:
-        """Carry out a policy's copy plan: try its targets in order (:func:`~btbctl.engine.copies.carry_out`), each
-        a background job (:meth:`request_copy`), never to or from a worker in ``excluded``; every attempt is
-        reported to ``policy``. Returns the targets whose jobs started."""
-        now = self.state.clock()
-        source = plan.source
-
-        def start(target: int) -> bool:
-            if source in excluded or target in excluded:
-                self.refused += 1
-                return False
-            return self.request_copy(plan.prefix, source, target) is not None
-
-        return carry_out(plan, start, lambda t, ok: policy.on_copy_result(plan, t, ok, now))
-
-    def request_copy(
-        self,
-        chain: Sequence[Hashable],
-        source: int,
-        target: int,
-        *,
-        manual: bool = False,
-        source_confirmed: bool = False,
-    ) -> Transfer | None:
-        """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
-        :meth:`refusal`). Never blocks: the source check, the push and the polling run in a task."""
-        chain = tuple(chain)
-        if self.refusal(chain, source, target) is not None:
-            self.refused += 1
-            return None
-        t = Transfer(
-            copy_id=secrets.token_hex(8),
-            key=chain[-1],
-            chain=chain,
-            source=source,
-            target=target,
-            created_s=self.state.clock(),
-            manual=manual,
-        )
-        t.pushed = asyncio.Event()
-        self.state.transfers.add(t)
-        log_event(
-            log,
-            "copy_accepted",
-            copy_id=t.copy_id,
-            prefix=t.key,
-            source=self.state.workers[source].name,
-            source_url=self.state.workers[source].url,
-            target=self.state.workers[target].name,
-            target_url=self.state.workers[target].url,
-            blocks=len(chain),
-            manual=manual,
-        )
-        task = asyncio.get_running_loop().create_task(self._run(t, source_confirmed))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        self._changed(t)
-        return t
-
     async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate).
 
@@ -261,35 +364,14 @@ class Replicator:
         holders = [r for r, a in zip(cands, answers, strict=True) if a is not None and a[0] >= len(chain)]
         if not holders:
             raise ReplicateError(409, f"no healthy worker holds prefix {chain[-1]} ({len(chain)} blocks)")
-        source = min(holders, key=lambda r: (ws[r].inflight, r))
-        free = [r for r in cands if r not in holders and not self.state.transfers.in_flight(r, chain[-1])]
-        free.sort(key=lambda r: (ws[r].inflight, r))
-        started: list[Transfer] = []
-        for r in free:
-            if len(started) >= n:
-                break
-            t = self.request_copy(chain, source, r, manual=True, source_confirmed=True)
-            if t is not None:
-                started.append(t)
-        if not started:
-            raise ReplicateError(
-                409,
-                f"no eligible target for prefix {chain[-1]}: every other healthy worker "
-                "with the BTB routes holds it or is receiving it",
-            )
-        try:
-            await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started)), timeout=wait_s)
-        except asyncio.TimeoutError:
-            pass
-        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started, skipped=max(0, n - len(started)))
-
-    async def close(self) -> None:
-        """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return await self._start_manual(
+            chain,
+            cands,
+            holders,
+            n,
+            wait_s,
+            "every other healthy worker with the BTB routes holds it or is receiving it",
+        )
 
     # -- the job ------------------------------------------------------------------------------------------------
 
@@ -315,58 +397,13 @@ class Replicator:
             w.hold(chain)
         return cached, pending
 
-    def _changed(self, t: Transfer) -> None:
-        if self.on_change is not None:
-            self.on_change(t)
-
     def _fail(self, t: Transfer, reason: str) -> None:
-        t.state = CopyState.FAILED
-        t.error = reason
-        t.finished_s = self.state.clock()
-        self.state.transfers.finish(t)
-        log_event(
-            log,
-            "copy_failed",
-            copy_id=t.copy_id,
-            prefix=t.key,
-            source=self.state.workers[t.source].name,
-            source_url=self.state.workers[t.source].url,
-            target=self.state.workers[t.target].name,
-            target_url=self.state.workers[t.target].url,
-            bytes=t.bytes_sent,
-            duration_s=round(t.finished_s - t.created_s, 6),
-            outcome="failed",
-            reason=reason,
-        )
-        self._changed(t)
-        if self.on_finish is not None:
-            self.on_finish(t)
+        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome="failed")
 
     def _done(self, t: Transfer) -> None:
-        t.state = CopyState.DONE
-        t.finished_s = self.state.clock()
-        if t.bytes_total and t.bytes_sent < t.bytes_total:
-            t.bytes_sent = t.bytes_total
-        self.state.workers[t.target].hold(t.chain)
-        self.state.transfers.finish(t)
-        log_event(
-            log,
-            "copy_done",
-            copy_id=t.copy_id,
-            prefix=t.key,
-            source=self.state.workers[t.source].name,
-            source_url=self.state.workers[t.source].url,
-            target=self.state.workers[t.target].name,
-            target_url=self.state.workers[t.target].url,
-            bytes=t.bytes_sent,
-            duration_s=round(t.finished_s - t.created_s, 6),
-            outcome="done",
-        )
-        self._changed(t)
-        if self.on_finish is not None:
-            self.on_finish(t)
+        self._finish(t, CopyState.DONE, "copy_done", outcome="done")
 
-    async def _run(self, t: Transfer, source_confirmed: bool) -> None:
+    async def _job(self, t: Transfer, source_confirmed: bool) -> None:
         pushed = t.pushed
         assert pushed is not None
         try:
