@@ -46,13 +46,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import xxhash
 
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
 from btbctl.engine.copies import CopyState
 from btbctl.engine.replication.auth import mac
-from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
+from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address
 
 #: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
 #: of ``corrupt_wire=K`` (flip a byte of page K after its digest: the target's check must catch it),
@@ -62,36 +63,15 @@ FAULT_ENV = "BTBCTL_AGENT_FAULT"
 
 
 @dataclass(frozen=True)
-class SendFaults:
+class SendFaults(FaultSpec):
     """Faults a sending agent injects (tests only; see :data:`FAULT_ENV`)."""
+
+    ENV: ClassVar[str] = FAULT_ENV
 
     corrupt_wire: int | None = None
     truncate: int | None = None
     close_after: int | None = None
     delay_s: float = 0.0
-
-    @classmethod
-    def parse(cls, spec: str) -> SendFaults:
-        """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
-        kw: dict = {}
-        for item in filter(None, (x.strip() for x in spec.split(","))):
-            key, sep, val = item.partition("=")
-            if not sep or key not in ("corrupt_wire", "truncate", "close_after", "delay_s"):
-                raise ValueError(
-                    f"bad fault item {item!r}; valid: corrupt_wire=K, truncate=K, close_after=K, delay_s=X"
-                )
-            try:
-                kw[key] = float(val) if key == "delay_s" else int(val)
-            except ValueError:
-                raise ValueError(f"bad fault item {item!r}: {val!r} is not a number") from None
-        return cls(**kw)
-
-    @classmethod
-    def from_env(cls) -> SendFaults | None:
-        import os
-
-        spec = os.environ.get(FAULT_ENV, "").strip()
-        return cls.parse(spec) if spec else None
 
 
 log = logging.getLogger("btbctl.agent")

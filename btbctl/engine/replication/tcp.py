@@ -56,12 +56,12 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import xxhash
 
@@ -72,6 +72,7 @@ from btbctl.engine.replication.transport import (
     Blocks,
     CopyRefused,
     CopySink,
+    FaultSpec,
     TransferError,
     check_copy_id,
     parse_address,
@@ -115,35 +116,15 @@ FAULT_ENV = "BTBCTL_REPLICATION_FAULT"
 
 
 @dataclass(frozen=True)
-class FaultPlan:
+class FaultPlan(FaultSpec):
     """Faults a sender injects (tests only; see the module docstring). ``None`` fields inject nothing."""
+
+    ENV: ClassVar[str] = FAULT_ENV
 
     corrupt_wire: int | None = None
     corrupt_content: int | None = None
     close_after: int | None = None
     delay_s: float = 0.0
-
-    @classmethod
-    def parse(cls, spec: str) -> FaultPlan:
-        """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item."""
-        kw: dict = {}
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            key, sep, val = item.partition("=")
-            if not sep or key not in ("corrupt_wire", "corrupt_content", "close_after", "delay_s"):
-                raise ValueError(
-                    f"bad fault item {item!r}; valid: corrupt_wire=K, corrupt_content=K, close_after=K, delay_s=X"
-                )
-            try:
-                kw[key] = float(val) if key == "delay_s" else int(val)
-            except ValueError:
-                raise ValueError(f"bad fault item {item!r}: {val!r} is not a number") from None
-        return cls(**kw)
-
-    @classmethod
-    def from_env(cls) -> FaultPlan | None:
-        """The plan in :data:`FAULT_ENV`, or None when unset/empty."""
-        spec = os.environ.get(FAULT_ENV, "").strip()
-        return cls.parse(spec) if spec else None
 
 
 def _flip(data: bytes) -> bytes:

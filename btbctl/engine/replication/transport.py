@@ -19,10 +19,12 @@ partial data is dropped; nothing becomes warm).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import os
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from btbctl.engine.errors import BtbctlError
 
@@ -155,3 +157,36 @@ def check_copy_id(copy_id: str) -> str:
     if not isinstance(copy_id, str) or not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", copy_id):
         raise TransferError(f"bad copy id {copy_id!r}: 1..128 characters of letters, digits, '.', '_', ':', '-'")
     return copy_id
+
+
+_F = TypeVar("_F", bound="FaultSpec")
+
+
+class FaultSpec:
+    """Base of a sender's fault plan (tests only): a frozen dataclass whose fields are the faults, ``int | None``
+    (a block or page number) or ``float`` (seconds), read from ``"name=value,..."`` text or the environment
+    variable :attr:`ENV`."""
+
+    ENV: ClassVar[str] = ""
+
+    @classmethod
+    def parse(cls: type[_F], spec: str) -> _F:
+        """Parse ``"corrupt_wire=3,delay_s=0.01"``. Raises ValueError naming the bad item and the valid ones."""
+        kinds = {f.name: float if f.type == "float" else int for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kw: dict[str, Any] = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            key, sep, val = item.partition("=")
+            if not sep or key not in kinds:
+                valid = ", ".join(f"{k}={'X' if t is float else 'K'}" for k, t in kinds.items())
+                raise ValueError(f"bad fault item {item!r}; valid: {valid}")
+            try:
+                kw[key] = kinds[key](val)
+            except ValueError:
+                raise ValueError(f"bad fault item {item!r}: {val!r} is not a number") from None
+        return cls(**kw)
+
+    @classmethod
+    def from_env(cls: type[_F]) -> _F | None:
+        """The plan in :attr:`ENV`, or None when unset or empty."""
+        spec = os.environ.get(cls.ENV, "").strip()
+        return cls.parse(spec) if spec else None
