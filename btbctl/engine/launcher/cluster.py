@@ -806,6 +806,24 @@ def agent_argv(
     ]
 
 
+def _serving_flags(spec: WorkerSpec, port: int, host: str | None) -> list[str]:
+    """The flags SGLang and the emulated worker share, in SGLang's order: TP size, address, memory, page, chunk."""
+    return [
+        "--tp-size",
+        str(spec.tp_size),
+        "--host",
+        host or spec.host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        _num(spec.mem_fraction),
+        "--page-size",
+        str(spec.page_size),
+        "--chunked-prefill-size",
+        str(spec.chunk_tokens()),
+    ]
+
+
 def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None, l3: list[str] | None = None) -> list[str]:
     """SGLang's launch command for one worker of ``spec`` on ``port`` (REFERENCE.md s5), as an argv list:
 
@@ -824,18 +842,7 @@ def sglang_argv(spec: WorkerSpec, port: int, host: str | None = None, l3: list[s
         "sglang.launch_server",
         "--model-path",
         spec.model,
-        "--tp-size",
-        str(spec.tp_size),
-        "--host",
-        host or spec.host,
-        "--port",
-        str(port),
-        "--mem-fraction-static",
-        _num(spec.mem_fraction),
-        "--page-size",
-        str(spec.page_size),
-        "--chunked-prefill-size",
-        str(spec.chunk_tokens()),
+        *_serving_flags(spec, port, host),
     ]
     if spec.enable_metrics:
         argv.append("--enable-metrics")
@@ -867,18 +874,7 @@ def emulated_argv(
         spec.model,
         "--served-model-name",
         spec.served_model_name or spec.model,
-        "--tp-size",
-        str(spec.tp_size),
-        "--host",
-        host or spec.host,
-        "--port",
-        str(port),
-        "--mem-fraction-static",
-        _num(spec.mem_fraction),
-        "--page-size",
-        str(spec.page_size),
-        "--chunked-prefill-size",
-        str(spec.chunk_tokens()),
+        *_serving_flags(spec, port, host),
         "--gpu",
         spec.gpu,
         "--time-scale",

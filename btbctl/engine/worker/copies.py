@@ -72,6 +72,24 @@ class CopyRecord:
         return d
 
 
+def running_record(copy_id: str, role: str, peer: str, chain: Sequence[str], block_bytes: int) -> CopyRecord:
+    """The record of a copy of ``chain`` that starts now, as ``role`` (``source``/``target``) with ``peer``."""
+    return CopyRecord(
+        copy_id=copy_id,
+        role=role,
+        state=CopyState.RUNNING,
+        bytes_sent=0,
+        bytes_total=len(chain) * block_bytes,
+        blocks_verified=0,
+        error=None,
+        started_s=time.time(),
+        finished_s=None,
+        peer=peer,
+        blocks=len(chain),
+        chain=tuple(chain),
+    )
+
+
 class CopyBook:
     """The worker's copy records, keyed by ``(copy_id, role)`` in start order, and a version that changes with
     any of them (long polls of ``/btb/copies/{id}`` wait on it)."""
@@ -164,23 +182,7 @@ class CopySender:
         here or planned (being computed, or a request queued here will compute it): blocks are sent as the model
         commits them.
         Returns the record and a future resolved when the target accepted the copy or the copy ended."""
-        n = len(chain)
-        rec = self.book.record(
-            CopyRecord(
-                copy_id=copy_id,
-                role="source",
-                state=CopyState.RUNNING,
-                bytes_sent=0,
-                bytes_total=n * self.block_bytes,
-                blocks_verified=0,
-                error=None,
-                started_s=time.time(),
-                finished_s=None,
-                peer=target,
-                blocks=n,
-                chain=tuple(chain),
-            )
-        )
+        rec = self.book.record(running_record(copy_id, "source", target, chain, self.block_bytes))
         loop = asyncio.get_running_loop()
         accepted = loop.create_future()
         task = loop.create_task(self._push(rec, chain, target, accepted, token))
@@ -326,22 +328,7 @@ class CopySink:
             # never touches the copy already arriving under this id
             raise CopyRefused(f"copy {copy_id} is already arriving")
         n = len(chain)
-        self.book.record(
-            CopyRecord(
-                copy_id=copy_id,
-                role="target",
-                state=CopyState.RUNNING,
-                bytes_sent=0,
-                bytes_total=n * self.block_bytes,
-                blocks_verified=0,
-                error=None,
-                started_s=time.time(),
-                finished_s=None,
-                peer=peer,
-                blocks=n,
-                chain=tuple(chain),
-            )
-        )
+        self.book.record(running_record(copy_id, "target", peer, chain, self.block_bytes))
         self.book.changed()
         reason = None
         if n * self.page_size > self.model.capacity_tokens:
