@@ -89,6 +89,15 @@ def trace_unset(cfg, trace: str | None) -> tuple[str, ...]:
 
 # Where the simulations of sweep and report run (btbctl.engine.executor). Typer has no option with an optional
 # value, so `--ray` alone means a Ray started on this machine and `--ray-address ADDRESS` an existing cluster.
+Jobs = Annotated[
+    int | None,
+    typer.Option(
+        "-j",
+        "--jobs",
+        help="Worker processes, or CPUs of the Ray started by --ray (default: the CPUs available; 1 without "
+        "--ray runs in this process).",
+    ),
+]
 Ray = Annotated[
     bool,
     typer.Option(

@@ -21,15 +21,7 @@ def report(
         str,
         typer.Option("-o", "--out", metavar="DIR", help="Folder for README.md and the charts (created if missing)."),
     ] = "report",
-    jobs: Annotated[
-        int | None,
-        typer.Option(
-            "-j",
-            "--jobs",
-            help="Worker processes, or CPUs of the Ray started by --ray (default: the CPUs available; 1 without "
-            "--ray runs in this process).",
-        ),
-    ] = None,
+    jobs: options.Jobs = None,
     ray: options.Ray = False,
     ray_address: options.RayAddress = None,
     charts: Annotated[

@@ -88,15 +88,7 @@ def sweep(
     seed: Annotated[
         int | None, typer.Option("--seed", help="Seed of every run and of the trace generator (default: 42).")
     ] = None,
-    jobs: Annotated[
-        int | None,
-        typer.Option(
-            "-j",
-            "--jobs",
-            help="Worker processes, or CPUs of the Ray started by --ray (default: the CPUs available; 1 without "
-            "--ray runs in this process).",
-        ),
-    ] = None,
+    jobs: options.Jobs = None,
     ray: options.Ray = False,
     ray_address: options.RayAddress = None,
     rank_by: Annotated[str, typer.Option("--rank-by", help="Rank grid points by TTFT mean or p95.")] = "mean",
