@@ -53,6 +53,17 @@ def _events(run_dir: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
+def _wait_events(run_dir: Path, event: str, timeout_s: float = 15.0, **match: str) -> list[dict]:
+    """The gateway's log lines once one ``event`` matching ``match`` is among them (or at ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = _events(run_dir)
+        hit = any(e.get("event") == event and all(e.get(k) == v for k, v in match.items()) for e in events)
+        if hit or time.monotonic() > deadline:
+            return events
+        time.sleep(0.2)
+
+
 def _one(events: list[dict], event: str, **match: str) -> dict:
     hits = [e for e in events if e.get("event") == event and all(e.get(k) == v for k, v in match.items())]
     assert hits, (event, match, [e.get("event") for e in events])
@@ -165,7 +176,8 @@ def test_status_codes_and_gateway_only_restart(run_dir):
     assert proc.returncode == 1 and row["health_error"] == "process exited"
     human = cli("status", "--run-dir", str(run_dir), check=False).stdout
     assert "Traceback" not in human and "aiohttp" not in human and row["url"] in human  # URLs are not cut
-    _one(_events(run_dir), "worker_down", worker=victim.name)
+    # status sees the dead pid at once; the gateway's prober notices on its next probe, so wait for its line
+    _one(_wait_events(run_dir, "worker_down", worker=victim.name), "worker_down", worker=victim.name)
     cli("down", "--run-dir", str(run_dir))
     proc = cli("status", "--run-dir", str(run_dir), check=False)
     assert proc.returncode == 2 and "no fleet" in proc.stderr
