@@ -366,6 +366,29 @@ class BtbPlus(Policy[CostView]):
         """Expected seconds to the first token of ``req`` on ``replica`` (rule 5)."""
         return self.estimate(view, replica, req, now_s, depths)[0]
 
+    def _estimates(
+        self, view: CostView, req: Request, now_s: float, depths: Sequence[int], groups: list[_Groups]
+    ) -> list[tuple[float, float, float]]:
+        """:meth:`estimate` on every replica, the same floats, with the common case inlined: on a replica where the
+        request reuses nothing (no block of its chain planned there) and nobody waits for a hot prefix, the estimate
+        is the queue plus the cold prefill, which is the same on all such replicas (computed once). At fleet scale
+        most replicas are such; the full estimate runs only where the request would reuse blocks or wait behind a
+        copy."""
+        chain = req.block_hashes
+        inp = req.input_tokens
+        kv_tokens = inp + req.output_tokens
+        have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
+        own0 = view.cost.prefill_time_s(inp - have0, have0)
+        planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
+        out: list[tuple[float, float, float]] = []
+        for r, g in enumerate(groups):
+            if g or (chain and planned(r, chain)):
+                out.append(self.estimate(view, r, req, now_s, depths, g))
+            else:
+                wait = queued(r) + admission(r, kv_tokens - have0)
+                out.append((wait + own0, 0.0, wait))
+        return out
+
     def _best(self, view: CostView, cost: list[float]) -> int:
         best = min(cost)
         tied = [r for r, c in enumerate(cost) if c <= best * (1 + 1e-9) + 1e-12]
@@ -382,7 +405,7 @@ class BtbPlus(Policy[CostView]):
         n = self.n_replicas
         depths = self.depths(len(chain))
         groups = [self.blocked_groups(view, r, now_s) for r in range(n)]
-        ests = [self.estimate(view, r, req, now_s, depths, groups[r]) for r in range(n)]
+        ests = self._estimates(view, req, now_s, depths, groups)
         plan = None
         if hot is not None:
             det, since = hot
