@@ -132,6 +132,29 @@ class CostView(FleetView, Protocol):
         ...
 
 
+class RouteIndex(Protocol):
+    """Fleet-wide lookups a view may offer (``view.route_index()``, optional: a view without the method, or one
+    returning None, offers none) so that a policy can skip replicas instead of pricing each per request."""
+
+    @property
+    def idle(self) -> Collection[int]:
+        """Exactly the replicas with no request (waiting, prefilling or decoding) and no step running: there
+        :meth:`FleetView.load` is 0, :meth:`CostView.queued_prefill_s` and :meth:`CostView.admission_wait_s` are
+        0.0 and :meth:`CostView.waiting_groups` is empty."""
+        ...
+
+    def holders(self, root: Hashable) -> Collection[int]:
+        """A superset of the replicas where :meth:`CostView.planned_blocks` may be > 0 for a chain whose first
+        block is ``root``."""
+        ...
+
+
+def route_index(view: FleetView) -> RouteIndex | None:
+    """The view's :class:`RouteIndex`, or None when it offers none."""
+    get = getattr(view, "route_index", None)
+    return get() if get is not None else None
+
+
 #: The view a policy reads: :class:`FleetView`, or :class:`CostView` for a policy that sets ``needs_cost_view``
 #: (contravariant: a policy that reads a FleetView can be given any richer view).
 ViewT = TypeVar("ViewT", bound=FleetView, contravariant=True)
@@ -155,6 +178,10 @@ class ExcludingView:
     @property
     def n_replicas(self) -> int:
         return self._inner.n_replicas
+
+    def route_index(self) -> None:
+        """None: the inner view's index knows nothing of the excluded replicas."""
+        return None
 
     def load(self, replica: int) -> int:
         return self._inner.load(replica)

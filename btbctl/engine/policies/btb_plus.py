@@ -76,13 +76,13 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.detector import BurstDetector, Detection
-from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route
+from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route, route_index
 from btbctl.engine.trace.model import Request
 
 #: Seconds of arrivals behind the recent arrival rate of rule 5 (a product choice: long against one request's time to
@@ -96,6 +96,18 @@ RATE_SLOTS = 60
 _Groups = list[tuple[float, int, float, Hashable, float]]
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+
+class _LazyGroups(dict[int, "_Groups"]):
+    """``replica -> BtbPlus.blocked_groups(view, replica, now_s)``, computed on first use (one request's route)."""
+
+    def __init__(self, policy: BtbPlus, view: CostView, now_s: float) -> None:
+        super().__init__()
+        self._policy, self._view, self._now_s = policy, view, now_s
+
+    def __missing__(self, replica: int) -> _Groups:
+        g = self[replica] = self._policy.blocked_groups(self._view, replica, self._now_s)
+        return g
 
 
 class ArrivalRate:
@@ -158,6 +170,9 @@ class BtbPlus(Policy[CostView]):
 
     name = "btb_plus"
     needs_cost_view = True
+    #: Whether :meth:`route` may skip replicas through the view's route index (off in a subclass whose costs
+    #: differ per replica beyond rule 5's).
+    use_route_index = True
     summary = (
         "BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, expected-TTFT routing"
     )
@@ -367,32 +382,46 @@ class BtbPlus(Policy[CostView]):
         return self.estimate(view, replica, req, now_s, depths)[0]
 
     def _estimates(
-        self, view: CostView, req: Request, now_s: float, depths: Sequence[int], groups: list[_Groups]
-    ) -> list[tuple[float, float, float]]:
-        """:meth:`estimate` on every replica, the same floats, with the common case inlined: on a replica where the
-        request reuses nothing (no block of its chain planned there) and nobody waits for a hot prefix, the estimate
-        is the queue plus the cold prefill, which is the same on all such replicas (computed once). At fleet scale
-        most replicas are such; the full estimate runs only where the request would reuse blocks or wait behind a
-        copy."""
+        self,
+        view: CostView,
+        req: Request,
+        now_s: float,
+        depths: Sequence[int],
+        groups: _LazyGroups,
+        replicas: Iterable[int],
+        out: dict[int, tuple[float, float, float]],
+    ) -> None:
+        """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
+        inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
+        waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
+        replicas (computed once)."""
         chain = req.block_hashes
         inp = req.input_tokens
         kv_tokens = inp + req.output_tokens
         have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
         own0 = view.cost.prefill_time_s(inp - have0, have0)
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
-        out: list[tuple[float, float, float]] = []
-        for r, g in enumerate(groups):
+        for r in replicas:
+            g = groups[r]
             if g or (chain and planned(r, chain)):
-                out.append(self.estimate(view, r, req, now_s, depths, g))
+                out[r] = self.estimate(view, r, req, now_s, depths, g)
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
-                out.append((wait + own0, 0.0, wait))
-        return out
+                out[r] = (wait + own0, 0.0, wait)
 
-    def _best(self, view: CostView, cost: list[float]) -> int:
-        best = min(cost)
-        tied = [r for r, c in enumerate(cost) if c <= best * (1 + 1e-9) + 1e-12]
-        if len(tied) > 1:
+    def _best(
+        self, view: CostView, replicas: Sequence[int], cost: Sequence[float], quiet: Sequence[int], quiet_cost: float
+    ) -> int:
+        """The lowest cost; ties go to the lower load, then at random. ``quiet``: more replicas, all at cost
+        ``quiet_cost`` and load 0 (disjoint from ``replicas``)."""
+        best = min(cost, default=math.inf)
+        if quiet:
+            best = min(best, quiet_cost)
+        top = best * (1 + 1e-9) + 1e-12
+        tied = [r for r, c in zip(replicas, cost, strict=True) if c <= top]
+        if quiet and quiet_cost <= top:
+            tied = sorted([r for r in tied if view.load(r) == 0] + list(quiet))  # load 0 is the lowest
+        elif len(tied) > 1:
             low = min(view.load(r) for r in tied)
             tied = [r for r in tied if view.load(r) == low]
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
@@ -400,37 +429,65 @@ class BtbPlus(Policy[CostView]):
     # -- routing ------------------------------------------------------------------------------------------------
 
     def route(self, req: Request, view: CostView, now_s: float) -> Route:
+        """Rule 5 over every replica, rules 2-4 for a hot prefix.
+
+        With a view's :class:`~btbctl.engine.policies.base.RouteIndex` the replicas are not priced one by one where
+        the answer is known: an idle replica that may hold nothing of the request's chain (not among the index's
+        holders) and is not a copy target ("quiet") starts at once and computes the whole prompt, so all quiet
+        replicas cost the same, and that cost is the floor of every replica that reuses nothing (they can only
+        start later and have more requests behind). So when one is quiet, only the holders and the copy targets
+        are priced one by one, against the quiet cost; a skipped busy replica can at best tie with a quiet one and
+        loses the tie on load. Without a quiet replica every replica is priced. The choice (and the random draw)
+        is the same as without the index."""
         chain = req.block_hashes
         hot = self.detect(chain, now_s) if chain else None
         n = self.n_replicas
         depths = self.depths(len(chain))
-        groups = [self.blocked_groups(view, r, now_s) for r in range(n)]
-        ests = self._estimates(view, req, now_s, depths, groups)
+        index = route_index(view) if self.use_route_index else None
+        groups = _LazyGroups(self, view, now_s)
+        ests: dict[int, tuple[float, float, float]] = {}
+        holders: Collection[int] = range(n) if index is None else (index.holders(chain[0]) if chain else ())
+        self._estimates(view, req, now_s, depths, groups, holders, ests)
         plan = None
         if hot is not None:
             det, since = hot
             plan = self._warm(req, det, since, view, now_s, ests, groups, depths)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
+        quiet: list[int] = []
+        if index is not None:
+            quiet = [r for r in index.idle if r not in ests]
+            if not quiet:
+                self._estimates(view, req, now_s, depths, groups, (r for r in range(n) if r not in ests), ests)
+        inp = req.input_tokens
+        have0 = min(0, inp - 1)
+        own0 = view.cost.prefill_time_s(inp - have0, have0)
+        quiet_cost = own0 + 0.0 + own0 * max(0, per_replica * own0)  # the cost below with est own0, start 0
+        replicas = sorted(ests) if len(ests) < n else range(n)
         cost = []
-        for r, (est, harm, start) in enumerate(ests):
+        for r in replicas:
+            est, harm, start = ests[r]
             own = est - start
             blocked = sum(g[1] for g in groups[r])
             behind = max(view.prefill_load(r) - blocked, per_replica * est)
             cost.append(est + harm + own * behind)
-        choice = self._best(view, cost)
-        if ests[choice][0] > min(e[0] for e in ests) * (1 + 1e-9) + 1e-12:
+        choice = self._best(view, replicas, cost, quiet, quiet_cost)
+        low_est = min((e[0] for e in ests.values()), default=math.inf)
+        if quiet:
+            low_est = min(low_est, own0)
+        mine = ests.get(choice, (own0, 0.0, 0.0))  # not priced: a quiet replica
+        if mine[0] > low_est * (1 + 1e-9) + 1e-12:
             self._stats["harm_avoiding_routes"] += 1
         copied = len(plan.prefix) if plan is not None and choice in plan.targets[: plan.want] else 0
         if depths:
-            self._note_planned(view, choice, req, now_s, depths, ests[choice][2], copied)
+            self._note_planned(view, choice, req, now_s, depths, mine[2], copied)
         if hot is not None:
             prefix = hot[0].prefix
             self._stats["hot_routes"] += 1
             if (
                 not copied
                 and view.planned_blocks(choice, prefix) < len(prefix)
-                and any(view.cached_blocks(r, prefix) >= len(prefix) for r in range(n) if r != choice)
+                and any(view.cached_blocks(r, prefix) >= len(prefix) for r in holders if r != choice)
             ):
                 self._stats["speculative_routes"] += 1
         return Route(choice, (plan,) if plan is not None else ())
@@ -472,8 +529,8 @@ class BtbPlus(Policy[CostView]):
         since: float,
         view: CostView,
         now_s: float,
-        ests: list[tuple[float, float, float]],
-        groups: list[_Groups],
+        ests: dict[int, tuple[float, float, float]],
+        groups: _LazyGroups,
         depths: Sequence[int],
     ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if

@@ -144,6 +144,7 @@ class Clairvoyant(BtbPlus):
     """
 
     name = "clairvoyant"
+    use_route_index = False  # rule 3 adds a per-replica reservation cost to every replica
     summary = "reference (simulator only): btb_plus that knows every burst's start, size and prefix in advance"
     #: The policy needs the whole trace before the first request: simulator only.
     needs_foresight = True
@@ -271,14 +272,17 @@ class Clairvoyant(BtbPlus):
         want = math.ceil(lam * suffix_s - 1e-12) if suffix_s > 0 else 1
         return max(1, min(cap, want))
 
-    def _best(self, view: CostView, cost: list[float]) -> int:
+    def _best(
+        self, view: CostView, replicas: Sequence[int], cost: Sequence[float], quiet: Sequence[int], quiet_cost: float
+    ) -> int:
+        # every replica is priced here (use_route_index False): replicas is range(n) and quiet is empty
         req = self._req
         if req is not None and self.bursts and self.reserve:
             extra = self.reservation_cost(view, req, self._now)
             if any(extra):
                 self._stats["reserving_routes"] += 1
                 cost = [c + e for c, e in zip(cost, extra, strict=True)]
-        return super()._best(view, cost)
+        return super()._best(view, replicas, cost, quiet, quiet_cost)
 
     # -- rule 3: keep a replica free for the next burst -----------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -198,6 +198,7 @@ class ReplicaModel:
         "_dec_b",
         "_dec_c",
         "_dec_oh",
+        "fleet",
     )
 
     def __init__(
@@ -238,6 +239,8 @@ class ReplicaModel:
         self._dep_count: dict[Hashable, int] = {}  # block not yet resident -> waiting requests needing it
         self._waiting_kv = 0  # sum of kv_need over waiting requests
         self._dec_finish_sum = 0  # sum of finish_g over decoding requests
+        #: the driver's :class:`FleetIndex`, kept up to date by this replica (None: no index)
+        self.fleet: FleetIndex | None = None
         # decode step-time coefficients: t = max(a + b*K, c*n) + overhead
         bw = cost.hbm_bytes_per_s * cost.hbm_efficiency
         self._dec_a = cost.model.active_params * cost.model.dtype_bytes / bw
@@ -384,6 +387,12 @@ class ReplicaModel:
         rq.replica = self.idx
         self._estimate_work(rq)
         self._waiting.append(rq)
+        fleet = self.fleet
+        if fleet is not None:
+            fleet.idle.discard(self.idx)
+            chain = rq.req.block_hashes
+            if chain:
+                fleet.entered(chain[0], self.idx)
         self.kick(now_s)
 
     def abort(self, rq: ReplicaRequest, now_s: float) -> bool:
@@ -407,6 +416,7 @@ class ReplicaModel:
         self._dec_s -= rq.req.input_tokens + 1 - rq.join_g
         self._finish(rq, now_s)
         self.kick(now_s)  # re-plan the decode run of the remaining sequences
+        self._sync_idle()
         return True
 
     def kick(self, now_s: float) -> None:
@@ -432,6 +442,32 @@ class ReplicaModel:
             self._end_decode(now_s)
         self._busy = False
         self._start_step(now_s)
+        self._sync_idle()
+
+    def _sync_idle(self) -> None:
+        fleet = self.fleet
+        if fleet is not None:
+            if self._waiting or self._prefilling or self._n_decoding or self._busy:
+                fleet.idle.discard(self.idx)
+            else:
+                fleet.idle.add(self.idx)
+
+    def plans_root(self, root: Hashable, request_roots: Collection[Hashable]) -> bool:
+        """Whether a chain starting with block ``root`` may have blocks resident, pending or queued here
+        (``request_roots``: the first blocks of the chains of the requests waiting or prefilling here)."""
+        planned = root in self.cache.parent or root in self._pending or root in self._queued_blocks
+        return planned or root in request_roots
+
+    def request_roots(self) -> set[Hashable]:
+        """First blocks of the chains of the requests waiting or prefilling here."""
+        out = set()
+        for rq in self._waiting:
+            if rq.req.block_hashes:
+                out.add(rq.req.block_hashes[0])
+        for rq in self._prefilling:
+            if rq.req.block_hashes:
+                out.add(rq.req.block_hashes[0])
+        return out
 
     # -- cache from outside: inserted prefixes, incoming and outgoing copies ---------------------------------
     def insert_prefix(self, chain: Sequence[Hashable], now_s: float) -> int:
@@ -443,6 +479,8 @@ class ReplicaModel:
         add = len(chain) - have
         if add <= 0:
             return 0
+        if self.fleet is not None:
+            self.fleet.entered(chain[0], self.idx)
         cache.pin(chain, have)
         if not cache.make_room(add * self.block_tokens):
             cache.unpin(chain, have)
@@ -465,6 +503,8 @@ class ReplicaModel:
         cache = self.cache
         have = cache.match(chain)
         add = len(chain) - have
+        if chain and self.fleet is not None:
+            self.fleet.entered(chain[0], self.idx)
         cache.pin(chain, have)
         if add and not cache.make_room(add * self.block_tokens):
             cache.unpin(chain, have)
@@ -756,4 +796,57 @@ class ReplicaModel:
         self.events.finished(self, rq, now_s)
 
 
-__all__ = ["IncomingCopy", "ReplicaEvents", "ReplicaModel", "ReplicaRequest", "ReplicaState"]
+class FleetIndex:
+    """Fleet-wide lookups kept by the replicas (:attr:`ReplicaModel.fleet`), so that a policy can skip the replicas
+    a request can reuse nothing on instead of pricing every replica per request.
+
+    * :attr:`idle`: exactly the replicas with no request (waiting, prefilling or decoding) and no step running.
+    * :meth:`holders`: for a chain's first block, a superset of the replicas where a block of a chain starting
+      with it is resident, being computed or copied, or queued (every block enters a replica with a chain that
+      starts at its root: a request, a copy or an inserted prefix). Entries a replica no longer plans are dropped
+      when the index has doubled since the last sweep (amortised O(1) per entry).
+
+    Args:
+        replicas: the fleet, attached here (each replica's :attr:`~ReplicaModel.fleet` is set).
+    """
+
+    #: Entries below which no sweep runs.
+    SWEEP_MIN = 4096
+
+    def __init__(self, replicas: Sequence[ReplicaModel]) -> None:
+        self.replicas = replicas
+        self.idle: set[int] = set()
+        self.roots: dict[Hashable, set[int]] = {}
+        self._sweep_at = self.SWEEP_MIN
+        for rep in replicas:
+            rep.fleet = self
+            rep._sync_idle()
+
+    def entered(self, root: Hashable, replica: int) -> None:
+        """A chain starting with block ``root`` enters ``replica``."""
+        reps = self.roots.get(root)
+        if reps is not None:
+            reps.add(replica)
+            return
+        if len(self.roots) >= self._sweep_at:
+            self.sweep()  # before the new entry: the chain is not there yet
+        self.roots[root] = {replica}
+
+    def holders(self, root: Hashable) -> Collection[int]:
+        """Replicas that may plan a block of a chain starting with ``root`` (a superset)."""
+        return self.roots.get(root, ())
+
+    def sweep(self) -> None:
+        """Drop the entries of replicas that plan no block of the root's chains any more."""
+        live = [rep.request_roots() for rep in self.replicas]
+        reps_of = self.replicas
+        for root in list(self.roots):
+            reps = self.roots[root]
+            for r in [r for r in reps if not reps_of[r].plans_root(root, live[r])]:
+                reps.discard(r)
+            if not reps:
+                del self.roots[root]
+        self._sweep_at = max(self.SWEEP_MIN, 2 * len(self.roots))
+
+
+__all__ = ["FleetIndex", "IncomingCopy", "ReplicaEvents", "ReplicaModel", "ReplicaRequest", "ReplicaState"]

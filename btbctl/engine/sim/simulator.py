@@ -20,7 +20,7 @@ from btbctl.engine.copies import CopyPlan, CopyState, CopyStatus, carry_out
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.policies import make_policy
 from btbctl.engine.sim.network import Copy, Network
-from btbctl.engine.sim.replica import ReplicaModel, ReplicaRequest, ReplicaState
+from btbctl.engine.sim.replica import FleetIndex, ReplicaModel, ReplicaRequest, ReplicaState
 from btbctl.engine.sim.results import RequestRecord, SimResult, check_fits
 from btbctl.engine.trace.model import Request, Trace
 
@@ -83,6 +83,11 @@ class SimFleetView:
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         return bool(chain) and chain[-1] in self._sim._copies_in[replica]
+
+    def route_index(self) -> FleetIndex:
+        """The replicas' :class:`~btbctl.engine.sim.replica.FleetIndex` (a
+        :class:`~btbctl.engine.policies.base.RouteIndex`)."""
+        return self._sim.index
 
     def accepts_copies(self, replica: int) -> bool:
         """Always True: every simulated replica can send and receive copies (a copy may still be refused, see
@@ -269,6 +274,7 @@ class Simulator:
             )
             for i in range(n)
         ]
+        self.index = FleetIndex(self.replicas)
         self._net = Network(n, self.cost.nic_bytes_per_s)
         self._copies_in: list[dict[Hashable, Copy]] = [{} for _ in range(n)]  # per target: last block -> copy
         # copy-use tracking, per target: block hash -> the completed copy that brought it; chain lengths copied
