@@ -15,7 +15,7 @@ import math
 import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
-from itertools import filterfalse
+from itertools import filterfalse, islice, takewhile
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -170,11 +170,14 @@ class InferSimReplica:
     # -- cache ------------------------------------------------------------------------------------------------
     def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
         """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``.
-        A plain loop: it stops at the first miss, which is usually the first block on a replica that never saw the
-        chain (a C-level pass over the whole chain costs more there)."""
+        The HBM-only leading run is taken at C level (``takewhile``, stops at the first miss); a plain loop goes on
+        only where host RAM continues it."""
         hbm, host = self.hbm, self.host
-        n_hbm = n_host = 0
-        for h in chain:
+        n_hbm = len(list(takewhile(hbm.__contains__, chain)))
+        if n_hbm == len(chain) or chain[n_hbm] not in host:
+            return n_hbm, 0
+        n_host = 0
+        for h in islice(chain, n_hbm, None):
             if h in hbm:
                 n_hbm += 1
             elif h in host:
@@ -185,13 +188,7 @@ class InferSimReplica:
 
     def hbm_run(self, chain: Sequence[Hashable]) -> int:
         """Length of the leading run of ``chain`` resident in HBM."""
-        hbm = self.hbm
-        n = 0
-        for h in chain:
-            if h not in hbm:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self.hbm.__contains__, chain)))
 
     def insert(self, blocks: Sequence[Hashable]) -> None:
         """Make ``blocks`` the most recently used HBM entries (in order), spilling LRU blocks to host RAM."""
