@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
@@ -165,7 +165,14 @@ class BlockPrefixTree:
             return
         nodes = self.nodes
         lru = self._lru[replica]
-        for h in reversed(chain):
+        known, _ = self.match(chain)
+        if known and all(map(lru.__contains__, chain[:known])):
+            # the common case (the replica was sent this prefix before): the loop below for the new blocks, then
+            # every known block to the MRU end deepest first at C level: the order the loop leaves
+            todo, refresh = reversed(chain[known:]), chain[:known]
+        else:
+            todo, refresh = reversed(chain), None
+        for h in todo:
             node = nodes.get(h)
             if node is None:
                 nodes[h] = _Node(replica)
@@ -175,6 +182,8 @@ class BlockPrefixTree:
             else:
                 node.tenants[replica] = None
                 lru[h] = None
+        if refresh is not None:
+            deque(map(lru.move_to_end, reversed(refresh)), maxlen=0)
         if len(lru) > 2 * self.max_blocks_per_worker:
             self._evict_tenant(replica)
 
