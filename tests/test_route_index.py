@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -98,3 +100,17 @@ def test_the_index_keeps_its_contract_during_a_run(monkeypatch):
     simulate_realistic(trace, "btb_plus", cluster, constants, seed=4)
     assert len(checked) > 100
     assert max(checked) < len(trace.requests)  # the sweep keeps the index bounded, not one entry per request
+
+
+@given(st.sets(st.integers(0, 300)), st.data())
+def test_without_indexes_like_the_filtered_list(members, data):
+    from btbctl.engine.policies.btb_plus import _Without
+
+    order = sorted(members)
+    skip = sorted(data.draw(st.sets(st.sampled_from(order))) if order else set())
+    want = [r for r in order if r not in skip]
+    got = _Without(order, skip)
+    assert len(got) == len(want) and list(got) == want
+    assert [got[k] for k in range(len(want))] == want
+    with pytest.raises(IndexError):
+        got[len(want)]

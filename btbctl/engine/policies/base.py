@@ -143,6 +143,11 @@ class RouteIndex(Protocol):
         0.0 and :meth:`CostView.waiting_groups` is empty."""
         ...
 
+    @property
+    def idle_order(self) -> Sequence[int]:
+        """:attr:`idle` in ascending order."""
+        ...
+
     def holders(self, root: Hashable) -> Collection[int]:
         """A superset of the replicas where :meth:`CostView.planned_blocks` may be > 0 for a chain whose first
         block is ``root``."""

@@ -75,9 +75,10 @@ from __future__ import annotations
 
 import math
 import random
+from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Collection, Hashable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+from typing import TypeVar, overload
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
@@ -108,6 +109,38 @@ class _LazyGroups(dict[int, "_Groups"]):
     def __missing__(self, replica: int) -> _Groups:
         g = self[replica] = self._policy.blocked_groups(self._view, replica, self._now_s)
         return g
+
+
+class _Without(Sequence[int]):
+    """``order`` (ascending) without the members ``skip`` (ascending, a few), indexed without copying ``order``:
+    O(len(skip) x log len(order)) per item."""
+
+    def __init__(self, order: Sequence[int], skip: Sequence[int]) -> None:
+        self._order = order
+        self._at = [bisect_left(order, r) for r in skip]  # ascending positions in order
+
+    def __len__(self) -> int:
+        return len(self._order) - len(self._at)
+
+    @overload
+    def __getitem__(self, k: int) -> int: ...
+    @overload
+    def __getitem__(self, k: slice) -> Sequence[int]: ...
+    def __getitem__(self, k: int | slice) -> int | Sequence[int]:
+        if isinstance(k, slice):
+            return list(self)[k]
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        for p in self._at:
+            if p <= k:
+                k += 1
+            else:
+                break
+        return self._order[k]
+
+    def __iter__(self) -> Iterator[int]:
+        at = set(self._at)
+        return (r for i, r in enumerate(self._order) if i not in at)
 
 
 class ArrivalRate:
@@ -412,15 +445,17 @@ class BtbPlus(Policy[CostView]):
     def _best(
         self, view: CostView, replicas: Sequence[int], cost: Sequence[float], quiet: Sequence[int], quiet_cost: float
     ) -> int:
-        """The lowest cost; ties go to the lower load, then at random. ``quiet``: more replicas, all at cost
+        """The lowest cost; ties go to the lower load, then at random (one draw from the tied replicas in ascending
+        order). ``quiet``: more replicas, all at cost
         ``quiet_cost`` and load 0 (disjoint from ``replicas``)."""
         best = min(cost, default=math.inf)
         if quiet:
             best = min(best, quiet_cost)
         top = best * (1 + 1e-9) + 1e-12
-        tied = [r for r, c in zip(replicas, cost, strict=True) if c <= top]
+        tied: Sequence[int] = [r for r, c in zip(replicas, cost, strict=True) if c <= top]
         if quiet and quiet_cost <= top:
-            tied = sorted([r for r in tied if view.load(r) == 0] + list(quiet))  # load 0 is the lowest
+            idle = [r for r in tied if view.load(r) == 0]  # load 0 is the lowest
+            tied = sorted(idle + list(quiet)) if idle else quiet
         elif len(tied) > 1:
             low = min(view.load(r) for r in tied)
             tied = [r for r in tied if view.load(r) == low]
@@ -454,10 +489,13 @@ class BtbPlus(Policy[CostView]):
             plan = self._warm(req, det, since, view, now_s, ests, groups, depths)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
-        quiet: list[int] = []
+        quiet: Sequence[int] = ()
         if index is not None:
-            quiet = [r for r in index.idle if r not in ests]
-            if not quiet:
+            idle = index.idle
+            priced = sorted(r for r in ests if r in idle)
+            if len(index.idle_order) > len(priced):
+                quiet = _Without(index.idle_order, priced)
+            else:
                 self._estimates(view, req, now_s, depths, groups, (r for r in range(n) if r not in ests), ests)
         inp = req.input_tokens
         have0 = min(0, inp - 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left, insort
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -389,7 +390,7 @@ class ReplicaModel:
         self._waiting.append(rq)
         fleet = self.fleet
         if fleet is not None:
-            fleet.idle.discard(self.idx)
+            fleet.mark(self.idx, False)
             chain = rq.req.block_hashes
             if chain:
                 fleet.entered(chain[0], self.idx)
@@ -447,10 +448,7 @@ class ReplicaModel:
     def _sync_idle(self) -> None:
         fleet = self.fleet
         if fleet is not None:
-            if self._waiting or self._prefilling or self._n_decoding or self._busy:
-                fleet.idle.discard(self.idx)
-            else:
-                fleet.idle.add(self.idx)
+            fleet.mark(self.idx, not (self._waiting or self._prefilling or self._n_decoding or self._busy))
 
     def plans_root(self, root: Hashable, request_roots: Collection[Hashable]) -> bool:
         """Whether a chain starting with block ``root`` may have blocks resident, pending or queued here
@@ -800,7 +798,8 @@ class FleetIndex:
     """Fleet-wide lookups kept by the replicas (:attr:`ReplicaModel.fleet`), so that a policy can skip the replicas
     a request can reuse nothing on instead of pricing every replica per request.
 
-    * :attr:`idle`: exactly the replicas with no request (waiting, prefilling or decoding) and no step running.
+    * :attr:`idle`: exactly the replicas with no request (waiting, prefilling or decoding) and no step running
+      (:attr:`idle_order`: the same, ascending).
     * :meth:`holders`: for a chain's first block, a superset of the replicas where a block of a chain starting
       with it is resident, being computed or copied, or queued (every block enters a replica with a chain that
       starts at its root: a request, a copy or an inserted prefix). Entries a replica no longer plans are dropped
@@ -816,11 +815,23 @@ class FleetIndex:
     def __init__(self, replicas: Sequence[ReplicaModel]) -> None:
         self.replicas = replicas
         self.idle: set[int] = set()
+        #: :attr:`idle` in ascending order
+        self.idle_order: list[int] = []
         self.roots: dict[Hashable, set[int]] = {}
         self._sweep_at = self.SWEEP_MIN
         for rep in replicas:
             rep.fleet = self
             rep._sync_idle()
+
+    def mark(self, replica: int, idle: bool) -> None:
+        """``replica`` is idle now, or not."""
+        if idle:
+            if replica not in self.idle:
+                self.idle.add(replica)
+                insort(self.idle_order, replica)
+        elif replica in self.idle:
+            self.idle.remove(replica)
+            del self.idle_order[bisect_left(self.idle_order, replica)]
 
     def entered(self, root: Hashable, replica: int) -> None:
         """A chain starting with block ``root`` enters ``replica``."""
