@@ -37,6 +37,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from btbctl.engine import aiotasks
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.detector import BurstDetector
@@ -662,4 +663,4 @@ def run_gateway(config: GatewayConfig, on_ready: Callable[[Gateway], None] | Non
         finally:
             await gw.stop()
 
-    asyncio.run(main())
+    aiotasks.run(main())
