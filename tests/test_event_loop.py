@@ -62,3 +62,42 @@ def test_run_propagates_exceptions(monkeypatch):
         monkeypatch.setenv(aiotasks.NO_UVLOOP_ENV, flag)
         with pytest.raises(ValueError, match="x"):
             aiotasks.run(boom())
+
+
+def test_not_allowed_means_asyncio(monkeypatch):
+    monkeypatch.delenv(aiotasks.NO_UVLOOP_ENV, raising=False)
+    assert aiotasks.loop_factory(allow_uvloop=False) is None
+    module, _ = aiotasks.run(_loop_kind(), allow_uvloop=False)
+    assert module.startswith("asyncio")
+
+
+@pytest.mark.parametrize(("nofile", "allowed"), [(256, False), (1024, False), (1 << 14, True), (1 << 20, True)])
+def test_gateway_runs_on_uvloop_only_with_descriptors_to_spare(monkeypatch, nofile, allowed):
+    from btbctl.engine.gateway import server
+    from btbctl.engine.gateway.config import GatewayConfig
+
+    seen = {}
+
+    def fake_run(main, allow_uvloop=True):
+        main.close()
+        seen["allow"] = allow_uvloop
+
+    monkeypatch.setattr(server, "nofile_target", lambda: nofile)
+    monkeypatch.setattr(server.aiotasks, "run", fake_run)
+    server.run_gateway(GatewayConfig(workers=["http://127.0.0.1:1"]))
+    assert seen["allow"] is allowed
+
+
+@pytest.mark.parametrize(
+    ("limits", "target"),
+    [((1024, 4096), 4096), ((4096, 4096), 4096), ((1024, -1), 1 << 20), ((-1, -1), 1 << 20), ((2 << 20, -1), 2 << 20)],
+)
+def test_nofile_target_is_what_raise_nofile_aims_at(monkeypatch, limits, target):
+    import resource
+
+    from btbctl.engine.gateway import guard
+
+    inf = resource.RLIM_INFINITY
+    soft, hard = (inf if x == -1 else x for x in limits)
+    monkeypatch.setattr(guard.resource, "getrlimit", lambda _: (soft, hard))
+    assert guard.nofile_target() == target
