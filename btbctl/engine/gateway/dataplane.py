@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.payload import BytesPayload
 from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
@@ -422,7 +423,14 @@ class DataPlane:
             try:
                 try:
                     resp = await self._until_first_byte(
-                        gw.session.post(self._url(w.url, path), data=body, headers=_FORWARD_HEADERS), idx, deadline
+                        gw.session.post(
+                            self._url(w.url, path),
+                            # a ready payload: aiohttp skips looking its type up in its payload registry
+                            data=BytesPayload(body, content_type="application/json"),
+                            headers=_FORWARD_HEADERS,
+                        ),
+                        idx,
+                        deadline,
                     )
                 except _Abandoned as e:
                     attempts.append(f"{w.url}: marked unhealthy before its first byte ({e})")
