@@ -40,7 +40,9 @@ over from one router to the next:
    thread-count option of its own (``smg launch --help``); its Tokio runtime sizes itself to the CPUs it may use,
    and ``TOKIO_WORKER_THREADS`` is set to that count as well, so it runs as many worker threads as it has cores.
    The btbctl gateway is one event loop (one thread, plus a hashing pool for big prompts only). With fewer than
-   two CPUs, or ``--router-cpus none``, nothing is pinned.
+   two CPUs, or ``--router-cpus none``, nothing is pinned. Each router's CPU time per request over the throughput
+   loop (user + system, all its threads, from ``/proc``) is reported too: on a machine shared with other work the
+   throughput moves with everyone else's load, the CPU cost per request much less.
 
 Client, workers and routers share this machine's cores, so absolute numbers depend on it; ratios measured in the
 same run are the result. ``--skip-smg`` runs the btbctl parts alone; ``--skip-overhead`` skips part 2.
@@ -349,28 +351,46 @@ def cpu_split(spec: str) -> tuple[set[int] | None, set[int] | None]:
     return router, rest
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far; None without ``/proc``."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def overhead(args, logdir: Path) -> list[dict]:
     router_cpus, rest_cpus = cpu_split(args.router_cpus)
     rows = []
     for run in range(args.overhead_runs):
         with pinned(rest_cpus), Fleet(logdir, f"overhead-{run}") as fleet:
             urls = fleet.workers(zero_delay=True)
-            targets = [("direct", urls)]
+            targets: list[tuple[str, list[str], int | None]] = [("direct", urls, None)]
             with pinned(router_cpus):
                 if not args.skip_smg:
                     threads = len(router_cpus) if router_cpus else None
-                    targets.append(("smg cache_aware", [fleet.smg(args.smg, urls, threads=threads)]))
-                targets.append(("btbctl btb", [fleet.btbctl_gateway(urls, "btb", 256)]))
+                    url = fleet.smg(args.smg, urls, threads=threads)
+                    targets.append(("smg cache_aware", [url], fleet.procs[-1].pid))
+                url = fleet.btbctl_gateway(urls, "btb", 256)
+                targets.append(("btbctl btb", [url], fleet.procs[-1].pid))
             run_rows = []
-            for name, tgt in targets:
+            for name, tgt, pid in targets:
                 lat = asyncio.run(
                     closed_loop(tgt, args.overhead_latency_requests, 1, args.overhead_tokens, f"{name}-l{run}")
                 )
+                cpu0 = process_cpu_s(pid)
                 thr = asyncio.run(
                     closed_loop(
                         tgt, args.overhead_requests, args.overhead_concurrency, args.overhead_tokens, f"{name}-t{run}"
                     )
                 )
+                cpu1 = process_cpu_s(pid)
+                # the warm-up requests of closed_loop count too (one per connection)
+                n_sent = args.overhead_requests + min(args.overhead_concurrency, args.overhead_requests)
                 run_rows.append(
                     {
                         "target": name,
@@ -380,6 +400,9 @@ def overhead(args, logdir: Path) -> list[dict]:
                         "p95_s_at_c1": lat["p95_s"],
                         "p99_s_at_c1": lat["p99_s"],
                         "requests_per_s": thr["requests_per_s"],
+                        "router_cpu_us_per_request": None
+                        if cpu0 is None or cpu1 is None
+                        else (cpu1 - cpu0) / n_sent * 1e6,
                         "concurrency": thr["concurrency"],
                         "errors": lat["errors"] + thr["errors"],
                     }
@@ -521,12 +544,14 @@ def main() -> int:
         )
         print(
             f"{'target':22} {'run':>3} {'p50 ms @1':>10} {'p99 ms @1':>10} {'added p50':>10} {'added p99':>10} "
-            f"{'req/s @' + str(args.overhead_concurrency):>12} {'err':>4}"
+            f"{'req/s @' + str(args.overhead_concurrency):>12} {'CPU us/req':>10} {'err':>4}"
         )
         for r in over:
+            cpu = r["router_cpu_us_per_request"]
             print(
                 f"{r['target']:22} {r['run']:>3} {r['p50_s_at_c1'] * 1000:>10.2f} {r['p99_s_at_c1'] * 1000:>10.2f} "
-                f"{r['added_p50_ms']:>10.2f} {r['added_p99_ms']:>10.2f} {r['requests_per_s']:>12.0f} {r['errors']:>4}"
+                f"{r['added_p50_ms']:>10.2f} {r['added_p99_ms']:>10.2f} {r['requests_per_s']:>12.0f} "
+                f"{'-' if cpu is None else format(cpu, '.0f'):>10} {r['errors']:>4}"
             )
     print()
     for k, v in ratios.items():
