@@ -28,9 +28,21 @@ over from one router to the next:
    64-block Llama-3.3-70B prefix is about 27 ms at 200 GB/s).
 2. **Gateway overhead.** Workers started with ``--zero-delay`` (they answer at once), short unique prompts
    (``--overhead-tokens``), ``max_new_tokens`` 1, no streaming. A closed loop of ``--overhead-requests`` requests
-   is sent (a) round-robin straight to the workers (no router), (b) through smg, (c) through the btbctl gateway:
-   at concurrency 1 the p50 latency gives the *added p50* of each router over direct (goal for btbctl: < 2 ms);
-   at ``--overhead-concurrency`` the requests per second give the throughput at saturation (goal: btbctl >= smg).
+   is sent (a) round-robin straight to the workers (no router), (b) through smg, (c) through the btbctl gateway
+   (``btb``): at concurrency 1 the p50 and p99 latencies give the *added p50/p99* of each router over direct
+   (goals for btbctl: p50 < 0.3 ms, p99 < 2 ms); at ``--overhead-concurrency`` the requests per second give the
+   throughput at saturation (goal: btbctl >= 1.2 x smg). ``--overhead-runs`` (default 3) repeats the whole part,
+   each run on fresh workers; every run gives its own ``btbctl / smg`` throughput ratio.
+
+   **Same core budget.** Both routers get the same CPU set, ``--router-cpus`` (default: the last CPU this script
+   may run on), and the workers and the client get the rest: each router process is started with that CPU
+   affinity (inherited by all its threads), the workers and this script with the other CPUs. smg has no
+   thread-count option of its own (``smg launch --help``); its Tokio runtime sizes itself to the CPUs it may use,
+   and ``TOKIO_WORKER_THREADS`` is set to that count as well, so it runs as many worker threads as it has cores.
+   The btbctl gateway is one event loop (one thread, plus a hashing pool for big prompts only). With fewer than
+   two CPUs, or ``--router-cpus none``, nothing is pinned. Each router's CPU time per request over the throughput
+   loop (user + system, all its threads, from ``/proc``) is reported too: on a machine shared with other work the
+   throughput moves with everyone else's load, the CPU cost per request much less.
 
 Client, workers and routers share this machine's cores, so absolute numbers depend on it; ratios measured in the
 same run are the result. ``--skip-smg`` runs the btbctl parts alone; ``--skip-overhead`` skips part 2.
@@ -40,7 +52,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -115,7 +129,7 @@ class Fleet:
         wait_ready(p, 60.0)
         return p.url
 
-    def smg(self, exe: str, urls: list[str], policy: str = "cache_aware") -> str:
+    def smg(self, exe: str, urls: list[str], policy: str = "cache_aware", threads: int | None = None) -> str:
         port = free_port()
         argv = [
             exe,
@@ -131,7 +145,8 @@ class Fleet:
             "--log-level",
             "warn",
         ]
-        p = spawn("smg", argv, self.logdir / "smg.log")
+        env = {"TOKIO_WORKER_THREADS": str(threads)} if threads else None
+        p = spawn("smg", argv, self.logdir / "smg.log", env=env)
         self.procs.append(p)
         url = f"http://127.0.0.1:{port}"
         wait_ready(p, 60.0, health_url=url)
@@ -305,35 +320,98 @@ async def closed_loop(urls: list[str], n: int, concurrency: int, tokens: int, ta
         "requests_per_s": len(lat) / wall,
         "p50_s": s_["p50"],
         "p95_s": s_["p95"],
+        "p99_s": s_["p99"],
     }
 
 
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    """Processes started inside the block (and this process meanwhile) run on ``cpus`` only; None: no change."""
+    if not cpus:
+        yield
+        return
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
+def cpu_split(spec: str) -> tuple[set[int] | None, set[int] | None]:
+    """``(router CPUs, everyone else's CPUs)`` from ``--router-cpus`` (``auto``: the last allowed CPU; ``none``;
+    or a comma-separated list); ``(None, None)`` when nothing is pinned."""
+    if not hasattr(os, "sched_getaffinity") or spec == "none":
+        return None, None
+    allowed = sorted(os.sched_getaffinity(0))
+    router = {allowed[-1]} if spec == "auto" else {int(x) for x in spec.split(",") if x.strip()}
+    rest = set(allowed) - router
+    if len(allowed) < 2 or not rest or not router <= set(allowed):
+        return None, None
+    return router, rest
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far; None without ``/proc``."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def overhead(args, logdir: Path) -> list[dict]:
+    router_cpus, rest_cpus = cpu_split(args.router_cpus)
     rows = []
-    with Fleet(logdir, "overhead") as fleet:
-        urls = fleet.workers(zero_delay=True)
-        targets = [("direct", urls)]
-        if not args.skip_smg:
-            targets.append(("smg cache_aware", [fleet.smg(args.smg, urls)]))
-        targets.append(("btbctl btb", [fleet.btbctl_gateway(urls, "btb", 256)]))
-        for name, tgt in targets:
-            lat = asyncio.run(closed_loop(tgt, args.overhead_latency_requests, 1, args.overhead_tokens, f"{name}-l"))
-            thr = asyncio.run(
-                closed_loop(tgt, args.overhead_requests, args.overhead_concurrency, args.overhead_tokens, f"{name}-t")
-            )
-            rows.append(
-                {
-                    "target": name,
-                    "p50_s_at_c1": lat["p50_s"],
-                    "p95_s_at_c1": lat["p95_s"],
-                    "requests_per_s": thr["requests_per_s"],
-                    "concurrency": thr["concurrency"],
-                    "errors": lat["errors"] + thr["errors"],
-                }
-            )
-    direct = rows[0]
-    for r in rows:
-        r["added_p50_ms"] = (r["p50_s_at_c1"] - direct["p50_s_at_c1"]) * 1000
+    for run in range(args.overhead_runs):
+        with pinned(rest_cpus), Fleet(logdir, f"overhead-{run}") as fleet:
+            urls = fleet.workers(zero_delay=True)
+            targets: list[tuple[str, list[str], int | None]] = [("direct", urls, None)]
+            with pinned(router_cpus):
+                if not args.skip_smg:
+                    threads = len(router_cpus) if router_cpus else None
+                    url = fleet.smg(args.smg, urls, threads=threads)
+                    targets.append(("smg cache_aware", [url], fleet.procs[-1].pid))
+                url = fleet.btbctl_gateway(urls, "btb", 256)
+                targets.append(("btbctl btb", [url], fleet.procs[-1].pid))
+            run_rows = []
+            for name, tgt, pid in targets:
+                lat = asyncio.run(
+                    closed_loop(tgt, args.overhead_latency_requests, 1, args.overhead_tokens, f"{name}-l{run}")
+                )
+                cpu0 = process_cpu_s(pid)
+                thr = asyncio.run(
+                    closed_loop(
+                        tgt, args.overhead_requests, args.overhead_concurrency, args.overhead_tokens, f"{name}-t{run}"
+                    )
+                )
+                cpu1 = process_cpu_s(pid)
+                # the warm-up requests of closed_loop count too (one per connection)
+                n_sent = args.overhead_requests + min(args.overhead_concurrency, args.overhead_requests)
+                run_rows.append(
+                    {
+                        "target": name,
+                        "run": run,
+                        "router_cpus": sorted(router_cpus) if router_cpus and name != "direct" else None,
+                        "p50_s_at_c1": lat["p50_s"],
+                        "p95_s_at_c1": lat["p95_s"],
+                        "p99_s_at_c1": lat["p99_s"],
+                        "requests_per_s": thr["requests_per_s"],
+                        "router_cpu_us_per_request": None
+                        if cpu0 is None or cpu1 is None
+                        else (cpu1 - cpu0) / n_sent * 1e6,
+                        "concurrency": thr["concurrency"],
+                        "errors": lat["errors"] + thr["errors"],
+                    }
+                )
+        direct = run_rows[0]
+        for r in run_rows:
+            r["added_p50_ms"] = (r["p50_s_at_c1"] - direct["p50_s_at_c1"]) * 1000
+            r["added_p99_ms"] = (r["p99_s_at_c1"] - direct["p99_s_at_c1"]) * 1000
+        rows += run_rows
     return rows
 
 
@@ -365,15 +443,22 @@ def main() -> int:
     ap.add_argument("--overhead-latency-requests", type=int, default=500)
     ap.add_argument("--overhead-concurrency", type=int, default=64)
     ap.add_argument("--overhead-tokens", type=int, default=256)
+    ap.add_argument("--overhead-runs", type=int, default=3, help="runs of the overhead part, fresh workers each")
+    ap.add_argument(
+        "--router-cpus",
+        default="auto",
+        help="CPUs of each router in the overhead part: auto (the last allowed CPU), none, or a list like 1 or 2,3",
+    )
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args()
     if not args.skip_smg and not args.smg:
         sys.stderr.write(f"smg not found: pip install smg=={SMG_VERSION} (or pass --smg PATH, or --skip-smg)\n")
         return 2
     unknown = [r for r in args.routers if r not in ROUTERS]
-    if unknown or args.repeat < 1:
+    if unknown or args.repeat < 1 or args.overhead_runs < 1:
         sys.stderr.write(
-            f"bench_router: unknown router(s) {unknown}; valid: {', '.join(ROUTERS)}; --repeat must be >= 1\n"
+            f"bench_router: unknown router(s) {unknown}; valid: {', '.join(ROUTERS)}; "
+            "--repeat and --overhead-runs must be >= 1\n"
         )
         return 2
     routers = [r for r in args.routers if not (args.skip_smg and r.startswith("smg"))]
@@ -410,11 +495,14 @@ def main() -> int:
                 ratios[name] = statistics.median(per_run)
                 if args.repeat > 1:
                     ratios[name + "_runs"] = per_run
-    ov = {r["target"]: r for r in over}
-    if "smg cache_aware" in ov and "btbctl btb" in ov:
-        ratios["btbctl_over_smg_throughput"] = (
-            ov["btbctl btb"]["requests_per_s"] / ov["smg cache_aware"]["requests_per_s"]
-        )
+    thr_runs = []
+    for run in sorted({r["run"] for r in over}):
+        ov = {r["target"]: r for r in over if r["run"] == run}
+        if "smg cache_aware" in ov and "btbctl btb" in ov:
+            thr_runs.append(ov["btbctl btb"]["requests_per_s"] / ov["smg cache_aware"]["requests_per_s"])
+    if thr_runs:
+        ratios["btbctl_over_smg_throughput"] = statistics.median(thr_runs)
+        ratios["btbctl_over_smg_throughput_runs"] = thr_runs
     result = {
         "smg_version": SMG_VERSION if not args.skip_smg else None,
         "burst": burst,
@@ -449,19 +537,29 @@ def main() -> int:
         "prefix cache; 1st: the first answer's time after the replay started)"
     )
     if over:
-        print(f"\noverhead: zero-delay workers, {args.overhead_tokens}-token prompts")
-        print(f"{'target':22} {'p50 ms @1':>10} {'added p50 ms':>13} {'req/s @' + str(args.overhead_concurrency):>12}")
+        cpus = next((r["router_cpus"] for r in over if r["router_cpus"]), None)
+        print(
+            f"\noverhead: zero-delay workers, {args.overhead_tokens}-token prompts, routers on CPUs "
+            + (",".join(map(str, cpus)) + " (workers and client on the others)" if cpus else "not pinned")
+        )
+        print(
+            f"{'target':22} {'run':>3} {'p50 ms @1':>10} {'p99 ms @1':>10} {'added p50':>10} {'added p99':>10} "
+            f"{'req/s @' + str(args.overhead_concurrency):>12} {'CPU us/req':>10} {'err':>4}"
+        )
         for r in over:
+            cpu = r["router_cpu_us_per_request"]
             print(
-                f"{r['target']:22} {r['p50_s_at_c1'] * 1000:>10.2f} {r['added_p50_ms']:>13.2f} "
-                f"{r['requests_per_s']:>12.0f}"
+                f"{r['target']:22} {r['run']:>3} {r['p50_s_at_c1'] * 1000:>10.2f} {r['p99_s_at_c1'] * 1000:>10.2f} "
+                f"{r['added_p50_ms']:>10.2f} {r['added_p99_ms']:>10.2f} {r['requests_per_s']:>12.0f} "
+                f"{'-' if cpu is None else format(cpu, '.0f'):>10} {r['errors']:>4}"
             )
     print()
     for k, v in ratios.items():
         if isinstance(v, list):
             print(f"{k}: " + ", ".join(f"{x:.2f}" for x in v))
         else:
-            print(f"{k}: {v:.2f}" + (" (median of runs)" if args.repeat > 1 else ""))
+            many = args.overhead_runs > 1 if k.startswith("btbctl_over_smg") else args.repeat > 1
+            print(f"{k}: {v:.2f}" + (" (median of runs)" if many else ""))
     return 0
 
 

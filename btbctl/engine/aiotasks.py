@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+import os
+import sys
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
@@ -26,3 +31,31 @@ async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
     for t in tasks:
         with contextlib.suppress(BaseException):
             await t
+
+
+#: Set (to anything but ``""`` or ``0``) to run the gateway on asyncio's own event loop even when uvloop is
+#: installed.
+NO_UVLOOP_ENV = "BTBCTL_NO_UVLOOP"
+
+
+def loop_factory(allow_uvloop: bool = True) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop factory of a long-running server: uvloop's (libuv; transports and callbacks in C, where the
+    gateway's forwarding spends most of its time) when ``allow_uvloop``, unless ``BTBCTL_NO_UVLOOP`` is set or
+    uvloop is not importable (or before Python 3.11, where ``asyncio.Runner`` takes no factory); None means
+    asyncio's default loop."""
+    if not allow_uvloop or os.environ.get(NO_UVLOOP_ENV, "") not in ("", "0") or sys.version_info < (3, 11):
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T], allow_uvloop: bool = True) -> T:
+    """``asyncio.run(main)`` on the loop :func:`loop_factory` picks."""
+    factory = loop_factory(allow_uvloop)
+    if factory is None or sys.version_info < (3, 11):
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

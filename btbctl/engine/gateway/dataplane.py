@@ -36,13 +36,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from aiohttp.payload import BytesPayload
 from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
@@ -268,7 +269,7 @@ class DataPlane:
             gw.metrics.reject(413)
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
         try:
-            body = await asyncio.wait_for(request.read(), lim.body_timeout_s)
+            body = await _read_within(request.content, request.read, lim.body_timeout_s)
         except asyncio.TimeoutError:
             return json_error(408, f"the request body did not arrive within {lim.body_timeout_s:g} s")
         l3 = getattr(gw, "l3_prompts", None)
@@ -337,26 +338,38 @@ class DataPlane:
         """
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(aw)
-        down: asyncio.Future = loop.create_future()
+        # One waiter woken by whichever comes first: the attempt ends (None), the deadline (None) or worker_down
+        # (the reason); lighter than asyncio.wait over the task and a second future, on every request.
+        waiter: asyncio.Future = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        task.add_done_callback(wake)
+        timer = loop.call_at(deadline, wake)
         waiting = self._waiting.setdefault(idx, set())
-        waiting.add(down)
+        waiting.add(waiter)
         try:
-            await asyncio.wait((task, down), timeout=max(0.0, deadline - loop.time()), return_when="FIRST_COMPLETED")
+            await waiter
         except asyncio.CancelledError:
             task.cancel()
             raise
         finally:
-            waiting.discard(down)
+            timer.cancel()
+            waiting.discard(waiter)
+            task.remove_done_callback(wake)
         if task.done():
             return task.result()
+        reason = waiter.result()
         task.cancel()
         await asyncio.wait((task,))
         if not task.cancelled() and task.exception() is None:
             res = task.result()
             if isinstance(res, aiohttp.ClientResponse):
                 res.close()
-        if down.done():
-            raise _Abandoned(down.result())
+        if reason is not None:
+            raise _Abandoned(reason)
         raise asyncio.TimeoutError(f"no first byte within {self.limits.first_byte_timeout_s:g} s")
 
     async def _forward(
@@ -410,7 +423,14 @@ class DataPlane:
             try:
                 try:
                     resp = await self._until_first_byte(
-                        gw.session.post(self._url(w.url, path), data=body, headers=_FORWARD_HEADERS), idx, deadline
+                        gw.session.post(
+                            self._url(w.url, path),
+                            # a ready payload: aiohttp skips looking its type up in its payload registry
+                            data=BytesPayload(body, content_type="application/json"),
+                            headers=_FORWARD_HEADERS,
+                        ),
+                        idx,
+                        deadline,
                     )
                 except _Abandoned as e:
                     attempts.append(f"{w.url}: marked unhealthy before its first byte ({e})")
@@ -444,7 +464,7 @@ class DataPlane:
                     ctype = resp.headers.get("Content-Type", "application/json")
                     if not (stream and status == 200 and ctype.startswith("text/event-stream")):
                         try:
-                            payload = await asyncio.wait_for(resp.read(), lim.idle_timeout_s)
+                            payload = await _read_within(resp.content, resp.read, lim.idle_timeout_s)
                         except _UPSTREAM_ERRORS as e:
                             reason = f"answer broke off: {_describe(e)}"
                             attempts.append(f"{w.url}: {reason}")
@@ -580,6 +600,14 @@ class DataPlane:
         gw.metrics.request(worker_label(w), policy_name, status)
         gw.metrics.observe_duration(worker_label(w), gw.state.clock() - t0)
         return out
+
+
+async def _read_within(content: aiohttp.StreamReader, read: Callable[[], Awaitable[bytes]], timeout_s: float) -> bytes:
+    """``await read()`` (a whole body), at most ``timeout_s``; without the timeout's task and timer when the body
+    is already all buffered (``content`` at its end: usually so for small bodies, which arrive with their head)."""
+    if content.is_eof():
+        return await read()
+    return await asyncio.wait_for(read(), timeout_s)
 
 
 async def _await_copy_accepted(state, idx: int, chain) -> None:

@@ -44,6 +44,14 @@ SWEEP_INTERVAL_S = 0.5
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
+def nofile_target() -> int:
+    """The ``RLIMIT_NOFILE`` soft limit :func:`raise_nofile` aims at (nothing is changed here)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(soft, hard if hard != resource.RLIM_INFINITY else 1 << 20)
+
+
 def raise_nofile() -> tuple[int, int]:
     """Raise the ``RLIMIT_NOFILE`` soft limit to the hard limit (capped at 1,048,576 when the hard limit is
     unlimited); returns ``(old soft, new soft)``. Never fails: on refusal the old limit stays."""

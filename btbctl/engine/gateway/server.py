@@ -37,6 +37,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from btbctl.engine import aiotasks
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.detector import BurstDetector
@@ -51,6 +52,7 @@ from btbctl.engine.gateway.guard import (
     RateLimiter,
     fd_budget,
     install_accept_error_limiter,
+    nofile_target,
     raise_nofile,
 )
 from btbctl.engine.gateway.health import HealthProber
@@ -72,6 +74,10 @@ log = logging.getLogger(__name__)
 #: Page size when neither the config nor any worker's ``/btb/info`` gives one: BTB's 256-token block
 #: (REFERENCE.md s1).
 DEFAULT_PAGE_SIZE = 256
+#: Least descriptor limit (``RLIMIT_NOFILE`` as the gateway raises it) with which it runs on uvloop; below it, on
+#: asyncio's own loop (see :func:`run_gateway`). A product choice: running out of 16,384 descriptors takes about
+#: 10,000 simultaneous client connections; the limits where that happens in the field are the low ones (1,024).
+UVLOOP_MIN_NOFILE = 1 << 14
 
 
 def load_token(config: GatewayConfig) -> str:
@@ -662,4 +668,7 @@ def run_gateway(config: GatewayConfig, on_ready: Callable[[Gateway], None] | Non
         finally:
             await gw.stop()
 
-    asyncio.run(main())
+    # uvloop unless descriptors are scarce: out of descriptors, libuv accepts and at once closes the connections
+    # waiting in the backlog (clients see resets) where asyncio's loop pauses accepting and leaves them queued
+    # until descriptors free up, which the gateway's descriptor guards rely on (see guard.py)
+    aiotasks.run(main(), allow_uvloop=nofile_target() >= UVLOOP_MIN_NOFILE)

@@ -283,12 +283,15 @@ class TransferTable:
     def __init__(self, recent: int = RECENT_TRANSFERS) -> None:
         self.by_id: dict[str, Transfer] = {}
         self.active: dict[tuple[int, Hashable], Transfer] = {}
+        #: the active copies by target (``depth_to`` runs per worker on every routing decision)
+        self._to: dict[int, dict[Hashable, Transfer]] = {}
         self.recent: deque[Transfer] = deque(maxlen=recent)
         self.version = 0  # bumped when a copy starts or ends
 
     def add(self, t: Transfer) -> None:
         self.by_id[t.copy_id] = t
         self.active[(t.target, t.key)] = t
+        self._to.setdefault(t.target, {})[t.key] = t
         self.version += 1
 
     def finish(self, t: Transfer) -> None:
@@ -296,6 +299,10 @@ class TransferTable:
         self.version += 1
         if self.active.get((t.target, t.key)) is t:
             del self.active[(t.target, t.key)]
+            to = self._to[t.target]
+            del to[t.key]
+            if not to:
+                del self._to[t.target]
         if len(self.recent) == self.recent.maxlen:
             old = self.recent[0]
             if self.by_id.get(old.copy_id) is old:
@@ -307,12 +314,15 @@ class TransferTable:
 
     def depth_to(self, target: int, chain: Sequence[Hashable]) -> int:
         """Length of the longest copy in flight to ``target`` whose chain is a leading part of ``chain`` (0 when
-        none). O(copies in flight)."""
+        none). O(copies in flight to ``target``)."""
+        to = self._to.get(target)
+        if not to:
+            return 0
         best = 0
         n = len(chain)
-        for (r, key), t in self.active.items():
+        for key, t in to.items():
             m = len(t.chain)
-            if r == target and t.routable and best < m <= n and chain[m - 1] == key:
+            if t.routable and best < m <= n and chain[m - 1] == key:
                 best = m
         return best
 

@@ -1,0 +1,178 @@
+"""Cost of one routing decision of the gateway: burst detector plus policy ``route()`` for a 64k-token prompt on
+16 workers (not a test; never gates CI).
+
+    python benchmarks/bench_decision.py [--decisions 10000] [--format json]
+
+The decision is the gateway's own :meth:`~btbctl.engine.gateway.server.Gateway.choose` on a real
+:class:`~btbctl.engine.gateway.server.Gateway` (never started: no sockets) whose 16 workers are marked healthy,
+BTB-capable and copy-capable, with their fleet state (:class:`~btbctl.engine.gateway.state.FleetState`, the
+policies' view) filled in: every prompt's 256-block chain held by two workers, 0-7 requests in flight on each.
+The decisions run inside an event loop, as in the gateway, and the replicator really accepts the policies' copy
+plans (a :class:`~btbctl.engine.gateway.state.Transfer` recorded, a task created); the one stub is that task's
+body, the copy job itself (network calls, off the decision path), which does nothing here, so the copies stay in
+flight for the whole run, as during a burst. Each decision routes one request of a burst: ``--prompts`` prompts of
+256 blocks of 256 tokens (65,536 tokens; the published ``prefix_blocks`` is 256, so the whole prompt is the
+detector's prefix) in turn, so the detector sees each prefix arriving over and over and the prefixes turn hot.
+
+Reported per policy (``btb``, ``btb_plus``, ``cache_aware``, and ``round_robin`` as the floor of the same call
+path): p50/p99/mean of ``choose()`` in microseconds over ``--decisions`` decisions, and the ratio to the
+round-robin p50. Separately, the cost of turning the prompt into its chain (xxh3 over the 256 KB of packed tokens:
+:func:`btbctl.engine.gateway.prompt.chain_from_packed`), which the gateway pays once per request before the
+decision (for a body over ``offload_bytes``, 256 KB by default, in its hashing thread), and the sum of both.
+
+``--clock cpu`` times each decision with this thread's CPU clock instead of the wall clock: on a shared machine
+the wall-clock p99 is mostly the scheduler handing the core to someone else mid-decision (a few ms), which the
+CPU clock leaves out (it adds its own read, about a microsecond, to every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+from btbctl.engine.gateway.config import GatewayConfig
+from btbctl.engine.gateway.prompt import chain_from_packed
+from btbctl.engine.gateway.server import Gateway
+from btbctl.engine.hashing import pack_tokens
+from btbctl.engine.trace.model import Request
+
+WORKERS = 16
+BLOCKS = 256
+PAGE = 256
+POLICIES = ("round_robin", "btb", "btb_plus", "cache_aware")
+
+
+def prompts(n: int) -> list[bytes]:
+    """``n`` distinct 64k-token prompts, packed uint32 (what the data plane hashes)."""
+    return [pack_tokens([(p * 7919 + i * 31) % 50000 for i in range(BLOCKS * PAGE)]) for p in range(n)]
+
+
+def percentiles(ns: list[int]) -> dict:
+    us = sorted(x / 1000 for x in ns)
+    return {
+        "p50_us": us[len(us) // 2],
+        "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
+        "mean_us": statistics.fmean(us),
+    }
+
+
+def gateway(policy: str, seed: int) -> tuple[Gateway, list[int]]:
+    urls = [f"http://127.0.0.1:{20000 + i}" for i in range(WORKERS)]
+    gw = Gateway(GatewayConfig(workers=urls, policy=policy, page_size=PAGE, seed=seed, token="x"))
+    for w in gw.state.workers:
+        w.healthy = True
+        w.health_error = None
+        w.btb = True
+        w.info = {"page_size": PAGE, "transfer_addr": f"127.0.0.1:{30000 + w.index}", "capacity_tokens": 1 << 22}
+        w.capacity_blocks = (1 << 22) // PAGE
+    gw._settle_page_size()
+    gw._install_policy(gw.policy, None)
+    jobs = [0]
+
+    async def job(t, source_confirmed=False) -> None:  # the copy itself: not part of the decision
+        jobs[0] += 1
+
+    gw.replicator._job = job  # type: ignore[method-assign]
+    return gw, jobs
+
+
+async def bench_policy(
+    policy: str, chains: list[tuple], decisions: int, seed: int, clock_ns=time.perf_counter_ns
+) -> dict:
+    gw, jobs = gateway(policy, seed)
+    ws = gw.state.workers
+    for k, chain in enumerate(chains):  # each prompt held by two workers, as after earlier requests
+        ws[(2 * k) % WORKERS].hold(chain)
+        ws[(2 * k + 1) % WORKERS].hold(chain)
+    for w in ws:
+        w.inflight = (w.index * 5) % 8
+    clock = gw.clock
+    choose = gw.choose
+    times: list[int] = []
+    picked = [0] * WORKERS
+    warm = min(1000, decisions // 10)
+    for i in range(decisions + warm):
+        req = Request(
+            request_id=str(i),
+            arrival_s=clock(),
+            input_tokens=BLOCKS * PAGE,
+            output_tokens=1,
+            block_hashes=chains[i % len(chains)],
+        )
+        t = clock_ns()
+        idx = choose(req, ())
+        dt = clock_ns() - t
+        if i >= warm:
+            times.append(dt)
+            if idx is not None:
+                picked[idx] += 1
+    out = {"policy": policy, "decisions": decisions, **percentiles(times)}
+    await asyncio.sleep(0)  # let the copy jobs' (empty) tasks run
+    out["copies_started"] = len(gw.state.transfers.all())
+    out["detector_fires"] = gw.detector.stats()["fires"]
+    out["workers_picked"] = sum(1 for c in picked if c)
+    return out
+
+
+def bench_hashing(data: list[bytes], n: int, clock_ns=time.perf_counter_ns) -> dict:
+    times = []
+    for i in range(n):
+        d = data[i % len(data)]
+        t = clock_ns()
+        chain_from_packed(d, PAGE)
+        times.append(clock_ns() - t)
+    return {"what": "chain_from_packed, 64k tokens", "runs": n, **percentiles(times)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decisions", type=int, default=10000)
+    ap.add_argument("--prompts", type=int, default=8, help="distinct 64k-token prompts of the burst (default 8)")
+    ap.add_argument("--hash-runs", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="time decisions by (default wall)")
+    ap.add_argument("--format", choices=("human", "json"), default="human")
+    args = ap.parse_args()
+    data = prompts(args.prompts)
+    chains = [chain_from_packed(d, PAGE) for d in data]
+    clock_ns = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
+    rows = [asyncio.run(bench_policy(p, chains, args.decisions, args.seed, clock_ns)) for p in POLICIES]
+    floor = rows[0]["p50_us"]
+    for r in rows:
+        r["p50_over_round_robin"] = r["p50_us"] / floor if floor else None
+    hashing = bench_hashing(data, args.hash_runs, clock_ns)
+    for r in rows:
+        r["with_hashing_p50_us"] = r["p50_us"] + hashing["p50_us"]
+        r["with_hashing_p99_us"] = r["p99_us"] + hashing["p99_us"]
+    if args.format == "json":
+        out = {"workers": WORKERS, "prompt_tokens": BLOCKS * PAGE, "clock": args.clock, "decisions": rows}
+        print(json.dumps({**out, "hashing": hashing}))
+        return 0
+    print(
+        f"decision = Gateway.choose() (detector + policy route), {WORKERS} workers, {BLOCKS * PAGE}-token prompts "
+        f"({BLOCKS} blocks of {PAGE}), {args.prompts} prompts in turn, {args.decisions} decisions, {args.clock} clock"
+    )
+    print(
+        f"{'policy':12} {'p50 us':>8} {'p99 us':>8} {'mean us':>8} {'p50/rr':>7} {'copies':>6} {'fires':>6} "
+        f"{'+hash p50':>10} {'+hash p99':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['policy']:12} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f} {r['mean_us']:>8.1f} "
+            f"{r['p50_over_round_robin']:>7.2f} {r['copies_started']:>6} {r['detector_fires']:>6} "
+            f"{r['with_hashing_p50_us']:>10.1f} {r['with_hashing_p99_us']:>10.1f}"
+        )
+    print(
+        f"hashing the prompt (chain_from_packed, {BLOCKS * PAGE} tokens): p50 {hashing['p50_us']:.1f} us, "
+        f"p99 {hashing['p99_us']:.1f} us (paid once per request before the decision; '+hash' columns add the "
+        "percentiles, an upper bound of the sum's)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
