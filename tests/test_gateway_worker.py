@@ -101,14 +101,18 @@ async def test_btb_replicates_between_real_workers(tmp_path):
                 url = gw.state.workers[copy.target].url
                 async with s.post(url + "/btb/match", json={"chain": list(copy.chain)}) as r:
                     assert (await r.json())["cached_blocks"] == PREFIX_BLOCKS
-            # the rest of the burst spreads over the three holders, each reusing the copied prefix
-            answers = []
-            for i in range(2, 11):
+
+            # the rest of the burst, arriving together, spreads over the three holders (least loaded first), each
+            # reusing the copied prefix (one by one, every holder would be idle at each arrival and the tie-break
+            # random: two of three could serve all nine)
+            async def one(i: int) -> tuple[str, dict]:
                 async with s.post(
                     gw.data_url + "/v1/completions", json={"prompt": prefix + f"question {i}", "max_tokens": 1}
                 ) as r:
                     assert r.status == 200
-                    answers.append((r.headers["X-BTB-Worker"], await r.json()))
+                    return r.headers["X-BTB-Worker"], await r.json()
+
+            answers = await asyncio.gather(*(one(i) for i in range(2, 11)))
             assert len({w for w, _ in answers}) == 3
             assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] >= PREFIX_BLOCKS * PAGE for _, a in answers)
             async with s.get(gw.control_url + "/control/fleet") as r:
