@@ -46,6 +46,12 @@ copies and bytes copied (bytes at the real, unscaled size; ``wire_bytes``: what 
 the ratios btb_plus / smg cache_aware for TTFT mean, p95 and prefill tokens per run and their median, against
 the targets (0.5, 0.7, 0.6). Client, gateway and workers share this machine's cores, so the numbers depend on its
 load; the report records the load average before and after each round.
+
+A floor on prefill tokens, whatever the router: every burst prefix once, every suffix, and every decoy whole
+(a decoy's prefix is its own), ``bursts x prefix + bursts x burst_size x 256 + decoys x (prefix + 256)``. With the
+published ratio of 15 decoys per burst the decoys are about 90% of it, so the total ratio against any router can
+only drop well below 1 if that router recomputes burst prefixes many times; ``prefill_tokens_by_kind`` (prompt
+minus the cached tokens each answer reported) and the ``burst_prefill_tokens`` ratio show the bursts alone.
 """
 
 from __future__ import annotations
