@@ -76,18 +76,24 @@ async def test_policy_picker_shows_whole_summaries_wrapped_at_words():
     src = small_source()
     async with running_app(src, (80, 24)) as (app, pilot):
         await press(pilot, "c")
-        await wait_for(pilot, lambda: isinstance(app.screen, PolicyScreen))
+        # pushed is not yet composed: wait for the list itself and all its options
+        await wait_for(
+            pilot,
+            lambda: (
+                isinstance(app.screen, PolicyScreen)
+                and bool(app.screen.query(OptionList))
+                and app.screen.query_one(OptionList).option_count == len(POLICIES)
+            ),
+        )
         ol = app.screen.query_one(OptionList)
-        await pilot.pause(0.1)
         for i, name in enumerate(POLICIES):
             prompt = str(ol.get_option_at_index(i).prompt)
             assert prompt == f"{name}  {POLICIES[name].summary}".rstrip()
         names = list(POLICIES)
         longest = max(names, key=lambda n: len(POLICIES[n].summary))
         ol.highlighted = names.index(longest)  # scrolled into view
-        await pilot.pause(0.1)
         # the last word of the longest summary is on screen whole (wrapped, not cut mid-word)
-        assert POLICIES[longest].summary.split()[-1] in app.export_screenshot()
+        await wait_for(pilot, lambda: POLICIES[longest].summary.split()[-1] in app.export_screenshot())
 
 
 def _prefix(pid: str, arrivals: int) -> PrefixRow:
