@@ -245,7 +245,8 @@ def test_read_api_reports_copies_holders_and_replica_state():
     assert live.holders(p) == [0, 1]
     st = live.replica_state(1)
     assert st.cached_blocks == 64 and st.running == 0 and not st.busy
-    assert st.used_tokens == 64 * BT and st.capacity_tokens == COST.kv_budget_tokens
+    # the copied blocks are cached but no request uses them: evictable, so not "used" (SGLang's num_used_tokens)
+    assert st.used_tokens == 0 and st.capacity_tokens == COST.kv_budget_tokens
 
 
 def test_set_constants_and_policy_reach_the_policy():

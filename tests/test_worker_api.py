@@ -95,6 +95,17 @@ def test_cold_prefill_takes_model_time_and_a_repeat_reuses_the_cache(w):
     assert cold["meta_info"]["e2e_latency"] > 0.01  # the worker waited out the prefill's model time
 
 
+def test_loads_count_cached_blocks_no_request_uses_as_free(w):
+    """``num_used_tokens`` as SGLang counts it: capacity - (free + evictable); a finished prompt's cached blocks are
+    evictable, so an idle worker reports 0 used while it still holds them."""
+    ids = _ids(16 * PAGE, 5)
+    assert w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})[0] == 200
+    one = w.get("/v1/loads")[1]["loads"][0]
+    assert one["num_running_reqs"] == 0 and one["num_used_tokens"] == 0 and one["token_usage"] == 0.0
+    again = w.post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})[1]
+    assert again["meta_info"]["cached_tokens"] == 16 * PAGE - 1  # the blocks were still there
+
+
 @pytest.mark.speed
 def test_a_cached_prompt_answers_faster(w):
     """A speed test (``pytest -m speed``): the cache's saving shows on the wall clock."""

@@ -138,7 +138,9 @@ class ReplicaState:
     Attributes:
         running: requests admitted (prefilling or decoding).
         waiting: requests queued, not admitted yet.
-        used_tokens: KV-cache tokens in use (resident + reserved blocks + private reservations).
+        used_tokens: KV-cache tokens in use as SGLang's ``num_used_tokens`` counts them: capacity minus free minus
+            evictable (pinned resident blocks + reserved blocks + private reservations; cached blocks no request
+            uses are evictable, so they do not count).
         capacity_tokens: KV-cache budget, tokens.
         cached_blocks: resident blocks.
         busy: a step (prefill or decode) is in progress.
@@ -352,7 +354,7 @@ class ReplicaModel:
         return ReplicaState(
             running=len(self._prefilling) + self._n_decoding,
             waiting=len(self._waiting),
-            used_tokens=cache.used_tokens,
+            used_tokens=cache.used_tokens - cache.evictable_tokens,
             capacity_tokens=cache.capacity_tokens,
             cached_blocks=len(cache),
             busy=self._busy,
