@@ -77,7 +77,6 @@ from bench_router import SMG_VERSION, Fleet, copy_timeline, worker_counters
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.bench import BenchOptions, replay
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
-from btbctl.engine.launcher.fleet import free_port
 from btbctl.engine.launcher.local import spawn, wait_ready
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.worker.config import make_config
@@ -231,28 +230,6 @@ class LiveFleet(Fleet):
         for p in started:
             wait_ready(p, 60.0)
         return [p.url for p in started]
-
-    def smg(self, exe: str, urls: list[str], policy: str = "cache_aware") -> str:
-        """``smg launch --policy cache_aware`` (its defaults) with its metrics listener on a free loopback port
-        (smg's default, 0.0.0.0:29000, fails when another smg runs on this machine)."""
-        port, mport = free_port(), free_port()
-        argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
-        argv += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport)]
-        argv += ["--log-level", "warn"]
-        p = spawn("smg", argv, self.logdir / "smg.log")
-        self.procs.append(p)
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(p, 60.0, health_url=url)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # /health answers before the workers are admitted
-            try:
-                with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
-                    if json.loads(r.read()).get("healthy_workers") == len(urls):
-                        return url
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise BtbctlError(f"smg did not admit all {len(urls)} workers within 30 s (log {self.logdir / 'smg.log'})")
 
     def gateway(self, urls: list[str], policy: str, prefix_blocks: int, seed: int) -> str:
         argv = [

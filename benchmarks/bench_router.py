@@ -130,21 +130,13 @@ class Fleet:
         return p.url
 
     def smg(self, exe: str, urls: list[str], policy: str = "cache_aware", threads: int | None = None) -> str:
-        port = free_port()
-        argv = [
-            exe,
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *urls,
-            "--policy",
-            policy,
-            "--log-level",
-            "warn",
-        ]
+        """``smg launch --policy POLICY`` (its defaults otherwise) with its metrics listener on a free loopback port
+        (smg's default, 0.0.0.0:29000, fails when another smg runs on this machine); ready once it admitted the
+        workers. Returns its URL."""
+        port, metrics_port = free_port(), free_port()
+        argv = [exe, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls]
+        argv += ["--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]
+        argv += ["--log-level", "warn"]
         env = {"TOKIO_WORKER_THREADS": str(threads)} if threads else None
         p = spawn("smg", argv, self.logdir / "smg.log", env=env)
         self.procs.append(p)
