@@ -423,16 +423,16 @@ class BtbPlus(Policy[CostView]):
         groups: _LazyGroups,
         replicas: Iterable[int],
         out: dict[int, tuple[float, float, float]],
+        own0: float,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
-        replicas (computed once)."""
+        replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`)."""
         chain = req.block_hashes
         inp = req.input_tokens
         kv_tokens = inp + req.output_tokens
         have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
-        own0 = view.cost.prefill_time_s(inp - have0, have0)
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
         for r in replicas:
             g = groups[r]
@@ -441,6 +441,13 @@ class BtbPlus(Policy[CostView]):
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
                 out[r] = (wait + own0, 0.0, wait)
+
+    @staticmethod
+    def _cold_prefill_s(view: CostView, req: Request) -> float:
+        """:meth:`estimate`'s ``own`` on a replica holding nothing of ``req``'s chain, seconds."""
+        inp = req.input_tokens
+        have0 = min(0, inp - 1)
+        return view.cost.prefill_time_s(inp - have0, have0)
 
     def _best(
         self, view: CostView, replicas: Sequence[int], cost: Sequence[float], quiet: Sequence[int], quiet_cost: float
@@ -482,7 +489,9 @@ class BtbPlus(Policy[CostView]):
         groups = _LazyGroups(self, view, now_s)
         ests: dict[int, tuple[float, float, float]] = {}
         holders: Collection[int] = range(n) if index is None else (index.holders(chain[0]) if chain else ())
-        self._estimates(view, req, now_s, depths, groups, holders, ests)
+        own0 = self._cold_prefill_s(view, req)
+        if holders:
+            self._estimates(view, req, now_s, depths, groups, holders, ests, own0)
         plan = None
         if hot is not None:
             det, since = hot
@@ -492,14 +501,12 @@ class BtbPlus(Policy[CostView]):
         quiet: Sequence[int] = ()
         if index is not None:
             idle = index.idle
-            priced = sorted(r for r in ests if r in idle)
+            priced = [r for r in sorted(ests) if r in idle] if ests else []
             if len(index.idle_order) > len(priced):
-                quiet = _Without(index.idle_order, priced)
+                quiet = _Without(index.idle_order, priced) if priced else index.idle_order
             else:
-                self._estimates(view, req, now_s, depths, groups, (r for r in range(n) if r not in ests), ests)
-        inp = req.input_tokens
-        have0 = min(0, inp - 1)
-        own0 = view.cost.prefill_time_s(inp - have0, have0)
+                rest = (r for r in range(n) if r not in ests)
+                self._estimates(view, req, now_s, depths, groups, rest, ests, own0)
         quiet_cost = own0 + 0.0 + own0 * max(0, per_replica * own0)  # the cost below with est own0, start 0
         replicas = sorted(ests) if len(ests) < n else range(n)
         cost = []
