@@ -22,10 +22,10 @@ carries over from one router to the next):
    tokens) and ``/btb/copies`` (copies sent, blocks, bytes).
 
 **Copies take network time.** The emulated workers send scaled-down blocks (``kv_bytes_scale`` S) over TCP
-without pacing them, so the pacing is the link's. Only the KV transfer traffic is paced (a ``prio`` qdisc on both
-ends of every host's link sends TCP segments to the workers' transfer port through a token bucket, everything
-else -- requests and answers -- unshaped), because a request's prompt text is not scaled down and would otherwise
-queue behind the scaled link. The arithmetic, for the defaults:
+without pacing them, so the pacing is the link's. Only the KV transfer traffic is paced (an ``htb`` qdisc on both
+ends of every host's link sends TCP segments to the workers' transfer port, matched by a ``u32`` filter, through
+a paced class; everything else -- requests and answers -- unshaped), because a request's prompt text is not
+scaled down and would otherwise queue behind the scaled link. The arithmetic, for the defaults:
 
 * real block (256 tokens of Llama-3.3-70B at 327,680 KV bytes per token) = 83,886,080 bytes; emulated block =
   83,886,080 / S bytes (S = 4096: 20,480 bytes). A copy of n blocks sends n x 83,886,080 / S bytes.
