@@ -77,7 +77,6 @@ from bench_router import SMG_VERSION, Fleet, copy_timeline, worker_counters
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.bench import BenchOptions, replay
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
-from btbctl.engine.launcher.local import spawn, wait_ready
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.worker.config import make_config
 
@@ -215,51 +214,18 @@ class LiveFleet(Fleet):
 
     def start_workers(self) -> list[str]:
         spec = WorkerSpec(model=MODEL, time_scale=self.time_scale, kv_bytes_scale=self.kv_bytes_scale)
-        started = []
-        for i in range(self.n):
-            if self.tb is None:
-                argv = emulated_argv(spec, 0, 0, token_file=str(self.token_file))
-            else:
-                host = self.tb.hosts[i]
-                argv = host.argv(
-                    emulated_argv(spec, HTTP_PORT, TRANSFER_PORT, token_file=str(self.token_file), host=host.address)
-                )
-            p = spawn(f"worker-{i}", argv, self.logdir / f"worker-{i}.log")
-            self.procs.append(p)
-            started.append(p)
-        for p in started:
-            wait_ready(p, 60.0)
-        return [p.url for p in started]
+        token = str(self.token_file)
+        if self.tb is None:
+            return self.spawn_workers([emulated_argv(spec, 0, 0, token_file=token) for _ in range(self.n)])
+        hosts = self.tb.hosts[: self.n]
+        return self.spawn_workers(
+            [h.argv(emulated_argv(spec, HTTP_PORT, TRANSFER_PORT, token_file=token, host=h.address)) for h in hosts]
+        )
 
     def gateway(self, urls: list[str], policy: str, prefix_blocks: int, seed: int) -> str:
-        argv = [
-            sys.executable,
-            "-m",
-            "btbctl",
-            "gateway",
-            "--port",
-            "0",
-            "--control-port",
-            "0",
-            "--policy",
-            policy,
-            "--prefix-blocks",
-            str(prefix_blocks),
-            "--window-s",
-            f"{1.0 / self.time_scale:.6g}",
-            "--seed",
-            str(seed),
-            "--worker-token-file",
-            str(self.token_file),
-            "--log-level",
-            "info",
-        ]
-        for u in urls:
-            argv += ["--worker", u]
-        p = spawn("gateway", argv, self.logdir / "gateway.log")
-        self.procs.append(p)
-        wait_ready(p, 60.0)
-        return p.url
+        window = f"{1.0 / self.time_scale:.6g}"
+        extra = ("--window-s", window, "--seed", str(seed), "--worker-token-file", str(self.token_file))
+        return self.btbctl_gateway(urls, policy, prefix_blocks, *extra, log_level="info")
 
 
 # -- one round ---------------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
@@ -79,10 +80,10 @@ ROUTERS = ("smg cache_aware", "btbctl btb", "btbctl btb_plus", "btbctl cache_awa
 
 
 class Fleet:
-    """Emulated workers and one router, all stopped on exit."""
+    """Emulated workers and one router, all stopped on exit (the other live benchmarks build on it)."""
 
-    def __init__(self, logdir: Path, name: str) -> None:
-        self.logdir = logdir / name
+    def __init__(self, logdir: Path, name: str = "") -> None:
+        self.logdir = logdir / name if name else logdir
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.procs: list[Started] = []
 
@@ -94,34 +95,29 @@ class Fleet:
             if p.popen.poll() is None:
                 stop_group(p.pid, grace_s=8.0, popen=p.popen)
 
-    def workers(self, zero_delay: bool) -> list[str]:
-        spec = WorkerSpec(zero_delay=zero_delay)
+    def spawn_workers(self, argvs: list[list[str]]) -> list[str]:
+        """Start one worker per command line (``worker-<i>``), wait until all are ready; their URLs."""
         started = []
-        for i in range(WORKERS):
-            p = spawn(f"worker-{i}", emulated_argv(spec, 0, 0), self.logdir / f"worker-{i}.log")
+        for i, argv in enumerate(argvs):
+            p = spawn(f"worker-{i}", argv, self.logdir / f"worker-{i}.log")
             self.procs.append(p)
             started.append(p)
         for p in started:
             wait_ready(p, 60.0)
         return [p.url for p in started]
 
-    def btbctl_gateway(self, urls: list[str], policy: str, prefix_blocks: int) -> str:
-        argv = [
-            sys.executable,
-            "-m",
-            "btbctl",
-            "gateway",
-            "--port",
-            "0",
-            "--control-port",
-            "0",
-            "--policy",
-            policy,
-            "--prefix-blocks",
-            str(prefix_blocks),
-            "--log-level",
-            "warning",
-        ]
+    def workers(self, zero_delay: bool) -> list[str]:
+        spec = WorkerSpec(zero_delay=zero_delay)
+        return self.spawn_workers([emulated_argv(spec, 0, 0) for _ in range(WORKERS)])
+
+    def btbctl_gateway(
+        self, urls: Sequence[str], policy: str, prefix_blocks: int | None, *extra: str, log_level: str = "warning"
+    ) -> str:
+        """``btbctl gateway`` on free ports in front of ``urls`` (``extra``: more of its flags); its URL."""
+        argv = [sys.executable, "-m", "btbctl", "gateway", "--port", "0", "--control-port", "0"]
+        argv += ["--policy", policy, "--log-level", log_level, *extra]
+        if prefix_blocks is not None:
+            argv += ["--prefix-blocks", str(prefix_blocks)]
         for u in urls:
             argv += ["--worker", u]
         p = spawn("gateway", argv, self.logdir / "gateway.log")

@@ -42,8 +42,10 @@ from pathlib import Path
 
 from btbctl.engine.launcher.bench import BenchOptions, replay_async
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
-from btbctl.engine.launcher.local import Started, spawn, stop_group, wait_ready
 from btbctl.engine.trace.model import Request, Trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_router import Fleet as RouterFleet
 
 POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware_spill", "btb", "btb_plus")
 BT = 256
@@ -111,46 +113,21 @@ def _stock_worker(argv: list[str]) -> None:
     main(["worker", *argv])
 
 
-class Fleet:
-    """Emulated workers and one gateway, all stopped on exit."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.logdir = logdir
-        self.procs: list[Started] = []
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for p in reversed(self.procs):
-            if p.popen.poll() is None:
-                stop_group(p.pid, grace_s=8.0, popen=p.popen)
+class Fleet(RouterFleet):
+    """Emulated workers (stock ones too) and one gateway, all stopped on exit."""
 
     def workers(self, n: int, *, stock: bool = False, zero_delay: bool = False, time_scale: float = 1.0) -> list[str]:
         spec = WorkerSpec(zero_delay=zero_delay, time_scale=time_scale)
-        started = []
-        for i in range(n):
+        argvs = []
+        for _ in range(n):
             argv = emulated_argv(spec, 0, 0)
             if stock:  # same flags, through this script's worker entry point
                 argv = [sys.executable, __file__, "_stock_worker", *argv[argv.index("worker") + 1 :]]
-            p = spawn(f"worker-{i}", argv, self.logdir / f"worker-{i}.log")
-            self.procs.append(p)
-            started.append(p)
-        for p in started:
-            wait_ready(p, 60.0)
-        return [p.url for p in started]
+            argvs.append(argv)
+        return self.spawn_workers(argvs)
 
     def gateway(self, urls: Sequence[str], policy: str, prefix_blocks: int | None = None) -> str:
-        argv = [sys.executable, "-m", "btbctl", "gateway", "--port", "0", "--control-port", "0"]
-        argv += ["--policy", policy, "--log-level", "warning"]
-        if prefix_blocks is not None:
-            argv += ["--prefix-blocks", str(prefix_blocks)]
-        for u in urls:
-            argv += ["--worker", u]
-        p = spawn("gateway", argv, self.logdir / "gateway.log")
-        self.procs.append(p)
-        wait_ready(p, 60.0)
-        return p.url
+        return self.btbctl_gateway(urls, policy, prefix_blocks)
 
 
 def _figures(report: dict, urls: Sequence[str]) -> dict:
