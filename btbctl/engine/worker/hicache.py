@@ -158,93 +158,91 @@ class L3Tier:
         """The bytes of page ``key`` of TP rank ``rank`` (derived from the namespace and the key)."""
         return block_payload(f"{self.ns_ids[rank]}.{key}", self.page_bytes)
 
-    def exists(self, keys: list[str]) -> int:
-        """Leading run of ``keys`` held by every rank (SGLang takes the minimum over ranks)."""
+    def _each_rank(self, op: str, keys: list[str], per_rank, *, stop_at_none: bool = True) -> int:
+        """``per_rank(rank, client, n)`` on every rank in turn, ``n`` the leading run all ranks before it have;
+        returns the run every rank has (SGLang takes the minimum over ranks), 0 when an agent is unavailable
+        (logged as ``op``). ``stop_at_none``: stop at the first rank with none."""
         from btbctl.sglang_l3.client import AgentUnavailable
 
         n = len(keys)
         for rank, c in enumerate(self.clients):
-            got = 0
             try:
-                for i in range(0, n, L3_BATCH_PAGES):
-                    batch = keys[i : i + L3_BATCH_PAGES]
-                    rep, _ = c.call({"op": "exists", "ns": self.ns_ids[rank], "keys": batch, "size": self.page_bytes})
-                    k = rep.get("n")
-                    k = k if isinstance(k, int) and 0 <= k <= len(batch) else 0
-                    got += k
-                    if k < len(batch):
-                        break
+                n = min(n, per_rank(rank, c, n))
             except AgentUnavailable as e:
-                self._fail("exists", e)
+                self._fail(op, e)
                 return 0
-            n = min(n, got)
-            if n == 0:
+            if stop_at_none and n == 0:
                 return 0
         return n
+
+    def exists(self, keys: list[str]) -> int:
+        """Leading run of ``keys`` held by every rank."""
+
+        def held(rank: int, c, n: int) -> int:
+            got = 0
+            for i in range(0, n, L3_BATCH_PAGES):
+                batch = keys[i : i + L3_BATCH_PAGES]
+                rep, _ = c.call({"op": "exists", "ns": self.ns_ids[rank], "keys": batch, "size": self.page_bytes})
+                k = rep.get("n")
+                k = k if isinstance(k, int) and 0 <= k <= len(batch) else 0
+                got += k
+                if k < len(batch):
+                    break
+            return got
+
+        return self._each_rank("exists", keys, held)
 
     def read(self, keys: list[str]) -> int:
         """Read the leading run of ``keys`` from every rank and check each page's bytes; returns how many pages
         read and verified on every rank."""
-        from btbctl.sglang_l3.client import AgentUnavailable
 
-        n = len(keys)
-        for rank, c in enumerate(self.clients):
+        def verified(rank: int, c, n: int) -> int:
             good = 0
-            try:
-                while good < n:
-                    batch = keys[good : min(n, good + L3_BATCH_PAGES)]
-                    rep, conn = c.call({"op": "get", "ns": self.ns_ids[rank], "keys": batch, "size": self.page_bytes})
-                    offsets, lease = rep.get("offsets") or [], rep.get("lease") or 0
-                    ok = 0
-                    try:
-                        view = conn.arena.view
-                        for j, off in enumerate(offsets[: len(batch)]):
-                            if bytes(view[off : off + self.page_bytes]) != self.payload(rank, batch[j]):
-                                self._fail("verify", RuntimeError(f"page {batch[j]} of rank {rank} has wrong bytes"))
-                                break
-                            ok += 1
-                    finally:
-                        if lease:
-                            c.send({"op": "release", "lease": lease})
-                    good += ok
-                    if ok < len(batch):
-                        break
-            except AgentUnavailable as e:
-                self._fail("get", e)
-                return 0
-            n = min(n, good)
-            if n == 0:
-                return 0
-        return n
+            while good < n:
+                batch = keys[good : min(n, good + L3_BATCH_PAGES)]
+                rep, conn = c.call({"op": "get", "ns": self.ns_ids[rank], "keys": batch, "size": self.page_bytes})
+                offsets, lease = rep.get("offsets") or [], rep.get("lease") or 0
+                ok = 0
+                try:
+                    view = conn.arena.view
+                    for j, off in enumerate(offsets[: len(batch)]):
+                        if bytes(view[off : off + self.page_bytes]) != self.payload(rank, batch[j]):
+                            self._fail("verify", RuntimeError(f"page {batch[j]} of rank {rank} has wrong bytes"))
+                            break
+                        ok += 1
+                finally:
+                    if lease:
+                        c.send({"op": "release", "lease": lease})
+                good += ok
+                if ok < len(batch):
+                    break
+            return good
+
+        return self._each_rank("get", keys, verified)
 
     def write(self, keys: list[str]) -> int:
         """Store ``keys`` on every rank (pages already held are kept); returns how many are held on every rank."""
-        from btbctl.sglang_l3.client import AgentUnavailable
 
-        n = len(keys)
-        for rank, c in enumerate(self.clients):
-            stored = 0
-            try:
-                for i in range(0, len(keys), L3_BATCH_PAGES):
-                    batch = keys[i : i + L3_BATCH_PAGES]
-                    rep, conn = c.call({"op": "put", "ns": self.ns_ids[rank], "keys": batch, "size": self.page_bytes})
-                    offsets, token = rep.get("offsets") or [], rep.get("token")
-                    view = conn.arena.view
-                    written = []
-                    for j, key in enumerate(batch):
-                        off = offsets[j] if j < len(offsets) else None
-                        if isinstance(off, int) and off >= 0:
-                            view[off : off + self.page_bytes] = self.payload(rank, key)
-                            written.append(True)
-                        else:
-                            written.append(off == -1)
-                    rep, _ = c.call({"op": "commit", "token": token, "written": written})
-                    stored += sum(1 for x in rep.get("committed") or [] if x)
-            except AgentUnavailable as e:
-                self._fail("put", e)
-                return 0
-            n = min(n, stored)
-        return n
+        def stored(rank: int, c, n: int) -> int:
+            count = 0
+            for i in range(0, len(keys), L3_BATCH_PAGES):
+                batch = keys[i : i + L3_BATCH_PAGES]
+                rep, conn = c.call({"op": "put", "ns": self.ns_ids[rank], "keys": batch, "size": self.page_bytes})
+                offsets, token = rep.get("offsets") or [], rep.get("token")
+                view = conn.arena.view
+                written = []
+                for j, key in enumerate(batch):
+                    off = offsets[j] if j < len(offsets) else None
+                    if isinstance(off, int) and off >= 0:
+                        view[off : off + self.page_bytes] = self.payload(rank, key)
+                        written.append(True)
+                    else:
+                        written.append(off == -1)
+                rep, _ = c.call({"op": "commit", "token": token, "written": written})
+                count += sum(1 for x in rep.get("committed") or [] if x)
+            return count
+
+        return self._each_rank("put", keys, stored, stop_at_none=False)
 
     def close(self) -> None:
         for c in self.clients:
