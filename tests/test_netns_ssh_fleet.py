@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,6 +18,7 @@ import pytest
 from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time
 from launcher_helpers import cli, force_cleanup, http_json, wait_gone
 from netns import make_testbed, require_sshd, start_sshd  # noqa: F401 - fixture
+from netns_fleet import host_entry
 from test_ssh_fleet import FAST, write_cluster
 
 pytestmark = pytest.mark.netns
@@ -30,26 +30,6 @@ RATE_GBIT = 0.1
 #: KV bytes of the emulated workers divided by 64 (FAST divides by 65536): one 4-block prefix of Llama-3.3-70B is
 #: then 5.2 MB, 0.42 s at RATE_GBIT.
 WORKER = {**FAST, "kv_bytes_scale": 64}
-
-
-def host_entry(server, **over) -> dict:
-    """A ``[[hosts]]`` entry reaching ``server`` (a :class:`netns.HostSshd`) at its namespace address; the remote
-    Python is this one (the namespaces share the file system)."""
-    entry = {
-        "name": server.host.name,
-        "address": server.host.address,
-        "port": server.port,
-        "user": server.user,
-        "identity_file": str(server.client_key),
-        "known_hosts": str(server.known_hosts),
-        "python": sys.executable,
-        "workdir": str(server.dir / "remote" / server.host.name),
-        "env": {"PYTHONPATH": str(ROOT)},
-        "connect_timeout_s": 5.0,
-        "start_timeout_s": 20.0,
-    }
-    entry.update(over)
-    return entry
 
 
 def only_sshd_left(host, sshd_pid: int, timeout_s: float = 10.0) -> list[int]:
