@@ -357,3 +357,24 @@ def metric_value(text: str, name: str, **labels) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
+
+
+#: A prompt of 8 full blocks of 4 pseudo-tokens (130 bytes) and the constants that make two of it a burst.
+BURST_TEXT = "burst prefix " * 10
+BURST_CONSTANTS = {"prefix_blocks": 4, "threshold": 2, "window_s": 5.0, "replicas": 3}
+
+
+async def burst(env: GatewayEnv, n: int = 2) -> None:
+    """``n`` requests sharing :data:`BURST_TEXT` through ``env``'s gateway, each answered 200."""
+    for i in range(n):
+        status, _ = await env.post("/generate", {"text": BURST_TEXT + str(i)})
+        assert status == 200
+
+
+async def until(pred, timeout_s: float = 3.0) -> None:
+    """Wait until ``pred()`` holds (polling every 10 ms); fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not pred():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.01)

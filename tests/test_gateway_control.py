@@ -17,19 +17,10 @@ from btbctl.engine.gateway.control_api import build_control_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.health import summarize_loads
 from btbctl.engine.gateway.server import Gateway, load_token
-from gateway_fakes import GatewayEnv
+from gateway_fakes import GatewayEnv, until
 
 TEXT = "manual prefix " * 10  # 140 bytes: 35 pseudo-tokens, 8 blocks of 4
 CONSTANTS = {"prefix_blocks": 4, "threshold": 100, "window_s": 5.0, "replicas": 3}
-
-
-async def _until(pred, timeout_s: float = 10.0) -> None:
-    """Wait until ``pred()`` holds (polling); fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_fleet_and_constants_reads():
@@ -173,7 +164,7 @@ async def test_event_stream_delivers_coalesced_snapshots():
                 )
 
             task = asyncio.ensure_future(reader())
-            await _until(lambda: "fleet" in seen)  # subscribed: the first full picture arrived
+            await until(lambda: "fleet" in seen, timeout_s=10.0)  # subscribed: the first full picture arrived
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             for i in range(20):
@@ -182,7 +173,7 @@ async def test_event_stream_delivers_coalesced_snapshots():
                 env.control + "/control/constants", json={"replicas": 2}, headers=env.auth()
             ) as resp:
                 assert resp.status == 200
-            await _until(settled)
+            await until(settled, timeout_s=10.0)
             elapsed = loop.time() - t0
             task.cancel()
         assert {"fleet", "prefixes", "transfers", "ttft", "constants"} <= set(seen)
@@ -262,8 +253,9 @@ async def test_every_answer_and_event_is_its_schema_model():
             assert prefixes["prefixes"] and transfers["transfers"][0]["state"] == "done"
             async with env.http.put(env.control + "/control/constants", json={"threshold": 7}, headers=env.auth()) as r:
                 _same_after_validation(schema.ConstantsAnswer, await r.json())
-            await _until(
-                lambda: set(seen) == set(schema.EVENT_MODELS) and seen["constants"][-1]["constants"]["threshold"] == 7
+            await until(
+                lambda: set(seen) == set(schema.EVENT_MODELS) and seen["constants"][-1]["constants"]["threshold"] == 7,
+                timeout_s=10.0,
             )
             task.cancel()
         assert set(seen) == set(schema.EVENT_MODELS)

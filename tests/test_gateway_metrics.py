@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway_fakes import GatewayEnv, metric_value
+from gateway_fakes import BURST_CONSTANTS, BURST_TEXT, GatewayEnv, burst, metric_value, until
 
-TEXT = "burst prefix " * 10  # 8 full blocks of 4 tokens
-CONSTANTS = {"prefix_blocks": 4, "threshold": 2, "window_s": 5.0, "replicas": 3}
 DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "grafana-dashboard.json"
-
-
-async def _burst(env, n=2):
-    for i in range(n):
-        status, _ = await env.post("/generate", {"text": TEXT + str(i)})
-        assert status == 200
-
-
-async def _until(pred, timeout=3.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 def _labels(text: str, label: str) -> set[str]:
@@ -35,7 +18,7 @@ def _labels(text: str, label: str) -> set[str]:
 
 
 async def test_gauges_for_constants_policy_hot_prefixes_and_copies():
-    async with GatewayEnv(4, policy="btb", constants=CONSTANTS) as env:
+    async with GatewayEnv(4, policy="btb", constants=BURST_CONSTANTS) as env:
         m = await env.metrics()
         assert metric_value(m, "btb_constant", constant="prefix_blocks") == 4
         assert metric_value(m, "btb_constant", constant="threshold") == 2
@@ -44,8 +27,8 @@ async def test_gauges_for_constants_policy_hot_prefixes_and_copies():
         assert metric_value(m, "btb_policy_info", policy="btb") == 1
         assert metric_value(m, "btb_hot_prefixes") == 0
         assert "btb_copies_in_flight" in m
-        await _burst(env, 2)
-        await _until(lambda: len(env.gw.state.transfers.recent) == 2)
+        await burst(env, 2)
+        await until(lambda: len(env.gw.state.transfers.recent) == 2)
         m = await env.metrics()
         assert metric_value(m, "btb_hot_prefixes") == 1
         assert metric_value(m, "btb_copies_in_flight") == 0
@@ -61,10 +44,10 @@ async def test_gauges_for_constants_policy_hot_prefixes_and_copies():
 
 async def test_ttft_is_labelled_by_policy_so_a_tune_can_be_compared():
     async with GatewayEnv(2, policy="round_robin") as env:
-        assert (await env.post("/generate", {"text": TEXT}))[0] == 200
+        assert (await env.post("/generate", {"text": BURST_TEXT}))[0] == 200
         env.gw.set_policy("least_load")
         for _ in range(2):
-            assert (await env.post("/generate", {"text": TEXT}))[0] == 200
+            assert (await env.post("/generate", {"text": BURST_TEXT}))[0] == 200
         m = await env.metrics()
         assert metric_value(m, "btb_ttft_seconds_count", policy="round_robin") == 1
         assert metric_value(m, "btb_ttft_seconds_count", policy="least_load") == 2
@@ -81,7 +64,7 @@ async def test_rejected_requests_are_counted_by_reason():
             await w.kill()
         for w in env.gw.state.workers:
             env.gw.worker_failed(w.index, "test")
-        assert (await env.post("/generate", {"text": TEXT}))[0] == 503
+        assert (await env.post("/generate", {"text": BURST_TEXT}))[0] == 503
         m = await env.metrics()
         assert metric_value(m, "btb_rejected_requests_total", reason="bad_request", status="400") == 1
         assert metric_value(m, "btb_rejected_requests_total", reason="body_too_large", status="413") == 1
@@ -93,7 +76,7 @@ async def test_rejected_requests_are_counted_by_reason():
 async def test_worker_labels_are_names_not_urls():
     async with GatewayEnv(2) as env:
         for _ in range(4):
-            assert (await env.post("/generate", {"text": TEXT}))[0] == 200
+            assert (await env.post("/generate", {"text": BURST_TEXT}))[0] == 200
         m = await env.metrics()
         workers = _labels(m, "worker")
         assert workers == {"w0", "w1"}
@@ -121,9 +104,9 @@ def _dashboard_metric_names() -> set[str]:
 
 
 async def test_every_metric_the_example_dashboard_reads_exists():
-    async with GatewayEnv(4, policy="btb", constants=CONSTANTS) as env:
-        await _burst(env, 2)
-        await _until(lambda: len(env.gw.state.transfers.recent) == 2)
+    async with GatewayEnv(4, policy="btb", constants=BURST_CONSTANTS) as env:
+        await burst(env, 2)
+        await until(lambda: len(env.gw.state.transfers.recent) == 2)
         assert (await env.post("/generate", b"[]"))[0] == 400
         m = await env.metrics()
     names = set()

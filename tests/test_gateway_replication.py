@@ -5,33 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway_fakes import GatewayEnv, metric_value
-
-TEXT = "burst prefix " * 10  # 130 bytes: 33 pseudo-tokens, 8 full blocks of 4 tokens
-CONSTANTS = {"prefix_blocks": 4, "threshold": 2, "window_s": 5.0, "replicas": 3}
-
-
-async def _burst(env, n=2):
-    for i in range(n):
-        status, _ = await env.post("/generate", {"text": TEXT + str(i)})
-        assert status == 200
-
-
-async def _until(pred, timeout=3.0):
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.01)
+from gateway_fakes import BURST_CONSTANTS, BURST_TEXT, GatewayEnv, burst, metric_value, until
 
 
 async def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
-    async with GatewayEnv(4, policy="btb", constants=CONSTANTS, worker_token="wtok") as env:
+    async with GatewayEnv(4, policy="btb", constants=BURST_CONSTANTS, worker_token="wtok") as env:
         gw = env.gw
-        await _burst(env, 2)
+        await burst(env, 2)
         source = next(w for w in env.fleet if w.requests)
         assert len(source.requests) == 2  # cache-aware fallback kept the burst on its first worker
-        await _until(lambda: len(gw.state.transfers.recent) == 2)
+        await until(lambda: len(gw.state.transfers.recent) == 2)
         pushes = source.pushes
         assert len(pushes) == 2 and all(p["auth"] == "Bearer wtok" for p in pushes)
         prefix_id = pushes[0]["body"]["chain"][-1]
@@ -55,7 +38,7 @@ async def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
         assert metric_value(m, "btb_replications_total", result="done") == 2
         assert metric_value(m, "btb_replicated_bytes_total") == 2 * 4 * 1000
         # the burst now spreads over the holders
-        await _burst(env, 6)
+        await burst(env, 6)
         used = [len(w.requests) for w in env.fleet]
         assert sum(1 for u in used if u) >= 2
         status, heat = await env.get_control("/control/prefixes?top=5")
@@ -65,10 +48,10 @@ async def test_detector_fires_and_btb_copies_to_the_least_loaded_targets():
 
 
 async def test_failed_copy_never_makes_the_target_a_holder():
-    async with GatewayEnv(2, policy="btb", constants=CONSTANTS, worker_kw={"copy_outcome": "failed"}) as env:
+    async with GatewayEnv(2, policy="btb", constants=BURST_CONSTANTS, worker_kw={"copy_outcome": "failed"}) as env:
         gw = env.gw
-        await _burst(env, 2)
-        await _until(lambda: len(gw.state.transfers.recent) == 1)
+        await burst(env, 2)
+        await until(lambda: len(gw.state.transfers.recent) == 1)
         t = gw.state.transfers.recent[0]
         assert t.state == "failed" and "checksum" in t.error
         assert gw.state.holders(t.key) == [t.source]
@@ -83,11 +66,11 @@ async def test_failed_copy_never_makes_the_target_a_holder():
 
 async def test_copy_in_flight_is_visible_with_progress_then_done():
     async with GatewayEnv(
-        2, policy="btb", constants=CONSTANTS, poll_interval_s=0.05, worker_kw={"copy_polls": 6}
+        2, policy="btb", constants=BURST_CONSTANTS, poll_interval_s=0.05, worker_kw={"copy_polls": 6}
     ) as env:
         gw = env.gw
-        await _burst(env, 2)
-        await _until(lambda: any(t.bytes_sent for t in gw.state.transfers.active.values()))
+        await burst(env, 2)
+        await until(lambda: any(t.bytes_sent for t in gw.state.transfers.active.values()))
         status, tr = await env.get_control("/control/transfers")
         row = tr["transfers"][0]
         assert tr["in_flight"] == 1 and row["state"] == "running"
@@ -99,13 +82,13 @@ async def test_copy_in_flight_is_visible_with_progress_then_done():
         assert target not in gw.state.holders(key)  # not warm while sending
         status, heat = await env.get_control("/control/prefixes")
         assert heat["prefixes"][0]["copies_in_flight"] == 1
-        await _until(lambda: not gw.state.transfers.active)
+        await until(lambda: not gw.state.transfers.active)
         assert sorted(gw.state.holders(key)) == [0, 1]
 
 
 async def test_plain_sglang_workers_route_without_replication():
-    async with GatewayEnv(3, policy="btb", constants=CONSTANTS, page_size=4, worker_kw={"btb": False}) as env:
-        await _burst(env, 4)
+    async with GatewayEnv(3, policy="btb", constants=BURST_CONSTANTS, page_size=4, worker_kw={"btb": False}) as env:
+        await burst(env, 4)
         await asyncio.sleep(0.1)
         m = await env.metrics()
         assert metric_value(m, "btb_detector_fires_total") == 1  # hot, but nothing can be copied
@@ -123,12 +106,12 @@ async def test_page_size_defaults_to_256_without_btb_info():
 
 async def test_push_goes_out_while_the_source_still_prefills():
     first_byte = asyncio.Event()  # no worker sends a first byte before the test sets this
-    async with GatewayEnv(3, policy="btb", constants=CONSTANTS, worker_kw={"first_byte_gate": first_byte}) as env:
+    async with GatewayEnv(3, policy="btb", constants=BURST_CONSTANTS, worker_kw={"first_byte_gate": first_byte}) as env:
         gw = env.gw
-        first = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "a"}))
-        await _until(lambda: any(w.requests for w in env.fleet))
-        second = asyncio.ensure_future(env.post("/generate", {"text": TEXT + "b"}))
-        await _until(lambda: any(w.pushes for w in env.fleet))
+        first = asyncio.ensure_future(env.post("/generate", {"text": BURST_TEXT + "a"}))
+        await until(lambda: any(w.requests for w in env.fleet))
+        second = asyncio.ensure_future(env.post("/generate", {"text": BURST_TEXT + "b"}))
+        await until(lambda: any(w.pushes for w in env.fleet))
         # the push went out before the source's first byte (it is still held back)
         assert not first.done()
         source = next(w for w in env.fleet if w.pushes)
