@@ -378,6 +378,12 @@ class Replicator(CopyExecutor):
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
 
+    async def _post(self, url: str, body: dict) -> tuple[int, str]:
+        """POST ``body`` as JSON with the worker token: ``(status, text)``. Raises aiohttp.ClientError and
+        asyncio.TimeoutError."""
+        async with self._session().post(url, json=body, headers=self._headers(), timeout=self.timeout) as resp:
+            return resp.status, await resp.text()
+
     async def _match(self, r: int, chain: tuple) -> tuple[int, int] | None:
         """``(cached_blocks, pending_blocks)`` of ``chain`` on worker ``r`` by ``/btb/match`` (None on error).
         A full match is recorded as a holding."""
@@ -466,11 +472,7 @@ class Replicator(CopyExecutor):
             return reason
         body = {"chain": list(t.chain), "target": addr, "copy_id": t.copy_id, "token": token}
         try:
-            async with self._session().post(
-                f"{ws[t.source].url}/btb/push", json=body, headers=self._headers(), timeout=self.timeout
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
+            status, text = await self._post(f"{ws[t.source].url}/btb/push", body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return f"push to source failed: {type(e).__name__}: {e}"
         if status == 409:
@@ -504,11 +506,7 @@ class Replicator(CopyExecutor):
         w = self.state.workers[t.target]
         body = {"chain": list(t.chain), "copy_id": t.copy_id, "token": token}
         try:
-            async with self._session().post(
-                f"{w.url}/btb/expect", json=body, headers=self._headers(), timeout=self.timeout
-            ) as resp:
-                text = await resp.text()
-                status = resp.status
+            status, text = await self._post(f"{w.url}/btb/expect", body)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return f"authorizing the copy at the target failed: {type(e).__name__}: {e}"
         if status not in (200, 201):
