@@ -38,7 +38,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import aiohttp
@@ -158,6 +158,12 @@ class DataLimits:
     first_byte_timeout_s: float = 300.0
     idle_timeout_s: float = 60.0
     max_chain_blocks: int = 1 << 16
+
+    @classmethod
+    def from_config(cls, config: object, **over: int) -> DataLimits:
+        """The limits from the same-named fields of a gateway config (``over``: values given instead)."""
+        names = [f.name for f in fields(cls)]
+        return cls(**{n: over[n] if n in over else getattr(config, n) for n in names})
 
 
 class DataPlane:

@@ -535,18 +535,7 @@ class Gateway:
         )
         self.dataplane = DataPlane(
             self,
-            DataLimits(
-                max_body_bytes=cfg.max_body_bytes,
-                max_retries=cfg.max_retries,
-                max_prompt_tokens=cfg.max_prompt_tokens,
-                offload_bytes=cfg.offload_bytes,
-                max_inflight=max_inflight,
-                retry_after_s=cfg.retry_after_s,
-                body_timeout_s=cfg.body_timeout_s,
-                first_byte_timeout_s=cfg.first_byte_timeout_s,
-                idle_timeout_s=cfg.idle_timeout_s,
-                max_chain_blocks=cfg.max_chain_blocks,
-            ),
+            DataLimits.from_config(cfg, max_inflight=max_inflight),
         )
         data_guard = self._guard("data", max_conns)
         control_guard = self._guard("control", cfg.control_max_connections)

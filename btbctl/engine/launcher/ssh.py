@@ -36,7 +36,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -432,15 +432,7 @@ def remote_argv(
     """The argv of ``inst`` on ``host``: the worker binds to the host's ``bind_address``, ``python -m ...`` uses
     the worker's ``python`` or the host's, and the host's ``command_prefix`` comes first (``l3``: HiCache flags)."""
     spec = inst.spec.model_copy(update={"host": host.bind_address, "python": inst.spec.python or host.python})
-    local = WorkerInstance(
-        name=inst.name,
-        entry=inst.entry,
-        index=inst.index,
-        spec=spec,
-        port=inst.port,
-        transfer_port=inst.transfer_port,
-        gpu_ids=inst.gpu_ids,
-    )
+    local = replace(inst, spec=spec)
     return list(host.command_prefix) + worker_argv(local, port, transfer_port, token_file=token_file, l3=l3)
 
 
