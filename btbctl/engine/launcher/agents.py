@@ -30,7 +30,7 @@ from pathlib import Path
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, agent_argv
 from btbctl.engine.launcher.hosts import HostSpec
-from btbctl.engine.launcher.local import Started, log_tail
+from btbctl.engine.launcher.local import Started, not_ready
 from btbctl.engine.launcher.rundir import RunDir
 
 #: An agent's ready line (``btbctl agent`` prints it once its three endpoints listen).
@@ -163,16 +163,9 @@ def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: 
                 return info
         rc = proc.popen.poll()
         if rc is not None:
-            tail = log_tail(proc.log)
-            raise BtbctlError(
-                f"{proc.name} exited with status {rc} before it was ready (log {proc.log})"
-                + (f": {tail}" if tail else "")
-            )
+            raise not_ready(proc, rc, timeout_s)
         if time.monotonic() >= deadline:
-            tail = log_tail(proc.log)
-            raise BtbctlError(
-                f"{proc.name} was not ready after {timeout_s:g} s (log {proc.log})" + (f": {tail}" if tail else "")
-            )
+            raise not_ready(proc, None, timeout_s)
         if should_stop is not None and should_stop():
             raise KeyboardInterrupt
         time.sleep(poll_s)

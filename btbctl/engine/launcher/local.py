@@ -130,6 +130,14 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def not_ready(proc: Started, rc: int | None, timeout_s: float) -> BtbctlError:
+    """The error for ``proc`` that exited with status ``rc`` before it was ready (``rc`` None: still not ready
+    after ``timeout_s``), with the last lines of its log."""
+    tail = log_tail(proc.log)
+    what = f"exited with status {rc} before it was ready" if rc is not None else f"was not ready after {timeout_s:g} s"
+    return BtbctlError(f"{proc.name} {what} (log {proc.log})" + (f": {tail}" if tail else ""))
+
+
 def health_ok(url: str, timeout_s: float = 1.0) -> bool:
     """Whether ``GET url/health`` answers 2xx within ``timeout_s`` (any failure counts as not healthy)."""
     try:
@@ -166,11 +174,7 @@ def wait_ready(
             return proc
         rc = proc.popen.poll()
         if rc is not None:
-            tail = log_tail(proc.log)
-            raise BtbctlError(
-                f"{proc.name} exited with status {rc} before it was ready (log {proc.log})"
-                + (f": {tail}" if tail else "")
-            )
+            raise not_ready(proc, rc, timeout_s)
         now = time.monotonic()
         if health_url is not None and now - last_health >= 0.25:
             last_health = now
@@ -178,10 +182,7 @@ def wait_ready(
                 proc.url = health_url.rstrip("/")
                 return proc
         if now >= deadline:
-            tail = log_tail(proc.log)
-            raise BtbctlError(
-                f"{proc.name} was not ready after {timeout_s:g} s (log {proc.log})" + (f": {tail}" if tail else "")
-            )
+            raise not_ready(proc, None, timeout_s)
         if should_stop is not None and should_stop():
             raise KeyboardInterrupt
         time.sleep(poll_s)
