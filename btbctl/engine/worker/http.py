@@ -820,31 +820,12 @@ class _Handlers:
                 await self._sse(resp, chunk(i, sent[i], k, fin, first[i]))
                 first[i] = False
                 sent[i] = k
+            empty = {"id": oid, "object": chunk_obj, "created": created, "model": model, "choices": []}
             details = self._details(lr) if want_details else None
             if details is not None:  # SGLang: a chunk without choices carrying ``sglext`` before the usage chunk
-                await self._sse(
-                    resp,
-                    {
-                        "id": oid,
-                        "object": chunk_obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "sglext": {"cached_tokens_details": details},
-                    },
-                )
+                await self._sse(resp, {**empty, "sglext": {"cached_tokens_details": details}})
             if include_usage:
-                await self._sse(
-                    resp,
-                    {
-                        "id": oid,
-                        "object": chunk_obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": self._usage(lr, completion),
-                    },
-                )
+                await self._sse(resp, {**empty, "usage": self._usage(lr, completion)})
             await self._sse(resp, "[DONE]")
         except ConnectionError:
             for x in lrs:
