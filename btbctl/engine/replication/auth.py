@@ -127,6 +127,17 @@ class CopyAuth:
         self.digest = chain_digest(chain)
         self.nonce = new_nonce()
 
+    @classmethod
+    def for_copy(cls, token: str | None, copy_id: str, chain: Sequence[str], block_bytes: int) -> CopyAuth:
+        """A sender's handshake for copy ``copy_id``. Raises :class:`TransferError` without a token (every copy
+        must be authorized by the gateway) or with a malformed one."""
+        if token is None:
+            raise TransferError(f"copy {copy_id}: no token (every copy must be authorized by the gateway)")
+        try:
+            return cls(token, copy_id, chain, block_bytes)
+        except AuthError as e:
+            raise TransferError(f"copy {copy_id}: {e}") from None
+
     def hello(self) -> dict[str, object]:
         """Step 1: what the sender announces (no secret in it)."""
         return {"copy_id": self.copy_id, "blocks": self.blocks, "block_bytes": self.block_bytes, "nonce": self.nonce}

@@ -219,12 +219,7 @@ class RdmaTransport:
         if block_bytes < 1 or any(len(b) != block_bytes for b in data):
             raise TransferError(f"copy {copy_id}: blocks must all have the same non-zero size")
         total = block_bytes * len(data)
-        if token is None:
-            raise TransferError(f"copy {copy_id}: no token (every copy must be authorized by the gateway)")
-        try:
-            auth = CopyAuth(token, copy_id, chain, block_bytes)
-        except AuthError as e:
-            raise TransferError(f"copy {copy_id}: {e}") from None
+        auth = CopyAuth.for_copy(token, copy_id, chain, block_bytes)
         try:
             conn = self.device.connect(host, port)
         except (OSError, BtbctlError) as e:

@@ -212,12 +212,7 @@ class TcpTransport:
         if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
             raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_BLOCK_BYTES} bytes")
         total = n * block_bytes
-        if token is None:
-            raise TransferError(f"copy {copy_id}: no token (every copy must be authorized by the gateway)")
-        try:
-            auth = CopyAuth(token, copy_id, chain, block_bytes)
-        except AuthError as e:
-            raise TransferError(f"copy {copy_id}: {e}") from None
+        auth = CopyAuth.for_copy(token, copy_id, chain, block_bytes)
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as e:
