@@ -4,6 +4,8 @@
   ``BTBCTL_RUN_DIR`` pointing into the test's own temporary folder, so a fleet started without ``--run-dir`` never
   lands in the user's state directory or in another test's (tests run in parallel with ``pytest -n auto``).
 * ``cli_env``: a fixed terminal width (``COLUMNS=100``) for tests that compare the CLI's tables.
+* ``run_dir``: a fleet's run directory in the test's temporary folder; whatever the test left running there is
+  stopped afterwards (:func:`launcher_helpers.force_cleanup`).
 * ``sshd`` (per module): a real OpenSSH server on 127.0.0.1 and 127.0.0.2 (:mod:`sshd_fixture`); skips with the
   reason where sshd is not installed.
 
@@ -13,9 +15,11 @@ Async test functions need no marker: ``asyncio_mode = "auto"`` (pyproject.toml) 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from launcher_helpers import force_cleanup
 from sshd_fixture import Sshd, start_sshd
 
 
@@ -28,6 +32,13 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Temp
 @pytest.fixture
 def cli_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "100")
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    d = tmp_path / "run"
+    yield d
+    force_cleanup(d)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from pathlib import Path
 from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time, record_is_ours
 
 ROOT = Path(__file__).resolve().parents[1]
+#: ``up`` on free data and control ports.
+FREE_PORTS = ("--port", "0", "--control-port", "0")
 
 
 def cli(*args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:

@@ -28,9 +28,8 @@ from btbctl.engine.launcher.bench import PromptSynth
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.writer import write_btb_mixed
-from launcher_helpers import ROOT, cli, cli_json, force_cleanup, http_json, recorded_pids, wait_gone
+from launcher_helpers import FREE_PORTS, ROOT, cli, cli_json, force_cleanup, http_json, recorded_pids, wait_gone
 
-FREE_PORTS = ("--port", "0", "--control-port", "0")
 PREFIX_BLOCKS = 8
 
 

@@ -22,17 +22,9 @@ from btbctl.engine.launcher.bench import PromptSynth
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.writer import write_btb_mixed
-from launcher_helpers import ROOT, cli, cli_json, force_cleanup, http_json, recorded_pids, wait_gone
+from launcher_helpers import FREE_PORTS, ROOT, cli, cli_json, http_json, recorded_pids, wait_gone
 
 STANDIN = Path(__file__).with_name("_standin.py")
-FREE_PORTS = ("--port", "0", "--control-port", "0")
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    d = tmp_path / "run"
-    yield d
-    force_cleanup(d)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, *words: str, after_progress: bool = False) -> None:

@@ -18,16 +18,7 @@ from btbctl.engine.launcher.bench import PromptSynth
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.writer import write_btb_mixed
-from launcher_helpers import cli, cli_json, force_cleanup, recorded_pids, wait_gone
-
-FREE_PORTS = ("--port", "0", "--control-port", "0")
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    d = tmp_path / "run"
-    yield d
-    force_cleanup(d)
+from launcher_helpers import FREE_PORTS, cli, cli_json, recorded_pids, wait_gone
 
 
 def _trace(path: Path, n: int = 4, prefix_blocks: int = 8):
