@@ -44,19 +44,25 @@ SWEEP_INTERVAL_S = 0.5
 _LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
 
 
+def _raise_to(soft: int, hard: int) -> int:
+    """The soft limit :func:`raise_nofile` asks for: the hard limit (at least ``soft`` and 1,048,576 when the
+    hard limit is unlimited)."""
+    return hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+
+
 def nofile_target() -> int:
     """The ``RLIMIT_NOFILE`` soft limit :func:`raise_nofile` aims at (nothing is changed here)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
-    return max(soft, hard if hard != resource.RLIM_INFINITY else 1 << 20)
+    return max(soft, _raise_to(soft, hard))
 
 
 def raise_nofile() -> tuple[int, int]:
     """Raise the ``RLIMIT_NOFILE`` soft limit to the hard limit (capped at 1,048,576 when the hard limit is
     unlimited); returns ``(old soft, new soft)``. Never fails: on refusal the old limit stays."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    target = _raise_to(soft, hard)
     if soft == resource.RLIM_INFINITY or target <= soft:
         return soft, soft
     try:
