@@ -98,6 +98,44 @@ def test_copies_trail_a_source_still_computing_and_carry_the_fire_time():
 # -- rule 2: how many replicas ----------------------------------------------------------------------------------------
 
 
+def test_skipping_copy_pricing_that_cannot_win_changes_no_route_or_plan(monkeypatch):
+    """Beyond the rate target a copy is made only for an earlier first token than every covered replica's; when
+    no target's landing time plus the suffix beats them, :meth:`BtbPlus._warm` skips pricing the targets. The
+    routes, the copies and the counters are those of pricing every target, in scenarios where the skip happens
+    and where backlog copies are made."""
+    priced = {True: 0, False: 0}
+    real = BtbPlus.estimate
+
+    def counting(self, *a, **k):
+        priced[self.prune_backlog_pricing] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(BtbPlus, "estimate", counting)
+    backlog = 0
+    for seed in range(12):
+        outcomes = []
+        for prune in (True, False):
+            rnd = random.Random(seed)
+            n = 10
+            view = FakeFleet(n, [rnd.randrange(8) for _ in range(n)], cost(nic_gbps=rnd.choice((100.0, 400.0))))
+            for h in rnd.sample(range(n), 2):
+                view.cached[h].update(PREFIX)
+            view.queued = [rnd.uniform(0.0, 3.0) for _ in range(n)]
+            pol = policy(n, window_s=5.0, warm_replicas=6)
+            pol.prune_backlog_pricing = prune
+            picks = []
+            for i in range(40):
+                t = i * rnd.uniform(0.05, 0.6)
+                picks.append(route(pol, req(burst_chain(PREFIX, i), t), view, t))
+                for r in rnd.sample(range(n), 2):
+                    view.queued[r] = rnd.uniform(0.0, 3.0)
+            outcomes.append((picks, view.copies, pol.stats()))
+        assert outcomes[0] == outcomes[1], seed
+        backlog += outcomes[0][2]["backlog_copies"]
+    assert priced[True] < priced[False]  # the skip happened
+    assert backlog > 0  # and copies beyond the rate target were still made
+
+
 def test_rate_target_grows_with_the_arrival_rate_and_is_capped_by_m():
     pol = policy(8, replicas=3, window_s=2.0)
     s = 0.05  # seconds of suffix prefill per request: one replica serves 20 requests/s

@@ -76,3 +76,29 @@ def test_admission_wait_estimate_from_loads():
     assert st.admission_wait_s(0, 101) == 0.5
     w.loads["waiting"] = 3
     assert st.admission_wait_s(0, 1) == 2.0
+
+
+def test_nic_copies_follow_copies_starting_ending_and_replaced():
+    from btbctl.engine.copies import CopyState
+    from btbctl.engine.gateway.state import Transfer
+
+    st = FleetState(["http://a", "http://b", "http://c"])
+
+    def naive(r: int) -> int:
+        return sum(1 for t in st.transfers.active.values() if r in (t.source, t.target))
+
+    t1 = Transfer("c1", "k1", ("x", "k1"), source=0, target=1)
+    t2 = Transfer("c2", "k2", ("k2",), source=0, target=2)
+    t1b = Transfer("c3", "k1", ("x", "k1"), source=2, target=1)  # the same (target, prefix): replaces t1
+    for step in (t1, t2, t1b):
+        st.transfers.add(step)
+        assert [st.nic_copies(r) for r in range(3)] == [naive(r) for r in range(3)]
+    assert [st.nic_copies(r) for r in range(3)] == [1, 1, 2]
+    t1.state = CopyState.FAILED
+    st.transfers.finish(t1)  # replaced already: changes nothing
+    assert [st.nic_copies(r) for r in range(3)] == [1, 1, 2]
+    for t in (t2, t1b):
+        t.state = CopyState.DONE
+        st.transfers.finish(t)
+        assert [st.nic_copies(r) for r in range(3)] == [naive(r) for r in range(3)]
+    assert [st.nic_copies(r) for r in range(3)] == [0, 0, 0]

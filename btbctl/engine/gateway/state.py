@@ -285,13 +285,28 @@ class TransferTable:
         self.active: dict[tuple[int, Hashable], Transfer] = {}
         #: the active copies by target (``depth_to`` runs per worker on every routing decision)
         self._to: dict[int, dict[Hashable, Transfer]] = {}
+        #: active copies from or to each worker (``nic_copies``, read per target while planning copies)
+        self._nic: dict[int, int] = {}
         self.recent: deque[Transfer] = deque(maxlen=recent)
         self.version = 0  # bumped when a copy starts or ends
 
+    def _count(self, t: Transfer, step: int) -> None:
+        nic = self._nic
+        for r in {t.source, t.target}:
+            n = nic.get(r, 0) + step
+            if n:
+                nic[r] = n
+            else:
+                del nic[r]
+
     def add(self, t: Transfer) -> None:
         self.by_id[t.copy_id] = t
+        old = self.active.get((t.target, t.key))
+        if old is not None:
+            self._count(old, -1)
         self.active[(t.target, t.key)] = t
         self._to.setdefault(t.target, {})[t.key] = t
+        self._count(t, 1)
         self.version += 1
 
     def finish(self, t: Transfer) -> None:
@@ -299,6 +314,7 @@ class TransferTable:
         self.version += 1
         if self.active.get((t.target, t.key)) is t:
             del self.active[(t.target, t.key)]
+            self._count(t, -1)
             to = self._to[t.target]
             del to[t.key]
             if not to:
@@ -311,6 +327,10 @@ class TransferTable:
 
     def in_flight(self, target: int, key: Hashable) -> bool:
         return (target, key) in self.active
+
+    def nic_copies(self, replica: int) -> int:
+        """Copies in flight from or to ``replica``."""
+        return self._nic.get(replica, 0)
 
     def depth_to(self, target: int, chain: Sequence[Hashable]) -> int:
         """Length of the longest copy in flight to ``target`` whose chain is a leading part of ``chain`` (0 when
@@ -428,7 +448,7 @@ class FleetState:
         #: rule below.
         self.copy_capable: Callable[[int], bool] | None = None
         self._cost = None
-        self._queues: dict[int, tuple] = {}
+        self._queues: dict[int, tuple] = {}  # replica -> (worker version, copies version, total, groups)
 
     # -- FleetView ---------------------------------------------------------------------------------------------
 
@@ -450,11 +470,14 @@ class FleetState:
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` recorded as resident on ``replica``, being computed there by a request the
         gateway has in flight, or arriving there by a copy in flight (0 when unavailable)."""
-        if not self.available(replica):
+        w = self.workers[replica]
+        if not w.healthy:
             return 0
-        n = self.workers[replica].pending_or_held(chain)
+        n = w.pending_or_held(chain)
         if self.transfers.active:
-            n = max(n, self.transfers.depth_to(replica, chain))
+            d = self.transfers.depth_to(replica, chain)
+            if d > n:
+                return d
         return n
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
@@ -482,10 +505,10 @@ class FleetState:
         A request that reuses blocks not resident yet waits for the deepest of them: the groups. Cached until the
         worker's requests, holdings or the copies change. O(prompt blocks) per request."""
         w = self.workers[replica]
-        key = (w.version, self.transfers.version)
+        tv = self.transfers.version
         memo = self._queues.get(replica)
-        if memo is not None and memo[0] == key:
-            return memo[1], memo[2]
+        if memo is not None and memo[0] == w.version and memo[1] == tv:
+            return memo[2], memo[3]
         cost = self.cost
         rate = cost.flops * cost.mfu
         bt = self.page_size
@@ -514,7 +537,7 @@ class FleetState:
         for rid in w.prefill_tokens.keys() - w.prefill_chains.keys():  # prompts shorter than one block
             t = w.prefill_tokens[rid]
             total += cost.prefill_flops(t, 0) / rate
-        self._queues[replica] = (key, total, groups)
+        self._queues[replica] = (w.version, tv, total, groups)
         return total, groups
 
     def queued_prefill_s(self, replica: int) -> float:
@@ -533,7 +556,8 @@ class FleetState:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
         yet (arriving by a copy, or computed there by a request sent before them), grouped by the deepest such
         block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`)."""
-        return [(b, g[0], g[1]) for b, g in self._queue(replica)[1].items()]
+        groups = self._queue(replica)[1]
+        return [(b, g[0], g[1]) for b, g in groups.items()] if groups else []
 
     def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
         t = self.transfers.active.get((replica, chain[-1])) if chain else None
@@ -564,7 +588,7 @@ class FleetState:
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica``."""
-        return sum(1 for t in self.transfers.active.values() if t.source == replica or t.target == replica)
+        return self.transfers.nic_copies(replica)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Coarse estimate from the worker's last ``/v1/loads``: 0 when nothing waits there and

@@ -206,6 +206,9 @@ class BtbPlus(Policy[CostView]):
     #: Whether :meth:`route` may skip replicas through the view's route index (off in a subclass whose costs
     #: differ per replica beyond rule 5's).
     use_route_index = True
+    #: Whether :meth:`_warm` skips pricing copy targets when none can beat the covered replicas (exact: the same
+    #: plans; off only to check that).
+    prune_backlog_pricing = True
     summary = (
         "BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, expected-TTFT routing"
     )
@@ -623,27 +626,43 @@ class BtbPlus(Policy[CostView]):
         src_nic = view.nic_copies(source)
         picked: list[int] = []
         options: list[tuple[float, int, int, tuple[float, float, float]]] = []
+        prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
         while free and len(covered) < cap:
             options = []
+            by_rate = len(covered) < want
+            ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
             for t in free:
                 t_have = view.cached_blocks(t, prefix)
                 send = y - t_have
                 share = cost.nic_bytes_per_s / (1 + max(src_nic, view.nic_copies(t)))
                 transfer = send * bt * kv / share
-                recompute = view.queued_prefill_s(t) + cost.prefill_time_s(send * bt, t_have * bt)
+                prefill_s = prefills.get(t_have)
+                if prefill_s is None:
+                    prefill_s = prefills[t_have] = cost.prefill_time_s(send * bt, t_have * bt)
+                recompute = view.queued_prefill_s(t) + prefill_s
                 if not transfer < recompute:
                     self._stats["copy_not_paying"] += 1
                     continue
                 if view.kv_headroom_tokens(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
-                est = self.estimate(view, t, req, now_s, depths, groups[t], max(transfer, src_left), y)
-                options.append((est[0], view.load(t), t, est))
-            if not options:
+                ready.append((max(transfer, src_left), t))
+            if not ready:
                 break
+            if not by_rate and not picked and self.prune_backlog_pricing:
+                # A copy beyond the rate target is made only for an earlier first token than every covered
+                # replica's. A target's estimate starts no sooner than its copy lands and then computes the
+                # suffix (``suffix_s``: the request's chain extends the prefix, so ``y`` blocks are there), so
+                # when no landing time plus ``suffix_s`` beats the covered replicas, no target can: skip pricing
+                # them (with nothing picked, the options are not needed as fallbacks either).
+                best_covered = min(ests[r][0] for r in covered)
+                if not min(ready)[0] + suffix_s < best_covered:
+                    break
+            for lands, t in ready:
+                est = self.estimate(view, t, req, now_s, depths, groups[t], lands, y)
+                options.append((est[0], view.load(t), t, est))
             options.sort()
             ttft, _, target, est = options.pop(0)
-            by_rate = len(covered) < want
             if not by_rate and not ttft < min(ests[r][0] for r in covered):
                 options.insert(0, (ttft, 0, target, est))
                 break
