@@ -149,7 +149,7 @@ class Btb(Policy[FleetView]):
         hold_s = self.constants.window_s
         holders: list[int] = []
         computing: list[int] = []
-        free: list[int] = []
+        others: list[int] = []
         arriving = 0
         for r in range(n):
             if view.cached_blocks(r, prefix) >= y:
@@ -158,9 +158,12 @@ class Btb(Policy[FleetView]):
                 arriving += 1
             elif view.pending_blocks(r, prefix) >= y:
                 computing.append(r)
-            elif view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s):
-                free.append(r)
+            else:
+                others.append(r)
         want = min(self.constants.warm_replicas, n)
+        if want - len(holders) - arriving <= 0:
+            return holders, None, False  # M reached counting the copies on their way: neither short nor stuck
+        free = [r for r in others if view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s)]
         # Stuck: short of M even counting the copies on their way, and no copy can be made (no replica that could
         # receive one, or none that could send one). Replicas computing the prefix do not make up for it here: where
         # copies are refused they compute it only because the load rule below sent them a request.
