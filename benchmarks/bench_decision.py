@@ -1,7 +1,7 @@
 """Cost of one routing decision of the gateway: burst detector plus policy ``route()`` for a 64k-token prompt on
 16 workers (not a test; never gates CI).
 
-    python benchmarks/bench_decision.py [--decisions 10000] [--format json]
+    python benchmarks/bench_decision.py [--decisions 10000] [--rounds 3] [--clock cpu] [--format json]
 
 The decision is the gateway's own :meth:`~btbctl.engine.gateway.server.Gateway.choose` on a real
 :class:`~btbctl.engine.gateway.server.Gateway` (never started: no sockets) whose 16 workers are marked healthy,
@@ -15,7 +15,8 @@ flight for the whole run, as during a burst. Each decision routes one request of
 detector's prefix) in turn, so the detector sees each prefix arriving over and over and the prefixes turn hot.
 
 Reported per policy (``btb``, ``btb_plus``, ``cache_aware``, and ``round_robin`` as the floor of the same call
-path): p50/p99/mean of ``choose()`` in microseconds over ``--decisions`` decisions, and the ratio to the
+path): p50/p99/mean of ``choose()`` in microseconds over ``--decisions`` decisions (the median over ``--rounds``
+interleaved rounds, each on a fresh gateway, with every round's p99 to show the spread), and the ratio to the
 round-robin p50. Separately, the cost of turning the prompt into its chain (xxh3 over the 256 KB of packed tokens:
 :func:`btbctl.engine.gateway.prompt.chain_from_packed`), which the gateway pays once per request before the
 decision (for a body over ``offload_bytes``, 256 KB by default, in its hashing thread), and the sum of both.
@@ -58,6 +59,16 @@ def percentiles(ns: list[int]) -> dict:
         "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
         "mean_us": statistics.fmean(us),
     }
+
+
+def median_round(runs: list[dict]) -> dict:
+    """One row from ``runs`` of the same policy: the median of each percentile over the rounds, plus every round's
+    p99 (``p99_us_rounds``) to show the spread."""
+    out = dict(runs[0])
+    for k in ("p50_us", "p99_us", "mean_us"):
+        out[k] = statistics.median(r[k] for r in runs)
+    out["p99_us_rounds"] = [round(r["p99_us"], 1) for r in runs]
+    return out
 
 
 def gateway(policy: str, seed: int) -> tuple[Gateway, list[int]]:
@@ -134,13 +145,18 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8, help="distinct 64k-token prompts of the burst (default 8)")
     ap.add_argument("--hash-runs", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; percentiles are their medians")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="time decisions by (default wall)")
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args()
     data = prompts(args.prompts)
     chains = [chain_from_packed(d, PAGE) for d in data]
     clock_ns = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
-    rows = [asyncio.run(bench_policy(p, chains, args.decisions, args.seed, clock_ns)) for p in POLICIES]
+    rounds: dict[str, list[dict]] = {p: [] for p in POLICIES}
+    for _ in range(args.rounds):  # interleaved: every policy sees the same spells of machine load
+        for p in POLICIES:
+            rounds[p].append(asyncio.run(bench_policy(p, chains, args.decisions, args.seed, clock_ns)))
+    rows = [median_round(rounds[p]) for p in POLICIES]
     floor = rows[0]["p50_us"]
     for r in rows:
         r["p50_over_round_robin"] = r["p50_us"] / floor if floor else None
@@ -154,17 +170,18 @@ def main() -> int:
         return 0
     print(
         f"decision = Gateway.choose() (detector + policy route), {WORKERS} workers, {BLOCKS * PAGE}-token prompts "
-        f"({BLOCKS} blocks of {PAGE}), {args.prompts} prompts in turn, {args.decisions} decisions, {args.clock} clock"
+        f"({BLOCKS} blocks of {PAGE}), {args.prompts} prompts in turn, {args.decisions} decisions, {args.clock} clock, "
+        f"median of {args.rounds} interleaved rounds"
     )
     print(
         f"{'policy':12} {'p50 us':>8} {'p99 us':>8} {'mean us':>8} {'p50/rr':>7} {'copies':>6} {'fires':>6} "
-        f"{'+hash p50':>10} {'+hash p99':>10}"
+        f"{'+hash p50':>10} {'+hash p99':>10}  p99 per round"
     )
     for r in rows:
         print(
             f"{r['policy']:12} {r['p50_us']:>8.1f} {r['p99_us']:>8.1f} {r['mean_us']:>8.1f} "
             f"{r['p50_over_round_robin']:>7.2f} {r['copies_started']:>6} {r['detector_fires']:>6} "
-            f"{r['with_hashing_p50_us']:>10.1f} {r['with_hashing_p99_us']:>10.1f}"
+            f"{r['with_hashing_p50_us']:>10.1f} {r['with_hashing_p99_us']:>10.1f}  {r['p99_us_rounds']}"
         )
     print(
         f"hashing the prompt (chain_from_packed, {BLOCKS * PAGE} tokens): p50 {hashing['p50_us']:.1f} us, "
