@@ -289,14 +289,14 @@ class _KvCache:
             while i < e:
                 r = where.get(src[i])
                 if r is not None:
-                    k = min(r.hi, e) - i if r.src is src and r.lo <= i < r.hi else 1
+                    k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
                     a += k
                     i += k
                     continue
                 r = hwhere.get(src[i])
                 if r is None:
                     return a, b
-                k = min(r.hi, e) - i if r.src is src and r.lo <= i < r.hi else 1
+                k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
                 b += k
                 i += k
         return a, b
@@ -310,7 +310,7 @@ class _KvCache:
                 r = where.get(src[i])
                 if r is None:
                     return a
-                k = min(r.hi, e) - i if r.src is src and r.lo <= i < r.hi else 1
+                k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
                 a += k
                 i += k
         return a
@@ -671,7 +671,8 @@ class InferSimFleetView:
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         """Whether a copy of exactly ``chain`` towards ``replica`` is scheduled and not yet in its cache."""
-        return (replica, tuple(chain)) in self._sim.planned
+        planned = self._sim.planned
+        return bool(planned) and (replica, tuple(chain)) in planned
 
     def accepts_copies(self, replica: int) -> bool:
         """Always True: every replica of this model can send and receive copies."""
@@ -793,7 +794,10 @@ class InferSimulator:
             t = req.arrival_s
             self.now = t
             for rep in reps:
-                rep.advance(t)
+                if rep.running or rep.queue:
+                    rep.advance(t)
+                elif rep.clock < t:  # what advance does for an idle replica
+                    rep.clock = t
             if self.copies:
                 self._apply_copies(t)
             route = policy.route(req, view, t)
