@@ -103,9 +103,11 @@ def test_runs_match_the_block_by_block_lru(ops, budget):
             assert fast.match(q) == slow.match(q)
             assert fast.hbm_run(q) == slow.hbm_run(q)
             assert fast.match(tuple(q)[: len(q) // 2]) == slow.match(tuple(q)[: len(q) // 2])
+        assert fast.match(c) == slow.match(c)  # asked just before the insert: must not be answered after it
         extra = (_OutBlock(), _OutBlock()) if kind == "extra" else ()
         fast.insert(c, extra)
         slow.insert(c, extra)
+        assert fast.match(c) == slow.match(c)
         assert list(fast.blocks()) == list(slow.hbm)
         assert set(fast.hwhere) == set(slow.hwhere)
         assert fast.size == len(slow.hbm)

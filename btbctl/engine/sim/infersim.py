@@ -272,6 +272,8 @@ class _KvCache:
         self.hwhere: dict[Hashable, _Run] = {}
         self.size = 0
         self._hlast: _Run | None = None  # the host run the next eviction may extend
+        self.version = 0  # bumped by every insert: a match of the same chain at the same version is the same
+        self._last: tuple[object, int, tuple[int, int]] = (None, -1, (0, 0))  # (chain, version, match)
 
     def blocks(self) -> Iterator[Hashable]:
         """HBM blocks, least recently used first."""
@@ -283,6 +285,14 @@ class _KvCache:
     # -- queries ----------------------------------------------------------------------------------------------
     def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
         """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``."""
+        last = self._last
+        if last[0] is chain and last[1] == self.version:  # asked again before anything changed
+            return last[2]
+        res = self._match(chain)
+        self._last = (chain, self.version, res)
+        return res
+
+    def _match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
         where, hwhere = self.where, self.hwhere
         a = b = 0
         for src, i, e in self.chains.pieces(chain)[0]:
@@ -319,6 +329,7 @@ class _KvCache:
     def insert(self, chain: Sequence[Hashable], extra: tuple = ()) -> None:
         """Touch ``chain`` then ``extra`` (blocks nobody else holds) in order, as most recently used, taking blocks
         back from host RAM; then spill the least recently used blocks over the budget to host RAM."""
+        self.version += 1
         pieces, distinct = self.chains.pieces(chain)
         if extra:
             pieces = (*pieces, (extra, 0, len(extra)))
