@@ -152,6 +152,17 @@ class InferSimLeastLoad(Policy[FleetView]):
         return Route(_pick_least(view, range(self.n_replicas), self.rng))
 
 
+class _History:
+    """One BTB prefix key: its arrival times within the window and whether it was active at the last one."""
+
+    __slots__ = ("key", "times", "active")
+
+    def __init__(self, key: tuple[Hashable, ...]) -> None:
+        self.key = key
+        self.times: deque[float] = deque()
+        self.active = False
+
+
 class InferSimBtb(Policy[FleetView]):
     """The published BTB rule as the reference harness runs it (see the module docstring).
 
@@ -172,48 +183,52 @@ class InferSimBtb(Policy[FleetView]):
     def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None) -> None:
         super().__init__(n_replicas, rng, constants)
         self.fallback = InferSimCacheAware(n_replicas, rng, self.constants)
-        # prefix key -> arrival times within the window; least recently seen first
-        self._times: OrderedDict[tuple[Hashable, ...], deque[float]] = OrderedDict()
-        self._was_active: set[tuple[Hashable, ...]] = set()
+        # prefix key -> its history; the histories again, least recently seen first (keyed by identity: cheap to
+        # reorder, where a 256-block key costs a hash per lookup)
+        self._hist: dict[tuple[Hashable, ...], _History] = {}
+        self._order: OrderedDict[_History, None] = OrderedDict()
         self._fires = 0
         self._copies = 0
         self._refused = 0
         self._holder_routes = 0
         self._fallback_routes = 0
 
-    def _active(self, key: tuple[Hashable, ...], now_s: float) -> bool:
+    def _active(self, key: tuple[Hashable, ...], now_s: float) -> _History:
+        """Record an arrival of ``key`` at ``now_s``; returns its history (``active`` set for this arrival)."""
         window = self.constants.window_s
-        times = self._times.get(key)
-        if times is None:
-            times = self._times[key] = deque()
+        h = self._hist.get(key)
+        if h is None:
+            h = self._hist[key] = _History(key)
+            self._order[h] = None
         else:
-            self._times.move_to_end(key)
+            self._order.move_to_end(h)
+        times = h.times
         times.append(now_s)
         cut = now_s - window
         while times[0] < cut:
             times.popleft()
         # forget keys whose every arrival has left the window (their next arrival would drop them anyway)
-        while self._times:
-            k, ts = next(iter(self._times.items()))
-            if k == key or ts[-1] >= cut:
+        order = self._order
+        while order:
+            old = next(iter(order))
+            if old is h or old.times[-1] >= cut:
                 break
-            self._times.popitem(last=False)
-            self._was_active.discard(k)
+            order.popitem(last=False)
+            del self._hist[old.key]
         active = len(times) >= self.constants.threshold
-        if active and key not in self._was_active:
+        if active and not h.active:
             self._fires += 1
-            self._was_active.add(key)
-        elif not active:
-            self._was_active.discard(key)
-        return active
+        h.active = active
+        return h
 
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         y = self.constants.prefix_blocks
         chain = req.block_hashes
         if len(chain) >= y:
-            prefix = tuple(chain[:y])
-            if self._active(prefix, now_s):
-                holders, plan = self._top_up(prefix, view)
+            # the first arrival's key object stands for equal ones: the fleet view's per-chain work is memoized
+            hist = self._active(tuple(chain[:y]), now_s)
+            if hist.active:
+                holders, plan = self._top_up(hist.key, view)
                 copies = (plan,) if plan is not None else ()
                 if holders:
                     self._holder_routes += 1

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
-from itertools import filterfalse, islice, takewhile
+from bisect import bisect_right, insort
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from itertools import compress, count, islice, repeat
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -140,6 +141,351 @@ class InferSimCost:
         return (self.active_bytes * steps + kv) / (self.hbm_bytes_per_s * self.mbu)
 
 
+Piece = tuple[tuple, int, int]
+
+
+class _Chains:
+    """Splits block chains into pieces ``(src, lo, hi)`` with ``chain[lo:hi] == src[lo:hi]``, shared by all replicas.
+
+    ``src`` is the first chain seen along a radix-tree path: every chain that runs through the same prefix gets the
+    same ``(src, lo, hi)`` for it, so a replica's cache runs (:class:`_KvCache`) line up with the pieces and a shared
+    prefix costs one step per piece, not one per block. Sources are kept (their ids key the tree); a chain's pieces
+    are memoized by identity.
+    """
+
+    #: memoized chains kept before the memo starts over
+    MEMO_SIZE = 4096
+
+    def __init__(self) -> None:
+        self._roots: dict[Hashable, tuple] = {}  # first block -> the first chain seen starting with it
+        self._kids: dict[tuple[int, int, Hashable], tuple] = {}  # (id(src), i, block) -> source going on from i
+        self._points: dict[int, list[int]] = {}  # id(src) -> positions where a kid leaves it (sorted)
+        self._distinct: dict[int, bool] = {}  # id(src) -> whether its blocks are pairwise distinct
+        self._sets: dict[int, frozenset] = {}  # id(src) -> its blocks (made when a kid's tail is checked)
+        self._memo: dict[int, tuple[Sequence[Hashable], tuple[Piece, ...], bool]] = {}
+
+    def pieces(self, chain: Sequence[Hashable]) -> tuple[tuple[Piece, ...], bool]:
+        """``chain``'s pieces, in order, and whether its blocks are known pairwise distinct (False: maybe not)."""
+        m = self._memo.get(id(chain))
+        if m is not None and m[0] is chain:
+            return m[1], m[2]
+        c = chain if type(chain) is tuple else tuple(chain)
+        ps = self._split(c)
+        distinct = self._distinct[id(ps[-1][0])] if ps else True
+        if len(self._memo) >= self.MEMO_SIZE:
+            self._memo.clear()
+        self._memo[id(chain)] = (chain, ps, distinct)
+        return ps, distinct
+
+    def _split(self, c: tuple) -> tuple[Piece, ...]:
+        n = len(c)
+        if not n:
+            return ()
+        src = self._roots.get(c[0])
+        if src is None:
+            self._roots[c[0]] = c
+            self._distinct[id(c)] = len(set(c)) == n
+            return ((c, 0, n),)
+        out = []
+        i = 0
+        while True:
+            m = self._common(c, src, i)
+            if m > i:
+                out.append((src, i, m))
+            if m == n:
+                return tuple(out)
+            key = (id(src), m, c[m])
+            nxt = self._kids.get(key)
+            if nxt is None:  # c leaves every known source at m: it becomes the source from m on
+                self._kids[key] = c
+                pts = self._points.setdefault(id(src), [])
+                if m not in pts:
+                    insort(pts, m)
+                tail = c[m:]
+                self._distinct[id(c)] = (
+                    self._distinct[id(src)] and len(set(tail)) == len(tail) and self._set(src).isdisjoint(tail)
+                )
+                out.append((c, m, n))
+                return tuple(out)
+            src, i = nxt, m
+
+    def _set(self, src: tuple) -> frozenset:
+        s = self._sets.get(id(src))
+        if s is None:
+            s = self._sets[id(src)] = frozenset(src)
+        return s
+
+    def _common(self, c: tuple, src: tuple, i: int) -> int:
+        """Length of the common prefix of ``c`` and ``src``, given that their first ``i`` blocks agree."""
+        n = min(len(c), len(src))
+        pts = self._points.get(id(src), ())
+        k = bisect_right(pts, i)
+        for p in pts[k : k + 8]:  # where other chains left src: the likely place for c to leave it too
+            if p >= n:
+                break
+            if c[p] != src[p]:
+                if c[i:p] == src[i:p]:
+                    return p
+                break
+        if c[i:n] == src[i:n]:
+            return n
+        lo, hi = i, n  # c[:lo] == src[:lo]; c[lo:hi] != src[lo:hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if c[lo:mid] == src[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+class _Run:
+    """Blocks ``src[lo:hi]``: in HBM, adjacent in LRU order (oldest first, linked by ``prev``/``next``); or in host
+    RAM (unlinked, order irrelevant)."""
+
+    __slots__ = ("src", "lo", "hi", "prev", "next")
+
+    def __init__(self, src: tuple, lo: int, hi: int) -> None:
+        self.src = src
+        self.lo = lo
+        self.hi = hi
+        self.prev: _Run = self
+        self.next: _Run = self
+
+
+class _KvCache:
+    """One replica's HBM LRU of blocks spilling to a host-RAM set, kept as runs of chain sources (see
+    :class:`_Chains`).
+
+    Same states as a block-by-block ``OrderedDict`` LRU plus a host set (Infer-Sim's ``Node.insert`` / ``match``).
+    Invariants: every HBM block is in exactly one linked run and ``where`` maps it to that run, runs hold pairwise
+    distinct blocks, the list order (``head.next`` oldest) followed by each run's ``src[lo:hi]`` is the LRU order,
+    ``size`` counts the HBM blocks; every host block is in exactly one host run and ``hwhere`` maps it there.
+    """
+
+    def __init__(self, budget_blocks: int, chains: _Chains, fleet: dict[Hashable, int]) -> None:
+        self.budget = budget_blocks
+        self.chains = chains
+        self.fleet = fleet  # block -> replicas holding it in HBM or host RAM (shared by the fleet)
+        self.head = _Run((), 0, 0)  # sentinel of the circular list: head.next oldest, head.prev newest
+        self.where: dict[Hashable, _Run] = {}
+        self.hwhere: dict[Hashable, _Run] = {}
+        self.size = 0
+        self._hlast: _Run | None = None  # the host run the next eviction may extend
+        self.version = 0  # bumped by every insert: a match of the same chain at the same version is the same
+        self._last: tuple[object, int, tuple[int, int]] = (None, -1, (0, 0))  # (chain, version, match)
+
+    def blocks(self) -> Iterator[Hashable]:
+        """HBM blocks, least recently used first."""
+        r = self.head.next
+        while r is not self.head:
+            yield from r.src[r.lo : r.hi]
+            r = r.next
+
+    # -- queries ----------------------------------------------------------------------------------------------
+    def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
+        """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``."""
+        last = self._last
+        if last[0] is chain and last[1] == self.version:  # asked again before anything changed
+            return last[2]
+        res = self._match(chain)
+        self._last = (chain, self.version, res)
+        return res
+
+    def _match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
+        where, hwhere = self.where, self.hwhere
+        a = b = 0
+        for src, i, e in self.chains.pieces(chain)[0]:
+            while i < e:
+                r = where.get(src[i])
+                if r is not None:
+                    k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
+                    a += k
+                    i += k
+                    continue
+                r = hwhere.get(src[i])
+                if r is None:
+                    return a, b
+                k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
+                b += k
+                i += k
+        return a, b
+
+    def hbm_run(self, chain: Sequence[Hashable]) -> int:
+        """Length of the leading run of ``chain`` resident in HBM."""
+        where = self.where
+        a = 0
+        for src, i, e in self.chains.pieces(chain)[0]:
+            while i < e:
+                r = where.get(src[i])
+                if r is None:
+                    return a
+                k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
+                a += k
+                i += k
+        return a
+
+    # -- updates ----------------------------------------------------------------------------------------------
+    def insert(self, chain: Sequence[Hashable], extra: tuple = ()) -> None:
+        """Touch ``chain`` then ``extra`` (blocks nobody else holds) in order, as most recently used, taking blocks
+        back from host RAM; then spill the least recently used blocks over the budget to host RAM."""
+        self.version += 1
+        pieces, distinct = self.chains.pieces(chain)
+        if extra:
+            pieces = (*pieces, (extra, 0, len(extra)))
+        where, hwhere = self.where, self.hwhere
+        for src, i, e in pieces:
+            while i < e:
+                blk = src[i]
+                r = where.get(blk)
+                if r is not None:  # in HBM: move the part of its run that continues the piece to the MRU end
+                    if r.src is src and r.lo <= i < r.hi:
+                        j = min(r.hi, e)
+                        r = self._cut(r, i, j)
+                    else:  # the block sits elsewhere in its run (a chain repeating a block, or not interned alike)
+                        at = r.src.index(blk, r.lo, r.hi)
+                        r = self._cut(r, at, at + 1)
+                        j = i + 1
+                    if r is not self.head.prev:
+                        self._unlink(r)
+                        self._link_last(r)
+                    i = j
+                    continue
+                h = hwhere.get(blk)
+                if h is not None:  # in host RAM: take the part of its host run that continues the piece back
+                    if h.src is src and h.lo <= i < h.hi:
+                        j = min(h.hi, e)
+                        self._take_host(h, i, j)
+                        self._append(src, i, j)
+                    else:
+                        self._take_host(h, h.src.index(blk, h.lo, h.hi), -1)
+                        self._append(src, i, i + 1)
+                        j = i + 1
+                    i = j
+                    continue
+                # new here: the stretch of blocks in neither (one block at a time if the chain may repeat one)
+                j = i + 1
+                if distinct and j < e:
+                    j = min(
+                        next(compress(count(i), map(where.__contains__, islice(src, i, e))), e),
+                        next(compress(count(i), map(hwhere.__contains__, islice(src, i, e))), e),
+                    )
+                fleet = self.fleet
+                for h2 in islice(src, i, j):
+                    fleet[h2] = fleet.get(h2, 0) + 1
+                self._append(src, i, j)
+                i = j
+        if self.size > self.budget:
+            self._evict(self.size - self.budget)
+
+    def _evict(self, over: int) -> None:
+        """Spill the ``over`` least recently used HBM blocks to host RAM (a whole run moves over as it is)."""
+        head, where, hwhere = self.head, self.where, self.hwhere
+        self.size -= over
+        while over:
+            r = head.next
+            lo, hi = r.lo, r.hi
+            if hi - lo == 1:  # the usual case: a request's own last blocks
+                blk = r.src[lo]
+                del where[blk]
+                hwhere[blk] = r
+                head.next = r.next
+                r.next.prev = head
+                over -= 1
+                continue
+            end = min(hi, lo + over)
+            out = r.src[lo:end]
+            deque(map(where.__delitem__, out), maxlen=0)
+            h = self._hlast
+            if h is not None and h.src is r.src and h.hi == lo:
+                h.hi = end
+            elif end == hi:
+                h = r
+            else:
+                h = _Run(r.src, lo, end)
+            self._hlast = h
+            hwhere.update(zip(out, repeat(h)))
+            if end == hi:
+                head.next = r.next
+                r.next.prev = head
+            else:
+                r.lo = end
+            over -= end - lo
+
+    def _append(self, src: tuple, i: int, j: int) -> None:
+        """Add ``src[i:j]`` (in no run) as the most recently used HBM blocks."""
+        last = self.head.prev
+        if last.src is src and last.hi == i:
+            last.hi = j
+            r = last
+        else:
+            r = _Run(src, i, j)
+            self._link_last(r)
+        if j - i == 1:
+            self.where[src[i]] = r
+        else:
+            self.where.update(zip(src[i:j], repeat(r)))
+        self.size += j - i
+
+    def _cut(self, r: _Run, i: int, j: int) -> _Run:
+        """The HBM run holding ``r.src[i:j]`` (``r.lo <= i < j <= r.hi``), splitting ``r`` where needed; the parts
+        keep their places in LRU order."""
+        if r.lo < i:
+            r = self._split(r, i)[1]
+        if j < r.hi:
+            r = self._split(r, j)[0]
+        return r
+
+    def _split(self, r: _Run, at: int) -> tuple[_Run, _Run]:
+        """Split HBM run ``r`` before ``at`` (``r.lo < at < r.hi``) into two adjacent linked runs ``(left, right)``;
+        the smaller part gets the new object (its blocks are re-pointed)."""
+        if at - r.lo < r.hi - at:
+            left = _Run(r.src, r.lo, at)
+            r.lo = at
+            left.prev, left.next = r.prev, r
+            r.prev.next = left
+            r.prev = left
+            self.where.update(zip(r.src[left.lo : at], repeat(left)))
+            return left, r
+        right = _Run(r.src, at, r.hi)
+        r.hi = at
+        right.prev, right.next = r, r.next
+        r.next.prev = right
+        r.next = right
+        self.where.update(zip(r.src[at : right.hi], repeat(right)))
+        return r, right
+
+    def _take_host(self, h: _Run, i: int, j: int) -> None:
+        """Remove ``h.src[i:j]`` (``j == -1``: one block) from host run ``h``."""
+        if j < 0:
+            j = i + 1
+        src = h.src
+        deque(map(self.hwhere.__delitem__, src[i:j]), maxlen=0)
+        if i > h.lo and j < h.hi:  # a hole in the middle: the smaller side moves to a new run
+            if i - h.lo < h.hi - j:
+                side = _Run(src, h.lo, i)
+                h.lo = j
+            else:
+                side = _Run(src, j, h.hi)
+                h.hi = i
+            self.hwhere.update(zip(src[side.lo : side.hi], repeat(side)))
+        elif i > h.lo:
+            h.hi = i
+        else:
+            h.lo = j  # may leave h empty: it holds nothing then
+
+    def _unlink(self, r: _Run) -> None:
+        r.prev.next = r.next
+        r.next.prev = r.prev
+
+    def _link_last(self, r: _Run) -> None:
+        head = self.head
+        last = head.prev
+        r.prev, r.next = last, head
+        last.next = r
+        head.prev = r
+
+
 class InferSimReplica:
     """One replica of the infersim model: clock, queue, running batch, HBM LRU and host-RAM set.
 
@@ -147,7 +493,7 @@ class InferSimReplica:
     fleet's time (a long admission) and never falls behind the time it was last advanced to.
     """
 
-    def __init__(self, idx: int, cost: InferSimCost, sim: InferSimulator) -> None:
+    def __init__(self, idx: int, cost: InferSimCost, sim: InferSimulator, chains: _Chains | None = None) -> None:
         self.idx = idx
         self.cost = cost
         self.sim = sim
@@ -156,8 +502,7 @@ class InferSimReplica:
         self.running: list[_Seq] = []
         self.reserved = 0  # KV tokens reserved by running sequences
         self.kv_tokens = 0  # sum of running sequences' contexts
-        self.hbm: OrderedDict[Hashable, None] = OrderedDict()  # least recently used first
-        self.host: set[Hashable] = set()
+        self.kv = _KvCache(cost.budget_blocks, chains if chains is not None else _Chains(), sim.fleet_blocks)
         self.queued_s = 0.0  # sum of est_s over the queue
         self.copied: dict[Hashable, _Copy] = {}  # last block of a copied chain -> the copy that brought it
         self.copy_lens: set[int] = set()  # chain lengths in ``copied``
@@ -168,57 +513,27 @@ class InferSimReplica:
         return len(self.running) + len(self.queue)
 
     # -- cache ------------------------------------------------------------------------------------------------
+    @property
+    def hbm(self) -> list[Hashable]:
+        """HBM blocks, least recently used first."""
+        return list(self.kv.blocks())
+
+    @property
+    def host(self) -> set[Hashable]:
+        """Blocks in host RAM."""
+        return set(self.kv.hwhere)
+
     def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
-        """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``.
-        The HBM-only leading run is taken at C level (``takewhile``, stops at the first miss); a plain loop goes on
-        only where host RAM continues it."""
-        hbm, host = self.hbm, self.host
-        n_hbm = len(list(takewhile(hbm.__contains__, chain)))
-        if n_hbm == len(chain) or chain[n_hbm] not in host:
-            return n_hbm, 0
-        n_host = 0
-        for h in islice(chain, n_hbm, None):
-            if h in hbm:
-                n_hbm += 1
-            elif h in host:
-                n_host += 1
-            else:
-                break
-        return n_hbm, n_host
+        """The leading run of ``chain`` found in HBM or host RAM, as ``(blocks in HBM, blocks in host RAM)``."""
+        return self.kv.match(chain)
 
     def hbm_run(self, chain: Sequence[Hashable]) -> int:
         """Length of the leading run of ``chain`` resident in HBM."""
-        return len(list(takewhile(self.hbm.__contains__, chain)))
+        return self.kv.hbm_run(chain)
 
     def insert(self, blocks: Sequence[Hashable]) -> None:
         """Make ``blocks`` the most recently used HBM entries (in order), spilling LRU blocks to host RAM."""
-        hbm, host = self.hbm, self.host
-        fleet = self.sim.fleet_blocks
-        new = list(filterfalse(hbm.__contains__, blocks))
-        if len(set(new)) < len(new):  # a block repeated within the chain: one at a time
-            for h in blocks:
-                if h in hbm:
-                    hbm.move_to_end(h)
-                    continue
-                if h in host:
-                    host.discard(h)
-                else:
-                    fleet[h] = fleet.get(h, 0) + 1
-                hbm[h] = None
-        else:
-            for h in new:
-                if h in host:
-                    host.discard(h)
-                else:
-                    fleet[h] = fleet.get(h, 0) + 1
-                hbm[h] = None
-            # every block to the MRU end in order: the same order a block-by-block pass leaves
-            deque(map(hbm.move_to_end, blocks), maxlen=0)
-        over = len(hbm) - self.cost.budget_blocks
-        while over > 0:
-            h, _ = hbm.popitem(last=False)
-            host.add(h)
-            over -= 1
+        self.kv.insert(blocks)
 
     def prefill_estimate_s(self, s: _Seq) -> float:
         """Prefill seconds of ``s`` here given the cache as it is now (blocks in HBM or host RAM count as hits)."""
@@ -307,7 +622,7 @@ class InferSimReplica:
             self.kv_tokens += s.context
             self.clock += reuse + prefill
             extra = -(-s.need // bt) - len(s.blocks)
-            self.insert(s.blocks if extra <= 0 else tuple(s.blocks) + tuple(_OutBlock() for _ in range(extra)))
+            self.kv.insert(s.blocks, tuple(_OutBlock() for _ in range(extra)) if extra > 0 else ())
 
     def _mark_copies_used(self, blocks: Sequence[Hashable], matched: int) -> None:
         copied = self.copied
@@ -367,7 +682,8 @@ class InferSimFleetView:
 
     def copy_in_flight(self, replica: int, chain: Sequence[Hashable]) -> bool:
         """Whether a copy of exactly ``chain`` towards ``replica`` is scheduled and not yet in its cache."""
-        return (replica, tuple(chain)) in self._sim.planned
+        planned = self._sim.planned
+        return bool(planned) and (replica, tuple(chain)) in planned
 
     def accepts_copies(self, replica: int) -> bool:
         """Always True: every replica of this model can send and receive copies."""
@@ -463,10 +779,11 @@ class InferSimulator:
         self.policy = policy
         self.cost = InferSimCost(cluster, block_tokens)
         self.window = window
-        self.replicas = [InferSimReplica(i, self.cost, self) for i in range(cluster.replicas)]
+        self.fleet_blocks: dict[Hashable, int] = {}  # block -> replicas holding it in HBM or host RAM
+        chains = _Chains()
+        self.replicas = [InferSimReplica(i, self.cost, self, chains) for i in range(cluster.replicas)]
         self.view = InferSimFleetView(self)
         self.now = 0.0
-        self.fleet_blocks: dict[Hashable, int] = {}  # block -> replicas holding it in HBM or host RAM
         self.copies: list[_Copy] = []  # scheduled, not yet in the target's cache (creation order)
         self.all_copies: list[_Copy] = []
         self.planned: dict[tuple[int, tuple], _Copy] = {}
@@ -488,7 +805,10 @@ class InferSimulator:
             t = req.arrival_s
             self.now = t
             for rep in reps:
-                rep.advance(t)
+                if rep.running or rep.queue:
+                    rep.advance(t)
+                elif rep.clock < t:  # what advance does for an idle replica
+                    rep.clock = t
             if self.copies:
                 self._apply_copies(t)
             route = policy.route(req, view, t)
