@@ -78,7 +78,7 @@ _OPS = st.lists(
         st.integers(0, 24),  # length
         st.integers(0, 24),  # fork position
         st.integers(0, 2),  # tail tag (few, so tails are shared too)
-        st.sampled_from(["tuple", "tuple", "list", "repeat", "extra"]),
+        st.sampled_from(["tuple", "tuple", "list", "repeat", "extra", "extra1"]),
     ),
     min_size=1,
     max_size=40,
@@ -104,7 +104,8 @@ def test_runs_match_the_block_by_block_lru(ops, budget):
             assert fast.hbm_run(q) == slow.hbm_run(q)
             assert fast.match(tuple(q)[: len(q) // 2]) == slow.match(tuple(q)[: len(q) // 2])
         assert fast.match(c) == slow.match(c)  # asked just before the insert: must not be answered after it
-        extra = (_OutBlock(), _OutBlock()) if kind == "extra" else ()
+        # output blocks: packed with a short newest run, or a run of their own
+        extra = (_OutBlock(), _OutBlock()) if kind == "extra" else (_OutBlock(),) if kind == "extra1" else ()
         fast.insert(c, extra)
         slow.insert(c, extra)
         assert fast.match(c) == slow.match(c)

@@ -283,6 +283,9 @@ class _KvCache:
     ``size`` counts the HBM blocks; every host block is in exactly one host run and ``hwhere`` maps it there.
     """
 
+    #: longest newest run that takes in an insert's ``extra`` blocks (see :meth:`_append_extra`)
+    PACK_BLOCKS = 4
+
     def __init__(self, budget_blocks: int, chains: _Chains, fleet: dict[Hashable, int]) -> None:
         self.budget = budget_blocks
         self.chains = chains
@@ -351,8 +354,6 @@ class _KvCache:
         back from host RAM; then spill the least recently used blocks over the budget to host RAM."""
         self.version += 1
         pieces, distinct = self.chains.pieces(chain)
-        if extra:
-            pieces = (*pieces, (extra, 0, len(extra)))
         where, hwhere = self.where, self.hwhere
         for src, i, e in pieces:
             while i < e:
@@ -395,8 +396,30 @@ class _KvCache:
                     fleet[h2] = fleet.get(h2, 0) + 1
                 self._append(src, i, j)
                 i = j
+        if extra:
+            self._append_extra(extra)
         if self.size > self.budget:
             self._evict(self.size - self.budget)
+
+    def _append_extra(self, extra: tuple) -> None:
+        """Add ``extra`` (blocks in no run and nowhere else) as the most recently used HBM blocks. A short newest
+        run (typically a request's own last prompt block) takes them in, rebased onto a tuple of its own: one run to
+        move and evict instead of two. Its blocks no longer line up with their chain's source, which costs a
+        lookup per block in later walks; hence only short runs."""
+        fleet = self.fleet
+        for h in extra:
+            fleet[h] = fleet.get(h, 0) + 1
+        last = self.head.prev
+        if last is self.head or last.hi - last.lo > self.PACK_BLOCKS:
+            self._append(extra, 0, len(extra))
+            return
+        last.src = last.src[last.lo : last.hi] + extra
+        last.lo = 0
+        last.hi = len(last.src)
+        where = self.where
+        for h in extra:
+            where[h] = last
+        self.size += len(extra)
 
     def _evict(self, over: int) -> None:
         """Spill the ``over`` least recently used HBM blocks to host RAM (a whole run moves over as it is)."""
@@ -405,13 +428,13 @@ class _KvCache:
         while over:
             r = head.next
             lo, hi = r.lo, r.hi
-            if hi - lo == 1:  # the usual case: a request's own last blocks
-                blk = r.src[lo]
-                del where[blk]
-                hwhere[blk] = r
+            if hi - lo <= over and hi - lo <= self.PACK_BLOCKS:  # the usual case: a request's own last blocks
+                for blk in r.src[lo:hi]:
+                    del where[blk]
+                    hwhere[blk] = r
                 head.next = r.next
                 r.next.prev = head
-                over -= 1
+                over -= hi - lo
                 continue
             end = min(hi, lo + over)
             out = r.src[lo:end]
