@@ -580,7 +580,7 @@ class InferSimReplica:
 
     def prefill_estimate_s(self, s: _Seq) -> float:
         """Prefill seconds of ``s`` here given the cache as it is now (blocks in HBM or host RAM count as hits)."""
-        a, b = self.match(s.blocks)
+        a, b = self.kv.match(s.blocks)
         return self.cost.prefill_s(s.req.input_tokens - min((a + b) * self.cost.block_tokens, s.prefix_tokens))
 
     def enqueue(self, s: _Seq) -> None:
@@ -598,7 +598,8 @@ class InferSimReplica:
         """
         cost = self.cost
         while True:
-            self._admit()
+            if self.queue:
+                self._admit()
             if until is not None and self.clock >= until:
                 return
             running = self.running
@@ -608,8 +609,9 @@ class InferSimReplica:
                 return
             n = len(running)
             kv = self.kv_tokens
-            steps = min(s.left for s in running)
-            if until is not None and cost.decode_s(steps, n, kv) > until - self.clock:
+            steps = min([s.left for s in running])
+            dt = cost.decode_s(steps, n, kv)
+            if until is not None and dt > until - self.clock:
                 lo, hi = 1, steps
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
@@ -618,7 +620,7 @@ class InferSimReplica:
                     else:
                         hi = mid - 1
                 steps = lo
-            dt = cost.decode_s(steps, n, kv)
+                dt = cost.decode_s(steps, n, kv)
             self.clock += dt
             done = False
             for s in running:
@@ -641,31 +643,35 @@ class InferSimReplica:
     def _admit(self) -> None:
         cost = self.cost
         queue = self.queue
+        running = self.running
+        kv = self.kv
         bt = cost.block_tokens
-        while queue and len(self.running) < cost.max_running:
+        while queue and len(running) < cost.max_running:
             s = queue[0]
             if self.reserved + s.need > cost.kv_budget_tokens:
                 return  # FCFS: the head waits for running sequences to finish (sizes are checked up front)
             queue.popleft()
             self.queued_s = self.queued_s - s.est_s if queue else 0.0
-            n_hbm, n_host = self.match(s.blocks)
+            blocks = s.blocks
+            n_hbm, n_host = kv.match(blocks)
             matched = n_hbm + n_host
             if self.copy_lens and matched:
-                self._mark_copies_used(s.blocks, matched)
+                self._mark_copies_used(blocks, matched)
             hit = min(matched * bt, s.prefix_tokens)
-            reuse = min(cost.reload_s(n_host), cost.prefill_s(hit))
+            reuse = min(cost.reload_s(n_host), cost.prefill_s(hit)) if n_host else 0.0  # reload_s(0) == 0.0
             prefill = cost.prefill_s(s.req.input_tokens - hit)
             s.start_s = self.clock
             s.reuse_s = reuse
             s.prefill_s = prefill
             s.hit_tokens = hit
-            s.recomputed = self.sim.recomputed_tokens(s, matched)
-            self.running.append(s)
+            if matched < len(blocks):
+                s.recomputed = self.sim.recomputed_tokens(s, matched)
+            running.append(s)
             self.reserved += s.need
             self.kv_tokens += s.context
             self.clock += reuse + prefill
-            extra = -(-s.need // bt) - len(s.blocks)
-            self.kv.insert(s.blocks, tuple(_OutBlock() for _ in range(extra)) if extra > 0 else ())
+            extra = -(-s.need // bt) - len(blocks)
+            kv.insert(blocks, (_OutBlock(),) if extra == 1 else tuple(_OutBlock() for _ in range(extra)))
 
     def _mark_copies_used(self, blocks: Sequence[Hashable], matched: int) -> None:
         copied = self.copied
@@ -702,21 +708,23 @@ class InferSimFleetView:
 
     def __init__(self, sim: InferSimulator) -> None:
         self._sim = sim
+        self._reps = sim.replicas  # fixed for the run
 
     @property
     def n_replicas(self) -> int:
         return len(self._sim.replicas)
 
     def load(self, replica: int) -> int:
-        return self._sim.replicas[replica].load
+        r = self._reps[replica]
+        return len(r.running) + len(r.queue)
 
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        a, b = self._sim.replicas[replica].match(chain)
+        a, b = self._reps[replica].kv.match(chain)
         return a + b
 
     def hbm_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` resident in ``replica``'s HBM."""
-        return self._sim.replicas[replica].hbm_run(chain)
+        return self._reps[replica].kv.hbm_run(chain)
 
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         if self.copy_in_flight(replica, chain):
@@ -849,6 +857,8 @@ class InferSimulator:
         policy = self.policy
         view = self.view
         n = len(reps)
+        bt = self.cost.block_tokens
+        window = self.window
         for req in self.requests:
             t = req.arrival_s
             self.now = t
@@ -869,7 +879,7 @@ class InferSimulator:
                     lambda tgt, p=plan, t=t: self.start_copy(p.prefix, p.source, tgt, t, p.hot_since_s),
                     lambda tgt, ok, p=plan, t=t: policy.on_copy_result(p, tgt, ok, t),
                 )
-            reps[r].enqueue(_Seq(req, self.cost.block_tokens, self.window))
+            reps[r].enqueue(_Seq(req, bt, window))
         for rep in reps:
             rep.advance(None)
         return self.records
