@@ -70,9 +70,14 @@ INFERSIM_BALANCE_REL = 1.5
 
 def _pick_least(view: FleetView, candidates: Sequence[int], rng: random.Random) -> int:
     """The least-loaded candidate; ties (and a single candidate) go through one ``rng.choice``."""
-    loads = [view.load(r) for r in candidates]
+    loads = list(map(view.load, candidates))
     best = min(loads)
     return rng.choice([r for r, x in zip(candidates, loads, strict=True) if x == best])
+
+
+def _routes(n_replicas: int) -> tuple[Route, ...]:
+    """One copy-less :class:`Route` per replica (immutable, so shared by every request routed there)."""
+    return tuple(Route(r) for r in range(n_replicas))
 
 
 class InferSimCacheAware(Policy[FleetView]):
@@ -111,17 +116,18 @@ class InferSimCacheAware(Policy[FleetView]):
             raise ConfigError("balance_rel_threshold", f"must be >= 1, got {balance_rel_threshold!r}")
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
+        self.routes = _routes(n_replicas)
         self._imbalanced = 0
         self._affinity = 0
         self._cold = 0
 
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
-        return Route(self.choose(req, view, now_s))
+        return self.routes[self.choose(req, view, now_s)]
 
     def choose(self, req: Request, view: FleetView, now_s: float) -> int:
         """The rule's replica for ``req``."""
         n = self.n_replicas
-        loads = [view.load(r) for r in range(n)]
+        loads = list(map(view.load, range(n)))
         hi = max(loads)
         if hi > self.balance_abs_threshold and hi > self.balance_rel_threshold * min(loads):
             self._imbalanced += 1
@@ -148,8 +154,12 @@ class InferSimLeastLoad(Policy[FleetView]):
     name = "least_load"
     summary = "fewest requests in flight (ties random), drawing as Infer-Sim does"
 
+    def __init__(self, n_replicas: int, rng: random.Random, constants: BtbConstants | None = None) -> None:
+        super().__init__(n_replicas, rng, constants)
+        self.routes = _routes(n_replicas)
+
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
-        return Route(_pick_least(view, range(self.n_replicas), self.rng))
+        return self.routes[_pick_least(view, range(self.n_replicas), self.rng)]
 
 
 class _History:
@@ -235,7 +245,7 @@ class InferSimBtb(Policy[FleetView]):
                     return Route(_pick_least(view, holders, self.rng), copies)
                 self._fallback_routes += 1
                 return Route(self.fallback.choose(req, view, now_s), copies)
-        return Route(self.fallback.choose(req, view, now_s))
+        return self.fallback.routes[self.fallback.choose(req, view, now_s)]
 
     def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
         if started:
