@@ -180,3 +180,22 @@ def test_simulations_match_the_block_by_block_cache(trace, setup, monkeypatch):
     slow = {p: _records(tr, p, setup) for p in DEFAULT_POLICIES}
     for p in DEFAULT_POLICIES:
         assert fast[p] == slow[p], p
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(1, 40),  # prompt tokens
+    st.integers(0, 12),  # blocks in the chain
+    st.integers(0, 12),  # matched
+    st.sets(st.integers(0, 11)),  # positions some replica holds
+    st.sampled_from([1, 4, 16]),  # block tokens
+)
+def test_recomputed_tokens_count_block_by_block(inp, n, matched, held, bt):
+    """Tokens past the local match whose block some replica holds: each block's share of the prompt, clipped."""
+    blocks = tuple(f"b{k}" for k in range(n))
+    sim = infersim.InferSimulator([], bt, None, setup_cluster("70b_h100x4"))
+    sim.fleet_blocks.update((blocks[k], 1) for k in held if k < n)
+    s = infersim._Seq(Request("r", 0.0, inp, 1, blocks), bt, 0)
+    m = min(matched, n)
+    plain = sum(max(0, min(bt, inp - k * bt)) for k in range(m, n) if blocks[k] in sim.fleet_blocks)
+    assert sim.recomputed_tokens(s, m) == plain

@@ -354,22 +354,27 @@ class _KvCache:
         back from host RAM; then spill the least recently used blocks over the budget to host RAM."""
         self.version += 1
         pieces, distinct = self.chains.pieces(chain)
-        where, hwhere = self.where, self.hwhere
+        where, hwhere, head = self.where, self.hwhere, self.head
         for src, i, e in pieces:
             while i < e:
                 blk = src[i]
                 r = where.get(blk)
                 if r is not None:  # in HBM: move the part of its run that continues the piece to the MRU end
                     if r.src is src and r.lo <= i < r.hi:
-                        j = min(r.hi, e)
-                        r = self._cut(r, i, j)
+                        j = r.hi if r.hi < e else e
+                        if r.lo < i or j < r.hi:
+                            r = self._cut(r, i, j)
                     else:  # the block sits elsewhere in its run (a chain repeating a block, or not interned alike)
                         at = r.src.index(blk, r.lo, r.hi)
                         r = self._cut(r, at, at + 1)
                         j = i + 1
-                    if r is not self.head.prev:
-                        self._unlink(r)
-                        self._link_last(r)
+                    last = head.prev
+                    if r is not last:  # unlink, then link as the newest
+                        r.prev.next = r.next
+                        r.next.prev = r.prev
+                        r.prev, r.next = last, head
+                        last.next = r
+                        head.prev = r
                     i = j
                     continue
                 h = hwhere.get(blk)
@@ -392,8 +397,11 @@ class _KvCache:
                         next(compress(count(i), map(hwhere.__contains__, islice(src, i, e))), e),
                     )
                 fleet = self.fleet
-                for h2 in islice(src, i, j):
-                    fleet[h2] = fleet.get(h2, 0) + 1
+                if j - i == 1:
+                    fleet[blk] = fleet.get(blk, 0) + 1
+                else:  # pairwise distinct blocks: count them all at once
+                    seg = src[i:j]
+                    fleet.update(zip(seg, list(map((1).__add__, map(fleet.get, seg, repeat(0)))), strict=True))
                 self._append(src, i, j)
                 i = j
         if extra:
@@ -887,13 +895,16 @@ class InferSimulator:
     # -- hooks from replicas ----------------------------------------------------------------------------------
     def recomputed_tokens(self, s: _Seq, matched: int) -> int:
         """Prompt tokens ``s`` computes past its local match although some replica holds the block."""
-        fleet = self.fleet_blocks
+        held = self.fleet_blocks.__contains__
         bt = self.cost.block_tokens
         inp = s.req.input_tokens
-        out = 0
-        for k in range(matched, len(s.blocks)):
-            if s.blocks[k] in fleet:
-                out += max(0, min(bt, inp - k * bt))
+        blocks = s.blocks
+        # block k holds prompt tokens [k bt, (k + 1) bt) clipped to the prompt: the blocks before ``full`` are whole,
+        # block ``full`` holds the remainder (maybe none), later ones hold none
+        full = inp // bt
+        out = bt * sum(map(held, islice(blocks, matched, full))) if matched < full else 0
+        if matched <= full < len(blocks) and inp > full * bt and held(blocks[full]):
+            out += inp - full * bt
         return out
 
     def finished(self, rep: InferSimReplica, s: _Seq) -> None:
