@@ -16,12 +16,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
-from itertools import compress, filterfalse, repeat
-from operator import add, ge, sub
+from itertools import count, filterfalse, islice, repeat, takewhile
+from operator import add, eq, lt
 
-#: Chains shorter than this are pinned and unpinned by a plain loop (the C-level passes pay off above it).
+#: Runs of blocks shorter than this are pinned, unpinned, committed and evicted by a plain loop (the C-level passes
+#: pay off above it).
 _LOOP_BELOW = 8
-_le_zero = partial(ge, 0)  # _le_zero(x) == (0 >= x)
+_is_one = partial(eq, 1)
 
 
 def _consume(it: Iterable[object]) -> None:
@@ -113,8 +114,10 @@ class PrefixCache:
             return True
         if need > self.evictable_tokens:
             return False
-        lru, children, parent = self.lru, self.children, self.parent
         evict = -(-need // self.block_tokens)  # every eviction frees one block
+        if evict >= _LOOP_BELOW and self._evict_front(evict):
+            return True
+        lru, children, parent = self.lru, self.children, self.parent
         while evict > 0:
             h, _ = lru.popitem(last=False)
             if children.get(h, 0):
@@ -136,46 +139,110 @@ class PrefixCache:
                 self.on_evict(h)
         return True
 
+    def _evict_front(self, evict: int) -> bool:
+        """Evict the ``evict`` least recently used blocks in C-level passes when the loop of :meth:`make_room` would
+        evict exactly them, in order: each one's resident children are among them, before it. Returns False,
+        changing nothing, otherwise. (LRU blocks are unpinned, so none is in ``refs``.)"""
+        lru, parent = self.lru, self.parent
+        victims = list(islice(lru, evict))
+        ps = list(map(parent.__getitem__, victims))
+        pos = dict(zip(victims, count()))
+        if not all(map(lt, count(), map(pos.get, ps, repeat(evict)))):
+            return False  # a victim's parent comes before it
+        children = self.children
+        if sum(map(children.get, victims, repeat(0))) != sum(map(pos.__contains__, ps)):
+            return False  # a victim has a resident child that is not a victim
+        _consume(map(lru.pop, victims))
+        _consume(map(parent.pop, victims))
+        _consume(map(children.pop, victims, repeat(None)))
+        for p in filterfalse(pos.__contains__, ps):
+            if p is not None:
+                c = children[p] - 1
+                if c:
+                    children[p] = c
+                else:
+                    del children[p]
+        self.evictions += evict
+        if self.on_evict is not None:
+            _consume(map(self.on_evict, victims))
+        return True
+
     # -- pinning ----------------------------------------------------------------------------------------------
+    # A *hold* pins a chain prefix ``chain[:n]`` (a running request, a copy being sent or received). ``refs[h]``
+    # counts the holds ending at ``h`` plus the pinned children of ``h``, so a block is pinned (``h in refs``)
+    # exactly when a hold covers it, and the pinned blocks are closed under ancestors. Taking or releasing a hold
+    # only visits the blocks whose pinned state changes (and one more), not the whole prefix.
+
     def pin(self, chain: Sequence[Hashable], n: int) -> None:
-        """Pin the first ``n`` blocks of ``chain`` (all resident)."""
-        refs, lru = self.refs, self.lru
-        hs = chain[:n]
-        if n <= _LOOP_BELOW or len(set(hs)) < len(hs):
-            for h in hs:
-                r = refs.get(h, 0)
-                if r == 0:
-                    lru.pop(h, None)
-                refs[h] = r + 1
+        """Take a hold on the first ``n`` blocks of ``chain`` (all resident). Blocks that were unpinned leave the
+        LRU list."""
+        if n <= 0:
             return
-        # the same in C-level passes (a chain of distinct hashes; refs never holds a 0)
-        unpinned = list(filterfalse(refs.__contains__, hs))
-        if unpinned:
-            _consume(map(lru.pop, unpinned, repeat(None)))
-        refs.update(zip(hs, map(add, map(refs.get, hs, repeat(0)), repeat(1)), strict=True))
+        refs = self.refs
+        tip = chain[n - 1]
+        r = refs.get(tip, 0)
+        if r:
+            refs[tip] = r + 1
+            return
+        # chain[:j] pinned, chain[j:n] not (ancestor closure of the pinned blocks): find j by binary search
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if chain[mid] in refs:
+                lo = mid + 1
+            else:
+                hi = mid
+        self._pin_run(chain[lo:n])
+        if lo:
+            above = chain[lo - 1]
+            refs[above] = refs.get(above, 0) + 1
+
+    def _pin_run(self, hs: Sequence[Hashable]) -> None:
+        """Unpinned blocks ``hs`` (a chain run, root first) become pinned by one hold ending at the last."""
+        refs, lru = self.refs, self.lru
+        if len(hs) < _LOOP_BELOW:
+            for h in hs:
+                lru.pop(h, None)
+                refs[h] = 1
+            return
+        _consume(map(lru.pop, hs, repeat(None)))
+        refs.update(zip(hs, repeat(1)))
 
     def unpin(self, chain: Sequence[Hashable], n: int) -> None:
-        """Unpin the first ``n`` blocks of ``chain``; blocks reaching zero go to the MRU end, deepest first so
-        that ancestors stay more recent than their descendants."""
-        refs, lru, parent = self.refs, self.lru, self.parent
-        hs = chain[n - 1 :: -1] if n > 0 else ()
-        if n <= _LOOP_BELOW or len(set(hs)) < len(hs):
-            for h in hs:
-                r = refs.get(h, 0) - 1
-                if r <= 0:
-                    refs.pop(h, None)
-                    if h in parent:
-                        lru[h] = None
-                else:
-                    refs[h] = r
+        """Release a hold on the first ``n`` blocks of ``chain``; blocks left unpinned go to the MRU end, deepest
+        first, so that ancestors stay more recent than their descendants."""
+        if n <= 0:
             return
-        # the same in C-level passes; only the blocks reaching zero (in order) take a Python step
-        left = list(map(sub, map(refs.get, hs, repeat(0)), repeat(1)))
-        refs.update(zip(hs, left, strict=True))
-        if min(left) <= 0:
-            zeros = list(compress(hs, map(_le_zero, left)))
-            _consume(map(refs.__delitem__, zeros))
-            lru.update(zip(filter(parent.__contains__, zeros), repeat(None)))
+        refs = self.refs
+        tip = chain[n - 1]
+        r = refs.get(tip, 0)
+        if r != 1:
+            if r > 1:
+                refs[tip] = r - 1
+            return  # still pinned (or was not: nothing to release)
+        # the blocks whose count is 1 from the tip up lose their only pin: chain[j:n]
+        j = n - 1
+        if j and refs.get(chain[j - 1], 0) == 1:
+            j -= len(list(takewhile(_is_one, map(refs.get, chain[j - 1 :: -1], repeat(0)))))
+        hs = chain[n - 1 : j - 1 : -1] if j else chain[n - 1 :: -1]
+        self._unpin_run(hs)
+        if j:
+            above = chain[j - 1]
+            r = refs.get(above, 0)
+            if r > 1:
+                refs[above] = r - 1
+
+    def _unpin_run(self, hs: Sequence[Hashable]) -> None:
+        """Pinned blocks ``hs`` (deepest first) lose their last pin: to the MRU end in that order."""
+        refs, lru, parent = self.refs, self.lru, self.parent
+        if len(hs) < _LOOP_BELOW:
+            for h in hs:
+                refs.pop(h, None)
+                if h in parent:
+                    lru[h] = None
+            return
+        _consume(map(refs.pop, hs, repeat(None)))
+        lru.update(zip(filter(parent.__contains__, hs), repeat(None)))
 
     def touch(self, chain: Sequence[Hashable], n: int) -> None:
         """Mark the first ``n`` resident blocks as recently used (unpinned ones move to the MRU end)."""
@@ -190,21 +257,56 @@ class PrefixCache:
         self.reserved_blocks += n
 
     def commit_block(self, h: Hashable, parent: Hashable | None, pinned: bool) -> None:
-        """A reserved block became resident (computed here or arrived by copy)."""
+        """A reserved block became resident (computed here or arrived by copy). ``pinned``: the hold ending at
+        ``parent`` (a new hold when ``parent`` is None) now ends at ``h``."""
         self.reserved_blocks -= 1
+        refs = self.refs
         if h in self.parent:  # already resident (computed twice): keep one copy, drop the reservation
             if pinned:
-                self.pin((h,), 1)
+                r = refs.get(h, 0)
+                refs[h] = r + 1
+                if not r:
+                    self.lru.pop(h, None)  # newly pinned: parent's count unchanged (one hold less, one child more)
+                elif parent is not None:
+                    r = refs.get(parent, 0)
+                    if r > 1:
+                        refs[parent] = r - 1
             return
         self.parent[h] = parent
         if parent is not None:
             self.children[parent] = self.children.get(parent, 0) + 1
         if pinned:
-            self.refs[h] = self.refs.get(h, 0) + 1
+            refs[h] = refs.get(h, 0) + 1
         else:
             self.lru[h] = None
         if self.on_insert is not None:
             self.on_insert(h)
+
+    def commit_run(self, chain: Sequence[Hashable], start: int, stop: int) -> None:
+        """``commit_block(chain[k], chain[k - 1], pinned=True)`` for ``k`` in ``range(start, stop)``: the hold ending
+        at ``chain[start - 1]`` (a new one when ``start`` is 0) extends over the run. New distinct blocks take
+        C-level passes; a run with a resident or repeated block takes the per-block path."""
+        hs = chain[start:stop]
+        m = len(hs)
+        parent = self.parent
+        if (
+            m < _LOOP_BELOW
+            or (start and chain[start - 1] not in parent)
+            or not parent.keys().isdisjoint(hs)
+            or len(set(hs)) < m
+        ):
+            for k in range(start, stop):
+                self.commit_block(chain[k], chain[k - 1] if k else None, True)
+            return
+        self.reserved_blocks -= m
+        ps = chain[start - 1 : stop - 1] if start else chain[: stop - 1]  # parents of the run, but the root's None
+        parent.update(zip(hs, ps if start else (None, *ps), strict=True))
+        children = self.children
+        children.update(zip(ps, map(add, map(children.get, ps, repeat(0)), repeat(1)), strict=True))
+        refs = self.refs
+        refs.update(zip(hs, map(add, map(refs.get, hs, repeat(0)), repeat(1)), strict=True))
+        if self.on_insert is not None:
+            _consume(map(self.on_insert, hs))
 
     def release_reservation(self, n: int) -> None:
         self.reserved_blocks -= n

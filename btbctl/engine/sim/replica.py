@@ -543,12 +543,11 @@ class ReplicaModel:
         return cache.match(chain) == len(chain)
 
     def pin(self, chain: Sequence[Hashable], start: int, stop: int) -> None:
-        """Pin the resident blocks ``chain[start:stop]`` (an outgoing copy sends them) so they cannot be evicted."""
+        """Pin the resident blocks ``chain[start:stop]`` (an outgoing copy sends them) so they cannot be evicted:
+        the copy's hold on ``chain[:start]`` (none when ``start`` is 0) extends to ``chain[:stop]``."""
         if stop > start:
-            if start:
-                self.cache.pin(chain[start:stop], stop - start)
-            else:
-                self.cache.pin(chain, stop)
+            self.cache.pin(chain, stop)
+            self.cache.unpin(chain, start)  # the longer hold keeps chain[:start] pinned: no block changes state
 
     def unpin(self, chain: Sequence[Hashable], n: int) -> None:
         """Undo :meth:`pin` of the first ``n`` blocks of ``chain``. Call :meth:`kick` afterwards if requests may be
