@@ -1,8 +1,8 @@
 """The fast paths of the prefix cache and the router tree against the plain models they replace.
 
 * PrefixCache pins as holds on chain prefixes (a count per block of the holds ending there plus its pinned children)
-  against per-block reference counts: the same pinned blocks and the same LRU order after every operation, and
-  make_room's C-level eviction against its per-block loop.
+  against per-block reference counts: the same pinned blocks and the same LRU order after every operation; and
+  make_room, which reports its evictions after its loop, against a loop reporting each one as it goes.
 * BlockPrefixTree's lazily settled per-tenant LRU against the eager one (every insert moves each block to the MRU
   end, deepest first): the same nodes, tenants, evictions and LRU order.
 """
@@ -128,18 +128,43 @@ def test_holds_pin_the_blocks_per_block_counts_pin(seed, loop_below, monkeypatch
     assert not c.refs
 
 
+def _make_room_per_block(c: PrefixCache, tokens: int, evicted: list) -> bool:
+    """make_room as a loop reporting each block as it goes (the reference)."""
+    need = tokens - c.free_tokens
+    if need <= 0:
+        return True
+    if need > c.evictable_tokens:
+        return False
+    evict = -(-need // c.block_tokens)
+    while evict > 0:
+        h, _ = c.lru.popitem(last=False)
+        if c.children.get(h, 0):
+            c.lru[h] = None
+            continue
+        p = c.parent.pop(h)
+        c.refs.pop(h, None)
+        if p is not None and p in c.children:
+            c.children[p] -= 1
+            if not c.children[p]:
+                del c.children[p]
+        c.evictions += 1
+        evict -= 1
+        evicted.append(h)
+    return True
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_make_room_passes_match_the_loop(seed, monkeypatch):
-    def run(loop_below):
-        monkeypatch.setattr(cache_mod, "_LOOP_BELOW", loop_below)
+def test_make_room_matches_the_per_block_loop(seed):
+    def run(reference: bool):
         rng = random.Random(seed)
         evicted: list[str] = []
-        c = PrefixCache(capacity_tokens=200, block_tokens=1, on_evict=evicted.append)
+        c = PrefixCache(capacity_tokens=200, block_tokens=1, on_evict_run=evicted.extend)
         for _ in range(300):
             chain = _chained([rng.randrange(4) for _ in range(rng.randint(1, 40))])
             m = c.match(chain)
             c.pin(chain, m)
-            if c.make_room(len(chain) - m):
+            need = len(chain) - m
+            if _make_room_per_block(c, need, evicted) if reference else c.make_room(need):
                 c.reserve_blocks(len(chain) - m)
                 c.commit_run(chain, m, len(chain))
                 c.unpin(chain, len(chain))
@@ -149,7 +174,7 @@ def test_make_room_passes_match_the_loop(seed, monkeypatch):
                 c.touch(chain, c.match(chain))
         return list(c.lru), dict(c.parent), dict(c.children), evicted, c.evictions
 
-    assert run(0) == run(10**9)
+    assert run(False) == run(True)
 
 
 class _EagerTree:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from functools import partial
-from itertools import count, filterfalse, islice, repeat, takewhile
-from operator import add, eq, lt
+from itertools import repeat
 
-#: Runs of blocks shorter than this are pinned, unpinned, committed and evicted by a plain loop (the C-level passes
-#: pay off above it).
-_LOOP_BELOW = 8
-_is_one = partial(eq, 1)
+#: Runs of blocks shorter than this are pinned and unpinned by a plain loop (C-level passes pay off only above it on
+#: CPython 3.11, whose specialised dict loops are as fast as map/zip for short runs).
+_LOOP_BELOW = 64
 
 
 def _consume(it: Iterable[object]) -> None:
@@ -34,6 +31,8 @@ class PrefixCache:
     capacity_tokens: KV budget of the replica in tokens (from the cost model).
     block_tokens: tokens per block.
     on_insert, on_evict: optional callbacks ``f(hash)`` (fleet-wide bookkeeping).
+    on_insert_run, on_evict_run: optional callbacks ``f(hashes)`` for a run of distinct blocks, in order; when
+        given they replace ``on_insert`` / ``on_evict`` for the runs that C-level passes commit or evict.
     """
 
     __slots__ = (
@@ -47,6 +46,8 @@ class PrefixCache:
         "private_tokens",
         "on_insert",
         "on_evict",
+        "on_insert_run",
+        "on_evict_run",
         "evictions",
     )
 
@@ -56,6 +57,8 @@ class PrefixCache:
         block_tokens: int,
         on_insert: Callable[[Hashable], None] | None = None,
         on_evict: Callable[[Hashable], None] | None = None,
+        on_insert_run: Callable[[Sequence[Hashable]], None] | None = None,
+        on_evict_run: Callable[[Sequence[Hashable]], None] | None = None,
     ) -> None:
         self.capacity_tokens = capacity_tokens
         self.block_tokens = block_tokens
@@ -67,6 +70,8 @@ class PrefixCache:
         self.private_tokens = 0
         self.on_insert = on_insert
         self.on_evict = on_evict
+        self.on_insert_run = on_insert_run
+        self.on_evict_run = on_evict_run
         self.evictions = 0
 
     # -- queries ----------------------------------------------------------------------------------------------
@@ -108,63 +113,38 @@ class PrefixCache:
     # -- space ------------------------------------------------------------------------------------------------
     def make_room(self, tokens: int) -> bool:
         """Evict LRU unpinned leaves until ``tokens`` more tokens fit. Returns False (evicting nothing) when even
-        evicting every unpinned block would not make room."""
+        evicting every unpinned block would not make room. The evicted blocks are reported after the loop, in
+        eviction order (LRU blocks are unpinned: none is in ``refs``)."""
         need = tokens - self.free_tokens
         if need <= 0:
             return True
         if need > self.evictable_tokens:
             return False
-        evict = -(-need // self.block_tokens)  # every eviction frees one block
-        if evict >= _LOOP_BELOW and self._evict_front(evict):
-            return True
         lru, children, parent = self.lru, self.children, self.parent
-        while evict > 0:
-            h, _ = lru.popitem(last=False)
-            if children.get(h, 0):
+        evict = -(-need // self.block_tokens)  # every eviction frees one block
+        popitem = lru.popitem
+        gone: list[Hashable] = []
+        while len(gone) < evict:
+            h, _ = popitem(last=False)
+            if h in children:  # entries are dropped at zero
                 # Unreachable while callers commit pinned and unpin deepest-first (descendants then sit nearer the
                 # LRU end than their ancestors); kept as a guard so eviction never breaks ancestor closure.
                 lru[h] = None
                 continue
             p = parent.pop(h)
-            self.refs.pop(h, None)
-            if p is not None and p in children:
-                c = children[p] - 1
-                if c:
-                    children[p] = c
-                else:
-                    del children[p]
-            self.evictions += 1
-            evict -= 1
-            if self.on_evict is not None:
-                self.on_evict(h)
-        return True
-
-    def _evict_front(self, evict: int) -> bool:
-        """Evict the ``evict`` least recently used blocks in C-level passes when the loop of :meth:`make_room` would
-        evict exactly them, in order: each one's resident children are among them, before it. Returns False,
-        changing nothing, otherwise. (LRU blocks are unpinned, so none is in ``refs``.)"""
-        lru, parent = self.lru, self.parent
-        victims = list(islice(lru, evict))
-        ps = list(map(parent.__getitem__, victims))
-        pos = dict(zip(victims, count()))
-        if not all(map(lt, count(), map(pos.get, ps, repeat(evict)))):
-            return False  # a victim's parent comes before it
-        children = self.children
-        if sum(map(children.get, victims, repeat(0))) != sum(map(pos.__contains__, ps)):
-            return False  # a victim has a resident child that is not a victim
-        _consume(map(lru.pop, victims))
-        _consume(map(parent.pop, victims))
-        _consume(map(children.pop, victims, repeat(None)))
-        for p in filterfalse(pos.__contains__, ps):
             if p is not None:
                 c = children[p] - 1
                 if c:
                     children[p] = c
                 else:
                     del children[p]
+            gone.append(h)
         self.evictions += evict
-        if self.on_evict is not None:
-            _consume(map(self.on_evict, victims))
+        if self.on_evict_run is not None:
+            self.on_evict_run(gone)
+        elif self.on_evict is not None:
+            for h in gone:
+                self.on_evict(h)
         return True
 
     # -- pinning ----------------------------------------------------------------------------------------------
@@ -222,8 +202,8 @@ class PrefixCache:
             return  # still pinned (or was not: nothing to release)
         # the blocks whose count is 1 from the tip up lose their only pin: chain[j:n]
         j = n - 1
-        if j and refs.get(chain[j - 1], 0) == 1:
-            j -= len(list(takewhile(_is_one, map(refs.get, chain[j - 1 :: -1], repeat(0)))))
+        while j and refs.get(chain[j - 1], 0) == 1:
+            j -= 1
         hs = chain[n - 1 : j - 1 : -1] if j else chain[n - 1 :: -1]
         self._unpin_run(hs)
         if j:
@@ -283,30 +263,37 @@ class PrefixCache:
             self.on_insert(h)
 
     def commit_run(self, chain: Sequence[Hashable], start: int, stop: int) -> None:
-        """``commit_block(chain[k], chain[k - 1], pinned=True)`` for ``k`` in ``range(start, stop)``: the hold ending
-        at ``chain[start - 1]`` (a new one when ``start`` is 0) extends over the run. New distinct blocks take
-        C-level passes; a run with a resident or repeated block takes the per-block path."""
-        hs = chain[start:stop]
-        m = len(hs)
-        parent = self.parent
-        if (
-            m < _LOOP_BELOW
-            or (start and chain[start - 1] not in parent)
-            or not parent.keys().isdisjoint(hs)
-            or len(set(hs)) < m
-        ):
-            for k in range(start, stop):
-                self.commit_block(chain[k], chain[k - 1] if k else None, True)
+        """``commit_block(chain[k], chain[k - 1], pinned=True)`` for ``k`` in ``range(start, stop)`` in one loop:
+        the hold ending at ``chain[start - 1]`` (a new one when ``start`` is 0) extends over the run. New blocks
+        are reported after the loop, in order."""
+        parent, children, refs = self.parent, self.children, self.refs
+        self.reserved_blocks -= stop - start
+        p = chain[start - 1] if start else None
+        new: list[Hashable] = []
+        for h in chain[start:stop]:
+            if h in parent:  # already resident (computed twice): keep one copy, the hold moves on to it
+                r = refs.get(h, 0)
+                refs[h] = r + 1
+                if not r:
+                    self.lru.pop(h, None)
+                elif p is not None:
+                    r = refs.get(p, 0)
+                    if r > 1:
+                        refs[p] = r - 1
+            else:
+                parent[h] = p
+                if p is not None:
+                    children[p] = children.get(p, 0) + 1
+                refs[h] = refs.get(h, 0) + 1
+                new.append(h)
+            p = h
+        if not new:
             return
-        self.reserved_blocks -= m
-        ps = chain[start - 1 : stop - 1] if start else chain[: stop - 1]  # parents of the run, but the root's None
-        parent.update(zip(hs, ps if start else (None, *ps), strict=True))
-        children = self.children
-        children.update(zip(ps, map(add, map(children.get, ps, repeat(0)), repeat(1)), strict=True))
-        refs = self.refs
-        refs.update(zip(hs, map(add, map(refs.get, hs, repeat(0)), repeat(1)), strict=True))
-        if self.on_insert is not None:
-            _consume(map(self.on_insert, hs))
+        if self.on_insert_run is not None:
+            self.on_insert_run(new)
+        elif self.on_insert is not None:
+            for h in new:
+                self.on_insert(h)
 
     def release_reservation(self, n: int) -> None:
         self.reserved_blocks -= n

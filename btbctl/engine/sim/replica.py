@@ -113,6 +113,10 @@ class ReplicaEvents(Protocol):
     def block_evicted(self, block_hash: Hashable) -> None:
         """A block left the replica's cache."""
 
+    # Optional, looked up by name: ``blocks_inserted(hashes)`` and ``blocks_evicted(hashes)`` report a run of
+    # distinct blocks at once, in order (as many block_inserted / block_evicted calls would); a driver that defines
+    # them gets them for the runs the cache commits or evicts in C-level passes.
+
 
 @dataclass(eq=False, slots=True)
 class IncomingCopy:
@@ -220,7 +224,14 @@ class ReplicaModel:
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running
         self.events = events
-        self.cache = PrefixCache(cost.kv_budget_tokens, block_tokens, events.block_inserted, events.block_evicted)
+        self.cache = PrefixCache(
+            cost.kv_budget_tokens,
+            block_tokens,
+            events.block_inserted,
+            events.block_evicted,
+            getattr(events, "blocks_inserted", None),
+            getattr(events, "blocks_evicted", None),
+        )
         self._waiting: list[ReplicaRequest] = []
         self._prefilling: list[ReplicaRequest] = []
         self._decoding: list[tuple[int, int, ReplicaRequest]] = []  # heap (finish_g, seq, request)
@@ -486,8 +497,7 @@ class ReplicaModel:
             cache.unpin(chain, have)
             return 0
         cache.reserve_blocks(add)
-        for k in range(have, len(chain)):
-            cache.commit_block(chain[k], chain[k - 1] if k else None, pinned=True)
+        cache.commit_run(chain, have, len(chain))
         cache.unpin(chain, len(chain))
         self.kick(now_s)
         return add
@@ -527,11 +537,10 @@ class ReplicaModel:
         inc.open = False
         pending, cache, chain = self._pending, self.cache, inc.chain
         if ok:
-            for k in range(inc.have, len(chain)):
-                h = chain[k]
+            for h in chain[inc.have :]:
                 if pending.get(h) is inc:
                     del pending[h]
-                cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+            cache.commit_run(chain, inc.have, len(chain))
             cache.unpin(chain, len(chain))  # deepest first, so LRU evicts leaves before their ancestors
             return True
         for k in range(inc.have, len(chain)):
@@ -745,11 +754,10 @@ class ReplicaModel:
             upto = len(chain) if rq.computed >= inp else min(len(chain), rq.computed // bt)
             start = rq.next_block
             if upto > start:
-                for k in range(start, upto):
-                    h = chain[k]
+                for h in chain[start:upto]:
                     if pending.get(h) is rq:
                         del pending[h]
-                    cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+                cache.commit_run(chain, start, upto)
                 events.computed(self, rq, start, upto)
                 rq.next_block = upto
                 committed = True

@@ -224,6 +224,22 @@ class _FleetEvents:
         else:
             fleet.pop(h, None)
 
+    def blocks_inserted(self, hs: Sequence[Hashable]) -> None:
+        """:meth:`block_inserted` for each of ``hs`` (one call per run of blocks)."""
+        fleet = self.fleet
+        for h in hs:
+            fleet[h] = fleet.get(h, 0) + 1
+
+    def blocks_evicted(self, hs: Sequence[Hashable]) -> None:
+        """:meth:`block_evicted` for each of ``hs`` (one call per run of blocks)."""
+        fleet = self.fleet
+        for h in hs:
+            c = fleet.get(h, 0) - 1
+            if c > 0:
+                fleet[h] = c
+            else:
+                fleet.pop(h, None)
+
 
 class Simulator:
     """One policy over one trace on one fleet.
