@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import pytest
 
@@ -71,6 +71,7 @@ def test_holds_pin_the_blocks_per_block_counts_pin(seed, loop_below, monkeypatch
 
     def check():
         assert set(c.refs) == set(ref.refs)
+        assert c.holds == dict(Counter(chain[0] for chain, _ in live))
         assert list(c.lru) == [h for h in ref.lru if h in c.parent]
 
     def resync_evictions():
@@ -125,7 +126,7 @@ def test_holds_pin_the_blocks_per_block_counts_pin(seed, loop_below, monkeypatch
             assert p is None or p in c.parent
     for chain, n in live:
         c.unpin(chain, n)
-    assert not c.refs
+    assert not c.refs and not c.holds
 
 
 def _make_room_per_block(c: PrefixCache, tokens: int, evicted: list) -> bool:

@@ -41,6 +41,7 @@ class PrefixCache:
         "parent",
         "children",
         "refs",
+        "holds",
         "lru",
         "reserved_blocks",
         "private_tokens",
@@ -65,6 +66,7 @@ class PrefixCache:
         self.parent: dict[Hashable, Hashable | None] = {}
         self.children: dict[Hashable, int] = {}
         self.refs: dict[Hashable, int] = {}
+        self.holds: dict[Hashable, int] = {}  # root block -> holds on chains starting with it
         self.lru: OrderedDict[Hashable, None] = OrderedDict()
         self.reserved_blocks = 0
         self.private_tokens = 0
@@ -150,15 +152,18 @@ class PrefixCache:
     # -- pinning ----------------------------------------------------------------------------------------------
     # A *hold* pins a chain prefix ``chain[:n]`` (a running request, a copy being sent or received). ``refs[h]``
     # counts the holds ending at ``h`` plus the pinned children of ``h``, so a block is pinned (``h in refs``)
-    # exactly when a hold covers it, and the pinned blocks are closed under ancestors. Taking or releasing a hold
-    # only visits the blocks whose pinned state changes (and one more), not the whole prefix.
+    # exactly when a hold covers it, and the pinned blocks are closed under ancestors. ``holds[root]`` counts the
+    # holds on chains starting at ``root``. Taking or releasing a hold only visits the blocks whose pinned state
+    # changes (and one more), not the whole prefix; the last hold under a root releases its chain without a walk.
 
     def pin(self, chain: Sequence[Hashable], n: int) -> None:
         """Take a hold on the first ``n`` blocks of ``chain`` (all resident). Blocks that were unpinned leave the
         LRU list."""
         if n <= 0:
             return
-        refs = self.refs
+        refs, holds = self.refs, self.holds
+        root = chain[0]
+        holds[root] = holds.get(root, 0) + 1
         tip = chain[n - 1]
         r = refs.get(tip, 0)
         if r:
@@ -193,17 +198,28 @@ class PrefixCache:
         first, so that ancestors stay more recent than their descendants."""
         if n <= 0:
             return
-        refs = self.refs
+        refs, holds = self.refs, self.holds
         tip = chain[n - 1]
         r = refs.get(tip, 0)
-        if r != 1:
-            if r > 1:
-                refs[tip] = r - 1
-            return  # still pinned (or was not: nothing to release)
-        # the blocks whose count is 1 from the tip up lose their only pin: chain[j:n]
+        if not r:
+            return  # not pinned: no hold to release
+        root = chain[0]
+        left = holds.get(root, 0) - 1
+        if left > 0:
+            holds[root] = left
+        else:
+            holds.pop(root, None)
+        if r > 1:
+            refs[tip] = r - 1
+            return
+        # the blocks whose count is 1 from the tip up lose their only pin: chain[j:n]; all of them when no other
+        # hold is under the root
         j = n - 1
-        while j and refs.get(chain[j - 1], 0) == 1:
-            j -= 1
+        if left > 0:
+            while j and refs.get(chain[j - 1], 0) == 1:
+                j -= 1
+        else:
+            j = 0
         hs = chain[n - 1 : j - 1 : -1] if j else chain[n - 1 :: -1]
         self._unpin_run(hs)
         if j:
@@ -241,6 +257,8 @@ class PrefixCache:
         ``parent`` (a new hold when ``parent`` is None) now ends at ``h``."""
         self.reserved_blocks -= 1
         refs = self.refs
+        if pinned and parent is None:  # a new hold on the root block
+            self.holds[h] = self.holds.get(h, 0) + 1
         if h in self.parent:  # already resident (computed twice): keep one copy, drop the reservation
             if pinned:
                 r = refs.get(h, 0)
@@ -268,7 +286,13 @@ class PrefixCache:
         are reported after the loop, in order."""
         parent, children, refs = self.parent, self.children, self.refs
         self.reserved_blocks -= stop - start
-        p = chain[start - 1] if start else None
+        if stop <= start:
+            return
+        if start:
+            p = chain[start - 1]
+        else:  # a new hold on the root block
+            p = None
+            self.holds[chain[0]] = self.holds.get(chain[0], 0) + 1
         new: list[Hashable] = []
         for h in chain[start:stop]:
             if h in parent:  # already resident (computed twice): keep one copy, the hold moves on to it
