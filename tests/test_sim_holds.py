@@ -68,11 +68,19 @@ def test_holds_pin_the_blocks_per_block_counts_pin(seed, loop_below, monkeypatch
     c = PrefixCache(capacity_tokens=120, block_tokens=1)
     ref = _RefCounts()
     live: list[tuple[tuple[str, ...], int]] = []  # holds: (chain, blocks held)
+    last: tuple[str, ...] = ()  # the chain released last
 
     def check():
-        assert set(c.refs) == set(ref.refs)
+        # the logical state, read without settling a deferred release (reading c.refs or c.lru would settle it)
+        refs, lru = set(c._refs), list(c._lru)
+        if c._released is not None:
+            chain, n = c._released
+            refs -= set(chain[:n])
+            lru += chain[n - 1 :: -1]
+        assert refs == set(ref.refs)
         assert c.holds == dict(Counter(chain[0] for chain, _ in live))
-        assert list(c.lru) == [h for h in ref.lru if h in c.parent]
+        assert lru == [h for h in ref.lru if h in c.parent]
+        assert c.evictable_tokens == len(lru) * c.block_tokens
 
     def resync_evictions():
         for h in [h for h in ref.lru if h not in c.parent]:
@@ -84,6 +92,7 @@ def test_holds_pin_the_blocks_per_block_counts_pin(seed, loop_below, monkeypatch
             chain, n = live.pop(rng.randrange(len(live)))
             c.unpin(chain, n)
             ref.unpin(chain, n, c.parent)
+            last = chain
         elif live and roll < 0.5:
             i = rng.randrange(len(live))
             chain, n = live[i]
@@ -95,6 +104,8 @@ def test_holds_pin_the_blocks_per_block_counts_pin(seed, loop_below, monkeypatch
                 live[i] = (chain, stop)
         else:
             path = [rng.randrange(3) for _ in range(rng.randint(1, 30))]
+            if last and rng.random() < 0.5:  # the prefix of a chain just released, maybe extended
+                path = [int(x) for x in last[rng.randrange(len(last))].split("/")] + path[: rng.randint(0, 2)]
             chain = _chained(path)
             m = c.match(chain)
             twins = 2 if rng.random() < 0.3 else 1  # a twin computes the same blocks (the second commit finds them)

@@ -6,9 +6,21 @@ its parent is resident. Matching a chain is then a binary search over the chain 
 
 Space is counted in tokens: every block occupies ``block_tokens`` tokens (page granularity) whether resident or
 *reserved* (being computed here or arriving by copy). ``private_tokens`` holds per-request reservations that are
-not shared (decode tokens, prompt tails without a hash). Resident blocks are either pinned (reference count > 0:
-used by a running request or an in-flight copy) or on an LRU list; eviction takes the least recently used
-unpinned *leaf* (a block with no resident child), which keeps ancestor closure.
+not shared (decode tokens, prompt tails without a hash). Resident blocks are either pinned (covered by a *hold*: a
+running request or an in-flight copy) or on an LRU list; eviction takes the least recently used unpinned *leaf* (a
+block with no resident child), which keeps ancestor closure.
+
+Holds. A hold pins a chain prefix ``chain[:n]``. ``refs[h]`` counts the holds ending at ``h`` plus the pinned
+children of ``h``, so a block is pinned (``h in refs``) exactly when a hold covers it, and the pinned blocks are
+closed under ancestors; ``holds[root]`` counts the holds on chains starting at ``root``. Taking or releasing a hold
+visits only the blocks whose pinned state changes (and one more), not the whole prefix.
+
+Deferred release. When the last hold under a root is released, its chain would go to the MRU end of the LRU list
+block by block, and the next request on the same prefix would take it back block by block. Instead the release is
+kept aside (at most one): its blocks count as unpinned and evictable, sit logically at the MRU end (deepest first)
+and keep their ``refs`` entries until :meth:`_settle` applies the release; a new hold on a prefix of that chain
+takes it back in O(blocks not taken). Every operation that reads or changes the LRU list or a block the release
+covers settles it first, so the observable state (``refs``, ``lru``, evictions) is that of the eager release.
 """
 
 from __future__ import annotations
@@ -32,7 +44,8 @@ class PrefixCache:
     block_tokens: tokens per block.
     on_insert, on_evict: optional callbacks ``f(hash)`` (fleet-wide bookkeeping).
     on_insert_run, on_evict_run: optional callbacks ``f(hashes)`` for a run of distinct blocks, in order; when
-        given they replace ``on_insert`` / ``on_evict`` for the runs that C-level passes commit or evict.
+        given they replace ``on_insert`` / ``on_evict`` for the runs :meth:`commit_run` and :meth:`make_room`
+        report.
     """
 
     __slots__ = (
@@ -40,9 +53,10 @@ class PrefixCache:
         "block_tokens",
         "parent",
         "children",
-        "refs",
+        "_refs",
         "holds",
-        "lru",
+        "_lru",
+        "_released",
         "reserved_blocks",
         "private_tokens",
         "on_insert",
@@ -65,9 +79,11 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.parent: dict[Hashable, Hashable | None] = {}
         self.children: dict[Hashable, int] = {}
-        self.refs: dict[Hashable, int] = {}
+        self._refs: dict[Hashable, int] = {}
         self.holds: dict[Hashable, int] = {}  # root block -> holds on chains starting with it
-        self.lru: OrderedDict[Hashable, None] = OrderedDict()
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()
+        # the deferred release (chain, n): chain[:n] unpinned, logically after every _lru entry (see the module doc)
+        self._released: tuple[Sequence[Hashable], int] | None = None
         self.reserved_blocks = 0
         self.private_tokens = 0
         self.on_insert = on_insert
@@ -84,6 +100,18 @@ class PrefixCache:
         return len(self.parent)
 
     @property
+    def refs(self) -> dict[Hashable, int]:
+        """Pinned blocks: ``h -> holds ending at h + pinned children of h`` (read only)."""
+        self._settle()
+        return self._refs
+
+    @property
+    def lru(self) -> OrderedDict[Hashable, None]:
+        """Unpinned resident blocks, least recently used first (read only)."""
+        self._settle()
+        return self._lru
+
+    @property
     def used_tokens(self) -> int:
         return (len(self.parent) + self.reserved_blocks) * self.block_tokens + self.private_tokens
 
@@ -93,7 +121,9 @@ class PrefixCache:
 
     @property
     def evictable_tokens(self) -> int:
-        return len(self.lru) * self.block_tokens
+        released = self._released
+        n = len(self._lru) if released is None else len(self._lru) + released[1]
+        return n * self.block_tokens
 
     def match(self, chain: Sequence[Hashable]) -> int:
         """Number of leading blocks of ``chain`` resident here (binary search, relies on ancestor closure)."""
@@ -122,15 +152,19 @@ class PrefixCache:
             return True
         if need > self.evictable_tokens:
             return False
-        lru, children, parent = self.lru, self.children, self.parent
+        lru, children, parent = self._lru, self.children, self.parent
         evict = -(-need // self.block_tokens)  # every eviction frees one block
+        if evict > len(lru):
+            self._settle()
         popitem = lru.popitem
         gone: list[Hashable] = []
-        while len(gone) < evict:
+        left = evict
+        while left:
             h, _ = popitem(last=False)
             if h in children:  # entries are dropped at zero
                 # Unreachable while callers commit pinned and unpin deepest-first (descendants then sit nearer the
                 # LRU end than their ancestors); kept as a guard so eviction never breaks ancestor closure.
+                self._settle()
                 lru[h] = None
                 continue
             p = parent.pop(h)
@@ -141,6 +175,7 @@ class PrefixCache:
                 else:
                     del children[p]
             gone.append(h)
+            left -= 1
         self.evictions += evict
         if self.on_evict_run is not None:
             self.on_evict_run(gone)
@@ -150,20 +185,25 @@ class PrefixCache:
         return True
 
     # -- pinning ----------------------------------------------------------------------------------------------
-    # A *hold* pins a chain prefix ``chain[:n]`` (a running request, a copy being sent or received). ``refs[h]``
-    # counts the holds ending at ``h`` plus the pinned children of ``h``, so a block is pinned (``h in refs``)
-    # exactly when a hold covers it, and the pinned blocks are closed under ancestors. ``holds[root]`` counts the
-    # holds on chains starting at ``root``. Taking or releasing a hold only visits the blocks whose pinned state
-    # changes (and one more), not the whole prefix; the last hold under a root releases its chain without a walk.
-
     def pin(self, chain: Sequence[Hashable], n: int) -> None:
         """Take a hold on the first ``n`` blocks of ``chain`` (all resident). Blocks that were unpinned leave the
         LRU list."""
         if n <= 0:
             return
-        refs, holds = self.refs, self.holds
+        refs, holds = self._refs, self.holds
         root = chain[0]
-        holds[root] = holds.get(root, 0) + 1
+        held = holds.get(root, 0)
+        holds[root] = held + 1
+        released = self._released
+        if released is not None and not held and released[0][0] == root:
+            rchain, rn = released
+            if n <= rn and rchain[n - 1] == chain[n - 1]:
+                # a prefix of the deferred release: take it back, release only the rest (the eager order)
+                self._released = None
+                if n < rn:
+                    self._unpin_run(rchain[rn - 1 : n - 1 : -1])
+                return
+            self._settle()
         tip = chain[n - 1]
         r = refs.get(tip, 0)
         if r:
@@ -184,7 +224,7 @@ class PrefixCache:
 
     def _pin_run(self, hs: Sequence[Hashable]) -> None:
         """Unpinned blocks ``hs`` (a chain run, root first) become pinned by one hold ending at the last."""
-        refs, lru = self.refs, self.lru
+        refs, lru = self._refs, self._lru
         if len(hs) < _LOOP_BELOW:
             for h in hs:
                 lru.pop(h, None)
@@ -198,7 +238,10 @@ class PrefixCache:
         first, so that ancestors stay more recent than their descendants."""
         if n <= 0:
             return
-        refs, holds = self.refs, self.holds
+        released = self._released
+        if released is not None and released[0][0] == chain[0]:
+            self._settle()  # no hold is under that root: only a stray unpin gets here
+        refs, holds = self._refs, self.holds
         tip = chain[n - 1]
         r = refs.get(tip, 0)
         if not r:
@@ -212,16 +255,17 @@ class PrefixCache:
         if r > 1:
             refs[tip] = r - 1
             return
-        # the blocks whose count is 1 from the tip up lose their only pin: chain[j:n]; all of them when no other
-        # hold is under the root
+        if left <= 0:
+            # the last hold under its root: every block of chain[:n] has count 1; defer the release
+            self._settle()
+            self._released = (chain, n)
+            return
+        # the blocks whose count is 1 from the tip up lose their only pin: chain[j:n]
+        self._settle()
         j = n - 1
-        if left > 0:
-            while j and refs.get(chain[j - 1], 0) == 1:
-                j -= 1
-        else:
-            j = 0
-        hs = chain[n - 1 : j - 1 : -1] if j else chain[n - 1 :: -1]
-        self._unpin_run(hs)
+        while j and refs.get(chain[j - 1], 0) == 1:
+            j -= 1
+        self._unpin_run(chain[n - 1 : j - 1 : -1] if j else chain[n - 1 :: -1])
         if j:
             above = chain[j - 1]
             r = refs.get(above, 0)
@@ -230,7 +274,7 @@ class PrefixCache:
 
     def _unpin_run(self, hs: Sequence[Hashable]) -> None:
         """Pinned blocks ``hs`` (deepest first) lose their last pin: to the MRU end in that order."""
-        refs, lru, parent = self.refs, self.lru, self.parent
+        refs, lru, parent = self._refs, self._lru, self.parent
         if len(hs) < _LOOP_BELOW:
             for h in hs:
                 refs.pop(h, None)
@@ -240,9 +284,18 @@ class PrefixCache:
         _consume(map(refs.pop, hs, repeat(None)))
         lru.update(zip(filter(parent.__contains__, hs), repeat(None)))
 
+    def _settle(self) -> None:
+        """Apply the deferred release, if any."""
+        released = self._released
+        if released is not None:
+            self._released = None
+            chain, n = released
+            self._unpin_run(chain[n - 1 :: -1])
+
     def touch(self, chain: Sequence[Hashable], n: int) -> None:
         """Mark the first ``n`` resident blocks as recently used (unpinned ones move to the MRU end)."""
-        lru = self.lru
+        self._settle()
+        lru = self._lru
         for i in range(n - 1, -1, -1):
             h = chain[i]
             if h in lru:
@@ -256,15 +309,16 @@ class PrefixCache:
         """A reserved block became resident (computed here or arrived by copy). ``pinned``: the hold ending at
         ``parent`` (a new hold when ``parent`` is None) now ends at ``h``."""
         self.reserved_blocks -= 1
-        refs = self.refs
+        refs = self._refs
         if pinned and parent is None:  # a new hold on the root block
             self.holds[h] = self.holds.get(h, 0) + 1
         if h in self.parent:  # already resident (computed twice): keep one copy, drop the reservation
             if pinned:
+                self._settle()
                 r = refs.get(h, 0)
                 refs[h] = r + 1
                 if not r:
-                    self.lru.pop(h, None)  # newly pinned: parent's count unchanged (one hold less, one child more)
+                    self._lru.pop(h, None)  # newly pinned: parent's count unchanged (one hold less, one child more)
                 elif parent is not None:
                     r = refs.get(parent, 0)
                     if r > 1:
@@ -276,7 +330,8 @@ class PrefixCache:
         if pinned:
             refs[h] = refs.get(h, 0) + 1
         else:
-            self.lru[h] = None
+            self._settle()
+            self._lru[h] = None
         if self.on_insert is not None:
             self.on_insert(h)
 
@@ -284,7 +339,7 @@ class PrefixCache:
         """``commit_block(chain[k], chain[k - 1], pinned=True)`` for ``k`` in ``range(start, stop)`` in one loop:
         the hold ending at ``chain[start - 1]`` (a new one when ``start`` is 0) extends over the run. New blocks
         are reported after the loop, in order."""
-        parent, children, refs = self.parent, self.children, self.refs
+        parent, children, refs = self.parent, self.children, self._refs
         self.reserved_blocks -= stop - start
         if stop <= start:
             return
@@ -296,10 +351,11 @@ class PrefixCache:
         new: list[Hashable] = []
         for h in chain[start:stop]:
             if h in parent:  # already resident (computed twice): keep one copy, the hold moves on to it
+                self._settle()
                 r = refs.get(h, 0)
                 refs[h] = r + 1
                 if not r:
-                    self.lru.pop(h, None)
+                    self._lru.pop(h, None)
                 elif p is not None:
                     r = refs.get(p, 0)
                     if r > 1:
@@ -325,7 +381,8 @@ class PrefixCache:
     def flush(self) -> int:
         """Drop every unpinned block (SGLang ``/flush_cache``). Returns blocks dropped."""
         dropped = 0
-        while self.lru:
+        self._settle()
+        while self._lru:
             before = len(self.parent)
             self.make_room(self.free_tokens + self.evictable_tokens)
             dropped += before - len(self.parent)
