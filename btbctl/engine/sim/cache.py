@@ -349,6 +349,7 @@ class PrefixCache:
             p = None
             self.holds[chain[0]] = self.holds.get(chain[0], 0) + 1
         new: list[Hashable] = []
+        p_new = False  # p was committed by this loop: no children yet
         for h in chain[start:stop]:
             if h in parent:  # already resident (computed twice): keep one copy, the hold moves on to it
                 self._settle()
@@ -360,12 +361,16 @@ class PrefixCache:
                     r = refs.get(p, 0)
                     if r > 1:
                         refs[p] = r - 1
+                p_new = False
             else:
                 parent[h] = p
-                if p is not None:
+                if p_new:
+                    children[p] = 1
+                elif p is not None:
                     children[p] = children.get(p, 0) + 1
-                refs[h] = refs.get(h, 0) + 1
+                refs[h] = 1  # not resident, so not pinned
                 new.append(h)
+                p_new = True
             p = h
         if not new:
             return

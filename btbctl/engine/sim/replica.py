@@ -603,8 +603,7 @@ class ReplicaModel:
         chain = rq.chain
         have_blocks = self.planned_blocks(chain)
         queued = self._queued_blocks
-        for k in range(have_blocks, len(chain)):
-            h = chain[k]
+        for h in chain[have_blocks:]:
             queued[h] = queued.get(h, 0) + 1
         rq.queued_from = have_blocks
         have = min(have_blocks * self.block_tokens, rq.req.input_tokens - 1)
@@ -710,8 +709,7 @@ class ReplicaModel:
         rq.kv_need = 0
         if rq.queued_from >= 0:
             queued = self._queued_blocks
-            for k in range(rq.queued_from, n_blocks):
-                h = chain[k]
+            for h in chain[rq.queued_from :]:
                 c = queued[h] - 1
                 if c:
                     queued[h] = c
@@ -732,8 +730,8 @@ class ReplicaModel:
         self._queued_flops += est - rq.est_flops
         rq.est_flops = est
         pending = self._pending
-        for k in range(matched, n_blocks):
-            pending[chain[k]] = rq
+        for h in chain[matched:]:
+            pending[h] = rq
         self.events.admitted(self, rq, matched)
         self._prefilling.append(rq)
         return "ok"
