@@ -75,7 +75,9 @@ class ReplicaRequest:
         self.seq = seq
         self.aborted = False  # the client went away (see ReplicaModel.abort)
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
-        self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
+        # while waiting (after the enqueue that found it not admissible): chain[queued_from:] is registered in its
+        # replica's queued_blocks
+        self.queued_from = -1
         # while waiting: the not-yet-resident block its est_flops is registered under
         self.dep_key: Hashable | None = None
         self.kv_need = 0  # while waiting: KV tokens it will take when admitted (estimate)
@@ -399,7 +401,7 @@ class ReplicaModel:
         """``rq`` arrives here at ``now_s``: it joins the waiting queue (FCFS) and a step starts if the replica is
         idle."""
         rq.replica = self.idx
-        self._estimate_work(rq)
+        planned = self._estimate_work(rq)
         self._waiting.append(rq)
         fleet = self.fleet
         if fleet is not None:
@@ -408,6 +410,13 @@ class ReplicaModel:
             if chain:
                 fleet.entered(chain[0], self.idx)
         self.kick(now_s)
+        if rq.admitted_s != rq.admitted_s:  # NaN: still waiting
+            # register its chain as planned here only now: nothing reads the queued blocks during kick, and most
+            # requests are admitted by it
+            queued = self._queued_blocks
+            for h in rq.chain[planned:]:
+                queued[h] = queued.get(h, 0) + 1
+            rq.queued_from = planned
 
     def abort(self, rq: ReplicaRequest, now_s: float) -> bool:
         """The client of ``rq`` went away at ``now_s`` (SGLang aborts such requests). A decoding request finishes now
@@ -596,16 +605,13 @@ class ReplicaModel:
         return lo
 
     # -- scheduling -------------------------------------------------------------------------------------------
-    def _estimate_work(self, rq: ReplicaRequest) -> None:
+    def _estimate_work(self, rq: ReplicaRequest) -> int:
         """Queued-work estimate of a new request: the prompt tokens beyond what this replica holds, is computing or
         receiving, or a request queued ahead here will compute (it waits for those instead), at their context.
-        Registers the rest of its chain as planned here until it is admitted."""
+        Returns those leading blocks (planned here); :meth:`enqueue` registers the rest of the chain as planned
+        here if the request waits."""
         chain = rq.chain
         have_blocks = self.planned_blocks(chain)
-        queued = self._queued_blocks
-        for h in chain[have_blocks:]:
-            queued[h] = queued.get(h, 0) + 1
-        rq.queued_from = have_blocks
         have = min(have_blocks * self.block_tokens, rq.req.input_tokens - 1)
         rq.est_flops = self.cost.prefill_flops(rq.req.input_tokens - have, have)
         self._queued_flops += rq.est_flops
@@ -616,6 +622,7 @@ class ReplicaModel:
             rq.dep_key = key
             self._dep_flops[key] = self._dep_flops.get(key, 0.0) + rq.est_flops
             self._dep_count[key] = self._dep_count.get(key, 0) + 1
+        return have_blocks
 
     def _start_step(self, now_s: float) -> None:
         batch = self._form_prefill(now_s)
