@@ -195,9 +195,9 @@ class PrefixCache:
         held = holds.get(root, 0)
         holds[root] = held + 1
         released = self._released
-        if released is not None and not held and released[0][0] == root:
+        if released is not None and released[0][0] == root:
             rchain, rn = released
-            if n <= rn and rchain[n - 1] == chain[n - 1]:
+            if not held and n <= rn and rchain[n - 1] == chain[n - 1]:
                 # a prefix of the deferred release: take it back, release only the rest (the eager order)
                 self._released = None
                 if n < rn:

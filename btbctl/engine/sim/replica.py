@@ -116,8 +116,8 @@ class ReplicaEvents(Protocol):
         """A block left the replica's cache."""
 
     # Optional, looked up by name: ``blocks_inserted(hashes)`` and ``blocks_evicted(hashes)`` report a run of
-    # distinct blocks at once, in order (as many block_inserted / block_evicted calls would); a driver that defines
-    # them gets them for the runs the cache commits or evicts in C-level passes.
+    # distinct blocks in one call, in order (as that many block_inserted / block_evicted calls would); a driver that
+    # defines them gets one call per prefill run committed and per eviction pass instead of one per block.
 
 
 @dataclass(eq=False, slots=True)
