@@ -57,8 +57,10 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from itertools import chain as chain_iters
+from itertools import filterfalse, repeat
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
 from btbctl.engine.constants import BtbConstants
@@ -107,8 +109,12 @@ class BlockPrefixTree:
 
     def __init__(self, n_replicas: int, max_blocks_per_worker: int) -> None:
         self.nodes: dict[Hashable, _Node] = {}
-        # per tenant: block hash -> None, least recently used first
+        # Per tenant, its blocks least recently used first as of the last eviction, then the chains inserted since
+        # (each one refreshed all its blocks, deepest first); the order is worked out only when an eviction needs
+        # it (see _settle).
         self._lru: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in range(n_replicas)]
+        self._since: list[list[Sequence[Hashable]]] = [[] for _ in range(n_replicas)]
+        self._blocks = [0] * n_replicas  # per tenant: blocks recorded (nodes listing it as a tenant)
         self.max_blocks_per_worker = max_blocks_per_worker
         self.evicted_blocks = 0
 
@@ -159,33 +165,76 @@ class BlockPrefixTree:
         return next(iter(node.tenants))
 
     def insert(self, chain: Sequence[Hashable], replica: int) -> None:
-        """Record that ``replica`` was sent a prompt with block hashes ``chain`` (refreshes its LRU entries;
-        parents end up more recent than children, so eviction takes leaves first)."""
+        """Record that ``replica`` was sent a prompt with block hashes ``chain``: every block of it becomes the
+        replica's most recently used, deepest first (parents end up more recent than children, so eviction takes
+        leaves first). O(log len(chain) + blocks new to the replica); the LRU order itself is settled lazily."""
         if not chain:
             return
         nodes = self.nodes
-        lru = self._lru[replica]
         known, _ = self.match(chain)
-        if known and all(map(lru.__contains__, chain[:known])):
-            # the common case (the replica was sent this prefix before): the loop below for the new blocks, then
-            # every known block to the MRU end deepest first at C level: the order the loop leaves
-            todo, refresh = reversed(chain[known:]), chain[:known]
-        else:
-            todo, refresh = reversed(chain), None
-        for h in todo:
+        # the replica's blocks are prefix-closed too (inserted as whole chains, evicted leaves first): it holds
+        # chain[:have], found by binary search over the known prefix
+        have = 0
+        if known and replica in nodes[chain[known - 1]].tenants:
+            have = known
+        elif known and replica in nodes[chain[0]].tenants:
+            lo, hi = 1, known - 1  # chain[lo - 1] is the replica's, chain[hi] is not
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if replica in nodes[chain[mid]].tenants:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            have = lo
+        added = 0
+        for k in range(len(chain) - 1, have - 1, -1):
+            h = chain[k]
             node = nodes.get(h)
             if node is None:
                 nodes[h] = _Node(replica)
-                lru[h] = None
-            elif replica in node.tenants:
-                lru.move_to_end(h)
-            else:
+                added += 1
+            elif replica not in node.tenants:
                 node.tenants[replica] = None
-                lru[h] = None
-        if refresh is not None:
-            deque(map(lru.move_to_end, reversed(refresh)), maxlen=0)
-        if len(lru) > 2 * self.max_blocks_per_worker:
+                added += 1
+        self._since[replica].append(chain)
+        self._blocks[replica] += added
+        if self._blocks[replica] > 2 * self.max_blocks_per_worker:
             self._evict_tenant(replica)
+
+    def _settle(self, replica: int) -> OrderedDict[Hashable, None]:
+        """The replica's blocks, least recently used first, with the chains inserted since the last call applied.
+
+        Walking those chains newest first, a chain's blocks not met in a newer chain are a suffix of it (a newer
+        chain holding a block holds its ancestors too), found by binary search; they rank by that chain's refresh
+        order (its root most recent). Blocks no chain touched keep their order, before all of them."""
+        since = self._since[replica]
+        lru = self._lru[replica]
+        if not since:
+            return lru
+        seen: dict[Hashable, None] = {}
+        recent: list[Hashable] = []  # most recent first
+        for chain in reversed(since):
+            n = len(chain)
+            if chain[0] in seen:
+                if chain[n - 1] in seen:
+                    continue
+                lo, hi = 1, n - 1  # chain[lo - 1] seen, chain[hi] not
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if chain[mid] in seen:
+                        lo = mid + 1
+                    else:
+                        hi = mid
+                run = chain[lo:]
+            else:
+                run = chain
+            seen.update(zip(run, repeat(None)))
+            recent.extend(run)
+        recent.reverse()
+        lru = OrderedDict.fromkeys(chain_iters(filterfalse(seen.__contains__, lru), recent))
+        self._lru[replica] = lru
+        since.clear()
+        return lru
 
     def evict(self) -> None:
         """Trim every tenant to ``max_blocks_per_worker`` blocks, least recently used first."""
@@ -193,9 +242,11 @@ class BlockPrefixTree:
             self._evict_tenant(r)
 
     def _evict_tenant(self, replica: int) -> None:
-        lru = self._lru[replica]
-        nodes = self.nodes
         bound = self.max_blocks_per_worker
+        if self._blocks[replica] <= bound:
+            return
+        lru = self._settle(replica)
+        nodes = self.nodes
         while len(lru) > bound:
             h, _ = lru.popitem(last=False)
             node = nodes[h]
@@ -203,10 +254,11 @@ class BlockPrefixTree:
             if not node.tenants:
                 del nodes[h]
             self.evicted_blocks += 1
+        self._blocks[replica] = len(lru)
 
     def tenant_blocks(self, replica: int) -> int:
         """Blocks recorded for ``replica``."""
-        return len(self._lru[replica])
+        return self._blocks[replica]
 
     def __len__(self) -> int:
         return len(self.nodes)

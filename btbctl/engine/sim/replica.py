@@ -75,7 +75,9 @@ class ReplicaRequest:
         self.seq = seq
         self.aborted = False  # the client went away (see ReplicaModel.abort)
         self.est_flops = 0.0  # estimated prefill FLOPs still to do (queued-work estimate for policies)
-        self.queued_from = -1  # while waiting: chain[queued_from:] is registered in its replica's queued_blocks
+        # while waiting (after the enqueue that found it not admissible): chain[queued_from:] is registered in its
+        # replica's queued_blocks
+        self.queued_from = -1
         # while waiting: the not-yet-resident block its est_flops is registered under
         self.dep_key: Hashable | None = None
         self.kv_need = 0  # while waiting: KV tokens it will take when admitted (estimate)
@@ -112,6 +114,10 @@ class ReplicaEvents(Protocol):
 
     def block_evicted(self, block_hash: Hashable) -> None:
         """A block left the replica's cache."""
+
+    # Optional, looked up by name: ``blocks_inserted(hashes)`` and ``blocks_evicted(hashes)`` report a run of
+    # distinct blocks in one call, in order (as that many block_inserted / block_evicted calls would); a driver that
+    # defines them gets one call per prefill run committed and per eviction pass instead of one per block.
 
 
 @dataclass(eq=False, slots=True)
@@ -220,7 +226,14 @@ class ReplicaModel:
         self.chunk_tokens = chunk_tokens
         self.max_running = max_running
         self.events = events
-        self.cache = PrefixCache(cost.kv_budget_tokens, block_tokens, events.block_inserted, events.block_evicted)
+        self.cache = PrefixCache(
+            cost.kv_budget_tokens,
+            block_tokens,
+            events.block_inserted,
+            events.block_evicted,
+            getattr(events, "blocks_inserted", None),
+            getattr(events, "blocks_evicted", None),
+        )
         self._waiting: list[ReplicaRequest] = []
         self._prefilling: list[ReplicaRequest] = []
         self._decoding: list[tuple[int, int, ReplicaRequest]] = []  # heap (finish_g, seq, request)
@@ -388,7 +401,7 @@ class ReplicaModel:
         """``rq`` arrives here at ``now_s``: it joins the waiting queue (FCFS) and a step starts if the replica is
         idle."""
         rq.replica = self.idx
-        self._estimate_work(rq)
+        planned = self._estimate_work(rq)
         self._waiting.append(rq)
         fleet = self.fleet
         if fleet is not None:
@@ -397,6 +410,13 @@ class ReplicaModel:
             if chain:
                 fleet.entered(chain[0], self.idx)
         self.kick(now_s)
+        if rq.admitted_s != rq.admitted_s:  # NaN: still waiting
+            # register its chain as planned here only now: nothing reads the queued blocks during kick, and most
+            # requests are admitted by it
+            queued = self._queued_blocks
+            for h in rq.chain[planned:]:
+                queued[h] = queued.get(h, 0) + 1
+            rq.queued_from = planned
 
     def abort(self, rq: ReplicaRequest, now_s: float) -> bool:
         """The client of ``rq`` went away at ``now_s`` (SGLang aborts such requests). A decoding request finishes now
@@ -486,8 +506,7 @@ class ReplicaModel:
             cache.unpin(chain, have)
             return 0
         cache.reserve_blocks(add)
-        for k in range(have, len(chain)):
-            cache.commit_block(chain[k], chain[k - 1] if k else None, pinned=True)
+        cache.commit_run(chain, have, len(chain))
         cache.unpin(chain, len(chain))
         self.kick(now_s)
         return add
@@ -527,11 +546,10 @@ class ReplicaModel:
         inc.open = False
         pending, cache, chain = self._pending, self.cache, inc.chain
         if ok:
-            for k in range(inc.have, len(chain)):
-                h = chain[k]
+            for h in chain[inc.have :]:
                 if pending.get(h) is inc:
                     del pending[h]
-                cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+            cache.commit_run(chain, inc.have, len(chain))
             cache.unpin(chain, len(chain))  # deepest first, so LRU evicts leaves before their ancestors
             return True
         for k in range(inc.have, len(chain)):
@@ -543,12 +561,11 @@ class ReplicaModel:
         return cache.match(chain) == len(chain)
 
     def pin(self, chain: Sequence[Hashable], start: int, stop: int) -> None:
-        """Pin the resident blocks ``chain[start:stop]`` (an outgoing copy sends them) so they cannot be evicted."""
+        """Pin the resident blocks ``chain[start:stop]`` (an outgoing copy sends them) so they cannot be evicted:
+        the copy's hold on ``chain[:start]`` (none when ``start`` is 0) extends to ``chain[:stop]``."""
         if stop > start:
-            if start:
-                self.cache.pin(chain[start:stop], stop - start)
-            else:
-                self.cache.pin(chain, stop)
+            self.cache.pin(chain, stop)
+            self.cache.unpin(chain, start)  # the longer hold keeps chain[:start] pinned: no block changes state
 
     def unpin(self, chain: Sequence[Hashable], n: int) -> None:
         """Undo :meth:`pin` of the first ``n`` blocks of ``chain``. Call :meth:`kick` afterwards if requests may be
@@ -588,17 +605,13 @@ class ReplicaModel:
         return lo
 
     # -- scheduling -------------------------------------------------------------------------------------------
-    def _estimate_work(self, rq: ReplicaRequest) -> None:
+    def _estimate_work(self, rq: ReplicaRequest) -> int:
         """Queued-work estimate of a new request: the prompt tokens beyond what this replica holds, is computing or
         receiving, or a request queued ahead here will compute (it waits for those instead), at their context.
-        Registers the rest of its chain as planned here until it is admitted."""
+        Returns those leading blocks (planned here); :meth:`enqueue` registers the rest of the chain as planned
+        here if the request waits."""
         chain = rq.chain
         have_blocks = self.planned_blocks(chain)
-        queued = self._queued_blocks
-        for k in range(have_blocks, len(chain)):
-            h = chain[k]
-            queued[h] = queued.get(h, 0) + 1
-        rq.queued_from = have_blocks
         have = min(have_blocks * self.block_tokens, rq.req.input_tokens - 1)
         rq.est_flops = self.cost.prefill_flops(rq.req.input_tokens - have, have)
         self._queued_flops += rq.est_flops
@@ -609,6 +622,7 @@ class ReplicaModel:
             rq.dep_key = key
             self._dep_flops[key] = self._dep_flops.get(key, 0.0) + rq.est_flops
             self._dep_count[key] = self._dep_count.get(key, 0) + 1
+        return have_blocks
 
     def _start_step(self, now_s: float) -> None:
         batch = self._form_prefill(now_s)
@@ -702,8 +716,7 @@ class ReplicaModel:
         rq.kv_need = 0
         if rq.queued_from >= 0:
             queued = self._queued_blocks
-            for k in range(rq.queued_from, n_blocks):
-                h = chain[k]
+            for h in chain[rq.queued_from :]:
                 c = queued[h] - 1
                 if c:
                     queued[h] = c
@@ -724,8 +737,8 @@ class ReplicaModel:
         self._queued_flops += est - rq.est_flops
         rq.est_flops = est
         pending = self._pending
-        for k in range(matched, n_blocks):
-            pending[chain[k]] = rq
+        for h in chain[matched:]:
+            pending[h] = rq
         self.events.admitted(self, rq, matched)
         self._prefilling.append(rq)
         return "ok"
@@ -746,11 +759,10 @@ class ReplicaModel:
             upto = len(chain) if rq.computed >= inp else min(len(chain), rq.computed // bt)
             start = rq.next_block
             if upto > start:
-                for k in range(start, upto):
-                    h = chain[k]
+                for h in chain[start:upto]:
                     if pending.get(h) is rq:
                         del pending[h]
-                    cache.commit_block(h, chain[k - 1] if k else None, pinned=True)
+                cache.commit_run(chain, start, upto)
                 events.computed(self, rq, start, upto)
                 rq.next_block = upto
                 committed = True

@@ -177,8 +177,7 @@ class _FleetEvents:
         bt = replica.block_tokens
         inp = rq.req.input_tokens
         recomputed = 0
-        for k in range(matched_blocks, len(chain)):
-            h = chain[k]
+        for k, h in enumerate(chain[matched_blocks:], matched_blocks):
             c = computing.get(h, 0)
             if c or h in fleet:  # resident or being computed on another replica: redundant work
                 recomputed += max(0, min(bt, inp - k * bt))
@@ -187,16 +186,16 @@ class _FleetEvents:
 
     def computed(self, replica: ReplicaModel, rq: ReplicaRequest, start: int, stop: int) -> None:
         computing = self.computing
-        copied = self.sim._copied[replica.idx]
-        chain = rq.chain
-        for k in range(start, stop):
-            h = chain[k]
+        hs = rq.chain[start:stop]
+        for h in hs:
             c = computing.get(h, 0) - 1
             if c > 0:
                 computing[h] = c
             else:
                 computing.pop(h, None)
-            if copied:
+        copied = self.sim._copied[replica.idx]
+        if copied:
+            for h in hs:
                 copied.pop(h, None)  # computed here now: no longer the copy's
 
     def first_token(self, replica: ReplicaModel, rq: ReplicaRequest) -> None:
@@ -223,6 +222,22 @@ class _FleetEvents:
             fleet[h] = c
         else:
             fleet.pop(h, None)
+
+    def blocks_inserted(self, hs: Sequence[Hashable]) -> None:
+        """:meth:`block_inserted` for each of ``hs`` (one call per run of blocks)."""
+        fleet = self.fleet
+        for h in hs:
+            fleet[h] = fleet.get(h, 0) + 1
+
+    def blocks_evicted(self, hs: Sequence[Hashable]) -> None:
+        """:meth:`block_evicted` for each of ``hs`` (one call per run of blocks)."""
+        fleet = self.fleet
+        for h in hs:
+            c = fleet.get(h, 0) - 1
+            if c > 0:
+                fleet[h] = c
+            else:
+                fleet.pop(h, None)
 
 
 class Simulator:
