@@ -262,11 +262,16 @@ def test_write_failure_is_a_user_error(tmp_path):
     assert not target.parent.exists()
 
 
+def _chained(parts: list[str]) -> tuple[str, ...]:
+    """Prefix-chained hash ids from arbitrary labels: id k names labels 0..k (a JSON list: no two splits collide)."""
+    return tuple(json.dumps(parts[: k + 1]) for k in range(len(parts)))
+
+
 _label_values = st.one_of(st.integers(-5, 5), st.text(max_size=4), st.booleans(), st.none())
 _requests = st.lists(
     st.builds(
-        lambda rid, arrival, inp, out, hashes, kind, labels: Request(
-            rid, arrival, inp, out, tuple(hashes), kind, labels or None
+        lambda rid, arrival, inp, out, labels_of_blocks, kind, labels: Request(
+            rid, arrival, inp, out, _chained(labels_of_blocks), kind, labels or None
         ),
         st.just(""),
         st.floats(min_value=0, max_value=1e7, allow_nan=False, allow_infinity=False),

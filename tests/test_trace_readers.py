@@ -99,6 +99,33 @@ def test_btb_mixed_equal_hashes_share_one_object(tmp_path):
     assert t.requests[0].block_hashes[1] is t.requests[1].block_hashes[1]
 
 
+@pytest.mark.parametrize(
+    "rows,line,message",
+    [
+        # an id under two parents
+        ([("a", "b"), ("c", "b")], 2, "hash_ids[1]: 'b' follows 'c' here but follows 'a' on line 1"),
+        # a root id that followed another id before
+        ([("a", "b"), ("b",)], 2, "hash_ids[0]: 'b' opens the row here but follows 'a' on line 1"),
+        # an id repeated within a row
+        ([("a", "b", "a")], 1, "hash_ids[2]: 'a' follows 'b' here but opens the row on line 1"),
+    ],
+)
+def test_hash_ids_must_be_prefix_chained(tmp_path, rows, line, message):
+    text = "\n".join(_bm(i, f"r{i}", hashes=h) for i, h in enumerate(rows))
+    with pytest.raises(TraceFormatError) as e:
+        read_btb_mixed(_write(tmp_path, "b.jsonl", text))
+    assert f"b.jsonl:{line}: {message}; hash_ids must be prefix-chained" in str(e.value)
+    mc = "\n".join(_mc(i, hashes=[ord(x) for x in h]) for i, h in enumerate(rows))
+    with pytest.raises(TraceFormatError, match=f"m.jsonl:{line}: hash_ids"):
+        read_mooncake(_write(tmp_path, "m.jsonl", mc))
+
+
+def test_prefix_chained_rows_sharing_and_extending_prefixes_are_accepted(tmp_path):
+    rows = [("a", "b"), ("a", "b", "c"), ("a", "d"), ("e",), ("a",)]
+    t = read_btb_mixed(_write(tmp_path, "b.jsonl", "\n".join(_bm(i, f"r{i}", hashes=h) for i, h in enumerate(rows))))
+    assert [r.block_hashes for r in t.requests] == rows
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Azure 2023
 

@@ -263,6 +263,43 @@ def _hashes(v, elem_type: type, path: str, lineno: int) -> tuple:
     return tuple(v)
 
 
+class _PrefixChains:
+    """Checks that a trace's ``hash_ids`` are prefix-chained (:mod:`btbctl.engine.chains`): wherever an id appears
+    it follows the same id (or opens the row), so it names the whole prefix through its block. An id repeated
+    within a row breaks this too. The simulators' caches and the policies rely on it. Memory: one entry per
+    distinct id and one per row; a row costs two C-level passes."""
+
+    __slots__ = ("_parent", "_rows")
+
+    def __init__(self) -> None:
+        self._parent: dict = {}  # id -> the id before it where it first appeared (None: it opened the row)
+        self._rows: list[tuple[int, tuple]] = []  # (line, ids) of the rows checked, to name a conflict's line
+
+    def check(self, hashes: tuple, path: str, lineno: int) -> None:
+        """Raises:
+        TraceFormatError: an id of ``hashes`` follows another id than where it first appeared."""
+        self._rows.append((lineno, hashes))
+        if not hashes:
+            return
+        before = (None, *hashes[:-1])
+        parents = tuple(map(self._parent.setdefault, hashes, before))
+        if parents != before:
+            i = next(i for i, (p, b) in enumerate(zip(parents, before, strict=True)) if p != b)
+            raise self._conflict(hashes[i], i, before[i], parents[i], path, lineno)
+
+    def _conflict(self, h, i: int, prev, first_prev, path: str, lineno: int) -> TraceFormatError:
+        def where(p) -> str:
+            return "opens the row" if p is None else f"follows {p!r}"
+
+        line = next(n for n, ids in self._rows if h in ids)
+        return TraceFormatError(
+            path,
+            f"hash_ids[{i}]: {h!r} {where(prev)} here but {where(first_prev)} on line {line}; hash_ids must be "
+            "prefix-chained (each id names the whole prefix through its block)",
+            lineno,
+        )
+
+
 def _not_object(v, path: str, lineno: int) -> TraceFormatError:
     return TraceFormatError(path, f"expected a JSON object, got {_type_name(v)}", lineno)
 
@@ -295,6 +332,7 @@ def _json_rows(text: str, path: str, fields: tuple[str, ...]):
 def _parse_mooncake(text: str, path: str) -> Trace:
     requests: list[Request] = []
     append = requests.append
+    chains = _PrefixChains()
     for lineno, _, (ts, inp, outp, hs) in _json_rows(
         text, path, ("timestamp", "input_length", "output_length", "hash_ids")
     ):
@@ -318,6 +356,7 @@ def _parse_mooncake(text: str, path: str) -> Trace:
             inp = _input_tokens(inp, "input_length", path, lineno)
             outp = _output_tokens(outp, "output_length", path, lineno)
             hashes = _hashes(hs, int, path, lineno)
+        chains.check(hashes, path, lineno)
         append(Request(str(lineno), arrival_s, inp, outp, hashes))
     if not requests:
         raise _no_requests(text, path)
@@ -332,6 +371,7 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
     block_line = 0
     # Equal hash strings share one object: a Bursted window repeats each burst's 256 prefix hashes 500 times.
     same = {}.setdefault
+    chains = _PrefixChains()
     for lineno, d, (arrival, inp, outp, hs, rid) in _json_rows(
         text, path, ("arrival_s", "input_length", "output_length", "hash_ids", "request_id")
     ):
@@ -340,6 +380,7 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
         outp = _output_tokens(outp, "output_length", path, lineno)
         _hashes(hs, str, path, lineno)
         hashes = tuple(map(same, hs, hs))
+        chains.check(hashes, path, lineno)
         trid = type(rid)
         if trid is int:
             rid = str(rid)
