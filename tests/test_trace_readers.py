@@ -105,9 +105,9 @@ def test_btb_mixed_equal_hashes_share_one_object(tmp_path):
         # an id under two parents
         ([("a", "b"), ("c", "b")], 2, "hash_ids[1]: 'b' follows 'c' here but follows 'a' on line 1"),
         # a root id that followed another id before
-        ([("a", "b"), ("b",)], 2, "hash_ids[0]: 'b' opens the row here but follows 'a' on line 1"),
+        ([("a", "b"), ("b",)], 2, "hash_ids[0]: 'b' opens the chain here but follows 'a' on line 1"),
         # an id repeated within a row
-        ([("a", "b", "a")], 1, "hash_ids[2]: 'a' follows 'b' here but opens the row on line 1"),
+        ([("a", "b", "a")], 1, "hash_ids[2]: 'a' follows 'b' here but opens the chain on line 1"),
     ],
 )
 def test_hash_ids_must_be_prefix_chained(tmp_path, rows, line, message):
@@ -474,3 +474,24 @@ def test_trace_modules_import_no_ui():
         cwd=Path(__file__).resolve().parents[1],
     ).stdout.strip()
     assert out == "[]"
+
+
+def test_simulate_refuses_chains_that_are_not_prefix_chained():
+    from btbctl.engine.config import ClusterConfig
+    from btbctl.engine.constants import BtbConstants
+    from btbctl.engine.errors import ConfigError
+    from btbctl.engine.sim import simulate
+    from btbctl.engine.trace.model import Request, Trace
+
+    ok = [Request("q0", 0.0, 512, 1, ("a", "b")), Request("q1", 0.1, 768, 1, ("a", "b", "c"))]
+    cluster = ClusterConfig(model="qwen3-8b", gpu="h100", gpus_per_replica=1, replicas=2)
+    for fidelity in ("realistic", "infersim"):
+        assert (
+            len(simulate(Trace(list(ok), 256, "generated"), "btb", cluster, BtbConstants(), fidelity=fidelity).records)
+            == 2
+        )
+        bad = Trace([*ok, Request("q2", 0.2, 512, 1, ("x", "b"))], 256, "generated")
+        with pytest.raises(
+            ConfigError, match=r"request 'q2': block_hashes\[1\] 'b' follows 'x' here but follows 'a' in request 'q0'"
+        ):
+            simulate(bad, "btb", cluster, BtbConstants(), fidelity=fidelity)

@@ -24,6 +24,28 @@ SHORT_ID_CHARS = 12
 _HEX = frozenset("0123456789abcdef")
 
 
+def chain_conflict(
+    parents: dict[Hashable, Hashable | None], chain: Sequence[Hashable]
+) -> tuple[int, Hashable | None, Hashable | None] | None:
+    """Check ``chain`` against the parents recorded so far (``parents``: block -> the block before it where it
+    first appeared, None at a chain's root; updated in place) for the **prefix-chained** rule: a block always
+    follows the same block. Returns None, or the first conflict as ``(index, block before it here, block before it
+    where it first appeared)``. A block repeated within a chain is a conflict too. Two C-level passes."""
+    if not chain:
+        return None
+    before = (None, *chain[:-1])
+    got = tuple(map(parents.setdefault, chain, before))
+    if got == before:
+        return None
+    i = next(i for i, (g, b) in enumerate(zip(got, before, strict=True)) if g != b)
+    return i, before[i], got[i]
+
+
+def follows(block: Hashable | None) -> str:
+    """How :func:`chain_conflict`'s blocks read in an error: ``opens the chain`` or ``follows <block>``."""
+    return "opens the chain" if block is None else f"follows {block!r}"
+
+
 def leading_run(chain: Sequence[Hashable], contains: Callable[[Hashable], bool]) -> int:
     """How many leading blocks of ``chain`` satisfy ``contains``, for a **prefix-closed** membership (a block is
     in only if every block before it is): a binary search, O(log len(chain)) calls.

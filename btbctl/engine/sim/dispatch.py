@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from btbctl.engine.chains import chain_conflict, follows
 from btbctl.engine.config import FIDELITIES, ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
@@ -44,8 +45,9 @@ def simulate(
 
     Raises:
         ConfigError: unknown policy or fidelity, a reference policy with ``infersim``, unknown presets, a model
-            that does not fit.
+            that does not fit, hash chains that are not prefix-chained (:func:`check_prefix_chained`).
     """
+    check_prefix_chained(trace)
     if policy in REFERENCE_POLICIES:
         if fidelity != "realistic":
             raise ConfigError("policy", f"{policy} runs in the realistic fidelity only, not {fidelity!r}")
@@ -57,4 +59,29 @@ def simulate(
     return simulate_realistic(trace, policy, cluster, constants, seed=seed, progress=progress)
 
 
-__all__ = ["simulate"]
+def check_prefix_chained(trace: Trace) -> None:
+    """Check that ``trace``'s hash chains are prefix-chained, unless it is known to be (``trace.prefix_chained``:
+    read from a file or generated); both simulators' caches and the policies rely on it. O(blocks of the trace).
+
+    Raises:
+        ConfigError: the first block that follows another block than where it first appeared, by request.
+    """
+    if trace.prefix_chained:
+        return
+    parents: dict = {}
+    for r in trace.requests:
+        bad = chain_conflict(parents, r.block_hashes)
+        if bad is None:
+            continue
+        i, prev, first_prev = bad
+        h = r.block_hashes[i]
+        where = next(q.request_id for q in trace.requests if h in q.block_hashes)
+        raise ConfigError(
+            "trace",
+            f"request {r.request_id!r}: block_hashes[{i}] {h!r} {follows(prev)} here but {follows(first_prev)} in "
+            f"request {where!r}; hash chains must be prefix-chained (each hash names the whole prefix through its "
+            "block)",
+        )
+
+
+__all__ = ["check_prefix_chained", "simulate"]

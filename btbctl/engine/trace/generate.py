@@ -296,7 +296,8 @@ def generate_bursted(params: BurstedParams | None = None, seed: int = 42, base: 
     if base is not None:
         meta["base"] = {"path": base.path, "format": base.format, "requests": len(base.requests)}
         requests = list(base.requests) + requests
-    return Trace(requests, block_tokens, "generated", None, meta)
+    # the generated chains are prefix-chained in their own namespace; merged with a base trace, as chained as it
+    return Trace(requests, block_tokens, "generated", None, meta, prefix_chained=base is None or base.prefix_chained)
 
 
 def _namespace(seed: int, base: Trace | None) -> str:

@@ -51,6 +51,8 @@ class Trace:
         block_tokens: tokens per block of ``block_hashes`` (Mooncake: 512, btb-mixed-trace-v1: 256).
         format: ``mooncake``, ``btb-mixed-trace-v1``, ``azure2023`` or ``generated``.
         path: file it came from, if any.
+        prefix_chained: the hash chains are known to be prefix-chained (:func:`btbctl.engine.chains.chain_conflict`):
+            set by the readers (which check) and the generators (which build them so); otherwise the simulators check.
     """
 
     requests: list[Request]
@@ -58,6 +60,7 @@ class Trace:
     format: str
     path: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    prefix_chained: bool = False
 
     def __post_init__(self) -> None:
         self.requests.sort(key=lambda r: r.arrival_s)

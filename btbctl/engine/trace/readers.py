@@ -49,6 +49,7 @@ import re
 from collections.abc import Callable
 from datetime import date
 
+from btbctl.engine.chains import chain_conflict, follows
 from btbctl.engine.errors import TraceFormatError
 from btbctl.engine.trace.model import Request, Trace
 
@@ -264,40 +265,30 @@ def _hashes(v, elem_type: type, path: str, lineno: int) -> tuple:
 
 
 class _PrefixChains:
-    """Checks that a trace's ``hash_ids`` are prefix-chained (:mod:`btbctl.engine.chains`): wherever an id appears
-    it follows the same id (or opens the row), so it names the whole prefix through its block. An id repeated
-    within a row breaks this too. The simulators' caches and the policies rely on it. Memory: one entry per
-    distinct id and one per row; a row costs two C-level passes."""
+    """Checks that a trace's ``hash_ids`` are prefix-chained (:func:`btbctl.engine.chains.chain_conflict`): the
+    simulators' caches and the policies rely on it. Memory: one entry per distinct id and one per row."""
 
-    __slots__ = ("_parent", "_rows")
+    __slots__ = ("_parents", "_rows")
 
     def __init__(self) -> None:
-        self._parent: dict = {}  # id -> the id before it where it first appeared (None: it opened the row)
+        self._parents: dict = {}
         self._rows: list[tuple[int, tuple]] = []  # (line, ids) of the rows checked, to name a conflict's line
 
     def check(self, hashes: tuple, path: str, lineno: int) -> None:
         """Raises:
         TraceFormatError: an id of ``hashes`` follows another id than where it first appeared."""
         self._rows.append((lineno, hashes))
-        if not hashes:
-            return
-        before = (None, *hashes[:-1])
-        parents = tuple(map(self._parent.setdefault, hashes, before))
-        if parents != before:
-            i = next(i for i, (p, b) in enumerate(zip(parents, before, strict=True)) if p != b)
-            raise self._conflict(hashes[i], i, before[i], parents[i], path, lineno)
-
-    def _conflict(self, h, i: int, prev, first_prev, path: str, lineno: int) -> TraceFormatError:
-        def where(p) -> str:
-            return "opens the row" if p is None else f"follows {p!r}"
-
-        line = next(n for n, ids in self._rows if h in ids)
-        return TraceFormatError(
-            path,
-            f"hash_ids[{i}]: {h!r} {where(prev)} here but {where(first_prev)} on line {line}; hash_ids must be "
-            "prefix-chained (each id names the whole prefix through its block)",
-            lineno,
-        )
+        bad = chain_conflict(self._parents, hashes)
+        if bad is not None:
+            i, prev, first_prev = bad
+            h = hashes[i]
+            line = next(n for n, ids in self._rows if h in ids)
+            raise TraceFormatError(
+                path,
+                f"hash_ids[{i}]: {h!r} {follows(prev)} here but {follows(first_prev)} on line {line}; hash_ids "
+                "must be prefix-chained (each id names the whole prefix through its block)",
+                lineno,
+            )
 
 
 def _not_object(v, path: str, lineno: int) -> TraceFormatError:
@@ -360,7 +351,7 @@ def _parse_mooncake(text: str, path: str) -> Trace:
         append(Request(str(lineno), arrival_s, inp, outp, hashes))
     if not requests:
         raise _no_requests(text, path)
-    return Trace(requests, MOONCAKE_BLOCK_TOKENS, "mooncake", path)
+    return Trace(requests, MOONCAKE_BLOCK_TOKENS, "mooncake", path, prefix_chained=True)
 
 
 def _parse_btb_mixed(text: str, path: str) -> Trace:
@@ -430,7 +421,7 @@ def _parse_btb_mixed(text: str, path: str) -> Trace:
         append(Request(rid, arrival_s, inp, outp, hashes, kind, labels))
     if not requests:
         raise _no_requests(text, path)
-    return Trace(requests, block_tokens or BTB_MIXED_BLOCK_TOKENS, "btb-mixed-trace-v1", path)
+    return Trace(requests, block_tokens or BTB_MIXED_BLOCK_TOKENS, "btb-mixed-trace-v1", path, prefix_chained=True)
 
 
 _TS_RE = re.compile(r"\s*(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,12}))?\s*\Z")
@@ -507,7 +498,7 @@ def _parse_azure(text: str, path: str) -> Trace:
         raise _no_requests(text, path)
     w0, f0 = min((r[1], r[2]) for r in rows)
     requests = [Request(rid, (w - w0) + (f - f0), inp, outp, ()) for rid, w, f, inp, outp in rows]
-    return Trace(requests, AZURE_BLOCK_TOKENS, "azure2023", path)
+    return Trace(requests, AZURE_BLOCK_TOKENS, "azure2023", path, prefix_chained=True)
 
 
 _PARSERS: dict[str, Callable[[str, str], Trace]] = {
