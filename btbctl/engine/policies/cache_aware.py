@@ -62,7 +62,7 @@ from collections.abc import Hashable, Sequence
 from itertools import chain as chain_iters
 from itertools import filterfalse, repeat
 
-from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
+from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS, leading_run
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies.base import FleetView, Policy, Route
@@ -133,16 +133,8 @@ class BlockPrefixTree:
         node = nodes.get(chain[-1])
         if node is not None:
             return n, node
-        if chain[0] not in nodes:
-            return 0, None
-        lo, hi = 1, n - 1  # chain[lo - 1] is known, chain[hi] is not
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if chain[mid] in nodes:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo, nodes[chain[lo - 1]]
+        lo = leading_run(chain, nodes.__contains__)
+        return (lo, nodes[chain[lo - 1]]) if lo else (0, None)
 
     def match_linear(self, chain: Sequence[Hashable]) -> tuple[int, _Node | None]:
         """:meth:`match` by a forward walk (O(matched blocks)); the reference the binary search must agree with."""
@@ -215,19 +207,10 @@ class BlockPrefixTree:
         recent: list[Hashable] = []  # most recent first
         for chain in reversed(since):
             n = len(chain)
-            if chain[0] in seen:
-                if chain[n - 1] in seen:
-                    continue
-                lo, hi = 1, n - 1  # chain[lo - 1] seen, chain[hi] not
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if chain[mid] in seen:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                run = chain[lo:]
-            else:
-                run = chain
+            lo = leading_run(chain, seen.__contains__)
+            if lo == n:
+                continue
+            run = chain[lo:] if lo else chain
             seen.update(zip(run, repeat(None)))
             recent.extend(run)
         recent.reverse()

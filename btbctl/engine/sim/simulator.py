@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from btbctl.engine.config import ClusterConfig
@@ -27,6 +27,16 @@ from btbctl.engine.trace.model import Request, Trace
 # event kinds, in tie-break priority order (lower runs first at equal times)
 _EV_COPY = 0
 _EV_STEP = 1
+
+
+def _count_down(counts: dict[Hashable, int], hs: Iterable[Hashable]) -> None:
+    """Take one off the count of each of ``hs``, dropping counts that reach 0 (a missing block counts 0)."""
+    for h in hs:
+        c = counts.get(h, 0) - 1
+        if c > 0:
+            counts[h] = c
+        else:
+            counts.pop(h, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +195,8 @@ class _FleetEvents:
         rq.recomputed = recomputed
 
     def computed(self, replica: ReplicaModel, rq: ReplicaRequest, start: int, stop: int) -> None:
-        computing = self.computing
         hs = rq.chain[start:stop]
-        for h in hs:
-            c = computing.get(h, 0) - 1
-            if c > 0:
-                computing[h] = c
-            else:
-                computing.pop(h, None)
+        _count_down(self.computing, hs)
         copied = self.sim._copied[replica.idx]
         if copied:
             for h in hs:
@@ -216,12 +220,7 @@ class _FleetEvents:
         fleet[h] = fleet.get(h, 0) + 1
 
     def block_evicted(self, h: Hashable) -> None:
-        fleet = self.fleet
-        c = fleet.get(h, 0) - 1
-        if c > 0:
-            fleet[h] = c
-        else:
-            fleet.pop(h, None)
+        _count_down(self.fleet, (h,))
 
     def blocks_inserted(self, hs: Sequence[Hashable]) -> None:
         """:meth:`block_inserted` for each of ``hs`` (one call per run of blocks)."""
@@ -231,13 +230,7 @@ class _FleetEvents:
 
     def blocks_evicted(self, hs: Sequence[Hashable]) -> None:
         """:meth:`block_evicted` for each of ``hs`` (one call per run of blocks)."""
-        fleet = self.fleet
-        for h in hs:
-            c = fleet.get(h, 0) - 1
-            if c > 0:
-                fleet[h] = c
-            else:
-                fleet.pop(h, None)
+        _count_down(self.fleet, hs)
 
 
 class Simulator:
