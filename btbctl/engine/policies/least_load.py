@@ -9,7 +9,7 @@ fallback (REFERENCE.md s4).
 
 from __future__ import annotations
 
-from btbctl.engine.policies.base import FleetView, Policy, Route, least_loaded
+from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
 
 
@@ -20,4 +20,8 @@ class LeastLoad(Policy[FleetView]):
     summary = "fewest requests in flight (ties random); ignores cache"
 
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
-        return Route(least_loaded(view, range(self.n_replicas), self.rng))
+        # least_loaded's rule with one load read per replica
+        loads = [view.load(r) for r in range(self.n_replicas)]
+        best = min(loads)
+        tied = [r for r, n in enumerate(loads) if n == best]
+        return Route(tied[0] if len(tied) == 1 else self.rng.choice(tied))
