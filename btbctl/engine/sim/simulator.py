@@ -186,6 +186,15 @@ class _FleetEvents:
         fleet, computing = self.fleet, self.computing
         bt = replica.block_tokens
         inp = rq.req.input_tokens
+        if inp >= len(chain) * bt:  # every block full: bt tokens per block resident or computing elsewhere
+            hits = 0
+            for h in chain[matched_blocks:]:
+                c = computing.get(h, 0)
+                if c or h in fleet:
+                    hits += 1
+                computing[h] = c + 1
+            rq.recomputed = hits * bt
+            return
         recomputed = 0
         for k, h in enumerate(chain[matched_blocks:], matched_blocks):
             c = computing.get(h, 0)
