@@ -9,7 +9,7 @@ prefix's **key**, and its hex form is the **prefix id** users type (``btbctl rep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 #: A prompt's block hashes, root first (hex strings live; trace ids or labels in replays).
 Chain = tuple[Hashable, ...]
@@ -22,6 +22,22 @@ MIN_PREFIX_ID_CHARS = 8
 #: tracks; a product choice). Always >= :data:`MIN_PREFIX_ID_CHARS`, so a shown id can be typed back.
 SHORT_ID_CHARS = 12
 _HEX = frozenset("0123456789abcdef")
+
+
+def count_blocks(counts: dict[Hashable, int], blocks: Iterable[Hashable]) -> None:
+    """Add one to the count of each of ``blocks`` (a multiset of blocks: a missing block counts 0)."""
+    for b in blocks:
+        counts[b] = counts.get(b, 0) + 1
+
+
+def uncount_blocks(counts: dict[Hashable, int], blocks: Iterable[Hashable]) -> None:
+    """Take one off the count of each of ``blocks``, dropping counts that reach 0 (:func:`count_blocks`' inverse)."""
+    for b in blocks:
+        n = counts.get(b, 0) - 1
+        if n > 0:
+            counts[b] = n
+        else:
+            counts.pop(b, None)
 
 
 def chain_conflict(

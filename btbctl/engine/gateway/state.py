@@ -28,6 +28,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
+from btbctl.engine.chains import count_blocks, uncount_blocks
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.copies import CopyState, CopyStatus
 from btbctl.engine.costmodel import default_chunked_prefill_tokens
@@ -175,18 +176,10 @@ class WorkerState:
             self.drop_pending(chain)
 
     def add_pending(self, chain: Sequence[Hashable]) -> None:
-        p = self.pending
-        for b in chain:
-            p[b] = p.get(b, 0) + 1
+        count_blocks(self.pending, chain)
 
     def drop_pending(self, chain: Sequence[Hashable]) -> None:
-        p = self.pending
-        for b in chain:
-            n = p.get(b, 0) - 1
-            if n > 0:
-                p[b] = n
-            else:
-                p.pop(b, None)
+        uncount_blocks(self.pending, chain)
 
     def forget(self) -> None:
         """Drop the holding record (the worker died or restarted)."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import compress, count, islice, repeat
 
+from btbctl.engine.chains import count_blocks
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyStatus, carry_out
@@ -315,38 +316,30 @@ class _KvCache:
         self._last = (chain, self.version, res)
         return res
 
-    def _match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
+    def _match(self, chain: Sequence[Hashable], host: bool = True) -> tuple[int, int]:
+        """:meth:`match` without the memo; ``host`` False: stop at the first block not in HBM (host blocks 0)."""
         where, hwhere = self.where, self.hwhere
         a = b = 0
         for src, i, e in self.chains.pieces(chain)[0]:
             while i < e:
                 r = where.get(src[i])
-                if r is not None:
-                    k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
-                    a += k
-                    i += k
-                    continue
-                r = hwhere.get(src[i])
-                if r is None:
-                    return a, b
+                in_hbm = r is not None
+                if not in_hbm:
+                    r = hwhere.get(src[i]) if host else None
+                    if r is None:
+                        return a, b
+                # the rest of the piece this run holds in order, else the one block
                 k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
-                b += k
+                if in_hbm:
+                    a += k
+                else:
+                    b += k
                 i += k
         return a, b
 
     def hbm_run(self, chain: Sequence[Hashable]) -> int:
         """Length of the leading run of ``chain`` resident in HBM."""
-        where = self.where
-        a = 0
-        for src, i, e in self.chains.pieces(chain)[0]:
-            while i < e:
-                r = where.get(src[i])
-                if r is None:
-                    return a
-                k = (r.hi if r.hi < e else e) - i if r.src is src and r.lo <= i < r.hi else 1
-                a += k
-                i += k
-        return a
+        return self._match(chain, host=False)[0]
 
     # -- updates ----------------------------------------------------------------------------------------------
     def insert(self, chain: Sequence[Hashable], extra: tuple = ()) -> None:
@@ -414,9 +407,7 @@ class _KvCache:
         run (typically a request's own last prompt block) takes them in, rebased onto a tuple of its own: one run to
         move and evict instead of two. Its blocks no longer line up with their chain's source, which costs a
         lookup per block in later walks; hence only short runs."""
-        fleet = self.fleet
-        for h in extra:
-            fleet[h] = fleet.get(h, 0) + 1
+        count_blocks(self.fleet, extra)
         last = self.head.prev
         if last is self.head or last.hi - last.lo > self.PACK_BLOCKS:
             self._append(extra, 0, len(extra))
@@ -524,10 +515,6 @@ class _KvCache:
             h.hi = i
         else:
             h.lo = j  # may leave h empty: it holds nothing then
-
-    def _unlink(self, r: _Run) -> None:
-        r.prev.next = r.next
-        r.next.prev = r.prev
 
     def _link_last(self, r: _Run) -> None:
         head = self.head

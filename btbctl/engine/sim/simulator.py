@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from btbctl.engine.chains import count_blocks, uncount_blocks
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyState, CopyStatus, carry_out
@@ -27,16 +28,6 @@ from btbctl.engine.trace.model import Request, Trace
 # event kinds, in tie-break priority order (lower runs first at equal times)
 _EV_COPY = 0
 _EV_STEP = 1
-
-
-def _count_down(counts: dict[Hashable, int], hs: Iterable[Hashable]) -> None:
-    """Take one off the count of each of ``hs``, dropping counts that reach 0 (a missing block counts 0)."""
-    for h in hs:
-        c = counts.get(h, 0) - 1
-        if c > 0:
-            counts[h] = c
-        else:
-            counts.pop(h, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +196,7 @@ class _FleetEvents:
 
     def computed(self, replica: ReplicaModel, rq: ReplicaRequest, start: int, stop: int) -> None:
         hs = rq.chain[start:stop]
-        _count_down(self.computing, hs)
+        uncount_blocks(self.computing, hs)
         copied = self.sim._copied[replica.idx]
         if copied:
             for h in hs:
@@ -225,21 +216,18 @@ class _FleetEvents:
             sim._source_progress(replica.idx)
 
     def block_inserted(self, h: Hashable) -> None:
-        fleet = self.fleet
-        fleet[h] = fleet.get(h, 0) + 1
+        count_blocks(self.fleet, (h,))
 
     def block_evicted(self, h: Hashable) -> None:
-        _count_down(self.fleet, (h,))
+        uncount_blocks(self.fleet, (h,))
 
     def blocks_inserted(self, hs: Sequence[Hashable]) -> None:
         """:meth:`block_inserted` for each of ``hs`` (one call per run of blocks)."""
-        fleet = self.fleet
-        for h in hs:
-            fleet[h] = fleet.get(h, 0) + 1
+        count_blocks(self.fleet, hs)
 
     def blocks_evicted(self, hs: Sequence[Hashable]) -> None:
         """:meth:`block_evicted` for each of ``hs`` (one call per run of blocks)."""
-        _count_down(self.fleet, hs)
+        uncount_blocks(self.fleet, hs)
 
 
 class Simulator:
