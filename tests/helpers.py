@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Hashable, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
 from typing import NamedTuple
 
 import pytest
@@ -222,3 +223,49 @@ def route(policy, req, view, now_s):
             lambda t, ok, p=plan: policy.on_copy_result(p, t, ok, now_s),
         )
     return r.replica
+
+
+class PlainInferSimKv:
+    """Infer-Sim's ``Node.match`` / ``Node.insert``, block by block, with the fleet counts the model keeps: the
+    reference the infersim model's run cache (``sim.infersim._KvCache``, same constructor and methods) must agree
+    with."""
+
+    def __init__(self, budget_blocks: int, chains: object, fleet: dict[Hashable, int]) -> None:
+        self.budget = budget_blocks
+        self.fleet = fleet
+        self.hbm: OrderedDict[Hashable, None] = OrderedDict()
+        self.hwhere: dict[Hashable, None] = {}  # the host set
+
+    def blocks(self) -> Iterator[Hashable]:
+        return iter(list(self.hbm))
+
+    def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
+        a = b = 0
+        for h in chain:
+            if h in self.hbm:
+                a += 1
+            elif h in self.hwhere:
+                b += 1
+            else:
+                break
+        return a, b
+
+    def hbm_run(self, chain: Sequence[Hashable]) -> int:
+        n = 0
+        while n < len(chain) and chain[n] in self.hbm:
+            n += 1
+        return n
+
+    def insert(self, chain: Sequence[Hashable], extra: tuple = ()) -> None:
+        for h in (*chain, *extra):
+            if h in self.hbm:
+                self.hbm.move_to_end(h)
+                continue
+            if h in self.hwhere:
+                del self.hwhere[h]
+            else:
+                self.fleet[h] = self.fleet.get(h, 0) + 1
+            self.hbm[h] = None
+        while len(self.hbm) > self.budget:
+            h, _ = self.hbm.popitem(last=False)
+            self.hwhere[h] = None

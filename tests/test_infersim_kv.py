@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -20,50 +19,7 @@ from btbctl.engine.sim import infersim
 from btbctl.engine.sim.infersim import _Chains, _KvCache, _OutBlock
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
 from btbctl.engine.trace.model import Request, Trace
-
-
-class _PlainKv:
-    """Infer-Sim's ``Node.match`` / ``Node.insert``, block by block, with the fleet counts the model keeps."""
-
-    def __init__(self, budget_blocks: int, chains: object, fleet: dict[Hashable, int]) -> None:
-        self.budget = budget_blocks
-        self.fleet = fleet
-        self.hbm: OrderedDict[Hashable, None] = OrderedDict()
-        self.hwhere: dict[Hashable, None] = {}  # the host set
-
-    def blocks(self) -> Iterator[Hashable]:
-        return iter(list(self.hbm))
-
-    def match(self, chain: Sequence[Hashable]) -> tuple[int, int]:
-        a = b = 0
-        for h in chain:
-            if h in self.hbm:
-                a += 1
-            elif h in self.hwhere:
-                b += 1
-            else:
-                break
-        return a, b
-
-    def hbm_run(self, chain: Sequence[Hashable]) -> int:
-        n = 0
-        while n < len(chain) and chain[n] in self.hbm:
-            n += 1
-        return n
-
-    def insert(self, chain: Sequence[Hashable], extra: tuple = ()) -> None:
-        for h in (*chain, *extra):
-            if h in self.hbm:
-                self.hbm.move_to_end(h)
-                continue
-            if h in self.hwhere:
-                del self.hwhere[h]
-            else:
-                self.fleet[h] = self.fleet.get(h, 0) + 1
-            self.hbm[h] = None
-        while len(self.hbm) > self.budget:
-            h, _ = self.hbm.popitem(last=False)
-            self.hwhere[h] = None
+from helpers import PlainInferSimKv
 
 
 def _chain(family: int, length: int, fork: int, tag: int, repeat: bool) -> tuple[str, ...]:
@@ -92,7 +48,7 @@ def test_runs_match_the_block_by_block_lru(ops, budget):
     fast_fleet: dict[Hashable, int] = {}
     slow_fleet: dict[Hashable, int] = {}
     fast = _KvCache(budget, chains, fast_fleet)
-    slow = _PlainKv(budget, None, slow_fleet)
+    slow = PlainInferSimKv(budget, None, slow_fleet)
     seen: list[Sequence[Hashable]] = []
     for family, length, fork, tag, kind in ops:
         c: Sequence[Hashable] = _chain(family, length, fork, tag, kind == "repeat")
@@ -119,7 +75,7 @@ def test_a_reversed_and_a_shuffled_chain_take_the_slow_paths():
     rng = random.Random(5)
     base = tuple(f"b{j}" for j in range(30))
     fast = _KvCache(25, _Chains(), {})
-    slow = _PlainKv(25, None, {})
+    slow = PlainInferSimKv(25, None, {})
     for c in (base, base[::-1], base[3:17], tuple(rng.sample(base, 30)), base[:10], base[::-1][:12], base):
         assert fast.match(c) == slow.match(c)
         fast.insert(c)
@@ -178,7 +134,7 @@ def _records(trace: Trace, policy: str, setup: str) -> list[tuple]:
 def test_simulations_match_the_block_by_block_cache(trace, setup, monkeypatch):
     tr = trace()
     fast = {p: _records(tr, p, setup) for p in DEFAULT_POLICIES}
-    monkeypatch.setattr(infersim, "_KvCache", _PlainKv)
+    monkeypatch.setattr(infersim, "_KvCache", PlainInferSimKv)
     slow = {p: _records(tr, p, setup) for p in DEFAULT_POLICIES}
     for p in DEFAULT_POLICIES:
         assert fast[p] == slow[p], p

@@ -4,12 +4,12 @@ they replace: same states after the same operations, including chains that repea
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 
 import pytest
 
 from btbctl.engine.sim import cache as cache_mod
 from btbctl.engine.sim.cache import PrefixCache
+from helpers import PlainInferSimKv
 
 
 def _chain(rng: random.Random, root: str, n: int) -> tuple[str, ...]:
@@ -52,37 +52,6 @@ def test_pin_unpin_passes_match_the_loop(seed, monkeypatch):
     assert list(fast.lru) == list(slow.lru)
 
 
-class _Loop:
-    """Infer-Sim's per-block match and insert (the reference's loops)."""
-
-    def __init__(self, budget: int) -> None:
-        self.hbm: OrderedDict[str, None] = OrderedDict()
-        self.host: set[str] = set()
-        self.budget = budget
-
-    def match(self, chain):
-        a = b = 0
-        for h in chain:
-            if h in self.hbm:
-                a += 1
-            elif h in self.host:
-                b += 1
-            else:
-                break
-        return a, b
-
-    def insert(self, blocks):
-        for h in blocks:
-            self.host.discard(h)
-            if h in self.hbm:
-                self.hbm.move_to_end(h)
-            else:
-                self.hbm[h] = None
-        while len(self.hbm) > self.budget:
-            h, _ = self.hbm.popitem(last=False)
-            self.host.add(h)
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_infersim_cache_passes_match_the_loop(seed):
     from types import SimpleNamespace
@@ -92,7 +61,7 @@ def test_infersim_cache_passes_match_the_loop(seed):
     rng = random.Random(seed)
     sim = SimpleNamespace(fleet_blocks={})
     rep = InferSimReplica(0, SimpleNamespace(budget_blocks=60), sim)  # type: ignore[arg-type]
-    ref = _Loop(60)
+    ref = PlainInferSimKv(60, None, {})
     for i in range(400):
         root = f"p{rng.randint(0, 5)}:"
         chain = _chain(rng, root, rng.randint(1, 30)) + (f"u{i}",)
@@ -105,4 +74,4 @@ def test_infersim_cache_passes_match_the_loop(seed):
         assert rep.hbm_run(chain) == run
         rep.insert(chain)
         ref.insert(chain)
-        assert list(rep.hbm) == list(ref.hbm) and rep.host == ref.host
+        assert list(rep.hbm) == list(ref.hbm) and rep.host == set(ref.hwhere)
