@@ -282,6 +282,45 @@ command = ["scripts/serve", "--listen", "{host}:{port}", "--id={name}/{index}", 
     assert a1[2:4] == ["127.0.0.1:31101", "--id=custom-1/1"]
 
 
+def test_python_and_model_starting_with_dot_resolve_against_the_cluster_file(tmp_path):
+    p = _write(
+        tmp_path,
+        """
+[replication]
+mode = "none"
+
+[[hosts]]
+name = "b"
+address = "10.0.0.12"
+
+[[workers]]
+kind = "sglang"
+model = "./models/tiny"
+python = "../venv/bin/python"
+gpu = "h100"
+
+[[workers]]
+kind = "sglang"
+model = "meta-llama/Llama-3.1-8B"
+python = "venv/bin/python"
+gpu = "h100"
+
+[[workers]]
+kind = "sglang"
+host = "b"
+model = "./remote/model"
+python = "./remote/bin/python"
+gpu = "h100"
+""",
+    )
+    local, hub, remote = load_cluster(p).workers
+    assert local.model == os.path.join(str(tmp_path), "models", "tiny")
+    assert local.python == os.path.normpath(os.path.join(str(tmp_path), "..", "venv", "bin", "python"))
+    # a hub id and a plain relative name stay as written; a [[hosts]] worker's paths are that host's
+    assert (hub.model, hub.python) == ("meta-llama/Llama-3.1-8B", "venv/bin/python")
+    assert (remote.model, remote.python) == ("./remote/model", "./remote/bin/python")
+
+
 # -- replication mode l3: generated HiCache flags, agents, fleet consistency ---------------------------------------
 
 SGLANG_L3_FLEET = {

@@ -181,7 +181,7 @@ class WorkerSpec(BaseModel):
     """How many workers this entry starts."""
     model: str = "llama-3.3-70b"
     """emulated: a model preset (``btbctl presets``). sglang: ``--model-path`` (a Hugging Face id or a local
-    directory)."""
+    directory; on this machine one starting with ``./`` or ``../`` resolves against the cluster file's folder)."""
     served_model_name: str | None = None
     """Model id the worker reports (``/v1/models``); keep it the same on all workers behind one router. Default:
     ``model``."""
@@ -220,7 +220,8 @@ class WorkerSpec(BaseModel):
     fewer bytes (1 = real sizes; None: the worker's default, 65,536)."""
     python: str | None = None
     """Interpreter for ``python -m ...`` (default: the one running btbctl). For sglang, an environment where
-    SGLang is installed."""
+    SGLang is installed. On this machine a path starting with ``./`` or ``../`` resolves against the cluster file's
+    folder."""
     extra_args: list[str] = Field(default_factory=list)
     """More command-line arguments, appended as given (argv elements, e.g. ``["--load-format", "dummy"]``)."""
     command: list[str] | None = None
@@ -705,9 +706,22 @@ def validate_cluster(data: dict, path: str | None = None) -> ClusterFile:
             cmd = spec.command
             if cmd and "/" in cmd[0] and not os.path.isabs(cmd[0]):
                 spec = spec.model_copy(update={"command": [os.path.normpath(os.path.join(base, cmd[0]))] + cmd[1:]})
+            if cluster.host_of(spec) is None:  # paths of workers on [[hosts]] are that host's
+                update = {}
+                if spec.python and _file_relative(spec.python):
+                    update["python"] = os.path.normpath(os.path.join(base, spec.python))
+                if spec.kind == "sglang" and _file_relative(spec.model):
+                    update["model"] = os.path.normpath(os.path.join(base, spec.model))
+                spec = spec.model_copy(update=update) if update else spec
             workers.append(spec)
         cluster = cluster.model_copy(update={"workers": workers})
     return cluster
+
+
+def _file_relative(p: str) -> bool:
+    """Whether a path of a cluster file is relative to the file's folder: it starts with ``./`` or ``../`` (a Hugging
+    Face id such as ``meta-llama/Llama-3.1-8B`` never does)."""
+    return p.startswith(("./", "../"))
 
 
 def load_cluster(path: str | os.PathLike) -> ClusterFile:
