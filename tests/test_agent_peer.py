@@ -381,3 +381,80 @@ def test_cancel_at_the_source_leaves_the_target_cold(nodes):
     rec = dst.final("x1", "target")
     assert rec["state"] == "failed" and dst.store.leading_ready(names) == 0
     assert dst.store.stats()["pending_bytes"] == 0
+
+
+# -- streaming copies: the pages trail the source's write-through --------------------------------------------------
+
+
+def _fill_some(node: Node, names: list[str], lo: int, hi: int) -> None:
+    """Write pages ``names[lo:hi]`` into ``node`` as its worker's write-through would (content from the index)."""
+    tok, offs = node.store.reserve(names[lo:hi], [PAGE] * (hi - lo), "worker", all_or_none=True)
+    for i, off in enumerate(offs, start=lo):
+        node.store.write(off, bytes([(i * 37 + 5) % 256]) * PAGE)
+    node.store.commit(tok)
+
+
+@pytest.mark.parametrize("fanout", ["chain", "star"])
+def test_a_streaming_copy_sends_each_chunk_as_it_lands_in_order_and_complete(nodes, fanout):
+    src = nodes("src")
+    targets = [nodes("t1"), nodes("t2")]
+    names = _names(12)
+    plan = fanout_plan([{"addr": t.addr, "token": t.peers.expect("s1")} for t in targets], fanout)
+    rec = src.peers.push("s1", names, plan, stream_s=30.0, sizes=[PAGE] * 12)
+    assert rec.pages_ready == 0 and rec.source_complete_s is None
+    for lo in (0, 4, 8):  # three prefill chunks of four pages
+        _fill_some(src, names, lo, lo + 4)
+        # every target holds the chunk's pages verified before the next chunk is even computed
+        for t in targets:
+            wait_for(
+                lambda t=t, lo=lo: any(r.role == "target" and r.pages_done >= lo + 4 for r in t.peers.book.find("s1")),
+                10,
+                f"chunk at {lo} on {t.peers.agent_id}",
+            )
+        assert rec.pages_ready == lo + 4
+    assert src.final("s1", "source")["state"] == "done"
+    assert rec.source_complete_s is not None
+    want = [bytes([(i * 37 + 5) % 256]) * PAGE for i in range(12)]
+    for t in targets:
+        assert t.final("s1", "target")["state"] == "done"
+        assert t.read(names) == want
+
+
+def test_a_stream_whose_source_stalls_past_the_idle_timeout_is_kept_alive(nodes):
+    src = nodes("src", idle_timeout_s=0.6)
+    relay, last = nodes("relay", idle_timeout_s=0.6), nodes("last", idle_timeout_s=0.6)
+    names = _names(4)
+    plan = fanout_plan([{"addr": t.addr, "token": t.peers.expect("k1")} for t in (relay, last)], "chain")
+    src.peers.push("k1", names, plan, stream_s=30.0, sizes=[PAGE] * 4)
+    _fill_some(src, names, 0, 2)
+    time.sleep(1.5)  # longer than every idle timeout: the senders' keep-alives hold both connections open
+    _fill_some(src, names, 2, 4)
+    assert src.final("k1", "source")["state"] == "done"
+    assert relay.final("k1", "target")["state"] == "done" and last.final("k1", "target")["state"] == "done"
+
+
+def test_a_stream_whose_pages_never_come_fails_and_leaves_the_target_cold(nodes):
+    src, dst = nodes("src"), nodes("dst")
+    names = _names(4)
+    plan = fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("w1")}], "chain")
+    src.peers.push("w1", names, plan, stream_s=0.5, sizes=[PAGE] * 4)
+    _fill_some(src, names, 0, 2)  # half the prefix; the rest never arrives
+    rec = src.final("w1", "source")
+    assert rec["state"] == "failed" and "stream window" in rec["error"]
+    assert dst.final("w1", "target")["state"] == "failed"
+    assert dst.store.leading_ready(names) == 0
+
+
+def test_milestones_wake_a_long_poll(nodes):
+    src, dst = nodes("src"), nodes("dst")
+    names = _names(2)
+    plan = fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("m1")}], "chain")
+    rec = src.peers.push("m1", names, plan, stream_s=30.0, sizes=[PAGE] * 2)
+    v0 = rec.version
+    t0 = time.monotonic()
+    assert [r.version for r in src.peers.wait_change("m1", v0, 0.3)] == [v0]  # nothing happened: the wait ran out
+    assert time.monotonic() - t0 >= 0.25
+    _fill_some(src, names, 0, 2)
+    recs = src.peers.wait_change("m1", v0, 10.0)
+    assert recs[0].version > v0 and recs[0].source_complete_s is not None
+    assert src.peers.wait_change("unknown-copy", 0, 0.1) == []

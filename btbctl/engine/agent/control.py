@@ -10,11 +10,18 @@ by default every namespace this node knows (each TP rank of a worker registers i
 * ``POST /v1/has {"keys", "namespaces"?}`` -> ``{"keys": n, "namespaces": {ns: leading run}, "complete": [ns]}``
 * ``POST /v1/expect {"copy_id", "keys"?, "ttl_s"?}`` -> ``{"copy_id", "token"}``: this agent accepts one inbound
   copy with that id (and only of those keys) from a peer presenting the token.
-* ``POST /v1/push {"copy_id", "keys", "namespaces"?, "targets": [{"addr", "token"}], "fanout": "chain"|"tree"|"star"}``
-  -> 202 and the source record: pushes the pages of every selected namespace that holds all the keys (by default
-  every complete one) to the targets' peer ports, arranged by ``fanout``.
-* ``GET /v1/copies/{copy_id}`` -> ``{"records": [record]}`` (roles ``source`` and/or ``target``; ``state`` is a
-  :class:`~btbctl.engine.copies.CopyState` value); 404 when unknown.
+* ``POST /v1/push {"copy_id", "keys", "namespaces"?, "targets": [{"addr", "token"}], "fanout": "chain"|"tree"|"star",
+  "stream_s"?}`` -> 202 and the source record: pushes the pages of every selected namespace that holds all the keys
+  (by default every complete one) to the targets' peer ports, arranged by ``fanout``. With ``stream_s`` (seconds)
+  the pages need not be here yet: the copy trails the node's worker, each page sent as soon as its write-through
+  lands (``namespaces`` then names the namespaces to send; their ``page_bytes`` give the sizes), and it fails when
+  they are not all here within ``stream_s``.
+* ``GET /v1/copies/{copy_id}?since=V&wait_s=S`` -> ``{"records": [record]}`` (roles ``source`` and/or ``target``;
+  ``state`` is a :class:`~btbctl.engine.copies.CopyState` value; ``pages_ready``: pages the source holds so far;
+  ``version``: bumped at each milestone); with ``since``, the answer waits up to ``wait_s`` (at most
+  :data:`MAX_WAIT_S`) for a record's version to pass ``V``; 404 when unknown.
+* ``POST /v1/wait {"keys", "namespaces"?, "wait_s"}`` -> ``/v1/has``'s answer once some namespace holds every key or
+  ``wait_s`` (at most :data:`MAX_WAIT_S`) passed: a worker's write-through awaited without polling.
 * ``POST /v1/copies/{copy_id}/cancel`` -> ``{"cancelled": bool}``.
 * ``POST /v1/pin {"keys", "namespaces"?, "ttl_s"}`` / ``POST /v1/unpin {"keys", "namespaces"?}``: hold a hot
   prefix's pages against eviction.
@@ -25,19 +32,26 @@ Errors: ``{"error": one line}`` with 400 (bad input), 401/403 (token), 404, 409 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
 from btbctl.engine.agent.pages import NoRoom
-from btbctl.engine.agent.peer import FANOUTS, fanout_plan
+from btbctl.engine.agent.peer import FANOUTS, MAX_STREAM_S, fanout_plan
 from btbctl.sglang_l3.keys import is_page_key
 
 #: Largest control request body, bytes.
 MAX_BODY_BYTES = 32 << 20
 #: Most keys in one control request (a 4M-token prefix at page size 64).
 MAX_KEYS = 1 << 16
+#: Longest a long-poll (``/v1/copies/{id}?since=``, ``/v1/wait``) is held, seconds.
+MAX_WAIT_S = 30.0
+#: Long-polls held at once (each holds a thread); beyond, a long-poll is answered at once.
+MAX_WAITERS = 64
 
 
 class _Err(Exception):
@@ -66,12 +80,18 @@ def make_app(agent, open_metrics: bool = True) -> web.Application:
     app.router.add_get("/metrics", h.metrics)
     app.router.add_get("/v1/info", h.info)
     app.router.add_post("/v1/has", h.has)
+    app.router.add_post("/v1/wait", h.wait)
     app.router.add_post("/v1/expect", h.expect)
     app.router.add_post("/v1/push", h.push)
     app.router.add_get("/v1/copies/{copy_id}", h.copy)
     app.router.add_post("/v1/copies/{copy_id}/cancel", h.cancel)
     app.router.add_post("/v1/pin", h.pin)
     app.router.add_post("/v1/unpin", h.unpin)
+
+    async def stop_waits(app: web.Application) -> None:
+        h.pool.shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_waits)
     return app
 
 
@@ -102,6 +122,12 @@ def _keys(body: dict) -> list[str]:
     return keys
 
 
+def _seconds(v: object, name: str, limit: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= limit:
+        raise _Err(400, f"{name} must be a number of seconds in [0, {limit:g}]")
+    return float(v)
+
+
 def _namespaces(body: dict, known: list[str]) -> list[str]:
     nss = body.get("namespaces")
     if nss is None:
@@ -114,6 +140,19 @@ def _namespaces(body: dict, known: list[str]) -> list[str]:
 class _Handlers:
     def __init__(self, agent) -> None:
         self.a = agent
+        self.pool = ThreadPoolExecutor(MAX_WAITERS, thread_name_prefix="btbctl-agent-wait")
+        self.waiters = 0
+
+    async def _held(self, fn, *args):
+        """Run the blocking wait ``fn(*args, timeout_s)`` in the long-poll pool; with :data:`MAX_WAITERS` waits held
+        already, ``fn`` runs with no wait."""
+        if self.waiters >= MAX_WAITERS:
+            return fn(*args[:-1], 0.0)
+        self.waiters += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.waiters -= 1
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -128,6 +167,22 @@ class _Handlers:
         body = await _body(request)
         keys = _keys(body)
         return web.json_response(self.a.has(keys, _namespaces(body, self.a.known_namespaces())))
+
+    async def wait(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        keys = _keys(body)
+        wait_s = _seconds(body.get("wait_s", 0.0), "wait_s", MAX_WAIT_S)
+        a = self.a
+
+        def until_complete(timeout_s: float) -> dict:
+            end = time.monotonic() + timeout_s
+            while True:
+                have = a.has(keys, _namespaces(body, a.known_namespaces()))
+                left = end - time.monotonic()
+                if have["complete"] or left <= 0 or not a.store.wait_landed(min(left, 0.05)):
+                    return have
+
+        return web.json_response(await self._held(until_complete, wait_s))
 
     async def expect(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -158,18 +213,36 @@ class _Handlers:
         ):
             raise _Err(400, "targets must be a non-empty list of {addr, token}")
         known = self.a.known_namespaces()
-        have = self.a.has(keys, _namespaces(body, known))
-        nss = have["complete"] if body.get("namespaces") is None else _namespaces(body, known)
-        missing = [ns for ns in nss if have["namespaces"].get(ns, 0) < len(keys)]
-        if not nss or missing:
-            raise _Err(
-                409,
-                f"this node does not hold all {len(keys)} pages"
-                + (f" in namespace {missing[0]}" if missing else " in any namespace"),
-            )
+        stream_s = body.get("stream_s")
+        if stream_s is not None:
+            stream_s = _seconds(stream_s, "stream_s", MAX_STREAM_S)
+            nss = _namespaces(body, known) if body.get("namespaces") is not None else known
+            page_bytes = []
+            for ns in nss:
+                desc = self.a.store.namespaces.get(ns)
+                size = desc.get("page_bytes") if isinstance(desc, dict) else None
+                if not isinstance(size, int) or size < 1:
+                    raise _Err(409, f"namespace {ns} is not registered here (no worker of this node uses it yet)")
+                page_bytes.append(size)
+            if not nss:
+                raise _Err(409, "no namespace is registered here: no worker of this node has connected")
+            sizes = [size for size in page_bytes for _ in keys]
+        else:
+            have = self.a.has(keys, _namespaces(body, known))
+            nss = have["complete"] if body.get("namespaces") is None else _namespaces(body, known)
+            missing = [ns for ns in nss if have["namespaces"].get(ns, 0) < len(keys)]
+            if not nss or missing:
+                raise _Err(
+                    409,
+                    f"this node does not hold all {len(keys)} pages"
+                    + (f" in namespace {missing[0]}" if missing else " in any namespace"),
+                )
+            sizes = None
         names = [self.a.store.name_of(ns, k) for ns in nss for k in keys]
         try:
-            rec = self.a.peers.push(body.get("copy_id"), names, fanout_plan(targets, fanout))
+            rec = self.a.peers.push(
+                body.get("copy_id"), names, fanout_plan(targets, fanout), stream_s=stream_s or None, sizes=sizes
+            )
         except ValueError as e:
             raise _Err(400, str(e)) from None
         except NoRoom as e:
@@ -177,9 +250,22 @@ class _Handlers:
         return web.json_response(rec.as_dict(), status=202)
 
     async def copy(self, request: web.Request) -> web.Response:
-        recs = self.a.peers.book.find(request.match_info["copy_id"])
+        copy_id = request.match_info["copy_id"]
+        since = request.query.get("since")
+        if since is not None:
+            try:
+                v = int(since)
+            except ValueError:
+                raise _Err(400, "since must be an integer version") from None
+            try:
+                wait_s = min(float(request.query.get("wait_s", "5")), MAX_WAIT_S)
+            except ValueError:
+                raise _Err(400, "wait_s must be a number of seconds") from None
+            recs = await self._held(self.a.peers.wait_change, copy_id, v, max(0.0, wait_s))
+        else:
+            recs = self.a.peers.book.find(copy_id)
         if not recs:
-            raise _Err(404, f"no copy {request.match_info['copy_id']!r} here")
+            raise _Err(404, f"no copy {copy_id!r} here")
         return web.json_response({"records": [r.as_dict() for r in recs]})
 
     async def cancel(self, request: web.Request) -> web.Response:
@@ -203,4 +289,4 @@ class _Handlers:
         return web.json_response({"unpinned": len(keys) * len(nss)})
 
 
-__all__ = ["MAX_BODY_BYTES", "MAX_KEYS", "make_app"]
+__all__ = ["MAX_BODY_BYTES", "MAX_KEYS", "MAX_WAIT_S", "make_app"]

@@ -148,6 +148,8 @@ class PageStore:
         self.evicted_bytes = 0
         self._to_hash: list[Obj] = []
         self._hash_wake = threading.Condition(self.lock)
+        #: notified whenever pages become ready (a streaming copy waits on it for the pages it trails)
+        self.landed = threading.Condition(self.lock)
         self._hasher: threading.Thread | None = None
         self._closed = False
 
@@ -396,6 +398,7 @@ class PageStore:
                     o.digest = digests[i]
                 self.ready[o.name] = o
                 out.append(True)
+            self.landed.notify_all()
             return out
 
     def hash_later(self, token_objs: Iterable[Obj]) -> None:
@@ -478,10 +481,20 @@ class PageStore:
                 out[k] = [f"{ns}.{k}" for ns in nss if f"{ns}.{k}" in self.ready]
             return out
 
+    def wait_landed(self, timeout_s: float) -> bool:
+        """Block until pages become ready somewhere in the store or ``timeout_s`` passes (callers re-check); False
+        once the store is closed (nothing will land)."""
+        with self.lock:
+            if self._closed:
+                return False
+            self.landed.wait(timeout_s)
+            return not self._closed
+
     def close(self) -> None:
         with self.lock:
             self._closed = True
             self._hash_wake.notify_all()
+            self.landed.notify_all()
             try:
                 self.view.release()
                 self.mm.close()

@@ -97,6 +97,12 @@ DEADLINE_BASE_S = 10.0
 MIN_RATE_BYTES_PER_S = 50e6
 #: A connection silent this long is cut off, seconds.
 DEFAULT_IDLE_TIMEOUT_S = 10.0
+#: Longest a streaming copy may wait in all for its source's pages (the source's prefill), seconds: an offer's
+#: ``stream_s`` is capped here (a 1M-token prefill at about 5k tokens/s takes about 200 s).
+MAX_STREAM_S = 900.0
+#: A streaming sender waiting for its source's next page sends a keep-alive frame this often, seconds (and at least
+#: three times per idle timeout, so the receiver never cuts it off).
+KEEPALIVE_S = 1.0
 #: Most copies received at once from one peer, and in all.
 MAX_COPIES_PER_PEER = 4
 MAX_INBOUND_COPIES = 64
@@ -107,6 +113,12 @@ MAX_EXPECTS = 100_000
 #: Copy records kept for progress queries.
 MAX_RECORDS = 4096
 _AUTH_LABEL = b"btbctl-agent-auth-v1"
+
+
+def copy_deadline_s(total_bytes: int, stream_s: float = 0.0) -> float:
+    """Seconds a copy of ``total_bytes`` may take: :data:`DEADLINE_BASE_S` + bytes at :data:`MIN_RATE_BYTES_PER_S`,
+    plus the stream window (seconds its source may still be computing the pages; at most :data:`MAX_STREAM_S`)."""
+    return DEADLINE_BASE_S + total_bytes / MIN_RATE_BYTES_PER_S + min(max(0.0, stream_s), MAX_STREAM_S)
 
 
 class PeerError(Exception):
@@ -335,6 +347,12 @@ class CopyRecord:
     finished_s: float | None = None
     peer: str = ""
     targets: dict = field(default_factory=dict)
+    #: pages the sender holds so far (a streaming source trails its worker's write-through; -1: not streaming)
+    pages_ready: int = -1
+    #: Unix seconds when the source held every page (None until then; a non-streaming push: at start)
+    source_complete_s: float | None = None
+    #: bumped at each milestone (state, source complete); ``GET /v1/copies/{id}?since=V`` waits for it to pass V
+    version: int = 0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -373,9 +391,14 @@ class PageSource:
 
     names: list[str]
     sizes: list[int]
+    #: seconds a receiver must allow for this source's pages to come in (0: they are all here; see ``stream_s``)
+    stream_s: float = 0.0
+    #: the pages will never all come (the upstream copy failed, or the stream window passed)
+    failed: bool = False
 
     def wait(self, i: int, timeout_s: float) -> tuple[memoryview, int] | None:
-        """``(bytes, xxh3_64)`` of page ``i`` once available; None when it never will be (the source failed)."""
+        """``(bytes, xxh3_64)`` of page ``i`` once available; None when not available within ``timeout_s`` (and
+        :attr:`failed` once it never will be)."""
         raise NotImplementedError
 
 
@@ -400,6 +423,79 @@ class LocalPages(PageSource):
     def release(self) -> None:
         self.store.unpin_objs(self.objs)
         self.objs = []
+
+
+class StreamPages(PageSource):
+    """This agent's pages of a copy that trails its worker's write-through: page ``i`` is sent once it is ready here
+    (SGLang writes each prefill chunk's pages through as the chunk is committed). Each page is pinned when it is
+    taken; :meth:`release` unpins them.
+
+    Args:
+        store: the node's page store.
+        names: the copy's page names, in chain order.
+        sizes: each page's size (the namespace's ``page_bytes``; pages of another size are not these pages).
+        until: monotonic deadline for the whole stream (the source's prefill must be done by then).
+        on_ready: called with the number of leading pages ready, each time it grows.
+    """
+
+    def __init__(
+        self, store: PageStore, names: list[str], sizes: list[int], until: float, on_ready: Callable[[int], None]
+    ) -> None:
+        self.store = store
+        self.names = names
+        self.sizes = sizes
+        self.until = until
+        self.on_ready = on_ready
+        self.objs: list[Obj | None] = [None] * len(names)
+        self.ready = 0
+        self.failed = False
+        self.lock = threading.Lock()
+
+    def _take(self, i: int) -> Obj | None:
+        o = self.store.pin_ready([self.names[i]])[0]
+        if o is not None and o.size != self.sizes[i]:
+            self.store.unpin_objs([o])
+            return None
+        return o
+
+    def wait(self, i: int, timeout_s: float) -> tuple[memoryview, int] | None:
+        end = min(self.until, time.monotonic() + timeout_s)
+        with self.lock:
+            o = self.objs[i]
+        while o is None:
+            if self.failed:
+                return None
+            o = self._take(i)
+            if o is not None:
+                with self.lock:
+                    if self.objs[i] is None:
+                        self.objs[i] = o
+                    else:  # another target's sender took it first
+                        self.store.unpin_objs([o])
+                        o = self.objs[i]
+                    grew = False
+                    while self.ready < len(self.objs) and self.objs[self.ready] is not None:
+                        self.ready += 1
+                        grew = True
+                    ready = self.ready
+                if grew:
+                    self.on_ready(ready)
+                break
+            left = end - time.monotonic()
+            if left <= 0:
+                if time.monotonic() >= self.until:
+                    self.failed = True
+                return None
+            if not self.store.wait_landed(min(left, 0.05)):
+                self.failed = True
+                return None
+        assert o is not None
+        return self.store.read(o.offset, o.size), self.store.digest_of(o)
+
+    def release(self) -> None:
+        with self.lock:
+            objs, self.objs = self.objs, []
+        self.store.unpin_objs(objs)
 
 
 class InboundPages(PageSource):
@@ -551,6 +647,7 @@ class PeerService:
         self.inbound = 0
         self.cancels: dict[str, threading.Event] = {}
         self.live: dict[str, set[Conn]] = {}
+        self.changed = threading.Condition()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
@@ -571,6 +668,8 @@ class PeerService:
 
     def close(self) -> None:
         self._stop.set()
+        with self.changed:
+            self.changed.notify_all()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
@@ -632,13 +731,27 @@ class PeerService:
             c.close()
         return ev is not None or bool(conns)
 
-    def push(self, copy_id: str, names: list[str], children: list[dict]) -> CopyRecord:
-        """Start pushing this agent's ready pages ``names`` along the plan ``children`` (see :func:`fanout_plan`)
-        in background threads; returns the (live) source record.
+    def push(
+        self,
+        copy_id: str,
+        names: list[str],
+        children: list[dict],
+        *,
+        stream_s: float | None = None,
+        sizes: list[int] | None = None,
+    ) -> CopyRecord:
+        """Start pushing this agent's pages ``names`` along the plan ``children`` (see :func:`fanout_plan`) in
+        background threads; returns the (live) source record.
+
+        Without ``stream_s`` every page must be held here now. With it (a **streaming** copy), pages of ``sizes``
+        bytes may still be on their way from the node's worker (its write-through trails its prefill): each is sent
+        as soon as it is ready here, and the copy fails when the pages are not all here within ``stream_s`` seconds
+        (at most :data:`MAX_STREAM_S`). Receivers get keep-alive frames while the sender waits.
 
         Raises:
-            ValueError: a bad copy id, a copy id already pushed here, an empty or oversized page list, a bad plan.
-            NoRoom: some page is not held here.
+            ValueError: a bad copy id, a copy id already pushed here, an empty or oversized page list, a bad plan,
+                a stream without one size per page or with a bad window.
+            NoRoom: some page is not held here (not streaming).
         """
         try:
             check_copy_id(copy_id)
@@ -656,22 +769,41 @@ class PeerService:
             if copy_id in self.cancels or any(r.role == "source" for r in self.book.find(copy_id)):
                 raise ValueError(f"copy id {copy_id!r} was already pushed from here")
             cancel = self.cancels[copy_id] = threading.Event()
-        try:
-            src = LocalPages(self.store, list(names))
-        except NoRoom:
+        if stream_s is not None and (
+            not 0 < stream_s <= MAX_STREAM_S
+            or sizes is None
+            or len(sizes) != len(names)
+            or not all(isinstance(z, int) and 1 <= z <= MAX_PAGE_BYTES for z in sizes)
+        ):
             with self.lock:
                 self.cancels.pop(copy_id, None)
-            raise
-        rec = self.book.put(
-            CopyRecord(
-                copy_id,
-                "source",
-                CopyState.RUNNING,
-                len(names),
-                sum(src.sizes),
-                peer=",".join(c["addr"] for c in children),
-            )
+            raise ValueError(f"a streaming copy needs stream_s in (0, {MAX_STREAM_S:g}] and one size per page")
+        rec = CopyRecord(
+            copy_id, "source", CopyState.RUNNING, len(names), 0, peer=",".join(c["addr"] for c in children)
         )
+        src: PageSource
+        if stream_s is None:
+            try:
+                src = LocalPages(self.store, list(names))
+            except NoRoom:
+                with self.lock:
+                    self.cancels.pop(copy_id, None)
+                raise
+            rec.pages_ready, rec.source_complete_s = len(names), time.time()
+        else:
+            assert sizes is not None
+
+            def ready(n: int) -> None:
+                rec.pages_ready = n
+                if n == rec.pages:
+                    rec.source_complete_s = time.time()
+                    self._bump(rec)
+
+            src = StreamPages(self.store, list(names), list(sizes), time.monotonic() + stream_s, ready)
+            src.stream_s = stream_s
+            rec.pages_ready = 0
+        rec.bytes_total = sum(src.sizes)
+        self.book.put(rec)
         self.event(
             "copy_started",
             {
@@ -680,6 +812,7 @@ class PeerService:
                 "pages": len(names),
                 "bytes": rec.bytes_total,
                 "targets": ",".join(plan_targets(children)),
+                "stream_s": stream_s,
             },
         )
 
@@ -687,7 +820,7 @@ class PeerService:
             try:
                 self._fan_out(copy_id, src, children, rec, cancel)
             finally:
-                src.release()
+                src.release()  # type: ignore[attr-defined]
                 with self.lock:
                     self.cancels.pop(copy_id, None)
 
@@ -713,6 +846,7 @@ class PeerService:
             rec.state = CopyState.FAILED if errors else CopyState.DONE
             rec.error = "; ".join(errors) or None
             rec.finished_s = time.time()
+            self._bump(rec)
             self.event(
                 "copy_finished",
                 {
@@ -742,17 +876,18 @@ class PeerService:
             self._track(copy_id, conn, True)
             conn.deadline = time.monotonic() + AUTH_TIMEOUT_S
             client_auth(conn, self.secret, self.agent_id)
-            conn.deadline = time.monotonic() + DEADLINE_BASE_S + total / MIN_RATE_BYTES_PER_S
-            conn.send_json(
-                {
-                    "op": "offer",
-                    "copy_id": copy_id,
-                    "token": child["token"],
-                    "names": src.names,
-                    "sizes": src.sizes,
-                    "children": child["children"],
-                }
-            )
+            conn.deadline = time.monotonic() + copy_deadline_s(total, src.stream_s)
+            offer = {
+                "op": "offer",
+                "copy_id": copy_id,
+                "token": child["token"],
+                "names": src.names,
+                "sizes": src.sizes,
+                "children": child["children"],
+            }
+            if src.stream_s:
+                offer["stream_s"] = src.stream_s
+            conn.send_json(offer)
             rep = conn.recv_json()
             if rep.get("op") != "accept":
                 raise PeerError(f"refused: {rep.get('error', rep.get('op'))}")
@@ -764,10 +899,7 @@ class PeerService:
             for k, i in enumerate(need):
                 if cancel.is_set():
                     raise PeerError("cancelled")
-                got = src.wait(i, self.idle_timeout_s)
-                if got is None:
-                    raise PeerError(f"source of page {i} failed or stalled")
-                data, digest = got
+                data, digest = self._next_page(conn, src, i)
                 f = self.faults
                 if f is not None:
                     if f.close_after is not None and k >= f.close_after:
@@ -812,6 +944,44 @@ class PeerService:
                 conn.close()
                 self._track(copy_id, conn, False)
 
+    def _next_page(self, conn: Conn, src: PageSource, i: int) -> tuple[memoryview, int]:
+        """Page ``i`` of ``src`` once available. While a source that trails a prefill (or a relay's upstream) has
+        not got it yet, a keep-alive frame goes to the receiver every :data:`KEEPALIVE_S`; the copy's deadline
+        bounds the wait."""
+        waited = 0.0
+        every = min(KEEPALIVE_S, self.idle_timeout_s / 3)
+        while True:
+            got = src.wait(i, every)
+            if got is not None:
+                return got
+            if src.failed:
+                what = "did not reach this agent within the stream window" if src.stream_s else "failed upstream"
+                raise PeerError(f"page {i} {what}")
+            waited += every
+            if not src.stream_s and waited >= self.idle_timeout_s:
+                raise PeerError(f"source of page {i} stalled")
+            conn.send_json({"op": "wait"})
+
+    def _bump(self, rec: CopyRecord) -> None:
+        """Mark a milestone of ``rec`` (wakes :meth:`wait_change`)."""
+        with self.changed:
+            rec.version += 1
+            self.changed.notify_all()
+
+    def wait_change(self, copy_id: str, since: int, timeout_s: float) -> list[CopyRecord]:
+        """The records of ``copy_id`` once one of them passed version ``since`` (a milestone: its state, or its
+        source holding every page), or after ``timeout_s``; empty when the copy is unknown."""
+        end = time.monotonic() + timeout_s
+        with self.changed:
+            while True:
+                recs = self.book.find(copy_id)
+                if not recs or any(r.version > since for r in recs):
+                    return recs
+                left = end - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return recs
+                self.changed.wait(left)
+
     # -- receiving --------------------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
@@ -852,7 +1022,7 @@ class PeerService:
         with contextlib.suppress(Exception):
             conn.send_json({"op": "refuse", "error": reason})
 
-    def _check_offer(self, offer: dict, peer_id: str) -> tuple[str, list[str], list[int], list[dict], _Expect]:
+    def _check_offer(self, offer: dict, peer_id: str) -> tuple[str, list[str], list[int], list[dict], _Expect, float]:
         if offer.get("op") != "offer":
             raise PeerError("expected an offer")
         copy_id, token = offer.get("copy_id"), offer.get("token")
@@ -874,6 +1044,9 @@ class PeerService:
         if len(set(names)) != len(names):
             raise PeerError("duplicate page names in the offer")
         children = _check_plan(offer.get("children", []))
+        stream_s = offer.get("stream_s", 0.0)
+        if isinstance(stream_s, bool) or not isinstance(stream_s, (int, float)) or not 0 <= stream_s <= MAX_STREAM_S:
+            raise PeerError(f"stream_s must be a number of seconds in [0, {MAX_STREAM_S:g}]")
         with self.lock:
             exp = self.expects.get(copy_id)
             if exp is None:
@@ -887,11 +1060,11 @@ class PeerService:
             if exp.keys is not None and any(self.store.key_of(n) not in exp.keys for n in names):
                 raise PeerError(f"copy {copy_id} offers pages that were not expected")
             exp.used = True
-        return copy_id, names, sizes, children, exp
+        return copy_id, names, sizes, children, exp, float(stream_s)
 
     def _receive(self, conn: Conn, peer: str, peer_id: str, offer: dict) -> None:
         try:
-            copy_id, names, sizes, children, _exp = self._check_offer(offer, peer_id)
+            copy_id, names, sizes, children, _exp, stream_s = self._check_offer(offer, peer_id)
         except PeerError as e:
             self._refuse(conn, offer.get("copy_id"), peer, str(e))
             return
@@ -915,7 +1088,7 @@ class PeerService:
             self._refuse(conn, copy_id, peer, reason, len(names), total)
             return
         try:
-            self._receive_pages(conn, peer, copy_id, names, sizes, children, total, cancel)
+            self._receive_pages(conn, peer, copy_id, names, sizes, children, total, cancel, stream_s)
         finally:
             with self.lock:
                 self.inbound -= 1
@@ -933,6 +1106,7 @@ class PeerService:
         children: list[dict],
         total: int,
         cancel: threading.Event,
+        stream_s: float = 0.0,
     ) -> None:
         store = self.store
         t0 = time.monotonic()
@@ -943,6 +1117,7 @@ class PeerService:
             return
         rec = self.book.put(CopyRecord(copy_id, "target", CopyState.RUNNING, len(names), total, peer=peer))
         pages = InboundPages(store, names, sizes)
+        pages.stream_s = stream_s  # a relay allows its children the same window
         held = store.pin_ready([n for n, o in zip(names, offsets, strict=True) if o == -1]) if children else []
         hi = 0
         for i, off in enumerate(offsets):
@@ -974,18 +1149,22 @@ class PeerService:
             relay = self._spawn(self._fan_out, f"btbctl-relay-{copy_id}", copy_id, pages, children, rrec, cancel)
             rec.targets = rrec.targets
         self._track(copy_id, conn, True)
-        conn.deadline = t0 + DEADLINE_BASE_S + total / MIN_RATE_BYTES_PER_S
+        conn.deadline = t0 + copy_deadline_s(total, stream_s)
         outcome, error = CopyState.FAILED, None
         committed = False
         verifier = _Verifier(store, pages, names, rec, self.metrics)
         try:
             conn.send_json({"op": "accept", "need": need})
-            for k, i in enumerate(need):
+            k = 0
+            while k < len(need):
+                i = need[k]
                 kind, n = conn.recv_head()
                 if cancel.is_set():
                     raise PeerError("cancelled")
                 if kind == KIND_JSON:
-                    msg = conn.json_body(n)
+                    msg = conn.json_body(n, MAX_PREAUTH_BYTES)
+                    if msg.get("op") == "wait":  # keep-alive of a sender trailing its source (the deadline bounds it)
+                        continue
                     raise PeerError(f"copy ended after {k} of {len(need)} pages ({msg.get('op')})")
                 if kind != KIND_PAGE:
                     raise PeerError(f"unknown frame kind {kind}")
@@ -999,6 +1178,7 @@ class PeerService:
                 assert o is not None
                 conn.recv_into(store.read(o.offset, size))
                 verifier.check(i, o.offset, size, digest)
+                k += 1
             end = conn.recv_json()
             if end.get("op") != "end":
                 raise PeerError(f"expected end, got {end.get('op')!r}")
@@ -1032,6 +1212,7 @@ class PeerService:
                 store.abort(token)
             store.unpin_objs(held)
             rec.state, rec.error, rec.finished_s = outcome, error, time.time()
+            self._bump(rec)
             self.event(
                 "copy_finished",
                 {
@@ -1060,7 +1241,9 @@ __all__ = [
     "PageSource",
     "PeerError",
     "PeerService",
+    "StreamPages",
     "client_auth",
+    "copy_deadline_s",
     "fanout_plan",
     "plan_targets",
     "server_auth",
