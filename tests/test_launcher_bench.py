@@ -115,7 +115,8 @@ class FakeEndpoint:
                 return resp
             n = body["sampling_params"]["max_new_tokens"]
             for i in range(n):
-                chunk = {"text": "x" * (i + 1), "meta_info": {"id": rid, "cached_tokens": 7}}
+                # a real server counts the prompt in its own tokens (10 here, not the trace's 32)
+                chunk = {"text": "x" * (i + 1), "meta_info": {"id": rid, "cached_tokens": 7, "prompt_tokens": 10}}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await asyncio.sleep(0.01)
             await resp.write(b"data: [DONE]\n\n")
@@ -155,6 +156,9 @@ def test_replay_measures_ttft_and_counts_workers_and_errors(endpoint):
     assert d["e2e_s"]["p50"] > d["ttft_s"]["p50"]
     assert sum(d["by_worker"].values()) == 8 and set(d["by_worker"]) <= {"http://w0", "http://w1", "http://w2"}
     assert d["cached_tokens"] == 8 * 7
+    # served from cache: the server's cached tokens over the server's prompt tokens, never the trace's count
+    assert d["prompt_tokens"] == 8 * 32 and d["served_prompt_tokens"] == 8 * 10
+    assert d["cached_fraction"] == pytest.approx(0.7)
     # arrivals follow the trace at 1/20 of its pace: request i is due 0.05 i s into the replay, never sent before
     # that (1 ms: clock granularity), and the requests go out in trace order
     res = {r.request_id: r for r in rep.results}

@@ -40,8 +40,11 @@ def _render(out: Output, d: dict) -> None:
         for url, n in d["by_worker"].items():
             w.add_row(url, str(n))
         c.print(w)
-    if d.get("cached_tokens") is not None and d["prompt_tokens"]:
-        c.print(f"prompt tokens served from cache: {d['cached_tokens'] / d['prompt_tokens']:.1%}")
+    if d.get("cached_fraction") is not None:
+        c.print(
+            f"prompt tokens served from cache: {d['cached_fraction']:.1%} "
+            f"({d['cached_tokens']:,} of {d['served_prompt_tokens']:,}, as the server counted them)"
+        )
     if d.get("copies"):
         cp = Table(box=None, pad_edge=False)
         for col in ("copy", "source", "target", "state", "bytes", "seconds", "proof (L3 tokens)"):

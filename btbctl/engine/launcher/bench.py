@@ -26,7 +26,13 @@ counters include any other traffic during the replay); otherwise every request c
 
     {"target", "endpoint", "requests", "ok", "errors", "errors_by_status": {KIND: n},
      "ttft_s": {"mean", "p50", "p95", "p99", "max"}, "e2e_s": {...}, "by_worker": {URL: n}, "by_worker_source",
-     "duration_s", "requests_per_s", "time_scale", "late_s_max", "prompt_tokens", "cached_tokens"}
+     "duration_s", "requests_per_s", "time_scale", "late_s_max", "prompt_tokens", "cached_tokens",
+     "served_prompt_tokens", "cached_fraction"}
+
+``prompt_tokens`` is the trace's count; ``cached_tokens`` and ``served_prompt_tokens`` are the server's own
+(``meta_info``/``usage``), and ``cached_fraction`` is their ratio (null unless every answer that reported cached
+tokens also reported its prompt tokens): a real tokenizer cuts synthesised text into other tokens than the trace
+counts, so the trace's count is never the denominator.
 
 ``errors_by_status`` counts failed requests by :meth:`RequestResult.error_kind` (an HTTP status such as ``"503"``, or
 ``connection``, ``timeout``, ``stream``). Percentiles are linear-interpolated (:func:`btbctl.engine.stats.summarize`),
@@ -34,9 +40,10 @@ over successful requests only; a summary with no successful request holds nulls.
 
 When the target is a BTB gateway whose control API is known, the result also has ``copies``: the copies that
 finished (``done`` or ``failed``) during the replay, oldest first, each ``{"copy_id", "prefix", "source", "target",
-"mode", "state", "bytes", "duration_s", "transfer_s", "proof_storage_tokens", "error"}`` (:func:`copies_during`;
-``proof_storage_tokens``: the tokens the target's warm-up loaded from L3, ``l3`` mode only). Without a control API
-``copies`` is null.
+"mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s", "proof_storage_tokens",
+"covered_tokens", "error"}`` (:func:`copies_during`; ``usable_s``: planned until the target could serve the prefix;
+``l3`` mode only: ``phases_s`` ``{"source", "transfer", "proof"}`` seconds, ``proof_storage_tokens`` the tokens the
+target's warm-up loaded from L3, ``covered_tokens`` the prefix). Without a control API ``copies`` is null.
 """
 
 from __future__ import annotations
@@ -192,6 +199,8 @@ class RequestResult:
         prompt_tokens: prompt length in tokens (the trace's ``input_tokens``).
         cached_tokens: ``meta_info.cached_tokens`` / ``usage.prompt_tokens_details.cached_tokens`` of the answer,
             when the endpoint reports it.
+        served_prompt_tokens: ``meta_info.prompt_tokens`` / ``usage.prompt_tokens`` of the answer: the prompt as
+            the server tokenized it (a real tokenizer cuts synthesised text differently from the trace's count).
     """
 
     request_id: str
@@ -206,6 +215,7 @@ class RequestResult:
     worker: str = "unknown"
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    served_prompt_tokens: int | None = None
 
     def error_kind(self) -> str | None:
         """None when ok; else the HTTP status for non-200 answers (``"503"``), ``connection`` (no answer or the
@@ -256,6 +266,9 @@ class BenchReport:
             by_worker = {url: n for url, n in self.served_by.items() if n > 0}
             source = "gateway_counters"
         cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+        # the share served from cache counts the server's own tokens on both sides (never the trace's nominal ones)
+        both = [(r.cached_tokens, r.served_prompt_tokens) for r in ok if r.cached_tokens is not None]
+        served = sum(p for _, p in both if p is not None) if both and all(p for _, p in both) else None
         ttft = _clean(summarize(r.ttft_s for r in ok))
         e2e = _clean(summarize(r.e2e_s for r in ok))
         return {
@@ -275,6 +288,8 @@ class BenchReport:
             "late_s_max": max((r.sent_s - r.scheduled_s for r in self.results), default=0.0),
             "prompt_tokens": sum(r.prompt_tokens for r in ok),
             "cached_tokens": sum(cached) if cached else None,
+            "served_prompt_tokens": served,
+            "cached_fraction": (sum(cached) / served) if served else None,
             "copies": self.copies,
         }
 
@@ -325,6 +340,17 @@ def _body(opts: BenchOptions, req: Request, synth: PromptSynth, model: str) -> d
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+
+
+def _prompt_from(chunk: dict) -> int | None:
+    """The prompt tokens the server counted (``meta_info.prompt_tokens`` or ``usage.prompt_tokens``)."""
+    meta = chunk.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("prompt_tokens"), int):
+        return meta["prompt_tokens"]
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        return usage["prompt_tokens"]
+    return None
 
 
 def _cached_from(chunk: dict) -> int | None:
@@ -378,9 +404,12 @@ async def _one(session, opts: BenchOptions, url: str, body: dict, res: RequestRe
                         return
                     if first is None:
                         first = time.perf_counter()
-                    c = _cached_from(chunk) if isinstance(chunk, dict) else None
-                    if c is not None:
-                        res.cached_tokens = c
+                    if isinstance(chunk, dict):
+                        c, p = _cached_from(chunk), _prompt_from(chunk)
+                        if c is not None:
+                            res.cached_tokens = c
+                        if p is not None:
+                            res.served_prompt_tokens = p
                 if done:
                     break
             end = time.perf_counter()
@@ -526,6 +555,10 @@ def copies_during(before: dict | None, after: dict | None) -> list[dict] | None:
                 "duration_s": t.get("duration_s"),
                 "transfer_s": t.get("transfer_s"),
                 "proof_storage_tokens": t.get("proof_storage_tokens"),
+                "covered_tokens": t.get("covered_tokens"),
+                "outcome": t.get("outcome"),
+                "usable_s": t.get("usable_s"),
+                "phases_s": {k: t.get(f"phase_{k}_s") for k in ("source", "transfer", "proof")},
                 "error": t.get("error"),
                 "finished_s": fin,
             }
