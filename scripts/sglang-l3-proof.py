@@ -38,6 +38,8 @@ import time
 import urllib.error
 import urllib.request
 
+from btbctl.sglang_l3.keys import page_keys
+
 #: Header the gateway names the answering worker in (``btbctl.engine.launcher.bench.WORKER_HEADER``).
 WORKER_HEADER = "X-BTB-Worker"
 
@@ -69,7 +71,11 @@ def _generate(base: str, ids: list[int]) -> tuple[float, dict, str | None]:
     t0 = time.perf_counter()
     ans, headers = _http(
         base.rstrip("/") + "/generate",
-        {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_cached_tokens_details": True,
+        },
     )
     worker = next((v for k, v in headers.items() if k.lower() == WORKER_HEADER.lower()), None)
     return time.perf_counter() - t0, ans.get("meta_info") or {}, worker
@@ -86,15 +92,25 @@ def prove(run_dir: str | None, prefix_tokens: int, seed: int = 0, vocab: int = 3
     if len(healthy) < 2:
         raise Unusable(f"{len(healthy)} healthy worker(s); the proof needs two")
     control = st["control_url"].rstrip("/")
+    if not 3 < vocab:
+        raise Unusable(f"--vocab {vocab} leaves no token ids to draw")
     rng = random.Random(seed)
-    ids = [rng.randrange(100, vocab) for _ in range(prefix_tokens + 16)]
+    # ids 3.. (past the usual pad/bos/eos) below the model's vocabulary: a real server fails on an id beyond it
+    ids = [rng.randrange(3, vocab) for _ in range(prefix_tokens + 16)]
 
     # 1. compute the prefix on one worker
     compute_s, meta, source = _generate(st["gateway_url"], ids)
+    # the gateway tracks this prompt's prefixes under its own page keys: find ours by key, never by recency (other
+    # traffic may have arrived meanwhile)
+    fleet, _ = _http(control + "/control/fleet")
+    chain = set(page_keys(ids, int(fleet["page_size"])))
     prefixes, _ = _http(control + "/control/prefixes")
-    mine = max(prefixes["prefixes"], key=lambda p: p["last_seen_s"], default=None)
+    ours = [p for p in prefixes["prefixes"] if p["id"] in chain]
+    mine = max(ours, key=lambda p: p["prefix_blocks"], default=None)
     if mine is None:
-        raise Unusable("the gateway lists no prefix after the compute request (prefix shorter than btb.prefix_blocks?)")
+        raise Unusable(
+            "the gateway tracks no prefix of the compute request's prompt (prefix shorter than btb.prefix_blocks?)"
+        )
     # 2. replicate it to one more worker
     t0 = time.perf_counter()
     rep = _btbctl("replicate", *rd, "--prefix", mine["id"], "-n", "1")
@@ -157,7 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", help="run directory of the fleet (default: btbctl's)")
     ap.add_argument("--prefix-tokens", type=int, default=16384, help="prefix length, tokens (default 16384)")
     ap.add_argument("--seed", type=int, default=int(time.time()), help="seed of the random token ids")
-    ap.add_argument("--vocab", type=int, default=32000, help="token ids are drawn below this (default 32000)")
+    ap.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="token ids are drawn below this; at most the served model's vocabulary size (default 32000)",
+    )
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args(argv)
     try:
