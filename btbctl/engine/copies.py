@@ -41,6 +41,30 @@ class CopyState(str, Enum):
 FINAL_STATES = frozenset({CopyState.DONE, CopyState.FAILED})
 
 
+class CopyOutcome(str, Enum):
+    """How a finished copy ended, beyond its :class:`CopyState` (the gateway's log lines, the control API, the
+    dashboard and ``btbctl bench`` show these values).
+
+    * ``done``: a pushed copy; every block arrived and verified at the target (state ``done``).
+    * ``proved``: an ``l3`` copy; the target's warm-up loaded the whole prefix from L3 (SGLang's
+      ``cached_tokens_details.storage`` covers it; state ``done``).
+    * ``computed``: an ``l3`` copy whose target computed the prefix itself (its warm-up found it on the device or
+      in the host tier, not in L3): the target is warm, but not by this copy, so it is not reported ``done``
+      (state ``failed``).
+    * ``short``: an ``l3`` warm-up reused less than the prefix (state ``failed``).
+    * ``failed``: any other failure (state ``failed``; the reason is given).
+    """
+
+    DONE = "done"
+    PROVED = "proved"
+    COMPUTED = "computed"
+    SHORT = "short"
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True, slots=True)
 class CopyStatus:
     """Progress of a copy in flight towards a replica (what policies read through the cost view).
@@ -52,6 +76,10 @@ class CopyStatus:
         available_bytes: bytes the source has computed so far (<= ``total_bytes``; a copy trails a source still
             prefilling).
         rate_bytes_per_s: current sending rate, bytes/s; 0 while the copy waits for the source's compute.
+        path_bytes_per_s: the rate copies measured on this source-target path, bytes/s (0: none measured; the
+            cost model's NIC share is used instead).
+        after_s: seconds from the last byte until the target can use the copy (an ``l3`` copy's warm-up proof, as
+            measured; 0 for a pushed copy).
     """
 
     source: int
@@ -59,6 +87,8 @@ class CopyStatus:
     sent_bytes: float
     available_bytes: float
     rate_bytes_per_s: float
+    path_bytes_per_s: float = 0.0
+    after_s: float = 0.0
 
     @property
     def state(self) -> CopyState:

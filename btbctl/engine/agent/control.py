@@ -226,7 +226,7 @@ class _Handlers:
                 page_bytes.append(size)
             if not nss:
                 raise _Err(409, "no namespace is registered here: no worker of this node has connected")
-            sizes = [size for size in page_bytes for _ in keys]
+            sizes = [size for _ in keys for size in page_bytes]
         else:
             have = self.a.has(keys, _namespaces(body, known))
             nss = have["complete"] if body.get("namespaces") is None else _namespaces(body, known)
@@ -238,7 +238,8 @@ class _Handlers:
                     + (f" in namespace {missing[0]}" if missing else " in any namespace"),
                 )
             sizes = None
-        names = [self.a.store.name_of(ns, k) for ns in nss for k in keys]
+        # key-major: a page's TP ranks go together, as the ranks write it through together
+        names = [self.a.store.name_of(ns, k) for k in keys for ns in nss]
         try:
             rec = self.a.peers.push(
                 body.get("copy_id"), names, fanout_plan(targets, fanout), stream_s=stream_s or None, sizes=sizes

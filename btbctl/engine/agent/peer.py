@@ -333,7 +333,8 @@ def plan_targets(children: list[dict]) -> list[str]:
 class CopyRecord:
     """One copy as seen by this agent. ``role``: ``source`` (it pushes its own pages) or ``target`` (it receives;
     with children it relays). Times are Unix seconds; ``targets`` maps each direct child's address to its
-    ``{"state", "bytes_sent", "error"}``."""
+    ``{"state", "bytes_sent", "send_s", "error"}`` (``send_s``: seconds spent handing its pages to the socket, so a
+    copy that waited for its source still shows the path's rate)."""
 
     copy_id: str
     role: str
@@ -834,7 +835,7 @@ class PeerService:
     ) -> None:
         t0 = time.monotonic()
         for c in children:
-            rec.targets[c["addr"]] = {"state": CopyState.STALLED.value, "bytes_sent": 0, "error": None}
+            rec.targets[c["addr"]] = {"state": CopyState.STALLED.value, "bytes_sent": 0, "send_s": 0.0, "error": None}
         threads = [
             self._spawn(self._send_one, f"btbctl-send-{copy_id}", copy_id, src, c, rec, cancel) for c in children
         ]
@@ -911,7 +912,9 @@ class PeerService:
                         data = memoryview(bytes(bad))
                     if f.truncate == i:
                         data = data[:-1]
+                t_send = time.monotonic()
                 conn.send_page(i, data, digest)
+                st["send_s"] += time.monotonic() - t_send
                 if f is not None and f.delay_s > 0:
                     time.sleep(f.delay_s)
                 sent += len(data)
@@ -951,7 +954,10 @@ class PeerService:
         waited = 0.0
         every = min(KEEPALIVE_S, self.idle_timeout_s / 3)
         while True:
-            got = src.wait(i, every)
+            try:
+                got = src.wait(i, every)
+            except ValueError:  # the arena's view was released: the agent is stopping
+                raise PeerError("the page store closed (the agent is stopping)") from None
             if got is not None:
                 return got
             if src.failed:

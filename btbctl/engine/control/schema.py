@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.copies import CopyState
+from btbctl.engine.copies import CopyOutcome, CopyState
 
 
 class Answer(BaseModel):
@@ -319,6 +319,20 @@ class TransferEntry(Answer):
     (null before the warm-up)."""
     proof_storage_tokens: int | None = None
     """l3: ``proof["storage"]``, the prompt tokens the target loaded from L3 (its HiCache storage tier)."""
+    outcome: CopyOutcome | None = None
+    """How it ended (null while in flight): ``done`` (push), ``proved`` (l3: loaded from L3), ``computed`` (l3: the
+    target computed the prefix itself, not a copy), ``short``, ``failed``."""
+    usable_s: float | None = None
+    """Seconds from planned (the detector's fire, for a policy's copy) until the target could serve the prefix
+    (push: verified; l3: proved); null unless done."""
+    phase_source_s: float | None = None
+    """l3: seconds from planned until the source's node held every page (the copy streams behind it)."""
+    phase_transfer_s: float | None = None
+    """l3: seconds after that until the target's node held every page."""
+    phase_proof_s: float | None = None
+    """l3: seconds of the warm-up proof."""
+    blocks_available: int | None = None
+    """Leading blocks the source holds so far (a copy trails a source still prefilling; null when not said)."""
 
 
 class TransferTotals(Answer):

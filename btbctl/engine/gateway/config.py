@@ -171,8 +171,14 @@ class GatewayConfig(BaseModel):
     """l3: file holding ``agent_token``."""
     l3_fanout: Literal["chain", "tree", "star"] = "chain"
     """l3: how one copy reaches several agents."""
-    l3_source_wait_s: float = Field(30.0, gt=0)
-    """l3: longest wait for the source's agent to hold the prefix (its HiCache write-through), seconds."""
+    l3_source_wait_s: float = Field(30.0, gt=0, le=900)
+    """l3: longest a copy waits for the source's agent to hold the prefix (its HiCache write-through trails its
+    prefill; the copy streams behind it), seconds."""
+    l3_max_copies: int = Field(16, ge=1)
+    """l3: most copy jobs in flight in the fleet; beyond, a policy's copy is refused (it may ask again later). Each
+    job holds agent calls and pinned pages; a product choice: a burst needs M - 1 copies of one prefix."""
+    l3_max_copies_per_agent: int = Field(8, ge=1)
+    """l3: most copy jobs in flight from or to one node agent."""
     l3_warmup_timeout_s: float = Field(120.0, gt=0)
     """l3: longest a warm-up request may take, seconds."""
     l3_exclude_s: float = Field(30.0, gt=0)

@@ -427,6 +427,13 @@ class DataPlane:
 
             deadline = loop.time() + lim.first_byte_timeout_s
             try:
+                gate = state.transfers.gate(idx, chain) if chain and state.transfers.active else None
+                if gate is not None:  # l3: the request waits here until the copy to this worker is proved
+                    if not await _through_gate(gate, lim.first_byte_timeout_s):
+                        attempts.append(f"{w.url}: the copy of the prefix this request waited for failed")
+                        excluded.append(idx)
+                        continue
+                    deadline = loop.time() + lim.first_byte_timeout_s
                 try:
                     resp = await self._until_first_byte(
                         gw.session.post(
@@ -622,12 +629,21 @@ async def _await_copy_accepted(state, idx: int, chain) -> None:
     worker counts the blocks as arriving and waits for them instead of recomputing them."""
     d = state.transfers.depth_to(idx, chain)
     t = state.transfers.active.get((idx, chain[d - 1])) if d else None
-    if t is None or t.pushed is None or t.pushed.is_set():
+    if t is None or t.pushed is None or t.pushed.is_set() or t.ready is not None:  # l3 copies gate instead
         return
     try:
         await asyncio.wait_for(t.pushed.wait(), COPY_ACCEPT_WAIT_S)
     except asyncio.TimeoutError:
         pass
+
+
+async def _through_gate(gate: asyncio.Future, timeout_s: float) -> bool:
+    """Wait for an ``l3`` copy's ``ready`` future (at most ``timeout_s``): True when the request may go to the
+    copy's target (proved, or it computed the prefix itself), False when the copy failed or did not end in time."""
+    try:
+        return bool(await asyncio.wait_for(asyncio.shield(gate), timeout_s))
+    except asyncio.TimeoutError:
+        return False
 
 
 class _RetryStream(Exception):

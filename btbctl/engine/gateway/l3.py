@@ -3,31 +3,38 @@
 Each worker's node has a ``btbctl agent`` whose page store is the worker's HiCache L3 tier (``btbctl.sglang_l3``);
 the gateway drives the agents' control APIs (``Authorization: Bearer <agent token>``). A copy job (one prefix
 ``chain`` of SGLang page keys, one source worker, one target worker; :class:`~btbctl.engine.gateway.state.Transfer`
-with ``mode="l3"``, ``routable=False``):
+with ``mode="l3"``):
 
-1. **Source holds it.** ``POST {source agent}/v1/has {"keys": chain}`` until a complete set of namespaces holds
-   every page: every TP rank of one namespace (the source's HiCache writes the pages through after its prefill;
-   the job waits at most ``source_wait_s``, state ``stalled``). Namespace descriptions come from ``GET /v1/info``.
-   Then ``POST {source agent}/v1/pin`` holds those pages against eviction (a burst's own write-throughs would
-   otherwise push a hot prefix out of a small arena mid-copy), and so does the target's agent for the pages it is
-   about to receive, until the job ends: the pins are counted per agent and prefix across jobs, and the last job
-   of a prefix on an agent unpins it (each pin also expires on its own after the job's longest possible run).
-2. **Copy.** When the target's node is the source's node, its L3 tier holds the pages already: no copy. Otherwise
-   ``POST {target agent}/v1/expect {"copy_id", "keys"}`` returns a one-time token, and ``POST {source agent}/v1/push
-   {"copy_id", "keys", "namespaces", "targets": [{"addr": target agent's peer address, "token"}], "fanout"}``
-   starts it (202; state ``running``); ``GET {source agent}/v1/copies/{id}`` is polled for progress until the source
-   record is ``done`` (the target verified and committed every page) or ``failed``. Jobs of the same prefix to the
-   same target node share one copy.
-3. **Warm-up and proof.** ``POST {target}/generate {"input_ids": prefix token ids + 1 token, "sampling_params":
-   {"max_new_tokens": 1, "temperature": 0}}`` (and the prefix's ``extra_key``/``cache_salt``). The target counts as a
-   holder only when the answer's ``meta_info.cached_tokens_details`` covers the prefix (whole pages): ``device +
-   host + storage >= len(chain) x page_size``; ``storage`` (tokens loaded from L3) is recorded as the proof. Only then
-   is the copy ``done`` and the target recorded as holding the prefix.
+1. **The pages stream behind the source's prefill.** SGLang writes a prefix's pages through to L3 chunk by chunk as
+   its prefill commits them (measured on a real SGLang 0.5.23 server: a 4,096-token prompt in 256-token chunks
+   landed in its agent 16 pages at a time, 100-200 ms apart, the last with the answer). So the job does not wait
+   for the whole prefix: it picks the source's namespaces (every TP rank of the source worker's served model,
+   layout, ...; ``GET /v1/info``), authorizes the copy at the target's agent (``POST /v1/expect {"copy_id",
+   "keys"}`` returns a one-time token) and has the source's agent push it at once with ``"stream_s"``
+   (``POST /v1/push``): each page goes out as soon as the source's write-through lands it, along a ``chain``,
+   ``tree`` or ``star`` of target agents. Progress is a long poll (``GET /v1/copies/{id}?since=V``) that the agent
+   answers at each milestone (the source holds every page, the copy ends). When the target's node is the
+   source's, no bytes move: the job waits for the pages there (``POST /v1/wait``). Jobs of the same prefix to the
+   same target node share one copy. The pages are pinned on both agents until the job ends.
+2. **Warm-up and proof, as soon as the target's node holds every page.** ``POST {target}/generate {"input_ids":
+   prefix token ids + 1 token, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+   "return_cached_tokens_details": true}`` (and the prefix's ``extra_key``/``cache_salt``): SGLang prefetches the
+   pages from L3 (``wait_complete``) and says where its cached tokens came from. Outcomes
+   (:class:`~btbctl.engine.copies.CopyOutcome`): ``proved`` when ``storage`` covers the prefix (whole pages; the
+   copy is ``done`` and the target a holder); ``computed`` when the target already had the prefix on its device or
+   host tier (warm, but not by this copy: never reported ``done``); ``short`` when the warm-up reused less (a
+   ``storage`` hit clipped to the host tier's size is named as such); ``failed`` for everything else.
+3. **Requests wait at the gateway, not at the target.** A copy in flight is visible to the policies as arriving at
+   the target (``routable``; :meth:`FleetState.copy_status` estimates its landing from the source's progress, the
+   measured agent-to-agent rate of the path and the measured proof time), so a policy may send a burst request
+   there; the data plane holds such a request until the copy's ``ready`` future resolves (True: proved, or the
+   target computed the prefix; False: the copy failed, and the request is routed again). A target never gets a
+   request of the prefix while its pages are incomplete.
 
-Until its proof, requests for the prefix are not routed to the target (:meth:`L3Replicator.hold_back`), and the
-copy does not count as arriving there for the policies (``routable`` false). Any failed step (the source never
-holds the pages, an agent refuses or dies, the copy fails or times out, the warm-up fails, or its proof falls
-short) ends the job ``failed`` with the reason, and the target gets no copy of that prefix for ``exclude_s``
+Bounds: at most ``max_copies`` jobs in flight in the fleet and ``max_copies_per_agent`` from or to one agent (more
+are refused, and the policy may ask again on a later arrival); the source's pages must all land within
+``source_wait_s``, the copy end within ``copy_timeout_s`` after that, the warm-up within ``warmup_timeout_s``. Any
+failed step ends the job ``failed`` with the reason, and the target gets no copy of that prefix for ``exclude_s``
 seconds (an exclusion). No client request is involved in a job: a failure loses none.
 
 Every state change is one structured log line (``event=l3_copy_accepted|l3_copy_started|l3_copy_proved|
@@ -44,17 +51,20 @@ from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.copies import CopyState
+from btbctl.engine.copies import CopyOutcome, CopyState
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
 
 log = logging.getLogger(__name__)
 
-#: Seconds between polls of an agent (source holding, copy progress). A product choice: a copy of a 64-page
-#: prefix over a LAN takes tens of milliseconds to seconds; 50 ms keeps the dashboard current.
+#: Seconds between polls of an agent where no long poll applies (the source's namespaces when several could hold
+#: the prefix). A product choice: a 64-page prefix crosses a LAN in tens of milliseconds.
 POLL_S = 0.05
-#: Timeout of one control call to an agent, seconds.
+#: How long the agent may hold one progress long poll, seconds: the dashboard's progress refresh while no
+#: milestone (source complete, done, failed) comes sooner.
+PROGRESS_WAIT_S = 0.25
+#: Timeout of one control call to an agent, seconds (a long poll gets its hold on top).
 CALL_TIMEOUT_S = 5.0
 #: Failed polls in a row that end a job (an agent that stopped answering).
 MAX_POLL_ERRORS = 3
@@ -89,10 +99,22 @@ def _namespace_groups(info: dict) -> list[list[str]]:
     return out
 
 
+def classify_proof(proof: dict[str, int], covered: int) -> CopyOutcome:
+    """The outcome of a warm-up whose ``cached_tokens_details`` were ``proof`` (``device``, ``host``, ``storage``
+    tokens) for a prefix of ``covered`` tokens: ``proved`` when ``storage`` covers it, ``computed`` when the
+    target's own device and host tiers covered (part of) it, ``short`` when the warm-up reused less than the
+    prefix."""
+    if proof["storage"] >= covered:
+        return CopyOutcome.PROVED
+    if sum(proof.values()) >= covered:
+        return CopyOutcome.COMPUTED
+    return CopyOutcome.SHORT
+
+
 class L3Replicator(CopyExecutor):
     """Runs ``l3`` copy jobs between the workers of ``state`` (see the module docstring). The same interface as
     :class:`~btbctl.engine.gateway.replicator.Replicator` (``execute``, ``request_copy``, ``replicate``,
-    ``refusal``, ``close``) plus :meth:`hold_back`.
+    ``refusal``, ``close``).
 
     Args:
         state: the live fleet state.
@@ -104,6 +126,7 @@ class L3Replicator(CopyExecutor):
         page_size: returns the gateway's page size (tokens per page).
         fanout: the push's fan-out.
         source_wait_s / copy_timeout_s / warmup_timeout_s / exclude_s: bounds (see :class:`GatewayConfig`).
+        max_copies / max_copies_per_agent: jobs in flight, in the fleet and from or to one agent.
         on_change / on_finish: as the push replicator's.
     """
 
@@ -127,6 +150,8 @@ class L3Replicator(CopyExecutor):
         copy_timeout_s: float = 300.0,
         warmup_timeout_s: float = 120.0,
         exclude_s: float = 30.0,
+        max_copies: int = 16,
+        max_copies_per_agent: int = 8,
         on_change: Callable[[Transfer], None] | None = None,
         on_finish: Callable[[Transfer], None] | None = None,
     ) -> None:
@@ -141,11 +166,15 @@ class L3Replicator(CopyExecutor):
         self.copy_timeout_s = copy_timeout_s
         self.warmup_timeout_s = warmup_timeout_s
         self.exclude_s = exclude_s
+        self.max_copies = max_copies
+        self.max_copies_per_agent = max_copies_per_agent
         self.timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
         self._excluded: dict[tuple[int, Hashable], float] = {}
         self._pushes: dict[tuple[int, Hashable], asyncio.Future] = {}
         self._pins: dict[tuple[str, Hashable], int] = {}
-        self.proofs = {"proved": 0, "short": 0, "failed": 0}
+        self._jobs = 0
+        self._agent_jobs: dict[int, int] = {}
+        self.proofs = {"proved": 0, "short": 0, "failed": 0, "computed": 0}
 
     # -- eligibility ---------------------------------------------------------------------------------------------
 
@@ -187,22 +216,26 @@ class L3Replicator(CopyExecutor):
             return "a copy to the target is already in flight"
         if self.excluded(target, chain[-1]):
             return "target excluded after a failed copy or proof of this prefix"
+        if self._jobs >= self.max_copies:
+            return f"{self._jobs} l3 copies in flight, the fleet's limit (l3_max_copies)"
+        for r in (source, target):
+            a = self.worker_agents[r]
+            if self._agent_jobs.get(a, 0) >= self.max_copies_per_agent:
+                return f"agent {self.agents[a]['name']} has {self.max_copies_per_agent} copies in flight (its limit)"
         if self.prefix_tokens.get(list(chain), self.page_size()) is None:
             return "the prefix's token ids are no longer known (needed for the warm-up)"
         return None
-
-    def hold_back(self, chain: Sequence[Hashable]) -> list[int]:
-        """Workers that must not get a request for ``chain`` now: targets of copies of a leading part of it that
-        are not proved yet."""
-        if not chain or not self.state.transfers.active:
-            return []
-        return self.state.transfers.unproven(chain)
 
     # -- starting jobs ------------------------------------------------------------------------------------------
 
     def _transfer(self, chain: tuple, source: int, target: int, manual: bool) -> Transfer:
         t = super()._transfer(chain, source, target, manual)
-        t.mode, t.routable, t.covered_tokens = "l3", False, len(chain) * self.page_size()
+        t.mode, t.covered_tokens = "l3", len(chain) * self.page_size()
+        t.ready = asyncio.get_running_loop().create_future()
+        t.path = (self.agent_of(source)["name"], self.agent_of(target)["name"])
+        self._jobs += 1
+        for a in {self.worker_agents[source], self.worker_agents[target]}:
+            self._agent_jobs[a] = self._agent_jobs.get(a, 0) + 1
         return t
 
     async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> ReplicateOutcome:
@@ -222,7 +255,7 @@ class L3Replicator(CopyExecutor):
         if not holders:
             for r in cands:
                 try:
-                    if await self._source_namespaces(self.agent_of(r), list(chain)):
+                    if await self._complete_group(self.agent_of(r), list(chain)):
                         holders.append(r)
                 except AgentCallError:
                     continue
@@ -240,12 +273,30 @@ class L3Replicator(CopyExecutor):
 
     # -- bookkeeping --------------------------------------------------------------------------------------------
 
-    def _fail(self, t: Transfer, reason: str, kind: str = "failed") -> None:
-        """End ``t`` failed (``kind``: ``short`` when its proof fell short) and exclude its target from this prefix
-        for ``exclude_s``."""
-        self.proofs["short" if kind == "short" else "failed"] += 1
+    def _finish(self, t: Transfer, state: CopyState, event: str, reason: str | None = None, **fields: object) -> None:
+        self._jobs -= 1
+        for a in {self.worker_agents[t.source], self.worker_agents[t.target]}:
+            n = self._agent_jobs.get(a, 0) - 1
+            if n > 0:
+                self._agent_jobs[a] = n
+            else:
+                self._agent_jobs.pop(a, None)
+        outcome = fields.get("outcome")
+        if t.ready is not None and not t.ready.done():
+            # computed: the target holds the prefix (its own), so its requests need not wait or move
+            t.ready.set_result(state is CopyState.DONE or outcome is CopyOutcome.COMPUTED)
+        super()._finish(t, state, event, reason, **fields)
+
+    def _fail(self, t: Transfer, reason: str, kind: CopyOutcome = CopyOutcome.FAILED) -> None:
+        """End ``t`` failed (``kind``: ``short``, ``computed`` or ``failed``); exclude its target from this prefix
+        for ``exclude_s`` unless it computed the prefix itself (then it holds it)."""
+        self.proofs[kind.value] += 1
+        if kind is CopyOutcome.COMPUTED:
+            self.state.workers[t.target].hold(t.chain)
+            self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind, **self._phase_fields(t))
+            return
         self._excluded[(t.target, t.key)] = self.state.clock() + self.exclude_s
-        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind)
+        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind, **self._phase_fields(t))
         self._event("target_excluded", t, for_s=self.exclude_s, reason=reason)
 
     def _done(self, t: Transfer) -> None:
@@ -257,25 +308,32 @@ class L3Replicator(CopyExecutor):
             transfer_s=None if t.transfer_s is None else round(t.transfer_s, 6),
             storage_tokens=t.proof_storage_tokens,
             covered_tokens=t.covered_tokens,
-            outcome="proved",
+            outcome=CopyOutcome.PROVED,
+            **self._phase_fields(t),
         )
+
+    def _phase_fields(self, t: Transfer) -> dict:
+        return {f"phase_{k}_s": None if v is None else round(v, 6) for k, v in t.phases().items()}
 
     # -- agent calls --------------------------------------------------------------------------------------------
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    async def _call(self, agent: dict, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    async def _call(
+        self, agent: dict, method: str, path: str, body: dict | None = None, hold_s: float = 0.0
+    ) -> tuple[int, dict]:
+        timeout = self.timeout if not hold_s else aiohttp.ClientTimeout(total=CALL_TIMEOUT_S + hold_s)
         try:
             async with self._session().request(
-                method, agent["control_url"] + path, json=body, headers=self._headers(), timeout=self.timeout
+                method, agent["control_url"] + path, json=body, headers=self._headers(), timeout=timeout
             ) as resp:
                 ans = await resp.json(content_type=None)
                 return resp.status, ans if isinstance(ans, dict) else {}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
             raise AgentCallError(f"agent {agent['name']} ({agent['control_url']}): {type(e).__name__}: {e}") from None
 
-    async def _source_namespaces(self, agent: dict, keys: list) -> list[str] | None:
+    async def _complete_group(self, agent: dict, keys: list) -> list[str] | None:
         """The namespace ids of one complete group holding every page of ``keys`` on ``agent``, or None."""
         st, has = await self._call(agent, "POST", "/v1/has", {"keys": keys})
         if st != 200:
@@ -283,21 +341,52 @@ class L3Replicator(CopyExecutor):
         complete = set(has.get("complete") or ())
         if not complete:
             return None
-        st, info = await self._call(agent, "GET", "/v1/info")
-        if st != 200:
-            raise AgentCallError(f"agent {agent['name']}: /v1/info answered {st}")
-        for group in _namespace_groups(info):
+        for group in await self._groups(agent):
             if all(ns in complete for ns in group):
                 return group
         return None
+
+    async def _groups(self, agent: dict) -> list[list[str]]:
+        st, info = await self._call(agent, "GET", "/v1/info")
+        if st != 200:
+            raise AgentCallError(f"agent {agent['name']}: /v1/info answered {st}")
+        return _namespace_groups(info)
+
+    async def _source_group(self, t: Transfer, agent: dict, keys: list) -> list[str] | str:
+        """The namespaces the source's pages of ``keys`` are (or will be) written to on ``agent``: the one group its
+        workers registered, else the group holding the longest leading run (waited for while none holds a page);
+        or why none."""
+        deadline = self.state.clock() + self.source_wait_s
+        errors = 0
+        while True:
+            try:
+                groups = await self._groups(agent)
+                if len(groups) == 1:
+                    return groups[0]
+                if groups:
+                    st, has = await self._call(agent, "POST", "/v1/has", {"keys": keys})
+                    runs = has.get("namespaces") or {} if st == 200 else {}
+                    best = max(groups, key=lambda g: min(int(runs.get(ns, 0)) for ns in g))
+                    if min(int(runs.get(ns, 0)) for ns in best) > 0:
+                        return best
+                errors = 0
+            except AgentCallError as e:
+                errors += 1
+                if errors >= MAX_POLL_ERRORS:
+                    return f"source agent unreachable: {e}"
+            if not self._usable(t.source):
+                return "source became unhealthy"
+            if self.state.clock() >= deadline:
+                return f"no namespace on the source's agent received the prefix within {self.source_wait_s:g} s"
+            await asyncio.sleep(POLL_S)
 
     def pin_ttl_s(self) -> float:
         """How long a job's pins last at most: its longest possible run (source wait, copy, warm-up) plus slack."""
         return min(86400.0, self.source_wait_s + self.copy_timeout_s + self.warmup_timeout_s + 30.0)
 
     async def _pin(self, t: Transfer, pinned: list, agent: dict, keys: list, group: list[str]) -> None:
-        """Pin ``keys`` of namespaces ``group`` on ``agent`` for this job (best effort: a failure is logged, the
-        copy goes on and may then find the pages gone)."""
+        """Pin ``keys`` of namespaces ``group`` on ``agent`` for this job (a pin also holds pages that land later;
+        best effort: a failure is logged, the copy goes on and may then find the pages gone)."""
         ref = (agent["name"], t.key)
         self._pins[ref] = self._pins.get(ref, 0) + 1
         pinned.append((agent, ref, keys, group))
@@ -351,48 +440,63 @@ class L3Replicator(CopyExecutor):
     async def _steps(self, t: Transfer, pinned: list) -> str | tuple | None:
         src_agent, dst_agent = self.agent_of(t.source), self.agent_of(t.target)
         keys = list(t.chain)
+        group = await self._source_group(t, src_agent, keys)
+        if isinstance(group, str):
+            return group
+        # the pages stay until the target proved it has them (a pin also holds pages that arrive later)
+        await self._pin(t, pinned, src_agent, keys, group)
+        if dst_agent is not src_agent:
+            await self._pin(t, pinned, dst_agent, keys, group)
+            reason = await self._copy(t, src_agent, dst_agent, keys, group)
+        else:
+            reason = await self._same_node(t, src_agent, keys, group)
+        if reason is not None:
+            return reason
+        t.landed_s = self.state.clock()
+        if t.pushed is not None:
+            t.pushed.set()
+        return await self._prove(t)
+
+    async def _same_node(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | None:
+        """The target's L3 tier is the source's: no bytes move; wait until the source's write-through landed every
+        page there."""
         clock = self.state.clock
-        # 1. the source's agent holds every page (its HiCache writes them through after the prefill)
+        t.state = CopyState.RUNNING
+        t.started_s = clock()
+        t.transfer_s = 0.0
+        self._event("copy_started", t, bytes=0, note="same node: the target's L3 tier holds the pages")
+        self._changed(t)
         deadline = clock() + self.source_wait_s
         errors = 0
         while True:
-            if not self._usable(t.source):
-                return "source became unhealthy"
+            if not self._usable(t.source) and not self._usable(t.target):
+                return "source and target became unhealthy"
+            if not self._usable(t.target):
+                return "target became unhealthy"
+            hold = max(0.0, min(PROGRESS_WAIT_S, deadline - clock()))
             try:
-                group = await self._source_namespaces(src_agent, keys)
+                st, has = await self._call(
+                    agent, "POST", "/v1/wait", {"keys": keys, "namespaces": group, "wait_s": hold}, hold_s=hold
+                )
                 errors = 0
             except AgentCallError as e:
                 errors += 1
                 if errors >= MAX_POLL_ERRORS:
                     return f"source agent unreachable: {e}"
-                group = None
-            if group:
-                break
-            if not t.waited:
-                t.waited = True
+                await asyncio.sleep(POLL_S)
+                continue
+            if st != 200:
+                return f"source agent refused /v1/wait: HTTP {st}: {has.get('error')}"
+            runs = has.get("namespaces") or {}
+            ready = min((int(runs.get(ns, 0)) for ns in group), default=0)
+            if ready != t.blocks_available:
+                t.blocks_available = ready
                 self._changed(t)
+            if ready >= len(keys):
+                t.source_complete_s = clock()
+                return None
             if clock() >= deadline:
                 return f"the source's agent does not hold the prefix's {len(keys)} pages after {self.source_wait_s:g} s"
-            await asyncio.sleep(POLL_S)
-        # the pages stay until the target proved it has them (a pin also holds pages that arrive later)
-        await self._pin(t, pinned, src_agent, keys, group)
-        if dst_agent is not src_agent:
-            await self._pin(t, pinned, dst_agent, keys, group)
-        # 2. the pages reach the target's agent
-        if dst_agent is src_agent:
-            t.state = CopyState.RUNNING
-            t.started_s = clock()
-            t.transfer_s = 0.0
-            self._event("copy_started", t, bytes=0, note="same node: the target's L3 tier holds the pages")
-            self._changed(t)
-        else:
-            reason = await self._copy(t, src_agent, dst_agent, keys, group)
-            if reason is not None:
-                return reason
-        if t.pushed is not None:
-            t.pushed.set()
-        # 3. warm-up and proof
-        return await self._prove(t)
 
     async def _copy(self, t: Transfer, src: dict, dst: dict, keys: list, group: list[str]) -> str | None:
         shared = (self.worker_agents[t.target], t.key)
@@ -405,13 +509,20 @@ class L3Replicator(CopyExecutor):
             ok, info = await asyncio.shield(fut)
             t.bytes_total = t.bytes_sent = info.get("bytes", 0) if ok else 0
             t.transfer_s = info.get("transfer_s")
+            t.source_complete_s = info.get("source_complete_s")
             return None if ok else f"shared copy failed: {info.get('error')}"
         fut = asyncio.get_running_loop().create_future()
         self._pushes[shared] = fut
         result: tuple[bool, dict] = (False, {"error": "not started"})
         try:
             reason = await self._push(t, src, dst, keys, group)
-            result = (reason is None, {"bytes": t.bytes_total, "transfer_s": t.transfer_s, "error": reason})
+            info = {
+                "bytes": t.bytes_total,
+                "transfer_s": t.transfer_s,
+                "source_complete_s": t.source_complete_s,
+                "error": reason,
+            }
+            result = (reason is None, info)
             return reason
         finally:
             self._pushes.pop(shared, None)
@@ -431,52 +542,75 @@ class L3Replicator(CopyExecutor):
                 "namespaces": group,
                 "targets": [{"addr": dst["peer_addr"], "token": ans["token"]}],
                 "fanout": self.fanout,
+                "stream_s": self.source_wait_s,
             }
             st, rec = await self._call(src, "POST", "/v1/push", body)
         except AgentCallError as e:
             return str(e)
         if st == 409:
-            return f"source agent no longer holds the pages: {rec.get('error')}"
+            return f"source agent cannot send the pages: {rec.get('error')}"
         if st != 202:
             return f"source agent refused the push: HTTP {st}: {rec.get('error')}"
         t.bytes_total = int(rec.get("bytes_total") or 0)
         t.state = CopyState.RUNNING
         t.started_s = clock()
-        self._event("copy_started", t, bytes=t.bytes_total, pages=rec.get("pages"), namespaces=len(group))
+        self._event("copy_started", t, bytes=t.bytes_total, pages=rec.get("pages"), namespaces=len(group), stream=True)
         self._changed(t)
-        # progress until the source reports the outcome (done: every page verified and committed at the target)
-        deadline = clock() + self.copy_timeout_s
+        # progress: a long poll the source's agent answers at each milestone (source complete, done, failed)
+        deadline = clock() + self.source_wait_s + self.copy_timeout_s
         errors = 0
+        since = int(rec.get("version") or 0)
+        nss = max(1, len(group))
         while True:
-            await asyncio.sleep(POLL_S)
             if not self._usable(t.target):
                 await self._cancel(src, t.copy_id)
                 return "target became unhealthy during the copy"
             try:
-                st, ans = await self._call(src, "GET", f"/v1/copies/{t.copy_id}")
+                st, ans = await self._call(
+                    src,
+                    "GET",
+                    f"/v1/copies/{t.copy_id}?since={since}&wait_s={PROGRESS_WAIT_S:g}",
+                    hold_s=PROGRESS_WAIT_S,
+                )
                 errors = 0
             except AgentCallError as e:
                 errors += 1
                 if errors >= MAX_POLL_ERRORS:
                     return f"source agent stopped answering during the copy: {e}"
+                await asyncio.sleep(POLL_S)
                 continue
             rec = next((r for r in ans.get("records", []) if r.get("role") == "source"), None) if st == 200 else None
             if rec is None:
                 return f"source agent does not know the copy (HTTP {st})"
+            since = int(rec.get("version") or since)
+            changed = False
+            ready = rec.get("pages_ready")
+            if isinstance(ready, int) and ready // nss != t.blocks_available:
+                t.blocks_available = ready // nss
+                changed = True
+            if rec.get("source_complete_s") is not None and t.source_complete_s is None:
+                t.source_complete_s = clock()
+                changed = True
             sent = rec.get("bytes_done")
             if isinstance(sent, int) and sent != t.bytes_sent:
                 t.bytes_sent = min(sent, t.bytes_total or sent)
-                t.blocks_verified = int(rec.get("pages_done") or 0)
-                self._changed(t)
+                t.blocks_verified = int(rec.get("pages_done") or 0) // nss
+                changed = True
             if rec.get("state") == CopyState.DONE.value:
-                t.transfer_s = clock() - (t.started_s or clock())
+                now = clock()
+                t.transfer_s = now - (t.started_s or now)
                 t.blocks_verified = len(t.chain)
+                t.send_s = sum(float(x.get("send_s") or 0.0) for x in (rec.get("targets") or {}).values())
+                if t.path is not None:
+                    self.state.copy_measures.copied(t.path, t.bytes_total, t.send_s, len(t.chain))
                 return None
             if rec.get("state") == CopyState.FAILED.value:
                 return f"copy failed: {rec.get('error') or 'at the source'}"
+            if changed:
+                self._changed(t)
             if clock() >= deadline:
                 await self._cancel(src, t.copy_id)
-                return f"no outcome after {self.copy_timeout_s:g} s"
+                return f"no outcome after {self.source_wait_s + self.copy_timeout_s:g} s"
 
     async def _cancel(self, agent: dict, copy_id: str) -> None:
         try:
@@ -495,6 +629,8 @@ class L3Replicator(CopyExecutor):
             "input_ids": ids + [ids[0] if ids else 0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "rid": f"btb-warmup-{t.copy_id}",
+            # newer SGLang reports where cached tokens came from only when asked (SGLANG-CPU.md)
+            "return_cached_tokens_details": True,
         }
         if extra_key is not None:
             body["extra_key"] = extra_key
@@ -522,25 +658,40 @@ class L3Replicator(CopyExecutor):
         t.proof = {"device": tok("device"), "host": tok("host"), "storage": tok("storage")}
         t.proof_storage_tokens = t.proof["storage"]
         covered = len(t.chain) * ps
-        total = sum(t.proof.values())
         warm_s = round(time.monotonic() - t0, 6)
-        if total < covered:
-            self._event(
-                "l3_proof_short",
-                t,
-                storage_tokens=t.proof["storage"],
-                device_tokens=t.proof["device"],
-                host_tokens=t.proof["host"],
-                covered_tokens=covered,
-                warmup_s=warm_s,
-            )
+        outcome = classify_proof(t.proof, covered)
+        if outcome is CopyOutcome.PROVED:
+            self.state.copy_measures.proved(self.state.clock() - (t.landed_s or self.state.clock()))
+            self._done(t)
+            return None
+        total = sum(t.proof.values())
+        if outcome is CopyOutcome.COMPUTED:
             why = (
-                f"proof short: the warm-up reused {total} of the prefix's {covered} tokens "
-                f"(storage {t.proof['storage']}, device {t.proof['device']}, host {t.proof['host']})"
+                f"not a copy: the target computed the prefix itself (device {t.proof['device']}, host "
+                f"{t.proof['host']}, storage {t.proof['storage']} of {covered} tokens)"
             )
-            return why, "short"
-        self._done(t)
-        return None
+            return why, outcome
+        clipped = 0 < t.proof["storage"] < covered and t.proof["device"] + t.proof["host"] == 0
+        self._event(
+            "l3_proof_short",
+            t,
+            storage_tokens=t.proof["storage"],
+            device_tokens=t.proof["device"],
+            host_tokens=t.proof["host"],
+            covered_tokens=covered,
+            warmup_s=warm_s,
+            clipped_to_host_tier=clipped,
+        )
+        why = (
+            f"proof short: the warm-up reused {total} of the prefix's {covered} tokens "
+            f"(storage {t.proof['storage']}, device {t.proof['device']}, host {t.proof['host']})"
+        )
+        if clipped:
+            why += (
+                "; a partial storage hit may be a whole L3 hit clipped to the host tier's capacity (newer SGLang): "
+                "size --hicache-size to hold the whole prefix"
+            )
+        return why, outcome
 
 
-__all__ = ["AgentCallError", "CALL_TIMEOUT_S", "L3Replicator", "POLL_S"]
+__all__ = ["AgentCallError", "CALL_TIMEOUT_S", "L3Replicator", "POLL_S", "classify_proof"]

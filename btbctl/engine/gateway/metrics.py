@@ -35,9 +35,16 @@ name                                type      meaning
                                               ``warm_replicas``; read at scrape)
 ``btb_policy_info``                 gauge     1, with the routing ``policy`` in force as a label (read at
                                               scrape)
-``btb_copy_proofs_total``           counter   finished ``l3`` copies by ``result``: ``proved`` (the warm-up
-                                              covered the prefix), ``short`` (it did not), ``failed`` (an
-                                              earlier step failed)
+``btb_copy_usable_seconds``         histogram start of a copy (a policy's: the detector's fire) until its
+                                              target could serve the prefix (push: every block verified;
+                                              l3: proved), by ``mode``
+``btb_copy_phase_seconds``          histogram ``l3`` copies' phases by ``phase``: ``source`` (until the source's
+                                              node held every page; the copy trails it), ``transfer`` (until
+                                              the target's node did), ``proof`` (the warm-up)
+``btb_copy_proofs_total``           counter   finished ``l3`` copies by ``result`` (:class:`CopyOutcome`):
+                                              ``proved`` (the warm-up loaded the prefix from L3),
+                                              ``computed`` (the target computed it itself: not a copy),
+                                              ``short`` (it reused less), ``failed`` (a step failed)
 ``btb_proof_storage_tokens_total``  counter   prompt tokens proved loaded from L3 by warm-ups
 ``btb_worker_replication``          gauge     1 for each ``worker`` with its ``mode`` (``l3``, ``push``,
                                               ``none``)
@@ -223,6 +230,20 @@ class GatewayMetrics:
         )
         self.copy_bytes = Counter(
             "btb_copy_bytes", "Bytes moved by finished prefix copies.", ("mode", "outcome"), registry=r
+        )
+        self.usable = Histogram(
+            "btb_copy_usable_seconds",
+            "Start of a copy until its target could serve the prefix (push: verified; l3: proved).",
+            ("mode",),
+            buckets=COPY_BUCKETS,
+            registry=r,
+        )
+        self.copy_phase = Histogram(
+            "btb_copy_phase_seconds",
+            "Phases of l3 copies: source (until the source's node held every page), transfer, proof.",
+            ("phase",),
+            buckets=COPY_BUCKETS,
+            registry=r,
         )
         self.proofs = Counter("btb_copy_proofs", "Finished l3 copies by proof result.", ("result",), registry=r)
         self.proof_storage_tokens = Counter(

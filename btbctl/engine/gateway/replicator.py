@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from btbctl.engine.copies import CopyPlan, CopyState, carry_out
+from btbctl.engine.copies import CopyOutcome, CopyPlan, CopyState, carry_out
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
@@ -240,6 +240,8 @@ class CopyExecutor:
         log line ``event`` with the bytes and the duration, then the callbacks."""
         t.state = state
         t.finished_s = self.state.clock()
+        outcome = fields.get("outcome")
+        t.outcome = None if outcome is None else str(outcome)
         if state is CopyState.DONE:
             if t.bytes_total and t.bytes_sent < t.bytes_total:
                 t.bytes_sent = t.bytes_total
@@ -295,10 +297,6 @@ class Replicator(CopyExecutor):
         self.copy_timeout_s = copy_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=call_timeout_s)
         self.enabled = True
-
-    def hold_back(self, chain: Sequence[Hashable]) -> list[int]:
-        """Workers a request for ``chain`` must not reach now: none (a pushed copy's target waits for the blocks)."""
-        return []
 
     # -- eligibility ---------------------------------------------------------------------------------------------
 
@@ -404,10 +402,10 @@ class Replicator(CopyExecutor):
         return cached, pending
 
     def _fail(self, t: Transfer, reason: str) -> None:
-        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome="failed")
+        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=CopyOutcome.FAILED)
 
     def _done(self, t: Transfer) -> None:
-        self._finish(t, CopyState.DONE, "copy_done", outcome="done")
+        self._finish(t, CopyState.DONE, "copy_done", outcome=CopyOutcome.DONE)
 
     async def _job(self, t: Transfer, source_confirmed: bool) -> None:
         pushed = t.pushed

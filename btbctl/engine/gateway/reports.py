@@ -252,6 +252,10 @@ class Reports:
             covered_tokens=t.covered_tokens,
             proof=t.proof,
             proof_storage_tokens=t.proof_storage_tokens,
+            outcome=t.outcome,
+            usable_s=t.usable_s,
+            blocks_available=t.blocks_available if t.blocks_available >= 0 else None,
+            **{f"phase_{k}_s": v for k, v in t.phases().items()},
         )
 
     def transfers(self, limit: int = EVENT_TRANSFERS) -> TransfersAnswer:

@@ -222,6 +222,8 @@ class Gateway:
             copy_timeout_s=config.copy_timeout_s,
             warmup_timeout_s=config.l3_warmup_timeout_s,
             exclude_s=config.l3_exclude_s,
+            max_copies=config.l3_max_copies,
+            max_copies_per_agent=config.l3_max_copies_per_agent,
             on_change=self._transfer_changed,
             on_finish=self._transfer_finished,
         )
@@ -311,9 +313,6 @@ class Gateway:
         now = self.clock()
         if self._feeds_detector and not excluded:
             self.detector.observe(req.block_hashes, now)
-        held = self.replicator.hold_back(req.block_hashes)  # l3: copy targets not proved yet
-        if held and any(w.healthy and w.index not in excluded and w.index not in held for w in state.workers):
-            excluded = [*excluded, *(h for h in held if h not in excluded)]
         view = ExcludingView(state, excluded) if excluded else state
         policy = self.policy
         route = policy.route(req, view, now)
@@ -454,10 +453,13 @@ class Gateway:
             self.metrics.replicated_bytes.inc(t.bytes_sent)
         end = t.finished_s if t.finished_s is not None else self.clock()
         self.metrics.observe_copy(t.mode, t.state.value, end - t.created_s, t.bytes_sent)
+        if t.usable_s is not None:
+            self.metrics.usable.labels(t.mode).observe(t.usable_s)
         if t.mode == "l3":
-            short = (t.error or "").startswith("proof short")
-            result = "proved" if t.state is CopyState.DONE else ("short" if short else "failed")
-            self.metrics.proofs.labels(result).inc()
+            self.metrics.proofs.labels(t.outcome or "failed").inc()
+            for phase, secs in t.phases().items():
+                if secs is not None:
+                    self.metrics.copy_phase.labels(phase).observe(secs)
             if t.state is CopyState.DONE and t.proof_storage_tokens:
                 self.metrics.proof_storage_tokens.inc(t.proof_storage_tokens)
         self.bus.mark("prefixes")

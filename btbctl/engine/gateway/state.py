@@ -46,6 +46,8 @@ CHAIN_INDEX_BLOCKS = 1 << 18
 #: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.admission_wait_s` (EWMA weight of a new
 #: sample); a product choice.
 TTFT_EWMA_ALPHA = 0.2
+#: Smoothing of the measured copy figures (:class:`CopyMeasures`); a product choice.
+MEASURE_EWMA_ALPHA = 0.3
 
 
 class Clock:
@@ -216,12 +218,20 @@ class Transfer:
         error: the reason of a failure.
         manual: started through the control API (else by the policy).
         mode: ``push`` (the workers' ``/btb/push``) or ``l3`` (node agents + warm-up proof).
-        routable: requests for the prefix may go to the target while the copy is in flight (a pushed copy: the
-            target waits for the arriving blocks); False for ``l3`` copies, whose target counts only once proved.
+        routable: requests for the prefix may be routed to the target while the copy is in flight (the policies
+            see it as arriving there, :meth:`FleetState.copy_status`).
+        ready: ``l3``: resolved True once the target may take the prefix's requests (proved, or it computed the
+            prefix itself), False when the copy failed; requests routed to the target wait for it at the gateway
+            (:meth:`TransferTable.gate`). None for pushed copies, whose target waits for the arriving blocks itself.
         transfer_s: seconds the bytes took (push accepted to every page committed at the target), once known.
         proof: the target's warm-up answer, ``{"device", "host", "storage"}`` tokens (l3), once it came.
         proof_storage_tokens: ``proof["storage"]``: prompt tokens the target loaded from L3 (l3).
         covered_tokens: tokens the proof must cover (the prefix, whole pages).
+        outcome: how it ended (:class:`~btbctl.engine.copies.CopyOutcome` value; None while active).
+        source_complete_s: ``now_s`` when the source's node held every page (l3; None until then).
+        landed_s: ``now_s`` when the target's node held every page (l3; None until then).
+        path: ``(source agent, target agent)`` names (l3), the key of the measured agent-to-agent rate.
+        send_s: seconds the source agent spent sending this copy's bytes (l3), once known.
     """
 
     copy_id: str
@@ -243,14 +253,41 @@ class Transfer:
     pushed: asyncio.Event | None = field(default=None, repr=False, compare=False)
     mode: str = "push"
     routable: bool = True
+    ready: asyncio.Future | None = field(default=None, repr=False, compare=False)
     transfer_s: float | None = None
     proof: dict | None = None
     proof_storage_tokens: int | None = None
     covered_tokens: int | None = None
+    outcome: str | None = None
+    source_complete_s: float | None = None
+    landed_s: float | None = None
+    path: tuple[str, str] | None = None
+    send_s: float | None = None
 
     @property
     def active(self) -> bool:
         return not self.state.final
+
+    @property
+    def usable_s(self) -> float | None:
+        """Seconds from the copy's start (the detector's fire, for a policy's copy) until the target could take
+        the prefix's requests: a pushed copy's ``done``, an ``l3`` copy's proof. None unless it ended ``done``."""
+        if self.state is not CopyState.DONE or self.finished_s is None:
+            return None
+        return self.finished_s - self.created_s
+
+    def phases(self) -> dict[str, float | None]:
+        """``l3``: seconds of each phase: ``source`` (start until the source's node held every page; the copy
+        trails it), ``transfer`` (until the target's node held every page), ``proof`` (the warm-up); None where a
+        phase was not reached."""
+        out: dict[str, float | None] = {"source": None, "transfer": None, "proof": None}
+        if self.source_complete_s is not None:
+            out["source"] = self.source_complete_s - self.created_s
+            if self.landed_s is not None:
+                out["transfer"] = max(0.0, self.landed_s - self.source_complete_s)
+                if self.finished_s is not None and self.proof is not None:
+                    out["proof"] = self.finished_s - self.landed_s
+        return out
 
     def bytes_per_s(self, now_s: float) -> float:
         """Average rate since sending started (bytes/s); for a finished copy, over its whole sending time."""
@@ -339,15 +376,18 @@ class TransferTable:
                 best = m
         return best
 
-    def unproven(self, chain: Sequence[Hashable]) -> list[int]:
-        """Targets of copies in flight that are not routable (``l3``) of a leading part of ``chain``: requests for
-        the prefix must not reach them before their proof."""
+    def gate(self, target: int, chain: Sequence[Hashable]) -> asyncio.Future | None:
+        """The ``ready`` future of a copy in flight to ``target`` of a leading part of ``chain`` that is not ready
+        yet (``l3``: a request for the prefix waits for it before it is sent there), or None."""
+        to = self._to.get(target)
+        if not to:
+            return None
         n = len(chain)
-        return [
-            t.target
-            for (_, key), t in self.active.items()
-            if not t.routable and len(t.chain) <= n and chain[len(t.chain) - 1] == key
-        ]
+        for key, t in to.items():
+            m = len(t.chain)
+            if t.ready is not None and not t.ready.done() and m <= n and chain[m - 1] == key:
+                return t.ready
+        return None
 
     def for_key(self, key: Hashable) -> list[Transfer]:
         """Copies of prefix ``key``, in flight first, then recent (newest first)."""
@@ -358,6 +398,38 @@ class TransferTable:
     def all(self) -> list[Transfer]:
         """In flight (oldest first), then recent (newest first)."""
         return list(self.active.values()) + list(reversed(self.recent))
+
+
+@dataclass
+class CopyMeasures:
+    """What the fleet measured about ``l3`` copies, for the policies' landing estimates (EWMA, weight
+    :data:`MEASURE_EWMA_ALPHA`).
+
+    Attributes:
+        path_bytes_per_s: ``(source agent, target agent)`` -> bytes/s while the source agent was sending (the agents'
+            own send time, so a copy that trails a prefill does not read as a slow path).
+        proof_s: seconds from the last page at the target's node to its proof (the warm-up: SGLang's prefetch from
+            L3 and a one-token prefill); None before the first proof.
+        page_bytes: bytes of one page (all TP ranks), from the copies' sizes; None before the first copy.
+    """
+
+    path_bytes_per_s: dict[tuple[str, str], float] = field(default_factory=dict)
+    proof_s: float | None = None
+    page_bytes: float | None = None
+
+    @staticmethod
+    def _mix(old: float | None, new: float) -> float:
+        return new if old is None else old + MEASURE_EWMA_ALPHA * (new - old)
+
+    def copied(self, path: tuple[str, str], nbytes: int, send_s: float, pages: int) -> None:
+        """A copy of ``pages`` pages moved ``nbytes`` over ``path`` in ``send_s`` seconds of sending."""
+        if nbytes > 0 and send_s > 0:
+            self.path_bytes_per_s[path] = self._mix(self.path_bytes_per_s.get(path), nbytes / send_s)
+        if nbytes > 0 and pages > 0:
+            self.page_bytes = self._mix(self.page_bytes, nbytes / pages)
+
+    def proved(self, seconds: float) -> None:
+        self.proof_s = self._mix(self.proof_s, max(0.0, seconds))
 
 
 class ChainIndex:
@@ -440,6 +512,8 @@ class FleetState:
         #: Set by the gateway to its copy executor's rule (push: the BTB routes; l3: a node agent); None: the push
         #: rule below.
         self.copy_capable: Callable[[int], bool] | None = None
+        #: ``l3``: what the copies measured (agent-to-agent rates, proof time), read by :meth:`copy_status`
+        self.copy_measures = CopyMeasures()
         self._cost = None
         self._queues: dict[int, tuple] = {}  # replica -> (worker version, copies version, total, groups)
 
@@ -567,16 +641,28 @@ class FleetState:
             return None
         now = self.clock()
         total = float(t.bytes_total)
+        path_rate, after = 0.0, 0.0
+        if t.ready is not None:  # l3: the fleet's measured figures for what is not known yet
+            m = self.copy_measures
+            if not total and m.page_bytes:
+                total = m.page_bytes * len(t.chain)
+            path_rate = m.path_bytes_per_s.get(t.path, 0.0) if t.path is not None else 0.0
+            after = m.proof_s or 0.0
         if t.blocks_available >= 0 and t.chain:  # the source said how far its prefill is
             avail = total * min(1.0, t.blocks_available / len(t.chain))
         else:
             avail = 0.0 if t.state is CopyState.STALLED else total
+        rate = 0.0
+        if avail >= total:
+            rate = path_rate if path_rate and t.source_complete_s is not None else t.bytes_per_s(now)
         return CopyStatus(
             source=t.source,
             total_bytes=total,
             sent_bytes=float(t.bytes_sent),
             available_bytes=avail,
-            rate_bytes_per_s=t.bytes_per_s(now) if avail >= total else 0.0,
+            rate_bytes_per_s=rate,
+            path_bytes_per_s=path_rate,
+            after_s=after,
         )
 
     def nic_copies(self, replica: int) -> int:

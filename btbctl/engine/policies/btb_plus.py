@@ -332,14 +332,19 @@ class BtbPlus(Policy[CostView]):
         return view.queued_prefill_s(source) + rest
 
     def copy_lands_s(self, view: CostView, status: CopyStatus, key: Hashable, now_s: float) -> float:
-        """Seconds until the copy described by ``status`` (of the prefix whose last block is ``key``) has landed:
-        remaining bytes at its rate; while it trails the source's compute, the later of :meth:`source_ready_s` and
-        the remaining bytes at a fair share of the source's NIC."""
+        """Seconds until the copy described by ``status`` (of the prefix whose last block is ``key``) has landed and
+        the target can use it: remaining bytes at its rate; while it trails the source's compute, the later of
+        :meth:`source_ready_s` and the remaining bytes at the path's measured rate (else a fair share of the
+        source's NIC); plus the copy's ``after_s`` (an ``l3`` copy's proof)."""
         left = max(0.0, status.total_bytes - status.sent_bytes)
         if status.available_bytes >= status.total_bytes and status.rate_bytes_per_s > 0:
-            return left / status.rate_bytes_per_s
-        share = status.rate_bytes_per_s or view.cost.nic_bytes_per_s / max(1, view.nic_copies(status.source))
-        return max(left / share, self.source_ready_s(view, status.source, key, now_s))
+            return left / status.rate_bytes_per_s + status.after_s
+        share = (
+            status.rate_bytes_per_s
+            or status.path_bytes_per_s
+            or view.cost.nic_bytes_per_s / max(1, view.nic_copies(status.source))
+        )
+        return max(left / share, self.source_ready_s(view, status.source, key, now_s)) + status.after_s
 
     def blocked_groups(self, view: CostView, replica: int, now_s: float) -> _Groups:
         """The requests waiting on ``replica`` for a hot prefix that is not there yet, by prefix: ``(seconds until

@@ -1,0 +1,187 @@
+"""btbctl against real SGLang 0.5.23 servers on this CPU (pytest marker ``sglang_server``): a fleet of
+examples/cluster-sglang-cpu.toml (two servers with the tiny model, one node agent as their HiCache L3 tier, the
+gateway in replication mode ``l3``) brought up by ``btbctl up -d``, used by every test of the module in order, and
+taken down at the end with nothing left running.
+
+What this proves and what it cannot: the SGLang processes are stock (scheduler, radix cache, HiCache controller and
+its L3 threads, HTTP server, metrics), apart from the test-only stand-in for the two CUDA-bound pieces
+(tests/sglang_cpu/sglang_cpu_standin.py; the last test checks nothing else it replaces was called). No CUDA kernel
+runs and no timing here says anything about a GPU. Run: ``scripts/sglang-venv.sh`` once, then
+``$(scripts/sglang-venv.sh | tail -1) -m pytest -m sglang_server tests/test_sglang_server.py``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from launcher_helpers import http_json
+from sglang_server import SglangFleet, check_standin_log, details, generate, ids, metrics_text, start, stop
+
+pytestmark = [pytest.mark.sglang_server, pytest.mark.timeout(900)]
+
+#: The example's prefix length (btb.prefix_blocks x page size) and the bench prefix of these tests (4 x 256 tokens).
+PREFIX_TOKENS = 1024
+Y_TOKENS = 32 * 16
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> SglangFleet:
+    f = start(tmp_path_factory.mktemp("sglang-fleet"))
+    try:
+        yield f
+    finally:
+        stop(f)
+
+
+def _bench(fleet: SglangFleet, seed: int, n: int = 12, spread_s: float = 2.0) -> dict:
+    return fleet.json(
+        "bench",
+        "--prompt",
+        "ids",
+        "--burst-size",
+        str(n),
+        "--prefix-blocks",
+        "4",
+        "--spread-s",
+        str(spread_s),
+        "--seed",
+        str(seed),
+        timeout=600,
+    )
+
+
+def _check_burst(fleet: SglangFleet, rep: dict, n: int) -> list[dict]:
+    """0 errors, both workers served, every copy proved by storage tokens covering the prefix."""
+    assert (rep["ok"], rep["errors"]) == (n, 0), rep
+    assert sorted(rep["by_worker"]) == sorted(fleet.workers), rep["by_worker"]
+    fleet.settle()
+    copies = [c for c in http_json(fleet.control + "/control/transfers")["transfers"] if c["mode"] == "l3"]
+    mine = [c for c in rep["copies"] or [] if c["mode"] == "l3"] or copies
+    assert mine, "the burst made no copy"
+    for c in mine:
+        assert c["state"] == "done", c
+        # covered: the hot prefix (btb: exactly Y = 32 pages; btb_plus: the deepest hot one, the 1,024 tokens)
+        assert c["covered_tokens"] >= Y_TOKENS, c
+        assert c["proof_storage_tokens"] is not None and c["proof_storage_tokens"] >= c["covered_tokens"], c
+    # served from cache: SGLang's own cached_tokens over the prompt tokens it reported (never above 100%)
+    assert rep["served_prompt_tokens"] > 0 and 0 < rep["cached_fraction"] <= 1.0, rep
+    return mine
+
+
+def test_up_of_an_all_sglang_l3_fleet_and_its_status(fleet):
+    st = fleet.cli("status", "--format", "json")
+    assert st.returncode == 0, st.stderr
+    status = fleet.json("status")
+    assert status["replication"] == "l3" and status["verdict"] == "up", status
+    assert [w["replication"] for w in status["workers"]] == ["l3", "l3"]
+    assert len(status["agents"]) == 1 and status["agents"][0]["alive"]
+    for url in fleet.workers:  # real SGLang servers, with btbctl's backend as their L3 tier
+        info = http_json(url + "/server_info")
+        assert info["version"] == "0.5.23" and info["hicache_storage_backend"] == "dynamic", info["version"]
+        assert '"class_name":"BtbL3Store"' in info["hicache_storage_backend_extra_config"]
+
+
+def test_a_burst_under_the_default_policy_and_btb_is_proved_by_storage_tokens(fleet):
+    rep = _bench(fleet, seed=101)
+    _check_burst(fleet, rep, 12)
+    fleet.cli("tune", "policy=btb")
+    try:
+        rep = _bench(fleet, seed=102)
+        _check_burst(fleet, rep, 12)
+    finally:
+        fleet.cli("tune", "policy=btb_plus")
+
+
+def test_greedy_output_after_an_l3_load_equals_the_computed_one(fleet):
+    a, b = fleet.workers
+    prompt = ids(PREFIX_TOKENS + 8, seed=7)
+    computed = generate(a, prompt, max_new_tokens=16)
+    assert details(computed)["storage"] == 0
+    # A's write-through reaches the node agent (B's L3 tier too); B has never seen the prompt: it loads it from L3
+    deadline = time.monotonic() + 30
+    while True:
+        loaded = generate(b, prompt, max_new_tokens=16)
+        if details(loaded)["storage"] >= PREFIX_TOKENS or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # pragma: no cover - the write-through was still on its way
+    assert details(loaded)["storage"] >= PREFIX_TOKENS, loaded["meta_info"]
+    assert loaded["output_ids"] == computed["output_ids"] and len(computed["output_ids"]) == 16
+
+
+def test_replicate_by_hand_proves_the_copy(fleet):
+    prompt = ids(PREFIX_TOKENS + 8, seed=11)
+    generate(fleet.gateway, prompt)
+    prefixes = fleet.json("prefixes")["prefixes"]
+    tokens = [p for p in prefixes if p.get("prefix_tokens") == PREFIX_TOKENS and p["holders"]]
+    mine = [p for p in tokens if len(p["holders"]) == 1]
+    assert mine, prefixes
+    pid = max(mine, key=lambda p: p["last_seen_s"])["id"]
+    proc = fleet.cli("replicate", "--prefix", pid, "-n", "1")
+    assert proc.returncode == 0
+    out = proc.stdout + proc.stderr
+    assert "proved" in out or "done" in out, out
+    rec = http_json(fleet.control + f"/control/replications/{pid}")
+    done = [c for c in rec["copies"] if c["state"] == "done"]
+    assert done and done[-1]["proof_storage_tokens"] >= done[-1]["covered_tokens"], rec
+
+
+def test_the_proof_script_proves_a_copy(fleet):
+    proc = fleet.cli_script("scripts/sglang-l3-proof.py", "--prefix-tokens", "1024", "--seed", "5", "--format", "json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_status_and_the_control_api_show_sglangs_own_numbers(fleet):
+    # SGLang counts what its HiCache did: pages written to L3, tokens prefetched from it
+    for url in fleet.workers:
+        text = metrics_text(url)
+        assert "sglang:backuped_tokens_total" in text
+    fleet_view = http_json(fleet.control + "/control/fleet")
+    assert len(fleet_view["workers"]) == 2
+
+
+def test_the_agent_killed_mid_copy_fails_the_copy_and_sglang_keeps_serving(fleet):
+    """Last but one: the node agent is gone afterwards."""
+    b = fleet.workers[1]
+    fleet.cli("tune", "policy=btb")  # the published rule copies as soon as the detector fires
+    long_prompt = ids(4096, seed=13)  # 16 chunks of 256 tokens: seconds of prefill on this CPU
+    answers: list[dict] = []
+
+    def send() -> None:
+        answers.append(generate(fleet.gateway, long_prompt))
+
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for th in threads:  # two arrivals within the window: the detector fires, a copy trails the source's prefill
+        th.start()
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while http_json(fleet.control + "/control/transfers")["in_flight"] == 0:
+        assert time.monotonic() < deadline, "no copy started"
+        time.sleep(0.02)
+    fleet.signal("agent-local", signal.SIGKILL)
+    for th in threads:
+        th.join(180)
+    # every request answered once, SGLang keeps serving without its L3 tier (a store call is a miss)
+    assert len(answers) == 2 and all(x["meta_info"]["completion_tokens"] == 1 for x in answers), answers
+    assert generate(b, ids(PREFIX_TOKENS, seed=17))["meta_info"]["completion_tokens"] == 1
+    tr = fleet.settle()
+    l3 = [c for c in tr["transfers"] if c["mode"] == "l3"]
+    assert any(c["state"] == "failed" and "agent" in (c["error"] or "") for c in l3), l3
+    # no target counted warm without its proof
+    for c in l3:
+        if c["state"] == "done":
+            assert c["proof_storage_tokens"] >= c["covered_tokens"], c
+    assert fleet.cli("status", check=False).returncode == 1  # degraded: the agent is down
+
+
+def test_the_stand_in_replaced_only_what_the_facts_name(fleet):
+    lines = check_standin_log(fleet.standin_log)
+    names = {x["name"] for x in lines}
+    # it was in use: every server built its host pool unpinned and copied device<->host through it
+    assert "MHATokenToKVPoolHost.__init__ (pin_memory=False)" in names
+    assert "MHATokenToKVPoolHost.backup_from_device_all_layer" in names
+    assert "MHATokenToKVPoolHost.load_to_device_per_layer" in names
+    assert len({x["pid"] for x in lines if x["kind"] == "pool"}) >= 2, lines
