@@ -145,12 +145,36 @@ def test_doctor_l3_probes_each_sglang_python_and_the_agents(tmp_path):
     }
     assert _backend_problem(row, Path(sys.executable)) is None
     assert "-m pip install --no-deps ." in _backend_problem(row, broken)
-    assert f"btbctl is not importable by {bare} (replication mode l3: the node agent runs it)" in row["problems"]
+    assert any(
+        p.startswith(f"the node agent cannot run with {bare} (ModuleNotFoundError: No module named 'btbctl')")
+        for p in row["problems"]
+    ), row
     # a worker Python that does not exist is named as such
     cfg.write_text(cfg.read_text().replace(f"python = '{bare}'\n", "").replace(str(broken), "/nonexistent/python3"))
     (row,) = json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)["hosts"]
     assert "command not found: /nonexistent/python3" in row["problems"], row
     assert not any("node agent" in p for p in row["problems"]), row
+
+
+def test_doctor_l3_a_no_deps_install_serves_sglang_but_not_the_agent(tmp_path):
+    """btbctl without its dependencies (as `pip install --no-deps` leaves it in SGLang's environment) is enough for
+    SGLang's L3 backend, not for the node agent: an interpreter like that passes as SGLang's and fails as the agent's,
+    naming the missing dependency."""
+    env = tmp_path / "no-deps-env"
+    env.mkdir()
+    (env / "btbctl").symlink_to(Path(btbctl.__file__).parent)
+    nodeps = tmp_path / "python-btbctl-no-deps"  # no site-packages: only the standard library and btbctl
+    nodeps.write_text(f'#!/bin/sh\ncd {env} && exec {sys.executable} -S "$@"\n')
+    nodeps.chmod(0o755)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f"[replication]\nmode = 'l3'\narena_mib = 1\npython = '{nodeps}'\n"
+        f"[[workers]]\nkind = 'sglang'\nmodel = 'Qwen/Qwen3-8B'\ntp_size = 1\npython = '{nodeps}'\n"
+    )
+    (row,) = json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)["hosts"]
+    assert row["l3"]["sglang_l3"] == {str(nodeps): "ok"} and _backend_problem(row, nodeps) is None
+    agent = [p for p in row["problems"] if p.startswith(f"the node agent cannot run with {nodeps} ")]
+    assert len(agent) == 1 and "No module named" in agent[0] and "replication.python" in agent[0], row
 
 
 def test_doctor_l3_on_a_host_probes_the_worker_python(sshd, tmp_path):

@@ -7,13 +7,14 @@ btbctl and SGLang are importable, whether the worker ports are free on the host'
 with a local subprocess, so a cluster file without hosts is checked too.
 
 In replication mode ``l3`` every place that runs workers also runs a node agent, and SGLang loads btbctl's L3
-backend (``btbctl.sglang_l3``) into each worker: there the probe also checks that the agent's Python imports btbctl,
-that every SGLang worker's Python (its ``python``, else the host's) imports ``btbctl.sglang_l3`` (installed there
-with ``pip install --no-deps``: :data:`L3_INSTALL`), that the agent's fixed ports (``replication.peer_port``,
-``control_port``; 0 is picked at ``up``) are free, and that ``/dev/shm`` has room for the agent's arena
-(``replication.arena_mib``, allocated when the agent starts). A row then carries ``l3``: ``{"arena_mib",
-"shm_free_mib", "sglang_l3": {python: "ok" | why not}}`` (None in other modes). Interpreters other than the row's
-own are probed with :data:`IMPORT_PROBE_CODE` (over the same SSH connection on a host).
+backend (``btbctl.sglang_l3``) into each worker: there the probe also checks that the agent's Python can start
+``btbctl agent`` (btbctl with its dependencies), that every SGLang worker's Python (its ``python``, else the host's)
+imports ``btbctl.sglang_l3`` (installed there with ``pip install --no-deps``: :data:`L3_INSTALL`), that the agent's
+fixed ports (``replication.peer_port``, ``control_port``; 0 is picked at ``up``) are free, and that ``/dev/shm`` has
+room for the agent's arena (``replication.arena_mib``, allocated when the agent starts). A row then carries ``l3``:
+``{"arena_mib", "shm_free_mib", "sglang_l3": {python: "ok" | why not}}`` (None in other modes). The agent's Python
+and other interpreters than the row's own are probed with :data:`IMPORT_PROBE_CODE` (over the same SSH connection
+on a host).
 """
 
 from __future__ import annotations
@@ -102,9 +103,21 @@ print(json.dumps(out))
 """
 )
 
-# no argv; prints {"btbctl", "sglang_l3"}: another interpreter of the same place (an agent's or a worker's python).
+# argv: [agent]; prints {"btbctl", "sglang_l3", "agent"}: what one interpreter of a place imports (a worker's or the
+# node agent's Python). With "agent": whether `python -m btbctl agent` can start there ("ok" or why not: the agent
+# needs btbctl with its dependencies, which a --no-deps install leaves out).
 IMPORT_PROBE_CODE = (
-    'import importlib.util, json\nout = {"btbctl": None, "sglang_l3": None}\n' + _IMPORTS + "print(json.dumps(out))\n"
+    'import importlib.util, json, sys\nout = {"btbctl": None, "sglang_l3": None, "agent": None}\n'
+    + _IMPORTS
+    + r"""
+if "agent" in sys.argv[1:]:
+    try:
+        import btbctl.commands.app, btbctl.engine.agent.agent
+        out["agent"] = "ok"
+    except Exception as e:
+        out["agent"] = (("%s: %s" % (type(e).__name__, e)).strip().splitlines() or ["import failed"])[0]
+print(json.dumps(out))
+"""
 )
 
 
@@ -152,9 +165,14 @@ class _Needs:
         if (python, role) not in self.l3_pythons:
             self.l3_pythons.append((python, role))
 
-    def others(self) -> list[str]:
-        """Interpreters to probe besides ``python``, each once."""
-        return list(dict.fromkeys(py for py, _ in self.l3_pythons if py != self.python))
+    def import_probes(self) -> dict[str, bool]:
+        """``{interpreter: with the agent check}`` to run :data:`IMPORT_PROBE_CODE` with: every one but ``python``,
+        and the agent's always (the main probe does not import the agent's dependencies)."""
+        out: dict[str, bool] = {}
+        for py, role in self.l3_pythons:
+            if py != self.python or role == "agent":
+                out[py] = out.get(py, False) or role == "agent"
+        return out
 
 
 def _row(name: str, address: str) -> dict:
@@ -194,15 +212,21 @@ def _fill(row: dict, probe: dict, needs: _Needs, others: dict[str, dict]) -> Non
                 f"/dev/shm has {shm} MiB free; the node agent's arena needs {needs.arena_mib} MiB "
                 "(replication.arena_mib)"
             )
+    failed: set[str] = set()
     for py, role in needs.l3_pythons:
-        got = probe if py == needs.python else others.get(py, {"error": "not probed"})
+        got = others.get(py) or (probe if py == needs.python else {"error": "not probed"})
         if got.get("error"):
-            row["problems"].append(f"{got['error']}: {py}")
+            if py not in failed:
+                row["problems"].append(f"{got['error']}: {py}")
+                failed.add(py)
             if role == "sglang":
                 row["l3"]["sglang_l3"][py] = got["error"]
             continue
-        if role == "agent" and not got.get("btbctl"):
-            row["problems"].append(f"btbctl is not importable by {py} (replication mode l3: the node agent runs it)")
+        if role == "agent" and got.get("agent") != "ok":
+            row["problems"].append(
+                f"the node agent cannot run with {py} ({got.get('agent') or 'not probed'}); it needs btbctl with its "
+                "dependencies there (`pip install .` in a btbctl checkout), or set replication.python"
+            )
         elif role == "sglang":
             status = got.get("sglang_l3") or "not probed"
             row["l3"]["sglang_l3"][py] = status
@@ -254,8 +278,8 @@ async def _check_host(host: HostSpec, ports: list[int], needs: _Needs) -> dict:
     try:
         argv = list(host.command_prefix) + [host.python, "-c", PROBE_CODE, host.bind_address, *map(str, ports)]
         rc, out = await ssh.run_script(conn, '"$@"', argv, timeout_s=PROBE_TIMEOUT_S)
-        for py in needs.others():
-            argv = list(host.command_prefix) + [py, "-c", IMPORT_PROBE_CODE]
+        for py, agent in needs.import_probes().items():
+            argv = list(host.command_prefix) + [py, "-c", IMPORT_PROBE_CODE] + (["agent"] if agent else [])
             irc, iout = await ssh.run_script(conn, '"$@"', argv, timeout_s=PROBE_TIMEOUT_S)
             others[py] = _import_result(irc, iout, irc == ssh.EXIT_NOT_FOUND)
     except asyncio.TimeoutError:
@@ -292,9 +316,9 @@ def _check_local(address: str, ports: list[int], needs: _Needs) -> dict:
         row["problems"].append(f"the probe did not finish within {PROBE_TIMEOUT_S:g} s")
         return row
     others: dict[str, dict] = {}
-    for py in needs.others():
+    for py, agent in needs.import_probes().items():
         try:
-            r = _run_local([py, "-c", IMPORT_PROBE_CODE])
+            r = _run_local([py, "-c", IMPORT_PROBE_CODE] + (["agent"] if agent else []))
             others[py] = _import_result(r.returncode, r.stdout, False)
         except (FileNotFoundError, PermissionError):
             others[py] = _import_result(None, b"", True)
@@ -338,7 +362,7 @@ def doctor(cluster: ClusterFile) -> dict:
     "python", "btbctl", "sglang", "ports": {port: "free" | reason}, "gpus": [line] | None (no nvidia-smi),
     "rdma": [device], "l3": {"arena_mib", "shm_free_mib", "sglang_l3": {python: "ok" | why}} | None,
     "problems": [line]}``. ``ok`` is true when no row has problems. Hosts are checked in parallel. In replication
-    mode ``l3`` the agent's Python must import btbctl, every SGLang worker's Python must import
+    mode ``l3`` the agent's Python must start ``btbctl agent``, every SGLang worker's Python must import
     ``btbctl.sglang_l3`` (SGLang loads the L3 backend from it) and the agent's arena must fit in ``/dev/shm``.
     """
     places = _ports_by_place(cluster)
