@@ -7,41 +7,68 @@ btbctl and SGLang are importable, whether the worker ports are free on the host'
 with a local subprocess, so a cluster file without hosts is checked too.
 
 In replication mode ``l3`` every place that runs workers also runs a node agent, and SGLang loads btbctl's L3
-backend (``btbctl.sglang_l3``) into each worker: there the probe also checks that btbctl is importable by the
-workers' Python, that the agent's fixed ports (``replication.peer_port``, ``control_port``; 0 is picked at ``up``)
-are free, and that ``/dev/shm`` has room for the agent's arena (``replication.arena_mib``, allocated when the agent
-starts). A row then carries ``l3``: ``{"arena_mib", "shm_free_mib"}`` (None in other modes).
+backend (``btbctl.sglang_l3``) into each worker: there the probe also checks that the agent's Python can start
+``btbctl agent`` (btbctl with its dependencies), that every SGLang worker's Python (its ``python``, else the host's)
+imports ``btbctl.sglang_l3`` (installed there with ``pip install --no-deps``: :data:`L3_INSTALL`), that the agent's
+fixed ports (``replication.peer_port``, ``control_port``; 0 is picked at ``up``) are free, and that ``/dev/shm`` has
+room for the agent's arena (``replication.arena_mib``, allocated when the agent starts). A row then carries ``l3``:
+``{"arena_mib", "shm_free_mib", "sglang_l3": {python: "ok" | why not}}`` (None in other modes). The agent's Python
+and other interpreters than the row's own are probed with :data:`IMPORT_PROBE_CODE` (over the same SSH connection
+on a host).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
+from dataclasses import dataclass, field
 
+from btbctl import __version__
 from btbctl.engine.launcher.cluster import ClusterFile
 from btbctl.engine.launcher.hosts import HostSpec
 
 #: Seconds the probe may run on one host (``nvidia-smi -L`` answers in well under a second on a healthy node).
 PROBE_TIMEOUT_S = 30.0
 
-# argv: BIND_ADDRESS PORT... ; prints one JSON object.
-PROBE_CODE = r"""
-import importlib.util, json, os, platform, shutil, socket, subprocess, sys
-bind, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
-out = {"python": platform.python_version(), "btbctl": None, "sglang": None, "ports": {}, "gpus": None,
-       "rdma": None, "setsid": shutil.which("setsid") is not None, "shm_free_mib": None}
-try:
-    st = os.statvfs("/dev/shm")
-    out["shm_free_mib"] = st.f_bavail * st.f_frsize // (1 << 20)
-except OSError:
-    pass
+#: How SGLang's Python gets btbctl's L3 backend, run in a btbctl checkout (docs/sglang-install.md; the SGLang image
+#: runs the same command): without dependencies, since ``btbctl.sglang_l3`` needs only the standard library and
+#: SGLang's own torch.
+L3_INSTALL = "{python} -m pip install --no-deps ."
+
+# Sets out["btbctl"] (installed version, "present", or None) and out["sglang_l3"] ("ok" or why not): the modules
+# SGLang's scheduler imports from btbctl (the store module, which needs torch and SGLang, is only located).
+_IMPORTS = r"""
 try:
     from importlib.metadata import version
     out["btbctl"] = version("btbctl")
 except Exception:
     out["btbctl"] = "present" if importlib.util.find_spec("btbctl") else None
+try:
+    import btbctl.sglang_l3, btbctl.sglang_l3.client, btbctl.sglang_l3.config, btbctl.sglang_l3.wire
+    found = importlib.util.find_spec("btbctl.sglang_l3.store")
+    out["sglang_l3"] = "ok" if found else "btbctl.sglang_l3.store is missing"
+except Exception as e:
+    out["sglang_l3"] = (("%s: %s" % (type(e).__name__, e)).strip().splitlines() or ["import failed"])[0]
+"""
+
+# argv: BIND_ADDRESS PORT... ; prints one JSON object.
+PROBE_CODE = (
+    r"""
+import importlib.util, json, os, platform, shutil, socket, subprocess, sys
+bind, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
+out = {"python": platform.python_version(), "btbctl": None, "sglang": None, "ports": {}, "gpus": None,
+       "rdma": None, "setsid": shutil.which("setsid") is not None, "shm_free_mib": None, "sglang_l3": None}
+try:
+    st = os.statvfs("/dev/shm")
+    out["shm_free_mib"] = st.f_bavail * st.f_frsize // (1 << 20)
+except OSError:
+    pass
+"""
+    + _IMPORTS
+    + r"""
 try:
     if importlib.util.find_spec("sglang"):
         from importlib.metadata import version
@@ -74,6 +101,24 @@ except OSError:
     out["rdma"] = []
 print(json.dumps(out))
 """
+)
+
+# argv: [agent]; prints {"btbctl", "sglang_l3", "agent"}: what one interpreter of a place imports (a worker's or the
+# node agent's Python). With "agent": whether `python -m btbctl agent` can start there ("ok" or why not: the agent
+# needs btbctl with its dependencies, which a --no-deps install leaves out).
+IMPORT_PROBE_CODE = (
+    'import importlib.util, json, sys\nout = {"btbctl": None, "sglang_l3": None, "agent": None}\n'
+    + _IMPORTS
+    + r"""
+if "agent" in sys.argv[1:]:
+    try:
+        import btbctl.commands.app, btbctl.engine.agent.agent
+        out["agent"] = "ok"
+    except Exception as e:
+        out["agent"] = (("%s: %s" % (type(e).__name__, e)).strip().splitlines() or ["import failed"])[0]
+print(json.dumps(out))
+"""
+)
 
 
 def _ports_by_place(cluster: ClusterFile) -> dict[str, tuple[str, list[int]]]:
@@ -103,6 +148,33 @@ def _ports_by_place(cluster: ClusterFile) -> dict[str, tuple[str, list[int]]]:
     return places
 
 
+@dataclass
+class _Needs:
+    """What one place must provide: the probe runs with ``python``; ``btbctl``/``sglang``: that Python must import
+    them; ``arena_mib``: the place runs an ``l3`` node agent; ``l3_pythons``: interpreters of that place with their
+    role, ``agent`` (runs ``btbctl agent``: imports btbctl) or ``sglang`` (an SGLang worker: imports
+    ``btbctl.sglang_l3``)."""
+
+    python: str
+    btbctl: bool = False
+    sglang: bool = False
+    arena_mib: int | None = None
+    l3_pythons: list[tuple[str, str]] = field(default_factory=list)
+
+    def add(self, python: str, role: str) -> None:
+        if (python, role) not in self.l3_pythons:
+            self.l3_pythons.append((python, role))
+
+    def import_probes(self) -> dict[str, bool]:
+        """``{interpreter: with the agent check}`` to run :data:`IMPORT_PROBE_CODE` with: every one but ``python``,
+        and the agent's always (the main probe does not import the agent's dependencies)."""
+        out: dict[str, bool] = {}
+        for py, role in self.l3_pythons:
+            if py != self.python or role == "agent":
+                out[py] = out.get(py, False) or role == "agent"
+        return out
+
+
 def _row(name: str, address: str) -> dict:
     return {
         "host": name,
@@ -120,19 +192,47 @@ def _row(name: str, address: str) -> dict:
     }
 
 
-def _fill(row: dict, probe: dict, need_btbctl: bool, need_sglang: bool, arena_mib: int | None = None) -> None:
+def l3_fix(python: str) -> str:
+    """One line: how to make ``python`` (SGLang's) import btbctl's L3 backend."""
+    cmd = L3_INSTALL.format(python=shlex.quote(python))
+    return f"fix: in a btbctl {__version__} checkout run `{cmd}` (docs/sglang-install.md)"
+
+
+def _fill(row: dict, probe: dict, needs: _Needs, others: dict[str, dict]) -> None:
+    """Fill ``row`` from the probe of ``needs.python`` and ``others`` (``{python: its import probe, or {"error":
+    why}}``) and list the problems."""
     row.update({k: probe.get(k) for k in ("python", "btbctl", "sglang", "ports", "gpus", "rdma")})
-    if need_btbctl and not row["btbctl"]:
-        why = " (replication mode l3: the node agent and SGLang's L3 backend need it)" if arena_mib else ""
-        row["problems"].append(f"btbctl is not importable by this Python{why}")
-    if arena_mib is not None:
+    if needs.btbctl and not row["btbctl"]:
+        row["problems"].append("btbctl is not importable by this Python")
+    if needs.arena_mib is not None or needs.l3_pythons:
         shm = probe.get("shm_free_mib")
-        row["l3"] = {"arena_mib": arena_mib, "shm_free_mib": shm}
-        if isinstance(shm, int) and shm < arena_mib:
+        row["l3"] = {"arena_mib": needs.arena_mib, "shm_free_mib": shm, "sglang_l3": {}}
+        if isinstance(shm, int) and needs.arena_mib is not None and shm < needs.arena_mib:
             row["problems"].append(
-                f"/dev/shm has {shm} MiB free; the node agent's arena needs {arena_mib} MiB (replication.arena_mib)"
+                f"/dev/shm has {shm} MiB free; the node agent's arena needs {needs.arena_mib} MiB "
+                "(replication.arena_mib)"
             )
-    if need_sglang and not row["sglang"]:
+    failed: set[str] = set()
+    for py, role in needs.l3_pythons:
+        got = others.get(py) or (probe if py == needs.python else {"error": "not probed"})
+        if got.get("error"):
+            if py not in failed:
+                row["problems"].append(f"{got['error']}: {py}")
+                failed.add(py)
+            if role == "sglang":
+                row["l3"]["sglang_l3"][py] = got["error"]
+            continue
+        if role == "agent" and got.get("agent") != "ok":
+            row["problems"].append(
+                f"the node agent cannot run with {py} ({got.get('agent') or 'not probed'}); it needs btbctl with its "
+                "dependencies there (`pip install .` in a btbctl checkout), or set replication.python"
+            )
+        elif role == "sglang":
+            status = got.get("sglang_l3") or "not probed"
+            row["l3"]["sglang_l3"][py] = status
+            if status != "ok":
+                row["problems"].append(f"SGLang's Python {py} cannot import btbctl.sglang_l3 ({status}); {l3_fix(py)}")
+    if needs.sglang and not row["sglang"]:
         row["problems"].append("sglang is not importable by this Python")
     for port, st in (row["ports"] or {}).items():
         if st != "free":
@@ -153,9 +253,15 @@ def _parse_probe(out: bytes | str) -> dict | None:
     return None
 
 
-async def _check_host(
-    host: HostSpec, ports: list[int], need_btbctl: bool, need_sglang: bool, arena_mib: int | None = None
-) -> dict:
+def _import_result(rc: int | None, out: bytes | str, not_found: bool) -> dict:
+    """An import probe's answer, or ``{"error": why}``."""
+    if not_found:
+        return {"error": "command not found"}
+    got = _parse_probe(out)
+    return got if got is not None else {"error": f"the import probe failed with status {rc}"}
+
+
+async def _check_host(host: HostSpec, ports: list[int], needs: _Needs) -> dict:
     from btbctl.engine.launcher import ssh
 
     row = _row(host.name, f"{host.address}:{host.port}")
@@ -168,9 +274,14 @@ async def _check_host(
         row["problems"].append(f"{e.cause}: {e.detail}" if e.detail else e.cause)
         return row
     row["reachable"] = row["auth"] = "yes"
+    others: dict[str, dict] = {}
     try:
         argv = list(host.command_prefix) + [host.python, "-c", PROBE_CODE, host.bind_address, *map(str, ports)]
         rc, out = await ssh.run_script(conn, '"$@"', argv, timeout_s=PROBE_TIMEOUT_S)
+        for py, agent in needs.import_probes().items():
+            argv = list(host.command_prefix) + [py, "-c", IMPORT_PROBE_CODE] + (["agent"] if agent else [])
+            irc, iout = await ssh.run_script(conn, '"$@"', argv, timeout_s=PROBE_TIMEOUT_S)
+            others[py] = _import_result(irc, iout, irc == ssh.EXIT_NOT_FOUND)
     except asyncio.TimeoutError:
         row["problems"].append(f"the probe did not finish within {PROBE_TIMEOUT_S:g} s")
         return row
@@ -184,35 +295,64 @@ async def _check_host(
         last = out.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"status {rc}"]
         row["problems"].append(f"probe failed: {last[0]}")
     else:
-        _fill(row, probe, need_btbctl, need_sglang, arena_mib)
+        _fill(row, probe, needs, others)
     return row
 
 
-def _check_local(
-    address: str, ports: list[int], need_btbctl: bool, need_sglang: bool, python: str, arena_mib: int | None = None
-) -> dict:
+def _run_local(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def _check_local(address: str, ports: list[int], needs: _Needs) -> dict:
     row = _row("local", address)
     row["reachable"] = row["auth"] = "yes"
     try:
-        res = subprocess.run(
-            [python, "-c", PROBE_CODE, address, *map(str, ports)],
-            capture_output=True,
-            timeout=PROBE_TIMEOUT_S,
-            stdin=subprocess.DEVNULL,
-        )
+        res = _run_local([needs.python, "-c", PROBE_CODE, address, *map(str, ports)])
     except FileNotFoundError:
         row["python"] = "not found"
-        row["problems"].append(f"command not found: {python}")
+        row["problems"].append(f"command not found: {needs.python}")
         return row
     except subprocess.TimeoutExpired:
         row["problems"].append(f"the probe did not finish within {PROBE_TIMEOUT_S:g} s")
         return row
+    others: dict[str, dict] = {}
+    for py, agent in needs.import_probes().items():
+        try:
+            r = _run_local([py, "-c", IMPORT_PROBE_CODE] + (["agent"] if agent else []))
+            others[py] = _import_result(r.returncode, r.stdout, False)
+        except (FileNotFoundError, PermissionError):
+            others[py] = _import_result(None, b"", True)
+        except subprocess.TimeoutExpired:
+            others[py] = {"error": f"the import probe did not finish within {PROBE_TIMEOUT_S:g} s"}
     probe = _parse_probe(res.stdout)
     if probe is None:
         row["problems"].append(f"probe failed with status {res.returncode}")
     else:
-        _fill(row, probe, need_btbctl, need_sglang, arena_mib)
+        _fill(row, probe, needs, others)
     return row
+
+
+def _needs(cluster: ClusterFile) -> dict[str, _Needs]:
+    """``{place key: _Needs}`` of every place with workers (keys as :func:`_ports_by_place`)."""
+    l3 = cluster.replication_mode == "l3"
+    rep = cluster.replication
+    needs: dict[str, _Needs] = {}
+    for spec in cluster.workers:
+        host = cluster.host_of(spec)
+        key = host.name if host is not None else f"local {spec.host}"
+        python = spec.python or (host.python if host is not None else sys.executable)
+        # the probe's Python: the host's on a [[hosts]] entry, the first worker's on this machine
+        n = needs.setdefault(key, _Needs(host.python if host is not None else python))
+        n.btbctl = n.btbctl or (spec.kind == "emulated" and spec.command is None)
+        launched_sglang = spec.kind == "sglang" and spec.command is None
+        n.sglang = n.sglang or launched_sglang
+        if l3 and launched_sglang:
+            n.add(python, "sglang")
+    for h, first_host in _agent_places(cluster):
+        n = needs[h.name if h is not None else f"local {first_host}"]
+        n.arena_mib = rep.arena_mib
+        n.add(rep.python or (h.python if h is not None else sys.executable), "agent")
+    return needs
 
 
 def doctor(cluster: ClusterFile) -> dict:
@@ -220,38 +360,24 @@ def doctor(cluster: ClusterFile) -> dict:
 
     Returns ``{"ok": bool, "hosts": [row]}``; a row (keys stable) is ``{"host", "address", "reachable", "auth",
     "python", "btbctl", "sglang", "ports": {port: "free" | reason}, "gpus": [line] | None (no nvidia-smi),
-    "rdma": [device], "l3": {"arena_mib", "shm_free_mib"} | None, "problems": [line]}``. ``ok`` is true when no
-    row has problems. Hosts are checked in parallel. In replication mode ``l3`` every worker's Python must import
-    btbctl (the agent runs it, SGLang loads its L3 backend) and the agent's arena must fit in ``/dev/shm``.
+    "rdma": [device], "l3": {"arena_mib", "shm_free_mib", "sglang_l3": {python: "ok" | why}} | None,
+    "problems": [line]}``. ``ok`` is true when no row has problems. Hosts are checked in parallel. In replication
+    mode ``l3`` the agent's Python must start ``btbctl agent``, every SGLang worker's Python must import
+    ``btbctl.sglang_l3`` (SGLang loads the L3 backend from it) and the agent's arena must fit in ``/dev/shm``.
     """
-    l3 = cluster.replication_mode == "l3"
-    arena = cluster.replication.arena_mib if l3 else None
     places = _ports_by_place(cluster)
-    needs: dict[str, tuple[bool, bool, str]] = {}
-    for spec in cluster.workers:
-        host = cluster.host_of(spec)
-        key = host.name if host is not None else f"local {spec.host}"
-        b, s, py = needs.get(key, (False, False, spec.python or (host.python if host else sys.executable)))
-        emulated = spec.kind == "emulated" and spec.command is None
-        needs[key] = (b or emulated or l3, s or (spec.kind == "sglang" and spec.command is None), py)
-    agent_places = {h.name if h is not None else f"local {spec_host}" for h, spec_host in _agent_places(cluster)}
+    needs = _needs(cluster)
     remote = [(h, places.get(h.name, (h.bind_address, []))[1]) for h in cluster.hosts]
 
     async def _all():
         return await asyncio.gather(
-            *[
-                _check_host(
-                    h, ports, *needs.get(h.name, (False, False, ""))[:2], arena if h.name in agent_places else None
-                )
-                for h, ports in remote
-            ]
+            *[_check_host(h, ports, needs.get(h.name) or _Needs(h.python)) for h, ports in remote]
         )
 
     rows = []
     for key, (bind, ports) in places.items():
         if key.startswith("local "):
-            need = needs.get(key, (True, False, sys.executable))
-            rows.append(_check_local(bind, ports, need[0], need[1], need[2], arena if key in agent_places else None))
+            rows.append(_check_local(bind, ports, needs.get(key) or _Needs(sys.executable, btbctl=True)))
     rows += asyncio.run(_all()) if remote else []
     return {"ok": not any(r["problems"] for r in rows), "hosts": rows}
 
@@ -265,4 +391,4 @@ def _agent_places(cluster: ClusterFile) -> list[tuple[HostSpec | None, str]]:
     return out
 
 
-__all__ = ["PROBE_CODE", "doctor"]
+__all__ = ["IMPORT_PROBE_CODE", "L3_INSTALL", "PROBE_CODE", "doctor", "l3_fix"]
