@@ -36,6 +36,10 @@ def worker(
     max_running_requests: Annotated[
         int, typer.Option("--max-running-requests", help="Most requests running at once.")
     ] = 256,
+    max_total_tokens: Annotated[
+        int | None,
+        typer.Option("--max-total-tokens", help="Device KV pool, tokens (default: what the presets leave in HBM)."),
+    ] = None,
     enable_metrics: Annotated[bool, typer.Option("--enable-metrics", help="Serve Prometheus /metrics.")] = False,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU preset pretended (btbctl presets).")] = "h100",
     time_scale: Annotated[
@@ -108,6 +112,7 @@ def worker(
         page_size=page_size,
         chunked_prefill_size=chunked_prefill_size,
         max_running_requests=max_running_requests,
+        max_total_tokens=max_total_tokens,
         enable_metrics=enable_metrics,
         gpu=gpu,
         time_scale=time_scale,

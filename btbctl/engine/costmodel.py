@@ -168,6 +168,19 @@ MODELS: dict[str, ModelPreset] = {
             _INFERSIM + "; 64 query heads x 192 q/k dim from the Kimi-K2 (DeepSeek-V3 MLA) config",
         ),
         ModelPreset(
+            "tiny-llama",
+            4.17e6,
+            4.17e6,
+            2,
+            2,
+            2,
+            16,
+            4 * 16,
+            "the random Llama of btbctl's real-SGLang harness (tests/sglang_cpu/tiny_model.py: hidden 64, 2 layers, "
+            "4 query / 2 KV heads of 16, vocabulary 32,000): lets an emulated worker stand for that server",
+            context_tokens=16384,
+        ),
+        ModelPreset(
             "dense-1t",
             1e12,
             1e12,

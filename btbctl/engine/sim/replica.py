@@ -219,6 +219,7 @@ class ReplicaModel:
         chunk_tokens: int,
         max_running: int,
         events: ReplicaEvents,
+        kv_tokens: int | None = None,
     ) -> None:
         self.idx = idx
         self.cost = cost
@@ -227,7 +228,7 @@ class ReplicaModel:
         self.max_running = max_running
         self.events = events
         self.cache = PrefixCache(
-            cost.kv_budget_tokens,
+            cost.kv_budget_tokens if kv_tokens is None else kv_tokens,
             block_tokens,
             events.block_inserted,
             events.block_evicted,

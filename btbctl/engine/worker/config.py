@@ -55,6 +55,8 @@ class WorkerConfig(BaseModel):
     """SGLang ``--chunked-prefill-size`` in tokens; -1 disables chunking; None = SGLang's default for the GPU."""
     max_running_requests: int = Field(DEFAULT_MAX_RUNNING, ge=1)
     """SGLang ``--max-running-requests``."""
+    max_total_tokens: int | None = Field(None, ge=1)
+    """SGLang ``--max-total-tokens``: the device KV pool, tokens (None: what the model's presets leave in HBM)."""
     enable_metrics: bool = False
     """SGLang ``--enable-metrics``: serve Prometheus ``/metrics``."""
     gpu: str = "h100"

@@ -88,7 +88,7 @@ class ModelDriver:
         self.cluster = cfg.cluster()
         self.cost = self.cluster.replica_cost()
         self.block_tokens = cfg.page_size
-        self.capacity_tokens = self.cost.kv_budget_tokens
+        self.capacity_tokens = cfg.max_total_tokens or self.cost.kv_budget_tokens
         self.zero = cfg.zero
         self.scale = cfg.time_scale
         self.clock = clock
@@ -118,6 +118,7 @@ class ModelDriver:
             chunk_tokens=self.cluster.chunk_tokens(),
             max_running=self.cluster.max_running,
             events=self,
+            kv_tokens=self.capacity_tokens,
         )
 
     # -- clock ------------------------------------------------------------------------------------------------
