@@ -405,11 +405,12 @@ class DataPlane:
             gauge = metrics.inflight_gauge(worker_label(w))
             gauge.inc()
             prefilled = False
+            solo: list[tuple[int, float]] = []  # (cached tokens, sent at) of a calibration sample (see below)
             if chain and state.transfers.active:
                 await _await_copy_accepted(state, idx, chain)
 
             # w and idx bound as defaults: the callback belongs to this attempt's worker
-            def first_byte(now: float | None = None, w=w, idx=idx) -> None:
+            def first_byte(now: float | None = None, w=w, idx=idx, solo=solo) -> None:
                 nonlocal prefilled, learned
                 prefilled = True
                 if chain and not learned:
@@ -421,6 +422,8 @@ class DataPlane:
                 if chain:
                     w.hold(chain)
                 ttft = now - t0
+                if solo:  # a request alone on its worker: what its prefill really took
+                    state.observe_prefill(req.input_tokens, solo[0][0], now - solo[0][1])
                 state.record_ttft(idx, now, ttft)
                 metrics.observe_ttft(worker_label(w), ttft, policy_name)
                 gw.mark_changed("ttft")
@@ -434,6 +437,8 @@ class DataPlane:
                         excluded.append(idx)
                         continue
                     deadline = loop.time() + lim.first_byte_timeout_s
+                if state.calibrating and w.inflight == 1 and (stream or req.output_tokens <= 1):
+                    solo.append((w.held_blocks(chain) * gw.page_size if chain else 0, state.clock()))
                 try:
                     resp = await self._until_first_byte(
                         gw.session.post(

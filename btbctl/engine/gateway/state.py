@@ -22,10 +22,11 @@ Time here is monotonic seconds since the gateway started (``now_s``), the clock 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from btbctl.engine.chains import count_blocks, uncount_blocks
@@ -46,8 +47,11 @@ CHAIN_INDEX_BLOCKS = 1 << 18
 #: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.admission_wait_s` (EWMA weight of a new
 #: sample); a product choice.
 TTFT_EWMA_ALPHA = 0.2
-#: Smoothing of the measured copy figures (:class:`CopyMeasures`); a product choice.
+#: Smoothing of the measured copy figures (:class:`CopyMeasures`) and the prefill calibration; a product choice.
 MEASURE_EWMA_ALPHA = 0.3
+#: Bounds of :attr:`FleetState.prefill_scale` (a CPU test server is about 10^3 slower than the default guess).
+MIN_PREFILL_SCALE = 1e-2
+MAX_PREFILL_SCALE = 1e5
 
 
 class Clock:
@@ -232,6 +236,9 @@ class Transfer:
         landed_s: ``now_s`` when the target's node held every page (l3; None until then).
         path: ``(source agent, target agent)`` names (l3), the key of the measured agent-to-agent rate.
         send_s: seconds the source agent spent sending this copy's bytes (l3), once known.
+        overlap_s: ``l3``: seconds during which pages already moved while the source was still writing the prefix
+            through (its first page out until its last page in; > 0: the copy streamed behind the prefill), once
+            known.
     """
 
     copy_id: str
@@ -263,6 +270,7 @@ class Transfer:
     landed_s: float | None = None
     path: tuple[str, str] | None = None
     send_s: float | None = None
+    overlap_s: float | None = None
 
     @property
     def active(self) -> bool:
@@ -514,7 +522,12 @@ class FleetState:
         self.copy_capable: Callable[[int], bool] | None = None
         #: ``l3``: what the copies measured (agent-to-agent rates, proof time), read by :meth:`copy_status`
         self.copy_measures = CopyMeasures()
+        #: measured over modelled prefill time on workers that name no presets (None: not measured yet)
+        self.prefill_scale: float | None = None
+        self._log_scale: float | None = None
         self._cost = None
+        self._cost_guessed = False
+        self._scaled: tuple | None = None
         self._queues: dict[int, tuple] = {}  # replica -> (worker version, copies version, total, groups)
 
     # -- FleetView ---------------------------------------------------------------------------------------------
@@ -711,7 +724,9 @@ class FleetState:
     @property
     def cost(self):
         """Cost model of one replica: from the first worker whose ``/btb/info`` names known model/GPU presets
-        (``model_preset``, ``gpu``, ``tp_size``), else the default cluster's (Llama-3.3-70B on 4xH100)."""
+        (``model_preset``, ``gpu``, ``tp_size``); else (real SGLang workers, which name none) the default cluster's
+        (Llama-3.3-70B on 4xH100) **calibrated** by what the fleet measured: its prefill and decode times scaled by
+        :attr:`prefill_scale` (:meth:`observe_prefill`)."""
         if self._cost is None:
             cost = None
             for w in self.workers:
@@ -726,8 +741,38 @@ class FleetState:
                     break
                 except Exception:  # noqa: BLE001 - untrusted /btb/info: unknown preset names (a real model), missing fields
                     continue
+            self._cost_guessed = cost is None
             self._cost = cost or ClusterConfig().replica_cost()
-        return self._cost
+            self._scaled = None
+        if not self._cost_guessed or self.prefill_scale is None:
+            return self._cost
+        if self._scaled is None or abs(self._scaled[0] / self.prefill_scale - 1.0) > 0.05:
+            base = self._cost
+            k = self.prefill_scale
+            self._scaled = (k, replace(base, mfu=base.mfu / k, hbm_efficiency=base.hbm_efficiency / k))
+        return self._scaled[1]
+
+    @property
+    def calibrating(self) -> bool:
+        """Whether the cost model is a guess that the fleet's measurements calibrate (no worker names presets)."""
+        if self._cost is None:
+            self.cost  # noqa: B018 - settles the guess
+        return self._cost_guessed
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A request of ``new_tokens`` prompt tokens (``cached_tokens`` of them recorded as cached on its worker)
+        that was alone on its worker got its first byte ``seconds`` after it was sent: move :attr:`prefill_scale`
+        (measured over modelled time, EWMA of its logarithm, weight :data:`MEASURE_EWMA_ALPHA`, clamped to
+        [:data:`MIN_PREFILL_SCALE`, :data:`MAX_PREFILL_SCALE`])."""
+        if not self.calibrating or seconds <= 0:
+            return
+        cached = min(cached_tokens, max(0, new_tokens - 1))
+        modelled = self._cost.prefill_time_s(new_tokens - cached, cached)
+        if modelled <= 0:
+            return
+        x = math.log(min(MAX_PREFILL_SCALE, max(MIN_PREFILL_SCALE, seconds / modelled)))
+        self._log_scale = x if self._log_scale is None else self._log_scale + MEASURE_EWMA_ALPHA * (x - self._log_scale)
+        self.prefill_scale = math.exp(self._log_scale)
 
     def reset_cost(self) -> None:
         """Forget :attr:`cost` (a worker's ``/btb/info`` may now name the presets); it is rebuilt when next read."""
