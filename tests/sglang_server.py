@@ -93,6 +93,7 @@ class SglangFleet:
     env: dict[str, str]
     status: dict
     standin_log: Path
+    testbed: object = None
 
     def cli(self, *args: str, timeout: float = 300.0, check: bool = True) -> subprocess.CompletedProcess:
         """``python -m btbctl ARGS --run-dir RUN`` with the harness environment."""
@@ -137,6 +138,27 @@ class SglangFleet:
     @property
     def workers(self) -> list[str]:
         return [w["url"].rstrip("/") for w in self.status["workers"]]
+
+    def _agent(self, path: str, body: dict, timeout: float = 30.0) -> dict:
+        """``POST`` to the fleet's (first) node agent's control API with its token."""
+        agent = self.status["agents"][0]
+        token = (self.run_dir / "agent.token").read_text().strip()
+        req = urllib.request.Request(
+            agent["control_url"].rstrip("/") + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+        )
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def agent_run(self, keys: list[str]) -> int:
+        """Leading run of ``keys`` the node agent holds, in the namespace that holds most."""
+        return max(self._agent("/v1/has", {"keys": keys})["namespaces"].values(), default=0)
+
+    def wait_written(self, keys: list[str], wait_s: float = 20.0) -> None:
+        """Wait until the node agent holds every page of ``keys`` (a worker's write-through is asynchronous)."""
+        ans = self._agent("/v1/wait", {"keys": keys, "wait_s": wait_s}, timeout=wait_s + 10)
+        assert ans["complete"], f"the agent holds {ans['namespaces']} of {len(keys)} pages after {wait_s} s"
 
     def settle(self, timeout_s: float = 120.0) -> dict:
         """``GET /control/transfers`` once no copy is in flight."""

@@ -18,8 +18,9 @@ import time
 
 import pytest
 
+from btbctl.sglang_l3.keys import page_keys
 from launcher_helpers import http_json
-from sglang_server import SglangFleet, check_standin_log, details, generate, ids, metrics_text, start, stop
+from sglang_server import PAGE, SglangFleet, check_standin_log, details, generate, ids, metrics_text, start, stop
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.timeout(900)]
 
@@ -86,8 +87,10 @@ def test_up_of_an_all_sglang_l3_fleet_and_its_status(fleet):
 
 
 def test_a_burst_under_the_default_policy_and_btb_is_proved_by_storage_tokens(fleet):
-    rep = _bench(fleet, seed=101)
-    _check_burst(fleet, rep, 12)
+    # btb_plus copies when one holder cannot keep up (it prices the work from what the servers took, here on this
+    # CPU): 24 requests within a second
+    rep = _bench(fleet, seed=101, n=24, spread_s=1.0)
+    _check_burst(fleet, rep, 24)
     fleet.cli("tune", "policy=btb")
     try:
         rep = _bench(fleet, seed=102)
@@ -115,11 +118,10 @@ def test_greedy_output_after_an_l3_load_equals_the_computed_one(fleet):
 def test_replicate_by_hand_proves_the_copy(fleet):
     prompt = ids(PREFIX_TOKENS + 8, seed=11)
     generate(fleet.gateway, prompt)
-    prefixes = fleet.json("prefixes")["prefixes"]
-    tokens = [p for p in prefixes if p.get("prefix_tokens") == PREFIX_TOKENS and p["holders"]]
-    mine = [p for p in tokens if len(p["holders"]) == 1]
-    assert mine, prefixes
-    pid = max(mine, key=lambda p: p["last_seen_s"])["id"]
+    chain = set(page_keys(prompt, PAGE))
+    mine = [p for p in fleet.json("prefixes")["prefixes"] if p["id"] in chain]
+    assert mine and all(len(p["holders"]) == 1 for p in mine), mine
+    pid = max(mine, key=lambda p: p["prefix_blocks"])["id"]
     proc = fleet.cli("replicate", "--prefix", pid, "-n", "1")
     assert proc.returncode == 0
     out = proc.stdout + proc.stderr
@@ -146,8 +148,10 @@ def test_status_and_the_control_api_show_sglangs_own_numbers(fleet):
 def test_the_agent_killed_mid_copy_fails_the_copy_and_sglang_keeps_serving(fleet):
     """Last but one: the node agent is gone afterwards."""
     b = fleet.workers[1]
-    fleet.cli("tune", "policy=btb")  # the published rule copies as soon as the detector fires
-    long_prompt = ids(4096, seed=13)  # 16 chunks of 256 tokens: seconds of prefill on this CPU
+    # the published rule copies as soon as the detector fires; a 3,200-token prefix (13 chunks of prefill on this
+    # CPU) keeps the copy waiting for the source's write-through long enough to kill the agent in the middle
+    fleet.cli("tune", "policy=btb", "prefix_blocks=200")
+    long_prompt = ids(4096, seed=13)
     answers: list[dict] = []
 
     def send() -> None:

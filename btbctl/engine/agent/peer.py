@@ -354,6 +354,8 @@ class CopyRecord:
     source_complete_s: float | None = None
     #: bumped at each milestone (state, source complete); ``GET /v1/copies/{id}?since=V`` waits for it to pass V
     version: int = 0
+    #: Unix seconds when the first page went out (source) or verified (target); None before
+    first_page_s: float | None = None
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -561,6 +563,8 @@ class _Verifier:
                 self.error = f"page {i} ({self.names[i]}): xxh3_64 mismatch (corrupted or forged)"
                 continue
             self.pages.set(i, off, digest)
+            if self.rec.first_page_s is None:
+                self.rec.first_page_s = time.time()
             self.rec.pages_done += 1
             self.rec.bytes_done += size
             if self.metrics is not None:
@@ -915,6 +919,8 @@ class PeerService:
                 t_send = time.monotonic()
                 conn.send_page(i, data, digest)
                 st["send_s"] += time.monotonic() - t_send
+                if rec.first_page_s is None:
+                    rec.first_page_s = time.time()
                 if f is not None and f.delay_s > 0:
                     time.sleep(f.delay_s)
                 sent += len(data)

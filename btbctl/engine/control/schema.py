@@ -333,6 +333,9 @@ class TransferEntry(Answer):
     """l3: seconds of the warm-up proof."""
     blocks_available: int | None = None
     """Leading blocks the source holds so far (a copy trails a source still prefilling; null when not said)."""
+    overlap_s: float | None = None
+    """l3: seconds during which pages already moved while the source was still writing the prefix through (> 0:
+    the copy streamed behind the source's prefill); null until known."""
 
 
 class TransferTotals(Answer):

@@ -601,6 +601,9 @@ class L3Replicator(CopyExecutor):
                 t.transfer_s = now - (t.started_s or now)
                 t.blocks_verified = len(t.chain)
                 t.send_s = sum(float(x.get("send_s") or 0.0) for x in (rec.get("targets") or {}).values())
+                first, complete = rec.get("first_page_s"), rec.get("source_complete_s")
+                if isinstance(first, (int, float)) and isinstance(complete, (int, float)):
+                    t.overlap_s = max(0.0, complete - first)
                 if t.path is not None:
                     self.state.copy_measures.copied(t.path, t.bytes_total, t.send_s, len(t.chain))
                 return None

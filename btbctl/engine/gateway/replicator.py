@@ -138,6 +138,9 @@ class CopyExecutor:
     async def _job(self, t: Transfer, source_confirmed: bool) -> None:
         raise NotImplementedError
 
+    def _fail(self, t: Transfer, reason: str) -> None:
+        raise NotImplementedError
+
     # -- starting jobs ------------------------------------------------------------------------------------------
 
     def execute(self, plan: CopyPlan, policy: Policy, excluded: Collection[int] = ()) -> list[int]:
@@ -177,6 +180,8 @@ class CopyExecutor:
         task = asyncio.get_running_loop().create_task(self._job(t, source_confirmed))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # a job cancelled before it ran (the gateway stopping) never reaches its own handler: end it here
+        task.add_done_callback(lambda _task, t=t: self._fail(t, "gateway stopped") if t.active else None)
         self._changed(t)
         return t
 

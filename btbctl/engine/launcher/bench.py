@@ -40,10 +40,11 @@ over successful requests only; a summary with no successful request holds nulls.
 
 When the target is a BTB gateway whose control API is known, the result also has ``copies``: the copies that
 finished (``done`` or ``failed``) during the replay, oldest first, each ``{"copy_id", "prefix", "source", "target",
-"mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s", "proof_storage_tokens",
-"covered_tokens", "error"}`` (:func:`copies_during`; ``usable_s``: planned until the target could serve the prefix;
-``l3`` mode only: ``phases_s`` ``{"source", "transfer", "proof"}`` seconds, ``proof_storage_tokens`` the tokens the
-target's warm-up loaded from L3, ``covered_tokens`` the prefix). Without a control API ``copies`` is null.
+"mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s", "overlap_s",
+"proof_storage_tokens", "covered_tokens", "error"}`` (:func:`copies_during`; ``usable_s``: planned until the target
+could serve the prefix; ``l3`` mode only: ``phases_s`` ``{"source", "transfer", "proof"}`` seconds, ``overlap_s``
+the seconds pages moved while the source was still prefilling, ``proof_storage_tokens`` the tokens the target's
+warm-up loaded from L3, ``covered_tokens`` the prefix). Without a control API ``copies`` is null.
 """
 
 from __future__ import annotations
@@ -559,6 +560,7 @@ def copies_during(before: dict | None, after: dict | None) -> list[dict] | None:
                 "outcome": t.get("outcome"),
                 "usable_s": t.get("usable_s"),
                 "phases_s": {k: t.get(f"phase_{k}_s") for k in ("source", "transfer", "proof")},
+                "overlap_s": t.get("overlap_s"),
                 "error": t.get("error"),
                 "finished_s": fin,
             }

@@ -1,0 +1,111 @@
+"""The gateway's ``l3`` executor without agents or SGLang: a request routed to a copy's target waits at the gateway
+until the copy is proved (and is routed again if the copy fails), proofs are classified honestly, and the number of
+copy jobs in flight is bounded. The whole path with real agents and SGLang: tests/test_sglang_server.py and the
+namespace testbed's tests/test_netns_l3_*.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from btbctl.engine.copies import CopyOutcome
+from btbctl.engine.gateway.l3 import L3Replicator, classify_proof
+from btbctl.engine.gateway.prompt import chain_from_packed, prompt_of
+from btbctl.engine.gateway.state import FleetState, Transfer
+from gateway_fakes import GatewayEnv, until
+
+TEXT = "a shared system prompt " * 8
+
+
+def _chain(page_size: int) -> tuple:
+    data, _ = prompt_of("generate", {"text": TEXT})
+    return chain_from_packed(data, page_size)
+
+
+@pytest.mark.parametrize(
+    ("proof", "covered", "outcome"),
+    [
+        ({"device": 0, "host": 0, "storage": 1024}, 1024, CopyOutcome.PROVED),
+        ({"device": 0, "host": 0, "storage": 1040}, 1024, CopyOutcome.PROVED),
+        ({"device": 1024, "host": 0, "storage": 0}, 1024, CopyOutcome.COMPUTED),  # the target had it: not a copy
+        ({"device": 512, "host": 0, "storage": 512}, 1024, CopyOutcome.COMPUTED),
+        ({"device": 0, "host": 0, "storage": 512}, 1024, CopyOutcome.SHORT),  # e.g. clipped to the host tier
+        ({"device": 0, "host": 0, "storage": 0}, 1024, CopyOutcome.SHORT),
+    ],
+)
+def test_a_copy_counts_as_proved_only_when_storage_covers_the_prefix(proof, covered, outcome):
+    assert classify_proof(proof, covered) is outcome
+
+
+async def _gated_request(env: GatewayEnv, target: int, result: bool) -> tuple[int, list[int]]:
+    """Send one request while a copy of its prefix to ``target`` is in flight and the policy picks ``target``;
+    resolve the copy's ``ready`` with ``result`` once the request waited; returns the answer's status and how
+    many requests each worker got."""
+    gw = env.gw
+    await until(lambda: all(w.healthy for w in gw.state.workers))
+    chain = _chain(gw.page_size)[:4]
+    loop = asyncio.get_running_loop()
+    t = Transfer(copy_id="c0ffee", key=chain[-1], chain=chain, source=1 - target, target=target, mode="l3")
+    t.ready = loop.create_future()
+    gw.state.transfers.add(t)
+    picks = iter([target, 1 - target])
+    gw.policy.route = lambda req, view, now: type("R", (), {"replica": next(picks), "copies": ()})()
+    task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
+    await asyncio.sleep(0.3)
+    assert not task.done() and [len(w.requests) for w in env.fleet] == [0, 0]  # held at the gateway
+    assert gw.state.workers[target].inflight == 1  # and counted as queued on the target meanwhile
+    t.ready.set_result(result)
+    status, _ = await task
+    return status, [len(w.requests) for w in env.fleet]
+
+
+async def test_a_request_for_a_copy_in_flight_waits_for_the_proof_then_goes_to_the_target():
+    async with GatewayEnv(2) as env:
+        status, got = await _gated_request(env, target=1, result=True)
+        assert status == 200 and got == [0, 1]
+
+
+async def test_a_request_waiting_for_a_failed_copy_is_routed_again_and_answered_once():
+    async with GatewayEnv(2) as env:
+        status, got = await _gated_request(env, target=1, result=False)
+        assert status == 200 and got == [1, 0]
+        assert env.gw.state.workers[1].healthy  # a failed copy is not the worker's failure
+
+
+class _Prefixes:
+    def get(self, chain, page_size):
+        return list(range(len(chain) * page_size)), None, None
+
+
+async def test_copy_jobs_in_flight_are_capped_per_fleet_and_per_agent():
+    state = FleetState([f"http://127.0.0.1:{9 + i}" for i in range(6)])
+    for w in state.workers:
+        w.healthy = True
+    agents = [{"name": f"a{i}", "control_url": "http://127.0.0.1:9", "peer_addr": "127.0.0.1:9"} for i in range(3)]
+
+    async def hang():  # every agent call hangs: the jobs stay in flight
+        await asyncio.Event().wait()
+
+    rep = L3Replicator(
+        state,
+        lambda: None,
+        agents=agents,
+        worker_agents=[0, 0, 1, 1, 2, 2],
+        agent_token=None,
+        prefix_tokens=_Prefixes(),
+        page_size=lambda: 16,
+        max_copies=3,
+        max_copies_per_agent=2,
+    )
+    rep._steps = lambda t, pinned: hang()  # the job's agent work is not under test here
+    chains = [tuple(f"{k}{i}" for i in range(4)) for k in "abcdef"]
+    assert rep.request_copy(chains[0], 0, 2) is not None  # agents a0, a1
+    assert rep.request_copy(chains[1], 1, 3) is not None  # a0, a1: both at their limit of 2
+    assert rep.refusal(chains[2], 0, 4) == "agent a0 has 2 copies in flight (its limit)"
+    assert rep.request_copy(chains[2], 4, 5) is not None  # a2 only: the fleet's third
+    assert rep.refusal(chains[3], 5, 4).startswith("3 l3 copies in flight, the fleet's limit")
+    await rep.close()  # the jobs end failed ("gateway stopped") and free their places
+    assert rep.refusal(chains[3], 0, 2) is None
+    assert {t.outcome for t in state.transfers.recent} == {"failed"}
+    assert all(t.ready is not None and t.ready.done() and t.ready.result() is False for t in state.transfers.recent)
