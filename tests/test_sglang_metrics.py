@@ -11,6 +11,7 @@ import json
 import pytest
 
 from btbctl.engine.control import schema
+from btbctl.engine.dashboard.control_source import ControlApiSource
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.engine.gateway.health import summarize_loads
 from btbctl.engine.gateway.reports import worker_numbers
@@ -193,7 +194,7 @@ async def test_the_scraper_reads_server_info_once_and_bounds_every_read():
         await fake.stop()
 
 
-# -- through a gateway: the control API ---------------------------------------------------------------------------
+# -- through a gateway: the control API and the dashboard ---------------------------------------------------------
 
 
 async def _gateway(urls: list[str], **kw):
@@ -233,6 +234,16 @@ async def test_a_real_sglang_workers_cached_prefix_shows_in_the_fleet_view():
         assert w.kv_use == pytest.approx(5648 / 8192)  # not 0 %: the cache holds a prefix
         assert w.model_dump(include=set(RECORDED)) == RECORDED
         assert w.last_metrics_s is not None and fake.hits["/server_info"] == 1
+        # the dashboard's snapshot, as the TUI gets it
+        src = ControlApiSource(gw.control_url, "t", stream=False, local_gpus=False)
+        try:
+            snap = await src.snapshot()
+        finally:
+            await src.close()
+        (row,) = snap.workers
+        assert (row.kv_used_tokens, row.kv_cached_tokens, row.kv_capacity_tokens) == (0, 5648, 8192)
+        assert row.kv_held_fraction == pytest.approx(5648 / 8192) and row.source == "sglang_metrics"
+        assert (row.host_tier_tokens, row.storage_hit_tokens_total, row.load_back_tokens_total) == (5648, 768, 512)
     finally:
         await gw.stop()
         await fake.stop()
@@ -264,3 +275,60 @@ async def test_a_bad_or_missing_metrics_never_marks_a_worker_down():
         await gw.stop()
         for f in fakes:
             await f.stop()
+
+
+# -- the dashboard's fleet panel ----------------------------------------------------------------------------------
+
+
+async def test_the_fleet_panel_shows_the_cached_prefix_the_host_tier_and_where_numbers_come_from():
+    import io
+
+    from rich.console import Console
+    from textual.app import App
+    from textual.widgets import Static
+
+    from btbctl.engine.dashboard import FleetSnapshot, WorkerRow
+    from btbctl.tui.widgets.panels import FleetPanel
+
+    real = WorkerRow(
+        "w0",
+        True,
+        0,
+        0,
+        0,
+        8192,
+        source="sglang_metrics",
+        **{
+            k: v for k, v in RECORDED.items() if k not in ("running", "waiting", "kv_used_tokens", "kv_capacity_tokens")
+        },
+    )
+    plain = WorkerRow("w1", True, 2, 1, 30, 100, source="sglang_loads", metrics_note="/metrics answered HTTP 404")
+    snap = FleetSnapshot(now_s=1.0, connected=True, message="", workers=(real, plain))
+
+    def shown(panel: FleetPanel) -> dict[str, list[str]]:
+        console = Console(width=panel.size.width, record=True, file=io.StringIO())
+        console.print(panel.query_one("#fleet-body", Static).content)
+        return {ln.split()[0]: ln.split() for ln in console.export_text().splitlines() if ln.strip()}
+
+    for width in (38, 90):
+
+        class One(App):
+            CSS = f"FleetPanel {{ width: {width}; height: 10; }}"
+
+            def compose(self):
+                yield FleetPanel()
+
+        app = One()
+        async with app.run_test(size=(100, 12)) as pilot:
+            panel = app.query_one(FleetPanel)
+            panel.update_snapshot(snap)
+            await pilot.pause()
+            rows = shown(panel)
+            # 69 % of the KV cache holds the cached prefix (shaded), none of it running requests; host tier 5.5k
+            assert rows["w0"][:7] == ["w0", "up", "0", "0", "▓▓▓▓░░", "69%", "6k"]
+            assert rows["w1"][:7] == ["w1", "up", "2", "1", "██░░░░", "30%", "-"]
+            if width >= 64:
+                assert rows["w0"][7:] == ["768", "768", "4k", "sglang"] and rows["w1"][7:] == ["-", "-", "-", "loads"]
+            else:
+                assert len(rows["w0"]) == 7
+            assert panel.border_subtitle == "2 workers, 1 sglang, 1 loads"
