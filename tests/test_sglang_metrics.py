@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -17,7 +18,9 @@ from btbctl.engine.gateway.health import summarize_loads
 from btbctl.engine.gateway.reports import worker_numbers
 from btbctl.engine.gateway.sglang_metrics import MetricsScraper, parse_sglang_metrics, summarize_server_info
 from btbctl.engine.gateway.state import WorkerState
+from btbctl.engine.launcher.rundir import ProcessRecord, RunDir, RunState, process_start_time
 from gateway_fakes import SGLANG_RECORDED, RecordedSglang, until
+from helpers import run_cli
 
 METRICS = (SGLANG_RECORDED / "metrics.txt").read_text(encoding="utf-8")
 LOADS = json.loads((SGLANG_RECORDED / "v1-loads.json").read_text(encoding="utf-8"))
@@ -194,7 +197,7 @@ async def test_the_scraper_reads_server_info_once_and_bounds_every_read():
         await fake.stop()
 
 
-# -- through a gateway: the control API and the dashboard ---------------------------------------------------------
+# -- through a gateway: the control API, the dashboard, the CLI ---------------------------------------------------
 
 
 async def _gateway(urls: list[str], **kw):
@@ -272,6 +275,75 @@ async def test_a_bad_or_missing_metrics_never_marks_a_worker_down():
             assert w.kv_cached_tokens is None and w.host_tier_tokens is None
         assert "/metrics" not in fakes[3].hits and fakes[0].hits["/server_info"] == 1
     finally:
+        await gw.stop()
+        for f in fakes:
+            await f.stop()
+
+
+def _record(name: str, role: str, url: str, pid: int) -> ProcessRecord:
+    """A record of the sleeping stand-in process ``pid`` (its own session): ``status`` reads it as running."""
+    kind = "sglang" if role == "worker" else role
+    return ProcessRecord(name, role, kind, pid, pid, process_start_time(pid), ["python"], "log", url=url)
+
+
+async def test_status_and_prefixes_show_each_workers_own_numbers(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    fakes = [await RecordedSglang().start(), await RecordedSglang(metrics_status=404).start()]
+    gw = await _gateway([f.url for f in fakes])
+    # the processes the run directory records: one sleeping child (its own process group) stands in for all
+    stand_in = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(120)", start_new_session=True
+    )
+    pid = stand_in.pid
+    try:
+        await until(lambda: all(w.metrics or w.metrics_note for w in gw.state.workers))
+        rd = RunDir(tmp_path / "run")
+        rd.prepare()
+        rd.save(
+            RunState(
+                run_dir=str(rd.path),
+                created_at=1.0,
+                detached=True,
+                replication="none",
+                gateway_url=gw.data_url,
+                control_url=gw.control_url,
+                processes=[
+                    _record("cpu-0", "worker", fakes[0].url, pid),
+                    _record("cpu-1", "worker", fakes[1].url, pid),
+                    _record("gateway", "gateway", gw.data_url, pid),
+                ],
+                complete=True,
+            )
+        )
+        run = str(rd.path)
+        code, out, err = await asyncio.to_thread(run_cli, capsys, "status", "--run-dir", run, "--format", "json")
+        assert code == 0, err
+        a, b = json.loads(out)["workers"]
+        assert {k: a[k] for k in RECORDED} == RECORDED and a["metrics_source"] == "sglang_metrics"
+        assert a["kv_use"] == pytest.approx(5648 / 8192)
+        assert b["metrics_source"] == "sglang_loads" and b["kv_cached_tokens"] is None
+        assert b["metrics_note"] == "/metrics answered HTTP 404"
+        code, out, err = await asyncio.to_thread(run_cli, capsys, "status", "--run-dir", run)
+        assert code == 0, err
+        line_a = next(ln for ln in out.splitlines() if ln.startswith("cpu-0"))
+        line_b = next(ln for ln in out.splitlines() if ln.startswith("cpu-1"))
+        assert "0+5648/8192" in line_a and "sglang /metrics" in line_a
+        assert "0/8192" in line_b and "sglang /v1/loads" in line_b and "/metrics answered HTTP 404" in line_b
+
+        code, out, err = await asyncio.to_thread(run_cli, capsys, "prefixes", "--run-dir", run, "--format", "json")
+        assert code == 0, err
+        res = json.loads(out)
+        assert res["prefixes"] == [] and [w["name"] for w in res["workers"]] == ["w0", "w1"]
+        assert {k: res["workers"][0][k] for k in RECORDED} == RECORDED
+        assert res["workers"][1]["storage_hit_tokens_total"] is None
+        code, out, err = await asyncio.to_thread(run_cli, capsys, "prefixes", "--run-dir", run)
+        assert code == 0, err
+        row = next(ln for ln in out.splitlines() if ln.startswith("w0 "))
+        assert row.split() == ["w0", "0+5648/8192", "5648", "768", "768", "4608", "512", "sglang", "/metrics"]
+        assert next(ln for ln in out.splitlines() if ln.startswith("w1 ")).split()[2:7] == ["-"] * 5
+    finally:
+        stand_in.kill()
+        await stand_in.wait()
         await gw.stop()
         for f in fakes:
             await f.stop()

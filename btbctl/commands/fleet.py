@@ -18,6 +18,25 @@ from btbctl.commands.output import Format, Output
 RUN_DIR_HELP = "Run directory of the fleet (default: runs/default under the user state directory)."
 
 
+#: How a table names where a worker's numbers come from (``metrics_source``).
+SOURCE_WORDS = {"sglang_metrics": "sglang /metrics", "sglang_loads": "sglang /v1/loads", "modelled": "modelled"}
+
+
+def kv_cell(w: dict) -> str:
+    """A worker's KV cache for a table, in tokens: ``used+cached/size`` (``0+5648/8192``: held by running requests,
+    cached prefixes, capacity), ``used/size`` when it reports no cached part, ``-`` when unknown."""
+    used, cached, cap = w.get("kv_used_tokens"), w.get("kv_cached_tokens"), w.get("kv_capacity_tokens")
+    if cap is None:
+        return "-"
+    head = "-" if used is None else str(used)
+    return f"{head}+{cached}/{cap}" if cached is not None else f"{head}/{cap}"
+
+
+def count_cell(v: int | None) -> str:
+    """A count for a table, ``-`` when the worker does not report it."""
+    return "-" if v is None else str(v)
+
+
 def _render_status(out: Output, st: dict) -> None:
     from rich.table import Table
 
@@ -27,9 +46,10 @@ def _render_status(out: Output, st: dict) -> None:
     c.print(f"gateway {st.get('gateway_url') or '-'} ({state}), policy {st.get('policy') or '-'}")
     c.print(f"control {st.get('control_url') or '-'}")
     t = Table(box=None, pad_edge=False)
-    for col in ("name", "host", "url", "healthy", "process", "in flight", "copies", "note"):
+    cols = ("name", "host", "url", "healthy", "process", "in flight", "copies", "KV used+cached/size", "host tier")
+    for col in (*cols, "numbers", "note"):
         # URLs and names are never cut (a script or a reader copies them); the note folds instead
-        t.add_column(col, no_wrap=col != "note", overflow="fold", min_width=len(col))
+        t.add_column(col, no_wrap=col != "note", overflow="fold", min_width=min(len(col), 9))
     for w in st["workers"]:
         t.add_row(
             w["name"],
@@ -39,7 +59,10 @@ def _render_status(out: Output, st: dict) -> None:
             f"pid {w['pid']}" if w["alive"] else f"[red]{w.get('exit') or 'exited'}[/red]",
             "-" if w.get("inflight") is None else str(w["inflight"]),
             w.get("replication") or "-",
-            w.get("health_error") or "",
+            kv_cell(w),
+            count_cell(w.get("host_tier_tokens")),
+            SOURCE_WORDS.get(w.get("metrics_source") or "", "-"),
+            w.get("health_error") or w.get("metrics_note") or "",
         )
     c.print(t)
     for a in st.get("agents") or []:
