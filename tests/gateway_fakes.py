@@ -8,6 +8,7 @@ the shared :mod:`btbctl.engine.hashing` (not the gateway's fast path), so a test
 from __future__ import annotations
 
 import asyncio
+import gzip
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -391,12 +392,14 @@ class RecordedSglang:
     ``/v1/loads``, ``/metrics``, ``/server_info``, ``/model_info``; 404 on the ``/btb`` routes
     (stock SGLang). Knobs: ``metrics_status`` (another status for ``/metrics``), ``metrics_body`` (bytes instead of
     the recorded text), ``metrics_delay_s`` (wait before answering ``/metrics``), ``enable_metrics`` (what
-    ``/server_info`` says). ``hits`` counts the requests per path."""
+    ``/server_info`` says), ``metrics_gzip`` (gzip ``/metrics``: None when the client accepts it, like SGLang's
+    prometheus_client; True always). ``hits`` counts the requests per path."""
 
     metrics_status: int = 200
     metrics_body: bytes | None = None
     metrics_delay_s: float = 0.0
     enable_metrics: bool = True
+    metrics_gzip: bool | None = None
     hits: dict = field(default_factory=dict)
     url: str = ""
     runner: web.AppRunner | None = None
@@ -448,4 +451,9 @@ class RecordedSglang:
         if self.metrics_status != 200:
             return web.Response(status=self.metrics_status, text="no\n")
         body = self.metrics_body if self.metrics_body is not None else self._body("metrics.txt")
+        if self.metrics_gzip or (self.metrics_gzip is None and "gzip" in request.headers.get("Accept-Encoding", "")):
+            # as prometheus_client's exposition does when the client accepts gzip (SGLang serves it so)
+            return web.Response(
+                body=gzip.compress(body), content_type="text/plain", headers={"Content-Encoding": "gzip"}
+            )
         return web.Response(body=body, content_type="text/plain")

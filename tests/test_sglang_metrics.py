@@ -176,6 +176,12 @@ async def test_the_scraper_reads_server_info_once_and_bounds_every_read():
         assert w.server_info["version"] == "0.5.23"
         big = await _scrape(fake, timeout_s=2.0, max_bytes=10_000)  # the recorded text is about 95 kB
         assert big.metrics is None and big.metrics_note.startswith("/metrics failed: BodyTooLarge")
+        # a server that gzips although asked for the plain body: decompressed, within the same bound
+        fake.metrics_gzip = True
+        assert (await _scrape(fake, timeout_s=2.0)).metrics == RECORDED
+        bomb = await _scrape(fake, timeout_s=2.0, max_bytes=30_000)  # about 10 kB gzipped, 95 kB plain
+        assert bomb.metrics is None and bomb.metrics_note.startswith("/metrics failed: BodyTooLarge")
+        fake.metrics_gzip = None
         fake.metrics_delay_s = 1.0
         slow = await _scrape(fake, timeout_s=0.2)
         assert slow.metrics is None and "TimeoutError" in slow.metrics_note

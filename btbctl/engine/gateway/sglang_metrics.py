@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,11 +151,18 @@ def summarize_server_info(body: Any) -> dict:
     }
 
 
+#: Asked of every worker: the plain body. prometheus_client (SGLang's ``/metrics``) gzips its answer when the client
+#: accepts gzip, and the gateway's session passes bodies through undecoded.
+_HEADERS = {"Accept-Encoding": "identity"}
+
+
 async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The body of ``resp``, at most ``limit`` bytes.
+    """The body of ``resp``, at most ``limit`` bytes; a gzip body (a server that compresses anyway) is
+    decompressed, to at most ``limit`` bytes too.
 
     Raises:
         BodyTooLarge: it is longer.
+        ValueError: a gzip body that does not decompress (``zlib.error`` is not one: it is turned into one).
     """
     if resp.content_length is not None and resp.content_length > limit:
         raise BodyTooLarge(f"{resp.content_length} bytes")
@@ -164,7 +172,17 @@ async def _read_bounded(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         if n > limit:
             raise BodyTooLarge(f"over {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    if body[:2] != b"\x1f\x8b":  # not gzip (Prometheus text and JSON never start so)
+        return body
+    d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise ValueError(f"bad gzip body: {e}") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise BodyTooLarge(f"over {limit} bytes decompressed")
+    return out
 
 
 #: Exceptions that mean "no usable answer" from a worker.
@@ -214,7 +232,7 @@ class MetricsScraper:
         self._task: asyncio.Task | None = None
 
     async def _get(self, url: str, limit: int) -> tuple[int, bytes]:
-        async with self._session().get(url, timeout=self.timeout) as resp:
+        async with self._session().get(url, timeout=self.timeout, headers=_HEADERS) as resp:
             if resp.status != 200:
                 return resp.status, b""
             return 200, await _read_bounded(resp, limit)
