@@ -366,7 +366,7 @@ async def test_the_fleet_panel_shows_the_cached_prefix_the_host_tier_and_where_n
     from textual.widgets import Static
 
     from btbctl.engine.dashboard import FleetSnapshot, WorkerRow
-    from btbctl.tui.widgets.panels import FleetPanel
+    from btbctl.tui.widgets.panels import FleetPanel, sources_note
 
     real = WorkerRow(
         "w0",
@@ -410,3 +410,4 @@ async def test_the_fleet_panel_shows_the_cached_prefix_the_host_tier_and_where_n
             else:
                 assert len(rows["w0"]) == 7
             assert panel.border_subtitle == "2 workers, 1 sglang, 1 loads"
+    assert sources_note((real, real)) == "via sglang" and sources_note(()) == ""

@@ -120,18 +120,16 @@ def _tokens(n: int | None) -> str:
 
 
 def sources_note(rows) -> str:
-    """Where the workers' numbers come from, in a few words for the panel's border: ``sglang metrics`` (SGLang's
-    ``/metrics``), ``sglang loads only`` (its ``/v1/loads``: no cache numbers), ``modelled`` (the cost model), or
-    counts when they differ (``2 sglang, 1 model``); empty when unknown."""
+    """Where the workers' numbers come from, in a few words for the panel's border: ``via sglang`` (SGLang's
+    ``/metrics``), ``via /v1/loads`` (only SGLang's ``/v1/loads``: no cache numbers), ``modelled`` (the cost model),
+    or counts when they differ (``2 sglang, 1 model``); empty when unknown."""
     kinds = [r.source for r in rows if r.source]
     if not kinds:
         return ""
     if len(set(kinds)) == 1:
-        return {
-            "sglang_metrics": "sglang metrics",
-            "sglang_loads": "sglang loads only",
-            "modelled": "modelled",
-        }.get(kinds[0], kinds[0])
+        return {"sglang_metrics": "via sglang", "sglang_loads": "via /v1/loads", "modelled": "modelled"}.get(
+            kinds[0], kinds[0]
+        )
     counts: dict[str, int] = {}
     for k in kinds:
         counts[k] = counts.get(k, 0) + 1
