@@ -335,6 +335,12 @@ async def test_status_and_prefixes_show_each_workers_own_numbers(tmp_path, capsy
         line_b = next(ln for ln in out.splitlines() if ln.startswith("cpu-1"))
         assert "0+5648/8192" in line_a and "sglang /metrics" in line_a
         assert "0/8192" in line_b and "sglang /v1/loads" in line_b and "/metrics answered HTTP 404" in line_b
+        # on an 80-column terminal the worker's own numbers give way: names and URLs are never cut
+        monkeypatch.setenv("COLUMNS", "80")
+        code, out, err = await asyncio.to_thread(run_cli, capsys, "status", "--run-dir", run)
+        line_a = next(ln for ln in out.splitlines() if ln.startswith("cpu-0"))
+        assert code == 0 and fakes[0].url in line_a and "5648" not in line_a
+        monkeypatch.setenv("COLUMNS", "200")
 
         code, out, err = await asyncio.to_thread(run_cli, capsys, "prefixes", "--run-dir", run, "--format", "json")
         assert code == 0, err

@@ -228,10 +228,18 @@ def prefixes(
     def cache(d: dict) -> None:
         from rich.table import Table
 
-        t = Table(box=None, pad_edge=False, title="KV cache per worker, tokens", title_justify="left")
-        cols = ("worker", "KV used+cached/size", "host tier", "L3 hits", "L3 read", "L3 written", "loaded back")
-        for col in (*cols, "numbers"):
-            t.add_column(col, no_wrap=True, justify="left" if col in ("worker", "numbers") else "right")
+        title = "KV cache per worker, tokens (KV: used by running requests + cached / size)"
+        t = Table(box=None, pad_edge=False, title=title, title_justify="left")
+        widest = {
+            "worker": max((len(w["name"]) for w in d["workers"]), default=6),
+            "KV": max((len(kv_cell(w)) for w in d["workers"]), default=2),
+        }
+        # worker names and the KV cell are never cut; the other headers wrap on a narrow console
+        t.add_column("worker", no_wrap=True, min_width=widest["worker"])
+        t.add_column("KV", justify="right", no_wrap=True, min_width=widest["KV"])
+        for col in ("host tier", "L3 hits", "L3 read", "L3 written", "loaded back"):
+            t.add_column(col, justify="right", overflow="fold")
+        t.add_column("numbers", overflow="fold")
         for w in d["workers"]:
             t.add_row(
                 w["name"],
