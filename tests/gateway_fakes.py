@@ -8,9 +8,11 @@ the shared :mod:`btbctl.engine.hashing` (not the gateway's fast path), so a test
 from __future__ import annotations
 
 import asyncio
+import gzip
 import itertools
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
@@ -378,3 +380,80 @@ async def until(pred, timeout_s: float = 3.0) -> None:
     while not pred():
         assert loop.time() < end, "condition not reached"
         await asyncio.sleep(0.01)
+
+
+#: Answers of a real SGLang 0.5.23 server (two CPU workers after a 16-request burst; tests/data/sglang-0.5.23).
+SGLANG_RECORDED = Path(__file__).resolve().parent / "data" / "sglang-0.5.23"
+
+
+@dataclass
+class RecordedSglang:
+    """A fake SGLang server answering with the recorded bodies of :data:`SGLANG_RECORDED`: ``/health``,
+    ``/v1/loads``, ``/metrics``, ``/server_info``, ``/model_info``; 404 on the ``/btb`` routes
+    (stock SGLang). Knobs: ``metrics_status`` (another status for ``/metrics``), ``metrics_body`` (bytes instead of
+    the recorded text), ``metrics_delay_s`` (wait before answering ``/metrics``), ``enable_metrics`` (what
+    ``/server_info`` says), ``metrics_gzip`` (gzip ``/metrics``: None when the client accepts it, like SGLang's
+    prometheus_client; True always). ``hits`` counts the requests per path."""
+
+    metrics_status: int = 200
+    metrics_body: bytes | None = None
+    metrics_delay_s: float = 0.0
+    enable_metrics: bool = True
+    metrics_gzip: bool | None = None
+    hits: dict = field(default_factory=dict)
+    url: str = ""
+    runner: web.AppRunner | None = None
+
+    def _body(self, name: str) -> bytes:
+        return (SGLANG_RECORDED / name).read_bytes()
+
+    async def start(self) -> RecordedSglang:
+        app = web.Application(middlewares=[self._count])
+        r = app.router
+        for path, name in (("/v1/loads", "v1-loads.json"), ("/model_info", "model_info.json")):
+            r.add_get(path, self._recorded_json(name))
+        r.add_get("/health", self.health)
+        r.add_get("/server_info", self.server_info)
+        r.add_get("/metrics", self.metrics)
+        self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    @web.middleware
+    async def _count(self, request, handler):
+        self.hits[request.path] = self.hits.get(request.path, 0) + 1
+        return await handler(request)
+
+    def _recorded_json(self, name: str):
+        async def answer(request):
+            return web.Response(body=self._body(name), content_type="application/json")
+
+        return answer
+
+    async def health(self, request):
+        return web.Response(status=200)
+
+    async def server_info(self, request):
+        info = json.loads(self._body("server_info.json"))
+        info["enable_metrics"] = self.enable_metrics
+        return web.json_response(info)
+
+    async def metrics(self, request):
+        if self.metrics_delay_s:
+            await asyncio.sleep(self.metrics_delay_s)
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status, text="no\n")
+        body = self.metrics_body if self.metrics_body is not None else self._body("metrics.txt")
+        if self.metrics_gzip or (self.metrics_gzip is None and "gzip" in request.headers.get("Accept-Encoding", "")):
+            # as prometheus_client's exposition does when the client accepts gzip (SGLang serves it so)
+            return web.Response(
+                body=gzip.compress(body), content_type="text/plain", headers={"Content-Encoding": "gzip"}
+            )
+        return web.Response(body=body, content_type="text/plain")

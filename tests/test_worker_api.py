@@ -11,6 +11,7 @@ import time
 import pytest
 
 from btbctl.engine import hashing
+from btbctl.engine.gateway.sglang_metrics import parse_sglang_metrics
 from test_worker_support import WorkerProc, start_workers
 
 TOKEN = "s3cret-token"
@@ -213,6 +214,17 @@ def test_metrics_names_and_labels(w):
     assert 'model_name="llama-test"' in text
     count = [ln for ln in text.splitlines() if ln.startswith("sglang:time_to_first_token_seconds_count")]
     assert float(count[0].split()[-1]) >= 1
+
+
+def test_metrics_count_a_cached_prefix_as_evictable_like_sglang(w):
+    """SGLang's num_used_tokens counts running requests only; a finished request's prefix stays cached and shows
+    as sglang:kv_evictable_tokens, which the gateway reads (the modelled numbers of the emulated worker)."""
+    w.post("/generate", {"input_ids": _ids(2 * PAGE, 41), "sampling_params": {"max_new_tokens": 1}})
+    st, text = w.get("/metrics")
+    got = parse_sglang_metrics(text)
+    assert got["running"] == got["waiting"] == got["kv_used_tokens"] == 0
+    assert got["kv_cached_tokens"] >= 2 * PAGE and got["kv_capacity_tokens"] > 100_000
+    assert "host_tier_tokens" not in got  # no HiCache here: nothing to report
 
 
 def test_btb_info_and_prefixes(w):

@@ -12,6 +12,7 @@ import pytest
 
 from agent_helpers import start_agent
 from btbctl.engine.errors import ConfigError
+from btbctl.engine.gateway.sglang_metrics import parse_sglang_metrics
 from btbctl.engine.hashing import pack_text
 from btbctl.engine.worker.config import make_config
 from btbctl.sglang_l3.keys import page_keys
@@ -124,6 +125,10 @@ def test_write_through_then_another_worker_loads_the_prefix_from_l3(agent, worke
         assert samples[f'sglang:{name}{{model_name="llama-3.3-70b",pp_rank="0",tp_rank="0"}}'] == 512
     assert samples['sglang:hicache_host_used_tokens{model_name="llama-3.3-70b",pp_rank="0",tp_rank="0"}'] == 512
     assert samples['sglang:hicache_host_total_tokens{model_name="llama-3.3-70b",pp_rank="0",tp_rank="0"}'] > 0
+    # what the gateway reads of it: the L3 read went host -> device once (SGLang's load-back, pool kv)
+    got = parse_sglang_metrics(text)
+    assert got["load_back_tokens_total"] == 512 and got["storage_prefetched_tokens_total"] == 512
+    assert got["host_tier_tokens"] == 512 and got["kv_cached_tokens"] >= 512  # the prefix stays cached
 
     # OpenAI routes report the breakdown only when asked (SGLang's sglext), streamed or not
     c = workers(*_flags(agent.socket))
@@ -180,6 +185,7 @@ def test_host_tier_serves_what_the_device_evicted(agent, workers):
     d = _gen(w, prefixes[0] + [2])["cached_tokens_details"]
     # eviction takes leaves first: the tail of the prefix left the device, the host tier has it
     assert d["host"] >= PAGE and d["device"] + d["host"] == 512 and d["storage"] == 0, d
+    assert parse_sglang_metrics(w.get("/metrics")[1])["load_back_tokens_total"] == d["host"]
 
 
 def test_tokenizer_endpoint_and_text_prompts_hash_to_sglang_page_keys(agent, workers):

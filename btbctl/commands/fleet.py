@@ -18,6 +18,60 @@ from btbctl.commands.output import Format, Output
 RUN_DIR_HELP = "Run directory of the fleet (default: runs/default under the user state directory)."
 
 
+#: How a table names where a worker's numbers come from (``metrics_source``).
+SOURCE_WORDS = {"sglang_metrics": "sglang /metrics", "sglang_loads": "sglang /v1/loads", "modelled": "modelled"}
+
+
+def kv_cell(w: dict) -> str:
+    """A worker's KV cache for a table, in tokens: ``used+cached/size`` (``0+5648/8192``: held by running requests,
+    cached prefixes, capacity), ``used/size`` when it reports no cached part, ``-`` when unknown."""
+    used, cached, cap = w.get("kv_used_tokens"), w.get("kv_cached_tokens"), w.get("kv_capacity_tokens")
+    if cap is None:
+        return "-"
+    head = "-" if used is None else str(used)
+    return f"{head}+{cached}/{cap}" if cached is not None else f"{head}/{cap}"
+
+
+def count_cell(v: int | None) -> str:
+    """A count for a table, ``-`` when the worker does not report it."""
+    return "-" if v is None else str(v)
+
+
+#: The columns of the status table before its note, and the optional ones, dropped last first on a narrow console.
+STATUS_COLUMNS = (
+    "name",
+    "host",
+    "url",
+    "healthy",
+    "process",
+    "in flight",
+    "copies",
+    "KV used+cached/size",
+    "host tier",
+)
+STATUS_COLUMNS += ("numbers",)
+STATUS_OPTIONAL = ("KV used+cached/size", "host tier", "numbers")
+#: Cells the status table keeps for its note when it decides which optional columns fit.
+NOTE_MIN_WIDTH = 12
+
+
+def _fitting(width: int, rows: list[dict], cols: tuple[str, ...], optional: tuple[str, ...]) -> tuple[str, ...]:
+    """``cols`` less as many of ``optional`` (the last one first) as needed for the table to fit ``width`` cells
+    without cutting a cell (two cells between columns, and room for a note)."""
+    from rich.text import Text
+
+    def need(col: str) -> int:
+        return max([len(col), *(Text.from_markup(r[col]).cell_len for r in rows)])
+
+    keep = list(cols)
+    for drop in (None, *reversed(optional)):
+        if drop is not None:
+            keep.remove(drop)
+        if sum(need(c) + 2 for c in keep) + NOTE_MIN_WIDTH <= width:
+            break
+    return tuple(keep)
+
+
 def _render_status(out: Output, st: dict) -> None:
     from rich.table import Table
 
@@ -26,21 +80,32 @@ def _render_status(out: Output, st: dict) -> None:
     state = "up" if gw.get("reachable") else ("process running, API not answering" if gw.get("alive") else "down")
     c.print(f"gateway {st.get('gateway_url') or '-'} ({state}), policy {st.get('policy') or '-'}")
     c.print(f"control {st.get('control_url') or '-'}")
+    rows = [
+        {
+            "name": w["name"],
+            "host": w.get("host") or "local",
+            "url": w["url"] or "-",
+            "healthy": "yes" if w["healthy"] else "[red]no[/red]",
+            "process": f"pid {w['pid']}" if w["alive"] else f"[red]{w.get('exit') or 'exited'}[/red]",
+            "in flight": "-" if w.get("inflight") is None else str(w["inflight"]),
+            "copies": w.get("replication") or "-",
+            "KV used+cached/size": kv_cell(w),
+            "host tier": count_cell(w.get("host_tier_tokens")),
+            "numbers": SOURCE_WORDS.get(w.get("metrics_source") or "", "-"),
+            "note": w.get("health_error") or "",
+            "metrics note": w.get("metrics_note") or "",
+        }
+        for w in st["workers"]
+    ]
+    cols = _fitting(c.width, rows, STATUS_COLUMNS, STATUS_OPTIONAL)
     t = Table(box=None, pad_edge=False)
-    for col in ("name", "host", "url", "healthy", "process", "in flight", "copies", "note"):
-        # URLs and names are never cut (a script or a reader copies them); the note folds instead
-        t.add_column(col, no_wrap=col != "note", overflow="fold", min_width=len(col))
-    for w in st["workers"]:
-        t.add_row(
-            w["name"],
-            w.get("host") or "local",
-            w["url"] or "-",
-            "yes" if w["healthy"] else "[red]no[/red]",
-            f"pid {w['pid']}" if w["alive"] else f"[red]{w.get('exit') or 'exited'}[/red]",
-            "-" if w.get("inflight") is None else str(w["inflight"]),
-            w.get("replication") or "-",
-            w.get("health_error") or "",
-        )
+    for col in (*cols, "note"):
+        # URLs and names are never cut (a script or a reader copies them): the worker's own numbers are left out
+        # on a console too narrow for them, and the note folds
+        t.add_column(col, no_wrap=col != "note", overflow="fold", min_width=min(len(col), 9))
+    for r in rows:
+        note = r["note"] or (r["metrics note"] if "KV used+cached/size" in cols else "")
+        t.add_row(*(r[col] for col in cols), note)
     c.print(t)
     for a in st.get("agents") or []:
         alive = f"pid {a['pid']}" if a["alive"] else "[red]exited[/red]"

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.fleet import RUN_DIR_HELP, SOURCE_WORDS, count_cell, kv_cell
 from btbctl.commands.output import Format, Output
 
 
@@ -185,6 +185,7 @@ def prefixes(
 ) -> None:
     """List the hot prefixes the gateway tracks, with ids `btbctl replicate --prefix` takes."""
     from btbctl.engine.chains import short_id
+    from btbctl.engine.control.schema import WORKER_NUMBERS
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher.control import client_for_run
 
@@ -193,7 +194,11 @@ def prefixes(
         raise BtbctlError(f"--top must be in 1..1000, got {top}")
     with client_for_run(run_dir, token=False) as api:
         res = api.prefixes(top).model_dump(mode="json")
-        names = {w.url: w.name for w in api.fleet().workers}
+        fleet = api.fleet()
+    names = {w.url: w.name for w in fleet.workers}
+    # where the prefixes are cached: each worker's own numbers (SGLang's /metrics, or the emulated worker's model)
+    keys = set(WORKER_NUMBERS)
+    res["workers"] = [{"name": w.name, "url": w.url, **w.model_dump(include=keys)} for w in fleet.workers]
 
     def human(d: dict) -> None:
         from rich.table import Table
@@ -220,7 +225,39 @@ def prefixes(
             )
         out.console.print(t)
 
-    out.result(res, human)
+    def cache(d: dict) -> None:
+        from rich.table import Table
+
+        title = "KV cache per worker, tokens (KV: used by running requests + cached / size)"
+        t = Table(box=None, pad_edge=False, title=title, title_justify="left")
+        widest = {
+            "worker": max((len(w["name"]) for w in d["workers"]), default=6),
+            "KV": max((len(kv_cell(w)) for w in d["workers"]), default=2),
+        }
+        # worker names and the KV cell are never cut; the other headers wrap on a narrow console
+        t.add_column("worker", no_wrap=True, min_width=widest["worker"])
+        t.add_column("KV", justify="right", no_wrap=True, min_width=widest["KV"])
+        for col in ("host tier", "L3 hits", "L3 read", "L3 written", "loaded back"):
+            t.add_column(col, justify="right", overflow="fold")
+        t.add_column("numbers", overflow="fold")
+        for w in d["workers"]:
+            t.add_row(
+                w["name"],
+                kv_cell(w),
+                count_cell(w["host_tier_tokens"]),
+                count_cell(w["storage_hit_tokens_total"]),
+                count_cell(w["storage_prefetched_tokens_total"]),
+                count_cell(w["storage_backup_tokens_total"]),
+                count_cell(w["load_back_tokens_total"]),
+                SOURCE_WORDS.get(w["metrics_source"] or "", "-"),
+            )
+        out.console.print(t)
+
+    def both(d: dict) -> None:
+        human(d)
+        cache(d)
+
+    out.result(res, both)
 
 
 @app.command("flush")

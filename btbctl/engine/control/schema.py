@@ -114,6 +114,27 @@ _REPORTED_ONLY = (
 )
 
 
+#: The worker-row fields that are the worker's own numbers (from its ``/v1/loads`` and ``/metrics``), in the order
+#: ``btbctl status --format json`` and ``btbctl prefixes --format json`` show them per worker.
+WORKER_NUMBERS = (
+    "metrics_source",
+    "running",
+    "waiting",
+    "kv_used_tokens",
+    "kv_cached_tokens",
+    "kv_capacity_tokens",
+    "kv_use",
+    "host_tier_tokens",
+    "host_tier_capacity_tokens",
+    "storage_hit_tokens_total",
+    "storage_prefetched_tokens_total",
+    "storage_backup_tokens_total",
+    "load_back_tokens_total",
+    "metrics_note",
+    "last_metrics_s",
+)
+
+
 class FleetWorker(Answer):
     """One worker of ``GET /control/fleet``."""
 
@@ -134,15 +155,43 @@ class FleetWorker(Answer):
     failed: int
     """Requests that failed on it (connection error or 5xx)."""
     running: int | None
-    """Requests running there, from its ``/v1/loads`` (null when unknown)."""
+    """Requests running there, from its ``/v1/loads`` (else its ``/metrics``; null when unknown)."""
     waiting: int | None
-    """Requests queued there, from its ``/v1/loads``."""
+    """Requests queued there, from its ``/v1/loads`` (else its ``/metrics``)."""
     kv_used_tokens: int | None
-    """KV-cache tokens in use, from its ``/v1/loads``."""
+    """KV-cache tokens held by its running requests (SGLang's ``num_used_tokens``), from its ``/v1/loads`` (else
+    its ``/metrics``)."""
     kv_capacity_tokens: int | None
-    """KV-cache size, tokens, from its ``/v1/loads``."""
+    """KV-cache size, tokens, from its ``/v1/loads`` (else its ``/metrics``)."""
     kv_use: float | None
-    """``kv_used_tokens / kv_capacity_tokens`` (or the worker's own ``token_usage``), 0..1."""
+    """Share of the KV cache holding tokens, 0..1: ``(kv_used_tokens + kv_cached_tokens) / kv_capacity_tokens``;
+    without ``kv_cached_tokens`` only the running requests' share (SGLang's ``token_usage``)."""
+    kv_cached_tokens: int | None = None
+    """KV-cache tokens of cached prefixes no running request holds (evictable; SGLang's
+    ``sglang:kv_evictable_tokens``), from its ``/metrics`` (null when it does not report them)."""
+    host_tier_tokens: int | None = None
+    """HiCache host tier (L2): tokens held (``sglang:hicache_host_used_tokens``), from its ``/metrics`` (null
+    without HiCache or metrics)."""
+    host_tier_capacity_tokens: int | None = None
+    """HiCache host tier size, tokens (``sglang:hicache_host_total_tokens``)."""
+    storage_hit_tokens_total: int | None = None
+    """Tokens its L3 (storage) prefetch queries found, since it started
+    (``sglang:storage_prefetch_hit_tokens_total``)."""
+    storage_prefetched_tokens_total: int | None = None
+    """Tokens it read from L3 into the host tier, since it started (``sglang:prefetched_tokens_total``)."""
+    storage_backup_tokens_total: int | None = None
+    """Tokens it wrote from the host tier to L3, since it started (``sglang:backuped_tokens_total``)."""
+    load_back_tokens_total: int | None = None
+    """Tokens it loaded back from the host tier to the GPU, since it started (``sglang:load_back_tokens_total``,
+    pool ``kv``)."""
+    metrics_source: str | None = None
+    """Where its numbers come from: ``sglang_metrics`` (a real SGLang server's ``/metrics`` and ``/v1/loads``),
+    ``sglang_loads`` (only its ``/v1/loads``: no cache or HiCache numbers), ``modelled`` (btbctl's emulated
+    worker: the cost model's numbers under SGLang's names), null (nothing read yet)."""
+    metrics_note: str | None = None
+    """Why its ``/metrics`` numbers are missing (null when they are there)."""
+    last_metrics_s: float | None = None
+    """When its ``/metrics`` was last read successfully (null before)."""
     replication: bool
     """Copies to and from it are possible (``push``: it has the ``/btb`` routes and the gateway's page size; ``l3``:
     it is healthy and has a node agent)."""
@@ -534,5 +583,6 @@ __all__ = [
     "TtftBucket",
     "TtftEvent",
     "TtftSummary",
+    "WORKER_NUMBERS",
     "dump",
 ]

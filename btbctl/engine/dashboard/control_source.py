@@ -364,7 +364,22 @@ class ControlApiSource:
         names = {w.url: w.name for w in fleet.workers}
         workers = tuple(
             WorkerRow(
-                w.name, w.healthy, w.running or 0, w.waiting or 0, w.kv_used_tokens, w.kv_capacity_tokens, w.error
+                w.name,
+                w.healthy,
+                w.running or 0,
+                w.waiting or 0,
+                w.kv_used_tokens,
+                w.kv_capacity_tokens,
+                w.error,
+                kv_cached_tokens=w.kv_cached_tokens,
+                host_tier_tokens=w.host_tier_tokens,
+                host_tier_capacity_tokens=w.host_tier_capacity_tokens,
+                storage_hit_tokens_total=w.storage_hit_tokens_total,
+                storage_prefetched_tokens_total=w.storage_prefetched_tokens_total,
+                storage_backup_tokens_total=w.storage_backup_tokens_total,
+                load_back_tokens_total=w.load_back_tokens_total,
+                source=w.metrics_source or "",
+                metrics_note=w.metrics_note,
             )
             for w in fleet.workers
         )

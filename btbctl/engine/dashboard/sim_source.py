@@ -267,7 +267,18 @@ class SimSource:
         workers, gpus = [], []
         for i in range(sim.n_replicas):
             st = sim.replica_state(i)
-            workers.append(WorkerRow(f"w{i}", True, st.running, st.waiting, st.used_tokens, st.capacity_tokens))
+            workers.append(
+                WorkerRow(
+                    f"w{i}",
+                    True,
+                    st.running,
+                    st.waiting,
+                    st.used_tokens,
+                    st.capacity_tokens,
+                    kv_cached_tokens=st.evictable_tokens,
+                    source="modelled",
+                )
+            )
             used = (cost.model.weight_bytes + st.used_tokens * kvb) / g
             util = 100.0 if st.busy else 0.0
             for j in range(g):

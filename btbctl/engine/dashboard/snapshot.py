@@ -19,14 +19,24 @@ class SourceError(BtbctlError):
 
 @dataclass(frozen=True, slots=True)
 class WorkerRow:
-    """One worker (a replica: one model instance over ``gpus`` GPUs).
+    """One worker (a replica: one model instance over ``gpus`` GPUs). Token counts are None where the worker does
+    not report them.
 
     Attributes:
         name: worker name (``w0`` ...).
         healthy: answers health checks; ``error`` says why not.
         running: requests running (prefill or decode).
         queued: requests waiting for admission.
-        kv_used_tokens / kv_capacity_tokens: KV cache in use / size, tokens (None: not reported).
+        kv_used_tokens / kv_capacity_tokens: KV cache held by running requests / its size, tokens.
+        kv_cached_tokens: KV cache holding cached prefixes no running request uses (evictable), tokens.
+        host_tier_tokens / host_tier_capacity_tokens: HiCache host tier (L2) in use / its size, tokens.
+        storage_hit_tokens_total: tokens its L3 prefetch queries found, since it started.
+        storage_prefetched_tokens_total / storage_backup_tokens_total: tokens read from / written to L3.
+        load_back_tokens_total: tokens loaded back from the host tier to the GPU.
+        source: whose numbers these are: ``sglang_metrics`` (a real SGLang server's ``/metrics``), ``sglang_loads``
+            (only its ``/v1/loads``), ``modelled`` (the cost model: an emulated worker, the simulation), or empty
+            when unknown.
+        metrics_note: why its ``/metrics`` numbers are missing (None when they are there).
     """
 
     name: str
@@ -36,6 +46,23 @@ class WorkerRow:
     kv_used_tokens: int | None = None
     kv_capacity_tokens: int | None = None
     error: str | None = None
+    kv_cached_tokens: int | None = None
+    host_tier_tokens: int | None = None
+    host_tier_capacity_tokens: int | None = None
+    storage_hit_tokens_total: int | None = None
+    storage_prefetched_tokens_total: int | None = None
+    storage_backup_tokens_total: int | None = None
+    load_back_tokens_total: int | None = None
+    source: str = ""
+    metrics_note: str | None = None
+
+    @property
+    def kv_held_fraction(self) -> float | None:
+        """Share of the KV cache holding tokens (in use or cached), 0..1; None when the size is unknown."""
+        if not self.kv_capacity_tokens:
+            return None
+        held = (self.kv_used_tokens or 0) + (self.kv_cached_tokens or 0)
+        return min(1.0, held / self.kv_capacity_tokens)
 
 
 @dataclass(frozen=True, slots=True)

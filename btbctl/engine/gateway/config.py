@@ -81,6 +81,9 @@ class GatewayConfig(BaseModel):
     """Seconds between ``GET /health`` (and ``/v1/loads``) probes of every worker."""
     health_timeout_s: float = Field(2.0, gt=0)
     """Timeout of one health probe, seconds."""
+    metrics_interval_s: float = Field(2.0, ge=0)
+    """Seconds between reads of each healthy worker's Prometheus ``/metrics`` (SGLang's KV cache, queue and HiCache
+    numbers for the fleet view; ``health_timeout_s`` bounds each read); 0: never read them."""
     unhealthy_after: int = Field(2, ge=1)
     """Consecutive failed health probes that mark a worker unhealthy (a connection error or a 5xx on a forwarded
     request marks it at once)."""

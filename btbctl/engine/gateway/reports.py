@@ -95,6 +95,64 @@ def _num(info: dict, key: str) -> float | None:
     return None
 
 
+#: Fields of :data:`~btbctl.engine.control.schema.WORKER_NUMBERS` read from ``/metrics`` only.
+_METRICS_ONLY = (
+    "kv_cached_tokens",
+    "host_tier_tokens",
+    "host_tier_capacity_tokens",
+    "storage_hit_tokens_total",
+    "storage_prefetched_tokens_total",
+    "storage_backup_tokens_total",
+    "load_back_tokens_total",
+)
+
+
+def worker_numbers(w: WorkerState) -> dict[str, Any]:
+    """``w``'s own numbers as the worker-row fields of :data:`~btbctl.engine.control.schema.WORKER_NUMBERS`.
+
+    Running and queued requests, the tokens of running requests and the capacity come from its ``/v1/loads``
+    (read every health round), else from its ``/metrics``; the cached tokens and the HiCache counters from its
+    ``/metrics`` (read every ``metrics_interval_s``). ``metrics_source`` says whose numbers they are: ``modelled``
+    for btbctl's emulated worker (its ``/server_info`` says so, or it answers ``/btb/info``), else
+    ``sglang_metrics`` or ``sglang_loads``."""
+    loads = w.loads or {}
+    m = w.metrics or {}
+
+    def pick(load_key: str, metric_key: str) -> int | None:
+        v = loads.get(load_key)
+        if isinstance(v, int) and not (load_key == "max_tokens" and v == 0):  # a 0 capacity: not reported
+            return v
+        return m.get(metric_key)
+
+    used = pick("used_tokens", "kv_used_tokens")
+    cap = pick("max_tokens", "kv_capacity_tokens")
+    cached = m.get("kv_cached_tokens")
+    if cap and used is not None:
+        kv_use: float | None = min(1.0, (used + (cached or 0)) / cap)
+    else:
+        kv_use = loads.get("token_usage")
+    emulated = (w.server_info or {}).get("emulated") is True or w.info is not None
+    if emulated:
+        source: str | None = "modelled"
+    elif w.metrics:
+        source = "sglang_metrics"
+    elif w.loads:
+        source = "sglang_loads"
+    else:
+        source = None
+    return {
+        "metrics_source": source,
+        "running": pick("running", "running"),
+        "waiting": pick("waiting", "waiting"),
+        "kv_used_tokens": used,
+        "kv_capacity_tokens": cap,
+        "kv_use": kv_use,
+        **{k: m.get(k) for k in _METRICS_ONLY},
+        "metrics_note": w.metrics_note,
+        "last_metrics_s": w.metrics_s,
+    }
+
+
 class Reports:
     """Builds every control-API answer from ``src``."""
 
@@ -134,11 +192,7 @@ class Reports:
             prefilling=w.prefilling,
             served=w.served,
             failed=w.failed,
-            running=loads.get("running"),
-            waiting=loads.get("waiting"),
-            kv_used_tokens=loads.get("used_tokens"),
-            kv_capacity_tokens=loads.get("max_tokens"),
-            kv_use=loads.get("token_usage"),
+            **worker_numbers(w),
             replication=possible,
             replication_note=note,
             replication_mode=mode,
@@ -374,4 +428,12 @@ class Reports:
         )
 
 
-__all__ = ["EVENT_TOP_PREFIXES", "EVENT_TRANSFERS", "HeatSource", "PrefixLookupError", "ReportInputs", "Reports"]
+__all__ = [
+    "EVENT_TOP_PREFIXES",
+    "EVENT_TRANSFERS",
+    "HeatSource",
+    "PrefixLookupError",
+    "ReportInputs",
+    "Reports",
+    "worker_numbers",
+]

@@ -8,6 +8,7 @@ The pieces, each in its own module and none of them aware of the gateway (they t
   :class:`~btbctl.engine.gateway.dataplane.Router` (the gateway) where each request goes;
 * :mod:`~btbctl.engine.gateway.replicator`: the executor of copy plans over the workers' ``/btb/push``;
 * :mod:`~btbctl.engine.gateway.health`: the health prober, reporting through callbacks;
+* :mod:`~btbctl.engine.gateway.sglang_metrics`: the workers' own numbers from their Prometheus ``/metrics``;
 * :mod:`~btbctl.engine.gateway.reports`: the control API's answers (schema models) built from the state;
 * :mod:`~btbctl.engine.gateway.control_api`: the control API's handlers, writing through
   :class:`~btbctl.engine.gateway.control_api.Steering` (the gateway);
@@ -19,7 +20,8 @@ Start it in-process with ``gw = await serve_gateway(config)`` (returns once both
 
 Startup: every worker is probed once (``/health``, ``/btb/info``, ``/v1/loads``) before listening, so the first
 request already sees which workers are up; the page size is taken from the workers' ``/btb/info`` unless
-configured; then the health prober checks every worker every ``health_interval_s``.
+configured; then the health prober checks every worker every ``health_interval_s``, and every
+``metrics_interval_s`` the scraper reads each healthy worker's ``/metrics`` (never a reason to mark it down).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.replicator import ReplicateOutcome, Replicator
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
+from btbctl.engine.gateway.sglang_metrics import MetricsScraper
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
 from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.logfmt import log_event
@@ -195,6 +198,14 @@ class Gateway:
             on_info=self._worker_info,
             on_up=self._worker_up,
             on_loads=self._worker_loads,
+        )
+        self.scraper = MetricsScraper(
+            self.state.workers,
+            lambda: self.session,
+            self.clock,
+            interval_s=config.metrics_interval_s,
+            timeout_s=config.health_timeout_s,
+            on_change=lambda _w: self.bus.mark("fleet"),
         )
         self._runners: list[web.AppRunner] = []
         self.data_url = ""
@@ -402,6 +413,7 @@ class Gateway:
 
     def _worker_up(self, w: WorkerState) -> None:
         w.forget()  # a worker coming back may have restarted with an empty cache
+        w.server_info = None  # ... or with other flags: the scraper reads its /server_info again
         if not w.healthy:
             log_event(log, "worker_up", worker=w.name, url=w.url)
         w.healthy = True
@@ -527,6 +539,8 @@ class Gateway:
         self.bus.register("constants", reports.constants)
         self.bus.start()
         self.prober.start()
+        if cfg.metrics_interval_s > 0:
+            self.scraper.start()
         log_event(
             log,
             "gateway_start",
@@ -613,6 +627,7 @@ class Gateway:
             await runner.cleanup()
         self._runners.clear()
         await self.prober.stop()
+        await self.scraper.stop()
         await self.replicator.close()
         await self.bus.stop()
         if self._session is not None:

@@ -83,6 +83,11 @@ class WorkerState:
         loads: summary of its ``/v1/loads`` (``running``, ``waiting``, ``used_tokens``, ``max_tokens``,
             ``token_usage``) or None when unknown.
         info: its ``/btb/info`` answer (emulated workers) or None.
+        server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
+            ``/server_info`` (``{}`` when it has none; None: not read yet).
+        metrics: its own numbers from SGLang's ``/metrics``
+            (:func:`~btbctl.engine.gateway.sglang_metrics.parse_sglang_metrics`), None when unknown;
+            ``metrics_note`` why, ``metrics_s`` when they were read.
         btb: True when it has the BTB extension routes, False when it answered 404 (a plain SGLang server:
             no replication to or from it), None before the first probe.
         ttft_ewma_s: smoothed TTFT of its recent requests, seconds (None before the first).
@@ -101,6 +106,10 @@ class WorkerState:
     last_health_s: float | None = None
     loads: dict | None = None
     info: dict | None = None
+    server_info: dict | None = None
+    metrics: dict | None = None
+    metrics_note: str | None = None
+    metrics_s: float | None = None
     btb: bool | None = None
     ttft_ewma_s: float | None = None
     capacity_blocks: int = DEFAULT_HOLDING_BLOCKS

@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 
 from btbctl.engine.control.client import ControlClient
+from btbctl.engine.control.schema import WORKER_NUMBERS
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, hicache_args, worker_argv
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
@@ -684,13 +685,18 @@ def status(rd: RunDir) -> dict:
          "gateway_url", "control_url", "run_dir", "policy", "detached", "replication",
          "gateway": {"pid", "alive", "reachable"},
          "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error",
-                      "replication"}],
+                      "replication", "metrics_source", "running", "waiting", "kv_used_tokens", "kv_cached_tokens",
+                      "kv_capacity_tokens", "kv_use", "host_tier_tokens", "host_tier_capacity_tokens",
+                      "storage_hit_tokens_total", "storage_prefetched_tokens_total", "storage_backup_tokens_total",
+                      "load_back_tokens_total", "metrics_note", "last_metrics_s"}],
          "agents": [{"name", "host", "control_url", "peer", "alive", "pid"}]}
 
     ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether the
     worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is the
     gateway's count of requests in flight to it; ``health_error`` why it is unhealthy; ``replication`` how copies
-    reach it (``l3``, ``push`` or ``none``: the gateway's view, else the fleet's mode). ``agents`` are the node
+    reach it (``l3``, ``push`` or ``none``: the gateway's view, else the fleet's mode). The worker's own numbers
+    (``metrics_source`` ... ``last_metrics_s``: :data:`~btbctl.engine.control.schema.WORKER_NUMBERS`, see the
+    control API's ``FleetWorker``) are the gateway's, null when its control API does not answer. ``agents`` are the node
     agents of ``l3`` mode (empty otherwise). Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
@@ -746,6 +752,7 @@ def status(rd: RunDir) -> dict:
                 "inflight": inflight,
                 "health_error": err,
                 "replication": mode,
+                **{k: getattr(g, k) if g is not None else None for k in WORKER_NUMBERS},
             }
         )
     agents = []

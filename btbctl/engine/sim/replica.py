@@ -150,6 +150,8 @@ class ReplicaState:
         capacity_tokens: KV-cache budget, tokens.
         cached_blocks: resident blocks.
         busy: a step (prefill or decode) is in progress.
+        evictable_tokens: tokens of resident blocks no request or copy uses (SGLang's ``kv_evictable_tokens``:
+            cached, reusable, freed when room is needed).
     """
 
     running: int
@@ -158,6 +160,7 @@ class ReplicaState:
     capacity_tokens: int
     cached_blocks: int
     busy: bool
+    evictable_tokens: int = 0
 
 
 class ReplicaModel:
@@ -372,6 +375,7 @@ class ReplicaModel:
             capacity_tokens=cache.capacity_tokens,
             cached_blocks=len(cache),
             busy=self._busy,
+            evictable_tokens=cache.evictable_tokens,
         )
 
     def resident_chains(self, limit: int) -> list[tuple[Hashable, int]]:

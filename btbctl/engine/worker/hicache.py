@@ -433,6 +433,8 @@ class HiCache:
                 adm.host_pages = adm.storage_pages = 0
                 return adm
             self.host.add(list(chain[d + h : d + n]))
+            if self.metrics is not None:
+                self.metrics.load_back_tokens.inc(n * ps)
 
             def landed(inc=inc) -> None:
                 model.end_copy(inc, True)

@@ -5,8 +5,12 @@ a registry of the worker's own. Latencies are wall-clock seconds as a client see
 for a request without a breakdown). With ``--enable-hierarchical-cache`` the HiCache metrics of SGLang 0.5.23 are
 there too (``srt/observability/metrics_collector.py``): ``sglang:hicache_host_used_tokens``,
 ``sglang:hicache_host_total_tokens``, ``sglang:prefetched_tokens_total`` (tokens read from L3),
-``sglang:backuped_tokens_total`` (tokens written to L3) and ``sglang:storage_prefetch_hit_tokens_total`` (L3 hits
-found by prefetch queries)."""
+``sglang:backuped_tokens_total`` (tokens written to L3), ``sglang:storage_prefetch_hit_tokens_total`` (L3 hits
+found by prefetch queries) and ``sglang:load_back_tokens_total`` (host tier to device, pool ``kv``).
+
+The KV gauges are SGLang's too: ``sglang:num_used_tokens`` and ``sglang:kv_used_tokens`` (tokens of running
+requests), ``sglang:kv_evictable_tokens`` (cached prefixes no request holds), ``sglang:kv_available_tokens`` (free)
+and ``sglang:max_total_num_tokens``; all of them are the cost model's, not a GPU's."""
 
 from __future__ import annotations
 
@@ -118,6 +122,9 @@ class WorkerMetrics:
                 ("num_running_reqs", "The number of running requests."),
                 ("num_queue_reqs", "The number of requests in the waiting queue."),
                 ("num_used_tokens", "The number of used tokens."),
+                ("kv_used_tokens", "KV-cache tokens held by running requests."),
+                ("kv_evictable_tokens", "KV-cache tokens of cached prefixes no request holds (evictable)."),
+                ("kv_available_tokens", "Free KV-cache tokens."),
                 ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
                 ("token_usage", "The token usage."),
                 ("cache_hit_rate", "The prefix cache hit rate."),
@@ -151,6 +158,12 @@ class WorkerMetrics:
                 hl,
                 registry=r,
             ).labels(model_name, "0", "0")
+            self.load_back_tokens = Counter(
+                "sglang:load_back_tokens",
+                "The number of tokens loaded back from local host DRAM (L2) to GPU, by host pool.",
+                [*hl, "pool"],
+                registry=r,
+            ).labels(model_name, "0", "0", "kv")
 
     def observe(self, lr: LiveRequest, details: dict | None = None) -> None:
         """Record one finished request (latencies in wall seconds); ``details`` is its ``cached_tokens_details``."""
@@ -180,6 +193,9 @@ class WorkerMetrics:
             "num_running_reqs": st.running,
             "num_queue_reqs": st.waiting,
             "num_used_tokens": st.used_tokens,
+            "kv_used_tokens": st.used_tokens,
+            "kv_evictable_tokens": st.evictable_tokens,
+            "kv_available_tokens": max(0, cap - st.used_tokens - st.evictable_tokens),
             "max_total_num_tokens": cap,
             "token_usage": st.used_tokens / cap if cap else 0.0,
             "cache_hit_rate": model.cache_hit_rate(),

@@ -51,6 +51,16 @@ def bar(fraction: float, width: int) -> str:
     return "█" * full + "░" * (width - full)
 
 
+def kv_bar(used: float, cached: float, width: int) -> str:
+    """A KV-cache bar of ``width`` cells: ``used`` (fraction held by running requests) as full blocks, ``cached``
+    (fraction holding cached prefixes) as shaded ones, the rest light."""
+    used = 0.0 if math.isnan(used) else max(0.0, min(1.0, used))
+    cached = 0.0 if math.isnan(cached) else max(0.0, min(1.0 - used, cached))
+    u = int(round(used * width))
+    c = min(width - u, int(round((used + cached) * width)) - u)
+    return "█" * u + "▓" * c + "░" * (width - u - c)
+
+
 def sparkline(values: Sequence[float], width: int) -> str:
     """The last ``width`` values as block characters scaled to their maximum (blank when all zero)."""
     vals = list(values)[-width:]

@@ -17,7 +17,7 @@ from btbctl.engine.chains import short_id
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.dashboard import FleetSnapshot, PrefixRow
-from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, seconds, sparkline
+from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, kv_bar, seconds, sparkline
 
 #: Snapshots of history kept per prefix for its sparkline.
 SPARK_POINTS = 12
@@ -109,27 +109,76 @@ def empty_heat_hint(constants: dict) -> str:
     )
 
 
+#: The fleet panel shows the L3 counters and where each worker's numbers come from from this width on (cells).
+FLEET_WIDE = 64
+#: How the fleet panel names where a worker's numbers come from (``WorkerRow.source``).
+SOURCE_SHORT = {"sglang_metrics": "sglang", "sglang_loads": "loads", "modelled": "model"}
+
+
+def _tokens(n: int | None) -> str:
+    return "-" if n is None else human_tokens(n)
+
+
+def sources_note(rows) -> str:
+    """Where the workers' numbers come from, in a few words for the panel's border: ``via sglang`` (SGLang's
+    ``/metrics``), ``via /v1/loads`` (only SGLang's ``/v1/loads``: no cache numbers), ``modelled`` (the cost model),
+    or counts when they differ (``2 sglang, 1 model``); empty when unknown."""
+    kinds = [r.source for r in rows if r.source]
+    if not kinds:
+        return ""
+    if len(set(kinds)) == 1:
+        return {"sglang_metrics": "via sglang", "sglang_loads": "via /v1/loads", "modelled": "modelled"}.get(
+            kinds[0], kinds[0]
+        )
+    counts: dict[str, int] = {}
+    for k in kinds:
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{n} {SOURCE_SHORT.get(k, k)}" for k, n in counts.items())
+
+
 class FleetPanel(VerticalScroll):
-    """Workers (health, running/queued, KV use) and GPUs (HBM used/total, utilisation)."""
+    """Workers (health, running/queued, KV cache in use and cached, HiCache host tier; on a wide panel the L3
+    counters and where the numbers come from) and GPUs (HBM used/total, utilisation). ``-`` where a worker does not
+    report a number."""
 
     BORDER_TITLE = "2 Fleet / HBM"
     can_focus = True
+    _last: FleetSnapshot | None = None
+
+    def on_resize(self) -> None:
+        if self._last is not None:  # the columns depend on the width
+            self.update_snapshot(self._last)
 
     def compose(self) -> ComposeResult:
         yield Static(id="fleet-body")
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
-        w = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
-        for col, just in (("worker", "left"), ("ok", "left"), ("run", "right"), ("queue", "right"), ("KV", "left")):
+        self._last = snap
+        wide = self.size.width >= FLEET_WIDE
+        w = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1), collapse_padding=True)
+        cols = [("worker", "left"), ("ok", "left"), ("run", "right"), ("queue", "right"), ("KV", "left")]
+        cols.append(("host", "right"))
+        if wide:
+            cols += [("L3 hit", "right"), ("L3 in", "right"), ("L3 out", "right"), ("via", "left")]
+        for col, just in cols:
             w.add_column(col, justify=just, no_wrap=True)
         for row in snap.workers:
             ok = Text("up", style="green") if row.healthy else Text("DOWN", style="bold red")
-            if row.kv_capacity_tokens:
-                frac = (row.kv_used_tokens or 0) / row.kv_capacity_tokens
-                kv = f"{bar(frac, 6)} {frac * 100:3.0f}%"
+            held = row.kv_held_fraction
+            if held is not None and row.kv_capacity_tokens:
+                used = (row.kv_used_tokens or 0) / row.kv_capacity_tokens
+                kv = f"{kv_bar(used, held - used, 6)} {held * 100:3.0f}%"
             else:
                 kv = "-"
-            w.add_row(row.name, ok, str(row.running), str(row.queued), kv)
+            cells = [row.name, ok, str(row.running), str(row.queued), kv, _tokens(row.host_tier_tokens)]
+            if wide:
+                cells += [
+                    _tokens(row.storage_hit_tokens_total),
+                    _tokens(row.storage_prefetched_tokens_total),
+                    _tokens(row.storage_backup_tokens_total),
+                    SOURCE_SHORT.get(row.source, row.source or "-"),
+                ]
+            w.add_row(*cells)
         parts: list = [w]
         if snap.gpus:
             g = Table(box=None, pad_edge=False, expand=True, show_edge=False, padding=(0, 1))
@@ -145,10 +194,12 @@ class FleetPanel(VerticalScroll):
 
         self.query_one("#fleet-body", Static).update(Group(*parts))
         down = sum(1 for r in snap.workers if not r.healthy)
+        note = sources_note(snap.workers)
         self.border_subtitle = (
             f"{len(snap.workers)} workers"
             + (f", {down} down" if down else "")
             + (f", copies {snap.replication}" if snap.replication else "")
+            + (f", {note}" if note else "")
         )
 
 
