@@ -80,6 +80,13 @@ def details(ans: dict) -> dict:
     return {k: int(d.get(k) or 0) for k in ("device", "host", "storage")}
 
 
+def sglang_number(text: str, name: str) -> float:
+    """The sum of every series of metric ``name`` in SGLang's Prometheus text (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
+
+
 def metrics_text(url: str) -> str:
     with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as r:
         return r.read().decode()
@@ -222,6 +229,7 @@ __all__ = [
     "harness_env",
     "ids",
     "metrics_text",
+    "sglang_number",
     "start",
     "stop",
 ]

@@ -136,13 +136,41 @@ def test_the_proof_script_proves_a_copy(fleet):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_status_and_the_control_api_show_sglangs_own_numbers(fleet):
-    # SGLang counts what its HiCache did: pages written to L3, tokens prefetched from it
+def test_status_prefixes_the_control_api_and_the_dashboard_show_sglangs_own_numbers(fleet):
+    import asyncio
+    import dataclasses
+
+    from btbctl.engine.dashboard.control_source import ControlApiSource
+    from sglang_server import sglang_number
+
+    # what each SGLang server says itself (summed over its series), after the traffic of the tests above
+    own = {url: metrics_text(url) for url in fleet.workers}
+    cached = {url: sglang_number(text, "sglang:kv_evictable_tokens") for url, text in own.items()}
+    backup = {url: sglang_number(text, "sglang:backuped_tokens_total") for url, text in own.items()}
+    assert all(v > 0 for v in cached.values()) and all(v > 0 for v in backup.values()), (cached, backup)
+    time.sleep(3.0)  # the gateway reads /metrics every 2 s
+    rows = {w["url"].rstrip("/"): w for w in http_json(fleet.control + "/control/fleet")["workers"]}
+    status = {w["url"].rstrip("/"): w for w in fleet.json("status")["workers"]}
+    prefixes = {w["url"].rstrip("/"): w for w in fleet.json("prefixes")["workers"]}
+    snap = asyncio.run(_snapshot(ControlApiSource(fleet.control, stream=False, local_gpus=False)))
+    names = {w["url"].rstrip("/"): w["name"] for w in fleet.status["workers"]}
+    dash = {w.name: dataclasses.asdict(w) for w in snap.workers}
     for url in fleet.workers:
-        text = metrics_text(url)
-        assert "sglang:backuped_tokens_total" in text
-    fleet_view = http_json(fleet.control + "/control/fleet")
-    assert len(fleet_view["workers"]) == 2
+        board = dict(dash[names[url]], metrics_source=dash[names[url]]["source"])
+        for view in (rows[url], status[url], prefixes[url], board):
+            assert view["metrics_source"] == "sglang_metrics", view
+            # SGLang's own numbers, not the gateway's guesses: what the server's /metrics said (counters may have
+            # moved on meanwhile, never back)
+            assert view["kv_cached_tokens"] is not None and view["kv_capacity_tokens"] == 8192, view
+            assert view["storage_backup_tokens_total"] >= backup[url] > 0, view
+        assert rows[url]["kv_use"] > 0, rows[url]
+
+
+async def _snapshot(src):
+    try:
+        return await src.snapshot()
+    finally:
+        await src.close()
 
 
 def test_the_agent_killed_mid_copy_fails_the_copy_and_sglang_keeps_serving(fleet):
