@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.sglang_server, pytest.mark.netns, pytest.mark.timeout(
 
 #: Link rate of each host (slow enough that the link paces a copy of a few MB).
 RATE_GBIT = 0.2
-#: The burst's prefix: 16 x 256 tokens = 4,096 tokens, 16 prefill chunks of 256 at the fleet's chunk size.
+#: The burst's prefix: 16 x 256 tokens = 4,096 tokens, 16 prefill chunks of 256 at the fleet's chunk size; BTB's Y
+#: is all of it (256 pages of 16), so the copy starts while the source is still prefilling it.
 PREFIX_BLOCKS = 16
+Y_PAGES = 256
 
 
 def _cluster(path, servers, env: dict) -> None:
@@ -41,7 +43,7 @@ def _cluster(path, servers, env: dict) -> None:
         "l3_warmup_timeout_s = 10.0",
         "",
         "[btb]",
-        "prefix_blocks = 32",
+        f"prefix_blocks = {Y_PAGES}",
         "threshold = 2",
         "window_s = 2.0",
         "warm_replicas = 2",
@@ -148,7 +150,7 @@ def test_pages_cross_the_link_while_the_source_prefills_and_the_proof_holds(flee
         assert c["bytes"] > 0 and c["outcome"] == "proved", c
         assert c["proof_storage_tokens"] >= c["covered_tokens"], c
         # the first pages crossed the link before the source had written the last one: the copy streamed
-        assert c["overlap_s"] is not None and c["overlap_s"] > 0, c
+        assert c["overlap_s"] is not None and c["overlap_s"] > 0.1, c
         mbps = c["bytes"] * 8 / c["transfer_s"] / 1e6 if c["transfer_s"] else None
         print(
             f"copy {c['bytes'] / 1e6:.2f} MB, usable after {c['usable_s']:.3f} s, phases {c['phases_s']}, "
@@ -157,10 +159,11 @@ def test_pages_cross_the_link_while_the_source_prefills_and_the_proof_holds(flee
 
 
 def test_a_target_whose_warm_up_times_out_is_never_warm(fleet):
-    a, b = (w["url"].rstrip("/") for w in fleet.status["workers"])
-    prompt = ids(32 * PAGE + 8, seed=41)
-    generate(a, prompt)  # the source computes it (and writes it through to its agent)
-    chain = page_keys(prompt, PAGE)[:32]
+    prompt = ids(Y_PAGES * PAGE + 8, seed=41)
+    generate(fleet.gateway, prompt)  # one worker computes it (and writes it through to its agent)
+    chain = page_keys(prompt, PAGE)[:Y_PAGES]
+    holders = [h.rstrip("/") for h in http_json(fleet.control + f"/control/replications/{chain[-1]}")["holders"]]
+    b = next(w["url"].rstrip("/") for w in fleet.status["workers"] if w["url"].rstrip("/") not in holders)
     name_b = next(w["name"] for w in fleet.status["workers"] if w["url"].rstrip("/") == b)
     fleet.signal(name_b, signal.SIGSTOP)
     try:
