@@ -406,11 +406,12 @@ class DataPlane:
             gauge.inc()
             prefilled = False
             solo: list[tuple[int, float]] = []  # (cached tokens, sent at) of a calibration sample (see below)
+            sent: list[float] = []  # when the request left for the worker (after any wait at a copy's gate)
             if chain and state.transfers.active:
                 await _await_copy_accepted(state, idx, chain)
 
             # w and idx bound as defaults: the callback belongs to this attempt's worker
-            def first_byte(now: float | None = None, w=w, idx=idx, solo=solo) -> None:
+            def first_byte(now: float | None = None, w=w, idx=idx, solo=solo, sent=sent) -> None:
                 nonlocal prefilled, learned
                 prefilled = True
                 if chain and not learned:
@@ -424,7 +425,7 @@ class DataPlane:
                 ttft = now - t0
                 if solo:  # a request alone on its worker: what its prefill really took
                     state.observe_prefill(req.input_tokens, solo[0][0], now - solo[0][1])
-                state.record_ttft(idx, now, ttft)
+                state.record_ttft(idx, now, ttft, now - sent[0] if sent else None)
                 metrics.observe_ttft(worker_label(w), ttft, policy_name)
                 gw.mark_changed("ttft")
 
@@ -437,8 +438,9 @@ class DataPlane:
                         excluded.append(idx)
                         continue
                     deadline = loop.time() + lim.first_byte_timeout_s
+                sent.append(state.clock())
                 if state.calibrating and w.inflight == 1 and (stream or req.output_tokens <= 1):
-                    solo.append((w.held_blocks(chain) * gw.page_size if chain else 0, state.clock()))
+                    solo.append((w.held_blocks(chain) * gw.page_size if chain else 0, sent[0]))
                 try:
                     resp = await self._until_first_byte(
                         gw.session.post(

@@ -82,6 +82,7 @@ class WorkerState:
         last_health_s: ``now_s`` of the latest health answer (None before the first).
         loads: summary of its ``/v1/loads`` (``running``, ``waiting``, ``used_tokens``, ``max_tokens``,
             ``token_usage``) or None when unknown.
+        loads_prefilling: ``prefilling`` when ``loads`` was read (the gateway's own requests among its waiting ones).
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
             ``/server_info`` (``{}`` when it has none; None: not read yet).
@@ -105,6 +106,7 @@ class WorkerState:
     consecutive_failures: int = 0
     last_health_s: float | None = None
     loads: dict | None = None
+    loads_prefilling: int = 0
     info: dict | None = None
     server_info: dict | None = None
     metrics: dict | None = None
@@ -669,7 +671,13 @@ class FleetState:
             if not total and m.page_bytes:
                 total = m.page_bytes * len(t.chain)
             path_rate = m.path_bytes_per_s.get(t.path, 0.0) if t.path is not None else 0.0
-            after = m.proof_s or 0.0
+            # the proof: as measured; before the first, the prefix's KV over the host link (the least SGLang's load
+            # from L3 into the GPU takes)
+            after = (
+                m.proof_s
+                if m.proof_s is not None
+                else self.cost.kv_bytes(len(t.chain) * self.page_size) / (self.cost.pcie_bytes_per_s)
+            )
         if t.blocks_available >= 0 and t.chain:  # the source said how far its prefill is
             avail = total * min(1.0, t.blocks_available / len(t.chain))
         else:
@@ -692,15 +700,15 @@ class FleetState:
         return self.transfers.nic_copies(replica)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
-        """Coarse estimate from the worker's last ``/v1/loads``: 0 when nothing waits there and
-        ``max_total_num_tokens - num_used_tokens >= kv_tokens`` (or loads are unknown); otherwise the requests
-        waiting there plus the new one, each x the worker's smoothed TTFT (the gateway has no decode model of the
-        workers; this is what it measures)."""
+        """Coarse estimate from the worker's last ``/v1/loads``: 0 when nothing but the gateway's own requests
+        (whose queueing :meth:`queued_prefill_s` models) waits there and ``max_total_num_tokens - num_used_tokens
+        >= kv_tokens`` (or loads are unknown); otherwise the other requests waiting there plus the new one, each x
+        the worker's smoothed TTFT (the gateway has no decode model of the workers; this is what it measures)."""
         w = self.workers[replica]
         loads = w.loads
         if not loads or not loads.get("max_tokens"):
             return 0.0
-        waiting = int(loads.get("waiting") or 0)
+        waiting = max(0, int(loads.get("waiting") or 0) - w.loads_prefilling)
         free = int(loads["max_tokens"]) - int(loads.get("used_tokens") or 0)
         if waiting == 0 and free >= kv_tokens:
             return 0.0
@@ -789,12 +797,14 @@ class FleetState:
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
 
-    def record_ttft(self, replica: int, now_s: float, ttft_s: float) -> None:
+    def record_ttft(self, replica: int, now_s: float, ttft_s: float, worker_s: float | None = None) -> None:
+        """A first byte: ``ttft_s`` from the request's arrival (the fleet's TTFT series), ``worker_s`` from the
+        moment it was sent to ``replica`` (default ``ttft_s``; the worker's smoothed TTFT learns from it, so a
+        request that waited at the gateway for a copy does not make the worker look slow)."""
         self.ttft.add(now_s, ttft_s)
         w = self.workers[replica]
-        w.ttft_ewma_s = (
-            ttft_s if w.ttft_ewma_s is None else (w.ttft_ewma_s + TTFT_EWMA_ALPHA * (ttft_s - w.ttft_ewma_s))
-        )
+        x = ttft_s if worker_s is None else worker_s
+        w.ttft_ewma_s = x if w.ttft_ewma_s is None else (w.ttft_ewma_s + TTFT_EWMA_ALPHA * (x - w.ttft_ewma_s))
 
     def holders(self, key: Hashable) -> list[int]:
         """Workers recorded as holding the prefix whose last block hash is ``key``."""

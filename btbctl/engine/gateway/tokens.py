@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import json
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -213,10 +214,14 @@ class Tokenizer:
                         errors.append(f"{url}: HTTP {resp.status}")
                         continue
                 tokens = ans.get("tokens") if isinstance(ans, dict) else None
-                if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
+                try:  # array() checks every id is an integer in [0, 2**32) in C (a per-id Python check cost ~1.5 ms)
+                    packed = array("I", tokens) if isinstance(tokens, list) else None
+                except (TypeError, OverflowError):
+                    packed = None
+                if packed is None:
                     errors.append(f"{url}: malformed /v1/tokenize answer")
                     continue
-                return pack_tokens(tokens)
+                return pack_tokens(packed)
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 errors.append(f"{url}: {type(e).__name__}")
         raise TokenizeError("no worker tokenized the prompt: " + ("; ".join(errors) or "no healthy worker"))

@@ -175,6 +175,18 @@ class L3Tier:
                 return 0
         return n
 
+    def register(self) -> None:
+        """Say hello to the agent for every rank, so it knows this worker's namespaces from the start (as SGLang's
+        ``BtbL3Store`` does when SGLang registers its host pool at start-up), not only after the first write."""
+        from btbctl.sglang_l3.client import AgentUnavailable
+
+        for c in self.clients:
+            try:
+                c.conn()
+            except AgentUnavailable as e:
+                self._fail("hello", e)
+                return
+
     def exists(self, keys: list[str]) -> int:
         """Leading run of ``keys`` held by every rank."""
 
@@ -321,6 +333,7 @@ class HiCache:
                 for r in range(tp)
             ]
             self.l3 = L3Tier(self.settings, nss)
+            threading.Thread(target=self.l3.register, name="btbctl-hicache-hello", daemon=True).start()
         self.prefetch_occupied_tokens = 0
         self._hits: dict[str, int] = {}
         self._writes: list[list[str]] = []
