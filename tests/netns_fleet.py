@@ -56,6 +56,7 @@ def write_fleet(
     worker: dict | None = None,
     replication: dict | None = None,
     gateway: dict | None = None,
+    prefix_blocks: int = PREFIX_BLOCKS,
 ) -> Path:
     """Two workers on each host of ``servers`` (entries ``n0``/``n1``...), replication ``mode``; ``gateway``: more
     gateway settings (``[gateway.settings]``)."""
@@ -68,7 +69,7 @@ def write_fleet(
         lines.append("")
     lines += [
         "[btb]",
-        f"prefix_blocks = {PREFIX_BLOCKS}",
+        f"prefix_blocks = {prefix_blocks}",
         "threshold = 2",
         "window_s = 1.0",
         "warm_replicas = 4",
@@ -122,7 +123,15 @@ class Fleet:
     def worker_name(self, url: str) -> str:
         return next(w["name"] for w in self.status["workers"] if w["url"].rstrip("/") == url.rstrip("/"))
 
-    def bench(self, seed: int, n: int, spread_s: float, timeout: float = 120.0, background: bool = False):
+    def bench(
+        self,
+        seed: int,
+        n: int,
+        spread_s: float,
+        timeout: float = 120.0,
+        background: bool = False,
+        prefix_blocks: int = PREFIX_BLOCKS,
+    ):
         """``btbctl bench`` of one burst (``n`` requests over ``spread_s``, a fresh prefix per ``seed``); returns
         ``(report, per-request lines)``, or with ``background`` the running process (see :meth:`bench_result`)."""
         out = self.tmp / f"requests-{seed}.jsonl"
@@ -133,7 +142,7 @@ class Fleet:
             "--burst-size",
             str(n),
             "--prefix-blocks",
-            str(PREFIX_BLOCKS),
+            str(prefix_blocks),
             "--spread-s",
             str(spread_s),
             "--seed",

@@ -134,3 +134,41 @@ def test_burst_beats_cache_aware_p95(make_testbed, tmp_path, mode):  # noqa: F81
         _bench_vs_cache_aware(fleet, mode, n=256, spread_s=2.0)
     finally:
         stop_fleet(fleet, tmp_path / f"run-{mode}")
+
+
+@pytest.mark.speed
+def test_a_64k_token_prefix_streams_across_a_10_gbit_link_near_its_rate(make_testbed, tmp_path):  # noqa: F811
+    """The issue's link-paced case: 2 hosts at 10 Gbit/s, a 65,536-token prefix of Llama-3.3-70B (21.5 GB of KV;
+    moved at 1/64 of its size, 336 MB, so the link, not the arena, paces it). Prints how close the cross-host copy
+    comes to the link rate (bytes over the source agent's sending time) and how far it streamed behind the
+    source's prefill."""
+    require_sshd()
+    tb = make_testbed(2, rate_gbit=10.0)
+    fleet = None
+    try:
+        fleet = start_fleet(
+            tb,
+            tmp_path,
+            "l3",
+            replication={"arena_mib": 1536},
+            worker={"kv_bytes_scale": 64, "time_scale": 2.0},
+            prefix_blocks=256,
+        )
+        report, lines = fleet.bench(seed=21, n=16, spread_s=2.0, prefix_blocks=256, timeout=600)
+        tr = fleet.settle(timeout_s=300)
+        check_answers(report, lines, 16)
+        # the copy that crossed the link (a second target on the same host shares it, sending nothing itself)
+        far = [c for c in tr["transfers"] if c["state"] == "done" and _cross_host(fleet, c) and c["send_s"]]
+        assert far, tr["transfers"]
+        for c in far:
+            c["bytes"] = c["bytes_total"]
+            c["phases_s"] = {k: c[f"phase_{k}_s"] for k in ("source", "transfer", "proof")}
+            gbit = c["bytes"] * 8 / c["send_s"] / 1e9
+            print(
+                f"\n64k-token prefix: {c['bytes'] / 1e6:.0f} MB across the 10 Gbit/s link at {gbit:.2f} Gbit/s while "
+                f"sending ({gbit / 10:.2f} x the link), {c['overlap_s']:.3f} s of it behind the source's prefill; "
+                f"usable {c['usable_s']:.3f} s after the copy started, phases {c['phases_s']}"
+            )
+            assert c["outcome"] == "proved" and c["overlap_s"] > 0
+    finally:
+        stop_fleet(fleet, tmp_path / "run-l3")

@@ -382,6 +382,9 @@ class TransferEntry(Answer):
     """l3: seconds of the warm-up proof."""
     blocks_available: int | None = None
     """Leading blocks the source holds so far (a copy trails a source still prefilling; null when not said)."""
+    send_s: float | None = None
+    """l3: seconds the source's agent spent handing this copy's bytes to the network (``bytes_total / send_s`` is
+    the rate of the path while it sent); null until done."""
     overlap_s: float | None = None
     """l3: seconds during which pages already moved while the source was still writing the prefix through (> 0:
     the copy streamed behind the source's prefill); null until known."""

@@ -310,6 +310,7 @@ class Reports:
             usable_s=t.usable_s,
             blocks_available=t.blocks_available if t.blocks_available >= 0 else None,
             overlap_s=t.overlap_s,
+            send_s=t.send_s,
             **{f"phase_{k}_s": v for k, v in t.phases().items()},
         )
 

@@ -40,10 +40,11 @@ over successful requests only; a summary with no successful request holds nulls.
 
 When the target is a BTB gateway whose control API is known, the result also has ``copies``: the copies that
 finished (``done`` or ``failed``) during the replay, oldest first, each ``{"copy_id", "prefix", "source", "target",
-"mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s", "overlap_s",
+"mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s", "overlap_s", "send_s",
 "proof_storage_tokens", "covered_tokens", "error"}`` (:func:`copies_during`; ``usable_s``: planned until the target
 could serve the prefix; ``l3`` mode only: ``phases_s`` ``{"source", "transfer", "proof"}`` seconds, ``overlap_s``
-the seconds pages moved while the source was still prefilling, ``proof_storage_tokens`` the tokens the target's
+the seconds pages moved while the source was still prefilling, ``send_s`` the source agent's seconds of sending,
+``proof_storage_tokens`` the tokens the target's
 warm-up loaded from L3, ``covered_tokens`` the prefix). Without a control API ``copies`` is null.
 """
 
@@ -561,6 +562,7 @@ def copies_during(before: dict | None, after: dict | None) -> list[dict] | None:
                 "usable_s": t.get("usable_s"),
                 "phases_s": {k: t.get(f"phase_{k}_s") for k in ("source", "transfer", "proof")},
                 "overlap_s": t.get("overlap_s"),
+                "send_s": t.get("send_s"),
                 "error": t.get("error"),
                 "finished_s": fin,
             }
