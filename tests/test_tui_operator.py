@@ -161,6 +161,36 @@ async def test_transfers_show_replicable_ids_size_and_duration():
             assert "size" in body and "time" in body
 
 
+async def test_l3_copies_show_their_outcome_and_the_time_to_a_usable_replica():
+    pid = "fedcba9876543210" * 4
+    rows = (
+        TransferRow(
+            "c3",
+            pid,
+            "w0",
+            "w1",
+            0.0,
+            0.0,
+            0.0,
+            None,
+            "done",
+            duration_s=1.59,
+            proof_storage_tokens=16384,
+            outcome="proved",
+            usable_s=1.59,
+            phases_s=(1.32, 0.0, 0.27),
+        ),
+        TransferRow("c4", pid, "w0", "w2", 0.0, 0.0, 0.0, None, "failed", error="not a copy", outcome="computed"),
+    )
+    async with running_app(small_source(), (160, 48), poll_hz=0.01) as (app, pilot):
+        app.paused = True
+        app.apply_snapshot(_snap([], transfers=rows))
+        await pilot.pause(0.05)
+        body = _plain(app.query_one("#transfer-body", Static).content)
+        assert "proved, usable in 1.6s (source 1.3s, copy 0ms, proof 270ms)" in body, body
+        assert "computed: not a copy" in body and "done" not in body.split("computed")[1], body
+
+
 async def test_layout_at_80x24_shows_a_readable_chart_and_several_gpu_rows():
     src = small_source()
     src.advance_to(8.0)

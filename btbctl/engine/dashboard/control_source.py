@@ -403,6 +403,9 @@ class ControlApiSource:
                 t.error,
                 _duration(t.started_s, t.finished_s, transfers.now_s),
                 t.proof_storage_tokens,
+                None if t.outcome is None else str(t.outcome),
+                t.usable_s,
+                (t.phase_source_s, t.phase_transfer_s, t.phase_proof_s) if t.mode == "l3" else None,
             )
             for t in transfers.transfers
         )

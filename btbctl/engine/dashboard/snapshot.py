@@ -110,7 +110,10 @@ class TransferRow:
     """One KV-cache copy. ``state``: ``running``, ``stalled`` (waiting for the source's prefill), ``done`` or
     ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished). ``duration_s``: seconds
     since it started while in flight, start to end once finished (None when unknown). ``proof_storage_tokens``: an
-    ``l3`` copy's proof, the tokens its target's warm-up loaded from L3 (None before, and for pushed copies)."""
+    ``l3`` copy's proof, the tokens its target's warm-up loaded from L3 (None before, and for pushed copies).
+    ``outcome``: how it ended (:class:`~btbctl.engine.copies.CopyOutcome` value; None in flight); ``usable_s``:
+    seconds from its start (the detector's fire) until the target could serve the prefix; ``phases_s``: an ``l3``
+    copy's ``(source, transfer, proof)`` seconds (None where not reached)."""
 
     copy_id: str
     prefix_id: str
@@ -124,6 +127,9 @@ class TransferRow:
     error: str | None = None
     duration_s: float | None = None
     proof_storage_tokens: int | None = None
+    outcome: str | None = None
+    usable_s: float | None = None
+    phases_s: tuple[float | None, float | None, float | None] | None = None
 
     @property
     def fraction(self) -> float:

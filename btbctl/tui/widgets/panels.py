@@ -256,8 +256,15 @@ class TransferPanel(VerticalScroll):
                 route = f"{x.source}>{x.target}"
                 row = f"{short_id(x.prefix_id):12} {route:5} {size:>6} {took:>5} "
                 state = x.state if cs.final or cs is CopyState.STALLED else pct.strip()
+            if x.outcome is not None and x.outcome != state:  # l3: proved, computed (not a copy), short
+                state = x.outcome
             if x.error:
                 state = f"{state}: {x.error}"
+            if x.usable_s is not None:  # from the detector's fire to a target that can serve the prefix
+                state += f", usable in {seconds(x.usable_s)}"
+                if x.phases_s is not None and None not in x.phases_s:
+                    src, moved, proof = x.phases_s
+                    state += f" (source {seconds(src)}, copy {seconds(moved)}, proof {seconds(proof)})"
             if x.proof_storage_tokens is not None:  # an l3 copy's proof: tokens its target loaded from L3
                 state += f" (proof {human_tokens(x.proof_storage_tokens)} from L3)"
             lines.append("\n" + row)
