@@ -45,11 +45,19 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
+#: Name under which a worker declares that its tokenizer is :func:`text_to_tokens` (``tokenizer`` of the emulated
+#: worker's ``/btb/info``): a gateway may then compute a text prompt's ids itself instead of asking.
+PSEUDO_TOKENIZER = "btbctl-utf8-4"
+
+
 def text_to_tokens(text: str) -> list[int]:
     """Pseudo-tokens of ``text``: each group of :data:`BYTES_PER_TOKEN` UTF-8 bytes read as a little-endian
     integer (the last group zero-padded). Empty text gives ``[]``."""
-    data = pack_text(text)
-    return [int.from_bytes(data[i : i + BYTES_PER_TOKEN], "little") for i in range(0, len(data), BYTES_PER_TOKEN)]
+    arr = array("I")
+    arr.frombytes(pack_text(text))
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tolist()
 
 
 def tokens_to_text(tokens: Sequence[int]) -> str:

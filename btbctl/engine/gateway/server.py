@@ -391,10 +391,14 @@ class Gateway:
         if info is None:  # no /btb routes: a plain SGLang server
             w.btb = False
             w.info = None
+            if self.l3_prompts is not None:
+                self.l3_prompts.worker_info()
             return
         w.info = info
         w.btb = True
         self.state.reset_cost()  # the replica cost model may now come from this worker's presets
+        if self.l3_prompts is not None:
+            self.l3_prompts.worker_info()
         self._check_page_size(w)
 
     def _check_page_size(self, w: WorkerState) -> None:

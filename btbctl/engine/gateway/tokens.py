@@ -7,8 +7,10 @@ ones the workers' HiCache stores under those keys:
 * ``input_ids`` (``/generate``) and a list of token ids (``/v1/completions``) are the tokens as given;
 * text (``/generate``, ``/v1/completions``) and chat ``messages`` (``/v1/chat/completions``, the worker's own chat
   template) are tokenized by a worker's tokenizer endpoint, SGLang's ``POST /v1/tokenize`` (``{"prompt"}`` or
-  ``{"messages"}`` -> ``{"tokens"}``), exactly as the worker tokenizes the request itself; a prompt is tokenized
-  once: answers are cached per prompt (:class:`Tokenizer`, an LRU bounded in tokens);
+  ``{"messages"}`` -> ``{"tokens"}``; text is packed here instead when every worker declares btbctl's
+  pseudo-tokenizer, as emulated workers do: the same ids without a round trip), exactly as the worker tokenizes
+  the request itself; a prompt is tokenized once: answers are cached per prompt (:class:`Tokenizer`, an LRU bounded
+  in tokens);
 * a request's ``extra_key`` and ``cache_salt`` strings seed its pages as SGLang seeds them.
 
 :class:`PrefixTokens` keeps, for every page key the gateway saw, the token ids of the prefix that ends with that
@@ -30,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from btbctl.engine.gateway.prompt import PromptError
-from btbctl.engine.hashing import BYTES_PER_TOKEN, pack_tokens
+from btbctl.engine.hashing import BYTES_PER_TOKEN, PSEUDO_TOKENIZER, pack_text, pack_tokens
 from btbctl.sglang_l3.keys import page_keys, page_keys_packed
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,10 @@ class Tokenizer:
         self._inflight: dict[bytes, asyncio.Future] = {}
         self.calls = 0
         self.hits = 0
+        #: set when every worker declares the pseudo-tokenizer (:data:`~btbctl.engine.hashing.PSEUDO_TOKENIZER`):
+        #: text prompts are then packed here, exactly as the workers would tokenize them
+        self.local = False
+        self.local_hits = 0
 
     async def prompt(self, route: str, body: dict) -> Prompt:
         """The :class:`Prompt` of a request body (token ids as given, else tokenized by a worker).
@@ -171,7 +177,11 @@ class Tokenizer:
         if direct is not None:
             return direct
         tb = tokenize_body(route, body)
-        data = await self._tokens_of(tb)
+        if self.local and "prompt" in tb:  # the workers' tokenizer is the pseudo-tokenizer: no round trip
+            data = pack_text(tb["prompt"], "surrogatepass")
+            self.local_hits += 1
+        else:
+            data = await self._tokens_of(tb)
         return Prompt(data, len(data) // BYTES_PER_TOKEN, _seed(body, "extra_key"), _seed(body, "cache_salt"))
 
     async def _tokens_of(self, tb: dict) -> bytes:
@@ -290,6 +300,12 @@ class L3Prompts:
     def _urls(self) -> list[str]:
         ws = sorted((w for w in self.state.workers if w.healthy), key=lambda w: (w.inflight, w.index))
         return [w.url for w in ws]
+
+    def worker_info(self) -> None:
+        """A worker's ``/btb/info`` changed: text prompts are packed locally while every worker declares the
+        pseudo-tokenizer (emulated workers; a real SGLang server declares nothing and is asked)."""
+        ws = self.state.workers
+        self.tokenizer.local = bool(ws) and all((w.info or {}).get("tokenizer") == PSEUDO_TOKENIZER for w in ws)
 
     async def chain(self, route: str, body: dict, page_size: int) -> tuple[tuple[str, ...], int]:
         """``(page keys of the prompt's whole pages, prompt tokens)``. A prompt no worker can tokenize is routed

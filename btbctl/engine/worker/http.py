@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from btbctl import __version__
 from btbctl.engine.costmodel import model_preset
 from btbctl.engine.errors import api_error_body
-from btbctl.engine.hashing import BYTES_PER_TOKEN, pack_text, pack_tokens
+from btbctl.engine.hashing import BYTES_PER_TOKEN, PSEUDO_TOKENIZER, pack_text, pack_tokens, text_to_tokens
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.replication.auth import AuthError
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
@@ -861,10 +861,7 @@ class _Handlers:
         if (prompt is None) == (msgs is None):
             raise ApiError(400, "Exactly one of 'prompt' or 'messages' must be provided.")
 
-        def ids(text: str) -> list[int]:
-            data = pack_text(text)
-            return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data), 4)]
-
+        ids = text_to_tokens
         if msgs is not None:
             tokens: list = ids(_render_chat(msgs))
             count: int | list[int] = len(tokens)
@@ -917,6 +914,7 @@ class _Handlers:
                 "transport": self.w.transport.name,
                 "time_scale": c.time_scale,
                 "zero_delay": c.zero,
+                "tokenizer": PSEUDO_TOKENIZER,
             }
         )
 
