@@ -131,6 +131,27 @@ def test_replicate_by_hand_proves_the_copy(fleet):
     assert done and done[-1]["proof_storage_tokens"] >= done[-1]["covered_tokens"], rec
 
 
+def test_a_target_that_computed_the_prefix_itself_is_never_reported_as_a_copy(fleet):
+    prompt = ids(PREFIX_TOKENS + 8, seed=23)
+    generate(fleet.gateway, prompt)  # one worker computes it, as the gateway records
+    chain = page_keys(prompt, PAGE)
+    pid = max(
+        (p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)), key=lambda p: p["prefix_blocks"]
+    )["id"]
+    rec = http_json(fleet.control + f"/control/replications/{pid}")
+    other = next(u for u in fleet.workers if u not in [h.rstrip("/") for h in rec["holders"]])
+    # the other worker computes it too, behind the gateway's back: its device holds it, not by any copy
+    generate(other, prompt)
+    fleet.cli("replicate", "--prefix", pid, "-n", "1", check=False)
+    fleet.settle()
+    rec = http_json(fleet.control + f"/control/replications/{pid}")
+    copies = [c for c in rec["copies"] if c["target"].rstrip("/") == other]
+    assert copies and copies[0]["outcome"] == "computed" and copies[0]["state"] == "failed", copies
+    assert copies[0]["proof"]["storage"] < copies[0]["covered_tokens"], copies
+    # the target does hold it (its own computation): it is a holder, not excluded
+    assert other in [h.rstrip("/") for h in rec["holders"]], rec
+
+
 def test_the_proof_script_proves_a_copy(fleet):
     proc = fleet.cli_script("scripts/sglang-l3-proof.py", "--prefix-tokens", "1024", "--seed", "5", "--format", "json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
