@@ -12,7 +12,7 @@ import pytest
 from agent_helpers import SECRET, start_agent, wait_for
 from btbctl.engine.agent.events import format_event
 from btbctl.engine.agent.pages import ALIGN_BYTES, PageStore
-from btbctl.engine.agent.peer import Conn, PeerService, SendFaults, client_auth, fanout_plan
+from btbctl.engine.agent.peer import Conn, PeerService, SendFaults, client_auth, fanout_plan, server_auth
 from btbctl.sglang_l3.keys import page_keys
 
 PAGE = 4 * ALIGN_BYTES
@@ -458,3 +458,81 @@ def test_milestones_wake_a_long_poll(nodes):
     recs = src.peers.wait_change("m1", v0, 10.0)
     assert recs[0].version > v0 and recs[0].source_complete_s is not None
     assert src.peers.wait_change("unknown-copy", 0, 0.1) == []
+
+
+def test_a_stream_to_a_target_holding_part_of_the_prefix_still_reports_the_source_complete(nodes):
+    src, dst = nodes("src"), nodes("dst")
+    names = _names(4)
+    _fill_some(dst, names, 0, 2)  # the target has the first two pages: it asks only for the others
+    plan = fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("q1")}], "chain")
+    rec = src.peers.push("q1", names, plan, stream_s=30.0, sizes=[PAGE] * 4)
+    _fill_some(src, names, 0, 4)
+    assert src.final("q1", "source")["state"] == "done"
+    assert rec.pages_ready == 4 and rec.source_complete_s is not None
+
+
+def test_a_target_asking_for_a_page_twice_is_refused(nodes):
+    src = nodes("src")
+    names = _names(2)
+    src.fill(names)
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def hostile_target():
+        sock, _ = srv.accept()
+        conn = Conn(sock, 5.0)
+        server_auth(conn, SECRET, "hostile")
+        conn.recv_json()  # the offer
+        conn.send_json({"op": "accept", "need": [0] * 1000})  # the same page a thousand times
+        time.sleep(1.0)
+        sock.close()
+
+    import threading
+
+    th = threading.Thread(target=hostile_target, daemon=True)
+    th.start()
+    src.peers.push("h1", names, [{"addr": f"127.0.0.1:{port}", "token": "t" * 32, "children": []}])
+    rec = src.final("h1", "source")
+    th.join(5)
+    srv.close()
+    assert rec["state"] == "failed" and "malformed accept" in rec["error"] and rec["pages_done"] == 0
+
+
+def test_deeply_nested_json_before_authentication_is_one_refusal(nodes):
+    import threading
+
+    errors = []
+    old = threading.excepthook
+    threading.excepthook = lambda a: errors.append(a.exc_type.__name__)
+    try:
+        dst = nodes("dst")
+        h, p = dst.addr.split(":")
+        s = socket.create_connection((h, int(p)))
+        body = b"[" * 2000 + b"]" * 2000
+        s.sendall(struct.pack(">BI", ord("J"), len(body)) + body)
+        wait_for(lambda: bool(dst.lines("auth_failed")), 5, "auth_failed")
+        s.close()
+    finally:
+        threading.excepthook = old
+    assert errors == []
+
+
+def test_an_agent_stops_at_once_while_clients_long_poll_it(tmp_path):
+    import threading
+
+    a = start_agent(tmp_path, "lp")
+    keys = page_keys(list(range(64)), 16)
+    answers = []
+
+    def wait_pages():
+        answers.append(a.call("POST", "/v1/wait", {"keys": keys, "namespaces": ["0" * 16], "wait_s": 30}))
+
+    threads = [threading.Thread(target=wait_pages, daemon=True) for _ in range(4)]
+    for th in threads:
+        th.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    a.stop()  # SIGTERM
+    assert time.monotonic() - t0 < 8, "the agent waited for its long-polls to run out"
+    for th in threads:
+        th.join(5)

@@ -66,11 +66,71 @@ async def test_a_request_for_a_copy_in_flight_waits_for_the_proof_then_goes_to_t
         assert status == 200 and got == [0, 1]
 
 
-async def test_a_request_waiting_for_a_failed_copy_is_routed_again_and_answered_once():
+async def test_a_request_waiting_for_a_failed_copy_goes_to_its_worker_which_computes_the_prefix():
     async with GatewayEnv(2) as env:
         status, got = await _gated_request(env, target=1, result=False)
-        assert status == 200 and got == [1, 0]
+        assert status == 200 and got == [0, 1]  # answered once, by the worker the policy chose
         assert env.gw.state.workers[1].healthy  # a failed copy is not the worker's failure
+
+
+async def test_a_failed_copy_whose_source_died_still_gets_its_request_answered():
+    async with GatewayEnv(2) as env:
+        gw = env.gw
+        await until(lambda: all(w.healthy for w in gw.state.workers))
+        chain = _chain(gw.page_size)[:4]
+        t = Transfer(copy_id="c0ffee", key=chain[-1], chain=chain, source=0, target=1, mode="l3")
+        t.ready = asyncio.get_running_loop().create_future()
+        gw.state.transfers.add(t)
+        await env.fleet[0].kill()  # the source dies: the only worker left is the copy's target
+        await until(lambda: not gw.state.workers[0].healthy, 5)
+        task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
+        await asyncio.sleep(0.3)
+        t.ready.set_result(False)
+        status, _ = await task
+        assert status == 200 and len(env.fleet[1].requests) == 1
+
+
+async def test_a_request_waiting_for_a_copy_moves_when_the_target_goes_down():
+    async with GatewayEnv(2) as env:
+        gw = env.gw
+        await until(lambda: all(w.healthy for w in gw.state.workers))
+        chain = _chain(gw.page_size)[:4]
+        t = Transfer(copy_id="c0ffee", key=chain[-1], chain=chain, source=0, target=1, mode="l3")
+        t.ready = asyncio.get_running_loop().create_future()
+        gw.state.transfers.add(t)
+        picks = iter([1, 0])
+        gw.policy.route = lambda req, view, now: type("R", (), {"replica": next(picks), "copies": ()})()
+        task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
+        await asyncio.sleep(0.3)
+        assert gw.state.workers[1].gated == 1  # waiting at the gateway, not at the worker
+        env.fleet[1].health_status = 500
+        await until(lambda: not gw.state.workers[1].healthy, 5)
+        status, _ = await asyncio.wait_for(task, 5)  # moved at once, not after the copy's deadlines
+        assert status == 200 and [len(w.requests) for w in env.fleet] == [1, 0]
+        assert gw.state.workers[1].gated == 0
+
+
+async def test_a_request_waits_for_the_deepest_copy_of_its_prefix():
+    async with GatewayEnv(2) as env:
+        gw = env.gw
+        await until(lambda: all(w.healthy for w in gw.state.workers))
+        chain = _chain(gw.page_size)
+        loop = asyncio.get_running_loop()
+        short, deep = (
+            Transfer(copy_id=f"c{n}", key=chain[n - 1], chain=chain[:n], source=0, target=1, mode="l3") for n in (4, 8)
+        )
+        for t in (short, deep):
+            t.ready = loop.create_future()
+            gw.state.transfers.add(t)
+        gw.policy.route = lambda req, view, now: type("R", (), {"replica": 1, "copies": ()})()
+        task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
+        await asyncio.sleep(0.2)
+        short.ready.set_result(True)
+        await asyncio.sleep(0.3)
+        assert not task.done() and len(env.fleet[1].requests) == 0  # the deeper copy is still on its way
+        deep.ready.set_result(True)
+        status, _ = await task
+        assert status == 200 and len(env.fleet[1].requests) == 1
 
 
 class _Prefixes:
@@ -109,3 +169,27 @@ async def test_copy_jobs_in_flight_are_capped_per_fleet_and_per_agent():
     assert rep.refusal(chains[3], 0, 2) is None
     assert {t.outcome for t in state.transfers.recent} == {"failed"}
     assert all(t.ready is not None and t.ready.done() and t.ready.result() is False for t in state.transfers.recent)
+
+
+async def test_l3_prompts_keep_the_gateways_prompt_limit_and_chain_cap():
+    agents = [{"name": "a0", "control_url": "http://127.0.0.1:9", "peer_addr": "127.0.0.1:9"}]
+    cfg = {"replication": "l3", "agents": agents, "worker_agents": [0], "max_prompt_tokens": 64}
+    async with GatewayEnv(1, page_size=16, max_chain_blocks=2, **cfg) as env:
+        await until(lambda: env.gw.state.workers[0].healthy)
+        status, body = await env.post("/generate", {"input_ids": list(range(1000))})
+        assert status == 413 and "exceeds the limit of 64 tokens" in str(body), body
+        assert env.fleet[0].requests == []
+        status, _ = await env.post("/generate", {"input_ids": list(range(60))})  # 3 pages, 2 hashed
+        assert status == 200
+        assert len(env.gw.l3_prompts.prefixes._keys) == 2  # the chain of its first 2 pages only
+
+
+def test_admission_waits_leave_out_requests_held_at_the_gateway():
+    state = FleetState(["http://w0"])
+    w = state.workers[0]
+    w.healthy, w.ttft_ewma_s = True, 1.0
+    w.loads = {"running": 0, "waiting": 3, "used_tokens": 0, "max_tokens": 10**6}
+    w.loads_prefilling = 0  # the worker's 3 waiting requests are another client's
+    assert state.admission_wait_s(0, 10) == 4.0
+    w.loads_prefilling = 3  # ... or the gateway's own, which its queue model counts already
+    assert state.admission_wait_s(0, 10) == 0.0

@@ -218,6 +218,8 @@ class Agent:
         )
 
     async def close(self) -> None:
+        if self.store is not None:
+            self.store.stop_waits()  # long-polls waiting for pages answer now, so the control API stops at once
         if self.local is not None:
             self.local.close()
         if self.peers is not None:

@@ -152,6 +152,7 @@ class PageStore:
         self.landed = threading.Condition(self.lock)
         self._hasher: threading.Thread | None = None
         self._closed = False
+        self._stopping = False
 
     def populate(self) -> float:
         """Map every arena page into this process (``MADV_POPULATE_WRITE``; safe while pages are being written).
@@ -483,12 +484,18 @@ class PageStore:
 
     def wait_landed(self, timeout_s: float) -> bool:
         """Block until pages become ready somewhere in the store or ``timeout_s`` passes (callers re-check); False
-        once the store is closed (nothing will land)."""
+        once the store is closing (:meth:`stop_waits`) or closed: nothing will land."""
         with self.lock:
-            if self._closed:
+            if self._closed or self._stopping:
                 return False
             self.landed.wait(timeout_s)
-            return not self._closed
+            return not (self._closed or self._stopping)
+
+    def stop_waits(self) -> None:
+        """Wake every :meth:`wait_landed` and make later ones return at once (the agent is stopping)."""
+        with self.lock:
+            self._stopping = True
+            self.landed.notify_all()
 
     def close(self) -> None:
         with self.lock:

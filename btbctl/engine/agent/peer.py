@@ -104,7 +104,7 @@ MAX_STREAM_S = 900.0
 #: three times per idle timeout, so the receiver never cuts it off).
 KEEPALIVE_S = 1.0
 #: Most copies received at once from one peer, and in all.
-MAX_COPIES_PER_PEER = 4
+MAX_COPIES_PER_PEER = 16
 MAX_INBOUND_COPIES = 64
 #: An expectation not used within this many seconds is forgotten (default ttl of ``expect``).
 DEFAULT_EXPECT_TTL_S = 300.0
@@ -194,7 +194,7 @@ class Conn:
         self.recv_into(memoryview(buf))
         try:
             obj = json.loads(buf)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
             raise PeerError("malformed control frame") from None
         if not isinstance(obj, dict):
             raise PeerError("control frame must be a JSON object")
@@ -454,6 +454,22 @@ class StreamPages(PageSource):
         self.failed = False
         self.lock = threading.Lock()
 
+    def advance(self) -> None:
+        """Count the leading pages the store holds now (taken by a sender or not: a target may skip pages it
+        has), and report growth. Amortised O(1) per page."""
+        store, names, sizes = self.store, self.names, self.sizes
+        with self.lock, store.lock:
+            n = self.ready
+            while n < len(names):
+                o = store.ready.get(names[n])
+                if o is None or o.size != sizes[n]:
+                    break
+                n += 1
+            grew = n > self.ready
+            self.ready = n
+        if grew:
+            self.on_ready(n)
+
     def _take(self, i: int) -> Obj | None:
         o = self.store.pin_ready([self.names[i]])[0]
         if o is not None and o.size != self.sizes[i]:
@@ -476,13 +492,7 @@ class StreamPages(PageSource):
                     else:  # another target's sender took it first
                         self.store.unpin_objs([o])
                         o = self.objs[i]
-                    grew = False
-                    while self.ready < len(self.objs) and self.objs[self.ready] is not None:
-                        self.ready += 1
-                        grew = True
-                    ready = self.ready
-                if grew:
-                    self.on_ready(ready)
+                self.advance()
                 break
             left = end - time.monotonic()
             if left <= 0:
@@ -559,7 +569,12 @@ class _Verifier:
             i, off, size, digest = item
             if self.error is not None:
                 continue
-            if xxhash.xxh3_64_intdigest(self.store.read(off, size)) != digest:
+            try:
+                data = self.store.read(off, size)
+            except ValueError:  # the arena was released: the agent is stopping
+                self.error = "the page store closed (the agent is stopping)"
+                continue
+            if xxhash.xxh3_64_intdigest(data) != digest:
                 self.error = f"page {i} ({self.names[i]}): xxh3_64 mismatch (corrupted or forged)"
                 continue
             self.pages.set(i, off, digest)
@@ -845,6 +860,8 @@ class PeerService:
         ]
         for t in threads:
             t.join()
+        if isinstance(src, StreamPages):  # pages every target skipped count as ready once the store has them
+            src.advance()
         errors = [f"{a}: {t['error']}" for a, t in rec.targets.items() if t["state"] != CopyState.DONE.value]
         if rec.role == "source":
             rec.bytes_done = sum(t["bytes_sent"] for t in rec.targets.values())
@@ -897,7 +914,11 @@ class PeerService:
             if rep.get("op") != "accept":
                 raise PeerError(f"refused: {rep.get('error', rep.get('op'))}")
             need = rep.get("need")
-            if not isinstance(need, list) or any(not isinstance(i, int) or not 0 <= i < len(src.names) for i in need):
+            if (
+                not isinstance(need, list)
+                or any(not isinstance(i, int) or not 0 <= i < len(src.names) for i in need)
+                or any(a >= b for a, b in zip(need, need[1:], strict=False))  # each page once, in order
+            ):
                 raise PeerError("malformed accept")
             st["state"] = CopyState.RUNNING.value
             sent = 0
@@ -931,8 +952,11 @@ class PeerService:
                 if self.metrics is not None:
                     self.metrics.pages.labels("out").inc()
                     self.metrics.bytes.labels("out").inc(len(data))
+            t_end = time.monotonic()
             conn.send_json({"op": "end"})
             rep = conn.recv_json()
+            # until the receiver confirmed: bytes still in socket buffers count as sending time
+            st["send_s"] += time.monotonic() - t_end
             if rep.get("op") != "done":
                 raise PeerError(f"target rejected the copy: {rep.get('error', rep.get('op'))}")
             st["state"] = CopyState.DONE.value
@@ -1175,8 +1199,8 @@ class PeerService:
                     raise PeerError("cancelled")
                 if kind == KIND_JSON:
                     msg = conn.json_body(n, MAX_PREAUTH_BYTES)
-                    if msg.get("op") == "wait":  # keep-alive of a sender trailing its source (the deadline bounds it)
-                        continue
+                    if msg.get("op") == "wait":  # keep-alive of a sender trailing its source or its upstream
+                        continue  # relay; the copy's deadline bounds the whole copy whatever the peer sends
                     raise PeerError(f"copy ended after {k} of {len(need)} pages ({msg.get('op')})")
                 if kind != KIND_PAGE:
                     raise PeerError(f"unknown frame kind {kind}")

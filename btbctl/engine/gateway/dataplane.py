@@ -51,7 +51,14 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import api_error_body
 from btbctl.engine.gateway.guard import RateLimiter, is_local_exhaustion, overloaded
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
-from btbctl.engine.gateway.prompt import PromptError, chain_from_packed, output_tokens_of, parse_json_object, prompt_of
+from btbctl.engine.gateway.prompt import (
+    PromptError,
+    PromptTooLong,
+    chain_from_packed,
+    output_tokens_of,
+    parse_json_object,
+    prompt_of,
+)
 from btbctl.engine.gateway.state import FleetState
 from btbctl.engine.hashing import BYTES_PER_TOKEN
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
@@ -187,6 +194,30 @@ class DataPlane:
         self._pool: ThreadPoolExecutor | None = None
         self.limiter = RateLimiter()
 
+    async def _through_gates(self, idx: int, chain, w, deadline: float) -> str | None:
+        """Wait until no copy of a leading part of ``chain`` towards worker ``idx`` is unresolved (each ``l3``
+        copy's ``ready``; the deepest wins, as they are re-checked until none is left), at most until ``deadline``
+        (loop time). Returns None to go on (proved, failed, or timed out: the worker then computes what it lacks),
+        or the reason when the worker was marked unhealthy meanwhile."""
+        loop = asyncio.get_running_loop()
+        state = self.gw.state
+        w.gated += 1
+        waiter: asyncio.Future = loop.create_future()
+        waiting = self._waiting.setdefault(idx, set())
+        waiting.add(waiter)
+        try:
+            while (gate := state.transfers.gate(idx, chain)) is not None:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return None
+                done, _ = await asyncio.wait({gate, waiter}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if waiter in done:
+                    return str(waiter.result() or "unhealthy")
+            return None
+        finally:
+            w.gated -= 1
+            waiting.discard(waiter)
+
     def worker_down(self, idx: int, reason: str) -> None:
         """Worker ``idx`` was marked unhealthy: its attempts still waiting for a first byte give up on it now and
         retry elsewhere (nothing of them reached the client)."""
@@ -291,7 +322,15 @@ class DataPlane:
             else:
                 obj, chain, n_tokens = self._prepare(route, body, page_size, l3 is None)
             if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
-                chain, n_tokens = await l3.chain(route, obj, page_size)
+                big = len(body) > lim.offload_bytes
+                chain, n_tokens = await l3.chain(
+                    route,
+                    obj,
+                    page_size,
+                    max_tokens=lim.max_prompt_tokens,
+                    max_blocks=lim.max_chain_blocks,
+                    offload=self._offload if big else None,
+                )
         except _PromptTooLong as e:
             return json_error(413, str(e))
         except PromptError as e:
@@ -306,6 +345,12 @@ class DataPlane:
         )
         stream = obj.get("stream") is True
         return await self._forward(request, path, body, req, stream, t0)
+
+    async def _offload(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the prompt-hashing thread pool (a big prompt's ids and page keys)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="btb-prompt")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     def _prepare(self, route: str, body: bytes, page_size: int, hash_it: bool) -> tuple[dict, tuple, int]:
         """The parsed body, the prompt's chain (empty unless ``hash_it``) and its length in tokens; the length is
@@ -431,10 +476,12 @@ class DataPlane:
 
             deadline = loop.time() + lim.first_byte_timeout_s
             try:
-                gate = state.transfers.gate(idx, chain) if chain and state.transfers.active else None
-                if gate is not None:  # l3: the request waits here until the copy to this worker is proved
-                    if not await _through_gate(gate, lim.first_byte_timeout_s):
-                        attempts.append(f"{w.url}: the copy of the prefix this request waited for failed")
+                if chain and state.transfers.active and state.transfers.gate(idx, chain) is not None:
+                    # l3: the request waits here until the copies to this worker are proved (a failed one: the
+                    # worker computes the prefix itself, as without it); only the worker going down moves it
+                    down = await self._through_gates(idx, chain, w, deadline)
+                    if down is not None:
+                        attempts.append(f"{w.url}: marked unhealthy while the request waited for its copy ({down})")
                         excluded.append(idx)
                         continue
                     deadline = loop.time() + lim.first_byte_timeout_s
@@ -644,15 +691,6 @@ async def _await_copy_accepted(state, idx: int, chain) -> None:
         pass
 
 
-async def _through_gate(gate: asyncio.Future, timeout_s: float) -> bool:
-    """Wait for an ``l3`` copy's ``ready`` future (at most ``timeout_s``): True when the request may go to the
-    copy's target (proved, or it computed the prefix itself), False when the copy failed or did not end in time."""
-    try:
-        return bool(await asyncio.wait_for(asyncio.shield(gate), timeout_s))
-    except asyncio.TimeoutError:
-        return False
-
-
 class _RetryStream(Exception):
     """Internal: a stream failed before its first byte reached the client."""
 
@@ -661,8 +699,7 @@ class _Abandoned(Exception):
     """Internal: the worker was marked unhealthy while an attempt waited for its first byte."""
 
 
-class _PromptTooLong(PromptError):
-    """Internal: the prompt is over ``max_prompt_tokens`` (413)."""
+_PromptTooLong = PromptTooLong
 
 
 def _describe(e: BaseException) -> str:

@@ -565,6 +565,7 @@ class L3Replicator(CopyExecutor):
             if not self._usable(t.target):
                 await self._cancel(src, t.copy_id)
                 return "target became unhealthy during the copy"
+            asked = clock()
             try:
                 st, ans = await self._call(
                     src,
@@ -582,6 +583,7 @@ class L3Replicator(CopyExecutor):
             rec = next((r for r in ans.get("records", []) if r.get("role") == "source"), None) if st == 200 else None
             if rec is None:
                 return f"source agent does not know the copy (HTTP {st})"
+            moved = int(rec.get("version") or since) > since  # a milestone (else the hold ran out)
             since = int(rec.get("version") or since)
             changed = False
             ready = rec.get("pages_ready")
@@ -611,6 +613,8 @@ class L3Replicator(CopyExecutor):
                 return f"copy failed: {rec.get('error') or 'at the source'}"
             if changed:
                 self._changed(t)
+            elif not moved and clock() - asked < PROGRESS_WAIT_S / 2:
+                await asyncio.sleep(POLL_S)  # an agent that answers at once (an older one, or its waits are full)
             if clock() >= deadline:
                 await self._cancel(src, t.copy_id)
                 return f"no outcome after {self.source_wait_s + self.copy_timeout_s:g} s"

@@ -29,6 +29,10 @@ class PromptError(ValueError):
     """A request body without a usable prompt; ``str()`` is the message for the 400 answer."""
 
 
+class PromptTooLong(PromptError):
+    """A prompt over the gateway's ``max_prompt_tokens``; ``str()`` is the message for the 413 answer."""
+
+
 def parse_json_object(body: bytes) -> dict:
     """The JSON object a request body holds (the data plane's and the control API's bodies alike).
 

@@ -82,7 +82,9 @@ class WorkerState:
         last_health_s: ``now_s`` of the latest health answer (None before the first).
         loads: summary of its ``/v1/loads`` (``running``, ``waiting``, ``used_tokens``, ``max_tokens``,
             ``token_usage``) or None when unknown.
-        loads_prefilling: ``prefilling`` when ``loads`` was read (the gateway's own requests among its waiting ones).
+        loads_prefilling: the gateway's own requests at the worker when ``loads`` was read (``prefilling`` less
+            ``gated``): the ones among its waiting requests that :meth:`FleetState.queued_prefill_s` models.
+        gated: requests routed here that wait at the gateway for an ``l3`` copy's proof (not at the worker yet).
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
             ``/server_info`` (``{}`` when it has none; None: not read yet).
@@ -107,6 +109,7 @@ class WorkerState:
     last_health_s: float | None = None
     loads: dict | None = None
     loads_prefilling: int = 0
+    gated: int = 0
     info: dict | None = None
     server_info: dict | None = None
     metrics: dict | None = None
@@ -442,13 +445,14 @@ class CopyMeasures:
 
     def copied(self, path: tuple[str, str], nbytes: int, send_s: float, pages: int) -> None:
         """A copy of ``pages`` pages moved ``nbytes`` over ``path`` in ``send_s`` seconds of sending."""
-        if nbytes > 0 and send_s > 0:
+        if nbytes > 0 and send_s > 0 and math.isfinite(nbytes / send_s):
             self.path_bytes_per_s[path] = self._mix(self.path_bytes_per_s.get(path), nbytes / send_s)
         if nbytes > 0 and pages > 0:
             self.page_bytes = self._mix(self.page_bytes, nbytes / pages)
 
     def proved(self, seconds: float) -> None:
-        self.proof_s = self._mix(self.proof_s, max(0.0, seconds))
+        if math.isfinite(seconds):
+            self.proof_s = self._mix(self.proof_s, max(0.0, seconds))
 
 
 class ChainIndex:
@@ -788,6 +792,8 @@ class FleetState:
         if modelled <= 0:
             return
         x = math.log(min(MAX_PREFILL_SCALE, max(MIN_PREFILL_SCALE, seconds / modelled)))
+        if self._log_scale is not None:  # one odd sample (a stall, a hiccup) moves the scale at most 10x
+            x = min(self._log_scale + math.log(10), max(self._log_scale - math.log(10), x))
         self._log_scale = x if self._log_scale is None else self._log_scale + MEASURE_EWMA_ALPHA * (x - self._log_scale)
         self.prefill_scale = math.exp(self._log_scale)
 

@@ -25,13 +25,13 @@ import json
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
-from btbctl.engine.gateway.prompt import PromptError
+from btbctl.engine.gateway.prompt import PromptError, PromptTooLong
 from btbctl.engine.hashing import BYTES_PER_TOKEN, PSEUDO_TOKENIZER, pack_text, pack_tokens
 from btbctl.sglang_l3.keys import page_keys, page_keys_packed
 
@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Tokens of tokenized prompts kept in the cache (a product choice: 16M tokens are 64 MB of packed ids).
 TOKEN_CACHE_TOKENS = 1 << 24
+#: Largest ``/v1/tokenize`` answer read, bytes (the gateway's largest body, 8 MiB of text, is at most 8M tokens of up
+#: to 8 characters each in JSON; a product choice).
+MAX_TOKENIZE_ANSWER_BYTES = 64 << 20
 #: Bytes of prompts whose prefix tokens are kept for warm-ups (a product choice, 256 MiB).
 PREFIX_TOKEN_BYTES = 256 << 20
 
@@ -58,9 +61,10 @@ class Prompt:
     cache_salt: str | None = None
     wide: tuple[int, ...] | None = None
 
-    def pages(self, page_size: int) -> tuple[str, ...]:
-        """SGLang's page keys of the prompt's whole pages."""
-        full = self.n_tokens // page_size * page_size
+    def pages(self, page_size: int, max_tokens: int | None = None) -> tuple[str, ...]:
+        """SGLang's page keys of the prompt's whole pages (of its first ``max_tokens`` tokens, when given)."""
+        n = self.n_tokens if max_tokens is None else min(self.n_tokens, max_tokens)
+        full = n // page_size * page_size
         if self.wide is not None:
             return tuple(page_keys(self.wide[:full], page_size, self.extra_key, self.cache_salt))
         return tuple(page_keys_packed(self.data[: full * BYTES_PER_TOKEN], page_size, self.extra_key, self.cache_salt))
@@ -113,6 +117,14 @@ def direct_prompt(route: str, body: dict) -> Prompt | None:
             if not isinstance(p[0], str):
                 return _ids_prompt(p, "prompt", body)
     return None
+
+
+def _has_ids(route: str, body: dict) -> bool:
+    """Whether the body carries token ids (``input_ids``, a completion's id list) rather than text."""
+    if route == "generate":
+        return body.get("input_ids") is not None
+    p = body.get("prompt") if route == "completions" else None
+    return isinstance(p, list) and bool(p) and not isinstance(p[0], str)
 
 
 def tokenize_body(route: str, body: dict) -> dict:
@@ -219,10 +231,14 @@ class Tokenizer:
             self.calls += 1
             try:
                 async with self._session().post(f"{url}/v1/tokenize", json=tb, timeout=self.timeout) as resp:
-                    ans = await resp.json(content_type=None)
                     if resp.status != 200:
                         errors.append(f"{url}: HTTP {resp.status}")
                         continue
+                    raw = await resp.content.read(MAX_TOKENIZE_ANSWER_BYTES + 1)
+                    if len(raw) > MAX_TOKENIZE_ANSWER_BYTES:
+                        errors.append(f"{url}: /v1/tokenize answer over {MAX_TOKENIZE_ANSWER_BYTES} bytes")
+                        continue
+                    ans = json.loads(raw)
                 tokens = ans.get("tokens") if isinstance(ans, dict) else None
                 try:  # array() checks every id is an integer in [0, 2**32) in C (a per-id Python check cost ~1.5 ms)
                     packed = array("I", tokens) if isinstance(tokens, list) else None
@@ -307,19 +323,46 @@ class L3Prompts:
         ws = self.state.workers
         self.tokenizer.local = bool(ws) and all((w.info or {}).get("tokenizer") == PSEUDO_TOKENIZER for w in ws)
 
-    async def chain(self, route: str, body: dict, page_size: int) -> tuple[tuple[str, ...], int]:
-        """``(page keys of the prompt's whole pages, prompt tokens)``. A prompt no worker can tokenize is routed
-        without a chain (logged; the request itself is not refused). Raises :class:`PromptError`."""
+    async def chain(
+        self,
+        route: str,
+        body: dict,
+        page_size: int,
+        *,
+        max_tokens: int | None = None,
+        max_blocks: int | None = None,
+        offload: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+    ) -> tuple[tuple[str, ...], int]:
+        """``(page keys of the prompt's leading whole pages, prompt tokens)``: at most ``max_blocks`` pages are
+        hashed, and ``offload`` (when given: a big body) runs the ids' parsing and hashing off the event loop. A
+        prompt no worker can tokenize is routed without a chain (logged; the request itself is not refused).
+
+        Raises:
+            PromptError: no usable prompt.
+            PromptTooLong: over ``max_tokens`` (before anything is hashed).
+        """
         try:
-            prompt = await self.tokenizer.prompt(route, body)
+            if offload is not None and _has_ids(route, body):
+                prompt = await offload(lambda: self._direct(route, body))
+            else:
+                prompt = await self.tokenizer.prompt(route, body)
         except TokenizeError as e:
             self.failures += 1
             log.warning("routing a request without its prefix: %s", e)
             return (), 1
-        chain = prompt.pages(page_size)
+        if max_tokens is not None and prompt.n_tokens > max_tokens:
+            raise PromptTooLong(f"prompt of {prompt.n_tokens} tokens exceeds the limit of {max_tokens} tokens")
+        limit = None if max_blocks is None else max_blocks * page_size
+        chain = await offload(lambda: prompt.pages(page_size, limit)) if offload else prompt.pages(page_size, limit)
         if chain:
             self.prefixes.add(chain, prompt)
         return chain, prompt.n_tokens
+
+    @staticmethod
+    def _direct(route: str, body: dict) -> Prompt:
+        p = direct_prompt(route, body)
+        assert p is not None
+        return p
 
 
 __all__ = [
