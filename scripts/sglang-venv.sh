@@ -4,7 +4,7 @@
 # real `python -m sglang.launch_server` on a CPU-only machine (the real-server tests, marker `sglang_server`).
 #
 #   scripts/sglang-venv.sh [VENV_DIR]    # default: $BTBCTL_SGLANG_VENV or ~/.cache/btbctl/venv-sglang-0.5.23
-#   scripts/sglang-venv.sh --env         # print the exports that serve SGLang on this CPU (after building)
+#   scripts/sglang-venv.sh --env         # print the exports that serve SGLang on this CPU (builds first if needed)
 #
 # What it makes, once, keyed by the SGLang version (a stamp file records what was built; later runs only reinstall
 # this checkout of btbctl):
@@ -17,7 +17,9 @@
 # - SGLang's page-key hash extension, compiled into VENV/torch-extensions (TORCH_EXTENSIONS_DIR);
 # - the tests' model, VENV/tiny-llama (tests/sglang_cpu/tiny_model.py: random weights, seeded, no hub);
 # - a link examples/sglang-cpu -> VENV, which examples/cluster-sglang-cpu.toml names (python, model).
-# About 5 minutes and 6.6 GB the first time (g++, ninja and libssl-dev are installed with apt-get when missing and
+# The venv is shared by every checkout (keyed by SGLang's version); btbctl is installed into it editable for its
+# dependencies, and the exports of --env put the checkout that printed them first on PYTHONPATH.
+# About 5 minutes and 6.8 GB the first time (g++, ninja and libssl-dev are installed with apt-get when missing and
 # running as root). Prints the venv's python path on the last line. Exit status 3: the venv cannot be built here (the
 # reason is printed); anything else non-zero is a failure.
 set -euo pipefail
@@ -54,6 +56,13 @@ constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$constraints"
 
+# --env on a built harness: print at once (the exports put this checkout first on PYTHONPATH, see harness.py)
+if [ "$print_env" = 1 ] && [ "$(cat "$VENV/.btbctl-stamp" 2>/dev/null)" = "$STAMP" ] && [ -f "$VENV/tiny-llama/.made" ]; then
+    ln -sfn "$VENV" examples/sglang-cpu
+    cpu_env
+    exit 0
+fi
+
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.btbctl-stamp" 2>/dev/null)" != "$STAMP" ]; then
     rm -rf "$VENV"
     mkdir -p "$(dirname "$VENV")"
@@ -89,7 +98,7 @@ if [ ! -f "$VENV/tiny-llama/.made" ] || ! cmp -s tests/sglang_cpu/tiny_model.py 
         || cant "the tests' tiny model could not be made"
     cp tests/sglang_cpu/tiny_model.py "$VENV/tiny-llama/.made"
 fi
-# The server must import with the stand-in (and only with it: a stock import fails on sgl_kernel, see SGLANG-CPU.md).
+# The server must import with the stand-in (and only with it: a stock import fails on sgl_kernel, the CUDA-only kernels).
 ( eval "$(cpu_env)"; "$VENV/bin/python" -c "import sglang.srt.entrypoints.http_server" ) >/dev/null 2>&1 \
     || cant "SGLang's server does not import with the CPU stand-in"
 ln -sfn "$VENV" examples/sglang-cpu

@@ -78,4 +78,5 @@ def test_the_cpu_environment_is_one_definition():
         "HF_HUB_OFFLINE": "1",
         "TORCH_EXTENSIONS_DIR": str(Path("/v") / "torch-extensions"),
         STANDIN_ENV: str(STANDIN_DIR),
+        "PYTHONPATH": str(STANDIN_DIR.parents[1]),  # this checkout's btbctl, whoever installed into the venv last
     }

@@ -27,14 +27,22 @@ def venv_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "btbctl" / f"venv-sglang-{SGLANG_VERSION}"
 
 
+#: The checkout this harness belongs to.
+CHECKOUT = STANDIN_DIR.parents[1]
+
+
 def cpu_env(venv: Path) -> dict[str, str]:
-    """What a process needs to serve SGLang 0.5.23 on a CPU from ``venv`` (SGLANG-CPU.md): the CPU engine (SGLang's
-    ``is_cpu()`` is true only with it), no hub, the page-key hash extension compiled by the harness, the stand-in."""
+    """What a process needs to serve SGLang 0.5.23 on a CPU from ``venv``: the CPU engine (SGLang's
+    ``is_cpu()`` is true only with it), no hub, the page-key hash extension compiled by the harness, the stand-in,
+    and this checkout first on ``PYTHONPATH``: the venv is shared by every checkout (it is keyed by SGLang's version
+    only), so the btbctl an SGLang server loads as its L3 backend is the checkout's that set the environment, not
+    whichever checkout last installed itself into the venv."""
     return {
         "SGLANG_USE_CPU_ENGINE": "1",
         "HF_HUB_OFFLINE": "1",
         "TORCH_EXTENSIONS_DIR": str(venv / "torch-extensions"),
         STANDIN_ENV: str(STANDIN_DIR),
+        "PYTHONPATH": str(CHECKOUT),
     }
 
 

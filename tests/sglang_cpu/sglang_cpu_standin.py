@@ -1,8 +1,8 @@
-"""Test-only stand-in for the CUDA-bound pieces that keep SGLang 0.5.23 from serving on a CPU (SGLANG-CPU.md).
+"""Test-only stand-in for the CUDA-bound pieces that keep SGLang 0.5.23 from serving on a CPU.
 
-Never imported by btbctl. The harness (``scripts/sglang-cpu.sh``) writes a one-line ``.pth`` file into its SGLang
+Never imported by btbctl. The harness (``scripts/sglang-venv.sh``) writes a one-line ``.pth`` file into its SGLang
 venv that imports this module and calls :func:`install` only when the environment variable ``BTBCTL_SGLANG_CPU_STANDIN``
-names this folder; without it the venv is stock SGLang. It replaces exactly what the facts name, nothing else:
+names this folder; without it the venv is stock SGLang. It replaces exactly these, nothing else:
 
 1. **``sgl_kernel``** (the PyPI kernel wheels are CUDA-only, there is no sdist): a module holding the
    :data:`KERNEL_NAMES` SGLang imports at import time with ``SGLANG_USE_CPU_ENGINE=1``. Each raises when called: on

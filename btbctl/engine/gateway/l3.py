@@ -636,7 +636,7 @@ class L3Replicator(CopyExecutor):
             "input_ids": ids + [ids[0] if ids else 0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "rid": f"btb-warmup-{t.copy_id}",
-            # newer SGLang reports where cached tokens came from only when asked (SGLANG-CPU.md)
+            # newer SGLang (after 0.5.23, its PR 17648) reports where cached tokens came from only when asked
             "return_cached_tokens_details": True,
         }
         if extra_key is not None:
