@@ -155,9 +155,11 @@ def prove(run_dir: str | None, prefix_tokens: int, seed: int = 0, vocab: int = 3
 def _human(r: dict) -> str:
     reuse = r["reuse"] or {}
     lines = [
-        f"1. compute   a {r['prompt_tokens']}-token prompt on {r['source']}: {r['compute_s']:.3f} s; the gateway "
-        f"tracks its first {r['prefix_tokens']} tokens as the prefix (its deepest tracked one; btb.prefix_blocks is the "
-        "shortest)",
+        (
+            f"1. compute   a {r['prompt_tokens']}-token prompt on {r['source']}: {r['compute_s']:.3f} s; the gateway "
+            f"tracks its first {r['prefix_tokens']} tokens as the prefix (its deepest tracked one; btb.prefix_blocks "
+            "is the shortest)"
+        ),
         (
             f"2. replicate to {r['target']}: copy {r['copy_state']} in {r['copy_duration_s'] or 0:.3f} s (source wait, "
             f"{r['copy_bytes'] or 0} bytes between agents in {r['copy_transfer_s'] or 0:.3f} s, warm-up"
