@@ -421,13 +421,13 @@ def test_a_streaming_copy_sends_each_chunk_as_it_lands_in_order_and_complete(nod
 
 
 def test_a_stream_whose_source_stalls_past_the_idle_timeout_is_kept_alive(nodes):
-    src = nodes("src", idle_timeout_s=0.6)
-    relay, last = nodes("relay", idle_timeout_s=0.6), nodes("last", idle_timeout_s=0.6)
+    src = nodes("src", idle_timeout_s=0.3)
+    relay, last = nodes("relay", idle_timeout_s=0.3), nodes("last", idle_timeout_s=0.3)
     names = _names(4)
     plan = fanout_plan([{"addr": t.addr, "token": t.peers.expect("k1")} for t in (relay, last)], "chain")
     src.peers.push("k1", names, plan, stream_s=30.0, sizes=[PAGE] * 4)
     _fill_some(src, names, 0, 2)
-    time.sleep(1.5)  # longer than every idle timeout: the senders' keep-alives hold both connections open
+    time.sleep(0.8)  # longer than every idle timeout: the senders' keep-alives hold both connections open
     _fill_some(src, names, 2, 4)
     assert src.final("k1", "source")["state"] == "done"
     assert relay.final("k1", "target")["state"] == "done" and last.final("k1", "target")["state"] == "done"

@@ -21,7 +21,7 @@ from netns import make_testbed, require_sshd, start_sshd  # noqa: F401 - fixture
 from netns_fleet import host_entry
 from test_ssh_fleet import FAST, write_cluster
 
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.slow]  # a whole fleet up and down over SSH: the slow stage
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Slow enough that the link, not this machine's CPUs, sets a copy's pace (an unshaped copy between the emulated

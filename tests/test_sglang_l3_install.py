@@ -21,6 +21,9 @@ from pathlib import Path
 
 import pytest
 
+#: Builds and installs a wheel (several seconds of packaging): run with the slow stage.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Seconds each pip step may take (the wheel build fetches setuptools when this environment has none that fits).
 PIP_TIMEOUT_S = 90

@@ -18,6 +18,9 @@ from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_t
 from launcher_helpers import cli, force_cleanup, wait_gone
 from sshd_fixture import host_table
 
+#: Fleets started and stopped over a real sshd: the slow stage (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 
 def _toml(v) -> str:
     if isinstance(v, str):
