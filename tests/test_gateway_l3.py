@@ -38,19 +38,37 @@ def test_a_copy_counts_as_proved_only_when_storage_covers_the_prefix(proof, cove
     assert classify_proof(proof, covered) is outcome
 
 
+async def _l3_copy(env: GatewayEnv, blocks: int = 4, source: int = 0, target: int = 1) -> Transfer:
+    """An ``l3`` copy of the test prompt's first ``blocks`` blocks in flight from ``source`` to ``target`` (its
+    ``ready`` unresolved), once every worker is healthy."""
+    gw = env.gw
+    await until(lambda: all(w.healthy for w in gw.state.workers))
+    chain = _chain(gw.page_size)[:blocks]
+    t = Transfer(copy_id=f"c0ffee{blocks}", key=chain[-1], chain=chain, source=source, target=target, mode="l3")
+    t.ready = asyncio.get_running_loop().create_future()
+    gw.state.transfers.add(t)
+    return t
+
+
+def _route_to(gw, *replicas: int) -> None:
+    """The policy picks ``replicas`` in turn (the last one from then on)."""
+    picks = iter(replicas)
+    last = [replicas[-1]]
+
+    def route(req, view, now):
+        last[0] = next(picks, last[0])
+        return type("R", (), {"replica": last[0], "copies": ()})()
+
+    gw.policy.route = route
+
+
 async def _gated_request(env: GatewayEnv, target: int, result: bool) -> tuple[int, list[int]]:
     """Send one request while a copy of its prefix to ``target`` is in flight and the policy picks ``target``;
     resolve the copy's ``ready`` with ``result`` once the request waited; returns the answer's status and how
     many requests each worker got."""
     gw = env.gw
-    await until(lambda: all(w.healthy for w in gw.state.workers))
-    chain = _chain(gw.page_size)[:4]
-    loop = asyncio.get_running_loop()
-    t = Transfer(copy_id="c0ffee", key=chain[-1], chain=chain, source=1 - target, target=target, mode="l3")
-    t.ready = loop.create_future()
-    gw.state.transfers.add(t)
-    picks = iter([target, 1 - target])
-    gw.policy.route = lambda req, view, now: type("R", (), {"replica": next(picks), "copies": ()})()
+    t = await _l3_copy(env, source=1 - target, target=target)
+    _route_to(gw, target, 1 - target)
     task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
     await asyncio.sleep(0.3)
     assert not task.done() and [len(w.requests) for w in env.fleet] == [0, 0]  # held at the gateway
@@ -76,11 +94,7 @@ async def test_a_request_waiting_for_a_failed_copy_goes_to_its_worker_which_comp
 async def test_a_failed_copy_whose_source_died_still_gets_its_request_answered():
     async with GatewayEnv(2) as env:
         gw = env.gw
-        await until(lambda: all(w.healthy for w in gw.state.workers))
-        chain = _chain(gw.page_size)[:4]
-        t = Transfer(copy_id="c0ffee", key=chain[-1], chain=chain, source=0, target=1, mode="l3")
-        t.ready = asyncio.get_running_loop().create_future()
-        gw.state.transfers.add(t)
+        t = await _l3_copy(env)
         await env.fleet[0].kill()  # the source dies: the only worker left is the copy's target
         await until(lambda: not gw.state.workers[0].healthy, 5)
         task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
@@ -93,13 +107,8 @@ async def test_a_failed_copy_whose_source_died_still_gets_its_request_answered()
 async def test_a_request_waiting_for_a_copy_moves_when_the_target_goes_down():
     async with GatewayEnv(2) as env:
         gw = env.gw
-        await until(lambda: all(w.healthy for w in gw.state.workers))
-        chain = _chain(gw.page_size)[:4]
-        t = Transfer(copy_id="c0ffee", key=chain[-1], chain=chain, source=0, target=1, mode="l3")
-        t.ready = asyncio.get_running_loop().create_future()
-        gw.state.transfers.add(t)
-        picks = iter([1, 0])
-        gw.policy.route = lambda req, view, now: type("R", (), {"replica": next(picks), "copies": ()})()
+        await _l3_copy(env)
+        _route_to(gw, 1, 0)
         task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
         await asyncio.sleep(0.3)
         assert gw.state.workers[1].gated == 1  # waiting at the gateway, not at the worker
@@ -113,16 +122,8 @@ async def test_a_request_waiting_for_a_copy_moves_when_the_target_goes_down():
 async def test_a_request_waits_for_the_deepest_copy_of_its_prefix():
     async with GatewayEnv(2) as env:
         gw = env.gw
-        await until(lambda: all(w.healthy for w in gw.state.workers))
-        chain = _chain(gw.page_size)
-        loop = asyncio.get_running_loop()
-        short, deep = (
-            Transfer(copy_id=f"c{n}", key=chain[n - 1], chain=chain[:n], source=0, target=1, mode="l3") for n in (4, 8)
-        )
-        for t in (short, deep):
-            t.ready = loop.create_future()
-            gw.state.transfers.add(t)
-        gw.policy.route = lambda req, view, now: type("R", (), {"replica": 1, "copies": ()})()
+        short, deep = await _l3_copy(env, 4), await _l3_copy(env, 8)
+        _route_to(gw, 1)
         task = asyncio.ensure_future(env.post("/generate", {"text": TEXT}))
         await asyncio.sleep(0.2)
         short.ready.set_result(True)

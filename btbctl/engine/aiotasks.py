@@ -33,6 +33,20 @@ async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
             await t
 
 
+def every(interval_s: float, fn: Callable[[], Coroutine[Any, Any, Any]], *, at_once: bool) -> asyncio.Task:
+    """A background task awaiting ``fn()`` every ``interval_s`` seconds (the first time at once with ``at_once``,
+    else after one interval) until cancelled (:func:`cancel_and_wait`)."""
+
+    async def loop() -> None:
+        if not at_once:
+            await asyncio.sleep(interval_s)
+        while True:
+            await fn()
+            await asyncio.sleep(interval_s)
+
+    return asyncio.get_running_loop().create_task(loop())
+
+
 #: Set (to anything but ``""`` or ``0``) to run the gateway on asyncio's own event loop even when uvloop is
 #: installed.
 NO_UVLOOP_ENV = "BTBCTL_NO_UVLOOP"

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from btbctl.engine.aiotasks import cancel_and_wait
+from btbctl.engine.aiotasks import cancel_and_wait, every
 from btbctl.engine.gateway.guard import is_local_exhaustion
 from btbctl.engine.gateway.state import WorkerState
 
@@ -163,15 +163,10 @@ class HealthProber:
         """One round for every worker, concurrently (a failing probe does not stop the others)."""
         await asyncio.gather(*(self.probe(w) for w in self.workers), return_exceptions=True)
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.probe_all()
-
     def start(self) -> None:
         """Probe every ``interval_s`` in a background task (the first round after one interval)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = every(self.interval_s, self.probe_all, at_once=False)
 
     async def stop(self) -> None:
         """Stop probing (idempotent)."""

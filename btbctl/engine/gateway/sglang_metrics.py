@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from btbctl.engine.aiotasks import cancel_and_wait
+from btbctl.engine.aiotasks import cancel_and_wait, every
 from btbctl.engine.gateway.state import WorkerState
 
 #: What :func:`parse_sglang_metrics` reads: field -> (SGLang 0.5.23 sample names, first found wins; labels a
@@ -286,15 +286,10 @@ class MetricsScraper:
         """One scrape of every healthy worker, concurrently (one failing does not stop the others)."""
         await asyncio.gather(*(self.scrape(w) for w in self.workers if w.healthy), return_exceptions=True)
 
-    async def _loop(self) -> None:
-        while True:
-            await self.scrape_all()
-            await asyncio.sleep(self.interval_s)
-
     def start(self) -> None:
         """Scrape now and then every ``interval_s`` in a background task."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = every(self.interval_s, self.scrape_all, at_once=True)
 
     async def stop(self) -> None:
         """Stop scraping (idempotent)."""
