@@ -40,7 +40,8 @@ class FakeWorker:
     * ``health_status``: status of ``/health``.
     * ``waiting_reqs`` / ``max_tokens``: what ``/v1/loads`` reports as ``num_waiting_reqs`` and
       ``max_total_num_tokens`` (default 2 and 100: a busy worker with a full cache; 0 and a large capacity for an
-      idle one).
+      idle one; ``waiting_reqs=None``: the requests it holds before their first byte, as a worker reports them).
+    * :meth:`restart`: kill it and listen again on the same port (a restarted worker, empty cache).
     """
 
     page_size: int = 4
@@ -54,7 +55,7 @@ class FakeWorker:
     copy_outcome: str = "done"
     copy_polls: int = 2
     health_status: int = 200
-    waiting_reqs: int = 2
+    waiting_reqs: int | None = 2
     max_tokens: int = 100
     block_bytes: int = 1000
     hash_prompts: bool = True  # False: skip hashing the prompt (a big one would stall the test's event loop)
@@ -65,8 +66,10 @@ class FakeWorker:
     expects: dict = field(default_factory=dict)
     held: set = field(default_factory=set)
     computing: dict = field(default_factory=dict)  # block -> requests computing it (before their first byte)
+    before_first_byte: int = 0
     copies: dict = field(default_factory=dict)
     url: str = ""
+    port: int = 0  # 0: the OS picks one at the first start; kept for a restart
     transfer_addr: str = ""
     runner: web.AppRunner | None = None
 
@@ -88,9 +91,9 @@ class FakeWorker:
         r.add_get("/btb/copies/{copy_id}", self.copy)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()  # the OS picks the port
-        port = self.runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.port = self.runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self.transfer_addr = f"127.0.0.1:{next(_transfer_ports)}"
         self.registry[self.transfer_addr] = self
         return self
@@ -107,6 +110,12 @@ class FakeWorker:
                         conn.transport.abort()
             await self.runner.cleanup()
             self.runner = None
+
+    async def restart(self) -> None:
+        """Kill it, then listen again on the same port with an empty cache."""
+        await self.kill()
+        self.held.clear()
+        await self.start()
 
     # -- helpers ---------------------------------------------------------------------------------------------------
 
@@ -132,7 +141,9 @@ class FakeWorker:
                 "loads": [
                     {
                         "num_running_reqs": 1,
-                        "num_waiting_reqs": self.waiting_reqs,
+                        "num_waiting_reqs": (
+                            self.waiting_reqs if self.waiting_reqs is not None else self.before_first_byte
+                        ),
                         "num_used_tokens": 30,
                         "max_total_num_tokens": self.max_tokens,
                         "token_usage": 30 / self.max_tokens,
@@ -157,11 +168,13 @@ class FakeWorker:
         if self.first_byte_delay_s or self.first_byte_gate is not None:
             for h in chain:
                 self.computing[h] = self.computing.get(h, 0) + 1
+            self.before_first_byte += 1
             try:
                 await asyncio.sleep(self.first_byte_delay_s)
                 if self.first_byte_gate is not None:
                     await self.first_byte_gate.wait()
             finally:
+                self.before_first_byte -= 1
                 for h in chain:
                     self.computing[h] -= 1
                     if not self.computing[h]:

@@ -373,3 +373,49 @@ def test_case6_each_released_cache_aware_rule_as_modelled():
     busy = FakeFleet(4, [40, 0, 0, 0])
     assert route(ca, Request("h", 0.0, 5 * BT, 1, prefix + ("x",)), busy, 0.0) == 0
     assert route(spill, Request("h", 0.0, 5 * BT, 1, prefix + ("x",)), busy, 0.0) != 0
+
+
+# -- case 9: stale loads ---------------------------------------------------------------------------------------------
+
+
+async def test_case9_a_burst_of_independent_requests_spreads_evenly_between_load_reports():
+    """5 workers, 2 of them restarted before each burst; bursts of 100 independent requests in flight at once,
+    arriving over ~0.3 s while every worker reports its loads each 30 ms (its ``num_waiting_reqs`` counts the
+    gateway's own requests, as a worker's does). The report: 512 requests at concurrency 128, per-worker shares
+    15.6-25.4%, 32% and 35% on one worker in 2 of ~13 fleets.
+
+    Before: btb_plus priced an admission wait of (reported waiting + 1) x the worker's TTFT on top of the queue it
+    models itself, so its own requests counted twice until the next report: a worker that had just reported many
+    looked busy and the next arrivals went to the others (bursts split as 13/10/25/13/13% ... 23/23/13/20/21%).
+    Expected now: the requests it sent since a report count once, and every worker takes 20 +- 3 of each 100."""
+    gate = asyncio.Event()
+    kw = {"waiting_reqs": None, "max_tokens": 1_000_000, "first_byte_delay_s": 0.02}
+    async with GatewayEnv(
+        5, policy="btb_plus", seed=9, worker_kw=kw, health_interval_s=0.03, client_connections=0
+    ) as env:
+        for i in range(10):  # every worker measures a TTFT
+            assert (await env.post("/generate", {"text": _unrelated("warm", i)}))[0] == 200
+        splits = []
+        for burst in range(3):
+            for k in (0, 1):
+                await env.fleet[k].restart()
+            await asyncio.sleep(0.2)  # the gateway probed them again
+            assert all(w.healthy for w in env.gw.state.workers)
+            gate.clear()
+            for w in env.fleet:
+                w.first_byte_gate = gate
+                w.first_byte_delay_s = 0.0
+                w.requests.clear()
+            tasks: list[asyncio.Future] = []
+            for wave in range(20):
+                tasks += [
+                    asyncio.ensure_future(env.post("/generate", {"text": _unrelated(f"b{burst}-{wave}", i)}))
+                    for i in range(5)
+                ]
+                await asyncio.sleep(0.013)
+            splits.append(await _in_flight(env, 100))
+            gate.set()
+            assert all(st == 200 for st, _ in await asyncio.gather(*tasks))
+            assert sum(splits[-1]) == 100
+        assert all(17 <= c <= 23 for split in splits for c in split), splits
+        _loads_back_to_zero(env)

@@ -437,6 +437,7 @@ class DataPlane:
         lim = self.limits
         loop = asyncio.get_running_loop()
         learned = False
+        kv_tokens = req.input_tokens + req.output_tokens  # what the request takes of a worker's KV at its end
         for attempt in range(self.max_retries + 1):
             idx = gw.choose(req, excluded)
             if idx is None:
@@ -446,6 +447,7 @@ class DataPlane:
                 metrics.retries.inc()
                 log_event(log, "request_retry", request=rid, attempt=attempt, worker=w.name, after=attempts[-1][:200])
             w.inflight += 1
+            w.kv_tokens_inflight += kv_tokens
             w.start_prefill(rid, chain, req.input_tokens)
             gauge = metrics.inflight_gauge(worker_label(w))
             gauge.inc()
@@ -556,6 +558,7 @@ class DataPlane:
                 continue
             finally:
                 w.inflight -= 1
+                w.kv_tokens_inflight -= kv_tokens
                 gauge.dec()
                 if not prefilled:
                     w.end_prefill(rid)

@@ -457,6 +457,7 @@ class Gateway:
     def _worker_loads(self, w: WorkerState, loads: dict | None) -> None:
         w.loads = loads
         w.loads_prefilling = w.prefilling - w.gated  # the gateway's own requests among the ones the worker counts
+        w.loads_kv_tokens = w.kv_tokens_inflight
         self.bus.mark("fleet")
 
     # -- transfers (the replicator's callbacks) -----------------------------------------------------------------

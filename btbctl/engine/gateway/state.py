@@ -84,6 +84,10 @@ class WorkerState:
             ``token_usage``) or None when unknown.
         loads_prefilling: the gateway's own requests at the worker when ``loads`` was read (``prefilling`` less
             ``gated``): the ones among its waiting requests that :meth:`FleetState.queued_prefill_s` models.
+        kv_tokens_inflight: KV tokens (prompt + expected output) of the gateway's requests in flight here, sent
+            and not finished; ``loads_kv_tokens``: the same when ``loads`` was read. Their difference is what the
+            gateway itself added to (or freed from) the worker's KV since its last report
+            (:meth:`FleetState.kv_free_tokens`).
         gated: requests routed here that wait at the gateway for an ``l3`` copy's proof (not at the worker yet).
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
@@ -109,6 +113,8 @@ class WorkerState:
     last_health_s: float | None = None
     loads: dict | None = None
     loads_prefilling: int = 0
+    kv_tokens_inflight: int = 0
+    loads_kv_tokens: int = 0
     gated: int = 0
     info: dict | None = None
     server_info: dict | None = None
@@ -704,28 +710,41 @@ class FleetState:
         return self.transfers.nic_copies(replica)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
-        """Coarse estimate from the worker's last ``/v1/loads``: 0 when nothing but the gateway's own requests
-        (whose queueing :meth:`queued_prefill_s` models) waits there and ``max_total_num_tokens - num_used_tokens
-        >= kv_tokens`` (or loads are unknown); otherwise the other requests waiting there plus the new one, each x
-        the worker's smoothed TTFT (the gateway has no decode model of the workers; this is what it measures)."""
+        """Coarse estimate from the worker's last ``/v1/loads`` brought up to date with what the gateway sent since:
+        0 when nothing but the gateway's own requests (whose queueing :meth:`queued_prefill_s` models) waits there
+        and :meth:`kv_headroom_tokens` (its free KV now, the gateway's requests sent or finished since the report
+        counted) holds ``kv_tokens`` (or loads are unknown); otherwise the other requests waiting there plus the new
+        one, each x the worker's smoothed TTFT (:meth:`ttft_estimate_s`; the gateway has no decode model of the
+        workers; this is what it measures)."""
         w = self.workers[replica]
         loads = w.loads
         if not loads or not loads.get("max_tokens"):
             return 0.0
         waiting = max(0, int(loads.get("waiting") or 0) - w.loads_prefilling)
-        free = int(loads["max_tokens"]) - int(loads.get("used_tokens") or 0)
-        if waiting == 0 and free >= kv_tokens:
+        if waiting == 0 and self.kv_headroom_tokens(replica) >= kv_tokens:
             return 0.0
-        return (waiting + 1) * (w.ttft_ewma_s or 0.0)
+        return (waiting + 1) * self.ttft_estimate_s(replica)
+
+    def ttft_estimate_s(self, replica: int) -> float:
+        """The worker's smoothed TTFT; before its first (a worker just started or restarted), the mean of the
+        other workers' (0 when none has one): a fresh worker is not free just because it has no record."""
+        own = self.workers[replica].ttft_ewma_s
+        if own is not None:
+            return own
+        known = [w.ttft_ewma_s for w in self.workers if w.ttft_ewma_s is not None]
+        return sum(known) / len(known) if known else 0.0
 
     def kv_headroom_tokens(self, replica: int) -> int:
-        """Free KV tokens on ``replica`` by its ``/v1/loads`` (``max_total_num_tokens - num_used_tokens``);
-        unknown evictable space is not counted. Without loads: its ``capacity_tokens`` (``/btb/info``), else 0."""
+        """Free KV tokens on ``replica`` now: ``max_total_num_tokens - num_used_tokens`` of its last ``/v1/loads``
+        less the KV tokens of the gateway's requests sent there since (plus those of its requests that finished
+        since); unknown evictable space is not counted. Without loads: its ``capacity_tokens`` (``/btb/info``) less
+        the gateway's requests in flight there, else 0."""
         w = self.workers[replica]
         if w.loads and w.loads.get("max_tokens"):
-            return max(0, int(w.loads["max_tokens"]) - int(w.loads.get("used_tokens") or 0))
+            free = int(w.loads["max_tokens"]) - int(w.loads.get("used_tokens") or 0)
+            return max(0, free - (w.kv_tokens_inflight - w.loads_kv_tokens))
         cap = (w.info or {}).get("capacity_tokens")
-        return int(cap) if isinstance(cap, int) else 0
+        return max(0, int(cap) - w.kv_tokens_inflight) if isinstance(cap, int) else 0
 
     @property
     def block_tokens(self) -> int:
