@@ -24,6 +24,13 @@ share this machine's cores, so absolute times depend on it.
    gateway that has just started, and on one that saw one unrelated request 2 s earlier.
 4. **Published constants** (simulated, realistic profile): 300 requests over 3 s sharing a 65,536-token prefix plus a
    unique 256-token suffix, 1 output token, on 4 replicas of the default fleet; constants 2 / 256 / 1.0 / 4.
+7. **Conversations** (live): 4 workers; 32 conversations sharing one 2,048-token system prompt, each 4-8 turns
+   (seeded) of a ~300-token user message through ``/v1/chat/completions`` with 32-token answers, every turn carrying
+   the earlier turns and answers, sent one after another per conversation, the conversations interleaved (each
+   starts at a random time in the first 2 s). Reported: follow-up turns served where the previous turn was
+   (``home``), follow-ups that found their history cached (``cached_history``: the worker reported at least the
+   previous turn's prompt, less one page, as cached tokens), the mean cached share of a follow-up's prompt, and the
+   conversations each worker served first turns of.
 5. **Moderate sharing, two replicas** (simulated): 600 Poisson arrivals at 3 req/s of 9,800-token prompts sharing
    2,560 tokens, 430 output tokens, on 2 replicas of Qwen3-8B on one H100, seeds 0-4; mean and p95 TTFT averaged
    over the seeds and relative to round robin.
@@ -38,6 +45,7 @@ import random
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from btbctl.engine.launcher.bench import BenchOptions, replay_async
@@ -183,7 +191,92 @@ async def _live_one(name: str, pol: str, fleet: Fleet, case2_scale: float = 5.0)
             key = "after_one_request" if warm else "fresh_gateway"
             res[key] = _figures(await _replay(gw, shared_burst(480, 0.0, 15, f"c3{warm}")), urls)
         return res
+    if name == "case7":
+        urls = fleet.workers(4)
+        gw = fleet.gateway(urls, pol)
+        return await conversations(gw, urls)
     raise ValueError(name)
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """Case 7's shape: conversations, system prompt and user message (tokens of the emulated worker's 4-byte
+    pseudo-tokenizer), answer tokens, turns per conversation (inclusive range), window of first turns (s)."""
+
+    n: int = 32
+    system_tokens: int = 2048
+    turn_tokens: int = 300
+    answer_tokens: int = 32
+    turns: tuple[int, int] = (4, 8)
+    start_s: float = 2.0
+
+
+async def conversations(
+    url: str, urls: Sequence[str], shape: Conversations = Conversations(), seed: int = 7, page_tokens: int = BT
+) -> dict:
+    """Case 7 against the gateway at ``url`` (workers ``urls``): see the module's docstring. Every turn must be
+    answered 200. ``page_tokens``: the workers' page size (a history ending mid-page is cached up to its last full
+    page)."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    sys_bytes = shape.system_tokens * 4
+    system = "".join(f"system rule {i:04d}: be brief. " for i in range(sys_bytes // 16))[:sys_bytes]
+    plans = [(c, rng.randint(*shape.turns), rng.uniform(0.0, shape.start_s)) for c in range(shape.n)]
+    turns: list[dict] = []
+
+    async def one(http: aiohttp.ClientSession, conv: int, n_turns: int, start_s: float) -> None:
+        await asyncio.sleep(start_s)
+        messages = [{"role": "system", "content": system}]
+        last_prompt = 0
+        for t in range(n_turns):
+            words = "".join(f"word{rng.randint(0, 99999):05d} " for _ in range(shape.turn_tokens * 4 // 10))
+            messages.append(
+                {"role": "user", "content": f"conversation {conv} turn {t}: {words}"[: shape.turn_tokens * 4]}
+            )
+            body = {"model": "m", "messages": messages, "max_tokens": shape.answer_tokens}
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, (r.status, await r.text())
+                ans = await r.json()
+                worker = r.headers.get("X-BTB-Worker")
+            usage = ans["usage"]
+            turns.append(
+                {
+                    "conv": conv,
+                    "turn": t,
+                    "worker": worker,
+                    "prompt": usage["prompt_tokens"],
+                    "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                    "history": last_prompt,
+                }
+            )
+            last_prompt = usage["prompt_tokens"]
+            messages.append({"role": "assistant", "content": ans["choices"][0]["message"]["content"]})
+
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+        await asyncio.gather(*(one(http, *p) for p in plans))
+    by_conv: dict[int, list[dict]] = {}
+    for row in sorted(turns, key=lambda r: (r["conv"], r["turn"])):
+        by_conv.setdefault(row["conv"], []).append(row)
+    follow = home = cached_hist = 0
+    shares = []
+    for rows in by_conv.values():
+        for prev, cur in zip(rows, rows[1:], strict=False):
+            follow += 1
+            home += cur["worker"] == prev["worker"]
+            cached_hist += cur["cached"] >= cur["history"] - page_tokens
+            shares.append(cur["cached"] / cur["prompt"])
+    firsts = [sum(1 for rows in by_conv.values() if rows[0]["worker"] == u) for u in urls]
+    served = [sum(1 for r in turns if r["worker"] == u) for u in urls]
+    return {
+        "follow_ups": follow,
+        "home": round(home / follow, 3),
+        "cached_history": round(cached_hist / follow, 3),
+        "cached_share": round(sum(shares) / len(shares), 3),
+        "first_turns_per_worker": firsts,
+        "per_worker": served,
+    }
 
 
 # -- simulated cases -----------------------------------------------------------------------------------------------
@@ -259,6 +352,11 @@ def _print(results: dict, baseline: str = "round_robin") -> None:
             for sub, r in _rows(row):
                 head = f"  {pol:18s} {sub:18s}"
                 parts = [f"per worker {r['per_worker']}"] if "per_worker" in r else []
+                parts += [
+                    f"{k} {r[k]}"
+                    for k in ("home", "cached_history", "cached_share", "first_turns_per_worker")
+                    if k in r
+                ]
                 if r.get("busiest_over_mean") is not None:
                     parts.append(f"busiest/mean {r['busiest_over_mean']}")
                 parts += [f"{k} {r[k]:.3f}" for k in ("mean_s", "p50_s", "p95_s") if r.get(k) is not None]
@@ -285,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="btb-cases-") as tmp:
         logdir = Path(tmp)
         for c in cases:
-            if c in ("1", "2", "3"):
+            if c in ("1", "2", "3", "7"):
                 results[f"case{c}"] = live_case(f"case{c}", policies, logdir, case2_scale=args.case2_scale)
             elif c == "4":
                 results["case4"] = sim_case4(policies)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -419,3 +421,67 @@ async def test_case9_a_burst_of_independent_requests_spreads_evenly_between_load
             assert sum(splits[-1]) == 100
         assert all(17 <= c <= 23 for split in splits for c in split), splits
         _loads_back_to_zero(env)
+
+
+# -- case 7: conversations ---------------------------------------------------------------------------------------------
+
+
+async def test_case7_btb_plus_keeps_conversations_home_and_spreads_them(tmp_path):
+    """Conversations on 4 emulated workers (``python -m btbctl worker``, Llama-3.3-70B on 4 x H100 at 4x speed):
+    24 of them sharing a 2,048-token system prompt, 4-8 turns of ~300 tokens each through
+    ``/v1/chat/completions``, every turn carrying the earlier ones, the conversations interleaved
+    (``benchmarks/bench_routing_cases.py --cases 7`` runs the full size against cache_aware and round_robin).
+
+    Before: btb_plus priced only each turn's own time to its first token, counting the gateway's own queued turns
+    twice (once modelled, once in the worker's stale waiting count), so a follow-up moved whenever its home looked
+    busy and kept only the system prompt (74% of follow-ups home, 0.79 of their prompt cached). Expected now: at
+    least 90% of follow-ups land home or find their history cached there, and the conversations start on every
+    worker (no worker has more than half of them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_routing_cases import Conversations, conversations
+
+    from btbctl.engine.gateway import GatewayConfig, serve_gateway
+
+    procs = []
+    try:
+        for i in range(4):
+            procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "btbctl",
+                    "worker",
+                    "--model-path",
+                    "llama-3.3-70b",
+                    "--port",
+                    "0",
+                    "--transfer-port",
+                    "0",
+                    "--time-scale",
+                    "4",
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=open(tmp_path / f"w{i}.log", "wb"),
+                )
+            )
+        urls = []
+        for p in procs:
+            line = (await asyncio.wait_for(p.stdout.readline(), 60)).decode()
+            assert line.startswith("ready "), line
+            urls.append(line.split()[1])
+        gw = await serve_gateway(
+            GatewayConfig(workers=urls, port=0, control_port=0, token="t", policy="btb_plus", seed=7)
+        )
+        try:
+            shape = Conversations(n=24, answer_tokens=8, start_s=1.0)
+            res = await conversations(gw.data_url, urls, shape, seed=3)
+        finally:
+            await gw.stop()
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.terminate()
+                await p.wait()
+    print(res)
+    assert res["follow_ups"] >= 3 * 24
+    assert max(res["home"], res["cached_history"]) >= 0.9, res
+    assert max(res["first_turns_per_worker"]) <= 12 and min(res["first_turns_per_worker"]) >= 1, res
