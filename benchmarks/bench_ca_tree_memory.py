@@ -171,11 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "json":
         print(json.dumps(rows, indent=2))
         return 0
+    print(f"{args.prompts} unique prompts x {args.blocks} blocks, {args.workers} workers, {args.inflight} in flight")
     print(
-        f"{args.prompts} unique prompts x {args.blocks} blocks, {args.workers} workers, {args.inflight} in flight"
+        f"{'policy':<12} {'RSS start/half/end MiB':>24} {'half->end':>10} {'nodes':>9} {'entries':>9} "
+        f"{'est MiB':>8} {'us/prompt':>10}"
     )
-    print(f"{'policy':<12} {'RSS start/half/end MiB':>24} {'half->end':>10} {'nodes':>9} {'entries':>9} "
-          f"{'est MiB':>8} {'us/prompt':>10}")
     for r in rows:
         rss = f"{r['rss_start_mib']:.0f}/{r['rss_half_mib']:.0f}/{r['rss_end_mib']:.0f}"
         est = r.get("tree_bytes_estimate_mib")

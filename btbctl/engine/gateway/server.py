@@ -34,7 +34,6 @@ import random
 import secrets
 import signal
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import aiohttp
 from aiohttp import web

@@ -59,8 +59,7 @@ import math
 import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
-from itertools import chain as chain_iters
-from itertools import filterfalse, repeat
+from itertools import repeat
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS, leading_run
 from btbctl.engine.constants import (
@@ -202,6 +201,10 @@ class BlockPrefixTree:
             self.max_bytes = max_bytes
         if len(self.nodes) > self.max_blocks or self.estimated_bytes() > self.max_bytes:
             self._evict_fleet()
+
+    def bounds(self) -> tuple[int, int]:
+        """The fleet bound: ``(max_blocks, max_bytes)``."""
+        return self.max_blocks, self.max_bytes
 
     def estimated_bytes(self) -> int:
         """What the tree retains, estimated: :data:`NODE_BYTES` per node plus :data:`ENTRY_BYTES` per
