@@ -29,6 +29,19 @@ MAX_WINDOW_S = 86400.0
 #: The old spelling of ``warm_replicas`` (accepted on input, documented in the README).
 WARM_REPLICAS_ALIAS = "replicas"
 
+#: Bound on the cache-aware prefix tree (``cache_aware``, ``btb``'s fallback), all workers together, in blocks
+#: (tree nodes): the gateway's ``cache_tree_max_blocks`` default and the simulators' tree. Four times the SGLang
+#: router's per-worker bound (65,536 blocks of 256 tokens; REFERENCE.md s4), so the published fleet of 4 replicas
+#: fits whole and larger fleets share it instead of multiplying it: 2**18 blocks are 67M tokens of distinct
+#: prompts at 256 tokens per block, about 135 MiB (see ``cache_aware.NODE_BYTES``). A product choice.
+CACHE_TREE_MAX_BLOCKS = 1 << 18
+#: Bound on the same tree's estimated bytes (``cache_aware.BlockPrefixTree.estimated_bytes``), all workers
+#: together: the gateway's ``cache_tree_max_bytes`` default. It binds before the block bound once blocks are held by
+#: several workers each (every extra worker on a block costs an entry). A product choice.
+CACHE_TREE_MAX_BYTES = 256 << 20
+#: Smallest ``cache_tree_max_bytes`` accepted (below it the bound would hold next to nothing).
+MIN_CACHE_TREE_BYTES = 1 << 20
+
 
 class BtbConstants(BaseModel):
     """The four constants of Biting the Bullet (immutable; :meth:`with_updates` makes a validated copy).
@@ -179,4 +192,14 @@ def constants_error(e: ValidationError, where: str | None = None, prefix: str = 
     return ConfigError(_dotted(prefix, key), f"must be {BtbConstants.describe(key)}, got {err.get('input')!r}", where)
 
 
-__all__ = ["BtbConstants", "MAX_COUNT", "MAX_WARM_REPLICAS", "MAX_WINDOW_S", "WARM_REPLICAS_ALIAS", "constants_error"]
+__all__ = [
+    "BtbConstants",
+    "CACHE_TREE_MAX_BLOCKS",
+    "CACHE_TREE_MAX_BYTES",
+    "MIN_CACHE_TREE_BYTES",
+    "MAX_COUNT",
+    "MAX_WARM_REPLICAS",
+    "MAX_WINDOW_S",
+    "WARM_REPLICAS_ALIAS",
+    "constants_error",
+]

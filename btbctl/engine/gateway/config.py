@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from btbctl.engine.constants import BtbConstants
+from btbctl.engine.constants import CACHE_TREE_MAX_BLOCKS, CACHE_TREE_MAX_BYTES, MIN_CACHE_TREE_BYTES, BtbConstants
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 
 
@@ -100,6 +100,13 @@ class GatewayConfig(BaseModel):
     copies see the first ``max_chain_blocks * page_size`` tokens of longer prompts. Bounds the work per request at
     small page sizes (a 2M-token prompt at SGLang's default page size 1 would otherwise mean 2M hashes, and as many
     entries in the policy's tree and the holding record, on the event loop)."""
+    cache_tree_max_blocks: int = Field(CACHE_TREE_MAX_BLOCKS, ge=1)
+    """Blocks (nodes) the cache-aware prefix tree of ``cache_aware`` and ``btb`` (its fallback) keeps, all workers
+    together; beyond, the least recently used ones go first, across workers (2**18 = 262,144: four times the SGLang
+    router's per-worker bound, about 135 MiB of distinct prompts; ``btb_cache_tree_blocks``)."""
+    cache_tree_max_bytes: int = Field(CACHE_TREE_MAX_BYTES, ge=MIN_CACHE_TREE_BYTES)
+    """Estimated bytes the same tree may hold, all workers together (256 MiB; at least 1 MiB): binds first when
+    blocks are recorded for several workers each (``btb_cache_tree_bytes``)."""
     offload_bytes: int = Field(256 * 1024, ge=0)
     """Bodies larger than this are parsed and hashed in a worker thread, not on the event loop, so a big prompt
     never stalls other requests or ``/health`` (0: always; smaller bodies take microseconds, a thread hop costs

@@ -48,6 +48,12 @@ name                                type      meaning
 ``btb_proof_storage_tokens_total``  counter   prompt tokens proved loaded from L3 by warm-ups
 ``btb_worker_replication``          gauge     1 for each ``worker`` with its ``mode`` (``l3``, ``push``,
                                               ``none``)
+``btb_cache_tree_blocks``           gauge     blocks (nodes) in the cache-aware prefix tree of the policy
+                                              in force (``cache_aware``, ``btb``; 0 for a policy without
+                                              one), all workers together; bounded by
+                                              ``cache_tree_max_blocks`` (read at scrape)
+``btb_cache_tree_bytes``            gauge     the same tree's estimated bytes, bounded by
+                                              ``cache_tree_max_bytes`` (read at scrape)
 =================================== ========= ==========================================================
 
 Every ``worker`` label comes from :func:`worker_label` (the worker's name, never its URL).
@@ -64,6 +70,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.policies.cache_aware import tree_holder
 
 #: Histogram buckets of ``btb_ttft_seconds`` and ``btb_request_duration_seconds``, seconds.
 LATENCY_BUCKETS = (
@@ -141,7 +148,8 @@ class _FiresCollector:
 
 
 class _LiveCollector:
-    """Gauges read from the gateway at scrape: constants, policy, hot prefixes, copies in flight."""
+    """Gauges read from the gateway at scrape: constants, policy, hot prefixes, copies in flight, the cache-aware
+    tree's size."""
 
     def __init__(self, src: LiveSource) -> None:
         self._src = src
@@ -170,6 +178,16 @@ class _LiveCollector:
         for mode in sorted(modes.keys() | {"push"}):
             f.add_metric([mode], float(modes.get(mode, 0)))
         yield f
+        holder = tree_holder(src.policy)
+        tree = holder.tree if holder is not None else None
+        tb = GaugeMetricFamily(
+            "btb_cache_tree_blocks", "Blocks in the cache-aware prefix tree, all workers together (bounded)."
+        )
+        tb.add_metric([], float(len(tree)) if tree is not None else 0.0)
+        yield tb
+        ty = GaugeMetricFamily("btb_cache_tree_bytes", "Estimated bytes of the cache-aware prefix tree (bounded).")
+        ty.add_metric([], float(tree.estimated_bytes()) if tree is not None else 0.0)
+        yield ty
 
     def describe(self):
         return []

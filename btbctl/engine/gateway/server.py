@@ -34,7 +34,6 @@ import random
 import secrets
 import signal
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -69,7 +68,7 @@ from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
-from btbctl.engine.policies.cache_aware import CacheAware
+from btbctl.engine.policies.cache_aware import tree_holder
 from btbctl.engine.trace.model import Request
 
 log = logging.getLogger(__name__)
@@ -114,14 +113,6 @@ def _read_or_create_token(path: str, key: str) -> str:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(tok + "\n")
     return tok
-
-
-def _tree_holder(p: Policy) -> Any:
-    """The object carrying a cache-aware prefix tree in ``p`` (itself or BTB's fallback), or None."""
-    if isinstance(p, CacheAware):
-        return p
-    fb = getattr(p, "fallback", None)
-    return fb if isinstance(fb, CacheAware) else None
 
 
 class Gateway:
@@ -279,9 +270,14 @@ class Gateway:
         if hasattr(new, "detector"):
             new.detector = self.detector  # one detector for the gateway's life: heat survives swaps
         if old is not None:
-            src, dst = _tree_holder(old), _tree_holder(new)
+            src, dst = tree_holder(old), tree_holder(new)
             if src is not None and dst is not None:
                 dst.tree = src.tree  # keep the cache-aware affinity learned so far
+        holder = tree_holder(new)
+        if holder is not None:  # one bound on the whole tree, all workers together
+            holder.tree.set_bounds(
+                max_blocks=self.config.cache_tree_max_blocks, max_bytes=self.config.cache_tree_max_bytes
+            )
         self.policy = new
         self._feeds_detector = not hasattr(new, "detector")
 

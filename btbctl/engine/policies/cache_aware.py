@@ -57,13 +57,17 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from itertools import chain as chain_iters
-from itertools import filterfalse, repeat
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
+from itertools import repeat
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS, leading_run
-from btbctl.engine.constants import BtbConstants
+from btbctl.engine.constants import (
+    CACHE_TREE_MAX_BLOCKS,
+    CACHE_TREE_MAX_BYTES,
+    MIN_CACHE_TREE_BYTES,
+    BtbConstants,
+)
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.policies.base import FleetView, Policy, Route
 from btbctl.engine.trace.model import Request
@@ -80,6 +84,22 @@ EVICTION_INTERVAL_S = 60.0
 MAX_TREE_CHARS = 2**26
 #: Characters per token used to turn :data:`MAX_TREE_CHARS` into blocks (rule of thumb; an approximation).
 CHARS_PER_TOKEN = 4
+#: Estimated bytes one tree node retains, with its first tenant's entry counted in :data:`ENTRY_BYTES`: its slot in
+#: the node dict, the node object and its tenant dict, its slot in the fleet-wide LRU order, and the block hash
+#: itself taken as a 16-character hex string (the gateway's xxh3 ids; the simulators' integer ids are smaller, so
+#: there it overestimates). Measured with ``tracemalloc`` on CPython 3.11, 64-bit, by
+#: ``python benchmarks/bench_ca_tree_memory.py --measure`` (64k and 256k nodes of unique 64-block prompts: 406-452
+#: bytes, of which 72 the hash; with one tenant's entry 530 either way, the dicts' growth steps moving bytes between
+#: the two figures); the chains waiting to be settled are transient and left out (at most
+#: :data:`SINCE_SLACK_BLOCKS` references).
+NODE_BYTES = 420
+#: Estimated bytes of one (node, tenant) entry: its slot in the tenant's LRU order and in the node's tenant dict
+#: (measured as :data:`NODE_BYTES`: 78-125 bytes).
+ENTRY_BYTES = 120
+#: Block references the chains waiting to be settled into the LRU orders may hold (per-tenant and fleet lists
+#: together) before they are settled anyway: their memory stays bounded whatever the workload (hot prompts
+#: inserted again and again never trip an eviction). A product choice: 2**17 references are 1 MiB of slots.
+SINCE_SLACK_BLOCKS = 1 << 17
 
 
 def default_max_blocks_per_worker(block_tokens: int) -> int:
@@ -95,28 +115,105 @@ class _Node:
         self.tenants: dict[int, None] = {creator: None}  # insertion order = oldest tenant first
 
 
+def _settle_into(
+    lru: OrderedDict[Hashable, None],
+    since: list[Sequence[Hashable]],
+    keep: Callable[[Hashable], bool] | None,
+) -> None:
+    """Apply the chains of ``since`` (oldest first) to ``lru`` (least recently used first) as if each had refreshed
+    all its blocks, deepest first; blocks of those chains failing ``keep`` are left out.
+
+    Walking the chains newest first, a chain's blocks not met in a newer chain are a suffix of it (a newer chain
+    holding a block holds its ancestors too), found by binary search; they rank by that chain's refresh order (its
+    root most recent) and move to the most recent end in that order. Blocks no chain touched keep their order,
+    before all of them. Cost: O(log len(chain)) per chain plus O(1) per block new to the walk, whatever the size of
+    ``lru``."""
+    seen: dict[Hashable, None] = {}
+    recent: list[Hashable] = []  # most recent first
+    for chain in reversed(since):
+        n = len(chain)
+        lo = leading_run(chain, seen.__contains__)
+        if lo == n:
+            continue
+        run = chain[lo:] if lo else chain
+        seen.update(zip(run, repeat(None)))
+        recent.extend(run if keep is None else filter(keep, run))
+    recent.reverse()
+    deque(map(lru.pop, recent, repeat(None)), maxlen=0)
+    lru.update(zip(recent, repeat(None)))
+
+
 class BlockPrefixTree:
     """The router-side approximate prefix tree over prefix-chained block hashes, shared by all replicas.
 
     Args:
         n_replicas: replicas (tenants are ``0 .. n_replicas - 1``).
         max_blocks_per_worker: per-tenant bound enforced by :meth:`evict` (>= 1).
+        max_blocks: bound on the whole tree, all tenants together, in nodes (blocks); default
+            :data:`~btbctl.engine.constants.CACHE_TREE_MAX_BLOCKS`.
+        max_bytes: bound on :meth:`estimated_bytes`, all tenants together; default
+            :data:`~btbctl.engine.constants.CACHE_TREE_MAX_BYTES`.
 
     Nodes are keyed by block hash; a node's tenants are the replicas that inserted a prompt through it, in the
     order they did (the creator first unless its entry was evicted). The tree reflects routing decisions, not
     the replicas' real caches (it is "approximate" exactly as the router's).
+
+    Two bounds. The router's per-tenant one (:meth:`evict`, ``max_blocks_per_worker``) multiplies by the fleet
+    size; the fleet bound (``max_blocks`` nodes and ``max_bytes`` estimated bytes) holds for the whole tree: as
+    soon as an insert passes either, whole nodes (every tenant's entry on them) are dropped least recently used
+    first across all tenants (a node's use: the latest prompt inserted through it, by any tenant), leaves before
+    their parents, until both are back under 7/8 of their bound (so the settling below is paid once per 1/8 of
+    the bound; O(1) amortized per evicted entry). The tree is never over either bound between calls. Until it
+    reaches them nothing differs from the per-tenant rule alone.
     """
 
-    def __init__(self, n_replicas: int, max_blocks_per_worker: int) -> None:
+    def __init__(
+        self,
+        n_replicas: int,
+        max_blocks_per_worker: int,
+        *,
+        max_blocks: int = CACHE_TREE_MAX_BLOCKS,
+        max_bytes: int = CACHE_TREE_MAX_BYTES,
+    ) -> None:
         self.nodes: dict[Hashable, _Node] = {}
-        # Per tenant, its blocks least recently used first as of the last eviction, then the chains inserted since
+        # Per tenant, its blocks least recently used first as of the last settling, then the chains inserted since
         # (each one refreshed all its blocks, deepest first); the order is worked out only when an eviction needs
-        # it (see _settle).
+        # it, or once the chains waiting hold SINCE_SLACK_BLOCKS block references (see _settle).
         self._lru: list[OrderedDict[Hashable, None]] = [OrderedDict() for _ in range(n_replicas)]
         self._since: list[list[Sequence[Hashable]]] = [[] for _ in range(n_replicas)]
         self._blocks = [0] * n_replicas  # per tenant: blocks recorded (nodes listing it as a tenant)
+        # The same for the whole tree (every node, by its latest use by any tenant), for the fleet bound.
+        self._fleet_lru: OrderedDict[Hashable, None] = OrderedDict()
+        self._fleet_since: list[Sequence[Hashable]] = []
+        self._pending = 0  # block references in the chains waiting, per-tenant and fleet lists together
+        self._entries = 0  # (node, tenant) entries: sum of _blocks
         self.max_blocks_per_worker = max_blocks_per_worker
+        self.max_blocks = max_blocks
+        self.max_bytes = max_bytes
         self.evicted_blocks = 0
+        self.fleet_evicted_blocks = 0
+
+    def set_bounds(self, *, max_blocks: int | None = None, max_bytes: int | None = None) -> None:
+        """Change the fleet bound (None: keep that one) and enforce it now."""
+        if max_blocks is not None:
+            self.max_blocks = max_blocks
+        if max_bytes is not None:
+            self.max_bytes = max_bytes
+        if len(self.nodes) > self.max_blocks or self.estimated_bytes() > self.max_bytes:
+            self._evict_fleet()
+
+    def bounds(self) -> tuple[int, int]:
+        """The fleet bound: ``(max_blocks, max_bytes)``."""
+        return self.max_blocks, self.max_bytes
+
+    def estimated_bytes(self) -> int:
+        """What the tree retains, estimated: :data:`NODE_BYTES` per node plus :data:`ENTRY_BYTES` per
+        (node, tenant) entry (see those constants for the source)."""
+        return len(self.nodes) * NODE_BYTES + self._entries * ENTRY_BYTES
+
+    def entries(self) -> int:
+        """(node, tenant) entries: blocks recorded, summed over the tenants."""
+        return self._entries
 
     def match(self, chain: Sequence[Hashable]) -> tuple[int, _Node | None]:
         """The longest known prefix of ``chain``: ``(matched blocks, deepest matched node or None)``.
@@ -189,35 +286,41 @@ class BlockPrefixTree:
                 node.tenants[replica] = None
                 added += 1
         self._since[replica].append(chain)
+        self._fleet_since.append(chain)
+        self._pending += len(chain)
         self._blocks[replica] += added
+        self._entries += added
         if self._blocks[replica] > 2 * self.max_blocks_per_worker:
             self._evict_tenant(replica)
+        if len(self.nodes) > self.max_blocks or self.estimated_bytes() > self.max_bytes:
+            self._evict_fleet()
+        elif self._pending > SINCE_SLACK_BLOCKS:
+            self._settle_all()  # memory: the chains waiting to be settled hold a bounded number of references
 
     def _settle(self, replica: int) -> OrderedDict[Hashable, None]:
-        """The replica's blocks, least recently used first, with the chains inserted since the last call applied.
-
-        Walking those chains newest first, a chain's blocks not met in a newer chain are a suffix of it (a newer
-        chain holding a block holds its ancestors too), found by binary search; they rank by that chain's refresh
-        order (its root most recent). Blocks no chain touched keep their order, before all of them."""
+        """The replica's blocks, least recently used first, with the chains inserted since the last call applied."""
         since = self._since[replica]
         lru = self._lru[replica]
-        if not since:
-            return lru
-        seen: dict[Hashable, None] = {}
-        recent: list[Hashable] = []  # most recent first
-        for chain in reversed(since):
-            n = len(chain)
-            lo = leading_run(chain, seen.__contains__)
-            if lo == n:
-                continue
-            run = chain[lo:] if lo else chain
-            seen.update(zip(run, repeat(None)))
-            recent.extend(run)
-        recent.reverse()
-        lru = OrderedDict.fromkeys(chain_iters(filterfalse(seen.__contains__, lru), recent))
-        self._lru[replica] = lru
-        since.clear()
+        if since:
+            _settle_into(lru, since, None)
+            since.clear()
         return lru
+
+    def _settle_fleet(self) -> OrderedDict[Hashable, None]:
+        """Every node, least recently used first (by any tenant), with the chains inserted since applied; blocks
+        of those chains that are no longer nodes (evicted by the per-tenant rule meanwhile) are left out."""
+        since = self._fleet_since
+        lru = self._fleet_lru
+        if since:
+            _settle_into(lru, since, self.nodes.__contains__)
+            since.clear()
+        return lru
+
+    def _settle_all(self) -> None:
+        for r in range(len(self._lru)):
+            self._settle(r)
+        self._settle_fleet()
+        self._pending = 0
 
     def evict(self) -> None:
         """Trim every tenant to ``max_blocks_per_worker`` blocks, least recently used first."""
@@ -230,14 +333,42 @@ class BlockPrefixTree:
             return
         lru = self._settle(replica)
         nodes = self.nodes
+        fleet_lru = self._fleet_lru
+        dropped = 0
         while len(lru) > bound:
             h, _ = lru.popitem(last=False)
             node = nodes[h]
             del node.tenants[replica]
             if not node.tenants:
                 del nodes[h]
-            self.evicted_blocks += 1
+                fleet_lru.pop(h, None)  # not there yet if only a chain waiting in _fleet_since has it
+            dropped += 1
+        self.evicted_blocks += dropped
+        self._entries -= dropped
         self._blocks[replica] = len(lru)
+
+    def _evict_fleet(self) -> None:
+        """Drop whole nodes, least recently used first across all tenants, until the tree is under 7/8 of both
+        fleet bounds. Every tenant's order is settled first so each dropped entry leaves its tenant's order in
+        O(1)."""
+        self._settle_all()
+        order = self._fleet_lru
+        nodes = self.nodes
+        lrus = self._lru
+        blocks = self._blocks
+        max_nodes = self.max_blocks - self.max_blocks // 8
+        max_bytes = self.max_bytes - self.max_bytes // 8
+        entries = self._entries
+        while order and (len(nodes) > max_nodes or len(nodes) * NODE_BYTES + entries * ENTRY_BYTES > max_bytes):
+            h, _ = order.popitem(last=False)
+            node = nodes.pop(h)
+            for t in node.tenants:
+                del lrus[t][h]
+                blocks[t] -= 1
+            entries -= len(node.tenants)
+            self.evicted_blocks += len(node.tenants)
+            self.fleet_evicted_blocks += 1
+        self._entries = entries
 
     def tenant_blocks(self, replica: int) -> int:
         """Blocks recorded for ``replica``."""
@@ -259,12 +390,16 @@ class CacheAware(Policy[FleetView]):
         balance_rel_threshold: imbalance needs ``max > rel x min`` (default 1.5, >= 1).
         block_tokens: tokens per block of the requests' hash chains (default 256; :meth:`configure` may set it).
         max_blocks_per_worker: per-replica tree bound in blocks (default: :func:`default_max_blocks_per_worker`).
+        tree_max_blocks: bound on the whole tree, all replicas together, in blocks (default
+            :data:`~btbctl.engine.constants.CACHE_TREE_MAX_BLOCKS`; see :class:`BlockPrefixTree`).
+        tree_max_bytes: bound on the whole tree's estimated bytes (default
+            :data:`~btbctl.engine.constants.CACHE_TREE_MAX_BYTES`).
         eviction_interval_s: seconds of (passed-in) time between evictions (default 60).
         random_ties: break ties between equally loaded replicas (misses, imbalance) with ``rng`` instead of taking
             the first (default False: the router's rule; ``btb``'s fallback sets it).
 
     Raises:
-        ConfigError: a threshold out of range.
+        ConfigError: a threshold or bound out of range.
     """
 
     name = "cache_aware"
@@ -283,6 +418,8 @@ class CacheAware(Policy[FleetView]):
         max_blocks_per_worker: int | None = None,
         eviction_interval_s: float = EVICTION_INTERVAL_S,
         random_ties: bool = False,
+        tree_max_blocks: int = CACHE_TREE_MAX_BLOCKS,
+        tree_max_bytes: int = CACHE_TREE_MAX_BYTES,
     ) -> None:
         super().__init__(n_replicas, rng, constants)
         self.random_ties = random_ties
@@ -296,6 +433,7 @@ class CacheAware(Policy[FleetView]):
             raise ConfigError("max_blocks_per_worker", f"must be >= 1, got {max_blocks_per_worker!r}")
         if not eviction_interval_s > 0:
             raise ConfigError("eviction_interval_s", f"must be > 0, got {eviction_interval_s!r}")
+        check_tree_bounds(tree_max_blocks, tree_max_bytes)
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = float(balance_rel_threshold)
@@ -303,7 +441,10 @@ class CacheAware(Policy[FleetView]):
         self._explicit_max = max_blocks_per_worker
         self.block_tokens = self._check_block_tokens(block_tokens)
         self.tree = BlockPrefixTree(
-            n_replicas, max_blocks_per_worker or default_max_blocks_per_worker(self.block_tokens)
+            n_replicas,
+            max_blocks_per_worker or default_max_blocks_per_worker(self.block_tokens),
+            max_blocks=tree_max_blocks,
+            max_bytes=tree_max_bytes,
         )
         self._next_evict_s: float | None = None
         self._hits = 0
@@ -390,11 +531,33 @@ class CacheAware(Policy[FleetView]):
 
     def stats(self) -> dict[str, int]:
         """``hits`` (affinity routes), ``misses`` (ratio at or under the threshold), ``imbalanced`` (shortest-queue
-        routes), ``tree_blocks`` (nodes now), ``evicted_blocks`` (tenant entries evicted)."""
+        routes), ``tree_blocks`` (nodes now), ``tree_bytes`` (their estimated bytes), ``evicted_blocks`` (tenant
+        entries evicted, by either bound), ``fleet_evicted_blocks`` (nodes dropped by the whole-tree bound)."""
         return {
             "hits": self._hits,
             "misses": self._misses,
             "imbalanced": self._imbalanced,
             "tree_blocks": len(self.tree),
+            "tree_bytes": self.tree.estimated_bytes(),
             "evicted_blocks": self.tree.evicted_blocks,
+            "fleet_evicted_blocks": self.tree.fleet_evicted_blocks,
         }
+
+
+def check_tree_bounds(max_blocks: object, max_bytes: object) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``cache_tree_max_blocks`` / ``cache_tree_max_bytes`` when
+    a whole-tree bound is not an integer in range."""
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1:
+        raise ConfigError("cache_tree_max_blocks", f"must be an integer >= 1, got {max_blocks!r}")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < MIN_CACHE_TREE_BYTES:
+        raise ConfigError(
+            "cache_tree_max_bytes", f"must be an integer >= {MIN_CACHE_TREE_BYTES} (1 MiB), got {max_bytes!r}"
+        )
+
+
+def tree_holder(policy: object) -> CacheAware | None:
+    """The policy carrying a cache-aware prefix tree in ``policy`` (itself or its ``fallback``), or None."""
+    if isinstance(policy, CacheAware):
+        return policy
+    fb = getattr(policy, "fallback", None)
+    return fb if isinstance(fb, CacheAware) else None

@@ -64,7 +64,7 @@ import random
 from itertools import islice
 
 from btbctl.engine.chains import DEFAULT_BLOCK_TOKENS
-from btbctl.engine.constants import BtbConstants
+from btbctl.engine.constants import CACHE_TREE_MAX_BLOCKS, CACHE_TREE_MAX_BYTES, BtbConstants
 from btbctl.engine.policies.base import FleetView, least_loaded
 from btbctl.engine.policies.cache_aware import (
     BALANCE_ABS_THRESHOLD,
@@ -110,6 +110,8 @@ class CacheAwareSpill(CacheAware):
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         max_blocks_per_worker: int | None = None,
         eviction_interval_s: float = EVICTION_INTERVAL_S,
+        tree_max_blocks: int = CACHE_TREE_MAX_BLOCKS,
+        tree_max_bytes: int = CACHE_TREE_MAX_BYTES,
     ) -> None:
         super().__init__(
             n_replicas,
@@ -121,6 +123,8 @@ class CacheAwareSpill(CacheAware):
             block_tokens=block_tokens,
             max_blocks_per_worker=max_blocks_per_worker,
             eviction_interval_s=eviction_interval_s,
+            tree_max_blocks=tree_max_blocks,
+            tree_max_bytes=tree_max_bytes,
         )
         self._spills = 0
 
