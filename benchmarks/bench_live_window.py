@@ -66,7 +66,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,6 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_router import SMG_VERSION, Fleet, copy_timeline, worker_counters
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.httpclient import urlopen
 from btbctl.engine.launcher.bench import BenchOptions, replay
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
 from btbctl.engine.trace.generate import BurstedParams, generate_bursted
@@ -240,7 +240,7 @@ def _copies_detail(urls: list[str]) -> list[dict]:
     out = []
     for u in urls:
         try:
-            with urllib.request.urlopen(u + "/btb/copies", timeout=10) as r:
+            with urlopen(u + "/btb/copies", timeout=10) as r:
                 recs = json.loads(r.read()).get("copies", [])
         except (OSError, ValueError):
             continue

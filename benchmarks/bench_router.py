@@ -60,11 +60,11 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.httpclient import client_session, urlopen
 from btbctl.engine.launcher.bench import BenchOptions, block_text, replay
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
 from btbctl.engine.launcher.fleet import free_port
@@ -141,7 +141,7 @@ class Fleet:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # /health answers before the workers are admitted
             try:
-                with urllib.request.urlopen(url + "/readiness", timeout=2) as r:
+                with urlopen(url + "/readiness", timeout=2) as r:
                     body = json.loads(r.read())
                 if body.get("healthy_workers") == len(urls):
                     return url
@@ -207,14 +207,14 @@ def copy_timeline(urls: list[str], unix0: float) -> list[dict]:
     addrs = {}
     for i, u in enumerate(urls):
         try:
-            with urllib.request.urlopen(u + "/btb/info", timeout=10) as r:
+            with urlopen(u + "/btb/info", timeout=10) as r:
                 addrs[json.loads(r.read()).get("transfer_addr")] = i
         except (OSError, ValueError):
             pass
     out = []
     for i, u in enumerate(urls):
         try:
-            with urllib.request.urlopen(u + "/btb/copies", timeout=10) as r:
+            with urlopen(u + "/btb/copies", timeout=10) as r:
                 recs = json.loads(r.read()).get("copies", [])
         except (OSError, ValueError):
             continue
@@ -239,7 +239,7 @@ def copy_timeline(urls: list[str], unix0: float) -> list[dict]:
 def worker_counters(url: str) -> dict:
     """``{"requests", "prompt_tokens", "cached_tokens"}`` a worker reports on ``/metrics`` (SGLang's
     ``sglang:num_requests``, ``sglang:prompt_tokens`` and ``sglang:cached_tokens`` counters, summed over labels)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    with urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     out = {"requests": 0.0, "prompt_tokens": 0.0, "cached_tokens": 0.0}
     names = {
@@ -268,7 +268,7 @@ async def closed_loop(urls: list[str], n: int, concurrency: int, tokens: int, ta
     errors = 0
     nxt = 0
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+    async with client_session(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
 
         async def one(i: int) -> None:
             nonlocal errors

@@ -38,6 +38,7 @@ import time
 import urllib.error
 import urllib.request
 
+from btbctl.engine.httpclient import urlopen
 from btbctl.sglang_l3.keys import page_keys
 
 #: Header the gateway names the answering worker in (``btbctl.engine.launcher.bench.WORKER_HEADER``).
@@ -62,7 +63,7 @@ def _http(url: str, body: dict | None = None, timeout: float = 600.0) -> tuple[d
     req = urllib.request.Request(
         url, data=data, method="GET" if body is None else "POST", headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read()), dict(resp.headers)
 
 

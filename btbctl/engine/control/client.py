@@ -11,8 +11,9 @@ Every answer is validated into its :mod:`~btbctl.engine.control.schema` model, a
 * an answer that is not JSON, or not the documented shape.
 
 The bearer token, when given, goes with every request (reads need it too when the control API listens off
-loopback). The HTTP session ignores proxy environment variables (``trust_env=False``): the token never travels
-through a proxy the user did not name for this. Base URLs must be ``http://`` or ``https://``.
+loopback). The HTTP session ignores proxy environment variables (:func:`~btbctl.engine.httpclient.client_session`):
+the token never travels through a proxy the user did not name for this. Base URLs must be ``http://`` or
+``https://``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from btbctl.engine.control.schema import (
     TtftAnswer,
 )
 from btbctl.engine.errors import BtbctlError, ConfigError
+from btbctl.engine.httpclient import client_session
 
 #: Seconds one control-API call may take (a product choice: the API answers from memory in milliseconds;
 #: replication runs in the background and is polled).
@@ -163,7 +165,7 @@ class AsyncControlClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = client_session(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
     def _headers(self) -> dict[str, str]:

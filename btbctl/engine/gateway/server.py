@@ -64,6 +64,7 @@ from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, R
 from btbctl.engine.gateway.sglang_metrics import MetricsScraper
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
 from btbctl.engine.gateway.tokens import L3Prompts
+from btbctl.engine.httpclient import client_session
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback
 from btbctl.engine.policies import make_policy
@@ -523,7 +524,7 @@ class Gateway:
             keepalive_timeout=cfg.keepalive_timeout_s,
             ttl_dns_cache=300,
         )
-        self._session = aiohttp.ClientSession(
+        self._session = client_session(
             connector=connector,
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=cfg.connect_timeout_s),

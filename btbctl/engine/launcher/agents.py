@@ -22,15 +22,13 @@ import re
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, agent_argv
 from btbctl.engine.launcher.hosts import HostSpec
-from btbctl.engine.launcher.local import Started, not_ready
+from btbctl.engine.launcher.local import Started, health_ok, not_ready
 from btbctl.engine.launcher.rundir import RunDir
 
 #: An agent's ready line (``btbctl agent`` prints it once its three endpoints listen).
@@ -131,15 +129,6 @@ def control_url(control: str, reach: str | None = None) -> str:
     return f"http://{host}:{port}"
 
 
-def health_ok(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether ``GET url/health`` answers 2xx."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            return 200 <= resp.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: float = 0.05) -> dict:
     """Wait for a local agent's ready line and its control API's ``/health``; returns ``{"peer", "control",
     "socket", "control_url"}`` and fills ``proc.url``/``proc.extra``.
@@ -178,7 +167,6 @@ __all__ = [
     "REMOTE_SOCKET",
     "REMOTE_TOKEN",
     "control_url",
-    "health_ok",
     "local_socket_path",
     "parse_ready",
     "plan_agents",

@@ -61,6 +61,7 @@ import xxhash
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.hashing import BYTES_PER_TOKEN
+from btbctl.engine.httpclient import client_session
 from btbctl.engine.stats import summarize
 from btbctl.engine.trace.model import Request, Trace
 
@@ -458,7 +459,7 @@ async def replay_async(
     connector = aiohttp.TCPConnector(limit=limit, force_close=False)
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
     sem = asyncio.Semaphore(opts.concurrency) if opts.concurrency else None
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with client_session(connector=connector, timeout=timeout) as session:
         model = opts.model or (await _discover_model(session, target) if opts.endpoint == "completions" else "")
         # build bodies up front so prompt synthesis does not delay sends
         bodies = [_body(opts, r, synth, model) for r in reqs]

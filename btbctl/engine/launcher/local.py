@@ -17,12 +17,12 @@ import signal
 import subprocess
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.httpclient import urlopen
 from btbctl.engine.launcher.rundir import ProcessRecord, group_members, process_start_time, record_is_ours
 
 #: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
@@ -126,10 +126,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return " | ".join(tail)
 
 
-#: urllib without proxies: ``http_proxy`` must not see (or break) a probe of a worker this machine started.
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
 def not_ready(proc: Started, rc: int | None, timeout_s: float) -> BtbctlError:
     """The error for ``proc`` that exited with status ``rc`` before it was ready (``rc`` None: still not ready
     after ``timeout_s``), with the last lines of its log."""
@@ -139,9 +135,10 @@ def not_ready(proc: Started, rc: int | None, timeout_s: float) -> BtbctlError:
 
 
 def health_ok(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether ``GET url/health`` answers 2xx within ``timeout_s`` (any failure counts as not healthy)."""
+    """Whether ``GET url/health`` answers 2xx within ``timeout_s`` (any failure counts as not healthy); the one
+    readiness probe of workers, agents and the gateway, here or on a host, and never through a proxy."""
     try:
-        with _NO_PROXY.open(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
+        with urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as resp:
             return 200 <= resp.status < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False

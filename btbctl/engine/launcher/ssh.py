@@ -594,7 +594,7 @@ async def wait_agent(conn, host: HostSpec, remote_dir: str, w: RemoteWorker, tim
     Raises:
         SshFailure: it exited (``port busy``, ``command not found``, ``exited at once``) or ``health timeout``.
     """
-    from btbctl.engine.launcher.agents import control_url, health_ok, parse_ready
+    from btbctl.engine.launcher.agents import control_url, parse_ready
 
     t0 = time.monotonic()
     while True:
