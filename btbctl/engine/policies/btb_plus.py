@@ -517,13 +517,16 @@ class BtbPlus(Policy[CostView]):
                 self._estimates(view, req, now_s, depths, groups, rest, ests, own0)
         quiet_cost = own0 + 0.0 + own0 * max(0, per_replica * own0)  # the cost below with est own0, start 0
         replicas = sorted(ests) if len(ests) < n else range(n)
+        move = self._move_costs(view, req, holders) if hot is None and holders else None
+        if move is not None:
+            quiet_cost += move[1]
         cost = []
         for r in replicas:
             est, harm, start = ests[r]
             own = est - start
             blocked = sum(g[1] for g in groups[r])
             behind = max(view.prefill_load(r) - blocked, per_replica * est)
-            cost.append(est + harm + own * behind)
+            cost.append(est + harm + own * behind + (move[0].get(r, move[1]) if move is not None else 0.0))
         choice = self._best(view, replicas, cost, quiet, quiet_cost)
         low_est = min((e[0] for e in ests.values()), default=math.inf)
         if quiet:
@@ -544,6 +547,39 @@ class BtbPlus(Policy[CostView]):
             ):
                 self._stats["speculative_routes"] += 1
         return Route(choice, (plan,) if plan is not None else ())
+
+    @staticmethod
+    def _move_costs(view: CostView, req: Request, holders: Iterable[int]) -> tuple[dict[int, float], float] | None:
+        """What moving ``req`` away from the one replica that holds its chain deepest costs the fleet beyond the
+        request's own time: ``({replica: seconds}, seconds on a replica holding none of it)``, or None when no
+        replica holds more of it than every other. The blocks only that home holds (a conversation's history
+        beyond the prompt it shares with others) are re-computed by a move, which the request's own TTFT counts;
+        the turns that follow carry them again and find them only where this one ran, and the GPU time is spent
+        twice, so they count once more: the prefill time of the home's own blocks that the replica lacks. Blocks
+        other replicas hold too (a shared system prompt) cost only the request's own time: spreading them is what
+        the expected TTFT decides."""
+        chain = req.block_hashes
+        top2 = [0, 0]
+        depth = {}
+        for r in holders:
+            d = depth[r] = view.planned_blocks(r, chain)
+            if d > top2[0]:
+                top2 = [d, top2[0]]
+            elif d > top2[1]:
+                top2[1] = d
+        deep, shared = top2
+        if deep == shared:
+            return None
+        bt = view.block_tokens
+        inp = req.input_tokens
+        top = min(deep * bt, inp - 1)
+        cost = view.cost
+
+        def lost_s(d: int) -> float:
+            have = min(max(d, shared) * bt, top)
+            return cost.prefill_time_s(top - have, have) if top > have else 0.0
+
+        return {r: lost_s(d) for r, d in depth.items()}, lost_s(0)
 
     def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
         self.refusals.note(target, started, now_s)
