@@ -37,7 +37,8 @@ class FakeWorker:
     * ``btb``: serve the ``/btb`` routes (False: 404 like a plain SGLang server).
     * ``copy_outcome``: ``"done"`` or ``"failed"`` for pushes from this worker; ``copy_polls``: progress answers
       (``sending``) before the outcome.
-    * ``health_status``: status of ``/health``.
+    * ``health_status``: status of ``/health``; ``health_delay_s``: wait before answering it (generation
+      unaffected).
     * ``waiting_reqs`` / ``max_tokens``: what ``/v1/loads`` reports as ``num_waiting_reqs`` and
       ``max_total_num_tokens`` (default 2 and 100: a busy worker with a full cache; 0 and a large capacity for an
       idle one; ``waiting_reqs=None``: the requests it holds before their first byte, as a worker reports them).
@@ -55,6 +56,7 @@ class FakeWorker:
     copy_outcome: str = "done"
     copy_polls: int = 2
     health_status: int = 200
+    health_delay_s: float = 0.0
     waiting_reqs: int | None = 2
     max_tokens: int = 100
     block_bytes: int = 1000
@@ -133,6 +135,8 @@ class FakeWorker:
     # -- routes ----------------------------------------------------------------------------------------------------
 
     async def health(self, request):
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.json_response({}, status=self.health_status)
 
     async def loads(self, request):

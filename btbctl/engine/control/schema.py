@@ -146,6 +146,9 @@ class FleetWorker(Answer):
     """Passes health checks and had no connection error or 5xx since the last passing check."""
     error: str | None
     """Why it is unhealthy (null when healthy)."""
+    degraded: str | None = None
+    """Why its health checks fail while it shows signs of life (answers, stream chunks, late ``/health`` answers):
+    busy, not dead, and still routed (null when not degraded)."""
     load: int
     """Requests the gateway has in flight to it."""
     prefilling: int
@@ -215,6 +218,9 @@ class FleetWorker(Answer):
     """``host:port`` its copies arrive on, from ``/btb/info``."""
     last_health_s: float | None
     """When its latest health answer came (null before the first)."""
+    last_progress_s: float | None = None
+    """When it last showed a sign of life outside a passing health check: an answer or a stream chunk of a
+    forwarded request, or a late ``/health`` answer (gateway seconds; null before the first)."""
     ttft_ewma_s: float | None
     """Smoothed TTFT of its recent requests, seconds."""
     hbm_used_bytes: float | None = None

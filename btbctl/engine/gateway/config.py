@@ -86,7 +86,14 @@ class GatewayConfig(BaseModel):
     numbers for the fleet view; ``health_timeout_s`` bounds each read); 0: never read them."""
     unhealthy_after: int = Field(2, ge=1)
     """Consecutive failed health probes that mark a worker unhealthy (a connection error or a 5xx on a forwarded
-    request marks it at once)."""
+    request marks it at once). A probe that times out on a worker that showed a sign of life within
+    ``progress_window_s`` does not count towards it: the worker is degraded (still routed), not down."""
+    progress_window_s: float | None = Field(None, gt=0)
+    """How long a worker's latest sign of life keeps it from being marked down by ``/health`` timeouts, seconds: an
+    answer or a stream chunk of a forwarded request, or a ``/health`` answer that came after its probe timed out.
+    Such a worker is busy, not dead: degraded (logged, shown in ``GET /control/fleet``) and still routed; a refused
+    or broken connection or an error answer still counts as a failure at once. None: 2 x (``health_interval_s`` +
+    ``health_timeout_s``), so a frozen worker is marked down at most about that much later than an idle one."""
     max_retries: int = Field(2, ge=0)
     """Further workers tried when one fails before any byte went back to the client."""
     max_body_bytes: int = Field(MAX_REQUEST_BODY_BYTES, ge=1024)
@@ -144,9 +151,10 @@ class GatewayConfig(BaseModel):
     body arrives), seconds; beyond, a stream ends with an SSE error event (it cannot be retried once the client has
     bytes of it). Decode steps take milliseconds, so a minute of silence means a frozen worker."""
     reroute_on_unhealthy: bool = True
-    """When a worker is marked unhealthy (health checks, or a failed request), its requests that got no first byte
-    yet are retried elsewhere at once instead of waiting for ``first_byte_timeout_s``. A worker whose ``/health``
-    only lags under load loses its queued requests to others (they start over there); never answered twice."""
+    """When a worker is marked unhealthy (health checks, or a failed request) and has shown no sign of life within
+    ``progress_window_s`` (a frozen process), its requests that got no first byte yet are retried elsewhere at once
+    instead of waiting for ``first_byte_timeout_s``; never answered twice. A worker that is still answering keeps
+    them (each fails over on its own connection error)."""
     connect_timeout_s: float = Field(5.0, gt=0)
     """Timeout of connecting to a worker, seconds."""
     upstream_timeout_s: float | None = Field(None, gt=0)
@@ -224,6 +232,10 @@ class GatewayConfig(BaseModel):
             if any(not 0 <= i < len(self.agents) for i in self.worker_agents):
                 raise ValueError(f"worker_agents entries must be in 0..{len(self.agents) - 1}")
         return self
+
+    def progress_window(self) -> float:
+        """``progress_window_s``, or its default: 2 x (``health_interval_s`` + ``health_timeout_s``)."""
+        return self.progress_window_s or 2 * (self.health_interval_s + self.health_timeout_s)
 
     @field_validator("policy")
     @classmethod

@@ -26,6 +26,10 @@ non-streamed answer arrives whole, so its TTFT is its end-to-end latency; measur
 chunk marks the worker unhealthy (the health checker revives it once ``/health`` passes again) and, as long as
 nothing was sent to the client yet, the request is routed again by the policy with the failed workers excluded,
 at most ``max_retries`` more times; when none is left the answer is 502 (503 when no worker was healthy at all).
+When no worker is healthy the gateway still sends to the ones that answer (a sign of life within
+``progress_window_s``, or a ``/health`` that only times out: one request at a time there), rather than refusing
+everything. A worker marked unhealthy keeps its requests waiting for a first byte unless it shows no sign of life
+either (a frozen process: they are retried elsewhere at once); each of them fails over on its own error.
 Once the first byte went to the client the request is never retried: a broken stream ends with one SSE event
 ``data: {"error": {"message", "type": "upstream_error", "code": 502}}`` and the connection closes; a 4xx from a
 worker is the client's problem and is passed through as is.
@@ -140,8 +144,9 @@ class Router(Protocol):
     def choose(self, req: Request, excluded: Sequence[int]) -> int | None:
         """The worker for ``req`` outside ``excluded``, or None when none is available."""
 
-    def worker_failed(self, idx: int, reason: str) -> None:
-        """A forwarded request failed on worker ``idx`` (connection error, 5xx, broken stream)."""
+    def worker_failed(self, idx: int, reason: str, kind: str = "error") -> None:
+        """A forwarded request failed on worker ``idx``: ``kind`` ``refused`` (connection error, broken answer),
+        ``error`` (5xx) or ``slow`` (no first byte or data in time)."""
 
     def next_request_id(self) -> str:
         """A fresh request id."""
@@ -466,6 +471,7 @@ class DataPlane:
                     self._learn(chain)
                 if now is None:
                     now = state.clock()
+                w.last_progress_s = now
                 w.end_prefill(rid)
                 if chain:
                     w.hold(chain)
@@ -512,7 +518,7 @@ class DataPlane:
                         return overloaded(lim.retry_after_s, "the gateway is out of descriptors; retry shortly")
                     reason = _describe(e)
                     attempts.append(f"{w.url}: {reason}")
-                    gw.worker_failed(idx, reason)
+                    gw.worker_failed(idx, reason, _kind(e))
                     excluded.append(idx)
                     continue
                 t_head = state.clock()
@@ -537,11 +543,12 @@ class DataPlane:
                         except _UPSTREAM_ERRORS as e:
                             reason = f"answer broke off: {_describe(e)}"
                             attempts.append(f"{w.url}: {reason}")
-                            gw.worker_failed(idx, reason)
+                            gw.worker_failed(idx, reason, _kind(e))
                             excluded.append(idx)
                             continue
                         if status < 300:
                             first_byte(t_head)
+                        w.last_progress_s = state.clock()  # it answered: alive, whatever its /health says
                         # a 4xx is the client's: passed through as is, the worker stays healthy
                         w.served += 1
                         metrics.request(worker_label(w), policy_name, str(status))
@@ -590,6 +597,7 @@ class DataPlane:
         deadline: float,
     ) -> web.StreamResponse:
         gw = self.gw
+        clock = gw.state.clock
         idle = self.limits.idle_timeout_s
         content = resp.content
         held: list[bytes] = []
@@ -611,7 +619,7 @@ class DataPlane:
         except _UPSTREAM_ERRORS as e:
             reason = f"stream broke before its first byte: {_describe(e)}"
             attempts.append(f"{w.url}: {reason}")
-            gw.worker_failed(idx, reason)
+            gw.worker_failed(idx, reason, _kind(e))
             excluded.append(idx)
             raise _RetryStream() from None
         first_byte()
@@ -634,7 +642,7 @@ class DataPlane:
             except _UPSTREAM_ERRORS as e:
                 why = f"no data for {idle:g} s (idle timeout)" if isinstance(e, asyncio.TimeoutError) else _describe(e)
                 reason = f"stream broke after its first byte: {why}"
-                gw.worker_failed(idx, reason)
+                gw.worker_failed(idx, reason, _kind(e))
                 if _DONE_MARK in tail:  # the client already has the whole answer: it counts as served
                     break
                 status = "stream_error"
@@ -653,6 +661,7 @@ class DataPlane:
                 break
             if not chunk:
                 break
+            w.last_progress_s = clock()  # streaming progress: alive, whatever its /health says
             tail = (tail + chunk)[-_DONE_TAIL:]
             try:
                 await out.write(chunk)
@@ -703,6 +712,11 @@ class _Abandoned(Exception):
 
 
 _PromptTooLong = PromptTooLong
+
+
+def _kind(e: BaseException) -> str:
+    """How an upstream failure looks (``worker_failed``'s ``kind``): ``slow`` for a timeout, else ``refused``."""
+    return "slow" if isinstance(e, asyncio.TimeoutError) else "refused"
 
 
 def _describe(e: BaseException) -> str:

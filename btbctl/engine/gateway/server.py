@@ -190,7 +190,11 @@ class Gateway:
             on_info=self._worker_info,
             on_up=self._worker_up,
             on_loads=self._worker_loads,
+            on_degraded=self._worker_degraded,
+            progress_window_s=config.progress_window(),
         )
+        self.state.progress_window_s = config.progress_window()
+        self._fallback = False  # routing to workers that are not healthy but answering (none is healthy)
         self.scraper = MetricsScraper(
             self.state.workers,
             lambda: self.session,
@@ -329,17 +333,36 @@ class Gateway:
         idx = route.replica
         ws = state.workers
         if 0 <= idx < len(ws) and ws[idx].healthy and idx not in excluded:
+            self._falling_back(False)
             return idx
         open_ = [w for w in ws if w.healthy and w.index not in excluded]
-        if not open_:
-            return None
+        if open_:
+            self._falling_back(False)
+        else:  # none is healthy: the ones still answering rather than refusing the request
+            open_ = state.fallback(excluded)
+            if not open_:
+                return None
+            self._falling_back(True)
         low = min(w.inflight for w in open_)
         return self.rng.choice([w.index for w in open_ if w.inflight == low])
 
-    def worker_failed(self, idx: int, reason: str) -> None:
-        """A forwarded request failed on worker ``idx`` (connection error or 5xx): mark it unhealthy now."""
+    def _falling_back(self, on: bool) -> None:
+        """Routing falls back to workers that are not healthy but answering (``on``), or no longer: one line per
+        change."""
+        if on != self._fallback:
+            self._fallback = on
+            if on:
+                alive = [w.name for w in self.state.workers if self.state.alive(w)]
+                log_event(log, "routing_fallback", logging.WARNING, healthy=0, answering=",".join(alive) or "none")
+            else:
+                log_event(log, "routing_fallback_end", healthy=sum(w.healthy for w in self.state.workers))
+
+    def worker_failed(self, idx: int, reason: str, kind: str = "error") -> None:
+        """A forwarded request failed on worker ``idx`` (``kind``: ``refused``, a connection error or a broken
+        answer; ``error``, a 5xx; ``slow``, no first byte in time): mark it unhealthy now."""
         w = self.state.workers[idx]
         w.failed += 1
+        w.failure_kind = kind
         self._mark_unhealthy(w, reason)
 
     async def replicate(self, chain: tuple, n: int) -> ReplicateOutcome:
@@ -374,14 +397,38 @@ class Gateway:
     # -- worker health (the prober's callbacks) -----------------------------------------------------------------
 
     def _mark_unhealthy(self, w: WorkerState, reason: str) -> None:
+        """``w`` failed (its health check, or a forwarded request). Its requests still waiting for a first byte are
+        sent elsewhere only when it shows no sign of life either (a frozen or dead process): a worker that is
+        answering keeps them, and each one that fails fails over on its own."""
         w.health_error = reason
+        w.degraded = None
         if w.healthy:
             w.healthy = False
             w.forget()
             self.metrics.healthy.labels(worker_label(w)).set(0)
-            log_event(log, "worker_down", logging.WARNING, worker=w.name, url=w.url, reason=reason.splitlines()[0])
-            if self.dataplane is not None and self.config.reroute_on_unhealthy:
+            alive = self.state.alive(w)
+            log_event(
+                log,
+                "worker_down",
+                logging.WARNING,
+                worker=w.name,
+                url=w.url,
+                reason=reason.splitlines()[0],
+                answering=alive or None,
+            )
+            if self.dataplane is not None and self.config.reroute_on_unhealthy and not alive:
                 self.dataplane.worker_down(w.index, reason)
+        self.bus.mark("fleet")
+
+    def _worker_degraded(self, w: WorkerState, reason: str) -> None:
+        """``w``'s ``/health`` timed out but it shows signs of life: busy, not dead. It stays (or comes back) in
+        the routing, with ``degraded`` saying why; one line when it becomes degraded."""
+        was = w.degraded
+        if not w.healthy:
+            self._worker_up(w, degraded=reason)
+        elif was is None:
+            log_event(log, "worker_degraded", logging.WARNING, worker=w.name, url=w.url, reason=reason)
+        w.degraded = reason
         self.bus.mark("fleet")
 
     def _worker_info(self, w: WorkerState, info: dict | None) -> None:
@@ -412,13 +459,21 @@ class Gateway:
         if isinstance(cap, int) and cap > 0:
             w.capacity_blocks = max(1, cap // self.page_size)
 
-    def _worker_up(self, w: WorkerState) -> None:
+    def _worker_up(self, w: WorkerState, degraded: str | None = None) -> None:
+        """``w`` passed its check after being down, unidentified or degraded (or, with ``degraded``, shows signs
+        of life while down: it comes back degraded)."""
+        if w.healthy and w.degraded is not None and degraded is None:  # /health passes again: it was up all along
+            w.degraded = None
+            log_event(log, "worker_recovered", worker=w.name, url=w.url)
+            self.bus.mark("fleet")
+            return
         w.forget()  # a worker coming back may have restarted with an empty cache
         w.server_info = None  # ... or with other flags: the scraper reads its /server_info again
         if not w.healthy:
-            log_event(log, "worker_up", worker=w.name, url=w.url)
+            log_event(log, "worker_up", worker=w.name, url=w.url, degraded=degraded)
         w.healthy = True
         w.health_error = None
+        w.degraded = degraded
         self.metrics.healthy.labels(worker_label(w)).set(1)
 
     def _detector_fired(self, det) -> None:

@@ -80,6 +80,13 @@ class WorkerState:
         served / failed: requests completed / failed there (gateway count).
         health_error: why it is unhealthy (None when healthy).
         last_health_s: ``now_s`` of the latest health answer (None before the first).
+        last_progress_s: ``now_s`` of its latest sign of life outside a passing health check: an answer (below
+            500) or a stream chunk of a forwarded request, or a ``/health`` answer that came after its probe timed
+            out (None before the first). Within :attr:`FleetState.progress_window_s` it tells a busy worker from a
+            dead one (:meth:`alive`).
+        degraded: why its health checks time out while it shows signs of life (it stays routed); None otherwise.
+        failure_kind: how its latest failure looked: ``slow`` (no answer in time), ``refused`` (no connection, or
+            the connection broke), ``error`` (an error answer); None after a passing check.
         loads: summary of its ``/v1/loads`` (``running``, ``waiting``, ``used_tokens``, ``max_tokens``,
             ``token_usage``) or None when unknown.
         loads_prefilling: the gateway's own requests at the worker when ``loads`` was read (``prefilling`` less
@@ -111,6 +118,9 @@ class WorkerState:
     health_error: str | None = "not checked yet"
     consecutive_failures: int = 0
     last_health_s: float | None = None
+    last_progress_s: float | None = None
+    degraded: str | None = None
+    failure_kind: str | None = None
     loads: dict | None = None
     loads_prefilling: int = 0
     kv_tokens_inflight: int = 0
@@ -130,6 +140,12 @@ class WorkerState:
     prefill_tokens: dict = field(default_factory=dict)
     version: int = 0
     """Bumped whenever holdings or in-flight prefills change (keys the fleet state's queue estimates)."""
+
+    # -- liveness ----------------------------------------------------------------------------------------------
+
+    def alive(self, now_s: float, window_s: float) -> bool:
+        """Whether it showed a sign of life (:attr:`last_progress_s`) within the last ``window_s`` seconds."""
+        return self.last_progress_s is not None and now_s - self.last_progress_s <= window_s
 
     # -- holdings ----------------------------------------------------------------------------------------------
 
@@ -550,6 +566,28 @@ class FleetState:
         self._cost_guessed = False
         self._scaled: tuple | None = None
         self._queues: dict[int, tuple] = {}  # replica -> (worker version, copies version, total, groups)
+        #: how long a sign of life keeps a worker from counting as dead, seconds (the gateway's
+        #: ``progress_window_s``; see :meth:`WorkerState.alive`)
+        self.progress_window_s = 6.0
+
+    def alive(self, w: WorkerState) -> bool:
+        """Whether ``w`` showed a sign of life within :attr:`progress_window_s`."""
+        return w.alive(self.clock(), self.progress_window_s)
+
+    def fallback(self, excluded: Sequence[int]) -> list[WorkerState]:
+        """The workers to try when none outside ``excluded`` is healthy: those outside it whose latest failure was
+        not a refused or broken connection and that either showed a sign of life within :attr:`progress_window_s`
+        (they are answering) or only time out on ``/health`` and have no request in flight from the gateway (one
+        request at a time finds out whether it answers, so a frozen worker holds at most one)."""
+        now = self.clock()
+        win = self.progress_window_s
+        return [
+            w
+            for w in self.workers
+            if w.index not in excluded
+            and w.failure_kind != "refused"
+            and (w.alive(now, win) or (w.failure_kind == "slow" and w.inflight == 0))
+        ]
 
     # -- FleetView ---------------------------------------------------------------------------------------------
 
