@@ -30,7 +30,7 @@ share this machine's cores, so absolute times depend on it.
    starts at a random time in the first 2 s). Reported: follow-up turns served where the previous turn was
    (``home``), follow-ups that found their history cached (``cached_history``: the worker reported at least the
    previous turn's prompt, less one page, as cached tokens), the mean cached share of a follow-up's prompt, and the
-   conversations each worker served first turns of.
+   conversations each worker served first turns of, and the p50 / p95 of a whole turn (answers are 32 tokens).
 5. **Moderate sharing, two replicas** (simulated): 600 Poisson arrivals at 3 req/s of 9,800-token prompts sharing
    2,560 tokens, 430 output tokens, on 2 replicas of Qwen3-8B on one H100, seeds 0-4; mean and p95 TTFT averaged
    over the seeds and relative to round robin.
@@ -44,12 +44,14 @@ import json
 import random
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from btbctl.engine.launcher.bench import BenchOptions, replay_async
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
+from btbctl.engine.stats import percentile
 from btbctl.engine.trace.model import Request, Trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -235,10 +237,12 @@ async def conversations(
                 {"role": "user", "content": f"conversation {conv} turn {t}: {words}"[: shape.turn_tokens * 4]}
             )
             body = {"model": "m", "messages": messages, "max_tokens": shape.answer_tokens}
+            t0 = time.perf_counter()
             async with http.post(url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200, (r.status, await r.text())
                 ans = await r.json()
                 worker = r.headers.get("X-BTB-Worker")
+            took = time.perf_counter() - t0
             usage = ans["usage"]
             turns.append(
                 {
@@ -248,6 +252,7 @@ async def conversations(
                     "prompt": usage["prompt_tokens"],
                     "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
                     "history": last_prompt,
+                    "latency_s": took,
                 }
             )
             last_prompt = usage["prompt_tokens"]
@@ -276,6 +281,8 @@ async def conversations(
         "cached_share": round(sum(shares) / len(shares), 3),
         "first_turns_per_worker": firsts,
         "per_worker": served,
+        "turn_p50_s": round(percentile(sorted(r["latency_s"] for r in turns), 50), 3),
+        "turn_p95_s": round(percentile(sorted(r["latency_s"] for r in turns), 95), 3),
     }
 
 
@@ -354,7 +361,14 @@ def _print(results: dict, baseline: str = "round_robin") -> None:
                 parts = [f"per worker {r['per_worker']}"] if "per_worker" in r else []
                 parts += [
                     f"{k} {r[k]}"
-                    for k in ("home", "cached_history", "cached_share", "first_turns_per_worker")
+                    for k in (
+                        "home",
+                        "cached_history",
+                        "cached_share",
+                        "first_turns_per_worker",
+                        "turn_p50_s",
+                        "turn_p95_s",
+                    )
                     if k in r
                 ]
                 if r.get("busiest_over_mean") is not None:
