@@ -51,6 +51,10 @@ async def test_with_no_healthy_worker_the_gateway_sends_to_the_ones_answering():
     async with GatewayEnv(2, policy="round_robin", worker_kw={"health_delay_s": 0.3}, **FAST) as env:
         ws = env.gw.state.workers
         assert not any(w.healthy for w in ws)  # their startup check timed out
+        async with env.http.get(env.url + "/health") as r:  # a load balancer in front keeps sending
+            assert r.status == 200 and (await r.json())["status"] == "degraded"
+        async with env.http.get(env.url + "/v1/models") as r:
+            assert r.status == 200
         statuses = [await _post(env, i, i % 2 == 0) for i in range(10)]
         assert statuses == [200] * 10
         assert sum(len(f.requests) for f in env.fleet) == 10

@@ -262,10 +262,16 @@ class DataPlane:
         return await self._handle(request, "chat", "/v1/chat/completions")
 
     async def health(self, request: web.Request) -> web.Response:
-        ws = self.gw.state.workers
+        """200 ``ok`` while a worker is healthy; 200 ``degraded`` while none is but some still answer requests
+        (the gateway routes to them, :meth:`FleetState.fallback`; a load balancer must keep sending); else 503."""
+        state = self.gw.state
+        ws = state.workers
         n = sum(1 for w in ws if w.healthy)
+        answering = n or len(state.fallback(()))
+        status = "ok" if n else ("degraded" if answering else "unavailable")
         return web.json_response(
-            {"status": "ok" if n else "unavailable", "healthy": n, "total": len(ws)}, status=200 if n else 503
+            {"status": status, "healthy": n, "answering": answering, "total": len(ws)},
+            status=200 if answering else 503,
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -273,7 +279,8 @@ class DataPlane:
 
     async def models(self, request: web.Request) -> web.Response:
         gw = self.gw
-        for w in sorted((w for w in gw.state.workers if w.healthy), key=lambda w: w.inflight):
+        up = [w for w in gw.state.workers if w.healthy] or gw.state.fallback(())
+        for w in sorted(up, key=lambda w: w.inflight):
             try:
                 async with gw.session.get(f"{w.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     body = await resp.read()
