@@ -60,6 +60,7 @@ class FakeWorker:
     waiting_reqs: int | None = 2
     max_tokens: int = 100
     block_bytes: int = 1000
+    tokenizer: str | None = None  # what /btb/info declares as its tokenizer (None: nothing, like SGLang)
     hash_prompts: bool = True  # False: skip hashing the prompt (a big one would stall the test's event loop)
     registry: dict = field(default_factory=dict)  # transfer_addr -> FakeWorker (shared by a fleet)
     requests: list = field(default_factory=list)
@@ -229,6 +230,7 @@ class FakeWorker:
                 "gpu": "h100",
                 "tp_size": 1,
                 "capacity_tokens": 100000,
+                **({"tokenizer": self.tokenizer} if self.tokenizer else {}),
             }
         )
 

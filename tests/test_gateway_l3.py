@@ -6,10 +6,12 @@ namespace testbed's tests/test_netns_l3_*.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from btbctl.engine.copies import CopyOutcome
+from btbctl.engine.gateway import tokens as tokens_mod
 from btbctl.engine.gateway.l3 import L3Replicator, classify_proof
 from btbctl.engine.gateway.prompt import chain_from_packed, prompt_of
 from btbctl.engine.gateway.state import FleetState, Transfer
@@ -183,6 +185,68 @@ async def test_l3_prompts_keep_the_gateways_prompt_limit_and_chain_cap():
         status, _ = await env.post("/generate", {"input_ids": list(range(60))})  # 3 pages, 2 hashed
         assert status == 200
         assert len(env.gw.l3_prompts.prefixes._keys) == 2  # the chain of its first 2 pages only
+
+
+async def test_l3_text_prompts_are_tokenized_off_the_event_loop_with_the_prompt_limit(monkeypatch):
+    """A 6 MiB text prompt at page size 1 on an l3 fleet whose workers use the pseudo-tokenizer (packed by the
+    gateway itself). Before: the packing ran on the event loop (the gateway's /health froze for seconds with a
+    7 MiB prompt), and the whole prompt's ids were kept for warm-ups (8 such prompts held 224 MiB). Expected: it
+    runs in the prompt pool while /health keeps answering, the chain keeps its cap, only the ids up to the chain's
+    end are kept, and a prompt over max_prompt_tokens is refused before anything is hashed."""
+    import threading
+    import time
+
+    from btbctl.engine.gateway import tokens
+
+    seen: list[tuple[int, float, float]] = []
+    real = tokens.pack_text
+
+    def timed(text, errors="strict"):
+        t = time.perf_counter()
+        out = real(text, errors)
+        seen.append((threading.get_ident(), t, time.perf_counter()))
+        return out
+
+    monkeypatch.setattr(tokens, "pack_text", timed)
+    agents = [{"name": "a0", "control_url": "http://127.0.0.1:9", "peer_addr": "127.0.0.1:9"}]
+    cfg = {"replication": "l3", "agents": agents, "worker_agents": [0, 0], "max_chain_blocks": 4096}
+    kw = {"tokenizer": "btbctl-utf8-4", "hash_prompts": False, "page_size": 1}
+    async with GatewayEnv(2, page_size=1, policy="round_robin", worker_kw=kw, **cfg) as env:
+        await until(lambda: env.gw.l3_prompts.tokenizer.local)
+        loop_thread = threading.get_ident()
+        big = json.dumps({"text": "y" * (6 << 20), "sampling_params": {"max_new_tokens": 1}}).encode()
+        task = asyncio.create_task(env.post("/generate", big))
+        probes = 0
+        while not task.done():
+            async with env.http.get(env.url + "/health") as r:
+                assert r.status == 200
+            probes += 1
+        status, _ = await task
+        assert status == 200, _
+        assert seen and all(tid != loop_thread for tid, _, _ in seen), "a big prompt was packed on the event loop"
+        assert probes >= 2
+        assert len(env.gw.l3_prompts.prefixes._keys) <= 4096  # the chain cap
+        assert env.gw.l3_prompts.prefixes._bytes <= 4096 * 4  # ids kept up to the chain's end, not 24 MiB of them
+    async with GatewayEnv(1, page_size=1, worker_kw=kw, max_prompt_tokens=1000, **{**cfg, "worker_agents": [0]}) as env:
+        await until(lambda: env.gw.l3_prompts.tokenizer.local)
+        status, body = await env.post("/generate", {"text": "z" * 8000})
+        assert status == 413 and "exceeds the limit of 1000 tokens" in str(body)
+        assert env.fleet[0].requests == []
+
+
+async def test_the_tokenizer_cache_is_bounded_in_prompts_and_tokens():
+    tok = tokens_mod.Tokenizer(lambda: None, lambda: [], max_tokens=100, max_entries=8)
+
+    async def ask(tb, run=None):
+        return b"\0\0\0\1" * len(tb["prompt"])
+
+    tok._ask = ask
+    for i in range(50):  # tiny prompts: the entry bound holds
+        await tok._tokens_of({"prompt": f"p{i}"})
+    assert len(tok._cache) == 8
+    await tok._tokens_of({"prompt": "x" * 90})  # a big one: the token bound holds
+    assert tok._tokens <= 100 and len(tok._cache) <= 8
+    assert await tok._tokens_of({"prompt": "x" * 90}) and tok.hits == 1
 
 
 def test_admission_waits_leave_out_requests_held_at_the_gateway():

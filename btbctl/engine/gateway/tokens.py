@@ -26,7 +26,7 @@ import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -39,6 +39,19 @@ log = logging.getLogger(__name__)
 
 #: Tokens of tokenized prompts kept in the cache (a product choice: 16M tokens are 64 MB of packed ids).
 TOKEN_CACHE_TOKENS = 1 << 24
+#: Prompts kept in the cache, whatever their size (a product choice: each entry costs ~250 bytes of its own, so tiny
+#: prompts cannot grow it past ~16 MB where the token bound alone would let 16M of them in).
+TOKEN_CACHE_ENTRIES = 1 << 16
+
+#: Runs a function off the event loop (the data plane's prompt pool) and returns its result.
+Offload = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+async def _inline(fn: Callable[[], Any]) -> Any:
+    """An :data:`Offload` that runs ``fn`` here (small prompts: a thread hop costs more than the work)."""
+    return fn()
+
+
 #: Largest ``/v1/tokenize`` answer read, bytes (the gateway's largest body, 8 MiB of text, is at most 8M tokens of up
 #: to 8 characters each in JSON; a product choice).
 MAX_TOKENIZE_ANSWER_BYTES = 64 << 20
@@ -154,7 +167,7 @@ class Tokenizer:
         session: returns the shared :class:`aiohttp.ClientSession`.
         urls: returns the base URLs of the workers to ask, best first (healthy, least loaded).
         timeout_s: bound of one call.
-        max_tokens: tokens kept in the cache.
+        max_tokens / max_entries: tokens / prompts kept in the cache (the oldest go first).
     """
 
     def __init__(
@@ -163,11 +176,13 @@ class Tokenizer:
         urls: Callable[[], Sequence[str]],
         timeout_s: float = 10.0,
         max_tokens: int = TOKEN_CACHE_TOKENS,
+        max_entries: int = TOKEN_CACHE_ENTRIES,
     ) -> None:
         self._session = session
         self._urls = urls
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.max_tokens = max_tokens
+        self.max_entries = max_entries
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._tokens = 0
         self._inflight: dict[bytes, asyncio.Future] = {}
@@ -178,8 +193,9 @@ class Tokenizer:
         self.local = False
         self.local_hits = 0
 
-    async def prompt(self, route: str, body: dict) -> Prompt:
-        """The :class:`Prompt` of a request body (token ids as given, else tokenized by a worker).
+    async def prompt(self, route: str, body: dict, offload: Offload | None = None) -> Prompt:
+        """The :class:`Prompt` of a request body (token ids as given, else tokenized by a worker). ``offload``
+        (a big body): the prompt's hashing, packing and the tokenizer's request and answer run off the event loop.
 
         Raises:
             PromptError: the body has no usable prompt.
@@ -189,15 +205,17 @@ class Tokenizer:
         if direct is not None:
             return direct
         tb = tokenize_body(route, body)
+        run = offload or _inline
         if self.local and "prompt" in tb:  # the workers' tokenizer is the pseudo-tokenizer: no round trip
-            data = pack_text(tb["prompt"], "surrogatepass")
+            text = tb["prompt"]
+            data = await run(lambda: pack_text(text, "surrogatepass"))
             self.local_hits += 1
         else:
-            data = await self._tokens_of(tb)
+            data = await self._tokens_of(tb, run)
         return Prompt(data, len(data) // BYTES_PER_TOKEN, _seed(body, "extra_key"), _seed(body, "cache_salt"))
 
-    async def _tokens_of(self, tb: dict) -> bytes:
-        key = hashlib.sha256(json.dumps(tb, sort_keys=True, separators=(",", ":")).encode()).digest()
+    async def _tokens_of(self, tb: dict, run: Offload = _inline) -> bytes:
+        key = await run(lambda: hashlib.sha256(json.dumps(tb, sort_keys=True, separators=(",", ":")).encode()).digest())
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -210,7 +228,7 @@ class Tokenizer:
         fut = asyncio.get_running_loop().create_future()
         self._inflight[key] = fut
         try:
-            data = await self._ask(tb)
+            data = await self._ask(tb, run)
             fut.set_result(data)
         except BaseException as e:
             fut.set_exception(e)
@@ -220,17 +238,21 @@ class Tokenizer:
             self._inflight.pop(key, None)
         self._cache[key] = data
         self._tokens += len(data) // BYTES_PER_TOKEN
-        while self._tokens > self.max_tokens and self._cache:
+        while (self._tokens > self.max_tokens or len(self._cache) > self.max_entries) and self._cache:
             _, old = self._cache.popitem(last=False)
             self._tokens -= len(old) // BYTES_PER_TOKEN
         return data
 
-    async def _ask(self, tb: dict) -> bytes:
+    async def _ask(self, tb: dict, run: Offload = _inline) -> bytes:
         errors = []
+        payload = await run(lambda: json.dumps(tb).encode())
+        headers = {"Content-Type": "application/json"}
         for url in self._urls():
             self.calls += 1
             try:
-                async with self._session().post(f"{url}/v1/tokenize", json=tb, timeout=self.timeout) as resp:
+                async with self._session().post(
+                    f"{url}/v1/tokenize", data=payload, headers=headers, timeout=self.timeout
+                ) as resp:
                     if resp.status != 200:
                         errors.append(f"{url}: HTTP {resp.status}")
                         continue
@@ -238,24 +260,32 @@ class Tokenizer:
                     if len(raw) > MAX_TOKENIZE_ANSWER_BYTES:
                         errors.append(f"{url}: /v1/tokenize answer over {MAX_TOKENIZE_ANSWER_BYTES} bytes")
                         continue
-                    ans = json.loads(raw)
-                tokens = ans.get("tokens") if isinstance(ans, dict) else None
-                try:  # array() checks every id is an integer in [0, 2**32) in C (a per-id Python check cost ~1.5 ms)
-                    packed = array("I", tokens) if isinstance(tokens, list) else None
-                except (TypeError, OverflowError):
-                    packed = None
+                packed = await run(lambda raw=raw: _packed_answer(raw))
                 if packed is None:
                     errors.append(f"{url}: malformed /v1/tokenize answer")
                     continue
-                return pack_tokens(packed)
+                return packed
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
                 errors.append(f"{url}: {type(e).__name__}")
         raise TokenizeError("no worker tokenized the prompt: " + ("; ".join(errors) or "no healthy worker"))
 
 
+def _packed_answer(raw: bytes) -> bytes | None:
+    """The packed ids of a ``/v1/tokenize`` answer (``{"tokens": [...]}``), None when it is not one. Raises
+    ValueError for bad JSON."""
+    ans = json.loads(raw)
+    tokens = ans.get("tokens") if isinstance(ans, dict) else None
+    try:  # array() checks every id is an integer in [0, 2**32) in C (a per-id Python check cost ~1.5 ms)
+        packed = array("I", tokens) if isinstance(tokens, list) else None
+    except (TypeError, OverflowError):
+        return None
+    return None if packed is None else pack_tokens(packed)
+
+
 class PrefixTokens:
-    """For every page key seen, the token ids of the prefix it ends (see the module docstring). Prompts are kept
-    whole and shared by their keys; the oldest go once ``max_bytes`` are held."""
+    """For every page key seen, the token ids of the prefix it ends (see the module docstring). Each prompt is kept
+    up to the end of its chain (the pages hashed; what follows is never a prefix the gateway knows), shared by its
+    keys; the oldest go once ``max_bytes`` are held."""
 
     def __init__(self, max_bytes: int = PREFIX_TOKEN_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -264,11 +294,20 @@ class PrefixTokens:
         self._bytes = 0
         self._next = 0
 
-    def add(self, chain: Sequence[str], prompt: Prompt) -> None:
-        """Record ``prompt`` for the keys of ``chain`` not known yet."""
+    def add(self, chain: Sequence[str], prompt: Prompt, page_size: int) -> None:
+        """Record ``prompt`` (the first ``len(chain) * page_size`` of its tokens) for the keys of ``chain`` not
+        known yet."""
         new = [k for k in chain if k not in self._keys]
         if not new:
             return
+        n = len(chain) * page_size
+        if prompt.n_tokens > n:
+            prompt = replace(
+                prompt,
+                data=prompt.data[: n * BYTES_PER_TOKEN],
+                n_tokens=n,
+                wide=None if prompt.wide is None else prompt.wide[:n],
+            )
         pid = self._next
         self._next += 1
         index = {k: i for i, k in enumerate(chain)} if len(new) < len(chain) else None
@@ -331,10 +370,11 @@ class L3Prompts:
         *,
         max_tokens: int | None = None,
         max_blocks: int | None = None,
-        offload: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+        offload: Offload | None = None,
     ) -> tuple[tuple[str, ...], int]:
         """``(page keys of the prompt's leading whole pages, prompt tokens)``: at most ``max_blocks`` pages are
-        hashed, and ``offload`` (when given: a big body) runs the ids' parsing and hashing off the event loop. A
+        hashed, and ``offload`` (when given: a big body) runs the prompt's tokenization (packing, the tokenizer's
+        request and answer), the ids' parsing and hashing off the event loop. A
         prompt no worker can tokenize is routed without a chain (logged; the request itself is not refused).
 
         Raises:
@@ -345,7 +385,7 @@ class L3Prompts:
             if offload is not None and _has_ids(route, body):
                 prompt = await offload(lambda: self._direct(route, body))
             else:
-                prompt = await self.tokenizer.prompt(route, body)
+                prompt = await self.tokenizer.prompt(route, body, offload)
         except TokenizeError as e:
             self.failures += 1
             log.warning("routing a request without its prefix: %s", e)
@@ -355,7 +395,7 @@ class L3Prompts:
         limit = None if max_blocks is None else max_blocks * page_size
         chain = await offload(lambda: prompt.pages(page_size, limit)) if offload else prompt.pages(page_size, limit)
         if chain:
-            self.prefixes.add(chain, prompt)
+            self.prefixes.add(chain, prompt, page_size)
         return chain, prompt.n_tokens
 
     @staticmethod
@@ -370,6 +410,7 @@ __all__ = [
     "PREFIX_TOKEN_BYTES",
     "PrefixTokens",
     "Prompt",
+    "TOKEN_CACHE_ENTRIES",
     "TOKEN_CACHE_TOKENS",
     "TokenizeError",
     "Tokenizer",
