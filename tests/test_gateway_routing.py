@@ -8,7 +8,7 @@ import json
 import pytest
 
 from btbctl.engine.policies import POLICIES
-from gateway_fakes import GatewayEnv, metric_value
+from gateway_fakes import GatewayEnv, metric_value, until
 
 TEXT = "shared prefix " * 8  # 112 bytes = 28 pseudo-tokens = 7 blocks of 4 tokens
 
@@ -97,6 +97,36 @@ async def test_failure_before_first_byte_is_retried_elsewhere_once(mode):
         m = await env.metrics()
         assert metric_value(m, "btb_retries_total") == len(bad.requests)
         assert metric_value(m, "btb_requests_total", status="200") == 12
+
+
+async def test_retries_are_bounded_by_the_retry_budget_and_never_duplicate_an_answer():
+    """Two of three workers fail every request (HTTP 500) while the third holds its answers; 30 requests at once.
+    Before: every failed request was sent again (a retry storm: the surviving worker got the failed ones' whole
+    queue). Expected: at most max(retry_budget_min, retry_budget_percent of the requests in flight) retries at once;
+    the others are answered 503 with Retry-After; every request is answered once."""
+    gate = asyncio.Event()
+    cfg = {"retry_budget_percent": 10.0, "retry_budget_min": 2, "health_interval_s": 60.0}
+    async with GatewayEnv(3, policy="round_robin", max_retries=2, **cfg) as env:
+        env.fleet[0].fail = env.fleet[1].fail = "500"
+        good = env.fleet[2]
+        good.first_byte_gate = gate
+        tasks = [asyncio.ensure_future(env.post("/generate", {"text": f"{i} {TEXT}"})) for i in range(30)]
+        await until(lambda: sum(t.done() for t in tasks) + len(good.requests) >= 30)
+        gate.set()
+        results = await asyncio.gather(*tasks)
+        codes = [st for st, _ in results]
+        assert set(codes) <= {200, 503}, codes
+        seen: dict[str, set[int]] = {}  # request text -> workers that got it
+        for k, w in enumerate(env.fleet):
+            for _, body in w.requests:
+                seen.setdefault(body["text"], set()).add(k)
+        at_good = [t for t, ws in seen.items() if 2 in ws]
+        assert codes.count(200) == len(at_good) == len(good.requests)  # each answered once, by the good worker
+        retried = [t for t in at_good if seen[t] & {0, 1}]
+        assert 1 <= len(retried) <= 3, seen  # max(2, 10% of 30) at once, and these stayed in flight there
+        assert codes.count(503) == sum(1 for ws in seen.values() if 2 not in ws)
+        m = await env.metrics()
+        assert metric_value(m, "btb_retries_denied_total") == codes.count(503)
 
 
 async def test_failure_after_first_byte_ends_the_stream_with_an_error_and_is_not_retried():

@@ -162,6 +162,8 @@ class DataLimits:
 
     max_body_bytes: int = MAX_REQUEST_BODY_BYTES
     max_retries: int = 2
+    retry_budget_percent: float = 20.0
+    retry_budget_min: int = 10
     max_prompt_tokens: int = MAX_PROMPT_TOKENS
     offload_bytes: int = 256 * 1024
     max_inflight: int = 1 << 30
@@ -194,6 +196,8 @@ class DataPlane:
         self._urls: dict[tuple[str, str], URL] = {}
         #: requests admitted and not answered yet
         self.inflight = 0
+        #: requests on a second or later attempt now (the retry budget's count)
+        self.retrying = 0
         #: per worker index: futures of attempts without a first byte yet, resolved when the worker goes down
         self._waiting: dict[int, set[asyncio.Future]] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -438,6 +442,21 @@ class DataPlane:
     async def _forward(
         self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, t0: float
     ) -> web.StreamResponse:
+        retry = _RetrySlot(self)
+        try:
+            return await self._attempts(request, path, body, req, stream, t0, retry)
+        finally:
+            retry.release()
+
+    def retry_allowance(self) -> int:
+        """Retries that may be in flight now: ``retry_budget_percent`` of the requests in flight, at least
+        ``retry_budget_min``."""
+        lim = self.limits
+        return max(lim.retry_budget_min, int(self.inflight * lim.retry_budget_percent / 100))
+
+    async def _attempts(
+        self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, t0: float, retry: _RetrySlot
+    ) -> web.StreamResponse:
         gw = self.gw
         state = gw.state
         metrics = gw.metrics
@@ -451,6 +470,16 @@ class DataPlane:
         learned = False
         kv_tokens = req.input_tokens + req.output_tokens  # what the request takes of a worker's KV at its end
         for attempt in range(self.max_retries + 1):
+            if attempt and not retry.take():
+                metrics.retries_denied.inc()
+                self._warn("retry_denied", request=rid, retrying=self.retrying, inflight=self.inflight)
+                metrics.request("none", policy_name, "503")
+                metrics.reject(503, "retry_budget")
+                return overloaded(
+                    lim.retry_after_s,
+                    f"no retry left in the fleet's retry budget after {len(attempts)} attempt(s): "
+                    + "; ".join(attempts)[:500],
+                )
             idx = gw.choose(req, excluded)
             if idx is None:
                 break
@@ -712,6 +741,31 @@ async def _await_copy_accepted(state, idx: int, chain) -> None:
 
 class _RetryStream(Exception):
     """Internal: a stream failed before its first byte reached the client."""
+
+
+class _RetrySlot:
+    """One request's share of the retry budget (:meth:`DataPlane.retry_allowance`): taken at its first retry,
+    kept for its further ones, given back when it ends."""
+
+    __slots__ = ("dp", "held")
+
+    def __init__(self, dp: DataPlane) -> None:
+        self.dp = dp
+        self.held = False
+
+    def take(self) -> bool:
+        dp = self.dp
+        if not self.held:
+            if dp.retrying >= dp.retry_allowance():
+                return False
+            dp.retrying += 1
+            self.held = True
+        return True
+
+    def release(self) -> None:
+        if self.held:
+            self.dp.retrying -= 1
+            self.held = False
 
 
 class _Abandoned(Exception):

@@ -230,6 +230,9 @@ class GatewayMetrics:
         self.inflight = Gauge("btb_inflight_requests", "Requests in flight to a worker.", ("worker",), registry=r)
         self.healthy = Gauge("btb_worker_healthy", "1 when the worker is healthy.", ("worker",), registry=r)
         self.retries = Counter("btb_retries", "Attempts moved to another worker after a failure.", registry=r)
+        self.retries_denied = Counter(
+            "btb_retries_denied", "Retries refused by the retry budget (the request was answered 503).", registry=r
+        )
         self.connections_closed = Counter(
             "btb_connections_closed",
             "Client connections the gateway closed itself (header_timeout: no complete request head in time; "
