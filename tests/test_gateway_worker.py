@@ -4,61 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 
 import aiohttp
 
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
+from emulated_procs import start_workers, stop_workers
 from gateway_fakes import metric_value
 
 PAGE = 16
 PREFIX_BLOCKS = 8
 
 
-async def _start_worker(tmp_path, i: int, token_file: str, *extra: str):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "btbctl",
-        "worker",
-        "--model-path",
-        "llama-3.3-70b",
-        "--port",
-        "0",
-        "--transfer-port",
-        "0",
-        "--page-size",
-        str(PAGE),
-        "--btb-token-file",
-        token_file,
-        *extra,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=open(tmp_path / f"w{i}.log", "wb"),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-    assert line.startswith("ready "), line
-    return proc, line.split()[1]
-
-
 async def _fleet(tmp_path, n: int, *extra: str):
     token_file = tmp_path / "worker.token"
     token_file.write_text("wtok\n")
-    started = await asyncio.gather(*(_start_worker(tmp_path, i, str(token_file), *extra) for i in range(n)))
-    return [p for p, _ in started], [u for _, u in started], str(token_file)
+    procs, urls = await start_workers(
+        tmp_path, n, "--page-size", str(PAGE), "--btb-token-file", str(token_file), *extra
+    )
+    return procs, urls, str(token_file)
 
 
-async def _stop(procs):
-    for p in procs:
-        if p.returncode is None:
-            p.terminate()
-    for p in procs:
-        try:
-            await asyncio.wait_for(p.wait(), 10)
-        except asyncio.TimeoutError:
-            p.kill()
-            await p.wait()
+_stop = stop_workers
 
 
 async def test_btb_replicates_between_real_workers(tmp_path):

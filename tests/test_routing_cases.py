@@ -26,6 +26,7 @@ from btbctl.engine.policies.cache_aware import CacheAware
 from btbctl.engine.policies.cache_aware_spill import CacheAwareSpill
 from btbctl.engine.sim import simulate
 from btbctl.engine.trace.model import Request, Trace
+from emulated_procs import start_workers, stop_workers
 from gateway_fakes import GatewayEnv
 from helpers import FakeFleet, route
 
@@ -479,30 +480,8 @@ async def test_case7_btb_plus_keeps_conversations_home_and_spreads_them(tmp_path
 
     from btbctl.engine.gateway import GatewayConfig, serve_gateway
 
-    procs = []
+    procs, urls = await start_workers(tmp_path, 4)
     try:
-        for i in range(4):
-            procs.append(
-                await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "btbctl",
-                    "worker",
-                    "--model-path",
-                    "llama-3.3-70b",
-                    "--port",
-                    "0",
-                    "--transfer-port",
-                    "0",
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=open(tmp_path / f"w{i}.log", "wb"),
-                )
-            )
-        urls = []
-        for p in procs:
-            line = (await asyncio.wait_for(p.stdout.readline(), 60)).decode()
-            assert line.startswith("ready "), line
-            urls.append(line.split()[1])
         gw = await serve_gateway(
             GatewayConfig(workers=urls, port=0, control_port=0, token="t", policy="btb_plus", seed=7)
         )
@@ -511,10 +490,7 @@ async def test_case7_btb_plus_keeps_conversations_home_and_spreads_them(tmp_path
         finally:
             await gw.stop()
     finally:
-        for p in procs:
-            if p.returncode is None:
-                p.terminate()
-                await p.wait()
+        await stop_workers(procs)
     print(res)
     assert res["follow_ups"] >= 3 * 32
     assert max(res["home"], res["cached_history"]) >= 0.9, res

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import socket
-import sys
 
 import aiohttp
 import pytest
@@ -22,36 +20,12 @@ from btbctl.engine.dashboard.control_source import ControlApiSource, TtftTrail
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
 from btbctl.tui.app import ReplicateScreen, build_app
 from btbctl.tui.widgets.panels import ConstantsPanel
+from emulated_procs import start_workers
 from gateway_fakes import GatewayEnv
 from tui_helpers import press, running_app, wait_for
 
 PAGE = 16
 PREFIX_BLOCKS = 8
-
-
-async def _start_worker(tmp_path, i: int, token_file: str):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "btbctl",
-        "worker",
-        "--model-path",
-        "llama-3.3-70b",
-        "--port",
-        "0",
-        "--transfer-port",
-        "0",
-        "--page-size",
-        str(PAGE),
-        "--btb-token-file",
-        token_file,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=open(tmp_path / f"w{i}.log", "wb"),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-    assert line.startswith("ready "), line
-    return proc, line.split()[1]
 
 
 def _text(w: Static) -> str:
@@ -62,8 +36,7 @@ def _text(w: Static) -> str:
 async def test_dashboard_on_a_real_fleet(tmp_path):
     token_file = tmp_path / "worker.token"
     token_file.write_text("wtok\n")
-    started = await asyncio.gather(*(_start_worker(tmp_path, i, str(token_file)) for i in range(3)))
-    procs, urls = [p for p, _ in started], [u for _, u in started]
+    procs, urls = await start_workers(tmp_path, 3, "--page-size", str(PAGE), "--btb-token-file", str(token_file))
     gw = await serve_gateway(
         GatewayConfig(
             workers=urls,
