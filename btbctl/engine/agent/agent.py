@@ -281,7 +281,9 @@ def run(cfg: AgentConfig, ready_line: bool = True) -> None:
             await agent.close()
 
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        from btbctl.engine.logfmt import configure_logging
+
+        configure_logging(logging.INFO)  # stderr, identical repeats held back
     if os.environ.get("BTBCTL_DEBUG", "") not in ("", "0"):
         logging.getLogger("btbctl").setLevel(logging.DEBUG)
     asyncio.run(main())

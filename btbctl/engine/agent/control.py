@@ -69,7 +69,14 @@ def make_app(agent, open_metrics: bool = True) -> web.Application:
     async def errors(request: web.Request, handler):
         try:
             if request.path not in open_paths:
-                _auth(request, agent.control_token)
+                try:
+                    _auth(request, agent.control_token)
+                except _Err as e:
+                    agent.event(
+                        "auth_failed",
+                        {"listener": "control", "peer": request.remote, "path": request.path, "reason": str(e)},
+                    )
+                    raise
             return await handler(request)
         except _Err as e:
             return web.json_response({"error": str(e)}, status=e.status)

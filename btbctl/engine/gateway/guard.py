@@ -26,13 +26,12 @@ import asyncio
 import errno
 import logging
 import resource
-import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from btbctl.engine.logfmt import log_event
+from btbctl.engine.logfmt import RateLimiter, log_event
 
 log = logging.getLogger(__name__)
 
@@ -92,26 +91,6 @@ def is_local_exhaustion(e: BaseException | None) -> bool:
         e = e.__cause__ or e.__context__
         seen += 1
     return False
-
-
-class RateLimiter:
-    """At most one log line per key and ``interval_s``: :meth:`allow` says whether to log now and how many
-    occurrences were held back since the last line."""
-
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def allow(self, key: str) -> tuple[bool, int]:
-        now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            self._held[key] = self._held.get(key, 0) + 1
-            return False, 0
-        self._last[key] = now
-        return True, self._held.pop(key, 0)
 
 
 class _Conn:
