@@ -52,3 +52,57 @@ async def test_agent_control_api_counts_wrong_tokens(caplog):
     assert _auth_failures(agent.metrics) == 50
     lines = [r.getMessage() for r in caplog.records if "auth_failed" in r.getMessage()]
     assert len(lines) == 1 and "listener=control" in lines[0]
+
+
+# -- the gateway: Host and Origin checks, counted refusals -------------------------------------------------------
+
+
+def _rejected(text: str, reason: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "btb_rejected_requests_total" and s.labels.get("reason") == reason:
+                return s.value
+    return 0.0
+
+
+async def test_gateway_refuses_foreign_host_and_cross_origin_writes_and_counts_them(caplog):
+    from gateway_fakes import GatewayEnv
+
+    async with GatewayEnv(2) as env:
+        with caplog.at_level(logging.INFO, logger="btbctl.engine.gateway.guard"):
+            # DNS rebinding: the page's own name, resolved to 127.0.0.1
+            for _ in range(20):
+                async with env.http.get(
+                    env.control + "/control/constants", headers={"Host": "evil.example:8081"}
+                ) as r:
+                    assert r.status == 403
+            # a cross-site form / text/plain POST to the data plane
+            for _ in range(20):
+                async with env.http.post(
+                    env.url + "/generate",
+                    data=b'{"text": "hi"}',
+                    headers={"Content-Type": "text/plain", "Origin": "https://evil.example"},
+                ) as r:
+                    assert r.status == 403
+            # the same from btbctl's own clients (no Origin, loopback Host) is served
+            status, _ = await env.get_control("/control/constants")
+            assert status == 200
+            async with env.http.get(env.control + "/control/constants", headers={"Host": "localhost:1"}) as r:
+                assert r.status == 200
+            async with env.http.post(
+                env.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+            ) as r:
+                assert r.status == 200
+            # a wrong token on a control write: counted
+            for _ in range(20):
+                async with env.http.put(env.control + "/control/constants", json={"threshold": 3}) as r:
+                    assert r.status == 401
+        async with env.http.get(env.url + "/metrics") as r:
+            text = await r.text()
+    assert _rejected(text, "host") == 20 and _rejected(text, "origin") == 20 and _rejected(text, "auth") == 20
+    refused = [r.getMessage() for r in caplog.records if "request_refused" in r.getMessage()]
+    assert len(refused) == 2  # one line per listener and reason in the window
+    denied = [r.getMessage() for r in caplog.records if "control_denied" in r.getMessage()]
+    assert len(denied) == 1

@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from btbctl.engine.logfmt import RateLimiter, log_event
+from btbctl.engine.netaddr import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,79 @@ class ConnectionGuard:
         finally:
             c.busy -= 1
             c.served += 1
+
+
+#: Methods a web page may send cross-origin without asking first; a write among them is refused when its
+#: ``Origin`` is another site.
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def _host_of(authority: str) -> str:
+    """The host of ``host[:port]`` or ``[v6]:port``, lower case, brackets removed."""
+    a = authority.strip().lower()
+    if a.startswith("["):
+        return a[1 : a.find("]")] if "]" in a else a[1:]
+    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
+
+
+def host_refusal(request: web.Request, bind_host: str) -> str | None:
+    """Why ``request`` to a listener bound to ``bind_host`` is refused, or None: on a loopback bind a ``Host``
+    that is neither a loopback name or address nor ``bind_host`` (``host``: a web page that renamed itself to
+    127.0.0.1 by DNS rebinding), and any write whose ``Origin`` is not the site it is sent to (``origin``: a
+    cross-site form or ``text/plain`` POST). Clients outside a browser send no ``Origin``."""
+    host = request.headers.get("Host")
+    if host and is_loopback(bind_host):
+        h = _host_of(host)
+        if not (is_loopback(h) or h == _host_of(bind_host)):
+            return "host"
+    origin = request.headers.get("Origin")
+    if origin is not None and request.method not in _SAFE_METHODS:
+        _, sep, rest = origin.partition("://")
+        if not sep or not host or rest.rstrip("/").lower() != host.strip().lower():
+            return "origin"
+    return None
+
+
+def host_guard(
+    listener: str,
+    bind_host: str,
+    limiter: RateLimiter,
+    on_refuse: Callable[[str], None] | None = None,
+) -> Any:
+    """A middleware answering 403 to the requests :func:`host_refusal` refuses; each is counted (``on_refuse``
+    with the reason) and logged as ``request_refused`` at most once per listener, reason and interval."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        why = host_refusal(request, bind_host)
+        if why is None:
+            return await handler(request)
+        if on_refuse is not None:
+            on_refuse(why)
+        ok, held = limiter.allow(f"{listener}:{why}")
+        if ok:
+            log_event(
+                log,
+                "request_refused",
+                logging.WARNING,
+                listener=listener,
+                reason=why,
+                peer=request.remote,
+                host=request.headers.get("Host"),
+                origin=request.headers.get("Origin"),
+                repeats_held=held or None,
+            )
+        message = (
+            "Host is not this listener's address (only loopback names are served here)"
+            if why == "host"
+            else "cross-origin write refused (its Origin is another site)"
+        )
+        import json
+
+        body = {"error": {"message": message, "type": "forbidden", "code": 403}}
+        return web.Response(status=403, text=json.dumps(body), content_type="application/json")
+
+    return middleware
 
 
 def overloaded(retry_after_s: int, message: str) -> web.Response:
