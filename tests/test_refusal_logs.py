@@ -74,9 +74,7 @@ async def test_gateway_refuses_foreign_host_and_cross_origin_writes_and_counts_t
         with caplog.at_level(logging.INFO, logger="btbctl.engine.gateway.guard"):
             # DNS rebinding: the page's own name, resolved to 127.0.0.1
             for _ in range(20):
-                async with env.http.get(
-                    env.control + "/control/constants", headers={"Host": "evil.example:8081"}
-                ) as r:
+                async with env.http.get(env.control + "/control/constants", headers={"Host": "evil.example:8081"}) as r:
                     assert r.status == 403
             # a cross-site form / text/plain POST to the data plane
             for _ in range(20):
