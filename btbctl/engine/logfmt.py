@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -145,10 +146,20 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A :class:`~logging.handlers.RotatingFileHandler` whose files are mode 0600 (a log may hold request data and
+    peer addresses), the current one and each fresh one after a rotation."""
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
 def rotating_handler(path: str, max_bytes: int = ROTATE_BYTES, backups: int = ROTATE_BACKUPS) -> logging.Handler:
-    """A handler appending logfmt lines (:class:`LogfmtFormatter`) to ``path``, rotated at ``max_bytes`` with
-    ``backups`` old files kept, identical repeats held back (:class:`RepeatFilter`)."""
-    h = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    """A handler appending logfmt lines (:class:`LogfmtFormatter`) to ``path`` (mode 0600), rotated at
+    ``max_bytes`` with ``backups`` old files kept, identical repeats held back (:class:`RepeatFilter`)."""
+    h = _PrivateRotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
     h.setFormatter(LogfmtFormatter())
     h.addFilter(RepeatFilter())
     return h
