@@ -8,6 +8,7 @@ None are left out. The node agent (:mod:`btbctl.engine.agent.events`), the worke
 
 from __future__ import annotations
 
+import io
 import logging
 import logging.handlers
 import os
@@ -150,7 +151,7 @@ class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
     """A :class:`~logging.handlers.RotatingFileHandler` whose files are mode 0600 (a log may hold request data and
     peer addresses), the current one and each fresh one after a rotation."""
 
-    def _open(self):  # type: ignore[no-untyped-def]
+    def _open(self) -> io.TextIOWrapper:
         fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)
         return open(fd, "a", encoding=self.encoding, errors=self.errors)
