@@ -104,3 +104,31 @@ async def test_gateway_refuses_foreign_host_and_cross_origin_writes_and_counts_t
     assert len(refused) == 2  # one line per listener and reason in the window
     denied = [r.getMessage() for r in caplog.records if "control_denied" in r.getMessage()]
     assert len(denied) == 1
+
+
+async def test_emulated_worker_counts_refused_btb_requests_and_logs_once(caplog):
+    from btbctl.engine.worker.config import make_config
+    from btbctl.engine.worker.core import Worker
+    from btbctl.engine.worker.http import build_app
+
+    cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0, btb_token="w-token")
+    worker = Worker(cfg)
+    client = TestClient(TestServer(build_app(worker)))
+    await client.start_server()
+    try:
+        with caplog.at_level(logging.INFO, logger="btbctl.worker"):
+            for i in range(40):
+                headers = {"Authorization": "Bearer nope"} if i % 2 else {}
+                async with client.post("/btb/expect", json={}, headers=headers) as r:
+                    assert r.status in (401, 403)
+    finally:
+        await client.close()
+        await worker.stop()
+    reg = worker.metrics.registry
+    count = sum(
+        reg.get_sample_value("btbctl_worker_auth_failures_total", {"reason": why}) or 0.0
+        for why in ("no_token", "wrong_token")
+    )
+    assert count == 40
+    lines = [r.getMessage() for r in caplog.records if "auth_failed" in r.getMessage()]
+    assert len(lines) == 2  # one per reason in the window
