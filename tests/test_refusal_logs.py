@@ -132,3 +132,28 @@ async def test_emulated_worker_counts_refused_btb_requests_and_logs_once(caplog)
     assert count == 40
     lines = [r.getMessage() for r in caplog.records if "auth_failed" in r.getMessage()]
     assert len(lines) == 2  # one per reason in the window
+
+
+async def test_agent_control_api_refuses_foreign_host_and_cross_site_writes(caplog):
+    agent = _Agent()
+    client = TestClient(TestServer(make_app(agent, bind_host="127.0.0.1")))
+    await client.start_server()
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        with caplog.at_level(logging.INFO, logger="btbctl.agent"):
+            for _ in range(10):
+                async with client.get("/v1/info", headers={**auth, "Host": "rebound.example"}) as r:
+                    assert r.status == 403
+                async with client.post(
+                    "/v1/has",
+                    data=b'{"names": []}',
+                    headers={**auth, "Content-Type": "text/plain", "Origin": "http://evil.example"},
+                ) as r:
+                    assert r.status == 403
+    finally:
+        await client.close()
+    reg = agent.metrics.registry
+    assert reg.get_sample_value("btbctl_agent_requests_refused_total", {"reason": "host"}) == 10
+    assert reg.get_sample_value("btbctl_agent_requests_refused_total", {"reason": "origin"}) == 10
+    lines = [r.getMessage() for r in caplog.records if "request_refused" in r.getMessage()]
+    assert len(lines) == 2

@@ -16,6 +16,8 @@ Metrics (their own registry, served at the control endpoint's ``/metrics``):
 * ``btbctl_agent_evictions_total``, ``btbctl_agent_evicted_bytes_total``: LRU evictions;
 * ``btbctl_agent_auth_failures_total``: peers that failed authentication, and control API requests without the
   right token (``listener="control"`` in the log line);
+* ``btbctl_agent_requests_refused_total{reason}``: control API requests refused for their ``Host`` (``host``) or
+  ``Origin`` (``origin``);
 * ``btbctl_agent_arena_bytes``, ``btbctl_agent_used_bytes``, ``btbctl_agent_ready_pages``: the store's use (gauges
   read at scrape time).
 """
@@ -37,7 +39,7 @@ DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 
 
 #: Events that record a refusal of a peer or client: counted each time, logged once per kind and window.
-REFUSAL_EVENTS = frozenset({"auth_failed"})
+REFUSAL_EVENTS = frozenset({"auth_failed", "request_refused"})
 
 
 class AgentMetrics:
@@ -59,6 +61,12 @@ class AgentMetrics:
         self.evictions = Counter("btbctl_agent_evictions", "Pages evicted (LRU)", registry=r)
         self.evicted_bytes = Counter("btbctl_agent_evicted_bytes", "Bytes evicted (LRU)", registry=r)
         self.auth_failures = Counter("btbctl_agent_auth_failures", "Peers that failed authentication", registry=r)
+        self.refused = Counter(
+            "btbctl_agent_requests_refused",
+            "Control API requests refused for their Host or Origin (DNS rebinding, cross-site writes)",
+            ["reason"],
+            registry=r,
+        )
         self._stats = stats
         self.limiter = RateLimiter(REPEAT_WINDOW_S)
         if stats is not None:
@@ -75,6 +83,8 @@ class AgentMetrics:
         implies."""
         if event in REFUSAL_EVENTS:
             kind = f"{event}:{fields.get('listener', 'peer')}:{fields.get('direction', '')}"
+            if event == "request_refused":
+                kind += f":{fields.get('reason', '')}"
             ok, held = self.limiter.allow(kind)
             if ok:
                 log.warning("%s", format_event(event, {**fields, "repeats_held": held or None}))
@@ -85,6 +95,8 @@ class AgentMetrics:
             self.evicted_bytes.inc(fields.get("bytes", 0))
         elif event == "auth_failed":
             self.auth_failures.inc()
+        elif event == "request_refused":
+            self.refused.labels(fields.get("reason", "other")).inc()
         elif event == "copy_refused":
             self.copies.labels(fields.get("role", "target"), "refused").inc()
         elif event == "copy_finished":

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from btbctl.engine.logfmt import RateLimiter, log_event
-from btbctl.engine.netaddr import is_loopback
+from btbctl.engine.netaddr import browser_refusal
 
 log = logging.getLogger(__name__)
 
@@ -259,35 +259,9 @@ class ConnectionGuard:
             c.served += 1
 
 
-#: Methods a web page may send cross-origin without asking first; a write among them is refused when its
-#: ``Origin`` is another site.
-_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
-
-
-def _host_of(authority: str) -> str:
-    """The host of ``host[:port]`` or ``[v6]:port``, lower case, brackets removed."""
-    a = authority.strip().lower()
-    if a.startswith("["):
-        return a[1 : a.find("]")] if "]" in a else a[1:]
-    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
-
-
 def host_refusal(request: web.Request, bind_host: str) -> str | None:
-    """Why ``request`` to a listener bound to ``bind_host`` is refused, or None: on a loopback bind a ``Host``
-    that is neither a loopback name or address nor ``bind_host`` (``host``: a web page that renamed itself to
-    127.0.0.1 by DNS rebinding), and any write whose ``Origin`` is not the site it is sent to (``origin``: a
-    cross-site form or ``text/plain`` POST). Clients outside a browser send no ``Origin``."""
-    host = request.headers.get("Host")
-    if host and is_loopback(bind_host):
-        h = _host_of(host)
-        if not (is_loopback(h) or h == _host_of(bind_host)):
-            return "host"
-    origin = request.headers.get("Origin")
-    if origin is not None and request.method not in _SAFE_METHODS:
-        _, sep, rest = origin.partition("://")
-        if not sep or not host or rest.rstrip("/").lower() != host.strip().lower():
-            return "origin"
-    return None
+    """:func:`~btbctl.engine.netaddr.browser_refusal` of ``request`` to a listener bound to ``bind_host``."""
+    return browser_refusal(request.headers.get("Host"), request.headers.get("Origin"), request.method, bind_host)
 
 
 def host_guard(
