@@ -8,11 +8,13 @@ None are left out. The node agent (:mod:`btbctl.engine.agent.events`), the worke
 
 from __future__ import annotations
 
+import io
 import logging
 import logging.handlers
+import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 
 #: Size at which a log file written through :func:`rotating_handler` is rotated, bytes.
@@ -95,6 +97,26 @@ class LogfmtFormatter(logging.Formatter):
         return f"{head} {body}"
 
 
+class RateLimiter:
+    """At most one log line per key and ``interval_s``: :meth:`allow` says whether to log now and how many
+    occurrences were held back since the last line."""
+
+    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def allow(self, key: str) -> tuple[bool, int]:
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False, 0
+        self._last[key] = now
+        return True, self._held.pop(key, 0)
+
+
 class RepeatFilter(logging.Filter):
     """Let an identical line (same logger, level and text) through once per ``window_s``; the next one after the
     window carries ``repeated=N`` (how many were held back), so a flood of one error costs a line per window."""
@@ -125,10 +147,20 @@ class RepeatFilter(logging.Filter):
         return True
 
 
+class _PrivateRotatingFileHandler(logging.handlers.RotatingFileHandler):
+    """A :class:`~logging.handlers.RotatingFileHandler` whose files are mode 0600 (a log may hold request data and
+    peer addresses), the current one and each fresh one after a rotation."""
+
+    def _open(self) -> io.TextIOWrapper:
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        return open(fd, "a", encoding=self.encoding, errors=self.errors)
+
+
 def rotating_handler(path: str, max_bytes: int = ROTATE_BYTES, backups: int = ROTATE_BACKUPS) -> logging.Handler:
-    """A handler appending logfmt lines (:class:`LogfmtFormatter`) to ``path``, rotated at ``max_bytes`` with
-    ``backups`` old files kept, identical repeats held back (:class:`RepeatFilter`)."""
-    h = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    """A handler appending logfmt lines (:class:`LogfmtFormatter`) to ``path`` (mode 0600), rotated at
+    ``max_bytes`` with ``backups`` old files kept, identical repeats held back (:class:`RepeatFilter`)."""
+    h = _PrivateRotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
     h.setFormatter(LogfmtFormatter())
     h.addFilter(RepeatFilter())
     return h
@@ -154,6 +186,7 @@ def configure_logging(level: int, log_file: str | None = None, stream=None) -> N
 __all__ = [
     "LogfmtFormatter",
     "configure_logging",
+    "RateLimiter",
     "RepeatFilter",
     "format_event",
     "iso_ts",

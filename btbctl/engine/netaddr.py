@@ -16,4 +16,37 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-__all__ = ["is_loopback"]
+#: Methods a web page may send cross-origin without asking first; a write among them is refused when its
+#: ``Origin`` is another site.
+_SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def _host_of(authority: str) -> str:
+    """The host of ``host[:port]`` or ``[v6]:port``, lower case, brackets removed."""
+    a = authority.strip().lower()
+    if a.startswith("["):
+        return a[1 : a.find("]")] if "]" in a else a[1:]
+    return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
+
+
+def browser_refusal(host: str | None, origin: str | None, method: str, bind_host: str) -> str | None:
+    """Why an HTTP request to a listener bound to ``bind_host`` is refused, or None. ``host``, ``origin``: its
+    ``Host`` and ``Origin`` headers (None when absent).
+
+    * ``host``: on a loopback bind, a ``Host`` that is neither a loopback name or address nor ``bind_host`` (a web
+      page that renamed itself to 127.0.0.1 by DNS rebinding);
+    * ``origin``: a write whose ``Origin`` is not the site it is sent to (a cross-site form or ``text/plain``
+      POST). Clients outside a browser send no ``Origin``.
+    """
+    if host and is_loopback(bind_host):
+        h = _host_of(host)
+        if not (is_loopback(h) or h == _host_of(bind_host)):
+            return "host"
+    if origin is not None and method.upper() not in _SAFE_METHODS:
+        _, sep, rest = origin.partition("://")
+        if not sep or not host or rest.rstrip("/").lower() != host.strip().lower():
+            return "origin"
+    return None
+
+
+__all__ = ["browser_refusal", "is_loopback"]

@@ -181,7 +181,9 @@ class Agent:
                 self.local.start()
             except OSError as e:
                 raise BtbctlError(f"cannot bind the local socket {cfg.socket_path}: {e.strerror or e}") from None
-        self._runner = web.AppRunner(make_app(self, open_metrics=is_loopback(cfg.control_host)), access_log=None)
+        self._runner = web.AppRunner(
+            make_app(self, open_metrics=is_loopback(cfg.control_host), bind_host=cfg.control_host), access_log=None
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.control_host, cfg.control_port)
         try:
@@ -281,7 +283,9 @@ def run(cfg: AgentConfig, ready_line: bool = True) -> None:
             await agent.close()
 
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        from btbctl.engine.logfmt import configure_logging
+
+        configure_logging(logging.INFO)  # stderr, identical repeats held back
     if os.environ.get("BTBCTL_DEBUG", "") not in ("", "0"):
         logging.getLogger("btbctl").setLevel(logging.DEBUG)
     asyncio.run(main())

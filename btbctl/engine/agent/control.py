@@ -42,6 +42,7 @@ from aiohttp import web
 
 from btbctl.engine.agent.pages import NoRoom
 from btbctl.engine.agent.peer import FANOUTS, MAX_STREAM_S, fanout_plan
+from btbctl.engine.netaddr import browser_refusal
 from btbctl.sglang_l3.keys import is_page_key
 
 #: Largest control request body, bytes.
@@ -60,16 +61,29 @@ class _Err(Exception):
         super().__init__(message)
 
 
-def make_app(agent, open_metrics: bool = True) -> web.Application:
+def make_app(agent, open_metrics: bool = True, bind_host: str = "127.0.0.1") -> web.Application:
     """The aiohttp application serving ``agent`` (:class:`~btbctl.engine.agent.agent.Agent`); ``open_metrics``:
-    ``/metrics`` without the token (loopback only)."""
+    ``/metrics`` without the token (loopback only); ``bind_host``: the listener's address (on loopback, a request
+    whose ``Host`` is not a loopback name is refused, and on any address a cross-site write:
+    :func:`~btbctl.engine.netaddr.browser_refusal`)."""
     open_paths = ("/health", "/metrics") if open_metrics else ("/health",)
 
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
+            why = browser_refusal(request.headers.get("Host"), request.headers.get("Origin"), request.method, bind_host)
+            if why is not None:
+                agent.event("request_refused", {"listener": "control", "peer": request.remote, "reason": why})
+                raise _Err(403, f"refused: {'Host is not a loopback name' if why == 'host' else 'cross-origin write'}")
             if request.path not in open_paths:
-                _auth(request, agent.control_token)
+                try:
+                    _auth(request, agent.control_token)
+                except _Err as e:
+                    agent.event(
+                        "auth_failed",
+                        {"listener": "control", "peer": request.remote, "path": request.path, "reason": str(e)},
+                    )
+                    raise
             return await handler(request)
         except _Err as e:
             return web.json_response({"error": str(e)}, status=e.status)

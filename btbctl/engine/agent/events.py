@@ -2,7 +2,9 @@
 
 Every state change is one log line ``event=<name> key=value ...`` on the ``btbctl.agent`` logger (values with spaces
 are quoted): copies accepted/refused (with the reason), started, finished (outcome, pages, bytes, duration),
-evictions, authentication failures, local writes refused.
+evictions, authentication failures, local writes refused. Refusals of a peer or client (:data:`REFUSAL_EVENTS`)
+are counted every time but logged at most once per kind and :data:`~btbctl.engine.logfmt.REPEAT_WINDOW_S` (the
+next line carries ``repeats_held=N``), so a client that fails authentication in a loop cannot fill the log.
 
 Metrics (their own registry, served at the control endpoint's ``/metrics``):
 
@@ -12,7 +14,10 @@ Metrics (their own registry, served at the control endpoint's ``/metrics``):
   ``failed``, ``refused``);
 * ``btbctl_agent_copy_duration_seconds{role}``: histogram of finished copies' durations;
 * ``btbctl_agent_evictions_total``, ``btbctl_agent_evicted_bytes_total``: LRU evictions;
-* ``btbctl_agent_auth_failures_total``: peers that failed authentication;
+* ``btbctl_agent_auth_failures_total``: peers that failed authentication, and control API requests without the
+  right token (``listener="control"`` in the log line);
+* ``btbctl_agent_requests_refused_total{reason}``: control API requests refused for their ``Host`` (``host``) or
+  ``Origin`` (``origin``);
 * ``btbctl_agent_arena_bytes``, ``btbctl_agent_used_bytes``, ``btbctl_agent_ready_pages``: the store's use (gauges
   read at scrape time).
 """
@@ -24,13 +29,17 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from btbctl.engine.logfmt import format_event
+from btbctl.engine.logfmt import REPEAT_WINDOW_S, RateLimiter, format_event
 
 log = logging.getLogger("btbctl.agent")
 
 #: Copy-duration histogram buckets, seconds (a 16k-token prefix of a 70B model is 5 GiB: 0.1 s over RDMA, seconds
 #: over TCP).
 DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+#: Events that record a refusal of a peer or client: counted each time, logged once per kind and window.
+REFUSAL_EVENTS = frozenset({"auth_failed", "request_refused"})
 
 
 class AgentMetrics:
@@ -52,7 +61,14 @@ class AgentMetrics:
         self.evictions = Counter("btbctl_agent_evictions", "Pages evicted (LRU)", registry=r)
         self.evicted_bytes = Counter("btbctl_agent_evicted_bytes", "Bytes evicted (LRU)", registry=r)
         self.auth_failures = Counter("btbctl_agent_auth_failures", "Peers that failed authentication", registry=r)
+        self.refused = Counter(
+            "btbctl_agent_requests_refused",
+            "Control API requests refused for their Host or Origin (DNS rebinding, cross-site writes)",
+            ["reason"],
+            registry=r,
+        )
         self._stats = stats
+        self.limiter = RateLimiter(REPEAT_WINDOW_S)
         if stats is not None:
             for name, key, doc in (
                 ("btbctl_agent_arena_bytes", "arena_bytes", "Arena size (byte budget)"),
@@ -63,13 +79,24 @@ class AgentMetrics:
                 g.set_function(lambda key=key: float(self._stats()[key]))
 
     def event(self, event: str, fields: dict) -> None:
-        """Log one structured line and update the counters the event implies."""
-        log.info("%s", format_event(event, fields))
+        """Log one structured line (a refusal: at most one per kind and window) and update the counters the event
+        implies."""
+        if event in REFUSAL_EVENTS:
+            kind = f"{event}:{fields.get('listener', 'peer')}:{fields.get('direction', '')}"
+            if event == "request_refused":
+                kind += f":{fields.get('reason', '')}"
+            ok, held = self.limiter.allow(kind)
+            if ok:
+                log.warning("%s", format_event(event, {**fields, "repeats_held": held or None}))
+        else:
+            log.info("%s", format_event(event, fields))
         if event == "evicted":
             self.evictions.inc(fields.get("pages", 0))
             self.evicted_bytes.inc(fields.get("bytes", 0))
         elif event == "auth_failed":
             self.auth_failures.inc()
+        elif event == "request_refused":
+            self.refused.labels(fields.get("reason", "other")).inc()
         elif event == "copy_refused":
             self.copies.labels(fields.get("role", "target"), "refused").inc()
         elif event == "copy_finished":
@@ -83,4 +110,4 @@ class AgentMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["AgentMetrics", "DURATION_BUCKETS_S", "format_event"]
+__all__ = ["AgentMetrics", "DURATION_BUCKETS_S", "REFUSAL_EVENTS", "format_event"]

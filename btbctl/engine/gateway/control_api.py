@@ -27,7 +27,7 @@ from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
 from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.reports import PrefixLookupError, Reports
-from btbctl.engine.logfmt import log_event
+from btbctl.engine.logfmt import RateLimiter, log_event
 from btbctl.engine.policies import POLICIES, live_policy_error
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class ControlApi:
         self.steering = steering
         self.bus = bus
         self.open_reads = open_reads
+        self.limiter = RateLimiter()
 
     # -- plumbing -----------------------------------------------------------------------------------------------
 
@@ -99,15 +100,19 @@ class ControlApi:
     async def middleware(self, request: web.Request, handler):
         write = request.method not in ("GET", "HEAD", "OPTIONS")
         if (write or not self.open_reads) and not self.steering.check_token(request.headers.get("Authorization")):
-            log_event(
-                log,
-                "control_denied",
-                logging.WARNING,
-                peer=request.remote,
-                method=request.method,
-                path=request.path,
-                token="wrong" if request.headers.get("Authorization") else "no",
-            )
+            token = "wrong" if request.headers.get("Authorization") else "no"
+            ok, held = self.limiter.allow(f"denied:{token}")
+            if ok:  # counted by the token check (btb_rejected_requests{reason="auth"}); logged once per interval
+                log_event(
+                    log,
+                    "control_denied",
+                    logging.WARNING,
+                    peer=request.remote,
+                    method=request.method,
+                    path=request.path,
+                    token=token,
+                    repeats_held=held or None,
+                )
             return _err(
                 401,
                 "missing or wrong bearer token (Authorization: Bearer <token>)",

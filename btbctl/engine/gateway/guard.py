@@ -26,13 +26,13 @@ import asyncio
 import errno
 import logging
 import resource
-import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from btbctl.engine.logfmt import log_event
+from btbctl.engine.logfmt import RateLimiter, log_event
+from btbctl.engine.netaddr import browser_refusal
 
 log = logging.getLogger(__name__)
 
@@ -92,26 +92,6 @@ def is_local_exhaustion(e: BaseException | None) -> bool:
         e = e.__cause__ or e.__context__
         seen += 1
     return False
-
-
-class RateLimiter:
-    """At most one log line per key and ``interval_s``: :meth:`allow` says whether to log now and how many
-    occurrences were held back since the last line."""
-
-    def __init__(self, interval_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def allow(self, key: str) -> tuple[bool, int]:
-        now = self._clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            self._held[key] = self._held.get(key, 0) + 1
-            return False, 0
-        self._last[key] = now
-        return True, self._held.pop(key, 0)
 
 
 class _Conn:
@@ -277,6 +257,53 @@ class ConnectionGuard:
         finally:
             c.busy -= 1
             c.served += 1
+
+
+def host_refusal(request: web.Request, bind_host: str) -> str | None:
+    """:func:`~btbctl.engine.netaddr.browser_refusal` of ``request`` to a listener bound to ``bind_host``."""
+    return browser_refusal(request.headers.get("Host"), request.headers.get("Origin"), request.method, bind_host)
+
+
+def host_guard(
+    listener: str,
+    bind_host: str,
+    limiter: RateLimiter,
+    on_refuse: Callable[[str], None] | None = None,
+) -> Any:
+    """A middleware answering 403 to the requests :func:`host_refusal` refuses; each is counted (``on_refuse``
+    with the reason) and logged as ``request_refused`` at most once per listener, reason and interval."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        why = host_refusal(request, bind_host)
+        if why is None:
+            return await handler(request)
+        if on_refuse is not None:
+            on_refuse(why)
+        ok, held = limiter.allow(f"{listener}:{why}")
+        if ok:
+            log_event(
+                log,
+                "request_refused",
+                logging.WARNING,
+                listener=listener,
+                reason=why,
+                peer=request.remote,
+                host=request.headers.get("Host"),
+                origin=request.headers.get("Origin"),
+                repeats_held=held or None,
+            )
+        message = (
+            "Host is not this listener's address (only loopback names are served here)"
+            if why == "host"
+            else "cross-origin write refused (its Origin is another site)"
+        )
+        import json
+
+        body = {"error": {"message": message, "type": "forbidden", "code": 403}}
+        return web.Response(status=403, text=json.dumps(body), content_type="application/json")
+
+    return middleware
 
 
 def overloaded(retry_after_s: int, message: str) -> web.Response:

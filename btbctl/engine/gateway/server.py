@@ -52,6 +52,7 @@ from btbctl.engine.gateway.guard import (
     ConnectionGuard,
     RateLimiter,
     fd_budget,
+    host_guard,
     install_accept_error_limiter,
     nofile_target,
     raise_nofile,
@@ -264,9 +265,14 @@ class Gateway:
 
     def check_token(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the bearer token (constant-time comparison)."""
-        if not header or not header.startswith("Bearer "):
-            return False
-        return hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
+        ok = (
+            header is not None
+            and header.startswith("Bearer ")
+            and hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
+        )
+        if not ok:
+            self.metrics.reject(401, "auth")  # a control request without the right token
+        return ok
 
     # -- policy and constants -----------------------------------------------------------------------------------
 
@@ -613,7 +619,7 @@ class Gateway:
         )
         data_guard = self._guard("data", max_conns)
         control_guard = self._guard("control", cfg.control_max_connections)
-        data = build_data_app(self.dataplane, middlewares=[data_guard.middleware])
+        data = build_data_app(self.dataplane, middlewares=[data_guard.middleware, self._host_guard("data", cfg.host)])
         data.on_response_prepare.append(self._log_response)
         control = build_control_app(
             reports,
@@ -621,7 +627,7 @@ class Gateway:
             self.bus,
             open_reads=is_loopback(cfg.control_host),
             retry_after_s=cfg.retry_after_s,
-            middlewares=[control_guard.middleware],
+            middlewares=[control_guard.middleware, self._host_guard("control", cfg.control_host)],
         )
         try:
             self.data_url = await self._listen(data, cfg.host, cfg.port, "port", cfg.access_log, data_guard)
@@ -631,6 +637,11 @@ class Gateway:
         except BaseException:
             await self.stop()
             raise
+
+    def _host_guard(self, name: str, bind_host: str) -> Callable:
+        """The listener's :func:`host_guard`; refusals count in ``btb_rejected_requests{reason="host"|"origin"}``."""
+        metrics = self.metrics
+        return host_guard(name, bind_host, self.limiter, lambda why: metrics.reject(403, why))
 
     def _guard(self, name: str, cap: int) -> ConnectionGuard:
         closed = self.metrics.connections_closed

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pathlib import Path
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.httpclient import urlopen
 from btbctl.engine.launcher.rundir import ProcessRecord, group_members, process_start_time, record_is_ours
+from btbctl.engine.logfmt import ROTATE_BACKUPS, ROTATE_BYTES
 
 #: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
 #: (emulated worker: ``ready http://H:P transfer H:TP``; gateway: ``ready http://H:P control http://H:CP``).
@@ -48,6 +50,7 @@ class Started:
         started_at: Unix time of the launch.
         url: base URL once ready.
         extra: key/value pairs of its ready line (``transfer``, ``control``).
+        writer: the size-capped writer of its log (:mod:`~btbctl.engine.launcher.logcap`); it exits by itself.
     """
 
     name: str
@@ -58,6 +61,7 @@ class Started:
     started_at: float
     url: str | None = None
     extra: dict = field(default_factory=dict)
+    writer: subprocess.Popen | None = None
 
     @property
     def pid(self) -> int:
@@ -80,8 +84,17 @@ class Started:
         )
 
 
-def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Started:
-    """Start ``argv`` in a new session with stdin from /dev/null and stdout+stderr appended to ``log``.
+def spawn(
+    name: str,
+    argv: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    max_bytes: int = ROTATE_BYTES,
+    backups: int = ROTATE_BACKUPS,
+) -> Started:
+    """Start ``argv`` in a new session with stdin from /dev/null and stdout+stderr written to ``log`` (emptied
+    first, mode 0600) through a size-capped writer (:mod:`~btbctl.engine.launcher.logcap`: rotated at
+    ``max_bytes``, ``backups`` old files kept).
 
     ``env`` adds to (and overrides) this process's environment. Raises :class:`BtbctlError` when the program
     cannot be started (not found, not executable).
@@ -93,12 +106,32 @@ def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = No
     if env:
         full_env.update(env)
     log.parent.mkdir(parents=True, exist_ok=True)
+    for old in log.parent.glob(log.name + ".*"):
+        if old.name[len(log.name) + 1 :].isdigit():
+            old.unlink(missing_ok=True)  # the rotated output of an earlier run
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    os.close(fd)  # the file exists (readers wait on it) before either process starts
+    r, w = os.pipe()
+    try:
+        writer = subprocess.Popen(
+            [sys.executable, "-m", "btbctl.engine.launcher.logcap", str(log), str(max_bytes), str(backups)],
+            stdin=r,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError as e:
+        os.close(r)
+        os.close(w)
+        raise BtbctlError(f"cannot start {name}'s log writer: {e.strerror or e}") from None
+    os.close(r)
     try:
         popen = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
-            stdout=fd,
+            stdout=w,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env=full_env,
@@ -111,9 +144,11 @@ def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = No
     except OSError as e:
         raise BtbctlError(f"cannot start {name}: {argv[0]}: {e.strerror or e}") from None
     finally:
-        os.close(fd)
+        os.close(w)  # the writer sees end of file once the child (and what it started) is gone
     start = process_start_time(popen.pid) or ""
-    return Started(name=name, popen=popen, argv=list(argv), log=log, start_time=start, started_at=time.time())
+    return Started(
+        name=name, popen=popen, argv=list(argv), log=log, start_time=start, started_at=time.time(), writer=writer
+    )
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -316,13 +316,11 @@ class RunDir:
         return data
 
     def save_tuned(self, constants: dict, policy: str | None, cluster_file: str | None) -> None:
-        """Record the constants and policy the gateway holds after a ``tune`` (mode 0600, atomically)."""
-        tmp = self.tuned_path.with_suffix(".json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"constants": constants, "policy": policy, "cluster_file": cluster_file, "at": time.time()}, f)
-            f.write("\n")
-        os.replace(tmp, self.tuned_path)
+        """Record the constants and policy the gateway holds after a ``tune`` (mode 0600, atomically: a temporary
+        file is written, flushed to disk and renamed over ``tuned.json``). Raises OSError when that fails (a full
+        disk); the temporary file is then removed and the old ``tuned.json`` stays."""
+        body = json.dumps({"constants": constants, "policy": policy, "cluster_file": cluster_file, "at": time.time()})
+        write_atomic(self.tuned_path, (body + "\n").encode("utf-8"))
 
     def log_names(self) -> list[str]:
         """Names of the logs on disk (``gateway``, ``gateway.out``, ``worker-0`` ...), sorted; rotated copies
@@ -342,11 +340,13 @@ class RunDir:
             raise BtbctlError(f"cannot create run directory {self.path}: {e.strerror or e}") from None
 
     def new_tokens(self) -> tuple[str, str]:
-        """Write a fresh control token and worker token (0600 each, replacing old ones); return both."""
+        """Write a fresh control token and worker token (0600 each, replacing old ones, atomically); return both.
+        Raises :class:`BtbctlError` when a file cannot be written (a full disk)."""
         return _write_secret(self.token_path), _write_secret(self.worker_token_path)
 
     def new_agent_secrets(self) -> tuple[str, str]:
-        """Write a fresh fleet secret and agent control token for the node agents (0600 each); return both."""
+        """Write a fresh fleet secret and agent control token for the node agents (0600 each, atomically); return
+        both. Raises :class:`BtbctlError` when a file cannot be written."""
         return _write_secret(self.agent_secret_path), _write_secret(self.agent_token_path)
 
     def read_token(self) -> str:
@@ -427,15 +427,38 @@ class RunDir:
         return state
 
 
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` as one step: a temporary file beside it (``mode``) is written, flushed to disk
+    and renamed over ``path``, so a reader sees the old file or the whole new one, never an empty or cut one.
+    Raises OSError (a full disk); the temporary file is then removed and ``path`` is as it was."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a killed writer: created afresh below, with ``mode``
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
 def _write_secret(path: Path) -> str:
+    """A fresh token written to ``path`` (0600) atomically (:func:`write_atomic`): a failed write (a full disk)
+    leaves the old file or none, never an empty one."""
     token = secrets.token_urlsafe(TOKEN_BYTES)
     try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(token + "\n")
+        write_atomic(path, (token + "\n").encode("utf-8"))
+    except OSError as e:
+        raise BtbctlError(f"cannot write {path}: {e.strerror or e}") from None
     return token
 
 
@@ -453,4 +476,5 @@ __all__ = [
     "is_same_process",
     "process_start_time",
     "record_is_ours",
+    "write_atomic",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from btbctl.engine.logfmt import RateLimiter
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import Transport
 from btbctl.engine.worker.config import WorkerConfig
@@ -44,6 +45,7 @@ class Worker:
         self.ready = False
         self.http_port = cfg.port
         self.metrics = WorkerMetrics(cfg.served_name, hicache=cfg.enable_hierarchical_cache)
+        self.refusal_limiter = RateLimiter()  # refused /btb requests: one log line per reason and interval
         self.started_unix = time.time()
         self.hicache = None
         if cfg.enable_hierarchical_cache:

@@ -29,6 +29,7 @@ from btbctl.engine.costmodel import model_preset
 from btbctl.engine.errors import api_error_body
 from btbctl.engine.hashing import BYTES_PER_TOKEN, PSEUDO_TOKENIZER, pack_text, pack_tokens, text_to_tokens
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.replication.auth import AuthError
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
@@ -421,13 +422,31 @@ class _Handlers:
             return
         h = request.headers.get("Authorization", "")
         if not h.startswith("Bearer "):
+            self._refused(request, "no_token")
             raise ApiError(
                 401,
                 "this route needs 'Authorization: Bearer <token>'",
                 {"WWW-Authenticate": 'Bearer realm="btbctl-worker"'},
             )
         if not hmac.compare_digest(h[7:].strip().encode(), tok.encode()):
+            self._refused(request, "wrong_token")
             raise ApiError(403, "invalid bearer token")
+
+    def _refused(self, request: web.Request, reason: str) -> None:
+        """Count a request refused for its token (``btbctl_worker_auth_failures_total{reason}``) and log it at
+        most once per reason and interval."""
+        self.w.metrics.auth_failures.labels(reason).inc()
+        ok, held = self.w.refusal_limiter.allow(reason)
+        if ok:
+            log_event(
+                log,
+                "auth_failed",
+                logging.WARNING,
+                peer=request.remote,
+                path=request.path,
+                reason=reason,
+                repeats_held=held or None,
+            )
 
     # -- health and info --------------------------------------------------------------------------------------
     def _is_ready(self) -> bool:

@@ -115,6 +115,12 @@ class WorkerMetrics:
             registry=r,
         )
         self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", ["model_name"], registry=r)
+        self.auth_failures = Counter(
+            "btbctl_worker_auth_failures",
+            "Requests to the /btb routes refused for a missing or wrong bearer token.",
+            ["reason"],
+            registry=r,
+        )
         labels = ["model_name", "engine_type", "tp_rank", "pp_rank"]
         self.gauges = {
             name: Gauge(f"sglang:{name}", doc, labels, registry=r)
