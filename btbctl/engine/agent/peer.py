@@ -81,6 +81,9 @@ _HEAD = struct.Struct(">BI")
 _PAGE = struct.Struct(">IQ")
 KIND_JSON = ord("J")
 KIND_PAGE = ord("P")
+#: How the first read fails on a connection closed before its first byte: a port probe (``btbctl status``, a TCP
+#: liveness check), which is not logged as a failed authentication.
+PROBE_CLOSE = "connection closed (0 of "
 #: Largest frame before authentication, bytes.
 MAX_PREAUTH_BYTES = 4096
 #: Seconds a peer has to authenticate.
@@ -1038,7 +1041,8 @@ class PeerService:
             try:
                 peer_id = server_auth(conn, self.secret, self.agent_id)
             except (PeerError, OSError) as e:
-                self.event("auth_failed", {"peer": peer_addr, "direction": "inbound", "reason": str(e)})
+                if not str(e).startswith(PROBE_CLOSE):  # a bare connect and close is a port probe, not an attack
+                    self.event("auth_failed", {"peer": peer_addr, "direction": "inbound", "reason": str(e)})
                 return
             conn.idle_timeout_s = self.idle_timeout_s
             conn.deadline = None

@@ -48,6 +48,7 @@ class Started:
         started_at: Unix time of the launch.
         url: base URL once ready.
         extra: key/value pairs of its ready line (``transfer``, ``control``).
+        env: the variables given to :func:`spawn` on top of this process's environment.
     """
 
     name: str
@@ -58,6 +59,7 @@ class Started:
     started_at: float
     url: str | None = None
     extra: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -77,6 +79,7 @@ class Started:
             url=self.url,
             extra=dict(self.extra),
             started_at=self.started_at,
+            env=dict(self.env),
         )
 
 
@@ -113,7 +116,9 @@ def spawn(name: str, argv: list[str], log: Path, env: dict[str, str] | None = No
     finally:
         os.close(fd)
     start = process_start_time(popen.pid) or ""
-    return Started(name=name, popen=popen, argv=list(argv), log=log, start_time=start, started_at=time.time())
+    return Started(
+        name=name, popen=popen, argv=list(argv), log=log, start_time=start, started_at=time.time(), env=dict(env or {})
+    )
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
