@@ -73,7 +73,14 @@ def main():
 
     srv = ThreadingHTTPServer((host, port), Handler)
     if agent:
+        import socket
+
         peer, sock = _arg("--peer", "?"), _arg("--socket", "?")
+        # a copy port that takes connections (and nothing more), as `btbctl status` probes it
+        phost, _, pport = peer.rpartition(":")
+        if pport.isdigit():
+            listener = socket.create_server((phost.strip("[]") or "127.0.0.1", int(pport)))
+            peer = f"{phost}:{listener.getsockname()[1]}"
         print(f"ready peer {peer} control {host}:{srv.server_address[1]} socket {sock}", flush=True)
     elif os.environ.get("STANDIN_READY_LINE") == "1":
         print(f"ready http://{host}:{srv.server_address[1]}", flush=True)

@@ -536,3 +536,18 @@ def test_an_agent_stops_at_once_while_clients_long_poll_it(tmp_path):
     assert time.monotonic() - t0 < 8, "the agent waited for its long-polls to run out"
     for th in threads:
         th.join(5)
+
+
+def test_a_port_probe_is_not_a_failed_authentication(nodes):
+    """`btbctl status` connects to the copy port and closes before a byte: no auth_failed line for that; a connection
+    that sends half a frame and closes still gets one."""
+    dst = nodes("dst")
+    h, p = dst.addr.split(":")
+    socket.create_connection((h, int(p))).close()
+    s = socket.create_connection((h, int(p)))
+    s.sendall(b"J\x00")
+    s.close()
+    wait_for(lambda: bool(dst.lines("auth_failed")), 5, "auth_failed")
+    time.sleep(0.2)
+    lines = dst.lines("auth_failed")
+    assert len(lines) == 1 and "connection closed (2 of 5" in lines[0]

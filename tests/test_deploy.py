@@ -65,7 +65,7 @@ def test_every_rendered_object_validates_against_the_api_schemas():
     objs = _objects(_load(create_namespace=True))
     assert sorted(o["kind"] for o in objs) == sorted(
         ["Namespace", "ConfigMap", "Deployment", "Service", "Service", "Service", "StatefulSet", "StatefulSet"]
-        + ["DaemonSet", "Service"]
+        + ["DaemonSet", "Service", "NetworkPolicy", "NetworkPolicy"]
     )
     for obj in objs:
         _validate(obj)
@@ -186,8 +186,8 @@ def test_gateway_agents_and_workers_fit_together():
     assert host_dirs == {k8s.agent_socket_dir}
     assert argv[argv.index("--peer") + 1] == "$(HOST_IP):30090"
     assert dpod["containers"][0]["resources"]["limits"]["memory"] == f"{65536 + 512}Mi"
-    # Prometheus annotations: gateway, workers with metrics, agents
-    for obj in (*_by_kind(objs, "Deployment"), llama, emu, ds):
+    # Prometheus annotations: gateway, workers with metrics (the agents' /metrics needs a token: a scrape job)
+    for obj in (*_by_kind(objs, "Deployment"), llama, emu):
         ann = obj["spec"]["template"]["metadata"]["annotations"]
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
     # the control API is never exposed beyond the cluster; the data plane's type is the file's choice
@@ -302,10 +302,17 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
         main(["deploy", "render", "-c", str(EXAMPLE), "--out", str(out), "--format", "json"])
     assert exit_.value.code in (0, None)
     summary = json.loads(capsys.readouterr().out)
-    assert sorted(os.listdir(out)) == ["agents.yaml", "gateway.yaml", "kustomization.yaml", "workers.yaml"]
-    assert len(summary["objects"]) == 9 and summary["secret"] == "btb-secrets"
+    assert sorted(os.listdir(out)) == [
+        "agents.yaml",
+        "gateway.yaml",
+        "kustomization.yaml",
+        "networkpolicy.yaml",
+        "workers.yaml",
+    ]
+    assert len(summary["objects"]) == 11 and summary["secret"] == "btb-secrets"
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
-    assert kust["namespace"] == "llm" and kust["resources"] == ["gateway.yaml", "workers.yaml", "agents.yaml"]
+    assert kust["namespace"] == "llm"
+    assert kust["resources"] == ["gateway.yaml", "workers.yaml", "agents.yaml", "networkpolicy.yaml"]
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(EXAMPLE)])
     stream = list(yaml.safe_load_all(capsys.readouterr().out))
@@ -320,7 +327,13 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
     capsys.readouterr()
-    assert sorted(os.listdir(out)) == ["gateway.yaml", "kustomization.yaml", "notes.yaml", "workers.yaml"]
+    assert sorted(os.listdir(out)) == [
+        "gateway.yaml",
+        "kustomization.yaml",
+        "networkpolicy.yaml",
+        "notes.yaml",
+        "workers.yaml",
+    ]
     # an agents.yaml someone else wrote is left alone
     (out / "agents.yaml").write_text("# my agents\nkind: mine\n")
     with pytest.raises(SystemExit):
@@ -358,12 +371,15 @@ def test_the_example_overlay_builds_and_validates():
     )
     assert proc.returncode == 0, proc.stderr
     objs = list(yaml.safe_load_all(proc.stdout))
-    assert len(objs) == 9
+    assert len(objs) == 11
     for obj in objs:
         _validate(obj)
         assert obj["metadata"]["namespace"] == "llm" and obj["metadata"]["labels"]["team"] == "inference-platform"
     svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "btb-gateway")
     assert svc["spec"]["type"] == "LoadBalancer"
+    # behind the load balancer the data port is open to all; the control port stays the fleet's
+    pol = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "btb-gateway")
+    assert "from" not in pol["spec"]["ingress"][0] and pol["spec"]["ingress"][1]["from"]
     images = {
         c["image"] for o in objs if "template" in o.get("spec", {}) for c in o["spec"]["template"]["spec"]["containers"]
     }
@@ -399,3 +415,58 @@ def test_yaml_text_keeps_strings_strings():
     assert yaml.safe_load(dump(floats)) == floats
     assert dump([1e-05]) == "- 1.0e-05\n"
     assert sys.version_info >= (3, 10)
+
+
+def _pod_templates(objs: list[dict]) -> list[tuple[str, dict]]:
+    return [
+        (o["metadata"]["name"], o["spec"]["template"]["spec"])
+        for o in objs
+        if o["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+    ]
+
+
+def test_every_pod_runs_non_root_without_privileges():
+    """Every rendered pod: non-root, RuntimeDefault seccomp; every container: no privilege escalation, all
+    capabilities dropped; the gateway's and the agents' root file systems read-only."""
+    objs = _objects(_load())
+    pods = _pod_templates(objs)
+    assert {n for n, _ in pods} >= {"btb-gateway", "btb-agent"} and len(pods) >= 4
+    for name, spec in pods:
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in spec["containers"]:
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"]["drop"] == ["ALL"], name
+            assert "add" not in csc["capabilities"] and not csc.get("privileged"), name
+            if name in ("btb-gateway", "btb-agent"):
+                assert csc["readOnlyRootFilesystem"] is True, name
+        for c in spec.get("initContainers", []):  # the agents' socket folder owner: CHOWN/FOWNER only
+            csc = c["securityContext"]
+            assert csc["allowPrivilegeEscalation"] is False and csc["capabilities"]["drop"] == ["ALL"]
+            assert set(csc["capabilities"]["add"]) <= {"CHOWN", "FOWNER"}
+
+
+def test_network_policies_and_scrape_annotations():
+    """The gateway's data port is open to the namespace, its control port and the workers only to the fleet's own
+    pods; the agents' pods carry no scrape annotation (their /metrics needs the token off loopback)."""
+    cluster = _load()
+    objs = _objects(cluster)
+    pols = {o["metadata"]["name"]: o["spec"] for o in _by_kind(objs, "NetworkPolicy")}
+    fleet = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "btbctl", "app.kubernetes.io/instance": "btb"}}}
+    gw = pols["btb-gateway"]
+    assert gw["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+    data, control = gw["ingress"]
+    assert data["ports"] == [{"protocol": "TCP", "port": cluster.gateway.port or cl.DEFAULT_GATEWAY_PORT}]
+    assert data.get("from", [{"podSelector": {}}]) == [{"podSelector": {}}]
+    assert control["from"] == [fleet]
+    assert control["ports"][0]["port"] == (cluster.gateway.control_port or cl.DEFAULT_CONTROL_PORT)
+    wk = pols["btb-workers"]
+    assert wk["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    assert wk["ingress"] == [{"from": [fleet]}]
+    for obj in objs:
+        if obj["kind"] == "NetworkPolicy":
+            _validate(obj)
+    ds = _by_kind(objs, "DaemonSet")[0]
+    assert "prometheus.io/scrape" not in ds["spec"]["template"]["metadata"].get("annotations", {})
+    dep = _by_kind(objs, "Deployment")[0]
+    assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"

@@ -73,6 +73,7 @@ def _fitting(width: int, rows: list[dict], cols: tuple[str, ...], optional: tupl
 
 
 def _render_status(out: Output, st: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     c = out.console
@@ -109,7 +110,11 @@ def _render_status(out: Output, st: dict) -> None:
     c.print(t)
     for a in st.get("agents") or []:
         alive = f"pid {a['pid']}" if a["alive"] else "[red]exited[/red]"
-        c.print(f"{a['name']} on {a['host']}: control {a['control_url'] or '-'}, peer {a['peer'] or '-'}, {alive}")
+        bad = f", [red]{escape(a['problem'])}[/red]" if a.get("problem") and a["alive"] else ""
+        c.print(
+            f"{a['name']} on {a['host']}: control {a['control_url'] or '-'}, peer {a['peer'] or '-'}, {alive}{bad}",
+            soft_wrap=True,
+        )
     c.print(f"run directory {st['run_dir']}")
     verdict = st.get("verdict")
     if verdict and verdict != "up":
@@ -270,3 +275,26 @@ def status(
     out.result(st, lambda d: _render_status(out, d))
     if st.get("verdict") != "up":
         raise typer.Exit(1)
+
+
+@app.command("restart")
+def restart(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The process: worker-0 ..., agent-local, or gateway.")],
+    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    grace_s: Annotated[
+        float, typer.Option("--grace-s", help="Seconds between SIGTERM and SIGKILL for its process group.")
+    ] = 10.0,
+    timeout_s: Annotated[
+        float | None,
+        typer.Option("--timeout-s", help="Seconds it has to become ready again (default: the cluster file's)."),
+    ] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Restart one worker, node agent or the gateway of a detached fleet in place, keeping the others (and their
+    caches) running: same command line, environment and ports; the gateway keeps its tokens and tuned settings."""
+    from btbctl.engine.launcher.restart import restart as restart_one
+    from btbctl.engine.launcher.rundir import RunDir
+
+    out = Output(fmt)
+    res = restart_one(RunDir(run_dir), name, grace_s=grace_s, timeout_s=timeout_s, log=out.info)
+    out.result(res, lambda d: out.console.print(f"restarted {d['name']} (pid {d['old_pid']} -> {d['pid']})"))

@@ -146,6 +146,8 @@ class Conn:
         self._hbuf = bytearray(_HEAD.size)
         self._pbuf = bytearray(_PAGE.size)
         self.idle_timeout_s = idle_timeout_s
+        #: bytes received so far (0: the peer has sent nothing yet)
+        self.received = 0
 
     @property
     def idle_timeout_s(self) -> float:
@@ -176,6 +178,7 @@ class Conn:
             if k == 0:
                 raise PeerError(f"connection closed ({got} of {n} bytes of a frame)")
             got += k
+            self.received += k
 
     def recv_head(self) -> tuple[int, int]:
         self.recv_into(memoryview(self._hbuf))
@@ -1038,7 +1041,9 @@ class PeerService:
             try:
                 peer_id = server_auth(conn, self.secret, self.agent_id)
             except (PeerError, OSError) as e:
-                self.event("auth_failed", {"peer": peer_addr, "direction": "inbound", "reason": str(e)})
+                closed = isinstance(e, ConnectionResetError | BrokenPipeError) or str(e).startswith("connection closed")
+                if conn.received or not closed:  # one that closed before sending a byte is a port probe
+                    self.event("auth_failed", {"peer": peer_addr, "direction": "inbound", "reason": str(e)})
                 return
             conn.idle_timeout_s = self.idle_timeout_s
             conn.deadline = None

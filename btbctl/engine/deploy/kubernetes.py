@@ -33,8 +33,17 @@ Secrets: the fleet secret and both tokens come from the Secret ``secret_name`` (
 come from ``secret_env``. The render refuses a worker environment variable or flag that looks like a secret value
 (:func:`check_no_secret_values`) and never renders a Secret.
 
-Prometheus: pods carry ``prometheus.io/scrape``, ``/port`` and ``/path`` annotations (gateway, workers with
-``enable_metrics``, agents).
+Prometheus: the gateway's and the workers' (with ``enable_metrics``) pods carry ``prometheus.io/scrape``, ``/port``
+and ``/path`` annotations. The agents' do not: off loopback their ``/metrics`` needs the control token, so they are
+scraped by a job that presents it (``bearer_token_file``; deploy/README.md).
+
+Security: every pod runs as a non-root user (:data:`RUN_AS_USER`) under the runtime's default seccomp profile; no
+container may escalate privileges, all capabilities are dropped, and the gateway's and the agents' root file systems
+are read-only (a ``/tmp`` volume each). The agents' init container alone runs as root, with ``CHOWN`` and ``FOWNER``
+only, to hand the host folder of the socket to that user. ``networkpolicy.yaml`` admits the gateway's data port from
+every pod of the namespace (from anywhere when its Service is not ClusterIP), and its control port and the workers'
+ports only from this fleet's pods; the agents, on the host network, are outside NetworkPolicy and authenticate every
+connection themselves.
 """
 
 from __future__ import annotations
@@ -130,6 +139,7 @@ def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     files.append(Manifest("workers.yaml", workers.objects))
     if agents:
         files.append(Manifest("agents.yaml", _agents(k8s)))
+    files.append(Manifest("networkpolicy.yaml", _network_policies(cluster, k8s)))
     return files
 
 
@@ -230,6 +240,71 @@ def _meta(k8s: KubernetesSection, name: str, component: str | None, **extra: Any
     return {"name": name, "namespace": k8s.namespace, "labels": labels, **extra}
 
 
+#: The user (and group) every container runs as: not root. The image's files must be readable by it.
+RUN_AS_USER = 65532
+
+
+def _pod_security() -> dict:
+    """A pod's securityContext: not root, the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _container_security(read_only_root: bool) -> dict:
+    """A container's securityContext: no privilege escalation, every capability dropped, and a read-only root file
+    system where the process writes nothing outside its volumes (the gateway, the agents)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": read_only_root,
+    }
+
+
+#: A writable ``/tmp`` for containers with a read-only root file system.
+_TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
+_TMP_VOLUME = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+
+
+def _network_policies(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict]:
+    """Ingress rules: the gateway's data port from every pod of the namespace (from anywhere when its Service is
+    exposed beyond the cluster), its control port and the workers' ports only from this fleet's pods. The agents
+    run on the host network, where NetworkPolicy does not apply: their peer port authenticates every connection
+    with the fleet secret and their control API needs the token."""
+    gw = cluster.gateway
+    port = gw.port or DEFAULT_GATEWAY_PORT
+    control_port = gw.control_port or DEFAULT_CONTROL_PORT
+    fleet = {"podSelector": {"matchLabels": _labels(k8s)}}
+    data_from: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": port}]}
+    if k8s.gateway_service_type == "ClusterIP":
+        data_from["from"] = [{"podSelector": {}}]
+    gateway = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(k8s, f"{k8s.name}-gateway", "gateway"),
+        "spec": {
+            "podSelector": {"matchLabels": _labels(k8s, "gateway")},
+            "policyTypes": ["Ingress"],
+            "ingress": [data_from, {"from": [fleet], "ports": [{"protocol": "TCP", "port": control_port}]}],
+        },
+    }
+    workers = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(k8s, f"{k8s.name}-workers", "worker"),
+        "spec": {
+            "podSelector": {"matchLabels": _labels(k8s, "worker")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [fleet]}],
+        },
+    }
+    return [gateway, workers]
+
+
 def _scrape(port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
@@ -295,7 +370,9 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
         "volumeMounts": [
             {"name": "config", "mountPath": GATEWAY_CONFIG_DIR, "readOnly": True},
             {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
+            _TMP_MOUNT,
         ],
+        "securityContext": _container_security(True),
     }
     pod_labels = {**_labels(k8s, "gateway"), **k8s.labels}
     deployment = {
@@ -316,10 +393,12 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
                     },
                 },
                 "spec": {
+                    "securityContext": _pod_security(),
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": name}},
                         _secret_volume(k8s, ["control-token", "worker-token"]),
+                        _TMP_VOLUME,
                     ],
                 },
             },
@@ -473,10 +552,12 @@ def _statefulset(
         container["env"] = env
     if mounts:
         container["volumeMounts"] = mounts
+    # SGLang writes its compile caches under the home folder: its root file system stays writable
+    container["securityContext"] = _container_security(False)
     if spec.kind == "sglang":
         limits = {k8s.gpu_resource: str(spec.tp_size), **{k: str(v) for k, v in k8s.extra_resources.items()}}
         container["resources"] = {"limits": limits}
-    pod_spec: dict[str, Any] = {"containers": [container]}
+    pod_spec: dict[str, Any] = {"securityContext": _pod_security(), "containers": [container]}
     if k8s.node_selector:
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
     if k8s.tolerations:
@@ -554,15 +635,43 @@ def _agents(k8s: KubernetesSection) -> list[dict]:
         "volumeMounts": [
             {"name": "agent-socket", "mountPath": k8s.agent_socket_dir},
             {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
+            _TMP_MOUNT,
         ],
+        "securityContext": _container_security(True),
+    }
+    # the host folder of the socket is created by the kubelet, owned by root: hand it to the agent's user first
+    # (the one container that runs as root, with CHOWN alone and nothing else)
+    chown = {
+        "name": "socket-dir-owner",
+        "image": k8s.image,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": [
+            k8s.python,
+            "-c",
+            (
+                f"import os; os.chown({k8s.agent_socket_dir!r}, {RUN_AS_USER}, {RUN_AS_USER}); "
+                f"os.chmod({k8s.agent_socket_dir!r}, 0o770)"
+            ),
+        ],
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+            "readOnlyRootFilesystem": True,
+        },
+        "volumeMounts": [{"name": "agent-socket", "mountPath": k8s.agent_socket_dir}],
     }
     pod_spec: dict[str, Any] = {
         "hostNetwork": True,
         "dnsPolicy": "ClusterFirstWithHostNet",
+        "securityContext": _pod_security(),
+        "initContainers": [chown],
         "containers": [container],
         "volumes": [
             {"name": "agent-socket", "hostPath": {"path": k8s.agent_socket_dir, "type": "DirectoryOrCreate"}},
             _secret_volume(k8s, ["fleet-secret", "control-token"]),
+            _TMP_VOLUME,
         ],
     }
     if k8s.node_selector:
@@ -577,7 +686,9 @@ def _agents(k8s: KubernetesSection) -> list[dict]:
             "selector": {"matchLabels": selector},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
-                "metadata": {"labels": {**selector, **k8s.labels}, "annotations": _scrape(k8s.agent_control_port)},
+                # no scrape annotations: off loopback the agent's /metrics needs the control token (a scrape job
+                # with a bearer token file, deploy/README.md)
+                "metadata": {"labels": {**selector, **k8s.labels}},
                 "spec": pod_spec,
             },
         },

@@ -676,6 +676,33 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     return out
 
 
+def port_open(hostport: str | None, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection to ``HOST:PORT`` (a wildcard host: loopback) opens within ``timeout_s``; it is
+    closed again at once, before a byte is sent."""
+    if not hostport or ":" not in hostport:
+        return False
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((connect_host(host.strip("[]")), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def probe_agent(rec, alive: bool) -> str | None:
+    """Why the node agent of ``rec`` does not serve, or None when it does: its process, its control API's
+    ``/health``, its copy (peer) port taking a TCP connection."""
+    if not alive:
+        return "not running"
+    bad = []
+    if not rec.url or not health_ok(rec.url, timeout_s=2.0):
+        bad.append(f"control API {rec.url or '-'} does not answer /health")
+    peer = (rec.extra or {}).get("peer")
+    if not port_open(peer, timeout_s=2.0):
+        bad.append(f"copy port {peer or '-'} does not accept connections")
+    return "; ".join(bad) or None
+
+
 def status(rd: RunDir) -> dict:
     """The fleet recorded in ``rd``.
 
@@ -689,7 +716,7 @@ def status(rd: RunDir) -> dict:
                       "kv_capacity_tokens", "kv_use", "host_tier_tokens", "host_tier_capacity_tokens",
                       "storage_hit_tokens_total", "storage_prefetched_tokens_total", "storage_backup_tokens_total",
                       "load_back_tokens_total", "metrics_note", "last_metrics_s"}],
-         "agents": [{"name", "host", "control_url", "peer", "alive", "pid"}]}
+         "agents": [{"name", "host", "control_url", "peer", "alive", "pid", "healthy", "problem"}]}
 
     ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether the
     worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is the
@@ -697,7 +724,10 @@ def status(rd: RunDir) -> dict:
     reach it (``l3``, ``push`` or ``none``: the gateway's view, else the fleet's mode). The worker's own numbers
     (``metrics_source`` ... ``last_metrics_s``: :data:`~btbctl.engine.control.schema.WORKER_NUMBERS`, see the
     control API's ``FleetWorker``) are the gateway's, null when its control API does not answer. ``agents`` are the node
-    agents of ``l3`` mode (empty otherwise). Raises :class:`BtbctlError` when nothing is recorded.
+    agents of ``l3`` mode (empty otherwise); each is probed (:func:`probe_agent`: process, control ``/health``, a
+    TCP connection to its copy port): ``healthy`` when all answer, else ``problem`` says what does not, the verdict
+    is ``degraded``, and the workers that use it say so (``replication`` ``l3 (agent down)``, ``agent_down`` its
+    name, ``health_error`` why). Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
     if state is None:
@@ -717,6 +747,24 @@ def status(rd: RunDir) -> dict:
 
         with ssh.SshPool() as pool:  # also brings the remote logs up to date in the run directory
             remote_state = ssh.poll_records(pool, remote)
+    agents = []
+    for rec in state.agents():
+        rst = remote_state.get(rec.name)
+        alive = rst["state"] == "alive" if rst is not None else record_is_ours(rec)
+        problem = probe_agent(rec, alive)
+        agents.append(
+            {
+                "name": rec.name,
+                "host": rec.host or "local",
+                "control_url": rec.url,
+                "peer": (rec.extra or {}).get("peer"),
+                "alive": alive,
+                "pid": rec.pid,
+                "healthy": problem is None,
+                "problem": problem,
+            }
+        )
+    agent_problem = {a["host"]: a["problem"] for a in agents}
     workers = []
     for rec in state.workers():
         rst = remote_state.get(rec.name)
@@ -740,6 +788,12 @@ def status(rd: RunDir) -> dict:
             err = rst["error"]
         elif rst is not None and rst["state"].startswith("exit:"):
             err = f"process exited with status {rst['state'][5:]}"
+        agent_down = None
+        if mode == "l3" and agent_problem.get(rec.host or "local"):
+            agent_down = f"agent-{rec.host}" if rec.host else "agent-local"
+            mode = "l3 (agent down)"
+            if alive:
+                err = f"{agent_down} is down: no copies reach it" + (f"; {err}" if err else "")
         workers.append(
             {
                 "name": rec.name,
@@ -752,20 +806,8 @@ def status(rd: RunDir) -> dict:
                 "inflight": inflight,
                 "health_error": err,
                 "replication": mode,
+                "agent_down": agent_down,
                 **{k: getattr(g, k) if g is not None else None for k in WORKER_NUMBERS},
-            }
-        )
-    agents = []
-    for rec in state.agents():
-        rst = remote_state.get(rec.name)
-        agents.append(
-            {
-                "name": rec.name,
-                "host": rec.host or "local",
-                "control_url": rec.url,
-                "peer": (rec.extra or {}).get("peer"),
-                "alive": rst["state"] == "alive" if rst is not None else record_is_ours(rec),
-                "pid": rec.pid,
             }
         )
     gw = state.gateway()
@@ -776,7 +818,9 @@ def status(rd: RunDir) -> dict:
     elif fleet is None:
         problems.append("the gateway's control API does not answer")
     problems += [f"{w['name']}: {w['health_error'] or 'unhealthy'}" for w in workers if not w["healthy"]]
-    problems += [f"{a['name']}: not running" for a in agents if not a["alive"]]
+    problems += [
+        f"{a['name']}: {a['problem']} (`btbctl restart {a['name']}` restarts it)" for a in agents if a["problem"]
+    ]
     return {
         "verdict": "up" if not problems else "degraded",
         "problems": problems,

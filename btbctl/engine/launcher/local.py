@@ -51,6 +51,7 @@ class Started:
         url: base URL once ready.
         extra: key/value pairs of its ready line (``transfer``, ``control``).
         writer: the size-capped writer of its log (:mod:`~btbctl.engine.launcher.logcap`); it exits by itself.
+        env: the variables given to :func:`spawn` on top of this process's environment.
     """
 
     name: str
@@ -62,6 +63,7 @@ class Started:
     url: str | None = None
     extra: dict = field(default_factory=dict)
     writer: subprocess.Popen | None = None
+    env: dict = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -81,6 +83,7 @@ class Started:
             url=self.url,
             extra=dict(self.extra),
             started_at=self.started_at,
+            env=dict(self.env),
         )
 
 
@@ -147,7 +150,14 @@ def spawn(
         os.close(w)  # the writer sees end of file once the child (and what it started) is gone
     start = process_start_time(popen.pid) or ""
     return Started(
-        name=name, popen=popen, argv=list(argv), log=log, start_time=start, started_at=time.time(), writer=writer
+        name=name,
+        popen=popen,
+        argv=list(argv),
+        log=log,
+        start_time=start,
+        started_at=time.time(),
+        writer=writer,
+        env=dict(env or {}),
     )
 
 

@@ -75,6 +75,8 @@ class ProcessRecord:
         started_at: Unix time of the launch, seconds.
         host: the ``[[hosts]]`` name for a worker started over SSH (its pid, group and start time are the remote
             machine's; ``extra["ssh"]`` says how to reach it); None for a process on this machine.
+        env: the variables it was started with on top of the launcher's environment (``btbctl restart`` starts it
+            again with them).
     """
 
     name: str
@@ -89,6 +91,7 @@ class ProcessRecord:
     extra: dict = field(default_factory=dict)
     started_at: float = 0.0
     host: str | None = None
+    env: dict = field(default_factory=dict)
 
 
 @dataclass
