@@ -689,7 +689,7 @@ def status(rd: RunDir) -> dict:
                       "kv_capacity_tokens", "kv_use", "host_tier_tokens", "host_tier_capacity_tokens",
                       "storage_hit_tokens_total", "storage_prefetched_tokens_total", "storage_backup_tokens_total",
                       "load_back_tokens_total", "metrics_note", "last_metrics_s"}],
-         "agents": [{"name", "host", "control_url", "peer", "alive", "pid"}]}
+         "agents": [{"name", "host", "control_url", "peer", "alive", "healthy", "pid"}]}
 
     ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether the
     worker's ``/health`` answers 2xx; ``alive`` is whether the recorded process still runs; ``inflight`` is the
@@ -697,7 +697,8 @@ def status(rd: RunDir) -> dict:
     reach it (``l3``, ``push`` or ``none``: the gateway's view, else the fleet's mode). The worker's own numbers
     (``metrics_source`` ... ``last_metrics_s``: :data:`~btbctl.engine.control.schema.WORKER_NUMBERS`, see the
     control API's ``FleetWorker``) are the gateway's, null when its control API does not answer. ``agents`` are the node
-    agents of ``l3`` mode (empty otherwise). Raises :class:`BtbctlError` when nothing is recorded.
+    agents of ``l3`` mode (empty otherwise); an agent is ``healthy`` when its ``/health`` answers 2xx (503 while
+    its copy port does not accept connections). Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
     if state is None:
@@ -758,13 +759,16 @@ def status(rd: RunDir) -> dict:
     agents = []
     for rec in state.agents():
         rst = remote_state.get(rec.name)
+        a_alive = rst["state"] == "alive" if rst is not None else record_is_ours(rec)
         agents.append(
             {
                 "name": rec.name,
                 "host": rec.host or "local",
                 "control_url": rec.url,
                 "peer": (rec.extra or {}).get("peer"),
-                "alive": rst["state"] == "alive" if rst is not None else record_is_ours(rec),
+                "alive": a_alive,
+                # its /health answers 503 while its copy port does not accept connections
+                "healthy": a_alive and rec.url is not None and health_ok(rec.url, timeout_s=2.0),
                 "pid": rec.pid,
             }
         )
@@ -777,6 +781,11 @@ def status(rd: RunDir) -> dict:
         problems.append("the gateway's control API does not answer")
     problems += [f"{w['name']}: {w['health_error'] or 'unhealthy'}" for w in workers if not w["healthy"]]
     problems += [f"{a['name']}: not running" for a in agents if not a["alive"]]
+    problems += [
+        f"{a['name']}: unhealthy (its copy port or control API does not accept connections)"
+        for a in agents
+        if a["alive"] and not a["healthy"]
+    ]
     return {
         "verdict": "up" if not problems else "degraded",
         "problems": problems,
