@@ -77,7 +77,7 @@ def _closed(s: socket.socket, within_s: float = 5.0) -> bool:
 
 def _authenticates(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        return client_auth(Conn(s, 5.0), SECRET, "legit") == "n"
+        return bool(client_auth(Conn(s, 5.0), SECRET, "legit"))
 
 
 # -- item 1: the agent's copy port ----------------------------------------------------------------------------
@@ -251,3 +251,30 @@ async def test_live_listeners_close_half_sent_connections():
         store.close()
         await gw.stop()
         await stop_fleet(fleet)
+
+
+async def test_agent_health_says_when_its_copy_port_is_down(tmp_path):
+    from btbctl.engine.agent.agent import Agent, AgentConfig
+
+    agent = Agent(AgentConfig(socket_path=str(tmp_path / "a.sock"), arena_bytes=4 << 20, secret=SECRET))
+    await agent.start()
+    try:
+        url = f"http://127.0.0.1:{agent.control_port}/health"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url) as r:
+                assert r.status == 200
+            assert agent.peers is not None
+            flaky = _FlakyAccept(agent.peers._sock)
+            flaky.failing.set()
+            agent.peers._sock = flaky
+            await asyncio.to_thread(lambda: _open(agent.peer_port).close())
+            await asyncio.to_thread(wait_for, lambda: flaky.failures >= 1, 5.0, "accept failing")
+            async with http.get(url) as r:
+                assert r.status == 503
+                assert "copy port" in await r.text()
+            flaky.failing.clear()
+            assert await asyncio.to_thread(_authenticates, agent.peer_port)
+            async with http.get(url) as r:
+                assert r.status == 200
+    finally:
+        await agent.close()
