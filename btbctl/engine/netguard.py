@@ -17,7 +17,8 @@ new one's request is answered 503 with ``Retry-After`` and the connection closes
 valid credentials leaves the unauthenticated budget: it never counts against ``max_connections``, is never evicted
 for an unauthenticated one, and is served even while unauthenticated connections fill the cap (up to
 ``max_authenticated`` such connections). *Per peer.* With ``max_per_peer``, one peer address holds at most that many
-unauthenticated connections: a new one closes that peer's oldest one not serving a request.
+unauthenticated connections: a new one closes that peer's oldest one not serving a request (by the same rule as
+at the cap), else its request is answered 503.
 
 Every listener is opened by :func:`listen_http` (aiohttp) or declares its limits in :data:`LISTENERS` (the agent's
 threaded copy port): no listener without a connection cap, a request-head timeout and an idle timeout.
@@ -236,31 +237,37 @@ class ConnectionGuard:
         loop = asyncio.get_running_loop()
         now = loop.time()
         c = _Conn(transport, now)
-        if self.max_per_peer is not None:
-            mine = [h for h, o in self.conns.items() if o.peer == c.peer and not o.authed]
-            if len(mine) >= self.max_per_peer:
-                victim = next((h for h in mine if not self.conns[h].busy), None)
-                if victim is not None:
-                    self._close(victim)
-                    self._reject("per_peer")
+        if self._peer_full(c.peer, 0):
+            self._evict(now, c.peer)
         if self.unauthenticated >= self.max_connections:
             self._evict(now)
-        if self.unauthenticated >= self.max_connections:
-            c.over_cap = True
+        c.over_cap = self.unauthenticated >= self.max_connections or self._peer_full(c.peer, 0)
         self.conns[handler] = c
         c.timer = loop.call_later(self.header_timeout_s, self._head_due, handler)
 
-    def _evict(self, now: float) -> bool:
-        """Close the oldest unauthenticated connection not serving a request (one that never served any only once it
-        is half of ``header_timeout_s`` old); whether one went."""
+    def _peer_full(self, peer: str, extra: int) -> bool:
+        """Whether ``peer`` holds ``max_per_peer`` + ``extra`` unauthenticated connections or more."""
+        if self.max_per_peer is None:
+            return False
+        n = sum(1 for o in self.conns.values() if o.peer == peer and not o.authed)
+        return n >= self.max_per_peer + extra
+
+    def _evict(self, now: float, peer: str | None = None) -> bool:
+        """Close the oldest unauthenticated connection (of ``peer``, when given) not serving a request (one that never
+        served any only once it is half of ``header_timeout_s`` old); whether one went."""
         old = now - self.header_timeout_s / 2
         victim = next(
-            (h for h, c in self.conns.items() if not c.busy and not c.authed and (c.served or c.opened <= old)), None
+            (
+                h
+                for h, c in self.conns.items()
+                if not c.busy and not c.authed and (c.served or c.opened <= old) and (peer is None or c.peer == peer)
+            ),
+            None,
         )
         if victim is None:
             return False
         self._close(victim)
-        self._reject("evicted")
+        self._reject("evicted" if peer is None else "per_peer")
         return True
 
     def _close(self, handler: Any) -> None:
@@ -305,8 +312,9 @@ class ConnectionGuard:
             return await handler(request)
         self._authenticate(c, request)
         if c.over_cap:  # a request head arrived: an idle connection may have become old enough to go for it
-            c.over_cap = self.unauthenticated > self.max_connections and not self._evict(
-                asyncio.get_running_loop().time()
+            now = asyncio.get_running_loop().time()
+            c.over_cap = (self.unauthenticated > self.max_connections and not self._evict(now)) or (
+                self._peer_full(c.peer, 1) and not self._evict(now, c.peer)
             )
         if c.over_cap:
             self._reject("over_cap")
