@@ -278,3 +278,77 @@ async def test_agent_health_says_when_its_copy_port_is_down(tmp_path):
                 assert r.status == 200
     finally:
         await agent.close()
+
+
+async def test_control_connections_are_capped_per_peer():
+    fleet = await start_fleet(1)
+    gw = await serve_gateway(
+        GatewayConfig(
+            workers=[w.url for w in fleet],
+            port=0,
+            control_port=0,
+            token="t",
+            control_max_per_peer=3,
+            header_timeout_s=2.0,  # a connection may be pushed out once it is 1 s old
+        )
+    )
+    host, port = gw.control_url.rsplit("/", 1)[1].rsplit(":", 1)
+    conns = []
+    try:
+        for _ in range(3):
+            conns.append(await asyncio.open_connection(host, int(port)))
+            conns[-1][1].write(b"GET /control/fleet HTTP/1.1\r\n")
+        await asyncio.sleep(1.2)
+        for _ in range(3):
+            conns.append(await asyncio.open_connection(host, int(port)))
+        for r, _ in conns[:3]:
+            assert await asyncio.wait_for(r.read(), 1.5) == b""  # pushed out, before their head timeout
+        assert gw.guards[1].closed["per_peer"] == 3
+    finally:
+        for _, w in conns:
+            w.close()
+        await gw.stop()
+        await stop_fleet(fleet)
+
+
+def test_idle_connections_past_the_descriptor_limit_do_not_kill_the_copy_port(tmp_path):
+    """The field report scaled down: an agent at ``ulimit -n 128`` (soft and hard), 300 idle connections to its copy
+    port, then all closed: a real peer authenticates during the flood and after it."""
+    import resource
+    import subprocess
+    import sys
+
+    sec = tmp_path / "sec"
+    sec.write_bytes(SECRET)
+    cmd = [sys.executable, "-m", "btbctl", "agent", "--secret-file", str(sec), "--arena-mib", "8"]
+    cmd += ["--socket", str(tmp_path / "a.sock"), "--agent-id", "a"]
+    log = open(tmp_path / "agent.log", "w")
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128)),
+        text=True,
+        cwd=ROOT.parent,
+    )
+    socks: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[:1] == ["ready"], (tmp_path / "agent.log").read_text()
+        port = int(line[2].rsplit(":", 1)[1])
+        for _ in range(300):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                pass
+        assert _authenticates(port)
+        for s in socks:
+            s.close()
+        assert _authenticates(port)
+    finally:
+        for s in socks:
+            s.close()
+        proc.terminate()
+        proc.wait(10)
+        log.close()
