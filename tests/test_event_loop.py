@@ -95,7 +95,7 @@ def test_gateway_runs_on_uvloop_only_with_descriptors_to_spare(monkeypatch, nofi
 def test_nofile_target_is_what_raise_nofile_aims_at(monkeypatch, limits, target):
     import resource
 
-    from btbctl.engine.gateway import guard
+    from btbctl.engine import netguard as guard
 
     inf = resource.RLIM_INFINITY
     soft, hard = (inf if x == -1 else x for x in limits)

@@ -29,6 +29,7 @@ from btbctl.engine.agent.pages import PageStore
 from btbctl.engine.agent.peer import PeerService
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.fileio import ReadRefused, read_bounded
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback
 
 log = logging.getLogger("btbctl.agent")
@@ -56,6 +57,13 @@ class AgentConfig:
         transport: ``auto``, ``tcp`` or ``rdma``.
         file_dir: file mode (:mod:`~btbctl.engine.agent.filedir`): copy SGLang's ``file`` backend pages in this
             directory instead of serving ``BtbL3Store`` (no local socket; the arena stages copies).
+        header_timeout_s: a control connection without a complete request head for this long is closed, and so is
+            one idle between keep-alive requests; also the copy port's authentication timeout.
+        control_max_connections: open control connections without the control token at most (with it: a budget
+            of as many of their own).
+        control_max_per_peer: open control connections without the token of one peer address at most.
+        peer_max_unauthenticated: copy-port connections still authenticating at most (a new one closes the oldest).
+        peer_max_per_peer: copy-port connections of one peer address at most.
     """
 
     socket_path: str
@@ -70,6 +78,11 @@ class AgentConfig:
     idle_timeout_s: float = 10.0
     transport: str = "auto"
     file_dir: str | None = None
+    header_timeout_s: float = 5.0
+    control_max_connections: int = 64
+    control_max_per_peer: int = 16
+    peer_max_unauthenticated: int = 64
+    peer_max_per_peer: int = 16
 
 
 def read_secret(path: str, what: str = "secret file") -> bytes:
@@ -119,6 +132,7 @@ class Agent:
         self.local: LocalServer | None = None
         self.peers: PeerService | None = None
         self._runner = None
+        self._guard = None
         self.control_port = 0
         self.peer_port = 0
 
@@ -127,11 +141,13 @@ class Agent:
 
     async def start(self) -> None:
         """Create the arena, bind the three endpoints. Raises :class:`BtbctlError` naming what failed."""
-        from aiohttp import web
-
-        from btbctl.engine.agent.control import make_app
+        from btbctl.engine.agent.control import control_token_ok, make_app
+        from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http, raise_nofile
 
         cfg = self.cfg
+        old_nofile, nofile = raise_nofile()
+        if nofile != old_nofile:
+            log_event(log, "nofile_raised", old=old_nofile, new=nofile)
         try:
             if cfg.file_dir is not None:
                 from btbctl.engine.agent.filedir import FileDirStore
@@ -169,6 +185,9 @@ class Agent:
             cfg.peer_port,
             idle_timeout_s=cfg.idle_timeout_s,
             faults=faults,
+            auth_timeout_s=cfg.header_timeout_s,
+            max_unauthenticated=cfg.peer_max_unauthenticated,
+            max_per_peer=cfg.peer_max_per_peer,
         )
         try:
             self.peer_port = self.peers.start()
@@ -181,20 +200,30 @@ class Agent:
                 self.local.start()
             except OSError as e:
                 raise BtbctlError(f"cannot bind the local socket {cfg.socket_path}: {e.strerror or e}") from None
-        self._runner = web.AppRunner(
-            make_app(self, open_metrics=is_loopback(cfg.control_host), bind_host=cfg.control_host), access_log=None
+        token = cfg.control_token
+        self._guard = ConnectionGuard(
+            "agent_control",
+            max_connections=cfg.control_max_connections,
+            header_timeout_s=cfg.header_timeout_s,
+            idle_timeout_s=cfg.header_timeout_s,
+            retry_after_s=1,
+            limiter=RateLimiter(),
+            authorized=(lambda request: control_token_ok(request.headers.get("Authorization"), token))
+            if token is not None
+            else None,
+            max_per_peer=cfg.control_max_per_peer,
         )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.control_host, cfg.control_port)
         try:
-            await site.start()
+            self._runner, self.control_port = await listen_http(
+                make_app(self, open_metrics=is_loopback(cfg.control_host), bind_host=cfg.control_host),
+                cfg.control_host,
+                cfg.control_port,
+                self._guard,
+            )
         except OSError as e:
             raise BtbctlError(
                 f"cannot listen for control on {cfg.control_host}:{cfg.control_port}: {e.strerror or e}"
             ) from None
-        server = getattr(site, "_server", None)
-        socks = server.sockets if server is not None else []
-        self.control_port = socks[0].getsockname()[1] if socks else cfg.control_port
         from btbctl.engine.replication.rdma import probe
 
         rdma = probe() if cfg.transport == "auto" else "--transport tcp"
@@ -228,6 +257,8 @@ class Agent:
             self.peers.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._guard is not None:
+            self._guard.close()
         if self.store is not None:
             self.store.close()
 

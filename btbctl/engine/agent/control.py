@@ -109,13 +109,20 @@ def make_app(agent, open_metrics: bool = True, bind_host: str = "127.0.0.1") -> 
     return app
 
 
+def control_token_ok(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries the control token (constant-time comparison)."""
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[7:].strip().encode(), token.encode())
+
+
 def _auth(request: web.Request, token: str | None) -> None:
     if token is None:
         return
     h = request.headers.get("Authorization", "")
     if not h.startswith("Bearer "):
         raise _Err(401, "this route needs 'Authorization: Bearer <control token>'")
-    if not hmac.compare_digest(h[7:].strip().encode(), token.encode()):
+    if not control_token_ok(h, token):
         raise _Err(403, "invalid control token")
 
 
@@ -169,6 +176,11 @@ class _Handlers:
             self.waiters -= 1
 
     async def health(self, request: web.Request) -> web.Response:
+        """``ok``, or 503 naming the endpoint that does not accept connections (the copy port)."""
+        peers = self.a.peers
+        down = peers.port_down() if peers is not None else "not started"
+        if down is not None:
+            return web.Response(status=503, text=f"unhealthy: copy port {peers.port if peers else 0} down: {down}\n")
         return web.Response(text="ok\n")
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -97,6 +97,13 @@ DEADLINE_BASE_S = 10.0
 MIN_RATE_BYTES_PER_S = 50e6
 #: A connection silent this long is cut off, seconds.
 DEFAULT_IDLE_TIMEOUT_S = 10.0
+#: Inbound connections still authenticating at most; a new one pushes the oldest out.
+DEFAULT_MAX_UNAUTHENTICATED = 64
+#: Inbound connections from one peer address at most (authenticated or not); beyond, a new one pushes that peer's
+#: oldest unauthenticated connection out, or is closed when it has none.
+DEFAULT_MAX_PER_PEER = 16
+#: First and longest pause of the accept loop after a failed ``accept()``, seconds (doubling in between).
+ACCEPT_BACKOFF_S = (0.05, 1.0)
 #: Longest a streaming copy may wait in all for its source's pages (the source's prefill), seconds: an offer's
 #: ``stream_s`` is capped here (a 1M-token prefill at about 5k tokens/s takes about 200 s).
 MAX_STREAM_S = 900.0
@@ -629,6 +636,10 @@ class PeerService:
         metrics: the metrics object (pages/bytes counters), or None.
         host, port: address to listen on for peers (port 0 = ephemeral).
         idle_timeout_s: a peer connection silent this long is cut off.
+        auth_timeout_s: a peer must authenticate within this long of connecting.
+        max_unauthenticated: inbound connections still authenticating at most (a new one closes the oldest).
+        max_per_peer: inbound connections of one peer address at most (a new one closes that peer's oldest
+            unauthenticated one, or is closed).
         max_copy_bytes: largest copy accepted, bytes (default: half the arena).
         max_peer_bytes: most bytes reserved for one peer's copies at once (default: half the arena).
     """
@@ -647,6 +658,9 @@ class PeerService:
         max_peer_bytes: int | None = None,
         connect_timeout_s: float = 5.0,
         faults: SendFaults | None = None,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+        max_per_peer: int = DEFAULT_MAX_PER_PEER,
     ) -> None:
         if len(secret) < 16:
             raise ValueError("the fleet secret must be at least 16 bytes")
@@ -658,6 +672,9 @@ class PeerService:
         self.host = host
         self.port = port
         self.idle_timeout_s = idle_timeout_s
+        self.auth_timeout_s = auth_timeout_s
+        self.max_unauthenticated = max_unauthenticated
+        self.max_per_peer = max_per_peer
         self.connect_timeout_s = connect_timeout_s
         self.max_copy_bytes = max_copy_bytes if max_copy_bytes is not None else store.arena_bytes // 2
         self.max_peer_bytes = max_peer_bytes if max_peer_bytes is not None else store.arena_bytes // 2
@@ -674,6 +691,11 @@ class PeerService:
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
+        self._preauth: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first: socket -> peer host
+        self._per_peer: dict[str, int] = {}  # open inbound connections per peer host
+        self._accept_thread: threading.Thread | None = None
+        #: Why the copy port does not accept connections now (None: it does).
+        self.port_error: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------------------
 
@@ -686,8 +708,17 @@ class PeerService:
         s.listen(128)
         self.port = s.getsockname()[1]
         self._sock = s
-        self._spawn(self._accept_loop, "btbctl-agent-peers")
+        self._accept_thread = self._spawn(self._accept_loop, "btbctl-agent-peers")
         return self.port
+
+    def port_down(self) -> str | None:
+        """Why the copy port is not accepting connections (its accept loop failing or gone), or None."""
+        if self._stop.is_set():
+            return "stopped"
+        t = self._accept_thread
+        if t is None or not t.is_alive():
+            return "accept loop not running"
+        return self.port_error
 
     def close(self) -> None:
         self._stop.set()
@@ -1024,18 +1055,82 @@ class PeerService:
     # -- receiving --------------------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        """Accept until :meth:`close`. A failed ``accept()`` (``EMFILE`` and the like) never ends the loop: the port is
+        marked down (one ``copy_port_down`` line), the loop pauses (doubling from ``ACCEPT_BACKOFF_S[0]`` to
+        ``ACCEPT_BACKOFF_S[1]``) and retries; the first accepted connection marks it up again (``copy_port_up``)."""
         assert self._sock is not None
+        first, longest = ACCEPT_BACKOFF_S
+        pause = first
         while not self._stop.is_set():
             try:
                 sock, addr = self._sock.accept()
-            except OSError:
-                return
+            except OSError as e:  # never let the port die: back off and retry
+                if self._stop.is_set():
+                    return
+                reason = f"{type(e).__name__}: {e}"
+                if self.port_error is None:
+                    self.event("copy_port_down", {"port": self.port, "reason": reason, "retry_s": pause})
+                self.port_error = reason
+                self._stop.wait(pause)
+                pause = min(longest, pause * 2)
+                continue
+            pause = first
+            if self.port_error is not None:
+                self.port_error = None
+                self.event("copy_port_up", {"port": self.port})
+            try:
+                self._admit(sock, addr)
+            except (RuntimeError, OSError) as e:  # a thread that cannot start: drop this one, keep accepting
+                with contextlib.suppress(OSError):
+                    sock.close()
+                self.event("connection_refused", {"listener": "copy_port", "peer": str(addr), "reason": str(e)})
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        """Count ``sock`` against the caps (pushing the oldest unauthenticated connections out) and serve it."""
+        host = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+        evict: list[tuple[socket.socket, str, str]] = []
+        with self.lock:
+            if self._per_peer.get(host, 0) >= self.max_per_peer:
+                old = next((k for k, h in self._preauth.items() if h == host), None)
+                if old is None:
+                    evict.append((sock, host, f"{self.max_per_peer} connections from this peer"))
+                else:
+                    del self._preauth[old]
+                    evict.append((old, host, f"{self.max_per_peer} connections from this peer: the oldest goes"))
+            if not evict or evict[0][0] is not sock:
+                while len(self._preauth) >= self.max_unauthenticated:
+                    old, h = self._preauth.popitem(last=False)
+                    evict.append((old, h, f"{self.max_unauthenticated} connections authenticating: the oldest goes"))
+                self._preauth[sock] = host
+                self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        for victim, h, reason in evict:
+            self.event("connection_refused", {"listener": "copy_port", "peer": h, "reason": reason})
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
+        if evict and evict[0][0] is sock:
+            sock.close()
+            return
+        try:
             self._spawn(self._handle, "btbctl-agent-peer", sock, addr)
+        except BaseException:
+            self._forget(sock, addr)
+            raise
+
+    def _forget(self, sock: socket.socket, addr) -> None:
+        """Uncount an inbound connection that is closing."""
+        host = str(addr[0]) if isinstance(addr, tuple) else str(addr)
+        with self.lock:
+            self._preauth.pop(sock, None)
+            left = self._per_peer.get(host, 1) - 1
+            if left > 0:
+                self._per_peer[host] = left
+            else:
+                self._per_peer.pop(host, None)
 
     def _handle(self, sock: socket.socket, addr) -> None:
         peer_addr = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-        conn = Conn(sock, min(self.idle_timeout_s, AUTH_TIMEOUT_S))
-        conn.deadline = time.monotonic() + AUTH_TIMEOUT_S
+        conn = Conn(sock, min(self.idle_timeout_s, self.auth_timeout_s))
+        conn.deadline = time.monotonic() + self.auth_timeout_s
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
@@ -1045,6 +1140,8 @@ class PeerService:
                 if conn.received or not closed:  # one that closed before sending a byte is a port probe
                     self.event("auth_failed", {"peer": peer_addr, "direction": "inbound", "reason": str(e)})
                 return
+            with self.lock:
+                self._preauth.pop(sock, None)
             conn.idle_timeout_s = self.idle_timeout_s
             conn.deadline = None
             try:
@@ -1053,6 +1150,7 @@ class PeerService:
                 return
             self._receive(conn, f"{peer_id}@{peer_addr}", peer_id, offer)
         finally:
+            self._forget(sock, addr)
             conn.close()
 
     def _refuse(self, conn: Conn, copy_id: object, peer: str, reason: str, pages: int = 0, nbytes: int = 0) -> None:

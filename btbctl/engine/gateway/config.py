@@ -144,7 +144,12 @@ class GatewayConfig(BaseModel):
     retry_after_s: int = Field(1, ge=1)
     """``Retry-After`` of the gateway's 503 answers when it is at a limit of its own, seconds."""
     control_max_connections: int = Field(64, ge=1)
-    """Open control-API connections at most (same rules as the data plane's cap)."""
+    """Open unauthenticated control-API connections at most (same rules as the data plane's cap). A connection whose
+    request carries the bearer token leaves this budget for one of its own (as many), so connections without the
+    token can never lock the operator out."""
+    control_max_per_peer: int = Field(16, ge=1)
+    """Open unauthenticated control-API connections of one peer address at most (a new one closes that peer's
+    oldest idle one)."""
     max_event_subscribers: int = Field(32, ge=1)
     """Concurrent ``GET /control/events`` streams at most; beyond: 503 with ``Retry-After``."""
     first_byte_timeout_s: float = Field(300.0, gt=0)

@@ -54,6 +54,7 @@ from btbctl.engine.gateway.guard import (
     fd_budget,
     host_guard,
     install_accept_error_limiter,
+    listen_http,
     nofile_target,
     raise_nofile,
 )
@@ -263,13 +264,18 @@ class Gateway:
     def mark_changed(self, kind: str) -> None:
         self.bus.mark(kind)
 
-    def check_token(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header carries the bearer token (constant-time comparison)."""
-        ok = (
+    def token_ok(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries the bearer token (constant-time comparison; nothing counted:
+        the control listener's connection budget asks this of every request)."""
+        return (
             header is not None
             and header.startswith("Bearer ")
             and hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
         )
+
+    def check_token(self, header: str | None) -> bool:
+        """:meth:`token_ok`, counting a refusal in ``btb_rejected_requests{reason="auth"}``."""
+        ok = self.token_ok(header)
         if not ok:
             self.metrics.reject(401, "auth")  # a control request without the right token
         return ok
@@ -618,8 +624,13 @@ class Gateway:
             DataLimits.from_config(cfg, max_inflight=max_inflight),
         )
         data_guard = self._guard("data", max_conns)
-        control_guard = self._guard("control", cfg.control_max_connections)
-        data = build_data_app(self.dataplane, middlewares=[data_guard.middleware, self._host_guard("data", cfg.host)])
+        control_guard = self._guard(
+            "control",
+            cfg.control_max_connections,
+            authorized=lambda request: self.token_ok(request.headers.get("Authorization")),
+            max_per_peer=cfg.control_max_per_peer,
+        )
+        data = build_data_app(self.dataplane, middlewares=[self._host_guard("data", cfg.host)])
         data.on_response_prepare.append(self._log_response)
         control = build_control_app(
             reports,
@@ -627,7 +638,7 @@ class Gateway:
             self.bus,
             open_reads=is_loopback(cfg.control_host),
             retry_after_s=cfg.retry_after_s,
-            middlewares=[control_guard.middleware, self._host_guard("control", cfg.control_host)],
+            middlewares=[self._host_guard("control", cfg.control_host)],
         )
         try:
             self.data_url = await self._listen(data, cfg.host, cfg.port, "port", cfg.access_log, data_guard)
@@ -643,7 +654,15 @@ class Gateway:
         metrics = self.metrics
         return host_guard(name, bind_host, self.limiter, lambda why: metrics.reject(403, why))
 
-    def _guard(self, name: str, cap: int) -> ConnectionGuard:
+    def _guard(
+        self,
+        name: str,
+        cap: int,
+        authorized: Callable[[web.Request], bool] | None = None,
+        max_per_peer: int | None = None,
+    ) -> ConnectionGuard:
+        """The guard of listener ``name``: ``cap`` unauthenticated connections; with ``authorized``, connections with
+        valid credentials have their own budget of as many (see :mod:`btbctl.engine.netguard`)."""
         closed = self.metrics.connections_closed
         metrics = self.metrics
 
@@ -657,9 +676,12 @@ class Gateway:
             name,
             max_connections=cap,
             header_timeout_s=self.config.header_timeout_s,
+            idle_timeout_s=self.config.header_timeout_s,  # idle keep-alive connections close like half-sent ones
             retry_after_s=self.config.retry_after_s,
             limiter=self.limiter,
             on_reject=on_reject,
+            authorized=authorized,
+            max_per_peer=max_per_peer,
         )
         self.guards.append(guard)
         return guard
@@ -667,22 +689,17 @@ class Gateway:
     async def _listen(
         self, app: web.Application, host: str, port: int, key: str, access_log: bool, guard: ConnectionGuard
     ) -> str:
-        runner = web.AppRunner(
-            app,
-            access_log=logging.getLogger("aiohttp.access") if access_log else None,
-            shutdown_timeout=1.0,
-            keepalive_timeout=self.config.header_timeout_s,  # idle keep-alive connections close like half-sent ones
-        )
-        await runner.setup()
-        assert runner.server is not None
-        guard.install(runner.server)
-        self._runners.append(runner)
-        site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
         try:
-            await site.start()
+            runner, bound = await listen_http(
+                app,
+                host,
+                port,
+                guard,
+                access_log=logging.getLogger("aiohttp.access") if access_log else None,
+            )
         except OSError as e:
             raise ConfigError(key, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-        bound = runner.addresses[-1][1]
+        self._runners.append(runner)
         shown = f"[{host}]" if ":" in host else host
         return f"http://{shown}:{bound}"
 

@@ -10,9 +10,16 @@ from typing import TextIO
 from aiohttp import web
 
 from btbctl.engine.errors import BtbctlError
+from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http
 from btbctl.engine.worker.config import WorkerConfig
 from btbctl.engine.worker.core import Worker
 from btbctl.engine.worker.http import build_app
+
+#: Open connections at most on the emulated worker's HTTP port; a connection without a complete request head for
+#: ``HTTP_HEADER_TIMEOUT_S`` is closed, an idle keep-alive one after ``HTTP_IDLE_TIMEOUT_S`` (seconds).
+HTTP_MAX_CONNECTIONS = 1024
+HTTP_HEADER_TIMEOUT_S = 10.0
+HTTP_IDLE_TIMEOUT_S = 60.0
 
 
 def _fmt_host(host: str) -> str:
@@ -32,8 +39,15 @@ async def serve_async(cfg: WorkerConfig, out: TextIO | None = None, stop: asynci
     stop = stop or asyncio.Event()
     worker = Worker(cfg)
     app = build_app(worker)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
+    guard = ConnectionGuard(
+        "worker_http",
+        max_connections=HTTP_MAX_CONNECTIONS,
+        header_timeout_s=HTTP_HEADER_TIMEOUT_S,
+        idle_timeout_s=HTTP_IDLE_TIMEOUT_S,
+        retry_after_s=1,
+        limiter=RateLimiter(),
+    )
+    runner: web.AppRunner | None = None
     loop = asyncio.get_running_loop()
     installed = []
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -43,16 +57,11 @@ async def serve_async(cfg: WorkerConfig, out: TextIO | None = None, stop: asynci
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread / platform without signals
             pass
     try:
-        site = web.TCPSite(runner, cfg.host, cfg.port, shutdown_timeout=2.0)
         try:
-            await site.start()
+            runner, port = await listen_http(app, cfg.host, cfg.port, guard, shutdown_timeout=2.0, handle_signals=False)
             await worker.start()
         except OSError as e:
             raise BtbctlError(f"cannot listen on {cfg.host}: {e.strerror or e}") from None
-        port = cfg.port
-        server = getattr(site, "_server", None)
-        if server is not None and server.sockets:
-            port = server.sockets[0].getsockname()[1]
         worker.http_port = port
         worker.ready = True
         out.write(f"ready http://{_fmt_host(cfg.host)}:{port} transfer {worker.transfer_addr}\n")
@@ -63,7 +72,9 @@ async def serve_async(cfg: WorkerConfig, out: TextIO | None = None, stop: asynci
         for sig in installed:
             loop.remove_signal_handler(sig)
         await worker.stop()
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
+        guard.close()
 
 
 def serve(cfg: WorkerConfig) -> None:
