@@ -108,6 +108,7 @@ def test_ray_flag_without_ray_says_how_to_install(monkeypatch, capsys, tmp_path,
 # -- on a local Ray --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # out of the main suite's three minutes (the longest there)
 @pytest.mark.ray
 def test_ray_progress_order_and_errors_as_raised(ray_here):
     seen = []

@@ -97,6 +97,7 @@ async def test_stream_burst_beyond_the_descriptor_limit_is_answered_and_blames_n
         await stop_fleet(fleet)
 
 
+@pytest.mark.slow  # out of the main suite's three minutes (the longest there)
 async def test_idle_half_sent_connections_do_not_starve_real_clients(tmp_path):
     nofile, idle = 256, 600  # the field report's 20k idle connections, scaled past the descriptor limit
     fleet = await start_fleet(2)
@@ -270,6 +271,7 @@ async def test_a_stream_idle_past_the_idle_timeout_ends_with_an_error_event():
         assert "error" in events[-1] and "idle" in events[-1]["error"]["message"]
 
 
+@pytest.mark.slow  # out of the main suite's three minutes (the longest there)
 async def test_requests_on_a_sigstopped_worker_are_rerouted_once_it_is_marked_unhealthy(tmp_path):
     from test_gateway_worker import _fleet, _stop
 

@@ -173,6 +173,7 @@ def test_cli_report(matrix_file, tmp_path):
     assert res.exit_code != 0
 
 
+@pytest.mark.slow  # out of the main suite's three minutes (the longest there)
 @pytest.mark.ray
 def test_ray_gives_the_same_report_as_the_process_pool(local_ray, matrix_file, tmp_path):
     m = rp.load_matrix(matrix_file)

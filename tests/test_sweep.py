@@ -184,6 +184,7 @@ def test_cli_json_heatmap_and_errors(capsys):
         assert err.startswith(f"btbctl: error: {flag}: ") and err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # out of the main suite's three minutes (the longest there)
 @pytest.mark.ray
 def test_ray_gives_the_same_json_as_the_process_pool(local_ray):
     runner = CliRunner()
