@@ -81,33 +81,49 @@ def test_admission_wait_estimate_from_loads():
 def test_kv_headroom_counts_what_the_gateway_sent_or_finished_since_the_last_load_report():
     st = FleetState(["http://a", "http://b"])
     w = st.workers[0]
-    w.kv_tokens_inflight = w.loads_kv_tokens = 2000  # the gateway's requests there when the worker reported
-    w.loads = {"running": 2, "waiting": 0, "used_tokens": 2000, "max_tokens": 10000}
+    before = [w.send_kv(1000), w.send_kv(1000)]  # the gateway's requests there when the worker reported
+    w.new_loads({"running": 2, "waiting": 0, "used_tokens": 2000, "max_tokens": 10000})
     w.ttft_ewma_s = 0.5
     assert st.kv_headroom_tokens(0) == 8000 and st.admission_wait_s(0, 4000) == 0.0
-    w.kv_tokens_inflight += 3 * 2000  # three more sent since, not in the report yet
+    new = [w.send_kv(2000) for _ in range(3)]  # three more sent since, not in the report yet
     assert st.kv_headroom_tokens(0) == 2000
     assert st.admission_wait_s(0, 4000) == 0.5  # the worker's KV cannot hold it until a request ends
-    w.kv_tokens_inflight -= 2000 + 2000  # one of the reported ones and one of the new ones finished
-    assert st.kv_headroom_tokens(0) == 6000 and st.admission_wait_s(0, 4000) == 0.0
-    w.kv_tokens_inflight += 100_000
+    w.finish_kv(1000, before[0])  # one of the reported ones finished: it frees what it used
+    w.finish_kv(2000, new[0])  # one of the new ones finished: it never was in the report
+    assert st.kv_headroom_tokens(0) == 5000 and st.admission_wait_s(0, 4000) == 0.0
+    w.send_kv(100_000)
     assert st.kv_headroom_tokens(0) == 0  # never negative
-    w.loads_kv_tokens = w.kv_tokens_inflight  # the next report counts them itself
-    w.loads["used_tokens"] = 9000
+    w.new_loads({"running": 3, "waiting": 0, "used_tokens": 9000, "max_tokens": 10000})  # the next report
     assert st.kv_headroom_tokens(0) == 1000
     b = st.workers[1]  # without loads: its capacity less the gateway's requests in flight
-    b.info, b.kv_tokens_inflight = {"capacity_tokens": 5000}, 1500
+    b.info = {"capacity_tokens": 5000}
+    b.send_kv(1500)
     assert st.kv_headroom_tokens(1) == 3500
 
 
 def test_a_worker_without_a_ttft_record_waits_like_the_others_not_zero():
-    st = FleetState(["http://a", "http://b", "http://c"])
+    st = FleetState(["http://a", "http://b", "http://c", "http://d"])
     for w in st.workers:
         w.loads = {"running": 4, "waiting": 2, "used_tokens": 0, "max_tokens": 1000}
+        w.healthy = True
     st.workers[0].ttft_ewma_s, st.workers[1].ttft_ewma_s = 1.0, 2.0
+    st.workers[3].ttft_ewma_s, st.workers[3].healthy = 90.0, False  # down: its old figure says nothing
     assert st.admission_wait_s(0, 1) == 3.0 and st.admission_wait_s(1, 1) == 6.0
-    assert st.admission_wait_s(2, 1) == 4.5  # just restarted: the mean of the others' (1.5 s) x 3
+    assert st.admission_wait_s(2, 1) == 4.5  # just restarted: the mean of the healthy others' (1.5 s) x 3
     assert FleetState(["http://a"]).ttft_estimate_s(0) == 0.0
+
+
+def test_kv_headroom_stays_within_the_workers_kv_whatever_clients_ask_for():
+    st = FleetState(["http://a"])
+    w = st.workers[0]
+    epochs = [w.send_kv(20_000), w.send_kv(20_000)]  # two requests that asked for long outputs
+    w.new_loads({"running": 2, "waiting": 0, "used_tokens": 3000, "max_tokens": 10000})
+    for e in epochs:  # both finished: they freed what they had in use, not what they asked for
+        w.finish_kv(20_000, e)
+    assert st.kv_headroom_tokens(0) == 10000
+    assert w.kv_tokens_of(10**9) == 10000  # a huge max_tokens counts as the whole KV, no more
+    w.send_kv(w.kv_tokens_of(10**9))
+    assert st.kv_headroom_tokens(0) == 0
 
 
 def test_nic_copies_follow_copies_starting_ending_and_replaced():

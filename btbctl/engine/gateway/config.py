@@ -100,9 +100,10 @@ class GatewayConfig(BaseModel):
     """Retries in flight at once, as a share of the requests in flight (Envoy's retry budget, its default 20%):
     beyond it (and :attr:`retry_budget_min`) a request that failed on its worker is answered 503 instead of being
     sent to another, so a fleet in trouble does not get every queue again (a retry storm)."""
-    retry_budget_min: int = Field(10, ge=0)
+    retry_budget_min: int = Field(10, ge=1)
     """Retries in flight always allowed, whatever the share (Envoy's ``min_retry_concurrency``; its default is 3,
-    10 here so that on a small, lightly loaded fleet the queue of one failing worker moves whole)."""
+    10 here so that on a small, lightly loaded fleet the queue of one failing worker moves whole; at least 1, or a
+    quiet gateway would never retry)."""
     max_body_bytes: int = Field(MAX_REQUEST_BODY_BYTES, ge=1024)
     """Largest accepted request body, bytes (larger: 413 before anything is parsed). The default is the emulated
     worker's own limit (:mod:`btbctl.engine.limits`, 8 MiB): never larger than what the workers accept, or the

@@ -488,15 +488,13 @@ class DataPlane:
                 metrics.retries.inc()
                 log_event(log, "request_retry", request=rid, attempt=attempt, worker=w.name, after=attempts[-1][:200])
             w.inflight += 1
-            w.kv_tokens_inflight += kv_tokens
             w.start_prefill(rid, chain, req.input_tokens)
             gauge = metrics.inflight_gauge(worker_label(w))
             gauge.inc()
             prefilled = False
+            counted_kv = kv_epoch = 0  # KV tokens this attempt counts at the worker (once it leaves the gateway)
             solo: list[tuple[int, float]] = []  # (cached tokens, sent at) of a calibration sample (see below)
             sent: list[float] = []  # when the request left for the worker (after any wait at a copy's gate)
-            if chain and state.transfers.active:
-                await _await_copy_accepted(state, idx, chain)
 
             # w and idx bound as defaults: the callback belongs to this attempt's worker
             def first_byte(now: float | None = None, w=w, idx=idx, solo=solo, sent=sent) -> None:
@@ -520,6 +518,8 @@ class DataPlane:
 
             deadline = loop.time() + lim.first_byte_timeout_s
             try:
+                if chain and state.transfers.active:
+                    await _await_copy_accepted(state, idx, chain)
                 if chain and state.transfers.active and state.transfers.gate(idx, chain) is not None:
                     # l3: the request waits here until the copies to this worker are proved (a failed one: the
                     # worker computes the prefix itself, as without it); only the worker going down moves it
@@ -530,6 +530,8 @@ class DataPlane:
                         continue
                     deadline = loop.time() + lim.first_byte_timeout_s
                 sent.append(state.clock())
+                counted_kv = w.kv_tokens_of(kv_tokens)
+                kv_epoch = w.send_kv(counted_kv)
                 if state.calibrating and w.inflight == 1 and (stream or req.output_tokens <= 1):
                     solo.append((w.held_blocks(chain) * gw.page_size if chain else 0, sent[0]))
                 try:
@@ -601,7 +603,8 @@ class DataPlane:
                 continue
             finally:
                 w.inflight -= 1
-                w.kv_tokens_inflight -= kv_tokens
+                if counted_kv:
+                    w.finish_kv(counted_kv, kv_epoch)
                 gauge.dec()
                 if not prefilled:
                     w.end_prefill(rid)

@@ -480,6 +480,7 @@ class Gateway:
             self.bus.mark("fleet")
             return
         w.forget()  # a worker coming back may have restarted with an empty cache
+        w.ttft_ewma_s = None  # ... and its old times say nothing of it now (the healthy ones' stand in)
         w.server_info = None  # ... or with other flags: the scraper reads its /server_info again
         if not w.healthy:
             log_event(log, "worker_up", worker=w.name, url=w.url, degraded=degraded)
@@ -519,9 +520,7 @@ class Gateway:
             )
 
     def _worker_loads(self, w: WorkerState, loads: dict | None) -> None:
-        w.loads = loads
-        w.loads_prefilling = w.prefilling - w.gated  # the gateway's own requests among the ones the worker counts
-        w.loads_kv_tokens = w.kv_tokens_inflight
+        w.new_loads(loads)
         self.bus.mark("fleet")
 
     # -- transfers (the replicator's callbacks) -----------------------------------------------------------------

@@ -91,10 +91,11 @@ class WorkerState:
             ``token_usage``) or None when unknown.
         loads_prefilling: the gateway's own requests at the worker when ``loads`` was read (``prefilling`` less
             ``gated``): the ones among its waiting requests that :meth:`FleetState.queued_prefill_s` models.
-        kv_tokens_inflight: KV tokens (prompt + expected output) of the gateway's requests in flight here, sent
-            and not finished; ``loads_kv_tokens``: the same when ``loads`` was read. Their difference is what the
-            gateway itself added to (or freed from) the worker's KV since its last report
-            (:meth:`FleetState.kv_free_tokens`).
+        kv_tokens_inflight: KV tokens (prompt + expected output, :meth:`kv_tokens_of`) of the gateway's requests
+            in flight here, sent and not finished. ``loads_epoch`` counts the ``loads`` reports;
+            ``kv_sent_since`` / ``kv_freed_since``: KV tokens of the requests sent here since the latest (and still
+            in flight) / of the requests sent before it that finished since (:meth:`send_kv`, :meth:`finish_kv`;
+            read by :meth:`FleetState.kv_headroom_tokens`).
         gated: requests routed here that wait at the gateway for an ``l3`` copy's proof (not at the worker yet).
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
@@ -124,7 +125,9 @@ class WorkerState:
     loads: dict | None = None
     loads_prefilling: int = 0
     kv_tokens_inflight: int = 0
-    loads_kv_tokens: int = 0
+    loads_epoch: int = 0
+    kv_sent_since: int = 0
+    kv_freed_since: int = 0
     gated: int = 0
     info: dict | None = None
     server_info: dict | None = None
@@ -140,6 +143,35 @@ class WorkerState:
     prefill_tokens: dict = field(default_factory=dict)
     version: int = 0
     """Bumped whenever holdings or in-flight prefills change (keys the fleet state's queue estimates)."""
+
+    def kv_tokens_of(self, kv_tokens: int) -> int:
+        """What a request of ``kv_tokens`` (prompt + requested output) can take of this worker's KV: at most all of
+        it (``max_total_num_tokens`` of its loads, else its ``capacity_tokens``), so a client asking for a huge
+        output cannot make the worker look full."""
+        cap = (self.loads or {}).get("max_tokens") or (self.info or {}).get("capacity_tokens")
+        return min(kv_tokens, int(cap)) if isinstance(cap, int) and cap > 0 else kv_tokens
+
+    def send_kv(self, kv_tokens: int) -> int:
+        """A request taking ``kv_tokens`` of KV leaves for this worker: counted; returns the ``loads_epoch`` to
+        give :meth:`finish_kv` when it ends."""
+        self.kv_tokens_inflight += kv_tokens
+        self.kv_sent_since += kv_tokens
+        return self.loads_epoch
+
+    def finish_kv(self, kv_tokens: int, epoch: int) -> None:
+        """The request :meth:`send_kv` counted (in ``epoch``) ended here."""
+        self.kv_tokens_inflight -= kv_tokens
+        if epoch == self.loads_epoch:
+            self.kv_sent_since -= kv_tokens  # sent and finished since the report: no trace in it
+        else:
+            self.kv_freed_since += kv_tokens  # in the report's use (or waiting): freed since
+
+    def new_loads(self, loads: dict | None) -> None:
+        """A ``/v1/loads`` report (its summary) arrived: what was sent or freed before it is in it now."""
+        self.loads = loads
+        self.loads_prefilling = self.prefilling - self.gated  # the gateway's own requests among those it counts
+        self.loads_epoch += 1
+        self.kv_sent_since = self.kv_freed_since = 0
 
     # -- liveness ----------------------------------------------------------------------------------------------
 
@@ -764,23 +796,26 @@ class FleetState:
         return (waiting + 1) * self.ttft_estimate_s(replica)
 
     def ttft_estimate_s(self, replica: int) -> float:
-        """The worker's smoothed TTFT; before its first (a worker just started or restarted), the mean of the
-        other workers' (0 when none has one): a fresh worker is not free just because it has no record."""
+        """The worker's smoothed TTFT; before its first (a worker just started, or back after being down), the mean
+        of the healthy workers' (0 when none has one): a fresh worker is not free just because it has no record."""
         own = self.workers[replica].ttft_ewma_s
         if own is not None:
             return own
-        known = [w.ttft_ewma_s for w in self.workers if w.ttft_ewma_s is not None]
+        known = [w.ttft_ewma_s for w in self.workers if w.ttft_ewma_s is not None and w.healthy]
         return sum(known) / len(known) if known else 0.0
 
     def kv_headroom_tokens(self, replica: int) -> int:
         """Free KV tokens on ``replica`` now: ``max_total_num_tokens - num_used_tokens`` of its last ``/v1/loads``
         less the KV tokens of the gateway's requests sent there since (plus those of its requests that finished
-        since); unknown evictable space is not counted. Without loads: its ``capacity_tokens`` (``/btb/info``) less
-        the gateway's requests in flight there, else 0."""
+        since, but never more than the report had in use: a finished request counted its whole requested output);
+        unknown evictable space is not counted; at most its whole KV. Without loads: its ``capacity_tokens``
+        (``/btb/info``) less the gateway's requests in flight there, else 0."""
         w = self.workers[replica]
         if w.loads and w.loads.get("max_tokens"):
-            free = int(w.loads["max_tokens"]) - int(w.loads.get("used_tokens") or 0)
-            return max(0, free - (w.kv_tokens_inflight - w.loads_kv_tokens))
+            cap = int(w.loads["max_tokens"])
+            used = int(w.loads.get("used_tokens") or 0)
+            # requests finished since freed at most what the report had in use (they counted their whole output)
+            return max(0, min(cap, cap - used - w.kv_sent_since + min(w.kv_freed_since, used)))
         cap = (w.info or {}).get("capacity_tokens")
         return max(0, int(cap) - w.kv_tokens_inflight) if isinstance(cap, int) else 0
 

@@ -526,7 +526,7 @@ class BtbPlus(Policy[CostView]):
             own = est - start
             blocked = sum(g[1] for g in groups[r])
             behind = max(view.prefill_load(r) - blocked, per_replica * est)
-            cost.append(est + harm + own * behind + (move[0].get(r, move[1]) if move is not None else 0.0))
+            cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
         choice = self._best(view, replicas, cost, quiet, quiet_cost)
         low_est = min((e[0] for e in ests.values()), default=math.inf)
         if quiet:
@@ -549,37 +549,30 @@ class BtbPlus(Policy[CostView]):
         return Route(choice, (plan,) if plan is not None else ())
 
     @staticmethod
-    def _move_costs(view: CostView, req: Request, holders: Iterable[int]) -> tuple[dict[int, float], float] | None:
+    def _move_costs(view: CostView, req: Request, holders: Iterable[int]) -> tuple[int, float] | None:
         """What moving ``req`` away from the one replica that holds its chain deepest costs the fleet beyond the
-        request's own time: ``({replica: seconds}, seconds on a replica holding none of it)``, or None when no
-        replica holds more of it than every other. The blocks only that home holds (a conversation's history
-        beyond the prompt it shares with others) are re-computed by a move, which the request's own TTFT counts;
-        the turns that follow carry them again and find them only where this one ran, and the GPU time is spent
-        twice, so they count once more: the prefill time of the home's own blocks that the replica lacks. Blocks
-        other replicas hold too (a shared system prompt) cost only the request's own time: spreading them is what
-        the expected TTFT decides."""
+        request's own time: ``(that home, seconds on every other replica)``, or None when no replica holds more of
+        it than every other. The blocks only the home holds (a conversation's history beyond the prompt it shares
+        with others) are re-computed by a move, which the request's own TTFT counts; the turns that follow carry
+        them again and find them only where this one ran, and the GPU time is spent twice, so they count once
+        more: their prefill time at the context of the blocks other replicas share. Blocks a second replica holds
+        too cost only the request's own time (a prefix held by one replica alone, a conversation's or a system
+        prompt not spread yet, counts as the home's own until it is)."""
         chain = req.block_hashes
-        top2 = [0, 0]
-        depth = {}
+        deep = shared = 0
+        home = -1
         for r in holders:
-            d = depth[r] = view.planned_blocks(r, chain)
-            if d > top2[0]:
-                top2 = [d, top2[0]]
-            elif d > top2[1]:
-                top2[1] = d
-        deep, shared = top2
+            d = view.planned_blocks(r, chain)
+            if d > deep:
+                deep, shared, home = d, deep, r
+            elif d > shared:
+                shared = d
         if deep == shared:
             return None
         bt = view.block_tokens
-        inp = req.input_tokens
-        top = min(deep * bt, inp - 1)
-        cost = view.cost
-
-        def lost_s(d: int) -> float:
-            have = min(max(d, shared) * bt, top)
-            return cost.prefill_time_s(top - have, have) if top > have else 0.0
-
-        return {r: lost_s(d) for r, d in depth.items()}, lost_s(0)
+        top = min(deep * bt, req.input_tokens - 1)
+        have = min(shared * bt, top)
+        return (home, view.cost.prefill_time_s(top - have, have)) if top > have else None
 
     def on_copy_result(self, plan: CopyPlan, target: int, started: bool, now_s: float) -> None:
         self.refusals.note(target, started, now_s)
