@@ -250,14 +250,9 @@ class ConnectionGuard:
         return True
 
     def _close(self, handler: Any) -> None:
-        c = self.conns.pop(handler, None)
-        if c is None:
-            return
-        if c.authed:
-            self.authed -= 1
-        if c.timer is not None:
-            c.timer.cancel()
-        c.transport.abort()
+        c = self._lost(handler)
+        if c is not None:
+            c.transport.abort()
 
     def _head_due(self, handler: Any) -> None:
         c = self.conns.get(handler)
@@ -266,14 +261,16 @@ class ConnectionGuard:
             self._close(handler)
             self._reject("header_timeout")
 
-    def _lost(self, handler: Any) -> None:
+    def _lost(self, handler: Any) -> _Conn | None:
+        """Forget ``handler``'s connection (its budget and timer); returns it, None when unknown."""
         c = self.conns.pop(handler, None)
         if c is None:
-            return
+            return None
         if c.authed:
             self.authed -= 1
         if c.timer is not None:
             c.timer.cancel()
+        return c
 
     def _authenticate(self, c: _Conn, request: web.Request) -> None:
         """Move ``c`` to the authenticated budget when ``request`` carries valid credentials and there is room."""

@@ -107,12 +107,13 @@ print(json.dumps(out))
 # node agent's Python). With "agent": whether `python -m btbctl agent` can start there ("ok" or why not: the agent
 # needs btbctl with its dependencies, which a --no-deps install leaves out).
 IMPORT_PROBE_CODE = (
-    'import importlib.util, json, sys\nout = {"btbctl": None, "sglang_l3": None, "agent": None}\n'
+    'import importlib, importlib.util, json, sys\nout = {"btbctl": None, "sglang_l3": None, "agent": None}\n'
     + _IMPORTS
     + r"""
 if "agent" in sys.argv[1:]:
-    try:
-        import btbctl.commands.app, btbctl.engine.agent.agent
+    try:  # the agent and what its command line needs (the CLI's own libraries)
+        for name in ("btbctl.engine.agent.agent", "typer", "rich"):
+            importlib.import_module(name)
         out["agent"] = "ok"
     except Exception as e:
         out["agent"] = (("%s: %s" % (type(e).__name__, e)).strip().splitlines() or ["import failed"])[0]
