@@ -269,6 +269,7 @@ def test_control_api_auth_and_errors(tmp_path):
         a.stop()
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_cli_errors_are_one_line(tmp_path):
     import subprocess
     import sys

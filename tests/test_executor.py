@@ -124,6 +124,7 @@ def test_ray_progress_order_and_errors_as_raised(ray_here):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_ray_retries_a_task_whose_worker_was_killed_and_the_result_is_unchanged(ray_here, tmp_path):
     base = DryRunConfig().with_overrides(SMALL)
     points = grid_points(SweepGrid(threshold=(2, 8), warm_replicas=(1, 4)).axes(base))

@@ -180,6 +180,7 @@ def test_gateway_body_limit_is_at_most_the_workers():
     assert GatewaySection().max_body_bytes <= MAX_BODY_BYTES
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 async def test_a_big_prompt_is_hashed_off_the_event_loop(monkeypatch):
     from btbctl.engine.gateway import dataplane
 

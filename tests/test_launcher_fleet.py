@@ -62,6 +62,7 @@ def test_parse_tune_args():
         assert key in str(ei.value)
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_commands_without_a_fleet_fail_with_one_line(tmp_path):
     d = str(tmp_path / "none")
     _one_error_line(cli("status", "--run-dir", d, check=False), "no fleet is running")

@@ -351,6 +351,7 @@ def test_close_after_the_body_raised():
     assert leftovers(prefix) == []
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_fixture_teardown_cleans_up_after_a_failed_test(tmp_path):
     require_testbed()
     (tmp_path / "test_inner.py").write_text(
@@ -504,6 +505,7 @@ def script(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_script_up_exec_set_down(tmp_path):
     require_testbed()
     require_sshd()

@@ -8,12 +8,15 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
+
 import btbctl
 from launcher_helpers import cli
 from sshd_fixture import host_table
 from test_ssh_fleet import write_cluster
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_doctor_table_and_json(sshd, tmp_path):
     with socket.socket() as busy, socket.socket() as closed:
         busy.bind(("127.0.0.1", 0))
@@ -177,6 +180,7 @@ def test_doctor_l3_a_no_deps_install_serves_sglang_but_not_the_agent(tmp_path):
     assert len(agent) == 1 and "No module named" in agent[0] and "replication.python" in agent[0], row
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_doctor_l3_on_a_host_probes_the_worker_python(sshd, tmp_path):
     """On a [[hosts]] entry the probe runs with the host's Python; an SGLang worker's own Python is probed too,
     over the same connection."""

@@ -33,6 +33,7 @@ def _text(w: Static) -> str:
     return getattr(r, "plain", None) or str(r)
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 async def test_dashboard_on_a_real_fleet(tmp_path):
     token_file = tmp_path / "worker.token"
     token_file.write_text("wtok\n")

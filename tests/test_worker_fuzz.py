@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -99,6 +100,7 @@ def teardown_module(module) -> None:
         _H = None
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(ROUTES), bodies)
 def test_random_bodies_never_get_5xx(route, body):

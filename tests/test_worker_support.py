@@ -190,6 +190,7 @@ def test_worker_refuses_a_model_that_does_not_fit_with_one_line():
     assert r.stdout == ""
 
 
+@pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 def test_worker_rejects_bad_flag_values():
     for args, key in (
         (("--gpu", "tpu9"), "gpu"),
