@@ -631,6 +631,7 @@ class BtbPlus(Policy[CostView]):
         computing: list[int] = []
         covered: list[int] = []
         free: list[int] = []
+        cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
         for r in range(self.n_replicas):
             if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
@@ -642,8 +643,12 @@ class BtbPlus(Policy[CostView]):
                 covered.append(r)
             elif view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s):
                 free.append(r)
-        cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
-        if not free or len(covered) >= cap:
+                continue
+            else:
+                continue
+            if len(covered) >= cap:
+                return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
+        if not free:
             return None
         want = self.rate_target(det.arrivals_in_window, suffix_s)
         senders = [r for r in holders if view.accepts_copies(r)]
