@@ -76,7 +76,7 @@ def tune(
     with client_for_run(run_dir, token=bool(updates)) as api:
         if updates:
             _warn_replicas(out, api, updates)
-            answer = _apply_and_save(api, updates, run_dir)
+            answer = api.set_constants(updates)  # the gateway records it in tuned.json, or undoes it
         else:
             answer = api.constants()
     res = answer.model_dump(mode="json")
@@ -93,33 +93,6 @@ def tune(
     if updates:
         out.info("the gateway now holds:")
     out.result(res, human)
-
-
-def _apply_and_save(api, updates: dict, run_dir: str | None):
-    """Apply ``updates`` and record them in ``tuned.json`` as one step: when the record cannot be written (a full
-    disk), the gateway is set back to what it held before, so a ``tune`` that fails changed nothing; when even that
-    fails, the one-line error says the change is live but unsaved."""
-    from btbctl.engine.errors import BtbctlError
-    from btbctl.engine.launcher.rundir import RunDir
-
-    rd = RunDir(run_dir)
-    state = rd.load()
-    before = api.constants()
-    answer = api.set_constants(updates)
-    res = answer.model_dump(mode="json")
-    try:
-        rd.save_tuned(res.get("constants") or {}, res.get("policy"), state.cluster_file if state else None)
-    except OSError as e:
-        why = f"cannot save {rd.tuned_path}: {e.strerror or e}"
-        try:
-            api.set_constants({**before.constants.model_dump(mode="json"), "policy": before.policy})
-        except Exception as back:  # noqa: BLE001 - reported in the one-line error below
-            raise BtbctlError(
-                f"{why}; the change is live but unsaved (setting the old values back failed too: {back}), so a "
-                "gateway restart would lose it"
-            ) from None
-        raise BtbctlError(f"{why}; the change was undone: the gateway holds its old settings") from None
-    return answer
 
 
 def _warn_replicas(out: Output, api, updates: dict) -> None:

@@ -295,6 +295,8 @@ def up(
             log(f"applying the constants and policy last tuned on this cluster file ({rd.tuned_path})")
         gcfg["worker_names"] = [i.name for i in cluster.instances()]
         gcfg["log_file"] = str(rd.log_path("gateway"))
+        gcfg["tuned_file"] = str(rd.tuned_path)
+        gcfg["cluster_file"] = cluster_path
         from btbctl.engine.config import validate
         from btbctl.engine.gateway.config import GatewayConfig
 
@@ -369,7 +371,7 @@ def _start_gateway(
 def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> RunState:
     """Start the gateway again in front of the workers recorded in ``rd`` (after it died), with the settings it
     had (``<run dir>/gateway.json``), the same tokens and ports, and the constants and policy last set with
-    ``btbctl tune`` (``<run dir>/tuned.json``). Its log is appended to.
+    any confirmed control-API write (``<run dir>/tuned.json``). Its log is appended to.
 
     Raises:
         BtbctlError: nothing is recorded; the gateway still runs; a recorded worker is no longer running (the
@@ -409,6 +411,8 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
 
             gcfg[key] = urlsplit(url).port
     gcfg["log_file"] = str(rd.log_path("gateway"))
+    gcfg["tuned_file"] = str(rd.tuned_path)
+    gcfg.setdefault("cluster_file", state.cluster_file)
     from btbctl.engine.config import validate
     from btbctl.engine.gateway.config import GatewayConfig
 

@@ -174,11 +174,30 @@ def since_filter(text: str, since: float) -> str:
     return "".join(out)
 
 
+#: Fields that hold ids: kept as strings in :func:`as_json` even when every character is a digit (a hex prefix
+#: id, a request id).
+ID_FIELDS = frozenset({"prefix", "copy_id", "request", "rid", "token", "event", "msg"})
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _typed(key: str, value: str) -> object:
+    """``value`` as an int or float when it is written as a number (``3``, ``0.25``, ``1e-3``) and ``key`` is not
+    an id; else the text."""
+    if key in ID_FIELDS or not _NUMBER.fullmatch(value):
+        return value
+    if value.lstrip("-").isdigit():
+        return int(value)
+    return float(value)
+
+
 def as_json(line: str) -> dict:
-    """One log line as a JSON object: its logfmt fields, or ``{"msg": line}`` for a line that is not logfmt."""
+    """One log line as a JSON object: its logfmt fields (numbers as JSON numbers, ids and other text as strings),
+    or ``{"msg": line}`` for a line that is not logfmt."""
     stripped = line.rstrip("\n")
     fields = parse_line(stripped)
-    return dict(fields) if fields is not None else {"msg": stripped}
+    if fields is None:
+        return {"msg": stripped}
+    return {k: _typed(k, v) for k, v in fields.items()}
 
 
 __all__ = [

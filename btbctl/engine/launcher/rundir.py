@@ -9,8 +9,10 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
     <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): peers authenticate with it
     <run dir>/agent.token     bearer token of the agents' control APIs (l3)
     <run dir>/agent.sock      the local node agent's socket (l3; elsewhere when this path is too long)
-    <run dir>/tuned.json      the constants and policy last set with ``btbctl tune`` (kept by ``down``; reapplied
-                              by ``up --gateway-only``, and by ``up`` with the same cluster file)
+    <run dir>/tuned.json      the constants and policy of the last confirmed control-API write, whoever made it
+                              (``btbctl tune``, the dashboard, a raw ``PUT /control/constants``); the gateway
+                              writes it; kept by ``down``; reapplied by ``up --gateway-only``, and by ``up`` with
+                              the same cluster file
     <run dir>/logs/<name>.log stdout + stderr of each worker and agent
     <run dir>/logs/gateway.log the gateway's log: one logfmt line per event (the operations log), rotated at
                               10 MiB (gateway.log.1 ... .5); kept by ``down``
@@ -37,7 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.fileio import RECORD_LIMIT_BYTES, ReadRefused, read_bounded, read_text_bounded
+from btbctl.engine.control.tuned import TUNED_FILE, load_tuned, save_tuned
+from btbctl.engine.fileio import RECORD_LIMIT_BYTES, ReadRefused, read_bounded, read_text_bounded, write_atomic
 
 #: Version of the ``state.json`` layout; bumped on incompatible changes.
 STATE_VERSION = 1
@@ -305,25 +308,15 @@ class RunDir:
 
     @property
     def tuned_path(self) -> Path:
-        return self.path / "tuned.json"
+        return self.path / TUNED_FILE
 
     def load_tuned(self) -> dict | None:
-        """What ``btbctl tune`` last set (``{"constants": {...}, "policy", "cluster_file", "at"}``), or None when
-        nothing was tuned or the file is unreadable."""
-        try:
-            data = json.loads(read_bounded(self.tuned_path, limit_bytes=RECORD_LIMIT_BYTES).decode("utf-8"))
-        except (OSError, ReadRefused, ValueError):
-            return None
-        if not isinstance(data, dict) or not isinstance(data.get("constants", {}), dict):
-            return None
-        return data
+        """The last confirmed tuning (:func:`~btbctl.engine.control.tuned.load_tuned`), or None."""
+        return load_tuned(self.tuned_path)
 
     def save_tuned(self, constants: dict, policy: str | None, cluster_file: str | None) -> None:
-        """Record the constants and policy the gateway holds after a ``tune`` (mode 0600, atomically: a temporary
-        file is written, flushed to disk and renamed over ``tuned.json``). Raises OSError when that fails (a full
-        disk); the temporary file is then removed and the old ``tuned.json`` stays."""
-        body = json.dumps({"constants": constants, "policy": policy, "cluster_file": cluster_file, "at": time.time()})
-        write_atomic(self.tuned_path, (body + "\n").encode("utf-8"))
+        """Write ``tuned.json`` (:func:`~btbctl.engine.control.tuned.save_tuned`; raises OSError)."""
+        save_tuned(self.tuned_path, constants, policy, cluster_file)
 
     def log_names(self) -> list[str]:
         """Names of the logs on disk (``gateway``, ``gateway.out``, ``worker-0`` ...), sorted; rotated copies
@@ -428,30 +421,6 @@ class RunDir:
                 f"the fleet recorded in {self.path} is no longer running; `btbctl down` cleans up its state"
             )
         return state
-
-
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` as one step: a temporary file beside it (``mode``) is written, flushed to disk
-    and renamed over ``path``, so a reader sees the old file or the whole new one, never an empty or cut one.
-    Raises OSError (a full disk); the temporary file is then removed and ``path`` is as it was."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a leftover of a killed writer: created afresh below, with ``mode``
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
 
 
 def _write_secret(path: Path) -> str:
