@@ -1,5 +1,6 @@
 """Run-directory files written as one step: a control write the gateway cannot record in ``tuned.json`` (a full
-disk) changes nothing (the gateway is set back, no ``tuned.json.tmp`` is left), and a failed token write never leaves an empty ``control.token``."""
+disk) changes nothing (the gateway is set back, no ``tuned.json.tmp`` is left), and a failed token write never
+leaves an empty ``control.token``."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.options import FleetOpt, RunDirOpt
 from btbctl.commands.output import Format, Output
 
 
@@ -105,7 +105,8 @@ def bench(
             "--target", metavar="URL", help="SGLang-compatible endpoint (default: the running fleet's gateway)."
         ),
     ] = None,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     time_scale: Annotated[
         float, typer.Option("--time-scale", help="Trace seconds per wall second (10 replays ten times faster).")
     ] = 1.0,

@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.fleet import RUN_DIR_HELP, SOURCE_WORDS, count_cell, kv_cell
+from btbctl.commands.fleet import SOURCE_WORDS, count_cell, kv_cell
+from btbctl.commands.options import FleetOpt, RunDirOpt
 from btbctl.commands.output import Format, Output
 
 
@@ -64,7 +65,8 @@ def tune(
             show_default=False,
         ),
     ] = None,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Change BTB's constants or the routing policy of the running fleet, without a restart."""
@@ -131,7 +133,8 @@ def replicate(
     ],
     n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1
@@ -176,7 +179,8 @@ def replicate(
 @app.command("prefixes")
 def prefixes(
     top: Annotated[int, typer.Option("--top", help="How many prefixes (most arrivals in the window first).")] = 10,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """List the hot prefixes the gateway tracks, with ids `btbctl replicate --prefix` takes."""
@@ -258,7 +262,8 @@ def prefixes(
 
 @app.command("flush")
 def flush(
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), e.g.

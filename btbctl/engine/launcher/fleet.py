@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.control.schema import WORKER_NUMBERS
@@ -46,6 +46,7 @@ from btbctl.engine.launcher.rundir import (
     is_same_process,
     process_start_time,
     record_is_ours,
+    runs_root,
 )
 
 Log = Callable[[str], None]
@@ -84,7 +85,7 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
     live = rd.live_processes(state) + [p for p in state.processes if p.host]
     if live or rd.owner_alive(state):
         where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
-        suffix = "" if rd.path == RunDir(None).path else f" --run-dir {shlex.quote(str(rd.path))}"
+        suffix = rd.selector()
         gw = state.gateway()
         if state.complete and gw is not None and gw not in live and any(p.role == "worker" for p in live):
             raise BtbctlError(
@@ -93,7 +94,7 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
             )
         raise BtbctlError(
             f"a fleet is already running from {rd.path} ({where}); stop it with `btbctl down{suffix}` "
-            f"(or use another --run-dir)"
+            f"(or name another fleet: --fleet NAME)"
         )
     log(f"removing stale state of a fleet that is no longer running ({rd.state_path})")
     rd.clear()
@@ -160,6 +161,24 @@ def check_ports(cluster: ClusterFile, port: int | None = None, control_port: int
         raise BtbctlError("cannot start the fleet: " + "; ".join(busy) + " (nothing was started)")
 
 
+def free_gateway_ports(
+    cluster: ClusterFile, port: int | None, control_port: int | None, log: Log = _nolog
+) -> tuple[int | None, int | None]:
+    """``(port, control_port)`` for ``up``: each one not given whose cluster-file port is in use becomes 0 (the
+    gateway binds a free one and reports it in its ready line), said in one ``log`` line; given ones stay."""
+    gw = cluster.gateway
+    out = []
+    for given, host, fixed, what in (
+        (port, gw.host, gw.port, "data-plane"),
+        (control_port, gw.control_host, gw.control_port, "control"),
+    ):
+        if given is None and fixed and not _port_free(host, fixed):
+            log(f"gateway {what} port {host}:{fixed} is in use; this fleet takes a free one")
+            given = 0
+        out.append(given)
+    return out[0], out[1]
+
+
 def up(
     cluster: ClusterFile,
     rd: RunDir,
@@ -172,6 +191,7 @@ def up(
     log: Log = _nolog,
     should_stop: Callable[[], bool] | None = None,
     keep_partial: bool = False,
+    pick_free_ports: bool = False,
 ) -> tuple[RunState, list[Started]]:
     """Start the fleet of ``cluster`` and record it in ``rd``.
 
@@ -185,6 +205,9 @@ def up(
         log: receives one-line progress messages.
         should_stop: polled while waiting; True aborts like Ctrl-C.
         keep_partial: on failure, leave what started running and recorded (for a look; ``down`` stops it).
+        pick_free_ports: the gateway's ports not given as ``port``/``control_port`` whose cluster-file value is
+            taken are picked free (:func:`free_gateway_ports`; a named fleet beside others); the ones used are in
+            ``state.json`` (``gateway_url``, ``control_url``), where every other command finds them.
 
     Returns:
         The complete state and the processes started on this machine (local workers first, the gateway last);
@@ -203,10 +226,13 @@ def up(
     if why is not None:
         raise BtbctlError(why)
     check_no_live_run(rd, log)
+    if pick_free_ports:
+        port, control_port = free_gateway_ports(cluster, port, control_port, log)
     check_ports(cluster, port, control_port)
+    kept = rd.archive_logs()  # a fresh fleet starts fresh logs; the last run's stay readable
     rd.prepare()
-    for old in [rd.log_path("gateway"), *rd.logs_dir.glob("gateway.log.*")] if rd.logs_dir.is_dir() else []:
-        old.unlink(missing_ok=True)  # a fresh fleet starts a fresh gateway log (its workers' logs are truncated too)
+    if kept is not None:
+        log(f"kept the last run's logs in {kept} (`btbctl logs --previous`)")
     rd.new_tokens()
     state = RunState(
         run_dir=str(rd.path),
@@ -680,6 +706,45 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     return out
 
 
+def list_fleets(root: Path | None = None) -> list[dict]:
+    """The fleets under ``root`` (default :func:`~btbctl.engine.launcher.rundir.runs_root`), one per folder, by
+    name: ``[{"name", "run_dir", "gateway_url", "control_url", "state", "processes", "live"}]``. ``state`` is
+    ``running`` (every recorded process alive), ``degraded`` (some), ``stopped`` (none, or nothing recorded: logs
+    of an earlier run only) or ``unreadable`` (a damaged ``state.json``). Looks only at the run directories and
+    the processes' identities (no network), so it is quick."""
+    root = root if root is not None else runs_root()
+    try:
+        folders = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError:
+        return []
+    out = []
+    for folder in folders:
+        rd = RunDir(folder)
+        row = {"name": folder.name, "run_dir": str(folder), "gateway_url": None, "control_url": None}
+        try:
+            state = rd.load()
+        except BtbctlError:
+            out.append({**row, "state": "unreadable", "processes": 0, "live": 0})
+            continue
+        if state is None:
+            out.append({**row, "state": "stopped", "processes": 0, "live": 0})
+            continue
+        live = len(rd.live_processes(state)) + sum(1 for p in state.processes if p.host)
+        total = len(state.processes)
+        verdict = "stopped" if not live else ("running" if live == total and state.complete else "degraded")
+        out.append(
+            {
+                **row,
+                "gateway_url": state.gateway_url,
+                "control_url": state.control_url,
+                "state": verdict,
+                "processes": total,
+                "live": live,
+            }
+        )
+    return out
+
+
 def port_open(hostport: str | None, timeout_s: float = 1.0) -> bool:
     """Whether a TCP connection to ``HOST:PORT`` (a wildcard host: loopback) opens within ``timeout_s``; it is
     closed again at once, before a byte is sent."""
@@ -846,6 +911,8 @@ def status(rd: RunDir) -> dict:
 
 __all__ = [
     "check_no_live_run",
+    "free_gateway_ports",
+    "list_fleets",
     "connect_host",
     "down",
     "free_port",

@@ -17,9 +17,12 @@ from btbctl.engine.logfmt import parse_line
 TAIL_BYTES = 256 * 1024
 
 
-def log_names(rd: RunDir) -> list[str]:
-    """Every name ``btbctl logs NAME`` accepts: the logs on disk and the recorded processes."""
-    names = set(rd.log_names())
+def log_names(rd: RunDir, previous: bool = False) -> list[str]:
+    """Every name ``btbctl logs NAME`` accepts: the logs on disk and the recorded processes (``previous``: the
+    logs of the run before the last ``up``, ``logs.previous``)."""
+    names = set(rd.log_names(previous))
+    if previous:
+        return sorted(names)
     try:
         state = rd.load()
     except BtbctlError:
@@ -29,10 +32,16 @@ def log_names(rd: RunDir) -> list[str]:
     return sorted(names)
 
 
-def find_log(rd: RunDir, name: str) -> tuple[Path, ProcessRecord | None]:
-    """The log file called ``name`` and its process record (None once ``down`` forgot it). The gateway's log is
-    ``gateway.log`` (its output, the ready line, is ``gateway.out``). Raises :class:`BtbctlError` listing the valid
-    names."""
+def find_log(rd: RunDir, name: str, previous: bool = False) -> tuple[Path, ProcessRecord | None]:
+    """The log file called ``name`` and its process record (None once ``down`` forgot it, and always for
+    ``previous``: the run before the last ``up``). The gateway's log is ``gateway.log`` (its output, the ready
+    line, is ``gateway.out``). Raises :class:`BtbctlError` listing the valid names."""
+    if previous:
+        path = rd.log_path(name, previous=True)
+        if not path.exists():
+            names = ", ".join(log_names(rd, previous=True)) or "none"
+            raise BtbctlError(f"no log called {name!r} in {rd.previous_logs_dir}; valid: {names}")
+        return path, None
     rec = None
     try:
         state = rd.load()
