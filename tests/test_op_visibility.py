@@ -1,0 +1,55 @@
+"""What an operator sees without a dashboard: a worker's request lines (budgeted), and the request-line budget on
+an injected clock."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from btbctl.engine.logfmt import LineBudget, parse_line
+
+
+def test_line_budget_lets_a_burst_through_then_a_rate_and_counts_what_it_held():
+    now = [0.0]
+    b = LineBudget(per_s=2.0, burst=3, clock=lambda: now[0])
+    assert [b.allow() for _ in range(5)] == [(True, 0), (True, 0), (True, 0), (False, 0), (False, 0)]
+    now[0] = 0.5  # one line's worth refilled
+    assert b.allow() == (True, 2) and b.allow() == (False, 0)
+    now[0] = 100.0  # a long quiet refills at most the burst
+    assert [b.allow()[0] for _ in range(4)] == [True, True, True, False]
+
+
+async def test_worker_writes_a_request_line_per_request_within_its_budget(caplog):
+    from btbctl.engine.worker.config import make_config
+    from btbctl.engine.worker.core import Worker
+    from btbctl.engine.worker.http import build_app
+
+    cfg = make_config(model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0, page_size=16)
+    worker = Worker(cfg)
+    now = [0.0]
+    worker.request_lines = LineBudget(per_s=1.0, burst=3, clock=lambda: now[0])
+    client = TestClient(TestServer(build_app(worker)))
+    await client.start_server()
+    await worker.start()
+    worker.ready = True
+    prompt = "the same long system prompt " * 40
+    try:
+        with caplog.at_level(logging.INFO, logger="btbctl.worker"):
+            for i in range(5):
+                body = {"text": prompt, "rid": f"r{i}", "sampling_params": {"max_new_tokens": 2}}
+                async with client.post("/generate", json=body) as r:
+                    assert r.status == 200, await r.text()
+            now[0] = 1.0
+            async with client.post("/generate", json={"text": prompt, "rid": "last"}) as r:
+                assert r.status == 200
+    finally:
+        await client.close()
+        await worker.stop()
+    lines = [parse_line(r.getMessage()) for r in caplog.records if r.getMessage().startswith("event=request ")]
+    assert [ln["rid"] for ln in lines] == ["r0", "r1", "r2", "last"]
+    first, second = lines[0], lines[1]
+    assert int(first["prompt_tokens"]) > 100 and first["cached_tokens"] == "0"
+    assert int(second["cached_tokens"]) > 0  # the same prompt again: its prefix is cached
+    assert float(first["ttft_s"]) >= 0 and float(first["e2e_s"]) >= float(first["ttft_s"])
+    assert lines[-1]["held"] == "2" and "held" not in first
