@@ -53,3 +53,34 @@ async def test_worker_writes_a_request_line_per_request_within_its_budget(caplog
     assert int(second["cached_tokens"]) > 0  # the same prompt again: its prefix is cached
     assert float(first["ttft_s"]) >= 0 and float(first["e2e_s"]) >= float(first["ttft_s"])
     assert lines[-1]["held"] == "2" and "held" not in first
+
+
+def _doctor_with(tmp_path, monkeypatch, smi_lines: list[str] | None) -> dict:
+    """``btbctl doctor --format json`` on a local fleet asking for GPUs 0 and 1, with a PATH whose nvidia-smi
+    lists ``smi_lines`` (None: no nvidia-smi at all)."""
+    import json
+    import os
+
+    from launcher_helpers import cli
+    from test_ssh_fleet import write_cluster
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.unlink(missing_ok=True)
+    if smi_lines is not None:
+        smi.write_text("#!/bin/sh\n" + "".join(f"echo '{ln}'\n" for ln in smi_lines))
+        smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    cfg = write_cluster(tmp_path / "c.toml", [], [{"name": "w", "count": 2, "tp_size": 1, "gpu_ids": [0, 1]}])
+    return json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)
+
+
+def test_doctor_flags_no_gpus_when_gpu_ids_are_asked_for(tmp_path, monkeypatch):
+    res = _doctor_with(tmp_path, monkeypatch, None)
+    assert res["ok"] is False
+    assert "gpus: none (no nvidia-smi), but workers ask for gpu_ids [0, 1]" in res["hosts"][0]["problems"]
+    res = _doctor_with(tmp_path, monkeypatch, ["GPU 0: NVIDIA H100 (UUID: GPU-x)"])
+    assert "gpus: 1 (ids 0..0), but workers ask for gpu_ids [0, 1]" in res["hosts"][0]["problems"]
+    res = _doctor_with(tmp_path, monkeypatch, ["GPU 0: NVIDIA H100 (UUID: a)", "GPU 1: NVIDIA H100 (UUID: b)"])
+    assert not [p for p in res["hosts"][0]["problems"] if p.startswith("gpus")]
