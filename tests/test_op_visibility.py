@@ -84,3 +84,40 @@ def test_doctor_flags_no_gpus_when_gpu_ids_are_asked_for(tmp_path, monkeypatch):
     assert "gpus: 1 (ids 0..0), but workers ask for gpu_ids [0, 1]" in res["hosts"][0]["problems"]
     res = _doctor_with(tmp_path, monkeypatch, ["GPU 0: NVIDIA H100 (UUID: a)", "GPU 1: NVIDIA H100 (UUID: b)"])
     assert not [p for p in res["hosts"][0]["problems"] if p.startswith("gpus")]
+
+
+def test_bench_warns_when_its_prefix_is_shorter_than_the_fleets():
+    from btbctl.engine.launcher.bench import short_prefix_warning
+
+    answer = {"constants": {"prefix_blocks": 256}, "prefix_tokens": 65536}
+    why = short_prefix_warning(16, 256, answer)
+    assert why is not None and "4,096 tokens" in why and "65,536" in why and "cannot fire" in why
+    assert short_prefix_warning(256, 256, answer) is None
+    assert short_prefix_warning(16, 256, {"constants": {"prefix_blocks": 16}, "prefix_tokens": 4096}) is None
+    assert short_prefix_warning(16, 256, None) is None
+
+
+def test_foreground_up_echoes_the_operations_events_that_follow(tmp_path):
+    from btbctl.engine.launcher.logs import LogFollower, echo_line
+    from btbctl.engine.logfmt import format_event
+
+    log = tmp_path / "gateway.log"
+    log.write_text(
+        "ts=2026-01-02T03:04:05.000Z level=info logger=g " + format_event("worker_up", {"worker": "w0"}) + "\n"
+    )
+    follow = LogFollower(log)  # from the end: what came before the table is not repeated
+    assert follow.poll() == []
+    head = "ts=2026-01-02T03:04:06.123Z level=info logger=btbctl.engine.gateway.server "
+    with open(log, "a") as f:
+        f.write(head + format_event("detector_fired", {"prefix": "73af609f4596", "count": 3, "threshold": 2}) + "\n")
+        f.write(head + format_event("gateway_limits", {"nofile": 10}) + "\n")
+        f.write(head + format_event("copy_done", {"prefix": "73af", "source": "worker-0", "token": "yes"}))
+    lines = follow.poll()
+    assert len(lines) == 2  # the copy line is not complete yet
+    shown = [s for s in map(echo_line, lines) if s]
+    assert shown == ["03:04:06 detector_fired prefix=73af609f4596 count=3 threshold=2"]
+    with open(log, "a") as f:
+        f.write(" bytes=10\n")
+    assert [echo_line(x) for x in follow.poll()] == ["03:04:06 copy_done prefix=73af source=worker-0 bytes=10"]
+    log.write_text(head + format_event("worker_down", {"worker": "w1"}) + "\n")  # rotated: read from the start
+    assert [echo_line(x) for x in follow.poll()] == ["03:04:06 worker_down worker=w1"]

@@ -216,7 +216,7 @@ def up(
         interrupted = False
         try:  # a Ctrl-C before supervise() starts watching must still stop what up started
             out.result(fleet.status(rd), lambda d: _render_status(out, d))
-            out.info("press Ctrl-C to stop the fleet")
+            out.info("press Ctrl-C to stop the fleet; detector fires, copies, control writes and worker health follow")
         except KeyboardInterrupt:
             interrupted = True
             out.info("stopping the fleet")

@@ -250,9 +250,7 @@ def _fill(row: dict, probe: dict, needs: _Needs, others: dict[str, dict]) -> Non
             seen = "no nvidia-smi" if gpus is None else "nvidia-smi lists none"
             row["problems"].append(f"gpus: none ({seen}), but workers ask for gpu_ids {asked}")
         elif asked[-1] >= len(found):
-            row["problems"].append(
-                f"gpus: {len(found)} (ids 0..{len(found) - 1}), but workers ask for gpu_ids {asked}"
-            )
+            row["problems"].append(f"gpus: {len(found)} (ids 0..{len(found) - 1}), but workers ask for gpu_ids {asked}")
 
 
 def _parse_probe(out: bytes | str) -> dict | None:

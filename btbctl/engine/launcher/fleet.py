@@ -596,8 +596,10 @@ def supervise(
     poll_s: float = 0.5,
     should_stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; report a
-    process that exits on its own; then stop everything (the gateway first) and remove the state."""
+    """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; echo the
+    operations log's detector fires, copies, control writes and worker health changes as they happen
+    (:func:`~btbctl.engine.launcher.logs.echo_line`); report a process that exits on its own; then stop everything
+    (the gateway first) and remove the state."""
     reported: set[int] = set()
     remote = [p for p in state.processes if p.host]
     pool = None
@@ -608,8 +610,15 @@ def supervise(
         pool = ssh.SshPool()
     remote_gone: set[str] = set()
     last_remote = 0.0
+    from btbctl.engine.launcher.logs import LogFollower, echo_line
+
+    ops = LogFollower(rd.log_path("gateway"))  # from its end: the lines before the table were shown as progress
     try:
         while should_stop is None or not should_stop():
+            for line in ops.poll():
+                short = echo_line(line)
+                if short is not None:
+                    log(short)
             for proc in started:
                 rc = proc.popen.poll()
                 if rc is not None and proc.pid not in reported:

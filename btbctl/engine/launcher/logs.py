@@ -209,8 +209,68 @@ def as_json(line: str) -> dict:
     return {k: _typed(k, v) for k, v in fields.items()}
 
 
+#: Events of the operations log a foreground ``up`` echoes under its table: what an operator acts on.
+ECHO_EVENTS = frozenset(
+    {
+        "detector_fired",
+        "copy_done",
+        "copy_failed",
+        "control_write",
+        "control_replicate",
+        "control_flush",
+        "worker_down",
+        "worker_up",
+        "gateway_stop",
+    }
+)
+#: Fields an echoed line leaves out (the time is printed first; the rest is in ``btbctl logs gateway``).
+_ECHO_SKIP = ("ts", "level", "logger", "event", "source_url", "target_url", "token")
+
+
+def echo_line(line: str) -> str | None:
+    """A short line for one operations-log line whose event is in :data:`ECHO_EVENTS` (``17:25:40
+    detector_fired prefix=... count=3 ...``), or None for any other line."""
+    fields = parse_line(line.rstrip("\n"))
+    if fields is None or fields.get("event") not in ECHO_EVENTS:
+        return None
+    ts = fields.get("ts", "")
+    clock = ts[11:19] if len(ts) >= 19 else "--:--:--"
+    rest = " ".join(f"{k}={v}" for k, v in fields.items() if k not in _ECHO_SKIP)
+    return f"{clock} {fields['event']} {rest}".rstrip()
+
+
+class LogFollower:
+    """New complete lines of a growing log file, from where it ended when the follower was made (a file that
+    shrinks, rotated or truncated, is read again from its start). Reads at most :data:`TAIL_BYTES` per call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.pos = path.stat().st_size
+        except OSError:
+            self.pos = 0
+        self._buf = ""
+
+    def poll(self) -> list[str]:
+        try:
+            size = self.path.stat().st_size
+            if size < self.pos:
+                self.pos, self._buf = 0, ""
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read(TAIL_BYTES)
+        except OSError:
+            return []
+        self.pos += len(data)
+        done, _, self._buf = (self._buf + data.decode("utf-8", "replace")).rpartition("\n")
+        return done.splitlines() if done else []
+
+
 __all__ = [
+    "ECHO_EVENTS",
+    "LogFollower",
     "as_json",
+    "echo_line",
     "find_log",
     "find_record",
     "line_time",
