@@ -224,7 +224,7 @@ ECHO_EVENTS = frozenset(
     }
 )
 #: Fields an echoed line leaves out (the time is printed first; the rest is in ``btbctl logs gateway``).
-_ECHO_SKIP = ("ts", "level", "logger", "event", "source_url", "target_url", "token")
+_ECHO_SKIP = ("ts", "level", "logger", "event", "source_url", "target_url", "token", "saved")
 
 
 def echo_line(line: str) -> str | None:
