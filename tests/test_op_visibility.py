@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from btbctl.engine.logfmt import LineBudget, parse_line
@@ -121,3 +122,31 @@ def test_foreground_up_echoes_the_operations_events_that_follow(tmp_path):
     assert [echo_line(x) for x in follow.poll()] == ["03:04:06 copy_done prefix=73af source=worker-0 bytes=10"]
     log.write_text(head + format_event("worker_down", {"worker": "w1"}) + "\n")  # rotated: read from the start
     assert [echo_line(x) for x in follow.poll()] == ["03:04:06 worker_down worker=w1"]
+
+
+def test_run_directory_order_and_fleet_names(tmp_path, monkeypatch):
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.rundir import RunDir, default_run_dir, select_fleet
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.delenv("BTBCTL_RUN_DIR", raising=False)
+    monkeypatch.delenv("BTBCTL_FLEET", raising=False)
+    runs = tmp_path / "btbctl" / "runs"
+    try:
+        assert default_run_dir() == runs / "default" and RunDir().selector() == ""
+        monkeypatch.setenv("BTBCTL_FLEET", "b")
+        assert default_run_dir() == runs / "b" and RunDir().selector() == " --fleet b"
+        monkeypatch.setenv("BTBCTL_RUN_DIR", str(tmp_path / "x"))
+        assert default_run_dir() == tmp_path / "x"  # the path wins over the variable's name
+        select_fleet("a")
+        assert default_run_dir() == runs / "a"  # and the flag over both
+        assert RunDir(tmp_path / "y").path == tmp_path / "y"  # --run-dir over everything
+        with pytest.raises(BtbctlError, match="--fleet: '../up' is not a fleet name"):
+            select_fleet("../up")
+        select_fleet(None)
+        monkeypatch.delenv("BTBCTL_RUN_DIR")
+        monkeypatch.setenv("BTBCTL_FLEET", "a/b")
+        with pytest.raises(BtbctlError, match="BTBCTL_FLEET"):
+            default_run_dir()
+    finally:
+        select_fleet(None)

@@ -33,8 +33,7 @@ FleetOpt = Annotated[
     typer.Option(
         "--fleet",
         metavar="NAME",
-        envvar="BTBCTL_FLEET",
-        callback=_select_fleet,
+        callback=_select_fleet,  # BTBCTL_FLEET is read where run directories are resolved, after BTBCTL_RUN_DIR
         help="Name of the fleet (its run directory is runs/NAME under the user state directory; `btbctl ls` lists "
         "them); env BTBCTL_FLEET. --run-dir wins over it.",
     ),
