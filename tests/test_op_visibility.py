@@ -1,5 +1,6 @@
-"""What an operator sees without a dashboard: a worker's request lines (budgeted), and the request-line budget on
-an injected clock."""
+"""What an operator sees without a dashboard, unit by unit: the request-line budget on an injected clock, a worker's
+request lines, doctor's GPU check, bench's short-prefix warning, the events a foreground `up` echoes, and the order
+in which a run directory is chosen (--run-dir, --fleet, BTBCTL_RUN_DIR, BTBCTL_FLEET)."""
 
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def test_run_directory_order_and_fleet_names(tmp_path, monkeypatch):
         select_fleet("a")
         assert default_run_dir() == runs / "a"  # and the flag over both
         assert RunDir(tmp_path / "y").path == tmp_path / "y"  # --run-dir over everything
-        with pytest.raises(BtbctlError, match="--fleet: '../up' is not a fleet name"):
+        with pytest.raises(BtbctlError, match=r"--fleet: '\.\./up' is not a fleet name"):
             select_fleet("../up")
         select_fleet(None)
         monkeypatch.delenv("BTBCTL_RUN_DIR")
