@@ -21,7 +21,8 @@ def logs(
         str | None,
         typer.Argument(
             help="Log name: gateway (one line per event: control writes, detector fires, copies, errors, health), "
-            "worker-0, ..., gateway.out (the gateway's own output). None: list the names.",
+            "worker-0, ... (an emulated worker's: one line per request), gateway.out (the gateway's own output). "
+            "None: list the names.",
             show_default=False,
         ),
     ] = None,
