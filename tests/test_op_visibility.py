@@ -58,12 +58,12 @@ async def test_worker_writes_a_request_line_per_request_within_its_budget(caplog
 
 
 def _doctor_with(tmp_path, monkeypatch, smi_lines: list[str] | None) -> dict:
-    """``btbctl doctor --format json`` on a local fleet asking for GPUs 0 and 1, with a PATH whose nvidia-smi
-    lists ``smi_lines`` (None: no nvidia-smi at all)."""
-    import json
+    """What ``btbctl doctor --format json`` answers for a local fleet asking for GPUs 0 and 1, with a PATH whose
+    nvidia-smi lists ``smi_lines`` (None: no nvidia-smi at all); in this process (the probe is a child)."""
     import os
 
-    from launcher_helpers import cli
+    from btbctl.engine.launcher.cluster import load_cluster
+    from btbctl.engine.launcher.doctor import doctor
     from test_ssh_fleet import write_cluster
 
     bin_dir = tmp_path / "bin"
@@ -75,7 +75,7 @@ def _doctor_with(tmp_path, monkeypatch, smi_lines: list[str] | None) -> dict:
         smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin")
     cfg = write_cluster(tmp_path / "c.toml", [], [{"name": "w", "count": 2, "tp_size": 1, "gpu_ids": [0, 1]}])
-    return json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)
+    return doctor(load_cluster(str(cfg)))
 
 
 def test_doctor_flags_no_gpus_when_gpu_ids_are_asked_for(tmp_path, monkeypatch):
