@@ -359,6 +359,11 @@ class GatewayEnv:
             except ValueError:
                 return r.status, text
 
+    async def put_control(self, path: str, body: dict) -> tuple[int, object]:
+        """An authenticated control write (as the dashboard and ``btbctl tune`` send it)."""
+        async with self.http.put(self.control + path, json=body, headers=self.auth()) as r:
+            return r.status, await r.json()
+
     async def get_control(self, path: str, **kw) -> tuple[int, object]:
         async with self.http.get(self.control + path, **kw) as r:
             return r.status, await r.json()

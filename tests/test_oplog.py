@@ -26,6 +26,17 @@ def test_logfmt_lines_read_back():
     assert as_json("plain text\n") == {"msg": "plain text"}
 
 
+def test_logs_json_keeps_numbers_as_numbers_and_ids_as_text():
+    line = format_event(
+        "copy_done",
+        {"prefix": "123456789012", "bytes": 4096, "duration_s": 0.25, "tiny": 1e-05, "source": "worker-0", "n": -3},
+    )
+    got = as_json("ts=2026-01-02T03:04:05.000Z level=info " + line)
+    assert got["bytes"] == 4096 and got["duration_s"] == 0.25 and got["tiny"] == 1e-05 and got["n"] == -3
+    assert got["prefix"] == "123456789012" and got["source"] == "worker-0" and got["ts"] == "2026-01-02T03:04:05.000Z"
+    assert as_json('event=x msg="3"')["msg"] == "3"
+
+
 def _record(msg: str, level: int = logging.ERROR) -> logging.LogRecord:
     return logging.LogRecord("btbctl.x", level, __file__, 1, msg, (), None)
 

@@ -1,5 +1,6 @@
-"""Run-directory files written as one step: ``tune`` on a full disk changes nothing (the gateway is set back, no
-``tuned.json.tmp`` is left), and a failed token write never leaves an empty ``control.token``."""
+"""Run-directory files written as one step: a control write the gateway cannot record in ``tuned.json`` (a full
+disk) changes nothing (the gateway is set back, no ``tuned.json.tmp`` is left), and a failed token write never
+leaves an empty ``control.token``."""
 
 from __future__ import annotations
 
@@ -8,45 +9,11 @@ import os
 
 import pytest
 
-from btbctl.commands.app import main
-from btbctl.engine.constants import BtbConstants
-from btbctl.engine.control.schema import ConstantsAnswer
+from btbctl.engine import fileio as fileio_mod
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher import rundir as rundir_mod
 from btbctl.engine.launcher.rundir import RunDir
-
-
-class _FakeApi:
-    """The control API of a gateway holding ``threshold=2``: reads and writes as the real one answers."""
-
-    def __init__(self) -> None:
-        self.held = {"prefix_blocks": 4, "threshold": 2, "window_s": 30.0, "warm_replicas": 2}
-        self.policy = "btb"
-        self.puts: list[dict] = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def constants(self) -> ConstantsAnswer:
-        return ConstantsAnswer(
-            policy=self.policy,
-            policies=["btb", "round_robin"],
-            constants=BtbConstants(**self.held),
-            page_size=16,
-            prefix_tokens=16 * self.held["prefix_blocks"],
-        )
-
-    def set_constants(self, updates: dict) -> ConstantsAnswer:
-        self.puts.append(dict(updates))
-        for k, v in updates.items():
-            if k == "policy":
-                self.policy = v
-            else:
-                self.held[k] = type(self.held[k])(v)
-        return self.constants()
+from gateway_fakes import GatewayEnv
 
 
 def _enospc(*a, **k):
@@ -68,38 +35,32 @@ def _full_disk(monkeypatch, module) -> None:
     monkeypatch.setattr(module.os, "open", fake_open)
 
 
-def test_tune_on_a_full_disk_changes_nothing_and_leaves_no_tmp(tmp_path, monkeypatch, capsys):
-    import btbctl.engine.launcher.control as control_mod
-
-    api = _FakeApi()
-    monkeypatch.setattr(control_mod, "client_for_run", lambda *a, **k: api)
+async def test_a_write_the_gateway_cannot_record_is_undone_and_leaves_no_tmp(tmp_path, monkeypatch):
     rd = RunDir(str(tmp_path))
     rd.prepare()
     rd.save_tuned({"threshold": 2}, "btb", None)
     old = rd.tuned_path.read_bytes()
-    _full_disk(monkeypatch, rundir_mod)
-    with pytest.raises(SystemExit) as ex:
-        main(["tune", "--run-dir", str(tmp_path), "threshold=5"])
-    assert ex.value.code != 0
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "No space left" in err and "undone" in err
-    assert api.held["threshold"] == 2 and api.policy == "btb"  # the live change was rolled back
+    async with GatewayEnv(2, policy="btb", tuned_file=str(rd.tuned_path)) as env:
+        _full_disk(monkeypatch, fileio_mod)
+        status, err = await env.put_control("/control/constants", {"threshold": 5, "policy": "round_robin"})
+        monkeypatch.undo()
+        assert status == 507 and "No space left" in err["error"]["message"] and "undone" in err["error"]["message"]
+        assert env.gw.constants.threshold == 2 and env.gw.policy.name == "btb"  # the live change was set back
     assert rd.tuned_path.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tuned")) == ["tuned.json"]
 
 
-def test_tune_saves_what_it_applied(tmp_path, monkeypatch):
-    import btbctl.engine.launcher.control as control_mod
-
-    api = _FakeApi()
-    monkeypatch.setattr(control_mod, "client_for_run", lambda *a, **k: api)
-    RunDir(str(tmp_path)).prepare()
-    with pytest.raises(SystemExit) as ex:
-        main(["tune", "--run-dir", str(tmp_path), "threshold=5", "policy=round_robin"])
-    assert ex.value.code == 0
-    saved = RunDir(str(tmp_path)).load_tuned()
-    assert saved is not None and saved["constants"]["threshold"] == 5 and saved["policy"] == "round_robin"
-    assert api.held["threshold"] == 5 and os.stat(RunDir(str(tmp_path)).tuned_path).st_mode & 0o777 == 0o600
+async def test_every_confirmed_control_write_is_recorded_whoever_sent_it(tmp_path):
+    """A raw PUT, as the dashboard sends it (no CLI involved), lands in tuned.json with the cluster file."""
+    rd = RunDir(str(tmp_path))
+    rd.prepare()
+    async with GatewayEnv(2, policy="btb", tuned_file=str(rd.tuned_path), cluster_file="fleet.toml") as env:
+        status, _ = await env.put_control("/control/constants", {"threshold": 5, "policy": "round_robin"})
+        assert status == 200
+        saved = RunDir(str(tmp_path)).load_tuned()
+        assert saved is not None and saved["constants"]["threshold"] == 5 and saved["policy"] == "round_robin"
+        assert saved["cluster_file"] == "fleet.toml" and saved["constants"]["window_s"] == env.gw.constants.window_s
+    assert os.stat(rd.tuned_path).st_mode & 0o777 == 0o600
 
 
 @pytest.mark.parametrize("fail", ["disk", "fsync"])

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.options import FleetOpt, RunDirOpt
 from btbctl.commands.output import Format, Output
 
 
@@ -85,6 +85,22 @@ def _served(control_url: str | None):
         return None
 
 
+#: Tokens per block of the default burst (``--prefix-blocks`` counts these).
+BENCH_BLOCK_TOKENS = 256
+
+
+def _constants(control_url: str) -> dict | None:
+    """The gateway's ``GET /control/constants`` answer, or None when it does not answer."""
+    from btbctl.engine.control.client import ControlClient
+    from btbctl.engine.errors import BtbctlError
+
+    try:
+        with ControlClient(control_url, timeout_s=3.0) as api:
+            return api.constants().model_dump(mode="json")
+    except BtbctlError:
+        return None
+
+
 @app.command("bench")
 def bench(
     trace: Annotated[
@@ -105,7 +121,8 @@ def bench(
             "--target", metavar="URL", help="SGLang-compatible endpoint (default: the running fleet's gateway)."
         ),
     ] = None,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     time_scale: Annotated[
         float, typer.Option("--time-scale", help="Trace seconds per wall second (10 replays ten times faster).")
     ] = 1.0,
@@ -156,6 +173,7 @@ def bench(
         replay,
         select_requests,
         served_delta,
+        short_prefix_warning,
         write_results_jsonl,
     )
     from btbctl.engine.launcher.rundir import RunDir
@@ -172,7 +190,11 @@ def bench(
         if burst_size < 1 or prefix_blocks < 1 or spread_s < 0:
             raise BtbctlError("--burst-size and --prefix-blocks must be >= 1 and --spread-s >= 0")
         tr = default_burst_trace(
-            seed=42 if seed is None else seed, burst_size=burst_size, prefix_blocks=prefix_blocks, spread_s=spread_s
+            seed=42 if seed is None else seed,
+            burst_size=burst_size,
+            prefix_blocks=prefix_blocks,
+            spread_s=spread_s,
+            block_tokens=BENCH_BLOCK_TOKENS,
         )
     control = None
     if target is None:
@@ -202,6 +224,10 @@ def bench(
                 pass
         except OSError as e:
             raise BtbctlError(f"--requests-out: cannot write {requests_out}: {e.strerror or e}") from None
+    if trace is None and control is not None:
+        why = short_prefix_warning(prefix_blocks, BENCH_BLOCK_TOKENS, _constants(control))
+        if why:
+            out.warn(why)
     chosen = select_requests(tr, max_requests)
     n = len(chosen)
     span = (chosen[-1].arrival_s - chosen[0].arrival_s) if chosen else 0.0

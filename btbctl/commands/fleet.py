@@ -13,9 +13,10 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
+from btbctl.commands.options import RUN_DIR_HELP, FleetOpt, RunDirOpt
 from btbctl.commands.output import Format, Output
 
-RUN_DIR_HELP = "Run directory of the fleet (default: runs/default under the user state directory)."
+__all__ = ["RUN_DIR_HELP", "SOURCE_WORDS", "count_cell", "kv_cell"]
 
 
 #: How a table names where a worker's numbers come from (``metrics_source``).
@@ -130,7 +131,8 @@ def up(
         ),
     ] = None,
     detach: Annotated[bool, typer.Option("-d", "--detach", help="Start in the background and return.")] = False,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     policy: Annotated[
         str | None,
         typer.Option(
@@ -169,7 +171,7 @@ def up(
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.cluster import default_cluster, load_cluster
-    from btbctl.engine.launcher.rundir import RunDir
+    from btbctl.engine.launcher.rundir import RunDir, fleet_name
 
     out = Output(fmt)
     if gateway_only:
@@ -205,18 +207,16 @@ def up(
             cluster_path=config,
             log=out.info,
             keep_partial=keep_partial,
+            pick_free_ports=run_dir is None and fleet_name() is not None,
         )
         if detach:
-            import shlex
-
             out.result(fleet.status(rd), lambda d: _render_status(out, d))
-            stop = f"btbctl down --run-dir {shlex.quote(str(rd.path))}" if run_dir else "btbctl down"
-            out.info(f"running in the background; stop it with `{stop}`")
+            out.info(f"running in the background; stop it with `btbctl down{rd.selector()}`")
             return
         interrupted = False
         try:  # a Ctrl-C before supervise() starts watching must still stop what up started
             out.result(fleet.status(rd), lambda d: _render_status(out, d))
-            out.info("press Ctrl-C to stop the fleet")
+            out.info("press Ctrl-C to stop the fleet; detector fires, copies, control writes and worker health follow")
         except KeyboardInterrupt:
             interrupted = True
             out.info("stopping the fleet")
@@ -225,9 +225,48 @@ def up(
         signal.signal(signal.SIGTERM, old)
 
 
+@app.command("ls")
+def ls(
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """List the fleets (run directories under the user state directory's runs folder): name, state, gateway URL,
+    run directory.
+
+    state: running (every recorded process alive), degraded (some), stopped (none; its logs may remain),
+    unreadable (a damaged state.json). A fleet started with --run-dir elsewhere is not listed."""
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.rundir import runs_root
+
+    out = Output(fmt)
+    rows = fleet.list_fleets()
+
+    def human(d: dict) -> None:
+        from rich.table import Table
+
+        if not d["fleets"]:
+            out.console.print(f"no fleets under {d['root']}; start one with `btbctl up` (or `btbctl up --fleet NAME`)")
+            return
+        t = Table(box=None, pad_edge=False)
+        for col in ("name", "state", "gateway", "control", "run directory"):
+            t.add_column(col, no_wrap=True)
+        for r in d["fleets"]:
+            colour = {"running": "green", "degraded": "yellow"}.get(r["state"], "dim")
+            t.add_row(
+                r["name"],
+                f"[{colour}]{r['state']}[/{colour}]",
+                r["gateway_url"] or "-",
+                r["control_url"] or "-",
+                r["run_dir"],
+            )
+        out.console.print(t)
+
+    out.result({"root": str(runs_root()), "fleets": rows}, human)
+
+
 @app.command("down")
 def down(
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     grace_s: Annotated[
         float, typer.Option("--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")
     ] = 10.0,
@@ -259,7 +298,8 @@ def down(
 
 @app.command("status")
 def status(
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Show the running fleet: gateway and control URLs, and each worker's health.
@@ -280,7 +320,8 @@ def status(
 @app.command("restart")
 def restart(
     name: Annotated[str, typer.Argument(metavar="NAME", help="The process: worker-0 ..., agent-local, or gateway.")],
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     grace_s: Annotated[
         float, typer.Option("--grace-s", help="Seconds between SIGTERM and SIGKILL for its process group.")
     ] = 10.0,

@@ -1,5 +1,6 @@
 """``btbctl logs [NAME]``: a fleet process's log (the gateway's is its operations log); for a worker on another
-host, fetched over SSH first. The logs stay in the run directory after ``down``."""
+host, fetched over SSH first. The logs stay in the run directory after ``down``; the next ``up`` moves them to
+``logs.previous`` (``--previous`` reads them)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.options import FleetOpt, RunDirOpt
 
 
 @app.command("logs")
@@ -20,11 +21,13 @@ def logs(
         str | None,
         typer.Argument(
             help="Log name: gateway (one line per event: control writes, detector fires, copies, errors, health), "
-            "worker-0, ..., gateway.out (the gateway's own output). None: list the names.",
+            "worker-0, ... (an emulated worker's: one line per request), gateway.out (the gateway's own output). "
+            "None: list the names.",
             show_default=False,
         ),
     ] = None,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Last N lines (0 = the whole log).")] = 50,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines until Ctrl-C.")] = False,
     since: Annotated[
@@ -37,27 +40,45 @@ def logs(
         ),
     ] = None,
     as_json: Annotated[
-        bool, typer.Option("--json", help='One JSON object per line (logfmt fields; other lines as {"msg": ...}).')
+        bool,
+        typer.Option(
+            "--json", help='One JSON object per line (logfmt fields, numbers as numbers; other lines as {"msg": ...}).'
+        ),
+    ] = False,
+    previous: Annotated[
+        bool,
+        typer.Option(
+            "--previous",
+            help="The logs of the run before the last `up` (kept in logs.previous under the run directory; one "
+            "run back).",
+        ),
     ] = False,
 ) -> None:
-    """Print a process's log; without NAME, list the logs of the run directory (they outlive `btbctl down`)."""
+    """Print a process's log; without NAME, list the logs of the run directory.
+
+    The logs outlive `btbctl down`; the next `btbctl up` on the same run directory keeps them in logs.previous
+    (read them with --previous) and starts fresh ones."""
+    from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher import logs as engine_logs
     from btbctl.engine.launcher.rundir import RunDir
 
     rd = RunDir(run_dir)
+    if previous and follow:
+        raise BtbctlError("--follow shows new lines of the running fleet; drop it with --previous")
     if name is None:
-        names = engine_logs.log_names(rd)
+        names = engine_logs.log_names(rd, previous)
         if not names:
-            from btbctl.engine.errors import BtbctlError
-
+            if previous:
+                raise BtbctlError(f"no logs in {rd.previous_logs_dir}: `btbctl up` keeps the last run's logs there")
             raise BtbctlError(f"no logs in {rd.logs_dir}; start a fleet with `btbctl up`")
         if as_json:
-            sys.stdout.write(json.dumps({"run_dir": str(rd.path), "logs": names}) + "\n")
+            folder = rd.previous_logs_dir if previous else rd.logs_dir
+            sys.stdout.write(json.dumps({"run_dir": str(rd.path), "logs_dir": str(folder), "logs": names}) + "\n")
         else:
             sys.stdout.write("\n".join(names) + "\n")
         return
     start = engine_logs.parse_since(since) if since is not None else None
-    path, rec = engine_logs.find_log(rd, name)
+    path, rec = engine_logs.find_log(rd, name, previous)
     why = engine_logs.refresh(rec)
     if why:
         sys.stderr.write(f"btbctl: warning: showing the copy fetched earlier; {why}\n")

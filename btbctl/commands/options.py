@@ -10,6 +10,35 @@ from typing import Annotated
 
 import typer
 
+RUN_DIR_HELP = (
+    "Run directory of the fleet (default: runs/NAME of --fleet under the user state directory, else "
+    "$BTBCTL_RUN_DIR, else runs/$BTBCTL_FLEET, else runs/default)."
+)
+
+
+def _select_fleet(value: str | None) -> str | None:
+    """Typer callback of ``--fleet``: every run directory resolved afterwards is that fleet's (None: none named,
+    so one command run in-process after another does not inherit the last one's fleet)."""
+    from btbctl.engine.launcher.rundir import select_fleet
+
+    select_fleet(value)
+    return value
+
+
+#: ``--run-dir DIR`` of every command that works on a fleet.
+RunDirOpt = Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)]
+#: ``--fleet NAME`` (or ``BTBCTL_FLEET``) of every command that works on a fleet, as compose has projects.
+FleetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--fleet",
+        metavar="NAME",
+        callback=_select_fleet,  # BTBCTL_FLEET is read where run directories are resolved, after BTBCTL_RUN_DIR
+        help="Name of the fleet (its run directory is runs/NAME under the user state directory; `btbctl ls` lists "
+        "them); env BTBCTL_FLEET. --run-dir wins over it.",
+    ),
+]
+
 TraceFormat = Annotated[
     str | None,
     typer.Option(

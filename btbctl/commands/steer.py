@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.fleet import RUN_DIR_HELP, SOURCE_WORDS, count_cell, kv_cell
+from btbctl.commands.fleet import SOURCE_WORDS, count_cell, kv_cell
+from btbctl.commands.options import FleetOpt, RunDirOpt
 from btbctl.commands.output import Format, Output
 
 
@@ -64,7 +65,8 @@ def tune(
             show_default=False,
         ),
     ] = None,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Change BTB's constants or the routing policy of the running fleet, without a restart."""
@@ -76,7 +78,7 @@ def tune(
     with client_for_run(run_dir, token=bool(updates)) as api:
         if updates:
             _warn_replicas(out, api, updates)
-            answer = _apply_and_save(api, updates, run_dir)
+            answer = api.set_constants(updates)  # the gateway records it in tuned.json, or undoes it
         else:
             answer = api.constants()
     res = answer.model_dump(mode="json")
@@ -93,33 +95,6 @@ def tune(
     if updates:
         out.info("the gateway now holds:")
     out.result(res, human)
-
-
-def _apply_and_save(api, updates: dict, run_dir: str | None):
-    """Apply ``updates`` and record them in ``tuned.json`` as one step: when the record cannot be written (a full
-    disk), the gateway is set back to what it held before, so a ``tune`` that fails changed nothing; when even that
-    fails, the one-line error says the change is live but unsaved."""
-    from btbctl.engine.errors import BtbctlError
-    from btbctl.engine.launcher.rundir import RunDir
-
-    rd = RunDir(run_dir)
-    state = rd.load()
-    before = api.constants()
-    answer = api.set_constants(updates)
-    res = answer.model_dump(mode="json")
-    try:
-        rd.save_tuned(res.get("constants") or {}, res.get("policy"), state.cluster_file if state else None)
-    except OSError as e:
-        why = f"cannot save {rd.tuned_path}: {e.strerror or e}"
-        try:
-            api.set_constants({**before.constants.model_dump(mode="json"), "policy": before.policy})
-        except Exception as back:  # noqa: BLE001 - reported in the one-line error below
-            raise BtbctlError(
-                f"{why}; the change is live but unsaved (setting the old values back failed too: {back}), so a "
-                "gateway restart would lose it"
-            ) from None
-        raise BtbctlError(f"{why}; the change was undone: the gateway holds its old settings") from None
-    return answer
 
 
 def _warn_replicas(out: Output, api, updates: dict) -> None:
@@ -158,7 +133,8 @@ def replicate(
     ],
     n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1
@@ -203,7 +179,8 @@ def replicate(
 @app.command("prefixes")
 def prefixes(
     top: Annotated[int, typer.Option("--top", help="How many prefixes (most arrivals in the window first).")] = 10,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """List the hot prefixes the gateway tracks, with ids `btbctl replicate --prefix` takes."""
@@ -285,7 +262,8 @@ def prefixes(
 
 @app.command("flush")
 def flush(
-    run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
 ) -> None:
     """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), e.g.

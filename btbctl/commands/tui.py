@@ -11,6 +11,7 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import FleetOpt, RunDirOpt
 
 
 @app.command("tui")
@@ -29,12 +30,8 @@ def tui(
     token_file: Annotated[
         str | None, typer.Option("--token-file", metavar="PATH", help="File holding the bearer token.")
     ] = None,
-    run_dir: Annotated[
-        str | None,
-        typer.Option(
-            "--run-dir", metavar="DIR", help="Run directory written by 'btbctl up' (default: the standard one)."
-        ),
-    ] = None,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
     sim: Annotated[
         bool, typer.Option("--sim", help="Attach to a live simulation paced to the wall clock instead of a fleet.")
     ] = False,

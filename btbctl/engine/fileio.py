@@ -15,6 +15,7 @@ import os
 import select
 import stat
 import zlib
+from pathlib import Path
 
 #: Largest config file read, bytes (TOML cluster, dry-run and report files are kilobytes; a product choice).
 CONFIG_LIMIT_BYTES = 16 * 1024 * 1024
@@ -125,3 +126,28 @@ def _gunzip_bounded(raw, limit_bytes: int) -> bytes:
     if member_open and not dec.eof:
         raise ReadRefused("not a valid gzip file (truncated stream)")
     return bytes(out)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` as one step: a temporary file beside it (``mode``) is written, flushed to disk
+    and renamed over ``path``, so a reader sees the old file or the whole new one, never an empty or cut one.
+    Raises OSError (a full disk); the temporary file is then removed and ``path`` is as it was."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a leftover of a killed writer: created afresh below, with ``mode``
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise

@@ -117,6 +117,31 @@ class RateLimiter:
         return True, self._held.pop(key, 0)
 
 
+class LineBudget:
+    """A token bucket for per-event log lines (one per request): up to ``burst`` lines at once, then ``per_s`` a
+    second; :meth:`allow` says whether to write this one and how many were held back since the last one written
+    (so a line can say ``held=N``). The cost of a flood is bounded; a quiet fleet logs every request."""
+
+    def __init__(self, per_s: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._held = 0
+
+    def allow(self) -> tuple[bool, int]:
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.per_s)
+        self._at = now
+        if self._tokens < 1.0:
+            self._held += 1
+            return False, 0
+        self._tokens -= 1.0
+        held, self._held = self._held, 0
+        return True, held
+
+
 class RepeatFilter(logging.Filter):
     """Let an identical line (same logger, level and text) through once per ``window_s``; the next one after the
     window carries ``repeated=N`` (how many were held back), so a flood of one error costs a line per window."""
@@ -184,6 +209,7 @@ def configure_logging(level: int, log_file: str | None = None, stream=None) -> N
 
 
 __all__ = [
+    "LineBudget",
     "LogfmtFormatter",
     "configure_logging",
     "RateLimiter",

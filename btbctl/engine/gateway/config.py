@@ -52,6 +52,13 @@ class GatewayConfig(BaseModel):
     """File the gateway writes its log to (logfmt lines, one per event, rotated at 10 MiB with 5 old files kept;
     ``btbctl up`` passes ``<run dir>/logs/gateway.log``); stderr then carries only warnings and errors. None: all
     on stderr."""
+    tuned_file: str | None = None
+    """File where every confirmed ``PUT /control/constants`` records the constants and policy the gateway then
+    holds (:mod:`btbctl.engine.control.tuned`; ``btbctl up`` passes ``<run dir>/tuned.json`` and reapplies it).
+    A write that cannot be recorded is undone (HTTP 507). None: nothing is recorded."""
+    cluster_file: str | None = None
+    """The cluster file the fleet was started from, written into ``tuned_file`` (``up`` reapplies a record only
+    to the same cluster file). None: the embedded default fleet."""
     host: str = "127.0.0.1"
     """Data-plane listen address (loopback by default)."""
     port: int = Field(8000, ge=0, le=65535)

@@ -72,6 +72,10 @@ class Steering(Protocol):
     def check_token(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the control API's bearer token."""
 
+    def save_tuned(self) -> str | None:
+        """Record the constants and policy held now (the run directory's ``tuned.json``); the path, or None when
+        nothing is recorded. Raises OSError when the record cannot be written."""
+
 
 class ControlApi:
     """Handlers of the control API.
@@ -207,14 +211,34 @@ class ControlApi:
             return _err(400, str(e), key=e.key, valid=BtbConstants.describe(e.key))
         old = steering.constants.as_dict()
         old_policy = self.reports.src.policy_name
-        if updates:
-            new = steering.set_constants(updates).as_dict()
-            for k in new:
-                if new[k] != old[k] or k in updates:
-                    log_event(log, "control_write", peer=request.remote, token="yes", key=k, old=old[k], new=new[k])
+        new = steering.set_constants(updates).as_dict() if updates else old
         if policy is not None:
             steering.set_policy(policy)
-            log_event(log, "control_write", peer=request.remote, token="yes", key="policy", old=old_policy, new=policy)
+        try:
+            saved = steering.save_tuned()
+        except OSError as e:
+            # a change that would be lost on the next `up` is not confirmed: set back what was held
+            steering.set_constants(old)
+            steering.set_policy(old_policy)
+            why = f"cannot record the change in {e.filename or 'the tuned file'}: {e.strerror or e}"
+            log_event(log, "control_write_undone", peer=request.remote, reason=why)
+            return _err(507, f"{why}; the change was undone: the gateway holds its old settings")
+        for k in new:
+            if new[k] != old[k] or k in updates:
+                log_event(
+                    log, "control_write", peer=request.remote, token="yes", key=k, old=old[k], new=new[k], saved=saved
+                )
+        if policy is not None:
+            log_event(
+                log,
+                "control_write",
+                peer=request.remote,
+                token="yes",
+                key="policy",
+                old=old_policy,
+                new=policy,
+                saved=saved,
+            )
         return _ok(self.reports.constants())
 
     async def replicate(self, request: web.Request) -> web.Response:

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from btbctl.engine import aiotasks
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.control.tuned import save_tuned
 from btbctl.engine.copies import CopyState
 from btbctl.engine.detector import BurstDetector
 from btbctl.engine.errors import ConfigError
@@ -281,6 +282,15 @@ class Gateway:
         return ok
 
     # -- policy and constants -----------------------------------------------------------------------------------
+
+    def save_tuned(self) -> str | None:
+        """Record the constants and policy held now in ``config.tuned_file`` (atomically); return its path, or
+        None when the gateway records nothing. Raises OSError when the file cannot be written (a full disk)."""
+        path = self.config.tuned_file
+        if path is None:
+            return None
+        save_tuned(path, self.constants.as_dict(), self.policy.name, self.config.cluster_file)
+        return path
 
     def _install_policy(self, new: Policy, old: Policy | None) -> None:
         new.configure(block_tokens=self.page_size)
@@ -707,6 +717,7 @@ class Gateway:
         if self._stopped:
             return
         self._stopped = True
+        log_event(log, "gateway_stop", policy=self.policy.name)
         self.bus.close()
         for runner in reversed(self._runners):
             await runner.cleanup()

@@ -514,6 +514,27 @@ def default_burst_trace(
     return generate_bursted(params, seed=seed)
 
 
+def short_prefix_warning(prefix_blocks: int, block_tokens: int, constants: dict | None) -> str | None:
+    """Why the gateway's detector cannot fire on the default burst, or None when it can (or is unknown).
+
+    Args:
+        prefix_blocks / block_tokens: the burst's shared prefix (``--prefix-blocks`` x 256 tokens).
+        constants: a ``GET /control/constants`` answer (``constants.prefix_blocks``, ``prefix_tokens``), or None.
+    """
+    if not constants:
+        return None
+    need = constants.get("prefix_tokens")
+    fleet_blocks = (constants.get("constants") or {}).get("prefix_blocks")
+    have = prefix_blocks * block_tokens
+    if not isinstance(need, int) or have >= need:
+        return None
+    return (
+        f"the burst's shared prefix is {have:,} tokens (--prefix-blocks {prefix_blocks}), shorter than the "
+        f"{need:,} tokens the gateway matches (prefix_blocks {fleet_blocks}): its detector cannot fire on it; "
+        f"`btbctl tune prefix_blocks=...` lower, or raise --prefix-blocks"
+    )
+
+
 def served_counts(fleet: dict | None) -> dict[str, int] | None:
     """``{worker URL: served}`` from a ``GET /control/fleet`` answer (None when it has no worker rows)."""
     if not isinstance(fleet, dict) or not isinstance(fleet.get("workers"), list):

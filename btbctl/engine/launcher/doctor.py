@@ -161,6 +161,8 @@ class _Needs:
     sglang: bool = False
     arena_mib: int | None = None
     l3_pythons: list[tuple[str, str]] = field(default_factory=list)
+    gpu_ids: set[int] = field(default_factory=set)
+    """GPU ids the workers of this place ask for (``gpu_ids`` of their ``[[workers]]`` entries)."""
 
     def add(self, python: str, role: str) -> None:
         if (python, role) not in self.l3_pythons:
@@ -240,6 +242,15 @@ def _fill(row: dict, probe: dict, needs: _Needs, others: dict[str, dict]) -> Non
             row["problems"].append(f"port {port}: {st}")
     if probe.get("setsid") is False:
         row["problems"].append("setsid is not installed (util-linux)")
+    if needs.gpu_ids:
+        gpus = row["gpus"]
+        asked = sorted(needs.gpu_ids)
+        found = [g for g in gpus or [] if g.startswith("GPU")]
+        if not found:
+            seen = "no nvidia-smi" if gpus is None else "nvidia-smi lists none"
+            row["problems"].append(f"gpus: none ({seen}), but workers ask for gpu_ids {asked}")
+        elif asked[-1] >= len(found):
+            row["problems"].append(f"gpus: {len(found)} (ids 0..{len(found) - 1}), but workers ask for gpu_ids {asked}")
 
 
 def _parse_probe(out: bytes | str) -> dict | None:
@@ -347,6 +358,7 @@ def _needs(cluster: ClusterFile) -> dict[str, _Needs]:
         n.btbctl = n.btbctl or (spec.kind == "emulated" and spec.command is None)
         launched_sglang = spec.kind == "sglang" and spec.command is None
         n.sglang = n.sglang or launched_sglang
+        n.gpu_ids.update(spec.gpu_ids or ())
         if l3 and launched_sglang:
             n.add(python, "sglang")
     for h, first_host in _agent_places(cluster):

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.control.schema import WORKER_NUMBERS
@@ -46,6 +46,7 @@ from btbctl.engine.launcher.rundir import (
     is_same_process,
     process_start_time,
     record_is_ours,
+    runs_root,
 )
 
 Log = Callable[[str], None]
@@ -84,7 +85,7 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
     live = rd.live_processes(state) + [p for p in state.processes if p.host]
     if live or rd.owner_alive(state):
         where = state.gateway_url or ", ".join(p.url or p.name for p in live) or "starting"
-        suffix = "" if rd.path == RunDir(None).path else f" --run-dir {shlex.quote(str(rd.path))}"
+        suffix = rd.selector()
         gw = state.gateway()
         if state.complete and gw is not None and gw not in live and any(p.role == "worker" for p in live):
             raise BtbctlError(
@@ -93,7 +94,7 @@ def check_no_live_run(rd: RunDir, log: Log = _nolog) -> None:
             )
         raise BtbctlError(
             f"a fleet is already running from {rd.path} ({where}); stop it with `btbctl down{suffix}` "
-            f"(or use another --run-dir)"
+            f"(or name another fleet: --fleet NAME)"
         )
     log(f"removing stale state of a fleet that is no longer running ({rd.state_path})")
     rd.clear()
@@ -160,6 +161,24 @@ def check_ports(cluster: ClusterFile, port: int | None = None, control_port: int
         raise BtbctlError("cannot start the fleet: " + "; ".join(busy) + " (nothing was started)")
 
 
+def free_gateway_ports(
+    cluster: ClusterFile, port: int | None, control_port: int | None, log: Log = _nolog
+) -> tuple[int | None, int | None]:
+    """``(port, control_port)`` for ``up``: each one not given whose cluster-file port is in use becomes 0 (the
+    gateway binds a free one and reports it in its ready line), said in one ``log`` line; given ones stay."""
+    gw = cluster.gateway
+    out = []
+    for given, host, fixed, what in (
+        (port, gw.host, gw.port, "data-plane"),
+        (control_port, gw.control_host, gw.control_port, "control"),
+    ):
+        if given is None and fixed and not _port_free(host, fixed):
+            log(f"gateway {what} port {host}:{fixed} is in use; this fleet takes a free one")
+            given = 0
+        out.append(given)
+    return out[0], out[1]
+
+
 def up(
     cluster: ClusterFile,
     rd: RunDir,
@@ -172,6 +191,7 @@ def up(
     log: Log = _nolog,
     should_stop: Callable[[], bool] | None = None,
     keep_partial: bool = False,
+    pick_free_ports: bool = False,
 ) -> tuple[RunState, list[Started]]:
     """Start the fleet of ``cluster`` and record it in ``rd``.
 
@@ -185,6 +205,9 @@ def up(
         log: receives one-line progress messages.
         should_stop: polled while waiting; True aborts like Ctrl-C.
         keep_partial: on failure, leave what started running and recorded (for a look; ``down`` stops it).
+        pick_free_ports: the gateway's ports not given as ``port``/``control_port`` whose cluster-file value is
+            taken are picked free (:func:`free_gateway_ports`; a named fleet beside others); the ones used are in
+            ``state.json`` (``gateway_url``, ``control_url``), where every other command finds them.
 
     Returns:
         The complete state and the processes started on this machine (local workers first, the gateway last);
@@ -203,10 +226,13 @@ def up(
     if why is not None:
         raise BtbctlError(why)
     check_no_live_run(rd, log)
+    if pick_free_ports:
+        port, control_port = free_gateway_ports(cluster, port, control_port, log)
     check_ports(cluster, port, control_port)
+    kept = rd.archive_logs()  # a fresh fleet starts fresh logs; the last run's stay readable
     rd.prepare()
-    for old in [rd.log_path("gateway"), *rd.logs_dir.glob("gateway.log.*")] if rd.logs_dir.is_dir() else []:
-        old.unlink(missing_ok=True)  # a fresh fleet starts a fresh gateway log (its workers' logs are truncated too)
+    if kept is not None:
+        log(f"kept the last run's logs in {kept} (`btbctl logs --previous`)")
     rd.new_tokens()
     state = RunState(
         run_dir=str(rd.path),
@@ -295,6 +321,8 @@ def up(
             log(f"applying the constants and policy last tuned on this cluster file ({rd.tuned_path})")
         gcfg["worker_names"] = [i.name for i in cluster.instances()]
         gcfg["log_file"] = str(rd.log_path("gateway"))
+        gcfg["tuned_file"] = str(rd.tuned_path)
+        gcfg["cluster_file"] = cluster_path
         from btbctl.engine.config import validate
         from btbctl.engine.gateway.config import GatewayConfig
 
@@ -369,7 +397,7 @@ def _start_gateway(
 def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> RunState:
     """Start the gateway again in front of the workers recorded in ``rd`` (after it died), with the settings it
     had (``<run dir>/gateway.json``), the same tokens and ports, and the constants and policy last set with
-    ``btbctl tune`` (``<run dir>/tuned.json``). Its log is appended to.
+    any confirmed control-API write (``<run dir>/tuned.json``). Its log is appended to.
 
     Raises:
         BtbctlError: nothing is recorded; the gateway still runs; a recorded worker is no longer running (the
@@ -409,6 +437,8 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
 
             gcfg[key] = urlsplit(url).port
     gcfg["log_file"] = str(rd.log_path("gateway"))
+    gcfg["tuned_file"] = str(rd.tuned_path)
+    gcfg.setdefault("cluster_file", state.cluster_file)
     from btbctl.engine.config import validate
     from btbctl.engine.gateway.config import GatewayConfig
 
@@ -566,8 +596,10 @@ def supervise(
     poll_s: float = 0.5,
     should_stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; report a
-    process that exits on its own; then stop everything (the gateway first) and remove the state."""
+    """Foreground ``up``: watch the processes until Ctrl-C (KeyboardInterrupt) or ``should_stop()``; echo the
+    operations log's detector fires, copies, control writes and worker health changes as they happen
+    (:func:`~btbctl.engine.launcher.logs.echo_line`); report a process that exits on its own; then stop everything
+    (the gateway first) and remove the state."""
     reported: set[int] = set()
     remote = [p for p in state.processes if p.host]
     pool = None
@@ -578,8 +610,15 @@ def supervise(
         pool = ssh.SshPool()
     remote_gone: set[str] = set()
     last_remote = 0.0
+    from btbctl.engine.launcher.logs import LogFollower, echo_line
+
+    ops = LogFollower(rd.log_path("gateway"))  # from its end: the lines before the table were shown as progress
     try:
         while should_stop is None or not should_stop():
+            for line in ops.poll():
+                short = echo_line(line)
+                if short is not None:
+                    log(short)
             for proc in started:
                 rc = proc.popen.poll()
                 if rc is not None and proc.pid not in reported:
@@ -673,6 +712,45 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
         rd.save(state)
     else:
         rd.clear()
+    return out
+
+
+def list_fleets(root: Path | None = None) -> list[dict]:
+    """The fleets under ``root`` (default :func:`~btbctl.engine.launcher.rundir.runs_root`), one per folder, by
+    name: ``[{"name", "run_dir", "gateway_url", "control_url", "state", "processes", "live"}]``. ``state`` is
+    ``running`` (every recorded process alive), ``degraded`` (some), ``stopped`` (none, or nothing recorded: logs
+    of an earlier run only) or ``unreadable`` (a damaged ``state.json``). Looks only at the run directories and
+    the processes' identities (no network), so it is quick."""
+    root = root if root is not None else runs_root()
+    try:
+        folders = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError:
+        return []
+    out = []
+    for folder in folders:
+        rd = RunDir(folder)
+        row = {"name": folder.name, "run_dir": str(folder), "gateway_url": None, "control_url": None}
+        try:
+            state = rd.load()
+        except BtbctlError:
+            out.append({**row, "state": "unreadable", "processes": 0, "live": 0})
+            continue
+        if state is None:
+            out.append({**row, "state": "stopped", "processes": 0, "live": 0})
+            continue
+        live = len(rd.live_processes(state)) + sum(1 for p in state.processes if p.host)
+        total = len(state.processes)
+        verdict = "stopped" if not live else ("running" if live == total and state.complete else "degraded")
+        out.append(
+            {
+                **row,
+                "gateway_url": state.gateway_url,
+                "control_url": state.control_url,
+                "state": verdict,
+                "processes": total,
+                "live": live,
+            }
+        )
     return out
 
 
@@ -842,6 +920,8 @@ def status(rd: RunDir) -> dict:
 
 __all__ = [
     "check_no_live_run",
+    "free_gateway_ports",
+    "list_fleets",
     "connect_host",
     "down",
     "free_port",

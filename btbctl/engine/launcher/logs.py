@@ -17,9 +17,12 @@ from btbctl.engine.logfmt import parse_line
 TAIL_BYTES = 256 * 1024
 
 
-def log_names(rd: RunDir) -> list[str]:
-    """Every name ``btbctl logs NAME`` accepts: the logs on disk and the recorded processes."""
-    names = set(rd.log_names())
+def log_names(rd: RunDir, previous: bool = False) -> list[str]:
+    """Every name ``btbctl logs NAME`` accepts: the logs on disk and the recorded processes (``previous``: the
+    logs of the run before the last ``up``, ``logs.previous``)."""
+    names = set(rd.log_names(previous))
+    if previous:
+        return sorted(names)
     try:
         state = rd.load()
     except BtbctlError:
@@ -29,10 +32,16 @@ def log_names(rd: RunDir) -> list[str]:
     return sorted(names)
 
 
-def find_log(rd: RunDir, name: str) -> tuple[Path, ProcessRecord | None]:
-    """The log file called ``name`` and its process record (None once ``down`` forgot it). The gateway's log is
-    ``gateway.log`` (its output, the ready line, is ``gateway.out``). Raises :class:`BtbctlError` listing the valid
-    names."""
+def find_log(rd: RunDir, name: str, previous: bool = False) -> tuple[Path, ProcessRecord | None]:
+    """The log file called ``name`` and its process record (None once ``down`` forgot it, and always for
+    ``previous``: the run before the last ``up``). The gateway's log is ``gateway.log`` (its output, the ready
+    line, is ``gateway.out``). Raises :class:`BtbctlError` listing the valid names."""
+    if previous:
+        path = rd.log_path(name, previous=True)
+        if not path.exists():
+            names = ", ".join(log_names(rd, previous=True)) or "none"
+            raise BtbctlError(f"no log called {name!r} in {rd.previous_logs_dir}; valid: {names}")
+        return path, None
     rec = None
     try:
         state = rd.load()
@@ -174,15 +183,94 @@ def since_filter(text: str, since: float) -> str:
     return "".join(out)
 
 
+#: Fields that hold ids: kept as strings in :func:`as_json` even when every character is a digit (a hex prefix
+#: id, a request id).
+ID_FIELDS = frozenset({"prefix", "copy_id", "request", "rid", "token", "event", "msg"})
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _typed(key: str, value: str) -> object:
+    """``value`` as an int or float when it is written as a number (``3``, ``0.25``, ``1e-3``) and ``key`` is not
+    an id; else the text."""
+    if key in ID_FIELDS or not _NUMBER.fullmatch(value):
+        return value
+    if value.lstrip("-").isdigit():
+        return int(value)
+    return float(value)
+
+
 def as_json(line: str) -> dict:
-    """One log line as a JSON object: its logfmt fields, or ``{"msg": line}`` for a line that is not logfmt."""
+    """One log line as a JSON object: its logfmt fields (numbers as JSON numbers, ids and other text as strings),
+    or ``{"msg": line}`` for a line that is not logfmt."""
     stripped = line.rstrip("\n")
     fields = parse_line(stripped)
-    return dict(fields) if fields is not None else {"msg": stripped}
+    if fields is None:
+        return {"msg": stripped}
+    return {k: _typed(k, v) for k, v in fields.items()}
+
+
+#: Events of the operations log a foreground ``up`` echoes under its table: what an operator acts on.
+ECHO_EVENTS = frozenset(
+    {
+        "detector_fired",
+        "copy_done",
+        "copy_failed",
+        "control_write",
+        "control_replicate",
+        "control_flush",
+        "worker_down",
+        "worker_up",
+        "gateway_stop",
+    }
+)
+#: Fields an echoed line leaves out (the time is printed first; the rest is in ``btbctl logs gateway``).
+_ECHO_SKIP = ("ts", "level", "logger", "event", "source_url", "target_url", "token", "saved")
+
+
+def echo_line(line: str) -> str | None:
+    """A short line for one operations-log line whose event is in :data:`ECHO_EVENTS` (``17:25:40
+    detector_fired prefix=... count=3 ...``), or None for any other line."""
+    fields = parse_line(line.rstrip("\n"))
+    if fields is None or fields.get("event") not in ECHO_EVENTS:
+        return None
+    ts = fields.get("ts", "")
+    clock = ts[11:19] if len(ts) >= 19 else "--:--:--"
+    rest = " ".join(f"{k}={v}" for k, v in fields.items() if k not in _ECHO_SKIP)
+    return f"{clock} {fields['event']} {rest}".rstrip()
+
+
+class LogFollower:
+    """New complete lines of a growing log file, from where it ended when the follower was made (a file that
+    shrinks, rotated or truncated, is read again from its start). Reads at most :data:`TAIL_BYTES` per call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.pos = path.stat().st_size
+        except OSError:
+            self.pos = 0
+        self._buf = ""
+
+    def poll(self) -> list[str]:
+        try:
+            size = self.path.stat().st_size
+            if size < self.pos:
+                self.pos, self._buf = 0, ""
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read(TAIL_BYTES)
+        except OSError:
+            return []
+        self.pos += len(data)
+        done, _, self._buf = (self._buf + data.decode("utf-8", "replace")).rpartition("\n")
+        return done.splitlines() if done else []
 
 
 __all__ = [
+    "ECHO_EVENTS",
+    "LogFollower",
     "as_json",
+    "echo_line",
     "find_log",
     "find_record",
     "line_time",

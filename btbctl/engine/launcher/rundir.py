@@ -9,15 +9,21 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
     <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): peers authenticate with it
     <run dir>/agent.token     bearer token of the agents' control APIs (l3)
     <run dir>/agent.sock      the local node agent's socket (l3; elsewhere when this path is too long)
-    <run dir>/tuned.json      the constants and policy last set with ``btbctl tune`` (kept by ``down``; reapplied
-                              by ``up --gateway-only``, and by ``up`` with the same cluster file)
+    <run dir>/tuned.json      the constants and policy of the last confirmed control-API write, whoever made it
+                              (``btbctl tune``, the dashboard, a raw ``PUT /control/constants``); the gateway
+                              writes it; kept by ``down``; reapplied by ``up --gateway-only``, and by ``up`` with
+                              the same cluster file
     <run dir>/logs/<name>.log stdout + stderr of each worker and agent
     <run dir>/logs/gateway.log the gateway's log: one logfmt line per event (the operations log), rotated at
                               10 MiB (gateway.log.1 ... .5); kept by ``down``
     <run dir>/logs/gateway.out.log the gateway's own output (its ready line; a crash's traceback)
+    <run dir>/logs.previous/  the logs of the run before: ``up`` moves ``logs`` here (one generation is kept;
+                              ``btbctl logs --previous`` reads them)
 
 The default run directory is ``platformdirs.user_state_dir("btbctl")/runs/default`` (for example
-``~/.local/state/btbctl/runs/default`` on Linux); ``--run-dir`` picks another, so several fleets can run side by side.
+``~/.local/state/btbctl/runs/default`` on Linux). Several fleets run side by side under names, as compose projects
+do: ``--fleet NAME`` or ``BTBCTL_FLEET=NAME`` uses ``runs/NAME``; ``--run-dir DIR`` or ``BTBCTL_RUN_DIR=DIR`` names
+the directory itself (see :func:`default_run_dir` for the order).
 
 A process recorded in ``state.json`` is only ever signalled after checking it is still the same process: its pid must
 exist, not be a zombie, and have the start time recorded when it was launched (``/proc/<pid>/stat`` field 22, clock
@@ -29,32 +35,78 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from btbctl.engine.control.tuned import TUNED_FILE, load_tuned, save_tuned
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.fileio import RECORD_LIMIT_BYTES, ReadRefused, read_bounded, read_text_bounded
+from btbctl.engine.fileio import RECORD_LIMIT_BYTES, ReadRefused, read_bounded, read_text_bounded, write_atomic
 
 #: Version of the ``state.json`` layout; bumped on incompatible changes.
 STATE_VERSION = 1
 #: Name of the run under the state directory when ``--run-dir`` is not given.
 DEFAULT_RUN_NAME = "default"
+#: Folder, inside the run directory, holding the logs of the run before the last ``up``.
+PREVIOUS_LOGS = "logs.previous"
 #: Bytes of randomness in each token (``secrets.token_urlsafe(32)``: 256 bits, 43 characters).
 TOKEN_BYTES = 32
 
 
+#: What a fleet name may be (``--fleet NAME`` / ``BTBCTL_FLEET``): it names a folder under :func:`runs_root`.
+FLEET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+#: The fleet named on the command line (``--fleet``), set by :func:`select_fleet`; wins over the environment.
+_selected_fleet: str | None = None
+
+
+def check_fleet_name(name: str, where: str = "--fleet") -> str:
+    """``name`` when it is a valid fleet name. Raises :class:`BtbctlError` naming ``where`` and what is valid."""
+    if not FLEET_NAME.fullmatch(name):
+        raise BtbctlError(
+            f"{where}: {name[:80]!r} is not a fleet name; valid: 1-63 letters, digits, '-' or '_', starting with a "
+            "letter or digit"
+        )
+    return name
+
+
+def select_fleet(name: str | None) -> None:
+    """Make ``name`` the fleet every :class:`RunDir` without a path refers to (``--fleet NAME``); None: none
+    chosen on the command line. Raises :class:`BtbctlError` for an invalid name."""
+    global _selected_fleet
+    _selected_fleet = None if name is None else check_fleet_name(name)
+
+
+def fleet_name() -> str | None:
+    """The fleet named by ``--fleet`` or else ``BTBCTL_FLEET``; None when neither names one (the default fleet).
+    Raises :class:`BtbctlError` for an invalid ``BTBCTL_FLEET``."""
+    if _selected_fleet is not None:
+        return _selected_fleet
+    env = os.environ.get("BTBCTL_FLEET")
+    return check_fleet_name(env, "BTBCTL_FLEET") if env else None
+
+
+def runs_root() -> Path:
+    """Where named fleets live: ``platformdirs.user_state_dir("btbctl")/runs`` (one folder per fleet name)."""
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("btbctl")) / "runs"
+
+
 def default_run_dir() -> Path:
-    """``platformdirs.user_state_dir("btbctl")/runs/default``; ``BTBCTL_RUN_DIR`` in the environment overrides it."""
+    """The run directory when ``--run-dir`` is not given, first match wins: ``--fleet NAME`` (``runs/NAME``),
+    ``BTBCTL_RUN_DIR`` (a path), ``BTBCTL_FLEET`` (``runs/NAME``), else ``runs/default``, all under
+    :func:`runs_root`."""
+    if _selected_fleet is not None:
+        return runs_root() / _selected_fleet
     env = os.environ.get("BTBCTL_RUN_DIR")
     if env:
         return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_state_dir("btbctl")) / "runs" / DEFAULT_RUN_NAME
+    return runs_root() / (fleet_name() or DEFAULT_RUN_NAME)
 
 
 @dataclass
@@ -276,6 +328,17 @@ class RunDir:
     def __init__(self, path: str | os.PathLike | None = None) -> None:
         self.path = Path(path) if path is not None else default_run_dir()
 
+    def selector(self) -> str:
+        """The flag that names this run directory to another btbctl command: ``""`` for the default one,
+        `` --fleet NAME`` for a named fleet's, else `` --run-dir PATH`` (quoted for a shell)."""
+        import shlex
+
+        if self.path == runs_root() / DEFAULT_RUN_NAME and fleet_name() is None:
+            return ""
+        if self.path.parent == runs_root() and FLEET_NAME.fullmatch(self.path.name):
+            return f" --fleet {self.path.name}"
+        return f" --run-dir {shlex.quote(str(self.path))}"
+
     @property
     def state_path(self) -> Path:
         return self.path / "state.json"
@@ -300,36 +363,48 @@ class RunDir:
     def logs_dir(self) -> Path:
         return self.path / "logs"
 
-    def log_path(self, name: str) -> Path:
-        return self.logs_dir / f"{name}.log"
+    @property
+    def previous_logs_dir(self) -> Path:
+        """The logs of the run before the last ``up`` (``logs.previous``): ``up`` moves ``logs`` here."""
+        return self.path / PREVIOUS_LOGS
+
+    def log_path(self, name: str, previous: bool = False) -> Path:
+        return (self.previous_logs_dir if previous else self.logs_dir) / f"{name}.log"
+
+    def archive_logs(self) -> Path | None:
+        """Keep the last run's logs: move ``logs`` to ``logs.previous`` (replacing an older one), so a new run
+        starts with empty logs and the last one stays readable (``btbctl logs --previous``). Returns the archive,
+        or None when there were no logs. Raises :class:`BtbctlError` when the move fails."""
+        try:
+            if not self.logs_dir.is_dir() or not any(self.logs_dir.iterdir()):
+                return None
+            if self.previous_logs_dir.exists():
+                shutil.rmtree(self.previous_logs_dir)
+            os.replace(self.logs_dir, self.previous_logs_dir)
+        except OSError as e:
+            raise BtbctlError(
+                f"cannot keep the last run's logs in {self.previous_logs_dir}: {e.strerror or e}"
+            ) from None
+        return self.previous_logs_dir
 
     @property
     def tuned_path(self) -> Path:
-        return self.path / "tuned.json"
+        return self.path / TUNED_FILE
 
     def load_tuned(self) -> dict | None:
-        """What ``btbctl tune`` last set (``{"constants": {...}, "policy", "cluster_file", "at"}``), or None when
-        nothing was tuned or the file is unreadable."""
-        try:
-            data = json.loads(read_bounded(self.tuned_path, limit_bytes=RECORD_LIMIT_BYTES).decode("utf-8"))
-        except (OSError, ReadRefused, ValueError):
-            return None
-        if not isinstance(data, dict) or not isinstance(data.get("constants", {}), dict):
-            return None
-        return data
+        """The last confirmed tuning (:func:`~btbctl.engine.control.tuned.load_tuned`), or None."""
+        return load_tuned(self.tuned_path)
 
     def save_tuned(self, constants: dict, policy: str | None, cluster_file: str | None) -> None:
-        """Record the constants and policy the gateway holds after a ``tune`` (mode 0600, atomically: a temporary
-        file is written, flushed to disk and renamed over ``tuned.json``). Raises OSError when that fails (a full
-        disk); the temporary file is then removed and the old ``tuned.json`` stays."""
-        body = json.dumps({"constants": constants, "policy": policy, "cluster_file": cluster_file, "at": time.time()})
-        write_atomic(self.tuned_path, (body + "\n").encode("utf-8"))
+        """Write ``tuned.json`` (:func:`~btbctl.engine.control.tuned.save_tuned`; raises OSError)."""
+        save_tuned(self.tuned_path, constants, policy, cluster_file)
 
-    def log_names(self) -> list[str]:
+    def log_names(self, previous: bool = False) -> list[str]:
         """Names of the logs on disk (``gateway``, ``gateway.out``, ``worker-0`` ...), sorted; rotated copies
-        (``gateway.log.1``) are not names of their own."""
+        (``gateway.log.1``) are not names of their own. ``previous``: those of the run before (``logs.previous``)."""
+        folder = self.previous_logs_dir if previous else self.logs_dir
         try:
-            return sorted(p.name[: -len(".log")] for p in self.logs_dir.iterdir() if p.name.endswith(".log"))
+            return sorted(p.name[: -len(".log")] for p in folder.iterdir() if p.name.endswith(".log"))
         except OSError:
             return []
 
@@ -430,30 +505,6 @@ class RunDir:
         return state
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` to ``path`` as one step: a temporary file beside it (``mode``) is written, flushed to disk
-    and renamed over ``path``, so a reader sees the old file or the whole new one, never an empty or cut one.
-    Raises OSError (a full disk); the temporary file is then removed and ``path`` is as it was."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)  # a leftover of a killed writer: created afresh below, with ``mode``
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-
-
 def _write_secret(path: Path) -> str:
     """A fresh token written to ``path`` (0600) atomically (:func:`write_atomic`): a failed write (a full disk)
     leaves the old file or none, never an empty one."""
@@ -474,10 +525,14 @@ __all__ = [
     "ProcessRecord",
     "RunDir",
     "RunState",
+    "check_fleet_name",
     "default_run_dir",
+    "fleet_name",
     "group_members",
     "is_same_process",
     "process_start_time",
     "record_is_ours",
+    "runs_root",
+    "select_fleet",
     "write_atomic",
 ]

@@ -4,16 +4,26 @@ process around both is :mod:`btbctl.engine.worker.server`."""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
-from btbctl.engine.logfmt import RateLimiter
+from btbctl.engine.logfmt import LineBudget, RateLimiter, log_event
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import Transport
 from btbctl.engine.worker.config import WorkerConfig
 from btbctl.engine.worker.copies import CopyBook, CopySender, CopySink
 from btbctl.engine.worker.metrics import WorkerMetrics
-from btbctl.engine.worker.model import ModelDriver
+from btbctl.engine.worker.model import LiveRequest, ModelDriver
 from btbctl.engine.worker.store import BlockStore
+
+log = logging.getLogger("btbctl.worker")
+
+#: Request lines a worker writes per second at most once its burst allowance is spent, and that allowance (a
+#: product choice: a quiet fleet logs every request, a flood costs at most 20 lines a second; ``held=N`` on the
+#: next line says how many were left out).
+REQUEST_LINES_PER_S = 20.0
+REQUEST_LINES_BURST = 100
 
 
 class Worker:
@@ -46,12 +56,37 @@ class Worker:
         self.http_port = cfg.port
         self.metrics = WorkerMetrics(cfg.served_name, hicache=cfg.enable_hierarchical_cache)
         self.refusal_limiter = RateLimiter()  # refused /btb requests: one log line per reason and interval
+        self.request_lines = LineBudget(REQUEST_LINES_PER_S, REQUEST_LINES_BURST, clock=self.model.clock)
         self.started_unix = time.time()
         self.hicache = None
         if cfg.enable_hierarchical_cache:
             from btbctl.engine.worker.hicache import HiCache
 
             self.hicache = HiCache(cfg, self.model, self.metrics)
+
+    def log_request(self, lr: LiveRequest, details: dict | None = None) -> None:
+        """One ``event=request`` line for a finished request (rid, prompt and cached tokens, where the cached ones
+        came from, TTFT and end-to-end latency in wall seconds), within :attr:`request_lines`' budget."""
+        ok, held = self.request_lines.allow()
+        if not ok:
+            return
+
+        def secs(end: float) -> float | None:
+            return None if math.isnan(end) else round(max(0.0, end - lr.arrival_wall), 4)
+
+        log_event(
+            log,
+            "request",
+            rid=lr.rid,
+            prompt_tokens=lr.prompt_tokens,
+            cached_tokens=lr.cached_tokens,
+            cached_host=(details or {}).get("host") or None,
+            cached_storage=(details or {}).get("storage") or None,
+            output_tokens=lr.max_new_tokens,
+            ttft_s=secs(lr.first_wall),
+            e2e_s=secs(lr.finish_wall),
+            held=held or None,
+        )
 
     async def start(self) -> None:
         """Start the model driver and the transfer receiver (raises OSError when the port is taken)."""

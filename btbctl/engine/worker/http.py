@@ -627,12 +627,17 @@ class _Handlers:
         except TooLarge as e:
             raise ApiError(400, str(e)) from None
         lr.tiers = tiers
-        metrics = self.w.metrics
         if lr.done.done():
-            metrics.observe(lr, self._details(lr))
+            self._finished(lr)
         else:  # observed when the model finishes it, whether or not the client is still there
-            lr.done.add_done_callback(lambda _f: metrics.observe(lr, self._details(lr)))
+            lr.done.add_done_callback(lambda _f: self._finished(lr))
         return lr
+
+    def _finished(self, lr: LiveRequest) -> None:
+        """Count a finished request in the metrics and write its request line (:meth:`Worker.log_request`)."""
+        details = self._details(lr)
+        self.w.metrics.observe(lr, details)
+        self.w.log_request(lr, details)
 
     async def _progress(self, lr: LiveRequest):
         """Yield ``(tokens_out, finished)`` as tokens come out: the first at the first token, the rest spread at

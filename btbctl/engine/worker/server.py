@@ -77,6 +77,23 @@ async def serve_async(cfg: WorkerConfig, out: TextIO | None = None, stop: asynci
         guard.close()
 
 
+def log_to(stream: TextIO) -> None:
+    """Write the worker's log lines (``btbctl.worker``: request lines, refusals) at INFO and above on ``stream``
+    as logfmt (:class:`~btbctl.engine.logfmt.LogfmtFormatter`); other loggers are left as they are."""
+    import logging
+
+    from btbctl.engine.logfmt import LogfmtFormatter
+
+    logger = logging.getLogger("btbctl.worker")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(LogfmtFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def serve(cfg: WorkerConfig) -> None:
-    """Blocking entry point of ``btbctl worker``."""
+    """Blocking entry point of ``btbctl worker``: its log lines go to stdout, after the ready line (``btbctl up``
+    writes both to ``logs/worker-N.log``, size-capped)."""
+    log_to(sys.stdout)
     asyncio.run(serve_async(cfg))
