@@ -222,7 +222,7 @@ def hbm_gb(used: float, total: float) -> str:
 #: serve the prefix, an l3 proof) goes on an indented line under the row, wrapped to the panel, never cut.
 TRANSFERS_WIDE = 70
 _WIDE_HEAD = f"{'prefix':12} {'len':>4} {'route':7} {'progress':13} {'size':>7} {'rate':>9} {'time':>6}  state"
-_NARROW_HEAD = f"{'prefix':12} {'len':>4} {'route':5} {'time':>5} state"
+_NARROW_HEAD = f"{'prefix':12} {'len':>4} {'route':5} {'size':>6} {'time':>5}\n  state"
 
 
 def _copied(tokens: int | None) -> str:
@@ -231,8 +231,8 @@ def _copied(tokens: int | None) -> str:
 
 class TransferPanel(VerticalScroll):
     """KV-cache copies in flight, then recent ones: hot prefix id, tokens copied, source > target, progress, size,
-    rate, time, state (with the time left while running); details under the row (a narrow panel drops progress,
-    size and rate; the state of a running copy then shows its percentage)."""
+    rate, time, state (with the time left while running); details under the row (a narrow panel drops progress and
+    rate and puts the state under the row too; the state of a running copy then shows its percentage)."""
 
     BORDER_TITLE = "3 Transfers"
     can_focus = True
@@ -267,14 +267,15 @@ class TransferPanel(VerticalScroll):
                 row = f"{pid:12} {length:>4} {route:7} {bar(x.fraction, 8)} {pct} {size:>7} {rate:>9} {took:>6}  "
                 state = x.state
             else:
-                row = f"{pid:12} {length:>4} {route:5} {took:>5} "
+                row = f"{pid:12} {length:>4} {route:5} {size:>6} {took:>5}"
                 state = x.state if cs.final or cs is CopyState.STALLED else pct.strip()
             if x.outcome is not None and x.outcome != x.state:  # l3: proved, computed (not a copy), short
                 state = x.outcome
             if not cs.final and x.eta_s is not None:
                 state += f" {seconds(x.eta_s)} left"
             line = Text(row, no_wrap=True, overflow="ellipsis")
-            line.append(state, style=style)
+            if wide:
+                line.append(state, style=style)
             parts.append(line)
             details = []
             if x.error:
@@ -287,8 +288,14 @@ class TransferPanel(VerticalScroll):
                 details.append(usable)
             if x.proof_storage_tokens is not None:  # an l3 copy's proof: tokens its target loaded from L3
                 details.append(f"proof {human_tokens(x.proof_storage_tokens)} from L3")
-            if details:
-                parts.append(Text("  " + "; ".join(details), style="dim"))
+            if details or not wide:
+                more = Text("  ")
+                if not wide:  # a narrow panel's state leads the line under the row
+                    more.append(state, style=style)
+                    if details:
+                        more.append("; ")
+                more.append("; ".join(details), style="dim")
+                parts.append(more)
         body = Group(*parts) if snap.transfers else Text("no transfers yet", style="dim")
         self.query_one("#transfer-body", Static).update(body)
         self.border_subtitle = f"{live} in flight"
@@ -296,8 +303,6 @@ class TransferPanel(VerticalScroll):
 
 #: Colours and plotext markers of the TTFT lines (the head line is their legend).
 TTFT_LINES = (("p50", "cyan", "braille"), ("p95", "magenta", "braille"))
-#: Cells of a panel's top border its title cannot use (the corners and the spaces around the title).
-TITLE_MARGIN = 6
 #: The TTFT panel's x axis: ticks at these fractions of its window before now.
 _X_TICKS = (1.0, 0.75, 0.5, 0.25, 0.0)
 
@@ -329,8 +334,9 @@ def ttft_unit(top_s: float) -> tuple[float, str]:
 class TtftPanel(Vertical):
     """TTFT over the last ``ttft_window_s`` (60 s) of fleet time (plotext): p50 and p95 per 1-second bucket, idle
     buckets as gaps; the y axis in ms or s, the x axis in seconds before the snapshot's ``now_s`` (never beyond
-    it). The title line states the window with its p50/p95 (over every first token in it, not the latest bucket),
-    the arrivals per second, and serves as the lines' legend (their colours)."""
+    it). The title line states the window with its p50/p95 (over every first token in it, not the latest bucket) and
+    serves as the lines' legend (their colours); the bottom line says how many first tokens the window holds and the
+    arrivals per second."""
 
     BORDER_TITLE = "4 TTFT"
 
@@ -355,10 +361,8 @@ class TtftPanel(Vertical):
             value = seconds(getattr(snap, f"ttft_{name}_s")) if snap.ttft_n else "-"
             head.append(f" {name} ", style=f"bold {colour}")
             head.append(value)
-        more = f" n={snap.ttft_n} | {snap.rps:.0f} req/s"
-        if head.cell_len + len(more) <= self.size.width - TITLE_MARGIN:  # a narrow panel keeps the window's p50/p95
-            head.append(more)
         self.border_title = head
+        self.border_subtitle = f"{snap.ttft_n} first tokens in {window:g}s | {snap.rps:.0f} req/s"
         plot = self.query_one("#ttft-plot", PlotextPlot)
         plt = plot.plt
         plt.clear_data()
