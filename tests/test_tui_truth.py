@@ -246,3 +246,9 @@ async def test_a_deeper_copy_is_shown_and_logged_under_its_hot_prefix(caplog):
             body = _plain(app.query_one("#transfer-body", Static))
             heat = app.query_one("#prefix-table", DataTable).get_row_at(0)[0]
             assert heat == short_id(hot) and short_id(hot) in body and short_id(deep) not in body, body
+
+
+def test_a_small_cached_prefix_does_not_read_as_an_empty_kv_cache():
+    from btbctl.tui.widgets.panels import percent
+
+    assert percent(304 / 447_998) == " <1%" and percent(0.0) == "  0%" and percent(0.154) == " 15%"

@@ -111,11 +111,13 @@ LEGEND = """\
   [b]run[/b]     requests running    [b]queue[/b] requests waiting
   [b]KV[/b]      KV cache held / capacity: █ running requests,
           ▓ cached prefixes (evictable), ░ free
-  [b]via[/b]     (workers) whose numbers: {worker_sources}
+  [b]via[/b]     (workers, wide panel) whose numbers these are:
+{worker_sources}
   [b]HBM GB[/b]  GPU memory in use / size, GB (1e9 bytes, as in
           [i]btbctl presets[/i])
   [b]util[/b]    GPU utilisation
-  [b]via[/b]     (GPUs) {gpu_sources}
+  [b]via[/b]     (GPUs) whose figures these are:
+{gpu_sources}
 [b]3 Transfers[/b]: KV-cache copies, in flight first
   [b]prefix[/b]  the hot prefix it is for (the id of panel 1)
   [b]len[/b]     tokens copied (a policy may copy a deeper chain)
@@ -125,9 +127,9 @@ LEGEND = """\
   [b]time[/b]    time since it started, or how long it took
   [b]state[/b]   and, while running, the time left; details below
 [b]4 TTFT[/b]: time to first token over the last 60 s: the title's
-  p50/p95 over every first token in it (n: how many); the lines
-  per 1 s bucket, gaps where no first token came; y: ms or s,
-  x: seconds before now
+  p50/p95 over every first token in it, the bottom line how many
+  and the arrivals per second; the lines per 1 s bucket, gaps
+  where no first token came; y: ms or s, x: seconds before now
 [b]5 Constants[/b]: as named in the config's \\[btb] and by [i]btbctl tune[/i]
 """
 
@@ -140,8 +142,11 @@ def legend() -> str:
     from btbctl.tui.widgets.panels import SOURCE_LABELS
 
     def listing(items: dict[str, str]) -> str:
-        text = "; ".join(f"{k} ({v})" for k, v in items.items())
-        return textwrap.fill(text, width=62, subsequent_indent="          ").lstrip()
+        pad = " " * 10
+        return "\n".join(
+            textwrap.fill(f"{k} ({v})", width=72, initial_indent=pad, subsequent_indent=pad + "  ")
+            for k, v in items.items()
+        )
 
     return LEGEND.format(worker_sources=listing(SOURCE_LABELS), gpu_sources=listing(GPU_SOURCES))
 

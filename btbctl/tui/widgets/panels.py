@@ -174,7 +174,7 @@ class FleetPanel(VerticalScroll):
             held = row.kv_held_fraction
             if held is not None and row.kv_capacity_tokens:
                 used = (row.kv_used_tokens or 0) / row.kv_capacity_tokens
-                kv = f"{kv_bar(used, held - used, 6)} {held * 100:3.0f}%"
+                kv = f"{kv_bar(used, held - used, 6)} {percent(held)}"
             else:
                 kv = "-"
             cells = [row.name, ok, str(row.running), str(row.queued), kv, _tokens(row.host_tier_tokens)]
@@ -208,6 +208,13 @@ class FleetPanel(VerticalScroll):
             + (f", copies {snap.replication}" if snap.replication else "")
             + (f", {note}" if note else "")
         )
+
+
+def percent(fraction: float) -> str:
+    """A share 0..1 as a 4-cell percentage; ``<1%`` for a share above 0 that would round to ``0%`` (a worker
+    holding a small cached prefix does not read as empty)."""
+    pct = fraction * 100
+    return " <1%" if 0 < pct < 0.5 else f"{pct:3.0f}%"
 
 
 def hbm_gb(used: float, total: float) -> str:
