@@ -252,3 +252,36 @@ def test_a_small_cached_prefix_does_not_read_as_an_empty_kv_cache():
     from btbctl.tui.widgets.panels import percent
 
     assert percent(304 / 447_998) == " <1%" and percent(0.0) == "  0%" and percent(0.154) == " 15%"
+
+
+async def test_the_transfers_state_is_not_cut_at_160_columns():
+    from btbctl.engine.dashboard import TransferRow
+
+    pid = "fedcba9876543210" * 4
+    rows = tuple(
+        TransferRow(
+            f"c{i}",
+            pid,
+            "w0",
+            f"w{i}",
+            2.7e9,
+            2.7e9,
+            1.1e9,
+            None,
+            "done",
+            duration_s=2.4,
+            proof_storage_tokens=65536,
+            outcome="proved",
+            usable_s=3.1,
+            phases_s=(1.32, 1.5, 0.27),
+        )
+        for i in (1, 2, 3)
+    )
+    snap = FleetSnapshot(now_s=10.0, connected=True, message="test", transfers=rows)
+    async with running_app(small_source(), (160, 48), poll_hz=0.01) as (app, pilot):
+        app.paused = True
+        app.apply_snapshot(snap)
+        await pilot.pause(0.05)
+        screen = app.export_screenshot()
+        assert "…" not in screen  # nothing on the screen is cut
+        assert screen.count("usable&#160;in&#160;3.1s") + screen.count("usable in 3.1s") == 3
