@@ -285,3 +285,12 @@ async def test_the_transfers_state_is_not_cut_at_160_columns():
         screen = app.export_screenshot()
         assert "…" not in screen  # nothing on the screen is cut
         assert screen.count("usable&#160;in&#160;3.1s") + screen.count("usable in 3.1s") == 3
+
+
+def test_a_bench_results_copies_carry_the_hot_prefix():
+    from btbctl.engine.launcher.bench import copies_during
+
+    done = {"copy_id": "c1", "prefix": "deep", "hot_prefix": "hot", "state": "done", "finished_s": 5.0}
+    older = {"copy_id": "c0", "prefix": "same", "state": "done", "finished_s": 6.0}  # a gateway before the field
+    rows = copies_during({"now_s": 1.0}, {"now_s": 9.0, "transfers": [done, older]})
+    assert [(r["prefix"], r["hot_prefix"]) for r in rows] == [("deep", "hot"), ("same", "same")]
