@@ -230,6 +230,8 @@ async def test_a_deeper_copy_is_shown_and_logged_under_its_hot_prefix(caplog):
         entry = tr["transfers"][0]
         assert entry["prefix"] == deep and entry["hot_prefix"] == hot
         assert entry["prefix_blocks"] == len(chain) and entry["prefix_tokens"] == len(chain) * env.gw.page_size
+        _, rep = await env.get_control(f"/control/replications/{short_id(hot)}")  # what `btbctl prefixes` shows
+        assert rep["prefix"] == hot and [c["copy_id"] for c in rep["copies"]] == [entry["copy_id"]]
         lines = [parse_line(r.getMessage()) or {} for r in caplog.records]
         copies = [ln for ln in lines if ln.get("event", "").startswith("copy_")]
         assert {ln["event"] for ln in copies} >= {"copy_accepted", "copy_started", "copy_done"}

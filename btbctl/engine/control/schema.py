@@ -557,7 +557,8 @@ class ReplicationAnswer(Answer):
     holders: list[str]
     """Workers recorded as holding all of it."""
     copies: list[TransferEntry]
-    """Its copies: in flight first, then the recent finished ones (newest first)."""
+    """Its copies (and those made for it as the hot prefix): in flight first, then the recent finished ones (newest
+    first)."""
 
 
 # -- the event stream ---------------------------------------------------------------------------------------------

@@ -477,9 +477,14 @@ class TransferTable:
         return None
 
     def for_key(self, key: Hashable) -> list[Transfer]:
-        """Copies of prefix ``key``, in flight first, then recent (newest first)."""
-        out = [t for t in self.active.values() if t.key == key]
-        out.extend(t for t in reversed(self.recent) if t.key == key)
+        """Copies of prefix ``key`` (the chain copied, or the hot prefix a deeper copy is for), in flight first, then
+        recent (newest first)."""
+
+        def of(t: Transfer) -> bool:
+            return t.key == key or t.hot_id == str(key)
+
+        out = [t for t in self.active.values() if of(t)]
+        out.extend(t for t in reversed(self.recent) if of(t))
         return out
 
     def all(self) -> list[Transfer]:
