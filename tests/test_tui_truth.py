@@ -209,10 +209,11 @@ async def test_the_fleet_panel_labels_where_kv_and_hbm_come_from():
 
 async def test_a_deeper_copy_is_shown_and_logged_under_its_hot_prefix(caplog):
     caplog.set_level(logging.INFO, logger="btbctl")
-    constants = {"prefix_blocks": PREFIX_BLOCKS, "threshold": 100, "window_s": 30.0, "replicas": 1}
+    constants = {"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 30.0, "replicas": 1}
     async with GatewayEnv(3, policy="round_robin", constants=constants) as env:
-        status, _ = await env.post("/generate", {"text": TEXT})
-        assert status == 200
+        for _ in range(2):  # the detector fires on the prefix_blocks-long prefix; two of three workers hold it
+            status, _ = await env.post("/generate", {"text": TEXT})
+            assert status == 200
         chain = env.fleet[0].chain_of("/generate", {"text": TEXT})
         deep, hot = chain[-1], chain[PREFIX_BLOCKS - 1]
         # a copy of the whole chain (as btb_plus copies the deepest hot prefix), asked for by its own id
@@ -233,6 +234,8 @@ async def test_a_deeper_copy_is_shown_and_logged_under_its_hot_prefix(caplog):
         _, rep = await env.get_control(f"/control/replications/{short_id(hot)}")  # what `btbctl prefixes` shows
         assert rep["prefix"] == hot and [c["copy_id"] for c in rep["copies"]] == [entry["copy_id"]]
         lines = [parse_line(r.getMessage()) or {} for r in caplog.records]
+        fired = [ln for ln in lines if ln.get("event") == "detector_fired"]
+        assert [ln["prefix"] for ln in fired] == [short_id(hot)]
         copies = [ln for ln in lines if ln.get("event", "").startswith("copy_")]
         assert {ln["event"] for ln in copies} >= {"copy_accepted", "copy_started", "copy_done"}
         for ln in copies:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from btbctl.engine.chains import short_id
+from btbctl.engine.chains import prefix_id, short_id
 from btbctl.engine.copies import CopyOutcome, CopyPlan, CopyState, carry_out
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.logfmt import log_event
@@ -77,7 +77,7 @@ DEFAULT_CALL_TIMEOUT_S = 5.0
 def _hot_fields(t: Transfer) -> dict[str, object]:
     """The log fields naming the hot prefix a copy is for (its short id, as ``detector_fired`` and
     ``btbctl prefixes`` show it) and the length copied (tokens; omitted when the page size is unknown)."""
-    out: dict[str, object] = {"hot_prefix": short_id(t.hot_id)}
+    out: dict[str, object] = {"hot_prefix": short_id(prefix_id(t.hot_id))}
     if t.copied_tokens is not None:
         out["copied_tokens"] = t.copied_tokens
     return out

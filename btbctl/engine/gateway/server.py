@@ -495,8 +495,8 @@ class Gateway:
     def _heat_in_window(self, now_s: float) -> bool:
         """Whether a tracked prefix has arrivals in the detector's window at ``now_s`` (its heat decays with time
         alone: the event stream sends ``prefixes`` while this holds, and once after)."""
-        top = self.detector.heat(now_s, 1)
-        return bool(top) and top[0].arrivals_in_window > 0
+        last = self.detector.last_arrival_s()
+        return last is not None and last > now_s - self.detector.constants.window_s
 
     def _ttft_in_window(self, now_s: float) -> bool:
         """Whether a first byte was measured in the trailing :data:`TTFT_RECENT_WINDOW_S` (the ``ttft`` event's
