@@ -238,3 +238,18 @@ def test_property_fires_iff_threshold_arrivals_in_a_window(arrivals, threshold, 
         if in_window >= threshold:
             assert det is not None
         assert len(d) <= max_tracked
+
+
+def test_last_arrival_says_whether_any_prefix_has_arrivals_in_the_window():
+    d = BurstDetector(BtbConstants(prefix_blocks=2, threshold=3, window_s=1.0))
+    assert d.last_arrival_s() is None
+    d.observe(["a", "b", "c"], 1.0)
+    d.observe(["x", "y"], 2.5)
+    d.observe(["a", "b"], 2.0)  # a little out of order
+    d.observe(["short"], 9.0)  # shorter than prefix_blocks: not tracked
+    assert d.last_arrival_s() == 2.5
+    for now in (2.6, 3.4, 3.6, 30.0):
+        in_window = any(h.arrivals_in_window > 0 for h in d.heat(now, 10))
+        assert in_window == (d.last_arrival_s() > now - 1.0), now
+    d.reset()
+    assert d.last_arrival_s() is None

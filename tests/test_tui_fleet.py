@@ -37,7 +37,9 @@ def _text(w: Static) -> str:
 async def test_dashboard_on_a_real_fleet(tmp_path):
     token_file = tmp_path / "worker.token"
     token_file.write_text("wtok\n")
-    procs, urls = await start_workers(tmp_path, 3, "--page-size", str(PAGE), "--btb-token-file", str(token_file))
+    procs, urls = await start_workers(
+        tmp_path, 3, "--page-size", str(PAGE), "--btb-token-file", str(token_file), "--enable-metrics"
+    )
     gw = await serve_gateway(
         GatewayConfig(
             workers=urls,
@@ -47,6 +49,7 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
             worker_token_file=str(token_file),
             poll_interval_s=0.05,
             health_interval_s=0.2,
+            metrics_interval_s=0.2,
             policy="cache_aware",
             constants={"prefix_blocks": PREFIX_BLOCKS, "threshold": 2, "window_s": 30.0, "replicas": 1},
         )
@@ -69,6 +72,14 @@ async def test_dashboard_on_a_real_fleet(tmp_path):
             row = snap.prefixes[0]
             assert row.arrivals_in_window == 3 and row.holders == 1 and row.prefix_tokens == PREFIX_BLOCKS * PAGE
             assert snap.gpu_note and snap.gpu_note.startswith("NVML unavailable") or snap.gpus
+            # the holder's own KV: its cached prefix, from its model (emulated), labelled so; HBM counts it
+            await wait_for(pilot, lambda: any(w.kv_cached_tokens for w in app.snapshot.workers))
+            holder = next(w for w in app.snapshot.workers if w.kv_cached_tokens)
+            assert holder.source == "modelled" and holder.kv_held_fraction and holder.kv_held_fraction > 0
+            hbm = {g.name: g for g in app.snapshot.gpus if g.source == "model"}
+            if hbm:  # emulated workers model their HBM: weights plus every KV token they hold
+                others = [g.used_bytes for n, g in hbm.items() if n != holder.name]
+                assert hbm[holder.name].used_bytes > max(others, default=0.0)
             # threshold: edited on screen, confirmed by the gateway
             await press(pilot, "e")  # the first field, prefix_blocks; tab: the next, threshold
             await wait_for(pilot, lambda: app.focused is app.query_one("#const-prefix_blocks"))

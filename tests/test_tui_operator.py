@@ -61,7 +61,7 @@ async def test_constants_are_labelled_with_their_config_names():
 
 async def test_help_explains_every_column_and_constant():
     text = help_text()
-    for column in ("arr/X", "hold", "cp", "trend", "len", "via", "util", "HBM GB", "KV", "route", "size", "eta"):
+    for column in ("arr/X", "hold", "cp", "trend", "len", "via", "util", "HBM GB", "KV", "route", "size", "state"):
         assert f"[b]{column}[/b]" in text, column
     for key in BtbConstants.keys():
         assert f"[b]{key}[/b]" in text
@@ -187,8 +187,13 @@ async def test_l3_copies_show_their_outcome_and_the_time_to_a_usable_replica():
         app.apply_snapshot(_snap([], transfers=rows))
         await pilot.pause(0.05)
         body = _plain(app.query_one("#transfer-body", Static).content)
-        assert "proved, usable in 1.6s (source 1.3s, copy 0ms, proof 270ms)" in body, body
-        assert "computed: not a copy" in body and "done" not in body.split("computed")[1], body
+        # the state ends the row; what it has to say beyond one word is on the line under it, whole
+        lines = body.splitlines()
+        proved = next(i for i, ln in enumerate(lines) if ln.rstrip().endswith("proved"))
+        assert lines[proved + 1].strip().startswith("usable in 1.6s (source 1.3s, copy 0ms, proof 270ms)"), body
+        assert "proof 16k from L3" in lines[proved + 1], body
+        computed = next(i for i, ln in enumerate(lines) if ln.rstrip().endswith("computed"))
+        assert lines[computed + 1].strip() == "not a copy" and "done" not in body.split("computed")[1], body
 
 
 async def test_layout_at_80x24_shows_a_readable_chart_and_several_gpu_rows():

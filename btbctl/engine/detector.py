@@ -24,6 +24,7 @@ approximate); the detector never reads a clock, so the same code runs live and s
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class BurstDetector:
         self.on_fire: Callable[[Detection], None] | None = None
         self._observed = 0
         self._dropped = 0
+        self._latest_s = -math.inf
 
     # -- the hot path -------------------------------------------------------------------------------------------
 
@@ -155,6 +157,8 @@ class BurstDetector:
             keys.move_to_end(key)
         if now_s > st.last_s:
             st.last_s = now_s
+        if now_s > self._latest_s:
+            self._latest_s = now_s
         st.total += 1
         times = st.times
         times.append(now_s)
@@ -199,6 +203,11 @@ class BurstDetector:
         passed since its latest arrival (see the module docstring)."""
         st = self._keys.get(key)
         return st is not None and st.hot and now_s - st.last_s < self.constants.window_s
+
+    def last_arrival_s(self) -> float | None:
+        """Time of the latest arrival of a tracked prefix, seconds (None when nothing is tracked); O(1). A prefix
+        has arrivals in the window at ``now_s`` exactly when this is after ``now_s - window_s``."""
+        return self._latest_s if self._keys else None
 
     def prefix_of(self, key: Hashable) -> tuple[Hashable, ...] | None:
         """The Y block hashes of a prefix that has fired and is still tracked, else None."""

@@ -71,7 +71,6 @@ ConstantsPanel:focus-within { border: round $accent; }
 #p2, #p3, #prefix-table { scrollbar-size-vertical: 1; }
 #prefix-table { height: 1fr; }
 #prefix-empty { height: auto; }
-#transfer-body { text-wrap: nowrap; text-overflow: ellipsis; }
 #ttft-plot { height: 1fr; }
 HelpScreen, ReplicateScreen, PolicyScreen { align: center middle; }
 #dialog { width: 60; max-width: 95%; height: auto; max-height: 100%; border: thick $accent; background: $surface;
@@ -110,21 +109,46 @@ LEGEND = """\
 [b]2 Fleet / HBM[/b]
   [b]ok[/b]      health check: up or DOWN
   [b]run[/b]     requests running    [b]queue[/b] requests waiting
-  [b]KV[/b]      KV cache in use / capacity
+  [b]KV[/b]      KV cache held / capacity: █ running requests,
+          ▓ cached prefixes (evictable), ░ free
+  [b]via[/b]     (workers, wide panel) whose numbers these are:
+{worker_sources}
   [b]HBM GB[/b]  GPU memory in use / size, GB (1e9 bytes, as in
           [i]btbctl presets[/i])
   [b]util[/b]    GPU utilisation
-  [b]via[/b]     source of the GPU row: nvml (read here), worker (as
-          it reports), sim (modelled by the simulation)
+  [b]via[/b]     (GPUs) whose figures these are:
+{gpu_sources}
 [b]3 Transfers[/b]: KV-cache copies, in flight first
+  [b]prefix[/b]  the hot prefix it is for (the id of panel 1)
+  [b]len[/b]     tokens copied (a policy may copy a deeper chain)
   [b]route[/b]   source>target worker
   [b]size[/b]    bytes the copy moves (GB = 1e9 bytes)
-  [b]rate[/b]    bytes per second    [b]eta[/b] time left
+  [b]rate[/b]    bytes per second
   [b]time[/b]    time since it started, or how long it took
-[b]4 TTFT[/b]: time to first token, p50 and p95 per time bucket (the
-  title shows the latest, in the lines' colours); x: time, seconds
+  [b]state[/b]   and, while running, the time left; details below
+[b]4 TTFT[/b]: time to first token over the last 60 s: the title's
+  p50/p95 over every first token in it, the bottom line how many
+  and the arrivals per second; the lines per 1 s bucket, gaps
+  where no first token came; y: ms or s, x: seconds before now
 [b]5 Constants[/b]: as named in the config's \\[btb] and by [i]btbctl tune[/i]
 """
+
+
+def legend() -> str:
+    """The panels' legend, with the sources of the fleet panel's figures from their one definition each."""
+    import textwrap
+
+    from btbctl.engine.dashboard import GPU_SOURCES
+    from btbctl.tui.widgets.panels import SOURCE_LABELS
+
+    def listing(items: dict[str, str]) -> str:
+        pad = " " * 10
+        return "\n".join(
+            textwrap.fill(f"{k} ({v})", width=72, initial_indent=pad, subsequent_indent=pad + "  ")
+            for k, v in items.items()
+        )
+
+    return LEGEND.format(worker_sources=listing(SOURCE_LABELS), gpu_sources=listing(GPU_SOURCES))
 
 
 def help_text() -> str:
@@ -136,7 +160,7 @@ def help_text() -> str:
         text = textwrap.fill(constant_help(k), width=72, initial_indent="  ", subsequent_indent="          ")
         lines.append(escape_markup(text).replace(f"  {k}:", f"  [b]{k}[/b]:", 1))
     consts = "\n".join(lines)
-    return f"{KEYS}\n{LEGEND}{consts}\n\n[dim]escape closes this screen[/dim]"
+    return f"{KEYS}\n{legend()}{consts}\n\n[dim]escape closes this screen[/dim]"
 
 
 def escape_markup(text: str) -> str:

@@ -228,8 +228,9 @@ class FleetWorker(Answer):
     hbm_total_bytes: float | None = None
     """HBM size, bytes, where the worker reports it (left out otherwise)."""
     hbm_modelled: bool | None = None
-    """True when ``hbm_used_bytes``/``hbm_total_bytes`` are an emulated worker's model (weights plus the KV cache in
-    use, of its model and GPU presets), not a measurement (left out otherwise)."""
+    """True when ``hbm_used_bytes``/``hbm_total_bytes`` are an emulated worker's model (weights plus the KV cache it
+    holds: running requests' and cached prefixes', of its model and GPU presets), not a measurement (left out
+    otherwise)."""
     kv_bytes_per_token: float | None = None
     """KV-cache bytes per token of its model, from ``/btb/info`` (left out when unknown)."""
     kv_bytes_scale: int | None = None
@@ -331,7 +332,7 @@ class TransferEntry(Answer):
     copy_id: str
     """Id of the copy (hex)."""
     prefix: str
-    """Prefix id."""
+    """Id of the chain copied (hash of its last block)."""
     prefix_blocks: int
     """Blocks copied."""
     source: str
@@ -377,6 +378,12 @@ class TransferEntry(Answer):
     outcome: CopyOutcome | None = None
     """How it ended (null while in flight): ``done`` (push), ``proved`` (l3: loaded from L3), ``computed`` (l3: the
     target computed the prefix itself, not a copy), ``short``, ``failed``."""
+    hot_prefix: str = ""
+    """Id of the hot prefix the copy is for, as ``GET /control/prefixes`` lists it (the chain through block
+    ``prefix_blocks`` of the constants; equal to ``prefix`` unless the policy copies a deeper chain, as btb_plus
+    does)."""
+    prefix_tokens: int | None = None
+    """Tokens copied (``prefix_blocks`` x page size; null when the page size is unknown)."""
     usable_s: float | None = None
     """Seconds from planned (the detector's fire, for a policy's copy) until the target could serve the prefix
     (push: verified; l3: proved); null unless done."""
@@ -470,6 +477,10 @@ class TtftAnswer(Answer):
     """Over the whole window."""
 
 
+#: Seconds of the ``ttft`` event's ``last_60s`` summary, and the window the dashboard's TTFT panel shows.
+TTFT_RECENT_WINDOW_S = 60.0
+
+
 class TtftEvent(Answer):
     """The ``ttft`` event: sent when first bytes were measured since the last one."""
 
@@ -479,6 +490,8 @@ class TtftEvent(Answer):
     """Over the trailing 10 seconds."""
     point: TtftBucket
     """The trailing second (a bucket ending at ``now_s``)."""
+    last_60s: TtftSummary | None = None
+    """Over the trailing :data:`TTFT_RECENT_WINDOW_S` (60) seconds: the window the dashboard states."""
 
 
 # -- replication --------------------------------------------------------------------------------------------------
@@ -544,7 +557,8 @@ class ReplicationAnswer(Answer):
     holders: list[str]
     """Workers recorded as holding all of it."""
     copies: list[TransferEntry]
-    """Its copies: in flight first, then the recent finished ones (newest first)."""
+    """Its copies (and those made for it as the hot prefix): in flight first, then the recent finished ones (newest
+    first)."""
 
 
 # -- the event stream ---------------------------------------------------------------------------------------------

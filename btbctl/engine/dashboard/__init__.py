@@ -17,6 +17,7 @@ Units: times in seconds, sizes in bytes or tokens as the field names say, rates 
 from __future__ import annotations
 
 from btbctl.engine.dashboard.snapshot import (
+    GPU_SOURCES,
     DashboardSource,
     FleetSnapshot,
     GpuRow,
@@ -30,6 +31,7 @@ from btbctl.engine.dashboard.snapshot import (
 )
 
 __all__ = [
+    "GPU_SOURCES",
     "DashboardSource",
     "FleetSnapshot",
     "GpuRow",

@@ -13,9 +13,15 @@ latest pushed snapshot without a request. When the stream breaks the listener ge
 the fleet cannot be reached the snapshot keeps the last known rows with ``connected=False`` and a message, and the
 next attempt waits with the same backoff (attempts are not made more often, however often it is called).
 
-The TTFT series is 1-second buckets: polled whole (``GET /control/ttft?window_s=120``), or, on the stream, the
-``point`` of each ``ttft`` event (the trailing second at the event) appended once a bucket further, empty buckets
-filled in as other events show time passing without first bytes (:class:`TtftTrail`).
+The TTFT series is 1-second buckets over the last 60 s (:data:`TTFT_WINDOW_S`): polled whole
+(``GET /control/ttft?window_s=60``), or, on the stream, the ``point`` of each ``ttft`` event (the trailing second at
+the event) appended once a bucket further, empty buckets filled in as other events show time passing without first
+bytes (:class:`TtftTrail`). The p50/p95 the dashboard states are over that window, computed by the gateway from
+every first token in it (the poll's ``summary``, the event's ``last_60s``), never the latest bucket's.
+
+A snapshot's ``now_s`` is the latest gateway time any answer or event carried (the gateway sends ``prefixes`` and
+``ttft`` every second while arrivals or first tokens are leaving their windows, so heat decays on screen with no
+new traffic).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from btbctl.engine.chains import SHORT_ID_CHARS
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.control.client import AsyncControlClient, ControlApiError, ControlEvent
 from btbctl.engine.control.schema import (
+    TTFT_RECENT_WINDOW_S,
     ConstantsAnswer,
     FleetAnswer,
     PrefixesAnswer,
@@ -41,6 +48,7 @@ from btbctl.engine.control.schema import (
     TtftAnswer,
     TtftBucket,
     TtftEvent,
+    TtftSummary,
 )
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
@@ -60,8 +68,8 @@ log = logging.getLogger(__name__)
 
 #: Width of one TTFT-series bucket, seconds of fleet time.
 TTFT_BUCKET_S = 1.0
-#: Buckets kept in the TTFT series (two minutes at 1 s).
-TTFT_BUCKETS = 120
+#: Buckets kept in the TTFT series (the window the panel states, at 1 s).
+TTFT_BUCKETS = int(TTFT_RECENT_WINDOW_S / TTFT_BUCKET_S)
 #: First and largest wait between reconnection attempts (of the stream, and of polling while the fleet is
 #: unreachable), seconds, doubling in between. A product choice: quick enough to notice a restarted fleet within
 #: seconds, slow enough not to hammer a machine that is down.
@@ -191,6 +199,8 @@ class ControlApiSource:
         self._prefixes: PrefixesAnswer | None = None
         self._transfers: TransfersAnswer | None = None
         self._trail = TtftTrail()
+        self._ttft_window: TtftSummary | None = None
+        self._now_s = 0.0
         self.polls = 0
         self.events = 0
         self.failures = 0
@@ -254,6 +264,8 @@ class ControlApiSource:
         """Make fetched answers the current picture."""
         self._fleet, self._prefixes, self._transfers = fleet, prefixes, transfers
         self._trail.reset(ttft.series)
+        self._ttft_window = ttft.summary
+        self._now_s = max(fleet.now_s, prefixes.now_s, transfers.now_s, ttft.now_s)
 
     def _down(self, why: str) -> FleetSnapshot:
         self.failures += 1
@@ -300,6 +312,9 @@ class ControlApiSource:
     def _apply(self, event: ControlEvent) -> None:
         p = event.payload
         self.events += 1
+        now = getattr(p, "now_s", None)
+        if isinstance(now, (int, float)):
+            self._now_s = max(self._now_s, float(now))
         if isinstance(p, FleetAnswer):
             self._fleet = p
             self._trail.advance(p.now_s)
@@ -314,6 +329,9 @@ class ControlApiSource:
                 self._fleet = self._fleet.model_copy(update={"policy": p.policy, "constants": p.constants})
         elif isinstance(p, TtftEvent):
             self._trail.add(p.point)
+            if p.last_60s is not None:
+                self._ttft_window = p.last_60s
+            self._trail.advance(p.now_s)
 
     async def _publish(self) -> None:
         self._last = await self._build(FEED_STREAM)
@@ -392,7 +410,7 @@ class ControlApiSource:
         trows = tuple(
             TransferRow(
                 t.copy_id,
-                t.prefix,
+                t.hot_prefix or t.prefix,
                 names.get(t.source, t.source),
                 names.get(t.target, t.target),
                 float(t.bytes_sent),
@@ -406,13 +424,16 @@ class ControlApiSource:
                 None if t.outcome is None else str(t.outcome),
                 t.usable_s,
                 (t.phase_source_s, t.phase_transfer_s, t.phase_proof_s) if t.mode == "l3" else None,
+                copied_tokens=t.prefix_tokens,
+                chain_id=t.prefix if t.hot_prefix and t.hot_prefix != t.prefix else "",
             )
             for t in transfers.transfers
         )
         pts = tuple(self._trail.points)
         gpus, note = await self._gpus(fleet)
+        win = self._ttft_window
         return FleetSnapshot(
-            now_s=fleet.now_s,
+            now_s=max(self._now_s, fleet.now_s),
             connected=True,
             message=self._message(feed),
             workers=workers,
@@ -426,6 +447,10 @@ class ControlApiSource:
             replication=fleet.replication_mode,
             rps=pts[-1].rps if pts else 0.0,
             feed=feed,
+            ttft_window_s=TTFT_WINDOW_S if win is not None else 0.0,
+            ttft_n=win.n if win is not None else 0,
+            ttft_p50_s=win.p50_s if win is not None else None,
+            ttft_p95_s=win.p95_s if win is not None else None,
         )
 
     # -- actions ------------------------------------------------------------------------------------------------

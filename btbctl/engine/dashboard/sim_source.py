@@ -15,6 +15,7 @@ from typing import Any
 from btbctl.engine import chains
 from btbctl.engine.chains import SHORT_ID_CHARS, check_prefix_id
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.control.schema import TTFT_RECENT_WINDOW_S
 from btbctl.engine.copies import CopyPlan, carry_out
 from btbctl.engine.dashboard.snapshot import (
     FleetSnapshot,
@@ -36,8 +37,8 @@ from btbctl.engine.stats import TtftSeries
 
 #: Width of one TTFT-series bucket, seconds of fleet time.
 TTFT_BUCKET_S = 1.0
-#: Buckets kept in the TTFT series (two minutes at 1 s).
-TTFT_BUCKETS = 120
+#: Buckets kept in the TTFT series (the window the panel states, at 1 s).
+TTFT_BUCKETS = int(TTFT_RECENT_WINDOW_S / TTFT_BUCKET_S)
 #: Finished transfers kept for the "recent" list.
 RECENT_TRANSFERS = 20
 
@@ -79,6 +80,12 @@ class _CompleteBuckets:
                 TtftPoint(row["t_s"], math.nan if p50 is None else p50, math.nan if p95 is None else p95, arr["rps"])
             )
         return pts, (pts[-1].rps if pts else 0.0)
+
+    def summary(self, now_s: float) -> dict[str, Any]:
+        """TTFT over the complete buckets of the trailing :data:`TTFT_RECENT_WINDOW_S` before ``now_s`` (call after
+        :meth:`points`): ``{"n", "p50_s", "p95_s", ...}`` as :meth:`~btbctl.engine.stats.TtftSeries.summary`."""
+        end = math.floor(now_s / TTFT_BUCKET_S) * TTFT_BUCKET_S
+        return self.ttft.summary(end, TTFT_RECENT_WINDOW_S)
 
 
 class SimSource:
@@ -279,7 +286,7 @@ class SimSource:
                     source="modelled",
                 )
             )
-            used = (cost.model.weight_bytes + st.used_tokens * kvb) / g
+            used = (cost.model.weight_bytes + (st.used_tokens + st.evictable_tokens) * kvb) / g
             util = 100.0 if st.busy else 0.0
             for j in range(g):
                 gpus.append(GpuRow(f"w{i}/gpu{j}", used, cost.gpu.hbm_bytes, util, "sim"))
@@ -310,6 +317,7 @@ class SimSource:
         recent = [self._transfer_row(c, y) for c in sim.finished_copies(RECENT_TRANSFERS)]
         transfers.extend(reversed(recent))
         ttft, rps = self._buckets.points(now)
+        win = self._buckets.summary(now)
         mode = "manual clock" if not self.paced else f"x{self.speed:g}"
         msg = f"simulation {mode}, t={now:.1f} s, {self.submitted} requests"
         return FleetSnapshot(
@@ -326,6 +334,10 @@ class SimSource:
             policy=sim.policy_name,
             rps=rps,
             finished=self.finished,
+            ttft_window_s=TTFT_RECENT_WINDOW_S,
+            ttft_n=win["n"],
+            ttft_p50_s=win["p50_s"],
+            ttft_p95_s=win["p95_s"],
         )
 
     def _transfer_row(self, c: CopyInfo, y: int) -> TransferRow:
@@ -342,6 +354,8 @@ class SimSource:
             c.eta_s,
             c.state.value,
             duration_s=max(0.0, (self.sim.now if c.done_s is None else c.done_s) - c.started_s),
+            copied_tokens=len(c.prefix) * self.block_tokens,
+            chain_id=self._prefix_id(c.prefix[-1]) if len(c.prefix) > y else "",
         )
 
     # -- actions ----------------------------------------------------------------------------------------------

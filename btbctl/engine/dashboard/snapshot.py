@@ -65,11 +65,21 @@ class WorkerRow:
         return min(1.0, held / self.kv_capacity_tokens)
 
 
+#: Where a GPU row's figures come from (:attr:`GpuRow.source`), as the dashboard's legend explains them.
+GPU_SOURCES = {
+    "nvml": "read here through NVML",
+    "worker": "as the worker reports it",
+    "model": "an emulated worker's model: weights plus the KV it holds",
+    "sim": "the simulation's model: weights plus the KV it holds",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class GpuRow:
-    """One GPU's memory. ``source``: ``nvml`` (read locally), ``worker`` (as its worker reports it), ``model`` (an
-    emulated worker's modelled HBM: weights plus KV in use) or ``sim`` (modelled: weights share plus KV in use).
-    ``util_pct`` 0..100 or None when unknown."""
+    """One GPU's memory. ``source``: a key of :data:`GPU_SOURCES`: ``nvml`` (read locally), ``worker`` (as its
+    worker reports it), ``model`` (an emulated worker's modelled HBM: weights plus the KV tokens it holds, running
+    requests' and cached prefixes') or ``sim`` (the simulation's, the same sum). ``util_pct`` 0..100 or None when
+    unknown."""
 
     name: str
     used_bytes: float
@@ -107,8 +117,11 @@ class PrefixRow:
 
 @dataclass(frozen=True, slots=True)
 class TransferRow:
-    """One KV-cache copy. ``state``: ``running``, ``stalled`` (waiting for the source's prefill), ``done`` or
-    ``failed`` (``error`` says why). ``eta_s`` None when unknown (stalled, finished). ``duration_s``: seconds
+    """One KV-cache copy. ``prefix_id``: the hot prefix it is for, the id the heat panel, ``btbctl prefixes`` and
+    ``btbctl replicate --prefix`` use (a policy may copy a deeper chain: ``chain_id`` is that chain's id, empty when
+    the same or unknown; ``copied_tokens`` its length, tokens, None when unknown). ``state``: ``running``,
+    ``stalled`` (waiting for the source's prefill), ``done`` or ``failed`` (``error`` says why). ``eta_s`` None when
+    unknown (stalled, finished). ``duration_s``: seconds
     since it started while in flight, start to end once finished (None when unknown). ``proof_storage_tokens``: an
     ``l3`` copy's proof, the tokens its target's warm-up loaded from L3 (None before, and for pushed copies).
     ``outcome``: how it ended (:class:`~btbctl.engine.copies.CopyOutcome` value; None in flight); ``usable_s``:
@@ -130,6 +143,8 @@ class TransferRow:
     outcome: str | None = None
     usable_s: float | None = None
     phases_s: tuple[float | None, float | None, float | None] | None = None
+    copied_tokens: int | None = None
+    chain_id: str = ""
 
     @property
     def fraction(self) -> float:
@@ -165,6 +180,10 @@ class FleetSnapshot:
         feed: how this snapshot arrived from a live fleet: ``stream`` (pushed by the control API's event stream)
             or ``poll`` (fetched on request, while the stream is down); empty for a source without a stream.
         replication: the fleet's replication mode (``l3``, ``push``, ``none``); empty when unknown (simulation).
+        ttft_window_s: the window the TTFT summary covers, seconds (the trailing ``ttft_window_s`` before
+            ``now_s``; 0 when there is no summary).
+        ttft_n / ttft_p50_s / ttft_p95_s: first tokens in that window and their TTFT percentiles, seconds (None
+            when none).
     """
 
     now_s: float
@@ -182,6 +201,10 @@ class FleetSnapshot:
     finished: bool = False
     feed: str = ""
     replication: str = ""
+    ttft_window_s: float = 0.0
+    ttft_n: int = 0
+    ttft_p50_s: float | None = None
+    ttft_p95_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import time
 from collections.abc import Callable
 
 from pydantic import BaseModel
@@ -15,6 +17,9 @@ log = logging.getLogger(__name__)
 
 #: The event types, in the order the control API documents them.
 EVENT_KINDS = ("fleet", "prefixes", "transfers", "ttft", "constants")
+#: Seconds between two events of a type that changes with the clock alone (:meth:`EventBus.age`): a dashboard sees
+#: arrivals leave the detector's window within a second, at one event a second per type.
+AGE_EVERY_S = 1.0
 
 
 class EventBus:
@@ -23,16 +28,26 @@ class EventBus:
     Producers call :meth:`mark` with an event type (``fleet``, ``prefixes``, ``transfers``, ``ttft``,
     ``constants``); a ticker every :attr:`interval_s` (0.1 s: at most 10 events per second per type) builds one
     snapshot per marked type with the registered builder and hands it to every subscriber. Nothing is built while
-    nobody listens. A subscriber that falls behind loses its oldest events (queues hold :attr:`queue_size`).
+    nobody listens. Types whose content changes with the clock alone (heat decaying, TTFT samples leaving a window)
+    are also marked every :data:`AGE_EVERY_S` while they change (:meth:`age`, :meth:`tick`). A subscriber that falls
+    behind loses its oldest events (queues hold :attr:`queue_size`).
     At most :attr:`max_subscribers` listen at once (the control API answers 503 beyond; each one costs a
     connection and a snapshot per event).
     """
 
-    def __init__(self, interval_s: float = 0.1, queue_size: int = 256, max_subscribers: int = 32) -> None:
+    def __init__(
+        self,
+        interval_s: float = 0.1,
+        queue_size: int = 256,
+        max_subscribers: int = 32,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.interval_s = interval_s
         self.max_subscribers = max_subscribers
         self.queue_size = queue_size
+        self.clock = clock
         self.builders: dict[str, Callable[[], BaseModel]] = {}
+        self._aging: dict[str, _Aging] = {}
         self._dirty: set[str] = set()
         self._subs: set[asyncio.Queue] = set()
         self._task: asyncio.Task | None = None
@@ -41,6 +56,30 @@ class EventBus:
     def register(self, kind: str, builder: Callable[[], BaseModel]) -> None:
         """Build events of type ``kind`` with ``builder`` (an answer model of the control-API schema)."""
         self.builders[kind] = builder
+
+    def age(self, kind: str, busy: Callable[[float], bool], every_s: float = AGE_EVERY_S) -> None:
+        """Events of type ``kind`` change with the clock alone (arrivals leaving a window): every ``every_s``
+        seconds of :attr:`clock` while ``busy(now_s)`` holds, and once more when it stops holding, mark ``kind``
+        (see :meth:`tick`)."""
+        self._aging[kind] = _Aging(busy, every_s)
+
+    def tick(self) -> None:
+        """Mark the aging types that are due (:meth:`age`); nothing is asked while nobody listens."""
+        if not self._subs or not self._aging:
+            return
+        now = self.clock()
+        for kind, a in self._aging.items():
+            if now - a.marked_s < a.every_s:
+                continue
+            try:
+                busy = a.busy(now)
+            except Exception:  # a bug in a predicate must not stop the stream
+                log.exception("the aging check of %s events failed", kind)
+                continue
+            if busy or a.was_busy:
+                self._dirty.add(kind)
+                a.marked_s = now
+            a.was_busy = busy
 
     def mark(self, kind: str) -> None:
         """Something behind events of type ``kind`` changed: build one at the next tick (if anyone listens)."""
@@ -106,4 +145,17 @@ class EventBus:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            self.tick()
             self.flush()
+
+
+class _Aging:
+    """An aging event type's predicate, period and state (:meth:`EventBus.age`)."""
+
+    __slots__ = ("busy", "every_s", "marked_s", "was_busy")
+
+    def __init__(self, busy: Callable[[float], bool], every_s: float) -> None:
+        self.busy = busy
+        self.every_s = every_s
+        self.marked_s = -math.inf
+        self.was_busy = False

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from btbctl.engine.chains import prefix_id, short_id
 from btbctl.engine.copies import CopyOutcome, CopyPlan, CopyState, carry_out
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.logfmt import log_event
@@ -71,6 +72,15 @@ DEFAULT_SOURCE_WAIT_S = 60.0
 DEFAULT_COPY_TIMEOUT_S = 300.0
 #: Timeout of one control call to a worker (match, push, progress), seconds.
 DEFAULT_CALL_TIMEOUT_S = 5.0
+
+
+def _hot_fields(t: Transfer) -> dict[str, object]:
+    """The log fields naming the hot prefix a copy is for (its short id, as ``detector_fired`` and
+    ``btbctl prefixes`` show it) and the length copied (tokens; omitted when the page size is unknown)."""
+    out: dict[str, object] = {"hot_prefix": short_id(prefix_id(t.hot_id))}
+    if t.copied_tokens is not None:
+        out["copied_tokens"] = t.copied_tokens
+    return out
 
 
 class ReplicateError(Exception):
@@ -119,12 +129,17 @@ class CopyExecutor:
         self.on_finish = on_finish
         self._tasks: set[asyncio.Task] = set()
         self.refused = 0
+        #: The detector's prefix length (blocks) and the page size (tokens), read when a job starts (the gateway
+        #: sets them; 0: unknown): a job records the hot prefix it is for and the tokens it copies.
+        self.prefix_blocks: Callable[[], int] = lambda: 0
+        self.block_tokens: Callable[[], int] = lambda: 0
 
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
         raise NotImplementedError
 
     def _transfer(self, chain: tuple, source: int, target: int, manual: bool) -> Transfer:
         """A new job's record (the subclass adds its mode's fields)."""
+        y, bt = self.prefix_blocks(), self.block_tokens()
         return Transfer(
             copy_id=secrets.token_hex(8),
             key=chain[-1],
@@ -133,6 +148,8 @@ class CopyExecutor:
             target=target,
             created_s=self.state.clock(),
             manual=manual,
+            hot_key=str(chain[y - 1]) if 0 < y <= len(chain) else str(chain[-1]),
+            copied_tokens=len(chain) * bt if bt > 0 else None,
         )
 
     async def _job(self, t: Transfer, source_confirmed: bool) -> None:
@@ -222,13 +239,16 @@ class CopyExecutor:
     # -- bookkeeping --------------------------------------------------------------------------------------------
 
     def _event(self, event: str, t: Transfer, **fields: object) -> None:
-        """One log line about job ``t``: ``<event_prefix><event>`` with its id, prefix, workers by name and URL."""
+        """One log line about job ``t``: ``<event_prefix><event>`` with its id, the chain copied (``prefix``), the hot
+        prefix it is for as ``btbctl prefixes`` lists it (``hot_prefix``) and the tokens copied, workers by name and
+        URL."""
         ws = self.state.workers
         log_event(
             log,
             self.event_prefix + event,
             copy_id=t.copy_id,
             prefix=t.key,
+            **_hot_fields(t),
             source=ws[t.source].name,
             source_url=ws[t.source].url,
             target=ws[t.target].name,
@@ -495,6 +515,7 @@ class Replicator(CopyExecutor):
             "copy_started",
             copy_id=t.copy_id,
             prefix=t.key,
+            **_hot_fields(t),
             source=ws[t.source].name,
             source_url=ws[t.source].url,
             target=ws[t.target].name,
@@ -514,7 +535,9 @@ class Replicator(CopyExecutor):
             return f"authorizing the copy at the target failed: {type(e).__name__}: {e}"
         if status not in (200, 201):
             return f"target refused to expect the copy: HTTP {status}: {text[:200]}"
-        log_event(log, "copy_authorized", copy_id=t.copy_id, prefix=t.key, blocks=len(t.chain), target=w.url)
+        log_event(
+            log, "copy_authorized", copy_id=t.copy_id, prefix=t.key, **_hot_fields(t), blocks=len(t.chain), target=w.url
+        )
         return None
 
     async def _poll(self, t: Transfer) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from btbctl.engine.chains import check_prefix_id
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.control.schema import (
+    TTFT_RECENT_WINDOW_S,
     ConstantsAnswer,
     FleetAnswer,
     FleetWorker,
@@ -182,7 +183,11 @@ class Reports:
         hbm_total, hbm_used, kv_tok = _num(info, "hbm_total_bytes"), None, _num(info, "kv_bytes_per_token")
         weights, used_tokens = _num(info, "weight_bytes"), loads.get("used_tokens")
         if hbm_total and weights is not None and kv_tok is not None and isinstance(used_tokens, int):
-            hbm_used = weights + used_tokens * kv_tok  # an emulated worker's modelled HBM
+            # an emulated worker's modelled HBM: weights plus every KV token it holds, the running requests' and
+            # the cached prefixes' (from its /metrics; they occupy HBM until evicted)
+            cached = (w.metrics or {}).get("kv_cached_tokens")
+            held = used_tokens + (cached if isinstance(cached, int) else 0)
+            hbm_used = weights + held * kv_tok
         return FleetWorker(
             name=w.name,
             url=w.url,
@@ -266,7 +271,7 @@ class Reports:
                 first_seen_s=h.first_seen_s,
                 last_seen_s=h.last_seen_s,
                 holders=[urls[i] for i in state.holders(h.key)],
-                copies_in_flight=sum(1 for (_, k) in active if k == h.key),
+                copies_in_flight=sum(1 for t in active.values() if t.hot_id == str(h.key)),
             )
             for h in src.detector.heat(now, top)
         ]
@@ -289,6 +294,8 @@ class Reports:
             copy_id=t.copy_id,
             prefix=str(t.key),
             prefix_blocks=len(t.chain),
+            hot_prefix=t.hot_id,
+            prefix_tokens=t.copied_tokens,
             source=urls[t.source],
             target=urls[t.target],
             state=t.state,
@@ -349,13 +356,14 @@ class Reports:
         )
 
     def ttft_event(self) -> TtftEvent:
-        """The ``ttft`` event: the last 10 s summarised and the trailing 1-second bucket."""
+        """The ``ttft`` event: the last 10 s and 60 s summarised and the trailing 1-second bucket."""
         state = self.src.state
         now = state.clock()
         return TtftEvent(
             now_s=now,
             last_10s=TtftSummary(**state.ttft.summary(now, 10.0)),
             point=TtftBucket(**state.ttft.series(now, 1.0, 1.0)[-1]),
+            last_60s=TtftSummary(**state.ttft.summary(now, TTFT_RECENT_WINDOW_S)),
         )
 
     # -- constants ----------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from btbctl.engine import aiotasks
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.control.schema import TTFT_RECENT_WINDOW_S
 from btbctl.engine.control.tuned import save_tuned
 from btbctl.engine.copies import CopyState
 from btbctl.engine.detector import BurstDetector
@@ -158,7 +159,7 @@ class Gateway:
             wt = _read_or_create_token(config.worker_token_file, "worker_token_file")
         self.worker_token = wt
         self.metrics = GatewayMetrics(lambda: self.detector.stats()["fires"], live=self)
-        self.bus = EventBus(max_subscribers=config.max_event_subscribers)
+        self.bus = EventBus(max_subscribers=config.max_event_subscribers, clock=self.clock)
         self.dataplane: DataPlane | None = None
         self.guards: list[ConnectionGuard] = []
         self.limiter = RateLimiter()
@@ -182,6 +183,8 @@ class Gateway:
         elif config.replication == "l3":
             self._setup_l3(config)
         self.state.copy_capable = self.replicator.accepts_copies
+        self.replicator.prefix_blocks = lambda: self.constants.prefix_blocks
+        self.replicator.block_tokens = lambda: self.page_size
         self.prober = HealthProber(
             self.state.workers,
             lambda: self.session,
@@ -499,6 +502,17 @@ class Gateway:
         w.degraded = degraded
         self.metrics.healthy.labels(worker_label(w)).set(1)
 
+    def _heat_in_window(self, now_s: float) -> bool:
+        """Whether a tracked prefix has arrivals in the detector's window at ``now_s`` (its heat decays with time
+        alone: the event stream sends ``prefixes`` while this holds, and once after)."""
+        last = self.detector.last_arrival_s()
+        return last is not None and last > now_s - self.detector.constants.window_s
+
+    def _ttft_in_window(self, now_s: float) -> bool:
+        """Whether a first byte was measured in the trailing :data:`TTFT_RECENT_WINDOW_S` (the ``ttft`` event's
+        window summary changes with time alone while it holds)."""
+        return bool(self.state.ttft.window(now_s, TTFT_RECENT_WINDOW_S))
+
     def _detector_fired(self, det) -> None:
         """The burst detector made a prefix hot: one line with its id, the arrivals in the window and the window."""
         from btbctl.engine.chains import prefix_id, short_id
@@ -616,6 +630,8 @@ class Gateway:
         self.bus.register("transfers", lambda: reports.transfers(EVENT_TRANSFERS))
         self.bus.register("ttft", reports.ttft_event)
         self.bus.register("constants", reports.constants)
+        self.bus.age("prefixes", self._heat_in_window)
+        self.bus.age("ttft", self._ttft_in_window)
         self.bus.start()
         self.prober.start()
         if cfg.metrics_interval_s > 0:

@@ -276,8 +276,12 @@ class Transfer:
 
     Attributes:
         copy_id: id given to the source's ``/btb/push`` (hex).
-        key: the prefix id (hash of its last block).
+        key: the id of the chain copied (hash of its last block).
         chain: the prefix's block hashes.
+        hot_key: the id of the hot prefix the copy is for (hash of block ``prefix_blocks`` of ``chain``: the id the
+            detector fires on and ``btbctl prefixes`` lists; a policy may copy a deeper chain than that, as
+            btb_plus does); ``key`` when the chain is no longer than ``prefix_blocks`` or it is unknown.
+        copied_tokens: tokens of ``chain`` (blocks x page size; None when the page size is unknown).
         source / target: worker indices.
         state: :class:`~btbctl.engine.copies.CopyState`: ``stalled`` (accepted, not pushed yet: the source is being
             checked or is still computing the prefix), ``running`` (pushed; bytes moving), ``done`` or ``failed``.
@@ -339,6 +343,13 @@ class Transfer:
     path: tuple[str, str] | None = None
     send_s: float | None = None
     overlap_s: float | None = None
+    hot_key: str = ""
+    copied_tokens: int | None = None
+
+    @property
+    def hot_id(self) -> str:
+        """The hot prefix's id (:attr:`hot_key`, else :attr:`key`)."""
+        return str(self.hot_key or self.key)
 
     @property
     def active(self) -> bool:
@@ -466,9 +477,14 @@ class TransferTable:
         return None
 
     def for_key(self, key: Hashable) -> list[Transfer]:
-        """Copies of prefix ``key``, in flight first, then recent (newest first)."""
-        out = [t for t in self.active.values() if t.key == key]
-        out.extend(t for t in reversed(self.recent) if t.key == key)
+        """Copies of prefix ``key`` (the chain copied, or the hot prefix a deeper copy is for), in flight first, then
+        recent (newest first)."""
+
+        def of(t: Transfer) -> bool:
+            return t.key == key or t.hot_id == str(key)
+
+        out = [t for t in self.active.values() if of(t)]
+        out.extend(t for t in reversed(self.recent) if of(t))
         return out
 
     def all(self) -> list[Transfer]:

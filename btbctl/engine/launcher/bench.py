@@ -39,13 +39,14 @@ counts, so the trace's count is never the denominator.
 over successful requests only; a summary with no successful request holds nulls.
 
 When the target is a BTB gateway whose control API is known, the result also has ``copies``: the copies that
-finished (``done`` or ``failed``) during the replay, oldest first, each ``{"copy_id", "prefix", "source", "target",
-"mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s", "overlap_s", "send_s",
-"proof_storage_tokens", "covered_tokens", "error"}`` (:func:`copies_during`; ``usable_s``: planned until the target
-could serve the prefix; ``l3`` mode only: ``phases_s`` ``{"source", "transfer", "proof"}`` seconds, ``overlap_s``
-the seconds pages moved while the source was still prefilling, ``send_s`` the source agent's seconds of sending,
-``proof_storage_tokens`` the tokens the target's
-warm-up loaded from L3, ``covered_tokens`` the prefix). Without a control API ``copies`` is null.
+finished (``done`` or ``failed``) during the replay, oldest first, each ``{"copy_id", "prefix", "hot_prefix",
+"source", "target", "mode", "state", "outcome", "bytes", "duration_s", "transfer_s", "usable_s", "phases_s",
+"overlap_s", "send_s", "proof_storage_tokens", "covered_tokens", "error"}`` (:func:`copies_during`; ``prefix``: the
+chain copied, ``hot_prefix``: the hot prefix it is for, as ``btbctl prefixes`` lists it; ``usable_s``: planned until
+the target could serve the prefix; ``l3`` mode only: ``phases_s`` ``{"source", "transfer", "proof"}`` seconds,
+``overlap_s`` the seconds pages moved while the source was still prefilling, ``send_s`` the source agent's seconds of
+sending, ``proof_storage_tokens`` the tokens the target's warm-up loaded from L3, ``covered_tokens`` the prefix).
+Without a control API ``copies`` is null.
 """
 
 from __future__ import annotations
@@ -571,6 +572,7 @@ def copies_during(before: dict | None, after: dict | None) -> list[dict] | None:
             {
                 "copy_id": t.get("copy_id"),
                 "prefix": t.get("prefix"),
+                "hot_prefix": t.get("hot_prefix") or t.get("prefix"),
                 "source": t.get("source"),
                 "target": t.get("target"),
                 "mode": t.get("mode", "push"),

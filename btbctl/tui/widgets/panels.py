@@ -15,6 +15,7 @@ from textual.widgets import DataTable, Input, Label, Static
 
 from btbctl.engine.chains import short_id
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.control.schema import TTFT_RECENT_WINDOW_S
 from btbctl.engine.copies import CopyState
 from btbctl.engine.dashboard import FleetSnapshot, PrefixRow
 from btbctl.tui.widgets.fmt import bar, human_bytes, human_tokens, kv_bar, seconds, sparkline
@@ -113,6 +114,12 @@ def empty_heat_hint(constants: dict) -> str:
 FLEET_WIDE = 64
 #: How the fleet panel names where a worker's numbers come from (``WorkerRow.source``).
 SOURCE_SHORT = {"sglang_metrics": "sglang", "sglang_loads": "loads", "modelled": "model"}
+#: What each of those names means (the help screen's legend).
+SOURCE_LABELS = {
+    "sglang": "SGLang's /metrics",
+    "loads": "only SGLang's /v1/loads: no cached prefixes",
+    "model": "the cost model: an emulated worker, the simulation",
+}
 
 
 def _tokens(n: int | None) -> str:
@@ -167,7 +174,7 @@ class FleetPanel(VerticalScroll):
             held = row.kv_held_fraction
             if held is not None and row.kv_capacity_tokens:
                 used = (row.kv_used_tokens or 0) / row.kv_capacity_tokens
-                kv = f"{kv_bar(used, held - used, 6)} {held * 100:3.0f}%"
+                kv = f"{kv_bar(used, held - used, 6)} {percent(held)}"
             else:
                 kv = "-"
             cells = [row.name, ok, str(row.running), str(row.queued), kv, _tokens(row.host_tier_tokens)]
@@ -203,21 +210,36 @@ class FleetPanel(VerticalScroll):
         )
 
 
+def percent(fraction: float) -> str:
+    """A share 0..1 as a 4-cell percentage; ``<1%`` for a share above 0 that would round to ``0%`` (a worker
+    holding a small cached prefix does not read as empty)."""
+    pct = fraction * 100
+    return " <1%" if 0 < pct < 0.5 else f"{pct:3.0f}%"
+
+
 def hbm_gb(used: float, total: float) -> str:
     """HBM in use / size in GB (1e9 bytes, the unit of ``btbctl presets``): ``62.4/80.0``."""
     return f"{used / 1e9:.1f}/{total / 1e9:.1f}"
 
 
-#: The transfers panel's columns: (header, width) for a wide panel (>= :data:`TRANSFERS_WIDE` cells) and a
-#: narrow one. Prefix ids are shown as ``btbctl replicate --prefix`` takes them (:func:`btbctl.engine.chains.short_id`).
+#: The transfers panel's columns for a wide panel (>= :data:`TRANSFERS_WIDE` cells) and a narrow one. ``prefix`` is
+#: the hot prefix's id as the heat panel, ``btbctl prefixes`` and ``btbctl replicate --prefix`` show it
+#: (:func:`btbctl.engine.chains.short_id`), ``len`` the tokens copied (a policy may copy a deeper chain than the
+#: hot prefix). The state comes last; what it has to say beyond one word (an error, how soon the target could
+#: serve the prefix, an l3 proof) goes on an indented line under the row, wrapped to the panel, never cut.
 TRANSFERS_WIDE = 70
-_WIDE_HEAD = f"{'prefix':12} {'route':7} {'progress':13} {'size':>7} {'rate':>9} {'time':>6} {'eta':>6}  state"
-_NARROW_HEAD = f"{'prefix':12} {'route':5} {'size':>6} {'time':>5} state"
+_WIDE_HEAD = f"{'prefix':12} {'len':>4} {'route':7} {'progress':13} {'size':>7} {'rate':>9} {'time':>6}  state"
+_NARROW_HEAD = f"{'prefix':12} {'len':>4} {'route':5} {'size':>6} {'time':>5}\n  state"
+
+
+def _copied(tokens: int | None) -> str:
+    return "-" if tokens is None else human_tokens(tokens)
 
 
 class TransferPanel(VerticalScroll):
-    """KV-cache copies in flight, then recent ones: prefix, source > target, progress, size, rate, time, ETA,
-    state (a narrow panel drops progress, rate and ETA; the state of a running copy then shows its percentage)."""
+    """KV-cache copies in flight, then recent ones: hot prefix id, tokens copied, source > target, progress, size,
+    rate, time, state (with the time left while running); details under the row (a narrow panel drops progress and
+    rate and puts the state under the row too; the state of a running copy then shows its percentage)."""
 
     BORDER_TITLE = "3 Transfers"
     can_focus = True
@@ -231,10 +253,11 @@ class TransferPanel(VerticalScroll):
         yield Static(id="transfer-body")
 
     def update_snapshot(self, snap: FleetSnapshot) -> None:
+        from rich.console import Group
+
         self._last = snap
         wide = self.size.width >= TRANSFERS_WIDE
-        lines = Text(no_wrap=True, overflow="ellipsis")
-        lines.append(_WIDE_HEAD if wide else _NARROW_HEAD, style="bold")
+        parts: list = [Text(_WIDE_HEAD if wide else _NARROW_HEAD, style="bold", no_wrap=True, overflow="ellipsis")]
         live = 0
         for x in snap.transfers:
             cs = CopyState(x.state)
@@ -244,43 +267,83 @@ class TransferPanel(VerticalScroll):
             pct = f"{x.fraction * 100:3.0f}%"
             size = human_bytes(x.bytes_total) if x.bytes_total > 0 else "-"
             took = seconds(x.duration_s)
+            route = f"{x.source}>{x.target}"
+            pid, length = short_id(x.prefix_id), _copied(x.copied_tokens)
             if wide:
-                route = f"{x.source}>{x.target}"
                 rate = f"{human_bytes(x.bytes_per_s)}/s" if x.bytes_per_s else "-"
-                row = (
-                    f"{short_id(x.prefix_id):12} {route:7} {bar(x.fraction, 8)} {pct} {size:>7} {rate:>9} "
-                    f"{took:>6} {seconds(x.eta_s):>6}  "
-                )
+                row = f"{pid:12} {length:>4} {route:7} {bar(x.fraction, 8)} {pct} {size:>7} {rate:>9} {took:>6}  "
                 state = x.state
             else:
-                route = f"{x.source}>{x.target}"
-                row = f"{short_id(x.prefix_id):12} {route:5} {size:>6} {took:>5} "
+                row = f"{pid:12} {length:>4} {route:5} {size:>6} {took:>5}"
                 state = x.state if cs.final or cs is CopyState.STALLED else pct.strip()
-            if x.outcome is not None and x.outcome != state:  # l3: proved, computed (not a copy), short
+            if x.outcome is not None and x.outcome != x.state:  # l3: proved, computed (not a copy), short
                 state = x.outcome
+            if not cs.final and x.eta_s is not None:
+                state += f" {seconds(x.eta_s)} left"
+            line = Text(row, no_wrap=True, overflow="ellipsis")
+            if wide:
+                line.append(state, style=style)
+            parts.append(line)
+            details = []
             if x.error:
-                state = f"{state}: {x.error}"
+                details.append(x.error)
             if x.usable_s is not None:  # from the detector's fire to a target that can serve the prefix
-                state += f", usable in {seconds(x.usable_s)}"
+                usable = f"usable in {seconds(x.usable_s)}"
                 if x.phases_s is not None and None not in x.phases_s:
                     src, moved, proof = x.phases_s
-                    state += f" (source {seconds(src)}, copy {seconds(moved)}, proof {seconds(proof)})"
+                    usable += f" (source {seconds(src)}, copy {seconds(moved)}, proof {seconds(proof)})"
+                details.append(usable)
             if x.proof_storage_tokens is not None:  # an l3 copy's proof: tokens its target loaded from L3
-                state += f" (proof {human_tokens(x.proof_storage_tokens)} from L3)"
-            lines.append("\n" + row)
-            lines.append(state, style=style)
-        body = lines if snap.transfers else Text("no transfers yet", style="dim")
+                details.append(f"proof {human_tokens(x.proof_storage_tokens)} from L3")
+            if details or not wide:
+                more = Text("  ")
+                if not wide:  # a narrow panel's state leads the line under the row
+                    more.append(state, style=style)
+                    if details:
+                        more.append("; ")
+                more.append("; ".join(details), style="dim")
+                parts.append(more)
+        body = Group(*parts) if snap.transfers else Text("no transfers yet", style="dim")
         self.query_one("#transfer-body", Static).update(body)
         self.border_subtitle = f"{live} in flight"
 
 
 #: Colours and plotext markers of the TTFT lines (the head line is their legend).
 TTFT_LINES = (("p50", "cyan", "braille"), ("p95", "magenta", "braille"))
+#: The TTFT panel's x axis: ticks at these fractions of its window before now.
+_X_TICKS = (1.0, 0.75, 0.5, 0.25, 0.0)
+
+
+def ttft_runs(points, now_s: float, window_s: float) -> list[list]:
+    """The TTFT points of the trailing ``window_s`` before ``now_s`` as runs of consecutive buckets with a first
+    token (an empty bucket, NaN, ends a run: idle time is drawn as a gap, never a line across it)."""
+    runs: list[list] = []
+    cur: list = []
+    for p in points:
+        if p.t_s > now_s or p.t_s < now_s - window_s:
+            continue
+        if math.isnan(p.p50_s):
+            if cur:
+                runs.append(cur)
+            cur = []
+            continue
+        cur.append(p)
+    if cur:
+        runs.append(cur)
+    return runs
+
+
+def ttft_unit(top_s: float) -> tuple[float, str]:
+    """The y axis' unit for values up to ``top_s`` seconds: ``(1000, "ms")`` below a second, else ``(1, "s")``."""
+    return (1000.0, "ms") if top_s < 1.0 else (1.0, "s")
 
 
 class TtftPanel(Vertical):
-    """TTFT p50 and p95 over time (plotext); the title line holds requests/s and the legend (the latest p50 and
-    p95 in their lines' colours), so every row of the panel goes to the chart (the policy is in panel 5's title)."""
+    """TTFT over the last ``ttft_window_s`` (60 s) of fleet time (plotext): p50 and p95 per 1-second bucket, idle
+    buckets as gaps; the y axis in ms or s, the x axis in seconds before the snapshot's ``now_s`` (never beyond
+    it). The title line states the window with its p50/p95 (over every first token in it, not the latest bucket) and
+    serves as the lines' legend (their colours); the bottom line says how many first tokens the window holds and the
+    arrivals per second."""
 
     BORDER_TITLE = "4 TTFT"
 
@@ -299,22 +362,38 @@ class TtftPanel(Vertical):
     def update_snapshot(self, snap: FleetSnapshot) -> None:
         from textual_plotext import PlotextPlot
 
-        pts = [p for p in snap.ttft if not math.isnan(p.p50_s)]
-        last = pts[-1] if pts else None
-        head = Text(f"{self.BORDER_TITLE} {snap.rps:.0f} req/s")
+        window = snap.ttft_window_s or TTFT_RECENT_WINDOW_S
+        head = Text(f"{self.BORDER_TITLE} last {window:g}s")
         for name, colour, _ in TTFT_LINES:
-            value = seconds(getattr(last, f"{name}_s")) if last is not None else "-"
+            value = seconds(getattr(snap, f"ttft_{name}_s")) if snap.ttft_n else "-"
             head.append(f" {name} ", style=f"bold {colour}")
             head.append(value)
         self.border_title = head
+        self.border_subtitle = f"{snap.ttft_n} first tokens in {window:g}s | {snap.rps:.0f} req/s"
         plot = self.query_one("#ttft-plot", PlotextPlot)
         plt = plot.plt
         plt.clear_data()
-        if pts:
-            xs = [p.t_s for p in pts]
+        runs = ttft_runs(snap.ttft, snap.now_s, window)
+        top = max((p.p95_s for run in runs for p in run), default=0.0)
+        scale, unit = ttft_unit(top)
+        for run in runs:
+            xs = [p.t_s - snap.now_s for p in run]
             for name, colour, marker in TTFT_LINES:
-                plt.plot(xs, [getattr(p, f"{name}_s") for p in pts], marker=marker, color=colour)
+                plt.plot(xs, [getattr(p, f"{name}_s") * scale for p in run], marker=marker, color=colour)
+        plt.xlim(-window, 0.0)
+        ticks = [-f * window for f in _X_TICKS]
+        plt.xticks(ticks, [f"{t:g}s" if t else "now" for t in ticks])
+        ytop = (top * scale * 1.1) if top > 0 else (100.0 if unit == "ms" else 1.0)
+        plt.ylim(0.0, ytop)
+        yt = [ytop * i / 4 for i in range(5)]
+        plt.yticks(yt, [_y_label(v, unit) for v in yt])
         plot.refresh()
+
+
+def _y_label(v: float, unit: str) -> str:
+    if unit == "ms":
+        return f"{v:.0f}ms"
+    return f"{v:.1f}s" if v < 10 else f"{v:.0f}s"
 
 
 class ConstantInput(Input):
