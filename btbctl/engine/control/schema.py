@@ -518,7 +518,8 @@ class FlushAnswer(Answer):
 
 class ReplicateAnswer(Answer):
     """``POST /control/replicate`` (202): the copies started; follow them with
-    ``GET /control/replications/{prefix}``."""
+    ``GET /control/replications/{prefix}``. 200 with no ``targets``: every eligible worker already holds the prefix
+    (or is receiving it), so there was nothing to copy; ``holders`` names them."""
 
     prefix: str
     """The full prefix id."""
@@ -532,6 +533,8 @@ class ReplicateAnswer(Answer):
     """The copies."""
     skipped: int
     """How many fewer than ``n`` started (no other eligible worker)."""
+    holders: list[str] = []
+    """Workers that held the whole prefix when the copies started (the source among them)."""
 
 
 class ReplicationAnswer(Answer):

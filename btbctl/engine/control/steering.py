@@ -9,6 +9,7 @@ from collections.abc import Callable
 from btbctl.engine.chains import check_prefix_id
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
 from btbctl.engine.control.client import ControlClient
+from btbctl.engine.control.schema import ReplicateAnswer
 from btbctl.engine.copies import FINAL_STATES
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.policies import POLICIES, live_policy_error
@@ -60,6 +61,10 @@ def parse_tune_args(args: list[str]) -> dict:
     return out
 
 
+#: ``status`` of a replicate or prewarm that copied nothing because every eligible worker already holds the prefix.
+HELD = "held"
+
+
 def replicate_and_wait(
     client: ControlClient,
     prefix: str,
@@ -72,15 +77,13 @@ def replicate_and_wait(
 ) -> dict:
     """Copy one prefix to ``n`` more workers and wait for the copies to finish.
 
-    ``POST /control/replicate {"prefix", "n"}`` starts the copies; ``GET /control/replications/{prefix}`` is polled
-    every ``poll_s`` until every copy is ``done`` or ``failed`` or ``timeout_s`` passes. ``on_progress`` gets the
-    copies' rows (:class:`~btbctl.engine.control.schema.TransferEntry` as JSON objects; a copy the gateway no longer
-    lists is ``{"copy_id", "state": "planned"}``) whenever a state or a byte count changes.
+    ``POST /control/replicate {"prefix", "n"}`` starts the copies; then :func:`follow_copies`.
 
     Returns:
         ``{"prefix", "source", "targets": [URL], "status", "bytes", "copies": [row], "holders": [URL],
-        "skipped"}``: ``status`` is ``done`` (every copy arrived and was verified), ``partial`` (some failed),
-        ``failed`` (all failed) or ``timeout``; ``bytes`` is the sum of bytes sent by the copies that arrived.
+        "skipped"}``: ``status`` is ``done`` (every copy arrived and was verified), ``held`` (nothing to copy: every
+        eligible worker already holds it; ``holders`` names them), ``partial`` (some failed), ``failed`` (all
+        failed) or ``timeout``; ``bytes`` is the sum of bytes sent by the copies that arrived.
 
     Raises:
         BtbctlError: bad prefix or ``n`` (checked here first), unknown or ambiguous prefix, no holder or no target
@@ -90,16 +93,42 @@ def replicate_and_wait(
         p = check_prefix_id(prefix)
     except ValueError as e:
         raise BtbctlError(f"--prefix: {e}") from None
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BtbctlError(f"-n must be an integer >= 1, got {n!r}")
+    check_replicas(n)
     started = client.replicate(p, n)
+    return follow_copies(client, started, timeout_s=timeout_s, poll_s=poll_s, on_progress=on_progress, sleep=sleep)
+
+
+def check_replicas(n: object) -> int:
+    """``n`` when it is an integer >= 1 (``-n``/``--replicas``); raises BtbctlError otherwise."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BtbctlError(f"-n/--replicas must be an integer >= 1, got {n!r}")
+    return n
+
+
+def follow_copies(
+    client: ControlClient,
+    started: ReplicateAnswer,
+    *,
+    timeout_s: float = 120.0,
+    poll_s: float = 0.2,
+    on_progress: Callable[[list[dict]], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict:
+    """Wait for the copies a replicate (or prewarm) answer started: ``GET /control/replications/{prefix}`` is polled
+    every ``poll_s`` until every copy is ``done`` or ``failed`` or ``timeout_s`` passes. ``on_progress`` gets the
+    copies' rows (:class:`~btbctl.engine.control.schema.TransferEntry` as JSON objects; a copy the gateway no longer
+    lists is ``{"copy_id", "state": "planned"}``) whenever a state or a byte count changes. An answer without
+    copies (every eligible worker holds the prefix) returns at once with ``status`` :data:`HELD`.
+
+    Returns: as :func:`replicate_and_wait`.
+    """
     ids = list(started.copy_ids)
     deadline = time.monotonic() + timeout_s
     last = None
     rows: list[dict] = []
-    holders: list[str] = []
-    status = "timeout"
-    while True:
+    holders: list[str] = list(started.holders)
+    status = HELD if not ids else "timeout"
+    while ids:
         rep = client.replication(started.prefix)
         holders = list(rep.holders)
         by_id = {c.copy_id: c.model_dump(mode="json") for c in rep.copies}
@@ -128,4 +157,13 @@ def replicate_and_wait(
     }
 
 
-__all__ = ["FINAL_COPY_STATES", "POLICY_KEY", "parse_tune_args", "replicate_and_wait", "tune_keys"]
+__all__ = [
+    "FINAL_COPY_STATES",
+    "HELD",
+    "POLICY_KEY",
+    "check_replicas",
+    "follow_copies",
+    "parse_tune_args",
+    "replicate_and_wait",
+    "tune_keys",
+]

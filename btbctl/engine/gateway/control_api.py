@@ -236,7 +236,8 @@ class ControlApi:
         except ReplicateError as e:
             log_event(log, "control_replicate_refused", peer=request.remote, status=e.status, reason=str(e))
             return _err(e.status, str(e))
-        return _ok(self.reports.replicate(outcome), status=202)
+        # 200 and no targets: every eligible worker holds it already (nothing to do is not an error)
+        return _ok(self.reports.replicate(outcome), status=202 if outcome.started else 200)
 
     async def flush(self, request: web.Request) -> web.Response:
         obj = await self._json_body(request)

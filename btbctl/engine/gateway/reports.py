@@ -428,6 +428,7 @@ class Reports:
                 ReplicateCopy(copy_id=t.copy_id, target=urls[t.target], state=t.state, error=t.error) for t in started
             ],
             skipped=outcome.skipped,
+            holders=[urls[r] for r in outcome.holders],
         )
 
 

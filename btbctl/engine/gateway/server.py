@@ -41,7 +41,7 @@ from aiohttp import web
 from btbctl.engine import aiotasks
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
-from btbctl.engine.detector import BurstDetector
+from btbctl.engine.detector import BurstDetector, DeclaredBursts
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
@@ -144,6 +144,8 @@ class Gateway:
         self.constants: BtbConstants = config.constants
         self.detector = BurstDetector(self.constants)
         self.detector.on_fire = self._detector_fired
+        #: the per-client bound on declared bursts (``X-BTB-Expected-Requests``)
+        self.declared = DeclaredBursts(config.declared_requests_max)
         #: seed of the policies' random source: the configured one, else fresh for this process
         self.seed: int = config.seed if config.seed is not None else secrets.randbits(63)
         self.rng = random.Random(self.seed)
@@ -336,7 +338,7 @@ class Gateway:
         state = self.state
         now = self.clock()
         if self._feeds_detector and not excluded:
-            self.detector.observe(req.block_hashes, now)
+            self.detector.observe(req.block_hashes, now, req.arrivals)
         view = ExcludingView(state, excluded) if excluded else state
         policy = self.policy
         route = policy.route(req, view, now)
@@ -357,6 +359,25 @@ class Gateway:
             self._falling_back(True)
         low = min(w.inflight for w in open_)
         return self.rng.choice([w.index for w in open_ if w.inflight == low])
+
+    def declare(self, client: str, extra: int) -> int:
+        """Extra detector arrivals granted to ``client`` (an address) that declared ``extra`` more requests of its
+        prompt: at most what is left of ``declared_requests_max`` in the trailing ``window_s``. What is asked
+        beyond is dropped, with one ``declared_burst_capped`` line per client and window."""
+        window_s = self.constants.window_s
+        granted, first_refusal = self.declared.grant(client, extra, self.clock(), window_s)
+        if first_refusal:
+            log_event(
+                log,
+                "declared_burst_capped",
+                logging.WARNING,
+                client=client,
+                asked=extra,
+                granted=granted,
+                cap=self.declared.max_extra,
+                window_s=window_s,
+            )
+        return granted
 
     def _falling_back(self, on: bool) -> None:
         """Routing falls back to workers that are not healthy but answering (``on``), or no longer: one line per
