@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 _FORWARD_HEADERS = {"Content-Type": "application/json"}
 #: Response header naming the worker (base URL) that answered; ``btbctl bench`` counts answers per worker by it.
 WORKER_HEADER = "X-BTB-Worker"
+#: The prompt routes: the name the prompt parser knows each by, and its path (the same on the workers).
+DATA_ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
 #: Request header of a batch client declaring its burst: how many requests of this prompt it is about to send
 #: (an integer >= 1). The detector counts the request as that many arrivals, within the client's bound
 #: (``declared_requests_max``); the header is not forwarded to the worker.
@@ -267,13 +269,13 @@ class DataPlane:
     # -- routes -------------------------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "generate", "/generate")
+        return await self._handle(request, "generate", DATA_ROUTES["generate"])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "completions", "/v1/completions")
+        return await self._handle(request, "completions", DATA_ROUTES["completions"])
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "chat", "/v1/chat/completions")
+        return await self._handle(request, "chat", DATA_ROUTES["chat"])
 
     async def health(self, request: web.Request) -> web.Response:
         """200 ``ok`` while a worker is healthy; 200 ``degraded`` while none is but some still answer requests
@@ -840,9 +842,9 @@ def build_data_app(dp: DataPlane, middlewares: Sequence[Any] = ()) -> web.Applic
     middleware)."""
     app = web.Application(client_max_size=dp.max_body, middlewares=[*middlewares, error_middleware])
     app[METRICS_KEY] = dp.gw.metrics
-    app.router.add_post("/generate", dp.generate)
-    app.router.add_post("/v1/completions", dp.completions)
-    app.router.add_post("/v1/chat/completions", dp.chat)
+    app.router.add_post(DATA_ROUTES["generate"], dp.generate)
+    app.router.add_post(DATA_ROUTES["completions"], dp.completions)
+    app.router.add_post(DATA_ROUTES["chat"], dp.chat)
     app.router.add_get("/v1/models", dp.models)
     app.router.add_get("/health", dp.health)
     app.router.add_get("/metrics", dp.metrics)

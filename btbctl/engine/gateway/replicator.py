@@ -95,6 +95,18 @@ class ReplicateOutcome:
     holders: list[int] = field(default_factory=list)
 
 
+@dataclass
+class PrewarmOutcome:
+    """What a prewarm did: the worker index that computed the prompt (``computed_by``; -1 when its answer named
+    no known worker), the prompt's length (``prompt_tokens``) and whole blocks (``blocks``), and the copies
+    (``copies``, as for a replicate)."""
+
+    copies: ReplicateOutcome
+    computed_by: int
+    prompt_tokens: int
+    blocks: int
+
+
 class CopyExecutor:
     """What every executor of copy plans shares (the push :class:`Replicator` and the ``l3`` one): carrying out a
     policy's plan, a job per copy in a background task, the manual replicate's choice of targets, finishing a
