@@ -27,6 +27,7 @@ from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
 from btbctl.engine.gateway.replicator import PrewarmOutcome, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.reports import PrefixLookupError, Reports
+from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import RateLimiter, log_event
 from btbctl.engine.policies import POLICIES, live_policy_error
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 #: Largest body a control write accepts, bytes.
 MAX_CONTROL_BODY = 64 * 1024
+#: Largest body of ``POST /control/prewarm`` (a prompt: the data plane's own limit), bytes. Only requests with the
+#: bearer token get their body read.
+MAX_PREWARM_BODY = MAX_REQUEST_BODY_BYTES
 
 
 def _err(status: int, message: str, headers: dict | None = None, **fields) -> web.Response:
@@ -129,8 +133,13 @@ class ControlApi:
                 raise
             return _err(e.status, e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}")
 
-    async def _json_body(self, request: web.Request) -> dict | web.Response:
+    async def _json_body(self, request: web.Request, limit: int = MAX_CONTROL_BODY) -> dict | web.Response:
+        cl = request.content_length
+        if cl is not None and cl > limit:
+            return _err(413, f"a body of {cl} bytes exceeds the limit of {limit} bytes")
         body = await request.read()
+        if len(body) > limit:
+            return _err(413, f"a body of {len(body)} bytes exceeds the limit of {limit} bytes")
         try:
             return parse_json_object(body) if body else {}
         except ValueError as e:  # the message is for the client
@@ -244,7 +253,7 @@ class ControlApi:
         return _ok(self.reports.replicate(outcome), status=202 if outcome.started else 200)
 
     async def prewarm(self, request: web.Request) -> web.Response:
-        obj = await self._json_body(request)
+        obj = await self._json_body(request, MAX_PREWARM_BODY)
         if isinstance(obj, web.Response):
             return obj
         try:
@@ -341,7 +350,9 @@ def build_control_app(
     """The control-API :class:`aiohttp.web.Application` (see :class:`ControlApi` for the arguments; ``middlewares``
     run first)."""
     api = ControlApi(reports, steering, bus, open_reads=open_reads, retry_after_s=retry_after_s)
-    app = web.Application(client_max_size=MAX_CONTROL_BODY, middlewares=[*middlewares, api.middleware])
+    app = web.Application(
+        client_max_size=max(MAX_CONTROL_BODY, MAX_PREWARM_BODY), middlewares=[*middlewares, api.middleware]
+    )
     r = app.router
     r.add_get("/control/fleet", api.fleet)
     r.add_get("/control/prefixes", api.prefixes)
