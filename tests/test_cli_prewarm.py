@@ -69,7 +69,8 @@ async def test_prewarm_computes_then_copies_from_a_file_or_stdin(monkeypatch, ca
         assert code == 0, err
         computer = next(w for w in env.fleet if w.requests)
         chain = computer.chain_of("/generate", {"text": TEXT})
-        assert f"computed 35 tokens (8 blocks) on {computer.url}; prefix {chain[-1]}" in err
+        name = f"w{env.fleet.index(computer)}"
+        assert f"computed 35 tokens (8 blocks) on {name}; prefix {chain[-1]}" in err
         assert f"prefix {chain[-1]} from " in out and "to 2 worker(s): done" in out
         assert sum(chain[-1] in w.held for w in env.fleet) == 3
         # the same prompt once the whole fleet holds it: nothing to do, exit 0

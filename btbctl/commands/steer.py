@@ -276,9 +276,13 @@ def prewarm(
     prompt = read_prompt(prompt_file, kind.value)
     with client_for_run(run_dir) as api:
         started = api.prewarm(**prompt, n=n, timeout_s=timeout_s)
+        try:
+            computed = next(w.name for w in api.fleet().workers if w.url == started.computed_by)
+        except Exception:  # noqa: BLE001 - the name is extra; the URL stands in for it
+            computed = started.computed_by or "a worker"
         out.info(
-            f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on "
-            f"{started.computed_by or 'a worker'}; prefix {started.prefix}"
+            f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on {computed}; "
+            f"prefix {started.prefix}"
         )
         res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out))
         res.update(
