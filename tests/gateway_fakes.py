@@ -350,9 +350,10 @@ class GatewayEnv:
     def auth(self, token: str = "test-token") -> dict:
         return {"Authorization": f"Bearer {token}"}
 
-    async def post(self, path: str, body, **kw) -> tuple[int, object]:
+    async def post(self, path: str, body, headers: dict | None = None, **kw) -> tuple[int, object]:
         data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        async with self.http.post(self.url + path, data=data, headers={"Content-Type": "application/json"}, **kw) as r:
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        async with self.http.post(self.url + path, data=data, headers=headers, **kw) as r:
             text = await r.text()
             try:
                 return r.status, json.loads(text)

@@ -253,3 +253,40 @@ def test_last_arrival_says_whether_any_prefix_has_arrivals_in_the_window():
         assert in_window == (d.last_arrival_s() > now - 1.0), now
     d.reset()
     assert d.last_arrival_s() is None
+
+# -- declared bursts ----------------------------------------------------------------------------------------------
+
+
+def test_a_declared_burst_counts_as_that_many_arrivals():
+    d = BurstDetector(BtbConstants(prefix_blocks=4, threshold=5, window_s=1.0, replicas=3))
+    det = d.observe(chain("a", 4, "s0"), 10.0, arrivals=5)
+    assert det is not None and det.fired and det.arrivals_in_window == 5
+    assert d.arrivals_in_window(det.key, 10.5) == 5 and d.heat(10.5)[0].total_arrivals == 5
+    assert d.arrivals_in_window(det.key, 11.0) == 0  # they all arrived at 10.0: out of the window together
+    assert d.observe(chain("b", 4, "s0"), 10.0, arrivals=4) is None  # 4 < threshold: not hot
+    assert d.observe(chain("c", 3), 10.0, arrivals=50) is None and len(d) == 2  # too short: never tracked
+
+
+def test_declared_bursts_are_bounded_per_client_within_the_window():
+    from btbctl.engine.detector import DeclaredBursts
+
+    b = DeclaredBursts(10)
+    assert b.grant("10.0.0.1", 4, 0.0, 1.0) == (4, False)
+    assert b.grant("10.0.0.1", 9, 0.5, 1.0) == (6, True)  # 10 per window: 6 left; the first refusal is logged
+    assert b.grant("10.0.0.1", 3, 0.9, 1.0) == (0, False)  # refused again in the same window: not logged again
+    assert b.grant("10.0.0.2", 10, 0.9, 1.0) == (10, False)  # another client has its own bound
+    assert b.grant("10.0.0.1", 3, 1.0, 1.0) == (3, False)  # the grant of 0.0 left the window (0.0, 1.0]
+    assert b.grant("10.0.0.1", 20, 1.6, 1.0) == (7, True)  # only the 3 of 1.0 within (0.6, 1.6]; a new window logs
+    assert b.grant("10.0.0.1", 0, 1.6, 1.0) == (0, False)
+    assert DeclaredBursts(0).grant("x", 5, 0.0, 1.0) == (0, True)  # 0: the header is off
+    with pytest.raises(ConfigError, match="declared_requests_max"):
+        DeclaredBursts(-1)
+
+
+def test_declared_bursts_track_a_bounded_number_of_clients():
+    from btbctl.engine.detector import DeclaredBursts
+
+    b = DeclaredBursts(2, max_clients=3)
+    for i in range(10):
+        assert b.grant(f"c{i}", 2, float(i) / 100, 1.0) == (2, False)
+    assert len(b._grants) == 3 and len(b._refused_at) <= 3

@@ -138,6 +138,97 @@ async def test_manual_replicate_without_a_holder_is_409():
         assert all(not w.pushes for w in env.fleet)
 
 
+async def _replicated(env: GatewayEnv, pid: str, holders: int) -> dict:
+    """The replication answer of ``pid`` once ``holders`` workers hold it and no copy of it is in flight."""
+    for _ in range(250):
+        _, st = await env.get_control(f"/control/replications/{pid}")
+        if len(st["holders"]) == holders and all(c["state"] in ("done", "failed") for c in st["copies"]):
+            return st
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{pid}: {st}")
+
+
+async def test_replicate_of_a_prefix_every_worker_holds_answers_200_with_the_holders():
+    async with GatewayEnv(3, policy="round_robin", constants=CONSTANTS) as env:
+        assert (await env.post("/generate", {"text": TEXT}))[0] == 200
+        pid = env.fleet[0].chain_of("/generate", {"text": TEXT})[3]
+        url = env.control + "/control/replicate"
+        async with env.http.post(url, json={"prefix": pid, "n": 2}, headers=env.auth()) as r:
+            assert r.status == 202
+        await _replicated(env, pid, 3)
+        async with env.http.post(url, json={"prefix": pid[:10], "n": 3}, headers=env.auth()) as r:
+            assert r.status == 200, await r.text()  # nothing to copy is not an error
+            ans = await r.json()
+        assert ans["prefix"] == pid and ans["targets"] == [] and ans["copies"] == [] and ans["skipped"] == 3
+        assert sorted(ans["holders"]) == sorted(w.url for w in env.fleet) and ans["source"] in ans["holders"]
+        _same_after_validation(schema.ReplicateAnswer, ans)
+        assert sum(len(w.pushes) for w in env.fleet) == 2  # no copy started
+
+
+async def test_prewarm_computes_the_prompt_on_one_worker_then_copies_it():
+    async with GatewayEnv(4, policy="round_robin", constants=CONSTANTS) as env:
+        url = env.control + "/control/prewarm"
+        async with env.http.post(url, json={"text": TEXT, "n": 2}) as r:
+            assert r.status == 401
+        async with env.http.post(url, json={"text": TEXT, "n": 2}, headers=env.auth()) as r:
+            assert r.status == 202, await r.text()
+            ans = await r.json()
+        _same_after_validation(schema.PrewarmAnswer, ans)
+        computer = next(w for w in env.fleet if w.requests)
+        path, body = computer.requests[-1]
+        assert path == "/generate" and body["text"] == TEXT and body["sampling_params"]["max_new_tokens"] == 1
+        chain = computer.chain_of("/generate", {"text": TEXT})
+        assert ans["computed_by"] == computer.url and ans["source"] == computer.url
+        assert ans["prefix"] == chain[-1] and ans["prefix_blocks"] == len(chain) and ans["prompt_tokens"] == 35
+        assert len(ans["targets"]) == 2 and computer.url not in ans["targets"]
+        assert computer.pushes[0]["body"]["chain"] == chain  # the prompt's whole blocks
+        st = await _replicated(env, chain[-1], 3)
+        assert set(st["holders"]) == {computer.url, *ans["targets"]}
+        # the same prompt for more workers than are left: the last one, then nothing to do (200, the holders)
+        async with env.http.post(url, json={"text": TEXT, "n": 5}, headers=env.auth()) as r:
+            again = await r.json()
+            assert r.status == 202 and len(again["targets"]) == 1 and again["skipped"] == 4
+        await _replicated(env, chain[-1], 4)
+        async with env.http.post(url, json={"text": TEXT, "n": 1}, headers=env.auth()) as r:
+            held = await r.json()
+            assert r.status == 200 and held["targets"] == [] and len(held["holders"]) == 4
+
+
+async def test_prewarm_takes_chats_and_token_ids_and_refuses_bad_prompts():
+    async with GatewayEnv(2, policy="round_robin", constants=CONSTANTS) as env:
+        url = env.control + "/control/prewarm"
+        chat = [{"role": "system", "content": "You are a careful batch summarizer. " * 3}]
+        async with env.http.post(url, json={"messages": chat}, headers=env.auth()) as r:
+            assert r.status == 202, await r.text()
+            ans = await r.json()
+        computer = next(w for w in env.fleet if w.requests)
+        path, body = computer.requests[-1]
+        assert path == "/v1/chat/completions" and body["max_tokens"] == 1 and body["messages"] == chat
+        assert ans["prefix"] == computer.chain_of(path, body)[-1]
+        ids = list(range(100, 140))
+        async with env.http.post(url, json={"input_ids": ids}, headers=env.auth()) as r:
+            assert r.status == 202, await r.text()
+            ans = await r.json()
+        assert ans["prefix_blocks"] == 10 and ans["prompt_tokens"] == 40
+        bad = [
+            ({}, 400, "prompt"),
+            ({"text": "a b", "input_ids": [1]}, 400, "prompt"),
+            ({"text": TEXT, "n": 0}, 400, "n"),
+            ({"input_ids": ["x"]}, 400, "input_ids"),
+            ({"text": TEXT, "speed": 1}, 400, "speed"),
+            ({"text": "abc"}, 400, None),  # shorter than one block
+        ]
+        for obj, status, key in bad:
+            async with env.http.post(url, json=obj, headers=env.auth()) as r:
+                err = (await r.json())["error"]
+                assert r.status == status and err.get("key") == key, (obj, err)
+        assert "shorter than one block" in err["message"]
+        for w in env.fleet:
+            w.fail = "500"
+        async with env.http.post(url, json={"text": "another prompt " * 5}, headers=env.auth()) as r:
+            assert r.status == 502 and "computing the prompt failed" in (await r.json())["error"]["message"]
+
+
 async def test_event_stream_delivers_coalesced_snapshots():
     async with GatewayEnv(2, policy="btb", constants={**CONSTANTS, "threshold": 2}) as env:
         seen: dict[str, list] = {}
@@ -284,7 +375,7 @@ def test_the_control_api_page_documents_every_route_model_and_field():
     page = (Path(__file__).resolve().parents[1] / "docs" / "control-api.md").read_text(encoding="utf-8")
     app = build_control_app(None, None, EventBus(), open_reads=True)  # only the routing table is read
     routes = {f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"}
-    assert len(routes) == 10
+    assert len(routes) == 11
     for route in routes:
         assert f"`{route}" in page, route
     models = [

@@ -123,3 +123,38 @@ async def test_push_goes_out_while_the_source_still_prefills():
         assert all(gw.state.pending_blocks(t.target, chain) == len(chain) for t in ts)
         first_byte.set()
         assert (await first)[0] == 200 and (await second)[0] == 200
+
+
+async def test_a_declared_burst_fires_the_detector_on_its_first_request_within_the_clients_bound(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="btbctl.engine.gateway")
+    constants = {**BURST_CONSTANTS, "threshold": 8}
+    async with GatewayEnv(4, policy="btb", constants=constants, declared_requests_max=10) as env:
+        gw = env.gw
+        declare = {"X-BTB-Expected-Requests": "8"}
+        status, _ = await env.post("/generate", {"text": BURST_TEXT + "a"}, headers=declare)
+        assert status == 200
+        source = next(w for w in env.fleet if w.requests)
+        assert "X-BTB-Expected-Requests" not in str(source.requests)  # not forwarded
+        prefix_id = env.fleet[0].chain_of("/generate", {"text": BURST_TEXT})[3]
+        assert gw.detector.is_active(prefix_id, gw.clock())  # hot on its first request (threshold 8)
+        assert gw.detector.arrivals_in_window(prefix_id, gw.clock()) == 8
+        # the batch's second request (no header) finds a holder: the copies go out (3 warm replicas: 2 copies)
+        assert (await env.post("/generate", {"text": BURST_TEXT + "b"}))[0] == 200
+        await until(lambda: len(gw.state.transfers.recent) == 2)
+        assert source.pushes[0]["body"]["chain"][-1] == prefix_id
+        # the same client again within the window: 3 of its 10 extra arrivals are left, the rest is not counted
+        other = "another prefix " * 10
+        status, _ = await env.post("/generate", {"text": other}, headers={"X-BTB-Expected-Requests": "50"})
+        assert status == 200
+        other_id = env.fleet[0].chain_of("/generate", {"text": other})[3]
+        assert gw.detector.arrivals_in_window(other_id, gw.clock()) == 4 and not gw.detector.is_active(
+            other_id, gw.clock()
+        )
+        await env.post("/generate", {"text": other + "x"}, headers={"X-BTB-Expected-Requests": "50"})
+        capped = [r.getMessage() for r in caplog.records if "declared_burst_capped" in r.getMessage()]
+        assert len(capped) == 1 and "asked=49" in capped[0] and "granted=3" in capped[0] and "cap=10" in capped[0]
+        for bad in ("0", "-3", "many", "1e3", "99999999999"):
+            status, body = await env.post("/generate", {"text": other}, headers={"X-BTB-Expected-Requests": bad})
+            assert status == 400 and "X-BTB-Expected-Requests" in body["error"]["message"], bad

@@ -381,3 +381,31 @@ def test_ttft_trail_from_stream_points():
     assert [p.t_s for p in trail.points] == [3.5, 4.5, 5.5, 6.5, 7.5]
     trail.advance(100.0)  # a silence longer than the series: empty buckets up to a second before now
     assert [(p.t_s, p.rps) for p in trail.points] == [(95.0, 0.0), (96.0, 0.0), (97.0, 0.0), (98.0, 0.0), (99.0, 0.0)]
+
+
+async def test_prewarm_from_the_dashboard_computes_once_and_copies():
+    from btbctl.tui.app import PrewarmScreen
+
+    text = "prewarm from the dashboard " * 6
+    constants = {"prefix_blocks": 4, "threshold": 100, "window_s": 5.0, "replicas": 3}
+    async with GatewayEnv(3, policy="round_robin", constants=constants) as env:
+        app = build_app(ControlApiSource(env.control, "test-token"), poll_hz=10)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_for(pilot, lambda: app.snapshot is not None and app.snapshot.workers)
+            await press(pilot, "w")
+            await wait_for(pilot, lambda: isinstance(app.screen, PrewarmScreen) and isinstance(app.focused, Input))
+            app.screen.query_one("#prewarm-n", Input).value = "0"
+            app.focused.value = text
+            await press(pilot, "enter")
+            await pilot.pause(0.05)
+            assert isinstance(app.screen, PrewarmScreen) and "n must be" in _text(
+                app.screen.query_one("#prewarm-error")
+            )
+            app.screen.query_one("#prewarm-n", Input).value = "2"
+            await press(pilot, "enter")
+            chain = env.fleet[0].chain_of("/generate", {"text": text})
+            await wait_for(pilot, lambda: sum(chain[-1] in w.held for w in env.fleet) == 3)
+            said = lambda: [n.message for n in app._notifications]  # the toasts shown (textual's list)
+            await wait_for(pilot, lambda: any(m.startswith("computed 41 tokens on w") for m in said()))
+            assert any("copying " in m and " to " in m for m in said())
+            assert sum(len(w.requests) for w in env.fleet) == 1  # computed once

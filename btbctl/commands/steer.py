@@ -1,8 +1,10 @@
-"""``btbctl tune``, ``btbctl replicate``, ``btbctl prefixes`` and ``btbctl flush``: look at and steer a running fleet
-through its control API."""
+"""``btbctl tune``, ``btbctl replicate``, ``btbctl prewarm``, ``btbctl prefixes`` and ``btbctl flush``: look at and
+steer a running fleet through its control API."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -11,6 +13,15 @@ from btbctl.commands.app import app
 from btbctl.commands.fleet import SOURCE_WORDS, count_cell, kv_cell
 from btbctl.commands.options import FleetOpt, RunDirOpt
 from btbctl.commands.output import Format, Output
+
+
+class PromptKind(str, enum.Enum):
+    """How ``btbctl prewarm`` reads its prompt file."""
+
+    auto = "auto"
+    text = "text"
+    chat = "chat"
+    ids = "ids"
 
 
 def human_bytes(n: float | None) -> str:
@@ -119,33 +130,18 @@ def _warn_replicas(out: Output, api, updates: dict) -> None:
         )
 
 
-@app.command("replicate")
-def replicate(
-    prefix: Annotated[
-        str,
-        typer.Option(
-            "--prefix",
-            metavar="HASH",
-            help="Prefix id (or at least 8 leading hex digits of it), as `btbctl tui` and "
-            "GET /control/prefixes show it.",
-            show_default=False,
-        ),
-    ],
-    n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
-    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
-    run_dir: RunDirOpt = None,
-    fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
-) -> None:
-    """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1
-    when not every copy arrived)."""
-    from btbctl.engine.control.steering import replicate_and_wait
-    from btbctl.engine.errors import BtbctlError
-    from btbctl.engine.launcher.control import client_for_run
+#: The exit statuses of ``replicate`` and ``prewarm``, for their help.
+COPY_EXIT_HELP = (
+    "Exit status: 0 every copy arrived, or nothing to copy (every eligible worker already holds the prefix: "
+    '"already held by N workers: ..."); 1 not every copy arrived (failed, partial or timed out); 2 a user error '
+    "or a refusal (an unknown or ambiguous prefix, a bad option, no running fleet, no worker holding the prefix, "
+    "every free worker refusing the copy)."
+)
+REPLICAS_HELP = "How many more workers should receive a copy."
 
-    out = Output(fmt)
-    if not timeout_s > 0:
-        raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
+
+def _copy_progress(out: Output) -> Callable[[list[dict]], None]:
+    """Progress lines (stderr) for the copies' rows, as ``btbctl replicate`` and ``btbctl prewarm`` print them."""
 
     def progress(rows: list[dict]) -> None:
         for r in rows:
@@ -157,23 +153,119 @@ def replicate(
                 f"({human_bytes(r.get('bytes_sent'))}){err}"
             )
 
-    with client_for_run(run_dir) as api:
-        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=progress)
-        res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
+    return progress
+
+
+def _copy_result(out: Output, api, res: dict) -> None:
+    """Print a replicate's (or prewarm's) result and exit as :data:`COPY_EXIT_HELP` says."""
+    from btbctl.engine.control.steering import HELD
+
+    res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
+    try:
+        names = {w.url: w.name for w in api.fleet().workers}
+    except Exception:  # noqa: BLE001 - names are extra; URLs stand in for them
+        names = {}
+    res["holder_names"] = [names.get(u, u) for u in res.get("holders") or []]
 
     def human(d: dict) -> None:
+        if d["status"] == HELD:
+            held = d["holder_names"]
+            out.console.print(f"prefix {d['prefix']} already held by {len(held)} workers: {', '.join(held)}")
+            return
         out.console.print(
-            f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "
+            f"prefix {d['prefix']} from {names.get(d['source'], d['source'])} to {len(d['targets'])} worker(s): "
             f"{d['status']}, {copy_size(d['bytes'], d.get('modelled_bytes'), d.get('kv_bytes_scale'))}"
         )
         for url in d["targets"]:
-            out.console.print(f"  {url}")
+            out.console.print(f"  {names.get(url, url)}")
         if d.get("skipped"):
             out.console.print(f"  ({d['skipped']} fewer than asked: no other eligible worker)")
 
     out.result(res, human)
-    if res["status"] != "done":
+    if res["status"] not in ("done", HELD):
         raise typer.Exit(1)
+
+
+@app.command("replicate", epilog=COPY_EXIT_HELP)
+def replicate(
+    prefix: Annotated[
+        str,
+        typer.Option(
+            "--prefix",
+            metavar="HASH",
+            help="Prefix id (or at least 8 leading hex digits of it), as `btbctl tui` and "
+            "GET /control/prefixes show it.",
+            show_default=False,
+        ),
+    ],
+    n: Annotated[int, typer.Option("-n", "--replicas", help=REPLICAS_HELP)] = 1,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout."""
+    from btbctl.engine.control.steering import replicate_and_wait
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.control import client_for_run
+
+    out = Output(fmt)
+    if not timeout_s > 0:
+        raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
+    with client_for_run(run_dir) as api:
+        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=_copy_progress(out))
+        _copy_result(out, api, res)
+
+
+@app.command("prewarm", epilog=COPY_EXIT_HELP)
+def prewarm(
+    prompt_file: Annotated[
+        str,
+        typer.Argument(
+            metavar="PROMPT_FILE",
+            help="The prompt: a file, or - for stdin. Plain text, or JSON: a chat (a list of messages, or an object "
+            'with "messages"), token ids (a list of integers, or an object with "input_ids") or {"text": ...}.',
+            show_default=False,
+        ),
+    ],
+    n: Annotated[int, typer.Option("-n", "--replicas", help=REPLICAS_HELP)] = 1,
+    kind: Annotated[
+        PromptKind,
+        typer.Option("--as", help="Read the prompt as: auto (JSON shapes above, else text), text, chat or ids."),
+    ] = PromptKind.auto,
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", help="Longest wait for the computation, then for the copies, seconds.")
+    ] = 330.0,
+    run_dir: RunDirOpt = None,
+    fleet: FleetOpt = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+) -> None:
+    """Keep a prompt warm before its batch starts: one worker computes it (the routing policy's choice), then its KV
+    cache is copied to N more workers, as `replicate` does; progress on stderr, the result on stdout."""
+    from btbctl.engine.control.steering import check_replicas, follow_copies, read_prompt
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher.control import client_for_run
+
+    out = Output(fmt)
+    if not timeout_s > 0:
+        raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
+    check_replicas(n)
+    prompt = read_prompt(prompt_file, kind.value)
+    with client_for_run(run_dir) as api:
+        started = api.prewarm(**prompt, n=n, timeout_s=timeout_s)
+        try:
+            computed = next(w.name for w in api.fleet().workers if w.url == started.computed_by)
+        except Exception:  # noqa: BLE001 - the name is extra; the URL stands in for it
+            computed = started.computed_by or "a worker"
+        out.info(
+            f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on {computed}; "
+            f"prefix {started.prefix}"
+        )
+        res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out))
+        res.update(
+            computed_by=started.computed_by, prompt_tokens=started.prompt_tokens, prefix_blocks=started.prefix_blocks
+        )
+        _copy_result(out, api, res)
 
 
 @app.command("prefixes")

@@ -130,8 +130,9 @@ class BurstDetector:
 
     # -- the hot path -------------------------------------------------------------------------------------------
 
-    def observe(self, chain: Sequence[Hashable], now_s: float) -> Detection | None:
-        """Record one arrival of a prompt whose block-hash chain is ``chain`` at ``now_s`` seconds.
+    def observe(self, chain: Sequence[Hashable], now_s: float, arrivals: int = 1) -> Detection | None:
+        """Record one arrival of a prompt whose block-hash chain is ``chain`` at ``now_s`` seconds, counted as
+        ``arrivals`` arrivals (>= 1; a declared burst, bounded by the caller: see :class:`DeclaredBursts`).
 
         Returns:
             A :class:`Detection` when the prompt's Y-block prefix is hot after this arrival (``fired`` is True on
@@ -159,9 +160,13 @@ class BurstDetector:
             st.last_s = now_s
         if now_s > self._latest_s:
             self._latest_s = now_s
-        st.total += 1
+        arrivals = max(1, int(arrivals))
+        st.total += arrivals
         times = st.times
-        times.append(now_s)
+        if arrivals == 1:
+            times.append(now_s)
+        else:
+            times.extend([now_s] * arrivals)
         cutoff = now_s - window
         while times[0] <= cutoff:
             times.popleft()
@@ -268,3 +273,61 @@ class BurstDetector:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class DeclaredBursts:
+    """The per-client bound on declared bursts: a client (a bearer token or an address) may add at most
+    ``max_extra`` arrivals beyond its requests' own within the trailing ``window_s`` seconds, so one client cannot
+    make many prefixes hot at once.
+
+    Args:
+        max_extra: extra arrivals one client may declare per window (>= 0; 0 grants none).
+        max_clients: clients tracked at most (the least recently seen is forgotten first).
+
+    Time is a parameter (seconds, non-decreasing); nothing here reads a clock.
+
+    Raises:
+        ConfigError: ``max_extra`` < 0 or ``max_clients`` < 1.
+    """
+
+    def __init__(self, max_extra: int, max_clients: int = 4096) -> None:
+        if not isinstance(max_extra, int) or max_extra < 0:
+            raise ConfigError("declared_requests_max", f"must be an integer >= 0, got {max_extra!r}")
+        if not isinstance(max_clients, int) or max_clients < 1:
+            raise ConfigError("max_clients", f"must be an integer >= 1, got {max_clients!r}")
+        self.max_extra = max_extra
+        self.max_clients = max_clients
+        # client -> [(time granted, extra arrivals)], last seen last; and the window a refusal was last logged in
+        self._grants: OrderedDict[Hashable, deque[tuple[float, int]]] = OrderedDict()
+        self._refused_at: dict[Hashable, float] = {}
+
+    def grant(self, client: Hashable, extra: int, now_s: float, window_s: float) -> tuple[int, bool]:
+        """Grant up to ``extra`` (>= 0) extra arrivals to ``client`` at ``now_s``: ``(granted, log_refusal)``.
+        ``granted`` is what is left of the client's ``max_extra`` over ``(now_s - window_s, now_s]``;
+        ``log_refusal`` is true on the first refusal (granted < extra) of the client in a window, so the caller
+        logs one line per client and window."""
+        if extra <= 0:
+            return 0, False
+        grants = self._grants.get(client)
+        if grants is None:
+            grants = deque()
+            self._grants[client] = grants
+        else:
+            self._grants.move_to_end(client)
+        cutoff = now_s - window_s
+        while grants and grants[0][0] <= cutoff:
+            grants.popleft()
+        left = self.max_extra - sum(n for _, n in grants)
+        granted = max(0, min(extra, left))
+        if granted:
+            grants.append((now_s, granted))
+        while len(self._grants) > self.max_clients:
+            gone, _ = self._grants.popitem(last=False)
+            self._refused_at.pop(gone, None)
+        if granted == extra:
+            return granted, False
+        last = self._refused_at.get(client)
+        first = last is None or now_s - last >= window_s
+        if first:
+            self._refused_at[client] = now_s
+        return granted, first

@@ -16,6 +16,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def local_url(url: str) -> str:
+    """``url`` (``http://host:port``) as this machine reaches it: a wildcard bind address (``0.0.0.0``, ``::``)
+    becomes the loopback address of its family; any other host stays."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    p = urlsplit(url)
+    host = (p.hostname or "").strip("[]")
+    if host not in ("0.0.0.0", "::"):
+        return url
+    local = "127.0.0.1" if host == "0.0.0.0" else "[::1]"
+    return urlunsplit((p.scheme, f"{local}:{p.port}" if p.port else local, p.path, p.query, p.fragment))
+
+
 #: Methods a web page may send cross-origin without asking first; a write among them is refused when its
 #: ``Origin`` is another site.
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")

@@ -88,6 +88,8 @@ KEYS = """\
   [b]tab[/b]     next panel (next field while editing)
   [b]up/down[/b] select a prefix in panel 1 (kept when the list re-sorts)
   [b]r[/b]       replicate the selected prefix to n more workers
+  [b]w[/b]       prewarm: a prompt (text, or @FILE: text, chat or token
+          ids) computed by one worker, then copied to n more
   [b]c[/b]       change the routing policy
   [b]e[/b]       edit the constants: [b]enter[/b] sends the field (the fleet
           confirms or refuses), [b]escape[/b] leaves editing and sends
@@ -208,6 +210,52 @@ class ReplicateScreen(ModalScreen[int | None]):
         self.dismiss(None)
 
 
+class PrewarmScreen(ModalScreen[tuple[dict, int] | None]):
+    """Asks for a prompt (text, or ``@FILE`` read as ``btbctl prewarm`` reads it) and how many more workers should
+    get it; dismisses with ``(prompt, n)``, or None when cancelled."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, default_n: int) -> None:
+        super().__init__()
+        self.default_n = default_n
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Label("Prewarm: the prompt (text, or @FILE), computed once, then copied to n more workers")
+            yield Input("", id="prewarm-prompt", placeholder="text, or @path/to/prompt.json")
+            yield Input(str(self.default_n), id="prewarm-n", type="integer")
+            yield Label("", id="prewarm-error")
+
+    @on(Input.Submitted)
+    def _submit(self, event: Input.Submitted) -> None:
+        from btbctl.engine.control.steering import read_prompt
+
+        raw = self.query_one("#prewarm-prompt", Input).value
+        try:
+            n = int(self.query_one("#prewarm-n", Input).value)
+        except ValueError:
+            n = 0
+        error = self.query_one("#prewarm-error", Label)
+        if not raw.strip():
+            error.update("[red]type a prompt, or @FILE[/red]")
+            return
+        if n < 1:
+            error.update("[red]n must be an integer >= 1[/red]")
+            return
+        prompt = {"text": raw}
+        if raw.startswith("@"):
+            try:
+                prompt = read_prompt(raw[1:].strip())
+            except BtbctlError as e:
+                error.update(Text(str(e), style="red"))
+                return
+        self.dismiss((prompt, n))
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
 class PolicyScreen(ModalScreen[str | None]):
     """Pick a routing policy from the registry."""
 
@@ -258,6 +306,7 @@ class Dashboard(App):
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("p", "pause", "pause"),
         Binding("r", "replicate", "replicate"),
+        Binding("w", "prewarm", "prewarm", show=False),
         Binding("c", "policy", "policy"),
         Binding("e", "edit", "edit"),
         Binding("1", "panel(1)", "prefixes", show=False),
@@ -471,6 +520,24 @@ class Dashboard(App):
             self.notify(str(e), title="replicate refused", severity="error")
             return
         self.notify(res.message, title="replicate")
+
+    def action_prewarm(self) -> None:
+        m = int(self.snapshot.constants.get("warm_replicas", 2) if self.snapshot else 2)
+
+        def done(asked: tuple[dict, int] | None) -> None:
+            if asked is not None:
+                self._prewarm(*asked)
+
+        self.push_screen(PrewarmScreen(max(1, m - 1)), done)
+
+    @work(group="action", exit_on_error=False)
+    async def _prewarm(self, prompt: dict, n: int) -> None:
+        try:
+            res = await self.source.prewarm(prompt, n)
+        except BtbctlError as e:
+            self.notify(str(e), title="prewarm refused", severity="error")
+            return
+        self.notify(res.message, title="prewarm")
 
     def action_policy(self) -> None:
         current = self.snapshot.policy if self.snapshot else ""

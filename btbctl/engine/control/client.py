@@ -38,6 +38,8 @@ from btbctl.engine.control.schema import (
     FleetAnswer,
     FlushAnswer,
     PrefixesAnswer,
+    PrewarmAnswer,
+    PrewarmRequest,
     ReplicateAnswer,
     ReplicateRequest,
     ReplicationAnswer,
@@ -50,6 +52,9 @@ from btbctl.engine.httpclient import client_session
 #: Seconds one control-API call may take (a product choice: the API answers from memory in milliseconds;
 #: replication runs in the background and is polled).
 DEFAULT_TIMEOUT_S = 10.0
+#: Longest wait for ``POST /control/prewarm``'s answer, seconds: a worker computes the whole prompt first (the
+#: gateway's ``first_byte_timeout_s`` is 300 s by default), then the copies are accepted (10 s).
+PREWARM_TIMEOUT_S = 330.0
 #: Longest silence on the event stream before it counts as broken, seconds: three of the gateway's 15-second
 #: keep-alive periods.
 EVENT_SILENCE_S = 45.0
@@ -175,16 +180,28 @@ class AsyncControlClient:
         return h
 
     async def _call(
-        self, method: str, path: str, model: type[M], body: Any = None, params: Mapping[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        model: type[M],
+        body: Any = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> M:
+        limit = self.timeout_s if timeout_s is None else timeout_s
         try:
             async with self._http().request(
-                method, self.base_url + path, json=body, params=params, headers=self._headers()
+                method,
+                self.base_url + path,
+                json=body,
+                params=params,
+                headers=self._headers(),
+                timeout=aiohttp.ClientTimeout(total=limit),
             ) as resp:
                 status = resp.status
                 raw = await resp.read()
         except asyncio.TimeoutError:
-            raise ControlApiError(f"control API {method} {path}: no answer within {self.timeout_s:g} s") from None
+            raise ControlApiError(f"control API {method} {path}: no answer within {limit:g} s") from None
         except (aiohttp.ClientError, OSError) as e:
             raise ControlApiError(f"cannot reach the control API at {self.base_url}: {_reason(e)}") from None
         if status >= 400:
@@ -255,6 +272,36 @@ class AsyncControlClient:
         except ValidationError as e:
             raise BtbctlError(f"replicate: {_validation_text(e)}") from None
         return await self._call("POST", "/control/replicate", ReplicateAnswer, body=body.model_dump(mode="json"))
+
+    async def prewarm(
+        self,
+        *,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+        n: int = 1,
+        timeout_s: float = PREWARM_TIMEOUT_S,
+    ) -> PrewarmAnswer:
+        """``POST /control/prewarm``: one worker computes the prompt (exactly one of ``text``, ``messages``,
+        ``input_ids``), then it is copied to ``n`` more workers; answers once the copies were accepted (follow them
+        with :meth:`replication`). ``timeout_s`` covers the computation.
+
+        Raises:
+            BtbctlError: not exactly one prompt, or a bad ``n`` (checked before sending).
+            ControlApiError: the gateway refused (400 prompt, 409 nothing to copy from or to, 502 the computing
+                request failed).
+        """
+        try:
+            body = PrewarmRequest(text=text, messages=messages, input_ids=input_ids, n=n)
+        except ValidationError as e:
+            raise BtbctlError(f"prewarm: {_validation_text(e).removeprefix('Value error, ')}") from None
+        return await self._call(
+            "POST",
+            "/control/prewarm",
+            PrewarmAnswer,
+            body=body.model_dump(mode="json", exclude_none=True),
+            timeout_s=timeout_s,
+        )
 
     async def flush(self) -> FlushAnswer:
         """``POST /control/flush``: empty every worker's cache and the gateway's records of them."""
@@ -381,6 +428,10 @@ class ControlClient:
         """``POST /control/replicate``."""
         return self._run(self.aio.replicate(prefix, n))
 
+    def prewarm(self, **prompt: Any) -> PrewarmAnswer:
+        """``POST /control/prewarm`` (see :meth:`AsyncControlClient.prewarm`)."""
+        return self._run(self.aio.prewarm(**prompt))
+
     def flush(self) -> FlushAnswer:
         """``POST /control/flush``."""
         return self._run(self.aio.flush())
@@ -393,5 +444,6 @@ __all__ = [
     "ControlEvent",
     "DEFAULT_TIMEOUT_S",
     "EVENT_SILENCE_S",
+    "PREWARM_TIMEOUT_S",
     "check_base_url",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyOutcome, CopyState
@@ -531,7 +531,8 @@ class FlushAnswer(Answer):
 
 class ReplicateAnswer(Answer):
     """``POST /control/replicate`` (202): the copies started; follow them with
-    ``GET /control/replications/{prefix}``."""
+    ``GET /control/replications/{prefix}``. 200 with no ``targets``: every eligible worker already holds the prefix
+    (or is receiving it), so there was nothing to copy; ``holders`` names them."""
 
     prefix: str
     """The full prefix id."""
@@ -545,6 +546,40 @@ class ReplicateAnswer(Answer):
     """The copies."""
     skipped: int
     """How many fewer than ``n`` started (no other eligible worker)."""
+    holders: list[str] = []
+    """Workers that held the whole prefix when the copies started (the source among them)."""
+
+
+class PrewarmRequest(Body):
+    """Body of ``POST /control/prewarm``: one prompt, as exactly one of ``text``, ``messages`` and ``input_ids``."""
+
+    text: str | None = None
+    """A plain prompt (computed as SGLang's ``POST /generate`` with ``text``)."""
+    messages: list[dict[str, Any]] | None = None
+    """A chat (computed as ``POST /v1/chat/completions``, so its template matches the batch's chat requests)."""
+    input_ids: list[int] | None = None
+    """Token ids (computed as ``POST /generate`` with ``input_ids``)."""
+    n: int = Field(1, ge=1)
+    """How many more workers should get a copy once one worker computed it (>= 1)."""
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> PrewarmRequest:
+        given = [k for k in ("text", "messages", "input_ids") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of text, messages, input_ids (got {', '.join(given) or 'none'})")
+        return self
+
+
+class PrewarmAnswer(ReplicateAnswer):
+    """``POST /control/prewarm`` (202 with copies started, 200 when every eligible worker holds the prompt already):
+    what :class:`ReplicateAnswer` says, and who computed the prompt."""
+
+    computed_by: str
+    """Worker that computed the prompt (the one the policy routed it to); the copies' usual source."""
+    prompt_tokens: int
+    """The prompt's length, tokens."""
+    prefix_blocks: int
+    """Blocks of the prompt kept warm (its whole blocks; ``prefix`` is the last one's id)."""
 
 
 class ReplicationAnswer(Answer):
@@ -595,6 +630,8 @@ __all__ = [
     "FleetWorker",
     "PrefixEntry",
     "PrefixesAnswer",
+    "PrewarmAnswer",
+    "PrewarmRequest",
     "ReplicateAnswer",
     "ReplicateCopy",
     "ReplicateRequest",

@@ -44,6 +44,7 @@ from btbctl.engine.control.schema import (
     ConstantsAnswer,
     FleetAnswer,
     PrefixesAnswer,
+    ReplicateAnswer,
     TransfersAnswer,
     TtftAnswer,
     TtftBucket,
@@ -497,10 +498,38 @@ class ControlApiSource:
             ans = await self.api.replicate(prefix_id, n)
         except ControlApiError as e:
             raise self._refused(e) from None
-        names = {w.url: w.name for w in self._fleet.workers} if self._fleet is not None else {}
+        return self._copying(ans)
+
+    async def prewarm(self, prompt: dict, n: int) -> ReplicateResult:
+        """``POST /control/prewarm`` with ``prompt`` (``{"text"}``, ``{"messages"}`` or ``{"input_ids"}``) and
+        ``n``: one worker computes it, then it is copied to ``n`` more."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError("n", f"must be an integer >= 1, got {n!r}")
+        if not self.token:
+            raise SourceError("no control token: pass --token/--token-file or use the run directory of 'btbctl up'")
+        try:
+            ans = await self.api.prewarm(**prompt, n=n)
+        except ControlApiError as e:
+            raise self._refused(e) from None
+        done = self._copying(ans)
+        computed = self._names().get(ans.computed_by, ans.computed_by)
+        msg = f"computed {ans.prompt_tokens} tokens on {computed}; {done.message}"
+        return replace(done, message=msg)
+
+    def _names(self) -> dict[str, str]:
+        return {w.url: w.name for w in self._fleet.workers} if self._fleet is not None else {}
+
+    def _copying(self, ans: ReplicateAnswer) -> ReplicateResult:
+        """A replicate's (or prewarm's) answer as the screen says it: the copies started, or who holds it already."""
+        names = self._names()
         targets = tuple(names.get(t, t) for t in ans.targets)
         source = names.get(ans.source, ans.source)
-        msg = f"copying {ans.prefix[:SHORT_ID_CHARS]} from {source} to {', '.join(targets) or '-'}"
+        short = ans.prefix[:SHORT_ID_CHARS]
+        if not ans.copy_ids:
+            held = [names.get(h, h) for h in ans.holders]
+            msg = f"{short} already held by {len(held)} workers: {', '.join(held)}"
+        else:
+            msg = f"copying {short} from {source} to {', '.join(targets)}"
         return ReplicateResult(ans.prefix, tuple(ans.copy_ids), source, targets, msg)
 
 

@@ -393,6 +393,10 @@ class SimSource:
         or :class:`ConfigError` (``n`` < 1)."""
         return await asyncio.to_thread(self.replicate_sync, prefix_id, n)
 
+    async def prewarm(self, prompt: dict, n: int) -> ReplicateResult:
+        """Not in a simulation: its requests are a trace's block hashes, not prompts. Raises :class:`SourceError`."""
+        raise SourceError("prewarm needs a running fleet (btbctl up, then btbctl tui): a simulation has no prompts")
+
     def replicate_sync(self, prefix_id: str, n: int) -> ReplicateResult:
         if not isinstance(n, int) or n < 1:
             raise ConfigError("n", f"must be an integer >= 1, got {n!r}")

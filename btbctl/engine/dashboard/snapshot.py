@@ -224,7 +224,9 @@ class DashboardSource(Protocol):
 
     ``set_constants`` returns the constants the fleet confirms (a dict of the four) and raises
     :class:`~btbctl.engine.errors.ConfigError` naming the key it refuses; ``set_policy`` returns the policy in
-    force; ``replicate`` raises :class:`SourceError` when nothing can be copied.
+    force; ``replicate`` raises :class:`SourceError` when nothing can be copied; ``prewarm`` (a prompt as
+    ``{"text"}``, ``{"messages"}`` or ``{"input_ids"}``, computed once and copied to ``n`` workers) raises it when
+    the source cannot (a simulation has no prompts).
     """
 
     async def start(self) -> None: ...
@@ -238,6 +240,8 @@ class DashboardSource(Protocol):
     async def set_policy(self, name: str) -> str: ...
 
     async def replicate(self, prefix_id: str, n: int) -> ReplicateResult: ...
+
+    async def prewarm(self, prompt: dict, n: int) -> ReplicateResult: ...
 
 
 @runtime_checkable

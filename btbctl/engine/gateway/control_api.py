@@ -18,15 +18,16 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from aiohttp import web
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
-from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail, FlushAnswer
+from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail, FlushAnswer, PrewarmRequest
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
-from btbctl.engine.gateway.replicator import ReplicateError, ReplicateOutcome
+from btbctl.engine.gateway.replicator import PrewarmOutcome, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.reports import PrefixLookupError, Reports
+from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import RateLimiter, log_event
 from btbctl.engine.policies import POLICIES, live_policy_error
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 #: Largest body a control write accepts, bytes.
 MAX_CONTROL_BODY = 64 * 1024
+#: Largest body of ``POST /control/prewarm`` (a prompt: the data plane's own limit), bytes. Only requests with the
+#: bearer token get their body read.
+MAX_PREWARM_BODY = MAX_REQUEST_BODY_BYTES
 
 
 def _err(status: int, message: str, headers: dict | None = None, **fields) -> web.Response:
@@ -65,6 +69,10 @@ class Steering(Protocol):
 
     async def replicate(self, chain: tuple, n: int) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (raises :class:`ReplicateError`)."""
+
+    async def prewarm(self, route: str, obj: dict, n: int) -> PrewarmOutcome:
+        """Have one worker compute a prompt (``obj``, a data-plane body for ``route``), then copy it to ``n`` more
+        workers (raises :class:`ReplicateError`)."""
 
     async def flush(self) -> dict[str, str]:
         """Empty every worker's cache and the gateway's records of them; ``{worker name: "flushed" or why not}``."""
@@ -129,8 +137,13 @@ class ControlApi:
                 raise
             return _err(e.status, e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}")
 
-    async def _json_body(self, request: web.Request) -> dict | web.Response:
+    async def _json_body(self, request: web.Request, limit: int = MAX_CONTROL_BODY) -> dict | web.Response:
+        cl = request.content_length
+        if cl is not None and cl > limit:
+            return _err(413, f"a body of {cl} bytes exceeds the limit of {limit} bytes")
         body = await request.read()
+        if len(body) > limit:
+            return _err(413, f"a body of {len(body)} bytes exceeds the limit of {limit} bytes")
         try:
             return parse_json_object(body) if body else {}
         except ValueError as e:  # the message is for the client
@@ -260,7 +273,32 @@ class ControlApi:
         except ReplicateError as e:
             log_event(log, "control_replicate_refused", peer=request.remote, status=e.status, reason=str(e))
             return _err(e.status, str(e))
-        return _ok(self.reports.replicate(outcome), status=202)
+        # 200 and no targets: every eligible worker holds it already (nothing to do is not an error)
+        return _ok(self.reports.replicate(outcome), status=202 if outcome.started else 200)
+
+    async def prewarm(self, request: web.Request) -> web.Response:
+        obj = await self._json_body(request, MAX_PREWARM_BODY)
+        if isinstance(obj, web.Response):
+            return obj
+        try:
+            body = PrewarmRequest.model_validate(obj)
+        except ValidationError as e:
+            err = e.errors()[0]
+            loc = [str(p) for p in err.get("loc", ())]
+            key = loc[0] if loc else "prompt"
+            where = ".".join(loc)
+            msg = err.get("msg", "invalid").removeprefix("Value error, ")
+            return _err(400, f"{where}: {msg}" if where else msg, key=key, valid=PREWARM_VALID)
+        route, data = prewarm_request(body)
+        log_event(
+            log, "control_prewarm", peer=request.remote, token="yes", prompt=next(k for k in data if k in PROMPT_KEYS)
+        )
+        try:
+            done = await self.steering.prewarm(route, data, body.n)
+        except ReplicateError as e:
+            log_event(log, "control_prewarm_refused", peer=request.remote, status=e.status, reason=str(e))
+            return _err(e.status, str(e))
+        return _ok(self.reports.prewarm(done), status=202 if done.copies.started else 200)
 
     async def flush(self, request: web.Request) -> web.Response:
         obj = await self._json_body(request)
@@ -308,6 +346,22 @@ class ControlApi:
         return resp
 
 
+#: The prompt fields of ``POST /control/prewarm`` (exactly one is given) and what its body accepts.
+PROMPT_KEYS = ("text", "messages", "input_ids")
+PREWARM_VALID = [*PROMPT_KEYS, "n"]
+
+
+def prewarm_request(body: PrewarmRequest) -> tuple[str, dict]:
+    """The data-plane request that computes a prewarm's prompt and asks for one new token: ``(route, body)``; a
+    chat goes to the chat route, so its template matches the batch's own chat requests."""
+    one = {"max_new_tokens": 1, "temperature": 0}
+    if body.messages is not None:
+        return "chat", {"messages": body.messages, "max_tokens": 1, "temperature": 0}
+    if body.input_ids is not None:
+        return "generate", {"input_ids": body.input_ids, "sampling_params": one}
+    return "generate", {"text": body.text, "sampling_params": one}
+
+
 def build_control_app(
     reports: Reports,
     steering: Steering,
@@ -320,7 +374,9 @@ def build_control_app(
     """The control-API :class:`aiohttp.web.Application` (see :class:`ControlApi` for the arguments; ``middlewares``
     run first)."""
     api = ControlApi(reports, steering, bus, open_reads=open_reads, retry_after_s=retry_after_s)
-    app = web.Application(client_max_size=MAX_CONTROL_BODY, middlewares=[*middlewares, api.middleware])
+    app = web.Application(
+        client_max_size=max(MAX_CONTROL_BODY, MAX_PREWARM_BODY), middlewares=[*middlewares, api.middleware]
+    )
     r = app.router
     r.add_get("/control/fleet", api.fleet)
     r.add_get("/control/prefixes", api.prefixes)
@@ -329,6 +385,7 @@ def build_control_app(
     r.add_get("/control/constants", api.get_constants)
     r.add_put("/control/constants", api.put_constants)
     r.add_post("/control/replicate", api.replicate)
+    r.add_post("/control/prewarm", api.prewarm)
     r.add_post("/control/flush", api.flush)
     r.add_get("/control/replications/{prefix}", api.replications)
     r.add_get("/control/events", api.events)

@@ -75,6 +75,14 @@ log = logging.getLogger(__name__)
 _FORWARD_HEADERS = {"Content-Type": "application/json"}
 #: Response header naming the worker (base URL) that answered; ``btbctl bench`` counts answers per worker by it.
 WORKER_HEADER = "X-BTB-Worker"
+#: The prompt routes: the name the prompt parser knows each by, and its path (the same on the workers).
+DATA_ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
+#: Request header of a batch client declaring its burst: how many requests of this prompt it is about to send
+#: (an integer >= 1). The detector counts the request as that many arrivals, within the client's bound
+#: (``declared_requests_max``); the header is not forwarded to the worker.
+EXPECTED_REQUESTS_HEADER = "X-BTB-Expected-Requests"
+#: Largest value the header may carry (what is granted is bounded far lower, per client).
+MAX_EXPECTED_REQUESTS = 1_000_000_000
 #: Bytes of stream preamble (chunks without a ``data:`` line, e.g. SSE comments) held back before the first data
 #: chunk; past this the stream is passed on anyway.
 _PREAMBLE_LIMIT = 65536
@@ -153,6 +161,10 @@ class Router(Protocol):
 
     def mark_changed(self, kind: str) -> None:
         """Something behind the control API's ``kind`` events changed (``prefixes``, ``ttft``)."""
+
+    def declare(self, client: str, extra: int) -> int:
+        """Extra detector arrivals granted to ``client`` (its address) that declared ``extra`` more requests
+        (within its bound per window)."""
 
 
 @dataclass(frozen=True)
@@ -257,13 +269,13 @@ class DataPlane:
     # -- routes -------------------------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "generate", "/generate")
+        return await self._handle(request, "generate", DATA_ROUTES["generate"])
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "completions", "/v1/completions")
+        return await self._handle(request, "completions", DATA_ROUTES["completions"])
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "chat", "/v1/chat/completions")
+        return await self._handle(request, "chat", DATA_ROUTES["chat"])
 
     async def health(self, request: web.Request) -> web.Response:
         """200 ``ok`` while a worker is healthy; 200 ``degraded`` while none is but some still answer requests
@@ -325,42 +337,69 @@ class DataPlane:
             body = await _read_within(request.content, request.read, lim.body_timeout_s)
         except asyncio.TimeoutError:
             return json_error(408, f"the request body did not arrive within {lim.body_timeout_s:g} s")
-        l3 = getattr(gw, "l3_prompts", None)
-        page_size = gw.page_size
         try:
-            if len(body) > lim.offload_bytes:  # a big prompt: parse and hash it off the event loop
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="btb-prompt")
-                loop = asyncio.get_running_loop()
-                obj, chain, n_tokens = await loop.run_in_executor(
-                    self._pool, self._prepare, route, body, page_size, l3 is None
-                )
-            else:
-                obj, chain, n_tokens = self._prepare(route, body, page_size, l3 is None)
-            if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
-                big = len(body) > lim.offload_bytes
-                chain, n_tokens = await l3.chain(
-                    route,
-                    obj,
-                    page_size,
-                    max_tokens=lim.max_prompt_tokens,
-                    max_blocks=lim.max_chain_blocks,
-                    offload=self._offload if big else None,
-                )
+            obj, chain, n_tokens = await self.prompt_chain(route, body)
         except _PromptTooLong as e:
             return json_error(413, str(e))
         except PromptError as e:
             gw.metrics.reject(400)
             return json_error(400, str(e))
+        arrivals = 1
+        declared = request.headers.get(EXPECTED_REQUESTS_HEADER)
+        if declared is not None:
+            expected = _expected_requests(declared)
+            if expected is None:
+                gw.metrics.reject(400)
+                return json_error(
+                    400,
+                    f"{EXPECTED_REQUESTS_HEADER}: must be an integer in [1, {MAX_EXPECTED_REQUESTS}], "
+                    f"got {declared[:40]!r}",
+                )
+            if expected > 1 and len(chain) >= gw.constants.prefix_blocks:  # shorter prompts are never tracked
+                arrivals += gw.declare(request.remote or "unknown", expected - 1)
         req = Request(
             request_id=gw.next_request_id(),
             arrival_s=t0,
             input_tokens=max(1, n_tokens),
             output_tokens=output_tokens_of(route, obj),
             block_hashes=chain,
+            arrivals=arrivals,
         )
         stream = obj.get("stream") is True
         return await self._forward(request, path, body, req, stream, t0)
+
+    async def prompt_chain(self, route: str, body: bytes) -> tuple[dict, tuple, int]:
+        """A request body's parsed object, its prompt's chain of block hashes (in mode ``l3``: SGLang's page keys
+        of its token ids) and its length in tokens, as the data plane routes it (big bodies are parsed off the
+        event loop).
+
+        Raises:
+            PromptError: malformed body or prompt (400); :class:`~btbctl.engine.gateway.prompt.PromptTooLong` over
+                ``max_prompt_tokens`` (413).
+        """
+        lim = self.limits
+        l3 = getattr(self.gw, "l3_prompts", None)
+        page_size = self.gw.page_size
+        if len(body) > lim.offload_bytes:  # a big prompt: parse and hash it off the event loop
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="btb-prompt")
+            loop = asyncio.get_running_loop()
+            obj, chain, n_tokens = await loop.run_in_executor(
+                self._pool, self._prepare, route, body, page_size, l3 is None
+            )
+        else:
+            obj, chain, n_tokens = self._prepare(route, body, page_size, l3 is None)
+        if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
+            big = len(body) > lim.offload_bytes
+            chain, n_tokens = await l3.chain(
+                route,
+                obj,
+                page_size,
+                max_tokens=lim.max_prompt_tokens,
+                max_blocks=lim.max_chain_blocks,
+                offload=self._offload if big else None,
+            )
+        return obj, chain, n_tokens
 
     async def _offload(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the prompt-hashing thread pool (a big prompt's ids and page keys)."""
@@ -720,6 +759,16 @@ class DataPlane:
         return out
 
 
+def _expected_requests(raw: str) -> int | None:
+    """The value of :data:`EXPECTED_REQUESTS_HEADER`, or None when it is not an integer in
+    ``[1, MAX_EXPECTED_REQUESTS]``."""
+    text = raw.strip()
+    if not text.isdigit() or len(text) > 10:
+        return None
+    n = int(text)
+    return n if 1 <= n <= MAX_EXPECTED_REQUESTS else None
+
+
 async def _read_within(content: aiohttp.StreamReader, read: Callable[[], Awaitable[bytes]], timeout_s: float) -> bytes:
     """``await read()`` (a whole body), at most ``timeout_s``; without the timeout's task and timer when the body
     is already all buffered (``content`` at its end: usually so for small bodies, which arrive with their head)."""
@@ -793,9 +842,9 @@ def build_data_app(dp: DataPlane, middlewares: Sequence[Any] = ()) -> web.Applic
     middleware)."""
     app = web.Application(client_max_size=dp.max_body, middlewares=[*middlewares, error_middleware])
     app[METRICS_KEY] = dp.gw.metrics
-    app.router.add_post("/generate", dp.generate)
-    app.router.add_post("/v1/completions", dp.completions)
-    app.router.add_post("/v1/chat/completions", dp.chat)
+    app.router.add_post(DATA_ROUTES["generate"], dp.generate)
+    app.router.add_post(DATA_ROUTES["completions"], dp.completions)
+    app.router.add_post(DATA_ROUTES["chat"], dp.chat)
     app.router.add_get("/v1/models", dp.models)
     app.router.add_get("/health", dp.health)
     app.router.add_get("/metrics", dp.metrics)

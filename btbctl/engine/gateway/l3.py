@@ -267,8 +267,8 @@ class L3Replicator(CopyExecutor):
             holders,
             n,
             wait_s,
-            "every other healthy worker holds it, receives it, is excluded after a failed proof, or the prefix's "
-            "token ids are no longer known",
+            "every worker free to receive it is excluded after a failed proof, or the prefix's token ids are no "
+            "longer known",
         )
 
     # -- bookkeeping --------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Collection, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -94,13 +94,27 @@ class ReplicateError(Exception):
 @dataclass
 class ReplicateOutcome:
     """What :meth:`Replicator.replicate` started: ``prefix`` (id), the ``source`` worker index, the copies
-    ``started`` (their :class:`~btbctl.engine.gateway.state.Transfer` records, live) and how many fewer than asked
-    (``skipped``)."""
+    ``started`` (their :class:`~btbctl.engine.gateway.state.Transfer` records, live), how many fewer than asked
+    (``skipped``) and the worker indexes that held the whole prefix when they started (``holders``). No copy
+    started (``started`` empty) means every eligible worker already holds the prefix or is receiving it."""
 
     prefix: str
     source: int
     started: list[Transfer]
     skipped: int
+    holders: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrewarmOutcome:
+    """What a prewarm did: the worker index that computed the prompt (``computed_by``; -1 when its answer named
+    no known worker), the prompt's length (``prompt_tokens``) and whole blocks (``blocks``), and the copies
+    (``copies``, as for a replicate)."""
+
+    copies: ReplicateOutcome
+    computed_by: int
+    prompt_tokens: int
+    blocks: int
 
 
 class CopyExecutor:
@@ -207,26 +221,37 @@ class CopyExecutor:
     ) -> ReplicateOutcome:
         """The manual replicate once the holders are known: the least-loaded holder is the source, the
         least-loaded candidates that neither hold the prefix nor receive it the targets (ties: lower index); waits
-        up to ``wait_s`` for each push to be accepted or refused. Raises :class:`ReplicateError` (409,
-        ``why_none``) when no copy could start."""
+        up to ``wait_s`` for each push to be accepted or refused. When every candidate already holds the prefix or
+        is receiving it, nothing starts and the outcome says so (no copies, ``holders``: not an error). Raises
+        :class:`ReplicateError` (409, ``why_none``) when targets were free but every copy to them was refused."""
         ws = self.state.workers
         source = min(holders, key=lambda r: (ws[r].inflight, r))
         free = [r for r in cands if r not in holders and not self.state.transfers.in_flight(r, chain[-1])]
         free.sort(key=lambda r: (ws[r].inflight, r))
         started: list[Transfer] = []
+        refused: list[str] = []
         for r in free:
             if len(started) >= n:
                 break
+            why = self.refusal(chain, source, r)
             t = self.request_copy(chain, source, r, manual=True, source_confirmed=True)
             if t is not None:
                 started.append(t)
-        if not started:
-            raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: {why_none}")
+            else:
+                refused.append(f"{ws[r].name}: {why}")
+        if not started and free:
+            raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: {why_none} ({'; '.join(refused)})")
         try:
             await asyncio.wait_for(asyncio.gather(*(t.pushed.wait() for t in started if t.pushed)), timeout=wait_s)
         except asyncio.TimeoutError:
             pass
-        return ReplicateOutcome(prefix=str(chain[-1]), source=source, started=started, skipped=max(0, n - len(started)))
+        return ReplicateOutcome(
+            prefix=str(chain[-1]),
+            source=source,
+            started=started,
+            skipped=max(0, n - len(started)),
+            holders=sorted(holders),
+        )
 
     async def close(self) -> None:
         """Cancel every running job (at shutdown); they end ``failed`` with reason ``gateway stopped``."""
@@ -393,7 +418,7 @@ class Replicator(CopyExecutor):
             holders,
             n,
             wait_s,
-            "every other healthy worker with the BTB routes holds it or is receiving it",
+            "every worker free to receive it refused the copy",
         )
 
     # -- the job ------------------------------------------------------------------------------------------------

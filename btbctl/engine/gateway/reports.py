@@ -20,6 +20,7 @@ from btbctl.engine.control.schema import (
     FleetWorker,
     PrefixEntry,
     PrefixesAnswer,
+    PrewarmAnswer,
     ReplicateAnswer,
     ReplicateCopy,
     ReplicationAnswer,
@@ -33,7 +34,7 @@ from btbctl.engine.control.schema import (
 )
 from btbctl.engine.copies import CopyState
 from btbctl.engine.detector import PrefixHeat
-from btbctl.engine.gateway.replicator import ReplicateOutcome
+from btbctl.engine.gateway.replicator import PrewarmOutcome, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer, WorkerState
 from btbctl.engine.policies import POLICIES
 
@@ -436,6 +437,16 @@ class Reports:
                 ReplicateCopy(copy_id=t.copy_id, target=urls[t.target], state=t.state, error=t.error) for t in started
             ],
             skipped=outcome.skipped,
+            holders=[urls[r] for r in outcome.holders],
+        )
+
+    def prewarm(self, done: PrewarmOutcome) -> PrewarmAnswer:
+        """``POST /control/prewarm``'s answer: the copies as :meth:`replicate` and who computed the prompt."""
+        urls = self._urls
+        copies = self.replicate(done.copies).model_dump()  # the same fields, as a PrewarmAnswer extends them
+        computed = urls[done.computed_by] if 0 <= done.computed_by < len(urls) else ""
+        return PrewarmAnswer(
+            **copies, computed_by=computed, prompt_tokens=done.prompt_tokens, prefix_blocks=done.blocks
         )
 
 

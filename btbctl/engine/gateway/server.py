@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import os
 import random
@@ -43,12 +44,12 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.control.schema import TTFT_RECENT_WINDOW_S
 from btbctl.engine.control.tuned import save_tuned
 from btbctl.engine.copies import CopyState
-from btbctl.engine.detector import BurstDetector
+from btbctl.engine.detector import BurstDetector, DeclaredBursts
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.gateway.control_api import build_control_app
-from btbctl.engine.gateway.dataplane import DataLimits, DataPlane, build_data_app
+from btbctl.engine.gateway.dataplane import DATA_ROUTES, WORKER_HEADER, DataLimits, DataPlane, build_data_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.guard import (
     ConnectionGuard,
@@ -63,14 +64,15 @@ from btbctl.engine.gateway.guard import (
 from btbctl.engine.gateway.health import HealthProber
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
-from btbctl.engine.gateway.replicator import ReplicateOutcome, Replicator
+from btbctl.engine.gateway.prompt import PromptError, PromptTooLong
+from btbctl.engine.gateway.replicator import PrewarmOutcome, ReplicateError, ReplicateOutcome, Replicator
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
 from btbctl.engine.gateway.sglang_metrics import MetricsScraper
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
 from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.httpclient import client_session
 from btbctl.engine.logfmt import log_event
-from btbctl.engine.netaddr import is_loopback
+from btbctl.engine.netaddr import is_loopback, local_url
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import tree_holder
@@ -146,6 +148,8 @@ class Gateway:
         self.constants: BtbConstants = config.constants
         self.detector = BurstDetector(self.constants)
         self.detector.on_fire = self._detector_fired
+        #: the per-client bound on declared bursts (``X-BTB-Expected-Requests``)
+        self.declared = DeclaredBursts(config.declared_requests_max)
         #: seed of the policies' random source: the configured one, else fresh for this process
         self.seed: int = config.seed if config.seed is not None else secrets.randbits(63)
         self.rng = random.Random(self.seed)
@@ -349,7 +353,7 @@ class Gateway:
         state = self.state
         now = self.clock()
         if self._feeds_detector and not excluded:
-            self.detector.observe(req.block_hashes, now)
+            self.detector.observe(req.block_hashes, now, req.arrivals)
         view = ExcludingView(state, excluded) if excluded else state
         policy = self.policy
         route = policy.route(req, view, now)
@@ -370,6 +374,25 @@ class Gateway:
             self._falling_back(True)
         low = min(w.inflight for w in open_)
         return self.rng.choice([w.index for w in open_ if w.inflight == low])
+
+    def declare(self, client: str, extra: int) -> int:
+        """Extra detector arrivals granted to ``client`` (an address) that declared ``extra`` more requests of its
+        prompt: at most what is left of ``declared_requests_max`` in the trailing ``window_s``. What is asked
+        beyond is dropped, with one ``declared_burst_capped`` line per client and window."""
+        window_s = self.constants.window_s
+        granted, first_refusal = self.declared.grant(client, extra, self.clock(), window_s)
+        if first_refusal:
+            log_event(
+                log,
+                "declared_burst_capped",
+                logging.WARNING,
+                client=client,
+                asked=extra,
+                granted=granted,
+                cap=self.declared.max_extra,
+                window_s=window_s,
+            )
+        return granted
 
     def _falling_back(self, on: bool) -> None:
         """Routing falls back to workers that are not healthy but answering (``on``), or no longer: one line per
@@ -394,6 +417,47 @@ class Gateway:
         """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate; see
         :meth:`~btbctl.engine.gateway.replicator.Replicator.replicate`)."""
         return await self.replicator.replicate(chain, n)
+
+    async def prewarm(self, route: str, obj: dict, n: int) -> PrewarmOutcome:
+        """Keep a prompt warm before its burst: one worker computes it (``obj``, a data-plane request body for
+        ``route`` asking for one new token, sent through this gateway's own data plane, so the policy routes it and
+        the gateway records who holds it), then its whole blocks are copied to ``n`` more workers as
+        :meth:`replicate` does.
+
+        Raises:
+            ReplicateError: 400/413 a malformed or too long prompt, or one shorter than a block; 502 the computing
+                request failed; as :meth:`replicate` for the copies (409).
+        """
+        dp = self.dataplane
+        if dp is None:
+            raise ReplicateError(503, "the gateway is not serving yet")
+        body = json.dumps(obj).encode()
+        try:
+            _, chain, n_tokens = await dp.prompt_chain(route, body)
+        except PromptTooLong as e:
+            raise ReplicateError(413, f"prompt: {e}") from None
+        except PromptError as e:
+            raise ReplicateError(400, f"prompt: {e}") from None
+        if not chain:
+            raise ReplicateError(
+                400, f"prompt: {n_tokens} tokens, shorter than one block of {self.page_size}: nothing to keep warm"
+            )
+        path = DATA_ROUTES[route]
+        log_event(log, "prewarm_compute", prefix=chain[-1], blocks=len(chain), tokens=n_tokens, route=path, n=n)
+        try:
+            async with self.session.post(
+                local_url(self.data_url) + path, data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
+                status, text = resp.status, (await resp.text())[:300]
+                worker = resp.headers.get(WORKER_HEADER)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise ReplicateError(502, f"computing the prompt failed: {type(e).__name__}: {e}") from None
+        if status != 200:
+            raise ReplicateError(502, f"computing the prompt failed: HTTP {status}: {' '.join(text.split())}")
+        by_url = {w.url: w.index for w in self.state.workers}
+        computed_by = by_url.get(worker or "", -1)
+        outcome = await self.replicate(tuple(chain), n)
+        return PrewarmOutcome(outcome, computed_by, n_tokens, len(chain))
 
     async def flush(self) -> dict[str, str]:
         """Empty every worker's cache (``POST /flush_cache``, SGLang's route) and forget what the gateway recorded

@@ -109,7 +109,7 @@ class Btb(Policy[FleetView]):
 
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         chain = req.block_hashes
-        det = self.detector.observe(chain, now_s)
+        det = self.detector.observe(chain, now_s, req.arrivals)
         if det is not None:
             holders, plan, stuck = self._ensure_replicas(det.prefix, view, now_s)
             copies = (plan,) if plan is not None else ()

@@ -279,12 +279,12 @@ class BtbPlus(Policy[CostView]):
             d *= 2
         return out
 
-    def detect(self, chain: Sequence[Hashable], now_s: float) -> tuple[Detection, float] | None:
-        """Record an arrival at every depth; return the deepest active prefix's detection and the time it turned
-        hot (seconds), or None when no depth is active."""
+    def detect(self, chain: Sequence[Hashable], now_s: float, arrivals: int = 1) -> tuple[Detection, float] | None:
+        """Record an arrival (counted ``arrivals`` times: a declared burst) at every depth; return the deepest
+        active prefix's detection and the time it turned hot (seconds), or None when no depth is active."""
         best = None
         for depth in self.depths(len(chain)):
-            det = self._level(depth).observe(chain, now_s)
+            det = self._level(depth).observe(chain, now_s, arrivals)
             if det is None:
                 continue
             key = (depth, det.key)
@@ -490,7 +490,7 @@ class BtbPlus(Policy[CostView]):
         loses the tie on load. Without a quiet replica every replica is priced. The choice (and the random draw)
         is the same as without the index."""
         chain = req.block_hashes
-        hot = self.detect(chain, now_s) if chain else None
+        hot = self.detect(chain, now_s, req.arrivals) if chain else None
         n = self.n_replicas
         depths = self.depths(len(chain))
         index = route_index(view) if self.use_route_index else None

@@ -247,7 +247,7 @@ class Clairvoyant(BtbPlus):
         finally:
             self._burst = self._req = None
 
-    def detect(self, chain: Sequence[Hashable], now_s: float) -> tuple[Detection, float] | None:
+    def detect(self, chain: Sequence[Hashable], now_s: float, arrivals: int = 1) -> tuple[Detection, float] | None:
         """The burst of the request being routed, hot from its first arrival (no online detector)."""
         b = self._burst
         if b is None:

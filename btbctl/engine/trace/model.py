@@ -31,6 +31,8 @@ class Request:
             traces without prefix information (Azure), in which case no two requests share cache.
         kind: ``burst``, ``decoy`` or ``background`` (free-form strings are kept as given).
         labels: optional extra metadata (``trace_id``, ``source``, ...), never used for routing.
+        arrivals: how many arrivals the burst detector counts for this request (>= 1; more than 1 when a client
+            declared the burst it is about to send, the gateway's ``X-BTB-Expected-Requests`` header).
     """
 
     request_id: str
@@ -40,6 +42,7 @@ class Request:
     block_hashes: tuple[Hashable, ...]
     kind: str = "background"
     labels: dict[str, Any] | None = None
+    arrivals: int = 1
 
 
 @dataclass(slots=True)
