@@ -254,6 +254,7 @@ def test_last_arrival_says_whether_any_prefix_has_arrivals_in_the_window():
     d.reset()
     assert d.last_arrival_s() is None
 
+
 # -- declared bursts ----------------------------------------------------------------------------------------------
 
 
