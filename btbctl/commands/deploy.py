@@ -9,6 +9,7 @@ import typer
 
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 deploy_app = typer.Typer(
     no_args_is_help=True,
@@ -74,8 +75,14 @@ def render(
     out.result(
         summary,
         lambda s: out.console.print(
-            f"wrote {len(s['objects'])} objects in {len(s['files'])} files to {s['out']} (namespace {s['namespace']}); "
-            f"create the Secret {s['secret']} first, then: kubectl apply -k {s['out']}",
+            f"wrote {plural(len(s['objects']), 'object')} in {plural(len(s['files']), 'file')} to {s['out']} "
+            f"(namespace {s['namespace']}); "
+            + (
+                f"kubectl apply -f {os.path.join(s['out'], 'namespace.yaml')}, create the Secret {s['secret']} in it, "
+                if any(o["kind"] == "Namespace" for o in s["objects"])
+                else f"create the Secret {s['secret']} first, "
+            )
+            + f"then: kubectl apply -k {s['out']}",
             soft_wrap=True,
         ),
     )
