@@ -11,6 +11,7 @@ import typer
 from btbctl.commands.app import app
 from btbctl.commands.fleet import RUN_DIR_HELP
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 def _ms(x) -> str:
@@ -22,7 +23,8 @@ def _render(out: Output, d: dict) -> None:
 
     c = out.console
     c.print(
-        f"{d['requests']} requests to {d['target']} ({d['endpoint']}): {d['ok']} ok, {d['errors']} errors"
+        f"{plural(d['requests'], 'request')} to {d['target']} ({d['endpoint']}): {d['ok']} ok, "
+        f"{plural(d['errors'], 'error')}"
         + (f" ({', '.join(f'{k}: {v}' for k, v in d['errors_by_status'].items())})" if d["errors"] else "")
         + f", {d['duration_s']:.2f} s"
     )
@@ -205,7 +207,7 @@ def bench(
     chosen = select_requests(tr, max_requests)
     n = len(chosen)
     span = (chosen[-1].arrival_s - chosen[0].arrival_s) if chosen else 0.0
-    out.info(f"replaying {n} requests over {span / time_scale:.2f} s against {target}")
+    out.info(f"replaying {plural(n, 'request')} over {span / time_scale:.2f} s against {target}")
     before = _served(control)
     copies_before = _transfers(control)
     with out.progress("requests", n) as advance:

@@ -13,6 +13,7 @@ import typer
 from btbctl.commands import options
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 #: Dotted config key -> the flag that sets it (errors about a value that came from a flag name the flag).
 _FLAGS = {
@@ -236,7 +237,7 @@ def header_line(r: dict) -> str:
     src = t["path"] if t["path"] is not None else "generated Bursted window"
     span = _f(t["span_s"], 1)
     return (
-        f"trace: {src} ({t['format']}, {t['requests']:,} requests over {span} s, {t['block_tokens']}-token "
+        f"trace: {src} ({t['format']}, {plural(t['requests'], 'request')} over {span} s, {t['block_tokens']}-token "
         f"blocks)\nfleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
         f"{c['nic_gbps']:g} Gb/s per GPU\nBTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
         f"window_s={float(k['window_s'])!r} warm_replicas={k['warm_replicas']}\n"

@@ -14,6 +14,7 @@ import typer
 
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 RUN_DIR_HELP = "Run directory of the fleet (default: runs/default under the user state directory)."
 
@@ -252,7 +253,7 @@ def down(
         from btbctl.engine.errors import BtbctlError
 
         raise BtbctlError(
-            f"could not reach {len(res['unreachable'])} worker(s), still recorded for another "
+            f"could not reach {plural(len(res['unreachable']), 'worker')}, still recorded for another "
             f"`btbctl down`: " + "; ".join(res["errors"])
         )
 

@@ -10,6 +10,7 @@ import typer
 from btbctl.commands import options
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 @app.command("report")
@@ -51,7 +52,7 @@ def report(
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ConfigError("--out", f"cannot write into {out_dir}: permission denied")
     total = len(m.setups) * len(m.workloads) * len(m.fidelities) * len(m.policies)
-    with out.progress(f"running {total} simulations", total, lines_when_piped=True) as advance:
+    with out.progress(f"running {plural(total, 'simulation')}", total, lines_when_piped=True) as advance:
         rep = run_matrix(m, progress=advance, jobs=jobs, ray=ray_at)
     command = " ".join(["btbctl", "report", shlex.quote(matrix), "--out", shlex.quote(out_dir)])
     files = write_report(rep, out_dir, command, charts=charts)
@@ -67,8 +68,8 @@ def report(
     out.result(
         summary,
         lambda s: out.console.print(
-            f"wrote {s['markdown']} ({s['cells']} simulations, {len(s['charts'])} charts) in "
-            f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} "
-            + ("Ray CPU(s)" if s["timing"].get("executor") == "ray" else "worker(s)")
+            f"wrote {s['markdown']} ({plural(s['cells'], 'simulation')}, {plural(len(s['charts']), 'chart')}) in "
+            f"{s['timing']['wall_s']:.0f} s on "
+            + plural(s["timing"]["jobs"], "Ray CPU" if s["timing"].get("executor") == "ray" else "worker")
         ),
     )

@@ -10,6 +10,7 @@ import typer
 from btbctl.commands.app import app
 from btbctl.commands.fleet import RUN_DIR_HELP, SOURCE_WORDS, count_cell, kv_cell
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 def human_bytes(n: float | None) -> str:
@@ -87,7 +88,7 @@ def tune(
             f"policy {d.get('policy')}  prefix_blocks {c.get('prefix_blocks')}  "
             f"threshold {c.get('threshold')}  window_s {c.get('window_s')}  "
             f"warm_replicas {c.get('warm_replicas')}"
-            + (f"  ({d['prefix_tokens']} tokens per prefix)" if d.get("prefix_tokens") else "")
+            + (f"  ({plural(d['prefix_tokens'], 'token')} per prefix)" if d.get("prefix_tokens") else "")
         )
 
     if updates:
@@ -140,7 +141,8 @@ def _warn_replicas(out: Output, api, updates: dict) -> None:
         return
     if want_n > n:
         out.warn(
-            f"warm_replicas={want_n} is more than the {n} worker(s) of this fleet; a hot prefix can be on at most {n}"
+            f"warm_replicas={want_n} is more than the {plural(n, 'worker')} of this fleet; a hot prefix can be on at "
+            f"most {n}"
         )
 
 
@@ -187,7 +189,7 @@ def replicate(
 
     def human(d: dict) -> None:
         out.console.print(
-            f"prefix {d['prefix']} from {d['source']} to {len(d['targets'])} worker(s): "
+            f"prefix {d['prefix']} from {d['source']} to {plural(len(d['targets']), 'worker')}: "
             f"{d['status']}, {copy_size(d['bytes'], d.get('modelled_bytes'), d.get('kv_bytes_scale'))}"
         )
         for url in d["targets"]:
@@ -227,7 +229,8 @@ def prefixes(
         from rich.table import Table
 
         out.console.print(
-            f"prefix {d['prefix_blocks']} blocks ({d['prefix_tokens']} tokens); hot at {d['threshold']} arrivals "
+            f"prefix {plural(d['prefix_blocks'], 'block')} ({plural(d['prefix_tokens'], 'token')}); hot at "
+            f"{plural(d['threshold'], 'arrival')} "
             f"within {d['window_s']:g} s"
         )
         if not d["prefixes"]:
@@ -297,7 +300,7 @@ def flush(
         res = api.flush().model_dump(mode="json")
 
     def human(d: dict) -> None:
-        out.console.print(f"flushed {d['flushed']} of {len(d['workers'])} worker(s)")
+        out.console.print(f"flushed {d['flushed']} of {plural(len(d['workers']), 'worker')}")
         for name, result in d["workers"].items():
             if result != "flushed":
                 out.console.print(f"  {name}: {result}")

@@ -13,6 +13,7 @@ import typer
 
 from btbctl.commands.app import app
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 trace_app = typer.Typer(
     name="trace",
@@ -126,7 +127,7 @@ def gen(
     on = f" on {base} ({base_trace.format})" if base_trace is not None else ""
     _info_line(
         out,
-        f"wrote {rows} requests ({kinds}) over {trace.span_s:.1f} s, {trace.block_tokens}-token blocks, "
+        f"wrote {plural(rows, 'request')} ({kinds}) over {trace.span_s:.1f} s, {trace.block_tokens}-token blocks, "
         f"seed {seed}{on} to {out_path}",
     )
     if out.format is Format.json:
@@ -282,11 +283,7 @@ def _print_fan_out(c, d: dict, fan: list) -> None:
         for t in windows:
             e = cell[(k, t)]
             events = e["events"]
-            row.append(
-                f"{e['max_requests']} ({events} event{'s' if events != 1 else ''})"
-                if events
-                else str(e["max_requests"])
-            )
+            row.append(f"{e['max_requests']} ({plural(events, 'event')})" if events else str(e["max_requests"]))
         table.add_row(*row)
     c.print(table)
 
