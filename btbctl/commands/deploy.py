@@ -7,11 +7,12 @@ from typing import Annotated
 
 import typer
 
-from btbctl.commands.app import app
+from btbctl.commands.app import BtbTyper, app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 from btbctl.engine.wording import plural
 
-deploy_app = typer.Typer(
+deploy_app = BtbTyper(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -42,7 +43,7 @@ def render(
             "Default: every object as one YAML stream on stdout (for kubectl apply -f -).",
         ),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Summary format with --out (human or json).")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Render Kubernetes manifests (gateway, workers, node agents) from a cluster file; secret values never."""
     import os

@@ -12,6 +12,7 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 from btbctl.engine.wording import plural
 
@@ -49,7 +50,7 @@ def dry_run(
         str | None,
         typer.Option(
             "--trace",
-            metavar="PATH",
+            metavar="FILE",
             help="Trace file (relative to the current directory). Default: a generated Bursted window.",
         ),
     ] = None,
@@ -104,12 +105,12 @@ def dry_run(
     fidelity: Annotated[
         str | None, typer.Option("--fidelity", help="Simulator profile: realistic or infersim (default: realistic).")
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+    fmt: OutputFormat = Format.human,
     requests_out: Annotated[
         str | None,
         typer.Option(
             "--requests-out",
-            metavar="PATH",
+            metavar="FILE",
             help="Also write one JSON line per request per policy (arrival_s, policy, replica, ttft_s, queue_wait_s, "
             "cached_tokens, kind, request_id).",
         ),

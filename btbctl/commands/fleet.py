@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 from btbctl.engine.wording import plural
 
@@ -162,7 +163,7 @@ def up(
             "the workers keep their caches). Same settings, ports and tokens; the last `tune` is reapplied.",
         ),
     ] = False,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`).
 
@@ -232,7 +233,7 @@ def down(
     grace_s: Annotated[
         float, typer.Option("--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")
     ] = 10.0,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Stop exactly the processes `btbctl up` started (gateway first, then workers)."""
     from btbctl.engine.launcher import fleet
@@ -261,7 +262,7 @@ def down(
 @app.command("status")
 def status(
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Show the running fleet: gateway and control URLs, and each worker's health.
 
@@ -289,7 +290,7 @@ def restart(
         float | None,
         typer.Option("--timeout-s", help="Seconds it has to become ready again (default: the cluster file's)."),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Restart one worker, node agent or the gateway of a detached fleet in place, keeping the others (and their
     caches) running: same command line, environment and ports; the gateway keeps its tokens and tuned settings."""

@@ -12,6 +12,8 @@ import typer
 
 from btbctl.commands.app import app
 from btbctl.commands.fleet import RUN_DIR_HELP
+from btbctl.commands.options import OutputFormat
+from btbctl.commands.output import Format
 
 
 @app.command("logs")
@@ -19,6 +21,7 @@ def logs(
     name: Annotated[
         str | None,
         typer.Argument(
+            metavar="NAME",
             help="Log name: gateway (one line per event: control writes, detector fires, copies, errors, health), "
             "worker-0, ..., gateway.out (the gateway's own output). None: list the names.",
             show_default=False,
@@ -36,11 +39,12 @@ def logs(
             "(2026-01-02T03:04:05, UTC unless a zone is given). Reads the whole log (rotated copies too).",
         ),
     ] = None,
-    as_json: Annotated[
-        bool, typer.Option("--json", help='One JSON object per line (logfmt fields; other lines as {"msg": ...}).')
-    ] = False,
+    fmt: OutputFormat = Format.human,
+    as_json: Annotated[bool, typer.Option("--json", hidden=True, help="The old spelling of --format json.")] = False,
 ) -> None:
-    """Print a process's log; without NAME, list the logs of the run directory (they outlive `btbctl down`)."""
+    """Print a process's log; without NAME, list the logs of the run directory (they outlive `btbctl down`). With
+    --format json: one JSON object per line (logfmt fields; other lines as {"msg": ...})."""
+    as_json = as_json or fmt is Format.json
     from btbctl.engine.launcher import logs as engine_logs
     from btbctl.engine.launcher.rundir import RunDir
 

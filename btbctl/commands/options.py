@@ -10,6 +10,12 @@ from typing import Annotated
 
 import typer
 
+from btbctl.commands.output import Format
+
+#: The one description of ``--format``, for every command that reports.
+FORMAT_HELP = "Output format: human (text for people) or json (for programs, on stdout)."
+OutputFormat = Annotated[Format, typer.Option("--format", help=FORMAT_HELP)]
+
 TraceFormat = Annotated[
     str | None,
     typer.Option(

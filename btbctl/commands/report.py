@@ -9,6 +9,7 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 from btbctl.engine.wording import plural
 
@@ -29,7 +30,7 @@ def report(
         bool,
         typer.Option("--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]')."),
     ] = True,
-    fmt: Annotated[Format, typer.Option("--format", help="Output format of the summary on stdout.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Run an experiment matrix (setups x workloads x fidelities x policies) and write a Markdown report."""
     import shlex

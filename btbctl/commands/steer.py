@@ -9,6 +9,7 @@ import typer
 
 from btbctl.commands.app import app
 from btbctl.commands.fleet import RUN_DIR_HELP, SOURCE_WORDS, count_cell, kv_cell
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 from btbctl.engine.wording import plural
 
@@ -66,7 +67,7 @@ def tune(
         ),
     ] = None,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Change BTB's constants or the routing policy of the running fleet, without a restart."""
     from btbctl.engine.control.steering import parse_tune_args
@@ -161,7 +162,7 @@ def replicate(
     n: Annotated[int, typer.Option("-n", help="How many more workers should receive a copy.")] = 1,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout (exit status 1
     when not every copy arrived)."""
@@ -178,22 +179,26 @@ def replicate(
             total = r.get("bytes_total") or 0
             pct = f" {100 * (r.get('bytes_sent') or 0) / total:.0f}%" if total else ""
             err = f": {r['error']}" if r.get("error") else ""
+            target = r.get("target", "?")
             out.info(
-                f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
+                f"copy {r.get('copy_id')} -> {names.get(target, target)}: {r.get('state')}{pct} "
                 f"({human_bytes(r.get('bytes_sent'))}){err}"
             )
 
     with client_for_run(run_dir) as api:
+        # workers by name, as `btbctl status` and the dashboard show them (the result keeps their URLs)
+        names = {w.url: w.name for w in api.fleet().workers}
         res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=progress)
         res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
 
     def human(d: dict) -> None:
         out.console.print(
-            f"prefix {d['prefix']} from {d['source']} to {plural(len(d['targets']), 'worker')}: "
+            f"prefix {d['prefix']} from {names.get(d['source'], d['source'])} to "
+            f"{plural(len(d['targets']), 'worker')}: "
             f"{d['status']}, {copy_size(d['bytes'], d.get('modelled_bytes'), d.get('kv_bytes_scale'))}"
         )
         for url in d["targets"]:
-            out.console.print(f"  {url}")
+            out.console.print(f"  {names.get(url, url)}")
         if d.get("skipped"):
             out.console.print(f"  ({d['skipped']} fewer than asked: no other eligible worker)")
 
@@ -206,7 +211,7 @@ def replicate(
 def prefixes(
     top: Annotated[int, typer.Option("--top", help="How many prefixes (most arrivals in the window first).")] = 10,
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """List the hot prefixes the gateway tracks, with ids `btbctl replicate --prefix` takes."""
     from btbctl.engine.chains import short_id
@@ -289,9 +294,9 @@ def prefixes(
 @app.command("flush")
 def flush(
     run_dir: Annotated[str | None, typer.Option("--run-dir", metavar="DIR", help=RUN_DIR_HELP)] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
-    """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), e.g.
+    """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), for instance
     between the two runs of an A/B bench; exit status 1 when a worker did not flush (busy: try again)."""
     from btbctl.engine.launcher.control import client_for_run
 

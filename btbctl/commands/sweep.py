@@ -13,6 +13,7 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 from btbctl.engine.wording import plural
 
@@ -29,7 +30,7 @@ def sweep(
         ),
     ] = None,
     trace: Annotated[
-        str | None, typer.Option("--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")
+        str | None, typer.Option("--trace", metavar="FILE", help="Trace file. Default: one generated Bursted window.")
     ] = None,
     trace_format: options.TraceFormat = None,
     bursts: options.Bursts = None,
@@ -104,7 +105,7 @@ def sweep(
         ),
     ] = None,
     top: Annotated[int, typer.Option("--top", help="Rows of the ranked table (human output; 0 = all).")] = 20,
-    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Run a grid of BTB constants (and optionally fleet, fabric, fidelity, policy) over one trace, ranked by TTFT."""
     from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, load_trace
