@@ -16,7 +16,6 @@ from btbctl.commands.app import app
 from btbctl.commands.options import FORMAT_HELP
 from btbctl.engine.launcher.cluster import DEFAULT_CONTROL_PORT, DEFAULT_GATEWAY_PORT
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
