@@ -1,7 +1,8 @@
 """``btbctl``: the root Typer app and the one error funnel.
 
-User errors (:class:`btbctl.engine.errors.BtbctlError`) print one line ``btbctl: error: ...`` on stderr and exit 2;
-``BTBCTL_DEBUG=1`` re-raises them with the traceback. Command modules register themselves here.
+User errors (:class:`btbctl.engine.errors.BtbctlError`, and click's usage errors through :class:`FullHelpGroup`)
+print one line ``btbctl: error: ...`` on stderr and exit 2; ``BTBCTL_DEBUG=1`` re-raises btbctl's with the traceback.
+Command modules register themselves here, on :class:`BtbTyper` apps (help in one placeholder style).
 """
 
 from __future__ import annotations
