@@ -15,7 +15,6 @@ from btbctl.commands.options import FORMAT_HELP
 from btbctl.engine.launcher.cluster import DEFAULT_CONTROL_PORT, DEFAULT_GATEWAY_PORT
 
 
-
 def _commands(group, prefix=()):
     """Every command path, subcommands of groups (``trace gen``, ``deploy render``) included."""
     for name, cmd in group.commands.items():
