@@ -156,6 +156,9 @@ def test_usage_errors_look_like_btbctl_errors(capsys):
         assert err.startswith("btbctl: error: ") and err.count("\n") == 1, (args, err)
         assert says in err and "Error:" not in err and "Usage:" not in err, err
     assert " up --help')" in _usage_error(capsys, "up", "--nope")
+    for group in ((), ("trace",)):  # a group without a command shows its help, not an error
+        err = _usage_error(capsys, *group)
+        assert err.startswith("Usage: ") and "Commands:" in err and "btbctl: error" not in err, err
 
 
 def _usage_error(capsys, *args: str) -> str:

@@ -24,6 +24,11 @@ _click_errors = importlib.import_module(
     typer.core.TyperCommand.__mro__[1].__module__.rpartition(".")[0] + ".exceptions"
 )
 
+#: What click raises for a group called without a command (click >= 8.2): shown as help, not as an error.
+_NO_ARGS_IS_HELP: tuple[type, ...] = tuple(
+    c for c in (getattr(_click_errors, "NoArgsIsHelpError", None),) if isinstance(c, type)
+)
+
 #: Placeholders of parameters without a metavar of their own, in one style (upper case, as FILE, DIR, URL elsewhere):
 #: typer's ``<int>``, ``<float>``, ``<str>``, ``<list[str]>`` become these; a choice ``<a|b>`` becomes ``[a|b]``.
 METAVARS = {"int": "N", "float": "NUM", "str": "TEXT", "path": "PATH", "bool": "BOOL"}
@@ -135,7 +140,10 @@ class FullHelpGroup(typer.core.TyperGroup):
         try:
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except _click_errors.ClickException as e:
-            sys.stderr.write(error_line(_click_message(e)))
+            if isinstance(e, _NO_ARGS_IS_HELP):  # `btbctl` alone: its help, as click prints it
+                e.show()
+            else:
+                sys.stderr.write(error_line(_click_message(e)))
             sys.exit(e.exit_code)
         except typer.Abort:
             sys.stderr.write("btbctl: interrupted\n")
