@@ -94,3 +94,52 @@ def test_replicate_says_the_modelled_kv_size_and_the_byte_scale():
     assert copy_size(20480, 1_342_177_280, 65536) == "1.34 GB modelled (20.5 kB moved, KV bytes scaled 1/65,536)"
     assert copy_size(20480, 1_342_177_280, 1) == "1.34 GB copied"
     assert copy_size(2_000_000, None, None) == "2 MB copied"
+
+
+def test_counts_agree_with_their_nouns():
+    from btbctl.engine.wording import plural
+
+    assert plural(1, "request") == "1 request" and plural(0, "request") == "0 requests"
+    assert plural(2, "copy", "copies") == "2 copies" and plural(1024, "worker") == "1,024 workers"
+
+
+def _bench_result(**kw) -> dict:
+    base = {
+        "target": "http://127.0.0.1:30080",
+        "endpoint": "generate",
+        "requests": 1,
+        "ok": 1,
+        "errors": 0,
+        "errors_by_status": {},
+        "duration_s": 0.5,
+        "ttft_s": dict.fromkeys(("mean", "p50", "p95", "p99", "max"), 0.01),
+        "e2e_s": dict.fromkeys(("mean", "p50", "p95", "p99", "max"), 0.02),
+        "by_worker": {"http://127.0.0.1:40001": 1},
+        "copies": [
+            {
+                "copy_id": "0123456789ab",
+                "source": "http://127.0.0.1:40001",
+                "target": "http://127.0.0.1:40002",
+                "state": "done",
+                "bytes": 20480,
+                "duration_s": 0.01,
+                "proof_storage_tokens": None,
+            }
+        ],
+    }
+    return {**base, **kw}
+
+
+def test_bench_names_workers_and_counts_in_the_singular(capsys):
+    from btbctl.commands.bench import _render
+    from btbctl.commands.output import Output
+
+    names = {"http://127.0.0.1:40001": "worker-0", "http://127.0.0.1:40002": "worker-1"}
+    _render(Output(), _bench_result(), names)
+    text = capsys.readouterr().out
+    assert text.startswith("1 request to http://127.0.0.1:30080 (generate): 1 ok, 0 errors"), text
+    assert "worker-0" in text and "worker-1" in text and ":40001" not in text and ":40002" not in text
+    _render(Output(), _bench_result(requests=3, ok=2, errors=1, errors_by_status={"503": 1}), {})
+    text = capsys.readouterr().out
+    assert text.startswith("3 requests to ") and "2 ok, 1 error (503: 1)" in text
+    assert "http://127.0.0.1:40001" in text  # no name known: the URL

@@ -27,6 +27,7 @@ from btbctl.engine.launcher import cluster as cl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cluster-k8s.toml"
+EMULATED = ROOT / "examples" / "cluster-k8s-emulated.toml"
 #: Oldest and newest Kubernetes minor the manifests are checked against.
 VERSIONS = ("1.28.0", "1.37.0")
 
@@ -45,12 +46,17 @@ def _load(path=EXAMPLE, **kube_overrides) -> cl.ClusterFile:
     return cl.validate_cluster(data, str(path))
 
 
-def _load_l3(**kube_overrides) -> cl.ClusterFile:
-    """The example without its emulated entry: every worker SGLang, so replication mode l3 (HiCache flags)."""
+def _mixed_data(**kube_overrides) -> dict:
+    """The example's SGLang workers and the emulated example's workers (a model name of their own) in one file:
+    replication mode push."""
     data = read_toml(EXAMPLE)
-    data["workers"] = [dict(w, extra_args=[]) for w in data["workers"] if w.get("kind") == "sglang"]
+    data["workers"] += read_toml(EMULATED)["workers"]
     data["kubernetes"] = {**data.get("kubernetes", {}), **kube_overrides}
-    return cl.validate_cluster(data, str(EXAMPLE))
+    return data
+
+
+def _load_mixed(**kube_overrides) -> cl.ClusterFile:
+    return cl.validate_cluster(_mixed_data(**kube_overrides), "mixed.toml")
 
 
 def _objects(cluster: cl.ClusterFile) -> list[dict]:
@@ -62,7 +68,7 @@ def _by_kind(objs: list[dict], kind: str) -> list[dict]:
 
 
 def test_every_rendered_object_validates_against_the_api_schemas():
-    objs = _objects(_load(create_namespace=True))
+    objs = _objects(_load_mixed())
     assert sorted(o["kind"] for o in objs) == sorted(
         ["Namespace", "ConfigMap", "Deployment", "Service", "Service", "Service", "StatefulSet", "StatefulSet"]
         + ["DaemonSet", "Service", "NetworkPolicy", "NetworkPolicy"]
@@ -91,7 +97,7 @@ def _flags(argv: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("l3", [False, True])
 def test_worker_containers_run_the_command_line_btbctl_up_generates(l3):
-    cluster = _load_l3() if l3 else _load()  # the example is a mixed fleet: replication mode push
+    cluster = _load() if l3 else _load_mixed()  # the example is all SGLang: replication mode l3
     k8s = cluster.kubernetes
     assert cluster.replication_mode == ("l3" if l3 else "push")
     socket = f"{k8s.agent_socket_dir}/{kube.AGENT_SOCKET_NAME}"
@@ -114,7 +120,7 @@ def test_worker_containers_run_the_command_line_btbctl_up_generates(l3):
             assert extra["module_path"] == "btbctl.sglang_l3" and extra["agent_socket"] == socket
     if l3:  # l3 needs the agents: turning them off is refused by key
         with pytest.raises(ConfigError) as err:
-            kube.render(_load_l3(agents=False), "f.toml")
+            kube.render(_load(agents=False), "f.toml")
         assert err.value.key == "kubernetes.agents"
 
 
@@ -128,7 +134,9 @@ def test_worker_containers_run_what_fleet_up_spawns(monkeypatch, tmp_path):
     from btbctl.engine.launcher import fleet, local
     from btbctl.engine.launcher.rundir import RunDir
 
-    cluster = _load()
+    data = _mixed_data()
+    data["gateway"].update(port=0, control_port=0)  # any free ports: only the workers' command lines matter here
+    cluster = cl.validate_cluster(data, "mixed.toml")
     spawned: dict[str, list[str]] = {}
     harmless = [sys.executable, "-c", "pass"]
 
@@ -151,7 +159,7 @@ def test_worker_containers_run_what_fleet_up_spawns(monkeypatch, tmp_path):
 
 
 def test_gateway_agents_and_workers_fit_together():
-    cluster = _load()
+    cluster = _load_mixed()
     objs = _objects(cluster)
     k8s = cluster.kubernetes
     config_map = _by_kind(objs, "ConfigMap")[0]
@@ -172,7 +180,8 @@ def test_gateway_agents_and_workers_fit_together():
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4"}
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert llama["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "fast-nvme"
-    assert "resources" not in emu["spec"]["template"]["spec"]["containers"][0]  # emulated: no GPU
+    emu_container = emu["spec"]["template"]["spec"]["containers"][0]
+    assert emu_container["resources"] == kube.EMULATED_RESOURCES  # emulated: no GPU
     # the node agent: host network, its socket in the host directory the SGLang workers mount at the same path
     ds = _by_kind(objs, "DaemonSet")[0]
     dpod = ds["spec"]["template"]["spec"]
@@ -194,8 +203,7 @@ def test_gateway_agents_and_workers_fit_together():
     control = next(o for o in objs if o["metadata"]["name"] == "btb-control")
     assert control["spec"]["type"] == "ClusterIP"
     # without SGLang workers there is no agent (nothing reads HiCache pages), unless asked for
-    data = read_toml(EXAMPLE)
-    data["workers"] = data["workers"][1:]
+    data = read_toml(EMULATED)
     emu_only = cl.validate_cluster(data)
     assert not _by_kind(_objects(emu_only), "DaemonSet")
     data["kubernetes"]["agents"] = True
@@ -222,7 +230,7 @@ def test_secrets_come_from_kubernetes_secrets_and_values_are_refused():
     assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in env
 
     def refused(edit) -> ConfigError:
-        data = read_toml(EXAMPLE)
+        data = _mixed_data()
         edit(data)
         with pytest.raises(ConfigError) as err:
             kube.render(cl.validate_cluster(data, "c.toml"), "c.toml")
@@ -233,7 +241,7 @@ def test_secrets_come_from_kubernetes_secrets_and_values_are_refused():
     assert err.key == "workers.0.env.HF_TOKEN" and "kubernetes.secret_env.HF_TOKEN" in err.reason
     err = refused(lambda d: d["workers"][1].update(env={"OPENAI_API_KEY": "sk-1"}))
     assert err.key == "workers.1.env.OPENAI_API_KEY"
-    err = refused(lambda d: d["workers"][0]["extra_args"].extend(["--api-key", "k"]))
+    err = refused(lambda d: d["workers"][0].update(extra_args=["--api-key", "k"]))
     assert err.key == "workers.0.extra_args" and "--api-key" in err.reason
     # names that only mention tokens are fine
     data = read_toml(EXAMPLE)
@@ -286,7 +294,7 @@ def test_missing_section_and_per_pod_placeholders_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(path)])
     assert capsys.readouterr().err.startswith(f"btbctl: error: {path}: kubernetes: missing: add a [kubernetes]")
-    data = read_toml(EXAMPLE)
+    data = _mixed_data()
     data["workers"][1]["command"] = ["/opt/run", "--name", "{name}", "--port", "{port}"]
     with pytest.raises(ConfigError) as err:
         kube.render(cl.validate_cluster(data))
@@ -306,30 +314,34 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
         "agents.yaml",
         "gateway.yaml",
         "kustomization.yaml",
+        "namespace.yaml",
         "networkpolicy.yaml",
         "workers.yaml",
     ]
     assert len(summary["objects"]) == 11 and summary["secret"] == "btb-secrets"
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert kust["namespace"] == "llm"
-    assert kust["resources"] == ["gateway.yaml", "workers.yaml", "agents.yaml", "networkpolicy.yaml"]
+    assert kust["resources"] == [
+        "namespace.yaml",
+        "gateway.yaml",
+        "workers.yaml",
+        "agents.yaml",
+        "networkpolicy.yaml",
+    ]
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(EXAMPLE)])
     stream = list(yaml.safe_load_all(capsys.readouterr().out))
     assert stream == _objects(_load())
     # a later render without agents removes the agents.yaml the first one wrote, and nothing else
     (out / "notes.yaml").write_text("kind: mine\n")
-    emu_only = tmp_path / "emu.toml"
-    text = EXAMPLE.read_text()
-    emu_only.write_text(
-        text[: text.index("[[workers]]")] + text[text.index("[[workers]]", text.index("[[workers]]") + 1) :]
-    )
+    emu_only = EMULATED
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
     capsys.readouterr()
     assert sorted(os.listdir(out)) == [
         "gateway.yaml",
         "kustomization.yaml",
+        "namespace.yaml",
         "networkpolicy.yaml",
         "notes.yaml",
         "workers.yaml",
@@ -374,7 +386,8 @@ def test_the_example_overlay_builds_and_validates():
     assert len(objs) == 11
     for obj in objs:
         _validate(obj)
-        assert obj["metadata"]["namespace"] == "llm" and obj["metadata"]["labels"]["team"] == "inference-platform"
+        where = obj["metadata"]["name"] if obj["kind"] == "Namespace" else obj["metadata"]["namespace"]
+        assert where == "llm" and obj["metadata"]["labels"]["team"] == "inference-platform"
     svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "btb-gateway")
     assert svc["spec"]["type"] == "LoadBalancer"
     # behind the load balancer the data port is open to all; the control port stays the fleet's
@@ -428,7 +441,7 @@ def _pod_templates(objs: list[dict]) -> list[tuple[str, dict]]:
 def test_every_pod_runs_non_root_without_privileges():
     """Every rendered pod: non-root, RuntimeDefault seccomp; every container: no privilege escalation, all
     capabilities dropped; the gateway's and the agents' root file systems read-only."""
-    objs = _objects(_load())
+    objs = _objects(_load_mixed())
     pods = _pod_templates(objs)
     assert {n for n, _ in pods} >= {"btb-gateway", "btb-agent"} and len(pods) >= 4
     for name, spec in pods:
@@ -470,3 +483,84 @@ def test_network_policies_and_scrape_annotations():
     assert "prometheus.io/scrape" not in ds["spec"]["template"]["metadata"].get("annotations", {})
     dep = _by_kind(objs, "Deployment")[0]
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def test_real_and_emulated_workers_under_one_model_name_are_refused(tmp_path, capsys):
+    """Clients of one model name would get emulated answers: the render refuses, naming both entries."""
+    path = tmp_path / "mixed.toml"
+    text = EXAMPLE.read_text()
+    emulated = EMULATED.read_text().split("[[workers]]")[1].split("\n[kubernetes]")[0]
+    same_name = emulated.replace('"llama-3.3-70b-emulated"', '"llama-3.3-70b"')
+    cut = text.index("\n[kubernetes]\n")
+    path.write_text(text[:cut] + "\n[[workers]]" + same_name + text[cut:])
+    with pytest.raises(SystemExit) as exit_:
+        main(["deploy", "render", "-c", str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"btbctl: error: {path}: workers.1.kind: ") and err.count("\n") == 1, err
+    assert "workers.1 (emu, emulated) and workers.0 (llama, sglang) both serve model 'llama-3.3-70b'" in err
+    assert "emulated answers" in err
+    # the committed example is all SGLang, and the emulated one serves a name of its own
+    assert {w.kind for w in _load().workers} == {"sglang"}
+    emu = cl.load_cluster(EMULATED)
+    assert {w.kind for w in emu.workers} == {"emulated"}
+    assert {w.served_model_name for w in emu.workers} == {"llama-3.3-70b-emulated"}
+
+
+def test_emulated_pods_run_on_any_node_without_the_model_secret():
+    """The GPU pool's node selector and tolerations and ``secret_env`` (the HF token) are for SGLang workers and
+    the node agents only."""
+    gpu_pool = read_toml(EXAMPLE)["kubernetes"]
+    objs = _objects(
+        _load_mixed(
+            node_selector=gpu_pool["node_selector"],
+            tolerations=gpu_pool["tolerations"],
+            secret_env={"HF_TOKEN": "hf/t"},
+        )
+    )
+    pods = dict(_pod_templates(objs))
+    emu, llama, agent = pods["btb-emu"], pods["btb-llama"], pods["btb-agent"]
+    assert "nodeSelector" not in emu and "tolerations" not in emu
+    assert all(e["name"] != "HF_TOKEN" for e in emu["containers"][0].get("env", []))
+    assert llama["nodeSelector"] == agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert llama["tolerations"] == agent["tolerations"] == gpu_pool["tolerations"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "t"}}} in llama["containers"][0][
+        "env"
+    ]
+    for obj in objs:
+        _validate(obj)
+
+
+def test_the_namespace_is_rendered_at_the_pod_security_level_its_pods_need():
+    ns = _by_kind(_objects(_load()), "Namespace")
+    assert [o["metadata"]["name"] for o in ns] == ["llm"]
+    assert ns[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"  # agents: host network
+    emu = _by_kind(_objects(cl.load_cluster(EMULATED)), "Namespace")
+    assert emu[0]["metadata"]["name"] == "btb-emu"
+    assert emu[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert not _by_kind(_objects(_load(create_namespace=False)), "Namespace")
+    manifests = kube.render(_load())
+    assert manifests[0].name == "namespace.yaml"  # applied first
+    for obj in (*ns, *emu):
+        _validate(obj)
+
+
+def test_gateway_and_workers_request_resources():
+    objs = _objects(_load_mixed())
+    containers = {name: spec["containers"][0] for name, spec in _pod_templates(objs)}
+    gw = containers["btb-gateway"]["resources"]
+    assert gw == kube.GATEWAY_RESOURCES and gw["requests"]["cpu"] and gw["limits"]["memory"]
+    llama = containers["btb-llama"]["resources"]
+    assert llama["limits"] == {"nvidia.com/gpu": "4"}  # tp_size 4
+    assert llama["requests"] == {
+        "cpu": str(4 * kube.SGLANG_CPU_PER_GPU),
+        "memory": f"{4 * kube.SGLANG_MEMORY_GIB_PER_GPU}Gi",
+        "nvidia.com/gpu": "4",
+    }
+    assert containers["btb-emu"]["resources"] == kube.EMULATED_RESOURCES
+    # the GPU count follows tp_size and the entry's share of gpu_ids, with extra resources beside it
+    data = _mixed_data(extra_resources={"rdma/hca": 1})
+    data["workers"][0].update(tp_size=2, gpu_ids=[0, 1, 2, 3])
+    res = kube.worker_resources(cl.validate_cluster(data).workers[0], cl.validate_cluster(data).kubernetes)
+    assert res["limits"] == {"nvidia.com/gpu": "2", "rdma/hca": "1"}
+    assert res["requests"]["cpu"] == str(2 * kube.SGLANG_CPU_PER_GPU)

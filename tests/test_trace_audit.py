@@ -206,7 +206,7 @@ def test_verdict_says_why_not_and_which_prefix_blocks_would_fire():
     # deep enough, but spread out: at most one arrival of the prefix per window
     spread = [(5.0 * i, [1, 2]) for i in range(4)]
     v = btb_verdict(_trace(spread), prefix_blocks=2, threshold=2, window_s=1.0)
-    assert not v["fires"] and v["max_arrivals"] == 1 and "at most 1 arrival(s)" in v["reason"]
+    assert not v["fires"] and v["max_arrivals"] == 1 and "at most 1 arrival of" in v["reason"]
     assert v["fires_with_prefix_blocks"] is None and "no shorter prefix_blocks fires either" in v["reason"]
 
 

@@ -22,13 +22,18 @@ def agent(
         int, typer.Option("--arena-mib", help="Byte budget of the page store, MiB (shared memory).")
     ] = 1024,
     socket_path: Annotated[
-        str, typer.Option("--socket", help="Unix socket the local BtbL3Store instances connect to.")
+        str, typer.Option("--socket", metavar="FILE", help="Unix socket the local BtbL3Store instances connect to.")
     ] = "/run/btbctl/agent.sock",
     peer: Annotated[
-        str, typer.Option("--peer", help="HOST:PORT peers connect to (authenticated first).")
+        str, typer.Option("--peer", metavar="HOST:PORT", help="Address peers connect to (authenticated first).")
     ] = "127.0.0.1:0",
     control: Annotated[
-        str, typer.Option("--control", help="HOST:PORT of the control API and /metrics (loopback by default).")
+        str,
+        typer.Option(
+            "--control",
+            metavar="HOST:PORT",
+            help="Address of the control API and /metrics (loopback only without --control-token-file).",
+        ),
     ] = "127.0.0.1:0",
     control_token_file: Annotated[
         str | None,

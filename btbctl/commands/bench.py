@@ -9,20 +9,26 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.options import FleetOpt, RunDirOpt
+from btbctl.commands.options import FleetOpt, OutputFormat, RunDirOpt
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.1f}"
 
 
-def _render(out: Output, d: dict) -> None:
+def _render(out: Output, d: dict, names: dict[str, str] | None = None) -> None:
+    """The human report of ``d`` (the JSON result); workers by their names (``names``: URL -> name, from the
+    fleet's control API) as ``status`` shows them, by URL where no name is known."""
     from rich.table import Table
+
+    names = names or {}
 
     c = out.console
     c.print(
-        f"{d['requests']} requests to {d['target']} ({d['endpoint']}): {d['ok']} ok, {d['errors']} errors"
+        f"{plural(d['requests'], 'request')} to {d['target']} ({d['endpoint']}): {d['ok']} ok, "
+        f"{plural(d['errors'], 'error')}"
         + (f" ({', '.join(f'{k}: {v}' for k, v in d['errors_by_status'].items())})" if d["errors"] else "")
         + f", {d['duration_s']:.2f} s"
     )
@@ -38,7 +44,7 @@ def _render(out: Output, d: dict) -> None:
         w.add_column("worker")
         w.add_column("requests", justify="right")
         for url, n in d["by_worker"].items():
-            w.add_row(url, str(n))
+            w.add_row(names.get(url, url), str(n))
         c.print(w)
     if d.get("cached_fraction") is not None:
         c.print(
@@ -52,7 +58,15 @@ def _render(out: Output, d: dict) -> None:
         for x in d["copies"]:
             proof = "-" if x.get("proof_storage_tokens") is None else str(x["proof_storage_tokens"])
             secs = "-" if x.get("duration_s") is None else f"{x['duration_s']:.3f}"
-            cp.add_row(x["copy_id"][:8], x["source"], x["target"], x["state"], str(x["bytes"]), secs, proof)
+            cp.add_row(
+                x["copy_id"][:8],
+                names.get(x["source"], x["source"]),
+                names.get(x["target"], x["target"]),
+                x["state"],
+                str(x["bytes"]),
+                secs,
+                proof,
+            )
         c.print(cp)
 
 
@@ -68,6 +82,20 @@ def _transfers(control_url: str | None):
             return api.transfers(limit=200).model_dump(mode="json")
     except BtbctlError:
         return None
+
+
+def _worker_names(control_url: str | None) -> dict[str, str]:
+    """Each worker's name by its URL (``GET /control/fleet``); empty without a control API that answers."""
+    if control_url is None:
+        return {}
+    from btbctl.engine.control.client import ControlClient
+    from btbctl.engine.errors import BtbctlError
+
+    try:
+        with ControlClient(control_url, timeout_s=3.0) as api:
+            return {w.url: w.name for w in api.fleet().workers}
+    except BtbctlError:
+        return {}
 
 
 def _served(control_url: str | None):
@@ -107,7 +135,7 @@ def bench(
         Path | None,
         typer.Option(
             "--trace",
-            metavar="PATH",
+            metavar="FILE",
             dir_okay=False,
             help="Trace to replay (default: one generated burst, see --burst-size).",
         ),
@@ -144,25 +172,27 @@ def bench(
         typer.Option("--model", help="Model name for --endpoint completions (default: the endpoint's first model)."),
     ] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Per-request limit, seconds.")] = 300.0,
-    burst_size: Annotated[int, typer.Option("--burst-size", help="Default trace: requests in the burst.")] = 64,
+    burst_size: Annotated[int, typer.Option("--burst-size", help="Generated trace: requests in the burst.")] = 64,
     prefix_blocks: Annotated[
         int,
-        typer.Option("--prefix-blocks", help="Default trace: shared prefix in 256-token blocks (256 = 65,536 tokens)."),
+        typer.Option(
+            "--prefix-blocks", help="Generated trace: shared prefix in 256-token blocks (256 = 65,536 tokens)."
+        ),
     ] = 256,
     spread_s: Annotated[
-        float, typer.Option("--spread-s", help="Default trace: seconds over which the burst arrives.")
+        float, typer.Option("--spread-s", help="Generated trace: seconds over which the burst arrives.")
     ] = 1.0,
     seed: Annotated[
         int | None,
         typer.Option(
-            "--seed", help="Default trace: random seed (default 42; refused with --trace, which fixes the requests)."
+            "--seed", help="Generated trace: random seed (default: 42; refused with --trace, which fixes the requests)."
         ),
     ] = None,
     requests_out: Annotated[
         Path | None,
-        typer.Option("--requests-out", metavar="PATH", dir_okay=False, help="Write one JSON line per request."),
+        typer.Option("--requests-out", metavar="FILE", dir_okay=False, help="Write one JSON line per request."),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Replay a trace against an SGLang-compatible endpoint and report client-side TTFT."""
     from btbctl.engine.errors import BtbctlError
@@ -231,7 +261,7 @@ def bench(
     chosen = select_requests(tr, max_requests)
     n = len(chosen)
     span = (chosen[-1].arrival_s - chosen[0].arrival_s) if chosen else 0.0
-    out.info(f"replaying {n} requests over {span / time_scale:.2f} s against {target}")
+    out.info(f"replaying {plural(n, 'request')} over {span / time_scale:.2f} s against {target}")
     before = _served(control)
     copies_before = _transfers(control)
     with out.progress("requests", n) as advance:
@@ -244,6 +274,7 @@ def bench(
         except OSError as e:
             raise BtbctlError(f"--requests-out: cannot write {requests_out}: {e.strerror or e}") from None
     data = report.as_dict()
-    out.result(data, lambda d: _render(out, d))
+    names = _worker_names(control) if out.format is Format.human else {}
+    out.result(data, lambda d: _render(out, d, names))
     if data["requests"] and data["errors"] == data["requests"]:
         raise BtbctlError(f"every request failed ({data['errors']} of {data['requests']}); is {target} serving?")

@@ -7,10 +7,12 @@ from typing import Annotated
 
 import typer
 
-from btbctl.commands.app import app
+from btbctl.commands.app import BtbTyper, app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
-deploy_app = typer.Typer(
+deploy_app = BtbTyper(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -41,7 +43,7 @@ def render(
             "Default: every object as one YAML stream on stdout (for kubectl apply -f -).",
         ),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Summary format with --out (human or json).")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Render Kubernetes manifests (gateway, workers, node agents) from a cluster file; secret values never."""
     import os
@@ -74,8 +76,14 @@ def render(
     out.result(
         summary,
         lambda s: out.console.print(
-            f"wrote {len(s['objects'])} objects in {len(s['files'])} files to {s['out']} (namespace {s['namespace']}); "
-            f"create the Secret {s['secret']} first, then: kubectl apply -k {s['out']}",
+            f"wrote {plural(len(s['objects']), 'object')} in {plural(len(s['files']), 'file')} to {s['out']} "
+            f"(namespace {s['namespace']}); "
+            + (
+                f"kubectl apply -f {os.path.join(s['out'], 'namespace.yaml')}, create the Secret {s['secret']} in it, "
+                if any(o["kind"] == "Namespace" for o in s["objects"])
+                else f"create the Secret {s['secret']} first, "
+            )
+            + f"then: kubectl apply -k {s['out']}",
             soft_wrap=True,
         ),
     )

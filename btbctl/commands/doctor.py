@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 
 
@@ -63,7 +64,7 @@ def doctor(
             "-c", "--config", metavar="FILE", help="Cluster file (TOML; default: the embedded 4-worker fleet)."
         ),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Check that every host can run its workers: SSH, Python, btbctl/SGLang, free ports, GPUs, RDMA."""
     from btbctl.engine.launcher.cluster import default_cluster, load_cluster

@@ -12,7 +12,9 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 #: Dotted config key -> the flag that sets it (errors about a value that came from a flag name the flag).
 _FLAGS = {
@@ -48,7 +50,7 @@ def dry_run(
         str | None,
         typer.Option(
             "--trace",
-            metavar="PATH",
+            metavar="FILE",
             help="Trace file (relative to the current directory). Default: a generated Bursted window.",
         ),
     ] = None,
@@ -103,12 +105,12 @@ def dry_run(
     fidelity: Annotated[
         str | None, typer.Option("--fidelity", help="Simulator profile: realistic or infersim (default: realistic).")
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+    fmt: OutputFormat = Format.human,
     requests_out: Annotated[
         str | None,
         typer.Option(
             "--requests-out",
-            metavar="PATH",
+            metavar="FILE",
             help="Also write one JSON line per request per policy (arrival_s, policy, replica, ttft_s, queue_wait_s, "
             "cached_tokens, kind, request_id).",
         ),
@@ -236,7 +238,7 @@ def header_line(r: dict) -> str:
     src = t["path"] if t["path"] is not None else "generated Bursted window"
     span = _f(t["span_s"], 1)
     return (
-        f"trace: {src} ({t['format']}, {t['requests']:,} requests over {span} s, {t['block_tokens']}-token "
+        f"trace: {src} ({t['format']}, {plural(t['requests'], 'request')} over {span} s, {t['block_tokens']}-token "
         f"blocks)\nfleet: {c['replicas']} x {c['model']} on {c['gpus_per_replica']} x {c['gpu']}, NIC "
         f"{c['nic_gbps']:g} Gb/s per GPU\nBTB: prefix_blocks={k['prefix_blocks']} threshold={k['threshold']} "
         f"window_s={float(k['window_s'])!r} warm_replicas={k['warm_replicas']}\n"

@@ -13,8 +13,9 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.options import RUN_DIR_HELP, FleetOpt, RunDirOpt
+from btbctl.commands.options import RUN_DIR_HELP, FleetOpt, OutputFormat, RunDirOpt
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 __all__ = ["RUN_DIR_HELP", "SOURCE_WORDS", "count_cell", "kv_cell"]
 
@@ -163,7 +164,7 @@ def up(
             "the workers keep their caches). Same settings, ports and tokens; the last `tune` is reapplied.",
         ),
     ] = False,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Start workers and the gateway; Ctrl-C stops them (with -d: run in the background, stop with `btbctl down`).
 
@@ -227,7 +228,7 @@ def up(
 
 @app.command("ls")
 def ls(
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """List the fleets (run directories under the user state directory's runs folder): name, state, gateway URL,
     run directory.
@@ -270,7 +271,7 @@ def down(
     grace_s: Annotated[
         float, typer.Option("--grace-s", help="Seconds between SIGTERM and SIGKILL for each process group.")
     ] = 10.0,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Stop exactly the processes `btbctl up` started (gateway first, then workers)."""
     from btbctl.engine.launcher import fleet
@@ -291,7 +292,7 @@ def down(
         from btbctl.engine.errors import BtbctlError
 
         raise BtbctlError(
-            f"could not reach {len(res['unreachable'])} worker(s), still recorded for another "
+            f"could not reach {plural(len(res['unreachable']), 'worker')}, still recorded for another "
             f"`btbctl down`: " + "; ".join(res["errors"])
         )
 
@@ -300,7 +301,7 @@ def down(
 def status(
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Show the running fleet: gateway and control URLs, and each worker's health.
 
@@ -329,7 +330,7 @@ def restart(
         float | None,
         typer.Option("--timeout-s", help="Seconds it has to become ready again (default: the cluster file's)."),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Restart one worker, node agent or the gateway of a detached fleet in place, keeping the others (and their
     caches) running: same command line, environment and ports; the gateway keeps its tokens and tuned settings."""

@@ -19,7 +19,9 @@ from btbctl.engine.launcher.cluster import DEFAULT_GATEWAY_PORT as DEFAULT_PORT
 def gateway(
     worker: Annotated[
         list[str] | None,
-        typer.Option("--worker", "-w", help="Worker base URL (http://host:port); repeat for each worker."),
+        typer.Option(
+            "--worker", "-w", metavar="URL", help="Worker base URL (http://host:port); repeat for each worker."
+        ),
     ] = None,
     config: Annotated[
         str | None,

@@ -12,7 +12,8 @@ from typing import Annotated
 import typer
 
 from btbctl.commands.app import app
-from btbctl.commands.options import FleetOpt, RunDirOpt
+from btbctl.commands.options import FleetOpt, OutputFormat, RunDirOpt
+from btbctl.commands.output import Format
 
 
 @app.command("logs")
@@ -20,6 +21,7 @@ def logs(
     name: Annotated[
         str | None,
         typer.Argument(
+            metavar="NAME",
             help="Log name: gateway (one line per event: control writes, detector fires, copies, errors, health), "
             "worker-0, ... (an emulated worker's: one line per request), gateway.out (the gateway's own output). "
             "None: list the names.",
@@ -39,12 +41,8 @@ def logs(
             "(2026-01-02T03:04:05, UTC unless a zone is given). Reads the whole log (rotated copies too).",
         ),
     ] = None,
-    as_json: Annotated[
-        bool,
-        typer.Option(
-            "--json", help='One JSON object per line (logfmt fields, numbers as numbers; other lines as {"msg": ...}).'
-        ),
-    ] = False,
+    fmt: OutputFormat = Format.human,
+    as_json: Annotated[bool, typer.Option("--json", hidden=True, help="The old spelling of --format json.")] = False,
     previous: Annotated[
         bool,
         typer.Option(
@@ -57,8 +55,11 @@ def logs(
     """Print a process's log; without NAME, list the logs of the run directory.
 
     The logs outlive `btbctl down`; the next `btbctl up` on the same run directory keeps them in logs.previous
-    (read them with --previous) and starts fresh ones."""
+    (read them with --previous) and starts fresh ones. With --format json: one JSON object per line (logfmt fields,
+    numbers as numbers; other lines as {"msg": ...})."""
     from btbctl.engine.errors import BtbctlError
+
+    as_json = as_json or fmt is Format.json
     from btbctl.engine.launcher import logs as engine_logs
     from btbctl.engine.launcher.rundir import RunDir
 

@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from btbctl.commands.output import Format
+
 RUN_DIR_HELP = (
     "Run directory of the fleet (default: runs/NAME of --fleet under the user state directory, else "
     "$BTBCTL_RUN_DIR, else runs/$BTBCTL_FLEET, else runs/default)."
@@ -38,6 +40,10 @@ FleetOpt = Annotated[
         "them); env BTBCTL_FLEET. --run-dir wins over it.",
     ),
 ]
+
+#: The one description of ``--format``, for every command that reports.
+FORMAT_HELP = "Output format: human (text for people) or json (for programs, on stdout)."
+OutputFormat = Annotated[Format, typer.Option("--format", help=FORMAT_HELP)]
 
 TraceFormat = Annotated[
     str | None,

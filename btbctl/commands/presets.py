@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-import typer
-
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
 
 #: Where each fabric figure of ``costmodel.FABRICS`` comes from (bytes/s per replica-side link).
@@ -153,7 +150,7 @@ def render_human(out: Output, r: dict) -> None:
 
 @app.command("presets")
 def presets(
-    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """List the model, GPU and fabric presets of the cost model (KV bytes per token, FLOP/s, bandwidths)."""
     out = Output(fmt)

@@ -9,7 +9,9 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 @app.command("report")
@@ -28,7 +30,7 @@ def report(
         bool,
         typer.Option("--charts/--no-charts", help="Write PNG charts (needs matplotlib: pip install 'btbctl[report]')."),
     ] = True,
-    fmt: Annotated[Format, typer.Option("--format", help="Output format of the summary on stdout.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Run an experiment matrix (setups x workloads x fidelities x policies) and write a Markdown report."""
     import shlex
@@ -51,7 +53,7 @@ def report(
     if not os.access(out_dir, os.W_OK | os.X_OK):
         raise ConfigError("--out", f"cannot write into {out_dir}: permission denied")
     total = len(m.setups) * len(m.workloads) * len(m.fidelities) * len(m.policies)
-    with out.progress(f"running {total} simulations", total, lines_when_piped=True) as advance:
+    with out.progress(f"running {plural(total, 'simulation')}", total, lines_when_piped=True) as advance:
         rep = run_matrix(m, progress=advance, jobs=jobs, ray=ray_at)
     command = " ".join(["btbctl", "report", shlex.quote(matrix), "--out", shlex.quote(out_dir)])
     files = write_report(rep, out_dir, command, charts=charts)
@@ -67,8 +69,8 @@ def report(
     out.result(
         summary,
         lambda s: out.console.print(
-            f"wrote {s['markdown']} ({s['cells']} simulations, {len(s['charts'])} charts) in "
-            f"{s['timing']['wall_s']:.0f} s on {s['timing']['jobs']} "
-            + ("Ray CPU(s)" if s["timing"].get("executor") == "ray" else "worker(s)")
+            f"wrote {s['markdown']} ({plural(s['cells'], 'simulation')}, {plural(len(s['charts']), 'chart')}) in "
+            f"{s['timing']['wall_s']:.0f} s on "
+            + plural(s["timing"]["jobs"], "Ray CPU" if s["timing"].get("executor") == "ray" else "worker")
         ),
     )

@@ -11,8 +11,9 @@ import typer
 
 from btbctl.commands.app import app
 from btbctl.commands.fleet import SOURCE_WORDS, count_cell, kv_cell
-from btbctl.commands.options import FleetOpt, RunDirOpt
+from btbctl.commands.options import FleetOpt, OutputFormat, RunDirOpt
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 class PromptKind(str, enum.Enum):
@@ -78,7 +79,7 @@ def tune(
     ] = None,
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Change BTB's constants or the routing policy of the running fleet, without a restart."""
     from btbctl.engine.control.steering import parse_tune_args
@@ -100,7 +101,7 @@ def tune(
             f"policy {d.get('policy')}  prefix_blocks {c.get('prefix_blocks')}  "
             f"threshold {c.get('threshold')}  window_s {c.get('window_s')}  "
             f"warm_replicas {c.get('warm_replicas')}"
-            + (f"  ({d['prefix_tokens']} tokens per prefix)" if d.get("prefix_tokens") else "")
+            + (f"  ({plural(d['prefix_tokens'], 'token')} per prefix)" if d.get("prefix_tokens") else "")
         )
 
     if updates:
@@ -126,7 +127,8 @@ def _warn_replicas(out: Output, api, updates: dict) -> None:
         return
     if want_n > n:
         out.warn(
-            f"warm_replicas={want_n} is more than the {n} worker(s) of this fleet; a hot prefix can be on at most {n}"
+            f"warm_replicas={want_n} is more than the {plural(n, 'worker')} of this fleet; a hot prefix can be on at "
+            f"most {n}"
         )
 
 
@@ -140,16 +142,22 @@ COPY_EXIT_HELP = (
 REPLICAS_HELP = "How many more workers should receive a copy."
 
 
-def _copy_progress(out: Output) -> Callable[[list[dict]], None]:
-    """Progress lines (stderr) for the copies' rows, as ``btbctl replicate`` and ``btbctl prewarm`` print them."""
+def _copy_progress(out: Output, api) -> Callable[[list[dict]], None]:
+    """Progress lines (stderr) for the copies' rows, as ``btbctl replicate`` and ``btbctl prewarm`` print them, with
+    workers by name as `btbctl status` and the dashboard show them."""
+    try:
+        names = {w.url: w.name for w in api.fleet().workers}
+    except Exception:  # noqa: BLE001 - names are extra; URLs stand in for them
+        names = {}
 
     def progress(rows: list[dict]) -> None:
         for r in rows:
             total = r.get("bytes_total") or 0
             pct = f" {100 * (r.get('bytes_sent') or 0) / total:.0f}%" if total else ""
             err = f": {r['error']}" if r.get("error") else ""
+            target = r.get("target", "?")
             out.info(
-                f"copy {r.get('copy_id')} -> {r.get('target', '?')}: {r.get('state')}{pct} "
+                f"copy {r.get('copy_id')} -> {names.get(target, target)}: {r.get('state')}{pct} "
                 f"({human_bytes(r.get('bytes_sent'))}){err}"
             )
 
@@ -173,7 +181,8 @@ def _copy_result(out: Output, api, res: dict) -> None:
             out.console.print(f"prefix {d['prefix']} already held by {len(held)} workers: {', '.join(held)}")
             return
         out.console.print(
-            f"prefix {d['prefix']} from {names.get(d['source'], d['source'])} to {len(d['targets'])} worker(s): "
+            f"prefix {d['prefix']} from {names.get(d['source'], d['source'])} to "
+            f"{plural(len(d['targets']), 'worker')}: "
             f"{d['status']}, {copy_size(d['bytes'], d.get('modelled_bytes'), d.get('kv_bytes_scale'))}"
         )
         for url in d["targets"]:
@@ -202,7 +211,7 @@ def replicate(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Longest wait for the copies, seconds.")] = 120.0,
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Copy one prefix's KV cache to N more workers now; progress on stderr, the result on stdout."""
     from btbctl.engine.control.steering import replicate_and_wait
@@ -213,7 +222,7 @@ def replicate(
     if not timeout_s > 0:
         raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
     with client_for_run(run_dir) as api:
-        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=_copy_progress(out))
+        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=_copy_progress(out, api))
         _copy_result(out, api, res)
 
 
@@ -238,7 +247,7 @@ def prewarm(
     ] = 330.0,
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Keep a prompt warm before its batch starts: one worker computes it (the routing policy's choice), then its KV
     cache is copied to N more workers, as `replicate` does; progress on stderr, the result on stdout."""
@@ -261,7 +270,7 @@ def prewarm(
             f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on {computed}; "
             f"prefix {started.prefix}"
         )
-        res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out))
+        res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out, api))
         res.update(
             computed_by=started.computed_by, prompt_tokens=started.prompt_tokens, prefix_blocks=started.prefix_blocks
         )
@@ -273,7 +282,7 @@ def prefixes(
     top: Annotated[int, typer.Option("--top", help="How many prefixes (most arrivals in the window first).")] = 10,
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """List the hot prefixes the gateway tracks, with ids `btbctl replicate --prefix` takes."""
     from btbctl.engine.chains import short_id
@@ -296,7 +305,8 @@ def prefixes(
         from rich.table import Table
 
         out.console.print(
-            f"prefix {d['prefix_blocks']} blocks ({d['prefix_tokens']} tokens); hot at {d['threshold']} arrivals "
+            f"prefix {plural(d['prefix_blocks'], 'block')} ({plural(d['prefix_tokens'], 'token')}); hot at "
+            f"{plural(d['threshold'], 'arrival')} "
             f"within {d['window_s']:g} s"
         )
         if not d["prefixes"]:
@@ -356,9 +366,9 @@ def prefixes(
 def flush(
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
-    """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), e.g.
+    """Empty every worker's KV cache and the gateway's records of them (prefix tree, holdings, detector), for instance
     between the two runs of an A/B bench; exit status 1 when a worker did not flush (busy: try again)."""
     from btbctl.engine.launcher.control import client_for_run
 
@@ -367,7 +377,7 @@ def flush(
         res = api.flush().model_dump(mode="json")
 
     def human(d: dict) -> None:
-        out.console.print(f"flushed {d['flushed']} of {len(d['workers'])} worker(s)")
+        out.console.print(f"flushed {d['flushed']} of {plural(len(d['workers']), 'worker')}")
         for name, result in d["workers"].items():
             if result != "flushed":
                 out.console.print(f"  {name}: {result}")

@@ -13,7 +13,9 @@ import typer
 
 from btbctl.commands import options
 from btbctl.commands.app import app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
 
 @app.command("sweep")
@@ -28,7 +30,7 @@ def sweep(
         ),
     ] = None,
     trace: Annotated[
-        str | None, typer.Option("--trace", metavar="PATH", help="Trace file. Default: one generated Bursted window.")
+        str | None, typer.Option("--trace", metavar="FILE", help="Trace file. Default: one generated Bursted window.")
     ] = None,
     trace_format: options.TraceFormat = None,
     bursts: options.Bursts = None,
@@ -103,7 +105,7 @@ def sweep(
         ),
     ] = None,
     top: Annotated[int, typer.Option("--top", help="Rows of the ranked table (human output; 0 = all).")] = 20,
-    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Run a grid of BTB constants (and optionally fleet, fabric, fidelity, policy) over one trace, ranked by TTFT."""
     from btbctl.engine.dryrun import DryRunConfig, load_dryrun_config, load_trace
@@ -230,7 +232,7 @@ def render_human(out: Output, r: dict, top: int = 20) -> None:
     fixed = ", ".join(f"{a}={_v(vals[0])}" for a, vals in r["axes"].items() if len(vals) == 1)
     t = r["trace"]
     console.print(
-        f"sweep of {r['points']} grid points over {t['requests']} requests ({t['format']}), "
+        f"sweep of {plural(r['points'], 'grid point')} over {plural(t['requests'], 'request')} ({t['format']}), "
         f"{r['cluster']['model']} on {r['cluster']['gpus_per_replica']} x {r['cluster']['gpu']}, "
         f"seed {r['seed']}; ranked by TTFT {r['rank_by']}"
     )
@@ -264,8 +266,8 @@ def render_human(out: Output, r: dict, top: int = 20) -> None:
     if top > 0 and len(r["results"]) > top:
         console.print(f"({len(r['results']) - top} more; --top 0 shows all)")
     tm = r["timing"]
-    where = "Ray CPU(s)" if tm.get("executor") == "ray" else "worker(s)"
-    out.info(f"{r['points']} runs in {tm['wall_s']:.1f} s on {tm['jobs']} {where}")
+    where = "Ray CPU" if tm.get("executor") == "ray" else "worker"
+    out.info(f"{plural(r['points'], 'run')} in {tm['wall_s']:.1f} s on {plural(tm['jobs'], where)}")
     hm = r.get("heatmap")
     if hm:
         console.print(heatmap_chart(hm), no_wrap=True, crop=False)

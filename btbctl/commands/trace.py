@@ -11,10 +11,12 @@ from typing import Annotated
 
 import typer
 
-from btbctl.commands.app import app
+from btbctl.commands.app import BtbTyper, app
+from btbctl.commands.options import OutputFormat
 from btbctl.commands.output import Format, Output
+from btbctl.engine.wording import plural
 
-trace_app = typer.Typer(
+trace_app = BtbTyper(
     name="trace",
     help="Generate Bursted workloads and audit traces for prefix bursts.",
     no_args_is_help=True,
@@ -80,7 +82,7 @@ def gen(
         str | None,
         typer.Option(help=f"Format of --base: {_FORMATS_HELP} (default: detect from content).", show_default=False),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="Summary on stdout: human (none) or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
 ) -> None:
     """Write a Bursted workload: bursts of requests sharing one long prefix, plus decoys (REFERENCE.md s3)."""
     from btbctl.engine.trace.audit import audit_trace
@@ -126,7 +128,7 @@ def gen(
     on = f" on {base} ({base_trace.format})" if base_trace is not None else ""
     _info_line(
         out,
-        f"wrote {rows} requests ({kinds}) over {trace.span_s:.1f} s, {trace.block_tokens}-token blocks, "
+        f"wrote {plural(rows, 'request')} ({kinds}) over {trace.span_s:.1f} s, {trace.block_tokens}-token blocks, "
         f"seed {seed}{on} to {out_path}",
     )
     if out.format is Format.json:
@@ -150,7 +152,7 @@ def gen(
 @trace_app.command("audit")
 def audit(
     path: Annotated[Path, typer.Argument(help="Trace file (.gz is decompressed).", dir_okay=False, show_default=False)],
-    fmt: Annotated[Format, typer.Option("--format", help="Result format: human tables or json.")] = Format.human,
+    fmt: OutputFormat = Format.human,
     trace_format: Annotated[
         str | None,
         typer.Option(help=f"Trace format: {_FORMATS_HELP} (default: detect from content).", show_default=False),
@@ -282,11 +284,7 @@ def _print_fan_out(c, d: dict, fan: list) -> None:
         for t in windows:
             e = cell[(k, t)]
             events = e["events"]
-            row.append(
-                f"{e['max_requests']} ({events} event{'s' if events != 1 else ''})"
-                if events
-                else str(e["max_requests"])
-            )
+            row.append(f"{e['max_requests']} ({plural(events, 'event')})" if events else str(e["max_requests"]))
         table.add_row(*row)
     c.print(table)
 

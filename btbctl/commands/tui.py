@@ -18,7 +18,9 @@ from btbctl.commands.options import FleetOpt, RunDirOpt
 def tui(
     url: Annotated[
         str | None,
-        typer.Option("--url", help="Control API of the fleet (default: the one recorded in the run directory)."),
+        typer.Option(
+            "--url", metavar="URL", help="Control API of the fleet (default: the one recorded in the run directory)."
+        ),
     ] = None,
     token: Annotated[
         str | None,
@@ -28,7 +30,7 @@ def tui(
         ),
     ] = None,
     token_file: Annotated[
-        str | None, typer.Option("--token-file", metavar="PATH", help="File holding the bearer token.")
+        str | None, typer.Option("--token-file", metavar="FILE", help="File holding the bearer token.")
     ] = None,
     run_dir: RunDirOpt = None,
     fleet: FleetOpt = None,
@@ -41,7 +43,7 @@ def tui(
     ] = None,
     trace: Annotated[
         str | None,
-        typer.Option("--trace", metavar="PATH", help="--sim: trace file (default: a generated Bursted window)."),
+        typer.Option("--trace", metavar="FILE", help="--sim: trace file (default: a generated Bursted window)."),
     ] = None,
     model: Annotated[str | None, typer.Option("--model", help="--sim: model preset (default: llama-3.3-70b).")] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="--sim: GPU preset (default: h100).")] = None,
@@ -63,7 +65,7 @@ def tui(
         typer.Option(
             "--poll-hz",
             help="Snapshots asked for per second: the simulation's refresh rate, and a fleet's while its "
-            "event stream is down (the stream pushes changes as they happen; default: 4).",
+            "event stream is down (the stream pushes changes as they happen).",
         ),
     ] = 4.0,
 ) -> None:

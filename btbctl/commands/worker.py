@@ -63,7 +63,7 @@ def worker(
         ),
     ] = False,
     hicache_ratio: Annotated[
-        float | None, typer.Option("--hicache-ratio", help="Host pool / device pool (default 2.0).")
+        float | None, typer.Option("--hicache-ratio", help="Host pool / device pool (default: 2.0).")
     ] = None,
     hicache_size: Annotated[int, typer.Option("--hicache-size", help="Host pool per TP rank, GB (0: ratio).")] = 0,
     hicache_write_policy: Annotated[

@@ -2,6 +2,9 @@
 
 What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``kubernetes.namespace``):
 
+* The Namespace (unless ``create_namespace = false``), at the ``privileged`` Pod Security level when node agents
+  run (host network, hostPath), else ``restricted``.
+
 * ``NAME-gateway`` ConfigMap: ``gateway.json``, the gateway's settings as ``btbctl up`` writes them
   (:meth:`~btbctl.engine.launcher.cluster.ClusterFile.gateway_config`), listening on all of the pod's addresses,
   workers by their stable DNS names, tokens read from the mounted Secret.
@@ -15,12 +18,18 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   (:func:`~btbctl.engine.launcher.cluster.worker_argv`, the function ``btbctl up`` calls), with the worker bound
   to all of the pod's addresses and the image's interpreter, as the SSH launcher does for a remote host
   (:func:`~btbctl.engine.launcher.ssh.remote_argv`): flags are never written here. SGLang workers ask for
-  ``tp_size`` GPUs (``gpu_resource``), get a memory-backed ``/dev/shm`` and, with ``model_cache_gib``, a volume per
-  pod for the weights.
+  ``tp_size`` GPUs (``gpu_resource``), run on the nodes of ``node_selector``/``tolerations`` with the environment of
+  ``secret_env``, get a memory-backed ``/dev/shm`` and, with ``model_cache_gib``, a volume per pod for the weights.
+  Emulated workers run on any node, without those. Real and emulated workers never share a served model name
+  (:func:`check_one_kind_per_model`).
 * ``NAME-agent`` DaemonSet and headless Service: one ``btbctl agent`` per node (host network, see below), its Unix
   socket in the host directory ``agent_socket_dir`` that the node's SGLang workers mount at the same path. The
   arena is a memfd the agent hands to SGLang's ``BtbL3Store`` over that socket, so nothing else is shared between
   the pods (no hostIPC, no host ``/dev/shm``); the memfd is charged to the agent's memory limit.
+
+Resources: every container requests CPU and memory (:data:`GATEWAY_RESOURCES`, :func:`worker_resources`, the
+agents' arena plus 512 MiB); memory limits on all but the SGLang workers, whose host memory grows with the model and
+HiCache; no CPU limits (throttling shows up as latency). Overlays adjust them per site.
 
 Why host network for the agents: they move KV pages between nodes at NIC speed and, where the fabric has it, over
 RDMA; on the host network they use the node's NICs (and RDMA devices) directly, without an overlay in the path,
@@ -48,6 +57,7 @@ connection themselves.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -127,6 +137,7 @@ def render(cluster: ClusterFile, path: str | None = None) -> list[Manifest]:
 
 def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     check_no_secret_values(cluster)
+    check_one_kind_per_model(cluster)
     l3 = cluster.replication_mode == "l3"
     if k8s.agents is False and l3:
         raise ConfigError("kubernetes.agents", "replication mode l3 needs a node agent on every node (its L3 tier)")
@@ -134,7 +145,7 @@ def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     workers = _workers(cluster, k8s, agents)
     files = []
     if k8s.create_namespace:
-        files.append(Manifest("namespace.yaml", [_namespace(k8s)]))
+        files.append(Manifest("namespace.yaml", [_namespace(k8s, agents)]))
     files.append(Manifest("gateway.yaml", _gateway(cluster, k8s, workers.urls)))
     files.append(Manifest("workers.yaml", workers.objects))
     if agents:
@@ -215,6 +226,28 @@ def check_no_secret_values(cluster: ClusterFile) -> None:
                     )
 
 
+def check_one_kind_per_model(cluster: ClusterFile) -> None:
+    """Refuse SGLang and emulated workers serving one model name: the gateway routes a request for that name to
+    any of them, so clients would get emulated answers. Raises :class:`ConfigError` naming both entries."""
+    first: dict[str, int] = {}
+    for e, spec in enumerate(cluster.workers):
+        model = spec.served_model_name or spec.model
+        ref = first.setdefault(model, e)
+        other = cluster.workers[ref]
+        if other.kind != spec.kind:
+            raise ConfigError(
+                f"workers.{e}.kind",
+                f"workers.{e} ({_entry_label(spec, e)}) and workers.{ref} ({_entry_label(other, ref)}) both serve "
+                f"model {model!r}: clients of that name would get emulated answers; render real and emulated "
+                "workers from separate cluster files (examples/cluster-k8s.toml, examples/cluster-k8s-emulated.toml) "
+                "or give them different served_model_name",
+            )
+
+
+def _entry_label(spec: Any, e: int) -> str:
+    return f"{spec.name or f'workers{e}'}, {spec.kind}"
+
+
 def _secretish(words: list[str]) -> bool:
     """``HF_TOKEN``, ``OPENAI_API_KEY``, ``--api-key``, ``DB_PASSWORD``: yes; ``TOKENIZERS_PARALLELISM``,
     ``--max-total-tokens``, ``--btb-token-file``: no."""
@@ -265,6 +298,15 @@ def _container_security(read_only_root: bool) -> dict:
     }
 
 
+#: The gateway's container: one asyncio process (routing, detector, copies' bookkeeping); no CPU limit (throttling
+#: shows up as TTFT).
+GATEWAY_RESOURCES = {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
+#: An emulated worker's container: a CPU-only process whose KV store holds bytes scaled down (``kv_bytes_scale``).
+EMULATED_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+#: CPUs and memory (GiB) an SGLang worker requests per GPU (tokenizer, scheduler, host KV tier).
+SGLANG_CPU_PER_GPU = 8
+SGLANG_MEMORY_GIB_PER_GPU = 32
+
 #: A writable ``/tmp`` for containers with a read-only root file system.
 _TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 _TMP_VOLUME = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
@@ -282,38 +324,38 @@ def _network_policies(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict
     data_from: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": port}]}
     if k8s.gateway_service_type == "ClusterIP":
         data_from["from"] = [{"podSelector": {}}]
-    gateway = {
+    gateway = _ingress_policy(
+        k8s, "gateway", [data_from, {"from": [fleet], "ports": [{"protocol": "TCP", "port": control_port}]}]
+    )
+    return [gateway, _ingress_policy(k8s, "worker", [{"from": [fleet]}])]
+
+
+def _ingress_policy(k8s: KubernetesSection, component: str, ingress: list[dict]) -> dict:
+    """A NetworkPolicy ``NAME-<component>s`` (``NAME-gateway`` for the gateway) admitting only ``ingress`` to the
+    pods of ``component``."""
+    name = f"{k8s.name}-gateway" if component == "gateway" else f"{k8s.name}-{component}s"
+    return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(k8s, f"{k8s.name}-gateway", "gateway"),
+        "metadata": _meta(k8s, name, component),
         "spec": {
-            "podSelector": {"matchLabels": _labels(k8s, "gateway")},
+            "podSelector": {"matchLabels": _labels(k8s, component)},
             "policyTypes": ["Ingress"],
-            "ingress": [data_from, {"from": [fleet], "ports": [{"protocol": "TCP", "port": control_port}]}],
+            "ingress": ingress,
         },
     }
-    workers = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(k8s, f"{k8s.name}-workers", "worker"),
-        "spec": {
-            "podSelector": {"matchLabels": _labels(k8s, "worker")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [fleet]}],
-        },
-    }
-    return [gateway, workers]
 
 
 def _scrape(port: int) -> dict[str, str]:
     return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
-def _namespace(k8s: KubernetesSection) -> dict:
+def _namespace(k8s: KubernetesSection, agents: bool) -> dict:
+    """The Namespace, at the Pod Security level its pods need: ``privileged`` with node agents (host network and a
+    hostPath), else ``restricted`` (every other pod runs non-root, without privileges, under RuntimeDefault)."""
     meta = _meta(k8s, k8s.namespace, None)
     del meta["namespace"]
-    # the agents use the host network and a hostPath: the namespace must admit privileged pods
-    meta["labels"]["pod-security.kubernetes.io/enforce"] = "privileged"
+    meta["labels"]["pod-security.kubernetes.io/enforce"] = "privileged" if agents else "restricted"
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
 
 
@@ -367,6 +409,7 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
         # ready while at least one worker is healthy (the data plane's /health answers 503 before)
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": copy.deepcopy(GATEWAY_RESOURCES),
         "volumeMounts": [
             {"name": "config", "mountPath": GATEWAY_CONFIG_DIR, "readOnly": True},
             {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
@@ -502,11 +545,13 @@ def _statefulset(
     agents: bool,
 ) -> dict:
     spec = cluster.workers[e]
+    gpu = spec.kind == "sglang"
     env: list[dict] = [{"name": k, "value": v} for k, v in spec.env.items()]
-    env += [
-        {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.split("/", 1)[0], "key": ref.split("/", 1)[1]}}}
-        for k, ref in k8s.secret_env.items()
-    ]
+    if gpu:  # the Hugging Face token and the like: an emulated worker downloads nothing
+        env += [
+            {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.split("/", 1)[0], "key": ref.split("/", 1)[1]}}}
+            for k, ref in k8s.secret_env.items()
+        ]
     mounts: list[dict] = []
     volumes: list[dict] = []
     claims: list[dict] = []
@@ -554,14 +599,10 @@ def _statefulset(
         container["volumeMounts"] = mounts
     # SGLang writes its compile caches under the home folder: its root file system stays writable
     container["securityContext"] = _container_security(False)
-    if spec.kind == "sglang":
-        limits = {k8s.gpu_resource: str(spec.tp_size), **{k: str(v) for k, v in k8s.extra_resources.items()}}
-        container["resources"] = {"limits": limits}
+    container["resources"] = worker_resources(spec, k8s)
     pod_spec: dict[str, Any] = {"securityContext": _pod_security(), "containers": [container]}
-    if k8s.node_selector:
-        pod_spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    if gpu:  # an emulated worker runs on any node: the GPU pool's selector and taints are not its business
+        _place_on_gpu_nodes(pod_spec, k8s)
     if volumes:
         pod_spec["volumes"] = volumes
     selector = {**_labels(k8s, "worker"), "btbctl.io/worker-entry": name}
@@ -585,6 +626,28 @@ def _statefulset(
     if claims:
         sts["spec"]["volumeClaimTemplates"] = claims
     return sts
+
+
+def _place_on_gpu_nodes(pod_spec: dict, k8s: KubernetesSection) -> None:
+    """``kubernetes.node_selector`` and ``tolerations`` on ``pod_spec`` (SGLang workers and node agents)."""
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+
+
+def worker_resources(spec: Any, k8s: KubernetesSection) -> dict:
+    """A worker container's ``resources``. SGLang: its GPUs (``tp_size``, which is also each worker's share of
+    ``gpu_ids``) and ``extra_resources`` as limits, :data:`SGLANG_CPU_PER_GPU` CPUs and
+    :data:`SGLANG_MEMORY_GIB_PER_GPU` GiB per GPU requested; no memory limit (the host KV tier and the memory-backed
+    ``/dev/shm`` grow with the model and ``hicache_ratio``; an overlay sets one where a site wants it). Emulated:
+    :data:`EMULATED_RESOURCES`."""
+    if spec.kind != "sglang":
+        return copy.deepcopy(EMULATED_RESOURCES)
+    gpus = len(spec.gpu_ids) // spec.count if spec.gpu_ids is not None else spec.tp_size
+    limits = {k8s.gpu_resource: str(gpus), **{k: str(v) for k, v in k8s.extra_resources.items()}}
+    requests = {"cpu": str(SGLANG_CPU_PER_GPU * gpus), "memory": f"{SGLANG_MEMORY_GIB_PER_GPU * gpus}Gi"}
+    return {"requests": {**requests, **limits}, "limits": limits}
 
 
 def _check_agent_socket(argv: list[str], socket: str, e: int) -> None:
@@ -674,10 +737,7 @@ def _agents(k8s: KubernetesSection) -> list[dict]:
             _TMP_VOLUME,
         ],
     }
-    if k8s.node_selector:
-        pod_spec["nodeSelector"] = dict(k8s.node_selector)
-    if k8s.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
+    _place_on_gpu_nodes(pod_spec, k8s)
     daemonset = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -772,9 +832,11 @@ __all__ = [
     "Manifest",
     "agent_argv",
     "check_no_secret_values",
+    "check_one_kind_per_model",
     "kustomization",
     "objects",
     "render",
     "worker_pod_argv",
+    "worker_resources",
     "write",
 ]

@@ -69,6 +69,7 @@ from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
 from btbctl.engine.trace.model import Request
+from btbctl.engine.wording import plural
 
 log = logging.getLogger(__name__)
 
@@ -516,7 +517,7 @@ class DataPlane:
                 metrics.reject(503, "retry_budget")
                 return overloaded(
                     lim.retry_after_s,
-                    f"no retry left in the fleet's retry budget after {len(attempts)} attempt(s): "
+                    f"no retry left in the fleet's retry budget after {plural(len(attempts), 'attempt')}: "
                     + "; ".join(attempts)[:500],
                 )
             idx = gw.choose(req, excluded)
@@ -655,7 +656,7 @@ class DataPlane:
         metrics.request("none", policy_name, "502")
         return json_error(
             502,
-            f"no worker could serve the request after {len(attempts)} attempt(s)",
+            f"no worker could serve the request after {plural(len(attempts), 'attempt')}",
             "upstream_error",
             attempts=attempts,
         )

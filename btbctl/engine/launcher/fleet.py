@@ -48,6 +48,7 @@ from btbctl.engine.launcher.rundir import (
     record_is_ours,
     runs_root,
 )
+from btbctl.engine.wording import plural
 
 Log = Callable[[str], None]
 
@@ -503,7 +504,7 @@ def _start_remote(
         log(f"started {w.name} on host {w.host.name} (pid {w.pid} there)")
 
     for host, insts in plan.values():
-        log(f"starting {len(insts)} worker(s) on host {host.name} ({host.address}:{host.port})")
+        log(f"starting {plural(len(insts), 'worker')} on host {host.name} ({host.address}:{host.port})")
     launches = {}
     if agent_plans:
         secret = rd.agent_secret_path.read_text(encoding="utf-8").strip()

@@ -61,9 +61,9 @@ class KubernetesSection(BaseModel):
     name: str = "btb"
     """Prefix of every object's name and the ``app.kubernetes.io/instance`` label (a DNS label of at most 30
     characters, so the longest derived name fits)."""
-    create_namespace: bool = False
-    """Render the Namespace too (labelled for the ``privileged`` Pod Security level the agents need: host network
-    and a hostPath). False: the namespace exists already."""
+    create_namespace: bool = True
+    """Render the Namespace (labelled for the Pod Security level its pods need: ``privileged`` with node agents, for
+    their host network and hostPath, else ``restricted``). False: the namespace exists and is managed elsewhere."""
     image: str = Field(min_length=1)
     """Image with btbctl installed (same version as this one), for the gateway, the node agents and emulated
     workers."""
@@ -76,10 +76,11 @@ class KubernetesSection(BaseModel):
     """Interpreter inside the images: the first element of the worker, gateway and agent command lines (a worker's
     own ``python`` wins)."""
     node_selector: dict[str, str] = Field(default_factory=dict)
-    """Labels a node must carry to run workers and node agents (e.g. a GPU node pool)."""
+    """Labels a node must carry to run SGLang workers and node agents (e.g. a GPU node pool); emulated workers run
+    on any node."""
     tolerations: list[dict[str, str | int]] = Field(default_factory=list)
-    """Tolerations of workers and node agents (Kubernetes ``Toleration`` objects: key, operator, value, effect,
-    tolerationSeconds), e.g. for tainted GPU nodes."""
+    """Tolerations of SGLang workers and node agents (Kubernetes ``Toleration`` objects: key, operator, value,
+    effect, tolerationSeconds), e.g. for tainted GPU nodes."""
     gpu_resource: str = "nvidia.com/gpu"
     """Extended resource name of a GPU (``nvidia.com/gpu``, ``amd.com/gpu``); an SGLang worker asks for
     ``tp_size`` of them."""
@@ -107,8 +108,8 @@ class KubernetesSection(BaseModel):
     """Secret holding ``fleet-secret``, ``control-token`` and ``worker-token`` (create it yourself; the render
     never writes secret values)."""
     secret_env: dict[str, str] = Field(default_factory=dict)
-    """Environment variables of every worker taken from Secrets: ``NAME = "SECRET/KEY"`` (e.g.
-    ``HF_TOKEN = "hf/token"``)."""
+    """Environment variables of every SGLang worker taken from Secrets: ``NAME = "SECRET/KEY"`` (e.g.
+    ``HF_TOKEN = "hf/token"``); emulated workers download nothing and get none."""
     agents: bool | None = None
     """Render the node agents (one ``btbctl agent`` per node, a DaemonSet) that hold SGLang's HiCache L3 pages
     and copy them between nodes. None: when a worker entry is ``kind = "sglang"`` (False is refused in replication

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.trace.model import KINDS, Trace
+from btbctl.engine.wording import plural
 
 #: Default ``k`` values (blocks) of the fan-out table: 1 block up to BTB's default prefix of 256 blocks (REFERENCE.md
 #: s1); 16 is the depth REFERENCE.md s3 quotes for public traces.
@@ -207,8 +208,8 @@ def btb_verdict(trace: Trace, prefix_blocks: int, threshold: int, window_s: floa
         )
     else:
         reason = (
-            f"BTB never fires with {consts}: at most {peak} arrival(s) of one {prefix_blocks}-block prefix fall "
-            f"within {window_s:g} s ({tracked:,} requests have that many blocks)"
+            f"BTB never fires with {consts}: at most {plural(peak, 'arrival')} of one {prefix_blocks}-block prefix "
+            f"fall within {window_s:g} s ({tracked:,} requests have that many blocks)"
         )
     if not fires and longest:
         reason += (
