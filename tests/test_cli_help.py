@@ -46,7 +46,8 @@ def _options(text: str) -> list[tuple[str, str]]:
     for section in re.split(r"\n(?=[A-Z][a-z]+:\n)", text):
         if not section.startswith(("Arguments:", "Options:")):
             continue
-        for row in re.split(r"\n(?=  \S)", section.split("\n", 1)[1]):
+        body = section.split("\n", 1)[1].split("\n\n", 1)[0]  # up to a blank line: an epilog follows it
+        for row in re.split(r"\n(?=  \S)", body):
             if not row.strip():
                 continue
             head, _, rest = row.strip().partition("  ")

@@ -47,7 +47,7 @@ async def test_replicate_says_already_held_and_exits_0_when_every_worker_holds_t
         pid = env.fleet[0].chain_of("/generate", {"text": TEXT})[3]
         code, out, err = await _cli(env, monkeypatch, capsys, "replicate", "--prefix", pid[:10], "--replicas", "2")
         assert code == 0, err
-        assert "to 2 worker(s): done" in out and "copy " in err
+        assert "to 2 workers: done" in out and "copy " in err
         code, out, err = await _cli(env, monkeypatch, capsys, "replicate", "--prefix", pid[:10], "-n", "3")
         assert code == 0, err
         assert out.strip() == f"prefix {pid} already held by 3 workers: w0, w1, w2"
@@ -71,11 +71,11 @@ async def test_prewarm_computes_then_copies_from_a_file_or_stdin(monkeypatch, ca
         chain = computer.chain_of("/generate", {"text": TEXT})
         name = f"w{env.fleet.index(computer)}"
         assert f"computed 35 tokens (8 blocks) on {name}; prefix {chain[-1]}" in err
-        assert f"prefix {chain[-1]} from " in out and "to 2 worker(s): done" in out
+        assert f"prefix {chain[-1]} from " in out and "to 2 workers: done" in out
         assert sum(chain[-1] in w.held for w in env.fleet) == 3
         # the same prompt once the whole fleet holds it: nothing to do, exit 0
         code, out, err = await _cli(env, monkeypatch, capsys, "prewarm", str(f), "--replicas", "5")
-        assert code == 0 and "to 1 worker(s): done" in out
+        assert code == 0 and "to 1 worker: done" in out
         code, out, err = await _cli(env, monkeypatch, capsys, "prewarm", str(f), "--format", "json")
         res = json.loads(out)
         assert code == 0 and res["status"] == "held" and res["computed_by"] and res["prefix_blocks"] == 8
