@@ -219,7 +219,7 @@ extra_args = ["--load-format", "dummy"]
         "btbctl",
         "agent",
         "--secret-file",
-        str(run_dir / "agent.secret"),
+        str(run_dir / "agent-local.keys"),
         "--control-token-file",
         str(run_dir / "agent.token"),
         "--socket",

@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Sequence
 
-from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
+from btbctl.engine.agent.pages import ORIGIN_WRITE, NoRoom, Obj, PageStore
 
 _NAME = re.compile(r"^[0-9a-f]{64}[A-Za-z0-9_.+-]{0,160}\Z")
 
@@ -34,6 +34,7 @@ class FileDirStore(PageStore):
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self._staged: dict[int, Obj] = {}  # id(obj) -> staging object of a send
+        self._origins: dict[str, tuple[int, int, str]] = {}  # name -> (inode, mtime_ns, origin) of copied files
 
     # -- names --------------------------------------------------------------------------------------------------
 
@@ -140,7 +141,22 @@ class FileDirStore(PageStore):
             self.reservations[token] = _Reservation(owner, objs)
             return token, offsets
 
-    def commit(self, token, written=None, digests=None):
+    def provenance(self, names: Sequence[str]) -> list[str | None]:
+        """Per name: the copy that wrote the file (while the file is the one it wrote), else :data:`ORIGIN_WRITE`
+        (SGLang wrote it); None where no file is."""
+        out: list[str | None] = []
+        for name in names:
+            try:
+                st = os.stat(self._path(name))
+            except (OSError, ValueError):
+                out.append(None)
+                continue
+            with self.lock:
+                rec = self._origins.get(name)
+            out.append(rec[2] if rec is not None and rec[:2] == (st.st_ino, st.st_mtime_ns) else ORIGIN_WRITE)
+        return out
+
+    def commit(self, token, written=None, digests=None, *, origin=ORIGIN_WRITE, replace=False):
         with self.lock:
             res = self.reservations.pop(token, None)
         if res is None:
@@ -158,6 +174,9 @@ class FileDirStore(PageStore):
                     f.write(self.view[o.offset : o.offset + o.size])
                 os.replace(tmp, path)
                 self.seen_namespaces.add(o.name[64:])
+                st = os.stat(path)
+                with self.lock:
+                    self._origins[o.name] = (st.st_ino, st.st_mtime_ns, origin)
             with self.lock:
                 if o.pins > 0:  # a relay still reads it: freed by unpin_objs
                     self._staged[id(o)] = o

@@ -38,7 +38,7 @@ failed step ends the job ``failed`` with the reason, and the target gets no copy
 seconds (an exclusion). No client request is involved in a job: a failure loses none.
 
 Every state change is one structured log line (``event=l3_copy_accepted|l3_copy_started|l3_copy_proved|
-l3_copy_failed|l3_proof_short|l3_target_excluded``, with copy id, prefix, source, target, bytes, seconds, outcome).
+l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded``, with copy id, prefix, source, target, bytes, seconds, outcome).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
+from btbctl.engine.agent.pages import ORIGIN_WRITE, copy_origin
 from btbctl.engine.copies import CopyOutcome, CopyState
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
@@ -455,7 +456,7 @@ class L3Replicator(CopyExecutor):
         t.landed_s = self.state.clock()
         if t.pushed is not None:
             t.pushed.set()
-        return await self._prove(t)
+        return await self._prove(t, dst_agent, keys, group)
 
     async def _same_node(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | None:
         """The target's L3 tier is the source's: no bytes move; wait until the source's write-through landed every
@@ -507,6 +508,7 @@ class L3Replicator(CopyExecutor):
             self._event("copy_started", t, note="shares a copy to the same node")
             self._changed(t)
             ok, info = await asyncio.shield(fut)
+            t.via_copy_id = info.get("copy_id")
             t.bytes_total = t.bytes_sent = info.get("bytes", 0) if ok else 0
             t.transfer_s = info.get("transfer_s")
             t.source_complete_s = info.get("source_complete_s")
@@ -514,9 +516,11 @@ class L3Replicator(CopyExecutor):
         fut = asyncio.get_running_loop().create_future()
         self._pushes[shared] = fut
         result: tuple[bool, dict] = (False, {"error": "not started"})
+        t.via_copy_id = t.copy_id
         try:
             reason = await self._push(t, src, dst, keys, group)
             info = {
+                "copy_id": t.copy_id,
                 "bytes": t.bytes_total,
                 "transfer_s": t.transfer_s,
                 "source_complete_s": t.source_complete_s,
@@ -625,7 +629,49 @@ class L3Replicator(CopyExecutor):
         except AgentCallError:
             pass
 
-    async def _prove(self, t: Transfer) -> str | tuple | None:
+    def trusted_origins(self, t: Transfer) -> frozenset[str]:
+        """Provenances of the pages a warm-up of ``t`` may count: the target node's own write-through, and the pages
+        of the copy this job ordered (or shared)."""
+        return frozenset({ORIGIN_WRITE} | ({copy_origin(t.via_copy_id)} if t.via_copy_id else set()))
+
+    async def _untrusted(self, t: Transfer, agent: dict, keys: list, group: list[str], ps: int) -> str | None:
+        """Why the warm-up's ``storage`` tokens cannot count (a page they came from has another provenance than
+        :meth:`trusted_origins`, or the target's agent cannot say), or None. Storage hits follow the device and host
+        hits, so they are the pages ``[(device + host) / ps, (device + host + storage) / ps)``."""
+        proof = t.proof or {}
+        lo = (proof.get("device", 0) + proof.get("host", 0)) // ps
+        hi = min(len(keys), -(-(proof.get("device", 0) + proof.get("host", 0) + proof.get("storage", 0)) // ps))
+        if hi <= lo:
+            return None
+        try:
+            st, ans = await self._call(agent, "POST", "/v1/provenance", {"keys": keys[lo:hi], "namespaces": group})
+        except AgentCallError as e:
+            return f"the target's agent cannot say where the pages came from: {e}"
+        nss = ans.get("namespaces") if st == 200 else None
+        if not isinstance(nss, dict):
+            return f"the target's agent cannot say where the pages came from (HTTP {st}: {ans.get('error')})"
+        ok = self.trusted_origins(t)
+        for ns in group:
+            origins = nss.get(ns)
+            if not isinstance(origins, list) or len(origins) != hi - lo:
+                return f"the target's agent gave no provenance for namespace {ns}"
+            for i, origin in enumerate(origins):
+                if origin not in ok:
+                    self._event(
+                        "proof_untrusted",
+                        t,
+                        page=lo + i,
+                        namespace=ns,
+                        origin=origin,
+                        storage_tokens=proof.get("storage", 0),
+                    )
+                    return (
+                        f"proof refused: page {lo + i} of namespace {ns} on the target came from {origin!r}, "
+                        f"neither this copy ({t.via_copy_id or 'none'}) nor the target node's own write-through"
+                    )
+        return None
+
+    async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | tuple | None:
         ps = self.page_size()
         got = self.prefix_tokens.get(list(t.chain), ps)
         if got is None:
@@ -667,6 +713,11 @@ class L3Replicator(CopyExecutor):
         covered = len(t.chain) * ps
         warm_s = round(time.monotonic() - t0, 6)
         outcome = classify_proof(t.proof, covered)
+        if t.proof["storage"] > 0:
+            # count storage tokens only from pages of the ordered copy or the target's own write-through
+            untrusted = await self._untrusted(t, agent, keys, group, ps)
+            if untrusted is not None:
+                return untrusted
         if outcome is CopyOutcome.PROVED:
             self.state.copy_measures.proved(self.state.clock() - (t.landed_s or self.state.clock()))
             self._done(t)
@@ -680,7 +731,7 @@ class L3Replicator(CopyExecutor):
             return why, outcome
         clipped = 0 < t.proof["storage"] < covered and t.proof["device"] + t.proof["host"] == 0
         self._event(
-            "l3_proof_short",
+            "proof_short",
             t,
             storage_tokens=t.proof["storage"],
             device_tokens=t.proof["device"],

@@ -229,7 +229,9 @@ def up(
             from btbctl.engine.launcher import agents as agents_mod
 
             rd.new_agent_secrets()
-            agent_plans = {(p.host.name if p.host else None): p for p in agents_mod.plan_agents(cluster, rd)}
+            plans = agents_mod.plan_agents(cluster, rd)
+            agent_plans = {(p.host.name if p.host else None): p for p in plans}
+            rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
             local_agent = agent_plans.get(None)
             if local_agent is not None:
                 aproc = spawn(
@@ -476,8 +478,9 @@ def _start_remote(
         log(f"starting {len(insts)} worker(s) on host {host.name} ({host.address}:{host.port})")
     launches = {}
     if agent_plans:
-        secret = rd.agent_secret_path.read_text(encoding="utf-8").strip()
         atoken = rd.agent_token_path.read_text(encoding="utf-8").strip()
+        # the same derivation as the local agents' files: each host gets only its own agent's credentials
+        credentials = rd.write_agent_credentials([ap.name for ap in agent_plans.values()], [])
         from btbctl.engine.launcher.agents import REMOTE_SECRET, REMOTE_TOKEN
 
         for name, ap in agent_plans.items():
@@ -486,7 +489,7 @@ def _start_remote(
             launches[name] = ssh.AgentLaunch(
                 name=ap.name,
                 argv=ap.argv,
-                files=[(REMOTE_SECRET, secret + "\n"), (REMOTE_TOKEN, atoken + "\n")],
+                files=[(REMOTE_SECRET, credentials[ap.name] + "\n"), (REMOTE_TOKEN, atoken + "\n")],
                 l3_args=lambda inst, sock=ap.socket: hicache_args(cluster, inst.spec, inst.entry, sock),
                 env=dict(cluster.replication.env),
                 ready_timeout_s=cluster.replication.ready_timeout_s,

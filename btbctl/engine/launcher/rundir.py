@@ -6,7 +6,9 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
     <run dir>/state.json      the fleet: urls, and per process pid, process group, start time, argv, log file
     <run dir>/control.token   bearer token for the control API's writes (``secrets.token_urlsafe(32)``)
     <run dir>/worker.token    token the gateway presents to the workers' BTB routes
-    <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): peers authenticate with it
+    <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): stays on this machine; each
+                              agent gets its node credentials derived from it (peers authenticate with those)
+    <run dir>/<agent>.keys    the node credentials of an agent on this machine (``agent-local.keys``)
     <run dir>/agent.token     bearer token of the agents' control APIs (l3)
     <run dir>/agent.sock      the local node agent's socket (l3; elsewhere when this path is too long)
     <run dir>/tuned.json      the constants and policy last set with ``btbctl tune`` (kept by ``down``; reapplied
@@ -292,6 +294,30 @@ class RunDir:
     def agent_secret_path(self) -> Path:
         return self.path / "agent.secret"
 
+    def agent_credentials_path(self, agent: str) -> Path:
+        """The node credentials file of agent ``agent`` (one on this machine)."""
+        return self.path / f"{agent}.keys"
+
+    def write_agent_credentials(self, agents: list[str], local: list[str]) -> dict[str, str]:
+        """Derive each agent's node credentials from the fleet secret (:func:`~btbctl.engine.agent.credentials.
+        node_credentials_text`: it can speak to every other agent of ``agents``, only as itself); write those of
+        the agents in ``local`` (on this machine) to :meth:`agent_credentials_path` (0600, atomically); return
+        them all by agent. Raises :class:`BtbctlError` when a file cannot be read or written."""
+        from btbctl.engine.agent.credentials import node_credentials_text
+
+        try:
+            secret = read_text_bounded(self.agent_secret_path).strip().encode()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BtbctlError(f"cannot read {self.agent_secret_path}: {e}") from None
+        out = {a: node_credentials_text(secret, a, agents) for a in agents}
+        for a in local:
+            p = self.agent_credentials_path(a)
+            try:
+                write_atomic(p, (out[a] + "\n").encode())
+            except OSError as e:
+                raise BtbctlError(f"cannot write {p}: {e.strerror or e}") from None
+        return out
+
     @property
     def agent_token_path(self) -> Path:
         return self.path / "agent.token"
@@ -409,6 +435,7 @@ class RunDir:
             self.agent_secret_path,
             self.agent_token_path,
             self.path / "gateway.json",
+            *self.path.glob("agent-*.keys"),
         ):
             try:
                 p.unlink()
