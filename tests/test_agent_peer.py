@@ -281,9 +281,14 @@ def test_cli_errors_are_one_line(tmp_path):
     import subprocess
     import sys
 
+    from btbctl.engine.agent.credentials import node_credentials_text
+
     sec = tmp_path / "s"
     sec.write_bytes(b"short")
+    keys = tmp_path / "agent-a.keys"
+    keys.write_text(node_credentials_text(SECRET, "agent-a", ["agent-a", "agent-b"]))
     for args, needle in (
+        (["--secret-file", str(keys), "--agent-id", "agent-b"], "holds the credentials of 'agent-a'"),
         (["--secret-file", str(sec)], "--secret-file"),
         (["--secret-file", str(tmp_path / "none")], "cannot read"),
         (["--secret-file", __file__, "--peer", "nope"], "--peer: bad address"),

@@ -215,3 +215,29 @@ def test_refuse_to_start_over_a_live_run_and_clean_a_stale_one(tmp_path):
     assert rd.load() is None and not rd.token_path.exists()
     res = down(rd)
     assert res["nothing"] is True and res["stopped"] == [] and res["gone"] == []
+
+
+def test_up_hands_each_agent_only_its_own_node_credentials(tmp_path):
+    import stat
+
+    from btbctl.engine.agent.credentials import Credentials, parse_credentials
+
+    rd = RunDir(tmp_path / "run")
+    rd.prepare()
+    secret, _ = rd.new_agent_secrets()
+    agents = ["agent-local", "agent-h1", "agent-h2"]
+    texts = rd.write_agent_credentials(agents, ["agent-local"])
+    local = rd.agent_credentials_path("agent-local")
+    assert stat.S_IMODE(local.stat().st_mode) == 0o600 and local.read_text().strip() == texts["agent-local"]
+    assert not rd.agent_credentials_path("agent-h1").exists()  # a host's credentials go to that host only
+    assert all(secret not in t for t in texts.values())
+    creds = {a: parse_credentials(texts[a].encode(), a, a) for a in agents}
+    fleet = Credentials.from_fleet_secret(secret.encode(), "agent-h2")
+    # h1 can speak to h2 with the key h2 derives for h1 (and so can an agent holding the fleet secret), and with
+    # nothing in its file can it produce the key h2 expects from agent-local
+    assert creds["agent-h1"].as_sender("agent-h2") == creds["agent-h2"].as_target("agent-h1")
+    assert creds["agent-h1"].as_sender("agent-h2") == fleet.as_target("agent-h1")
+    forbidden = creds["agent-h2"].as_target("agent-local")
+    assert forbidden not in (creds["agent-h1"].node_key, *creds["agent-h1"].links.values())
+    rd.clear()
+    assert not local.exists()

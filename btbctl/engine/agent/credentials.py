@@ -77,7 +77,12 @@ def node_credentials_text(fleet_secret: bytes, agent_id: str, peers: Iterable[st
     """The node credentials file of ``agent_id`` in a fleet of agents ``peers`` (JSON, one line)."""
     links = {p: link_key(node_key(fleet_secret, p), agent_id).hex() for p in sorted(set(peers)) if p != agent_id}
     return json.dumps(
-        {"v": CREDENTIALS_VERSION, "agent_id": agent_id, "node_key": node_key(fleet_secret, agent_id).hex(), "links": links},
+        {
+            "v": CREDENTIALS_VERSION,
+            "agent_id": agent_id,
+            "node_key": node_key(fleet_secret, agent_id).hex(),
+            "links": links,
+        },
         separators=(",", ":"),
     )
 

@@ -19,8 +19,8 @@ kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64
    with that token (constant-time compare), once: a second offer of the same id, an unknown id or a wrong token is
    refused. Then bounds: pages, bytes per copy, copies and bytes per peer. Only then is room reserved (all pages or
    none) and the pages marked pending: every page is received, also one the target holds already (a page found
-   on a node is never trusted over the copy; the verified copy replaces it at commit). Reply ``J {"op": "accept", "need":
-   [indices]}`` or ``J {"op": "refuse", "error"}``.
+   on a node is never trusted over the copy; the verified copy replaces it at commit). Reply ``J {"op":
+   "accept", "need": [indices]}`` or ``J {"op": "refuse", "error"}``.
 3. **Pages**: one ``P`` frame per needed index, in order. The target reads each payload straight into its
    reserved arena slot and checks its length and xxh3_64; a forged, truncated or out-of-order page ends the copy
    (refused with the reason, reservation freed; a digest mismatch is also one ``page_refused`` line and counts in

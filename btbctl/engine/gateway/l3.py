@@ -38,7 +38,8 @@ failed step ends the job ``failed`` with the reason, and the target gets no copy
 seconds (an exclusion). No client request is involved in a job: a failure loses none.
 
 Every state change is one structured log line (``event=l3_copy_accepted|l3_copy_started|l3_copy_proved|
-l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded``, with copy id, prefix, source, target, bytes, seconds, outcome).
+l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded``, with copy id, prefix, source, target, bytes,
+seconds, outcome).
 """
 
 from __future__ import annotations
