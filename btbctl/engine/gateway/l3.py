@@ -23,7 +23,10 @@ with ``mode="l3"``):
    (:class:`~btbctl.engine.copies.CopyOutcome`): ``proved`` when ``storage`` covers the prefix (whole pages; the
    copy is ``done`` and the target a holder); ``computed`` when the target already had the prefix on its device or
    host tier (warm, but not by this copy: never reported ``done``); ``short`` when the warm-up reused less (a
-   ``storage`` hit clipped to the host tier's size is named as such); ``failed`` for everything else.
+   ``storage`` hit clipped to the host tier's size is named as such); ``failed`` for everything else. ``storage``
+   tokens count only from pages the target's agent says (``POST /v1/provenance``) came from the copy this job
+   ordered or shared, or from the target node's own write-through (:meth:`L3Replicator.trusted_origins`); a page of
+   any other provenance fails the job (``proof refused``, one ``l3_proof_untrusted`` line).
 3. **Requests wait at the gateway, not at the target.** A copy in flight is visible to the policies as arriving at
    the target (``routable``; :meth:`FleetState.copy_status` estimates its landing from the source's progress, the
    measured agent-to-agent rate of the path and the measured proof time), so a policy may send a burst request
