@@ -274,8 +274,9 @@ class _L3Bed:
     prefix loaded from L3 (and first runs ``during_warmup``), and an :class:`L3Replicator` between worker 0 (on
     agent 0) and worker 1 (on agent 1)."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, worker_agents: tuple[int, ...] = (0, 1)) -> None:
         self.tmp = tmp_path
+        self.worker_agents = list(worker_agents)
         self.during_warmup = None
 
     async def __aenter__(self):
@@ -317,7 +318,7 @@ class _L3Bed:
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.state = FleetState([url, url])
+        self.state = FleetState([url] * len(self.worker_agents))
         for w in self.state.workers:
             w.healthy = True
         self.session = aiohttp.ClientSession()
@@ -332,7 +333,7 @@ class _L3Bed:
                 }
                 for i, a in enumerate(self.agents)
             ],
-            worker_agents=[0, 1],
+            worker_agents=self.worker_agents,
             agent_token="t" * 32,
             prefix_tokens=_Prefixes(),
             page_size=lambda: _TOKENS_PER_PAGE,
@@ -407,7 +408,7 @@ async def test_a_warm_up_on_pages_of_another_provenance_is_not_counted(tmp_path,
                 fanout_plan([{"addr": f"127.0.0.1:{bed.agents[1].peer_port}", "token": token}], "star"),
             )
             end = time.monotonic() + 10
-            while bed.agents[1].store.provenance(bed.names[2:3]) != ["copy:evil"]:
+            while not any(r.state.final for r in bed.agents[1].peers.book.find("evil")):
                 assert time.monotonic() < end
                 time.sleep(0.01)
 
@@ -417,8 +418,22 @@ async def test_a_warm_up_on_pages_of_another_provenance_is_not_counted(tmp_path,
         finally:
             rogue.close()
             store.close()
+        assert bed.agents[1].peers.book.find("evil")[0].state.value == "done"  # the target took the rogue's page
         assert t.outcome == "failed" and t.ready.result() is False
         assert t.error.startswith("proof refused: page 2 ") and "'copy:evil'" in t.error, t.error
         assert bed.state.workers[1].held_blocks(bed.chain) == 0  # the target is not recorded as holding it
         lines = [r.getMessage() for r in caplog.records if "event=l3_proof_untrusted" in r.getMessage()]
         assert len(lines) == 1 and "origin=copy:evil" in lines[0] and "page=2" in lines[0], lines
+
+
+async def test_pages_an_earlier_ordered_copy_brought_count_for_a_same_node_warm_up(tmp_path):
+    async with _L3Bed(tmp_path, (0, 1, 1)) as bed:
+        bed.write(0, 0x11)
+        first = await bed.copy()
+        assert first.outcome == "proved"
+        # worker 2 shares worker 1's node: no bytes move, its warm-up reads the pages the first copy brought
+        t = bed.rep.request_copy(bed.chain, 1, 2)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        assert t.outcome == "proved", t.error
+        assert bed.agents[1].store.provenance(bed.names) == [f"copy:{first.copy_id}"] * 4

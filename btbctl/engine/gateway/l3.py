@@ -25,7 +25,7 @@ with ``mode="l3"``):
    host tier (warm, but not by this copy: never reported ``done``); ``short`` when the warm-up reused less (a
    ``storage`` hit clipped to the host tier's size is named as such); ``failed`` for everything else. ``storage``
    tokens count only from pages the target's agent says (``POST /v1/provenance``) came from the copy this job
-   ordered or shared, or from the target node's own write-through (:meth:`L3Replicator.trusted_origins`); a page of
+   ordered or shared, or from the target node's own write-through (:meth:`L3Replicator.trusted`); a page of
    any other provenance fails the job (``proof refused``, one ``l3_proof_untrusted`` line).
 3. **Requests wait at the gateway, not at the target.** A copy in flight is visible to the policies as arriving at
    the target (``routable``; :meth:`FleetState.copy_status` estimates its landing from the source's progress, the
@@ -51,11 +51,12 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.agent.pages import ORIGIN_WRITE, copy_origin
+from btbctl.engine.agent.pages import ORIGIN_COPY_PREFIX, ORIGIN_WRITE
 from btbctl.engine.copies import CopyOutcome, CopyState
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
@@ -75,6 +76,9 @@ CALL_TIMEOUT_S = 5.0
 MAX_POLL_ERRORS = 3
 #: ``ttl_s`` of a target agent's expectation: the push must arrive within this many seconds.
 EXPECT_TTL_S = 120.0
+#: Copy ids this gateway ordered that it remembers (oldest forgotten first): their pages count in later proofs on the
+#: same node (a same-node job reading pages an earlier copy brought). A product choice: hours of copies.
+MAX_ORDERED_COPIES = 1 << 16
 
 
 class AgentCallError(Exception):
@@ -177,6 +181,7 @@ class L3Replicator(CopyExecutor):
         self._excluded: dict[tuple[int, Hashable], float] = {}
         self._pushes: dict[tuple[int, Hashable], asyncio.Future] = {}
         self._pins: dict[tuple[str, Hashable], int] = {}
+        self._ordered: OrderedDict[str, None] = OrderedDict()  # copy ids of the pushes this gateway ordered
         self._jobs = 0
         self._agent_jobs: dict[int, int] = {}
         self.proofs = {"proved": 0, "short": 0, "failed": 0, "computed": 0}
@@ -538,6 +543,9 @@ class L3Replicator(CopyExecutor):
 
     async def _push(self, t: Transfer, src: dict, dst: dict, keys: list, group: list[str]) -> str | None:
         clock = self.state.clock
+        self._ordered[t.copy_id] = None
+        while len(self._ordered) > MAX_ORDERED_COPIES:
+            self._ordered.popitem(last=False)
         try:
             st, ans = await self._call(
                 dst, "POST", "/v1/expect", {"copy_id": t.copy_id, "keys": keys, "ttl_s": EXPECT_TTL_S}
@@ -633,14 +641,20 @@ class L3Replicator(CopyExecutor):
         except AgentCallError:
             pass
 
-    def trusted_origins(self, t: Transfer) -> frozenset[str]:
-        """Provenances of the pages a warm-up of ``t`` may count: the target node's own write-through, and the pages
-        of the copy this job ordered (or shared)."""
-        return frozenset({ORIGIN_WRITE} | ({copy_origin(t.via_copy_id)} if t.via_copy_id else set()))
+    def trusted(self, t: Transfer, origin: object) -> bool:
+        """Whether a warm-up of ``t`` may count a page of provenance ``origin``: the target node's own write-through,
+        the copy this job ordered (or shared), or another copy this gateway ordered (the last
+        :data:`MAX_ORDERED_COPIES`)."""
+        if origin == ORIGIN_WRITE:
+            return True
+        if not isinstance(origin, str) or not origin.startswith(ORIGIN_COPY_PREFIX):
+            return False
+        cid = origin[len(ORIGIN_COPY_PREFIX) :]
+        return cid == t.via_copy_id or cid in self._ordered
 
     async def _untrusted(self, t: Transfer, agent: dict, keys: list, group: list[str], ps: int) -> str | None:
         """Why the warm-up's ``storage`` tokens cannot count (a page they came from has another provenance than
-        :meth:`trusted_origins`, or the target's agent cannot say), or None. Storage hits follow the device and host
+        :meth:`trusted`, or the target's agent cannot say), or None. Storage hits follow the device and host
         hits, so they are the pages ``[(device + host) / ps, (device + host + storage) / ps)``."""
         proof = t.proof or {}
         lo = (proof.get("device", 0) + proof.get("host", 0)) // ps
@@ -654,13 +668,12 @@ class L3Replicator(CopyExecutor):
         nss = ans.get("namespaces") if st == 200 else None
         if not isinstance(nss, dict):
             return f"the target's agent cannot say where the pages came from (HTTP {st}: {ans.get('error')})"
-        ok = self.trusted_origins(t)
         for ns in group:
             origins = nss.get(ns)
             if not isinstance(origins, list) or len(origins) != hi - lo:
                 return f"the target's agent gave no provenance for namespace {ns}"
             for i, origin in enumerate(origins):
-                if origin not in ok:
+                if not self.trusted(t, origin):
                     self._event(
                         "proof_untrusted",
                         t,
@@ -671,7 +684,8 @@ class L3Replicator(CopyExecutor):
                     )
                     return (
                         f"proof refused: page {lo + i} of namespace {ns} on the target came from {origin!r}, "
-                        f"neither this copy ({t.via_copy_id or 'none'}) nor the target node's own write-through"
+                        f"neither a copy this gateway ordered ({t.via_copy_id or 'none'} here) nor the target "
+                        "node's own write-through"
                     )
         return None
 
