@@ -265,6 +265,7 @@ def test_admission_waits_leave_out_requests_held_at_the_gateway():
 # -- provenance: a warm-up counts only pages of the ordered copy or of the target node's own write-through ---------
 
 _NS = "0123456789abcdef"
+_FLEET_SECRET = b"fleet-secret-for-tests-0123456789"
 _PAGE_BYTES = 8192
 _TOKENS_PER_PAGE = 16
 
@@ -284,6 +285,7 @@ class _L3Bed:
         from aiohttp import web
 
         from btbctl.engine.agent.agent import Agent, AgentConfig
+        from btbctl.engine.agent.credentials import control_token
         from btbctl.sglang_l3.keys import page_keys
 
         self.agents = []
@@ -292,9 +294,9 @@ class _L3Bed:
                 AgentConfig(
                     socket_path=str(self.tmp / f"a{i}.sock"),
                     arena_bytes=4 << 20,
-                    secret=b"fleet-secret-for-tests-0123456789",
+                    secret=_FLEET_SECRET,
                     agent_id=f"agent-{i}",
-                    control_token="t" * 32,
+                    control_token=control_token(_FLEET_SECRET, f"agent-{i}"),
                 )
             )
             await a.start()
@@ -334,7 +336,8 @@ class _L3Bed:
                 for i, a in enumerate(self.agents)
             ],
             worker_agents=self.worker_agents,
-            agent_token="t" * 32,
+            agent_token=None,
+            agent_tokens={f"agent-{i}": control_token(_FLEET_SECRET, f"agent-{i}") for i in range(2)},
             prefix_tokens=_Prefixes(),
             page_size=lambda: _TOKENS_PER_PAGE,
             source_wait_s=5.0,
@@ -394,7 +397,7 @@ async def test_a_warm_up_on_pages_of_another_provenance_is_not_counted(tmp_path,
         # another agent of the fleet, run by an attacker with the agents' control token: while the target's worker
         # reads the copied pages, it has the target expect a copy of its own and sends a garbage page over one
         store = PageStore(1 << 20)
-        rogue = PeerService(store, b"fleet-secret-for-tests-0123456789", "agent-rogue", lambda e, f: None)
+        rogue = PeerService(store, _FLEET_SECRET, "agent-rogue", lambda e, f: None)
         rogue.start()
         tok, offs = store.reserve(bed.names[2:3], [_PAGE_BYTES], "local:1", all_or_none=True)
         store.write(offs[0], b"\x66" * _PAGE_BYTES)
@@ -437,3 +440,20 @@ async def test_pages_an_earlier_ordered_copy_brought_count_for_a_same_node_warm_
         await asyncio.wait_for(asyncio.shield(t.ready), 20)
         assert t.outcome == "proved", t.error
         assert bed.agents[1].store.provenance(bed.names) == [f"copy:{first.copy_id}"] * 4
+
+
+async def test_each_agent_has_its_own_control_token_and_the_gateway_derives_them(tmp_path):
+    from btbctl.engine.agent.credentials import control_token
+
+    async with _L3Bed(tmp_path) as bed:
+        other = {"name": "agent-1", "control_url": bed.rep.agents[0]["control_url"]}  # agent 1's token at agent 0
+        st, ans = await bed.rep._call(other, "POST", "/v1/expect", {"copy_id": "c0ffee"})
+        assert st == 403 and "invalid control token" in ans["error"]
+        st, _ = await bed.rep._call(bed.rep.agents[0], "POST", "/v1/expect", {"copy_id": "c0ffee"})
+        assert st == 200
+    secret = tmp_path / "agent.secret"
+    secret.write_text(_FLEET_SECRET.decode() + "\n")
+    agents = [{"name": n, "control_url": "http://127.0.0.1:9", "peer_addr": "127.0.0.1:9"} for n in ("a0", "a1")]
+    cfg = {"replication": "l3", "agents": agents, "worker_agents": [0, 1], "agent_secret_file": str(secret)}
+    async with GatewayEnv(2, **cfg) as env:
+        assert env.gw.replicator.tokens == {n: control_token(_FLEET_SECRET, n) for n in ("a0", "a1")}

@@ -422,7 +422,7 @@ def test_sglang_fleet_in_l3_mode_gets_exactly_the_hicache_flags(tmp_path):
         "--secret-file",
         str(rd.agent_credentials_path("agent-local")),
         "--control-token-file",
-        str(rd.agent_token_path),
+        str(rd.agent_control_token_path("agent-local")),
         "--socket",
         local.socket,
         "--peer",

@@ -221,7 +221,7 @@ extra_args = ["--load-format", "dummy"]
         "--secret-file",
         str(run_dir / "agent-local.keys"),
         "--control-token-file",
-        str(run_dir / "agent.token"),
+        str(run_dir / "agent-local.token"),
         "--socket",
         sock,
         "--peer",

@@ -1,5 +1,8 @@
 """Per-node credentials of the agents' copy port, derived from the fleet secret.
 
+Each agent's control API has its own bearer token, ``control_token(N) = HMAC(fleet_secret, "btbctl-agent-control-v1"
+| N)`` (:func:`control_token`), so a node's token drives only its own agent.
+
 Keys (HMAC-SHA256, 32 bytes each; the fleet secret never leaves the machine that launches the fleet, except where
 the operator chooses to hand it to every node, as the Kubernetes render does)::
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 NODE_KEY_LABEL = b"btbctl-node-key-v1"
 LINK_KEY_LABEL = b"btbctl-link-key-v1"
+CONTROL_TOKEN_LABEL = b"btbctl-agent-control-v1"
 #: Format version of a node credentials file.
 CREDENTIALS_VERSION = 1
 #: Longest agent id, characters (the handshake refuses longer ones).
@@ -41,6 +45,12 @@ class CredentialsError(ValueError):
 def node_key(fleet_secret: bytes, agent_id: str) -> bytes:
     """The node key of ``agent_id`` (32 bytes)."""
     return hmac.new(fleet_secret, NODE_KEY_LABEL + b"\x00" + agent_id.encode(), hashlib.sha256).digest()
+
+
+def control_token(fleet_secret: bytes, agent_id: str) -> str:
+    """The bearer token of agent ``agent_id``'s control API (64 hex characters): the gateway, which holds the fleet
+    secret, derives every agent's; an agent's files hold only its own."""
+    return hmac.new(fleet_secret, CONTROL_TOKEN_LABEL + b"\x00" + agent_id.encode(), hashlib.sha256).hexdigest()
 
 
 def link_key(target_node_key: bytes, sender_id: str) -> bytes:
@@ -116,6 +126,7 @@ def parse_credentials(data: bytes, agent_id: str | None, where: str) -> Credenti
 
 
 __all__ = [
+    "CONTROL_TOKEN_LABEL",
     "CREDENTIALS_VERSION",
     "Credentials",
     "CredentialsError",
@@ -123,6 +134,7 @@ __all__ = [
     "MAX_AGENT_ID_CHARS",
     "NODE_KEY_LABEL",
     "link_key",
+    "control_token",
     "node_credentials_text",
     "node_key",
     "parse_credentials",

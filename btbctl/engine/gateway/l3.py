@@ -130,7 +130,8 @@ class L3Replicator(CopyExecutor):
         session: returns the shared :class:`aiohttp.ClientSession`.
         agents: ``[{"name", "control_url", "peer_addr"}]``.
         worker_agents: for each worker, its index in ``agents``.
-        agent_token: bearer token of the agents' control APIs.
+        agent_token: bearer token of the agents' control APIs (one for all).
+        agent_tokens: each agent's own bearer token, by agent name (wins over ``agent_token``).
         prefix_tokens: token ids of the prefixes (for warm-ups).
         page_size: returns the gateway's page size (tokens per page).
         fanout: the push's fan-out.
@@ -153,6 +154,7 @@ class L3Replicator(CopyExecutor):
         worker_agents: Sequence[int],
         agent_token: str | None,
         prefix_tokens: PrefixTokens,
+        agent_tokens: dict[str, str] | None = None,
         page_size: Callable[[], int],
         fanout: str = "chain",
         source_wait_s: float = 30.0,
@@ -168,6 +170,7 @@ class L3Replicator(CopyExecutor):
         self.agents = [dict(a) for a in agents]
         self.worker_agents = list(worker_agents)
         self.token = agent_token
+        self.tokens = dict(agent_tokens or {})
         self.prefix_tokens = prefix_tokens
         self.page_size = page_size
         self.fanout = fanout
@@ -327,8 +330,9 @@ class L3Replicator(CopyExecutor):
 
     # -- agent calls --------------------------------------------------------------------------------------------
 
-    def _headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def _headers(self, agent: dict) -> dict:
+        token = self.tokens.get(agent["name"], self.token)
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _call(
         self, agent: dict, method: str, path: str, body: dict | None = None, hold_s: float = 0.0
@@ -336,7 +340,7 @@ class L3Replicator(CopyExecutor):
         timeout = self.timeout if not hold_s else aiohttp.ClientTimeout(total=CALL_TIMEOUT_S + hold_s)
         try:
             async with self._session().request(
-                method, agent["control_url"] + path, json=body, headers=self._headers(), timeout=timeout
+                method, agent["control_url"] + path, json=body, headers=self._headers(agent), timeout=timeout
             ) as resp:
                 ans = await resp.json(content_type=None)
                 return resp.status, ans if isinstance(ans, dict) else {}

@@ -1,19 +1,19 @@
 """The node agents of replication mode ``l3``: one ``btbctl agent`` per host that runs workers (SGLANG.md).
 
-``up`` writes a fresh fleet secret and agent control token into the run directory (0600; :meth:`RunDir.
-new_agent_secrets`) and derives each agent's node credentials from the secret (:meth:`RunDir.
-write_agent_credentials`: the fleet secret stays on this machine, and an agent's credentials let it speak to the
-other agents only as itself), starts each host's agent before that host's workers (the workers' HiCache flags name its
-socket), waits for its ready line (``ready peer HOST:PORT control HOST:PORT socket PATH``) and for its control
-API's ``/health``, and records it (role ``agent``) so that ``down`` stops it after the workers. On ``[[hosts]]`` the
-agent's credentials and the token travel over the SSH session's stdin into the run folder there, never on a command line
-(:mod:`~btbctl.engine.launcher.ssh`).
+``up`` writes a fresh fleet secret into the run directory (0600; :meth:`RunDir.new_agent_secret`) and derives each
+agent's node credentials and control token from it (:meth:`RunDir.write_agent_credentials`: the fleet secret stays
+on this machine, where the gateway derives every agent's token; an agent's files let it speak to the other agents
+only as itself and drive no other agent's control API), starts each host's agent before that host's workers (the
+workers' HiCache flags name its socket), waits for its ready line (``ready peer HOST:PORT control HOST:PORT socket
+PATH``) and for its control API's ``/health``, and records it (role ``agent``) so that ``down`` stops it after the
+workers. On ``[[hosts]]`` the agent's credentials and token travel over the SSH session's stdin into the run folder
+there, never on a command line (:mod:`~btbctl.engine.launcher.ssh`).
 
 Addresses: the agent on this machine binds its control API to loopback and its peer port to
 ``replication.local_peer_host`` (loopback unless other hosts copy to it); an agent on a host binds both to the
 host's ``bind_address``, since the gateway (here) drives its control API and other agents copy to it. Every route of
-a control API beyond loopback needs the token, ``/metrics`` included, and the peer port authenticates every
-connection with the fleet secret before anything else.
+a control API beyond loopback needs the agent's token, ``/metrics`` included, and the peer port authenticates every
+connection with the link key of the two agents (:mod:`~btbctl.engine.agent.credentials`) before anything else.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def plan_agents(cluster: ClusterFile, rd: RunDir) -> list[AgentPlan]:
             argv = agent_argv(
                 rep.python or sys.executable,
                 secret_file=str(rd.agent_credentials_path("agent-local")),
-                token_file=str(rd.agent_token_path),
+                token_file=str(rd.agent_control_token_path("agent-local")),
                 socket=sock,
                 peer=_hostport(rep.local_peer_host, rep.peer_port),
                 control=_hostport("127.0.0.1", rep.control_port),
