@@ -281,7 +281,7 @@ def test_cli_errors_are_one_line(tmp_path):
     import subprocess
     import sys
 
-    from btbctl.engine.agent.credentials import node_credentials_text
+    from btbctl.engine.replication.credentials import node_credentials_text
 
     sec = tmp_path / "s"
     sec.write_bytes(b"short")
@@ -620,7 +620,7 @@ def test_a_digest_mismatch_is_refused_with_one_line_and_a_counted_metric(nodes):
 
 
 def test_a_node_can_speak_to_its_peers_only_as_itself():
-    from btbctl.engine.agent.credentials import Credentials, node_credentials_text, parse_credentials
+    from btbctl.engine.replication.credentials import Credentials, node_credentials_text, parse_credentials
 
     fleet = ["agent-a", "agent-b", "agent-c"]
     files = {a: node_credentials_text(SECRET, a, fleet) for a in fleet}
@@ -656,7 +656,7 @@ def test_a_node_can_speak_to_its_peers_only_as_itself():
 
 
 def test_a_relay_chain_runs_on_node_credentials(nodes):
-    from btbctl.engine.agent.credentials import node_credentials_text, parse_credentials
+    from btbctl.engine.replication.credentials import node_credentials_text, parse_credentials
 
     fleet = ["s", "r", "t"]
     creds = {a: parse_credentials(node_credentials_text(SECRET, a, fleet).encode(), a, a) for a in fleet}

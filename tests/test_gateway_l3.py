@@ -285,7 +285,7 @@ class _L3Bed:
         from aiohttp import web
 
         from btbctl.engine.agent.agent import Agent, AgentConfig
-        from btbctl.engine.agent.credentials import control_token
+        from btbctl.engine.replication.credentials import control_token
         from btbctl.sglang_l3.keys import page_keys
 
         self.agents = []
@@ -443,7 +443,7 @@ async def test_pages_an_earlier_ordered_copy_brought_count_for_a_same_node_warm_
 
 
 async def test_each_agent_has_its_own_control_token_and_the_gateway_derives_them(tmp_path):
-    from btbctl.engine.agent.credentials import control_token
+    from btbctl.engine.replication.credentials import control_token
 
     async with _L3Bed(tmp_path) as bed:
         other = {"name": "agent-1", "control_url": bed.rep.agents[0]["control_url"]}  # agent 1's token at agent 0

@@ -218,7 +218,7 @@ def test_refuse_to_start_over_a_live_run_and_clean_a_stale_one(tmp_path):
 
 
 def test_up_hands_each_agent_only_its_own_node_credentials_and_control_token(tmp_path):
-    from btbctl.engine.agent.credentials import Credentials, control_token, parse_credentials
+    from btbctl.engine.replication.credentials import Credentials, control_token, parse_credentials
 
     rd = RunDir(tmp_path / "run")
     rd.prepare()

@@ -12,6 +12,16 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
 
+#: Provenance of a page in a node's L3 store that its own worker wrote through (``l3`` replication).
+ORIGIN_WRITE = "write"
+#: Prefix of the provenance of a page a verified agent-to-agent copy brought: ``copy:<copy id>``.
+ORIGIN_COPY_PREFIX = "copy:"
+
+
+def copy_origin(copy_id: str) -> str:
+    """The provenance of the pages copy ``copy_id`` brought."""
+    return ORIGIN_COPY_PREFIX + copy_id
+
 
 class CopyState(str, Enum):
     """Where a copy is. The values are what the control API, ``btbctl`` and the dashboard show.
@@ -144,4 +154,13 @@ def carry_out(
     return started
 
 
-__all__ = ["CopyPlan", "CopyState", "CopyStatus", "FINAL_STATES", "carry_out"]
+__all__ = [
+    "CopyPlan",
+    "CopyState",
+    "CopyStatus",
+    "FINAL_STATES",
+    "ORIGIN_COPY_PREFIX",
+    "ORIGIN_WRITE",
+    "carry_out",
+    "copy_origin",
+]

@@ -23,7 +23,6 @@ import signal
 import socket
 from dataclasses import dataclass
 
-from btbctl.engine.agent.credentials import Credentials, CredentialsError, parse_credentials
 from btbctl.engine.agent.events import AgentMetrics
 from btbctl.engine.agent.local import LocalServer
 from btbctl.engine.agent.pages import PageStore
@@ -32,6 +31,7 @@ from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.fileio import ReadRefused, read_bounded
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback
+from btbctl.engine.replication.credentials import Credentials, CredentialsError, parse_credentials
 
 log = logging.getLogger("btbctl.agent")
 
@@ -52,7 +52,7 @@ class AgentConfig:
         peer_host, peer_port: where peers connect (port 0 = ephemeral).
         control_host, control_port: the HTTP control API and ``/metrics`` (loopback by default).
         secret: the contents of ``--secret-file``: the fleet secret, or this node's credentials
-            (:mod:`~btbctl.engine.agent.credentials`; then ``agent_id`` must be theirs or None).
+            (:mod:`~btbctl.engine.replication.credentials`; then ``agent_id`` must be theirs or None).
         control_token: bearer token of the control API (None: no token; only sensible on a private loopback).
         agent_id: this agent's id (default: hostname and a random suffix).
         idle_timeout_s: peer connections silent this long are cut off.

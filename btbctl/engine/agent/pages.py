@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, copy_origin
+
 #: Alignment of every extent, bytes (the OS page: one-sided RDMA writes and memmove like page-aligned buffers).
 ALIGN_BYTES = 4096
 #: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14, ``include/uapi/asm-generic/mman-common.h``): fill the page tables
@@ -40,17 +42,6 @@ MADV_POPULATE_WRITE = 23
 
 class NoRoom(Exception):
     """Not enough unpinned room in the arena; the message says how much was asked and what is held."""
-
-
-#: Provenance of a page a local store wrote (this node's worker's write-through).
-ORIGIN_WRITE = "write"
-#: Prefix of the provenance of a page that arrived by a peer copy: ``copy:<copy id>``.
-ORIGIN_COPY_PREFIX = "copy:"
-
-
-def copy_origin(copy_id: str) -> str:
-    """The provenance of the pages copy ``copy_id`` brought."""
-    return ORIGIN_COPY_PREFIX + copy_id
 
 
 @dataclass(eq=False)

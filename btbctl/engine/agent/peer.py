@@ -4,7 +4,7 @@ Wire (one copy per connection; integers big-endian). Every frame is ``u8 kind | 
 kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64(payload) | payload``.
 
 1. **Authentication first** (mutual HMAC-SHA256 challenge-response over the link key of the two agents' ids,
-   :mod:`~btbctl.engine.agent.credentials`: a node's credentials let it speak only as itself; nothing else is read
+   :mod:`~btbctl.engine.replication.credentials`: a node's credentials let it speak only as itself; nothing else is read
    before it succeeds, pre-auth frames are at most :data:`MAX_PREAUTH_BYTES` and must arrive within
    :data:`AUTH_TIMEOUT_S`)::
 
@@ -54,10 +54,10 @@ from typing import ClassVar
 
 import xxhash
 
-from btbctl.engine.agent.credentials import MAX_AGENT_ID_CHARS, Credentials
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, copy_origin
 from btbctl.engine.copies import CopyState
 from btbctl.engine.replication.auth import mac
+from btbctl.engine.replication.credentials import MAX_AGENT_ID_CHARS, Credentials
 from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address
 
 #: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
@@ -255,7 +255,7 @@ def _creds(secret: bytes | Credentials, agent_id: str) -> Credentials:
 
 def client_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
     """Authenticate to a target (we push) with the link key of this node and the target's id (``secret``: this
-    node's :class:`~btbctl.engine.agent.credentials.Credentials`, or the fleet secret). Returns the target's agent
+    node's :class:`~btbctl.engine.replication.credentials.Credentials`, or the fleet secret). Returns the target's agent
     id. Raises :class:`PeerError`."""
     creds = _creds(secret, agent_id)
     ch = conn.recv_json(MAX_PREAUTH_BYTES)
@@ -673,7 +673,7 @@ class PeerService:
 
     Args:
         store: the node's page store.
-        secret: this node's :class:`~btbctl.engine.agent.credentials.Credentials`, or the fleet secret (bytes, at
+        secret: this node's :class:`~btbctl.engine.replication.credentials.Credentials`, or the fleet secret (bytes, at
             least 16) to derive them from.
         agent_id: this agent's id (shown to peers and in logs).
         event: ``event(name, fields)`` structured-log sink (:class:`~btbctl.engine.agent.events.AgentMetrics`).

@@ -33,7 +33,7 @@ Secrets: the fleet secret and both tokens come from the Secret ``secret_name`` (
 come from ``secret_env``. The render refuses a worker environment variable or flag that looks like a secret value
 (:func:`check_no_secret_values`) and never renders a Secret. The agents' DaemonSet mounts the fleet secret itself
 (``--secret-file``): its nodes are not known when the manifests are written, so each agent derives its own node
-key and its peers' link keys from it (:mod:`~btbctl.engine.agent.credentials`). Unlike ``btbctl up``, which hands
+key and its peers' link keys from it (:mod:`~btbctl.engine.replication.credentials`). Unlike ``btbctl up``, which hands
 each agent only its node credentials, here one node's files can speak for another (README, "Trust boundary").
 
 Prometheus: the gateway's and the workers' (with ``enable_metrics``) pods carry ``prometheus.io/scrape``, ``/port``

@@ -56,8 +56,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.agent.pages import ORIGIN_COPY_PREFIX, ORIGIN_WRITE
-from btbctl.engine.copies import CopyOutcome, CopyState
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, CopyOutcome, CopyState
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens

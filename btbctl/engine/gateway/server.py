@@ -217,7 +217,7 @@ class Gateway:
         token = config.agent_token
         tokens = None
         if config.agent_secret_file:
-            from btbctl.engine.agent.credentials import control_token
+            from btbctl.engine.replication.credentials import control_token
 
             try:
                 secret = read_text_bounded(config.agent_secret_file).strip().encode()

@@ -13,7 +13,7 @@ Addresses: the agent on this machine binds its control API to loopback and its p
 ``replication.local_peer_host`` (loopback unless other hosts copy to it); an agent on a host binds both to the
 host's ``bind_address``, since the gateway (here) drives its control API and other agents copy to it. Every route of
 a control API beyond loopback needs the agent's token, ``/metrics`` included, and the peer port authenticates every
-connection with the link key of the two agents (:mod:`~btbctl.engine.agent.credentials`) before anything else.
+connection with the link key of the two agents (:mod:`~btbctl.engine.replication.credentials`) before anything else.
 """
 
 from __future__ import annotations

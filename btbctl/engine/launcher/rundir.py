@@ -304,13 +304,13 @@ class RunDir:
         return self.path / f"{agent}.token"
 
     def write_agent_credentials(self, agents: list[str], local: list[str]) -> dict[str, tuple[str, str]]:
-        """Derive each agent's node credentials (:func:`~btbctl.engine.agent.credentials.node_credentials_text`: it
-        can speak to every other agent of ``agents``, only as itself) and control token (:func:`~btbctl.engine.
-        agent.credentials.control_token`) from the fleet secret; write those of the agents in ``local`` (on this
-        machine) to :meth:`agent_credentials_path` and :meth:`agent_control_token_path` (0600, atomically); return
-        them all, ``{agent: (credentials, token)}``. Raises :class:`BtbctlError` when a file cannot be read or
-        written."""
-        from btbctl.engine.agent.credentials import control_token, node_credentials_text
+        """Derive each agent's node credentials (:func:`~btbctl.engine.replication.credentials.
+        node_credentials_text`: it can speak to every other agent of ``agents``, only as itself) and control token
+        (:func:`~btbctl.engine.replication.credentials.control_token`) from the fleet secret; write those of the agents
+        in ``local`` (on this machine) to :meth:`agent_credentials_path` and :meth:`agent_control_token_path` (0600,
+        atomically); return them all, ``{agent: (credentials, token)}``. Raises :class:`BtbctlError` when a file
+        cannot be read or written."""
+        from btbctl.engine.replication.credentials import control_token, node_credentials_text
 
         try:
             secret = read_text_bounded(self.agent_secret_path).strip().encode()
