@@ -365,6 +365,12 @@ def test_file_mode_copies_exactly_the_named_files(tmp_path, monkeypatch):
         assert st == 202 and b.wait_final("f1", "target")["state"] == "done"
         assert sorted(p.name for p in dir_b.iterdir()) == sorted(f"{k}_m_0_1.bin" for k in keys)
         assert all((dir_b / p).read_bytes() == (dir_a / p).read_bytes() for p in os.listdir(dir_b))
+        body = {"keys": keys, "namespaces": ["_m_0_1"]}
+        assert b.call("POST", "/v1/provenance", body)[1]["namespaces"]["_m_0_1"] == ["copy:f1"] * 5
+        assert a.call("POST", "/v1/provenance", body)[1]["namespaces"]["_m_0_1"] == ["write"] * 5
+        (dir_b / "x.tmp").write_bytes(b"rewritten by SGLang")  # SGLang's own write: temp file, then os.replace
+        os.replace(dir_b / "x.tmp", dir_b / f"{keys[0]}_m_0_1.bin")
+        assert b.call("POST", "/v1/provenance", body)[1]["namespaces"]["_m_0_1"] == ["write"] + ["copy:f1"] * 4
     finally:
         for x in (a, b, f):
             x.stop()
@@ -476,12 +482,13 @@ def test_milestones_wake_a_long_poll(nodes):
 def test_a_stream_to_a_target_holding_part_of_the_prefix_still_reports_the_source_complete(nodes):
     src, dst = nodes("src"), nodes("dst")
     names = _names(4)
-    _fill_some(dst, names, 0, 2)  # the target has the first two pages: it asks only for the others
+    _fill_some(dst, names, 0, 2)  # the target has the first two pages: it still asks for all four
     plan = fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("q1")}], "chain")
     rec = src.peers.push("q1", names, plan, stream_s=30.0, sizes=[PAGE] * 4)
     _fill_some(src, names, 0, 4)
     assert src.final("q1", "source")["state"] == "done"
     assert rec.pages_ready == 4 and rec.source_complete_s is not None
+    assert dst.final("q1", "target")["pages_done"] == 4 and dst.store.provenance(names) == ["copy:q1"] * 4
 
 
 def test_a_target_asking_for_a_page_twice_is_refused(nodes):

@@ -483,8 +483,8 @@ class StreamPages(PageSource):
         self.lock = threading.Lock()
 
     def advance(self) -> None:
-        """Count the leading pages the store holds now (taken by a sender or not: a target may skip pages it
-        has), and report growth. Amortised O(1) per page."""
+        """Count the leading pages the store holds now (taken by a sender or not), and report growth. Amortised
+        O(1) per page."""
         store, names, sizes = self.store, self.names, self.sizes
         with self.lock, store.lock:
             n = self.ready
@@ -939,7 +939,7 @@ class PeerService:
         ]
         for t in threads:
             t.join()
-        if isinstance(src, StreamPages):  # pages every target skipped count as ready once the store has them
+        if isinstance(src, StreamPages):  # count the pages the store holds by the end (none may have been taken)
             src.advance()
         errors = [f"{a}: {t['error']}" for a, t in rec.targets.items() if t["state"] != CopyState.DONE.value]
         if rec.role == "source":
