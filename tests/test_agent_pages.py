@@ -3,6 +3,7 @@ over a real Unix socket with the arena mapped by the store-side client."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -91,6 +92,9 @@ def test_local_protocol_put_get_with_the_mapped_arena(tmp_path):
             True,
         ]
         assert c.call({"op": "exists", "ns": ns.ns_id, "keys": keys})[0]["n"] == 1  # page 1 was not written
+        # each page records the process whose write-through it is (this one: the store runs in this test)
+        names = [f"{ns.ns_id}.{k}" for k in keys]
+        assert store.provenance(names) == [f"write:pid={os.getpid()}", None, f"write:pid={os.getpid()}"]
         rep, conn = c.call({"op": "get", "ns": ns.ns_id, "keys": keys, "size": PAGE})
         assert len(rep["offsets"]) == 1 and bytes(conn.arena.view[rep["offsets"][0] :][:PAGE]) == b"\x01" * PAGE
         c.send({"op": "release", "lease": rep["lease"]})

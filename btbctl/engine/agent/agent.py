@@ -287,7 +287,7 @@ class Agent:
         return {"keys": len(keys), "namespaces": runs, "complete": [ns for ns, n in runs.items() if n == len(keys)]}
 
     def provenance(self, keys: list[str], namespaces: list[str]) -> dict:
-        """Per namespace, each key's page provenance here (``write``, ``copy:<copy id>``; None: not held)."""
+        """Per namespace, each key's page provenance here (``write:pid=<pid>``, ``copy:<copy id>``; None: not held)."""
         assert self.store is not None
         return {
             "keys": len(keys),

@@ -9,9 +9,9 @@ by default every namespace this node knows (each TP rank of a worker registers i
 
 * ``POST /v1/has {"keys", "namespaces"?}`` -> ``{"keys": n, "namespaces": {ns: leading run}, "complete": [ns]}``
 * ``POST /v1/provenance {"keys", "namespaces"?}`` -> ``{"keys": n, "namespaces": {ns: [provenance or null per
-  key]}}``: where each page held here came from (``write``: this node's worker wrote it through; ``copy:<id>``: the
-  verified peer copy ``id`` brought it). The gateway counts a warm-up only on pages of the copy it ordered or of the
-  node's own write-through.
+  key]}}``: where each page held here came from (``write:pid=<pid>``: this node's worker process wrote it through,
+  ``write`` in file mode; ``copy:<id>``: the verified peer copy ``id`` brought it). The gateway counts a warm-up only
+  on pages of copies it ordered or of the node's own write-through.
 * ``POST /v1/expect {"copy_id", "keys"?, "ttl_s"?}`` -> ``{"copy_id", "token"}``: this agent accepts one inbound
   copy with that id (and only of those keys) from a peer presenting the token.
 * ``POST /v1/push {"copy_id", "keys", "namespaces"?, "targets": [{"addr", "token"}], "fanout": "chain"|"tree"|"star",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, copy_origin
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, copy_origin, write_origin
 
 #: Alignment of every extent, bytes (the OS page: one-sided RDMA writes and memmove like page-aligned buffers).
 ALIGN_BYTES = 4096
@@ -47,7 +47,7 @@ class NoRoom(Exception):
 @dataclass(eq=False)
 class Obj:
     """One page object. ``offset``/``size`` in bytes; ``digest`` is its xxh3_64 once known (computed on first send
-    or verified on arrival); ``origin`` its provenance (:data:`ORIGIN_WRITE` or :func:`copy_origin`); ``retired``:
+    or verified on arrival); ``origin`` its provenance (:func:`write_origin` or :func:`copy_origin`); ``retired``:
     replaced by a newer copy of the page while pinned or leased (its extent is freed when the last holder lets
     go)."""
 
@@ -554,4 +554,5 @@ __all__ = [
     "Obj",
     "PageStore",
     "copy_origin",
+    "write_origin",
 ]

@@ -56,7 +56,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, CopyOutcome, CopyState
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyState, is_write_origin
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
@@ -648,7 +648,7 @@ class L3Replicator(CopyExecutor):
         """Whether a warm-up of ``t`` may count a page of provenance ``origin``: the target node's own write-through,
         the copy this job ordered (or shared), or another copy this gateway ordered (the last
         :data:`MAX_ORDERED_COPIES`)."""
-        if origin == ORIGIN_WRITE:
+        if is_write_origin(origin):
             return True
         if not isinstance(origin, str) or not origin.startswith(ORIGIN_COPY_PREFIX):
             return False
