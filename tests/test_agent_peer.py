@@ -605,6 +605,8 @@ def test_garbage_planted_on_the_target_is_replaced_by_the_verified_copy(nodes, f
     # the replaced extents were freed: exactly the four copied pages are held
     assert dst.store.stats()["used_bytes"] == 4 * PAGE
     assert len(dst.lines("copy_accepted")) == 1 and "need=4" in dst.lines("copy_accepted")[0]
+    finished = dst.lines("copy_finished")  # the log says what the copy replaced
+    assert len(finished) == 1 and "replaced=2" in finished[0] and "replaced_from=write" in finished[0]
 
 
 def test_a_digest_mismatch_is_refused_with_one_line_and_a_counted_metric(nodes):

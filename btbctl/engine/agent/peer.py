@@ -1329,6 +1329,7 @@ class PeerService:
         conn.deadline = t0 + copy_deadline_s(total, stream_s)
         outcome, error = CopyState.FAILED, None
         committed = False
+        replaced: list[str] = []  # provenance of the pages this copy replaced (what the target held before)
         verifier = _Verifier(store, pages, names, rec, self.metrics, self.event, copy_id, peer)
         try:
             conn.send_json({"op": "accept", "need": need})
@@ -1363,6 +1364,7 @@ class PeerService:
             if cancel.is_set():
                 raise PeerError("cancelled")
             digests = [pages.slots[i][1] if pages.slots[i] else None for i in range(len(names))]
+            replaced = [o for o in store.provenance(names) if o is not None]
             store.commit(token, digests=digests, origin=copy_origin(copy_id), replace=True)
             committed = True
             outcome = CopyState.DONE
@@ -1400,6 +1402,8 @@ class PeerService:
                     "bytes": rec.bytes_done,
                     "duration_s": round(time.monotonic() - t0, 6),
                     "error": error,
+                    "replaced": len(replaced) if committed else 0,
+                    "replaced_from": ",".join(sorted(set(replaced)))[:256] or None if committed else None,
                 },
             )
 
