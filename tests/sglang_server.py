@@ -149,7 +149,7 @@ class SglangFleet:
     def _agent(self, path: str, body: dict, timeout: float = 30.0) -> dict:
         """``POST`` to the fleet's (first) node agent's control API with its token."""
         agent = self.status["agents"][0]
-        token = (self.run_dir / "agent.token").read_text().strip()
+        token = (self.run_dir / "agent-local.token").read_text().strip()
         req = urllib.request.Request(
             agent["control_url"].rstrip("/") + path,
             data=json.dumps(body).encode(),

@@ -3,6 +3,7 @@ over a real Unix socket with the arena mapped by the store-side client."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -91,6 +92,9 @@ def test_local_protocol_put_get_with_the_mapped_arena(tmp_path):
             True,
         ]
         assert c.call({"op": "exists", "ns": ns.ns_id, "keys": keys})[0]["n"] == 1  # page 1 was not written
+        # each page records the process whose write-through it is (this one: the store runs in this test)
+        names = [f"{ns.ns_id}.{k}" for k in keys]
+        assert store.provenance(names) == [f"write:pid={os.getpid()}", None, f"write:pid={os.getpid()}"]
         rep, conn = c.call({"op": "get", "ns": ns.ns_id, "keys": keys, "size": PAGE})
         assert len(rep["offsets"]) == 1 and bytes(conn.arena.view[rep["offsets"][0] :][:PAGE]) == b"\x01" * PAGE
         c.send({"op": "release", "lease": rep["lease"]})
@@ -123,3 +127,29 @@ def test_client_without_agent_fails_fast_with_a_kind(tmp_path):
         with pytest.raises(AgentUnavailable) as ei:
             c.call({"op": "exists", "ns": "0" * 16, "keys": []})
         assert ei.value.kind in ("connect", "agent_down")
+
+
+def test_a_copy_replaces_a_held_page_and_frees_the_old_one_only_when_its_last_reader_lets_go():
+    store = PageStore(8 * PAGE)
+    names = _names(2)
+    _fill(store, names)  # this node's write-through
+    assert store.provenance(names) == ["write", "write"]
+    offs, lid = store.lease(names[:1], PAGE, "local:1")  # a local store is reading page 0
+    old = bytes(store.read(offs[0], PAGE))
+    tok, new_offs = store.reserve(names, [PAGE] * 2, "copy:c7", all_or_none=True, skip_ready=False)
+    assert -1 not in new_offs  # nothing skipped: room for both pages
+    for off in new_offs:
+        store.write(off, b"\x5a" * PAGE)
+    assert store.commit(tok, origin="copy:c7", replace=True) == [True, True]
+    assert store.provenance(names) == ["copy:c7", "copy:c7"] and store.provenance(_names(3)[2:]) == [None]
+    # the reader's extent is neither freed nor reused while it reads: 2 new pages + the leased old one
+    assert store.stats()["used_bytes"] == 3 * PAGE and bytes(store.read(offs[0], PAGE)) == old
+    store.release(lid)
+    assert store.stats()["used_bytes"] == 2 * PAGE
+    got, lid2 = store.lease(names, PAGE, "local:1")
+    assert [bytes(store.read(o, PAGE)) for o in got] == [b"\x5a" * PAGE] * 2
+    store.release(lid2)
+    # a local write never replaces a held page (the write-through of a page this node has)
+    tok, offs = store.reserve(names, [PAGE] * 2, "local:2", all_or_none=False)
+    assert offs == [-1, -1] and store.commit(tok) == [True, True] and store.provenance(names) == ["copy:c7"] * 2
+    store.close()

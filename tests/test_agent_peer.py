@@ -12,7 +12,15 @@ import pytest
 from agent_helpers import SECRET, start_agent, wait_for
 from btbctl.engine.agent.events import format_event
 from btbctl.engine.agent.pages import ALIGN_BYTES, PageStore
-from btbctl.engine.agent.peer import Conn, PeerService, SendFaults, client_auth, fanout_plan, server_auth
+from btbctl.engine.agent.peer import (
+    Conn,
+    PeerError,
+    PeerService,
+    SendFaults,
+    client_auth,
+    fanout_plan,
+    server_auth,
+)
 from btbctl.sglang_l3.keys import page_keys
 
 PAGE = 4 * ALIGN_BYTES
@@ -274,9 +282,14 @@ def test_cli_errors_are_one_line(tmp_path):
     import subprocess
     import sys
 
+    from btbctl.engine.replication.credentials import node_credentials_text
+
     sec = tmp_path / "s"
     sec.write_bytes(b"short")
+    keys = tmp_path / "agent-a.keys"
+    keys.write_text(node_credentials_text(SECRET, "agent-a", ["agent-a", "agent-b"]))
     for args, needle in (
+        (["--secret-file", str(keys), "--agent-id", "agent-b"], "holds the credentials of 'agent-a'"),
         (["--secret-file", str(sec)], "--secret-file"),
         (["--secret-file", str(tmp_path / "none")], "cannot read"),
         (["--secret-file", __file__, "--peer", "nope"], "--peer: bad address"),
@@ -353,6 +366,12 @@ def test_file_mode_copies_exactly_the_named_files(tmp_path, monkeypatch):
         assert st == 202 and b.wait_final("f1", "target")["state"] == "done"
         assert sorted(p.name for p in dir_b.iterdir()) == sorted(f"{k}_m_0_1.bin" for k in keys)
         assert all((dir_b / p).read_bytes() == (dir_a / p).read_bytes() for p in os.listdir(dir_b))
+        body = {"keys": keys, "namespaces": ["_m_0_1"]}
+        assert b.call("POST", "/v1/provenance", body)[1]["namespaces"]["_m_0_1"] == ["copy:f1"] * 5
+        assert a.call("POST", "/v1/provenance", body)[1]["namespaces"]["_m_0_1"] == ["write"] * 5
+        (dir_b / "x.tmp").write_bytes(b"rewritten by SGLang")  # SGLang's own write: temp file, then os.replace
+        os.replace(dir_b / "x.tmp", dir_b / f"{keys[0]}_m_0_1.bin")
+        assert b.call("POST", "/v1/provenance", body)[1]["namespaces"]["_m_0_1"] == ["write"] + ["copy:f1"] * 4
     finally:
         for x in (a, b, f):
             x.stop()
@@ -464,12 +483,13 @@ def test_milestones_wake_a_long_poll(nodes):
 def test_a_stream_to_a_target_holding_part_of_the_prefix_still_reports_the_source_complete(nodes):
     src, dst = nodes("src"), nodes("dst")
     names = _names(4)
-    _fill_some(dst, names, 0, 2)  # the target has the first two pages: it asks only for the others
+    _fill_some(dst, names, 0, 2)  # the target has the first two pages: it still asks for all four
     plan = fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("q1")}], "chain")
     rec = src.peers.push("q1", names, plan, stream_s=30.0, sizes=[PAGE] * 4)
     _fill_some(src, names, 0, 4)
     assert src.final("q1", "source")["state"] == "done"
     assert rec.pages_ready == 4 and rec.source_complete_s is not None
+    assert dst.final("q1", "target")["pages_done"] == 4 and dst.store.provenance(names) == ["copy:q1"] * 4
 
 
 def test_a_target_asking_for_a_page_twice_is_refused(nodes):
@@ -556,3 +576,107 @@ def test_a_port_probe_is_not_a_failed_authentication(nodes):
     time.sleep(0.2)
     lines = dst.lines("auth_failed")
     assert len(lines) == 1 and "connection closed (2 of 5" in lines[0]
+
+
+# -- provenance, integrity and per-node credentials ----------------------------------------------------------------
+
+
+def _plant(node: Node, names: list[str], byte: int = 0x66) -> None:
+    """Pages of garbage under ``names`` on ``node``, as any process that can write its arena could put there."""
+    tok, offs = node.store.reserve(names, [PAGE] * len(names), "local:9", all_or_none=True)
+    for off in offs:
+        node.store.write(off, bytes([byte]) * PAGE)
+    node.store.commit(tok)
+
+
+@pytest.mark.parametrize("fanout", ["chain", "star"])
+def test_garbage_planted_on_the_target_is_replaced_by_the_verified_copy(nodes, fanout):
+    src, dst, relay_dst = nodes("src"), nodes("dst"), nodes("dst2")
+    names = _names(4)
+    data = src.fill(names)
+    _plant(dst, names[1:3])  # the target "already holds" two of the pages: garbage
+    _plant(relay_dst, names[:1], 0x77)
+    targets = [{"addr": t.addr, "token": t.peers.expect("c1")} for t in (dst, relay_dst)]
+    src.peers.push("c1", names, fanout_plan(targets, fanout))
+    for t in (dst, relay_dst):
+        rec = t.final("c1", "target")
+        assert rec["state"] == "done" and rec["pages_done"] == 4  # every page came, none was skipped
+        assert t.read(names) == data  # the garbage is gone
+        assert t.store.provenance(names) == ["copy:c1"] * 4
+    # the replaced extents were freed: exactly the four copied pages are held
+    assert dst.store.stats()["used_bytes"] == 4 * PAGE
+    assert len(dst.lines("copy_accepted")) == 1 and "need=4" in dst.lines("copy_accepted")[0]
+    finished = dst.lines("copy_finished")  # the log says what the copy replaced
+    assert len(finished) == 1 and "replaced=2" in finished[0] and "replaced_from=write" in finished[0]
+
+
+def test_a_digest_mismatch_is_refused_with_one_line_and_a_counted_metric(nodes):
+    from btbctl.engine.agent.events import AgentMetrics
+
+    src = nodes("src", faults=SendFaults(corrupt_wire=1))
+    dst = nodes("dst")
+    metrics = AgentMetrics()
+    dst.peers.event = lambda name, fields: (dst.event(name, fields), metrics.event(name, fields))
+    names = _names(3)
+    src.fill(names)
+    _plant(dst, names)  # what the target held stays as it was: a refused copy changes nothing
+    src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c1")}], "star"))
+    assert dst.final("c1", "target")["state"] == "failed"
+    refused = dst.lines("page_refused")
+    assert len(refused) == 1 and "reason=digest_mismatch" in refused[0] and "copy_id=c1" in refused[0]
+    assert f"page={names[1]}" in refused[0]
+    assert 'btbctl_agent_pages_refused_total{reason="digest_mismatch"} 1.0' in metrics.exposition().decode()
+    assert dst.store.provenance(names) == ["write"] * 3 and dst.store.stats()["pending_bytes"] == 0
+
+
+def test_a_node_can_speak_to_its_peers_only_as_itself():
+    from btbctl.engine.replication.credentials import Credentials, node_credentials_text, parse_credentials
+
+    fleet = ["agent-a", "agent-b", "agent-c"]
+    files = {a: node_credentials_text(SECRET, a, fleet) for a in fleet}
+    assert not any(SECRET.decode() in text for text in files.values())  # the fleet secret stays with the launcher
+    creds = {a: parse_credentials(files[a].encode(), a, f"{a}.keys") for a in fleet}
+    store = PageStore(8 * PAGE)
+    events: list[tuple[str, dict]] = []
+    target = PeerService(store, creds["agent-b"], "agent-b", lambda e, f: events.append((e, f)))
+    port = target.start()
+    try:
+
+        def connect(as_id: str, with_creds: Credentials) -> str:
+            conn = Conn(socket.create_connection(("127.0.0.1", port)), 5.0)
+            try:
+                return client_auth(conn, with_creds, as_id)
+            finally:
+                conn.close()
+
+        assert connect("agent-a", creds["agent-a"]) == "agent-b"  # a speaks as itself
+        assert connect("agent-c", creds["agent-c"]) == "agent-b"
+        # c, with every file it holds, claims to be a: its keys are not a's
+        forged = Credentials("agent-a", creds["agent-c"].node_key, creds["agent-c"].links)
+        with pytest.raises(PeerError, match="connection closed"):  # the target hangs up at the bad MAC
+            connect("agent-a", forged)
+        wait_for(lambda: any(e == "auth_failed" for e, _ in events), 5, "auth_failed")
+        failed = [f for e, f in events if e == "auth_failed"]
+        assert len(failed) == 1 and "bad MAC for agent 'agent-a'" in failed[0]["reason"]
+        # an agent with the fleet secret (the Kubernetes render) and one with node credentials interoperate
+        assert connect("agent-a", Credentials.from_fleet_secret(SECRET, "agent-a")) == "agent-b"
+    finally:
+        target.close()
+        store.close()
+
+
+def test_a_relay_chain_runs_on_node_credentials(nodes):
+    from btbctl.engine.replication.credentials import node_credentials_text, parse_credentials
+
+    fleet = ["s", "r", "t"]
+    creds = {a: parse_credentials(node_credentials_text(SECRET, a, fleet).encode(), a, a) for a in fleet}
+    src, relay, dst = (nodes(a, secret=creds[a]) for a in fleet)
+    names = _names(3)
+    data = src.fill(names)
+    plan = fanout_plan([{"addr": n.addr, "token": n.peers.expect("c1")} for n in (relay, dst)], "chain")
+    src.peers.push("c1", names, plan)
+    assert dst.final("c1", "target")["state"] == "done" and dst.read(names) == data
+    outsider = nodes("x", secret=parse_credentials(node_credentials_text(SECRET, "x", ["x", "s"]).encode(), "x", "x"))
+    outsider.fill(names)
+    outsider.peers.push("c2", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c2")}], "star"))
+    assert "no key for agent 't'" in outsider.final("c2", "source")["error"]  # not in its fleet: no key to speak

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 
 import pytest
 
@@ -258,3 +260,200 @@ def test_admission_waits_leave_out_requests_held_at_the_gateway():
     assert state.admission_wait_s(0, 10) == 4.0
     w.loads_prefilling = 3  # ... or the gateway's own, which its queue model counts already
     assert state.admission_wait_s(0, 10) == 0.0
+
+
+# -- provenance: a warm-up counts only pages of the ordered copy or of the target node's own write-through ---------
+
+_NS = "0123456789abcdef"
+_FLEET_SECRET = b"fleet-secret-for-tests-0123456789"
+_PAGE_BYTES = 8192
+_TOKENS_PER_PAGE = 16
+
+
+class _L3Bed:
+    """Two real node agents (in process) with one namespace each, a fake SGLang ``/generate`` that reports the
+    prefix loaded from L3 (and first runs ``during_warmup``), and an :class:`L3Replicator` between worker 0 (on
+    agent 0) and worker 1 (on agent 1)."""
+
+    def __init__(self, tmp_path, worker_agents: tuple[int, ...] = (0, 1)) -> None:
+        self.tmp = tmp_path
+        self.worker_agents = list(worker_agents)
+        self.during_warmup = None
+
+    async def __aenter__(self):
+        import aiohttp
+        from aiohttp import web
+
+        from btbctl.engine.agent.agent import Agent, AgentConfig
+        from btbctl.engine.replication.credentials import control_token
+        from btbctl.sglang_l3.keys import page_keys
+
+        self.agents = []
+        for i in range(2):
+            a = Agent(
+                AgentConfig(
+                    socket_path=str(self.tmp / f"a{i}.sock"),
+                    arena_bytes=4 << 20,
+                    secret=_FLEET_SECRET,
+                    agent_id=f"agent-{i}",
+                    control_token=control_token(_FLEET_SECRET, f"agent-{i}"),
+                )
+            )
+            await a.start()
+            a.store.register_namespace(
+                _NS, {"model": "m", "tp_rank": 0, "tp_size": 1, "page_bytes": _PAGE_BYTES, "layout": "page_first"}
+            )
+            self.agents.append(a)
+        self.chain = tuple(page_keys(list(range(4 * _TOKENS_PER_PAGE)), _TOKENS_PER_PAGE))
+        self.names = [f"{_NS}.{k}" for k in self.chain]
+
+        async def generate(request):
+            if self.during_warmup is not None:
+                await asyncio.to_thread(self.during_warmup)
+            n = len(self.chain) * _TOKENS_PER_PAGE
+            return web.json_response({"meta_info": {"cached_tokens_details": {"device": 0, "host": 0, "storage": n}}})
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.state = FleetState([url] * len(self.worker_agents))
+        for w in self.state.workers:
+            w.healthy = True
+        self.session = aiohttp.ClientSession()
+        self.rep = L3Replicator(
+            self.state,
+            lambda: self.session,
+            agents=[
+                {
+                    "name": f"agent-{i}",
+                    "control_url": f"http://127.0.0.1:{a.control_port}",
+                    "peer_addr": f"127.0.0.1:{a.peer_port}",
+                }
+                for i, a in enumerate(self.agents)
+            ],
+            worker_agents=self.worker_agents,
+            agent_token=None,
+            agent_tokens={f"agent-{i}": control_token(_FLEET_SECRET, f"agent-{i}") for i in range(2)},
+            prefix_tokens=_Prefixes(),
+            page_size=lambda: _TOKENS_PER_PAGE,
+            source_wait_s=5.0,
+            copy_timeout_s=5.0,
+            warmup_timeout_s=5.0,
+        )
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.rep.close()
+        await self.session.close()
+        await self.runner.cleanup()
+        for a in self.agents:
+            await a.close()
+
+    def write(self, agent: int, byte: int, names=None, origin: str = "write") -> bytes:
+        """Pages of ``byte`` under ``names`` (default: the prefix's) in agent ``agent``'s store; returns one."""
+        store = self.agents[agent].store
+        names = names or self.names
+        tok, offs = store.reserve(names, [_PAGE_BYTES] * len(names), "local:1", all_or_none=True, skip_ready=False)
+        for off in offs:
+            store.write(off, bytes([byte]) * _PAGE_BYTES)
+        store.commit(tok, origin=origin, replace=True)
+        return bytes([byte]) * _PAGE_BYTES
+
+    def read(self, agent: int) -> list[bytes]:
+        store = self.agents[agent].store
+        offs, lid = store.lease(self.names, _PAGE_BYTES, "test")
+        out = [bytes(store.read(o, _PAGE_BYTES)) for o in offs]
+        store.release(lid)
+        return out
+
+    async def copy(self) -> Transfer:
+        t = self.rep.request_copy(self.chain, 0, 1)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        return t
+
+
+async def test_an_l3_copy_replaces_garbage_planted_on_the_target_and_is_proved(tmp_path):
+    async with _L3Bed(tmp_path) as bed:
+        good = bed.write(0, 0x11)
+        bed.write(1, 0x66)  # garbage the target's node "already holds" under the prefix's page names
+        t = await bed.copy()
+        assert t.outcome == "proved" and t.ready.result() is True, t.error
+        assert bed.read(1) == [good] * 4  # served pages are the source's, not the planted ones
+        assert bed.agents[1].store.provenance(bed.names) == [f"copy:{t.copy_id}"] * 4
+
+
+async def test_a_warm_up_on_pages_of_another_provenance_is_not_counted(tmp_path, caplog):
+    from btbctl.engine.agent.pages import PageStore
+    from btbctl.engine.agent.peer import PeerService, fanout_plan
+
+    caplog.set_level(logging.INFO, logger="btbctl")
+    async with _L3Bed(tmp_path) as bed:
+        bed.write(0, 0x11)
+        # another agent of the fleet, run by an attacker with the agents' control token: while the target's worker
+        # reads the copied pages, it has the target expect a copy of its own and sends a garbage page over one
+        store = PageStore(1 << 20)
+        rogue = PeerService(store, _FLEET_SECRET, "agent-rogue", lambda e, f: None)
+        rogue.start()
+        tok, offs = store.reserve(bed.names[2:3], [_PAGE_BYTES], "local:1", all_or_none=True)
+        store.write(offs[0], b"\x66" * _PAGE_BYTES)
+        store.commit(tok)
+
+        def plant() -> None:
+            token = bed.agents[1].peers.expect("evil")
+            rogue.push(
+                "evil",
+                bed.names[2:3],
+                fanout_plan([{"addr": f"127.0.0.1:{bed.agents[1].peer_port}", "token": token}], "star"),
+            )
+            end = time.monotonic() + 10
+            while not any(r.state.final for r in bed.agents[1].peers.book.find("evil")):
+                assert time.monotonic() < end
+                time.sleep(0.01)
+
+        bed.during_warmup = plant
+        try:
+            t = await bed.copy()
+        finally:
+            rogue.close()
+            store.close()
+        assert bed.agents[1].peers.book.find("evil")[0].state.value == "done"  # the target took the rogue's page
+        assert t.outcome == "failed" and t.ready.result() is False
+        assert t.error.startswith("proof refused: page 2 ") and "'copy:evil'" in t.error, t.error
+        assert bed.state.workers[1].held_blocks(bed.chain) == 0  # the target is not recorded as holding it
+        lines = [r.getMessage() for r in caplog.records if "event=l3_proof_untrusted" in r.getMessage()]
+        assert len(lines) == 1 and "origin=copy:evil" in lines[0] and "page=2" in lines[0], lines
+
+
+async def test_pages_an_earlier_ordered_copy_brought_count_for_a_same_node_warm_up(tmp_path):
+    async with _L3Bed(tmp_path, (0, 1, 1)) as bed:
+        bed.write(0, 0x11)
+        first = await bed.copy()
+        assert first.outcome == "proved"
+        # worker 2 shares worker 1's node: no bytes move, its warm-up reads the pages the first copy brought
+        t = bed.rep.request_copy(bed.chain, 1, 2)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        assert t.outcome == "proved", t.error
+        assert bed.agents[1].store.provenance(bed.names) == [f"copy:{first.copy_id}"] * 4
+
+
+async def test_each_agent_has_its_own_control_token_and_the_gateway_derives_them(tmp_path):
+    from btbctl.engine.replication.credentials import control_token
+
+    async with _L3Bed(tmp_path) as bed:
+        other = {"name": "agent-1", "control_url": bed.rep.agents[0]["control_url"]}  # agent 1's token at agent 0
+        st, ans = await bed.rep._call(other, "POST", "/v1/expect", {"copy_id": "c0ffee"})
+        assert st == 403 and "invalid control token" in ans["error"]
+        st, _ = await bed.rep._call(bed.rep.agents[0], "POST", "/v1/expect", {"copy_id": "c0ffee"})
+        assert st == 200
+    secret = tmp_path / "agent.secret"
+    secret.write_text(_FLEET_SECRET.decode() + "\n")
+    agents = [{"name": n, "control_url": "http://127.0.0.1:9", "peer_addr": "127.0.0.1:9"} for n in ("a0", "a1")]
+    cfg = {"replication": "l3", "agents": agents, "worker_agents": [0, 1], "agent_secret_file": str(secret)}
+    async with GatewayEnv(2, **cfg) as env:
+        assert env.gw.replicator.tokens == {n: control_token(_FLEET_SECRET, n) for n in ("a0", "a1")}

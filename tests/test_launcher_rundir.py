@@ -215,3 +215,31 @@ def test_refuse_to_start_over_a_live_run_and_clean_a_stale_one(tmp_path):
     assert rd.load() is None and not rd.token_path.exists()
     res = down(rd)
     assert res["nothing"] is True and res["stopped"] == [] and res["gone"] == []
+
+
+def test_up_hands_each_agent_only_its_own_node_credentials_and_control_token(tmp_path):
+    from btbctl.engine.replication.credentials import Credentials, control_token, parse_credentials
+
+    rd = RunDir(tmp_path / "run")
+    rd.prepare()
+    secret = rd.new_agent_secret()
+    agents = ["agent-local", "agent-h1", "agent-h2"]
+    files = rd.write_agent_credentials(agents, ["agent-local"])
+    keys, token = rd.agent_credentials_path("agent-local"), rd.agent_control_token_path("agent-local")
+    assert _mode(keys) == 0o600 and keys.read_text().strip() == files["agent-local"][0]
+    assert _mode(token) == 0o600 and token.read_text().strip() == files["agent-local"][1]
+    assert not rd.agent_credentials_path("agent-h1").exists()  # a host's files go to that host only
+    assert all(secret not in text for pair in files.values() for text in pair)
+    # each agent's control token is its own (the gateway derives them all from the fleet secret)
+    assert len({t for _, t in files.values()}) == 3
+    assert files["agent-h1"][1] == control_token(secret.encode(), "agent-h1")
+    creds = {a: parse_credentials(files[a][0].encode(), a, a) for a in agents}
+    fleet = Credentials.from_fleet_secret(secret.encode(), "agent-h2")
+    # h1 can speak to h2 with the key h2 derives for h1 (and so can an agent holding the fleet secret), and with
+    # nothing in its file can it produce the key h2 expects from agent-local
+    assert creds["agent-h1"].as_sender("agent-h2") == creds["agent-h2"].as_target("agent-h1")
+    assert creds["agent-h1"].as_sender("agent-h2") == fleet.as_target("agent-h1")
+    forbidden = creds["agent-h2"].as_target("agent-local")
+    assert forbidden not in (creds["agent-h1"].node_key, *creds["agent-h1"].links.values())
+    rd.clear()
+    assert not keys.exists() and not token.exists() and not rd.agent_secret_path.exists()

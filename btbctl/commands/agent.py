@@ -15,7 +15,8 @@ def agent(
         str,
         typer.Option(
             "--secret-file",
-            help="File holding the fleet secret (at least 16 bytes; the same on every agent of the fleet).",
+            help="File holding this node's credentials (written by btbctl up: it speaks to its peers only as "
+            "itself), or the fleet secret (at least 16 bytes, the same on every agent; every key derived from it).",
         ),
     ],
     arena_mib: Annotated[

@@ -12,6 +12,27 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
 
+#: Provenance of a page in a node's L3 store that a worker of the node wrote through (``l3`` replication); with the
+#: writing process when known: ``write:pid=<pid>`` (:func:`write_origin`).
+ORIGIN_WRITE = "write"
+#: Prefix of the provenance of a page a verified agent-to-agent copy brought: ``copy:<copy id>``.
+ORIGIN_COPY_PREFIX = "copy:"
+
+
+def write_origin(pid: int | None = None) -> str:
+    """The provenance of a page the node's process ``pid`` (a worker's store) wrote through."""
+    return ORIGIN_WRITE if pid is None else f"{ORIGIN_WRITE}:pid={pid}"
+
+
+def is_write_origin(origin: object) -> bool:
+    """Whether ``origin`` is a write-through's provenance (:func:`write_origin`)."""
+    return isinstance(origin, str) and (origin == ORIGIN_WRITE or origin.startswith(ORIGIN_WRITE + ":"))
+
+
+def copy_origin(copy_id: str) -> str:
+    """The provenance of the pages copy ``copy_id`` brought."""
+    return ORIGIN_COPY_PREFIX + copy_id
+
 
 class CopyState(str, Enum):
     """Where a copy is. The values are what the control API, ``btbctl`` and the dashboard show.
@@ -144,4 +165,15 @@ def carry_out(
     return started
 
 
-__all__ = ["CopyPlan", "CopyState", "CopyStatus", "FINAL_STATES", "carry_out"]
+__all__ = [
+    "CopyPlan",
+    "CopyState",
+    "CopyStatus",
+    "FINAL_STATES",
+    "ORIGIN_COPY_PREFIX",
+    "ORIGIN_WRITE",
+    "carry_out",
+    "copy_origin",
+    "is_write_origin",
+    "write_origin",
+]

@@ -31,6 +31,7 @@ from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.fileio import ReadRefused, read_bounded
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback
+from btbctl.engine.replication.credentials import Credentials, CredentialsError, parse_credentials
 
 log = logging.getLogger("btbctl.agent")
 
@@ -50,7 +51,8 @@ class AgentConfig:
         arena_bytes: byte budget of the page store.
         peer_host, peer_port: where peers connect (port 0 = ephemeral).
         control_host, control_port: the HTTP control API and ``/metrics`` (loopback by default).
-        secret: the fleet secret (bytes).
+        secret: the contents of ``--secret-file``: the fleet secret, or this node's credentials
+            (:mod:`~btbctl.engine.replication.credentials`; then ``agent_id`` must be theirs or None).
         control_token: bearer token of the control API (None: no token; only sensible on a private loopback).
         agent_id: this agent's id (default: hostname and a random suffix).
         idle_timeout_s: peer connections silent this long are cut off.
@@ -125,7 +127,15 @@ class Agent:
                 f"the control API listens on {cfg.control_host}, beyond loopback: give --control-token-file",
             )
         self.cfg = cfg
-        self.agent_id = cfg.agent_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        try:
+            if cfg.secret.lstrip().startswith(b"{"):
+                self.credentials = parse_credentials(cfg.secret, cfg.agent_id, "--secret-file")
+            else:
+                aid = cfg.agent_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
+                self.credentials = Credentials.from_fleet_secret(cfg.secret, aid)
+        except CredentialsError as e:
+            raise ConfigError("--secret-file", str(e)) from None
+        self.agent_id = self.credentials.agent_id
         self.control_token = cfg.control_token
         self.store: PageStore | None = None
         self.metrics = AgentMetrics(lambda: self.store.stats())  # type: ignore[union-attr]
@@ -177,7 +187,7 @@ class Agent:
             )
         self.peers = PeerService(
             self.store,
-            cfg.secret,
+            self.credentials,
             self.agent_id,
             self.event,
             self.metrics,
@@ -275,6 +285,14 @@ class Agent:
         assert self.store is not None
         runs = {ns: self.store.leading_ready([self.store.name_of(ns, k) for k in keys]) for ns in namespaces}
         return {"keys": len(keys), "namespaces": runs, "complete": [ns for ns, n in runs.items() if n == len(keys)]}
+
+    def provenance(self, keys: list[str], namespaces: list[str]) -> dict:
+        """Per namespace, each key's page provenance here (``write:pid=<pid>``, ``copy:<copy id>``; None: not held)."""
+        assert self.store is not None
+        return {
+            "keys": len(keys),
+            "namespaces": {ns: self.store.provenance([self.store.name_of(ns, k) for k in keys]) for ns in namespaces},
+        }
 
     def info(self) -> dict:
         assert self.store is not None

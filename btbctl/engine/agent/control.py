@@ -8,6 +8,10 @@ page keys (:func:`btbctl.sglang_l3.keys.page_keys`); ``namespaces`` (optional) r
 by default every namespace this node knows (each TP rank of a worker registers its own).
 
 * ``POST /v1/has {"keys", "namespaces"?}`` -> ``{"keys": n, "namespaces": {ns: leading run}, "complete": [ns]}``
+* ``POST /v1/provenance {"keys", "namespaces"?}`` -> ``{"keys": n, "namespaces": {ns: [provenance or null per
+  key]}}``: where each page held here came from (``write:pid=<pid>``: this node's worker process wrote it through,
+  ``write`` in file mode; ``copy:<id>``: the verified peer copy ``id`` brought it). The gateway counts a warm-up only
+  on pages of copies it ordered or of the node's own write-through.
 * ``POST /v1/expect {"copy_id", "keys"?, "ttl_s"?}`` -> ``{"copy_id", "token"}``: this agent accepts one inbound
   copy with that id (and only of those keys) from a peer presenting the token.
 * ``POST /v1/push {"copy_id", "keys", "namespaces"?, "targets": [{"addr", "token"}], "fanout": "chain"|"tree"|"star",
@@ -95,6 +99,7 @@ def make_app(agent, open_metrics: bool = True, bind_host: str = "127.0.0.1") -> 
     app.router.add_get("/v1/info", h.info)
     app.router.add_post("/v1/has", h.has)
     app.router.add_post("/v1/wait", h.wait)
+    app.router.add_post("/v1/provenance", h.provenance)
     app.router.add_post("/v1/expect", h.expect)
     app.router.add_post("/v1/push", h.push)
     app.router.add_get("/v1/copies/{copy_id}", h.copy)
@@ -193,6 +198,11 @@ class _Handlers:
         body = await _body(request)
         keys = _keys(body)
         return web.json_response(self.a.has(keys, _namespaces(body, self.a.known_namespaces())))
+
+    async def provenance(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        keys = _keys(body)
+        return web.json_response(self.a.provenance(keys, _namespaces(body, self.a.known_namespaces())))
 
     async def wait(self, request: web.Request) -> web.Response:
         body = await _body(request)

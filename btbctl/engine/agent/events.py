@@ -16,6 +16,8 @@ Metrics (their own registry, served at the control endpoint's ``/metrics``):
 * ``btbctl_agent_evictions_total``, ``btbctl_agent_evicted_bytes_total``: LRU evictions;
 * ``btbctl_agent_auth_failures_total``: peers that failed authentication, and control API requests without the
   right token (``listener="control"`` in the log line);
+* ``btbctl_agent_pages_refused_total{reason}``: pages of a peer copy refused (``digest_mismatch``: the bytes do not
+  hash to the digest the sender sent; the copy ends there and nothing of it is served);
 * ``btbctl_agent_requests_refused_total{reason}``: control API requests refused for their ``Host`` (``host``) or
   ``Origin`` (``origin``);
 * ``btbctl_agent_arena_bytes``, ``btbctl_agent_used_bytes``, ``btbctl_agent_ready_pages``: the store's use (gauges
@@ -67,6 +69,9 @@ class AgentMetrics:
             ["reason"],
             registry=r,
         )
+        self.pages_refused = Counter(
+            "btbctl_agent_pages_refused", "Pages of peer copies refused, by reason", ["reason"], registry=r
+        )
         self._stats = stats
         self.limiter = RateLimiter(REPEAT_WINDOW_S)
         if stats is not None:
@@ -97,6 +102,8 @@ class AgentMetrics:
             self.auth_failures.inc()
         elif event == "request_refused":
             self.refused.labels(fields.get("reason", "other")).inc()
+        elif event == "page_refused":
+            self.pages_refused.labels(fields.get("reason", "other")).inc()
         elif event == "copy_refused":
             self.copies.labels(fields.get("role", "target"), "refused").inc()
         elif event == "copy_finished":

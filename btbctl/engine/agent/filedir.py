@@ -14,9 +14,13 @@ from __future__ import annotations
 import os
 import re
 import secrets
+from collections import OrderedDict
 from collections.abc import Sequence
 
-from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
+from btbctl.engine.agent.pages import ORIGIN_WRITE, NoRoom, Obj, PageStore
+
+#: Most files whose copy provenance is remembered (about 200 bytes each).
+MAX_ORIGINS = 1 << 18
 
 _NAME = re.compile(r"^[0-9a-f]{64}[A-Za-z0-9_.+-]{0,160}\Z")
 
@@ -34,6 +38,8 @@ class FileDirStore(PageStore):
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self._staged: dict[int, Obj] = {}  # id(obj) -> staging object of a send
+        #: name -> (inode, mtime_ns, origin) of the files copies wrote (at most MAX_ORIGINS; see :meth:`_remember`)
+        self._origins: OrderedDict[str, tuple[int, int, str]] = OrderedDict()
 
     # -- names --------------------------------------------------------------------------------------------------
 
@@ -140,7 +146,41 @@ class FileDirStore(PageStore):
             self.reservations[token] = _Reservation(owner, objs)
             return token, offsets
 
-    def commit(self, token, written=None, digests=None):
+    def _remember(self, name: str, st: os.stat_result, origin: str) -> None:
+        """Record that a copy wrote file ``name``. Past :data:`MAX_ORIGINS` files, records of files rewritten or
+        removed since go first, then the oldest (whose files then read as SGLang's own)."""
+        with self.lock:
+            self._origins[name] = (st.st_ino, st.st_mtime_ns, origin)
+            self._origins.move_to_end(name)
+            if len(self._origins) <= MAX_ORIGINS:
+                return
+            for n, (ino, mtime, _) in list(self._origins.items()):
+                try:
+                    cur = os.stat(self._path(n))
+                    stale = (cur.st_ino, cur.st_mtime_ns) != (ino, mtime)
+                except (OSError, ValueError):
+                    stale = True
+                if stale:
+                    del self._origins[n]
+            while len(self._origins) > MAX_ORIGINS:
+                self._origins.popitem(last=False)
+
+    def provenance(self, names: Sequence[str]) -> list[str | None]:
+        """Per name: the copy that wrote the file (while the file is the one it wrote), else :data:`ORIGIN_WRITE`
+        (SGLang wrote it); None where no file is."""
+        out: list[str | None] = []
+        for name in names:
+            try:
+                st = os.stat(self._path(name))
+            except (OSError, ValueError):
+                out.append(None)
+                continue
+            with self.lock:
+                rec = self._origins.get(name)
+            out.append(rec[2] if rec is not None and rec[:2] == (st.st_ino, st.st_mtime_ns) else ORIGIN_WRITE)
+        return out
+
+    def commit(self, token, written=None, digests=None, *, origin=ORIGIN_WRITE, replace=False):
         with self.lock:
             res = self.reservations.pop(token, None)
         if res is None:
@@ -158,6 +198,7 @@ class FileDirStore(PageStore):
                     f.write(self.view[o.offset : o.offset + o.size])
                 os.replace(tmp, path)
                 self.seen_namespaces.add(o.name[64:])
+                self._remember(o.name, os.stat(path), origin)
             with self.lock:
                 if o.pins > 0:  # a relay still reads it: freed by unpin_objs
                     self._staged[id(o)] = o

@@ -13,10 +13,12 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import threading
 from collections.abc import Callable
 
 from btbctl.engine.agent.pages import NoRoom, PageStore
+from btbctl.engine.copies import write_origin
 from btbctl.sglang_l3.keys import NAMESPACE_ID_CHARS, Namespace, is_page_key
 from btbctl.sglang_l3.wire import WireError, encode, recv_frame
 
@@ -104,10 +106,12 @@ class LocalServer:
                 self._ids += 1
                 owner = f"local:{self._ids}"
                 self._conns.add(conn)
-            t = threading.Thread(target=self._serve, args=(conn, owner), name=f"btbctl-agent-{owner}", daemon=True)
+            t = threading.Thread(
+                target=self._serve, args=(conn, owner, _peer_pid(conn)), name=f"btbctl-agent-{owner}", daemon=True
+            )
             t.start()
 
-    def _serve(self, conn: socket.socket, owner: str) -> None:
+    def _serve(self, conn: socket.socket, owner: str, pid: int | None = None) -> None:
         store = self.store
         try:
             while not self._stop.is_set():
@@ -126,7 +130,7 @@ class LocalServer:
                         rep = self._hello(req)
                         socket.send_fds(conn, [encode(rep)], [store.fd])
                         continue
-                    rep = self._handle(op, req, owner)
+                    rep = self._handle(op, req, owner, pid)
                 except _Bad as e:
                     rep = {"ok": False, "error": str(e)}
                 conn.sendall(encode(rep))
@@ -178,7 +182,7 @@ class LocalServer:
             raise _Bad(f"size must be 1..{MAX_PAGE_BYTES} bytes")
         return size
 
-    def _handle(self, op: object, req: dict, owner: str) -> dict:
+    def _handle(self, op: object, req: dict, owner: str, pid: int | None = None) -> dict:
         store = self.store
         if op == "exists":
             size = req.get("size")
@@ -211,7 +215,7 @@ class LocalServer:
             if not isinstance(token, str) or not isinstance(written, list):
                 raise _Bad("commit needs token and written")
             objs = [o for o in store.pending(token) if o is not None] if token in store.reservations else []
-            committed = store.commit(token, [bool(w) for w in written])
+            committed = store.commit(token, [bool(w) for w in written], origin=write_origin(pid))
             store.hash_later(o for o in objs if o.ready)
             return {"ok": True, "committed": committed}
         raise _Bad(f"unknown op {op!r}; valid: hello, exists, get, release, put, commit")
@@ -219,6 +223,15 @@ class LocalServer:
 
 class _Bad(Exception):
     pass
+
+
+def _peer_pid(conn: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix socket (``SO_PEERCRED``; None where unavailable)."""
+    try:
+        pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (OSError, AttributeError, struct.error):
+        return None
+    return pid or None
 
 
 __all__ = ["LOCAL_RESERVATION_MAX_AGE_S", "LocalServer", "MAX_LOCAL_KEYS", "MAX_PAGE_BYTES"]

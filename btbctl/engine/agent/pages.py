@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, copy_origin, write_origin
+
 #: Alignment of every extent, bytes (the OS page: one-sided RDMA writes and memmove like page-aligned buffers).
 ALIGN_BYTES = 4096
 #: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14, ``include/uapi/asm-generic/mman-common.h``): fill the page tables
@@ -45,7 +47,9 @@ class NoRoom(Exception):
 @dataclass(eq=False)
 class Obj:
     """One page object. ``offset``/``size`` in bytes; ``digest`` is its xxh3_64 once known (computed on first send
-    or verified on arrival)."""
+    or verified on arrival); ``origin`` its provenance (:func:`write_origin` or :func:`copy_origin`); ``retired``:
+    replaced by a newer copy of the page while pinned or leased (its extent is freed when the last holder lets
+    go)."""
 
     name: str
     offset: int
@@ -55,6 +59,8 @@ class Obj:
     leases: int = 0
     digest: int | None = None
     owner: str | None = None
+    origin: str = ORIGIN_WRITE
+    retired: bool = False
 
 
 class ExtentAllocator:
@@ -280,6 +286,7 @@ class PageStore:
         with self.lock:
             for o in self.leases.pop(lease_id, ()):
                 o.leases -= 1
+                self._free_retired(o)
             self.lease_owner.pop(lease_id, None)
 
     def pin_ready(self, names: Sequence[str]) -> list[Obj | None]:
@@ -299,6 +306,18 @@ class PageStore:
             for o in objs:
                 if o is not None and o.pins > 0:
                     o.pins -= 1
+                    self._free_retired(o)
+
+    def _free_retired(self, o: Obj) -> None:
+        """Free a replaced object's extent once nothing holds it (lock held)."""
+        if o.retired and o.pins == 0 and o.leases == 0:
+            o.retired = False  # freed once
+            self.alloc.free(o.offset, o.size)
+
+    def provenance(self, names: Sequence[str]) -> list[str | None]:
+        """Per name, the provenance of the ready page (None: not ready here)."""
+        with self.lock:
+            return [o.origin if (o := self.ready.get(n)) is not None else None for n in names]
 
     def pin_for(self, names: Sequence[str], ttl_s: float) -> int:
         """Timed pins (hot prefixes): the named pages are not evicted for ``ttl_s`` seconds. Returns how many of
@@ -373,11 +392,18 @@ class PageStore:
             return list(self.reservations[token].objs)
 
     def commit(
-        self, token: str, written: Sequence[bool] | None = None, digests: Sequence[int | None] | None = None
+        self,
+        token: str,
+        written: Sequence[bool] | None = None,
+        digests: Sequence[int | None] | None = None,
+        *,
+        origin: str = ORIGIN_WRITE,
+        replace: bool = False,
     ) -> list[bool]:
         """Make the reservation's pages ready (only those with ``written[i]`` true, when given; the others are
-        freed). A page that became ready meanwhile keeps the existing copy. Returns per name whether it is ready
-        now. Unknown tokens commit nothing."""
+        freed), with provenance ``origin``. A page that became ready meanwhile keeps the existing copy, unless
+        ``replace`` (a verified peer copy): then the new page replaces it (the old extent is freed once no lease
+        or pin holds it). Returns per name whether it is ready now. Unknown tokens commit nothing."""
         with self.lock:
             res = self.reservations.pop(token, None)
             if res is None:
@@ -388,12 +414,17 @@ class PageStore:
                     out.append(True if written is None or written[i] else False)
                     continue
                 ok = written is None or bool(written[i])
-                if not ok or o.name in self.ready:
+                if not ok or (o.name in self.ready and not replace):
                     self.alloc.free(o.offset, o.size)
                     out.append(ok)
                     continue
+                old = self.ready.pop(o.name, None)
+                if old is not None:
+                    old.retired = True
+                    self._free_retired(old)
                 o.ready = True
                 o.owner = None
+                o.origin = origin
                 self.seen_namespaces.add(o.name.partition(".")[0])
                 if digests is not None and digests[i] is not None:
                     o.digest = digests[i]
@@ -427,6 +458,7 @@ class PageStore:
             finally:
                 with self.lock:
                     o.pins -= 1
+                    self._free_retired(o)
                     if o.digest is None:
                         o.digest = d
 
@@ -513,4 +545,14 @@ class PageStore:
                 pass
 
 
-__all__ = ["ALIGN_BYTES", "ExtentAllocator", "NoRoom", "Obj", "PageStore"]
+__all__ = [
+    "ALIGN_BYTES",
+    "ExtentAllocator",
+    "NoRoom",
+    "ORIGIN_COPY_PREFIX",
+    "ORIGIN_WRITE",
+    "Obj",
+    "PageStore",
+    "copy_origin",
+    "write_origin",
+]

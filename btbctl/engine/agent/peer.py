@@ -3,27 +3,31 @@
 Wire (one copy per connection; integers big-endian). Every frame is ``u8 kind | u32 length | body``:
 kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64(payload) | payload``.
 
-1. **Authentication first** (mutual HMAC-SHA256 challenge-response over the fleet secret; nothing else is read
+1. **Authentication first** (mutual HMAC-SHA256 challenge-response over the link key of the two agents' ids,
+   :mod:`~btbctl.engine.replication.credentials`: a node's credentials let it speak only as itself; nothing else is read
    before it succeeds, pre-auth frames are at most :data:`MAX_PREAUTH_BYTES` and must arrive within
    :data:`AUTH_TIMEOUT_S`)::
 
        target -> source  J {"op": "challenge", "v": 1, "nonce": n_t, "agent": id_t}
        source -> target  J {"op": "auth", "nonce": n_s, "agent": id_s,
-                            "mac": HMAC(secret, "client" | n_t | n_s | id_s | id_t)}
-       target -> source  J {"op": "auth_ok", "mac": HMAC(secret, "server" | n_s | n_t | id_t | id_s)}
+                            "mac": HMAC(link(id_s, id_t), "client" | n_t | n_s | id_s | id_t)}
+       target -> source  J {"op": "auth_ok", "mac": HMAC(link(id_s, id_t), "server" | n_s | n_t | id_t | id_s)}
 
    A failed check closes the connection with one ``auth_failed`` log line; the source checks the target's MAC too.
 2. **Offer**: ``J {"op": "offer", "copy_id", "token", "names": [...], "sizes": [...], "children": [...]}``. The
    target accepts only a copy id it was told to expect (``expect`` on its control API, which returned ``token``),
    with that token (constant-time compare), once: a second offer of the same id, an unknown id or a wrong token is
    refused. Then bounds: pages, bytes per copy, copies and bytes per peer. Only then is room reserved (all pages or
-   none; pages it already holds are skipped) and the pages marked pending. Reply ``J {"op": "accept", "need":
-   [indices]}`` or ``J {"op": "refuse", "error"}``.
+   none) and the pages marked pending: every page is received, also one the target holds already (a page found
+   on a node is never trusted over the copy; the verified copy replaces it at commit). Reply ``J {"op":
+   "accept", "need": [indices]}`` or ``J {"op": "refuse", "error"}``.
 3. **Pages**: one ``P`` frame per needed index, in order. The target reads each payload straight into its
    reserved arena slot and checks its length and xxh3_64; a forged, truncated or out-of-order page ends the copy
-   (refused with the reason, reservation freed).
-4. **End**: ``J {"op": "end"}``; the target commits the pages only when every needed page arrived and verified,
-   and answers ``J {"op": "done", "pages", "bytes"}``. Anything else (connection lost, idle for
+   (refused with the reason, reservation freed; a digest mismatch is also one ``page_refused`` line and counts in
+   ``btbctl_agent_pages_refused_total{reason="digest_mismatch"}``).
+4. **End**: ``J {"op": "end"}``; the target commits the pages only when every needed page arrived and verified
+   (each with its digest and its provenance ``copy:<copy id>``, replacing what it held under those names), and
+   answers ``J {"op": "done", "pages", "bytes"}``. Anything else (connection lost, idle for
    ``idle_timeout_s``, past the copy's deadline ``DEADLINE_BASE_S + bytes / MIN_RATE_BYTES_PER_S``, cancelled)
    frees the reservation: the target stays cold.
 
@@ -50,9 +54,10 @@ from typing import ClassVar
 
 import xxhash
 
-from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
+from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, copy_origin
 from btbctl.engine.copies import CopyState
 from btbctl.engine.replication.auth import mac
+from btbctl.engine.replication.credentials import MAX_AGENT_ID_CHARS, Credentials
 from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address
 
 #: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
@@ -244,43 +249,56 @@ class Conn:
         self.sock.close()
 
 
-def client_auth(conn: Conn, secret: bytes, agent_id: str) -> str:
-    """Authenticate to a target (we push). Returns the target's agent id. Raises :class:`PeerError`."""
+def _creds(secret: bytes | Credentials, agent_id: str) -> Credentials:
+    return secret if isinstance(secret, Credentials) else Credentials.from_fleet_secret(secret, agent_id)
+
+
+def client_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
+    """Authenticate to a target (we push) with the link key of this node and the target's id (``secret``: this
+    node's :class:`~btbctl.engine.replication.credentials.Credentials`, or the fleet secret). Returns the target's agent
+    id. Raises :class:`PeerError`."""
+    creds = _creds(secret, agent_id)
     ch = conn.recv_json(MAX_PREAUTH_BYTES)
     if ch.get("op") != "challenge" or ch.get("v") != PROTOCOL_VERSION:
         raise PeerError(f"not a btbctl agent (protocol version {ch.get('v')!r}, this agent speaks {PROTOCOL_VERSION})")
     n_t, id_t = str(ch.get("nonce", "")), str(ch.get("agent", ""))
+    key = creds.as_sender(id_t)
+    if key is None:
+        raise PeerError(f"target failed authentication: this node holds no key for agent {id_t[:128]!r}")
     n_s = secrets.token_hex(16)
     conn.send_json(
         {
             "op": "auth",
             "nonce": n_s,
             "agent": agent_id,
-            "mac": _mac(secret, b"client", n_t.encode(), n_s.encode(), agent_id.encode(), id_t.encode()),
+            "mac": _mac(key, b"client", n_t.encode(), n_s.encode(), agent_id.encode(), id_t.encode()),
         }
     )
     ok = conn.recv_json(MAX_PREAUTH_BYTES)
-    want = _mac(secret, b"server", n_s.encode(), n_t.encode(), id_t.encode(), agent_id.encode())
+    want = _mac(key, b"server", n_s.encode(), n_t.encode(), id_t.encode(), agent_id.encode())
     if ok.get("op") != "auth_ok" or not hmac.compare_digest(str(ok.get("mac", "")), want):
-        raise PeerError("target failed authentication (different fleet secret?)")
+        raise PeerError("target failed authentication (different fleet secret, or not the agent it claims to be?)")
     return id_t
 
 
-def server_auth(conn: Conn, secret: bytes, agent_id: str) -> str:
-    """Authenticate a connecting peer. Returns its agent id. Raises :class:`PeerError`."""
+def server_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
+    """Authenticate a connecting peer: it proves the link key of the id it claims (derived here from this node's
+    key). Returns its agent id. Raises :class:`PeerError`."""
+    creds = _creds(secret, agent_id)
     n_t = secrets.token_hex(16)
     conn.send_json({"op": "challenge", "v": PROTOCOL_VERSION, "nonce": n_t, "agent": agent_id})
     a = conn.recv_json(MAX_PREAUTH_BYTES)
     if a.get("op") != "auth":
         raise PeerError("first frame was not an auth frame")
     n_s, id_s = str(a.get("nonce", "")), str(a.get("agent", ""))
-    if not (16 <= len(n_s) <= 128) or not (1 <= len(id_s) <= 128):
+    if not (16 <= len(n_s) <= 128) or not (1 <= len(id_s) <= MAX_AGENT_ID_CHARS):
         raise PeerError("malformed auth frame")
-    want = _mac(secret, b"client", n_t.encode(), n_s.encode(), id_s.encode(), agent_id.encode())
+    key = creds.as_target(id_s)
+    want = _mac(key, b"client", n_t.encode(), n_s.encode(), id_s.encode(), agent_id.encode())
     if not hmac.compare_digest(str(a.get("mac", "")), want):
-        raise PeerError("bad MAC (wrong fleet secret)")
+        raise PeerError(f"bad MAC for agent {id_s!r} (not its node key, or a different fleet secret)")
     conn.send_json(
-        {"op": "auth_ok", "mac": _mac(secret, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())}
+        {"op": "auth_ok", "mac": _mac(key, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())}
     )
     return id_s
 
@@ -465,8 +483,8 @@ class StreamPages(PageSource):
         self.lock = threading.Lock()
 
     def advance(self) -> None:
-        """Count the leading pages the store holds now (taken by a sender or not: a target may skip pages it
-        has), and report growth. Amortised O(1) per page."""
+        """Count the leading pages the store holds now (taken by a sender or not), and report growth. Amortised
+        O(1) per page."""
         store, names, sizes = self.store, self.names, self.sizes
         with self.lock, store.lock:
             n = self.ready
@@ -562,10 +580,21 @@ class _Verifier:
     (xxhash releases the GIL on large inputs). A page counts as arrived (relays may forward it, the record counts
     it) only once verified; :meth:`finish` waits for every queued page and raises the first mismatch."""
 
-    def __init__(self, store: PageStore, pages: InboundPages, names: list[str], rec: CopyRecord, metrics) -> None:
+    def __init__(
+        self,
+        store: PageStore,
+        pages: InboundPages,
+        names: list[str],
+        rec: CopyRecord,
+        metrics,
+        event: Callable[[str, dict], None] | None = None,
+        copy_id: str = "",
+        peer: str = "",
+    ) -> None:
         import queue
 
         self.store, self.pages, self.names, self.rec, self.metrics = store, pages, names, rec, metrics
+        self.event, self.copy_id, self.peer = event, copy_id, peer
         self.q: queue.Queue = queue.Queue()
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="btbctl-verify", daemon=True)
@@ -584,8 +613,22 @@ class _Verifier:
             except ValueError:  # the arena was released: the agent is stopping
                 self.error = "the page store closed (the agent is stopping)"
                 continue
-            if xxhash.xxh3_64_intdigest(data) != digest:
+            got = xxhash.xxh3_64_intdigest(data)
+            if got != digest:
                 self.error = f"page {i} ({self.names[i]}): xxh3_64 mismatch (corrupted or forged)"
+                if self.event is not None:  # counted in btbctl_agent_pages_refused_total{reason="digest_mismatch"}
+                    self.event(
+                        "page_refused",
+                        {
+                            "copy_id": self.copy_id,
+                            "peer": self.peer,
+                            "page": self.names[i],
+                            "index": i,
+                            "reason": "digest_mismatch",
+                            "sent_digest": f"{digest:016x}",
+                            "digest": f"{got:016x}",
+                        },
+                    )
                 continue
             self.pages.set(i, off, digest)
             if self.rec.first_page_s is None:
@@ -630,7 +673,8 @@ class PeerService:
 
     Args:
         store: the node's page store.
-        secret: the fleet secret (bytes, at least 16).
+        secret: this node's :class:`~btbctl.engine.replication.credentials.Credentials`, or the fleet secret (bytes, at
+            least 16) to derive them from.
         agent_id: this agent's id (shown to peers and in logs).
         event: ``event(name, fields)`` structured-log sink (:class:`~btbctl.engine.agent.events.AgentMetrics`).
         metrics: the metrics object (pages/bytes counters), or None.
@@ -647,7 +691,7 @@ class PeerService:
     def __init__(
         self,
         store: PageStore,
-        secret: bytes,
+        secret: bytes | Credentials,
         agent_id: str,
         event: Callable[[str, dict], None],
         metrics=None,
@@ -662,10 +706,11 @@ class PeerService:
         max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
         max_per_peer: int = DEFAULT_MAX_PER_PEER,
     ) -> None:
-        if len(secret) < 16:
+        if isinstance(secret, bytes) and len(secret) < 16:
             raise ValueError("the fleet secret must be at least 16 bytes")
         self.store = store
-        self.secret = secret
+        #: this node's copy-port credentials (a fleet secret given here derives them)
+        self.secret = _creds(secret, agent_id)
         self.agent_id = agent_id
         self.event = event
         self.metrics = metrics
@@ -894,7 +939,7 @@ class PeerService:
         ]
         for t in threads:
             t.join()
-        if isinstance(src, StreamPages):  # pages every target skipped count as ready once the store has them
+        if isinstance(src, StreamPages):  # count the pages the store holds by the end (none may have been taken)
             src.advance()
         errors = [f"{a}: {t['error']}" for a, t in rec.targets.items() if t["state"] != CopyState.DONE.value]
         if rec.role == "source":
@@ -1250,21 +1295,14 @@ class PeerService:
         store = self.store
         t0 = time.monotonic()
         try:
-            token, offsets = store.reserve(names, sizes, f"copy:{copy_id}", all_or_none=True)
+            # every page is received: one already held here is not trusted over the copy (replaced at commit)
+            token, offsets = store.reserve(names, sizes, copy_origin(copy_id), all_or_none=True, skip_ready=False)
         except NoRoom as e:
             self._refuse(conn, copy_id, peer, f"store full: {e}", len(names), total)
             return
         rec = self.book.put(CopyRecord(copy_id, "target", CopyState.RUNNING, len(names), total, peer=peer))
         pages = InboundPages(store, names, sizes)
         pages.stream_s = stream_s  # a relay allows its children the same window
-        held = store.pin_ready([n for n, o in zip(names, offsets, strict=True) if o == -1]) if children else []
-        hi = 0
-        for i, off in enumerate(offsets):
-            if off == -1 and children:
-                o = held[hi]
-                hi += 1
-                if o is not None:
-                    pages.set(i, o.offset, store.digest_of(o))
         pend = store.pending(token)
         if children:
             for o in pend:
@@ -1291,7 +1329,8 @@ class PeerService:
         conn.deadline = t0 + copy_deadline_s(total, stream_s)
         outcome, error = CopyState.FAILED, None
         committed = False
-        verifier = _Verifier(store, pages, names, rec, self.metrics)
+        replaced: list[str] = []  # provenance of the pages this copy replaced (what the target held before)
+        verifier = _Verifier(store, pages, names, rec, self.metrics, self.event, copy_id, peer)
         try:
             conn.send_json({"op": "accept", "need": need})
             k = 0
@@ -1325,7 +1364,8 @@ class PeerService:
             if cancel.is_set():
                 raise PeerError("cancelled")
             digests = [pages.slots[i][1] if pages.slots[i] else None for i in range(len(names))]
-            store.commit(token, digests=digests)
+            replaced = [o for o in store.provenance(names) if o is not None]
+            store.commit(token, digests=digests, origin=copy_origin(copy_id), replace=True)
             committed = True
             outcome = CopyState.DONE
             conn.send_json({"op": "done", "pages": len(need), "bytes": rec.bytes_done})
@@ -1349,7 +1389,6 @@ class PeerService:
                 store.unpin_objs([o for o in pend if o is not None])
             else:
                 store.abort(token)
-            store.unpin_objs(held)
             rec.state, rec.error, rec.finished_s = outcome, error, time.time()
             self._bump(rec)
             self.event(
@@ -1363,6 +1402,8 @@ class PeerService:
                     "bytes": rec.bytes_done,
                     "duration_s": round(time.monotonic() - t0, 6),
                     "error": error,
+                    "replaced": len(replaced) if committed else 0,
+                    "replaced_from": ",".join(sorted(set(replaced)))[:256] or None if committed else None,
                 },
             )
 

@@ -40,7 +40,10 @@ discovery and scraping. Host network and a hostPath need the ``privileged`` Pod 
 Secrets: the fleet secret and both tokens come from the Secret ``secret_name`` (keys
 :data:`~btbctl.engine.launcher.kubernetes.SECRET_KEYS`), mounted as files; environment variables that hold secrets
 come from ``secret_env``. The render refuses a worker environment variable or flag that looks like a secret value
-(:func:`check_no_secret_values`) and never renders a Secret.
+(:func:`check_no_secret_values`) and never renders a Secret. The agents' DaemonSet mounts the fleet secret itself
+(``--secret-file``): its nodes are not known when the manifests are written, so each agent derives its own node
+key and its peers' link keys from it (:mod:`~btbctl.engine.replication.credentials`). Unlike ``btbctl up``, which hands
+each agent only its node credentials, here one node's files can speak for another (README, "Trust boundary").
 
 Prometheus: the gateway's and the workers' (with ``enable_metrics``) pods carry ``prometheus.io/scrape``, ``/port``
 and ``/path`` annotations. The agents' do not: off loopback their ``/metrics`` needs the control token, so they are

@@ -212,6 +212,9 @@ class GatewayConfig(BaseModel):
     """l3: bearer token of the agents' control APIs (None: read ``agent_token_file``)."""
     agent_token_file: str | None = None
     """l3: file holding ``agent_token``."""
+    agent_secret_file: str | None = None
+    """l3: file holding the agents' fleet secret (``btbctl up``): each agent's control token is derived from it and
+    the agent's name (:func:`~btbctl.engine.replication.credentials.control_token`), and ``agent_token`` is not used."""
     l3_fanout: Literal["chain", "tree", "star"] = "chain"
     """l3: how one copy reaches several agents."""
     l3_source_wait_s: float = Field(30.0, gt=0, le=900)

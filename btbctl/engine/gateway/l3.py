@@ -23,7 +23,10 @@ with ``mode="l3"``):
    (:class:`~btbctl.engine.copies.CopyOutcome`): ``proved`` when ``storage`` covers the prefix (whole pages; the
    copy is ``done`` and the target a holder); ``computed`` when the target already had the prefix on its device or
    host tier (warm, but not by this copy: never reported ``done``); ``short`` when the warm-up reused less (a
-   ``storage`` hit clipped to the host tier's size is named as such); ``failed`` for everything else.
+   ``storage`` hit clipped to the host tier's size is named as such); ``failed`` for everything else. ``storage``
+   tokens count only from pages the target's agent says (``POST /v1/provenance``) came from the copy this job
+   ordered or shared, or from the target node's own write-through (:meth:`L3Replicator.trusted`); a page of
+   any other provenance fails the job (``proof refused``, one ``l3_proof_untrusted`` line).
 3. **Requests wait at the gateway, not at the target.** A copy in flight is visible to the policies as arriving at
    the target (``routable``; :meth:`FleetState.copy_status` estimates its landing from the source's progress, the
    measured agent-to-agent rate of the path and the measured proof time), so a policy may send a burst request
@@ -38,7 +41,8 @@ failed step ends the job ``failed`` with the reason, and the target gets no copy
 seconds (an exclusion). No client request is involved in a job: a failure loses none.
 
 Every state change is one structured log line (``event=l3_copy_accepted|l3_copy_started|l3_copy_proved|
-l3_copy_failed|l3_proof_short|l3_target_excluded``, with copy id, prefix, source, target, bytes, seconds, outcome).
+l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded``, with copy id, prefix, source, target, bytes,
+seconds, outcome).
 """
 
 from __future__ import annotations
@@ -47,11 +51,12 @@ import asyncio
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 import aiohttp
 
-from btbctl.engine.copies import CopyOutcome, CopyState
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyState, is_write_origin
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
@@ -70,6 +75,9 @@ CALL_TIMEOUT_S = 5.0
 MAX_POLL_ERRORS = 3
 #: ``ttl_s`` of a target agent's expectation: the push must arrive within this many seconds.
 EXPECT_TTL_S = 120.0
+#: Copy ids this gateway ordered that it remembers (oldest forgotten first): their pages count in later proofs on the
+#: same node (a same-node job reading pages an earlier copy brought). A product choice: hours of copies.
+MAX_ORDERED_COPIES = 1 << 16
 
 
 class AgentCallError(Exception):
@@ -121,7 +129,8 @@ class L3Replicator(CopyExecutor):
         session: returns the shared :class:`aiohttp.ClientSession`.
         agents: ``[{"name", "control_url", "peer_addr"}]``.
         worker_agents: for each worker, its index in ``agents``.
-        agent_token: bearer token of the agents' control APIs.
+        agent_token: bearer token of the agents' control APIs (one for all).
+        agent_tokens: each agent's own bearer token, by agent name (wins over ``agent_token``).
         prefix_tokens: token ids of the prefixes (for warm-ups).
         page_size: returns the gateway's page size (tokens per page).
         fanout: the push's fan-out.
@@ -144,6 +153,7 @@ class L3Replicator(CopyExecutor):
         worker_agents: Sequence[int],
         agent_token: str | None,
         prefix_tokens: PrefixTokens,
+        agent_tokens: dict[str, str] | None = None,
         page_size: Callable[[], int],
         fanout: str = "chain",
         source_wait_s: float = 30.0,
@@ -159,6 +169,7 @@ class L3Replicator(CopyExecutor):
         self.agents = [dict(a) for a in agents]
         self.worker_agents = list(worker_agents)
         self.token = agent_token
+        self.tokens = dict(agent_tokens or {})
         self.prefix_tokens = prefix_tokens
         self.page_size = page_size
         self.fanout = fanout
@@ -172,6 +183,7 @@ class L3Replicator(CopyExecutor):
         self._excluded: dict[tuple[int, Hashable], float] = {}
         self._pushes: dict[tuple[int, Hashable], asyncio.Future] = {}
         self._pins: dict[tuple[str, Hashable], int] = {}
+        self._ordered: OrderedDict[str, None] = OrderedDict()  # copy ids of the pushes this gateway ordered
         self._jobs = 0
         self._agent_jobs: dict[int, int] = {}
         self.proofs = {"proved": 0, "short": 0, "failed": 0, "computed": 0}
@@ -317,8 +329,9 @@ class L3Replicator(CopyExecutor):
 
     # -- agent calls --------------------------------------------------------------------------------------------
 
-    def _headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def _headers(self, agent: dict) -> dict:
+        token = self.tokens.get(agent["name"], self.token)
+        return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _call(
         self, agent: dict, method: str, path: str, body: dict | None = None, hold_s: float = 0.0
@@ -326,7 +339,7 @@ class L3Replicator(CopyExecutor):
         timeout = self.timeout if not hold_s else aiohttp.ClientTimeout(total=CALL_TIMEOUT_S + hold_s)
         try:
             async with self._session().request(
-                method, agent["control_url"] + path, json=body, headers=self._headers(), timeout=timeout
+                method, agent["control_url"] + path, json=body, headers=self._headers(agent), timeout=timeout
             ) as resp:
                 ans = await resp.json(content_type=None)
                 return resp.status, ans if isinstance(ans, dict) else {}
@@ -455,7 +468,7 @@ class L3Replicator(CopyExecutor):
         t.landed_s = self.state.clock()
         if t.pushed is not None:
             t.pushed.set()
-        return await self._prove(t)
+        return await self._prove(t, dst_agent, keys, group)
 
     async def _same_node(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | None:
         """The target's L3 tier is the source's: no bytes move; wait until the source's write-through landed every
@@ -507,6 +520,7 @@ class L3Replicator(CopyExecutor):
             self._event("copy_started", t, note="shares a copy to the same node")
             self._changed(t)
             ok, info = await asyncio.shield(fut)
+            t.via_copy_id = info.get("copy_id")
             t.bytes_total = t.bytes_sent = info.get("bytes", 0) if ok else 0
             t.transfer_s = info.get("transfer_s")
             t.source_complete_s = info.get("source_complete_s")
@@ -514,9 +528,11 @@ class L3Replicator(CopyExecutor):
         fut = asyncio.get_running_loop().create_future()
         self._pushes[shared] = fut
         result: tuple[bool, dict] = (False, {"error": "not started"})
+        t.via_copy_id = t.copy_id
         try:
             reason = await self._push(t, src, dst, keys, group)
             info = {
+                "copy_id": t.copy_id,
                 "bytes": t.bytes_total,
                 "transfer_s": t.transfer_s,
                 "source_complete_s": t.source_complete_s,
@@ -530,6 +546,9 @@ class L3Replicator(CopyExecutor):
 
     async def _push(self, t: Transfer, src: dict, dst: dict, keys: list, group: list[str]) -> str | None:
         clock = self.state.clock
+        self._ordered[t.copy_id] = None
+        while len(self._ordered) > MAX_ORDERED_COPIES:
+            self._ordered.popitem(last=False)
         try:
             st, ans = await self._call(
                 dst, "POST", "/v1/expect", {"copy_id": t.copy_id, "keys": keys, "ttl_s": EXPECT_TTL_S}
@@ -625,7 +644,55 @@ class L3Replicator(CopyExecutor):
         except AgentCallError:
             pass
 
-    async def _prove(self, t: Transfer) -> str | tuple | None:
+    def trusted(self, t: Transfer, origin: object) -> bool:
+        """Whether a warm-up of ``t`` may count a page of provenance ``origin``: the target node's own write-through,
+        the copy this job ordered (or shared), or another copy this gateway ordered (the last
+        :data:`MAX_ORDERED_COPIES`)."""
+        if is_write_origin(origin):
+            return True
+        if not isinstance(origin, str) or not origin.startswith(ORIGIN_COPY_PREFIX):
+            return False
+        cid = origin[len(ORIGIN_COPY_PREFIX) :]
+        return cid == t.via_copy_id or cid in self._ordered
+
+    async def _untrusted(self, t: Transfer, agent: dict, keys: list, group: list[str], ps: int) -> str | None:
+        """Why the warm-up's ``storage`` tokens cannot count (a page they came from has another provenance than
+        :meth:`trusted`, or the target's agent cannot say), or None. Storage hits follow the device and host
+        hits, so they are the pages ``[(device + host) / ps, (device + host + storage) / ps)``."""
+        proof = t.proof or {}
+        lo = (proof.get("device", 0) + proof.get("host", 0)) // ps
+        hi = min(len(keys), -(-(proof.get("device", 0) + proof.get("host", 0) + proof.get("storage", 0)) // ps))
+        if hi <= lo:
+            return None
+        try:
+            st, ans = await self._call(agent, "POST", "/v1/provenance", {"keys": keys[lo:hi], "namespaces": group})
+        except AgentCallError as e:
+            return f"the target's agent cannot say where the pages came from: {e}"
+        nss = ans.get("namespaces") if st == 200 else None
+        if not isinstance(nss, dict):
+            return f"the target's agent cannot say where the pages came from (HTTP {st}: {ans.get('error')})"
+        for ns in group:
+            origins = nss.get(ns)
+            if not isinstance(origins, list) or len(origins) != hi - lo:
+                return f"the target's agent gave no provenance for namespace {ns}"
+            for i, origin in enumerate(origins):
+                if not self.trusted(t, origin):
+                    self._event(
+                        "proof_untrusted",
+                        t,
+                        page=lo + i,
+                        namespace=ns,
+                        origin=origin,
+                        storage_tokens=proof.get("storage", 0),
+                    )
+                    return (
+                        f"proof refused: page {lo + i} of namespace {ns} on the target came from {origin!r}, "
+                        f"neither a copy this gateway ordered ({t.via_copy_id or 'none'} here) nor the target "
+                        "node's own write-through"
+                    )
+        return None
+
+    async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | tuple | None:
         ps = self.page_size()
         got = self.prefix_tokens.get(list(t.chain), ps)
         if got is None:
@@ -667,6 +734,11 @@ class L3Replicator(CopyExecutor):
         covered = len(t.chain) * ps
         warm_s = round(time.monotonic() - t0, 6)
         outcome = classify_proof(t.proof, covered)
+        if t.proof["storage"] > 0:
+            # count storage tokens only from pages of the ordered copy or the target's own write-through
+            untrusted = await self._untrusted(t, agent, keys, group, ps)
+            if untrusted is not None:
+                return untrusted
         if outcome is CopyOutcome.PROVED:
             self.state.copy_measures.proved(self.state.clock() - (t.landed_s or self.state.clock()))
             self._done(t)
@@ -680,7 +752,7 @@ class L3Replicator(CopyExecutor):
             return why, outcome
         clipped = 0 < t.proof["storage"] < covered and t.proof["device"] + t.proof["host"] == 0
         self._event(
-            "l3_proof_short",
+            "proof_short",
             t,
             storage_tokens=t.proof["storage"],
             device_tokens=t.proof["device"],

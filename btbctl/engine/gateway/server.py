@@ -223,7 +223,18 @@ class Gateway:
         """Replication mode ``l3``: prompts become SGLang's page keys (:mod:`~btbctl.engine.gateway.tokens`) and
         copies go through the node agents with a warm-up proof (:mod:`~btbctl.engine.gateway.l3`)."""
         token = config.agent_token
-        if token is None and config.agent_token_file:
+        tokens = None
+        if config.agent_secret_file:
+            from btbctl.engine.replication.credentials import control_token
+
+            try:
+                secret = read_text_bounded(config.agent_secret_file).strip().encode()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(
+                    "agent_secret_file", f"cannot read {config.agent_secret_file}: {getattr(e, 'strerror', None) or e}"
+                ) from None
+            tokens = {a.name: control_token(secret, a.name) for a in config.agents}
+        elif token is None and config.agent_token_file:
             token = _read_or_create_token(config.agent_token_file, "agent_token_file")
         self.l3_prompts = L3Prompts(lambda: self.session, self.state, config.tokenize_timeout_s)
         self.replicator = L3Replicator(  # type: ignore[assignment]
@@ -232,6 +243,7 @@ class Gateway:
             agents=[a.model_dump() for a in config.agents],
             worker_agents=config.worker_agents,
             agent_token=token,
+            agent_tokens=tokens,
             prefix_tokens=self.l3_prompts.prefixes,
             page_size=lambda: self.page_size,
             fanout=config.l3_fanout,

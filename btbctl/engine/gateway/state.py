@@ -303,6 +303,8 @@ class Transfer:
         proof: the target's warm-up answer, ``{"device", "host", "storage"}`` tokens (l3), once it came.
         proof_storage_tokens: ``proof["storage"]``: prompt tokens the target loaded from L3 (l3).
         covered_tokens: tokens the proof must cover (the prefix, whole pages).
+        via_copy_id: ``l3``: the agents' copy whose pages the target's node received (this copy's id, or that of the
+            copy to the same node it shared); None when no bytes moved (same node) or before the copy.
         outcome: how it ended (:class:`~btbctl.engine.copies.CopyOutcome` value; None while active).
         source_complete_s: ``now_s`` when the source's node held every page (l3; None until then).
         landed_s: ``now_s`` when the target's node held every page (l3; None until then).
@@ -337,6 +339,7 @@ class Transfer:
     proof: dict | None = None
     proof_storage_tokens: int | None = None
     covered_tokens: int | None = None
+    via_copy_id: str | None = None
     outcome: str | None = None
     source_complete_s: float | None = None
     landed_s: float | None = None

@@ -1,17 +1,19 @@
 """The node agents of replication mode ``l3``: one ``btbctl agent`` per host that runs workers (SGLANG.md).
 
-``up`` writes a fresh fleet secret and agent control token into the run directory (0600; :meth:`RunDir.
-new_agent_secrets`), starts each host's agent before that host's workers (the workers' HiCache flags name its
-socket), waits for its ready line (``ready peer HOST:PORT control HOST:PORT socket PATH``) and for its control
-API's ``/health``, and records it (role ``agent``) so that ``down`` stops it after the workers. On ``[[hosts]]`` the
-secrets travel over the SSH session's stdin into the run folder there, never on a command line
-(:mod:`~btbctl.engine.launcher.ssh`).
+``up`` writes a fresh fleet secret into the run directory (0600; :meth:`RunDir.new_agent_secret`) and derives each
+agent's node credentials and control token from it (:meth:`RunDir.write_agent_credentials`: the fleet secret stays
+on this machine, where the gateway derives every agent's token; an agent's files let it speak to the other agents
+only as itself and drive no other agent's control API), starts each host's agent before that host's workers (the
+workers' HiCache flags name its socket), waits for its ready line (``ready peer HOST:PORT control HOST:PORT socket
+PATH``) and for its control API's ``/health``, and records it (role ``agent``) so that ``down`` stops it after the
+workers. On ``[[hosts]]`` the agent's credentials and token travel over the SSH session's stdin into the run folder
+there, never on a command line (:mod:`~btbctl.engine.launcher.ssh`).
 
 Addresses: the agent on this machine binds its control API to loopback and its peer port to
 ``replication.local_peer_host`` (loopback unless other hosts copy to it); an agent on a host binds both to the
 host's ``bind_address``, since the gateway (here) drives its control API and other agents copy to it. Every route of
-a control API beyond loopback needs the token, ``/metrics`` included, and the peer port authenticates every
-connection with the fleet secret before anything else.
+a control API beyond loopback needs the agent's token, ``/metrics`` included, and the peer port authenticates every
+connection with the link key of the two agents (:mod:`~btbctl.engine.replication.credentials`) before anything else.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ AGENT_READY = re.compile(r"^ready peer (\S+) control (\S+) socket (\S+)\s*$", re
 #: Longest Unix socket path (``sun_path`` is 108 bytes on Linux, with its terminating NUL and some margin).
 MAX_SOCKET_PATH = 100
 #: File names of the secrets and the socket in a host's run folder (the agent and the workers run there).
-REMOTE_SECRET = "agent.secret"
+REMOTE_SECRET = "agent.keys"
 REMOTE_TOKEN = "agent.token"
 REMOTE_SOCKET = "agent.sock"
 
@@ -85,8 +87,8 @@ def plan_agents(cluster: ClusterFile, rd: RunDir) -> list[AgentPlan]:
             sock = local_socket_path(rd)
             argv = agent_argv(
                 rep.python or sys.executable,
-                secret_file=str(rd.agent_secret_path),
-                token_file=str(rd.agent_token_path),
+                secret_file=str(rd.agent_credentials_path("agent-local")),
+                token_file=str(rd.agent_control_token_path("agent-local")),
                 socket=sock,
                 peer=_hostport(rep.local_peer_host, rep.peer_port),
                 control=_hostport("127.0.0.1", rep.control_port),

@@ -651,6 +651,7 @@ GATEWAY_SET_BY_UP = (
     "worker_agents",
     "agent_token",
     "agent_token_file",
+    "agent_secret_file",
     "l3_fanout",
 )
 

@@ -255,8 +255,10 @@ def up(
         if cluster.replication_mode == "l3":
             from btbctl.engine.launcher import agents as agents_mod
 
-            rd.new_agent_secrets()
-            agent_plans = {(p.host.name if p.host else None): p for p in agents_mod.plan_agents(cluster, rd)}
+            rd.new_agent_secret()
+            plans = agents_mod.plan_agents(cluster, rd)
+            agent_plans = {(p.host.name if p.host else None): p for p in plans}
+            rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
             local_agent = agent_plans.get(None)
             if local_agent is not None:
                 aproc = spawn(
@@ -466,7 +468,7 @@ def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> di
     out["worker_agents"] = [
         order.index(cluster.host_of(i.spec).name if cluster.host_of(i.spec) else None) for i in cluster.instances()
     ]
-    out["agent_token_file"] = str(rd.agent_token_path)
+    out["agent_secret_file"] = str(rd.agent_secret_path)  # the gateway derives each agent's control token
     out["l3_fanout"] = cluster.replication.fanout
     return out
 
@@ -507,8 +509,8 @@ def _start_remote(
         log(f"starting {plural(len(insts), 'worker')} on host {host.name} ({host.address}:{host.port})")
     launches = {}
     if agent_plans:
-        secret = rd.agent_secret_path.read_text(encoding="utf-8").strip()
-        atoken = rd.agent_token_path.read_text(encoding="utf-8").strip()
+        # the same derivation as the local agents' files: each host gets only its own agent's credentials and token
+        credentials = rd.write_agent_credentials([ap.name for ap in agent_plans.values()], [])
         from btbctl.engine.launcher.agents import REMOTE_SECRET, REMOTE_TOKEN
 
         for name, ap in agent_plans.items():
@@ -517,7 +519,7 @@ def _start_remote(
             launches[name] = ssh.AgentLaunch(
                 name=ap.name,
                 argv=ap.argv,
-                files=[(REMOTE_SECRET, secret + "\n"), (REMOTE_TOKEN, atoken + "\n")],
+                files=[(REMOTE_SECRET, credentials[ap.name][0] + "\n"), (REMOTE_TOKEN, credentials[ap.name][1] + "\n")],
                 l3_args=lambda inst, sock=ap.socket: hicache_args(cluster, inst.spec, inst.entry, sock),
                 env=dict(cluster.replication.env),
                 ready_timeout_s=cluster.replication.ready_timeout_s,

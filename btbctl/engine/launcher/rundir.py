@@ -6,8 +6,11 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
     <run dir>/state.json      the fleet: urls, and per process pid, process group, start time, argv, log file
     <run dir>/control.token   bearer token for the control API's writes (``secrets.token_urlsafe(32)``)
     <run dir>/worker.token    token the gateway presents to the workers' BTB routes
-    <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): peers authenticate with it
-    <run dir>/agent.token     bearer token of the agents' control APIs (l3)
+    <run dir>/agent.secret    fleet secret of the node agents (replication mode l3): stays on this machine (the
+                              gateway derives each agent's control token from it); each agent gets its node
+                              credentials and control token derived from it
+    <run dir>/<agent>.keys    the node credentials of an agent on this machine (``agent-local.keys``)
+    <run dir>/<agent>.token   the bearer token of that agent's control API (``agent-local.token``)
     <run dir>/agent.sock      the local node agent's socket (l3; elsewhere when this path is too long)
     <run dir>/tuned.json      the constants and policy of the last confirmed control-API write, whoever made it
                               (``btbctl tune``, the dashboard, a raw ``PUT /control/constants``); the gateway
@@ -355,9 +358,35 @@ class RunDir:
     def agent_secret_path(self) -> Path:
         return self.path / "agent.secret"
 
-    @property
-    def agent_token_path(self) -> Path:
-        return self.path / "agent.token"
+    def agent_credentials_path(self, agent: str) -> Path:
+        """The node credentials file of agent ``agent`` (one on this machine)."""
+        return self.path / f"{agent}.keys"
+
+    def agent_control_token_path(self, agent: str) -> Path:
+        """The control token file of agent ``agent`` (one on this machine)."""
+        return self.path / f"{agent}.token"
+
+    def write_agent_credentials(self, agents: list[str], local: list[str]) -> dict[str, tuple[str, str]]:
+        """Derive each agent's node credentials (:func:`~btbctl.engine.replication.credentials.
+        node_credentials_text`: it can speak to every other agent of ``agents``, only as itself) and control token
+        (:func:`~btbctl.engine.replication.credentials.control_token`) from the fleet secret; write those of the agents
+        in ``local`` (on this machine) to :meth:`agent_credentials_path` and :meth:`agent_control_token_path` (0600,
+        atomically); return them all, ``{agent: (credentials, token)}``. Raises :class:`BtbctlError` when a file
+        cannot be read or written."""
+        from btbctl.engine.replication.credentials import control_token, node_credentials_text
+
+        try:
+            secret = read_text_bounded(self.agent_secret_path).strip().encode()
+        except (OSError, UnicodeDecodeError) as e:
+            raise BtbctlError(f"cannot read {self.agent_secret_path}: {e}") from None
+        out = {a: (node_credentials_text(secret, a, agents), control_token(secret, a)) for a in agents}
+        for a in local:
+            for p, text in zip((self.agent_credentials_path(a), self.agent_control_token_path(a)), out[a], strict=True):
+                try:
+                    write_atomic(p, (text + "\n").encode())
+                except OSError as e:
+                    raise BtbctlError(f"cannot write {p}: {e.strerror or e}") from None
+        return out
 
     @property
     def logs_dir(self) -> Path:
@@ -422,10 +451,10 @@ class RunDir:
         Raises :class:`BtbctlError` when a file cannot be written (a full disk)."""
         return _write_secret(self.token_path), _write_secret(self.worker_token_path)
 
-    def new_agent_secrets(self) -> tuple[str, str]:
-        """Write a fresh fleet secret and agent control token for the node agents (0600 each, atomically); return
-        both. Raises :class:`BtbctlError` when a file cannot be written."""
-        return _write_secret(self.agent_secret_path), _write_secret(self.agent_token_path)
+    def new_agent_secret(self) -> str:
+        """Write a fresh fleet secret for the node agents (0600, atomically; :meth:`write_agent_credentials` derives
+        what each agent gets); return it. Raises :class:`BtbctlError` when the file cannot be written."""
+        return _write_secret(self.agent_secret_path)
 
     def read_token(self) -> str:
         """The control API token. Raises :class:`BtbctlError` when the file is missing or unreadable."""
@@ -482,8 +511,9 @@ class RunDir:
             self.token_path,
             self.worker_token_path,
             self.agent_secret_path,
-            self.agent_token_path,
             self.path / "gateway.json",
+            *self.path.glob("agent-*.keys"),
+            *self.path.glob("agent-*.token"),
         ):
             try:
                 p.unlink()

@@ -7,6 +7,8 @@ Pieces:
   errors, and the registry of transports by name (``tcp``, ``rdma``).
 * :mod:`~btbctl.engine.replication.tcp`: the always-available TCP transport (sender and receiver), wire format
   documented there; every block is checked with xxh3_64 on arrival.
+* :mod:`~btbctl.engine.replication.credentials`: the node agents' per-node keys and control tokens, derived from the
+  fleet secret.
 * :mod:`~btbctl.engine.replication.rdma`: the RDMA transport (pyverbs, imported lazily); raises
   ``BtbctlError("RDMA unavailable: <reason>")`` where no device exists.
 
