@@ -94,6 +94,10 @@ def test_replicate_says_the_modelled_kv_size_and_the_byte_scale():
     assert copy_size(20480, 1_342_177_280, 65536) == "1.34 GB modelled (20.5 kB moved, KV bytes scaled 1/65,536)"
     assert copy_size(20480, 1_342_177_280, 1) == "1.34 GB copied"
     assert copy_size(2_000_000, None, None) == "2 MB copied"
+    # several copies: the sizes are of all of them together, and say so
+    assert (
+        copy_size(61440, 4_026_531_840, 65536, 3) == "4.03 GB modelled in all (61.4 kB moved, KV bytes scaled 1/65,536)"
+    )
 
 
 def test_counts_agree_with_their_nouns():

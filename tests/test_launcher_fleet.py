@@ -340,8 +340,7 @@ def test_replicate_makes_three_more_workers_hold_the_prefix(tmp_path, run_dir):
     assert "copy " in proc.stderr and "done" in proc.stderr  # progress went to stderr
     after = {u: http_json(u + "/btb/match", {"chain": chain})["cached_blocks"] for u in urls}
     assert after == dict.fromkeys(urls, 8)
-    # nobody left to copy to
-    _one_error_line(
-        cli("replicate", "--run-dir", str(run_dir), "--prefix", chain[-1], "-n", "1", check=False), "no eligible target"
-    )
+    # nobody left to copy to: not an error, and it says who holds it
+    again = cli("replicate", "--run-dir", str(run_dir), "--prefix", chain[-1], "-n", "1")
+    assert again.returncode == 0 and again.stdout.startswith(f"prefix {chain[-1]} already held by 4 workers: ")
     cli("down", "--run-dir", str(run_dir))

@@ -34,15 +34,16 @@ def human_bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-def copy_size(moved: int, modelled: float | None, scale: int | None) -> str:
-    """What a copy weighs: the modelled KV size of the prefix when known, and what really moved when an emulated
-    worker scaled the bytes down (``--kv-bytes-scale``), e.g. ``1.34 GB modelled (20.5 kB moved, KV bytes scaled
-    1/65,536)``."""
+def copy_size(moved: int, modelled: float | None, scale: int | None, copies: int = 1) -> str:
+    """What the copies weigh, all of them together: the modelled KV size of the prefix when known, and what really
+    moved when an emulated worker scaled the bytes down (``--kv-bytes-scale``), e.g. ``1.34 GB modelled (20.5 kB
+    moved, KV bytes scaled 1/65,536)``; ``in all`` after the size when ``copies`` is more than one."""
+    all_ = " in all" if copies > 1 else ""
     if modelled is None:
-        return f"{human_bytes(moved)} copied"
+        return f"{human_bytes(moved)} copied{all_}"
     if scale is not None and scale > 1:
-        return f"{human_bytes(modelled)} modelled ({human_bytes(moved)} moved, KV bytes scaled 1/{scale:,})"
-    return f"{human_bytes(modelled)} copied"
+        return f"{human_bytes(modelled)} modelled{all_} ({human_bytes(moved)} moved, KV bytes scaled 1/{scale:,})"
+    return f"{human_bytes(modelled)} copied{all_}"
 
 
 def _modelled(api, res: dict) -> tuple[float | None, int | None]:
@@ -178,17 +179,20 @@ def _copy_result(out: Output, api, res: dict) -> None:
     def human(d: dict) -> None:
         if d["status"] == HELD:
             held = d["holder_names"]
-            out.console.print(f"prefix {d['prefix']} already held by {len(held)} workers: {', '.join(held)}")
+            out.console.print(
+                f"prefix {d['prefix']} already held by {len(held)} workers: {', '.join(held)}", soft_wrap=True
+            )
             return
+        size = copy_size(d["bytes"], d.get("modelled_bytes"), d.get("kv_bytes_scale"), len(d["targets"]))
         out.console.print(
             f"prefix {d['prefix']} from {names.get(d['source'], d['source'])} to "
-            f"{plural(len(d['targets']), 'worker')}: "
-            f"{d['status']}, {copy_size(d['bytes'], d.get('modelled_bytes'), d.get('kv_bytes_scale'))}"
+            f"{plural(len(d['targets']), 'worker')}: {d['status']}, {size}",
+            soft_wrap=True,
         )
         for url in d["targets"]:
-            out.console.print(f"  {names.get(url, url)}")
+            out.console.print(f"  {names.get(url, url)}", soft_wrap=True)
         if d.get("skipped"):
-            out.console.print(f"  ({d['skipped']} fewer than asked: no other eligible worker)")
+            out.console.print(f"  ({d['skipped']} fewer than asked: no other eligible worker)", soft_wrap=True)
 
     out.result(res, human)
     if res["status"] not in ("done", HELD):
