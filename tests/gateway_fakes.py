@@ -165,6 +165,8 @@ class FakeWorker:
         self.requests.append((request.path, body))
         if self.fail == "500":
             return web.json_response({"error": "boom"}, status=500)
+        if self.fail == "400":  # the prompt's fault (e.g. token ids out of the model's vocabulary)
+            return web.json_response({"error": "token id out of vocabulary"}, status=400)
         if self.fail == "abort_before":
             request.transport.abort()
             await asyncio.sleep(0.05)

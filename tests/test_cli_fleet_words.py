@@ -26,7 +26,7 @@ def test_bench_and_replicate_name_workers_and_count_in_the_singular(run_dir):
         prefix = cli_json("prefixes", "--run-dir", str(run_dir))["prefixes"][0]["id"]
         rep = cli("replicate", "--run-dir", str(run_dir), "--prefix", prefix[:12], "-n", "1")
         first = rep.stdout.splitlines()[0]
-        assert first.startswith(f"prefix {prefix} from {served[0]} to 1 worker: done"), rep.stdout
+        assert first.startswith(f"prefix {prefix[:12]} from {served[0]} to 1 worker: done"), rep.stdout
         target = rep.stdout.splitlines()[1].strip()
         assert target in names.values() and target != served[0], rep.stdout
         assert f"-> {target}: " in rep.stderr and not any(url in rep.stdout + rep.stderr for url in names)

@@ -50,7 +50,7 @@ async def test_replicate_says_already_held_and_exits_0_when_every_worker_holds_t
         assert "to 2 workers: done" in out and "copy " in err
         code, out, err = await _cli(env, monkeypatch, capsys, "replicate", "--prefix", pid[:10], "-n", "3")
         assert code == 0, err
-        assert out.strip() == f"prefix {pid} already held by 3 workers: w0, w1, w2"
+        assert out.strip() == f"prefix {pid[:12]} already held by 3 workers: w0, w1, w2"  # ids as `prefixes` shows them
         code, out, _ = await _cli(env, monkeypatch, capsys, "replicate", "--prefix", pid, "-n", "1", "--format", "json")
         res = json.loads(out)
         assert code == 0 and res["status"] == "held" and res["targets"] == [] and len(res["holders"]) == 3
@@ -70,8 +70,10 @@ async def test_prewarm_computes_then_copies_from_a_file_or_stdin(monkeypatch, ca
         computer = next(w for w in env.fleet if w.requests)
         chain = computer.chain_of("/generate", {"text": TEXT})
         name = f"w{env.fleet.index(computer)}"
-        assert f"computed 35 tokens (8 blocks) on {name}; prefix {chain[-1]}" in err
-        assert f"prefix {chain[-1]} from " in out and "to 2 workers: done" in out
+        assert f"computed 35 tokens (8 blocks) on {name}; prefix {chain[-1][:12]}" in err
+        # and the id `btbctl prefixes` lists it under (its first prefix_blocks blocks), so the two can be matched
+        assert f"(btbctl prefixes tracks it as {chain[3][:12]}: its first 4 blocks)" in err
+        assert f"prefix {chain[-1][:12]} from " in out and "to 2 workers: done" in out
         assert sum(chain[-1] in w.held for w in env.fleet) == 3
         # the same prompt once the whole fleet holds it: nothing to do, exit 0
         code, out, err = await _cli(env, monkeypatch, capsys, "prewarm", str(f), "--replicas", "5")

@@ -55,6 +55,8 @@ async def test_put_constants_needs_the_token_and_validates_every_key():
             ({"warm_replicas": 0}, "warm_replicas"),
             ({"prefix_blocks": True}, "prefix_blocks"),
             ({"policy": "nope"}, "policy"),
+            ({"policy": ["btb"]}, "policy"),  # not a string: 400, not a 500
+            ({"policy": {"a": 1}}, "policy"),
             ({"speed": 2}, "speed"),
             ({"threshold": 3, "window_s": 0}, "window_s"),
         ]
@@ -215,6 +217,8 @@ async def test_prewarm_takes_chats_and_token_ids_and_refuses_bad_prompts():
             ({"text": "a b", "input_ids": [1]}, 400, "prompt"),
             ({"text": TEXT, "n": 0}, 400, "n"),
             ({"input_ids": ["x"]}, 400, "input_ids"),
+            ({"input_ids": [-1] * 40}, 400, "input_ids"),  # token ids are in [0, 2^32)
+            ({"input_ids": [2**32] * 40}, 400, "input_ids"),
             ({"text": TEXT, "speed": 1}, 400, "speed"),
             ({"text": "abc"}, 400, None),  # shorter than one block
         ]
@@ -223,6 +227,10 @@ async def test_prewarm_takes_chats_and_token_ids_and_refuses_bad_prompts():
                 err = (await r.json())["error"]
                 assert r.status == status and err.get("key") == key, (obj, err)
         assert "shorter than one block" in err["message"]
+        for w in env.fleet:  # the worker refuses the prompt: the caller's fault, 400 (not a gateway's 502)
+            w.fail = "400"
+        async with env.http.post(url, json={"input_ids": [999_999] * 40}, headers=env.auth()) as r:
+            assert r.status == 400 and "HTTP 400" in (await r.json())["error"]["message"]
         for w in env.fleet:
             w.fail = "500"
         async with env.http.post(url, json={"text": "another prompt " * 5}, headers=env.auth()) as r:

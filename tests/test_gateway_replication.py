@@ -155,6 +155,6 @@ async def test_a_declared_burst_fires_the_detector_on_its_first_request_within_t
         await env.post("/generate", {"text": other + "x"}, headers={"X-BTB-Expected-Requests": "50"})
         capped = [r.getMessage() for r in caplog.records if "declared_burst_capped" in r.getMessage()]
         assert len(capped) == 1 and "asked=49" in capped[0] and "granted=3" in capped[0] and "cap=10" in capped[0]
-        for bad in ("0", "-3", "many", "1e3", "99999999999"):
+        for bad in ("0", "-3", "many", "1e3", "99999999999", "\u00b2", "\uff13", "\u0663"):  # not ASCII digits
             status, body = await env.post("/generate", {"text": other}, headers={"X-BTB-Expected-Requests": bad})
             assert status == 400 and "X-BTB-Expected-Requests" in body["error"]["message"], bad

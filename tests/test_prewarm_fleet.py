@@ -38,7 +38,7 @@ def test_prewarm_then_replicate_then_a_declared_burst_on_a_live_fleet(tmp_path, 
         cli("replicate", "--prefix", chain[-1][:10], "-n", "3", "--run-dir", str(run_dir))
         again = cli("replicate", "--prefix", chain[-1][:10], "-n", "3", "--run-dir", str(run_dir))
         names = ", ".join(f"worker-{i}" for i in range(4))
-        assert again.stdout.strip() == f"prefix {chain[-1]} already held by 4 workers: {names}"
+        assert again.stdout.strip() == f"prefix {chain[-1][:12]} already held by 4 workers: {names}"
         pre = cli("prewarm", str(f), "-n", "1", "--run-dir", str(run_dir))
         assert "already held by 4 workers" in pre.stdout
         unknown = cli("replicate", "--prefix", "0123456789abcdef", "--run-dir", str(run_dir), check=False)

@@ -165,8 +165,18 @@ def _copy_progress(out: Output, api) -> Callable[[list[dict]], None]:
     return progress
 
 
+def _tracked_blocks(api) -> int:
+    """The gateway's ``prefix_blocks`` (how long a prefix the detector tracks), 0 when it cannot be read."""
+    try:
+        return api.constants().constants.prefix_blocks
+    except Exception:  # noqa: BLE001 - the note is extra
+        return 0
+
+
 def _copy_result(out: Output, api, res: dict) -> None:
-    """Print a replicate's (or prewarm's) result and exit as :data:`COPY_EXIT_HELP` says."""
+    """Print a replicate's (or prewarm's) result and exit as :data:`COPY_EXIT_HELP` says (prefix ids as `btbctl
+    prefixes` shows them; the JSON keeps the full ones)."""
+    from btbctl.engine.chains import short_id
     from btbctl.engine.control.steering import HELD
 
     res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
@@ -180,12 +190,12 @@ def _copy_result(out: Output, api, res: dict) -> None:
         if d["status"] == HELD:
             held = d["holder_names"]
             out.console.print(
-                f"prefix {d['prefix']} already held by {len(held)} workers: {', '.join(held)}", soft_wrap=True
+                f"prefix {short_id(d['prefix'])} already held by {len(held)} workers: {', '.join(held)}", soft_wrap=True
             )
             return
         size = copy_size(d["bytes"], d.get("modelled_bytes"), d.get("kv_bytes_scale"), len(d["targets"]))
         out.console.print(
-            f"prefix {d['prefix']} from {names.get(d['source'], d['source'])} to "
+            f"prefix {short_id(d['prefix'])} from {names.get(d['source'], d['source'])} to "
             f"{plural(len(d['targets']), 'worker')}: {d['status']}, {size}",
             soft_wrap=True,
         )
@@ -255,6 +265,7 @@ def prewarm(
 ) -> None:
     """Keep a prompt warm before its batch starts: one worker computes it (the routing policy's choice), then its KV
     cache is copied to N more workers, as `replicate` does; progress on stderr, the result on stdout."""
+    from btbctl.engine.chains import short_id
     from btbctl.engine.control.steering import check_replicas, follow_copies, read_prompt
     from btbctl.engine.errors import BtbctlError
     from btbctl.engine.launcher.control import client_for_run
@@ -272,7 +283,12 @@ def prewarm(
             computed = started.computed_by or "a worker"
         out.info(
             f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on {computed}; "
-            f"prefix {started.prefix}"
+            f"prefix {short_id(started.prefix)}"
+            + (
+                f" (btbctl prefixes tracks it as {short_id(started.hot_prefix)}: its first {plural(y, 'block')})"
+                if started.hot_prefix and started.hot_prefix != started.prefix and (y := _tracked_blocks(api))
+                else ""
+            )
         )
         res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out, api))
         res.update(

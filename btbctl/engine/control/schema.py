@@ -13,7 +13,7 @@ Answers ignore fields they do not know (a newer gateway may add some); request b
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
@@ -557,8 +557,9 @@ class PrewarmRequest(Body):
     """A plain prompt (computed as SGLang's ``POST /generate`` with ``text``)."""
     messages: list[dict[str, Any]] | None = None
     """A chat (computed as ``POST /v1/chat/completions``, so its template matches the batch's chat requests)."""
-    input_ids: list[int] | None = None
-    """Token ids (computed as ``POST /generate`` with ``input_ids``)."""
+    input_ids: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = None
+    """Token ids, each in [0, 2^32) (computed as ``POST /generate`` with ``input_ids``; a worker refusing them, e.g.
+    out of its vocabulary, answers the prewarm 400)."""
     n: int = Field(1, ge=1)
     """How many more workers should get a copy once one worker computed it (>= 1)."""
 
@@ -580,6 +581,9 @@ class PrewarmAnswer(ReplicateAnswer):
     """The prompt's length, tokens."""
     prefix_blocks: int
     """Blocks of the prompt kept warm (its whole blocks; ``prefix`` is the last one's id)."""
+    hot_prefix: str | None = None
+    """The id ``GET /control/prefixes`` and the detector track this prompt under (its first ``prefix_blocks``
+    blocks of the gateway's constants), or None when the prompt is shorter than that."""
 
 
 class ReplicationAnswer(Answer):

@@ -161,10 +161,11 @@ class GatewayConfig(BaseModel):
     max_event_subscribers: int = Field(32, ge=1)
     """Concurrent ``GET /control/events`` streams at most; beyond: 503 with ``Retry-After``."""
     declared_requests_max: int = Field(64, ge=0, le=1_000_000)
-    """Extra arrivals one client (its bearer token, else its address) may declare with the
-    ``X-BTB-Expected-Requests`` header within the detector's trailing window (``window_s``); what is asked beyond is
-    not counted (one ``declared_burst_capped`` log line per client and window). 0 turns the header off. The default
-    lets a batch client make a prefix hot at once (``threshold`` is 2 by default) but not spray heat over many."""
+    """Extra arrivals one client (its address: the data plane takes no token, which a client could mint anew) may
+    declare with the ``X-BTB-Expected-Requests`` header within the detector's trailing window (``window_s``); what is
+    asked beyond is not counted (one ``declared_burst_capped`` log line per client and window). 0 turns the header
+    off. The default lets a batch client make a prefix hot at once (``threshold`` is 2 by default) but not spray heat
+    over many."""
     first_byte_timeout_s: float = Field(300.0, gt=0)
     """Longest wait for a worker's first byte (a stream's first data chunk; a non-streamed answer's head, which
     comes when the whole answer is ready), seconds; beyond, the worker counts as failed and the request is retried

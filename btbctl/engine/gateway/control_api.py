@@ -214,7 +214,7 @@ class ControlApi:
             if k not in valid and k != WARM_REPLICAS_ALIAS:
                 return _err(400, f"{k}: unknown key", key=k, valid=valid)
         policy = obj.get("policy")
-        if "policy" in obj and policy not in POLICIES:
+        if "policy" in obj and (not isinstance(policy, str) or policy not in POLICIES):
             return _err(400, f"policy: {live_policy_error(policy)}", key="policy", valid=list(POLICIES))
         updates = {k: v for k, v in obj.items() if k != "policy"}
         steering = self.steering

@@ -764,7 +764,7 @@ def _expected_requests(raw: str) -> int | None:
     """The value of :data:`EXPECTED_REQUESTS_HEADER`, or None when it is not an integer in
     ``[1, MAX_EXPECTED_REQUESTS]``."""
     text = raw.strip()
-    if not text.isdigit() or len(text) > 10:
+    if not (text.isascii() and text.isdigit()) or len(text) > 10:  # ASCII: str.isdigit() also takes '²' and '３'
         return None
     n = int(text)
     return n if 1 <= n <= MAX_EXPECTED_REQUESTS else None

@@ -115,6 +115,9 @@ class PrewarmOutcome:
     computed_by: int
     prompt_tokens: int
     blocks: int
+    hot_prefix: str | None = None
+    """The id the detector tracks this prompt under (its first ``prefix_blocks`` blocks; what ``btbctl prefixes``
+    lists), or None when the prompt is shorter than that."""
 
 
 class CopyExecutor:

@@ -446,7 +446,11 @@ class Reports:
         copies = self.replicate(done.copies).model_dump()  # the same fields, as a PrewarmAnswer extends them
         computed = urls[done.computed_by] if 0 <= done.computed_by < len(urls) else ""
         return PrewarmAnswer(
-            **copies, computed_by=computed, prompt_tokens=done.prompt_tokens, prefix_blocks=done.blocks
+            **copies,
+            computed_by=computed,
+            prompt_tokens=done.prompt_tokens,
+            prefix_blocks=done.blocks,
+            hot_prefix=done.hot_prefix,
         )
 
 

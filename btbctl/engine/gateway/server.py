@@ -464,12 +464,15 @@ class Gateway:
                 worker = resp.headers.get(WORKER_HEADER)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise ReplicateError(502, f"computing the prompt failed: {type(e).__name__}: {e}") from None
-        if status != 200:
-            raise ReplicateError(502, f"computing the prompt failed: HTTP {status}: {' '.join(text.split())}")
+        if status != 200:  # a worker's 4xx is the prompt's fault (e.g. token ids out of its vocabulary): the caller's
+            code = 400 if 400 <= status < 500 and status not in (408, 429) else 502
+            raise ReplicateError(code, f"computing the prompt failed: HTTP {status}: {' '.join(text.split())}")
         by_url = {w.url: w.index for w in self.state.workers}
         computed_by = by_url.get(worker or "", -1)
         outcome = await self.replicate(tuple(chain), n)
-        return PrewarmOutcome(outcome, computed_by, n_tokens, len(chain))
+        y = self.constants.prefix_blocks
+        hot = str(chain[y - 1]) if len(chain) >= y else None
+        return PrewarmOutcome(outcome, computed_by, n_tokens, len(chain), hot)
 
     async def flush(self) -> dict[str, str]:
         """Empty every worker's cache (``POST /flush_cache``, SGLang's route) and forget what the gateway recorded
