@@ -319,6 +319,8 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
         "workers.yaml",
     ]
     assert len(summary["objects"]) == 11 and summary["secret"] == "btb-secrets"
+    # every Secret the pods read, with its keys: the model's token too, not only btbctl's own
+    assert summary["secrets"] == {"btb-secrets": ["control-token", "fleet-secret", "worker-token"], "hf": ["token"]}
     kust = yaml.safe_load((out / "kustomization.yaml").read_text())
     assert kust["namespace"] == "llm"
     assert kust["resources"] == [
@@ -337,7 +339,8 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
     emu_only = EMULATED
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
-    capsys.readouterr()
+    said = capsys.readouterr().out
+    assert "create the Secret btb-secrets (keys control-token, worker-token) in it" in said, said
     assert sorted(os.listdir(out)) == [
         "gateway.yaml",
         "kustomization.yaml",
@@ -350,7 +353,8 @@ def test_cli_writes_a_kustomize_base_or_a_stream(tmp_path, capsys):
     (out / "agents.yaml").write_text("# my agents\nkind: mine\n")
     with pytest.raises(SystemExit):
         main(["deploy", "render", "-c", str(emu_only), "--out", str(out)])
-    capsys.readouterr()
+    said = capsys.readouterr().out
+    assert "create the Secret btb-secrets (keys control-token, worker-token) in it" in said, said
     assert (out / "agents.yaml").read_text() == "# my agents\nkind: mine\n"
 
 

@@ -72,16 +72,22 @@ def render(
         ],
         "namespace": k8s.namespace,
         "secret": k8s.secret_name,
+        "secrets": kube.secrets_needed(kube.objects(manifests)),
     }
+
+    def secrets_line(d: dict) -> str:
+        parts = [f"{name} (key{'s' if len(keys) > 1 else ''} {', '.join(keys)})" for name, keys in d["secrets"].items()]
+        return f"the Secret{'s' if len(parts) > 1 else ''} {' and '.join(parts)}" if parts else "no Secret"
+
     out.result(
         summary,
         lambda s: out.console.print(
             f"wrote {plural(len(s['objects']), 'object')} in {plural(len(s['files']), 'file')} to {s['out']} "
             f"(namespace {s['namespace']}); "
             + (
-                f"kubectl apply -f {os.path.join(s['out'], 'namespace.yaml')}, create the Secret {s['secret']} in it, "
+                f"kubectl apply -f {os.path.join(s['out'], 'namespace.yaml')}, create {secrets_line(s)} in it, "
                 if any(o["kind"] == "Namespace" for o in s["objects"])
-                else f"create the Secret {s['secret']} first, "
+                else f"create {secrets_line(s)} first, "
             )
             + f"then: kubectl apply -k {s['out']}",
             soft_wrap=True,

@@ -65,6 +65,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,6 +361,31 @@ def _namespace(k8s: KubernetesSection, agents: bool) -> dict:
     del meta["namespace"]
     meta["labels"]["pod-security.kubernetes.io/enforce"] = "privileged" if agents else "restricted"
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": meta}
+
+
+def secrets_needed(objects: Iterable[dict]) -> dict[str, list[str]]:
+    """``{Secret name: [keys]}`` the rendered ``objects`` read (volumes and ``secretKeyRef`` environment variables):
+    what an operator must create before applying them, sorted."""
+    need: dict[str, set[str]] = {}
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            ref = node.get("secretKeyRef")
+            if isinstance(ref, dict) and "name" in ref:
+                need.setdefault(ref["name"], set()).add(ref.get("key", ""))
+            vol = node.get("secret")
+            if isinstance(vol, dict) and "secretName" in vol:
+                keys = need.setdefault(vol["secretName"], set())
+                keys.update(i["key"] for i in vol.get("items") or [] if "key" in i)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    for o in objects:
+        walk(o)
+    return {name: sorted(k for k in keys if k) for name, keys in sorted(need.items())}
 
 
 def _secret_volume(k8s: KubernetesSection, keys: list[str]) -> dict:
