@@ -88,7 +88,8 @@ def test_progress_lines_when_piped(capsys):
 
 
 def test_replicate_says_the_modelled_kv_size_and_the_byte_scale():
-    from btbctl.commands.steer import copy_size, human_bytes
+    from btbctl.commands.steer import copy_size
+    from btbctl.engine.wording import human_bytes
 
     assert human_bytes(1_342_177_280) == "1.34 GB" and human_bytes(20480) == "20.5 kB" and human_bytes(12) == "12 B"
     assert copy_size(20480, 1_342_177_280, 65536) == "1.34 GB modelled (20.5 kB moved, KV bytes scaled 1/65,536)"
@@ -143,6 +144,7 @@ def test_bench_names_workers_and_counts_in_the_singular(capsys):
     text = capsys.readouterr().out
     assert text.startswith("1 request to http://127.0.0.1:30080 (generate): 1 ok, 0 errors"), text
     assert "worker-0" in text and "worker-1" in text and ":40001" not in text and ":40002" not in text
+    assert "20.5 kB" in text and "20480" not in text  # sizes in decimal units, as everywhere else
     _render(Output(), _bench_result(requests=3, ok=2, errors=1, errors_by_status={"503": 1}), {})
     text = capsys.readouterr().out
     assert text.startswith("3 requests to ") and "2 ok, 1 error (503: 1)" in text

@@ -11,7 +11,7 @@ import typer
 from btbctl.commands.app import app
 from btbctl.commands.options import FleetOpt, OutputFormat, RunDirOpt
 from btbctl.commands.output import Format, Output
-from btbctl.engine.wording import plural
+from btbctl.engine.wording import human_bytes, plural
 
 
 def _ms(x) -> str:
@@ -63,7 +63,7 @@ def _render(out: Output, d: dict, names: dict[str, str] | None = None) -> None:
                 names.get(x["source"], x["source"]),
                 names.get(x["target"], x["target"]),
                 x["state"],
-                str(x["bytes"]),
+                human_bytes(x["bytes"]),
                 secs,
                 proof,
             )

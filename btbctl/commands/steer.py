@@ -13,7 +13,7 @@ from btbctl.commands.app import app
 from btbctl.commands.fleet import SOURCE_WORDS, count_cell, kv_cell
 from btbctl.commands.options import FleetOpt, OutputFormat, RunDirOpt
 from btbctl.commands.output import Format, Output
-from btbctl.engine.wording import plural
+from btbctl.engine.wording import human_bytes, plural
 
 
 class PromptKind(str, enum.Enum):
@@ -23,15 +23,6 @@ class PromptKind(str, enum.Enum):
     text = "text"
     chat = "chat"
     ids = "ids"
-
-
-def human_bytes(n: float | None) -> str:
-    """Bytes in decimal units (GB = 1e9, as ``btbctl presets`` and the TUI): ``1.34 GB``, ``20.5 kB``."""
-    n = float(n or 0)
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def copy_size(moved: int, modelled: float | None, scale: int | None, copies: int = 1) -> str:
