@@ -151,3 +151,27 @@ def test_run_directory_order_and_fleet_names(tmp_path, monkeypatch):
             default_run_dir()
     finally:
         select_fleet(None)
+
+
+def test_doctor_names_the_running_fleet_that_holds_a_busy_port(tmp_path, monkeypatch):
+    import socket
+
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.cluster import load_cluster
+    from btbctl.engine.launcher.doctor import doctor
+
+    with socket.socket() as busy:  # the gateway port of a fleet that runs (the row list_fleets gives for it)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(f'[gateway]\nport = {port}\ncontrol_port = 0\n\n[[workers]]\nname = "w"\ncount = 1\n')
+        running = {"name": "demo", "state": "running", "gateway_url": f"http://127.0.0.1:{port}", "control_url": None}
+        monkeypatch.setattr(fleet, "list_fleets", lambda root=None: [running])
+        problems = doctor(load_cluster(str(cfg)))["hosts"][0]["problems"]
+        said = [p for p in problems if p.startswith(f"port {port}: ")]
+        assert len(said) == 1 and "btbctl fleet demo holds it: `btbctl down --fleet demo`" in said[0], problems
+        monkeypatch.setattr(fleet, "list_fleets", lambda root=None: [{**running, "state": "stopped"}])
+        problems = doctor(load_cluster(str(cfg)))["hosts"][0]["problems"]
+        said = [p for p in problems if p.startswith(f"port {port}: ")]
+        assert len(said) == 1 and "fleet" not in said[0]  # someone else's: no fleet to blame

@@ -178,6 +178,22 @@ class _Needs:
         return out
 
 
+def _ports_of_running_fleets() -> dict[int, str]:
+    """``{port: fleet name}`` of the gateway and control ports of the fleets running on this machine (their run
+    directories under the state directory), so a busy port can be blamed on the fleet that holds it."""
+    from btbctl.engine.launcher.fleet import list_fleets
+
+    out: dict[int, str] = {}
+    for f in list_fleets():
+        if f["state"] not in ("running", "degraded"):
+            continue
+        for url in (f["gateway_url"], f["control_url"]):
+            port = (url or "").rpartition(":")[2].rstrip("/")
+            if port.isascii() and port.isdigit():
+                out[int(port)] = f["name"]
+    return out
+
+
 def _row(name: str, address: str) -> dict:
     return {
         "host": name,
@@ -237,9 +253,23 @@ def _fill(row: dict, probe: dict, needs: _Needs, others: dict[str, dict]) -> Non
                 row["problems"].append(f"SGLang's Python {py} cannot import btbctl.sglang_l3 ({status}); {l3_fix(py)}")
     if needs.sglang and not row["sglang"]:
         row["problems"].append("sglang is not importable by this Python")
+    held = (
+        _ports_of_running_fleets()
+        if row["host"] == "local" and any(st != "free" for st in (row["ports"] or {}).values())
+        else {}
+    )
     for port, st in (row["ports"] or {}).items():
         if st != "free":
-            row["problems"].append(f"port {port}: {st}")
+            fleet = held.get(int(port))
+            row["problems"].append(
+                f"port {port}: {st}"
+                + (
+                    f" (btbctl fleet {fleet} holds it: `btbctl down --fleet {fleet}` first, or start this one as "
+                    "another named fleet, which takes free gateway ports)"
+                    if fleet
+                    else ""
+                )
+            )
     if probe.get("setsid") is False:
         row["problems"].append("setsid is not installed (util-linux)")
     if needs.gpu_ids:
