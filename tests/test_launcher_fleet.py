@@ -99,6 +99,8 @@ def test_up_detached_status_tune_down(run_dir):
     assert st2["gateway_url"] == st["gateway_url"]
     for w in st2["workers"]:
         assert {"name", "url", "healthy"} <= set(w) and w["healthy"] is True
+        # how long ago the gateway read the worker's numbers, seconds (not a reading of the gateway's own clock)
+        assert w["metrics_age_s"] is None or 0 <= w["metrics_age_s"] < 60, w
 
     # tune: validated locally, applied by the gateway, confirmed back
     _one_error_line(cli("tune", "--run-dir", str(run_dir), "threshold=0", check=False), "threshold")

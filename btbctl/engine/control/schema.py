@@ -194,7 +194,8 @@ class FleetWorker(Answer):
     metrics_note: str | None = None
     """Why its ``/metrics`` numbers are missing (null when they are there)."""
     last_metrics_s: float | None = None
-    """When its ``/metrics`` was last read successfully (null before)."""
+    """When its ``/metrics`` was last read successfully, on the gateway's clock (compare with the answer's
+    ``now_s``; null before)."""
     replication: bool
     """Copies to and from it are possible (``push``: it has the ``/btb`` routes and the gateway's page size; ``l3``:
     it is healthy and has a node agent)."""

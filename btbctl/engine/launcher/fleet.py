@@ -796,7 +796,7 @@ def status(rd: RunDir) -> dict:
                       "replication", "metrics_source", "running", "waiting", "kv_used_tokens", "kv_cached_tokens",
                       "kv_capacity_tokens", "kv_use", "host_tier_tokens", "host_tier_capacity_tokens",
                       "storage_hit_tokens_total", "storage_prefetched_tokens_total", "storage_backup_tokens_total",
-                      "load_back_tokens_total", "metrics_note", "last_metrics_s"}],
+                      "load_back_tokens_total", "metrics_note", "last_metrics_s", "metrics_age_s"}],
          "agents": [{"name", "host", "control_url", "peer", "alive", "pid", "healthy", "problem"}]}
 
     ``healthy`` is the gateway's verdict when its control API answers (and the process is alive), else whether the
@@ -804,11 +804,12 @@ def status(rd: RunDir) -> dict:
     gateway's count of requests in flight to it; ``health_error`` why it is unhealthy; ``replication`` how copies
     reach it (``l3``, ``push`` or ``none``: the gateway's view, else the fleet's mode). The worker's own numbers
     (``metrics_source`` ... ``last_metrics_s``: :data:`~btbctl.engine.control.schema.WORKER_NUMBERS`, see the
-    control API's ``FleetWorker``) are the gateway's, null when its control API does not answer. ``agents`` are the node
-    agents of ``l3`` mode (empty otherwise); each is probed (:func:`probe_agent`: process, control ``/health``, a
-    TCP connection to its copy port): ``healthy`` when all answer, else ``problem`` says what does not, the verdict
-    is ``degraded``, and the workers that use it say so (``replication`` ``l3 (agent down)``, ``agent_down`` its
-    name, ``health_error`` why). Raises :class:`BtbctlError` when nothing is recorded.
+    control API's ``FleetWorker``; ``last_metrics_s`` is on the gateway's clock) are the gateway's, null when its
+    control API does not answer; ``metrics_age_s`` is how long ago, seconds, the gateway last read them. ``agents``
+    are the node agents of ``l3`` mode (empty otherwise); each is probed (:func:`probe_agent`: process, control
+    ``/health``, a TCP connection to its copy port): ``healthy`` when all answer, else ``problem`` says what does
+    not, the verdict is ``degraded``, and the workers that use it say so (``replication`` ``l3 (agent down)``,
+    ``agent_down`` its name, ``health_error`` why). Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
     if state is None:
@@ -889,6 +890,11 @@ def status(rd: RunDir) -> dict:
                 "replication": mode,
                 "agent_down": agent_down,
                 **{k: getattr(g, k) if g is not None else None for k in WORKER_NUMBERS},
+                "metrics_age_s": (
+                    round(fleet.now_s - g.last_metrics_s, 3)
+                    if fleet is not None and g is not None and g.last_metrics_s is not None
+                    else None
+                ),
             }
         )
     gw = state.gateway()
