@@ -34,11 +34,14 @@ def pack_text(text: str, errors: str = "strict") -> bytes:
     return data + b"\0" * pad if pad else data
 
 
-def pack_tokens(tokens: Sequence[int]) -> bytes:
-    """Token ids packed as little-endian uint32, each taken modulo 2**32. Raises TypeError for non-integers."""
+def pack_tokens(tokens: Sequence[int], strict: bool = False) -> bytes:
+    """Token ids packed as little-endian uint32, each taken modulo 2**32 (``strict``: OverflowError for an id
+    outside [0, 2**32) instead). Raises TypeError for non-integers."""
     try:
         arr = array("I", tokens)
     except OverflowError:  # negative or >= 2**32
+        if strict:
+            raise
         arr = array("I", [t & 0xFFFFFFFF for t in tokens])
     if not _LITTLE:
         arr.byteswap()

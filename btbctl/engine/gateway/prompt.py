@@ -85,18 +85,21 @@ def render_chat(messages: Any) -> str:
 
 
 def ids_to_bytes(ids: Any, field: str) -> bytes:
-    """Token ids packed as little-endian uint32, each taken modulo 2**32 (the shared
-    :func:`~btbctl.engine.hashing.pack_tokens`, with its errors worded for the client).
+    """Token ids packed as little-endian uint32 (the shared :func:`~btbctl.engine.hashing.pack_tokens`, with its
+    errors worded for the client).
 
     Raises:
-        PromptError: ``ids`` is not a list of integers (``field`` names it in the message).
+        PromptError: ``ids`` is not a list of integers in [0, 2^32) (``field`` names it in the message): an id
+            outside cannot be a token, and taken modulo 2^32 it would count as another prompt's arrival.
     """
     if not isinstance(ids, list):
         raise PromptError(f"'{field}' must be a list of integers")
     try:
-        return hashing.pack_tokens(ids)
+        return hashing.pack_tokens(ids, strict=True)
     except TypeError:
         raise PromptError(f"'{field}' must be a list of integers") from None
+    except OverflowError:
+        raise PromptError(f"'{field}' must be token ids in [0, 2^32)") from None
 
 
 def text_to_bytes(text: str) -> bytes:
