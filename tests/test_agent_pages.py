@@ -10,7 +10,7 @@ import time
 import pytest
 
 from btbctl.engine.agent.local import LocalServer
-from btbctl.engine.agent.pages import ALIGN_BYTES, ExtentAllocator, NoRoom, PageStore
+from btbctl.engine.agent.pages import ALIGN_BYTES, ExtentAllocator, NoRoom, PageStore, aligned_bytes
 from btbctl.sglang_l3.client import AgentClient, AgentUnavailable
 from btbctl.sglang_l3.keys import Namespace, page_keys
 from btbctl.sglang_l3.wire import encode, recv_frame
@@ -153,3 +153,62 @@ def test_a_copy_replaces_a_held_page_and_frees_the_old_one_only_when_its_last_re
     tok, offs = store.reserve(names, [PAGE] * 2, "local:2", all_or_none=False)
     assert offs == [-1, -1] and store.commit(tok) == [True, True] and store.provenance(names) == ["copy:c7"] * 2
     store.close()
+
+
+def _evicted(events: list) -> int:
+    return sum(f["pages"] for e, f in events if e == "evicted")
+
+
+@pytest.mark.parametrize(
+    ("count", "size"),
+    [(9, ALIGN_BYTES), (40, 4096), (16, 1)],  # more pages than the arena holds; 16 one-byte pages take 16 slots
+)
+def test_a_reservation_that_cannot_fit_evicts_nothing(count, size):
+    events: list = []
+    store = PageStore(8 * ALIGN_BYTES, on_event=lambda e, f: events.append((e, f)))
+    held = _names(3, "held")
+    _fill(store, held, ALIGN_BYTES)
+    used = store.stats()["used_bytes"]
+    with pytest.raises(NoRoom):
+        store.reserve(_names(count), [size] * count, "copy:big", all_or_none=True)
+    assert store.leading_ready(held) == 3 and _evicted(events) == 0 and store.evictions == 0
+    assert store.stats()["used_bytes"] == used and store.stats()["pending_bytes"] == 0
+    _fill(store, _names(5, "more"), ALIGN_BYTES)  # the free room is intact: 5 more pages fit without eviction
+    assert _evicted(events) == 0 and store.leading_ready(held) == 3
+
+
+def test_a_fitting_reservation_still_evicts_least_recently_used_first():
+    events: list = []
+    store = PageStore(8 * ALIGN_BYTES, on_event=lambda e, f: events.append((e, f)))
+    old = _names(8, "old")
+    _fill(store, old, ALIGN_BYTES)
+    store.lease(old[:1], ALIGN_BYTES, "reader")  # oldest, but leased: spared (and now the most recently used)
+    tok, offs = store.reserve(_names(3), [ALIGN_BYTES] * 3, "copy:x", all_or_none=True)
+    assert None not in offs and events[-1] == (
+        "evicted",
+        {"pages": 3, "bytes": 3 * ALIGN_BYTES, "reason": "reservation by copy:x"},
+    )
+    assert [store.leading_ready([n]) for n in old] == [1, 0, 0, 0, 1, 1, 1, 1]
+    assert store.abort(tok) == 3 * ALIGN_BYTES
+
+
+def test_a_reservation_never_evicts_a_page_it_reports_as_held():
+    store = PageStore(4 * ALIGN_BYTES)
+    names = _names(5)
+    _fill(store, names[:4], ALIGN_BYTES)  # names[0] is the least recently used
+    tok, offs = store.reserve(names[:1] + names[4:], [ALIGN_BYTES] * 2, "local", all_or_none=True)
+    assert offs[0] == -1 and offs[1] is not None
+    assert store.leading_ready(names[:1]) == 1 and store.leading_ready(names[1:2]) == 0
+
+
+def test_a_partial_reservation_without_all_or_none_takes_what_fits():
+    store = PageStore(4 * ALIGN_BYTES)
+    _fill(store, _names(2, "old"), ALIGN_BYTES)
+    tok, offs = store.reserve(_names(6), [ALIGN_BYTES] * 6, "local", all_or_none=False)
+    assert sum(o is not None for o in offs) == 4 and offs[4:] == [None, None]
+    assert store.leading_ready(_names(2, "old")) == 0
+
+
+def test_arena_bytes_of_pages_count_whole_aligned_slots():
+    assert aligned_bytes([1] * 65_536) == 256 << 20  # 65,536 one-byte pages take 256 MiB of arena, not 64 KiB
+    assert aligned_bytes([ALIGN_BYTES, ALIGN_BYTES + 1, 0]) == 3 * ALIGN_BYTES

@@ -3,6 +3,7 @@ line, never serving an unverified page. In-process agents (threads) except where
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -680,3 +681,152 @@ def test_a_relay_chain_runs_on_node_credentials(nodes):
     outsider.fill(names)
     outsider.peers.push("c2", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c2")}], "star"))
     assert "no key for agent 't'" in outsider.final("c2", "source")["error"]  # not in its fleet: no key to speak
+
+
+# -- hostile input on the copy port ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def thread_errors():
+    """Exceptions that escaped a thread (each would print a traceback through the thread excepthook)."""
+    import threading
+
+    errors: list[str] = []
+    old = threading.excepthook
+    threading.excepthook = lambda a: errors.append(f"{a.exc_type.__name__}: {a.exc_value}")
+    yield errors
+    threading.excepthook = old
+
+
+def _metered(node: Node):
+    """Route ``node``'s copy-port events through the agent's metrics sink too (rate-limited log, counters)."""
+    from btbctl.engine.agent.events import AgentMetrics
+
+    m = AgentMetrics()
+    node.peers.event = lambda e, f: (node.event(e, f), m.event(e, f))
+    return m
+
+
+def _auth_with_mac(node: Node, mac_value: object) -> bytes:
+    h, p = node.addr.split(":")
+    conn = Conn(socket.create_connection((h, int(p))), 5.0)
+    assert conn.recv_json()["op"] == "challenge"
+    conn.send_json({"op": "auth", "nonce": "a" * 32, "agent": "intruder", "mac": mac_value})
+    conn.sock.settimeout(5)
+    rest = conn.sock.recv(4096)
+    conn.close()
+    return rest
+
+
+def test_a_non_ascii_mac_is_a_failed_authentication_logged_once_and_counted(nodes, thread_errors, caplog):
+    dst = nodes("dst")
+    m = _metered(dst)
+    with caplog.at_level("WARNING", logger="btbctl.agent"):
+        for mac_value in ("é" * 64, "\udcff" * 64, 7):
+            assert _auth_with_mac(dst, mac_value) == b""  # closed, no auth_ok
+        wait_for(lambda: len(dst.lines("auth_failed")) == 3, 5, "three auth_failed events")
+    assert all("bad MAC for agent 'intruder'" in line for line in dst.lines("auth_failed"))
+    assert m.registry.get_sample_value("btbctl_agent_auth_failures_total") == 3
+    assert len([r for r in caplog.records if "auth_failed" in r.getMessage()]) == 1  # once per kind and window
+    assert thread_errors == [] and not dst.lines("peer_error")
+
+
+def test_a_target_answering_with_a_non_ascii_mac_fails_the_copy_as_an_authentication_failure(nodes, thread_errors):
+    import threading
+
+    src = nodes("src")
+    names = _names(2)
+    src.fill(names)
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def hostile_target():
+        sock, _ = srv.accept()
+        conn = Conn(sock, 5.0)
+        conn.send_json({"op": "challenge", "v": 1, "nonce": "b" * 32, "agent": "hostile"})
+        conn.recv_json()  # the source's auth
+        conn.send_json({"op": "auth_ok", "mac": "é" * 64})
+        with contextlib.suppress(PeerError, OSError):
+            conn.recv_json()  # nothing more comes: the source hangs up
+        conn.close()
+
+    th = threading.Thread(target=hostile_target, daemon=True)
+    th.start()
+    src.peers.push("h1", names, [{"addr": f"127.0.0.1:{port}", "token": "t" * 32, "children": []}])
+    rec = src.final("h1", "source")
+    th.join(5)
+    srv.close()
+    assert rec["state"] == "failed" and "target failed authentication" in rec["error"]
+    assert thread_errors == []
+    assert len(src.lines("auth_failed")) == 1 and "outbound" in src.lines("auth_failed")[0]
+
+
+def test_a_non_ascii_copy_token_is_refused_as_a_bad_token(nodes, thread_errors):
+    dst = nodes("dst")
+    dst.peers.expect("c1")
+    h, p = dst.addr.split(":")
+    conn = Conn(socket.create_connection((h, int(p))), 5.0)
+    client_auth(conn, SECRET, "src")
+    conn.send_json({"op": "offer", "copy_id": "c1", "token": "é" * 64, "names": _names(1), "sizes": [PAGE]})
+    assert conn.recv_json() == {"op": "refuse", "error": "bad token for copy c1"}
+    conn.close()
+    assert thread_errors == []
+
+
+def test_an_unexpected_error_on_a_connection_is_one_line_and_the_port_serves_on(nodes, thread_errors, caplog):
+    dst = nodes("dst")
+    m = _metered(dst)
+    real = dst.peers._check_offer
+    dst.peers._check_offer = lambda offer, peer_id: {}[offer["op"]]  # a bug: KeyError escapes every handler
+    names = _names(2)
+    h, p = dst.addr.split(":")
+    with caplog.at_level("DEBUG", logger="btbctl.agent"):
+        for _ in range(2):
+            conn = Conn(socket.create_connection((h, int(p))), 5.0)
+            client_auth(conn, SECRET, "src")
+            conn.send_json({"op": "offer", "copy_id": "c1", "token": "x", "names": names, "sizes": [PAGE] * 2})
+            conn.sock.settimeout(5)
+            assert conn.sock.recv(4096) == b""  # the connection is closed
+            conn.close()
+        wait_for(lambda: len(dst.lines("peer_error")) == 2, 5, "two peer_error events")
+    assert "KeyError: 'offer'" in dst.lines("peer_error")[0] and "listener=copy_port" in dst.lines("peer_error")[0]
+    assert m.registry.get_sample_value("btbctl_agent_peer_errors_total") == 2
+    assert len([r for r in caplog.records if r.levelname == "WARNING" and "peer_error" in r.getMessage()]) == 1
+    assert all(r.exc_info for r in caplog.records if r.levelname == "DEBUG")  # the traceback: debug level only
+    assert thread_errors == []
+    dst.peers._check_offer = real
+    src = nodes("src")
+    src.fill(names)
+    src.peers.push("c2", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c2")}], "star"))
+    assert dst.final("c2", "target")["state"] == "done"
+
+
+def test_an_offer_of_many_tiny_pages_counts_their_aligned_size_against_the_limits(nodes):
+    dst = nodes("dst", arena_bytes=64 * PAGE)  # per-copy and per-peer limit: half the arena, 128 pages of 4 KiB
+    names = _names(200)
+    h, p = dst.addr.split(":")
+    conn = Conn(socket.create_connection((h, int(p))), 5.0)
+    client_auth(conn, SECRET, "src")
+    conn.send_json(
+        {"op": "offer", "copy_id": "c1", "token": dst.peers.expect("c1"), "names": names, "sizes": [1] * 200}
+    )
+    rep = conn.recv_json()
+    conn.close()
+    assert rep["op"] == "refuse" and f"{200 * ALIGN_BYTES} bytes of arena" in rep["error"]
+    assert "exceeds this agent's limit" in rep["error"] and dst.store.stats()["pending_bytes"] == 0
+
+
+def test_an_offer_that_cannot_fit_leaves_the_targets_cache_alone(nodes):
+    dst = nodes("dst", arena_bytes=8 * ALIGN_BYTES, max_copy_bytes=1 << 30, max_peer_bytes=1 << 30)
+    held = _names(3, "ffffffffffffffff")
+    tok, offs = dst.store.reserve(held, [ALIGN_BYTES] * 3, "t", all_or_none=True)
+    dst.store.commit(tok)
+    names = _names(16)
+    h, p = dst.addr.split(":")
+    conn = Conn(socket.create_connection((h, int(p))), 5.0)
+    client_auth(conn, SECRET, "src")
+    conn.send_json({"op": "offer", "copy_id": "c1", "token": dst.peers.expect("c1"), "names": names, "sizes": [1] * 16})
+    rep = conn.recv_json()
+    conn.close()
+    assert rep["op"] == "refuse" and "store full" in rep["error"]
+    assert dst.store.leading_ready(held) == 3 and not dst.lines("evicted")

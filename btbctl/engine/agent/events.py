@@ -16,6 +16,8 @@ Metrics (their own registry, served at the control endpoint's ``/metrics``):
 * ``btbctl_agent_evictions_total``, ``btbctl_agent_evicted_bytes_total``: LRU evictions;
 * ``btbctl_agent_auth_failures_total``: peers that failed authentication, and control API requests without the
   right token (``listener="control"`` in the log line);
+* ``btbctl_agent_peer_errors_total``: peer connections ended by an unexpected error (a bug; one ``peer_error``
+  line, the traceback only with ``BTBCTL_DEBUG=1``);
 * ``btbctl_agent_pages_refused_total{reason}``: pages of a peer copy refused (``digest_mismatch``: the bytes do not
   hash to the digest the sender sent; the copy ends there and nothing of it is served);
 * ``btbctl_agent_requests_refused_total{reason}``: control API requests refused for their ``Host`` (``host``) or
@@ -41,7 +43,8 @@ DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 
 
 #: Events that record a refusal of a peer or client: counted each time, logged once per kind and window.
-REFUSAL_EVENTS = frozenset({"auth_failed", "request_refused"})
+#: ``peer_error``: a peer connection ended by an unexpected error (its reason; the traceback with BTBCTL_DEBUG=1).
+REFUSAL_EVENTS = frozenset({"auth_failed", "request_refused", "peer_error"})
 
 
 class AgentMetrics:
@@ -68,6 +71,9 @@ class AgentMetrics:
             "Control API requests refused for their Host or Origin (DNS rebinding, cross-site writes)",
             ["reason"],
             registry=r,
+        )
+        self.peer_errors = Counter(
+            "btbctl_agent_peer_errors", "Peer connections ended by an unexpected error", registry=r
         )
         self.pages_refused = Counter(
             "btbctl_agent_pages_refused", "Pages of peer copies refused, by reason", ["reason"], registry=r
@@ -102,6 +108,8 @@ class AgentMetrics:
             self.auth_failures.inc()
         elif event == "request_refused":
             self.refused.labels(fields.get("reason", "other")).inc()
+        elif event == "peer_error":
+            self.peer_errors.inc()
         elif event == "page_refused":
             self.pages_refused.labels(fields.get("reason", "other")).inc()
         elif event == "copy_refused":

@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass, field
 
 import xxhash
@@ -75,7 +75,16 @@ class ExtentAllocator:
 
     @staticmethod
     def rounded(size: int) -> int:
+        """Bytes of arena a page of ``size`` bytes takes (rounded up to :data:`ALIGN_BYTES`)."""
         return (size + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+    def copy(self) -> ExtentAllocator:
+        """An independent copy (to plan allocations and evictions before doing them)."""
+        a = ExtentAllocator(self.capacity)
+        a.top, a.used = self.top, self.used
+        a.free_by_size = {n: list(offs) for n, offs in self.free_by_size.items()}
+        a.free_by_end = dict(self.free_by_end)
+        return a
 
     def alloc(self, size: int) -> int | None:
         n = self.rounded(size)
@@ -105,6 +114,11 @@ class ExtentAllocator:
             return
         self.free_by_size.setdefault(n, []).append(offset)
         self.free_by_end[offset + n] = (offset, n)
+
+
+def aligned_bytes(sizes: Iterable[int]) -> int:
+    """Bytes of arena pages of these sizes (bytes each) take: each rounded up to :data:`ALIGN_BYTES`."""
+    return sum(ExtentAllocator.rounded(s) for s in sizes)
 
 
 @dataclass
@@ -356,35 +370,62 @@ class PageStore:
             NoRoom: ``all_or_none`` and the pages do not all fit (nothing is reserved then).
         """
         with self.lock:
-            evicted: list[Obj] = []
-            objs: list[Obj | None] = []
-            offsets: list[int | None] = []
-            try:
-                for name, size in zip(names, sizes, strict=True):
-                    if skip_ready and name in self.ready:
-                        objs.append(None)
-                        offsets.append(-1)
-                        continue
-                    try:
-                        off = self._alloc(size, evicted)
-                    except NoRoom:
-                        if all_or_none:
-                            raise
-                        objs.append(None)
-                        offsets.append(None)
-                        continue
-                    objs.append(Obj(name=name, offset=off, size=size, owner=owner))
-                    offsets.append(off)
-            except NoRoom:
-                for o in objs:
-                    if o is not None:
-                        self.alloc.free(o.offset, o.size)
-                self._report_evictions(evicted, f"reservation by {owner}")
-                raise
+            todo = [(i, size) for i, (name, size) in enumerate(zip(names, sizes, strict=True))]
+            keep: set[str] = set()  # pages reported as held here: never evicted to make room for the others
+            if skip_ready:
+                keep = {n for n in names if n in self.ready}
+                todo = [(i, size) for i, size in todo if names[i] not in keep]
+            alloc, offs, evicted = self._plan([size for _, size in todo], owner, all_or_none, keep)
+            # the plan fits (or is partial by request): only now is anything evicted
+            self.alloc = alloc
+            for o in evicted:
+                del self.ready[o.name]
+            objs: list[Obj | None] = [None] * len(names)
+            offsets: list[int | None] = [-1] * len(names)
+            for (i, size), off in zip(todo, offs, strict=True):
+                offsets[i] = off
+                if off is not None:
+                    objs[i] = Obj(name=names[i], offset=off, size=size, owner=owner)
             token = secrets.token_hex(8)
             self.reservations[token] = _Reservation(owner, objs)
             self._report_evictions(evicted, f"reservation by {owner}")
             return token, offsets
+
+    def _plan(
+        self, sizes: Sequence[int], owner: str, all_or_none: bool, keep: Set[str] = frozenset()
+    ) -> tuple[ExtentAllocator, list[int | None], list[Obj]]:
+        """Plan extents for pages of ``sizes`` bytes on a copy of the allocator, evicting unheld ready pages in LRU
+        order where free room runs out, never those named in ``keep`` (lock held; nothing changes here until the
+        caller applies the plan). Returns the planned allocator, per page its offset (None: no room, only without
+        ``all_or_none``) and the pages to evict. Raises NoRoom (``all_or_none``) when the pages cannot all fit even
+        with every unheld page evicted: then nothing is evicted."""
+        # pages that fit in the bump region need no eviction and cannot fail: plan on the allocator itself
+        fits = aligned_bytes(sizes) <= self.alloc.capacity - self.alloc.top
+        alloc = self.alloc if fits else self.alloc.copy()
+        offs: list[int | None] = []
+        evicted: list[Obj] = []
+        victims: Iterator[Obj] | None = None  # ready pages, oldest first, listed once eviction is needed
+        now = time.monotonic()
+        for size in sizes:
+            off = alloc.alloc(size)
+            while off is None:
+                if victims is None:
+                    victims = iter(list(self.ready.values()))
+                o = next((v for v in victims if v.name not in keep and not self._held(v, now)), None)
+                if o is None:
+                    break
+                alloc.free(o.offset, o.size)
+                evicted.append(o)
+                off = alloc.alloc(size)
+            if off is None and all_or_none:
+                need = aligned_bytes(sizes)
+                raise NoRoom(
+                    f"no room for {len(sizes)} pages ({need} bytes of arena) for {owner}: {self.alloc.used} of "
+                    f"{self.arena_bytes} bytes in use, of which only the unpinned ready pages may be evicted "
+                    "(nothing was)"
+                )
+            offs.append(off)
+        return alloc, offs, evicted
 
     def pending(self, token: str) -> list[Obj | None]:
         """The reservation's objects (None where nothing was reserved). Raises KeyError for an unknown token."""
@@ -547,6 +588,7 @@ class PageStore:
 
 __all__ = [
     "ALIGN_BYTES",
+    "aligned_bytes",
     "ExtentAllocator",
     "NoRoom",
     "ORIGIN_COPY_PREFIX",

@@ -17,10 +17,11 @@ kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64
 2. **Offer**: ``J {"op": "offer", "copy_id", "token", "names": [...], "sizes": [...], "children": [...]}``. The
    target accepts only a copy id it was told to expect (``expect`` on its control API, which returned ``token``),
    with that token (constant-time compare), once: a second offer of the same id, an unknown id or a wrong token is
-   refused. Then bounds: pages, bytes per copy, copies and bytes per peer. Only then is room reserved (all pages or
-   none) and the pages marked pending: every page is received, also one the target holds already (a page found
-   on a node is never trusted over the copy; the verified copy replaces it at commit). Reply ``J {"op":
-   "accept", "need": [indices]}`` or ``J {"op": "refuse", "error"}``.
+   refused. Then bounds: pages, arena bytes per copy (each page rounded up to ``ALIGN_BYTES``), copies and arena
+   bytes per peer. Only then is room reserved (all pages or none; nothing is evicted for a copy that cannot fit)
+   and the pages marked pending: every page is received, also one the target holds already (a page found on a node
+   is never trusted over the copy; the verified copy replaces it at commit). Reply ``J {"op": "accept", "need":
+   [indices]}`` or ``J {"op": "refuse", "error"}``.
 3. **Pages**: one ``P`` frame per needed index, in order. The target reads each payload straight into its
    reserved arena slot and checks its length and xxh3_64; a forged, truncated or out-of-order page ends the copy
    (refused with the reason, reservation freed; a digest mismatch is also one ``page_refused`` line and counts in
@@ -39,7 +40,6 @@ carrying every replica. :func:`fanout_plan` builds ``chain``, ``tree`` (binary) 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import secrets
@@ -54,9 +54,9 @@ from typing import ClassVar
 
 import xxhash
 
-from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, copy_origin
+from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, aligned_bytes, copy_origin
 from btbctl.engine.copies import CopyState
-from btbctl.engine.replication.auth import mac
+from btbctl.engine.replication.auth import mac, macs_equal
 from btbctl.engine.replication.credentials import MAX_AGENT_ID_CHARS, Credentials
 from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address
 
@@ -276,7 +276,7 @@ def client_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
     )
     ok = conn.recv_json(MAX_PREAUTH_BYTES)
     want = _mac(key, b"server", n_s.encode(), n_t.encode(), id_t.encode(), agent_id.encode())
-    if ok.get("op") != "auth_ok" or not hmac.compare_digest(str(ok.get("mac", "")), want):
+    if ok.get("op") != "auth_ok" or not macs_equal(ok.get("mac"), want):
         raise PeerError("target failed authentication (different fleet secret, or not the agent it claims to be?)")
     return id_t
 
@@ -295,7 +295,7 @@ def server_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
         raise PeerError("malformed auth frame")
     key = creds.as_target(id_s)
     want = _mac(key, b"client", n_t.encode(), n_s.encode(), id_s.encode(), agent_id.encode())
-    if not hmac.compare_digest(str(a.get("mac", "")), want):
+    if not macs_equal(a.get("mac"), want):
         raise PeerError(f"bad MAC for agent {id_s!r} (not its node key, or a different fleet secret)")
     conn.send_json(
         {"op": "auth_ok", "mac": _mac(key, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())}
@@ -684,8 +684,10 @@ class PeerService:
         max_unauthenticated: inbound connections still authenticating at most (a new one closes the oldest).
         max_per_peer: inbound connections of one peer address at most (a new one closes that peer's oldest
             unauthenticated one, or is closed).
-        max_copy_bytes: largest copy accepted, bytes (default: half the arena).
-        max_peer_bytes: most bytes reserved for one peer's copies at once (default: half the arena).
+        max_copy_bytes: largest copy accepted, bytes of arena (each page rounded up to ``ALIGN_BYTES``; default:
+            half the arena).
+        max_peer_bytes: most arena bytes reserved for one peer's copies at once (counted as ``max_copy_bytes``;
+            default: half the arena).
     """
 
     def __init__(
@@ -1194,6 +1196,10 @@ class PeerService:
             except (PeerError, OSError):
                 return
             self._receive(conn, f"{peer_id}@{peer_addr}", peer_id, offer)
+        except Exception as e:  # a bug or an input nothing above refused: this connection ends, the agent goes on
+            reason = f"{type(e).__name__}: {e}"[:256]
+            self.event("peer_error", {"listener": "copy_port", "peer": peer_addr, "reason": reason})
+            log.debug("peer connection from %s failed", peer_addr, exc_info=True)  # BTBCTL_DEBUG=1 shows it
         finally:
             self._forget(sock, addr)
             conn.close()
@@ -1235,7 +1241,7 @@ class PeerService:
             exp = self.expects.get(copy_id)
             if exp is None:
                 raise PeerError(f"unknown copy id {copy_id!r} (not expected here)")
-            if not isinstance(token, str) or not hmac.compare_digest(token, exp.token):
+            if not macs_equal(token, exp.token):
                 raise PeerError(f"bad token for copy {copy_id}")
             if exp.used:
                 raise PeerError(f"copy id {copy_id} was already used")
@@ -1253,20 +1259,23 @@ class PeerService:
             self._refuse(conn, offer.get("copy_id"), peer, str(e))
             return
         total = sum(sizes)
+        held = aligned_bytes(sizes)  # the limits count arena bytes: every page takes whole ALIGN_BYTES slots
         with self.lock:
             reason = None
-            if total > self.max_copy_bytes:
-                reason = f"copy of {total} bytes exceeds this agent's limit of {self.max_copy_bytes}"
+            if held > self.max_copy_bytes:
+                reason = (
+                    f"copy of {total} bytes ({held} bytes of arena) exceeds this agent's limit of {self.max_copy_bytes}"
+                )
             elif self.inbound >= MAX_INBOUND_COPIES:
                 reason = f"{self.inbound} copies arriving already (limit {MAX_INBOUND_COPIES})"
             elif self.peer_copies.get(peer_id, 0) >= MAX_COPIES_PER_PEER:
                 reason = f"peer has {MAX_COPIES_PER_PEER} copies in progress already"
-            elif self.peer_bytes.get(peer_id, 0) + total > self.max_peer_bytes:
-                reason = f"peer's copies would hold more than {self.max_peer_bytes} bytes"
+            elif self.peer_bytes.get(peer_id, 0) + held > self.max_peer_bytes:
+                reason = f"peer's copies would hold more than {self.max_peer_bytes} bytes of arena"
             if reason is None:
                 self.inbound += 1
                 self.peer_copies[peer_id] = self.peer_copies.get(peer_id, 0) + 1
-                self.peer_bytes[peer_id] = self.peer_bytes.get(peer_id, 0) + total
+                self.peer_bytes[peer_id] = self.peer_bytes.get(peer_id, 0) + held
                 cancel = self.cancels.setdefault(copy_id, threading.Event())
         if reason is not None:
             self._refuse(conn, copy_id, peer, reason, len(names), total)
@@ -1277,7 +1286,7 @@ class PeerService:
             with self.lock:
                 self.inbound -= 1
                 self.peer_copies[peer_id] -= 1
-                self.peer_bytes[peer_id] -= total
+                self.peer_bytes[peer_id] -= held
                 self.cancels.pop(copy_id, None)
 
     def _receive_pages(
