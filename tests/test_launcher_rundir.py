@@ -278,12 +278,23 @@ def _stale_fleet(rd: RunDir) -> tuple[RunState, dict[str, bytes]]:
     return state, {str(p): p.read_bytes() for p in files}
 
 
-def test_a_second_up_or_down_while_one_holds_the_run_dir_is_refused_and_touches_nothing(tmp_path):
+def _no_spawn(monkeypatch) -> None:
+    """Make starting any process of a fleet fail the test (a regression must not leave a fleet running)."""
+    from btbctl.engine.launcher import fleet
+
+    def refuse(name, *_a, **_k):
+        raise AssertionError(f"{name} was started")
+
+    monkeypatch.setattr(fleet, "spawn", refuse)
+
+
+def test_a_second_up_or_down_while_one_holds_the_run_dir_is_refused_and_touches_nothing(tmp_path, monkeypatch):
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.cluster import default_cluster
     from btbctl.engine.launcher.restart import restart
     from launcher_helpers import FREE_PORTS, cli
 
+    _no_spawn(monkeypatch)
     rd = RunDir(tmp_path / "run")
     _, before = _stale_fleet(rd)
     holder = _hold_lock(rd)
@@ -337,10 +348,11 @@ def _write_tuned(rd: RunDir, body: str) -> None:
         ('{"constants": {}, "policy": "nope"}', "policy: unknown policy 'nope'; valid: "),
     ],
 )
-def test_a_damaged_tuned_json_stops_up_before_anything_starts_naming_the_file(tmp_path, body, says):
+def test_a_damaged_tuned_json_stops_up_before_anything_starts_naming_the_file(tmp_path, monkeypatch, body, says):
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.cluster import default_cluster
 
+    _no_spawn(monkeypatch)
     rd = RunDir(tmp_path / "run")
     _write_tuned(rd, body)
     rd.log_path("worker-0").write_text("last run\n")
@@ -385,10 +397,11 @@ def test_a_tuning_is_matched_on_the_resolved_cluster_file(tmp_path, monkeypatch)
     assert lines == []
     # another file typed the same way: not reapplied, and one line names both
     assert _tuning_for(rd, resolve_cluster_path("c.toml"), lines.append) is None
-    assert lines == [
+    skipped = (
         f"not applying the tuning in {rd.tuned_path}: it was made for cluster file {a / 'c.toml'}, "
         f"not cluster file {b / 'c.toml'}"
-    ]
+    )
+    assert lines == [skipped]
     assert _tuning_for(rd, None, lines.append) is None and "not the default fleet" in lines[-1]
     rd.save_tuned({"threshold": 3}, "btb", None)
     assert _tuning_for(rd, None, lines.append) is not None
