@@ -116,10 +116,13 @@ def test_operations_log_shows_bench_tune_replicate_and_outlives_down(tmp_path, r
     assert "ready " in cli("logs", "gateway.out", "--run-dir", str(run_dir)).stdout
 
     # the constants tuned survive down/up (same cluster file: the embedded default)
-    st = cli_json("up", "-d", "--run-dir", str(run_dir), *FREE_PORTS)
+    again = cli("up", "-d", "--run-dir", str(run_dir), *FREE_PORTS, "--format", "json")
     try:
+        st = json.loads(again.stdout)
         assert st["policy"] == "btb"
         assert cli_json("tune", "--run-dir", str(run_dir))["constants"]["threshold"] == 3
+        assert "applying the tuning last confirmed on the default fleet (policy btb, " in again.stderr
+        assert "threshold 3" in again.stderr
     finally:
         cli("down", "--run-dir", str(run_dir))
 

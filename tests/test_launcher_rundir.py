@@ -243,3 +243,166 @@ def test_up_hands_each_agent_only_its_own_node_credentials_and_control_token(tmp
     assert forbidden not in (creds["agent-h1"].node_key, *creds["agent-h1"].links.values())
     rd.clear()
     assert not keys.exists() and not token.exists() and not rd.agent_secret_path.exists()
+
+
+HOLD_LOCK = (
+    "import sys, time\n"
+    "from btbctl.engine.launcher.rundir import RunDir\n"
+    "hold = RunDir(sys.argv[1]).locked()\n"
+    "hold.__enter__()\n"
+    "print('held', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _hold_lock(rd: RunDir) -> subprocess.Popen:
+    """Another process that holds ``rd``'s lock (as a running ``up`` does) until killed."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(rd.path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _stale_fleet(rd: RunDir) -> tuple[RunState, dict[str, bytes]]:
+    """A run directory as a first ``up`` leaves it mid-start: a state, tokens, a worker log; with their bytes."""
+    rd.prepare()
+    rd.new_tokens()
+    state = RunState(run_dir=str(rd.path), created_at=1.0, detached=True, processes=[])
+    rd.save(state)
+    rd.log_path("worker-0").write_text("first run\n")
+    files = [rd.state_path, rd.token_path, rd.worker_token_path, rd.log_path("worker-0")]
+    return state, {str(p): p.read_bytes() for p in files}
+
+
+def _no_spawn(monkeypatch) -> None:
+    """Make starting any process of a fleet fail the test (a regression must not leave a fleet running)."""
+    from btbctl.engine.launcher import fleet
+
+    def refuse(name, *_a, **_k):
+        raise AssertionError(f"{name} was started")
+
+    monkeypatch.setattr(fleet, "spawn", refuse)
+
+
+def test_a_second_up_or_down_while_one_holds_the_run_dir_is_refused_and_touches_nothing(tmp_path, monkeypatch):
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.cluster import default_cluster
+    from btbctl.engine.launcher.restart import restart
+    from launcher_helpers import FREE_PORTS, cli
+
+    _no_spawn(monkeypatch)
+    rd = RunDir(tmp_path / "run")
+    _, before = _stale_fleet(rd)
+    holder = _hold_lock(rd)
+    try:
+        busy = f"another btbctl up/down is working on fleet run \\(run dir {rd.path}, pid {holder.pid}\\)"
+        with pytest.raises(BtbctlError, match=busy):  # first, so that a lock not held never starts a fleet below
+            with rd.locked():
+                pass
+        with pytest.raises(BtbctlError, match=busy):
+            fleet.up(default_cluster(), rd, detach=True, port=0, control_port=0)
+        with pytest.raises(BtbctlError, match=busy):
+            down(rd, grace_s=1.0)
+        with pytest.raises(BtbctlError, match=busy):
+            fleet.up_gateway_only(rd)
+        with pytest.raises(BtbctlError, match=busy):
+            restart(rd, "gateway")
+        proc = cli("up", "-d", "--run-dir", str(rd.path), *FREE_PORTS, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "try again when it has finished" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        # nothing of the first was touched: no stale-state cleanup, no log rotation, no new tokens
+        assert {p: Path(p).read_bytes() for p in before} == before
+        assert not rd.previous_logs_dir.exists()
+    finally:
+        holder.kill()
+        holder.wait(5)
+    # the kernel releases the lock of a process that died (no clean exit): the run directory is free again
+    with rd.locked():
+        with rd.locked():  # re-entrant in one process (restart of the gateway runs up --gateway-only)
+            pass
+    assert down(rd)["stopped"] == []
+
+
+def test_down_of_a_run_dir_that_does_not_exist_creates_nothing(tmp_path):
+    rd = RunDir(tmp_path / "nowhere")
+    assert down(rd)["nothing"] is True
+    assert not rd.path.exists()
+
+
+def _write_tuned(rd: RunDir, body: str) -> None:
+    rd.prepare()
+    rd.tuned_path.write_text(body)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ('{"constants": {"threshold": 3}, "pol', "not valid JSON"),
+        ("[1, 2]", "not a JSON object"),
+        ('{"constants": {"bogus": 1}}', "constants.bogus: unknown key; valid keys: prefix_blocks, threshold"),
+        ('{"constants": {"threshold": 0}}', "constants.threshold: must be an integer in"),
+        ('{"constants": {}, "policy": "nope"}', "policy: unknown policy 'nope'; valid: "),
+    ],
+)
+def test_a_damaged_tuned_json_stops_up_before_anything_starts_naming_the_file(tmp_path, monkeypatch, body, says):
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.cluster import default_cluster
+
+    _no_spawn(monkeypatch)
+    rd = RunDir(tmp_path / "run")
+    _write_tuned(rd, body)
+    rd.log_path("worker-0").write_text("last run\n")
+    with pytest.raises(BtbctlError) as err:
+        fleet.up(default_cluster(), rd, detach=True, port=0, control_port=0)
+    msg = str(err.value)
+    assert msg.startswith(f"{rd.tuned_path}: ") and says in msg and f"delete {rd.tuned_path}" in msg
+    assert "\n" not in msg
+    assert rd.load() is None and not rd.previous_logs_dir.exists()  # nothing started, the last logs stay
+
+
+def test_a_damaged_tuned_json_is_one_line_and_exit_2_from_the_command(tmp_path):
+    from launcher_helpers import FREE_PORTS, cli
+
+    rd = RunDir(tmp_path / "run")
+    _write_tuned(rd, '{"constants": {"bogus": 1}}')
+    proc = cli("up", "-d", "--run-dir", str(rd.path), *FREE_PORTS, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert str(rd.tuned_path) in proc.stderr and "constants.bogus: unknown key" in proc.stderr
+    assert "started worker" not in proc.stderr + proc.stdout
+
+
+def test_a_tuning_is_matched_on_the_resolved_cluster_file(tmp_path, monkeypatch):
+    from btbctl.engine.launcher.fleet import _tuning_for, describe_tuning, resolve_cluster_path
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "c.toml").write_text("")
+    (b / "c.toml").write_text("")
+    rd = RunDir(tmp_path / "run")
+    rd.prepare()
+    monkeypatch.chdir(a)
+    tuned_for_a = resolve_cluster_path("c.toml")
+    assert tuned_for_a == str(a / "c.toml")
+    rd.save_tuned({"threshold": 3}, "btb", tuned_for_a)
+    lines: list[str] = []
+    # the same file named by its absolute path, or from another directory by a relative one: reapplied
+    assert _tuning_for(rd, resolve_cluster_path(str(a / "c.toml")), lines.append)["constants"] == {"threshold": 3}
+    monkeypatch.chdir(b)
+    assert _tuning_for(rd, resolve_cluster_path("../a/c.toml"), lines.append) is not None
+    assert lines == []
+    # another file typed the same way: not reapplied, and one line names both
+    assert _tuning_for(rd, resolve_cluster_path("c.toml"), lines.append) is None
+    skipped = (
+        f"not applying the tuning in {rd.tuned_path}: it was made for cluster file {a / 'c.toml'}, "
+        f"not cluster file {b / 'c.toml'}"
+    )
+    assert lines == [skipped]
+    assert _tuning_for(rd, None, lines.append) is None and "not the default fleet" in lines[-1]
+    rd.save_tuned({"threshold": 3}, "btb", None)
+    assert _tuning_for(rd, None, lines.append) is not None
+    assert describe_tuning({"threshold": 3, "window_s": 0.5}, "btb") == "policy btb, threshold 3, window_s 0.5"

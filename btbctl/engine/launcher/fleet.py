@@ -202,7 +202,8 @@ def up(
         detach: recorded in the state (``up -d``); the processes run in their own sessions either way.
         policy: routing policy instead of ``cluster.gateway.policy``.
         port / control_port: gateway ports instead of the cluster file's (0 = pick free ones).
-        cluster_path: recorded in the state for reference.
+        cluster_path: the cluster file (None: the built-in default fleet); recorded, resolved to an absolute path,
+            in the state and the gateway's settings, and matched with ``tuned.json``'s to reapply a tuning.
         log: receives one-line progress messages.
         should_stop: polled while waiting; True aborts like Ctrl-C.
         keep_partial: on failure, leave what started running and recorded (for a look; ``down`` stops it).
@@ -215,18 +216,80 @@ def up(
         remote workers are in ``state.processes`` (``host`` set).
 
     Raises:
-        BtbctlError: a live run exists in ``rd``, a process could not start or was not ready in time (everything
-            started is stopped again and the state removed). For a remote worker it is an
+        BtbctlError: another ``up``/``down`` holds ``rd`` (:meth:`RunDir.locked`), a live run exists in ``rd``,
+            ``tuned.json`` is damaged (nothing is started or touched then), a process could not start or was not
+            ready in time (everything started is stopped again and the state removed). For a remote worker it is an
             :class:`~btbctl.engine.launcher.ssh.SshFailure` naming the host and the cause.
     """
+    with rd.locked():
+        return _up(
+            cluster,
+            rd,
+            detach=detach,
+            policy=policy,
+            port=port,
+            control_port=control_port,
+            cluster_path=cluster_path,
+            log=log,
+            should_stop=should_stop,
+            keep_partial=keep_partial,
+            pick_free_ports=pick_free_ports,
+        )
+
+
+def resolve_cluster_path(path: str | None) -> str | None:
+    """The absolute path (symlinks resolved) of the cluster file ``path`` as typed, relative to the current
+    directory; None (the built-in default fleet) stays None."""
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def describe_tuning(constants: dict, policy: str | None) -> str:
+    """``policy btb, threshold 3``: what a tuning sets, for a message."""
+    parts = ([f"policy {policy}"] if policy else []) + [f"{k} {v}" for k, v in constants.items()]
+    return ", ".join(parts) or "nothing"
+
+
+def _tuning_for(rd: RunDir, cluster_path: str | None, log: Log) -> dict | None:
+    """``rd``'s recorded tuning when it was made for ``cluster_path`` (resolved; None: the default fleet), else
+    None (saying in one line which file it was made for). Raises :class:`BtbctlError` for a damaged record."""
+    tuned = rd.load_tuned()
+    if not tuned or not (tuned.get("constants") or tuned.get("policy")):
+        return None
+    made_for = tuned.get("cluster_file")
+    if made_for != cluster_path:
+
+        def name(p: str | None) -> str:
+            return "the default fleet" if p is None else f"cluster file {p}"
+
+        log(f"not applying the tuning in {rd.tuned_path}: it was made for {name(made_for)}, not {name(cluster_path)}")
+        return None
+    return tuned
+
+
+def _up(
+    cluster: ClusterFile,
+    rd: RunDir,
+    *,
+    detach: bool,
+    policy: str | None,
+    port: int | None,
+    control_port: int | None,
+    cluster_path: str | None,
+    log: Log,
+    should_stop: Callable[[], bool] | None,
+    keep_partial: bool,
+    pick_free_ports: bool,
+) -> tuple[RunState, list[Started]]:
     from btbctl.engine.policies import live_policy_error
 
+    cluster_path = resolve_cluster_path(cluster_path)
     policy_given = policy is not None
     policy = policy or cluster.gateway.policy
     why = live_policy_error(policy)
     if why is not None:
         raise BtbctlError(why)
     check_no_live_run(rd, log)
+    tuned = _tuning_for(rd, cluster_path, log)  # a damaged record fails here, before anything starts
     if pick_free_ports:
         port, control_port = free_gateway_ports(cluster, port, control_port, log)
     check_ports(cluster, port, control_port)
@@ -316,12 +379,17 @@ def up(
             worker_token_file=str(rd.worker_token_path),
         )
         gcfg.update(_replication_config(cluster, state, rd))
-        tuned = rd.load_tuned()
-        if tuned and tuned.get("cluster_file") == cluster_path and (tuned.get("constants") or tuned.get("policy")):
-            gcfg["constants"] = {**gcfg["constants"], **(tuned.get("constants") or {})}
-            if tuned.get("policy") and not policy_given:
-                gcfg["policy"] = state.policy = tuned["policy"]
-            log(f"applying the constants and policy last tuned on this cluster file ({rd.tuned_path})")
+        if tuned is not None:
+            applied = tuned.get("constants") or {}
+            gcfg["constants"] = {**gcfg["constants"], **applied}
+            applied_policy = tuned.get("policy") if not policy_given else None
+            if applied_policy:
+                gcfg["policy"] = state.policy = policy = applied_policy
+            where = "the default fleet" if cluster_path is None else "this cluster file"
+            log(
+                f"applying the tuning last confirmed on {where} ({describe_tuning(applied, applied_policy)}; "
+                f"{rd.tuned_path})"
+            )
         gcfg["worker_names"] = [i.name for i in cluster.instances()]
         gcfg["log_file"] = str(rd.log_path("gateway"))
         gcfg["tuned_file"] = str(rd.tuned_path)
@@ -403,10 +471,16 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
     any confirmed control-API write (``<run dir>/tuned.json``). Its log is appended to.
 
     Raises:
-        BtbctlError: nothing is recorded; the gateway still runs; a recorded worker is no longer running (the
+        BtbctlError: another ``up``/``down`` holds ``rd``; ``tuned.json`` is damaged; nothing is recorded; the
+            gateway still runs; a recorded worker is no longer running (the
             fleet is broken: ``down`` and ``up``); the settings are gone; the gateway did not become ready (the
             workers are left running).
     """
+    with rd.locked(create=False):
+        return _up_gateway_only(rd, log, timeout_s)
+
+
+def _up_gateway_only(rd: RunDir, log: Log, timeout_s: float) -> RunState:
     state = rd.load()
     if state is None:
         raise BtbctlError(f"no fleet is recorded in {rd.path}; start one with `btbctl up`")
@@ -429,11 +503,14 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
     except (OSError, ValueError) as e:
         raise BtbctlError(f"cannot read the gateway settings {cfg_path}: {e}; restart the whole fleet") from None
     tuned = rd.load_tuned()
-    if tuned:
-        gcfg["constants"] = {**(gcfg.get("constants") or {}), **tuned.get("constants", {})}
+    if tuned and (tuned.get("constants") or tuned.get("policy")):
+        gcfg["constants"] = {**(gcfg.get("constants") or {}), **tuned["constants"]}
         if tuned.get("policy"):
             gcfg["policy"] = tuned["policy"]
-        log(f"applying the constants and policy last tuned ({rd.tuned_path})")
+        log(
+            f"applying the tuning last confirmed on this fleet "
+            f"({describe_tuning(tuned['constants'], tuned.get('policy'))}; {rd.tuned_path})"
+        )
     for key, url in (("port", state.gateway_url), ("control_port", state.control_url)):
         if url and not gcfg.get(key):  # a port picked at up: take the same one again
             from urllib.parse import urlsplit
@@ -662,7 +739,15 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     belongs to another program and was left alone); ``unreachable`` are remote workers whose host could not be
     reached (``errors`` says why, one line each); they stay recorded in ``state.json`` for another ``down``.
     When nothing is recorded, returns the same keys, all empty, and ``"nothing": True``.
+
+    Raises:
+        BtbctlError: another ``up``/``down`` holds ``rd`` (:meth:`RunDir.locked`); ``state.json`` is damaged.
     """
+    with rd.locked(create=False):
+        return _down(rd, grace_s, log)
+
+
+def _down(rd: RunDir, grace_s: float, log: Log) -> dict:
     state = rd.load()
     if state is None:
         return {

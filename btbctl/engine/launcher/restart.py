@@ -121,10 +121,16 @@ def restart(rd: RunDir, name: str, grace_s: float = 10.0, timeout_s: float | Non
     ``event=process_restart`` line.
 
     Raises:
-        BtbctlError: nothing is recorded; ``name`` is not recorded (the valid names are listed); it runs on another
+        BtbctlError: another ``up``/``down`` holds ``rd`` (:meth:`RunDir.locked`); nothing is recorded; ``name`` is
+            not recorded (the valid names are listed); it runs on another
             host; a foreground ``btbctl up`` holds the fleet; it did not become ready again (it is left stopped,
             its log quoted).
     """
+    with rd.locked(create=False):
+        return _restart(rd, name, grace_s, timeout_s, log)
+
+
+def _restart(rd: RunDir, name: str, grace_s: float, timeout_s: float | None, log: Log) -> dict:
     state = rd.load()
     if state is None:
         raise BtbctlError(f"no fleet is recorded in {rd.path}; start one with `btbctl up`")

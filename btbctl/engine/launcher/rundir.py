@@ -16,6 +16,8 @@ Layout (the directory is created with mode 0700; every file in it is 0600)::
                               (``btbctl tune``, the dashboard, a raw ``PUT /control/constants``); the gateway
                               writes it; kept by ``down``; reapplied by ``up --gateway-only``, and by ``up`` with
                               the same cluster file
+    <run dir>/.lock           held (``flock``, exclusive) by the ``up``, ``down``, ``restart`` working on the fleet
+                              (:meth:`RunDir.locked`): a second one waits for nothing and says so
     <run dir>/logs/<name>.log stdout + stderr of each worker and agent
     <run dir>/logs/gateway.log the gateway's log: one logfmt line per event (the operations log), rotated at
                               10 MiB (gateway.log.1 ... .5); kept by ``down``
@@ -36,6 +38,8 @@ left alone, so a stale ``state.json`` after a reboot is harmless.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -44,6 +48,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -57,6 +62,11 @@ STATE_VERSION = 1
 DEFAULT_RUN_NAME = "default"
 #: Folder, inside the run directory, holding the logs of the run before the last ``up``.
 PREVIOUS_LOGS = "logs.previous"
+#: Name of the lock file inside the run directory (:meth:`RunDir.locked`).
+LOCK_FILE = ".lock"
+#: Run directories this process holds the lock of, with how deep (``restart`` of the gateway runs
+#: ``up --gateway-only`` inside its own hold).
+_held_locks: dict[str, int] = {}
 #: Bytes of randomness in each token (``secrets.token_urlsafe(32)``: 256 bits, 43 characters).
 TOKEN_BYTES = 32
 
@@ -421,7 +431,8 @@ class RunDir:
         return self.path / TUNED_FILE
 
     def load_tuned(self) -> dict | None:
-        """The last confirmed tuning (:func:`~btbctl.engine.control.tuned.load_tuned`), or None."""
+        """The last confirmed tuning (:func:`~btbctl.engine.control.tuned.load_tuned`), or None when there is none.
+        Raises :class:`BtbctlError` (naming the file, the key and what is valid) for a damaged record."""
         return load_tuned(self.tuned_path)
 
     def save_tuned(self, constants: dict, policy: str | None, cluster_file: str | None) -> None:
@@ -436,6 +447,58 @@ class RunDir:
             return sorted(p.name[: -len(".log")] for p in folder.iterdir() if p.name.endswith(".log"))
         except OSError:
             return []
+
+    @contextlib.contextmanager
+    def locked(self, create: bool = True) -> Iterator[None]:
+        """Hold the run directory's lock (``flock`` on ``<run dir>/.lock``, exclusive, not waiting) for the block;
+        the kernel releases it when the process ends, also on a crash. Re-entrant within one process.
+
+        Args:
+            create: create the run directory (0700) if missing; else a missing directory is not locked (nothing
+                is recorded there to protect).
+
+        Raises:
+            BtbctlError: another process holds the lock (one line naming the fleet, the run directory and its
+                pid), or the directory or lock file cannot be created.
+        """
+        key = str(self.path.absolute())
+        if key in _held_locks:
+            _held_locks[key] += 1
+            try:
+                yield
+            finally:
+                _held_locks[key] -= 1
+            return
+        if not create and not self.path.is_dir():
+            yield
+            return
+        lock_path = self.path / LOCK_FILE
+        try:
+            self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError as e:
+            raise BtbctlError(f"cannot create the lock {lock_path}: {e.strerror or e}") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = ""
+                with contextlib.suppress(OSError, ValueError):
+                    holder = f", pid {int(os.pread(fd, 32, 0).decode('ascii').strip())}"
+                raise BtbctlError(
+                    f"another btbctl up/down is working on fleet {self.path.name} (run dir {self.path}{holder}); "
+                    f"try again when it has finished"
+                ) from None
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            _held_locks[key] = 1
+            try:
+                yield
+            finally:
+                del _held_locks[key]
+        finally:
+            os.close(fd)  # closing the only descriptor releases the lock
 
     def prepare(self) -> None:
         """Create the directory (0700) and its ``logs`` folder. Raises :class:`BtbctlError` when that fails."""
