@@ -230,11 +230,12 @@ def up(
 def ls(
     fmt: OutputFormat = Format.human,
 ) -> None:
-    """List the fleets (run directories under the user state directory's runs folder): name, state, gateway URL,
-    run directory.
+    """List the fleets (run directories under the user state directory's runs folder): name, state, gateway and
+    control URLs, run directory.
 
-    state: running (every recorded process alive), degraded (some), stopped (none; its logs may remain),
-    unreadable (a damaged state.json). A fleet started with --run-dir elsewhere is not listed."""
+    state: running (every recorded process alive), degraded (some), stopped (none; its logs and tuning remain:
+    remove its run directory to forget it), unreadable (a damaged state.json). A fleet started with --run-dir
+    elsewhere is not listed."""
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.rundir import runs_root
 
