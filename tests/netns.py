@@ -1013,11 +1013,14 @@ def start_sshd(host: Host, folder: Path, port: int = 22, timeout_s: float = 10.0
 
 def open_testbed(n_hosts: int = 2, **kwargs) -> Testbed:
     """A testbed on the first free prefix of ``btbt``, ``btbt1``, ``btbt2``... (another run, or a persistent
-    benchmark testbed, may hold the first). The leftovers of crashed runs (of any prefix) are swept first."""
+    benchmark testbed, may hold the first; ``$BTBT_TEST_PREFIX`` replaces ``btbt``, so a test can look for what
+    one run left without another run taking the same names meanwhile). The leftovers of crashed runs (of any
+    prefix) are swept first."""
     sweep_stale()
+    base = os.environ.get("BTBT_TEST_PREFIX") or DEFAULT_PREFIX
     last: Exception | None = None
     for i in range(10):
-        prefix = DEFAULT_PREFIX if i == 0 else f"{DEFAULT_PREFIX}{i}"
+        prefix = base if i == 0 else f"{base}{i}"
         try:
             return Testbed(n_hosts, prefix=prefix, **kwargs)
         except TestbedBusy as e:

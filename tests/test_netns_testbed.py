@@ -366,7 +366,8 @@ def test_fixture_teardown_cleans_up_after_a_failed_test(tmp_path):
             assert False, "the test body failed"
     """)
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"))
+    # names of its own: another test's testbed may take the default ones the moment the inner run gives them back
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "tests"), BTBT_TEST_PREFIX=f"btbf{os.getpid() % 100000}")
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
         cwd=tmp_path,
