@@ -406,3 +406,31 @@ def test_a_tuning_is_matched_on_the_resolved_cluster_file(tmp_path, monkeypatch)
     rd.save_tuned({"threshold": 3}, "btb", None)
     assert _tuning_for(rd, None, lines.append) is not None
     assert describe_tuning({"threshold": 3, "window_s": 0.5}, "btb") == "policy btb, threshold 3, window_s 0.5"
+
+
+def test_rm_forgets_a_stopped_fleet_refuses_a_running_one_and_ls_hides_bare_locks(tmp_path):
+    from btbctl.engine.launcher.fleet import list_fleets, remove_fleet
+
+    root = tmp_path / "runs"
+    (root / "old" / "logs").mkdir(parents=True)  # stopped: its logs remain
+    (root / "old" / "logs" / "gateway.log").write_text("event=gateway_stop\n")
+    (root / "bare").mkdir()
+    (root / "bare" / ".lock").write_text("1")  # an up that stopped at its first checks
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        rd = RunDir(root / "live")
+        rd.path.mkdir()
+        rec = ProcessRecord("worker-0", "worker", "emulated", p.pid, p.pid, process_start_time(p.pid), [], "")
+        rd.save(RunState(run_dir=str(rd.path), created_at=1.0, detached=True, processes=[rec], complete=True))
+        assert {f["name"]: f["state"] for f in list_fleets(root)} == {"live": "running", "old": "stopped"}
+        with pytest.raises(BtbctlError, match="fleet live is running; stop it first: btbctl down --fleet live"):
+            remove_fleet("live", root)
+        assert (root / "live" / "state.json").exists()
+        assert remove_fleet("old", root) == root / "old" and not (root / "old").exists()
+        with pytest.raises(BtbctlError, match="no fleet old"):
+            remove_fleet("old", root)
+        with pytest.raises(BtbctlError, match="not a fleet name"):
+            remove_fleet("../live", root)
+    finally:
+        p.kill()
+        p.wait()

@@ -226,6 +226,23 @@ def up(
         signal.signal(signal.SIGTERM, old)
 
 
+@app.command("rm")
+def rm(
+    names: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="NAME...", help="Names of stopped fleets, as `btbctl ls` lists them.", show_default=False
+        ),
+    ],
+) -> None:
+    """Forget stopped fleets: remove their run directories (logs, tuning, records); a running one is refused."""
+    from btbctl.engine.launcher.fleet import remove_fleet
+
+    out = Output(Format.human)
+    for name in names:
+        out.console.print(f"removed fleet {name} ({remove_fleet(name)})", soft_wrap=True)
+
+
 @app.command("ls")
 def ls(
     fmt: OutputFormat = Format.human,
@@ -234,7 +251,7 @@ def ls(
     control URLs, run directory.
 
     state: running (every recorded process alive), degraded (some), stopped (none; its logs and tuning remain:
-    remove its run directory to forget it), unreadable (a damaged state.json). A fleet started with --run-dir
+    `btbctl rm NAME` forgets it), unreadable (a damaged state.json). A fleet started with --run-dir
     elsewhere is not listed."""
     from btbctl.engine.launcher import fleet
     from btbctl.engine.launcher.rundir import runs_root

@@ -40,8 +40,10 @@ from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, hicache_args, worker_argv
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (
+    LOCK_FILE,
     RunDir,
     RunState,
+    check_fleet_name,
     group_members,
     is_same_process,
     process_start_time,
@@ -816,6 +818,11 @@ def list_fleets(root: Path | None = None) -> list[dict]:
         return []
     out = []
     for folder in folders:
+        try:
+            if {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+                continue  # only the lock of an up that stopped at its first checks: nothing to list
+        except OSError:
+            pass
         rd = RunDir(folder)
         row = {"name": folder.name, "run_dir": str(folder), "gateway_url": None, "control_url": None}
         try:
@@ -840,6 +847,36 @@ def list_fleets(root: Path | None = None) -> list[dict]:
             }
         )
     return out
+
+
+def remove_fleet(name: str, root: Path | None = None) -> Path:
+    """Forget the stopped fleet ``name``: delete its run directory under ``root`` (default
+    :func:`~btbctl.engine.launcher.rundir.runs_root`) with its logs and tuning, holding its lock meanwhile.
+    Returns the folder removed.
+
+    Raises:
+        BtbctlError: an invalid name, no such fleet, a process of it still running (``down`` first), another
+            btbctl working on it, or the folder cannot be removed.
+    """
+    import shutil
+
+    check_fleet_name(name, "NAME")
+    folder = (root if root is not None else runs_root()) / name
+    if not folder.is_dir():
+        raise BtbctlError(f"no fleet {name} (nothing in {folder}); `btbctl ls` lists the fleets")
+    rd = RunDir(folder)
+    with rd.locked(create=False):
+        try:
+            state = rd.load()
+        except BtbctlError:
+            state = None  # a damaged record: nothing of it can be running under our watch
+        if state is not None and (rd.live_processes(state) or any(p.host for p in state.processes)):
+            raise BtbctlError(f"fleet {name} is running; stop it first: btbctl down --fleet {name}")
+        try:
+            shutil.rmtree(folder)
+        except OSError as e:
+            raise BtbctlError(f"cannot remove {folder}: {e.strerror or e}") from None
+    return folder
 
 
 def port_open(hostport: str | None, timeout_s: float = 1.0) -> bool:
