@@ -493,30 +493,43 @@ def test_a_stream_to_a_target_holding_part_of_the_prefix_still_reports_the_sourc
     assert dst.final("q1", "target")["pages_done"] == 4 and dst.store.provenance(names) == ["copy:q1"] * 4
 
 
-def test_a_target_asking_for_a_page_twice_is_refused(nodes):
-    src = nodes("src")
-    names = _names(2)
-    src.fill(names)
+def _push_to_hostile_target(src, names: list[str], target) -> dict:
+    """``src`` pushes ``names`` (copy ``h1``) to a target that runs ``target(conn)`` on its one connection (a
+    :class:`Conn` it closes afterwards); the source's final record of the copy."""
+    import threading
+
     srv = socket.create_server(("127.0.0.1", 0))
     port = srv.getsockname()[1]
 
-    def hostile_target():
+    def serve() -> None:
         sock, _ = srv.accept()
         conn = Conn(sock, 5.0)
-        server_auth(conn, SECRET, "hostile")
-        conn.recv_json()  # the offer
-        conn.send_json({"op": "accept", "need": [0] * 1000})  # the same page a thousand times
-        time.sleep(1.0)
-        sock.close()
+        try:
+            target(conn)
+        finally:
+            conn.close()
 
-    import threading
-
-    th = threading.Thread(target=hostile_target, daemon=True)
+    th = threading.Thread(target=serve, daemon=True)
     th.start()
     src.peers.push("h1", names, [{"addr": f"127.0.0.1:{port}", "token": "t" * 32, "children": []}])
     rec = src.final("h1", "source")
     th.join(5)
     srv.close()
+    return rec
+
+
+def test_a_target_asking_for_a_page_twice_is_refused(nodes):
+    src = nodes("src")
+    names = _names(2)
+    src.fill(names)
+
+    def hostile_target(conn: Conn) -> None:
+        server_auth(conn, SECRET, "hostile")
+        conn.recv_json()  # the offer
+        conn.send_json({"op": "accept", "need": [0] * 1000})  # the same page a thousand times
+        time.sleep(1.0)
+
+    rec = _push_to_hostile_target(src, names, hostile_target)
     assert rec["state"] == "failed" and "malformed accept" in rec["error"] and rec["pages_done"] == 0
 
 
@@ -732,30 +745,18 @@ def test_a_non_ascii_mac_is_a_failed_authentication_logged_once_and_counted(node
 
 
 def test_a_target_answering_with_a_non_ascii_mac_fails_the_copy_as_an_authentication_failure(nodes, thread_errors):
-    import threading
-
     src = nodes("src")
     names = _names(2)
     src.fill(names)
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
 
-    def hostile_target():
-        sock, _ = srv.accept()
-        conn = Conn(sock, 5.0)
+    def hostile_target(conn: Conn) -> None:
         conn.send_json({"op": "challenge", "v": 1, "nonce": "b" * 32, "agent": "hostile"})
         conn.recv_json()  # the source's auth
         conn.send_json({"op": "auth_ok", "mac": "é" * 64})
         with contextlib.suppress(PeerError, OSError):
             conn.recv_json()  # nothing more comes: the source hangs up
-        conn.close()
 
-    th = threading.Thread(target=hostile_target, daemon=True)
-    th.start()
-    src.peers.push("h1", names, [{"addr": f"127.0.0.1:{port}", "token": "t" * 32, "children": []}])
-    rec = src.final("h1", "source")
-    th.join(5)
-    srv.close()
+    rec = _push_to_hostile_target(src, names, hostile_target)
     assert rec["state"] == "failed" and "target failed authentication" in rec["error"]
     assert thread_errors == []
     assert len(src.lines("auth_failed")) == 1 and "outbound" in src.lines("auth_failed")[0]
