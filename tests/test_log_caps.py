@@ -70,3 +70,21 @@ def test_the_gateway_log_file_is_private(tmp_path):
         lg.removeHandler(h)
         h.close()
     assert _mode(path) == 0o600 and _mode(str(path) + ".1") == 0o600
+
+
+def test_a_chunk_larger_than_a_whole_file_is_cut_at_line_ends_and_the_cap_holds(tmp_path):
+    src = tmp_path / "output"  # a regular file reads in chunks of CHUNK_BYTES (64 KiB), as a fast writer's pipe does
+    lines = [f"event=refused peer=1.2.3.4 n={i:08d}\n" for i in range(20000)]
+    src.write_text("".join(lines))
+    log = tmp_path / "logs" / "noisy.log"
+    log.parent.mkdir()
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        pump(fd, str(log), 20_000, 2)
+    finally:
+        os.close(fd)
+    files = sorted(log.parent.iterdir())
+    assert [p.name for p in files] == ["noisy.log", "noisy.log.1", "noisy.log.2"]
+    assert all(p.stat().st_size <= 20_000 for p in files)  # no file past the cap, whatever the chunk size
+    kept = (log.parent / "noisy.log.2").read_text() + (log.parent / "noisy.log.1").read_text() + log.read_text()
+    assert kept.endswith(lines[-1]) and kept.splitlines(keepends=True)[0] in lines  # whole lines, the last kept

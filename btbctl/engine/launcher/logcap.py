@@ -2,11 +2,12 @@
 
 A child's stdout redirected to a file grows without bound, and its parent cannot rotate it (the child holds the
 descriptor). So :func:`~btbctl.engine.launcher.local.spawn` points the child's stdout and stderr at a pipe and
-starts ``python -m btbctl.engine.launcher.logcap LOG MAX_BYTES BACKUPS`` on the other end: it appends what
-arrives to ``LOG`` (mode 0600: a log may hold request data), and when the next chunk would take the file past
-``MAX_BYTES`` it renames ``LOG`` to ``LOG.1`` (``LOG.1`` to ``LOG.2`` ..., ``BACKUPS`` kept) and starts a fresh one,
-so a process's output never takes more than about ``(BACKUPS + 1) x MAX_BYTES``. The same caps apply to every log
-btbctl writes (:data:`~btbctl.engine.logfmt.ROTATE_BYTES`, :data:`~btbctl.engine.logfmt.ROTATE_BACKUPS`).
+starts ``python -m btbctl.engine.launcher.logcap LOG MAX_BYTES BACKUPS`` on the other end: it appends what arrives
+to ``LOG`` (mode 0600: a log may hold request data), and when the next chunk would take the file past ``MAX_BYTES``
+it renames ``LOG`` to ``LOG.1`` (``LOG.1`` to ``LOG.2`` ..., ``BACKUPS`` kept) and starts a fresh one, so a
+process's output never takes more than ``(BACKUPS + 1) x MAX_BYTES`` (a chunk larger than a whole file is cut, at a
+line's end where it has one). The same caps apply to every log btbctl writes
+(:data:`~btbctl.engine.logfmt.ROTATE_BYTES`, :data:`~btbctl.engine.logfmt.ROTATE_BACKUPS`).
 
 The writer is not in the child's process group, so stopping the child never loses its last lines: it ignores
 SIGTERM, SIGINT and SIGHUP and exits when the pipe closes (the child and everything it started are gone). A write
@@ -55,19 +56,24 @@ def pump(src: int, path: str, max_bytes: int, backups: int, truncate: bool = Tru
             chunk = os.read(src, CHUNK_BYTES)
             if not chunk:
                 return
-            if size and size + len(chunk) > max_bytes:
-                os.close(out)
-                out = -1
-                rotate(path, backups)
-                out = _open(path, True)
-                size = 0
-            try:
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(out, view) :]
-                size += len(chunk)
-            except OSError:
-                pass  # a full disk: this chunk is lost, the child goes on
+            while chunk:
+                if size and size + len(chunk) > max_bytes:
+                    os.close(out)
+                    out = -1
+                    rotate(path, backups)
+                    out = _open(path, True)
+                    size = 0
+                piece = chunk
+                if len(piece) > max_bytes:  # more than a whole file holds: cut it, at a line's end where one is
+                    piece = piece[: piece.rfind(b"\n", 0, max_bytes) + 1 or max_bytes]
+                chunk = chunk[len(piece) :]
+                try:
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(out, view) :]
+                    size += len(piece)
+                except OSError:
+                    pass  # a full disk: this piece is lost, the child goes on
     finally:
         if out >= 0:
             os.close(out)
