@@ -946,22 +946,22 @@ class PeerService:
         errors = [f"{a}: {t['error']}" for a, t in rec.targets.items() if t["state"] != CopyState.DONE.value]
         if rec.role == "source":
             rec.bytes_done = sum(t["bytes_sent"] for t in rec.targets.values())
-            rec.state = CopyState.FAILED if errors else CopyState.DONE
-            rec.error = "; ".join(errors) or None
-            rec.finished_s = time.time()
-            self._bump(rec)
-            self.event(
+            state = CopyState.FAILED if errors else CopyState.DONE
+            error = "; ".join(errors) or None
+            self.event(  # logged before the record turns final: a reader that sees it final finds the line
                 "copy_finished",
                 {
                     "copy_id": copy_id,
                     "role": "source",
-                    "outcome": rec.state.value,
+                    "outcome": state.value,
                     "pages": rec.pages,
                     "bytes": rec.bytes_total,
                     "duration_s": round(time.monotonic() - t0, 6),
-                    "error": rec.error,
+                    "error": error,
                 },
             )
+            rec.state, rec.error, rec.finished_s = state, error, time.time()
+            self._bump(rec)
 
     def _send_one(self, copy_id: str, src: PageSource, child: dict, rec: CopyRecord, cancel: threading.Event) -> None:
         addr = child["addr"]
@@ -1398,9 +1398,7 @@ class PeerService:
                 store.unpin_objs([o for o in pend if o is not None])
             else:
                 store.abort(token)
-            rec.state, rec.error, rec.finished_s = outcome, error, time.time()
-            self._bump(rec)
-            self.event(
+            self.event(  # logged before the record turns final: a reader that sees it final finds the line
                 "copy_finished",
                 {
                     "copy_id": copy_id,
@@ -1415,6 +1413,8 @@ class PeerService:
                     "replaced_from": ",".join(sorted(set(replaced)))[:256] or None if committed else None,
                 },
             )
+            rec.state, rec.error, rec.finished_s = outcome, error, time.time()
+            self._bump(rec)
 
 
 __all__ = [
