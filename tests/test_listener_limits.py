@@ -28,6 +28,17 @@ from gateway_fakes import start_fleet, stop_fleet
 ROOT = Path(__file__).resolve().parent.parent / "btbctl"
 
 
+async def _gateway(fleet, **kw):
+    """A served gateway in front of ``fleet`` on free ports, control token ``t``, with ``kw`` for its config."""
+    return await serve_gateway(GatewayConfig(workers=[w.url for w in fleet], port=0, control_port=0, token="t", **kw))
+
+
+def _host_port(url: str) -> tuple[str, str]:
+    """``(host, port)`` of ``http://host:port``."""
+    host, _, port = url.rsplit("/", 1)[1].rpartition(":")
+    return host, port
+
+
 class _Node:
     def __init__(self, **kw) -> None:
         self.events: list[tuple[str, dict]] = []
@@ -145,18 +156,13 @@ def test_copy_port_caps_connections_per_peer(node):
 
 async def test_the_token_gets_through_half_sent_control_connections():
     fleet = await start_fleet(1)
-    gw = await serve_gateway(
-        GatewayConfig(
-            workers=[w.url for w in fleet],
-            port=0,
-            control_port=0,
-            token="t",
-            control_max_connections=4,
-            header_timeout_s=30.0,  # the half-sent ones stay too young to evict
-            health_interval_s=0.2,
-        )
+    gw = await _gateway(
+        fleet,
+        control_max_connections=4,
+        header_timeout_s=30.0,  # the half-sent ones stay too young to evict
+        health_interval_s=0.2,
     )
-    host, port = gw.control_url.rsplit("/", 1)[1].rsplit(":", 1)
+    host, port = _host_port(gw.control_url)
     writers = []
     try:
         for _ in range(12):
@@ -228,15 +234,13 @@ async def test_live_listeners_close_half_sent_connections():
     """The gateway's two listeners and the agent's copy port, each with a small head timeout: a half-sent
     connection is closed, a connection over the cap pushes the oldest idle one out."""
     fleet = await start_fleet(1)
-    gw = await serve_gateway(
-        GatewayConfig(workers=[w.url for w in fleet], port=0, control_port=0, token="t", header_timeout_s=0.5)
-    )
+    gw = await _gateway(fleet, header_timeout_s=0.5)
     store = PageStore(16 << 20, on_event=lambda e, f: None)
     peers = PeerService(store, SECRET, "n", lambda e, f: None, auth_timeout_s=0.5)
     copy_port = peers.start()
     try:
         for url in (gw.data_url, gw.control_url):
-            host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
+            host, port = _host_port(url)
             r, w = await asyncio.open_connection(host, int(port))
             w.write(b"GET / HTTP/1.1\r\n")
             assert await asyncio.wait_for(r.read(), 10) == b""  # closed by the guard, well before 10 s
@@ -282,17 +286,8 @@ async def test_agent_health_says_when_its_copy_port_is_down(tmp_path):
 
 async def test_control_connections_are_capped_per_peer():
     fleet = await start_fleet(1)
-    gw = await serve_gateway(
-        GatewayConfig(
-            workers=[w.url for w in fleet],
-            port=0,
-            control_port=0,
-            token="t",
-            control_max_per_peer=3,
-            header_timeout_s=2.0,  # a connection may be pushed out once it is 1 s old
-        )
-    )
-    host, port = gw.control_url.rsplit("/", 1)[1].rsplit(":", 1)
+    gw = await _gateway(fleet, control_max_per_peer=3, header_timeout_s=2.0)  # pushed out once 1 s old
+    host, port = _host_port(gw.control_url)
     conns = []
     try:
         for _ in range(3):
