@@ -12,7 +12,6 @@ import inspect
 import re
 import socket
 import threading
-import time
 from pathlib import Path
 
 import aiohttp
@@ -119,7 +118,7 @@ def test_copy_port_survives_failed_accepts_and_says_it_is_down(node):
     n.peers._sock = flaky  # the accept loop, blocked in the real accept now, uses it from its next call on
     _open(n.port).close()
     wait_for(lambda: flaky.failures >= 2, 5.0, "accept failing")
-    down = getattr(n.peers, "port_down", lambda: None)()
+    down = n.peers.port_down()
     assert down is not None and "Too many open files" in down, down
     flaky.failing.clear()
     assert _authenticates(n.port)  # the port came back once descriptors did
@@ -232,7 +231,7 @@ def test_every_listener_is_registered_with_its_three_limits():
 
 async def test_live_listeners_close_half_sent_connections():
     """The gateway's two listeners and the agent's copy port, each with a small head timeout: a half-sent
-    connection is closed, a connection over the cap pushes the oldest idle one out."""
+    connection is closed (the cap's push-out is tested above)."""
     fleet = await start_fleet(1)
     gw = await _gateway(fleet, header_timeout_s=0.5)
     store = PageStore(16 << 20, on_event=lambda e, f: None)
@@ -246,9 +245,7 @@ async def test_live_listeners_close_half_sent_connections():
             assert await asyncio.wait_for(r.read(), 10) == b""  # closed by the guard, well before 10 s
             w.close()
         s = await asyncio.to_thread(_open, copy_port)
-        t0 = time.monotonic()
-        assert await asyncio.to_thread(_closed, s, 10.0)
-        assert time.monotonic() - t0 < 10.0
+        assert await asyncio.to_thread(_closed, s, 10.0)  # closed by the guard, well before 10 s
         s.close()
     finally:
         peers.close()

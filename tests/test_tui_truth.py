@@ -8,6 +8,7 @@ panels render snapshots built here."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import math
@@ -27,7 +28,7 @@ from btbctl.engine.gateway.state import WorkerState
 from btbctl.engine.logfmt import parse_line
 from btbctl.tui.app import build_app, help_text
 from btbctl.tui.widgets.panels import TtftPanel
-from gateway_fakes import GatewayEnv, until
+from gateway_fakes import GatewayEnv
 from tui_helpers import running_app, small_source, wait_for
 
 TEXT = "a shared system prompt " * 8  # 184 bytes: 46 pseudo-tokens, 11 blocks of 4
@@ -223,11 +224,13 @@ async def test_a_deeper_copy_is_shown_and_logged_under_its_hot_prefix(caplog):
             assert r.status == 202, await r.text()
         _, prefixes = await env.get_control("/control/prefixes")
         assert [p["id"] for p in prefixes["prefixes"]] == [hot]  # what `btbctl prefixes` lists
-        for _ in range(200):
+        for _ in range(250):
             _, tr = await env.get_control("/control/transfers")
             if tr["transfers"] and tr["transfers"][0]["state"] == "done":
                 break
-            await until(lambda: True)
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError(f"the copy never finished: {tr}")
         entry = tr["transfers"][0]
         assert entry["prefix"] == deep and entry["hot_prefix"] == hot
         assert entry["prefix_blocks"] == len(chain) and entry["prefix_tokens"] == len(chain) * env.gw.page_size
