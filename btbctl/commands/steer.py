@@ -134,13 +134,18 @@ COPY_EXIT_HELP = (
 REPLICAS_HELP = "How many more workers should receive a copy."
 
 
-def _copy_progress(out: Output, api) -> Callable[[list[dict]], None]:
-    """Progress lines (stderr) for the copies' rows, as ``btbctl replicate`` and ``btbctl prewarm`` print them, with
-    workers by name as `btbctl status` and the dashboard show them."""
+def _worker_names(api) -> dict[str, str]:
+    """``{worker URL: name}`` of the fleet, as `btbctl status` and the dashboard name them (empty when the fleet
+    cannot be read: names are extra, URLs stand in for them)."""
     try:
-        names = {w.url: w.name for w in api.fleet().workers}
+        return {w.url: w.name for w in api.fleet().workers}
     except Exception:  # noqa: BLE001 - names are extra; URLs stand in for them
-        names = {}
+        return {}
+
+
+def _copy_progress(out: Output, names: dict[str, str]) -> Callable[[list[dict]], None]:
+    """Progress lines (stderr) for the copies' rows, as ``btbctl replicate`` and ``btbctl prewarm`` print them, with
+    workers by name (``names``: :func:`_worker_names`)."""
 
     def progress(rows: list[dict]) -> None:
         for r in rows:
@@ -164,17 +169,13 @@ def _tracked_blocks(api) -> int:
         return 0
 
 
-def _copy_result(out: Output, api, res: dict) -> None:
+def _copy_result(out: Output, api, res: dict, names: dict[str, str]) -> None:
     """Print a replicate's (or prewarm's) result and exit as :data:`COPY_EXIT_HELP` says (prefix ids as `btbctl
     prefixes` shows them; the JSON keeps the full ones)."""
     from btbctl.engine.chains import short_id
     from btbctl.engine.control.steering import HELD
 
     res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
-    try:
-        names = {w.url: w.name for w in api.fleet().workers}
-    except Exception:  # noqa: BLE001 - names are extra; URLs stand in for them
-        names = {}
     res["holder_names"] = [names.get(u, u) for u in res.get("holders") or []]
 
     def human(d: dict) -> None:
@@ -227,8 +228,9 @@ def replicate(
     if not timeout_s > 0:
         raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
     with client_for_run(run_dir) as api:
-        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=_copy_progress(out, api))
-        _copy_result(out, api, res)
+        names = _worker_names(api)
+        res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=_copy_progress(out, names))
+        _copy_result(out, api, res, names)
 
 
 @app.command("prewarm", epilog=COPY_EXIT_HELP)
@@ -268,10 +270,8 @@ def prewarm(
     prompt = read_prompt(prompt_file, kind.value)
     with client_for_run(run_dir) as api:
         started = api.prewarm(**prompt, n=n, timeout_s=timeout_s)
-        try:
-            computed = next(w.name for w in api.fleet().workers if w.url == started.computed_by)
-        except Exception:  # noqa: BLE001 - the name is extra; the URL stands in for it
-            computed = started.computed_by or "a worker"
+        names = _worker_names(api)
+        computed = names.get(started.computed_by, started.computed_by or "a worker")
         out.info(
             f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on {computed}; "
             f"prefix {short_id(started.prefix)}"
@@ -281,11 +281,11 @@ def prewarm(
                 else ""
             )
         )
-        res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out, api))
+        res = follow_copies(api, started, timeout_s=timeout_s, on_progress=_copy_progress(out, names))
         res.update(
             computed_by=started.computed_by, prompt_tokens=started.prompt_tokens, prefix_blocks=started.prefix_blocks
         )
-        _copy_result(out, api, res)
+        _copy_result(out, api, res, names)
 
 
 @app.command("prefixes")

@@ -16,7 +16,7 @@ new one's request is answered 503 with ``Retry-After`` and the connection closes
 *Authenticated budget.* With ``authorized`` (a check of a request's credentials), a connection whose request carries
 valid credentials leaves the unauthenticated budget: it never counts against ``max_connections``, is never evicted
 for an unauthenticated one, and is served even while unauthenticated connections fill the cap (up to
-``max_authenticated`` such connections). *Per peer.* With ``max_per_peer``, one peer address holds at most that many
+``max_connections`` such connections). *Per peer.* With ``max_per_peer``, one peer address holds at most that many
 unauthenticated connections: a new one closes that peer's oldest one not serving a request (by the same rule as
 at the cap), else its request is answered 503.
 
@@ -123,7 +123,6 @@ class ConnectionGuard:
             (``header_timeout``, ``evicted``, ``per_peer``, ``over_cap``).
         authorized: ``authorized(request)``: whether the request carries valid credentials (its connection then
             leaves the unauthenticated budget). None: no authenticated budget.
-        max_authenticated: authenticated connections at most (default ``max_connections``).
         max_per_peer: unauthenticated connections of one peer address at most (None: no per-peer cap).
     """
 
@@ -138,7 +137,6 @@ class ConnectionGuard:
         limiter: RateLimiter,
         on_reject: Callable[[str], None] | None = None,
         authorized: Callable[[web.Request], bool] | None = None,
-        max_authenticated: int | None = None,
         max_per_peer: int | None = None,
     ) -> None:
         if max_connections < 1 or header_timeout_s <= 0 or idle_timeout_s <= 0:
@@ -151,7 +149,6 @@ class ConnectionGuard:
         self.limiter = limiter
         self.on_reject = on_reject
         self.authorized = authorized
-        self.max_authenticated = max_authenticated if max_authenticated is not None else max_connections
         self.max_per_peer = max_per_peer
         self.conns: dict[Any, _Conn] = {}  # insertion order: oldest first
         self.authed = 0
@@ -274,7 +271,7 @@ class ConnectionGuard:
 
     def _authenticate(self, c: _Conn, request: web.Request) -> None:
         """Move ``c`` to the authenticated budget when ``request`` carries valid credentials and there is room."""
-        if c.authed or self.authorized is None or self.authed >= self.max_authenticated:
+        if c.authed or self.authorized is None or self.authed >= self.max_connections:
             return
         if self.authorized(request):
             c.authed = True

@@ -17,7 +17,8 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from btbctl.engine.agent.pages import ORIGIN_WRITE, NoRoom, Obj, PageStore
+from btbctl.engine.agent.pages import NoRoom, Obj, PageStore
+from btbctl.engine.copies import ORIGIN_WRITE
 
 #: Most files whose copy provenance is remembered (about 200 bytes each).
 MAX_ORIGINS = 1 << 18

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from btbctl.engine.copies import ORIGIN_COPY_PREFIX, ORIGIN_WRITE, copy_origin, write_origin
+from btbctl.engine.copies import ORIGIN_WRITE
 
 #: Alignment of every extent, bytes (the OS page: one-sided RDMA writes and memmove like page-aligned buffers).
 ALIGN_BYTES = 4096
@@ -401,7 +401,8 @@ class PageStore:
         with every unheld page evicted: then nothing is evicted."""
         # pages that fit in the bump region need no eviction and cannot fail: plan on the allocator itself
         fits = aligned_bytes(sizes) <= self.alloc.capacity - self.alloc.top
-        alloc = self.alloc if fits else self.alloc.copy()
+        # without all_or_none the plan is always applied: plan on the allocator itself (no copy on SGLang's puts)
+        alloc = self.alloc if fits or not all_or_none else self.alloc.copy()
         offs: list[int | None] = []
         evicted: list[Obj] = []
         victims: Iterator[Obj] | None = None  # ready pages, oldest first, listed once eviction is needed
@@ -591,10 +592,6 @@ __all__ = [
     "aligned_bytes",
     "ExtentAllocator",
     "NoRoom",
-    "ORIGIN_COPY_PREFIX",
-    "ORIGIN_WRITE",
     "Obj",
     "PageStore",
-    "copy_origin",
-    "write_origin",
 ]

@@ -54,8 +54,8 @@ from typing import ClassVar
 
 import xxhash
 
-from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, aligned_bytes, copy_origin
-from btbctl.engine.copies import CopyState
+from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, aligned_bytes
+from btbctl.engine.copies import CopyState, copy_origin
 from btbctl.engine.replication.auth import mac, macs_equal
 from btbctl.engine.replication.credentials import MAX_AGENT_ID_CHARS, Credentials
 from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address

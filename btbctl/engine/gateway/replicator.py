@@ -236,12 +236,11 @@ class CopyExecutor:
         for r in free:
             if len(started) >= n:
                 break
-            why = self.refusal(chain, source, r)
             t = self.request_copy(chain, source, r, manual=True, source_confirmed=True)
             if t is not None:
                 started.append(t)
-            else:
-                refused.append(f"{ws[r].name}: {why}")
+            else:  # a refusal changes nothing: asked again, it gives the same reason
+                refused.append(f"{ws[r].name}: {self.refusal(chain, source, r)}")
         if not started and free:
             raise ReplicateError(409, f"no eligible target for prefix {chain[-1]}: {why_none} ({'; '.join(refused)})")
         try:

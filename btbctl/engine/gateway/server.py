@@ -590,7 +590,8 @@ class Gateway:
     def _ttft_in_window(self, now_s: float) -> bool:
         """Whether a first byte was measured in the trailing :data:`TTFT_RECENT_WINDOW_S` (the ``ttft`` event's
         window summary changes with time alone while it holds)."""
-        return bool(self.state.ttft.window(now_s, TTFT_RECENT_WINDOW_S))
+        samples = self.state.ttft.samples  # the newest is the last: the window holds one when it holds that one
+        return bool(samples) and samples[-1][0] > now_s - TTFT_RECENT_WINDOW_S
 
     def _detector_fired(self, det) -> None:
         """The burst detector made a prefix hot: one line with its id, the arrivals in the window and the window."""

@@ -317,13 +317,14 @@ def _up(
         instances = [i for i in cluster.instances() if cluster.host_of(i.spec) is None]
         remote = [i for i in cluster.instances() if cluster.host_of(i.spec) is not None]
         agent_plans = {}
+        credentials: dict[str, tuple[str, str]] = {}  # agent -> (credentials text, control token)
         if cluster.replication_mode == "l3":
             from btbctl.engine.launcher import agents as agents_mod
 
             rd.new_agent_secret()
             plans = agents_mod.plan_agents(cluster, rd)
             agent_plans = {(p.host.name if p.host else None): p for p in plans}
-            rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
+            credentials = rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
             local_agent = agent_plans.get(None)
             if local_agent is not None:
                 aproc = spawn(
@@ -360,7 +361,7 @@ def _up(
             from btbctl.engine.launcher import ssh
 
             pool = ssh.SshPool()
-            remote_urls = _start_remote(cluster, remote, rd, state, pool, log, should_stop, agent_plans)
+            remote_urls = _start_remote(cluster, remote, rd, state, pool, log, should_stop, agent_plans, credentials)
         for inst, proc, health in pending:
             wait_ready(proc, inst.spec.effective_ready_timeout_s, health_url=health, should_stop=should_stop)
             if proc.url is None:  # pragma: no cover - wait_ready sets it
@@ -561,6 +562,7 @@ def _start_remote(
     log: Log,
     should_stop: Callable[[], bool] | None,
     agent_plans: dict | None = None,
+    credentials: dict[str, tuple[str, str]] | None = None,
 ) -> dict[str, str]:
     """Start the workers of ``remote`` on their hosts (all hosts in parallel; in ``l3`` mode each host's agent
     first); record each as soon as it was launched; return ``{name: url}`` of the workers once every one is ready.
@@ -588,8 +590,8 @@ def _start_remote(
         log(f"starting {plural(len(insts), 'worker')} on host {host.name} ({host.address}:{host.port})")
     launches = {}
     if agent_plans:
-        # the same derivation as the local agents' files: each host gets only its own agent's credentials and token
-        credentials = rd.write_agent_credentials([ap.name for ap in agent_plans.values()], [])
+        # ``credentials``: as derived for the local agents' files; each host gets only its own agent's
+        credentials = credentials or {}
         from btbctl.engine.launcher.agents import REMOTE_SECRET, REMOTE_TOKEN
 
         for name, ap in agent_plans.items():

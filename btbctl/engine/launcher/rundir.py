@@ -550,13 +550,8 @@ class RunDir:
             ) from None
 
     def save(self, state: RunState) -> None:
-        """Write ``state.json`` atomically (temporary file + rename), mode 0600."""
-        tmp = self.state_path.with_suffix(".json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(state.as_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, self.state_path)
+        """Write ``state.json`` atomically (:func:`~btbctl.engine.fileio.write_atomic`), mode 0600."""
+        write_atomic(self.state_path, (json.dumps(state.as_dict(), indent=2) + "\n").encode("utf-8"))
 
     def live_processes(self, state: RunState) -> list[ProcessRecord]:
         """Records of ``state`` whose process (group) is still ours and alive."""
@@ -627,5 +622,4 @@ __all__ = [
     "record_is_ours",
     "runs_root",
     "select_fleet",
-    "write_atomic",
 ]

@@ -23,11 +23,11 @@ known at launch gets) or a JSON object :func:`node_credentials_text` writes::
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from btbctl.engine.replication.auth import mac
 
 NODE_KEY_LABEL = b"btbctl-node-key-v1"
 LINK_KEY_LABEL = b"btbctl-link-key-v1"
@@ -44,18 +44,18 @@ class CredentialsError(ValueError):
 
 def node_key(fleet_secret: bytes, agent_id: str) -> bytes:
     """The node key of ``agent_id`` (32 bytes)."""
-    return hmac.new(fleet_secret, NODE_KEY_LABEL + b"\x00" + agent_id.encode(), hashlib.sha256).digest()
+    return bytes.fromhex(mac(fleet_secret, NODE_KEY_LABEL, agent_id.encode()))
 
 
 def control_token(fleet_secret: bytes, agent_id: str) -> str:
     """The bearer token of agent ``agent_id``'s control API (64 hex characters): the gateway, which holds the fleet
     secret, derives every agent's; an agent's files hold only its own."""
-    return hmac.new(fleet_secret, CONTROL_TOKEN_LABEL + b"\x00" + agent_id.encode(), hashlib.sha256).hexdigest()
+    return mac(fleet_secret, CONTROL_TOKEN_LABEL, agent_id.encode())
 
 
 def link_key(target_node_key: bytes, sender_id: str) -> bytes:
     """The key sender ``sender_id`` and the target whose node key is ``target_node_key`` share (32 bytes)."""
-    return hmac.new(target_node_key, LINK_KEY_LABEL + b"\x00" + sender_id.encode(), hashlib.sha256).digest()
+    return bytes.fromhex(mac(target_node_key, LINK_KEY_LABEL, sender_id.encode()))
 
 
 @dataclass
