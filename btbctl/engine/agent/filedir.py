@@ -149,7 +149,9 @@ class FileDirStore(PageStore):
 
     def _remember(self, name: str, st: os.stat_result, origin: str) -> None:
         """Record that a copy wrote file ``name``. Past :data:`MAX_ORIGINS` files, records of files rewritten or
-        removed since go first, then the oldest (whose files then read as SGLang's own)."""
+        removed since go first, then the oldest down to three quarters of the bound (whose files then read as
+        SGLang's own), so the sweep (a stat per record, under the lock) runs once per quarter of the bound of new
+        records, not on every one."""
         with self.lock:
             self._origins[name] = (st.st_ino, st.st_mtime_ns, origin)
             self._origins.move_to_end(name)
@@ -163,7 +165,7 @@ class FileDirStore(PageStore):
                     stale = True
                 if stale:
                     del self._origins[n]
-            while len(self._origins) > MAX_ORIGINS:
+            while len(self._origins) > MAX_ORIGINS * 3 // 4:
                 self._origins.popitem(last=False)
 
     def provenance(self, names: Sequence[str]) -> list[str | None]:
