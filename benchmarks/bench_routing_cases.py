@@ -51,7 +51,7 @@ from pathlib import Path
 
 from btbctl.engine.launcher.bench import BenchOptions, replay_async
 from btbctl.engine.launcher.cluster import WorkerSpec, emulated_argv
-from btbctl.engine.stats import percentile
+from btbctl.engine.stats import summarize
 from btbctl.engine.trace.model import Request, Trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -274,6 +274,7 @@ async def conversations(
             shares.append(cur["cached"] / cur["prompt"])
     firsts = [sum(1 for rows in by_conv.values() if rows[0]["worker"] == u) for u in urls]
     served = [sum(1 for r in turns if r["worker"] == u) for u in urls]
+    lat = summarize(r["latency_s"] for r in turns)  # linear percentiles, as percentile() gives
     return {
         "follow_ups": follow,
         "home": round(home / follow, 3),
@@ -281,8 +282,8 @@ async def conversations(
         "cached_share": round(sum(shares) / len(shares), 3),
         "first_turns_per_worker": firsts,
         "per_worker": served,
-        "turn_p50_s": round(percentile(sorted(r["latency_s"] for r in turns), 50), 3),
-        "turn_p95_s": round(percentile(sorted(r["latency_s"] for r in turns), 95), 3),
+        "turn_p50_s": round(lat["p50"], 3),
+        "turn_p95_s": round(lat["p95"], 3),
     }
 
 
