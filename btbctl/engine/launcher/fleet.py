@@ -251,6 +251,19 @@ def describe_tuning(constants: dict, policy: str | None) -> str:
     return ", ".join(parts) or "nothing"
 
 
+def _apply_tuning(gcfg: dict, tuned: dict, where: str, rd: RunDir, log: Log, keep_policy: bool = False) -> str | None:
+    """Merge the recorded tuning ``tuned`` into the gateway settings ``gcfg`` (its policy too unless
+    ``keep_policy``: one given on the command line wins) and say so in one line naming ``where`` it was confirmed;
+    returns the policy it applied, if any."""
+    constants = tuned.get("constants") or {}
+    policy = None if keep_policy else tuned.get("policy")
+    gcfg["constants"] = {**(gcfg.get("constants") or {}), **constants}
+    if policy:
+        gcfg["policy"] = policy
+    log(f"applying the tuning last confirmed on {where} ({describe_tuning(constants, policy)}; {rd.tuned_path})")
+    return policy
+
+
 def _tuning_for(rd: RunDir, cluster_path: str | None, log: Log) -> dict | None:
     """``rd``'s recorded tuning when it was made for ``cluster_path`` (resolved; None: the default fleet), else
     None (saying in one line which file it was made for). Raises :class:`BtbctlError` for a damaged record."""
@@ -383,16 +396,10 @@ def _up(
         )
         gcfg.update(_replication_config(cluster, state, rd))
         if tuned is not None:
-            applied = tuned.get("constants") or {}
-            gcfg["constants"] = {**gcfg["constants"], **applied}
-            applied_policy = tuned.get("policy") if not policy_given else None
-            if applied_policy:
-                gcfg["policy"] = state.policy = policy = applied_policy
             where = "the default fleet" if cluster_path is None else "this cluster file"
-            log(
-                f"applying the tuning last confirmed on {where} ({describe_tuning(applied, applied_policy)}; "
-                f"{rd.tuned_path})"
-            )
+            applied_policy = _apply_tuning(gcfg, tuned, where, rd, log, keep_policy=policy_given)
+            if applied_policy:
+                state.policy = policy = applied_policy
         gcfg["worker_names"] = [i.name for i in cluster.instances()]
         gcfg["log_file"] = str(rd.log_path("gateway"))
         gcfg["tuned_file"] = str(rd.tuned_path)
@@ -507,13 +514,7 @@ def _up_gateway_only(rd: RunDir, log: Log, timeout_s: float) -> RunState:
         raise BtbctlError(f"cannot read the gateway settings {cfg_path}: {e}; restart the whole fleet") from None
     tuned = rd.load_tuned()
     if tuned and (tuned.get("constants") or tuned.get("policy")):
-        gcfg["constants"] = {**(gcfg.get("constants") or {}), **tuned["constants"]}
-        if tuned.get("policy"):
-            gcfg["policy"] = tuned["policy"]
-        log(
-            f"applying the tuning last confirmed on this fleet "
-            f"({describe_tuning(tuned['constants'], tuned.get('policy'))}; {rd.tuned_path})"
-        )
+        _apply_tuning(gcfg, tuned, "this fleet", rd, log)
     for key, url in (("port", state.gateway_url), ("control_port", state.control_url)):
         if url and not gcfg.get(key):  # a port picked at up: take the same one again
             from urllib.parse import urlsplit
