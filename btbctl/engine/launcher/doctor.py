@@ -181,6 +181,8 @@ class _Needs:
 def _ports_of_running_fleets() -> dict[int, str]:
     """``{port: fleet name}`` of the gateway and control ports of the fleets running on this machine (their run
     directories under the state directory), so a busy port can be blamed on the fleet that holds it."""
+    from urllib.parse import urlsplit
+
     from btbctl.engine.launcher.fleet import list_fleets
 
     out: dict[int, str] = {}
@@ -188,9 +190,12 @@ def _ports_of_running_fleets() -> dict[int, str]:
         if f["state"] not in ("running", "degraded"):
             continue
         for url in (f["gateway_url"], f["control_url"]):
-            port = (url or "").rpartition(":")[2].rstrip("/")
-            if port.isascii() and port.isdigit():
-                out[int(port)] = f["name"]
+            try:
+                port = urlsplit(url or "").port
+            except ValueError:
+                port = None
+            if port:
+                out[port] = f["name"]
     return out
 
 

@@ -885,13 +885,13 @@ def remove_fleet(name: str, root: Path | None = None) -> Path:
 def port_open(hostport: str | None, timeout_s: float = 1.0) -> bool:
     """Whether a TCP connection to ``HOST:PORT`` (a wildcard host: loopback) opens within ``timeout_s``; it is
     closed again at once, before a byte is sent."""
-    if not hostport or ":" not in hostport:
-        return False
-    host, _, port = hostport.rpartition(":")
+    from btbctl.engine.replication.transport import TransferError, parse_address
+
     try:
-        with socket.create_connection((connect_host(host.strip("[]")), int(port)), timeout=timeout_s):
+        host, port = parse_address(hostport or "")
+        with socket.create_connection((connect_host(host), port), timeout=timeout_s):
             return True
-    except (OSError, ValueError):
+    except (OSError, TransferError):
         return False
 
 

@@ -48,10 +48,13 @@ def _pin(argv: list[str], flag: str, value: str | None) -> list[str]:
 
 
 def _port_of(hostport: str | None) -> str | None:
-    if not hostport or ":" not in hostport:
+    """The port of ``HOST:PORT`` as text, None when it is not one (or is port 0)."""
+    from btbctl.engine.replication.transport import TransferError, parse_address
+
+    try:
+        return str(parse_address(hostport or "")[1])
+    except TransferError:
         return None
-    port = hostport.rpartition(":")[2]
-    return port if port.isdigit() and port != "0" else None
 
 
 def restart_argv(rec: ProcessRecord) -> list[str]:
