@@ -31,7 +31,7 @@ from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.fileio import ReadRefused, read_bounded
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback
-from btbctl.engine.replication.credentials import Credentials, CredentialsError, parse_credentials
+from btbctl.engine.replication.credentials import CredentialsError, parse_credentials
 
 log = logging.getLogger("btbctl.agent")
 
@@ -128,11 +128,9 @@ class Agent:
             )
         self.cfg = cfg
         try:
-            if cfg.secret.lstrip().startswith(b"{"):
-                self.credentials = parse_credentials(cfg.secret, cfg.agent_id, "--secret-file")
-            else:
-                aid = cfg.agent_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
-                self.credentials = Credentials.from_fleet_secret(cfg.secret, aid)
+            self.credentials = parse_credentials(
+                cfg.secret, cfg.agent_id, "--secret-file", default_id=f"{socket.gethostname()}-{secrets.token_hex(3)}"
+            )
         except CredentialsError as e:
             raise ConfigError("--secret-file", str(e)) from None
         self.agent_id = self.credentials.agent_id
@@ -151,8 +149,9 @@ class Agent:
 
     async def start(self) -> None:
         """Create the arena, bind the three endpoints. Raises :class:`BtbctlError` naming what failed."""
-        from btbctl.engine.agent.control import control_token_ok, make_app
+        from btbctl.engine.agent.control import make_app
         from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http, raise_nofile
+        from btbctl.engine.replication.auth import bearer_ok
 
         cfg = self.cfg
         old_nofile, nofile = raise_nofile()
@@ -218,7 +217,7 @@ class Agent:
             idle_timeout_s=cfg.header_timeout_s,
             retry_after_s=1,
             limiter=RateLimiter(),
-            authorized=(lambda request: control_token_ok(request.headers.get("Authorization"), token))
+            authorized=(lambda request: bearer_ok(request.headers.get("Authorization"), token))
             if token is not None
             else None,
             max_per_peer=cfg.control_max_per_peer,

@@ -37,7 +37,6 @@ Errors: ``{"error": one line}`` with 400 (bad input), 401/403 (token), 404, 409 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +46,7 @@ from aiohttp import web
 from btbctl.engine.agent.pages import NoRoom
 from btbctl.engine.agent.peer import FANOUTS, MAX_STREAM_S, fanout_plan
 from btbctl.engine.netaddr import browser_refusal
+from btbctl.engine.replication.auth import bearer_ok
 from btbctl.sglang_l3.keys import is_page_key
 
 #: Largest control request body, bytes.
@@ -114,20 +114,13 @@ def make_app(agent, open_metrics: bool = True, bind_host: str = "127.0.0.1") -> 
     return app
 
 
-def control_token_ok(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries the control token (constant-time comparison)."""
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[7:].strip().encode(), token.encode())
-
-
 def _auth(request: web.Request, token: str | None) -> None:
     if token is None:
         return
     h = request.headers.get("Authorization", "")
     if not h.startswith("Bearer "):
         raise _Err(401, "this route needs 'Authorization: Bearer <control token>'")
-    if not control_token_ok(h, token):
+    if not bearer_ok(h, token):
         raise _Err(403, "invalid control token")
 
 

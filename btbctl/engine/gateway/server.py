@@ -27,7 +27,6 @@ configured; then the health prober checks every worker every ``health_interval_s
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -76,6 +75,7 @@ from btbctl.engine.netaddr import is_loopback, local_url
 from btbctl.engine.policies import make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import tree_holder
+from btbctl.engine.replication.auth import bearer_ok
 from btbctl.engine.trace.model import Request
 
 log = logging.getLogger(__name__)
@@ -287,11 +287,7 @@ class Gateway:
     def token_ok(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the bearer token (constant-time comparison; nothing counted:
         the control listener's connection budget asks this of every request)."""
-        return (
-            header is not None
-            and header.startswith("Bearer ")
-            and hmac.compare_digest(header[7:].strip().encode(), self.token.encode())
-        )
+        return bearer_ok(header, self.token)
 
     def check_token(self, header: str | None) -> bool:
         """:meth:`token_ok`, counting a refusal in ``btb_rejected_requests{reason="auth"}``."""

@@ -66,6 +66,15 @@ def mac(key: bytes, label: bytes, *parts: bytes) -> str:
     return hmac.new(key, b"\0".join((label, *parts)), hashlib.sha256).hexdigest()
 
 
+def bearer_ok(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time comparison)."""
+    return (
+        header is not None
+        and header.startswith("Bearer ")
+        and hmac.compare_digest(header[7:].strip().encode(), token.encode())
+    )
+
+
 def macs_equal(a: object, b: str) -> bool:
     """Constant-time comparison of a received MAC (any JSON value) with the expected one."""
     return isinstance(a, str) and hmac.compare_digest(a.encode("ascii", "replace"), b.encode("ascii"))

@@ -97,14 +97,16 @@ def node_credentials_text(fleet_secret: bytes, agent_id: str, peers: Iterable[st
     )
 
 
-def parse_credentials(data: bytes, agent_id: str | None, where: str) -> Credentials:
+def parse_credentials(data: bytes, agent_id: str | None, where: str, default_id: str | None = None) -> Credentials:
     """The credentials in ``data`` (a file's contents: the fleet secret or a node credentials object). ``agent_id``:
-    the id the agent was given (None: a credentials object names it; the fleet secret needs one).
+    the id the agent was given (None: a credentials object names it; with the fleet secret, ``default_id`` stands
+    in, and without one it is an error).
 
     Raises:
         CredentialsError: malformed object, or an ``agent_id`` other than the object's (message names ``where``).
     """
     if not data.lstrip().startswith(b"{"):
+        agent_id = agent_id or default_id
         if agent_id is None:
             raise CredentialsError(f"{where}: a fleet secret needs --agent-id (peers derive this node's key from it)")
         return Credentials.from_fleet_secret(data, agent_id)
