@@ -84,10 +84,12 @@ class PrefixHeat:
 
 
 class _KeyState:
-    __slots__ = ("times", "total", "first_s", "last_s", "hot", "fires", "prefix")
+    __slots__ = ("times", "in_window", "total", "first_s", "last_s", "hot", "fires", "prefix")
 
     def __init__(self, now_s: float) -> None:
-        self.times: deque[float] = deque()
+        #: ``(arrival time, arrivals)`` in the window, oldest first (a declared burst is one entry, not N)
+        self.times: deque[tuple[float, int]] = deque()
+        self.in_window = 0  # the sum of the arrivals in ``times``
         self.total = 0
         self.first_s = now_s
         self.last_s = now_s
@@ -163,14 +165,12 @@ class BurstDetector:
         arrivals = max(1, int(arrivals))
         st.total += arrivals
         times = st.times
-        if arrivals == 1:
-            times.append(now_s)
-        else:
-            times.extend([now_s] * arrivals)
+        times.append((now_s, arrivals))
+        st.in_window += arrivals
         cutoff = now_s - window
-        while times[0] <= cutoff:
-            times.popleft()
-        count = len(times)
+        while times[0][0] <= cutoff:
+            st.in_window -= times.popleft()[1]
+        count = st.in_window
         self._sweep(now_s, st)
         if count < self.constants.threshold and not st.hot:
             return None
@@ -225,7 +225,7 @@ class BurstDetector:
         if st is None:
             return 0
         lo = now_s - self.constants.window_s
-        return sum(1 for t in st.times if lo < t <= now_s)
+        return sum(n for t, n in st.times if lo < t <= now_s)
 
     def heat(self, now_s: float, top: int = 10) -> list[PrefixHeat]:
         """The ``top`` tracked prefixes by arrivals in the window at ``now_s`` (then most recently seen first).
@@ -239,7 +239,7 @@ class BurstDetector:
         y = self.constants.prefix_blocks
         rows = []
         for key, st in self._keys.items():
-            n = sum(1 for t in st.times if lo < t <= now_s)
+            n = sum(k for t, k in st.times if lo < t <= now_s)
             rows.append((n, st.last_s, key, st))
         best = nlargest(top, rows, key=lambda r: (r[0], r[1]))
         return [
