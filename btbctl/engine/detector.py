@@ -98,6 +98,13 @@ class _KeyState:
         self.prefix: tuple[Hashable, ...] | None = None
 
 
+def tracked_key(chain: Sequence[Hashable], prefix_blocks: int) -> Hashable | None:
+    """The key the detector tracks ``chain`` under (its ``prefix_blocks``-th block hash: the hot prefix's id that
+    ``btbctl prefixes`` lists), None when the chain is shorter (never tracked). :meth:`BurstDetector.observe`
+    takes the same block."""
+    return chain[prefix_blocks - 1] if 0 < prefix_blocks <= len(chain) else None
+
+
 class BurstDetector:
     """Detects hot prefixes from a stream of ``(block-hash chain, arrival time)``.
 

@@ -551,6 +551,10 @@ class ReplicateAnswer(Answer):
     """Workers that held the whole prefix when the copies started (the source among them)."""
 
 
+#: The fields of a prewarm body that carry its prompt (exactly one is given).
+PROMPT_KEYS = ("text", "messages", "input_ids")
+
+
 class PrewarmRequest(Body):
     """Body of ``POST /control/prewarm``: one prompt, as exactly one of ``text``, ``messages`` and ``input_ids``."""
 
@@ -566,7 +570,7 @@ class PrewarmRequest(Body):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> PrewarmRequest:
-        given = [k for k in ("text", "messages", "input_ids") if getattr(self, k) is not None]
+        given = [k for k in PROMPT_KEYS if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of text, messages, input_ids (got {', '.join(given) or 'none'})")
         return self

@@ -21,7 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
-from btbctl.engine.control.schema import ErrorAnswer, ErrorDetail, FlushAnswer, PrewarmRequest
+from btbctl.engine.control.schema import PROMPT_KEYS, ErrorAnswer, ErrorDetail, FlushAnswer, PrewarmRequest
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
@@ -347,7 +347,6 @@ class ControlApi:
 
 
 #: The prompt fields of ``POST /control/prewarm`` (exactly one is given) and what its body accepts.
-PROMPT_KEYS = ("text", "messages", "input_ids")
 PREWARM_VALID = [*PROMPT_KEYS, "n"]
 
 

@@ -49,6 +49,7 @@ import aiohttp
 
 from btbctl.engine.chains import prefix_id, short_id
 from btbctl.engine.copies import CopyOutcome, CopyPlan, CopyState, carry_out
+from btbctl.engine.detector import tracked_key
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
@@ -165,7 +166,7 @@ class CopyExecutor:
             target=target,
             created_s=self.state.clock(),
             manual=manual,
-            hot_key=str(chain[y - 1]) if 0 < y <= len(chain) else str(chain[-1]),
+            hot_key=str(tracked_key(chain, y) or chain[-1]),
             copied_tokens=len(chain) * bt if bt > 0 else None,
         )
 

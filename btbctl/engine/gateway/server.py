@@ -43,7 +43,7 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.control.schema import TTFT_RECENT_WINDOW_S
 from btbctl.engine.control.tuned import save_tuned
 from btbctl.engine.copies import CopyState
-from btbctl.engine.detector import BurstDetector, DeclaredBursts
+from btbctl.engine.detector import BurstDetector, DeclaredBursts, tracked_key
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
@@ -466,8 +466,8 @@ class Gateway:
         by_url = {w.url: w.index for w in self.state.workers}
         computed_by = by_url.get(worker or "", -1)
         outcome = await self.replicate(tuple(chain), n)
-        y = self.constants.prefix_blocks
-        hot = str(chain[y - 1]) if len(chain) >= y else None
+        key = tracked_key(chain, self.constants.prefix_blocks)
+        hot = None if key is None else str(key)
         return PrewarmOutcome(outcome, computed_by, n_tokens, len(chain), hot)
 
     async def flush(self) -> dict[str, str]:
