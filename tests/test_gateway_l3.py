@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 
 import pytest
@@ -275,10 +276,12 @@ class _L3Bed:
     prefix loaded from L3 (and first runs ``during_warmup``), and an :class:`L3Replicator` between worker 0 (on
     agent 0) and worker 1 (on agent 1)."""
 
-    def __init__(self, tmp_path, worker_agents: tuple[int, ...] = (0, 1)) -> None:
+    def __init__(self, tmp_path, worker_agents: tuple[int, ...] = (0, 1), pages: int = 4) -> None:
         self.tmp = tmp_path
         self.worker_agents = list(worker_agents)
+        self.pages = pages
         self.during_warmup = None
+        self.answer = None  # input_ids -> cached_tokens_details (default: the whole prefix from storage)
 
     async def __aenter__(self):
         import aiohttp
@@ -293,7 +296,7 @@ class _L3Bed:
             a = Agent(
                 AgentConfig(
                     socket_path=str(self.tmp / f"a{i}.sock"),
-                    arena_bytes=4 << 20,
+                    arena_bytes=8 << 20,
                     secret=_FLEET_SECRET,
                     agent_id=f"agent-{i}",
                     control_token=control_token(_FLEET_SECRET, f"agent-{i}"),
@@ -304,14 +307,17 @@ class _L3Bed:
                 _NS, {"model": "m", "tp_rank": 0, "tp_size": 1, "page_bytes": _PAGE_BYTES, "layout": "page_first"}
             )
             self.agents.append(a)
-        self.chain = tuple(page_keys(list(range(4 * _TOKENS_PER_PAGE)), _TOKENS_PER_PAGE))
+        self.chain = tuple(page_keys(list(range(self.pages * _TOKENS_PER_PAGE)), _TOKENS_PER_PAGE))
         self.names = [f"{_NS}.{k}" for k in self.chain]
 
         async def generate(request):
             if self.during_warmup is not None:
                 await asyncio.to_thread(self.during_warmup)
-            n = len(self.chain) * _TOKENS_PER_PAGE
-            return web.json_response({"meta_info": {"cached_tokens_details": {"device": 0, "host": 0, "storage": n}}})
+            if self.answer is not None:
+                details = self.answer((await request.json())["input_ids"])
+            else:
+                details = {"device": 0, "host": 0, "storage": len(self.chain) * _TOKENS_PER_PAGE}
+            return web.json_response({"meta_info": {"cached_tokens_details": details}})
 
         app = web.Application()
         app.router.add_post("/generate", generate)
@@ -457,3 +463,121 @@ async def test_each_agent_has_its_own_control_token_and_the_gateway_derives_them
     cfg = {"replication": "l3", "agents": agents, "worker_agents": [0, 1], "agent_secret_file": str(secret)}
     async with GatewayEnv(2, **cfg) as env:
         assert env.gw.replicator.tokens == {n: control_token(_FLEET_SECRET, n) for n in ("a0", "a1")}
+
+
+# -- warm-ups trail the copy: the target's prefetch streams behind the pages, the proof loads only the tail --------
+
+
+class _Prefetcher:
+    """SGLang's admission as the warm-ups meet it on the target (worker 1, reading its node's agent): the device keeps the pages earlier
+    requests loaded or computed; the L3 prefetch reads the leading run the target's agent holds past them; the rest
+    of the prompt's whole pages is computed (then on the device too). Records each warm-up: pages asked, pages the
+    target's agent held at that moment, and the answer."""
+
+    def __init__(self, bed: _L3Bed, own_pages: int = 0) -> None:
+        self.bed = bed
+        self.device = own_pages  # leading pages on the target's device
+        self.seen: list[tuple[int, int, dict]] = []
+        self.first = threading.Event()
+
+    def __call__(self, ids: list[int]) -> dict:
+        pages = (len(ids) - 1) // _TOKENS_PER_PAGE
+        store = self.bed.agents[self.bed.worker_agents[1]].store
+        held = store.leading_ready(self.bed.names[:pages])
+        device = min(self.device, pages)
+        storage = max(0, held - device)
+        self.device = max(self.device, pages)  # loaded, or computed by this request
+        ans = {"device": device * _TOKENS_PER_PAGE, "host": 0, "storage": storage * _TOKENS_PER_PAGE}
+        self.seen.append((pages, held, ans))
+        if pages < len(self.bed.chain):
+            self.first.set()
+        return ans
+
+
+def _stream_source(bed: _L3Bed, gate: threading.Event) -> threading.Thread:
+    """The source's write-through, page by page: half the prefix, then (once ``gate`` is set, or after 10 s) the
+    rest."""
+
+    def run() -> None:
+        half = len(bed.names) // 2
+        for i, name in enumerate(bed.names):
+            if i == half:
+                gate.wait(10)
+            bed.write(0, 0x11, names=[name])
+            time.sleep(0.005)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th
+
+
+async def test_warm_ups_trail_the_write_through_over_held_pages_and_the_proof_loads_only_the_tail(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="btbctl")
+    # source and target share a node: the target's L3 tier holds each page as the source's write-through lands it
+    async with _L3Bed(tmp_path, (0, 0), pages=64) as bed:
+        fake = bed.answer = _Prefetcher(bed)
+        t = bed.rep.request_copy(bed.chain, 0, 1)
+        assert t is not None
+        writer = _stream_source(bed, fake.first)  # the second half waits for a warm-up over the first
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        writer.join(5)
+        assert t.outcome == "proved" and t.ready.result() is True, t.error
+        assert t.proof == {"device": 0, "host": 0, "storage": 64 * _TOKENS_PER_PAGE}
+        asked = [p for p, _, _ in fake.seen]
+        assert len(asked) >= 2 and asked == sorted(set(asked)) and asked[-1] == 64, fake.seen
+        # a trailing warm-up never asks for a page the target's agent did not hold: nothing was computed there
+        assert all(p <= held for p, held, _ in fake.seen), fake.seen
+        assert all(a["storage"] == (p - prev) * _TOKENS_PER_PAGE for (p, _, a), prev in zip(fake.seen, [0] + asked))
+        # the proof itself loaded only the pages that landed after the last trailing warm-up
+        assert fake.seen[-1][2]["device"] == asked[-2] * _TOKENS_PER_PAGE > 0
+        lines = [r.getMessage() for r in caplog.records if "event=l3_prefetched" in r.getMessage()]
+        assert len(lines) == len(asked) - 1, lines
+        done = [r.getMessage() for r in caplog.records if "event=l3_copy_proved" in r.getMessage()]
+        assert len(done) == 1 and f"warmups={len(asked)}" in done[0], done
+
+
+async def test_a_target_that_had_pages_of_its_own_is_computed_not_proved_and_trailing_stops(tmp_path):
+    async with _L3Bed(tmp_path, (0, 0), pages=64) as bed:
+        fake = bed.answer = _Prefetcher(bed, own_pages=40)
+        t = bed.rep.request_copy(bed.chain, 0, 1)
+        assert t is not None
+        writer = _stream_source(bed, fake.first)
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        writer.join(5)
+        assert t.outcome == "computed" and t.state.value == "failed", t.error
+        assert t.ready.result() is True  # it holds the prefix (its own): requests need not move
+        assert t.proof["storage"] < 64 * _TOKENS_PER_PAGE and sum(t.proof.values()) == 64 * _TOKENS_PER_PAGE
+        assert len(fake.seen) <= 2, fake.seen  # one trailing warm-up found the own pages; then only the proof
+
+
+@pytest.mark.parametrize(
+    ("answers", "proof", "outcome"),
+    [
+        # three warm-ups over 4, 8 and 16 pages of 16 tokens, each loading what is new
+        ([(0, 0, 64), (64, 0, 64), (128, 0, 128)], {"device": 0, "host": 0, "storage": 256}, "proved"),
+        # pages an earlier warm-up loaded moved to the host tier in between: still this copy's
+        ([(0, 0, 128), (64, 64, 128)], {"device": 0, "host": 0, "storage": 256}, "proved"),
+        # evicted in between and read again from L3
+        ([(0, 0, 128), (0, 0, 256)], {"device": 0, "host": 0, "storage": 256}, "proved"),
+        # the target held 64 tokens more than the warm-ups loaded: its own
+        ([(0, 0, 64), (128, 0, 128)], {"device": 64, "host": 0, "storage": 192}, "computed"),
+        # the last read was short of the prefix
+        ([(0, 0, 128), (128, 0, 64)], {"device": 0, "host": 0, "storage": 192}, "short"),
+    ],
+)
+def test_the_proof_adds_up_the_warm_ups_loads(answers, proof, outcome):
+    from btbctl.engine.gateway.l3 import _Loads
+
+    loads = _Loads()
+    for device, host, storage in answers:
+        loads.account(device, host, storage)
+    assert loads.proof() == proof
+    assert classify_proof(loads.proof(), 256).value == outcome
+
+
+def test_a_trailing_warm_up_adds_at_least_the_prefetch_threshold_and_there_are_few():
+    from btbctl.engine.gateway.l3 import TRAIL_STEPS, trail_step_pages
+
+    assert trail_step_pages(64, 256) == 8  # 16k tokens: eight steps of 2,048 tokens
+    assert trail_step_pages(4, 16) == 16  # 64 tokens: below SGLang's prefetch threshold, no trailing warm-up
+    assert trail_step_pages(1024, 64) == 1024 // TRAIL_STEPS

@@ -53,6 +53,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -117,6 +118,51 @@ def classify_proof(proof: dict[str, int], covered: int) -> CopyOutcome:
     if sum(proof.values()) >= covered:
         return CopyOutcome.COMPUTED
     return CopyOutcome.SHORT
+
+
+#: Fewest tokens a trailing warm-up adds: SGLang prefetches from L3 only when at least ``prefetch_threshold`` tokens
+#: of whole pages remain past the device and host hits (its extra config's default, 256; ``cache_controller.py``).
+TRAIL_MIN_TOKENS = 256
+#: Most trailing warm-ups per copy (each is one request on the target: a product choice that keeps them a small
+#: load while the last one, the proof, loads at most about 1/TRAIL_STEPS of the prefix).
+TRAIL_STEPS = 8
+
+
+def trail_step_pages(pages: int, page_size: int) -> int:
+    """Fewest new leading pages at the target that start a trailing warm-up of a ``pages``-page prefix."""
+    return max(1, -(-TRAIL_MIN_TOKENS // max(1, page_size)), -(-pages // TRAIL_STEPS))
+
+
+@dataclass
+class _Loads:
+    """What one job's warm-ups found on its target (tokens of the prefix, leading): ``loaded``, those this job's
+    warm-ups loaded from L3 (the device and host hits of a later warm-up below it are those same pages);
+    ``own_device`` / ``own_host``, those the last warm-up found on the target beyond ``loaded`` (its own, not this
+    copy's); ``warmups``, how many were sent."""
+
+    loaded: int = 0
+    own_device: int = 0
+    own_host: int = 0
+    warmups: int = 0
+
+    @property
+    def own(self) -> int:
+        return self.own_device + self.own_host
+
+    def pages(self, page_size: int) -> int:
+        return self.loaded // page_size
+
+    def account(self, device: int, host: int, storage: int) -> None:
+        """One warm-up's ``cached_tokens_details``."""
+        own = max(0, device + host - self.loaded)
+        self.own_host = min(host, own)
+        self.own_device = own - self.own_host
+        self.loaded = device + host - own + storage
+
+    def proof(self) -> dict[str, int]:
+        """The copy's proof for :func:`classify_proof`: ``storage`` tokens the warm-ups loaded from L3, ``device``
+        and ``host`` tokens the target had of its own."""
+        return {"device": self.own_device, "host": self.own_host, "storage": self.loaded}
 
 
 class L3Replicator(CopyExecutor):
@@ -311,7 +357,7 @@ class L3Replicator(CopyExecutor):
         self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind, **self._phase_fields(t))
         self._event("target_excluded", t, for_s=self.exclude_s, reason=reason)
 
-    def _done(self, t: Transfer) -> None:
+    def _done(self, t: Transfer, warmups: int) -> None:
         self.proofs["proved"] += 1
         self._finish(
             t,
@@ -320,6 +366,7 @@ class L3Replicator(CopyExecutor):
             transfer_s=None if t.transfer_s is None else round(t.transfer_s, 6),
             storage_tokens=t.proof_storage_tokens,
             covered_tokens=t.covered_tokens,
+            warmups=warmups,
             outcome=CopyOutcome.PROVED,
             **self._phase_fields(t),
         )
@@ -460,15 +507,31 @@ class L3Replicator(CopyExecutor):
         await self._pin(t, pinned, src_agent, keys, group)
         if dst_agent is not src_agent:
             await self._pin(t, pinned, dst_agent, keys, group)
-            reason = await self._copy(t, src_agent, dst_agent, keys, group)
+            moving = self._copy(t, src_agent, dst_agent, keys, group)
+            progress = lambda: t.blocks_verified  # pages the target's agent has received
         else:
-            reason = await self._same_node(t, src_agent, keys, group)
+            moving = self._same_node(t, src_agent, keys, group)
+            progress = lambda: max(0, t.blocks_available)  # the shared agent's leading run
+        loads = _Loads()
+        landed = asyncio.Event()
+        trail = asyncio.create_task(self._trail(t, dst_agent, keys, group, loads, landed, progress))
+        trail.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            reason = await moving
+        except BaseException:
+            trail.cancel()
+            raise
+        landed.set()
         if reason is not None:
+            trail.cancel()
             return reason
         t.landed_s = self.state.clock()
         if t.pushed is not None:
             t.pushed.set()
-        return await self._prove(t, dst_agent, keys, group)
+        trailed = await trail  # a trailing warm-up in flight ends first
+        if trailed is not None:
+            return trailed
+        return await self._prove(t, dst_agent, keys, group, loads)
 
     async def _same_node(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | None:
         """The target's L3 tier is the source's: no bytes move; wait until the source's write-through landed every
@@ -655,13 +718,14 @@ class L3Replicator(CopyExecutor):
         cid = origin[len(ORIGIN_COPY_PREFIX) :]
         return cid == t.via_copy_id or cid in self._ordered
 
-    async def _untrusted(self, t: Transfer, agent: dict, keys: list, group: list[str], ps: int) -> str | None:
-        """Why the warm-up's ``storage`` tokens cannot count (a page they came from has another provenance than
-        :meth:`trusted`, or the target's agent cannot say), or None. Storage hits follow the device and host
-        hits, so they are the pages ``[(device + host) / ps, (device + host + storage) / ps)``."""
-        proof = t.proof or {}
-        lo = (proof.get("device", 0) + proof.get("host", 0)) // ps
-        hi = min(len(keys), -(-(proof.get("device", 0) + proof.get("host", 0) + proof.get("storage", 0)) // ps))
+    async def _untrusted(
+        self, t: Transfer, agent: dict, keys: list, group: list[str], ps: int, cached: int, storage: int
+    ) -> str | tuple | None:
+        """Why a warm-up's ``storage`` tokens cannot count (a page they came from has another provenance than
+        :meth:`trusted`, or the target's agent cannot say), or None. Storage hits follow the device and host hits
+        (``cached`` tokens), so they are the pages ``[cached / ps, (cached + storage) / ps)``."""
+        lo = cached // ps
+        hi = min(len(keys), -(-(cached + storage) // ps))
         if hi <= lo:
             return None
         try:
@@ -683,7 +747,7 @@ class L3Replicator(CopyExecutor):
                         page=lo + i,
                         namespace=ns,
                         origin=origin,
-                        storage_tokens=proof.get("storage", 0),
+                        storage_tokens=storage,
                     )
                     return (
                         f"proof refused: page {lo + i} of namespace {ns} on the target came from {origin!r}, "
@@ -692,17 +756,22 @@ class L3Replicator(CopyExecutor):
                     )
         return None
 
-    async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str]) -> str | tuple | None:
+    async def _warm_up(
+        self, t: Transfer, agent: dict, keys: list, group: list[str], pages: int, loads: _Loads
+    ) -> str | tuple | None:
+        """One warm-up of the target over the prefix's first ``pages`` pages (``POST /generate``, max 1 new token;
+        see the module docstring), accounted in ``loads``; why it cannot count, or None."""
         ps = self.page_size()
         got = self.prefix_tokens.get(list(t.chain), ps)
         if got is None:
             return "the prefix's token ids are no longer known (needed for the warm-up)"
         ids, extra_key, salt = got
+        ids = ids[: pages * ps]
         w = self.state.workers[t.target]
         body: dict = {
             "input_ids": ids + [ids[0] if ids else 0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "rid": f"btb-warmup-{t.copy_id}",
+            "rid": f"btb-warmup-{t.copy_id}-{loads.warmups}",
             # newer SGLang (after 0.5.23, its PR 17648) reports where cached tokens came from only when asked
             "return_cached_tokens_details": True,
         }
@@ -710,7 +779,7 @@ class L3Replicator(CopyExecutor):
             body["extra_key"] = extra_key
         if salt is not None:
             body["cache_salt"] = salt
-        t0 = time.monotonic()
+        loads.warmups += 1
         try:
             async with self._session().post(
                 f"{w.url}/generate", json=body, timeout=aiohttp.ClientTimeout(total=self.warmup_timeout_s)
@@ -729,19 +798,85 @@ class L3Replicator(CopyExecutor):
             v = det.get(k, 0)
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
-        t.proof = {"device": tok("device"), "host": tok("host"), "storage": tok("storage")}
+        device, host, storage = tok("device"), tok("host"), tok("storage")
+        if storage > 0:
+            # count storage tokens only from pages of the ordered copy or the target's own write-through
+            untrusted = await self._untrusted(t, agent, keys, group, ps, device + host, storage)
+            if untrusted is not None:
+                return untrusted
+        loads.account(device, host, storage)
+        return None
+
+    async def _trail(
+        self,
+        t: Transfer,
+        agent: dict,
+        keys: list,
+        group: list[str],
+        loads: _Loads,
+        landed: asyncio.Event,
+        progress: Callable[[], int],
+    ) -> str | tuple | None:
+        """Warm-ups that trail the copy (the target's prefetch streams behind the pages as they land, so the
+        proof after the last page loads only the tail): while the copy runs, each time the target's agent holds
+        at least :func:`trail_step_pages` more leading pages than the warm-ups loaded, one warm-up over them
+        (one at a time). Stops at the first warm-up that finds pages the target had of its own (the proof then
+        says ``computed``) or fails; why the copy cannot be counted, or None."""
+        step = trail_step_pages(len(keys), self.page_size())
+        while not landed.is_set():
+            if loads.own == 0 and progress() - loads.pages(self.page_size()) >= step:
+                try:
+                    run = await self._held_run(agent, keys, group)
+                except AgentCallError:
+                    run = 0
+                if landed.is_set():
+                    return None
+                if run < len(keys) and run - loads.pages(self.page_size()) >= step:
+                    t0 = self.state.clock()
+                    before = loads.loaded
+                    reason = await self._warm_up(t, agent, keys, group, run, loads)
+                    if reason is not None:
+                        if isinstance(reason, str) and reason.startswith("warm-up failed"):
+                            self._event("prefetch_failed", t, pages=run, error=reason)
+                            return None  # the proof after the last page tries again, whole
+                        return reason
+                    self._event(
+                        "prefetched",
+                        t,
+                        pages=run,
+                        loaded_tokens=loads.loaded - before,
+                        own_tokens=loads.own,
+                        seconds=round(self.state.clock() - t0, 6),
+                    )
+                    continue
+            try:
+                await asyncio.wait_for(landed.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
+        return None
+
+    async def _held_run(self, agent: dict, keys: list, group: list[str]) -> int:
+        """Leading pages of ``keys`` that ``agent`` holds in every namespace of ``group``."""
+        st, has = await self._call(agent, "POST", "/v1/has", {"keys": keys, "namespaces": group})
+        if st != 200:
+            raise AgentCallError(f"agent {agent['name']}: /v1/has answered {st}: {has.get('error')}")
+        runs = has.get("namespaces") or {}
+        return min((int(runs.get(ns, 0)) for ns in group), default=0)
+
+    async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str], loads: _Loads) -> str | tuple | None:
+        ps = self.page_size()
+        t0 = time.monotonic()
+        reason = await self._warm_up(t, agent, keys, group, len(keys), loads)
+        if reason is not None:
+            return reason
+        t.proof = loads.proof()
         t.proof_storage_tokens = t.proof["storage"]
         covered = len(t.chain) * ps
         warm_s = round(time.monotonic() - t0, 6)
         outcome = classify_proof(t.proof, covered)
-        if t.proof["storage"] > 0:
-            # count storage tokens only from pages of the ordered copy or the target's own write-through
-            untrusted = await self._untrusted(t, agent, keys, group, ps)
-            if untrusted is not None:
-                return untrusted
         if outcome is CopyOutcome.PROVED:
             self.state.copy_measures.proved(self.state.clock() - (t.landed_s or self.state.clock()))
-            self._done(t)
+            self._done(t, loads.warmups)
             return None
         total = sum(t.proof.values())
         if outcome is CopyOutcome.COMPUTED:
