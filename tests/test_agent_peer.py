@@ -1,5 +1,6 @@
-"""Agent-to-agent copies over real TCP on loopback: fan-out, and every bad input ends refused or cold with one log
-line, never serving an unverified page. In-process agents (threads) except where a process must die."""
+"""Agent-to-agent copies over real TCP on loopback: fan-out, and every bad input ends refused with one log line, the
+target keeping only the pages that verified before it, never an unverified page. In-process agents (threads) except
+where a process must die."""
 
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def test_garbage_before_authentication_is_cut_off(nodes):
 @pytest.mark.parametrize(
     "fault,reason", [(SendFaults(corrupt_wire=2), "xxh3_64 mismatch"), (SendFaults(truncate=1), "bytes where")]
 )
-def test_forged_or_truncated_page_is_refused_and_nothing_is_served(nodes, fault, reason):
+def test_forged_or_truncated_page_is_refused_and_only_the_pages_verified_before_it_are_served(nodes, fault, reason):
     src = nodes("src", faults=fault)
     dst = nodes("dst")
     names = _names(6)
@@ -146,7 +147,11 @@ def test_forged_or_truncated_page_is_refused_and_nothing_is_served(nodes, fault,
     src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c1")}], "star"))
     rec = dst.final("c1", "target")
     assert rec["state"] == "failed" and reason in rec["error"]
-    assert dst.store.leading_ready(names) == 0 and dst.store.stats()["used_bytes"] == 0  # not even the good pages
+    bad = fault.corrupt_wire if fault.corrupt_wire is not None else fault.truncate
+    # the pages ahead of the bad one verified and were committed as they came; the bad one and the rest never
+    assert dst.store.leading_ready(names) == bad
+    assert dst.store.stats()["used_bytes"] == bad * PAGE and dst.store.stats()["pending_bytes"] == 0
+    assert dst.store.provenance(names) == ["copy:c1"] * bad + [None] * (6 - bad)
     assert src.final("c1", "source")["state"] == "failed"
     finished = dst.lines("copy_finished")
     assert len(finished) == 1 and "outcome=failed" in finished[0] and reason.split()[0] in finished[0]
@@ -210,7 +215,7 @@ def test_an_idle_peer_is_cut_off_and_its_room_freed(nodes):
     conn.close()
 
 
-def test_source_agent_killed_mid_copy_leaves_the_target_cold(tmp_path, monkeypatch):
+def test_source_agent_killed_mid_copy_leaves_the_target_only_the_pages_that_verified(tmp_path, monkeypatch):
     monkeypatch.setenv("BTBCTL_AGENT_FAULT", "delay_s=0.1")
     src = start_agent(tmp_path, "src")
     monkeypatch.delenv("BTBCTL_AGENT_FAULT")
@@ -234,7 +239,9 @@ def test_source_agent_killed_mid_copy_leaves_the_target_cold(tmp_path, monkeypat
         rec = dst.wait_final("k1", "target")
         assert rec["state"] == "failed" and rec["pages_done"] < len(keys)
         st, have = dst.call("POST", "/v1/has", {"keys": keys, "namespaces": [ns.ns_id]})
-        assert have["namespaces"][ns.ns_id] == 0
+        # only the pages that verified before the source died: the leading run, never the whole prefix
+        assert 3 <= have["namespaces"][ns.ns_id] == rec["pages_done"] < len(keys)
+        assert ns.ns_id not in have["complete"]
         assert dst.log().count("event=copy_finished copy_id=k1") == 1
         c.close()
     finally:
@@ -390,7 +397,7 @@ def test_file_mode_refuses_names_that_are_not_page_files(tmp_path):
         st.close()
 
 
-def test_cancel_at_the_source_leaves_the_target_cold(nodes):
+def test_cancel_at_the_source_leaves_the_target_only_the_pages_that_verified(nodes):
     src = nodes("src", faults=SendFaults(delay_s=0.05))
     dst = nodes("dst")
     names = _names(20)  # within the per-copy limit (half of the 64-page arena)
@@ -400,7 +407,7 @@ def test_cancel_at_the_source_leaves_the_target_cold(nodes):
     assert src.peers.cancel("x1")
     assert src.final("x1", "source")["state"] == "failed"
     rec = dst.final("x1", "target")
-    assert rec["state"] == "failed" and dst.store.leading_ready(names) == 0
+    assert rec["state"] == "failed" and 2 <= dst.store.leading_ready(names) == rec["pages_done"] < len(names)
     assert dst.store.stats()["pending_bytes"] == 0
 
 
@@ -454,7 +461,7 @@ def test_a_stream_whose_source_stalls_past_the_idle_timeout_is_kept_alive(nodes)
     assert relay.final("k1", "target")["state"] == "done" and last.final("k1", "target")["state"] == "done"
 
 
-def test_a_stream_whose_pages_never_come_fails_and_leaves_the_target_cold(nodes):
+def test_a_stream_whose_pages_never_come_fails_and_the_target_keeps_only_those_that_came(nodes):
     src, dst = nodes("src"), nodes("dst")
     names = _names(4)
     plan = fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("w1")}], "chain")
@@ -463,7 +470,7 @@ def test_a_stream_whose_pages_never_come_fails_and_leaves_the_target_cold(nodes)
     rec = src.final("w1", "source")
     assert rec["state"] == "failed" and "stream window" in rec["error"]
     assert dst.final("w1", "target")["state"] == "failed"
-    assert dst.store.leading_ready(names) == 0
+    assert dst.store.leading_ready(names) == 2 and dst.store.stats()["pending_bytes"] == 0
 
 
 def test_milestones_wake_a_long_poll(nodes):
@@ -633,14 +640,14 @@ def test_a_digest_mismatch_is_refused_with_one_line_and_a_counted_metric(nodes):
     dst.peers.event = lambda name, fields: (dst.event(name, fields), metrics.event(name, fields))
     names = _names(3)
     src.fill(names)
-    _plant(dst, names)  # what the target held stays as it was: a refused copy changes nothing
+    _plant(dst, names)  # what the target held: replaced only by the pages that verified before the bad one
     src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c1")}], "star"))
     assert dst.final("c1", "target")["state"] == "failed"
     refused = dst.lines("page_refused")
     assert len(refused) == 1 and "reason=digest_mismatch" in refused[0] and "copy_id=c1" in refused[0]
     assert f"page={names[1]}" in refused[0]
     assert 'btbctl_agent_pages_refused_total{reason="digest_mismatch"} 1.0' in metrics.exposition().decode()
-    assert dst.store.provenance(names) == ["write"] * 3 and dst.store.stats()["pending_bytes"] == 0
+    assert dst.store.provenance(names) == ["copy:c1", "write", "write"] and dst.store.stats()["pending_bytes"] == 0
 
 
 def test_a_node_can_speak_to_its_peers_only_as_itself():

@@ -469,10 +469,10 @@ async def test_each_agent_has_its_own_control_token_and_the_gateway_derives_them
 
 
 class _Prefetcher:
-    """SGLang's admission as the warm-ups meet it on the target (worker 1, reading its node's agent): the device keeps the pages earlier
-    requests loaded or computed; the L3 prefetch reads the leading run the target's agent holds past them; the rest
-    of the prompt's whole pages is computed (then on the device too). Records each warm-up: pages asked, pages the
-    target's agent held at that moment, and the answer."""
+    """SGLang's admission as the warm-ups meet it on the target (worker 1, reading its node's agent): the device
+    keeps the pages earlier requests loaded or computed; the L3 prefetch reads the leading run the target's agent
+    holds past them; the rest of the prompt's whole pages is computed (then on the device too). Records each
+    warm-up: pages asked, pages the target's agent held at that moment, and the answer."""
 
     def __init__(self, bed: _L3Bed, own_pages: int = 0) -> None:
         self.bed = bed
@@ -511,10 +511,12 @@ def _stream_source(bed: _L3Bed, gate: threading.Event) -> threading.Thread:
     return th
 
 
-async def test_warm_ups_trail_the_write_through_over_held_pages_and_the_proof_loads_only_the_tail(tmp_path, caplog):
+@pytest.mark.parametrize("nodes", [(0, 0), (0, 1)], ids=["same-node", "across-nodes"])
+async def test_warm_ups_trail_the_pages_over_held_ones_and_the_proof_loads_only_the_tail(tmp_path, caplog, nodes):
     caplog.set_level(logging.INFO, logger="btbctl")
-    # source and target share a node: the target's L3 tier holds each page as the source's write-through lands it
-    async with _L3Bed(tmp_path, (0, 0), pages=64) as bed:
+    # same node: the target's L3 tier holds each page as the source's write-through lands it; across nodes: as the
+    # source's agent streams it and the target's agent verifies and commits it
+    async with _L3Bed(tmp_path, nodes, pages=64) as bed:
         fake = bed.answer = _Prefetcher(bed)
         t = bed.rep.request_copy(bed.chain, 0, 1)
         assert t is not None
@@ -527,7 +529,8 @@ async def test_warm_ups_trail_the_write_through_over_held_pages_and_the_proof_lo
         assert len(asked) >= 2 and asked == sorted(set(asked)) and asked[-1] == 64, fake.seen
         # a trailing warm-up never asks for a page the target's agent did not hold: nothing was computed there
         assert all(p <= held for p, held, _ in fake.seen), fake.seen
-        assert all(a["storage"] == (p - prev) * _TOKENS_PER_PAGE for (p, _, a), prev in zip(fake.seen, [0] + asked))
+        steps = zip(fake.seen, [0, *asked[:-1]], strict=True)
+        assert all(a["storage"] == (p - prev) * _TOKENS_PER_PAGE for (p, _, a), prev in steps), fake.seen
         # the proof itself loaded only the pages that landed after the last trailing warm-up
         assert fake.seen[-1][2]["device"] == asked[-2] * _TOKENS_PER_PAGE > 0
         lines = [r.getMessage() for r in caplog.records if "event=l3_prefetched" in r.getMessage()]

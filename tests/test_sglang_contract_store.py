@@ -114,7 +114,7 @@ def test_pages_of_another_layout_or_interface_are_a_miss_not_wrong_kv(agents):
             wb.close()
 
 
-def test_a_forged_page_is_refused_and_b_stays_cold(agents, tmp_path):
+def test_a_forged_page_is_refused_and_b_loads_only_the_pages_verified_before_it(agents, tmp_path):
     _, node_b = agents
     os.environ["BTBCTL_AGENT_FAULT"] = "corrupt_wire=5"
     try:
@@ -128,7 +128,9 @@ def test_a_forged_page_is_refused_and_b_stays_cold(agents, tmp_path):
         wf.produce(seq, seed=11)
         rec = _copy(forger, node_b, "c-forged", keys, namespaces=[wf.backend.ns_id])
         assert rec["state"] == "failed" and "xxh3_64 mismatch" in rec["error"]
-        assert wb.prefetch(seq)[0] == 0  # nothing of the copy is served, not even the 5 good pages
+        # the 5 pages ahead of the forged one verified and were committed as they came: B loads those, never the
+        # forged page or any after it
+        assert wb.prefetch(seq)[0] == 5 * CFG.page_size
         assert "event=copy_finished copy_id=c-forged" in node_b.log()
     finally:
         wf.close()
@@ -136,7 +138,7 @@ def test_a_forged_page_is_refused_and_b_stays_cold(agents, tmp_path):
         forger.stop()
 
 
-def test_source_agent_killed_mid_copy_leaves_b_cold(agents, tmp_path):
+def test_source_agent_killed_mid_copy_leaves_b_only_the_pages_that_verified(agents, tmp_path):
     _, node_b = agents
     os.environ["BTBCTL_AGENT_FAULT"] = "delay_s=0.2"
     try:
@@ -159,7 +161,7 @@ def test_source_agent_killed_mid_copy_leaves_b_cold(agents, tmp_path):
         slow.kill()
         rec = node_b.wait_final("c-killed", "target")
         assert rec["state"] == "failed" and rec["pages_done"] < PAGES
-        assert wb.prefetch(seq)[0] == 0
+        assert wb.prefetch(seq)[0] == rec["pages_done"] * CFG.page_size < PAGES * CFG.page_size
     finally:
         ws.close()
         wb.close()

@@ -460,20 +460,41 @@ class PageStore:
                     self.alloc.free(o.offset, o.size)
                     out.append(ok)
                     continue
-                old = self.ready.pop(o.name, None)
-                if old is not None:
-                    old.retired = True
-                    self._free_retired(old)
-                o.ready = True
-                o.owner = None
-                o.origin = origin
-                self.seen_namespaces.add(o.name.partition(".")[0])
-                if digests is not None and digests[i] is not None:
-                    o.digest = digests[i]
-                self.ready[o.name] = o
+                self._make_ready(o, origin, None if digests is None else digests[i])
                 out.append(True)
             self.landed.notify_all()
             return out
+
+    def commit_page(self, token: str, index: int, digest: int | None, *, origin: str) -> bool:
+        """Make page ``index`` of a reservation ready now, ahead of the rest (a verified page of a peer copy, so a
+        reader may load the leading pages while the others arrive): with provenance ``origin``, replacing what was
+        held under its name. A later :meth:`commit` skips it, :meth:`abort` leaves it. Returns whether the page is
+        ready (False for an unknown token)."""
+        with self.lock:
+            res = self.reservations.get(token)
+            if res is None:
+                return False
+            o = res.objs[index]
+            if o is not None:
+                res.objs[index] = None
+                self._make_ready(o, origin, digest)
+                self.landed.notify_all()
+            return True
+
+    def _make_ready(self, o: Obj, origin: str, digest: int | None) -> None:
+        """A reserved page becomes the ready page of its name (lock held); the page it replaces is freed once no
+        lease or pin holds it."""
+        old = self.ready.pop(o.name, None)
+        if old is not None:
+            old.retired = True
+            self._free_retired(old)
+        o.ready = True
+        o.owner = None
+        o.origin = origin
+        self.seen_namespaces.add(o.name.partition(".")[0])
+        if digest is not None:
+            o.digest = digest
+        self.ready[o.name] = o
 
     def hash_later(self, token_objs: Iterable[Obj]) -> None:
         """Compute these ready objects' digests in a background thread (so a later push does not pay for them)."""

@@ -26,11 +26,13 @@ kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64
    reserved arena slot and checks its length and xxh3_64; a forged, truncated or out-of-order page ends the copy
    (refused with the reason, reservation freed; a digest mismatch is also one ``page_refused`` line and counts in
    ``btbctl_agent_pages_refused_total{reason="digest_mismatch"}``).
-4. **End**: ``J {"op": "end"}``; the target commits the pages only when every needed page arrived and verified
-   (each with its digest and its provenance ``copy:<copy id>``, replacing what it held under those names), and
-   answers ``J {"op": "done", "pages", "bytes"}``. Anything else (connection lost, idle for
-   ``idle_timeout_s``, past the copy's deadline ``DEADLINE_BASE_S + bytes / MIN_RATE_BYTES_PER_S``, cancelled)
-   frees the reservation: the target stays cold.
+4. **End**: ``J {"op": "end"}``; the target answers ``J {"op": "done", "pages", "bytes"}`` once every needed page
+   arrived and verified. Each page is committed as soon as it verified (in order, with its digest and its
+   provenance ``copy:<copy id>``, replacing what the target held under its name), so the target's worker can load
+   the leading pages of a long prefix while the rest arrive. Anything else (connection lost, idle for
+   ``idle_timeout_s``, past the copy's deadline ``DEADLINE_BASE_S + bytes / MIN_RATE_BYTES_PER_S``, cancelled, a
+   page that fails its check) ends the copy ``failed`` and frees the rest of the reservation: the target keeps only
+   the leading pages that verified before it, never a page that did not.
 
 Fan-out: an offer may carry ``children`` (each ``{"addr", "token", "children"}``); the target relays every page to
 them as soon as it verified it (cut-through), so a chain or tree spreads the copy without the source's NIC
@@ -578,7 +580,9 @@ class InboundPages(PageSource):
 class _Verifier:
     """Checks the xxh3_64 of received pages in a second thread, so hashing page i overlaps receiving page i+1
     (xxhash releases the GIL on large inputs). A page counts as arrived (relays may forward it, the record counts
-    it) only once verified; :meth:`finish` waits for every queued page and raises the first mismatch."""
+    it) only once verified; with a reservation ``token``, it is then committed at once (ready on this node, with
+    the copy's provenance), so the node's worker may load the leading pages while the rest arrive. :meth:`finish`
+    waits for every queued page and raises the first mismatch; nothing after a mismatch is committed."""
 
     def __init__(
         self,
@@ -590,11 +594,12 @@ class _Verifier:
         event: Callable[[str, dict], None] | None = None,
         copy_id: str = "",
         peer: str = "",
+        token: str | None = None,
     ) -> None:
         import queue
 
         self.store, self.pages, self.names, self.rec, self.metrics = store, pages, names, rec, metrics
-        self.event, self.copy_id, self.peer = event, copy_id, peer
+        self.event, self.copy_id, self.peer, self.token = event, copy_id, peer, token
         self.q: queue.Queue = queue.Queue()
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="btbctl-verify", daemon=True)
@@ -630,6 +635,8 @@ class _Verifier:
                         },
                     )
                 continue
+            if self.token is not None:
+                self.store.commit_page(self.token, i, digest, origin=copy_origin(self.copy_id))
             self.pages.set(i, off, digest)
             if self.rec.first_page_s is None:
                 self.rec.first_page_s = time.time()
@@ -1338,8 +1345,9 @@ class PeerService:
         conn.deadline = t0 + copy_deadline_s(total, stream_s)
         outcome, error = CopyState.FAILED, None
         committed = False
-        replaced: list[str] = []  # provenance of the pages this copy replaced (what the target held before)
-        verifier = _Verifier(store, pages, names, rec, self.metrics, self.event, copy_id, peer)
+        # provenance of the pages this copy replaces (what the target held before)
+        replaced = [o for o in store.provenance(names) if o is not None]
+        verifier = _Verifier(store, pages, names, rec, self.metrics, self.event, copy_id, peer, token)
         try:
             conn.send_json({"op": "accept", "need": need})
             k = 0
@@ -1373,8 +1381,7 @@ class PeerService:
             if cancel.is_set():
                 raise PeerError("cancelled")
             digests = [pages.slots[i][1] if pages.slots[i] else None for i in range(len(names))]
-            replaced = [o for o in store.provenance(names) if o is not None]
-            store.commit(token, digests=digests, origin=copy_origin(copy_id), replace=True)
+            store.commit(token, digests=digests, origin=copy_origin(copy_id), replace=True)  # what is left
             committed = True
             outcome = CopyState.DONE
             conn.send_json({"op": "done", "pages": len(need), "bytes": rec.bytes_done})
@@ -1394,9 +1401,9 @@ class PeerService:
                 pages.fail()
             if relay is not None:
                 relay.join()
-            if committed and children:
-                store.unpin_objs([o for o in pend if o is not None])
-            else:
+            if children:  # the relay is done: its pins go (of every page, or of those committed before a failure)
+                store.unpin_objs([o for o in pend if o is not None and (committed or o.ready)])
+            if not committed:
                 store.abort(token)
             self.event(  # logged before the record turns final: a reader that sees it final finds the line
                 "copy_finished",
