@@ -321,3 +321,15 @@ def test_both_clients_send_the_one_definition_of_each_endpoint():
     assert by_name["ttft"].params == {"window_s": "30", "step_s": "0.5"}
     assert by_name["prewarm"].timeout_s == 5.0 and by_name["prewarm"].body == {"text": "hi", "n": 1}
     assert (by_name["flush"].method, by_name["flush"].body) == ("POST", {})
+
+
+def test_backoff_doubles_up_to_its_ceiling_and_starts_over_after_a_success():
+    from btbctl.engine.control.backoff import Backoff
+
+    b = Backoff(0.5, 3.0)
+    assert [b.failed() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    b.reset()
+    assert b.failed() == 0.5 and b.next_s == 1.0
+    for first_s, max_s in ((0.0, 1.0), (2.0, 1.0), (-1.0, 1.0)):
+        with pytest.raises(ValueError, match="0 < first_s <= max_s"):
+            Backoff(first_s, max_s)
