@@ -275,3 +275,61 @@ async def test_replicate_and_wait_through_the_sync_client():
             refused("xyz")
         with pytest.raises(ControlApiError, match="HTTP 404: unknown prefix"):
             await asyncio.to_thread(refused, "0123456789abcdef")
+
+
+def test_both_clients_send_the_one_definition_of_each_endpoint():
+    """The sync and the async client have the same methods, with the same signatures, and each builds the same
+    request (method, path, query, body, answer model, time limit) from the one :class:`Endpoints` definition."""
+    import inspect
+
+    from btbctl.engine.control.client import Endpoint, Endpoints
+
+    public = {n for n in vars(ControlClient) if not n.startswith("_") and n not in ("close", "send")}
+    assert public == {n for n in vars(Endpoints) if not n.startswith("_")}
+    assert public <= set(vars(AsyncControlClient))
+    for name in public:
+        sync_sig = inspect.signature(getattr(ControlClient, name))
+        assert sync_sig == inspect.signature(getattr(AsyncControlClient, name)), name
+    calls = {
+        "fleet": {},
+        "prefixes": {"top": 7},
+        "transfers": {"limit": 9},
+        "ttft": {"window_s": 30.0, "step_s": 0.5},
+        "constants": {},
+        "replication": {"prefix": "ab/c"},
+        "set_constants": {"updates": {"threshold": 3}},
+        "replicate": {"prefix": "abcd", "n": 2},
+        "prewarm": {"text": "hi", "n": 1, "timeout_s": 5.0},
+        "flush": {},
+    }
+    assert set(calls) == public
+    sent: list[tuple[str, Endpoint]] = []
+
+    async def async_send(call):
+        sent.append(("async", call))
+
+    sync_api, async_api = ControlClient("http://127.0.0.1:1"), AsyncControlClient("http://127.0.0.1:1")
+    sync_api.send = lambda call: sent.append(("sync", call))
+    async_api.send = async_send
+    for name, kwargs in calls.items():
+        getattr(sync_api, name)(**kwargs)
+        asyncio.run(getattr(async_api, name)(**kwargs))
+        (k1, sync_call), (k2, async_call) = sent[-2:]
+        assert (k1, k2) == ("sync", "async") and sync_call == async_call, name
+    by_name = {name: sent[2 * i][1] for i, name in enumerate(calls)}
+    assert by_name["replication"].path == "/control/replications/ab%2Fc"
+    assert by_name["ttft"].params == {"window_s": "30", "step_s": "0.5"}
+    assert by_name["prewarm"].timeout_s == 5.0 and by_name["prewarm"].body == {"text": "hi", "n": 1}
+    assert (by_name["flush"].method, by_name["flush"].body) == ("POST", {})
+
+
+def test_backoff_doubles_up_to_its_ceiling_and_starts_over_after_a_success():
+    from btbctl.engine.control.backoff import Backoff
+
+    b = Backoff(0.5, 3.0)
+    assert [b.failed() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    b.reset()
+    assert b.failed() == 0.5 and b.next_s == 1.0
+    for first_s, max_s in ((0.0, 1.0), (2.0, 1.0), (-1.0, 1.0)):
+        with pytest.raises(ValueError, match="0 < first_s <= max_s"):
+            Backoff(first_s, max_s)

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from btbctl.commands.app import main
 from btbctl.engine.config import read_toml
 from btbctl.engine.deploy import kubernetes as kube
-from btbctl.engine.deploy.yamltext import dump, dump_all
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.launcher import cluster as cl
@@ -32,7 +32,6 @@ EMULATED = ROOT / "examples" / "cluster-k8s-emulated.toml"
 VERSIONS = ("1.28.0", "1.37.0")
 
 kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (in the test extra)")
-yaml = pytest.importorskip("yaml", reason="needs PyYAML (kubernetes-validate brings it)")
 
 
 def _validate(obj: dict) -> None:
@@ -213,7 +212,7 @@ def test_gateway_agents_and_workers_fit_together():
 def test_secrets_come_from_kubernetes_secrets_and_values_are_refused():
     cluster = _load()
     objs = _objects(cluster)
-    text = dump_all(objs)
+    text = kube.dump_all(objs)
     assert not _by_kind(objs, "Secret")
     secret_volumes = [
         v["secret"]
@@ -419,19 +418,50 @@ _DATA = st.recursive(
 @settings(max_examples=150, deadline=None)
 @given(_DATA)
 def test_yaml_text_reads_back_as_the_same_data(data):
-    assert yaml.safe_load(dump({"x": data})) == {"x": data}
+    assert yaml.safe_load(kube.dump({"x": data})) == {"x": data}
 
 
 def test_yaml_text_keeps_strings_strings():
     tricky = ["0.9", "30000", "true", "no", "ON", "null", "~", "-m", "--port", "1e3", "0x1f", "2024-01-01", "a: b"]
     tricky += ["#x", "*a", "&a", "!t", "%x", "@x", "`x", "{x}", "[x]", "x/", "", " lead", "line\n", "a\nb\n", "\x7f"]
-    assert yaml.safe_load(dump(tricky)) == tricky
-    assert dump({"a": "x\ny\n"}) == "a: |\n  x\n  y\n"
+    tricky += ["\x85", "a\u2028b", "x\u2029\n", "trailing \nspace\n", "\n", "\ttab\n"]
+    assert yaml.safe_load(kube.dump(tricky)) == tricky
+    assert kube.dump({"a": "x\ny\n"}) == "a: |\n  x\n  y\n"
     # floats in exponent form keep a dot in the mantissa (YAML 1.1 reads 1e-05 as a string); infinities are floats
     floats = [5e-324, 1e16, 1e-05, -2.5e100, 0.1, -0.0, float("inf"), float("-inf")]
-    assert yaml.safe_load(dump(floats)) == floats
-    assert dump([1e-05]) == "- 1.0e-05\n"
+    assert yaml.safe_load(kube.dump(floats)) == floats
+    assert kube.dump([1e-05]) == "- 1.0e-05\n"
     assert sys.version_info >= (3, 10)
+
+
+def test_yaml_text_quotes_number_like_strings_and_writes_scripts_as_literal_blocks():
+    # quoted in the text itself, for YAML 1.2 readers (go-yaml in kubectl) too: 1e3 and 1.0e5 are floats there
+    for word in ("30000", "0.9", "1e3", "1.0e5", "+1E3", ".5", "0o17", "0x1f", "true", "yes", "Off", "null", "~"):
+        text = kube.dump({"v": word})
+        assert text in (f"v: '{word}'\n", f'v: "{word}"\n'), text
+        assert yaml.safe_load(text) == {"v": word}
+    assert kube.dump({"v": "--port"}) == "v: --port\n"
+    script = "#!/bin/sh\nset -eu\nexec python3 -m btbctl agent \\\n  --socket /run/btbctl/agent.sock\n"
+    text = kube.dump({"data": {"run.sh": script, "no-newline": "a\nb"}})
+    assert text == (
+        "data:\n  run.sh: |\n    #!/bin/sh\n    set -eu\n    exec python3 -m btbctl agent \\\n"
+        "      --socket /run/btbctl/agent.sock\n  no-newline: |-\n    a\n    b\n"
+    )
+    assert yaml.safe_load(text) == {"data": {"run.sh": script, "no-newline": "a\nb"}}
+
+
+def test_yaml_text_has_no_aliases_and_keeps_key_order():
+    shared = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
+    text = kube.dump_all([{"z": shared, "a": [shared]}, {"kind": "B"}])
+    assert "&" not in text and "*" not in text
+    assert text.splitlines()[0] == "z:" and text.index("\na:") < text.index("---\nkind: B\n")
+    assert list(yaml.safe_load_all(text)) == [{"z": shared, "a": [shared]}, {"kind": "B"}]
+
+
+@pytest.mark.parametrize("example", [EXAMPLE, EMULATED])
+def test_rendered_yaml_reads_back_as_the_objects_built(example):
+    objs = _objects(cl.load_cluster(example))
+    assert list(yaml.safe_load_all(kube.dump_all(objs))) == objs
 
 
 def _pod_templates(objs: list[dict]) -> list[tuple[str, dict]]:

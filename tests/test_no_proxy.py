@@ -21,7 +21,7 @@ import pytest
 
 import btbctl
 from btbctl.engine.control.client import AsyncControlClient, ControlClient
-from btbctl.engine.httpclient import client_session, urlopen
+from btbctl.engine.httpclient import async_http_client, client_session, http_client, urlopen
 from btbctl.engine.launcher import agents
 from btbctl.engine.launcher.bench import BenchOptions, replay_async
 from btbctl.engine.launcher.local import health_ok, spawn, stop_group
@@ -121,8 +121,13 @@ async def test_the_client_builders_ignore_proxy_variables(proxy):
             assert resp.status == 200
         async with client_session() as http, http.get(url + "/health") as resp:
             assert resp.status == 200
-        with pytest.raises(TypeError, match="trust_env"):
-            client_session(trust_env=True)
+        async with async_http_client() as ahttpx:
+            assert (await ahttpx.get(url + "/health")).status_code == 200
+        with http_client() as shttpx:
+            assert (await asyncio.to_thread(shttpx.get, url + "/health")).status_code == 200
+        for builder in (client_session, http_client, async_http_client):
+            with pytest.raises(TypeError, match="trust_env"):
+                builder(trust_env=True)
     finally:
         server.shutdown()
         server.server_close()
@@ -152,6 +157,7 @@ async def test_the_gateway_control_client_and_bench_ignore_proxy_variables(proxy
 
 #: Names whose use builds an HTTP client or a proxy-aware opener.
 _CLIENT_CALLS = {"ClientSession", "urlopen", "build_opener", "ProxyHandler", "HTTPConnection", "HTTPSConnection"}
+_CLIENT_CALLS |= {"Client", "AsyncClient", "HTTPTransport", "AsyncHTTPTransport"}  # httpx
 #: Modules that bring their own HTTP client (and read proxy variables).
 _CLIENT_MODULES = ("urllib.request", "http.client", "httpx", "requests", "urllib3", "pycurl")
 
@@ -202,6 +208,8 @@ def test_every_http_client_in_btbctl_is_built_by_the_one_helper():
     # the check sees what it looks for: the helper itself builds both kinds
     assert any("ClientSession(" in u for u in _client_uses(helper))
     assert any("ProxyHandler(" in u for u in _client_uses(helper))
+    assert any("httpx.Client(" in u for u in _client_uses(helper))
+    assert any("httpx.AsyncClient(" in u for u in _client_uses(helper))
 
 
 @pytest.mark.slow

@@ -51,7 +51,6 @@ def render(
 
     from btbctl import __version__
     from btbctl.engine.deploy import kubernetes as kube
-    from btbctl.engine.deploy.yamltext import dump_all
     from btbctl.engine.launcher.cluster import load_cluster
 
     out = Output(fmt)
@@ -61,7 +60,7 @@ def render(
     assert k8s is not None  # render refuses a file without [kubernetes]
     header = HEADER.format(config=os.path.basename(config), version=__version__, secret=k8s.secret_name)
     if out_dir is None:
-        sys.stdout.write(header + dump_all(kube.objects(manifests)))
+        sys.stdout.write(header + kube.dump_all(kube.objects(manifests)))
         return
     paths = kube.write(manifests, k8s, out_dir, header)
     summary = {

@@ -1,5 +1,7 @@
-"""The one client of the gateway's control API: :class:`AsyncControlClient` (aiohttp; the dashboard, tests) and
-:class:`ControlClient`, a synchronous facade over it (the CLI).
+"""The one client of the gateway's control API: :class:`AsyncControlClient` (httpx's ``AsyncClient``; the
+dashboard, tests) and :class:`ControlClient` (httpx's ``Client``; the CLI), with the same methods, answers and
+errors. Each endpoint (method, path, request and answer models) is defined once, as an :class:`Endpoint` built by
+:class:`Endpoints`; the two clients only send it.
 
 Every answer is validated into its :mod:`~btbctl.engine.control.schema` model, and every failure becomes a one-line
 :class:`ControlApiError` (a :class:`~btbctl.engine.errors.BtbctlError`):
@@ -11,21 +13,19 @@ Every answer is validated into its :mod:`~btbctl.engine.control.schema` model, a
 * an answer that is not JSON, or not the documented shape.
 
 The bearer token, when given, goes with every request (reads need it too when the control API listens off
-loopback). The HTTP session ignores proxy environment variables (:func:`~btbctl.engine.httpclient.client_session`):
+loopback). The HTTP clients ignore proxy environment variables (:func:`~btbctl.engine.httpclient.http_client`):
 the token never travels through a proxy the user did not name for this. Base URLs must be ``http://`` or
 ``https://``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import quote, urlsplit
 
-import aiohttp
 from pydantic import BaseModel, ValidationError
 
 from btbctl.engine.control.schema import (
@@ -47,7 +47,10 @@ from btbctl.engine.control.schema import (
     TtftAnswer,
 )
 from btbctl.engine.errors import BtbctlError, ConfigError
-from btbctl.engine.httpclient import client_session
+from btbctl.engine.httpclient import aiter_sse, async_http_client, http_client, request_failures
+
+if TYPE_CHECKING:
+    from btbctl.engine.httpclient import AsyncHttpClient, HttpClient
 
 #: Seconds one control-API call may take (a product choice: the API answers from memory in milliseconds;
 #: replication runs in the background and is polled).
@@ -62,7 +65,6 @@ EVENT_SILENCE_S = 45.0
 _ERROR_TEXT_CHARS = 300
 
 M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 
 
 class ControlApiError(BtbctlError):
@@ -110,9 +112,13 @@ def _one_line(text: str) -> str:
 
 
 def _reason(e: BaseException) -> str:
-    os_error = getattr(e, "os_error", None)  # aiohttp.ClientConnectorError
-    if isinstance(os_error, OSError) and os_error.strerror:
-        return os_error.strerror
+    """Why a request failed, in a few words: the operating system's reason when one caused it (``Connection
+    refused``), else the exception's type and text."""
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
     text = str(e)
     return _one_line(f"{type(e).__name__}: {text}" if text else type(e).__name__)
 
@@ -135,26 +141,178 @@ def _http_error(method: str, path: str, status: int, raw: bytes) -> ControlApiEr
     )
 
 
-class AsyncControlClient:
+def _event(kind: str, text: str) -> ControlEvent | None:
+    model = EVENT_MODELS.get(kind)
+    if model is None:
+        return None
+    try:
+        return ControlEvent(kind, model.model_validate_json(text))
+    except ValidationError as e:
+        raise ControlApiError(f"control API event {kind!r}: unexpected payload: {_validation_text(e)}") from None
+
+
+# -- the endpoints ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[M]):
+    """One control-API call, ready to send: ``method`` and ``path`` (without the query, as errors name it), the
+    answer's ``model``, the JSON ``body`` (None: none), the query ``params`` and a time limit of its own in seconds
+    (None: the client's)."""
+
+    method: str
+    path: str
+    model: type[M]
+    body: Any = None
+    params: Mapping[str, str] | None = None
+    timeout_s: float | None = None
+
+    def answer(self, status: int, raw: bytes) -> M:
+        """The answer ``raw`` (HTTP ``status``) as :attr:`model`. Raises :class:`ControlApiError`: an HTTP error,
+        not JSON, not the documented shape."""
+        if status >= 400:
+            raise _http_error(self.method, self.path, status, raw)
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise ControlApiError(f"control API {self.method} {self.path}: the answer is not JSON") from None
+        try:
+            return self.model.model_validate(data)
+        except ValidationError as e:
+            raise ControlApiError(
+                f"control API {self.method} {self.path}: unexpected answer: {_validation_text(e)}", status=status
+            ) from None
+
+
+class Endpoints:
+    """Every endpoint of the control API, each defined once; both clients send what these build. Arguments are
+    checked here, before anything is sent."""
+
+    @staticmethod
+    def fleet() -> Endpoint[FleetAnswer]:
+        return Endpoint("GET", "/control/fleet", FleetAnswer)
+
+    @staticmethod
+    def prefixes(top: int) -> Endpoint[PrefixesAnswer]:
+        return Endpoint("GET", "/control/prefixes", PrefixesAnswer, params={"top": str(top)})
+
+    @staticmethod
+    def transfers(limit: int) -> Endpoint[TransfersAnswer]:
+        return Endpoint("GET", "/control/transfers", TransfersAnswer, params={"limit": str(limit)})
+
+    @staticmethod
+    def ttft(window_s: float, step_s: float) -> Endpoint[TtftAnswer]:
+        params = {"window_s": f"{window_s:g}", "step_s": f"{step_s:g}"}
+        return Endpoint("GET", "/control/ttft", TtftAnswer, params=params)
+
+    @staticmethod
+    def constants() -> Endpoint[ConstantsAnswer]:
+        return Endpoint("GET", "/control/constants", ConstantsAnswer)
+
+    @staticmethod
+    def replication(prefix: str) -> Endpoint[ReplicationAnswer]:
+        return Endpoint("GET", f"/control/replications/{quote(prefix, safe='')}", ReplicationAnswer)
+
+    @staticmethod
+    def set_constants(updates: Mapping[str, Any] | ConstantsUpdate) -> Endpoint[ConstantsAnswer]:
+        """Raises :class:`ConfigError`: a key the schema does not know or a value of the wrong type."""
+        if not isinstance(updates, ConstantsUpdate):
+            try:
+                updates = ConstantsUpdate.model_validate(dict(updates))
+            except ValidationError as e:
+                err = e.errors()[0]
+                key = str(err["loc"][0]) if err.get("loc") else "constants"
+                raise ConfigError(key, _one_line(err.get("msg", "invalid")), "control API") from None
+        return Endpoint("PUT", "/control/constants", ConstantsAnswer, body=updates.dump())
+
+    @staticmethod
+    def replicate(prefix: str, n: int) -> Endpoint[ReplicateAnswer]:
+        """Raises :class:`BtbctlError`: a bad ``prefix`` or ``n``."""
+        try:
+            body = ReplicateRequest(prefix=prefix, n=n)
+        except ValidationError as e:
+            raise BtbctlError(f"replicate: {_validation_text(e)}") from None
+        return Endpoint("POST", "/control/replicate", ReplicateAnswer, body=body.model_dump(mode="json"))
+
+    @staticmethod
+    def prewarm(
+        text: str | None, messages: list[dict[str, Any]] | None, input_ids: list[int] | None, n: int, timeout_s: float
+    ) -> Endpoint[PrewarmAnswer]:
+        """Raises :class:`BtbctlError`: not exactly one prompt, or a bad ``n``."""
+        try:
+            body = PrewarmRequest(text=text, messages=messages, input_ids=input_ids, n=n)
+        except ValidationError as e:
+            raise BtbctlError(f"prewarm: {_validation_text(e).removeprefix('Value error, ')}") from None
+        return Endpoint(
+            "POST",
+            "/control/prewarm",
+            PrewarmAnswer,
+            body=body.model_dump(mode="json", exclude_none=True),
+            timeout_s=timeout_s,
+        )
+
+    @staticmethod
+    def flush() -> Endpoint[FlushAnswer]:
+        return Endpoint("POST", "/control/flush", FlushAnswer, body={})
+
+
+#: The path of the event stream (``GET``).
+EVENTS_PATH = "/control/events"
+
+
+class _Base:
+    """What both clients hold: the base URL, the token, the time limit and the headers of every request."""
+
+    def __init__(self, base_url: str, token: str | None, timeout_s: float) -> None:
+        self.base_url = check_base_url(base_url)
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _headers(self, accept: str = "application/json") -> dict[str, str]:
+        h = {"Accept": accept}
+        if self.token:
+            h["Authorization"] = f"Bearer {self.token}"
+        return h
+
+    def _request(self, call: Endpoint[Any]) -> tuple[dict[str, Any], float]:
+        """The keyword arguments of httpx's ``request`` for ``call``, and its time limit in seconds."""
+        limit = self.timeout_s if call.timeout_s is None else call.timeout_s
+        kwargs = {
+            "method": call.method,
+            "url": self.base_url + call.path,
+            "json": call.body,
+            "params": call.params,
+            "headers": self._headers(),
+            "timeout": limit,
+        }
+        return kwargs, limit
+
+    def _too_slow(self, call: Endpoint[Any], limit: float) -> ControlApiError:
+        return ControlApiError(f"control API {call.method} {call.path}: no answer within {limit:g} s")
+
+    def _unreachable(self, e: BaseException) -> ControlApiError:
+        return ControlApiError(f"cannot reach the control API at {self.base_url}: {_reason(e)}")
+
+
+class AsyncControlClient(_Base):
     """Calls ``<base_url>/control/...`` from a running event loop.
 
     Use as ``async with AsyncControlClient(url, token) as api: fleet = await api.fleet()``, or call
-    :meth:`close` when done. The HTTP session is opened on the first call, in the loop that makes it.
+    :meth:`close` when done. The HTTP client is opened on the first call.
 
     Args:
         base_url: the control API's base URL (``http://127.0.0.1:8001``).
         token: bearer token (None: reads only, and only while the API listens on loopback).
-        timeout_s: per-call limit, seconds (the event stream has no total limit; see :data:`EVENT_SILENCE_S`).
+        timeout_s: per-call limit, seconds, on connecting and on each wait for data (the event stream waits up to
+            :data:`EVENT_SILENCE_S` for data).
 
     Raises:
         BtbctlError: ``base_url`` is not an http(s) URL.
     """
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.base_url = check_base_url(base_url)
-        self.token = token
-        self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
+        super().__init__(base_url, token, timeout_s)
+        self._client: AsyncHttpClient | None = None
 
     async def __aenter__(self) -> AsyncControlClient:
         return self
@@ -163,87 +321,53 @@ class AsyncControlClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the HTTP session (a later call opens a new one)."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close the HTTP client (a later call opens a new one)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
 
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = client_session(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self._session
+    def _http(self) -> AsyncHttpClient:
+        if self._client is None or self._client.is_closed:
+            self._client = async_http_client(timeout=self.timeout_s)
+        return self._client
 
-    def _headers(self) -> dict[str, str]:
-        h = {"Accept": "application/json"}
-        if self.token:
-            h["Authorization"] = f"Bearer {self.token}"
-        return h
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        model: type[M],
-        body: Any = None,
-        params: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-    ) -> M:
-        limit = self.timeout_s if timeout_s is None else timeout_s
+    async def send(self, call: Endpoint[M]) -> M:
+        """Send ``call``; its answer as its model. Raises :class:`ControlApiError` (see the module)."""
+        kwargs, limit = self._request(call)
+        too_slow, failed = request_failures()
         try:
-            async with self._http().request(
-                method,
-                self.base_url + path,
-                json=body,
-                params=params,
-                headers=self._headers(),
-                timeout=aiohttp.ClientTimeout(total=limit),
-            ) as resp:
-                status = resp.status
-                raw = await resp.read()
-        except asyncio.TimeoutError:
-            raise ControlApiError(f"control API {method} {path}: no answer within {limit:g} s") from None
-        except (aiohttp.ClientError, OSError) as e:
-            raise ControlApiError(f"cannot reach the control API at {self.base_url}: {_reason(e)}") from None
-        if status >= 400:
-            raise _http_error(method, path, status, raw)
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            raise ControlApiError(f"control API {method} {path}: the answer is not JSON") from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise ControlApiError(
-                f"control API {method} {path}: unexpected answer: {_validation_text(e)}", status=status
-            ) from None
+            resp = await self._http().request(**kwargs)
+        except too_slow:
+            raise self._too_slow(call, limit) from None
+        except (failed, OSError) as e:
+            raise self._unreachable(e) from None
+        return call.answer(resp.status_code, resp.content)
 
     # -- reads --------------------------------------------------------------------------------------------------
 
     async def fleet(self) -> FleetAnswer:
         """``GET /control/fleet``."""
-        return await self._call("GET", "/control/fleet", FleetAnswer)
+        return await self.send(Endpoints.fleet())
 
     async def prefixes(self, top: int = 10) -> PrefixesAnswer:
         """``GET /control/prefixes?top=N`` (1..1000)."""
-        return await self._call("GET", "/control/prefixes", PrefixesAnswer, params={"top": str(top)})
+        return await self.send(Endpoints.prefixes(top))
 
     async def transfers(self, limit: int = 100) -> TransfersAnswer:
         """``GET /control/transfers?limit=N`` (1..10000)."""
-        return await self._call("GET", "/control/transfers", TransfersAnswer, params={"limit": str(limit)})
+        return await self.send(Endpoints.transfers(limit))
 
     async def ttft(self, window_s: float = 60.0, step_s: float = 1.0) -> TtftAnswer:
         """``GET /control/ttft?window_s=&step_s=`` (at most 10,000 buckets)."""
-        return await self._call(
-            "GET", "/control/ttft", TtftAnswer, params={"window_s": f"{window_s:g}", "step_s": f"{step_s:g}"}
-        )
+        return await self.send(Endpoints.ttft(window_s, step_s))
 
     async def constants(self) -> ConstantsAnswer:
         """``GET /control/constants``."""
-        return await self._call("GET", "/control/constants", ConstantsAnswer)
+        return await self.send(Endpoints.constants())
 
     async def replication(self, prefix: str) -> ReplicationAnswer:
         """``GET /control/replications/{prefix}`` (a full id or an unambiguous leading part)."""
-        return await self._call("GET", f"/control/replications/{quote(prefix, safe='')}", ReplicationAnswer)
+        return await self.send(Endpoints.replication(prefix))
 
     # -- writes -------------------------------------------------------------------------------------------------
 
@@ -255,23 +379,12 @@ class AsyncControlClient:
             ConfigError: a key the schema does not know or a value of the wrong type (checked before sending).
             ControlApiError: the gateway refused (400 names the key; 401 without the right token).
         """
-        if not isinstance(updates, ConstantsUpdate):
-            try:
-                updates = ConstantsUpdate.model_validate(dict(updates))
-            except ValidationError as e:
-                err = e.errors()[0]
-                key = str(err["loc"][0]) if err.get("loc") else "constants"
-                raise ConfigError(key, _one_line(err.get("msg", "invalid")), "control API") from None
-        return await self._call("PUT", "/control/constants", ConstantsAnswer, body=updates.dump())
+        return await self.send(Endpoints.set_constants(updates))
 
     async def replicate(self, prefix: str, n: int = 1) -> ReplicateAnswer:
         """``POST /control/replicate``: copy ``prefix`` to ``n`` more workers (answers once the copies were
         accepted; follow them with :meth:`replication`)."""
-        try:
-            body = ReplicateRequest(prefix=prefix, n=n)
-        except ValidationError as e:
-            raise BtbctlError(f"replicate: {_validation_text(e)}") from None
-        return await self._call("POST", "/control/replicate", ReplicateAnswer, body=body.model_dump(mode="json"))
+        return await self.send(Endpoints.replicate(prefix, n))
 
     async def prewarm(
         self,
@@ -291,92 +404,57 @@ class AsyncControlClient:
             ControlApiError: the gateway refused (400 prompt, 409 nothing to copy from or to, 502 the computing
                 request failed).
         """
-        try:
-            body = PrewarmRequest(text=text, messages=messages, input_ids=input_ids, n=n)
-        except ValidationError as e:
-            raise BtbctlError(f"prewarm: {_validation_text(e).removeprefix('Value error, ')}") from None
-        return await self._call(
-            "POST",
-            "/control/prewarm",
-            PrewarmAnswer,
-            body=body.model_dump(mode="json", exclude_none=True),
-            timeout_s=timeout_s,
-        )
+        return await self.send(Endpoints.prewarm(text, messages, input_ids, n, timeout_s))
 
     async def flush(self) -> FlushAnswer:
         """``POST /control/flush``: empty every worker's cache and the gateway's records of them."""
-        return await self._call("POST", "/control/flush", FlushAnswer, body={})
+        return await self.send(Endpoints.flush())
 
     # -- the event stream ---------------------------------------------------------------------------------------
 
     async def events(self) -> AsyncIterator[ControlEvent]:
         """Follow ``GET /control/events``: yields each event, validated, as it arrives; ends when the gateway closes
-        the stream. Event types this client does not know are skipped. The first events after connecting give the
-        full picture (one of each type).
+        the stream. Event types this client does not know, and events without data, are skipped. The first events
+        after connecting give the full picture (one of each type).
 
         Raises:
             ControlApiError: the stream cannot be opened, breaks, stays silent for :data:`EVENT_SILENCE_S`, or
                 carries a payload that is not the documented shape.
         """
-        path = "/control/events"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout_s, sock_read=EVENT_SILENCE_S)
-        headers = {**self._headers(), "Accept": "text/event-stream"}
+        path = EVENTS_PATH
+        # (connect, read, write, pool) seconds: the read limit is the longest silence between events
+        timeout = (self.timeout_s, EVENT_SILENCE_S, self.timeout_s, self.timeout_s)
+        too_slow, failed = request_failures()
         try:
-            async with self._http().get(self.base_url + path, headers=headers, timeout=timeout) as resp:
-                if resp.status >= 400:
-                    raise _http_error("GET", path, resp.status, await resp.read())
+            async with self._http().stream(
+                "GET", self.base_url + path, headers=self._headers("text/event-stream"), timeout=timeout
+            ) as resp:
+                if resp.status_code >= 400:
+                    raise _http_error("GET", path, resp.status_code, await resp.aread())
                 ctype = resp.headers.get("Content-Type", "")
                 if not ctype.startswith("text/event-stream"):
                     raise ControlApiError(f"control API GET {path}: not an event stream ({ctype or 'no type'})")
-                kind, data = "message", []
-                async for raw in resp.content:
-                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                    if not line:
-                        if data:
-                            event = _event(kind, "\n".join(data))
-                            if event is not None:
-                                yield event
-                        kind, data = "message", []
-                        continue
-                    if line.startswith(":"):
-                        continue
-                    name, _, value = line.partition(":")
-                    value = value[1:] if value.startswith(" ") else value
-                    if name == "event":
-                        kind = value
-                    elif name == "data":
-                        data.append(value)
-        except asyncio.TimeoutError:
+                async for sse in aiter_sse(resp):
+                    event = _event(sse.event, sse.data) if sse.data else None
+                    if event is not None:
+                        yield event
+        except too_slow:
             raise ControlApiError(f"control API GET {path}: silent for {EVENT_SILENCE_S:g} s") from None
-        except (aiohttp.ClientError, OSError) as e:
+        except (failed, OSError) as e:
             raise ControlApiError(f"control API GET {path}: the event stream broke: {_reason(e)}") from None
 
 
-def _event(kind: str, text: str) -> ControlEvent | None:
-    model = EVENT_MODELS.get(kind)
-    if model is None:
-        return None
-    try:
-        return ControlEvent(kind, model.model_validate_json(text))
-    except ValidationError as e:
-        raise ControlApiError(f"control API event {kind!r}: unexpected payload: {_validation_text(e)}") from None
-
-
-class ControlClient:
-    """The synchronous facade of :class:`AsyncControlClient` (same methods, same answers, same errors) for code
-    that has no event loop, such as the CLI. It runs the async client on an event loop of its own; call it from
-    one thread, never from inside a running event loop (use :class:`AsyncControlClient` there).
+class ControlClient(_Base):
+    """The synchronous client (same methods, same answers, same errors as :class:`AsyncControlClient`) for code
+    that has no event loop, such as the CLI. Each call blocks its thread until the answer is in; inside a running
+    event loop use :class:`AsyncControlClient`.
 
     Use as ``with ControlClient(url, token) as api: api.fleet()``, or call :meth:`close`.
     """
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.aio = AsyncControlClient(base_url, token, timeout_s=timeout_s)
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def base_url(self) -> str:
-        return self.aio.base_url
+        super().__init__(base_url, token, timeout_s)
+        self._client: HttpClient | None = None
 
     def __enter__(self) -> ControlClient:
         return self
@@ -385,56 +463,75 @@ class ControlClient:
         self.close()
 
     def close(self) -> None:
-        """Close the HTTP session and the private event loop."""
-        if self._loop is not None:
-            self._loop.run_until_complete(self.aio.close())
-            self._loop.close()
-            self._loop = None
+        """Close the HTTP client (a later call opens a new one)."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            client.close()
 
-    def _run(self, call: Awaitable[T]) -> T:
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(call)
+    def _http(self) -> HttpClient:
+        if self._client is None or self._client.is_closed:
+            self._client = http_client(timeout=self.timeout_s)
+        return self._client
+
+    def send(self, call: Endpoint[M]) -> M:
+        """Send ``call``; its answer as its model. Raises :class:`ControlApiError` (see the module)."""
+        kwargs, limit = self._request(call)
+        too_slow, failed = request_failures()
+        try:
+            resp = self._http().request(**kwargs)
+        except too_slow:
+            raise self._too_slow(call, limit) from None
+        except (failed, OSError) as e:
+            raise self._unreachable(e) from None
+        return call.answer(resp.status_code, resp.content)
 
     def fleet(self) -> FleetAnswer:
         """``GET /control/fleet``."""
-        return self._run(self.aio.fleet())
+        return self.send(Endpoints.fleet())
 
     def prefixes(self, top: int = 10) -> PrefixesAnswer:
         """``GET /control/prefixes?top=N``."""
-        return self._run(self.aio.prefixes(top))
+        return self.send(Endpoints.prefixes(top))
 
     def transfers(self, limit: int = 100) -> TransfersAnswer:
         """``GET /control/transfers?limit=N``."""
-        return self._run(self.aio.transfers(limit))
+        return self.send(Endpoints.transfers(limit))
 
     def ttft(self, window_s: float = 60.0, step_s: float = 1.0) -> TtftAnswer:
         """``GET /control/ttft``."""
-        return self._run(self.aio.ttft(window_s, step_s))
+        return self.send(Endpoints.ttft(window_s, step_s))
 
     def constants(self) -> ConstantsAnswer:
         """``GET /control/constants``."""
-        return self._run(self.aio.constants())
+        return self.send(Endpoints.constants())
 
     def replication(self, prefix: str) -> ReplicationAnswer:
         """``GET /control/replications/{prefix}``."""
-        return self._run(self.aio.replication(prefix))
+        return self.send(Endpoints.replication(prefix))
 
     def set_constants(self, updates: Mapping[str, Any] | ConstantsUpdate) -> ConstantsAnswer:
         """``PUT /control/constants`` (see :meth:`AsyncControlClient.set_constants`)."""
-        return self._run(self.aio.set_constants(updates))
+        return self.send(Endpoints.set_constants(updates))
 
     def replicate(self, prefix: str, n: int = 1) -> ReplicateAnswer:
         """``POST /control/replicate``."""
-        return self._run(self.aio.replicate(prefix, n))
+        return self.send(Endpoints.replicate(prefix, n))
 
-    def prewarm(self, **prompt: Any) -> PrewarmAnswer:
+    def prewarm(
+        self,
+        *,
+        text: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        input_ids: list[int] | None = None,
+        n: int = 1,
+        timeout_s: float = PREWARM_TIMEOUT_S,
+    ) -> PrewarmAnswer:
         """``POST /control/prewarm`` (see :meth:`AsyncControlClient.prewarm`)."""
-        return self._run(self.aio.prewarm(**prompt))
+        return self.send(Endpoints.prewarm(text, messages, input_ids, n, timeout_s))
 
     def flush(self) -> FlushAnswer:
         """``POST /control/flush``."""
-        return self._run(self.aio.flush())
+        return self.send(Endpoints.flush())
 
 
 __all__ = [
@@ -443,7 +540,10 @@ __all__ = [
     "ControlClient",
     "ControlEvent",
     "DEFAULT_TIMEOUT_S",
+    "EVENTS_PATH",
     "EVENT_SILENCE_S",
+    "Endpoint",
+    "Endpoints",
     "PREWARM_TIMEOUT_S",
     "check_base_url",
 ]

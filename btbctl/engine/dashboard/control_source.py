@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from btbctl.engine.chains import SHORT_ID_CHARS
 from btbctl.engine.constants import BtbConstants
+from btbctl.engine.control.backoff import Backoff
 from btbctl.engine.control.client import AsyncControlClient, ControlApiError, ControlEvent
 from btbctl.engine.control.schema import (
     TTFT_RECENT_WINDOW_S,
@@ -193,7 +194,7 @@ class ControlApiSource:
         self.stream_error: str | None = None
         self._last: FleetSnapshot | None = None
         self._next_try = 0.0
-        self._backoff = reconnect_min_s
+        self._poll_backoff = Backoff(reconnect_min_s, reconnect_max_s)
         self._nvml = None
         self._nvml_at = -math.inf
         self._fleet: FleetAnswer | None = None
@@ -247,7 +248,7 @@ class ControlApiSource:
         self._take(*answers)
         self.polls += 1
         was_down = self._last is not None and not self._last.connected
-        self._backoff = self.reconnect_min_s
+        self._poll_backoff.reset()
         snap = await self._build(FEED_POLL)
         if was_down:
             snap = replace(snap, message=f"reconnected to {self.base_url}")
@@ -271,9 +272,9 @@ class ControlApiSource:
     def _down(self, why: str) -> FleetSnapshot:
         self.failures += 1
         now = self._clock()
-        self._next_try = now + self._backoff
-        msg = f"fleet unreachable at {self.base_url}: {why}; retrying in {self._backoff:.1f} s"
-        self._backoff = min(self.reconnect_max_s, self._backoff * 2)
+        wait_s = self._poll_backoff.failed()
+        self._next_try = now + wait_s
+        msg = f"fleet unreachable at {self.base_url}: {why}; retrying in {wait_s:.1f} s"
         last = self._last
         if last is None:
             return FleetSnapshot(now_s=0.0, connected=False, message=msg, feed=FEED_POLL)
@@ -282,7 +283,7 @@ class ControlApiSource:
     # -- the event stream ---------------------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        backoff = self.reconnect_min_s
+        backoff = Backoff(self.reconnect_min_s, self.reconnect_max_s)
         while True:
             try:
                 async for event in self.api.events():
@@ -290,7 +291,7 @@ class ControlApiSource:
                         self._take(*await self._fetch_all())  # the whole picture once; events update it
                         self.streaming = True
                         self.stream_error = None
-                        backoff = self.reconnect_min_s
+                        backoff.reset()
                     self._apply(event)
                     await self._publish()
                 why = "the gateway closed the event stream"
@@ -307,8 +308,7 @@ class ControlApiSource:
             if was and self._last is not None:
                 self._last = replace(self._last, feed=FEED_POLL, message=self._message(FEED_POLL))
                 self._notify(self._last)
-            await asyncio.sleep(backoff)
-            backoff = min(self.reconnect_max_s, backoff * 2)
+            await asyncio.sleep(backoff.failed())
 
     def _apply(self, event: ControlEvent) -> None:
         p = event.payload

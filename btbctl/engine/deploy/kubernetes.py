@@ -69,6 +69,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.launcher.cluster import (
     DEFAULT_CONTROL_PORT,
@@ -798,6 +800,57 @@ def _agents(k8s: KubernetesSection) -> list[dict]:
     return [daemonset, service]
 
 
+# -- YAML text ------------------------------------------------------------------------------------------------------
+
+
+class _ManifestDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper for manifests: no anchors or aliases (an object built once and used twice is written out
+    twice), multi-line strings as literal blocks (``|``) where YAML allows one, and strings that a YAML 1.2 reader
+    (go-yaml in kubectl) would take for a number quoted too, not only YAML 1.1's (so ``"1e3"`` and ``"1.0e5"`` stay
+    strings)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+#: Line breaks besides ``\n`` that PyYAML's emitter folds wrongly in a plain or single-quoted scalar.
+_ODD_BREAKS = frozenset("\x85\u2028\u2029")
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = '"' if _ODD_BREAKS.intersection(data) else "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_ManifestDumper.add_representer(str, _represent_str)
+#: YAML 1.2's (and go-yaml's) floats that YAML 1.1 reads as strings: an exponent without a sign or a mantissa dot.
+_ManifestDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?0o[0-7]+$"),
+    list("-+0123456789."),
+)
+
+#: PyYAML's options for every manifest: block style, keys in the order built, long lines never folded.
+_DUMP_OPTIONS: dict[str, Any] = {
+    "Dumper": _ManifestDumper,
+    "default_flow_style": False,
+    "sort_keys": False,
+    "allow_unicode": True,
+    "width": 1 << 30,
+}
+
+
+def dump(data: Any) -> str:
+    """One YAML document of plain data (dicts, lists, str, int, float, bool, None), without ``---``, ending in a
+    newline. Raises ``yaml.representer.RepresenterError`` for any other type."""
+    return yaml.dump(data, **_DUMP_OPTIONS)
+
+
+def dump_all(docs: list[Any]) -> str:
+    """Several documents of plain data, separated by ``---`` lines (none before the first)."""
+    return yaml.dump_all(docs, **_DUMP_OPTIONS)
+
+
 # -- files -----------------------------------------------------------------------------------------------------------
 
 
@@ -816,8 +869,6 @@ def write(manifests: list[Manifest], k8s: KubernetesSection, out_dir: str, heade
     ``header``; remove a file of :data:`OPTIONAL_FILES` that an earlier render wrote (it starts with
     :data:`RENDERED_MARK`) and this one does not. Returns the paths written. Raises :class:`ConfigError` (key
     ``--out``) when the folder cannot be written."""
-    from btbctl.engine.deploy.yamltext import dump, dump_all
-
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -862,6 +913,8 @@ __all__ = [
     "agent_argv",
     "check_no_secret_values",
     "check_one_kind_per_model",
+    "dump",
+    "dump_all",
     "kustomization",
     "objects",
     "render",
