@@ -478,6 +478,7 @@ class _Prefetcher:
         self.bed = bed
         self.device = own_pages  # leading pages on the target's device
         self.seen: list[tuple[int, int, dict]] = []
+        self.loaded_from: list[str | None] = []  # the provenance of every page a warm-up read from L3
         self.first = threading.Event()
 
     def __call__(self, ids: list[int]) -> dict:
@@ -486,6 +487,7 @@ class _Prefetcher:
         held = store.leading_ready(self.bed.names[:pages])
         device = min(self.device, pages)
         storage = max(0, held - device)
+        self.loaded_from += store.provenance(self.bed.names[device : device + storage])
         self.device = max(self.device, pages)  # loaded, or computed by this request
         ans = {"device": device * _TOKENS_PER_PAGE, "host": 0, "storage": storage * _TOKENS_PER_PAGE}
         self.seen.append((pages, held, ans))
@@ -539,6 +541,20 @@ async def test_warm_ups_trail_the_pages_over_held_ones_and_the_proof_loads_only_
         assert len(done) == 1 and f"warmups={len(asked)}" in done[0], done
 
 
+async def test_trailing_warm_ups_never_read_pages_the_target_held_before_the_copy(tmp_path):
+    async with _L3Bed(tmp_path, pages=64) as bed:
+        bed.write(1, 0x66, names=bed.names[:48])  # stale pages on the target's node under the prefix's names
+        fake = bed.answer = _Prefetcher(bed)
+        t = bed.rep.request_copy(bed.chain, 0, 1)
+        assert t is not None
+        writer = _stream_source(bed, fake.first)
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        writer.join(5)
+        assert t.outcome == "proved", t.error
+        assert len(fake.seen) >= 2, fake.seen  # a trailing warm-up ran while the stale pages were still there
+        assert fake.loaded_from == [f"copy:{t.copy_id}"] * 64  # every page read was this copy's, each once
+
+
 async def test_a_target_that_had_pages_of_its_own_is_computed_not_proved_and_trailing_stops(tmp_path):
     async with _L3Bed(tmp_path, (0, 0), pages=64) as bed:
         fake = bed.answer = _Prefetcher(bed, own_pages=40)
@@ -556,7 +572,7 @@ async def test_a_target_that_had_pages_of_its_own_is_computed_not_proved_and_tra
 @pytest.mark.parametrize(
     ("answers", "proof", "outcome"),
     [
-        # three warm-ups over 4, 8 and 16 pages of 16 tokens, each loading what is new
+        # warm-ups over 4, 8 and 16 pages of 16 tokens (two: 8 and 16), each loading what is new
         ([(0, 0, 64), (64, 0, 64), (128, 0, 128)], {"device": 0, "host": 0, "storage": 256}, "proved"),
         # pages an earlier warm-up loaded moved to the host tier in between: still this copy's
         ([(0, 0, 128), (64, 64, 128)], {"device": 0, "host": 0, "storage": 256}, "proved"),
@@ -566,16 +582,21 @@ async def test_a_target_that_had_pages_of_its_own_is_computed_not_proved_and_tra
         ([(0, 0, 64), (128, 0, 128)], {"device": 64, "host": 0, "storage": 192}, "computed"),
         # the last read was short of the prefix
         ([(0, 0, 128), (128, 0, 64)], {"device": 0, "host": 0, "storage": 192}, "short"),
+        # pages of its own an earlier warm-up found, evicted before the last one read the whole prefix from L3
+        ([(128, 0, 0), (0, 0, 256)], {"device": 128, "host": 0, "storage": 256}, "computed"),
+        # a warm-up claiming more storage than it asked for counts only what it asked for
+        ([(0, 0, 10_000), (128, 0, 128)], {"device": 0, "host": 0, "storage": 256}, "proved"),
     ],
 )
 def test_the_proof_adds_up_the_warm_ups_loads(answers, proof, outcome):
     from btbctl.engine.gateway.l3 import _Loads
 
     loads = _Loads()
-    for device, host, storage in answers:
-        loads.account(device, host, storage)
+    asked = [64, 128, 256][3 - len(answers) :]  # the warm-ups' whole-page tokens: the last one is the prefix
+    for (device, host, storage), tokens in zip(answers, asked, strict=True):
+        loads.account(device, host, storage, tokens)
     assert loads.proof() == proof
-    assert classify_proof(loads.proof(), 256).value == outcome
+    assert loads.outcome(256).value == outcome
 
 
 def test_a_trailing_warm_up_adds_at_least_the_prefetch_threshold_and_there_are_few():

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyState, is_write_origin
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyState, copy_origin, is_write_origin
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
@@ -137,13 +137,14 @@ def trail_step_pages(pages: int, page_size: int) -> int:
 class _Loads:
     """What one job's warm-ups found on its target (tokens of the prefix, leading): ``loaded``, those this job's
     warm-ups loaded from L3 (the device and host hits of a later warm-up below it are those same pages);
-    ``own_device`` / ``own_host``, those the last warm-up found on the target beyond ``loaded`` (its own, not this
-    copy's); ``warmups``, how many were sent."""
+    ``own_device`` / ``own_host``, the most a warm-up found on the target beyond ``loaded`` (its own, not this
+    copy's); ``warmups``, how many answered; ``sent``, how many were sent."""
 
     loaded: int = 0
     own_device: int = 0
     own_host: int = 0
     warmups: int = 0
+    sent: int = 0
 
     @property
     def own(self) -> int:
@@ -152,12 +153,24 @@ class _Loads:
     def pages(self, page_size: int) -> int:
         return self.loaded // page_size
 
-    def account(self, device: int, host: int, storage: int) -> None:
-        """One warm-up's ``cached_tokens_details``."""
+    def account(self, device: int, host: int, storage: int, asked_tokens: int) -> None:
+        """One warm-up's ``cached_tokens_details`` (over ``asked_tokens`` whole-page tokens: ``storage`` beyond them
+        is not counted). Pages of its own that any warm-up found keep counting, also when they were evicted before a
+        later one."""
+        storage = min(storage, max(0, asked_tokens - device - host))
         own = max(0, device + host - self.loaded)
-        self.own_host = min(host, own)
-        self.own_device = own - self.own_host
+        own_host = min(host, own)
+        if own > self.own:
+            self.own_host, self.own_device = own_host, own - own_host
         self.loaded = device + host - own + storage
+
+    def outcome(self, covered: int) -> CopyOutcome:
+        """:func:`classify_proof` of :meth:`proof`, except that a target on which any warm-up found pages of its own
+        is never ``proved``."""
+        outcome = classify_proof(self.proof(), covered)
+        if outcome is CopyOutcome.PROVED and self.own:
+            return CopyOutcome.COMPUTED
+        return outcome
 
     def proof(self) -> dict[str, int]:
         """The copy's proof for :func:`classify_proof`: ``storage`` tokens the warm-ups loaded from L3, ``device``
@@ -508,13 +521,21 @@ class L3Replicator(CopyExecutor):
         if dst_agent is not src_agent:
             await self._pin(t, pinned, dst_agent, keys, group)
             moving = self._copy(t, src_agent, dst_agent, keys, group)
-            progress = lambda: t.blocks_verified  # pages the target's agent has received
+            progress = lambda: t.blocks_verified  # pages the source's agent has sent
+
+            def accept(origin: object) -> bool:  # only this copy's pages: stale ones are replaced as it lands
+                return t.via_copy_id is not None and origin == copy_origin(t.via_copy_id)
+
         else:
             moving = self._same_node(t, src_agent, keys, group)
             progress = lambda: max(0, t.blocks_available)  # the shared agent's leading run
+
+            def accept(origin: object) -> bool:  # the source's write-through (or a copy this gateway ordered)
+                return self.trusted(t, origin)
+
         loads = _Loads()
         landed = asyncio.Event()
-        trail = asyncio.create_task(self._trail(t, dst_agent, keys, group, loads, landed, progress))
+        trail = asyncio.create_task(self._trail(t, dst_agent, keys, group, loads, landed, progress, accept))
         trail.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             reason = await moving
@@ -771,7 +792,7 @@ class L3Replicator(CopyExecutor):
         body: dict = {
             "input_ids": ids + [ids[0] if ids else 0],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "rid": f"btb-warmup-{t.copy_id}-{loads.warmups}",
+            "rid": f"btb-warmup-{t.copy_id}-{loads.sent}",
             # newer SGLang (after 0.5.23, its PR 17648) reports where cached tokens came from only when asked
             "return_cached_tokens_details": True,
         }
@@ -779,13 +800,13 @@ class L3Replicator(CopyExecutor):
             body["extra_key"] = extra_key
         if salt is not None:
             body["cache_salt"] = salt
-        loads.warmups += 1
+        loads.sent += 1
         try:
             async with self._session().post(
                 f"{w.url}/generate", json=body, timeout=aiohttp.ClientTimeout(total=self.warmup_timeout_s)
             ) as resp:
-                ans = await resp.json(content_type=None)
                 status = resp.status
+                ans = await resp.json(content_type=None) if status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as e:
             return f"warm-up failed: {type(e).__name__}: {e}"
         if status != 200 or not isinstance(ans, dict):
@@ -799,12 +820,14 @@ class L3Replicator(CopyExecutor):
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
         device, host, storage = tok("device"), tok("host"), tok("storage")
+        storage = min(storage, max(0, len(ids) - device - host))  # never more than the warm-up asked for
+        loads.warmups += 1
         if storage > 0:
             # count storage tokens only from pages of the ordered copy or the target's own write-through
             untrusted = await self._untrusted(t, agent, keys, group, ps, device + host, storage)
             if untrusted is not None:
                 return untrusted
-        loads.account(device, host, storage)
+        loads.account(device, host, storage, len(ids))
         return None
 
     async def _trail(
@@ -816,17 +839,19 @@ class L3Replicator(CopyExecutor):
         loads: _Loads,
         landed: asyncio.Event,
         progress: Callable[[], int],
+        accept: Callable[[object], bool],
     ) -> str | tuple | None:
         """Warm-ups that trail the copy (the target's prefetch streams behind the pages as they land, so the
         proof after the last page loads only the tail): while the copy runs, each time the target's agent holds
-        at least :func:`trail_step_pages` more leading pages than the warm-ups loaded, one warm-up over them
-        (one at a time). Stops at the first warm-up that finds pages the target had of its own (the proof then
+        at least :func:`trail_step_pages` more leading pages than the warm-ups loaded, all of a provenance
+        ``accept`` takes (this copy's pages, never what the target held before them), one warm-up over them (one
+        at a time). Stops at the first warm-up that finds pages the target had of its own (the proof then
         says ``computed``) or fails; why the copy cannot be counted, or None."""
         step = trail_step_pages(len(keys), self.page_size())
         while not landed.is_set():
             if loads.own == 0 and progress() - loads.pages(self.page_size()) >= step:
                 try:
-                    run = await self._held_run(agent, keys, group)
+                    run = await self._held_run(agent, keys, group, accept)
                 except AgentCallError:
                     run = 0
                 if landed.is_set():
@@ -855,13 +880,26 @@ class L3Replicator(CopyExecutor):
                 pass
         return None
 
-    async def _held_run(self, agent: dict, keys: list, group: list[str]) -> int:
-        """Leading pages of ``keys`` that ``agent`` holds in every namespace of ``group``."""
-        st, has = await self._call(agent, "POST", "/v1/has", {"keys": keys, "namespaces": group})
-        if st != 200:
-            raise AgentCallError(f"agent {agent['name']}: /v1/has answered {st}: {has.get('error')}")
-        runs = has.get("namespaces") or {}
-        return min((int(runs.get(ns, 0)) for ns in group), default=0)
+    async def _held_run(self, agent: dict, keys: list, group: list[str], accept: Callable[[object], bool]) -> int:
+        """Leading pages of ``keys`` that ``agent`` holds in every namespace of ``group`` with a provenance
+        ``accept`` takes (``POST /v1/provenance``): a page held there of another origin (planted, or stale from
+        before the copy) ends the run."""
+        st, ans = await self._call(agent, "POST", "/v1/provenance", {"keys": keys, "namespaces": group})
+        nss = ans.get("namespaces") if st == 200 else None
+        if not isinstance(nss, dict):
+            raise AgentCallError(f"agent {agent['name']}: /v1/provenance answered {st}: {ans.get('error')}")
+        run = len(keys)
+        for ns in group:
+            origins = nss.get(ns)
+            if not isinstance(origins, list):
+                return 0
+            n = 0
+            for origin in origins[:run]:
+                if origin is None or not accept(origin):
+                    break
+                n += 1
+            run = min(run, n)
+        return run
 
     async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str], loads: _Loads) -> str | tuple | None:
         ps = self.page_size()
@@ -873,7 +911,7 @@ class L3Replicator(CopyExecutor):
         t.proof_storage_tokens = t.proof["storage"]
         covered = len(t.chain) * ps
         warm_s = round(time.monotonic() - t0, 6)
-        outcome = classify_proof(t.proof, covered)
+        outcome = loads.outcome(covered)
         if outcome is CopyOutcome.PROVED:
             self.state.copy_measures.proved(self.state.clock() - (t.landed_s or self.state.clock()))
             self._done(t, loads.warmups)
