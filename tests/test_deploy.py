@@ -436,7 +436,8 @@ def test_yaml_text_keeps_strings_strings():
 
 def test_yaml_text_quotes_number_like_strings_and_writes_scripts_as_literal_blocks():
     # quoted in the text itself, for YAML 1.2 readers (go-yaml in kubectl) too: 1e3 and 1.0e5 are floats there
-    for word in ("30000", "0.9", "1e3", "1.0e5", "+1E3", ".5", "0o17", "0x1f", "true", "yes", "Off", "null", "~"):
+    words = ("30000", "0.9", "1e3", "1.0e5", "+1E3", ".5", "0o17", "0x1f", "true", "yes", "Off", "null", "~", "y", "N")
+    for word in words:  # y/n: YAML 1.1 booleans to go-yaml
         text = kube.dump({"v": word})
         assert text in (f"v: '{word}'\n", f'v: "{word}"\n'), text
         assert yaml.safe_load(text) == {"v": word}

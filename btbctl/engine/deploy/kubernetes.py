@@ -807,7 +807,7 @@ class _ManifestDumper(yaml.SafeDumper):
     """PyYAML's safe dumper for manifests: no anchors or aliases (an object built once and used twice is written out
     twice), multi-line strings as literal blocks (``|``) where YAML allows one, and strings that a YAML 1.2 reader
     (go-yaml in kubectl) would take for a number quoted too, not only YAML 1.1's (so ``"1e3"`` and ``"1.0e5"`` stay
-    strings)."""
+    strings), like YAML 1.1's one-letter booleans (``"y"``, ``"N"``)."""
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
@@ -829,6 +829,9 @@ _ManifestDumper.add_implicit_resolver(
     re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?0o[0-7]+$"),
     list("-+0123456789."),
 )
+
+#: YAML 1.1's one-letter booleans, which go-yaml (kubectl) reads as booleans and PyYAML's resolver does not quote.
+_ManifestDumper.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), list("yYnN"))
 
 #: PyYAML's options for every manifest: block style, keys in the order built, long lines never folded.
 _DUMP_OPTIONS: dict[str, Any] = {
