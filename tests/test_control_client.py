@@ -92,6 +92,32 @@ def test_only_http_and_https_urls():
         with pytest.raises(BtbctlError, match="http or https only"):
             ControlClient(bad)
     assert ControlClient("https://gw.example:8001/").base_url == "https://gw.example:8001"
+    for bad in ("http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://[::1"):
+        with pytest.raises(BtbctlError, match="http or https only"):
+            ControlClient(bad)
+    # credentials in the URL would replace the bearer token (and show in messages): refused, not echoed
+    with pytest.raises(BtbctlError, match="must not carry credentials") as e:
+        ControlClient("http://user:s3cret@127.0.0.1:8001")
+    assert "s3cret" not in str(e.value)
+
+
+async def test_the_time_limit_bounds_an_answer_that_dribbles_in():
+    async def dribble(request):
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        for _ in range(30):  # one byte every 0.1 s: each wait for data is short, the whole answer is not
+            await resp.write(b" ")
+            await asyncio.sleep(0.1)
+        return resp
+
+    with ThreadServer({("GET", "/control/fleet"): dribble}) as srv:
+        for client in (ControlClient(srv.url, timeout_s=0.5), AsyncControlClient(srv.url, timeout_s=0.5)):
+            with pytest.raises(ControlApiError, match=r"^control API GET /control/fleet: no answer within 0.5 s$"):
+                if isinstance(client, ControlClient):
+                    await asyncio.to_thread(client.fleet)
+                else:
+                    await client.fleet()
+            await asyncio.to_thread(client.close) if isinstance(client, ControlClient) else await client.close()
 
 
 def test_answers_are_validated_into_the_schema_and_the_token_goes_along():

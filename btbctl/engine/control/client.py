@@ -20,7 +20,9 @@ the token never travels through a proxy the user did not name for this. Base URL
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -90,11 +92,19 @@ def check_base_url(url: str) -> str:
     """``url`` without a trailing slash, when it is an ``http://`` or ``https://`` URL with a host.
 
     Raises:
-        BtbctlError: another scheme (``file:``, ``ftp:``, none) or no host.
+        BtbctlError: another scheme (``file:``, ``ftp:``, none), no host, a port that is not a number in 0-65535,
+            or credentials in the URL (they would replace the bearer token and show in messages).
     """
-    p = urlsplit(url)
+    shape = f"control API URL {url!r} must look like http://host:port (http or https only)"
+    try:
+        p = urlsplit(url)
+        p.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise BtbctlError(shape) from None
     if p.scheme not in ("http", "https") or not p.hostname:
-        raise BtbctlError(f"control API URL {url!r} must look like http://host:port (http or https only)")
+        raise BtbctlError(shape)
+    if p.username is not None or p.password is not None:
+        raise BtbctlError(f"control API URL of host {p.hostname!r} must not carry credentials: give the token instead")
     return url.rstrip("/")
 
 
@@ -303,7 +313,7 @@ class AsyncControlClient(_Base):
     Args:
         base_url: the control API's base URL (``http://127.0.0.1:8001``).
         token: bearer token (None: reads only, and only while the API listens on loopback).
-        timeout_s: per-call limit, seconds, on connecting and on each wait for data (the event stream waits up to
+        timeout_s: per-call limit, seconds, on the whole call (the event stream waits up to
             :data:`EVENT_SILENCE_S` for data).
 
     Raises:
@@ -336,8 +346,9 @@ class AsyncControlClient(_Base):
         kwargs, limit = self._request(call)
         too_slow, failed = request_failures()
         try:
-            resp = await self._http().request(**kwargs)
-        except too_slow:
+            # the limit bounds the whole call, also against an answer that dribbles in
+            resp = await asyncio.wait_for(self._http().request(**kwargs), limit)
+        except (too_slow, asyncio.TimeoutError):
             raise self._too_slow(call, limit) from None
         except (failed, OSError) as e:
             raise self._unreachable(e) from None
@@ -447,7 +458,8 @@ class AsyncControlClient(_Base):
 class ControlClient(_Base):
     """The synchronous client (same methods, same answers, same errors as :class:`AsyncControlClient`) for code
     that has no event loop, such as the CLI. Each call blocks its thread until the answer is in; inside a running
-    event loop use :class:`AsyncControlClient`.
+    event loop use :class:`AsyncControlClient`. The time limit bounds the whole answer once its head is in; the
+    head itself is bounded per wait for data (httpx's synchronous client has no overall limit).
 
     Use as ``with ControlClient(url, token) as api: api.fleet()``, or call :meth:`close`.
     """
@@ -477,13 +489,22 @@ class ControlClient(_Base):
         """Send ``call``; its answer as its model. Raises :class:`ControlApiError` (see the module)."""
         kwargs, limit = self._request(call)
         too_slow, failed = request_failures()
+        deadline = time.monotonic() + limit
         try:
-            resp = self._http().request(**kwargs)
+            with self._http().stream(**kwargs) as resp:
+                body = bytearray()
+                for chunk in resp.iter_bytes():  # the limit bounds the whole answer, not only each wait for data
+                    body += chunk
+                    if time.monotonic() > deadline:
+                        raise self._too_slow(call, limit)
+                status = resp.status_code
         except too_slow:
             raise self._too_slow(call, limit) from None
         except (failed, OSError) as e:
             raise self._unreachable(e) from None
-        return call.answer(resp.status_code, resp.content)
+        if time.monotonic() > deadline:
+            raise self._too_slow(call, limit)
+        return call.answer(status, bytes(body))
 
     def fleet(self) -> FleetAnswer:
         """``GET /control/fleet``."""
