@@ -581,6 +581,46 @@ class ChainIndex:
         return len(self.parent)
 
 
+class WorkerIndex:
+    """The gateway's :class:`~btbctl.engine.policies.base.RouteIndex` at one moment (:meth:`FleetState.route_index`).
+
+    * :attr:`idle`: the workers with nothing of the gateway's in flight (no request, none without a first byte) and
+      no ``/v1/loads`` report with a KV size (whose other requests and KV use :meth:`FleetState.admission_wait_s`
+      reads): there the load, the queued prefill, the admission wait and the waiting groups are 0 / empty. Empty
+      unless it is every worker with load 0 (so a worker left out of it has a higher load).
+    * :meth:`holders`: the workers whose record holds a chain's root, or computes it, or that receive a copy of a
+      chain starting with it (a superset of those where :meth:`FleetState.planned_blocks` can be > 0).
+    """
+
+    __slots__ = ("_state", "idle", "idle_order")
+
+    def __init__(self, state: FleetState) -> None:
+        self._state = state
+        free = [w for w in state.workers if not w.inflight]
+        idle = [
+            w.index
+            for w in free
+            if not w.prefilling
+            and not w.prefill_chains
+            and not w.prefill_tokens
+            and not (w.loads and w.loads.get("max_tokens"))
+        ]
+        #: idle workers, ascending; none unless every worker without a request is idle (a policy may skip a busy
+        #: worker for an idle one only when the busy one loses a tie on load)
+        self.idle_order: list[int] = idle if len(idle) == len(free) else []
+        self.idle: frozenset[int] = frozenset(self.idle_order)
+
+    def holders(self, root: Hashable) -> list[int]:
+        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers + copies))."""
+        out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
+        active = self._state.transfers.active
+        if active:
+            more = {t.target for t in active.values() if t.chain and t.chain[0] == root}
+            if not more.issubset(out):
+                out = sorted(more.union(out))
+        return out
+
+
 class FleetState:
     """The live :class:`~btbctl.engine.policies.base.FleetView` the policies route with.
 
@@ -651,6 +691,10 @@ class FleetState:
 
     def load(self, replica: int) -> int:
         return self.workers[replica].inflight
+
+    def route_index(self) -> WorkerIndex:
+        """The fleet-wide lookups that let a policy skip workers (:class:`WorkerIndex`, read now)."""
+        return WorkerIndex(self)
 
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         if not self.available(replica):

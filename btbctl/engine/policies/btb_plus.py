@@ -83,7 +83,7 @@ from typing import TypeVar, overload
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.detector import BurstDetector, Detection
-from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route, route_index
+from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route, RouteIndex, route_index
 from btbctl.engine.trace.model import Request
 
 #: Seconds of arrivals behind the recent arrival rate of rule 5 (a product choice: long against one request's time to
@@ -432,11 +432,13 @@ class BtbPlus(Policy[CostView]):
         replicas: Iterable[int],
         out: dict[int, tuple[float, float, float]],
         own0: float,
+        reuses: bool = True,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
-        replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`)."""
+        replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`). ``reuses`` False: none of ``replicas`` plans a
+        block of the chain (outside the route index's holders), so that is not asked."""
         chain = req.block_hashes
         inp = req.input_tokens
         kv_tokens = inp + req.output_tokens
@@ -444,7 +446,7 @@ class BtbPlus(Policy[CostView]):
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
         for r in replicas:
             g = groups[r]
-            if g or (chain and planned(r, chain)):
+            if g or (reuses and chain and planned(r, chain)):
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
@@ -503,7 +505,7 @@ class BtbPlus(Policy[CostView]):
         plan = None
         if hot is not None:
             det, since = hot
-            plan = self._warm(req, det, since, view, now_s, ests, groups, depths)
+            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
@@ -514,7 +516,7 @@ class BtbPlus(Policy[CostView]):
                 quiet = _Without(index.idle_order, priced) if priced else index.idle_order
             else:
                 rest = (r for r in range(n) if r not in ests)
-                self._estimates(view, req, now_s, depths, groups, rest, ests, own0)
+                self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
         quiet_cost = own0 + 0.0 + own0 * max(0, per_replica * own0)  # the cost below with est own0, start 0
         replicas = sorted(ests) if len(ests) < n else range(n)
         move = self._move_costs(view, req, holders) if hot is None and holders else None
@@ -614,10 +616,13 @@ class BtbPlus(Policy[CostView]):
         ests: dict[int, tuple[float, float, float]],
         groups: _LazyGroups,
         depths: Sequence[int],
+        index: RouteIndex | None = None,
     ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
         their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
-        fallbacks the executor tries when it refuses a picked one."""
+        fallbacks the executor tries when it refuses a picked one. ``index``: the view's route index (replicas
+        outside its holders of the prefix's root hold, receive and plan none of it; its idle ones queue nothing),
+        None to look at every replica."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -632,7 +637,14 @@ class BtbPlus(Policy[CostView]):
         covered: list[int] = []
         free: list[int] = []
         cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
+        near: Collection[int] = range(self.n_replicas) if index is None else index.holders(prefix[0])
+        idle: Collection[int] = () if index is None else index.idle
+        accepts, refused = view.accepts_copies, self.refusals.refused
         for r in range(self.n_replicas):
+            if r not in near:
+                if accepts(r) and not refused(r, now_s, hold_s):
+                    free.append(r)
+                continue
             if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
                 covered.append(r)
@@ -641,7 +653,7 @@ class BtbPlus(Policy[CostView]):
             elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
                 covered.append(r)
-            elif view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s):
+            elif accepts(r) and not refused(r, now_s, hold_s):
                 free.append(r)
                 continue
             else:
@@ -671,14 +683,14 @@ class BtbPlus(Policy[CostView]):
             by_rate = len(covered) < want
             ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
             for t in free:
-                t_have = view.cached_blocks(t, prefix)
+                t_have = view.cached_blocks(t, prefix) if t in near else 0
                 send = y - t_have
                 share = cost.nic_bytes_per_s / (1 + max(src_nic, view.nic_copies(t)))
                 transfer = send * bt * kv / share
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
                     prefill_s = prefills[t_have] = cost.prefill_time_s(send * bt, t_have * bt)
-                recompute = view.queued_prefill_s(t) + prefill_s
+                recompute = (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
                 if not transfer < recompute:
                     self._stats["copy_not_paying"] += 1
                     continue
