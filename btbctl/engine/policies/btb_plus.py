@@ -505,7 +505,7 @@ class BtbPlus(Policy[CostView]):
         plan = None
         if hot is not None:
             det, since = hot
-            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index)
+            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index, holders)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
@@ -617,12 +617,13 @@ class BtbPlus(Policy[CostView]):
         groups: _LazyGroups,
         depths: Sequence[int],
         index: RouteIndex | None = None,
+        near: Collection[int] | None = None,
     ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
         their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
         fallbacks the executor tries when it refuses a picked one. ``index``: the view's route index (replicas
         outside its holders of the prefix's root hold, receive and plan none of it; its idle ones queue nothing),
-        None to look at every replica."""
+        None to look at every replica; ``near``: its holders of the prefix's root when already read."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -637,7 +638,10 @@ class BtbPlus(Policy[CostView]):
         covered: list[int] = []
         free: list[int] = []
         cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
-        near: Collection[int] = range(self.n_replicas) if index is None else index.holders(prefix[0])
+        if index is None:
+            near = range(self.n_replicas)
+        elif near is None:
+            near = index.holders(prefix[0])
         idle: Collection[int] = () if index is None else index.idle
         accepts, refused = view.accepts_copies, self.refusals.refused
         for r in range(self.n_replicas):
