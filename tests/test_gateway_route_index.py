@@ -1,6 +1,8 @@
-"""The gateway's route index (``FleetState.route_index``): it keeps the RouteIndex contract over random sequences of
-the events that change the fleet state (requests sent, first bytes, finishes, holdings, copies starting and
-ending, loads reports, health), and ``btb_plus`` routes the same with it as without it (every worker priced)."""
+"""What the gateway's fleet state keeps for ``btb_plus`` between decisions, over random sequences of the events that
+change it (requests sent, first bytes, finishes, holdings, copies starting and ending, loads reports, health, the
+prefill calibration): the route index (``FleetState.route_index``) keeps the RouteIndex contract and ``btb_plus``
+routes the same with it as without it (every worker priced); the queued prefill and the waiting groups, extended
+as requests are sent, are the numbers a count from scratch gives."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ _event = st.one_of(
     st.tuples(st.just("copy_end"), st.integers(0, 4), st.integers(0, 30), st.just(0)),
     st.tuples(st.just("loads"), st.integers(0, 4), st.integers(0, 3), st.integers(0, 1)),
     st.tuples(st.just("health"), st.integers(0, 4), st.integers(0, 1), st.just(0)),
+    st.tuples(st.just("short"), st.integers(0, 4), st.integers(1, 3), st.just(0)),
+    st.tuples(st.just("calibrate"), st.integers(0, 4), st.integers(1, 1000), st.just(0)),
 )
 
 
@@ -85,6 +89,13 @@ def _apply(state: FleetState, event: tuple, sent: list, copies: list) -> None:
         w.new_loads(None if a == 0 else {"max_tokens": 4096 if b else 0, "used_tokens": 100 * a, "waiting": a - 1})
     elif kind == "health":
         w.healthy = bool(a)
+    elif kind == "short":  # a prompt shorter than one block: tokens, no chain
+        rid = f"q{len(sent)}-short"
+        w.inflight += 1
+        w.start_prefill(rid, (), a)
+        sent.append([w.index, rid, True])
+    elif kind == "calibrate":  # a measured prefill moves the cost model
+        state.observe_prefill(4096, 0, a / 100.0)
 
 
 def _check_contract(state: FleetState) -> None:
@@ -119,3 +130,60 @@ def test_the_index_keeps_its_contract_and_btb_plus_routes_the_same(n, events, se
         req = Request(str(i), now, len(chain) * PAGE, 4, chain)
         assert indexed.route(req, state, now) == full.route(req, state, now)
     assert indexed.stats() == full.stats()
+
+
+class _FromScratch:
+    """The queued prefill counted afresh whenever the worker's requests or holdings or the copies changed (the
+    fleet state's definition, kept here as the reference)."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+        self.memo: dict[int, tuple] = {}
+
+    def queue(self, replica: int) -> tuple[float, dict]:
+        state = self.state
+        w = state.workers[replica]
+        tv = state.transfers.version
+        memo = self.memo.get(replica)
+        if memo is not None and memo[0] == w.version and memo[1] == tv:
+            return memo[2], memo[3]
+        cost = state.cost
+        rate = cost.flops * cost.mfu
+        bt = state.page_size
+        total = 0.0
+        groups: dict = {}
+        seen: set = set()
+        for rid, chain in w.prefill_chains.items():
+            tokens = w.prefill_tokens.get(rid) or len(chain) * bt
+            held = k = w.held_blocks(chain)
+            if state.transfers.active:
+                k = max(k, state.transfers.depth_to(replica, chain))
+            while k < len(chain) and chain[k] in seen:
+                k += 1
+            seen.update(chain[k:])
+            have = min(k * bt, tokens - 1) if tokens > 1 else 0
+            work = cost.prefill_flops(tokens - have, have) / rate
+            total += work
+            if k > held:
+                g = groups.setdefault(chain[k - 1], [0, 0.0])
+                g[0] += 1
+                g[1] += work
+        for rid in w.prefill_tokens.keys() - w.prefill_chains.keys():
+            total += cost.prefill_flops(w.prefill_tokens[rid], 0) / rate
+        self.memo[replica] = (w.version, tv, total, groups)
+        return total, groups
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.lists(_event, max_size=60))
+def test_the_queue_extended_as_requests_are_sent_equals_a_count_from_scratch(n, events):
+    state = _fleet(n)
+    ref = _FromScratch(state)
+    sent: list = []
+    copies: list = []
+    for event in events:
+        _apply(state, event, sent, copies)
+        for r in range(n):
+            total, groups = ref.queue(r)
+            assert state.queued_prefill_s(r) == total  # the same float, not a close one
+            assert state.waiting_groups(r) == [(b, g[0], g[1]) for b, g in groups.items()]
