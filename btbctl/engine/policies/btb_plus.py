@@ -677,12 +677,11 @@ class BtbPlus(Policy[CostView]):
         elif near is None:
             near = index.holders(prefix[0])
         idle: Collection[int] = () if index is None else index.idle
-        accepts, refused = view.accepts_copies, self.refusals.refused
-        for r in range(self.n_replicas):
-            if r not in near:
-                if accepts(r) and not refused(r, now_s, hold_s):
-                    free.append(r)
-                continue
+        accepts = view.accepts_copies
+        refused = self.refusals.refused if self.refusals else None
+        # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
+        # the fleet is not looked at; the others can only be free targets.
+        for r in near if index is None else sorted(near):
             if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
                 covered.append(r)
@@ -691,13 +690,20 @@ class BtbPlus(Policy[CostView]):
             elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
                 covered.append(r)
-            elif accepts(r) and not refused(r, now_s, hold_s):
+            elif accepts(r) and not (refused and refused(r, now_s, hold_s)):
                 free.append(r)
                 continue
             else:
                 continue
             if len(covered) >= cap:
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
+        if index is not None:
+            free.extend(
+                r
+                for r in range(self.n_replicas)
+                if r not in near and accepts(r) and not (refused and refused(r, now_s, hold_s))
+            )
+            free.sort()
         if not free:
             return None
         want = self.rate_target(det.arrivals_in_window, suffix_s)
