@@ -543,27 +543,37 @@ class BtbPlus(Policy[CostView]):
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
+        rest: list[int] = []  # replicas outside the index's holders, not priced yet (no quiet replica)
         if index is not None:
             idle = index.idle
             priced = [r for r in sorted(ests) if r in idle] if ests else []
             if len(index.idle_order) > len(priced):
                 quiet = _Without(index.idle_order, priced) if priced else index.idle_order
             else:
-                rest = (r for r in range(n) if r not in ests)
-                self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
+                rest = [r for r in range(n) if r not in ests]
         quiet_cost = own0 + 0.0 + own0 * max(0, per_replica * own0)  # the cost below with est own0, start 0
-        replicas = sorted(ests) if len(ests) < n else range(n)
         move = self._move_costs(view, req, holders) if hot is None and holders else None
         if move is not None:
             quiet_cost += move[1]
-        cost = []
-        for r in replicas:
-            est, harm, start = ests[r]
-            own = est - start
-            blocked = sum(g[1] for g in groups[r])
-            behind = max(view.prefill_load(r) - blocked, per_replica * est)
-            cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
+        replicas: Sequence[int] = sorted(ests) if len(ests) < n else range(n)
+        cost = self._costs(view, replicas, ests, groups, per_replica, move)
+        if rest:
+            # A replica of ``rest`` reuses nothing: its estimate is at least ``own0`` (it starts at 0 or later) and
+            # every other term of its cost is >= 0, so its cost is at least ``own0`` + the move cost. When that is
+            # above the tie window of the best priced cost (``_best``'s), none of them can be chosen or tie: they
+            # are left unpriced (the same choice and the same random draw).
+            floor = own0 + (move[1] if move is not None else 0.0)
+            if not floor > min(cost, default=math.inf) * (1 + 1e-9) + 1e-12:
+                self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
+                by = dict(zip(replicas, cost, strict=True))
+                by.update(zip(rest, self._costs(view, rest, ests, groups, per_replica, move), strict=True))
+                replicas = range(n)
+                cost = [by[r] for r in replicas]
+                rest = []
         choice = self._best(view, replicas, cost, quiet, quiet_cost)
+        if rest and ests[choice][0] > own0 * (1 + 1e-9) + 1e-12:
+            # the unpriced estimates (>= own0) may be below the chosen one's: priced for the count below
+            self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
         low_est = min((e[0] for e in ests.values()), default=math.inf)
         if quiet:
             low_est = min(low_est, own0)
@@ -583,6 +593,26 @@ class BtbPlus(Policy[CostView]):
             ):
                 self._stats["speculative_routes"] += 1
         return Route(choice, (plan,) if plan is not None else ())
+
+    @staticmethod
+    def _costs(
+        view: CostView,
+        replicas: Iterable[int],
+        ests: dict[int, tuple[float, float, float]],
+        groups: _LazyGroups,
+        per_replica: float,
+        move: tuple[int, float] | None,
+    ) -> list[float]:
+        """Rule 5's cost of each of ``replicas`` (priced in ``ests``): expected TTFT + harm + its own prefill x the
+        requests expected behind it (+ the move cost away from the chain's home), seconds."""
+        cost = []
+        for r in replicas:
+            est, harm, start = ests[r]
+            own = est - start
+            blocked = sum(g[1] for g in groups[r])
+            behind = max(view.prefill_load(r) - blocked, per_replica * est)
+            cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
+        return cost
 
     @staticmethod
     def _move_costs(view: CostView, req: Request, holders: Iterable[int]) -> tuple[int, float] | None:
