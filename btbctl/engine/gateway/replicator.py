@@ -360,7 +360,11 @@ class Replicator(CopyExecutor):
     def accepts_copies(self, r: int) -> bool:
         """Whether worker ``r`` can send or receive a pushed copy now (the policies' ``accepts_copies``): replication
         on, healthy, serving the BTB routes and naming its ``transfer_addr``."""
-        return self.enabled and self._usable(r) and bool((self.state.workers[r].info or {}).get("transfer_addr"))
+        ws = self.state.workers  # _usable's test inlined: asked per worker per routing decision
+        if not (self.enabled and 0 <= r < len(ws)):
+            return False
+        w = ws[r]
+        return w.healthy and w.btb is True and bool((w.info or {}).get("transfer_addr"))
 
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
         """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""

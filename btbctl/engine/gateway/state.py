@@ -25,14 +25,14 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from btbctl.engine.chains import count_blocks, uncount_blocks
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.copies import CopyState, CopyStatus
-from btbctl.engine.costmodel import default_chunked_prefill_tokens
+from btbctl.engine.costmodel import ReplicaCost, default_chunked_prefill_tokens
 from btbctl.engine.stats import TtftSeries
 
 #: Holding-record bound per worker when its capacity is unknown, blocks. 2**24 tokens / 256-token pages, the
@@ -143,6 +143,9 @@ class WorkerState:
     prefill_tokens: dict = field(default_factory=dict)
     version: int = 0
     """Bumped whenever holdings or in-flight prefills change (keys the fleet state's queue estimates)."""
+    reshaped: int = 0
+    """Bumped by every change of :attr:`version` except a request with a chain joining the end of the in-flight
+    prefills (:meth:`start_prefill`): while it stands, the queue estimate extends by the requests sent since."""
 
     def kv_tokens_of(self, kv_tokens: int) -> int:
         """What a request of ``kv_tokens`` (prompt + requested output) can take of this worker's KV: at most all of
@@ -185,6 +188,7 @@ class WorkerState:
         """Record ``chain`` as resident here (deepest block first; LRU-bounded by ``capacity_blocks``)."""
         h = self.holdings
         self.version += 1
+        self.reshaped += 1
         for b in reversed(chain):
             if b in h:
                 h.move_to_end(b)
@@ -239,11 +243,14 @@ class WorkerState:
         if chain:
             self.prefill_chains[rid] = chain
             self.add_pending(chain)
+        else:
+            self.reshaped += 1
 
     def end_prefill(self, rid: object) -> None:
         """Request ``rid`` produced its first byte here or ended without one."""
         self.prefilling -= 1
         self.version += 1
+        self.reshaped += 1
         self.prefill_tokens.pop(rid, None)
         chain = self.prefill_chains.pop(rid, None)
         if chain:
@@ -259,6 +266,7 @@ class WorkerState:
         """Drop the holding record (the worker died or restarted)."""
         self.holdings.clear()
         self.version += 1
+        self.reshaped += 1
 
     @property
     def replication_note(self) -> str:
@@ -407,6 +415,8 @@ class TransferTable:
         self._to: dict[int, dict[Hashable, Transfer]] = {}
         #: active copies from or to each worker (``nic_copies``, read per target while planning copies)
         self._nic: dict[int, int] = {}
+        #: active copies by the first block of their chain: ``root -> {target: copies}`` (:meth:`targets_of`)
+        self._roots: dict[Hashable, dict[int, int]] = {}
         self.recent: deque[Transfer] = deque(maxlen=recent)
         self.version = 0  # bumped when a copy starts or ends
 
@@ -418,6 +428,15 @@ class TransferTable:
                 nic[r] = n
             else:
                 del nic[r]
+        if t.chain:
+            to = self._roots.setdefault(t.chain[0], {})
+            n = to.get(t.target, 0) + step
+            if n:
+                to[t.target] = n
+            else:
+                del to[t.target]
+                if not to:
+                    del self._roots[t.chain[0]]
 
     def add(self, t: Transfer) -> None:
         self.by_id[t.copy_id] = t
@@ -451,6 +470,10 @@ class TransferTable:
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica``."""
         return self._nic.get(replica, 0)
+
+    def targets_of(self, root: Hashable) -> Collection[int]:
+        """Targets of the copies in flight whose chain starts with block ``root``."""
+        return self._roots.get(root, ())
 
     def depth_to(self, target: int, chain: Sequence[Hashable]) -> int:
         """Length of the longest copy in flight to ``target`` whose chain is a leading part of ``chain`` (0 when
@@ -581,6 +604,74 @@ class ChainIndex:
         return len(self.parent)
 
 
+class _Queue:
+    """One worker's queued prefill as :meth:`FleetState._queue` counted it: ``total`` seconds, ``groups``
+    (``{block: [requests, seconds]}``), the blocks the counted requests compute (``seen``) and how many requests
+    (``requests``, in the order sent) it counted, under the worker's ``version`` / ``reshaped``, the copies'
+    ``transfers`` version, the ``cost`` model and ``page_size`` it was counted with; ``short``: it counted prompts
+    shorter than one block (they come last, so it cannot be extended)."""
+
+    __slots__ = (
+        "version",
+        "reshaped",
+        "transfers",
+        "cost",
+        "page_size",
+        "total",
+        "groups",
+        "seen",
+        "requests",
+        "short",
+    )
+
+    def __init__(self, version: int, reshaped: int, transfers: int, cost: ReplicaCost, page_size: int) -> None:
+        self.version, self.reshaped, self.transfers = version, reshaped, transfers
+        self.cost, self.page_size = cost, page_size
+        self.total = 0.0
+        self.groups: dict[Hashable, list] = {}
+        self.seen: set[Hashable] = set()
+        self.requests = 0
+        self.short = False
+
+
+class WorkerIndex:
+    """The gateway's :class:`~btbctl.engine.policies.base.RouteIndex` at one moment (:meth:`FleetState.route_index`).
+
+    * :attr:`idle`: the workers with nothing of the gateway's in flight (no request, none without a first byte) and
+      no ``/v1/loads`` report with a KV size (whose other requests and KV use :meth:`FleetState.admission_wait_s`
+      reads): there the load, the queued prefill, the admission wait and the waiting groups are 0 / empty. Empty
+      unless it is every worker with load 0 (so a worker left out of it has a higher load).
+    * :meth:`holders`: the workers whose record holds a chain's root, or computes it, or that receive a copy of a
+      chain starting with it (a superset of those where :meth:`FleetState.planned_blocks` can be > 0).
+    """
+
+    __slots__ = ("_state", "idle", "idle_order")
+
+    def __init__(self, state: FleetState) -> None:
+        self._state = state
+        free = [w for w in state.workers if not w.inflight]
+        idle = [
+            w.index
+            for w in free
+            if not w.prefilling
+            and not w.prefill_chains
+            and not w.prefill_tokens
+            and not (w.loads and w.loads.get("max_tokens"))
+        ]
+        #: idle workers, ascending; none unless every worker without a request is idle (a policy may skip a busy
+        #: worker for an idle one only when the busy one loses a tie on load)
+        self.idle_order: list[int] = idle if len(idle) == len(free) else []
+        self.idle: frozenset[int] = frozenset(self.idle_order)
+
+    def holders(self, root: Hashable) -> list[int]:
+        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers))."""
+        out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
+        more = self._state.transfers.targets_of(root)
+        if more and not all(r in out for r in more):
+            out = sorted(set(more).union(out))
+        return out
+
+
 class FleetState:
     """The live :class:`~btbctl.engine.policies.base.FleetView` the policies route with.
 
@@ -616,7 +707,7 @@ class FleetState:
         self._cost = None
         self._cost_guessed = False
         self._scaled: tuple | None = None
-        self._queues: dict[int, tuple] = {}  # replica -> (worker version, copies version, total, groups)
+        self._queues: dict[int, _Queue] = {}  # replica -> its queued prefill (see _queue)
         #: how long a sign of life keeps a worker from counting as dead, seconds (the gateway's
         #: ``progress_window_s``; see :meth:`WorkerState.alive`)
         self.progress_window_s = 6.0
@@ -652,10 +743,13 @@ class FleetState:
     def load(self, replica: int) -> int:
         return self.workers[replica].inflight
 
+    def route_index(self) -> WorkerIndex:
+        """The fleet-wide lookups that let a policy skip workers (:class:`WorkerIndex`, read now)."""
+        return WorkerIndex(self)
+
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        if not self.available(replica):
-            return 0
-        return self.workers[replica].held_blocks(chain)
+        w = self.workers[replica]
+        return w.held_blocks(chain) if w.healthy else 0
 
     def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` recorded as resident on ``replica``, being computed there by a request the
@@ -692,21 +786,42 @@ class FleetState:
         ``waiting_groups``): in the order they were sent, each reuses the leading blocks recorded as resident
         there, arriving by a copy in flight there, or computed by a request sent there before it, and computes
         the rest of its prompt, at the FLOPs of :attr:`cost` (attention term included) over its achieved FLOP/s.
-        A request that reuses blocks not resident yet waits for the deepest of them: the groups. Cached until the
-        worker's requests, holdings or the copies change. O(prompt blocks) per request."""
+        A request that reuses blocks not resident yet waits for the deepest of them: the groups.
+
+        Kept per worker (:class:`_Queue`) until its requests, holdings, the copies or the cost model change; a
+        request sent there since (:meth:`WorkerState.start_prefill`, nothing else changed) is added to it, O(its
+        prompt blocks), the same floats as a new count (:meth:`_queue_scan`); any other change counts afresh,
+        O(prompt blocks) per request."""
         w = self.workers[replica]
         tv = self.transfers.version
         memo = self._queues.get(replica)
-        if memo is not None and memo[0] == w.version and memo[1] == tv:
-            return memo[2], memo[3]
+        if memo is not None and memo.version == w.version and memo.transfers == tv:
+            return memo.total, memo.groups
         cost = self.cost
+        if (
+            memo is None
+            or memo.reshaped != w.reshaped
+            or memo.transfers != tv
+            or memo.cost is not cost
+            or memo.page_size != self.page_size
+            or memo.short
+        ):
+            memo = self._queues[replica] = _Queue(w.version, w.reshaped, tv, cost, self.page_size)
+        self._queue_scan(replica, memo)
+        memo.version = w.version
+        return memo.total, memo.groups
+
+    def _queue_scan(self, replica: int, q: _Queue) -> None:
+        """Add the requests in flight on ``replica`` after the first ``q.requests`` of them to ``q`` (all of them
+        for a new one)."""
+        w = self.workers[replica]
+        cost = q.cost
         rate = cost.flops * cost.mfu
-        bt = self.page_size
-        total = 0.0
-        groups: dict = {}
-        seen: set = set()
+        bt = q.page_size
+        total, groups, seen = q.total, q.groups, q.seen
         copies = bool(self.transfers.active)
-        for rid, chain in w.prefill_chains.items():
+        chains = w.prefill_chains
+        for rid, chain in islice(chains.items(), q.requests, None):
             tokens = w.prefill_tokens.get(rid) or len(chain) * bt
             held = w.held_blocks(chain)
             k = held
@@ -724,23 +839,30 @@ class FleetState:
                 g = groups.setdefault(chain[k - 1], [0, 0.0])
                 g[0] += 1
                 g[1] += work
-        for rid in w.prefill_tokens.keys() - w.prefill_chains.keys():  # prompts shorter than one block
-            t = w.prefill_tokens[rid]
-            total += cost.prefill_flops(t, 0) / rate
-        self._queues[replica] = (w.version, tv, total, groups)
-        return total, groups
+        q.requests = len(chains)
+        if len(w.prefill_tokens) > len(chains) or not w.prefill_tokens.keys() <= chains.keys():
+            q.short = True  # prompts shorter than one block count last: no request joins after them
+            for rid in w.prefill_tokens.keys() - chains.keys():
+                t = w.prefill_tokens[rid]
+                total += cost.prefill_flops(t, 0) / rate
+        q.total = total
 
     def queued_prefill_s(self, replica: int) -> float:
         """Seconds of prefill compute queued on ``replica``: the requests the gateway has there without a first
         byte yet, each for the prompt tokens it computes (see :meth:`_queue`). The gateway sees only its own
         requests, and counts a request's prefill as queued until its first byte (no elapsed part)."""
+        memo = self._queues.get(replica)  # _queue's memo, read here first (asked per worker per decision)
+        if (
+            memo is not None
+            and memo.version == self.workers[replica].version
+            and memo.transfers == self.transfers.version
+        ):
+            return memo.total
         return self._queue(replica)[0]
 
-    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
-        """Leading blocks resident, arriving by copy, or being computed by a request the gateway has in flight
-        there (the gateway does not see the worker's own queue apart from its requests, so this equals
-        :meth:`pending_blocks`)."""
-        return self.pending_blocks(replica, chain)
+    #: Leading blocks resident, arriving by copy, or being computed by a request the gateway has in flight there
+    #: (the gateway does not see the worker's own queue apart from its requests, so this is :meth:`pending_blocks`).
+    planned_blocks = pending_blocks
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
@@ -795,8 +917,9 @@ class FleetState:
         )
 
     def nic_copies(self, replica: int) -> int:
-        """Copies in flight from or to ``replica``."""
-        return self.transfers.nic_copies(replica)
+        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`, read directly: asked per
+        worker per decision)."""
+        return self.transfers._nic.get(replica, 0)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Coarse estimate from the worker's last ``/v1/loads`` brought up to date with what the gateway sent since:

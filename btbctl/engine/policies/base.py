@@ -284,6 +284,10 @@ class CopyRefusals:
         else:
             self._at[target] = now_s
 
+    def __bool__(self) -> bool:
+        """Whether any target is marked (False: :meth:`refused` is False for every target)."""
+        return bool(self._at)
+
     def refused(self, target: int, now_s: float, hold_s: float) -> bool:
         """Whether ``target`` refused a copy within the last ``hold_s`` seconds before ``now_s``."""
         at = self._at.get(target)

@@ -82,8 +82,9 @@ from typing import TypeVar, overload
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
+from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.detector import BurstDetector, Detection
-from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route, route_index
+from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route, RouteIndex, route_index
 from btbctl.engine.trace.model import Request
 
 #: Seconds of arrivals behind the recent arrival rate of rule 5 (a product choice: long against one request's time to
@@ -91,6 +92,8 @@ from btbctl.engine.trace.model import Request
 RATE_WINDOW_S = 60.0
 #: Slots the rate window is counted in (its resolution is ``RATE_WINDOW_S / RATE_SLOTS`` seconds).
 RATE_SLOTS = 60
+#: Prompt shapes whose prefill time :meth:`BtbPlus.prefill_s` remembers (cleared when full).
+PREFILL_MEMO = 4096
 
 #: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
 #: (seconds until it is there, requests, seconds of their prefill, prefix key, seconds of grace).
@@ -226,6 +229,9 @@ class BtbPlus(Policy[CostView]):
         self._ready_at: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
         self.arrivals = ArrivalRate()
         self.refusals = CopyRefusals()
+        # (new tokens, context tokens) -> prefill seconds under ``_prefill_cost`` (:meth:`prefill_s`)
+        self._prefill_cost: ReplicaCost | None = None
+        self._prefill_memo: dict[tuple[int, int], float] = {}
         self._stats = {
             "fires": 0,
             "copies_requested": 0,
@@ -261,6 +267,21 @@ class BtbPlus(Policy[CostView]):
             det = BurstDetector(self.constants.with_updates(prefix_blocks=depth), max_tracked=self.max_tracked)
             self._levels[depth] = det
         return det
+
+    def prefill_s(self, cost: ReplicaCost, new_tokens: int, context_tokens: int) -> float:
+        """``cost.prefill_time_s(new_tokens, context_tokens)``, seconds, remembered while the view's cost model is
+        the same object (a request's route asks for the same few prompt shapes on every replica)."""
+        memo = self._prefill_memo
+        if cost is not self._prefill_cost:
+            self._prefill_cost = cost
+            memo.clear()
+        key = (new_tokens, context_tokens)
+        v = memo.get(key)
+        if v is None:
+            if len(memo) >= PREFILL_MEMO:
+                memo.clear()
+            v = memo[key] = cost.prefill_time_s(new_tokens, context_tokens)
+        return v
 
     def _remember(self, memo: OrderedDict[_K, _V], key: _K, value: _V) -> None:
         memo[key] = value
@@ -323,7 +344,7 @@ class BtbPlus(Policy[CostView]):
             if have >= n:
                 return 0.0
             bt = view.block_tokens
-            rest = view.cost.prefill_time_s((n - have) * bt, have * bt)
+            rest = self.prefill_s(view.cost, (n - have) * bt, have * bt)
             if view.pending_blocks(source, chain) >= n:
                 return rest
         at = self._ready_at.get((source, key))
@@ -353,8 +374,11 @@ class BtbPlus(Policy[CostView]):
         at the prefix's context: the step that computes its last block leaves room in the batch for a request
         admitted before the group can run). Requests waiting for other blocks are left out: they count as queued
         ahead of a new request."""
+        waiting = view.waiting_groups(replica)
+        if not waiting:
+            return []
         out = []
-        for key, n, work_s in view.waiting_groups(replica):
+        for key, n, work_s in waiting:
             chain = self._prefixes.get(key)
             if chain is None:
                 continue
@@ -363,7 +387,7 @@ class BtbPlus(Policy[CostView]):
                 out.append((self.copy_lands_s(view, st, key, now_s), n, work_s, key, 0.0))
             else:
                 ctx = len(chain) * view.block_tokens
-                grace = view.cost.prefill_time_s(view.chunk_tokens, ctx)
+                grace = self.prefill_s(view.cost, view.chunk_tokens, ctx)
                 out.append((self.source_ready_s(view, replica, key, now_s), n, work_s, key, grace))
         out.sort(key=lambda g: g[0])
         return out
@@ -378,17 +402,21 @@ class BtbPlus(Policy[CostView]):
         groups: _Groups | None = None,
         ready_s: float | None = None,
         copied_blocks: int = 0,
+        planned: int | None = None,
     ) -> tuple[float, float, float]:
         """``(expected TTFT, delay imposed on requests waiting for a hot prefix, start)`` of ``req`` on
         ``replica``, seconds (rule 5). ``depths``: prefix lengths at which a copy towards ``replica`` may bring the
         request's blocks; ``groups``: :meth:`blocked_groups` (computed when None); ``ready_s`` and
-        ``copied_blocks``: for a copy about to start, when it would land and how many leading blocks it brings."""
+        ``copied_blocks``: for a copy about to start, when it would land and how many leading blocks it brings;
+        ``planned``: ``view.planned_blocks(replica, chain)`` when already read."""
         chain = req.block_hashes
         bt = view.block_tokens
         inp = req.input_tokens
         if groups is None:
             groups = self.blocked_groups(view, replica, now_s)
-        there = max(view.planned_blocks(replica, chain) if chain else 0, copied_blocks)
+        if planned is None:
+            planned = view.planned_blocks(replica, chain) if chain else 0
+        there = max(planned, copied_blocks)
         ready = 0.0 if ready_s is None else ready_s
         if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
             for d in depths:
@@ -397,15 +425,18 @@ class BtbPlus(Policy[CostView]):
                     if st is not None:
                         ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
         mine: set[Hashable] = set()
-        if ready_s is None and there:
+        if ready_s is None and there and groups:
             for lands, _, _, key, _ in groups:  # prefixes this request itself waits for (copied or computed here)
                 n = len(self._prefixes[key])
                 if n <= there and chain[n - 1] == key:
                     mine.add(key)
                     ready = max(ready, lands)
         have = min(there * bt, inp - 1)
-        own = view.cost.prefill_time_s(inp - have, have)
+        own = self.prefill_s(view.cost, inp - have, have)
         wait = view.queued_prefill_s(replica) + view.admission_wait_s(replica, inp - have + req.output_tokens)
+        if not groups:
+            start = max(max(0.0, wait), ready)
+            return start + own, 0.0, start
         start = max(0.0, wait - sum(g[2] for g in groups))
         start = max(start, ready)
         harm = 0.0
@@ -432,11 +463,13 @@ class BtbPlus(Policy[CostView]):
         replicas: Iterable[int],
         out: dict[int, tuple[float, float, float]],
         own0: float,
+        reuses: bool = True,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
-        replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`)."""
+        replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`). ``reuses`` False: none of ``replicas`` plans a
+        block of the chain (outside the route index's holders), so that is not asked."""
         chain = req.block_hashes
         inp = req.input_tokens
         kv_tokens = inp + req.output_tokens
@@ -444,18 +477,21 @@ class BtbPlus(Policy[CostView]):
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
         for r in replicas:
             g = groups[r]
-            if g or (chain and planned(r, chain)):
+            if g:
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
+                continue
+            there = planned(r, chain) if reuses and chain else 0
+            if there:
+                out[r] = self.estimate(view, r, req, now_s, depths, g, planned=there)
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
                 out[r] = (wait + own0, 0.0, wait)
 
-    @staticmethod
-    def _cold_prefill_s(view: CostView, req: Request) -> float:
+    def _cold_prefill_s(self, view: CostView, req: Request) -> float:
         """:meth:`estimate`'s ``own`` on a replica holding nothing of ``req``'s chain, seconds."""
         inp = req.input_tokens
         have0 = min(0, inp - 1)
-        return view.cost.prefill_time_s(inp - have0, have0)
+        return self.prefill_s(view.cost, inp - have0, have0)
 
     def _best(
         self, view: CostView, replicas: Sequence[int], cost: Sequence[float], quiet: Sequence[int], quiet_cost: float
@@ -503,31 +539,41 @@ class BtbPlus(Policy[CostView]):
         plan = None
         if hot is not None:
             det, since = hot
-            plan = self._warm(req, det, since, view, now_s, ests, groups, depths)
+            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index, holders)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
+        rest: list[int] = []  # replicas outside the index's holders, not priced yet (no quiet replica)
         if index is not None:
             idle = index.idle
             priced = [r for r in sorted(ests) if r in idle] if ests else []
             if len(index.idle_order) > len(priced):
                 quiet = _Without(index.idle_order, priced) if priced else index.idle_order
             else:
-                rest = (r for r in range(n) if r not in ests)
-                self._estimates(view, req, now_s, depths, groups, rest, ests, own0)
+                rest = [r for r in range(n) if r not in ests]
         quiet_cost = own0 + 0.0 + own0 * max(0, per_replica * own0)  # the cost below with est own0, start 0
-        replicas = sorted(ests) if len(ests) < n else range(n)
         move = self._move_costs(view, req, holders) if hot is None and holders else None
         if move is not None:
             quiet_cost += move[1]
-        cost = []
-        for r in replicas:
-            est, harm, start = ests[r]
-            own = est - start
-            blocked = sum(g[1] for g in groups[r])
-            behind = max(view.prefill_load(r) - blocked, per_replica * est)
-            cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
+        replicas: Sequence[int] = sorted(ests) if len(ests) < n else range(n)
+        cost = self._costs(view, replicas, ests, groups, per_replica, move)
+        if rest:
+            # A replica of ``rest`` reuses nothing: its estimate is at least ``own0`` (it starts at 0 or later) and
+            # every other term of its cost is >= 0, so its cost is at least ``own0`` + the move cost. When that is
+            # above the tie window of the best priced cost (``_best``'s), none of them can be chosen or tie: they
+            # are left unpriced (the same choice and the same random draw).
+            floor = own0 + (move[1] if move is not None else 0.0)
+            if not floor > min(cost, default=math.inf) * (1 + 1e-9) + 1e-12:
+                self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
+                by = dict(zip(replicas, cost, strict=True))
+                by.update(zip(rest, self._costs(view, rest, ests, groups, per_replica, move), strict=True))
+                replicas = range(n)
+                cost = [by[r] for r in replicas]
+                rest = []
         choice = self._best(view, replicas, cost, quiet, quiet_cost)
+        if rest and ests[choice][0] > own0 * (1 + 1e-9) + 1e-12:
+            # the unpriced estimates (>= own0) may be below the chosen one's: priced for the count below
+            self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
         low_est = min((e[0] for e in ests.values()), default=math.inf)
         if quiet:
             low_est = min(low_est, own0)
@@ -547,6 +593,26 @@ class BtbPlus(Policy[CostView]):
             ):
                 self._stats["speculative_routes"] += 1
         return Route(choice, (plan,) if plan is not None else ())
+
+    @staticmethod
+    def _costs(
+        view: CostView,
+        replicas: Iterable[int],
+        ests: dict[int, tuple[float, float, float]],
+        groups: _LazyGroups,
+        per_replica: float,
+        move: tuple[int, float] | None,
+    ) -> list[float]:
+        """Rule 5's cost of each of ``replicas`` (priced in ``ests``): expected TTFT + harm + its own prefill x the
+        requests expected behind it (+ the move cost away from the chain's home), seconds."""
+        cost = []
+        for r in replicas:
+            est, harm, start = ests[r]
+            own = est - start
+            blocked = sum(g[1] for g in groups[r])
+            behind = max(view.prefill_load(r) - blocked, per_replica * est)
+            cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
+        return cost
 
     @staticmethod
     def _move_costs(view: CostView, req: Request, holders: Iterable[int]) -> tuple[int, float] | None:
@@ -599,7 +665,7 @@ class BtbPlus(Policy[CostView]):
         have = there * bt
         for d in depths:
             if d > there:
-                at = now_s + start_s + view.cost.prefill_time_s(d * bt - have, have)
+                at = now_s + start_s + self.prefill_s(view.cost, d * bt - have, have)
                 self._remember(self._ready_at, (replica, chain[d - 1]), at)
 
     # -- rules 2-4: warming ---------------------------------------------------------------------------------------
@@ -614,10 +680,14 @@ class BtbPlus(Policy[CostView]):
         ests: dict[int, tuple[float, float, float]],
         groups: _LazyGroups,
         depths: Sequence[int],
+        index: RouteIndex | None = None,
+        near: Collection[int] | None = None,
     ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
         their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
-        fallbacks the executor tries when it refuses a picked one."""
+        fallbacks the executor tries when it refuses a picked one. ``index``: the view's route index (replicas
+        outside its holders of the prefix's root hold, receive and plan none of it; its idle ones queue nothing),
+        None to look at every replica; ``near``: its holders of the prefix's root when already read."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -625,14 +695,23 @@ class BtbPlus(Policy[CostView]):
         bt = view.block_tokens
         inp = req.input_tokens
         ptoks = min(y * bt, inp - 1)
-        suffix_s = cost.prefill_time_s(inp - ptoks, ptoks)
+        suffix_s = self.prefill_s(cost, inp - ptoks, ptoks)
         hold_s = self.constants.window_s
         holders: list[int] = []
         computing: list[int] = []
         covered: list[int] = []
         free: list[int] = []
         cap = max(1, min(self.constants.warm_replicas, self.n_replicas))
-        for r in range(self.n_replicas):
+        if index is None:
+            near = range(self.n_replicas)
+        elif near is None:
+            near = index.holders(prefix[0])
+        idle: Collection[int] = () if index is None else index.idle
+        accepts = view.accepts_copies
+        refused = self.refusals.refused if self.refusals else None
+        # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
+        # the fleet is not looked at; the others can only be free targets.
+        for r in near if index is None else sorted(near):
             if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
                 covered.append(r)
@@ -641,13 +720,20 @@ class BtbPlus(Policy[CostView]):
             elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
                 covered.append(r)
-            elif view.accepts_copies(r) and not self.refusals.refused(r, now_s, hold_s):
+            elif accepts(r) and not (refused and refused(r, now_s, hold_s)):
                 free.append(r)
                 continue
             else:
                 continue
             if len(covered) >= cap:
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
+        if index is not None:
+            free.extend(
+                r
+                for r in range(self.n_replicas)
+                if r not in near and accepts(r) and not (refused and refused(r, now_s, hold_s))
+            )
+            free.sort()
         if not free:
             return None
         want = self.rate_target(det.arrivals_in_window, suffix_s)
@@ -666,19 +752,20 @@ class BtbPlus(Policy[CostView]):
         picked: list[int] = []
         options: list[tuple[float, int, int, tuple[float, float, float]]] = []
         prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
+        nic_bps = cost.nic_bytes_per_s
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
             ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
             for t in free:
-                t_have = view.cached_blocks(t, prefix)
+                t_have = view.cached_blocks(t, prefix) if t in near else 0
                 send = y - t_have
-                share = cost.nic_bytes_per_s / (1 + max(src_nic, view.nic_copies(t)))
+                share = nic_bps / (1 + max(src_nic, view.nic_copies(t)))
                 transfer = send * bt * kv / share
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
-                    prefill_s = prefills[t_have] = cost.prefill_time_s(send * bt, t_have * bt)
-                recompute = view.queued_prefill_s(t) + prefill_s
+                    prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
+                recompute = (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
                 if not transfer < recompute:
                     self._stats["copy_not_paying"] += 1
                     continue
