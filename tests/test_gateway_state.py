@@ -3,6 +3,8 @@ itself is checked for every implementation in test_fleet_views.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from btbctl.engine.gateway.state import ChainIndex, FleetState, WorkerState
 from btbctl.engine.policies.base import ExcludingView
 from btbctl.engine.stats import TtftSeries
@@ -150,3 +152,35 @@ def test_nic_copies_follow_copies_starting_ending_and_replaced():
         st.transfers.finish(t)
         assert [st.nic_copies(r) for r in range(3)] == [naive(r) for r in range(3)]
     assert [st.nic_copies(r) for r in range(3)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("policy", ["btb_plus", "btb", "cache_aware"])
+def test_the_gateways_detector_sees_each_request_once_whoever_feeds_it_and_keeps_its_heat_across_swaps(policy):
+    from btbctl.engine.constants import BtbConstants
+    from btbctl.engine.gateway.config import GatewayConfig
+    from btbctl.engine.gateway.server import Gateway
+    from btbctl.engine.trace.model import Request
+
+    urls = [f"http://127.0.0.1:{20000 + i}" for i in range(4)]
+    constants = BtbConstants(prefix_blocks=2, threshold=2, window_s=60.0, warm_replicas=2)
+    gw = Gateway(GatewayConfig(workers=urls, policy=policy, page_size=16, seed=1, token="x", constants=constants))
+    for w in gw.state.workers:
+        w.healthy = True
+    gw._install_policy(gw.policy, None)
+    chain = tuple(f"b{i}" for i in range(8))  # deeper than Y = 2: btb_plus also tracks depths 4 and 8 itself
+
+    def arrive(i: int) -> None:
+        gw.choose(Request(f"r{i}", 0.0, 8 * 16, 4, block_hashes=chain), [])
+
+    for i in range(3):
+        arrive(i)
+    now = gw.clock()
+    key = chain[1]  # the detector tracks a prefix under its Y-th block
+    assert gw.detector.arrivals_in_window(key, now) == 3  # once per request: not by both the policy and the gateway
+    if policy == "btb_plus":  # its depth Y is the gateway's detector (one observation per request, not two)
+        assert gw.policy._level(2) is gw.detector and gw.policy._level(4) is not gw.detector
+    gw.set_policy("round_robin")  # the gateway feeds it now
+    arrive(3)
+    gw.set_policy(policy)
+    arrive(4)
+    assert gw.detector.arrivals_in_window(key, gw.clock()) == 5

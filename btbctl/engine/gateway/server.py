@@ -309,8 +309,9 @@ class Gateway:
 
     def _install_policy(self, new: Policy, old: Policy | None) -> None:
         new.configure(block_tokens=self.page_size)
-        if hasattr(new, "detector"):
-            new.detector = self.detector  # one detector for the gateway's life: heat survives swaps
+        # one detector for the gateway's life (heat survives swaps), fed once per request: by the policy when it
+        # observes through it, else by the gateway
+        self._feeds_detector = not new.share_detector(self.detector)
         if old is not None:
             src, dst = tree_holder(old), tree_holder(new)
             if src is not None and dst is not None:
@@ -321,7 +322,6 @@ class Gateway:
                 max_blocks=self.config.cache_tree_max_blocks, max_bytes=self.config.cache_tree_max_bytes
             )
         self.policy = new
-        self._feeds_detector = not hasattr(new, "detector")
 
     def set_policy(self, name: str) -> None:
         """Swap the routing policy now (next request). The detector, the holding record, loads and transfers are

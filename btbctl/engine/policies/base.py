@@ -14,12 +14,15 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.trace.model import Request
+
+if TYPE_CHECKING:
+    from btbctl.engine.detector import BurstDetector
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +260,13 @@ class Policy(Generic[ViewT]):
     def set_constants(self, constants: BtbConstants) -> None:
         """Retune at run time; takes effect from the next request."""
         self.constants = constants
+
+    def share_detector(self, detector: BurstDetector) -> bool:
+        """Hook: observe arrivals at the prefix depth Y (``constants.prefix_blocks``) through ``detector`` (the
+        gateway's: its heat views and fire events read it, and it outlives policy swaps) instead of a detector of the
+        policy's own. Returns True when the policy now feeds it (its caller must not feed it too); False, the
+        default, for policies without a detector."""
+        return False
 
     def stats(self) -> dict[str, int]:
         """Counters for reports (e.g. detector fires); empty by default."""

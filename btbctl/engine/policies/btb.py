@@ -107,6 +107,11 @@ class Btb(Policy[FleetView]):
         super().set_constants(constants)
         self.detector.set_constants(constants)
 
+    def share_detector(self, detector: BurstDetector) -> bool:
+        """Observe through ``detector`` from now on (see :meth:`Policy.share_detector`)."""
+        self.detector = detector
+        return True
+
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         chain = req.block_hashes
         det = self.detector.observe(chain, now_s, req.arrivals)

@@ -222,6 +222,7 @@ class BtbPlus(Policy[CostView]):
         super().__init__(n_replicas, rng, constants)
         self.max_tracked = max_tracked
         self._levels: dict[int, BurstDetector] = {}
+        self._shared: BurstDetector | None = None  # depth Y's detector, when it is its caller's (share_detector)
         self._hot_since: OrderedDict[tuple[int, Hashable], float] = OrderedDict()
         # prefix key (its last block) -> the prefix chain, for hot prefixes (to price copies of them)
         self._prefixes: OrderedDict[Hashable, tuple[Hashable, ...]] = OrderedDict()
@@ -257,9 +258,19 @@ class BtbPlus(Policy[CostView]):
         if constants.prefix_blocks != old_y:
             self._levels.clear()
             self._hot_since.clear()
+            if self._shared is not None:  # depth Y stays the shared detector (its owner retunes it too)
+                self._shared.set_constants(constants)
+                self._levels[constants.prefix_blocks] = self._shared
             return
         for depth, det in self._levels.items():
             det.set_constants(constants.with_updates(prefix_blocks=depth))
+
+    def share_detector(self, detector: BurstDetector) -> bool:
+        """Observe depth Y through ``detector`` from now on (see :meth:`Policy.share_detector`); the deeper depths
+        keep detectors of their own."""
+        self._shared = detector
+        self._levels[self.constants.prefix_blocks] = detector
+        return True
 
     def _level(self, depth: int) -> BurstDetector:
         det = self._levels.get(depth)
