@@ -126,3 +126,18 @@ def test_a_machine_without_the_testbed_gets_one_line(monkeypatch, capsys):
     assert bench.main(["--hosts", "2", "--runs", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs root" in err and "--hosts 2" in err
+
+
+def test_the_human_report_says_how_close_the_copies_came_to_the_link_rate(monkeypatch, capsys):
+    row = {"crossed": True, "rate_over": "send_s", "send_s": 0.25, "bytes": 2.5e8, "gbit_s": 8.0, "link_ratio": 0.8}
+    row |= {"outcome": "proved", "usable_s": 1.5, "overlap_s": 0.1, "phases_s": {"source": 1.2, "transfer": 0.3}}
+    rep = {"ttft_s": {"p50": 0.1, "p95": 1.0, "mean": 0.5}, "errors": 0, "by_worker": {"a": 100, "b": 100}}
+    run = {"default": rep, "cache_aware": rep, "copies": [row]}
+    monkeypatch.setattr(bench, "testbed_missing", lambda: None)
+    monkeypatch.setattr(bench, "_run_modes", lambda args, tmp: [bench.summarize(m, [run]) for m in ("l3", "push")])
+    assert bench.main(["--hosts", "2", "--link-gbit", "10", "--runs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2 hosts x 2 workers, links at 10 Gbit/s; medians over 1 run(s)")
+    assert "p95 x1.00, mean x1.00" in out and "requests per worker [[100, 100]]" in out
+    assert "phases source/transfer/proof 1.200/0.300/- s" in out
+    assert "1 copies, 250.000 MB in 0.250 s of send_s, 8.000 Gbit/s (0.80 x the link)" in out
