@@ -28,8 +28,10 @@ worker's default ``kv_bytes_scale``); at that scale a 64-block prefix is a few h
 the copy only loosely (``--kv-bytes-scale`` moves more bytes per page). Between the two bursts the benchmark waits
 until no copy is in flight, and the copies are read from ``GET /control/transfers`` (every copy that finished since
 the default policy's burst began, whether or not the client was still replaying). Each copy that crossed a link
-reports its hosts, ``bytes``, ``send_s`` (the source agent's seconds of sending; push copies have none and report
-``transfer_s`` instead), ``overlap_s`` and the achieved rate ``bytes * 8 / send_s`` against the link rate. Needs
+reports its hosts, ``bytes``, ``send_s`` (the source agent's seconds of sending), ``overlap_s`` and the achieved
+rate ``bytes * 8 / send_s`` against the link rate. Push copies have no ``send_s`` (nor, today, a ``transfer_s``):
+their rate is taken over ``duration_s``, plan to every block verified, which includes waiting for the source's
+prefill, so it is a lower bound on the rate while sending (``rate_over`` names the time used). Needs
 root, iproute2 (``ip``, ``tc``) and OpenSSH's sshd; exits with the reason otherwise.
 """
 
@@ -138,8 +140,8 @@ def copy_row(c: dict, host_of: Callable[[str], str | None], link_gbit: float | N
     """One copy of a bench result's ``copies`` (or :func:`btbctl.engine.launcher.bench.copies_during`) as the
     benchmark reports it; ``host_of``: the testbed host of a worker URL (None: not on a testbed). A copy whose
     source and target are on different hosts ``crossed`` the link; if it moved bytes, ``gbit_s`` is ``bytes * 8 /
-    send_s`` (l3; push copies have no ``send_s`` and use ``transfer_s``, named in ``rate_over``) and
-    ``link_ratio`` that rate over ``link_gbit``."""
+    send_s`` (l3; push copies have no ``send_s`` and use ``transfer_s``, else ``duration_s``; ``rate_over`` names
+    the one used) and ``link_ratio`` that rate over ``link_gbit``."""
     src, dst = host_of(c["source"]), host_of(c["target"])
     row = {
         "outcome": c.get("outcome") or c["state"],
@@ -150,12 +152,15 @@ def copy_row(c: dict, host_of: Callable[[str], str | None], link_gbit: float | N
         "bytes": c.get("bytes") or 0,
         "send_s": c.get("send_s"),
         "transfer_s": c.get("transfer_s"),
+        "duration_s": c.get("duration_s"),
         "overlap_s": c.get("overlap_s"),
         "source_host": src,
         "target_host": dst,
         "crossed": src is not None and dst is not None and src != dst,
     }
-    over = "send_s" if c.get("send_s") else "transfer_s" if c.get("mode") == "push" and c.get("transfer_s") else None
+    over = "send_s" if c.get("send_s") else None
+    if over is None and c.get("mode") == "push":
+        over = next((k for k in ("transfer_s", "duration_s") if c.get(k)), None)
     if row["crossed"] and row["bytes"] and over and link_gbit:
         gbit = row["bytes"] * 8 / c[over] / 1e9
         row.update(rate_over=over, gbit_s=gbit, link_ratio=gbit / link_gbit)
@@ -239,7 +244,8 @@ def summarize(mode: str, runs: list[dict]) -> dict:
 
     copies = [c for r in runs for c in r["copies"]]
     usable = [c["usable_s"] for c in copies if c.get("usable_s") is not None]
-    crossed = [c for c in copies if c.get("gbit_s") is not None]
+    crossed = [c for c in copies if c.get("crossed")]
+    rated = [c for c in crossed if c.get("gbit_s") is not None]
 
     def cmed(rows: list[dict], key: str) -> float | None:
         xs = [c[key] for c in rows if c.get(key) is not None]
@@ -260,12 +266,13 @@ def summarize(mode: str, runs: list[dict]) -> dict:
         "phases_s_median": {k: cmed([c["phases_s"] or {} for c in copies], k) for k in ("source", "transfer", "proof")},
         "crossed": {
             "copies": len(crossed),
-            "bytes": cmed(crossed, "bytes"),
-            "seconds": statistics.median(c[c["rate_over"]] for c in crossed) if crossed else None,
-            "rate_over": sorted({c["rate_over"] for c in crossed}),
-            "overlap_s": cmed(crossed, "overlap_s"),
-            "gbit_s": cmed(crossed, "gbit_s"),
-            "link_ratio": cmed(crossed, "link_ratio"),
+            "rated": len(rated),
+            "bytes": cmed(rated, "bytes"),
+            "seconds": statistics.median(c[c["rate_over"]] for c in rated) if rated else None,
+            "rate_over": sorted({c["rate_over"] for c in rated}),
+            "overlap_s": cmed(rated, "overlap_s"),
+            "gbit_s": cmed(rated, "gbit_s"),
+            "link_ratio": cmed(rated, "link_ratio"),
         },
     }
 
@@ -348,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         x = s["crossed"]
         if args.hosts:
             print(
-                f"      across a link: {x['copies']} copies, {_f(x['bytes'] and x['bytes'] / 1e6)} MB in "
+                f"      across a link: {x['copies']} copies, {x['rated']} that sent bytes: "
+                f"{_f(x['bytes'] and x['bytes'] / 1e6)} MB in "
                 f"{_f(x['seconds'])} s of {'/'.join(x['rate_over']) or 'sending'}, {_f(x['gbit_s'])} Gbit/s "
                 f"({_f(x['link_ratio'], '.2f')} x the link), {_f(x['overlap_s'])} s behind the source's prefill"
             )

@@ -88,6 +88,11 @@ def test_copy_row_rates_only_copies_that_crossed_a_link_and_moved_bytes():
     # push copies have no send_s: their transfer time stands in, and says so
     push = bench.copy_row(_copy(a, far, mode="push", bytes=125_000_000, transfer_s=1.0), host.get, 10.0)
     assert (push["rate_over"], push["gbit_s"], push["link_ratio"]) == ("transfer_s", pytest.approx(1.0), 0.1)
+    # ... or, without one, the copy's whole duration (a lower bound)
+    push = bench.copy_row(_copy(a, far, mode="push", bytes=125_000_000, duration_s=2.0), host.get, 10.0)
+    assert (push["rate_over"], push["gbit_s"]) == ("duration_s", pytest.approx(0.5))
+    # an l3 copy without send_s is never rated over its duration
+    assert "gbit_s" not in bench.copy_row(_copy(a, far, bytes=1000, duration_s=2.0), host.get, 10.0)
     # one machine: no hosts, nothing crossed
     assert not bench.copy_row(_copy(a, far, bytes=1000, send_s=0.1), lambda u: None, None)["crossed"]
 
@@ -103,16 +108,17 @@ def test_summary_reports_medians_of_the_copies_that_crossed_a_link():
         {**crossed, "outcome": "proved", "gbit_s": 4.0, "link_ratio": 0.4, "phases_s": {"source": 0.5}},
         {**crossed, "outcome": "proved", "gbit_s": 8.0, "link_ratio": 0.8, "phases_s": {"source": 0.7}},
         {"outcome": "proved", "crossed": False, "usable_s": 2.0, "phases_s": None},
+        {"outcome": "proved", "crossed": True, "bytes": 1e6, "usable_s": 2.0, "phases_s": None},
     ]
     s = bench.summarize("l3", [run(1.0, rows[:1]), run(1.5, rows[1:])])
     assert s["default"]["p95"] == 1.25 and s["ratio_p95"] == pytest.approx(0.625)
     assert s["requests_per_worker"] == [[150, 50], [150, 50]]
     assert (
-        s["crossed"]["copies"] == 2
+        (s["crossed"]["copies"], s["crossed"]["rated"]) == (3, 2)
         and s["crossed"]["gbit_s"] == 6.0
         and s["crossed"]["link_ratio"] == pytest.approx(0.6)
     )
-    assert s["usable_s_median"] == 1.0 and s["phases_s_median"]["source"] == 0.6
+    assert s["usable_s_median"] == 1.5 and s["phases_s_median"]["source"] == 0.6
 
 
 def test_hosts_must_spread_the_workers_evenly(capsys):
@@ -140,4 +146,4 @@ def test_the_human_report_says_how_close_the_copies_came_to_the_link_rate(monkey
     assert out.startswith("2 hosts x 2 workers, links at 10 Gbit/s; medians over 1 run(s)")
     assert "p95 x1.00, mean x1.00" in out and "requests per worker [[100, 100]]" in out
     assert "phases source/transfer/proof 1.200/0.300/- s" in out
-    assert "1 copies, 250.000 MB in 0.250 s of send_s, 8.000 Gbit/s (0.80 x the link)" in out
+    assert "1 copies, 1 that sent bytes: 250.000 MB in 0.250 s of send_s, 8.000 Gbit/s (0.80 x the link)" in out
