@@ -21,18 +21,18 @@ are taken within one run.
 On one machine all four workers share one node agent (one L3 tier), which is not how a 16-GPU fleet is laid out.
 ``--hosts N`` (2 or 4) runs the same shape on the namespace testbed of ``tests/netns.py``: N hosts, each with its
 sshd, 4 / N of the workers and (``l3``) its own node agent, every link paced at ``--link-gbit`` Gbit/s, the fleet
-started over SSH by ``btbctl up -d`` from the operator side (the gateway and the client stay in the root
-namespace, behind the operator's link). Copies between hosts then move their bytes agent to agent (``l3``) or
-worker to worker (``push``) across the links. The worker settings are the single-machine ones (time scale 1, the
-worker's default ``kv_bytes_scale``); at that scale a 64-block prefix is a few hundred kB, so the link rate bounds
-the copy only loosely (``--kv-bytes-scale`` moves more bytes per page). Between the two bursts the benchmark waits
-until no copy is in flight, and the copies are read from ``GET /control/transfers`` (every copy that finished since
-the default policy's burst began, whether or not the client was still replaying). Each copy that crossed a link
-reports its hosts, ``bytes``, ``send_s`` (the source agent's seconds of sending), ``overlap_s`` and the achieved
-rate ``bytes * 8 / send_s`` against the link rate. Push copies have no ``send_s`` (nor, today, a ``transfer_s``):
-their rate is taken over ``duration_s``, plan to every block verified, which includes waiting for the source's
-prefill, so it is a lower bound on the rate while sending (``rate_over`` names the time used). Needs
-root, iproute2 (``ip``, ``tc``) and OpenSSH's sshd; exits with the reason otherwise.
+started over SSH by ``btbctl up -d`` from the operator side (the gateway and the client stay in the root namespace,
+behind the operator's link). Copies between hosts then move their bytes agent to agent (``l3``) or worker to worker
+(``push``) across the links. The worker settings are the single-machine ones (time scale 1, the worker's default
+``kv_bytes_scale``); at that scale a 64-block prefix is 82 kB (1,280 bytes a page), far too little for the link to
+pace it (``--kv-bytes-scale`` moves more bytes a page). Between the two bursts the benchmark waits until no
+copy is in flight, and the copies are read from ``GET /control/transfers`` (every copy that finished since the
+default policy's burst began, whether or not the client was still replaying). Each copy that crossed a link reports
+its hosts, ``bytes``, ``send_s`` (the source agent's seconds of sending), ``overlap_s`` and the achieved rate
+``bytes * 8 / send_s`` against the link rate. Push copies have no ``send_s`` (nor, today, a ``transfer_s``): their
+rate is taken over ``duration_s``, plan to every block verified, which includes waiting for the source's prefill, so
+it is a lower bound on the rate while sending (``rate_over`` names the time used). Needs root, iproute2 (``ip``,
+``tc``) and OpenSSH's sshd; exits with the reason otherwise.
 """
 
 from __future__ import annotations
