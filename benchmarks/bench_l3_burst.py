@@ -13,9 +13,26 @@ block verified at the target; l3: the target's warm-up proved the prefix from L3
 
     python benchmarks/bench_l3_burst.py                   # both modes, 3 runs each
     python benchmarks/bench_l3_burst.py --modes l3 --runs 1 --format json
+    sudo python benchmarks/bench_l3_burst.py --hosts 2 --link-gbit 10     # the namespace testbed (below)
 
 Workers, gateway, agents and the client share this machine's cores, so absolute times depend on it; the ratios
 are taken within one run.
+
+On one machine all four workers share one node agent (one L3 tier), which is not how a 16-GPU fleet is laid out.
+``--hosts N`` (2 or 4) runs the same shape on the namespace testbed of ``tests/netns.py``: N hosts, each with its
+sshd, 4 / N of the workers and (``l3``) its own node agent, every link paced at ``--link-gbit`` Gbit/s, the fleet
+started over SSH by ``btbctl up -d`` from the operator side (the gateway and the client stay in the root namespace,
+behind the operator's link). Copies between hosts then move their bytes agent to agent (``l3``) or worker to worker
+(``push``) across the links. The worker settings are the single-machine ones (time scale 1, the worker's default
+``kv_bytes_scale``); at that scale a 64-block prefix is 82 kB (1,280 bytes a page), far too little for the link to
+pace it (``--kv-bytes-scale`` moves more bytes a page). Between the two bursts the benchmark waits until no
+copy is in flight, and the copies are read from ``GET /control/transfers`` (every copy that finished since the
+default policy's burst began, whether or not the client was still replaying). Each copy that crossed a link reports
+its hosts, ``bytes``, ``send_s`` (the source agent's seconds of sending), ``overlap_s`` and the achieved rate
+``bytes * 8 / send_s`` against the link rate. Push copies have no ``send_s`` (nor, today, a ``transfer_s``): their
+rate is taken over ``duration_s``, plan to every block verified, which includes waiting for the source's prefill, so
+it is a lower bound on the rate while sending (``rate_over`` names the time used). Needs root, iproute2 (``ip``,
+``tc``) and OpenSSH's sshd; exits with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -27,9 +44,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The workers of one fleet (spread evenly over ``--hosts``).
+WORKERS = 4
+#: Host counts ``--hosts`` takes besides 0 (one machine): those that spread :data:`WORKERS` evenly.
+TESTBED_HOSTS = (2, 4)
 
 CLUSTER = """
 [gateway]
@@ -48,7 +70,7 @@ arena_mib = 256
 
 [[workers]]
 name = "w"
-count = 4
+count = {workers}
 model = "llama-3.3-70b"
 gpu = "h100"
 tp_size = 4
@@ -76,10 +98,83 @@ def _trace(path: Path, seed: int) -> Path:
     return path
 
 
+def _testbed_path() -> None:
+    """Put this checkout and its ``tests/`` (the namespace testbed's helpers) first on ``sys.path``."""
+    for p in (str(ROOT / "tests"), str(ROOT)):
+        if p in sys.path:
+            sys.path.remove(p)
+        sys.path.insert(0, p)
+
+
+def testbed_cluster(hosts: list[dict], mode: str, kv_bytes_scale: int | None = None) -> str:
+    """The cluster file (TOML text) of the single-machine shape (:data:`CLUSTER`) on the testbed ``hosts``
+    (``[[hosts]]`` entries): :data:`WORKERS` workers spread evenly over them, the gateway's default policy, the
+    same ``[btb]``, arena and worker settings. Raises ValueError when the hosts cannot share the workers evenly."""
+    _testbed_path()
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    from netns_fleet import fleet_toml
+
+    if not hosts or WORKERS % len(hosts):
+        raise ValueError(f"{len(hosts)} hosts cannot share {WORKERS} workers evenly")
+    one = tomllib.loads(CLUSTER.format(mode=mode, workers=WORKERS))
+    worker = {k: v for k, v in one["workers"][0].items() if k not in ("name", "count")}
+    if kv_bytes_scale is not None:
+        worker["kv_bytes_scale"] = kv_bytes_scale
+    return fleet_toml(
+        hosts,
+        mode,
+        policy=one["gateway"].get("policy"),
+        workers_per_host=WORKERS // len(hosts),
+        base_worker={},
+        worker=worker,
+        replication={k: v for k, v in one["replication"].items() if k != "mode"},
+        prefix_blocks=one["btb"]["prefix_blocks"],
+        max_retries=one["gateway"].get("max_retries"),
+    )
+
+
+def copy_row(c: dict, host_of: Callable[[str], str | None], link_gbit: float | None) -> dict:
+    """One copy of a bench result's ``copies`` (or :func:`btbctl.engine.launcher.bench.copies_during`) as the
+    benchmark reports it; ``host_of``: the testbed host of a worker URL (None: not on a testbed). A copy whose
+    source and target are on different hosts ``crossed`` the link; if it moved bytes, ``gbit_s`` is ``bytes * 8 /
+    send_s`` (l3; push copies have no ``send_s`` and use ``transfer_s``, else ``duration_s``; ``rate_over`` names
+    the one used) and ``link_ratio`` that rate over ``link_gbit``."""
+    src, dst = host_of(c["source"]), host_of(c["target"])
+    row = {
+        "outcome": c.get("outcome") or c["state"],
+        "usable_s": c.get("usable_s"),
+        "phases_s": c.get("phases_s"),
+        "proof_storage_tokens": c.get("proof_storage_tokens"),
+        "covered_tokens": c.get("covered_tokens"),
+        "bytes": c.get("bytes") or 0,
+        "send_s": c.get("send_s"),
+        "transfer_s": c.get("transfer_s"),
+        "duration_s": c.get("duration_s"),
+        "overlap_s": c.get("overlap_s"),
+        "source_host": src,
+        "target_host": dst,
+        "crossed": src is not None and dst is not None and src != dst,
+    }
+    over = "send_s" if c.get("send_s") else None
+    if over is None and c.get("mode") == "push":
+        over = next((k for k in ("transfer_s", "duration_s") if c.get(k)), None)
+    if row["crossed"] and row["bytes"] and over and link_gbit:
+        gbit = row["bytes"] * 8 / c[over] / 1e9
+        row.update(rate_over=over, gbit_s=gbit, link_ratio=gbit / link_gbit)
+    return row
+
+
+def _local_host(url: str) -> str | None:
+    return None
+
+
 def one_run(mode: str, run: int, tmp: Path) -> dict:
     """One fresh fleet in ``mode``: the default policy's burst, then cache_aware's on a fresh prefix."""
     cfg = tmp / f"cluster-{mode}.toml"
-    cfg.write_text(CLUSTER.format(mode=mode))
+    cfg.write_text(CLUSTER.format(mode=mode, workers=WORKERS))
     rd = tmp / f"run-{mode}-{run}"
     _btbctl("up", "-d", "-c", str(cfg), "--run-dir", str(rd), timeout=300)
     try:
@@ -90,9 +185,54 @@ def one_run(mode: str, run: int, tmp: Path) -> dict:
             trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed)
             rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
             out[policy] = rep
+        out["copies"] = [copy_row(c, _local_host, None) for c in out["default"]["copies"] or []]
         return out
     finally:
         _btbctl("down", "--run-dir", str(rd), timeout=120)
+
+
+def testbed_missing() -> str | None:
+    """Why the namespace testbed cannot run here (root, iproute2, sshd), or None."""
+    _testbed_path()
+    try:
+        import netns
+    except ImportError as e:  # the testbed's helpers import pytest (the dev dependencies)
+        return f"the testbed helpers need the dev dependencies ({e})"
+    why = netns.missing_requirements()
+    if why is None and (netns.sshd_binary() is None or netns.shutil.which("ssh-keygen") is None):
+        why = "needs OpenSSH's sshd and ssh-keygen (apt-get install openssh-server openssh-client)"
+    return why
+
+
+def one_testbed_run(mode: str, run: int, tmp: Path, tb, servers, kv_bytes_scale: int | None) -> dict:
+    """As :func:`one_run`, on the testbed ``tb`` (hosts reached through ``servers``' sshd): the copies of the
+    default policy's burst come from ``GET /control/transfers`` once none is in flight."""
+    from btbctl.engine.launcher.bench import copies_during
+    from netns_fleet import Fleet, host_entry, stop_fleet
+
+    cfg = tmp / f"cluster-{mode}-{run}.toml"
+    cfg.write_text(testbed_cluster([host_entry(s) for s in servers], mode, kv_bytes_scale))
+    rd = tmp / f"run-{mode}-{run}"
+    fleet = None
+    try:
+        st = json.loads(_btbctl("up", "-d", "-c", str(cfg), "--run-dir", str(rd), "--format", "json", timeout=300))
+        fleet = Fleet(st, rd, tb, tmp)
+        out: dict = {}
+        for policy, seed in (("default", 100 + 2 * run), ("cache_aware", 101 + 2 * run)):
+            if policy != "default":
+                _btbctl("tune", "--run-dir", str(rd), f"policy={policy}")
+            trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed)
+            before = fleet.transfers()
+            rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
+            after = fleet.settle(timeout_s=120)
+            out[policy] = rep
+            if policy == "default":
+                out["copies"] = [
+                    copy_row(c, fleet.host_of_url, tb.hosts[0].rate_gbit) for c in copies_during(before, after) or []
+                ]
+        return out
+    finally:
+        stop_fleet(fleet, rd)
 
 
 def summarize(mode: str, runs: list[dict]) -> dict:
@@ -102,8 +242,15 @@ def summarize(mode: str, runs: list[dict]) -> dict:
     def ttft(r: dict, policy: str, k: str) -> float:
         return r[policy]["ttft_s"][k]
 
-    copies = [c for r in runs for c in (r["default"]["copies"] or [])]
+    copies = [c for r in runs for c in r["copies"]]
     usable = [c["usable_s"] for c in copies if c.get("usable_s") is not None]
+    crossed = [c for c in copies if c.get("crossed")]
+    rated = [c for c in crossed if c.get("gbit_s") is not None]
+
+    def cmed(rows: list[dict], key: str) -> float | None:
+        xs = [c[key] for c in rows if c.get(key) is not None]
+        return statistics.median(xs) if xs else None
+
     return {
         "mode": mode,
         "runs": len(runs),
@@ -114,34 +261,84 @@ def summarize(mode: str, runs: list[dict]) -> dict:
         "errors": sum(r[p]["errors"] for r in runs for p in ("default", "cache_aware")),
         "workers_serving": [len(r["default"]["by_worker"]) for r in runs],
         "requests_per_worker": [sorted(r["default"]["by_worker"].values(), reverse=True) for r in runs],
-        "copies": [
-            {
-                "outcome": c.get("outcome") or c["state"],
-                "usable_s": c.get("usable_s"),
-                "phases_s": c.get("phases_s"),
-                "proof_storage_tokens": c.get("proof_storage_tokens"),
-                "covered_tokens": c.get("covered_tokens"),
-            }
-            for c in copies
-        ],
+        "copies": copies,
         "usable_s_median": statistics.median(usable) if usable else None,
+        "phases_s_median": {k: cmed([c["phases_s"] or {} for c in copies], k) for k in ("source", "transfer", "proof")},
+        "crossed": {
+            "copies": len(crossed),
+            "rated": len(rated),
+            "bytes": cmed(rated, "bytes"),
+            "seconds": statistics.median(c[c["rate_over"]] for c in rated) if rated else None,
+            "rate_over": sorted({c["rate_over"] for c in rated}),
+            "overlap_s": cmed(rated, "overlap_s"),
+            "gbit_s": cmed(rated, "gbit_s"),
+            "link_ratio": cmed(rated, "link_ratio"),
+        },
     }
+
+
+def _run_modes(args, tmp: Path) -> list[dict]:
+    if not args.hosts:
+        return [summarize(m, [one_run(m, i, tmp) for i in range(args.runs)]) for m in args.modes.split(",")]
+    from netns import open_testbed, start_sshd
+
+    tb = open_testbed(args.hosts, rate_gbit=args.link_gbit)
+    try:
+        servers = [start_sshd(h, tmp / "ssh") for h in tb.hosts]
+        return [
+            summarize(m, [one_testbed_run(m, i, tmp, tb, servers, args.kv_bytes_scale) for i in range(args.runs)])
+            for m in args.modes.split(",")
+        ]
+    finally:
+        tb.close()
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="l3,push", help="comma-separated replication modes (default: l3,push)")
     ap.add_argument("--runs", type=int, default=3, help="fresh fleets per mode (default 3; medians are reported)")
+    ap.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help=f"0: one machine (default); {' or '.join(map(str, TESTBED_HOSTS))}: hosts of the namespace testbed, "
+        f"the {WORKERS} workers spread evenly over them, one node agent each (needs root, iproute2, sshd)",
+    )
+    ap.add_argument("--link-gbit", type=float, default=10.0, help="testbed: every link's rate, Gbit/s (default 10)")
+    ap.add_argument(
+        "--kv-bytes-scale",
+        type=int,
+        default=None,
+        help="testbed: the workers' KV bytes divisor (default: the worker's own, as on one machine)",
+    )
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args(argv)
-    out = []
+    if args.hosts and args.hosts not in TESTBED_HOSTS:
+        ap.error(f"--hosts {args.hosts}: 0 (one machine) or {' or '.join(map(str, TESTBED_HOSTS))}")
+    if args.link_gbit <= 0 or (args.kv_bytes_scale is not None and args.kv_bytes_scale < 1):
+        ap.error("--link-gbit must be > 0 and --kv-bytes-scale >= 1")
+    if args.kv_bytes_scale is not None and not args.hosts:
+        ap.error("--kv-bytes-scale is for the testbed (--hosts 2 or 4); one machine keeps the worker's default")
+    if args.hosts:
+        why = testbed_missing()
+        if why:
+            print(f"bench_l3_burst: --hosts {args.hosts} needs the namespace testbed: {why}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory(prefix="btb-l3-bench-") as d:
-        for mode in args.modes.split(","):
-            runs = [one_run(mode, i, Path(d)) for i in range(args.runs)]
-            out.append(summarize(mode, runs))
+        out = _run_modes(args, Path(d))
     if args.format == "json":
         print(json.dumps(out, indent=2))
         return 0
+    where = (
+        f"{args.hosts} hosts x {WORKERS // args.hosts} workers, links at {args.link_gbit:g} Gbit/s"
+        if args.hosts
+        else "one machine"
+    )
+    print(f"{where}; medians over {args.runs} run(s)")
     for s in out:
         d, ca = s["default"], s["cache_aware"]
         print(
@@ -150,9 +347,19 @@ def main(argv: list[str] | None = None) -> int:
             f"mean x{s['ratio_mean']:.2f}; errors {s['errors']}; requests per worker {s['requests_per_worker']}"
         )
         outcomes = sorted({c["outcome"] for c in s["copies"]})
+        ph = s["phases_s_median"]
         print(
-            f"      copies {len(s['copies'])} ({', '.join(outcomes)}), usable after {s['usable_s_median']} s (median)"
+            f"      copies {len(s['copies'])} ({', '.join(outcomes)}), usable after {s['usable_s_median']} s (median); "
+            f"phases source/transfer/proof {_f(ph['source'])}/{_f(ph['transfer'])}/{_f(ph['proof'])} s"
         )
+        x = s["crossed"]
+        if args.hosts:
+            print(
+                f"      across a link: {x['copies']} copies, {x['rated']} that sent bytes: "
+                f"{_f(x['bytes'] and x['bytes'] / 1e6)} MB in "
+                f"{_f(x['seconds'])} s of {'/'.join(x['rate_over']) or 'sending'}, {_f(x['gbit_s'])} Gbit/s "
+                f"({_f(x['link_ratio'], '.2f')} x the link), {_f(x['overlap_s'])} s behind the source's prefill"
+            )
     return 0
 
 

@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from btbctl.engine.httpclient import urlopen
 from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_time, record_is_ours
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,9 +72,10 @@ def force_cleanup(run_dir: Path) -> None:
 
 
 def http_json(url: str, body=None, timeout: float = 10.0):
+    """GET ``url`` (or POST ``body`` as JSON) without proxies; the answer's JSON."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
         url, data=data, method="GET" if body is None else "POST", headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    with urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())

@@ -49,20 +49,37 @@ def host_entry(server) -> dict:
     }
 
 
-def write_fleet(
-    path: Path,
-    servers,
+def fleet_toml(
+    hosts: list[dict],
     mode: str,
+    *,
+    policy: str | None = "btb",
+    workers_per_host: int = 2,
     worker: dict | None = None,
+    base_worker: dict | None = None,
     replication: dict | None = None,
     gateway: dict | None = None,
     prefix_blocks: int = PREFIX_BLOCKS,
-) -> Path:
-    """Two workers on each host of ``servers`` (entries ``n0``/``n1``...), replication ``mode``; ``gateway``: more
-    gateway settings (``[gateway.settings]``)."""
-    # btb, the published rule, copies as soon as the detector fires: these tests measure the copy path (btb_plus,
-    # the default, finds a 4-block prefix cheaper to recompute than to copy over these links and makes no copy)
-    lines = ["[gateway]", 'policy = "btb"', "port = 0", "control_port = 0", "max_retries = 3", ""]
+    max_retries: int | None = 3,
+) -> str:
+    """The cluster file (TOML text) of a fleet on ``hosts`` (``[[hosts]]`` entries, :func:`host_entry`'s shape):
+    ``workers_per_host`` emulated workers on each host (entries ``n0``/``n1``..., workers ``n0-0``...),
+    replication ``mode`` (``arena_mib`` 64 unless ``replication`` says otherwise), ``[btb] prefix_blocks =
+    prefix_blocks, threshold = 2, window_s = 1.0, warm_replicas = 4``.
+
+    ``policy``: the gateway's routing policy (None: the gateway's default); ``base_worker``: the worker settings
+    every entry starts from (None: :data:`WORKER`), ``worker`` laid over them; ``gateway``: more gateway settings
+    (``[gateway.settings]``); ``max_retries``: the gateway's (None: its default). Raises ValueError for no host or
+    ``workers_per_host`` < 1."""
+    if not hosts or workers_per_host < 1:
+        raise ValueError(f"need at least one host and one worker per host, got {len(hosts)} x {workers_per_host}")
+    lines = ["[gateway]"]
+    if policy is not None:
+        lines.append(f"policy = {_toml(policy)}")
+    lines += ["port = 0", "control_port = 0"]
+    if max_retries is not None:
+        lines.append(f"max_retries = {max_retries}")
+    lines.append("")
     if gateway:
         lines.append("[gateway.settings]")
         lines += [f"{k} = {_toml(v)}" for k, v in gateway.items()]
@@ -75,20 +92,30 @@ def write_fleet(
         "warm_replicas = 4",
         "",
         "[replication]",
-        f'mode = "{mode}"',
+        f"mode = {_toml(mode)}",
     ]
     lines += [f"{k} = {_toml(v)}" for k, v in {"arena_mib": 64, **(replication or {})}.items()]
     lines.append("")
-    for s in servers:
+    for h in hosts:
         lines.append("[[hosts]]")
-        lines += [f"{k} = {_toml(v)}" for k, v in host_entry(s).items()]
+        lines += [f"{k} = {_toml(v)}" for k, v in h.items()]
         lines.append("")
-    for i, s in enumerate(servers):
+    base = WORKER if base_worker is None else base_worker
+    for i, h in enumerate(hosts):
         lines.append("[[workers]]")
-        w = {"name": f"n{i}", "host": s.host.name, "count": 2, **WORKER, **(worker or {})}
+        w = {"name": f"n{i}", "host": h["name"], "count": workers_per_host, **base, **(worker or {})}
         lines += [f"{k} = {_toml(v)}" for k, v in w.items()]
         lines.append("")
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_fleet(path: Path, servers, mode: str, **kw) -> Path:
+    """Write :func:`fleet_toml` (keyword arguments as there) for ``servers`` (:class:`netns.HostSshd`, reached
+    through :func:`host_entry`) to ``path``. The tests' fleets keep its defaults: two workers per host and the
+    ``btb`` policy, the published rule, which copies as soon as the detector fires (these tests measure the copy
+    path; btb_plus, the default, finds a 4-block prefix cheaper to recompute than to copy over these links and
+    makes no copy)."""
+    path.write_text(fleet_toml([host_entry(s) for s in servers], mode, **kw))
     return path
 
 
