@@ -64,6 +64,7 @@ from btbctl.engine.gateway.prompt import (
     prompt_of,
 )
 from btbctl.engine.gateway.state import FleetState
+from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.hashing import BYTES_PER_TOKEN
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import log_event
@@ -149,6 +150,10 @@ class Router(Protocol):
 
     @property
     def policy(self) -> Policy: ...
+
+    @property
+    def l3_prompts(self) -> L3Prompts | None:
+        """Replication mode ``l3``: the prompts' token ids and SGLang page keys; None in the other modes."""
 
     def choose(self, req: Request, excluded: Sequence[int]) -> int | None:
         """The worker for ``req`` outside ``excluded``, or None when none is available."""
@@ -379,7 +384,7 @@ class DataPlane:
                 ``max_prompt_tokens`` (413).
         """
         lim = self.limits
-        l3 = getattr(self.gw, "l3_prompts", None)
+        l3 = self.gw.l3_prompts
         page_size = self.gw.page_size
         if len(body) > lim.offload_bytes:  # a big prompt: parse and hash it off the event loop
             if self._pool is None:

@@ -153,6 +153,16 @@ class CopyExecutor:
         self.block_tokens: Callable[[], int] = lambda: 0
 
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
+        """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""
+        raise NotImplementedError
+
+    def accepts_copies(self, r: int) -> bool:
+        """Whether worker ``r`` can send or receive a copy now (the policies' ``accepts_copies``)."""
+        raise NotImplementedError
+
+    async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> ReplicateOutcome:
+        """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate). Raises
+        :class:`ReplicateError`."""
         raise NotImplementedError
 
     def _transfer(self, chain: tuple, source: int, target: int, manual: bool) -> Transfer:

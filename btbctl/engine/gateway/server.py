@@ -64,7 +64,13 @@ from btbctl.engine.gateway.health import HealthProber
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, PromptTooLong
-from btbctl.engine.gateway.replicator import PrewarmOutcome, ReplicateError, ReplicateOutcome, Replicator
+from btbctl.engine.gateway.replicator import (
+    CopyExecutor,
+    PrewarmOutcome,
+    ReplicateError,
+    ReplicateOutcome,
+    Replicator,
+)
 from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, Reports
 from btbctl.engine.gateway.sglang_metrics import MetricsScraper
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
@@ -170,22 +176,12 @@ class Gateway:
         self._restore_loop_handler: Callable[[], None] | None = None
         self.reports = Reports(self)
         self._session: aiohttp.ClientSession | None = None
-        self.replicator = Replicator(
-            self.state,
-            lambda: self.session,
-            worker_token=wt,
-            poll_interval_s=config.poll_interval_s,
-            source_wait_s=config.source_wait_s,
-            copy_timeout_s=config.copy_timeout_s,
-            on_change=self._transfer_changed,
-            on_finish=self._transfer_finished,
-        )
         self.replication_mode = config.replication
-        self.l3_prompts = None
-        if config.replication == "none":
-            self.replicator.enabled = False
-        elif config.replication == "l3":
-            self._setup_l3(config)
+        #: l3: the prompts' token ids and SGLang page keys (None in the other modes)
+        self.l3_prompts: L3Prompts | None = None
+        self._worker_token = wt
+        #: the executor of copy plans, by replication mode (:data:`EXECUTORS`)
+        self.replicator: CopyExecutor = EXECUTORS[config.replication](self, config)
         self.state.copy_capable = self.replicator.accepts_copies
         self.replicator.prefix_blocks = lambda: self.constants.prefix_blocks
         self.replicator.block_tokens = lambda: self.page_size
@@ -219,7 +215,23 @@ class Gateway:
         self._stopped = False
         self._request_seq = 0
 
-    def _setup_l3(self, config: GatewayConfig) -> None:
+    def _push_executor(self, config: GatewayConfig) -> CopyExecutor:
+        """Replication modes ``push`` (the workers' ``/btb`` routes) and ``none`` (the same executor, refusing every
+        copy)."""
+        rep = Replicator(
+            self.state,
+            lambda: self.session,
+            worker_token=self._worker_token,
+            poll_interval_s=config.poll_interval_s,
+            source_wait_s=config.source_wait_s,
+            copy_timeout_s=config.copy_timeout_s,
+            on_change=self._transfer_changed,
+            on_finish=self._transfer_finished,
+        )
+        rep.enabled = config.replication != "none"
+        return rep
+
+    def _l3_executor(self, config: GatewayConfig) -> CopyExecutor:
         """Replication mode ``l3``: prompts become SGLang's page keys (:mod:`~btbctl.engine.gateway.tokens`) and
         copies go through the node agents with a warm-up proof (:mod:`~btbctl.engine.gateway.l3`)."""
         token = config.agent_token
@@ -237,7 +249,7 @@ class Gateway:
         elif token is None and config.agent_token_file:
             token = _read_or_create_token(config.agent_token_file, "agent_token_file")
         self.l3_prompts = L3Prompts(lambda: self.session, self.state, config.tokenize_timeout_s)
-        self.replicator = L3Replicator(  # type: ignore[assignment]
+        return L3Replicator(
             self.state,
             lambda: self.session,
             agents=[a.model_dump() for a in config.agents],
@@ -830,6 +842,15 @@ class Gateway:
 
 
 # -- entry points -----------------------------------------------------------------------------------------------
+
+
+#: The executor of each replication mode (``GatewayConfig.replication``): a new mode (NIXL, say) registers its
+#: builder here.
+EXECUTORS: dict[str, Callable[[Gateway, GatewayConfig], CopyExecutor]] = {
+    "none": Gateway._push_executor,
+    "push": Gateway._push_executor,
+    "l3": Gateway._l3_executor,
+}
 
 
 async def serve_gateway(config: GatewayConfig) -> Gateway:
