@@ -19,7 +19,8 @@ Metrics (their own registry, served at the control endpoint's ``/metrics``):
 * ``btbctl_agent_peer_errors_total``: peer connections ended by an unexpected error (a bug; one ``peer_error``
   line, the traceback only with ``BTBCTL_DEBUG=1``);
 * ``btbctl_agent_pages_refused_total{reason}``: pages of a peer copy refused (``digest_mismatch``: the bytes do not
-  hash to the digest the sender sent; the copy ends there and nothing of it is served);
+  hash to the digest the sender sent; the copy ends there, and only the pages that verified before it are
+  served);
 * ``btbctl_agent_requests_refused_total{reason}``: control API requests refused for their ``Host`` (``host``) or
   ``Origin`` (``origin``);
 * ``btbctl_agent_arena_bytes``, ``btbctl_agent_used_bytes``, ``btbctl_agent_ready_pages``: the store's use (gauges

@@ -183,7 +183,7 @@ class FileDirStore(PageStore):
             out.append(rec[2] if rec is not None and rec[:2] == (st.st_ino, st.st_mtime_ns) else ORIGIN_WRITE)
         return out
 
-    def commit(self, token, written=None, digests=None, *, origin=ORIGIN_WRITE, replace=False):
+    def commit(self, token, written=None, *, origin=ORIGIN_WRITE, replace=False):
         with self.lock:
             res = self.reservations.pop(token, None)
         if res is None:

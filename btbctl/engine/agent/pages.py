@@ -437,7 +437,6 @@ class PageStore:
         self,
         token: str,
         written: Sequence[bool] | None = None,
-        digests: Sequence[int | None] | None = None,
         *,
         origin: str = ORIGIN_WRITE,
         replace: bool = False,
@@ -460,7 +459,7 @@ class PageStore:
                     self.alloc.free(o.offset, o.size)
                     out.append(ok)
                     continue
-                self._make_ready(o, origin, None if digests is None else digests[i])
+                self._make_ready(o, origin, None)
                 out.append(True)
             self.landed.notify_all()
             return out

@@ -1380,8 +1380,9 @@ class PeerService:
             verifier.finish()
             if cancel.is_set():
                 raise PeerError("cancelled")
-            digests = [pages.slots[i][1] if pages.slots[i] else None for i in range(len(names))]
-            store.commit(token, digests=digests, origin=copy_origin(copy_id), replace=True)  # what is left
+            # the verifier committed each page with its digest as it verified; a store that writes whole copies at
+            # the end (file mode) commits them now
+            store.commit(token, origin=copy_origin(copy_id), replace=True)
             committed = True
             outcome = CopyState.DONE
             conn.send_json({"op": "done", "pages": len(need), "bytes": rec.bytes_done})
