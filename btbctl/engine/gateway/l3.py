@@ -130,7 +130,7 @@ TRAIL_STEPS = 8
 
 def trail_step_pages(pages: int, page_size: int) -> int:
     """Fewest new leading pages at the target that start a trailing warm-up of a ``pages``-page prefix."""
-    return max(1, -(-TRAIL_MIN_TOKENS // max(1, page_size)), -(-pages // TRAIL_STEPS))
+    return max(-(-TRAIL_MIN_TOKENS // max(1, page_size)), -(-pages // TRAIL_STEPS))
 
 
 @dataclass
@@ -750,17 +750,11 @@ class L3Replicator(CopyExecutor):
         if hi <= lo:
             return None
         try:
-            st, ans = await self._call(agent, "POST", "/v1/provenance", {"keys": keys[lo:hi], "namespaces": group})
+            nss = await self._provenance(agent, keys[lo:hi], group)
         except AgentCallError as e:
             return f"the target's agent cannot say where the pages came from: {e}"
-        nss = ans.get("namespaces") if st == 200 else None
-        if not isinstance(nss, dict):
-            return f"the target's agent cannot say where the pages came from (HTTP {st}: {ans.get('error')})"
         for ns in group:
-            origins = nss.get(ns)
-            if not isinstance(origins, list) or len(origins) != hi - lo:
-                return f"the target's agent gave no provenance for namespace {ns}"
-            for i, origin in enumerate(origins):
+            for i, origin in enumerate(nss[ns]):
                 if not self.trusted(t, origin):
                     self._event(
                         "proof_untrusted",
@@ -884,22 +878,30 @@ class L3Replicator(CopyExecutor):
         """Leading pages of ``keys`` that ``agent`` holds in every namespace of ``group`` with a provenance
         ``accept`` takes (``POST /v1/provenance``): a page held there of another origin (planted, or stale from
         before the copy) ends the run."""
-        st, ans = await self._call(agent, "POST", "/v1/provenance", {"keys": keys, "namespaces": group})
-        nss = ans.get("namespaces") if st == 200 else None
-        if not isinstance(nss, dict):
-            raise AgentCallError(f"agent {agent['name']}: /v1/provenance answered {st}: {ans.get('error')}")
+        nss = await self._provenance(agent, keys, group)
         run = len(keys)
         for ns in group:
-            origins = nss.get(ns)
-            if not isinstance(origins, list):
-                return 0
             n = 0
-            for origin in origins[:run]:
+            for origin in nss[ns][:run]:
                 if origin is None or not accept(origin):
                     break
                 n += 1
             run = min(run, n)
         return run
+
+    async def _provenance(self, agent: dict, keys: list, group: list[str]) -> dict[str, list]:
+        """Where each page of ``keys`` held by ``agent`` came from (``POST /v1/provenance``): for each namespace of
+        ``group``, one provenance (or None: not held) per key. Raises :class:`AgentCallError` for a bad or missing
+        answer."""
+        st, ans = await self._call(agent, "POST", "/v1/provenance", {"keys": keys, "namespaces": group})
+        nss = ans.get("namespaces") if st == 200 else None
+        if not isinstance(nss, dict):
+            raise AgentCallError(f"agent {agent['name']}: /v1/provenance answered {st}: {ans.get('error')}")
+        for ns in group:
+            origins = nss.get(ns)
+            if not isinstance(origins, list) or len(origins) != len(keys):
+                raise AgentCallError(f"agent {agent['name']}: no provenance for namespace {ns}")
+        return nss
 
     async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str], loads: _Loads) -> str | tuple | None:
         ps = self.page_size()
