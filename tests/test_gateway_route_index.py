@@ -133,20 +133,15 @@ def test_the_index_keeps_its_contract_and_btb_plus_routes_the_same(n, events, se
 
 
 class _FromScratch:
-    """The queued prefill counted afresh whenever the worker's requests or holdings or the copies changed (the
-    fleet state's definition, kept here as the reference)."""
+    """The queued prefill counted afresh on every call, with the cost model in force (the fleet state's definition,
+    kept here as the reference; nothing remembered, so it cannot go stale with the state)."""
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
-        self.memo: dict[int, tuple] = {}
 
     def queue(self, replica: int) -> tuple[float, dict]:
         state = self.state
         w = state.workers[replica]
-        tv = state.transfers.version
-        memo = self.memo.get(replica)
-        if memo is not None and memo[0] == w.version and memo[1] == tv:
-            return memo[2], memo[3]
         cost = state.cost
         rate = cost.flops * cost.mfu
         bt = state.page_size
@@ -170,7 +165,6 @@ class _FromScratch:
                 g[1] += work
         for rid in w.prefill_tokens.keys() - w.prefill_chains.keys():
             total += cost.prefill_flops(w.prefill_tokens[rid], 0) / rate
-        self.memo[replica] = (w.version, tv, total, groups)
         return total, groups
 
 

@@ -794,10 +794,16 @@ class FleetState:
         O(prompt blocks) per request."""
         w = self.workers[replica]
         tv = self.transfers.version
-        memo = self._queues.get(replica)
-        if memo is not None and memo.version == w.version and memo.transfers == tv:
-            return memo.total, memo.groups
         cost = self.cost
+        memo = self._queues.get(replica)
+        if (
+            memo is not None
+            and memo.version == w.version
+            and memo.transfers == tv
+            and memo.cost is cost
+            and memo.page_size == self.page_size
+        ):
+            return memo.total, memo.groups
         if (
             memo is None
             or memo.reshaped != w.reshaped
@@ -851,13 +857,6 @@ class FleetState:
         """Seconds of prefill compute queued on ``replica``: the requests the gateway has there without a first
         byte yet, each for the prompt tokens it computes (see :meth:`_queue`). The gateway sees only its own
         requests, and counts a request's prefill as queued until its first byte (no elapsed part)."""
-        memo = self._queues.get(replica)  # _queue's memo, read here first (asked per worker per decision)
-        if (
-            memo is not None
-            and memo.version == self.workers[replica].version
-            and memo.transfers == self.transfers.version
-        ):
-            return memo.total
         return self._queue(replica)[0]
 
     #: Leading blocks resident, arriving by copy, or being computed by a request the gateway has in flight there
@@ -917,9 +916,8 @@ class FleetState:
         )
 
     def nic_copies(self, replica: int) -> int:
-        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`, read directly: asked per
-        worker per decision)."""
-        return self.transfers._nic.get(replica, 0)
+        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`)."""
+        return self.transfers.nic_copies(replica)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Coarse estimate from the worker's last ``/v1/loads`` brought up to date with what the gateway sent since:
