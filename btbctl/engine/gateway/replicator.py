@@ -168,6 +168,7 @@ class CopyExecutor:
     def _transfer(self, chain: tuple, source: int, target: int, manual: bool) -> Transfer:
         """A new job's record (the subclass adds its mode's fields)."""
         y, bt = self.prefix_blocks(), self.block_tokens()
+        hot = tracked_key(chain, y)  # None: the chain is shorter than the detector's prefix
         return Transfer(
             copy_id=secrets.token_hex(8),
             key=chain[-1],
@@ -176,7 +177,7 @@ class CopyExecutor:
             target=target,
             created_s=self.state.clock(),
             manual=manual,
-            hot_key=str(tracked_key(chain, y) or chain[-1]),
+            hot_key=str(chain[-1] if hot is None else hot),
             copied_tokens=len(chain) * bt if bt > 0 else None,
         )
 
