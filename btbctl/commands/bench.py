@@ -84,17 +84,18 @@ def _transfers(control_url: str | None):
         return None
 
 
-def _worker_names(control_url: str | None) -> dict[str, str]:
+def _names_at(control_url: str | None) -> dict[str, str]:
     """Each worker's name by its URL (``GET /control/fleet``); empty without a control API that answers."""
     if control_url is None:
         return {}
+    from btbctl.commands.steer import _fleet_or_none, _worker_names
     from btbctl.engine.control.client import ControlClient
     from btbctl.engine.errors import BtbctlError
 
     try:
         with ControlClient(control_url, timeout_s=3.0) as api:
-            return {w.url: w.name for w in api.fleet().workers}
-    except BtbctlError:
+            return _worker_names(_fleet_or_none(api))
+    except BtbctlError:  # not a URL the client takes
         return {}
 
 
@@ -274,7 +275,7 @@ def bench(
         except OSError as e:
             raise BtbctlError(f"--requests-out: cannot write {requests_out}: {e.strerror or e}") from None
     data = report.as_dict()
-    names = _worker_names(control) if out.format is Format.human else {}
+    names = _names_at(control) if out.format is Format.human else {}
     out.result(data, lambda d: _render(out, d, names))
     if data["requests"] and data["errors"] == data["requests"]:
         raise BtbctlError(f"every request failed ({data['errors']} of {data['requests']}); is {target} serving?")

@@ -37,12 +37,11 @@ def copy_size(moved: int, modelled: float | None, scale: int | None, copies: int
     return f"{human_bytes(modelled)} copied{all_}"
 
 
-def _modelled(api, res: dict) -> tuple[float | None, int | None]:
+def _modelled(fleet, res: dict) -> tuple[float | None, int | None]:
     """``(modelled KV bytes of the copies that arrived, the workers' KV byte scale)`` from the fleet's
-    ``/btb/info`` figures (None, None when the workers do not report them, e.g. real SGLang servers)."""
-    try:
-        fleet = api.fleet()
-    except Exception:  # noqa: BLE001 - the size note is extra; the copy result stands without it
+    ``/btb/info`` figures (``fleet``: :func:`_fleet_or_none`; None, None when the workers do not report them, e.g.
+    real SGLang servers, or the fleet could not be read)."""
+    if fleet is None:
         return None, None
     by_url = {w.url: w for w in fleet.workers}
     total = 0.0
@@ -134,13 +133,19 @@ COPY_EXIT_HELP = (
 REPLICAS_HELP = "How many more workers should receive a copy."
 
 
-def _worker_names(api) -> dict[str, str]:
-    """``{worker URL: name}`` of the fleet, as `btbctl status` and the dashboard name them (empty when the fleet
-    cannot be read: names are extra, URLs stand in for them)."""
+def _fleet_or_none(api):
+    """The fleet (``GET /control/fleet``), read once per command for the workers' names and the copies' modelled
+    size; None when it cannot be read (both are extra: URLs stand in for names, and the size note is left out)."""
     try:
-        return {w.url: w.name for w in api.fleet().workers}
-    except Exception:  # noqa: BLE001 - names are extra; URLs stand in for them
-        return {}
+        return api.fleet()
+    except Exception:  # noqa: BLE001 - names and sizes are extra; the command's result stands without them
+        return None
+
+
+def _worker_names(fleet) -> dict[str, str]:
+    """``{worker URL: name}`` of ``fleet`` (:func:`_fleet_or_none`), as `btbctl status` and the dashboard name them
+    (empty without a fleet)."""
+    return {w.url: w.name for w in fleet.workers} if fleet is not None else {}
 
 
 def _copy_progress(out: Output, names: dict[str, str]) -> Callable[[list[dict]], None]:
@@ -169,13 +174,13 @@ def _tracked_blocks(api) -> int:
         return 0
 
 
-def _copy_result(out: Output, api, res: dict, names: dict[str, str]) -> None:
+def _copy_result(out: Output, fleet, res: dict, names: dict[str, str]) -> None:
     """Print a replicate's (or prewarm's) result and exit as :data:`COPY_EXIT_HELP` says (prefix ids as `btbctl
     prefixes` shows them; the JSON keeps the full ones)."""
     from btbctl.engine.chains import short_id
     from btbctl.engine.control.steering import HELD
 
-    res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(api, res)
+    res["modelled_bytes"], res["kv_bytes_scale"] = _modelled(fleet, res)
     res["holder_names"] = [names.get(u, u) for u in res.get("holders") or []]
 
     def human(d: dict) -> None:
@@ -228,9 +233,10 @@ def replicate(
     if not timeout_s > 0:
         raise BtbctlError(f"--timeout-s must be > 0, got {timeout_s}")
     with client_for_run(run_dir) as api:
-        names = _worker_names(api)
+        fleet = _fleet_or_none(api)
+        names = _worker_names(fleet)
         res = replicate_and_wait(api, prefix, n, timeout_s=timeout_s, on_progress=_copy_progress(out, names))
-        _copy_result(out, api, res, names)
+        _copy_result(out, fleet, res, names)
 
 
 @app.command("prewarm", epilog=COPY_EXIT_HELP)
@@ -270,7 +276,8 @@ def prewarm(
     prompt = read_prompt(prompt_file, kind.value)
     with client_for_run(run_dir) as api:
         started = api.prewarm(**prompt, n=n, timeout_s=timeout_s)
-        names = _worker_names(api)
+        fleet = _fleet_or_none(api)
+        names = _worker_names(fleet)
         computed = names.get(started.computed_by, started.computed_by or "a worker")
         out.info(
             f"computed {started.prompt_tokens} tokens ({started.prefix_blocks} blocks) on {computed}; "
@@ -285,7 +292,7 @@ def prewarm(
         res.update(
             computed_by=started.computed_by, prompt_tokens=started.prompt_tokens, prefix_blocks=started.prefix_blocks
         )
-        _copy_result(out, api, res, names)
+        _copy_result(out, fleet, res, names)
 
 
 @app.command("prefixes")
