@@ -9,13 +9,22 @@ def plural(n: int, noun: str, nouns: str | None = None) -> str:
     return f"{n:,} {noun if n == 1 else (nouns or noun + 's')}"
 
 
-def human_bytes(n: float | None) -> str:
-    """Bytes in decimal units (GB = 1e9, as ``btbctl presets`` and the TUI): ``1.34 GB``, ``20.5 kB``."""
+#: Decimal byte units, as ``btbctl presets`` prints them (GB = 1e9 bytes: an H100's 80 GB shows as ``80 GB``).
+BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
+
+
+def human_bytes(n: float | None, spec: str = ".3g", sep: str = " ") -> str:
+    """Bytes in decimal units (GB = 1e9): ``1.34 GB``, ``20.5 kB`` (whole bytes below 1 kB; ``spec``: the format of
+    the number in larger units, ``sep``: between number and unit; the TUI's panels use ``.1f`` and none). None
+    counts as 0. A number that would round to 1000 of a unit is written in the next one."""
     n = float(n or 0)
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
+    for unit in BYTE_UNITS:
+        if unit == "B" and abs(n) < 1000:
+            return f"{n:.0f}{sep}B"
+        if unit != "B" and (abs(float(format(n, spec))) < 1000 or unit == BYTE_UNITS[-1]):
+            return f"{n:{spec}}{sep}{unit}"
+        n /= 1000.0
+    raise AssertionError("unreachable")  # pragma: no cover - the last unit returns
 
 
-__all__ = ["human_bytes", "plural"]
+__all__ = ["BYTE_UNITS", "human_bytes", "plural"]

@@ -5,23 +5,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from btbctl.engine import wording
+
 _SPARKS = "▁▂▃▄▅▆▇█"
 
 
-#: Decimal byte units, as ``btbctl presets`` prints them (GB = 1e9 bytes: an H100's 80 GB shows as ``80.0GB``).
-BYTE_UNITS = ("B", "kB", "MB", "GB", "TB")
-
-
 def human_bytes(n: float | None) -> str:
-    """``n`` bytes with a decimal unit (``1.3GB``; GB = 1e9 bytes, the unit of ``btbctl presets``); ``-`` for
-    None/NaN."""
+    """``n`` bytes with a decimal unit, compact for panels (``1.3GB``;
+    :func:`btbctl.engine.wording.human_bytes` with one decimal and no space); ``-`` for None/NaN."""
     if n is None or (isinstance(n, float) and math.isnan(n)):
         return "-"
-    for unit in BYTE_UNITS:
-        if abs(n) < 1000 or unit == BYTE_UNITS[-1]:
-            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1000.0
-    raise AssertionError("unreachable")  # pragma: no cover - the last unit returns
+    return wording.human_bytes(n, ".1f", "")
 
 
 def human_tokens(n: int) -> str:
