@@ -13,7 +13,6 @@ are wall seconds x s (``/server_info`` reports ``time_scale``).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ from btbctl.engine.errors import api_error_body
 from btbctl.engine.hashing import BYTES_PER_TOKEN, PSEUDO_TOKENIZER, pack_text, pack_tokens, text_to_tokens
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import log_event
-from btbctl.engine.replication.auth import AuthError
+from btbctl.engine.replication.auth import AuthError, bearer_ok
 from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
 from btbctl.engine.replication.transport import TransferError, check_copy_id, parse_address
 from btbctl.engine.worker.copies import MAX_OUTBOUND_COPIES
@@ -428,7 +427,7 @@ class _Handlers:
                 "this route needs 'Authorization: Bearer <token>'",
                 {"WWW-Authenticate": 'Bearer realm="btbctl-worker"'},
             )
-        if not hmac.compare_digest(h[7:].strip().encode(), tok.encode()):
+        if not bearer_ok(h, tok):
             self._refused(request, "wrong_token")
             raise ApiError(403, "invalid bearer token")
 
