@@ -45,6 +45,7 @@ from btbctl.engine.launcher.rundir import (
     RunState,
     check_fleet_name,
     group_members,
+    holding_lock,
     is_same_process,
     process_start_time,
     record_is_ours,
@@ -182,6 +183,7 @@ def free_gateway_ports(
     return out[0], out[1]
 
 
+@holding_lock()
 def up(
     cluster: ClusterFile,
     rd: RunDir,
@@ -223,78 +225,6 @@ def up(
             ready in time (everything started is stopped again and the state removed). For a remote worker it is an
             :class:`~btbctl.engine.launcher.ssh.SshFailure` naming the host and the cause.
     """
-    with rd.locked():
-        return _up(
-            cluster,
-            rd,
-            detach=detach,
-            policy=policy,
-            port=port,
-            control_port=control_port,
-            cluster_path=cluster_path,
-            log=log,
-            should_stop=should_stop,
-            keep_partial=keep_partial,
-            pick_free_ports=pick_free_ports,
-        )
-
-
-def resolve_cluster_path(path: str | None) -> str | None:
-    """The absolute path (symlinks resolved) of the cluster file ``path`` as typed, relative to the current
-    directory; None (the built-in default fleet) stays None."""
-    return None if path is None else str(Path(path).expanduser().resolve())
-
-
-def describe_tuning(constants: dict, policy: str | None) -> str:
-    """``policy btb, threshold 3``: what a tuning sets, for a message."""
-    parts = ([f"policy {policy}"] if policy else []) + [f"{k} {v}" for k, v in constants.items()]
-    return ", ".join(parts) or "nothing"
-
-
-def _apply_tuning(gcfg: dict, tuned: dict, where: str, rd: RunDir, log: Log, keep_policy: bool = False) -> str | None:
-    """Merge the recorded tuning ``tuned`` into the gateway settings ``gcfg`` (its policy too unless
-    ``keep_policy``: one given on the command line wins) and say so in one line naming ``where`` it was confirmed;
-    returns the policy it applied, if any."""
-    constants = tuned.get("constants") or {}
-    policy = None if keep_policy else tuned.get("policy")
-    gcfg["constants"] = {**(gcfg.get("constants") or {}), **constants}
-    if policy:
-        gcfg["policy"] = policy
-    log(f"applying the tuning last confirmed on {where} ({describe_tuning(constants, policy)}; {rd.tuned_path})")
-    return policy
-
-
-def _tuning_for(rd: RunDir, cluster_path: str | None, log: Log) -> dict | None:
-    """``rd``'s recorded tuning when it was made for ``cluster_path`` (resolved; None: the default fleet), else
-    None (saying in one line which file it was made for). Raises :class:`BtbctlError` for a damaged record."""
-    tuned = rd.load_tuned()
-    if not tuned or not (tuned.get("constants") or tuned.get("policy")):
-        return None
-    made_for = tuned.get("cluster_file")
-    if made_for != cluster_path:
-
-        def name(p: str | None) -> str:
-            return "the default fleet" if p is None else f"cluster file {p}"
-
-        log(f"not applying the tuning in {rd.tuned_path}: it was made for {name(made_for)}, not {name(cluster_path)}")
-        return None
-    return tuned
-
-
-def _up(
-    cluster: ClusterFile,
-    rd: RunDir,
-    *,
-    detach: bool,
-    policy: str | None,
-    port: int | None,
-    control_port: int | None,
-    cluster_path: str | None,
-    log: Log,
-    should_stop: Callable[[], bool] | None,
-    keep_partial: bool,
-    pick_free_ports: bool,
-) -> tuple[RunState, list[Started]]:
     from btbctl.engine.policies import live_policy_error
 
     cluster_path = resolve_cluster_path(cluster_path)
@@ -443,6 +373,48 @@ def _up(
     return state, started
 
 
+def resolve_cluster_path(path: str | None) -> str | None:
+    """The absolute path (symlinks resolved) of the cluster file ``path`` as typed, relative to the current
+    directory; None (the built-in default fleet) stays None."""
+    return None if path is None else str(Path(path).expanduser().resolve())
+
+
+def describe_tuning(constants: dict, policy: str | None) -> str:
+    """``policy btb, threshold 3``: what a tuning sets, for a message."""
+    parts = ([f"policy {policy}"] if policy else []) + [f"{k} {v}" for k, v in constants.items()]
+    return ", ".join(parts) or "nothing"
+
+
+def _apply_tuning(gcfg: dict, tuned: dict, where: str, rd: RunDir, log: Log, keep_policy: bool = False) -> str | None:
+    """Merge the recorded tuning ``tuned`` into the gateway settings ``gcfg`` (its policy too unless
+    ``keep_policy``: one given on the command line wins) and say so in one line naming ``where`` it was confirmed;
+    returns the policy it applied, if any."""
+    constants = tuned.get("constants") or {}
+    policy = None if keep_policy else tuned.get("policy")
+    gcfg["constants"] = {**(gcfg.get("constants") or {}), **constants}
+    if policy:
+        gcfg["policy"] = policy
+    log(f"applying the tuning last confirmed on {where} ({describe_tuning(constants, policy)}; {rd.tuned_path})")
+    return policy
+
+
+def _tuning_for(rd: RunDir, cluster_path: str | None, log: Log) -> dict | None:
+    """``rd``'s recorded tuning when it was made for ``cluster_path`` (resolved; None: the default fleet), else
+    None (saying in one line which file it was made for). Raises :class:`BtbctlError` for a damaged record."""
+    tuned = rd.load_tuned()
+    if not tuned or not (tuned.get("constants") or tuned.get("policy")):
+        return None
+    made_for = tuned.get("cluster_file")
+    if made_for != cluster_path:
+
+        def name(p: str | None) -> str:
+            return "the default fleet" if p is None else f"cluster file {p}"
+
+        log(f"not applying the tuning in {rd.tuned_path}: it was made for {name(made_for)}, not {name(cluster_path)}")
+        return None
+    return tuned
+
+
 #: Name of the gateway's own output (its ready line, and a crash's traceback) in the logs folder; its log proper,
 #: rotated, is ``gateway.log``.
 GATEWAY_OUT = "gateway.out"
@@ -475,6 +447,7 @@ def _start_gateway(
     return gproc
 
 
+@holding_lock(create=False)
 def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> RunState:
     """Start the gateway again in front of the workers recorded in ``rd`` (after it died), with the settings it
     had (``<run dir>/gateway.json``), the same tokens and ports, and the constants and policy last set with
@@ -486,11 +459,6 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
             fleet is broken: ``down`` and ``up``); the settings are gone; the gateway did not become ready (the
             workers are left running).
     """
-    with rd.locked(create=False):
-        return _up_gateway_only(rd, log, timeout_s)
-
-
-def _up_gateway_only(rd: RunDir, log: Log, timeout_s: float) -> RunState:
     state = rd.load()
     if state is None:
         raise BtbctlError(f"no fleet is recorded in {rd.path}; start one with `btbctl up`")
@@ -733,6 +701,7 @@ def supervise(
         rd.clear()
 
 
+@holding_lock(create=False)
 def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     """Stop exactly the processes recorded in ``rd`` (gateway first) and remove the state.
 
@@ -748,11 +717,6 @@ def down(rd: RunDir, grace_s: float = 10.0, log: Log = _nolog) -> dict:
     Raises:
         BtbctlError: another ``up``/``down`` holds ``rd`` (:meth:`RunDir.locked`); ``state.json`` is damaged.
     """
-    with rd.locked(create=False):
-        return _down(rd, grace_s, log)
-
-
-def _down(rd: RunDir, grace_s: float, log: Log) -> dict:
     state = rd.load()
     if state is None:
         return {

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.local import Started, spawn, stop_groups, wait_ready
-from btbctl.engine.launcher.rundir import ProcessRecord, RunDir, RunState, group_members, record_is_ours
+from btbctl.engine.launcher.rundir import ProcessRecord, RunDir, RunState, group_members, holding_lock, record_is_ours
 from btbctl.engine.logfmt import format_event
 
 Log = Callable[[str], None]
@@ -117,6 +117,7 @@ def _stop(rec: ProcessRecord, grace_s: float) -> str:
     return "killed" if killed.get(rec.pgid) else "stopped"
 
 
+@holding_lock(create=False)
 def restart(rd: RunDir, name: str, grace_s: float = 10.0, timeout_s: float | None = None, log: Log = _nolog) -> dict:
     """Restart the process ``name`` of the fleet recorded in ``rd`` in place (see the module's text).
 
@@ -129,11 +130,6 @@ def restart(rd: RunDir, name: str, grace_s: float = 10.0, timeout_s: float | Non
             host; a foreground ``btbctl up`` holds the fleet; it did not become ready again (it is left stopped,
             its log quoted).
     """
-    with rd.locked(create=False):
-        return _restart(rd, name, grace_s, timeout_s, log)
-
-
-def _restart(rd: RunDir, name: str, grace_s: float, timeout_s: float | None, log: Log) -> dict:
     state = rd.load()
     if state is None:
         raise BtbctlError(f"no fleet is recorded in {rd.path}; start one with `btbctl up`")

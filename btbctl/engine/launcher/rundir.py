@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import inspect
 import json
 import os
 import re
@@ -48,9 +50,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 from btbctl.engine.control.tuned import TUNED_FILE, load_tuned, save_tuned
 from btbctl.engine.errors import BtbctlError
@@ -609,7 +612,29 @@ def now_s() -> float:
     return time.time()
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def holding_lock(create: bool = True) -> Callable[[_F], _F]:
+    """Run the decorated function (which takes the :class:`RunDir` as ``rd``) holding ``rd``'s lock
+    (:meth:`RunDir.locked` with ``create``): one ``up``/``down``/``restart`` at a time per run directory."""
+
+    def decorate(f: _F) -> _F:
+        sig = inspect.signature(f)
+
+        @functools.wraps(f)
+        def held(*args: Any, **kwargs: Any) -> Any:
+            rd = sig.bind_partial(*args, **kwargs).arguments["rd"]
+            with rd.locked(create):
+                return f(*args, **kwargs)
+
+        return cast(_F, held)
+
+    return decorate
+
+
 __all__ = [
+    "holding_lock",
     "ProcessRecord",
     "RunDir",
     "RunState",
