@@ -222,11 +222,11 @@ def one_testbed_run(mode: str, run: int, tmp: Path, tb, servers, kv_bytes_scale:
             if policy != "default":
                 _btbctl("tune", "--run-dir", str(rd), f"policy={policy}")
             trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed)
-            before = fleet.transfers()
+            before = fleet.transfers() if policy == "default" else None
             rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
-            after = fleet.settle(timeout_s=120)
             out[policy] = rep
-            if policy == "default":
+            if before is not None:  # the default policy's copies, once none is in flight (before the next burst)
+                after = fleet.settle(timeout_s=120)
                 out["copies"] = [
                     copy_row(c, fleet.host_of_url, tb.hosts[0].rate_gbit) for c in copies_during(before, after) or []
                 ]

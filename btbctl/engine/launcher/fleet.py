@@ -402,7 +402,7 @@ def _tuning_for(rd: RunDir, cluster_path: str | None, log: Log) -> dict | None:
     """``rd``'s recorded tuning when it was made for ``cluster_path`` (resolved; None: the default fleet), else
     None (saying in one line which file it was made for). Raises :class:`BtbctlError` for a damaged record."""
     tuned = rd.load_tuned()
-    if not tuned or not (tuned.get("constants") or tuned.get("policy")):
+    if tuned is None:
         return None
     made_for = tuned.get("cluster_file")
     if made_for != cluster_path:
@@ -481,7 +481,7 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
     except (OSError, ValueError) as e:
         raise BtbctlError(f"cannot read the gateway settings {cfg_path}: {e}; restart the whole fleet") from None
     tuned = rd.load_tuned()
-    if tuned and (tuned.get("constants") or tuned.get("policy")):
+    if tuned is not None:
         _apply_tuning(gcfg, tuned, "this fleet", rd, log)
     for key, url in (("port", state.gateway_url), ("control_port", state.control_url)):
         if url and not gcfg.get(key):  # a port picked at up: take the same one again
@@ -530,8 +530,8 @@ def _start_remote(
     pool,
     log: Log,
     should_stop: Callable[[], bool] | None,
-    agent_plans: dict | None = None,
-    credentials: dict[str, tuple[str, str]] | None = None,
+    agent_plans: dict | None,
+    credentials: dict[str, tuple[str, str]],
 ) -> dict[str, str]:
     """Start the workers of ``remote`` on their hosts (all hosts in parallel; in ``l3`` mode each host's agent
     first); record each as soon as it was launched; return ``{name: url}`` of the workers once every one is ready.
@@ -559,8 +559,8 @@ def _start_remote(
         log(f"starting {plural(len(insts), 'worker')} on host {host.name} ({host.address}:{host.port})")
     launches = {}
     if agent_plans:
-        # ``credentials``: as derived for the local agents' files; each host gets only its own agent's
-        credentials = credentials or {}
+        # ``credentials``: ``{agent name: (its secret file's text, its control token)}``, as derived for the local
+        # agents' files; each host gets only its own agent's
         from btbctl.engine.launcher.agents import REMOTE_SECRET, REMOTE_TOKEN
 
         for name, ap in agent_plans.items():

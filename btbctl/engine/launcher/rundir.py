@@ -434,9 +434,11 @@ class RunDir:
         return self.path / TUNED_FILE
 
     def load_tuned(self) -> dict | None:
-        """The last confirmed tuning (:func:`~btbctl.engine.control.tuned.load_tuned`), or None when there is none.
-        Raises :class:`BtbctlError` (naming the file, the key and what is valid) for a damaged record."""
-        return load_tuned(self.tuned_path)
+        """The last confirmed tuning (:func:`~btbctl.engine.control.tuned.load_tuned`), or None when there is none
+        or it sets neither constants nor a policy (nothing to apply). Raises :class:`BtbctlError` (naming the file,
+        the key and what is valid) for a damaged record."""
+        tuned = load_tuned(self.tuned_path)
+        return tuned if tuned and (tuned.get("constants") or tuned.get("policy")) else None
 
     def save_tuned(self, constants: dict, policy: str | None, cluster_file: str | None) -> None:
         """Write ``tuned.json`` (:func:`~btbctl.engine.control.tuned.save_tuned`; raises OSError)."""
