@@ -59,8 +59,9 @@ def render(
     k8s = cluster.kubernetes
     assert k8s is not None  # render refuses a file without [kubernetes]
     header = HEADER.format(config=os.path.basename(config), version=__version__, secret=k8s.secret_name)
+    objs = kube.objects(manifests)
     if out_dir is None:
-        sys.stdout.write(header + kube.dump_all(kube.objects(manifests)))
+        sys.stdout.write(header + kube.dump_all(objs))
         return
     paths = kube.write(manifests, k8s, out_dir, header)
     summary = {
@@ -71,11 +72,14 @@ def render(
         ],
         "namespace": k8s.namespace,
         "secret": k8s.secret_name,
-        "secrets": kube.secrets_needed(kube.objects(manifests)),
+        "secrets": kube.secrets_needed(objs),
     }
 
     def secrets_line(d: dict) -> str:
-        parts = [f"{name} (key{'s' if len(keys) > 1 else ''} {', '.join(keys)})" for name, keys in d["secrets"].items()]
+        parts = [
+            f"{name} (key{'s' if len(keys) > 1 else ''} {', '.join(keys)})" if keys else name
+            for name, keys in d["secrets"].items()
+        ]
         return f"the Secret{'s' if len(parts) > 1 else ''} {' and '.join(parts)}" if parts else "no Secret"
 
     out.result(
