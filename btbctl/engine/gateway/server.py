@@ -179,7 +179,6 @@ class Gateway:
         self.replication_mode = config.replication
         #: l3: the prompts' token ids and SGLang page keys (None in the other modes)
         self.l3_prompts: L3Prompts | None = None
-        self._worker_token = wt
         #: the executor of copy plans, by replication mode (:data:`EXECUTORS`)
         self.replicator: CopyExecutor = EXECUTORS[config.replication](self, config)
         self.state.copy_capable = self.replicator.accepts_copies
@@ -221,7 +220,7 @@ class Gateway:
         rep = Replicator(
             self.state,
             lambda: self.session,
-            worker_token=self._worker_token,
+            worker_token=self.worker_token,
             poll_interval_s=config.poll_interval_s,
             source_wait_s=config.source_wait_s,
             copy_timeout_s=config.copy_timeout_s,
