@@ -281,3 +281,31 @@ def test_small_simulation_end_to_end():
     published = simulate(trace, "btb", cl, k, seed=1).summary()
     assert s["ttft_s"]["mean"] < published["ttft_s"]["mean"]
     assert make_policy("btb_plus", 4, random.Random(0), k).name == "btb_plus"
+
+
+# -- rule 6: pacing a spread burst ----------------------------------------------------------------------------------
+
+
+def test_a_burst_held_by_two_replicas_is_paced_by_its_own_prefill_and_one_held_once_is_not():
+    from btbctl.engine.policies.btb_plus import PACE_HORIZON_S
+
+    view = FakeFleet(4)
+    view.cached[0].update(PREFIX)
+    view.cached[1].update(PREFIX)
+    pol = policy(4)
+    first = pol.route(req(burst_chain(PREFIX, 0), 1.0), view, 1.0)
+    assert first.pace == 0  # one arrival: not hot yet
+    r = req(burst_chain(PREFIX, 1), 1.01)
+    ttft, _, start = pol.estimate(view, 0, r, 1.01)  # replicas 0 and 1 are alike, idle, holding the prefix
+    hot = pol.route(r, view, 1.01)
+    assert hot.replica in (0, 1)
+    own_s = ttft - start
+    assert own_s > 0 and hot.pace == max(1, math.ceil(PACE_HORIZON_S / own_s))
+    assert hot.pace > 1  # a 256-token suffix at a 64k context takes well under the horizon
+    assert pol.stats()["paced_routes"] == 1
+
+    lone = FakeFleet(1)  # nowhere to spread: the holder's queue is the bottleneck, never paced
+    lone.cached[0].update(PREFIX)
+    pol1 = policy(1)
+    routes = [pol1.route(req(burst_chain(PREFIX, i), 2.0 + i * 0.01), lone, 2.0 + i * 0.01) for i in range(5)]
+    assert [x.pace for x in routes] == [0] * 5 and pol1.stats()["hot_routes"] == 4

@@ -18,6 +18,7 @@ from btbctl.engine.gateway import tokens as tokens_mod
 from btbctl.engine.gateway.l3 import L3Replicator, classify_proof
 from btbctl.engine.gateway.prompt import chain_from_packed, prompt_of
 from btbctl.engine.gateway.state import FleetState, Transfer
+from btbctl.engine.policies.base import Route
 from gateway_fakes import GatewayEnv, until
 
 TEXT = "a shared system prompt " * 8
@@ -62,7 +63,7 @@ def _route_to(gw, *replicas: int) -> None:
 
     def route(req, view, now):
         last[0] = next(picks, last[0])
-        return type("R", (), {"replica": last[0], "copies": ()})()
+        return Route(last[0])
 
     gw.policy.route = route
 

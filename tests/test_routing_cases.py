@@ -37,13 +37,17 @@ IDLE = {"waiting_reqs": 0, "max_tokens": 1_000_000}
 
 
 async def _in_flight(env: GatewayEnv, n: int) -> list[int]:
-    """Wait until the workers received ``n`` requests in all (up to a minute, for a loaded machine); the number
-    each received."""
+    """Wait until ``n`` requests in all were routed (up to a minute, for a loaded machine): received by a worker,
+    or held at the gateway for their turn there (btb_plus's pacing, rule 6); the number routed to each."""
+
+    def routed() -> list[int]:
+        return [len(w.requests) + s.paced for w, s in zip(env.fleet, env.gw.state.workers, strict=True)]
+
     for _ in range(6000):
-        if sum(len(w.requests) for w in env.fleet) >= n:
+        if sum(routed()) >= n:
             break
         await asyncio.sleep(0.01)
-    return [len(w.requests) for w in env.fleet]
+    return routed()
 
 
 def _loads_back_to_zero(env: GatewayEnv) -> None:

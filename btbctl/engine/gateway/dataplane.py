@@ -22,6 +22,11 @@ for a stream, the first chunk carrying an SSE ``data:`` line; for a non-streamed
 non-streamed answer arrives whole, so its TTFT is its end-to-end latency; measure TTFT with ``stream`` or
 ``max_new_tokens`` 1).
 
+**Pacing.** A route with a pace ``k`` (``Route.pace``: btb_plus's rule 6, a spread burst) is held at the gateway
+until fewer than ``k`` of the gateway's requests at its worker wait for a first token, behind the ones held there
+before it; each first token (or an attempt ending without one) lets the next ones go. A held request whose client
+left is never sent; one held for a worker marked unhealthy is routed again like any other attempt.
+
 **Retries, never duplicates.** A connection error, a 5xx, or a stream that breaks before its first ``data:``
 chunk marks the worker unhealthy (the health checker revives it once ``/health`` passes again) and, as long as
 nothing was sent to the client yet, the request is routed again by the policy with the failed workers excluded,
@@ -40,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -155,8 +161,9 @@ class Router(Protocol):
     def l3_prompts(self) -> L3Prompts | None:
         """Replication mode ``l3``: the prompts' token ids and SGLang page keys; None in the other modes."""
 
-    def choose(self, req: Request, excluded: Sequence[int]) -> int | None:
-        """The worker for ``req`` outside ``excluded``, or None when none is available."""
+    def choose(self, req: Request, excluded: Sequence[int]) -> tuple[int, int] | None:
+        """The worker for ``req`` outside ``excluded`` and its pace (``Route.pace``: 0, send at once), or None when
+        none is available."""
 
     def worker_failed(self, idx: int, reason: str, kind: str = "error") -> None:
         """A forwarded request failed on worker ``idx``: ``kind`` ``refused`` (connection error, broken answer),
@@ -218,6 +225,9 @@ class DataPlane:
         self.retrying = 0
         #: per worker index: futures of attempts without a first byte yet, resolved when the worker goes down
         self._waiting: dict[int, set[asyncio.Future]] = {}
+        #: per worker index: (pace, future) of the requests held at the gateway for their turn, in arrival order;
+        #: a future's result is None (its turn) or why the worker went down
+        self._paced: dict[int, deque[tuple[int, asyncio.Future]]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self.limiter = RateLimiter()
 
@@ -245,12 +255,53 @@ class DataPlane:
             w.gated -= 1
             waiting.discard(waiter)
 
+    async def _turn(self, idx: int, w, pace: int) -> str | None:
+        """Hold a request routed to worker ``idx`` with ``pace`` (``Route.pace``) until fewer than ``pace`` of the
+        gateway's requests sent there wait for their first token and every request held there before it has gone
+        (arrival order). Returns None to send it, or why the worker was marked unhealthy meanwhile."""
+        queue = self._paced.setdefault(idx, deque())
+        if not queue and w.sent_prefilling() - 1 < pace:  # the others there (this one counts from its routing)
+            return None
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        item = (pace, fut)
+        queue.append(item)
+        w.paced += 1  # whoever resolves ``fut`` takes it off (it leaves the gateway's hold then)
+        try:
+            return await fut
+        finally:
+            if fut.cancelled():  # the client went away while it was held: it gives up its place
+                w.paced -= 1
+                try:
+                    queue.remove(item)
+                except ValueError:
+                    pass
+                self._next_turns(idx)
+
+    def _next_turns(self, idx: int) -> None:
+        """Let the requests held for worker ``idx`` go, in order, while their pace allows (called when one of the
+        gateway's requests there got its first token or ended without one)."""
+        queue = self._paced.get(idx)
+        if not queue:
+            return
+        w = self.gw.state.workers[idx]
+        while queue and w.sent_prefilling() < queue[0][0]:
+            _, fut = queue.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                w.paced -= 1  # it is on its way to the worker now
+
     def worker_down(self, idx: int, reason: str) -> None:
-        """Worker ``idx`` was marked unhealthy: its attempts still waiting for a first byte give up on it now and
-        retry elsewhere (nothing of them reached the client)."""
+        """Worker ``idx`` was marked unhealthy: its attempts still waiting for a first byte, and the requests held
+        for their turn there, give up on it now and retry elsewhere (nothing of them reached the client)."""
         for fut in self._waiting.pop(idx, ()):
             if not fut.done():
                 fut.set_result(reason)
+        held = self._paced.pop(idx, ())
+        w = self.gw.state.workers[idx]
+        for _, fut in held:
+            if not fut.done():
+                fut.set_result(reason)
+                w.paced -= 1
 
     def close(self) -> None:
         """Stop the prompt-hashing thread pool (after the listener stopped)."""
@@ -525,9 +576,10 @@ class DataPlane:
                     f"no retry left in the fleet's retry budget after {plural(len(attempts), 'attempt')}: "
                     + "; ".join(attempts)[:500],
                 )
-            idx = gw.choose(req, excluded)
-            if idx is None:
+            pick = gw.choose(req, excluded)
+            if pick is None:
                 break
+            idx, pace = pick
             w = state.workers[idx]
             if attempt:
                 metrics.retries.inc()
@@ -552,6 +604,7 @@ class DataPlane:
                     now = state.clock()
                 w.last_progress_s = now
                 w.end_prefill(rid)
+                self._next_turns(idx)
                 if chain:
                     w.hold(chain)
                 ttft = now - t0
@@ -573,6 +626,16 @@ class DataPlane:
                         attempts.append(f"{w.url}: marked unhealthy while the request waited for its copy ({down})")
                         excluded.append(idx)
                         continue
+                    deadline = loop.time() + lim.first_byte_timeout_s
+                if pace:
+                    down = await self._turn(idx, w, pace)
+                    if down is not None:
+                        attempts.append(f"{w.url}: marked unhealthy while the request waited for its turn ({down})")
+                        excluded.append(idx)
+                        continue
+                    if request.transport is None or request.transport.is_closing():  # the client left meanwhile
+                        metrics.request(worker_label(w), policy_name, "client_gone")
+                        return web.Response(status=499)
                     deadline = loop.time() + lim.first_byte_timeout_s
                 sent.append(state.clock())
                 counted_kv = w.kv_tokens_of(kv_tokens)
@@ -653,6 +716,7 @@ class DataPlane:
                 gauge.dec()
                 if not prefilled:
                     w.end_prefill(rid)
+                    self._next_turns(idx)
                 gw.policy.on_finish(req, idx, state.clock())
         if not attempts:
             metrics.request("none", policy_name, "503")

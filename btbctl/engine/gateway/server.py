@@ -363,12 +363,13 @@ class Gateway:
 
     # -- routing ------------------------------------------------------------------------------------------------
 
-    def choose(self, req: Request, excluded: Sequence[int]) -> int | None:
-        """The worker for ``req``: the policy's choice, unless that worker is unavailable (unhealthy or in
-        ``excluded``), in which case the least-loaded available one (ties at random). None when no worker is
-        available. The route's copy plans go to the replicator (never to or from an excluded worker). Feeds the
-        detector when the policy does not (once per request: not again on a retry; a BTB-style policy observes the
-        arrival again when asked again, a rare double count after a failure)."""
+    def choose(self, req: Request, excluded: Sequence[int]) -> tuple[int, int] | None:
+        """The worker for ``req`` and its pace (``Route.pace``): the policy's choice, unless that worker is
+        unavailable (unhealthy or in ``excluded``), in which case the least-loaded available one (ties at random)
+        with pace 0. None when no worker is available. The route's copy plans go to the replicator (never to or
+        from an excluded worker). Feeds the detector when the policy does not (once per request: not again on a
+        retry; a BTB-style policy observes the arrival again when asked again, a rare double count after a
+        failure)."""
         state = self.state
         now = self.clock()
         if self._feeds_detector and not excluded:
@@ -382,7 +383,7 @@ class Gateway:
         ws = state.workers
         if 0 <= idx < len(ws) and ws[idx].healthy and idx not in excluded:
             self._falling_back(False)
-            return idx
+            return idx, route.pace
         open_ = [w for w in ws if w.healthy and w.index not in excluded]
         if open_:
             self._falling_back(False)
@@ -392,7 +393,7 @@ class Gateway:
                 return None
             self._falling_back(True)
         low = min(w.inflight for w in open_)
-        return self.rng.choice([w.index for w in open_ if w.inflight == low])
+        return self.rng.choice([w.index for w in open_ if w.inflight == low]), 0
 
     def declare(self, client: str, extra: int) -> int:
         """Extra detector arrivals granted to ``client`` (an address) that declared ``extra`` more requests of its

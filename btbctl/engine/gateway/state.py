@@ -89,14 +89,17 @@ class WorkerState:
             the connection broke), ``error`` (an error answer); None after a passing check.
         loads: summary of its ``/v1/loads`` (``running``, ``waiting``, ``used_tokens``, ``max_tokens``,
             ``token_usage``) or None when unknown.
-        loads_prefilling: the gateway's own requests at the worker when ``loads`` was read (``prefilling`` less
-            ``gated``): the ones among its waiting requests that :meth:`FleetState.queued_prefill_s` models.
+        loads_prefilling: the gateway's own requests at the worker when ``loads`` was read
+            (:meth:`sent_prefilling`): the ones among its waiting requests that :meth:`FleetState.queued_prefill_s`
+            models.
         kv_tokens_inflight: KV tokens (prompt + expected output, :meth:`kv_tokens_of`) of the gateway's requests
             in flight here, sent and not finished. ``loads_epoch`` counts the ``loads`` reports;
             ``kv_sent_since`` / ``kv_freed_since``: KV tokens of the requests sent here since the latest (and still
             in flight) / of the requests sent before it that finished since (:meth:`send_kv`, :meth:`finish_kv`;
             read by :meth:`FleetState.kv_headroom_tokens`).
         gated: requests routed here that wait at the gateway for an ``l3`` copy's proof (not at the worker yet).
+        paced: requests routed here that wait at the gateway for their turn (a route's ``pace``; not at the worker
+            yet).
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
             ``/server_info`` (``{}`` when it has none; None: not read yet).
@@ -129,6 +132,7 @@ class WorkerState:
     kv_sent_since: int = 0
     kv_freed_since: int = 0
     gated: int = 0
+    paced: int = 0
     info: dict | None = None
     server_info: dict | None = None
     metrics: dict | None = None
@@ -169,10 +173,15 @@ class WorkerState:
         else:
             self.kv_freed_since += kv_tokens  # in the report's use (or waiting): freed since
 
+    def sent_prefilling(self) -> int:
+        """The gateway's requests at the worker without their first token (``prefilling`` less those waiting at the
+        gateway: ``gated`` and ``paced``)."""
+        return self.prefilling - self.gated - self.paced
+
     def new_loads(self, loads: dict | None) -> None:
         """A ``/v1/loads`` report (its summary) arrived: what was sent or freed before it is in it now."""
         self.loads = loads
-        self.loads_prefilling = self.prefilling - self.gated  # the gateway's own requests among those it counts
+        self.loads_prefilling = self.sent_prefilling()  # the gateway's own requests among those it counts
         self.loads_epoch += 1
         self.kv_sent_since = self.kv_freed_since = 0
 

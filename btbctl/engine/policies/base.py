@@ -32,10 +32,15 @@ class Route:
     Attributes:
         replica: index of the serving replica (``0 .. n_replicas - 1``).
         copies: copy plans for the executor, in order.
+        pace: 0 to send the request at once; else the most requests that may wait for their first token at the
+            replica when this one is sent: a gateway holds it (in arrival order) until fewer do, so that a burst's
+            queue reaches the replica in small prefill batches (a batch's first tokens all come at its end). The
+            simulator sends every request at once.
     """
 
     replica: int
     copies: tuple[CopyPlan, ...] = ()
+    pace: int = 0
 
 
 @runtime_checkable
