@@ -174,7 +174,7 @@ async def test_local_descriptor_exhaustion_upstream_is_not_blamed_on_the_worker(
 
 def test_gateway_body_limit_is_at_most_the_workers():
     from btbctl.engine.launcher.cluster import GatewaySection
-    from btbctl.engine.worker.http import MAX_BODY_BYTES
+    from btbctl.engine.worker.http.errors import MAX_BODY_BYTES
 
     assert GatewayConfig(workers=["http://h:1"]).max_body_bytes <= MAX_BODY_BYTES
     assert GatewaySection().max_body_bytes <= MAX_BODY_BYTES

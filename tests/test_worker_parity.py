@@ -9,7 +9,7 @@ import pytest
 
 from btbctl.engine.costmodel import model_preset
 from btbctl.engine.errors import api_error_body
-from btbctl.engine.worker.http import TOKEN_TEXT, Output
+from btbctl.engine.worker.http.output import TOKEN_TEXT, Output
 from test_worker_support import WorkerProc, start_workers
 
 
