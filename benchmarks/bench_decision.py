@@ -115,12 +115,12 @@ async def bench_policy(
             block_hashes=chains[i % len(chains)],
         )
         t = clock_ns()
-        idx = choose(req, ())
+        pick = choose(req, ())
         dt = clock_ns() - t
         if i >= warm:
             times.append(dt)
-            if idx is not None:
-                picked[idx] += 1
+            if pick is not None:
+                picked[pick[0]] += 1
     out = {"policy": policy, "decisions": decisions, **percentiles(times)}
     await asyncio.sleep(0)  # let the copy jobs' (empty) tasks run
     out["copies_started"] = len(gw.state.transfers.all())
