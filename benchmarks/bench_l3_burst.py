@@ -14,6 +14,7 @@ block verified at the target; l3: the target's warm-up proved the prefix from L3
     python benchmarks/bench_l3_burst.py                   # both modes, 3 runs each
     python benchmarks/bench_l3_burst.py --modes l3 --runs 1 --format json
     sudo python benchmarks/bench_l3_burst.py --hosts 2 --link-gbit 10     # the namespace testbed (below)
+    sudo python benchmarks/bench_l3_burst.py --hosts 2 --prefix-tokens 65536 --kv-bytes-scale 256
 
 Workers, gateway, agents and the client share this machine's cores, so absolute times depend on it; the ratios
 are taken within one run.
@@ -89,9 +90,13 @@ def _btbctl(*args: str, timeout: float = 600.0) -> str:
     return proc.stdout
 
 
-def _trace(path: Path, seed: int) -> Path:
+#: Tokens of the burst's shared prefix (``--prefix-tokens``; the shape's 16k by default).
+PREFIX_TOKENS = 16384
+
+
+def _trace(path: Path, seed: int, prefix_tokens: int = PREFIX_TOKENS) -> Path:
     _btbctl(
-        "trace", "gen", "-o", str(path), "--bursts", "1", "--burst-size", "200", "--prefix-tokens", "16384",
+        "trace", "gen", "-o", str(path), "--bursts", "1", "--burst-size", "200", "--prefix-tokens", str(prefix_tokens),
         "--suffix-tokens", "256", "--output-tokens", "4", "--spread-s", "4", "--decoys", "0",
         "--first-burst-s", "0", "--jitter-s", "0", "--seed", str(seed),
     )  # fmt: skip
@@ -171,7 +176,7 @@ def _local_host(url: str) -> str | None:
     return None
 
 
-def one_run(mode: str, run: int, tmp: Path) -> dict:
+def one_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS) -> dict:
     """One fresh fleet in ``mode``: the default policy's burst, then cache_aware's on a fresh prefix."""
     cfg = tmp / f"cluster-{mode}.toml"
     cfg.write_text(CLUSTER.format(mode=mode, workers=WORKERS))
@@ -182,7 +187,7 @@ def one_run(mode: str, run: int, tmp: Path) -> dict:
         for policy, seed in (("default", 100 + 2 * run), ("cache_aware", 101 + 2 * run)):
             if policy != "default":
                 _btbctl("tune", "--run-dir", str(rd), f"policy={policy}")
-            trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed)
+            trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed, prefix_tokens)
             rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
             out[policy] = rep
         out["copies"] = [copy_row(c, _local_host, None) for c in out["default"]["copies"] or []]
@@ -204,7 +209,9 @@ def testbed_missing() -> str | None:
     return why
 
 
-def one_testbed_run(mode: str, run: int, tmp: Path, tb, servers, kv_bytes_scale: int | None) -> dict:
+def one_testbed_run(
+    mode: str, run: int, tmp: Path, tb, servers, kv_bytes_scale: int | None, prefix_tokens: int = PREFIX_TOKENS
+) -> dict:
     """As :func:`one_run`, on the testbed ``tb`` (hosts reached through ``servers``' sshd): the copies of the
     default policy's burst come from ``GET /control/transfers`` once none is in flight."""
     from btbctl.engine.launcher.bench import copies_during
@@ -221,7 +228,7 @@ def one_testbed_run(mode: str, run: int, tmp: Path, tb, servers, kv_bytes_scale:
         for policy, seed in (("default", 100 + 2 * run), ("cache_aware", 101 + 2 * run)):
             if policy != "default":
                 _btbctl("tune", "--run-dir", str(rd), f"policy={policy}")
-            trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed)
+            trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed, prefix_tokens)
             before = fleet.transfers() if policy == "default" else None
             rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
             out[policy] = rep
@@ -279,14 +286,23 @@ def summarize(mode: str, runs: list[dict]) -> dict:
 
 def _run_modes(args, tmp: Path) -> list[dict]:
     if not args.hosts:
-        return [summarize(m, [one_run(m, i, tmp) for i in range(args.runs)]) for m in args.modes.split(",")]
+        return [
+            summarize(m, [one_run(m, i, tmp, args.prefix_tokens) for i in range(args.runs)])
+            for m in args.modes.split(",")
+        ]
     from netns import open_testbed, start_sshd
 
     tb = open_testbed(args.hosts, rate_gbit=args.link_gbit)
     try:
         servers = [start_sshd(h, tmp / "ssh") for h in tb.hosts]
         return [
-            summarize(m, [one_testbed_run(m, i, tmp, tb, servers, args.kv_bytes_scale) for i in range(args.runs)])
+            summarize(
+                m,
+                [
+                    one_testbed_run(m, i, tmp, tb, servers, args.kv_bytes_scale, args.prefix_tokens)
+                    for i in range(args.runs)
+                ],
+            )
             for m in args.modes.split(",")
         ]
     finally:
@@ -315,8 +331,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="testbed: the workers' KV bytes divisor (default: the worker's own, as on one machine)",
     )
+    ap.add_argument(
+        "--prefix-tokens",
+        type=int,
+        default=PREFIX_TOKENS,
+        help=f"tokens of the burst's shared prefix (default {PREFIX_TOKENS}; 256-token pages)",
+    )
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args(argv)
+    if args.prefix_tokens < 256 or args.prefix_tokens % 256:
+        ap.error("--prefix-tokens must be a positive multiple of 256 (the workers' page size)")
     if args.hosts and args.hosts not in TESTBED_HOSTS:
         ap.error(f"--hosts {args.hosts}: 0 (one machine) or {' or '.join(map(str, TESTBED_HOSTS))}")
     if args.link_gbit <= 0 or (args.kv_bytes_scale is not None and args.kv_bytes_scale < 1):
@@ -338,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.hosts
         else "one machine"
     )
-    print(f"{where}; medians over {args.runs} run(s)")
+    print(f"{where}; a {args.prefix_tokens}-token prefix; medians over {args.runs} run(s)")
     for s in out:
         d, ca = s["default"], s["cache_aware"]
         print(
