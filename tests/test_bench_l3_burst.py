@@ -143,7 +143,7 @@ def test_the_human_report_says_how_close_the_copies_came_to_the_link_rate(monkey
     monkeypatch.setattr(bench, "_run_modes", lambda args, tmp: [bench.summarize(m, [run]) for m in ("l3", "push")])
     assert bench.main(["--hosts", "2", "--link-gbit", "10", "--runs", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("2 hosts x 2 workers, links at 10 Gbit/s; medians over 1 run(s)")
+    assert out.startswith("2 hosts x 2 workers, links at 10 Gbit/s; a 16384-token prefix; medians over 1 run(s)")
     assert "p95 x1.00, mean x1.00" in out and "requests per worker [[100, 100]]" in out
     assert "phases source/transfer/proof 1.200/0.300/- s" in out
     assert "1 copies, 1 that sent bytes: 250.000 MB in 0.250 s of send_s, 8.000 Gbit/s (0.80 x the link)" in out
