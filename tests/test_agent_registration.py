@@ -226,4 +226,68 @@ def test_l3_without_agents_needs_the_fleet_secret():
     assert cfg.agents == [] and cfg.worker_agents == []
 
 
-_ = asyncio  # the async tests run under pytest-asyncio's auto mode
+async def test_an_agent_registers_the_workers_connected_to_its_socket_and_is_dropped_when_it_stops(tmp_path, caplog):
+    """A real agent (in process) registers with a live gateway every 0.2 s: a worker whose store says hello with its
+    URL gets that agent; when the store disconnects, the next announcement takes it back; when the agent stops,
+    the gateway drops it after its ttl (3 periods)."""
+    from btbctl.engine.agent.agent import Agent, AgentConfig
+    from btbctl.sglang_l3.client import AgentClient
+
+    caplog.set_level(logging.INFO, logger="btbctl")
+    secret = tmp_path / "fleet-secret"
+    secret.write_bytes(SECRET)
+    async with GatewayEnv(2, page_size=16, replication="l3", agent_secret_file=str(secret)) as env:
+        gw = env.gw
+        agent = Agent(
+            AgentConfig(
+                socket_path=str(tmp_path / "a.sock"),
+                arena_bytes=4 << 20,
+                secret=SECRET,
+                agent_id="node-a",
+                gateways=(gw.control_url,),
+                register_interval_s=0.2,
+            )
+        )
+        await agent.start()
+        stopped = False
+        try:
+            await until(lambda: any("event=agent_registered" in r.getMessage() for r in caplog.records))
+            assert gw.replicator.agent_names() == [None, None]  # no worker connected yet
+            w1 = gw.state.workers[1].url
+            store = AgentClient(str(tmp_path / "a.sock"), 2.0, None, w1 + "/")
+            await asyncio.to_thread(store.hold)
+            await until(lambda: gw.replicator.agent_names() == [None, "node-a"])
+            a = gw.replicator.agents[gw.replicator.worker_agents[1]]
+            assert a["peer_addr"] == f"127.0.0.1:{agent.peer_port}"
+            assert a["control_url"] == f"http://127.0.0.1:{agent.control_port}"
+            store.close()
+            await until(lambda: gw.replicator.agent_names() == [None, None])
+            await asyncio.to_thread(store.hold)
+            await until(lambda: gw.replicator.agent_names() == [None, "node-a"])
+            await agent.close()
+            stopped = True
+            await until(lambda: gw.replicator.agent_names() == [None, None], timeout_s=3.0)
+            assert any(
+                "event=agent_dropped" in r.getMessage() and "agent=node-a" in r.getMessage() for r in caplog.records
+            )
+            store.close()
+        finally:
+            if not stopped:
+                await agent.close()
+
+
+def test_an_agent_that_registers_must_announce_addresses_other_nodes_reach():
+    from btbctl.engine.agent.agent import Agent, AgentConfig
+    from btbctl.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--peer must be an address other nodes reach"):
+        Agent(
+            AgentConfig(
+                socket_path="/tmp/unused.sock",
+                arena_bytes=4 << 20,
+                secret=SECRET,
+                agent_id="node-a",
+                peer_host="0.0.0.0",
+                gateways=("http://127.0.0.1:1",),
+            )
+        )

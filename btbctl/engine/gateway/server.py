@@ -341,11 +341,14 @@ class Gateway:
         }
 
     async def _expire_agents(self) -> None:
-        """Drop registered agents whose announcement ran out, checked every :data:`AGENT_EXPIRY_CHECK_S`."""
+        """Drop registered agents whose announcement ran out: at the next one's expiry, and at least every
+        :data:`AGENT_EXPIRY_CHECK_S`."""
         rep = self.replicator
         assert isinstance(rep, L3Replicator)
         while True:
-            await asyncio.sleep(AGENT_EXPIRY_CHECK_S)
+            due = rep.next_expiry()
+            wait = AGENT_EXPIRY_CHECK_S if due is None else due - self.clock()
+            await asyncio.sleep(min(AGENT_EXPIRY_CHECK_S, max(0.01, wait)))
             if rep.expire():
                 self.bus.mark("fleet")
 

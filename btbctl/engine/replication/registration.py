@@ -39,7 +39,7 @@ MAX_CLOCK_SKEW_S = 60.0
 #: Most worker URLs in one announcement (a node runs a handful of workers).
 MAX_ANNOUNCED_WORKERS = 256
 #: Bounds of ``ttl_s``, seconds.
-MIN_TTL_S, MAX_TTL_S = 1.0, 3600.0
+MIN_TTL_S, MAX_TTL_S = 0.1, 3600.0
 #: Keys of an announcement, in the order they are written.
 FIELDS = ("agent", "node", "peer_addr", "control_url", "workers", "ttl_s", "sent_at")
 
