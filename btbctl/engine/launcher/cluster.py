@@ -769,7 +769,8 @@ def hicache_args(
         --hicache-storage-backend-extra-config JSON --kv-cache-dtype D --enable-cache-report
 
     (``--page-size``, ``--tp-size``, ``--served-model-name`` and ``--enable-metrics`` are in the worker's line
-    already; ``worker_url``: see :func:`l3_extra_config`.) Raises :class:`ConfigError` when ``--hicache-size`` cannot be sized."""
+    already; ``worker_url``: see :func:`l3_extra_config`.) Raises :class:`ConfigError` when ``--hicache-size``
+    cannot be sized."""
     rep = cluster.replication
     return [
         "--enable-hierarchical-cache",
