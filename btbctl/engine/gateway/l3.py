@@ -312,6 +312,7 @@ class L3Replicator(CopyExecutor):
         log_event(
             log,
             "agent_registered",
+            logging.INFO,
             agent=name,
             old_control_url=old and old["control_url"],
             control_url=control_url,

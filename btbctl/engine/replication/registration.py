@@ -143,7 +143,7 @@ def verify(body: bytes, signature: str | None, fleet_secret: bytes, now_s: float
             "a replay, or a node clock out of sync",
             403,
         )
-    return Announcement(agent, node, peer, control_url, urls, float(ttl), float(sent))
+    return Announcement(agent, node, str(peer), control_url, urls, float(ttl), float(sent))
 
 
 __all__ = [
