@@ -21,7 +21,14 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
-from btbctl.engine.control.schema import PROMPT_KEYS, ErrorAnswer, ErrorDetail, FlushAnswer, PrewarmRequest
+from btbctl.engine.control.schema import (
+    PROMPT_KEYS,
+    AgentRegistrationAnswer,
+    ErrorAnswer,
+    ErrorDetail,
+    FlushAnswer,
+    PrewarmRequest,
+)
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
@@ -342,7 +349,7 @@ class ControlApi:
                         repeats_held=held or None,
                     )
             return _err(e.status, str(e))
-        return web.json_response(answer)
+        return _ok(AgentRegistrationAnswer(**answer))
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         bus = self.bus
