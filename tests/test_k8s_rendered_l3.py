@@ -134,7 +134,7 @@ def test_the_rendered_l3_fleet_registers_its_agents_and_makes_a_copy(tmp_path):
                 for a in agent_argv
             ]
             argv[0] = sys.executable
-            argv += ["--register-interval-s", "0.5"]
+            argv += ["--register-interval-s", "2"]  # held 6 s: a loaded test machine misses none
             log = open(tmp_path / f"{node}.log", "w")
             p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
             log.close()
@@ -165,7 +165,7 @@ def test_the_rendered_l3_fleet_registers_its_agents_and_makes_a_copy(tmp_path):
         token = (secrets / "control-token").read_text()
         ids = list(range(1000, 1000 + 4 * 256))  # 4 pages
         st, ans = _http("POST", control_url + "/control/prewarm", {"input_ids": ids, "n": 1}, token)
-        assert st == 202, ans
+        assert st == 202, (ans, (tmp_path / "gateway.log").read_text()[-3000:])
         assert len(ans["targets"]) == 1 and ans["targets"] != [ans["source"]]
 
         def copy() -> dict | None:
