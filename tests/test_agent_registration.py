@@ -155,17 +155,22 @@ def test_registrations_build_the_map_a_re_registration_replaces_and_a_silent_age
     assert rep.agent_names() == [None, None, None]
 
 
-def test_static_agents_keep_working_and_never_expire_and_a_worker_moves_to_the_agent_that_claims_it(caplog):
+def test_static_agents_keep_their_workers_and_never_expire_and_registered_workers_move_between_agents(caplog):
     caplog.set_level(logging.INFO, logger="btbctl")
     static = [{"name": "agent-local", "control_url": "http://127.0.0.1:9", "peer_addr": "127.0.0.1:9"}]
-    rep, clock = _replicator(2, static, [0, 0])
-    assert rep.agent_names() == ["agent-local", "agent-local"] and rep.next_expiry() is None
-    assert rep.register("node-b", "http://b:1", "b:2", [1], 5.0)
-    assert rep.agent_names() == ["agent-local", "node-b"]
-    assert "taken_from=w1:agent-local" in _events(caplog, "agent_registered")[-1]
+    rep, clock = _replicator(3, static, [0, 0, -1])
+    assert rep.agent_names() == ["agent-local", "agent-local", None] and rep.next_expiry() is None
+    # a registered agent cannot take a worker the settings give another agent
+    assert rep.pinned(1, "node-b") and not rep.pinned(1, "agent-local") and not rep.pinned(2, "node-b")
+    assert rep.register("node-b", "http://b:1", "b:2", [1, 2], 5.0)
+    assert rep.agent_names() == ["agent-local", "agent-local", "node-b"]
+    # a worker one registered agent had moves to the one that claims it now
+    assert rep.register("node-c", "http://c:1", "c:2", [2], 5.0)
+    assert rep.agent_names() == ["agent-local", "agent-local", "node-c"]
+    assert "taken_from=w2:node-b" in _events(caplog, "agent_registered")[-1]
     clock.t += 1000.0
-    assert rep.expire() == ["node-b"]
-    assert rep.agent_names() == ["agent-local", None]
+    assert sorted(rep.expire()) == ["node-b", "node-c"]
+    assert rep.agent_names() == ["agent-local", "agent-local", None]
 
 
 def test_a_copy_whose_agent_was_dropped_during_it_is_not_proved():
@@ -201,6 +206,7 @@ async def test_the_gateway_takes_signed_registrations_without_its_bearer_token_a
             assert r.status == 200, await r.text()
             got = await r.json()
         assert got["workers"] == ["w0"] and got["unknown_workers"] == ["http://elsewhere:1"] and got["changed"]
+        assert got["pinned_workers"] == []
         status, fleet = await env.get_control("/control/fleet")
         assert status == 200
         assert [w["agent"] for w in fleet["workers"]] == ["node-a", None]

@@ -539,6 +539,8 @@ class AgentRegistrationAnswer(Answer):
     """Names of this gateway's workers it now serves (the announced URLs this gateway knows)."""
     unknown_workers: list[str]
     """Announced worker URLs this gateway does not have (ignored)."""
+    pinned_workers: list[str]
+    """Announced worker URLs the gateway's settings give another agent (kept there: the settings win)."""
     ttl_s: float
     """Seconds the registration holds without a new announcement."""
     changed: bool

@@ -274,14 +274,21 @@ class L3Replicator(CopyExecutor):
 
     # -- agents that register --------------------------------------------------------------------------------------
 
+    def pinned(self, r: int, name: str) -> bool:
+        """Whether worker ``r`` belongs to an agent of the settings other than ``name``: a registration cannot take it
+        (the settings' map, which ``btbctl up`` writes from where it started each worker, is authoritative; a node's
+        credentials let it register only as itself, not move another node's workers to it)."""
+        a = self.worker_agents[r]
+        return a >= 0 and self.agents[a]["name"] in self._static and self.agents[a]["name"] != name
+
     def register(
         self, name: str, control_url: str, peer_addr: str, workers: Sequence[int], ttl_s: float, **fields: object
     ) -> bool:
         """Record agent ``name``'s announcement: it serves the workers of indices ``workers`` (they leave the agent
-        they had), at ``control_url`` / ``peer_addr``, until ``ttl_s`` seconds from now (the state's clock) unless
-        it announces again. A re-registration replaces the previous one: workers it no longer names lose their
-        agent. Logs one ``agent_registered`` line (old and new) when anything changed; returns whether it did.
-        ``fields`` (``node``, ...) go into that line."""
+        they had, unless :meth:`pinned` to an agent of the settings), at ``control_url`` / ``peer_addr``, until
+        ``ttl_s`` seconds from now (the state's clock) unless it announces again. A re-registration replaces the
+        previous one: workers it no longer names lose their agent. Logs one ``agent_registered`` line (old and new)
+        when anything changed; returns whether it did. ``fields`` (``node``, ...) go into that line."""
         now = self.state.clock()
         new = {"name": name, "control_url": control_url, "peer_addr": peer_addr}
         i = self._index.get(name)
@@ -296,7 +303,7 @@ class L3Replicator(CopyExecutor):
             self._expires[name] = now + ttl_s
         before = [r for r, a in enumerate(self.worker_agents) if a == i]
         moved: dict[int, str] = {}
-        serves = set(workers)
+        serves = {r for r in workers if not self.pinned(r, name)}
         for r, a in enumerate(self.worker_agents):
             if r in serves:
                 if a >= 0 and a != i:

@@ -301,7 +301,7 @@ class Gateway:
         """Take a node agent's announcement (``POST /control/agents``,
         :mod:`~btbctl.engine.replication.registration`): verified against the fleet secret, its worker URLs matched
         to this gateway's workers, recorded by the l3 executor. Returns ``{"agent", "workers": [names],
-        "unknown_workers": [urls], "ttl_s", "changed"}``.
+        "unknown_workers": [urls], "pinned_workers": [urls], "ttl_s", "changed"}``.
 
         Raises:
             AnnouncementError: 404 when this gateway takes no registrations (not l3, or no ``agent_secret_file``),
@@ -317,7 +317,8 @@ class Gateway:
             )
         ann = verify(body, signature, self._agent_secret, self.wall_clock())
         by_url = {w.url: w.index for w in self.state.workers}
-        mine = [by_url[u] for u in ann.workers if u in by_url]
+        mine = [by_url[u] for u in ann.workers if u in by_url and not rep.pinned(by_url[u], ann.agent)]
+        pinned = [u for u in ann.workers if u in by_url and rep.pinned(by_url[u], ann.agent)]
         unknown = [u for u in ann.workers if u not in by_url]
         if rep.token is None:
             rep.tokens[ann.agent] = control_token(self._agent_secret, ann.agent)
@@ -329,6 +330,7 @@ class Gateway:
             ann.ttl_s,
             node=ann.node,
             unknown_workers=",".join(unknown) or None,
+            pinned_workers=",".join(pinned) or None,
         )
         if changed:
             self.bus.mark("fleet")
@@ -336,6 +338,7 @@ class Gateway:
             "agent": ann.agent,
             "workers": [self.state.workers[r].name for r in mine],
             "unknown_workers": unknown,
+            "pinned_workers": pinned,
             "ttl_s": ann.ttl_s,
             "changed": changed,
         }
