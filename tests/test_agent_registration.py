@@ -210,6 +210,8 @@ async def test_the_gateway_takes_signed_registrations_without_its_bearer_token_a
         status, fleet = await env.get_control("/control/fleet")
         assert status == 200
         assert [w["agent"] for w in fleet["workers"]] == ["node-a", None]
+        assert [w["replication"] for w in fleet["workers"]] == [True, False]
+        assert "no node agent serves it" in fleet["workers"][1]["replication_note"]
         assert gw.replicator.accepts_copies(0) and not gw.replicator.accepts_copies(1)
         # the gateway now drives that agent with the control token it derives for it
         assert gw.replicator.tokens["node-a"]
