@@ -104,7 +104,9 @@ def test_worker_containers_run_the_command_line_btbctl_up_generates(l3):
     for inst in cluster.instances():
         command = sts[f"btb-{inst.spec.name}"]["spec"]["template"]["spec"]["containers"][0]["command"]
         # what `btbctl up` runs for this worker (launcher.fleet.up), flag for flag, HiCache flags included in l3
-        flags = cl.hicache_args(cluster, inst.spec, inst.entry, socket) if l3 else None
+        # (on Kubernetes the extra config also names the pod's own URL, which its store names to the agent)
+        pod_url = kube.worker_url(k8s, "$(POD_NAME)", k8s.worker_port)
+        flags = cl.hicache_args(cluster, inst.spec, inst.entry, socket, worker_url=pod_url) if l3 else None
         up = cl.worker_argv(inst, 31000 + inst.index, inst.transfer_port, token_file="/run/tok", l3=flags)
         assert _flags(command) == _flags(up), inst.name
         # and the masked values are the pod's: all addresses, the pod port, the mounted Secret, the image's python
@@ -117,6 +119,7 @@ def test_worker_containers_run_the_command_line_btbctl_up_generates(l3):
         if l3:  # the extra config names the socket the agents serve
             extra = json.loads(command[command.index(kube.HICACHE_EXTRA_FLAG) + 1])
             assert extra["module_path"] == "btbctl.sglang_l3" and extra["agent_socket"] == socket
+            assert extra["worker_url"] == f"http://$(POD_NAME).btb-workers.llm.svc.cluster.local:{k8s.worker_port}"
     if l3:  # l3 needs the agents: turning them off is refused by key
         with pytest.raises(ConfigError) as err:
             kube.render(_load(agents=False), "f.toml")
@@ -207,6 +210,43 @@ def test_gateway_agents_and_workers_fit_together():
     assert not _by_kind(_objects(emu_only), "DaemonSet")
     data["kubernetes"]["agents"] = True
     assert _by_kind(_objects(cl.validate_cluster(data)), "DaemonSet")
+
+
+def test_an_all_sglang_l3_fleet_renders_a_gateway_that_copies_and_agents_that_register():
+    """The rendered gateway of an all-SGLang fleet runs replication l3 without an agent map (the agents register),
+    checks registrations against the fleet secret it mounts, and drives the agents with their shared control token;
+    each node's agent registers with the control Service; each worker's extra config names its own URL, the one the
+    gateway knows it by."""
+    cluster = _load()
+    assert cluster.replication_mode == "l3" and {w.kind for w in cluster.workers} == {"sglang"}
+    objs = _objects(cluster)
+    config = json.loads(_by_kind(objs, "ConfigMap")[0]["data"]["gateway.json"])
+    gw = GatewayConfig.model_validate(config)
+    assert gw.replication == "l3" and gw.agents == [] and gw.worker_agents == []
+    assert gw.agent_secret_file == f"{kube.SECRET_DIR}/fleet-secret"
+    assert gw.agent_token_file == f"{kube.SECRET_DIR}/control-token"
+    dep = _by_kind(objs, "Deployment")[0]["spec"]["template"]["spec"]
+    items = next(v for v in dep["volumes"] if v["name"] == "secrets")["secret"]["items"]
+    assert "fleet-secret" in {i["key"] for i in items}
+    argv = _by_kind(objs, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    control = next(o for o in objs if o["metadata"]["name"] == "btb-control")
+    port = control["spec"]["ports"][0]["port"]
+    assert (
+        argv[argv.index("--gateway") + 1]
+        == f"http://btb-control.llm.svc.cluster.local:{port}"
+        == (kube.control_service_url(cluster, cluster.kubernetes))
+    )
+    urls = set(gw.workers)
+    for sts in _by_kind(objs, "StatefulSet"):
+        c = sts["spec"]["template"]["spec"]["containers"][0]
+        assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
+        extra = json.loads(c["command"][c["command"].index(kube.HICACHE_EXTRA_FLAG) + 1])
+        for i in range(sts["spec"]["replicas"]):  # the pod's URL once the kubelet fills in its name
+            assert extra["worker_url"].replace("$(POD_NAME)", f"{sts['metadata']['name']}-{i}") in urls
+    # a push fleet's agents (if any) register nowhere and its gateway has no fleet secret
+    push = _objects(_load_mixed())
+    assert "--gateway" not in _by_kind(push, "DaemonSet")[0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert json.loads(_by_kind(push, "ConfigMap")[0]["data"]["gateway.json"]).get("agent_secret_file") is None
 
 
 def test_secrets_come_from_kubernetes_secrets_and_values_are_refused():
@@ -393,9 +433,10 @@ def test_the_example_overlay_builds_and_validates():
         assert where == "llm" and obj["metadata"]["labels"]["team"] == "inference-platform"
     svc = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "btb-gateway")
     assert svc["spec"]["type"] == "LoadBalancer"
-    # behind the load balancer the data port is open to all; the control port stays the fleet's
+    # behind the load balancer the data port is open to all; the control port (a ClusterIP Service) to the nodes'
+    # agents, which register from the host network (l3: every request on it is authenticated)
     pol = next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "btb-gateway")
-    assert "from" not in pol["spec"]["ingress"][0] and pol["spec"]["ingress"][1]["from"]
+    assert "from" not in pol["spec"]["ingress"][0] and "from" not in pol["spec"]["ingress"][1]
     images = {
         c["image"] for o in objs if "template" in o.get("spec", {}) for c in o["spec"]["template"]["spec"]["containers"]
     }
@@ -506,7 +547,9 @@ def test_network_policies_and_scrape_annotations():
     data, control = gw["ingress"]
     assert data["ports"] == [{"protocol": "TCP", "port": cluster.gateway.port or cl.DEFAULT_GATEWAY_PORT}]
     assert data.get("from", [{"podSelector": {}}]) == [{"podSelector": {}}]
-    assert control["from"] == [fleet]
+    assert "from" not in control  # l3: the agents register from the host network (authenticated, not selected)
+    push_pols = {o["metadata"]["name"]: o["spec"] for o in _by_kind(_objects(_load_mixed()), "NetworkPolicy")}
+    assert push_pols["btb-gateway"]["ingress"][1]["from"] == [fleet]
     assert control["ports"][0]["port"] == (cluster.gateway.control_port or cl.DEFAULT_CONTROL_PORT)
     wk = pols["btb-workers"]
     assert wk["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"

@@ -60,6 +60,21 @@ def agent(
             "area.",
         ),
     ] = None,
+    gateway: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--gateway",
+            metavar="URL",
+            help="Control URL of a gateway to register with (repeatable): this agent announces its node, copy "
+            "address, control URL and the workers connected to its socket, signed with its node key.",
+        ),
+    ] = None,
+    register_interval_s: Annotated[
+        float,
+        typer.Option(
+            "--register-interval-s", help="Seconds between announcements (a gateway drops an agent after 3 missed)."
+        ),
+    ] = 5.0,
     transport: Annotated[
         str,
         typer.Option(
@@ -68,6 +83,8 @@ def agent(
     ] = "auto",
 ) -> None:
     """Run the node agent. Prints 'ready peer HOST:PORT control HOST:PORT socket PATH' when listening."""
+    from urllib.parse import urlsplit
+
     from btbctl.engine.agent.agent import AgentConfig, read_secret, run
     from btbctl.engine.errors import ConfigError
     from btbctl.engine.replication.transport import TransferError, parse_address
@@ -86,6 +103,9 @@ def agent(
         raise ConfigError("--arena-mib", f"must be >= 1, got {arena_mib}")
     if idle_timeout_s <= 0:
         raise ConfigError("--idle-timeout-s", f"must be > 0, got {idle_timeout_s}")
+    for url in gateway or ():
+        if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
+            raise ConfigError("--gateway", f"{url!r} must be the gateway's control URL (http://host:port)")
     peer_host, peer_port = addr("--peer", peer)
     control_host, control_port = addr("--control", control)
     token = read_secret(control_token_file, "control token file").decode() if control_token_file else None
@@ -103,5 +123,7 @@ def agent(
             idle_timeout_s=idle_timeout_s,
             transport=transport,
             file_dir=file_dir,
+            gateways=tuple(gateway or ()),
+            register_interval_s=register_interval_s,
         )
     )

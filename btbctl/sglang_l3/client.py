@@ -9,6 +9,7 @@ one reply). Failures raise :class:`AgentUnavailable`; the store turns them into 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -83,12 +84,18 @@ class AgentClient:
     socket_path: the agent's Unix socket.
     timeout_s: bound of every call, seconds.
     namespace: the namespace description this store registers (``Namespace.describe()``), or None.
+    worker_url: the URL the gateway knows this worker by, named in every ``hello`` (the agent announces the workers
+        connected to it), or None.
     """
 
-    def __init__(self, socket_path: str, timeout_s: float = 2.0, namespace: dict | None = None) -> None:
+    def __init__(
+        self, socket_path: str, timeout_s: float = 2.0, namespace: dict | None = None, worker_url: str | None = None
+    ) -> None:
         self.socket_path = socket_path
         self.timeout_s = timeout_s
         self.namespace = namespace
+        self.worker_url = worker_url
+        self._held: _Conn | None = None
         self._local = threading.local()
         self._arena: Arena | None = None
         self._lock = threading.Lock()
@@ -106,7 +113,10 @@ class AgentClient:
         s.settimeout(self.timeout_s)
         try:
             s.connect(self.socket_path)
-            s.sendall(encode({"op": "hello", "ns": self.namespace}))
+            hello: dict = {"op": "hello", "ns": self.namespace}
+            if self.worker_url is not None:
+                hello["worker"] = self.worker_url
+            s.sendall(encode(hello))
             rep, fds = recv_frame_with_fds(s)
         except (OSError, WireError) as e:
             s.close()
@@ -138,6 +148,16 @@ class AgentClient:
             c = self._connect()
             self._local.conn = c
         return c
+
+    def hold(self) -> None:
+        """Say hello now on a connection kept open for the client's life (not one thread's), so the agent knows
+        this store's namespace and worker from the start. Raises :class:`AgentUnavailable`."""
+        c = self._connect()
+        with self._lock:
+            old, self._held = self._held, c
+        if old is not None:
+            with contextlib.suppress(OSError):
+                old.sock.close()
 
     def _drop(self) -> None:
         c = getattr(self._local, "conn", None)
@@ -178,6 +198,11 @@ class AgentClient:
 
     def close(self) -> None:
         self._drop()
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None:
+            with contextlib.suppress(OSError):
+                held.sock.close()
 
 
 memmove = ctypes.memmove

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from urllib.parse import urlsplit
 
 #: Default agent socket (``btbctl agent --socket`` uses the same default).
 DEFAULT_AGENT_SOCKET = "/run/btbctl/agent.sock"
@@ -20,8 +21,9 @@ AGENT_SOCKET_ENV = "BTBCTL_AGENT_SOCKET"
 #: Default bound of one call to the agent, seconds (a product choice: a local round trip takes tens of
 #: microseconds; under ``wait_complete`` a stuck call would stall the request, so the bound is short).
 DEFAULT_TIMEOUT_S = 2.0
-#: Extra-config keys the backend reads.
-OWN_KEYS = ("agent_socket", "timeout_s")
+#: Extra-config keys the backend reads. ``worker_url``: the URL the gateway knows this worker by; the backend names
+#: it in its ``hello`` so that the node agent can announce which workers it serves (optional).
+OWN_KEYS = ("agent_socket", "timeout_s", "worker_url")
 #: Keys SGLang itself leaves in ``extra_config`` (``backend_factory.py:140-151``, ``unified_radix_cache.py:497-501``,
 #: ``cache_controller.py:664``) or that belong to other backends and are ignored here.
 SGLANG_KEYS = (
@@ -65,6 +67,22 @@ def parse_extra_config(extra: dict | None) -> tuple[str, float, bool]:
     return sock, float(timeout), bool(extra.get("interface_v1", 0))
 
 
+def worker_url_ok(url: str) -> bool:
+    """Whether ``url`` looks like a worker's base URL (``http(s)://host:port``, at most 2,048 characters)."""
+    p = urlsplit(url)
+    return len(url) <= 2048 and p.scheme in ("http", "https") and bool(p.hostname)
+
+
+def worker_url_of(extra: dict) -> str | None:
+    """The extra config's ``worker_url`` (None when absent). Raises ValueError with one line when malformed."""
+    url = extra.get("worker_url")
+    if url is None:
+        return None
+    if not isinstance(url, str) or not worker_url_ok(url):
+        raise ValueError(f"BtbL3Store: worker_url must look like http://host:port, got {url!r}")
+    return url.rstrip("/")
+
+
 def load_extra_config(text: str | None) -> dict:
     """The extra config as SGLang reads ``--hicache-storage-backend-extra-config``: inline JSON, or ``@PATH`` of a
     JSON file (SGLang also takes YAML and TOML files; only JSON here). Raises ValueError with one line."""
@@ -102,4 +120,6 @@ __all__ = [
     "load_extra_config",
     "parse_extra_config",
     "split_consumed",
+    "worker_url_of",
+    "worker_url_ok",
 ]

@@ -48,6 +48,7 @@ from btbctl.sglang_l3.config import (
     OWN_KEYS,
     SGLANG_KEYS,
     parse_extra_config,
+    worker_url_of,
 )
 from btbctl.sglang_l3.keys import Namespace
 
@@ -69,6 +70,7 @@ class BtbL3Store(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         self.storage_config = storage_config
         self.socket_path, self.timeout_s, self.interface_v1 = parse_extra_config(storage_config.extra_config)
+        self.worker_url = worker_url_of(storage_config.extra_config or {})
         self.client: AgentClient | None = None
         self.namespace: Namespace | None = None
         self.ns_id: str | None = None
@@ -110,7 +112,11 @@ class BtbL3Store(HiCacheStorage):
             mla=mla,
         )
         self.ns_id = self.namespace.ns_id
-        self.client = AgentClient(self.socket_path, self.timeout_s, self.namespace.describe())
+        self.client = AgentClient(self.socket_path, self.timeout_s, self.namespace.describe(), self.worker_url)
+        try:  # hello now, on a connection kept open: the agent announces this worker to the gateway while connected
+            self.client.hold()
+        except AgentUnavailable as e:
+            log.info("btbctl L3 store: agent not reachable at start-up (%s); it connects on first use", e)
         log.info(
             "btbctl L3 store: namespace %s (%s), page %d bytes, agent %s",
             self.ns_id,

@@ -21,6 +21,7 @@ import os
 import secrets
 import signal
 import socket
+import time
 from dataclasses import dataclass
 
 from btbctl.engine.agent.events import AgentMetrics
@@ -66,6 +67,11 @@ class AgentConfig:
         control_max_per_peer: open control connections without the token of one peer address at most.
         peer_max_unauthenticated: copy-port connections still authenticating at most (a new one closes the oldest).
         peer_max_per_peer: copy-port connections of one peer address at most.
+        gateways: control URLs of the gateways this agent registers with (``POST /control/agents``, signed with its
+            node key; :mod:`~btbctl.engine.replication.registration`): its node, copy address, control URL and the
+            workers connected to its socket, every ``register_interval_s``; empty: it registers nowhere (the
+            gateway has it in its config).
+        register_interval_s: seconds between announcements; each holds for :data:`REGISTER_TTL_PERIODS` of them.
     """
 
     socket_path: str
@@ -85,6 +91,14 @@ class AgentConfig:
     control_max_per_peer: int = 16
     peer_max_unauthenticated: int = 64
     peer_max_per_peer: int = 16
+    gateways: tuple[str, ...] = ()
+    register_interval_s: float = 5.0
+
+
+#: An announcement holds this many registration periods (``ttl_s``): a gateway drops an agent that missed three.
+REGISTER_TTL_PERIODS = 3
+#: Timeout of one announcement, seconds.
+REGISTER_TIMEOUT_S = 5.0
 
 
 def read_secret(path: str, what: str = "secret file") -> bytes:
@@ -134,6 +148,15 @@ class Agent:
         except CredentialsError as e:
             raise ConfigError("--secret-file", str(e)) from None
         self.agent_id = self.credentials.agent_id
+        if cfg.gateways:
+            if cfg.register_interval_s <= 0:
+                raise ConfigError("--register-interval-s", f"must be > 0, got {cfg.register_interval_s}")
+            for name, host in (("--peer", cfg.peer_host), ("--control", cfg.control_host)):
+                if host in ("0.0.0.0", "::", ""):
+                    raise ConfigError(
+                        name, f"with --gateway, {name} must be an address other nodes reach (not {host or 'empty'})"
+                    )
+        self._announcer: asyncio.Task | None = None
         self.control_token = cfg.control_token
         self.store: PageStore | None = None
         self.metrics = AgentMetrics(lambda: self.store.stats())  # type: ignore[union-attr]
@@ -257,7 +280,82 @@ class Agent:
             },
         )
 
+        if cfg.gateways:
+            self._announcer = asyncio.create_task(self._announce_forever())
+
+    def announcement(self, sent_at: float) -> bytes:
+        """The JSON body of this agent's announcement (:class:`~btbctl.engine.replication.registration.Announcement`)
+        at Unix time ``sent_at``."""
+        from btbctl.engine.replication.registration import Announcement
+
+        cfg = self.cfg
+
+        def hostport(host: str, port: int) -> str:
+            return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+        return Announcement(
+            agent=self.agent_id,
+            node=self.agent_id,
+            peer_addr=hostport(cfg.peer_host, self.peer_port),
+            control_url=f"http://{hostport(cfg.control_host, self.control_port)}",
+            workers=tuple(self.local.workers() if self.local is not None else ()),
+            ttl_s=REGISTER_TTL_PERIODS * cfg.register_interval_s,
+            sent_at=sent_at,
+        ).body()
+
+    async def announce(self, session, gateway: str) -> str | None:
+        """Send one announcement to ``gateway`` (a control URL); None when taken, else why not (one line)."""
+        import aiohttp
+
+        from btbctl.engine.replication.registration import REGISTER_PATH, SIGNATURE_HEADER, sign
+
+        body = self.announcement(time.time())
+        headers = {SIGNATURE_HEADER: sign(self.credentials.node_key, body), "Content-Type": "application/json"}
+        try:
+            async with session.post(gateway.rstrip("/") + REGISTER_PATH, data=body, headers=headers) as resp:
+                if resp.status == 200:
+                    return None
+                text = (await resp.text())[:300]
+                return f"HTTP {resp.status}: {text}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def _announce_forever(self) -> None:
+        """Announce to every gateway each ``register_interval_s``; one line per change of outcome (or of the
+        workers announced) per gateway."""
+        import aiohttp
+
+        from btbctl.engine.httpclient import client_session
+
+        last: dict[str, tuple] = {}
+        async with client_session(timeout=aiohttp.ClientTimeout(total=REGISTER_TIMEOUT_S)) as session:
+            while True:
+                workers = tuple(self.local.workers()) if self.local is not None else ()
+                for gw in self.cfg.gateways:
+                    why = await self.announce(session, gw)
+                    now = (why is None, workers if why is None else None)
+                    if last.get(gw) != now:
+                        old = last.get(gw)
+                        last[gw] = now
+                        if why is None:
+                            self.event(
+                                "agent_announced",
+                                {
+                                    "gateway": gw,
+                                    "workers": ",".join(workers) or None,
+                                    "old_workers": ",".join(old[1] or ()) if old and old[0] else None,
+                                    "ttl_s": REGISTER_TTL_PERIODS * self.cfg.register_interval_s,
+                                },
+                            )
+                        else:
+                            log_event(log, "agent_announce_failed", logging.WARNING, gateway=gw, error=why)
+                await asyncio.sleep(self.cfg.register_interval_s)
+
     async def close(self) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._announcer
         if self.store is not None:
             self.store.stop_waits()  # long-polls waiting for pages answer now, so the control API stops at once
         if self.local is not None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from btbctl.engine.agent.pages import NoRoom, PageStore
 from btbctl.engine.copies import write_origin
+from btbctl.sglang_l3.config import worker_url_ok
 from btbctl.sglang_l3.keys import NAMESPACE_ID_CHARS, Namespace, is_page_key
 from btbctl.sglang_l3.wire import WireError, encode, recv_frame
 
@@ -57,6 +58,7 @@ class LocalServer:
         self._stop = threading.Event()
         self._ids = 0
         self._lock = threading.Lock()
+        self._workers: dict[str, str] = {}  # the worker URL each connection's hello named, by owner
 
     def start(self) -> None:
         """Bind and serve in a background thread. Raises OSError when the path cannot be bound."""
@@ -127,7 +129,7 @@ class LocalServer:
                     continue
                 try:
                     if op == "hello":
-                        rep = self._hello(req)
+                        rep = self._hello(req, owner)
                         socket.send_fds(conn, [encode(rep)], [store.fd])
                         continue
                     rep = self._handle(op, req, owner, pid)
@@ -139,10 +141,31 @@ class LocalServer:
         finally:
             store.drop_owner(owner)
             with self._lock:
+                gone = self._workers.pop(owner, None)
+                still = gone is not None and gone in self._workers.values()
+            if gone is not None and not still:
+                self.on_event("worker_disconnected", {"worker": gone})
+            with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
-    def _hello(self, req: dict) -> dict:
+    def workers(self) -> list[str]:
+        """The worker URLs named by the stores connected now (their ``hello``; SGLang's ranks keep their
+        connections open), sorted: the workers whose L3 tier this agent is."""
+        with self._lock:
+            return sorted(set(self._workers.values()))
+
+    def _hello(self, req: dict, owner: str = "") -> dict:
+        worker = req.get("worker")
+        if worker is not None:
+            if not isinstance(worker, str) or not worker_url_ok(worker):
+                raise _Bad("worker must be the worker's URL (http://host:port)")
+            worker = worker.rstrip("/")
+            with self._lock:
+                new = worker not in self._workers.values()
+                self._workers[owner] = worker
+            if new:
+                self.on_event("worker_connected", {"worker": worker})
         ns = req.get("ns")
         ns_id = None
         if ns is not None:

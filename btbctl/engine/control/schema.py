@@ -530,6 +530,23 @@ class FlushAnswer(Answer):
     """Workers whose cache was emptied."""
 
 
+class AgentRegistrationAnswer(Answer):
+    """``POST /control/agents``: a node agent's announcement as the gateway took it."""
+
+    agent: str
+    """The agent's name (its id; the node key it signed with is derived from it)."""
+    workers: list[str]
+    """Names of this gateway's workers it now serves (the announced URLs this gateway knows)."""
+    unknown_workers: list[str]
+    """Announced worker URLs this gateway does not have (ignored)."""
+    pinned_workers: list[str]
+    """Announced worker URLs the gateway's settings give another agent (kept there: the settings win)."""
+    ttl_s: float
+    """Seconds the registration holds without a new announcement."""
+    changed: bool
+    """Whether anything changed (false: a heartbeat that only renewed it)."""
+
+
 class ReplicateAnswer(Answer):
     """``POST /control/replicate`` (202): the copies started; follow them with
     ``GET /control/replications/{prefix}``. 200 with no ``targets``: every eligible worker already holds the prefix
@@ -626,6 +643,7 @@ def dump(model: BaseModel) -> Any:
 
 
 __all__ = [
+    "AgentRegistrationAnswer",
     "Answer",
     "Body",
     "ConstantsAnswer",

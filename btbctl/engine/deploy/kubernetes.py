@@ -7,7 +7,10 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
 
 * ``NAME-gateway`` ConfigMap: ``gateway.json``, the gateway's settings as ``btbctl up`` writes them
   (:meth:`~btbctl.engine.launcher.cluster.ClusterFile.gateway_config`), listening on all of the pod's addresses,
-  workers by their stable DNS names, tokens read from the mounted Secret.
+  workers by their stable DNS names, tokens read from the mounted Secret. In replication mode ``l3`` it has no
+  agent map: each node's agent registers with the ``NAME-control`` Service (``--gateway``), signed with a key of
+  the fleet secret (mounted in the gateway to check it), naming the workers whose HiCache stores connected to its
+  socket; each worker's extra config carries its own URL (``$(POD_NAME)``) for that.
 * ``NAME-gateway`` Deployment (one replica, ``Recreate``: the detector and the map of which worker holds which
   prefix live in the gateway; two gateways would each see half of every burst) running ``up``'s own gateway
   command line (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
@@ -107,6 +110,8 @@ OPTIONAL_FILES = ("namespace.yaml", "agents.yaml")
 _WORKER_TOKEN = f"{SECRET_DIR}/worker-token"
 _CONTROL_TOKEN = f"{SECRET_DIR}/control-token"
 _FLEET_SECRET = f"{SECRET_DIR}/fleet-secret"
+#: Environment variable holding a worker pod's name (downward API), for its URL in the HiCache extra config.
+POD_NAME_ENV = "POD_NAME"
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     files.append(Manifest("gateway.yaml", _gateway(cluster, k8s, workers.urls)))
     files.append(Manifest("workers.yaml", workers.objects))
     if agents:
-        files.append(Manifest("agents.yaml", _agents(k8s)))
+        files.append(Manifest("agents.yaml", _agents(cluster, k8s)))
     files.append(Manifest("networkpolicy.yaml", _network_policies(cluster, k8s)))
     return files
 
@@ -180,13 +185,32 @@ def worker_pod_argv(
     )
     l3 = None
     if cluster is not None and cluster.replication_mode == "l3":
-        l3 = hicache_args(cluster, inst.spec, inst.entry, f"{k8s.agent_socket_dir}/{AGENT_SOCKET_NAME}")
+        l3 = hicache_args(
+            cluster,
+            inst.spec,
+            inst.entry,
+            f"{k8s.agent_socket_dir}/{AGENT_SOCKET_NAME}",
+            worker_url=worker_url(k8s, f"$({POD_NAME_ENV})", port),
+        )
     return worker_argv(local, port, local.transfer_port, token_file=_WORKER_TOKEN, l3=l3)
 
 
-def agent_argv(k8s: KubernetesSection) -> list[str]:
+def worker_url(k8s: KubernetesSection, pod: str, port: int) -> str:
+    """The URL the gateway knows worker pod ``pod`` by (its stable DNS name under the headless workers Service)."""
+    return f"http://{pod}.{k8s.name}-workers.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}"
+
+
+def control_service_url(cluster: ClusterFile, k8s: KubernetesSection) -> str:
+    """The gateway's control API through its ``NAME-control`` Service (what the node agents register with)."""
+    port = cluster.gateway.control_port or DEFAULT_CONTROL_PORT
+    return f"http://{k8s.name}-control.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}"
+
+
+def agent_argv(k8s: KubernetesSection, gateway: str | None = None) -> list[str]:
     """The node agent's command line (``btbctl agent``); ``$(HOST_IP)`` and ``$(NODE_NAME)`` are filled in by the
-    kubelet from the pod's environment (downward API)."""
+    kubelet from the pod's environment (downward API). ``gateway``: the control URL it registers with (replication
+    mode ``l3``: it announces its node, its addresses and the workers connected to its socket)."""
+    reg = ["--gateway", gateway] if gateway is not None else []
     return [
         k8s.python,
         "-m",
@@ -206,6 +230,7 @@ def agent_argv(k8s: KubernetesSection) -> list[str]:
         str(k8s.agent_arena_mib),
         "--agent-id",
         "$(NODE_NAME)",
+        *reg,
     ]
 
 
@@ -320,9 +345,10 @@ _TMP_VOLUME = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
 def _network_policies(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict]:
     """Ingress rules: the gateway's data port from every pod of the namespace (from anywhere when its Service is
-    exposed beyond the cluster), its control port and the workers' ports only from this fleet's pods. The agents
-    run on the host network, where NetworkPolicy does not apply: their peer port authenticates every connection
-    with the fleet secret and their control API needs the token."""
+    exposed beyond the cluster), its control port only from this fleet's pods (from anywhere in replication mode
+    ``l3``, where the node agents register from the host network), the workers' ports only from this fleet's pods.
+    The agents run on the host network, where NetworkPolicy does not apply: their peer port authenticates every
+    connection with the fleet secret and their control API needs the token."""
     gw = cluster.gateway
     port = gw.port or DEFAULT_GATEWAY_PORT
     control_port = gw.control_port or DEFAULT_CONTROL_PORT
@@ -330,9 +356,13 @@ def _network_policies(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict
     data_from: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": port}]}
     if k8s.gateway_service_type == "ClusterIP":
         data_from["from"] = [{"podSelector": {}}]
-    gateway = _ingress_policy(
-        k8s, "gateway", [data_from, {"from": [fleet], "ports": [{"protocol": "TCP", "port": control_port}]}]
-    )
+    control_from: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": control_port}]}
+    if cluster.replication_mode != "l3":
+        control_from["from"] = [fleet]
+    # l3: the node agents register on the control port from the host network, whose source addresses (the nodes')
+    # no pod selector matches: the port is open, and every request on it is authenticated (bearer token on all
+    # routes, as the listener is not on loopback; registrations signed with a node key)
+    gateway = _ingress_policy(k8s, "gateway", [data_from, control_from])
     return [gateway, _ingress_policy(k8s, "worker", [{"from": [fleet]}])]
 
 
@@ -415,10 +445,12 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
         urls, port=port, control_port=control_port, token_file=_CONTROL_TOKEN, worker_token_file=_WORKER_TOKEN
     )
     config.update({"host": BIND_ALL, "control_host": BIND_ALL})
-    # l3 copies need the gateway to know which node agent serves which worker, which only pod placement decides:
-    # not rendered yet, so on Kubernetes an l3 fleet's gateway routes (cache-aware, HiCache with L3 on every node)
-    # and makes no copies; push fleets (emulated workers) copy as under `up`
-    config["replication"] = "push" if cluster.replication_mode == "push" else "none"
+    # l3: which node agent serves which worker only pod placement decides, so the agents register with the gateway
+    # (signed with keys of the fleet secret it checks them against) and name the workers connected to their socket;
+    # the agents share one control token here (the Secret's control-token)
+    config["replication"] = cluster.replication_mode
+    if cluster.replication_mode == "l3":
+        config.update(agents=[], worker_agents=[], agent_secret_file=_FLEET_SECRET, agent_token_file=_CONTROL_TOKEN)
     validate(GatewayConfig, config, None, "gateway")
     text = json.dumps(config, indent=2) + "\n"
     name = f"{k8s.name}-gateway"
@@ -471,7 +503,11 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": name}},
-                        _secret_volume(k8s, ["control-token", "worker-token"]),
+                        _secret_volume(
+                            k8s,
+                            ["control-token", "worker-token"]
+                            + (["fleet-secret"] if cluster.replication_mode == "l3" else []),
+                        ),
                         _TMP_VOLUME,
                     ],
                 },
@@ -548,7 +584,7 @@ def _workers(cluster: ClusterFile, k8s: KubernetesSection, agents: bool) -> _Wor
             raise ConfigError(f"workers.{e}", "the workers of this entry would need different command lines")
         argv = list(next(iter(argvs)))
         for i in range(spec.count):
-            urls.append(f"http://{name}-{i}.{headless}.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}")
+            urls.append(worker_url(k8s, f"{name}-{i}", port))
         objects.append(_statefulset(cluster, k8s, e, name, headless, argv, port, agents))
     service = {
         "apiVersion": "v1",
@@ -583,6 +619,8 @@ def _statefulset(
             {"name": k, "valueFrom": {"secretKeyRef": {"name": ref.split("/", 1)[0], "key": ref.split("/", 1)[1]}}}
             for k, ref in k8s.secret_env.items()
         ]
+    if cluster.replication_mode == "l3":  # its URL in the HiCache extra config, which its store names to the agent
+        env.append({"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     mounts: list[dict] = []
     volumes: list[dict] = []
     claims: list[dict] = []
@@ -699,14 +737,15 @@ def _check_agent_socket(argv: list[str], socket: str, e: int) -> None:
             )
 
 
-def _agents(k8s: KubernetesSection) -> list[dict]:
+def _agents(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict]:
     name = f"{k8s.name}-agent"
     selector = _labels(k8s, "agent")
+    l3 = cluster.replication_mode == "l3"
     container = {
         "name": "agent",
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
-        "command": agent_argv(k8s),
+        "command": agent_argv(k8s, control_service_url(cluster, k8s) if l3 else None),
         "env": [
             {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -914,6 +953,7 @@ __all__ = [
     "SECRET_DIR",
     "Manifest",
     "agent_argv",
+    "control_service_url",
     "check_no_secret_values",
     "check_one_kind_per_model",
     "dump",
@@ -922,6 +962,7 @@ __all__ = [
     "objects",
     "render",
     "worker_pod_argv",
+    "worker_url",
     "worker_resources",
     "write",
 ]

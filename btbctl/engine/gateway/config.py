@@ -206,16 +206,22 @@ class GatewayConfig(BaseModel):
     """How copies are made: ``push`` (the workers' ``/btb/push``), ``l3`` (node agents and warm-up proofs,
     :mod:`btbctl.engine.gateway.l3`) or ``none`` (routing only)."""
     agents: list[AgentRef] = Field(default_factory=list)
-    """l3: the node agents."""
+    """l3: node agents known from the start (``btbctl up`` writes them). Agents also register themselves
+    (``POST /control/agents``, signed with their node key; needs ``agent_secret_file``): a registration names the
+    workers it serves and replaces a previous one; one that is not renewed within its ``ttl_s`` is dropped. Empty:
+    every agent registers (the Kubernetes render)."""
     worker_agents: list[int] = Field(default_factory=list)
-    """l3: for each worker (in ``workers`` order), the index in ``agents`` of its node's agent."""
+    """l3: for each worker (in ``workers`` order), the index in ``agents`` of its node's agent (empty with no
+    ``agents``: registrations say)."""
     agent_token: str | None = Field(None, repr=False)
     """l3: bearer token of the agents' control APIs (None: read ``agent_token_file``)."""
     agent_token_file: str | None = None
     """l3: file holding ``agent_token``."""
     agent_secret_file: str | None = None
-    """l3: file holding the agents' fleet secret (``btbctl up``): each agent's control token is derived from it and
-    the agent's name (:func:`~btbctl.engine.replication.credentials.control_token`), and ``agent_token`` is not used."""
+    """l3: file holding the agents' fleet secret: registrations are checked against it
+    (:mod:`~btbctl.engine.replication.registration`), and, unless ``agent_token`` or ``agent_token_file`` gives one
+    token for all (the Kubernetes render's agents share one), each agent's control token is derived from it and the
+    agent's name (:func:`~btbctl.engine.replication.credentials.control_token`, as ``btbctl up`` hands them out)."""
     l3_fanout: Literal["chain", "tree", "star"] = "chain"
     """l3: how one copy reaches several agents."""
     l3_source_wait_s: float = Field(30.0, gt=0, le=900)
@@ -254,9 +260,11 @@ class GatewayConfig(BaseModel):
             if len(set(self.worker_names)) != len(self.worker_names) or not all(self.worker_names):
                 raise ValueError("worker_names must be distinct and non-empty")
         if self.replication == "l3":
-            if not self.agents:
-                raise ValueError("replication l3 needs agents")
-            if len(self.worker_agents) != len(self.workers):
+            if not self.agents and not self.agent_secret_file:
+                raise ValueError(
+                    "replication l3 needs agents (with worker_agents), or agent_secret_file for agents that register"
+                )
+            if (self.agents or self.worker_agents) and len(self.worker_agents) != len(self.workers):
                 raise ValueError("worker_agents must name one agent per worker")
             if any(not 0 <= i < len(self.agents) for i in self.worker_agents):
                 raise ValueError(f"worker_agents entries must be in 0..{len(self.agents) - 1}")

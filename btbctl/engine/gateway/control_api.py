@@ -21,7 +21,14 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
-from btbctl.engine.control.schema import PROMPT_KEYS, ErrorAnswer, ErrorDetail, FlushAnswer, PrewarmRequest
+from btbctl.engine.control.schema import (
+    PROMPT_KEYS,
+    AgentRegistrationAnswer,
+    ErrorAnswer,
+    ErrorDetail,
+    FlushAnswer,
+    PrewarmRequest,
+)
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.prompt import parse_json_object
@@ -30,6 +37,7 @@ from btbctl.engine.gateway.reports import PrefixLookupError, Reports
 from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import RateLimiter, log_event
 from btbctl.engine.policies import POLICIES, live_policy_error
+from btbctl.engine.replication.registration import REGISTER_PATH, SIGNATURE_HEADER, AnnouncementError
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,10 @@ class Steering(Protocol):
     def check_token(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the control API's bearer token."""
 
+    def register_agent(self, body: bytes, signature: str | None) -> dict:
+        """Take a node agent's signed announcement (:mod:`btbctl.engine.replication.registration`); the answer.
+        Raises :class:`~btbctl.engine.replication.registration.AnnouncementError`."""
+
     def save_tuned(self) -> str | None:
         """Record the constants and policy held now (the run directory's ``tuned.json``); the path, or None when
         nothing is recorded. Raises OSError when the record cannot be written."""
@@ -111,6 +123,8 @@ class ControlApi:
     @web.middleware
     async def middleware(self, request: web.Request, handler):
         write = request.method not in ("GET", "HEAD", "OPTIONS")
+        if request.path == REGISTER_PATH and request.method == "POST":
+            return await handler(request)  # signed by the agent's node key instead (checked by the handler)
         if (write or not self.open_reads) and not self.steering.check_token(request.headers.get("Authorization")):
             token = "wrong" if request.headers.get("Authorization") else "no"
             ok, held = self.limiter.allow(f"denied:{token}")
@@ -311,6 +325,32 @@ class ControlApi:
 
     # -- events -------------------------------------------------------------------------------------------------
 
+    async def register_agent(self, request: web.Request) -> web.Response:
+        """``POST /control/agents``: a node agent announces itself (signed, not the bearer token)."""
+        cl = request.content_length
+        if cl is not None and cl > MAX_CONTROL_BODY:
+            return _err(413, f"a body of {cl} bytes exceeds the limit of {MAX_CONTROL_BODY} bytes")
+        body = await request.read()
+        if len(body) > MAX_CONTROL_BODY:
+            return _err(413, f"a body of {len(body)} bytes exceeds the limit of {MAX_CONTROL_BODY} bytes")
+        try:
+            answer = self.steering.register_agent(body, request.headers.get(SIGNATURE_HEADER))
+        except AnnouncementError as e:
+            if e.status in (401, 403):
+                ok, held = self.limiter.allow(f"agent_denied:{e.status}")
+                if ok:
+                    log_event(
+                        log,
+                        "agent_registration_denied",
+                        logging.WARNING,
+                        peer=request.remote,
+                        status=e.status,
+                        error=str(e),
+                        repeats_held=held or None,
+                    )
+            return _err(e.status, str(e))
+        return _ok(AgentRegistrationAnswer(**answer))
+
     async def events(self, request: web.Request) -> web.StreamResponse:
         bus = self.bus
         if bus.subscribers >= bus.max_subscribers:
@@ -388,4 +428,5 @@ def build_control_app(
     r.add_post("/control/flush", api.flush)
     r.add_get("/control/replications/{prefix}", api.replications)
     r.add_get("/control/events", api.events)
+    r.add_post(REGISTER_PATH, api.register_agent)
     return app

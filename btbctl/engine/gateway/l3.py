@@ -61,6 +61,7 @@ from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyState, cop
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
+from btbctl.engine.logfmt import log_event
 
 log = logging.getLogger(__name__)
 
@@ -244,13 +245,120 @@ class L3Replicator(CopyExecutor):
         self._pins: dict[tuple[str, Hashable], int] = {}
         self._ordered: OrderedDict[str, None] = OrderedDict()  # copy ids of the pushes this gateway ordered
         self._jobs = 0
-        self._agent_jobs: dict[int, int] = {}
+        self._agent_jobs: dict[str, int] = {}  # jobs in flight from or to each agent, by name
         self.proofs = {"proved": 0, "short": 0, "failed": 0, "computed": 0}
+        n = len(state.workers)
+        if not self.worker_agents:
+            self.worker_agents = [-1] * n
+        if len(self.worker_agents) != n:
+            raise ValueError(f"worker_agents names {len(self.worker_agents)} agents for {n} workers")
+        #: agent index by name (indices stay stable: a dropped agent that registers again gets its old one back)
+        self._index = {a["name"]: i for i, a in enumerate(self.agents)}
+        #: registered agents' expiry (the state's clock), by name; the static ones of the config never expire
+        self._expires: dict[str, float] = {}
+        self._static = set(self._index)
 
     # -- eligibility ---------------------------------------------------------------------------------------------
 
     def agent_of(self, r: int) -> dict:
+        """Worker ``r``'s node agent (``{"name", "control_url", "peer_addr"}``); only for a worker that has one."""
         return self.agents[self.worker_agents[r]]
+
+    def has_agent(self, r: int) -> bool:
+        """Whether worker ``r`` has a node agent now (static, or registered and not dropped)."""
+        return 0 <= r < len(self.worker_agents) and self.worker_agents[r] >= 0
+
+    def agent_names(self) -> list[str | None]:
+        """Each worker's node agent by name (None: none now), in worker order."""
+        return [self.agents[a]["name"] if a >= 0 else None for a in self.worker_agents]
+
+    # -- agents that register --------------------------------------------------------------------------------------
+
+    def pinned(self, r: int, name: str) -> bool:
+        """Whether worker ``r`` belongs to an agent of the settings other than ``name``: a registration cannot take it
+        (the settings' map, which ``btbctl up`` writes from where it started each worker, is authoritative; a node's
+        credentials let it register only as itself, not move another node's workers to it)."""
+        a = self.worker_agents[r]
+        return a >= 0 and self.agents[a]["name"] in self._static and self.agents[a]["name"] != name
+
+    def register(
+        self, name: str, control_url: str, peer_addr: str, workers: Sequence[int], ttl_s: float, **fields: object
+    ) -> bool:
+        """Record agent ``name``'s announcement: it serves the workers of indices ``workers`` (they leave the agent
+        they had, unless :meth:`pinned` to an agent of the settings), at ``control_url`` / ``peer_addr``, until
+        ``ttl_s`` seconds from now (the state's clock) unless it announces again. A re-registration replaces the
+        previous one: workers it no longer names lose their agent. Logs one ``agent_registered`` line (old and new)
+        when anything changed; returns whether it did. ``fields`` (``node``, ...) go into that line."""
+        now = self.state.clock()
+        new = {"name": name, "control_url": control_url, "peer_addr": peer_addr}
+        i = self._index.get(name)
+        if i is None:
+            i = self._index[name] = len(self.agents)
+            self.agents.append(new)
+            old: dict | None = None
+        else:
+            old = self.agents[i]
+            self.agents[i] = new
+        if name not in self._static:
+            self._expires[name] = now + ttl_s
+        before = [r for r, a in enumerate(self.worker_agents) if a == i]
+        moved: dict[int, str] = {}
+        serves = {r for r in workers if not self.pinned(r, name)}
+        for r, a in enumerate(self.worker_agents):
+            if r in serves:
+                if a >= 0 and a != i:
+                    moved[r] = self.agents[a]["name"]
+                self.worker_agents[r] = i
+            elif a == i:
+                self.worker_agents[r] = -1
+        after = [r for r, a in enumerate(self.worker_agents) if a == i]
+        same = old is not None and old == new and before == after and not moved
+        if same:
+            return False
+        names = lambda rs: ",".join(self.state.workers[r].name for r in rs) or None
+        log_event(
+            log,
+            "agent_registered",
+            logging.INFO,
+            agent=name,
+            old_control_url=old and old["control_url"],
+            control_url=control_url,
+            old_peer=old and old["peer_addr"],
+            peer=peer_addr,
+            old_workers=names(before),
+            workers=names(after),
+            taken_from=",".join(f"{self.state.workers[r].name}:{a}" for r, a in moved.items()) or None,
+            ttl_s=ttl_s,
+            **fields,
+        )
+        return True
+
+    def expire(self) -> list[str]:
+        """Drop the registered agents whose announcement ran out (the state's clock): their workers lose their agent
+        (no copies to or from them; a copy in flight through one is not proved). One ``agent_dropped`` line each;
+        returns their names."""
+        now = self.state.clock()
+        gone = [n for n, t in self._expires.items() if t <= now]
+        for name in gone:
+            del self._expires[name]
+            i = self._index[name]
+            lost = [r for r, a in enumerate(self.worker_agents) if a == i]
+            for r in lost:
+                self.worker_agents[r] = -1
+            log_event(
+                log,
+                "agent_dropped",
+                logging.WARNING,
+                agent=name,
+                old_workers=",".join(self.state.workers[r].name for r in lost) or None,
+                workers=None,
+                reason="no announcement within its ttl",
+            )
+        return gone
+
+    def next_expiry(self) -> float | None:
+        """When the next registered agent runs out (the state's clock), or None."""
+        return min(self._expires.values(), default=None)
 
     def _usable(self, r: int) -> bool:
         ws = self.state.workers
@@ -259,7 +367,7 @@ class L3Replicator(CopyExecutor):
     def accepts_copies(self, r: int) -> bool:
         """Whether worker ``r`` can send or receive an l3 copy now (the policies' ``accepts_copies``): healthy, with
         a node agent. A stock SGLang server qualifies: its pages move between agents, not through BTB routes."""
-        return self._usable(r) and 0 <= self.worker_agents[r] < len(self.agents)
+        return self._usable(r) and self.has_agent(r)
 
     def excluded(self, target: int, key: Hashable) -> bool:
         until = self._excluded.get((target, key))
@@ -280,6 +388,9 @@ class L3Replicator(CopyExecutor):
             return "source unhealthy"
         if not self._usable(target):
             return "target unhealthy"
+        for what, r in (("source", source), ("target", target)):
+            if not self.has_agent(r):
+                return f"the {what} has no node agent (none registered it)"
         tw = self.state.workers[target]
         if tw.held_blocks(chain) >= len(chain):
             return "target already holds the prefix"
@@ -290,9 +401,9 @@ class L3Replicator(CopyExecutor):
         if self._jobs >= self.max_copies:
             return f"{self._jobs} l3 copies in flight, the fleet's limit (l3_max_copies)"
         for r in (source, target):
-            a = self.worker_agents[r]
+            a = self.agent_of(r)["name"]
             if self._agent_jobs.get(a, 0) >= self.max_copies_per_agent:
-                return f"agent {self.agents[a]['name']} has {self.max_copies_per_agent} copies in flight (its limit)"
+                return f"agent {a} has {self.max_copies_per_agent} copies in flight (its limit)"
         if self.prefix_tokens.get(list(chain), self.page_size()) is None:
             return "the prefix's token ids are no longer known (needed for the warm-up)"
         return None
@@ -305,7 +416,7 @@ class L3Replicator(CopyExecutor):
         t.ready = asyncio.get_running_loop().create_future()
         t.path = (self.agent_of(source)["name"], self.agent_of(target)["name"])
         self._jobs += 1
-        for a in {self.worker_agents[source], self.worker_agents[target]}:
+        for a in set(t.path):
             self._agent_jobs[a] = self._agent_jobs.get(a, 0) + 1
         return t
 
@@ -319,9 +430,9 @@ class L3Replicator(CopyExecutor):
         """
         chain = tuple(chain)
         ws = self.state.workers
-        cands = [w.index for w in ws if self._usable(w.index)]
+        cands = [w.index for w in ws if self.accepts_copies(w.index)]
         if not cands:
-            raise ReplicateError(409, "no healthy worker")
+            raise ReplicateError(409, "no healthy worker with a node agent")
         holders = [r for r in cands if ws[r].held_blocks(chain) >= len(chain)]
         if not holders:
             for r in cands:
@@ -346,7 +457,7 @@ class L3Replicator(CopyExecutor):
 
     def _finish(self, t: Transfer, state: CopyState, event: str, reason: str | None = None, **fields: object) -> None:
         self._jobs -= 1
-        for a in {self.worker_agents[t.source], self.worker_agents[t.target]}:
+        for a in set(t.path or ()):
             n = self._agent_jobs.get(a, 0) - 1
             if n > 0:
                 self._agent_jobs[a] = n
@@ -903,6 +1014,15 @@ class L3Replicator(CopyExecutor):
                 raise AgentCallError(f"agent {agent['name']}: no provenance for namespace {ns}")
         return nss
 
+    def _agent_changed(self, t: Transfer) -> str | None:
+        """Why ``t`` cannot count any more because its source's or target's node agent was dropped or replaced by
+        another during the copy (nothing is marked warm then), or None."""
+        path = t.path or ("", "")
+        for what, r, name in (("source", t.source, path[0]), ("target", t.target, path[1])):
+            if not self.has_agent(r) or self.agent_of(r)["name"] != name:
+                return f"the {what}'s node agent {name} was dropped or replaced during the copy"
+        return None
+
     async def _prove(self, t: Transfer, agent: dict, keys: list, group: list[str], loads: _Loads) -> str | tuple | None:
         ps = self.page_size()
         t0 = time.monotonic()
@@ -914,6 +1034,9 @@ class L3Replicator(CopyExecutor):
         covered = len(t.chain) * ps
         warm_s = round(time.monotonic() - t0, 6)
         outcome = loads.outcome(covered)
+        gone = self._agent_changed(t)
+        if gone is not None:
+            return gone
         if outcome is CopyOutcome.PROVED:
             self.state.copy_measures.proved(self.state.clock() - (t.landed_s or self.state.clock()))
             self._done(t, loads.warmups)

@@ -174,7 +174,9 @@ class Reports:
         mode = getattr(self.src, "replication_mode", "push")
         agents = getattr(self.src, "worker_agent_names", None)
         agent = agents[w.index] if agents else None
-        if mode == "l3":
+        if mode == "l3" and agent is None:
+            possible, note = False, "l3: no node agent serves it now (none registered it): no copies to or from it"
+        elif mode == "l3":
             possible = w.healthy
             note = f"l3: HiCache L3 tier in node agent {agent}; copies proved by a warm-up"
         elif mode == "none":

@@ -27,12 +27,14 @@ configured; then the health prober checks every worker every ``health_interval_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import random
 import secrets
 import signal
+import time
 from collections.abc import Callable, Sequence
 
 import aiohttp
@@ -93,6 +95,8 @@ DEFAULT_PAGE_SIZE = 256
 #: asyncio's own loop (see :func:`run_gateway`). A product choice: running out of 16,384 descriptors takes about
 #: 10,000 simultaneous client connections; the limits where that happens in the field are the low ones (1,024).
 UVLOOP_MIN_NOFILE = 1 << 14
+#: Seconds between checks for registered node agents whose announcement ran out (a drop comes at most this late).
+AGENT_EXPIRY_CHECK_S = 1.0
 
 
 def load_token(config: GatewayConfig) -> str:
@@ -179,6 +183,11 @@ class Gateway:
         self.replication_mode = config.replication
         #: l3: the prompts' token ids and SGLang page keys (None in the other modes)
         self.l3_prompts: L3Prompts | None = None
+        #: l3: the agents' fleet secret (``agent_secret_file``), which registrations are checked against
+        self._agent_secret: bytes | None = None
+        self._expiry_task: asyncio.Task | None = None
+        #: Unix time, for the freshness of agent registrations (injectable in tests)
+        self.wall_clock: Callable[[], float] = time.time
         #: the executor of copy plans, by replication mode (:data:`EXECUTORS`)
         self.replicator: CopyExecutor = EXECUTORS[config.replication](self, config)
         self.state.copy_capable = self.replicator.accepts_copies
@@ -235,6 +244,8 @@ class Gateway:
         copies go through the node agents with a warm-up proof (:mod:`~btbctl.engine.gateway.l3`)."""
         token = config.agent_token
         tokens = None
+        if token is None and config.agent_token_file:
+            token = _read_or_create_token(config.agent_token_file, "agent_token_file")
         if config.agent_secret_file:
             from btbctl.engine.replication.credentials import control_token
 
@@ -244,9 +255,9 @@ class Gateway:
                 raise ConfigError(
                     "agent_secret_file", f"cannot read {config.agent_secret_file}: {getattr(e, 'strerror', None) or e}"
                 ) from None
-            tokens = {a.name: control_token(secret, a.name) for a in config.agents}
-        elif token is None and config.agent_token_file:
-            token = _read_or_create_token(config.agent_token_file, "agent_token_file")
+            self._agent_secret = secret
+            if token is None:
+                tokens = {a.name: control_token(secret, a.name) for a in config.agents}
         self.l3_prompts = L3Prompts(lambda: self.session, self.state, config.tokenize_timeout_s)
         return L3Replicator(
             self.state,
@@ -281,12 +292,68 @@ class Gateway:
         return self.policy.name
 
     @property
-    def worker_agent_names(self) -> list[str] | None:
-        """l3: the node agent of each worker (by name); None in other modes."""
-        cfg = self.config
-        if cfg.replication != "l3":
-            return None
-        return [cfg.agents[i].name for i in cfg.worker_agents]
+    def worker_agent_names(self) -> list[str | None] | None:
+        """l3: the node agent of each worker (by name; None: it has none now); None in other modes."""
+        rep = self.replicator
+        return rep.agent_names() if isinstance(rep, L3Replicator) else None
+
+    def register_agent(self, body: bytes, signature: str | None) -> dict:
+        """Take a node agent's announcement (``POST /control/agents``,
+        :mod:`~btbctl.engine.replication.registration`): verified against the fleet secret, its worker URLs matched
+        to this gateway's workers, recorded by the l3 executor. Returns ``{"agent", "workers": [names],
+        "unknown_workers": [urls], "pinned_workers": [urls], "ttl_s", "changed"}``.
+
+        Raises:
+            AnnouncementError: 404 when this gateway takes no registrations (not l3, or no ``agent_secret_file``),
+                else as :func:`~btbctl.engine.replication.registration.verify`.
+        """
+        from btbctl.engine.replication.credentials import control_token
+        from btbctl.engine.replication.registration import AnnouncementError, verify
+
+        rep = self.replicator
+        if not isinstance(rep, L3Replicator) or self._agent_secret is None:
+            raise AnnouncementError(
+                "this gateway takes no agent registrations (replication l3 with agent_secret_file)", 404
+            )
+        ann = verify(body, signature, self._agent_secret, self.wall_clock())
+        by_url = {w.url: w.index for w in self.state.workers}
+        mine = [by_url[u] for u in ann.workers if u in by_url and not rep.pinned(by_url[u], ann.agent)]
+        pinned = [u for u in ann.workers if u in by_url and rep.pinned(by_url[u], ann.agent)]
+        unknown = [u for u in ann.workers if u not in by_url]
+        if rep.token is None:
+            rep.tokens[ann.agent] = control_token(self._agent_secret, ann.agent)
+        changed = rep.register(
+            ann.agent,
+            ann.control_url,
+            ann.peer_addr,
+            mine,
+            ann.ttl_s,
+            node=ann.node,
+            unknown_workers=",".join(unknown) or None,
+            pinned_workers=",".join(pinned) or None,
+        )
+        if changed:
+            self.bus.mark("fleet")
+        return {
+            "agent": ann.agent,
+            "workers": [self.state.workers[r].name for r in mine],
+            "unknown_workers": unknown,
+            "pinned_workers": pinned,
+            "ttl_s": ann.ttl_s,
+            "changed": changed,
+        }
+
+    async def _expire_agents(self) -> None:
+        """Drop registered agents whose announcement ran out: at the next one's expiry, and at least every
+        :data:`AGENT_EXPIRY_CHECK_S`."""
+        rep = self.replicator
+        assert isinstance(rep, L3Replicator)
+        while True:
+            due = rep.next_expiry()
+            wait = AGENT_EXPIRY_CHECK_S if due is None else due - self.clock()
+            await asyncio.sleep(min(AGENT_EXPIRY_CHECK_S, max(0.01, wait)))
+            if rep.expire():
+                self.bus.mark("fleet")
 
     def next_request_id(self) -> str:
         self._request_seq += 1
@@ -722,6 +789,8 @@ class Gateway:
         self.bus.age("ttft", self._ttft_in_window)
         self.bus.start()
         self.prober.start()
+        if isinstance(self.replicator, L3Replicator) and self._agent_secret is not None:
+            self._expiry_task = asyncio.create_task(self._expire_agents())
         if cfg.metrics_interval_s > 0:
             self.scraper.start()
         log_event(
@@ -826,6 +895,10 @@ class Gateway:
         for runner in reversed(self._runners):
             await runner.cleanup()
         self._runners.clear()
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry_task
         await self.prober.stop()
         await self.scraper.stop()
         await self.replicator.close()

@@ -746,16 +746,21 @@ def _python(spec: WorkerSpec) -> str:
 L3_BACKEND = {"backend_name": "btb", "module_path": "btbctl.sglang_l3", "class_name": "BtbL3Store", "interface_v1": 1}
 
 
-def l3_extra_config(agent_socket: str, timeout_s: float, prefetch_threshold: int) -> str:
+def l3_extra_config(agent_socket: str, timeout_s: float, prefetch_threshold: int, worker_url: str | None = None) -> str:
     """The ``--hicache-storage-backend-extra-config`` JSON of a worker whose node agent listens on
     ``agent_socket``: btbctl's backend (:data:`L3_BACKEND`), its socket and call bound, and SGLang's
-    ``prefetch_threshold`` (compact JSON, keys in that order)."""
+    ``prefetch_threshold`` (compact JSON, keys in that order); with ``worker_url``, the URL the gateway knows the
+    worker by (its store names it to the agent, which announces it to the gateway)."""
     d = dict(L3_BACKEND)
     d.update(agent_socket=agent_socket, timeout_s=float(timeout_s), prefetch_threshold=int(prefetch_threshold))
+    if worker_url is not None:
+        d["worker_url"] = worker_url
     return json.dumps(d, separators=(",", ":"))
 
 
-def hicache_args(cluster: ClusterFile, spec: WorkerSpec, entry: int, agent_socket: str) -> list[str]:
+def hicache_args(
+    cluster: ClusterFile, spec: WorkerSpec, entry: int, agent_socket: str, worker_url: str | None = None
+) -> list[str]:
     """SGLang's HiCache flags of a worker in ``l3`` mode (SGLANG.md "Worker flags"), whose node agent listens on
     ``agent_socket``::
 
@@ -764,7 +769,8 @@ def hicache_args(cluster: ClusterFile, spec: WorkerSpec, entry: int, agent_socke
         --hicache-storage-backend-extra-config JSON --kv-cache-dtype D --enable-cache-report
 
     (``--page-size``, ``--tp-size``, ``--served-model-name`` and ``--enable-metrics`` are in the worker's line
-    already.) Raises :class:`ConfigError` when ``--hicache-size`` cannot be sized."""
+    already; ``worker_url``: see :func:`l3_extra_config`.) Raises :class:`ConfigError` when ``--hicache-size``
+    cannot be sized."""
     rep = cluster.replication
     return [
         "--enable-hierarchical-cache",
@@ -779,7 +785,7 @@ def hicache_args(cluster: ClusterFile, spec: WorkerSpec, entry: int, agent_socke
         "--hicache-storage-backend",
         "dynamic",
         "--hicache-storage-backend-extra-config",
-        l3_extra_config(agent_socket, rep.store_timeout_s, rep.prefetch_threshold),
+        l3_extra_config(agent_socket, rep.store_timeout_s, rep.prefetch_threshold, worker_url),
         "--kv-cache-dtype",
         spec.kv_cache_dtype,
         "--enable-cache-report",

@@ -18,7 +18,7 @@ from btbctl.engine.costmodel import DEFAULT_MAX_RUNNING, DEFAULT_MEM_FRACTION, M
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.netaddr import is_loopback as _is_loopback
-from btbctl.sglang_l3.config import load_extra_config, parse_extra_config, split_consumed
+from btbctl.sglang_l3.config import load_extra_config, parse_extra_config, split_consumed, worker_url_of
 
 #: Smallest block in the emulated store, bytes (so that a scaled-down block still carries a meaningful payload).
 MIN_BLOCK_BYTES = 64
@@ -169,6 +169,8 @@ class StorageSettings:
     prefetch_threshold: int
     prefetch_timeout_base: float
     prefetch_timeout_per_ki_token: float
+    worker_url: str | None = None
+    """The URL the gateway knows this worker by (the extra config's ``worker_url``), named in the agent's hello."""
 
 
 def check_settings(cfg: WorkerConfig) -> StorageSettings | None:
@@ -201,6 +203,7 @@ def check_settings(cfg: WorkerConfig) -> StorageSettings | None:
     consumed, rest = split_consumed(extra)
     try:
         sock, timeout_s, v1 = parse_extra_config(rest)
+        worker_url = worker_url_of(rest)
     except ValueError as e:
         raise ConfigError("hicache_storage_backend_extra_config", str(e)) from None
     threshold = consumed["prefetch_threshold"]
@@ -209,6 +212,7 @@ def check_settings(cfg: WorkerConfig) -> StorageSettings | None:
             "hicache_storage_backend_extra_config", f"prefetch_threshold must be an integer >= 0, got {threshold!r}"
         )
     return StorageSettings(
+        worker_url=worker_url,
         agent_socket=sock,
         timeout_s=timeout_s,
         interface_v1=v1,

@@ -142,7 +142,10 @@ class L3Tier:
         self.settings = settings
         self.namespaces = namespaces
         self.page_bytes = namespaces[0].page_bytes
-        self.clients = [AgentClient(settings.agent_socket, settings.timeout_s, ns.describe()) for ns in namespaces]
+        self.clients = [
+            AgentClient(settings.agent_socket, settings.timeout_s, ns.describe(), settings.worker_url)
+            for ns in namespaces
+        ]
         self.ns_ids = [ns.ns_id for ns in namespaces]
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -182,7 +185,7 @@ class L3Tier:
 
         for c in self.clients:
             try:
-                c.conn()
+                c.hold()  # open for the worker's life: the agent announces this worker while it is connected
             except AgentUnavailable as e:
                 self._fail("hello", e)
                 return
