@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import struct
 import time
 
 import pytest
@@ -15,6 +14,8 @@ from agent_helpers import SECRET, start_agent, wait_for
 from btbctl.engine.agent.events import format_event
 from btbctl.engine.agent.pages import ALIGN_BYTES, PageStore
 from btbctl.engine.agent.peer import (
+    AUTH_LABEL,
+    PROTOCOL_VERSION,
     Conn,
     PeerError,
     PeerService,
@@ -23,6 +24,7 @@ from btbctl.engine.agent.peer import (
     fanout_plan,
     server_auth,
 )
+from btbctl.engine.replication.wire import FRAME_HEAD, KIND_JSON, ClientHandshake
 from btbctl.sglang_l3.keys import page_keys
 
 PAGE = 4 * ALIGN_BYTES
@@ -128,8 +130,7 @@ def test_garbage_before_authentication_is_cut_off(nodes):
     host, port = dst.addr.split(":")
     s = socket.create_connection((host, int(port)))
     s.settimeout(5)
-    s.recv(4096)  # the challenge
-    s.sendall(struct.pack(">BI", ord("J"), 1 << 30))  # a frame far beyond the pre-auth bound
+    s.sendall(FRAME_HEAD.pack(KIND_JSON, 1 << 30))  # a frame far beyond the pre-auth bound
     assert s.recv(4096) == b""  # closed
     wait_for(lambda: dst.lines("auth_failed"), 5, "auth_failed line")
     assert "exceeds 4096" in dst.lines("auth_failed")[0]
@@ -137,7 +138,7 @@ def test_garbage_before_authentication_is_cut_off(nodes):
 
 
 @pytest.mark.parametrize(
-    "fault,reason", [(SendFaults(corrupt_wire=2), "xxh3_64 mismatch"), (SendFaults(truncate=1), "bytes where")]
+    "fault,reason", [(SendFaults(corrupt_wire=2), "xxh3_64 digest mismatch"), (SendFaults(truncate=1), "bytes where")]
 )
 def test_forged_or_truncated_page_is_refused_and_only_the_pages_verified_before_it_are_served(nodes, fault, reason):
     src = nodes("src", faults=fault)
@@ -551,7 +552,7 @@ def test_deeply_nested_json_before_authentication_is_one_refusal(nodes):
         h, p = dst.addr.split(":")
         s = socket.create_connection((h, int(p)))
         body = b"[" * 2000 + b"]" * 2000
-        s.sendall(struct.pack(">BI", ord("J"), len(body)) + body)
+        s.sendall(FRAME_HEAD.pack(KIND_JSON, len(body)) + body)
         wait_for(lambda: bool(dst.lines("auth_failed")), 5, "auth_failed")
         s.close()
     finally:
@@ -588,7 +589,7 @@ def test_a_port_probe_is_not_a_failed_authentication(nodes):
     socket.create_connection((h, int(p))).close()
     s = socket.create_connection((h, int(p)))
     s.sendall(b"J\x00")
-    s.shutdown(socket.SHUT_WR)  # end of file after half a frame (a plain close may reset: the agent's hello unread)
+    s.shutdown(socket.SHUT_WR)  # end of file after half a frame
     s.settimeout(5)
     while s.recv(4096):  # until the agent closes
         pass
@@ -730,8 +731,9 @@ def _metered(node: Node):
 def _auth_with_mac(node: Node, mac_value: object) -> bytes:
     h, p = node.addr.split(":")
     conn = Conn(socket.create_connection((h, int(p))), 5.0)
+    conn.send_json(ClientHandshake(AUTH_LABEL, PROTOCOL_VERSION).hello(agent="intruder"))
     assert conn.recv_json()["op"] == "challenge"
-    conn.send_json({"op": "auth", "nonce": "a" * 32, "agent": "intruder", "mac": mac_value})
+    conn.send_json({"op": "auth", "mac": mac_value})
     conn.sock.settimeout(5)
     rest = conn.sock.recv(4096)
     conn.close()
@@ -757,7 +759,8 @@ def test_a_target_answering_with_a_non_ascii_mac_fails_the_copy_as_an_authentica
     src.fill(names)
 
     def hostile_target(conn: Conn) -> None:
-        conn.send_json({"op": "challenge", "v": 1, "nonce": "b" * 32, "agent": "hostile"})
+        conn.recv_json()  # the source's hello
+        conn.send_json({"op": "challenge", "nonce": "b" * 32, "agent": "hostile"})
         conn.recv_json()  # the source's auth
         conn.send_json({"op": "auth_ok", "mac": "é" * 64})
         with contextlib.suppress(PeerError, OSError):

@@ -20,8 +20,9 @@ import pytest
 from agent_helpers import SECRET, wait_for
 from btbctl.engine import netguard
 from btbctl.engine.agent.pages import PageStore
-from btbctl.engine.agent.peer import Conn, PeerService, client_auth
+from btbctl.engine.agent.peer import AUTH_LABEL, PROTOCOL_VERSION, Conn, PeerService, client_auth
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
+from btbctl.engine.replication.wire import ClientHandshake, json_frame
 from gateway_fakes import start_fleet, stop_fleet
 
 ROOT = Path(__file__).resolve().parent.parent / "btbctl"
@@ -65,8 +66,9 @@ def node():
 
 
 def _open(port: int) -> socket.socket:
-    """A connection that read the copy port's challenge (so it was accepted) and then sends nothing."""
+    """A connection that said hello and read the copy port's challenge (so it was accepted), then sends nothing."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(json_frame(ClientHandshake(AUTH_LABEL, PROTOCOL_VERSION).hello(agent="idle")))
     assert s.recv(1) == b"J"
     return s
 

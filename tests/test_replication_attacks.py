@@ -11,9 +11,9 @@ import socket
 import struct
 
 import pytest
-import xxhash
 
 from btbctl.engine import hashing
+from btbctl.engine.replication.wire import ChannelError, FrameConn, json_frame, page_digest, page_frame_head
 from test_worker_support import authorized_push, start_workers, wait_for
 
 PAGE = 256
@@ -61,32 +61,30 @@ def _v1_announce(worker, copy_id: str, chain: list[str], block_bytes: int) -> so
     return s
 
 
-def _v2_hello(worker, copy_id: str, blocks: int, block_bytes: int) -> socket.socket:
+def _hello(worker, copy_id: str, blocks: int, block_bytes: int) -> socket.socket:
     s = _connect(worker)
-    hello = json.dumps(
-        {"copy_id": copy_id, "blocks": blocks, "block_bytes": block_bytes, "nonce": secrets.token_hex(16)}
-    ).encode()
-    s.sendall(struct.pack(">4sHHI", b"BTBK", 2, 0, len(hello)) + hello)
+    nonce = secrets.token_hex(16)
+    s.sendall(
+        json_frame(
+            {"op": "hello", "v": 3, "copy_id": copy_id, "blocks": blocks, "block_bytes": block_bytes, "nonce": nonce}
+        )
+    )
     return s
 
 
-def _line(s: socket.socket) -> dict:
-    buf = b""
-    while not buf.endswith(b"\n"):
-        chunk = s.recv(1)
-        if not chunk:
-            break
-        buf += chunk
-    return json.loads(buf) if buf else {}
+def _reply(s: socket.socket) -> dict:
+    """The target's next frame ({} when it hung up)."""
+    try:
+        return FrameConn(s, 10.0).recv_json()
+    except ChannelError:
+        return {}
 
 
 def _forge_blocks(s: socket.socket, chain: list[str], block_bytes: int) -> None:
     """Every block, correct in content and digest: all a forger needs is the public hash."""
     for k, h in enumerate(chain):
         data = hashing.block_payload(h, block_bytes)
-        hb = h.encode()
-        s.sendall(struct.pack(">IB", k, len(hb)) + hb + struct.pack(">IQ", len(data), xxhash.xxh3_64_intdigest(data)))
-        s.sendall(data)
+        s.sendall(page_frame_head(k, len(data), page_digest(data)) + data)
 
 
 def test_forged_sender_never_makes_a_prefix_cached(fleet):
@@ -96,19 +94,18 @@ def test_forged_sender_never_makes_a_prefix_cached(fleet):
     chain = hashing.chain_hashes(ids, PAGE)
     # the old unauthenticated wire, 64 forged blocks
     s = _v1_announce(b, "forged-1", chain, bb)
-    if _line(s).get("ok"):
+    assert _reply(s).get("op") == "refuse"
+    with contextlib.suppress(OSError):  # the target hung up
         _forge_blocks(s, chain, bb)
-        _line(s)
     s.close()
     # the current wire under a copy id the gateway really authorized (ids are public), with a guessed proof
     st, _ = b.post("/btb/expect", {"chain": chain, "copy_id": "forged-2", "token": secrets.token_hex(32)})
-    s = _v2_hello(b, "forged-2", len(chain), bb)
-    ch = _line(s)
-    if ch.get("ok"):
-        proof = json.dumps({"mac": "0" * 64}).encode()
-        s.sendall(struct.pack(">I", len(proof)) + proof)
-        ans = _line(s)
-        assert ans.get("ok") is False and "authentication failed" in ans["error"]
+    s = _hello(b, "forged-2", len(chain), bb)
+    ch = _reply(s)
+    if ch.get("op") == "challenge":
+        s.sendall(json_frame({"op": "auth", "mac": "0" * 64}))
+        ans = _reply(s)
+        assert ans.get("op") == "refuse" and "authentication failed" in ans["error"]
         with contextlib.suppress(OSError):  # the target hung up
             _forge_blocks(s, chain, bb)
     s.close()
@@ -128,12 +125,12 @@ def test_announce_and_stall_reserves_nothing_and_holds_no_request(fleet):
     chain = hashing.chain_hashes(ids, PAGE)
     stalls = [_v1_announce(b, "huge-1", chain, bb)]
     try:
-        _line(stalls[0])
+        _reply(stalls[0])
         assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
         # an expected copy (its id is public) announced by someone without the token, then silence
         b.post("/btb/expect", {"chain": chain[:8], "copy_id": "stall-2", "token": secrets.token_hex(32)})
-        stalls.append(_v2_hello(b, "stall-2", 8, bb))
-        assert _line(stalls[-1]).get("ok") is True  # challenged, nothing reserved yet
+        stalls.append(_hello(b, "stall-2", 8, bb))
+        assert _reply(stalls[-1]).get("op") == "challenge"  # challenged, nothing reserved yet
         assert b.post("/btb/match", {"chain": chain})[1] == {"cached_blocks": 0, "pending_blocks": 0}
         assert b.post("/btb/match", {"chain": warm})[1]["cached_blocks"] == 4  # nothing evicted
         # a request for the announced prompt is not held waiting for blocks that never come
@@ -173,11 +170,11 @@ def test_duplicate_copy_id_does_not_fail_the_real_copy(fleet):
     assert st == 202
     wait_for(lambda: (c := _copy(b, "dup-1")) and c["blocks_verified"] >= 3)
     # a third party reuses the id (read from /btb/copies) on both wires
-    intruders = [_v1_announce(b, "dup-1", chain, bb), _v2_hello(b, "dup-1", len(chain), bb)]
-    answers = [_line(x) for x in intruders]
+    intruders = [_v1_announce(b, "dup-1", chain, bb), _hello(b, "dup-1", len(chain), bb)]
+    answers = [_reply(x) for x in intruders]
     for x in intruders:
         x.close()
-    assert all(ans.get("ok") is not True or "nonce" in ans for ans in answers)
+    assert all(ans.get("op") != "auth_ok" for ans in answers)
     rec = _copy(b, "dup-1")
     assert rec["state"] == "running" and rec["error"] is None, rec
     assert b.post("/btb/match", {"chain": chain})[1]["pending_blocks"] == 100

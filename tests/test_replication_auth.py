@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 
 import pytest
 
@@ -15,6 +14,7 @@ from btbctl.engine.replication.auth import AuthError, CopyAuth, Expectations, ma
 from btbctl.engine.replication.rdma import RdmaTransport
 from btbctl.engine.replication.tcp import TcpTransport
 from btbctl.engine.replication.transport import TransferError
+from btbctl.engine.replication.wire import AsyncFrames, ClientHandshake, page_frame_head
 from test_replication_rdma import FakeDevice, _pairs
 from test_replication_tcp import BLOCK, Sink, _blocks, _chain, _send, handshake, receiving
 
@@ -68,8 +68,10 @@ def test_expectations_expire_on_the_clock_and_are_used_once():
 
 
 def test_the_agents_handshake_uses_the_same_mac_primitive():
-    secret = b"s" * 16
-    assert peer._mac(secret, b"client", b"n") == mac(secret, b"btbctl-agent-auth-v1", b"client", b"n")
+    key, n_s = b"s" * 32, "ab" * 16
+    hs = ClientHandshake(peer.AUTH_LABEL, peer.PROTOCOL_VERSION)
+    want = mac(key, b"btbctl-agent-auth-v2", b"client", n_s.encode(), hs.nonce.encode(), b"src", b"dst")
+    assert hs.proof(n_s, key, ("src", "dst")) == want
 
 
 async def test_wrong_token_unexpected_copy_and_duplicate_are_refused_and_logged(caplog):
@@ -109,8 +111,8 @@ async def test_an_authorized_copy_that_trickles_is_cut_at_its_deadline(caplog):
         sink, idle_timeout_s=30.0, clock=clock, deadline_base_s=10.0, deadline_per_block_s=0.0
     ) as addr:
         r, w, ans = await handshake(addr, CopyAuth(addr.authorize("slow", chain), "slow", chain, BLOCK))
-        assert ans["ok"] is True and sink.begun == ["slow"]
-        head = struct.pack(">IB", 0, len(chain[0])) + chain[0].encode()
+        assert ans["op"] == "auth_ok" and sink.begun == ["slow"]
+        head = page_frame_head(0, BLOCK, 0)
         for byte in head[:4]:  # fragments, each well within the idle timeout
             w.write(bytes([byte]))
             await w.drain()
@@ -120,10 +122,10 @@ async def test_an_authorized_copy_that_trickles_is_cut_at_its_deadline(caplog):
         w.write(head[4:5])
         await w.drain()
         await _until(lambda: "slow" in sink.failed, "copy cut at its deadline")
-        reply = await asyncio.wait_for(r.readline(), 5)
+        reply = await asyncio.wait_for(AsyncFrames(r.readexactly, w.write).recv_json(), 5)
         w.close()
     assert "deadline passed after 0 of 2 blocks" in sink.failed["slow"] and "slow" not in sink.committed
-    assert b"deadline passed" in reply
+    assert reply["op"] == "refuse" and "deadline passed" in reply["error"]
     assert any(
         x.getMessage().startswith("event=transfer_timed_out copy_id=slow peer=127.0.0.1:") for x in caplog.records
     )

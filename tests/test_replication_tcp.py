@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import struct
 
 import pytest
 
@@ -16,6 +14,7 @@ from btbctl.engine.replication import TRANSPORTS, make_transport
 from btbctl.engine.replication.auth import CopyAuth, new_token
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import CopyRefused, TransferError, parse_address
+from btbctl.engine.replication.wire import FRAME_HEAD, KIND_JSON, AsyncFrames, json_frame
 
 BLOCK = 256
 
@@ -91,16 +90,15 @@ async def handshake(addr: str, auth: CopyAuth) -> tuple[asyncio.StreamReader, as
     """A raw connection through the handshake with ``auth``; returns the streams and the target's last answer."""
     host, port = parse_address(addr)
     r, w = await asyncio.open_connection(host, port)
-    hello = json.dumps(auth.hello()).encode()
-    w.write(struct.pack(">4sHHI", b"BTBK", 2, 0, len(hello)) + hello)
+    frames = AsyncFrames(r.readexactly, w.write)
+    frames.send_json(auth.hello())
     await w.drain()
-    ch = json.loads(await r.readline())
-    if not ch["ok"]:
+    ch = await frames.recv_json()
+    if ch["op"] != "challenge":
         return r, w, ch
-    proof = json.dumps({"mac": auth.proof(ch["nonce"])}).encode()
-    w.write(struct.pack(">I", len(proof)) + proof)
+    frames.send_json(auth.challenge(ch))
     await w.drain()
-    return r, w, json.loads(await r.readline())
+    return r, w, await frames.recv_json()
 
 
 async def test_copy_arrives_verified_and_committed():
@@ -187,24 +185,24 @@ async def test_garbage_and_oversized_headers_get_error_replies():
         r, w = await asyncio.open_connection(host, port)
         w.write(payload)
         await w.drain()
-        line = await asyncio.wait_for(r.readline(), 5)
+        rep = await asyncio.wait_for(AsyncFrames(r.readexactly, w.write).recv_json(), 5)
         w.close()
-        return json.loads(line)
+        return rep
+
+    def hello(**kw) -> bytes:
+        return json_frame({"op": "hello", "v": 3, "copy_id": "x", "blocks": 1, "block_bytes": BLOCK, **kw})
 
     sink = Sink()
     async with receiving(sink) as addr:
         a = await raw(addr, b"GET / HTTP/1.1\r\n\r\n")
-        b = await raw(addr, struct.pack(">4sHHI", b"BTBK", 2, 0, 1 << 30))
-        c = await raw(addr, struct.pack(">4sHHI", b"BTBK", 9, 0, 10))
-        hdr = b"[1, 2, 3]"
-        d = await raw(addr, struct.pack(">4sHHI", b"BTBK", 2, 0, len(hdr)) + hdr)
-        hdr = json.dumps({"copy_id": "x", "blocks": 1, "block_bytes": BLOCK, "nonce": "not-hex"}).encode()
-        e = await raw(addr, struct.pack(">4sHHI", b"BTBK", 2, 0, len(hdr)) + hdr)
-        hdr = json.dumps({"copy_id": "x", "chain": _chain(1), "block_bytes": BLOCK}).encode()
-        f = await raw(addr, struct.pack(">4sHHI", b"BTBK", 1, 0, len(hdr)) + hdr)  # the unauthenticated version 1
-    assert "bad magic" in a["error"] and "outside" in b["error"] and "version 9" in c["error"]
-    assert "JSON object" in d["error"] and "hex" in e["error"] and "version 1" in f["error"]
-    assert all(x["ok"] is False for x in (a, b, c, d, e, f)) and not sink.begun
+        b = await raw(addr, FRAME_HEAD.pack(KIND_JSON, 1 << 30))
+        c = await raw(addr, hello(v=9, nonce="ab" * 16))
+        d = await raw(addr, FRAME_HEAD.pack(KIND_JSON, 9) + b"[1, 2, 3]")
+        e = await raw(addr, hello(nonce="not-hex"))
+        f = await raw(addr, hello(v=2, nonce="ab" * 16))  # the previous wire version
+    assert "control frame" in a["error"] and "exceeds 4096" in b["error"] and "version 9" in c["error"]
+    assert "JSON object" in d["error"] and "hex" in e["error"] and "version 2" in f["error"]
+    assert all(x["op"] == "refuse" for x in (a, b, c, d, e, f)) and not sink.begun
 
 
 async def test_silent_sender_times_out_and_is_discarded():
@@ -213,7 +211,7 @@ async def test_silent_sender_times_out_and_is_discarded():
 
     async with receiving(sink, idle_timeout_s=0.5) as addr:
         r, w, ans = await handshake(addr, CopyAuth(addr.authorize("quiet", chain), "quiet", chain, BLOCK))
-        assert ans["ok"] is True
+        assert ans["op"] == "auth_ok"
         for _ in range(400):
             if "quiet" in sink.failed:
                 break

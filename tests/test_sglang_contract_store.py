@@ -127,7 +127,7 @@ def test_a_forged_page_is_refused_and_b_loads_only_the_pages_verified_before_it(
     try:
         wf.produce(seq, seed=11)
         rec = _copy(forger, node_b, "c-forged", keys, namespaces=[wf.backend.ns_id])
-        assert rec["state"] == "failed" and "xxh3_64 mismatch" in rec["error"]
+        assert rec["state"] == "failed" and "xxh3_64 digest mismatch" in rec["error"]
         # the 5 pages ahead of the forged one verified and were committed as they came: B loads those, never the
         # forged page or any after it
         assert wb.prefetch(seq)[0] == 5 * CFG.page_size

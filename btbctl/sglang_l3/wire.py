@@ -1,9 +1,9 @@
 """Framing of the local protocol between :class:`~btbctl.sglang_l3.store.BtbL3Store` and its node's ``btbctl agent``.
 
-A Unix stream socket carries frames ``u32 length (big-endian) || UTF-8 JSON object``, one request and (for every
-request but ``release``) one reply. Page bytes never travel on the socket: the agent's arena is a memfd the agent
-passes with the ``hello`` reply (``SCM_RIGHTS``) and the store maps it. Requests (``ns`` = namespace id, ``keys`` =
-SGLang page keys, ``size`` = bytes of one page)::
+A Unix stream socket carries JSON frames (``J``, :mod:`btbctl.sglang_l3.frames`: the frame layout and limits every
+btbctl page protocol shares), one request and (for every request but ``release``) one reply. Page bytes never travel
+on the socket: the agent's arena is a memfd the agent passes with the ``hello`` reply (``SCM_RIGHTS``) and the store
+maps it. Requests (``ns`` = namespace id, ``keys`` = SGLang page keys, ``size`` = bytes of one page)::
 
     hello   {"ns": {namespace description} | null}      -> {"ok", "arena_id", "arena_bytes", "ns_id"} + fd
     exists  {"ns", "keys"}                               -> {"ok", "n"}   leading run of ready pages
@@ -17,25 +17,29 @@ Errors are ``{"ok": false, "error": str}``. Only the standard library is used he
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 
-_LEN = struct.Struct(">I")
-#: Largest local frame, bytes (a batch of 128 keys is about 10 KB; a has() of a 1M-token prefix at page size 1 is
+from btbctl.sglang_l3.frames import (
+    FRAME_HEAD,
+    MAX_JSON_BYTES,
+    FrameError,
+    check_json_head,
+    json_frame,
+    parse_json_body,
+)
+
+#: Largest local frame, bytes: the shared JSON frame limit (a has() of a 1M-token prefix at page size 1 would be
 #: about 70 MB, beyond what the store sends: its batches are at most SGLang's STORAGE_BATCH_SIZE = 128 pages,
 #: ``srt/mem_cache/hicache_storage.py:25``).
-MAX_FRAME_BYTES = 16 << 20
+MAX_FRAME_BYTES = MAX_JSON_BYTES
 
 
-class WireError(Exception):
+class WireError(FrameError):
     """A malformed or oversized frame, or a closed connection."""
 
 
-def encode(obj: dict) -> bytes:
-    """One frame."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    return _LEN.pack(len(body)) + body
+#: One frame carrying a JSON object.
+encode = json_frame
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -53,24 +57,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def decode_body(body: bytes) -> dict:
     """Parse one frame body. Raises :class:`WireError`."""
     try:
-        obj = json.loads(body)
-    except ValueError:
-        raise WireError("malformed frame (not JSON)") from None
-    if not isinstance(obj, dict):
-        raise WireError("frame must be a JSON object")
-    return obj
+        return parse_json_body(body)
+    except FrameError as e:
+        raise WireError(str(e)) from None
 
 
 def recv_frame(sock: socket.socket, prefix: bytes = b"") -> dict:
     """Read one frame (blocking, under the socket's timeout). ``prefix``: bytes of it already read. Raises
     :class:`WireError`, ``socket.timeout`` or OSError."""
-    head = prefix[:4]
-    if len(head) < 4:
-        head += _recv_exact(sock, 4 - len(head))
-    (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME_BYTES:
-        raise WireError(f"frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
-    rest = prefix[4 : 4 + n]
+    hs = FRAME_HEAD.size
+    head = prefix[:hs]
+    if len(head) < hs:
+        head += _recv_exact(sock, hs - len(head))
+    try:
+        n = check_json_head(*FRAME_HEAD.unpack(head), MAX_FRAME_BYTES)
+    except FrameError as e:
+        raise WireError(str(e)) from None
+    rest = prefix[hs : hs + n]
     body = rest + (_recv_exact(sock, n - len(rest)) if len(rest) < n else b"")
     return decode_body(body)
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from btbctl.engine.agent.pages import NoRoom, PageStore
 from btbctl.engine.copies import write_origin
 from btbctl.sglang_l3.config import worker_url_ok
+from btbctl.sglang_l3.frames import MAX_PAGE_BYTES
 from btbctl.sglang_l3.keys import NAMESPACE_ID_CHARS, Namespace, is_page_key
 from btbctl.sglang_l3.wire import WireError, encode, recv_frame
 
@@ -31,8 +32,6 @@ LOCAL_RESERVATION_MAX_AGE_S = 60.0
 #: Most keys in one local request (SGLang's batches are at most 128 pages, ``hicache_storage.py:25``; prefetch
 #: existence checks go in the same batches).
 MAX_LOCAL_KEYS = 4096
-#: Largest page accepted from a local store, bytes (Llama-3.3-70B, page 256 tokens, TP1, bf16: 80 MiB).
-MAX_PAGE_BYTES = 1 << 30
 #: Most local connections at once (each SGLang rank opens one per storage thread).
 MAX_LOCAL_CONNECTIONS = 256
 

@@ -1,17 +1,17 @@
 """Agent-to-agent page copies over TCP: authentication, the copy protocol, fan-out, bounds and deadlines.
 
-Wire (one copy per connection; integers big-endian). Every frame is ``u8 kind | u32 length | body``:
-kind ``J`` = a UTF-8 JSON object, kind ``P`` = a page: ``u32 index | u64 xxh3_64(payload) | payload``.
+Wire: the frames and the handshake of :mod:`btbctl.engine.replication.wire` (one copy per connection; ``J`` = a JSON
+frame, ``P`` = a page frame ``u32 index | u64 xxh3_64(payload) | payload``).
 
-1. **Authentication first** (mutual HMAC-SHA256 challenge-response over the link key of the two agents' ids,
-   :mod:`~btbctl.engine.replication.credentials`: a node's credentials let it speak only as itself; nothing else is read
-   before it succeeds, pre-auth frames are at most :data:`MAX_PREAUTH_BYTES` and must arrive within
+1. **Authentication first** (the shared mutual HMAC-SHA256 challenge-response, under the link key of the two agents'
+   ids, :mod:`~btbctl.engine.replication.credentials`: a node's credentials let it speak only as itself; nothing
+   else is read before it succeeds, pre-auth frames are at most :data:`MAX_PREAUTH_BYTES` and must arrive within
    :data:`AUTH_TIMEOUT_S`)::
 
-       target -> source  J {"op": "challenge", "v": 1, "nonce": n_t, "agent": id_t}
-       source -> target  J {"op": "auth", "nonce": n_s, "agent": id_s,
-                            "mac": HMAC(link(id_s, id_t), "client" | n_t | n_s | id_s | id_t)}
-       target -> source  J {"op": "auth_ok", "mac": HMAC(link(id_s, id_t), "server" | n_s | n_t | id_t | id_s)}
+       source -> target  J {"op": "hello", "v": 2, "nonce": n_s, "agent": id_s}
+       target -> source  J {"op": "challenge", "nonce": n_t, "agent": id_t}
+       source -> target  J {"op": "auth", "mac": HMAC(link(id_s, id_t), label | "client" | n_t | n_s | id_s | id_t)}
+       target -> source  J {"op": "auth_ok", "mac": HMAC(link(id_s, id_t), label | "server" | n_s | n_t | id_s | id_t)}
 
    A failed check closes the connection with one ``auth_failed`` log line; the source checks the target's MAC too.
 2. **Offer**: ``J {"op": "offer", "copy_id", "token", "names": [...], "sizes": [...], "children": [...]}``. The
@@ -42,11 +42,9 @@ carrying every replica. :func:`fanout_plan` builds ``chain``, ``tree`` (binary) 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -54,13 +52,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-import xxhash
-
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, aligned_bytes
 from btbctl.engine.copies import CopyState, copy_origin
-from btbctl.engine.replication.auth import mac, macs_equal
 from btbctl.engine.replication.credentials import MAX_AGENT_ID_CHARS, Credentials
 from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address
+from btbctl.engine.replication.wire import (
+    KIND_JSON,
+    KIND_PAGE,
+    MAX_COPY_PAGES,
+    MAX_PAGE_BYTES,
+    MAX_PREAUTH_BYTES,
+    PAGE_HEAD,
+    ChannelError,
+    ClientHandshake,
+    DigestMismatch,
+    FrameConn,
+    HandshakeError,
+    PageChannel,
+    ServerHandshake,
+    check_page,
+    connect_channel,
+    macs_equal,
+)
 
 #: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
 #: of ``corrupt_wire=K`` (flip a byte of page K after its digest: the target's check must catch it),
@@ -83,21 +96,10 @@ class SendFaults(FaultSpec):
 
 log = logging.getLogger("btbctl.agent")
 
-PROTOCOL_VERSION = 1
-_HEAD = struct.Struct(">BI")
-_PAGE = struct.Struct(">IQ")
-KIND_JSON = ord("J")
-KIND_PAGE = ord("P")
-#: Largest frame before authentication, bytes.
-MAX_PREAUTH_BYTES = 4096
+#: Version of the agents' handshake (the ``v`` of its hello).
+PROTOCOL_VERSION = 2
 #: Seconds a peer has to authenticate.
 AUTH_TIMEOUT_S = 5.0
-#: Largest JSON frame after authentication, bytes (an offer of 65,536 names of 81 characters is about 6 MB).
-MAX_JSON_BYTES = 16 << 20
-#: Most pages in one copy (65,536 pages of 64 tokens = 4M tokens, beyond any context).
-MAX_COPY_PAGES = 1 << 16
-#: Largest page, bytes.
-MAX_PAGE_BYTES = 1 << 30
 #: Copy deadline = DEADLINE_BASE_S + bytes / MIN_RATE_BYTES_PER_S (a product choice: kernel TCP moves ~1 GB/s,
 #: REFERENCE.md s6; a copy slower than 50 MB/s is stuck or hostile).
 DEADLINE_BASE_S = 10.0
@@ -126,7 +128,8 @@ DEFAULT_EXPECT_TTL_S = 300.0
 MAX_EXPECTS = 100_000
 #: Copy records kept for progress queries.
 MAX_RECORDS = 4096
-_AUTH_LABEL = b"btbctl-agent-auth-v1"
+#: Label of the agents' handshake MACs (a version bump changes every MAC).
+AUTH_LABEL = b"btbctl-agent-auth-v2"
 
 
 def copy_deadline_s(total_bytes: int, stream_s: float = 0.0) -> float:
@@ -135,173 +138,54 @@ def copy_deadline_s(total_bytes: int, stream_s: float = 0.0) -> float:
     return DEADLINE_BASE_S + total_bytes / MIN_RATE_BYTES_PER_S + min(max(0.0, stream_s), MAX_STREAM_S)
 
 
-class PeerError(Exception):
-    """A protocol violation, refusal or I/O failure on a peer connection (one line)."""
-
-
-def _mac(secret: bytes, *parts: bytes) -> str:
-    return mac(secret, _AUTH_LABEL, *parts)
-
-
-# -- frame I/O ------------------------------------------------------------------------------------------------
-
-
-class Conn:
-    """A blocking peer socket with an idle timeout and an optional deadline (monotonic seconds).
-
-    The idle timeout is the kernel's (``SO_RCVTIMEO``/``SO_SNDTIMEO``) on a blocking socket: each ``recv``/``send`` is
-    one system call, without the poll round trips of a Python-level socket timeout. The deadline is checked before
-    every receive call and before every send."""
-
-    def __init__(self, sock: socket.socket, idle_timeout_s: float) -> None:
-        self.sock = sock
-        sock.settimeout(None)
-        self.deadline: float | None = None
-        self._hbuf = bytearray(_HEAD.size)
-        self._pbuf = bytearray(_PAGE.size)
-        self.idle_timeout_s = idle_timeout_s
-        #: bytes received so far (0: the peer has sent nothing yet)
-        self.received = 0
-
-    @property
-    def idle_timeout_s(self) -> float:
-        return self._idle
-
-    @idle_timeout_s.setter
-    def idle_timeout_s(self, t: float) -> None:
-        self._idle = t
-        sec = int(t)
-        tv = struct.pack("ll", sec, int((t - sec) * 1e6))
-        with contextlib.suppress(OSError):
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-    def _check_deadline(self) -> None:
-        if self.deadline is not None and time.monotonic() > self.deadline:
-            raise PeerError("copy deadline passed")
-
-    def recv_into(self, view: memoryview) -> None:
-        got, n = 0, len(view)
-        recv = self.sock.recv_into
-        while got < n:
-            self._check_deadline()
-            try:
-                k = recv(view[got:])
-            except (TimeoutError, BlockingIOError):
-                raise PeerError(f"peer idle for {self._idle} s ({got} of {n} bytes of a frame)") from None
-            if k == 0:
-                raise PeerError(f"connection closed ({got} of {n} bytes of a frame)")
-            got += k
-            self.received += k
-
-    def recv_head(self) -> tuple[int, int]:
-        self.recv_into(memoryview(self._hbuf))
-        return _HEAD.unpack(self._hbuf)
-
-    def recv_json(self, max_bytes: int = MAX_JSON_BYTES) -> dict:
-        kind, n = self.recv_head()
-        if kind != KIND_JSON:
-            raise PeerError(f"expected a control frame, got kind {kind}")
-        return self.json_body(n, max_bytes)
-
-    def json_body(self, n: int, max_bytes: int = MAX_JSON_BYTES) -> dict:
-        if n > max_bytes:
-            raise PeerError(f"control frame of {n} bytes exceeds {max_bytes}")
-        buf = bytearray(n)
-        self.recv_into(memoryview(buf))
-        try:
-            obj = json.loads(buf)
-        except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
-            raise PeerError("malformed control frame") from None
-        if not isinstance(obj, dict):
-            raise PeerError("control frame must be a JSON object")
-        return obj
-
-    def recv_page_head(self) -> tuple[int, int]:
-        self.recv_into(memoryview(self._pbuf))
-        return _PAGE.unpack(self._pbuf)
-
-    def _sendall(self, data) -> None:
-        self._check_deadline()
-        try:
-            self.sock.sendall(data)
-        except (TimeoutError, BlockingIOError):
-            raise PeerError(f"peer did not take data for {self._idle} s") from None
-
-    def send_json(self, obj: dict) -> None:
-        body = json.dumps(obj, separators=(",", ":")).encode()
-        self._sendall(_HEAD.pack(KIND_JSON, len(body)) + body)
-
-    def send_page(self, index: int, data: memoryview, digest: int) -> None:
-        head = _HEAD.pack(KIND_PAGE, _PAGE.size + len(data)) + _PAGE.pack(index, digest)
-        self._check_deadline()
-        try:
-            sent = self.sock.sendmsg([head, data])  # one system call for the header and (most of) the page
-        except (TimeoutError, BlockingIOError):
-            raise PeerError(f"peer did not take data for {self._idle} s") from None
-        if sent < len(head):
-            self._sendall(head[sent:])
-            sent = len(head)
-        if sent - len(head) < len(data):
-            self._sendall(data[sent - len(head) :])
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+#: A protocol violation, refusal or I/O failure on a peer connection (one line).
+PeerError = ChannelError
+#: The agents' page channel on a TCP socket.
+Conn = FrameConn
 
 
 def _creds(secret: bytes | Credentials, agent_id: str) -> Credentials:
     return secret if isinstance(secret, Credentials) else Credentials.from_fleet_secret(secret, agent_id)
 
 
-def client_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
+def client_auth(conn: PageChannel, secret: bytes | Credentials, agent_id: str) -> str:
     """Authenticate to a target (we push) with the link key of this node and the target's id (``secret``: this
     node's :class:`~btbctl.engine.replication.credentials.Credentials`, or the fleet secret). Returns the target's agent
     id. Raises :class:`PeerError`."""
     creds = _creds(secret, agent_id)
+    hs = ClientHandshake(AUTH_LABEL, PROTOCOL_VERSION)
+    conn.send_json(hs.hello(agent=agent_id))
     ch = conn.recv_json(MAX_PREAUTH_BYTES)
-    if ch.get("op") != "challenge" or ch.get("v") != PROTOCOL_VERSION:
-        raise PeerError(f"not a btbctl agent (protocol version {ch.get('v')!r}, this agent speaks {PROTOCOL_VERSION})")
-    n_t, id_t = str(ch.get("nonce", "")), str(ch.get("agent", ""))
+    id_t = str(ch.get("agent", ""))
     key = creds.as_sender(id_t)
     if key is None:
         raise PeerError(f"target failed authentication: this node holds no key for agent {id_t[:128]!r}")
-    n_s = secrets.token_hex(16)
-    conn.send_json(
-        {
-            "op": "auth",
-            "nonce": n_s,
-            "agent": agent_id,
-            "mac": _mac(key, b"client", n_t.encode(), n_s.encode(), agent_id.encode(), id_t.encode()),
-        }
-    )
-    ok = conn.recv_json(MAX_PREAUTH_BYTES)
-    want = _mac(key, b"server", n_s.encode(), n_t.encode(), id_t.encode(), agent_id.encode())
-    if ok.get("op") != "auth_ok" or not macs_equal(ok.get("mac"), want):
-        raise PeerError("target failed authentication (different fleet secret, or not the agent it claims to be?)")
+    try:
+        conn.send_json(hs.answer(ch, key, (agent_id, id_t)))
+        hs.confirm(conn.recv_json(MAX_PREAUTH_BYTES))
+    except HandshakeError as e:
+        why = "different fleet secret, or not the agent it claims to be?"
+        raise PeerError(f"target failed authentication ({why}): {e}") from None
     return id_t
 
 
-def server_auth(conn: Conn, secret: bytes | Credentials, agent_id: str) -> str:
+def server_auth(conn: PageChannel, secret: bytes | Credentials, agent_id: str) -> str:
     """Authenticate a connecting peer: it proves the link key of the id it claims (derived here from this node's
     key). Returns its agent id. Raises :class:`PeerError`."""
     creds = _creds(secret, agent_id)
-    n_t = secrets.token_hex(16)
-    conn.send_json({"op": "challenge", "v": PROTOCOL_VERSION, "nonce": n_t, "agent": agent_id})
-    a = conn.recv_json(MAX_PREAUTH_BYTES)
-    if a.get("op") != "auth":
-        raise PeerError("first frame was not an auth frame")
-    n_s, id_s = str(a.get("nonce", "")), str(a.get("agent", ""))
-    if not (16 <= len(n_s) <= 128) or not (1 <= len(id_s) <= MAX_AGENT_ID_CHARS):
-        raise PeerError("malformed auth frame")
+    hs = ServerHandshake(AUTH_LABEL, PROTOCOL_VERSION)
+    try:
+        id_s = str(hs.read_hello(conn.recv_json(MAX_PREAUTH_BYTES)).get("agent", ""))
+    except HandshakeError as e:
+        raise PeerError(f"not a btbctl agent: {e}") from None
+    if not 1 <= len(id_s) <= MAX_AGENT_ID_CHARS:
+        raise PeerError("malformed hello")
+    conn.send_json(hs.challenge(agent=agent_id))
     key = creds.as_target(id_s)
-    want = _mac(key, b"client", n_t.encode(), n_s.encode(), id_s.encode(), agent_id.encode())
-    if not macs_equal(a.get("mac"), want):
-        raise PeerError(f"bad MAC for agent {id_s!r} (not its node key, or a different fleet secret)")
-    conn.send_json(
-        {"op": "auth_ok", "mac": _mac(key, b"server", n_s.encode(), n_t.encode(), agent_id.encode(), id_s.encode())}
-    )
+    try:
+        conn.send_json(hs.verify(conn.recv_json(MAX_PREAUTH_BYTES), key, (id_s, agent_id)))
+    except HandshakeError:
+        raise PeerError(f"bad MAC for agent {id_s!r} (not its node key, or a different fleet secret)") from None
     return id_s
 
 
@@ -618,9 +502,10 @@ class _Verifier:
             except ValueError:  # the arena was released: the agent is stopping
                 self.error = "the page store closed (the agent is stopping)"
                 continue
-            got = xxhash.xxh3_64_intdigest(data)
-            if got != digest:
-                self.error = f"page {i} ({self.names[i]}): xxh3_64 mismatch (corrupted or forged)"
+            try:
+                check_page(i, self.names[i], data, digest)
+            except DigestMismatch as e:
+                self.error = str(e)
                 if self.event is not None:  # counted in btbctl_agent_pages_refused_total{reason="digest_mismatch"}
                     self.event(
                         "page_refused",
@@ -631,7 +516,7 @@ class _Verifier:
                             "index": i,
                             "reason": "digest_mismatch",
                             "sent_digest": f"{digest:016x}",
-                            "digest": f"{got:016x}",
+                            "digest": f"{e.digest:016x}",
                         },
                     )
                 continue
@@ -695,6 +580,8 @@ class PeerService:
             half the arena).
         max_peer_bytes: most arena bytes reserved for one peer's copies at once (counted as ``max_copy_bytes``;
             default: half the arena).
+        connect: opens the :class:`~btbctl.engine.replication.wire.PageChannel` an outbound copy goes through,
+            ``(host, port, connect_timeout_s, idle_timeout_s)``; raises :class:`PeerError` (default: TCP).
     """
 
     def __init__(
@@ -714,6 +601,7 @@ class PeerService:
         auth_timeout_s: float = AUTH_TIMEOUT_S,
         max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
         max_per_peer: int = DEFAULT_MAX_PER_PEER,
+        connect: Callable[[str, int, float, float], PageChannel] = connect_channel,
     ) -> None:
         if isinstance(secret, bytes) and len(secret) < 16:
             raise ValueError("the fleet secret must be at least 16 bytes")
@@ -730,6 +618,7 @@ class PeerService:
         self.max_unauthenticated = max_unauthenticated
         self.max_per_peer = max_per_peer
         self.connect_timeout_s = connect_timeout_s
+        self.connect = connect
         self.max_copy_bytes = max_copy_bytes if max_copy_bytes is not None else store.arena_bytes // 2
         self.max_peer_bytes = max_peer_bytes if max_peer_bytes is not None else store.arena_bytes // 2
         self.faults = faults
@@ -740,7 +629,7 @@ class PeerService:
         self.peer_bytes: dict[str, int] = {}
         self.inbound = 0
         self.cancels: dict[str, threading.Event] = {}
-        self.live: dict[str, set[Conn]] = {}
+        self.live: dict[str, set[PageChannel]] = {}
         self.changed = threading.Condition()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
@@ -794,7 +683,7 @@ class PeerService:
         t.start()
         return t
 
-    def _track(self, copy_id: str, conn: Conn | None, add: bool) -> None:
+    def _track(self, copy_id: str, conn: PageChannel | None, add: bool) -> None:
         with self.lock:
             s = self.live.setdefault(copy_id, set())
             if conn is not None:
@@ -973,16 +862,11 @@ class PeerService:
     def _send_one(self, copy_id: str, src: PageSource, child: dict, rec: CopyRecord, cancel: threading.Event) -> None:
         addr = child["addr"]
         st = rec.targets[addr]
-        conn: Conn | None = None
+        conn: PageChannel | None = None
         total = sum(src.sizes)
         try:
             host, port = parse_address(addr)
-            try:
-                sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)
-            except OSError as e:
-                raise PeerError(f"cannot connect: {e}") from None
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn(sock, self.idle_timeout_s)
+            conn = self.connect(host, port, self.connect_timeout_s, self.idle_timeout_s)
             self._track(copy_id, conn, True)
             conn.deadline = time.monotonic() + AUTH_TIMEOUT_S
             client_auth(conn, self.secret, self.agent_id)
@@ -1017,7 +901,7 @@ class PeerService:
                 f = self.faults
                 if f is not None:
                     if f.close_after is not None and k >= f.close_after:
-                        conn.sock.close()
+                        conn.close()
                         raise PeerError(f"fault injection dropped the connection after {f.close_after} pages")
                     if f.corrupt_wire == i:
                         bad = bytearray(data)
@@ -1065,7 +949,7 @@ class PeerService:
                 conn.close()
                 self._track(copy_id, conn, False)
 
-    def _next_page(self, conn: Conn, src: PageSource, i: int) -> tuple[memoryview, int]:
+    def _next_page(self, conn: PageChannel, src: PageSource, i: int) -> tuple[memoryview, int]:
         """Page ``i`` of ``src`` once available. While a source that trails a prefill (or a relay's upstream) has
         not got it yet, a keep-alive frame goes to the receiver every :data:`KEEPALIVE_S`; the copy's deadline
         bounds the wait."""
@@ -1211,7 +1095,9 @@ class PeerService:
             self._forget(sock, addr)
             conn.close()
 
-    def _refuse(self, conn: Conn, copy_id: object, peer: str, reason: str, pages: int = 0, nbytes: int = 0) -> None:
+    def _refuse(
+        self, conn: PageChannel, copy_id: object, peer: str, reason: str, pages: int = 0, nbytes: int = 0
+    ) -> None:
         self.event(
             "copy_refused",
             {"copy_id": copy_id, "role": "target", "peer": peer, "pages": pages, "bytes": nbytes, "reason": reason},
@@ -1259,7 +1145,7 @@ class PeerService:
             exp.used = True
         return copy_id, names, sizes, children, exp, float(stream_s)
 
-    def _receive(self, conn: Conn, peer: str, peer_id: str, offer: dict) -> None:
+    def _receive(self, conn: PageChannel, peer: str, peer_id: str, offer: dict) -> None:
         try:
             copy_id, names, sizes, children, _exp, stream_s = self._check_offer(offer, peer_id)
         except PeerError as e:
@@ -1298,7 +1184,7 @@ class PeerService:
 
     def _receive_pages(
         self,
-        conn: Conn,
+        conn: PageChannel,
         peer: str,
         copy_id: str,
         names: list[str],
@@ -1364,7 +1250,7 @@ class PeerService:
                 if kind != KIND_PAGE:
                     raise PeerError(f"unknown frame kind {kind}")
                 index, digest = conn.recv_page_head()
-                size = n - _PAGE.size
+                size = n - PAGE_HEAD.size
                 if index != i:
                     raise PeerError(f"page {index} arrived where page {i} was due")
                 if size != sizes[i]:

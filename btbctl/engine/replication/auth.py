@@ -6,20 +6,23 @@ Only a copy the gateway authorized is received. For each copy the gateway mints 
 and the chain (``POST /btb/expect``, stored here as an :class:`Expected`), to the source with the push. The token
 never travels on the transfer connection; the sender proves it knows it:
 
+The handshake is the shared one of :mod:`btbctl.engine.replication.wire` (mutual HMAC challenge-response), with the
+token as key, :data:`COPY_AUTH_LABEL` as label and ``bind = (copy_id, chain digest, blocks, block_bytes)``:
+
 1. sender -> target ``hello``: ``{"copy_id", "blocks", "block_bytes", "nonce": n_s}`` (:meth:`CopyAuth.hello`);
-2. target -> sender: ``{"ok": true, "nonce": n_t}``, or a refusal (copy not expected, expired, already received,
-   another block count or size) -- nothing is reserved yet;
-3. sender -> target ``proof``: ``{"mac": HMAC(token, "sender" | n_t | n_s | copy_id | chain digest | blocks |
-   block_bytes)}`` (:func:`sender_mac`), checked in constant time; a wrong proof is refused and leaves the
-   expectation usable by the real sender;
-4. target -> sender: ``{"ok": true, "mac": HMAC(token, "target" | n_s | n_t | copy_id)}`` (:func:`target_mac`; the
-   sender checks it, so a target that does not know the token is not believed either). Only now does the target
-   claim the expectation (once: a second connection with the same copy id is refused without touching the first),
-   reserve room and count the blocks as arriving.
+2. target -> sender: the challenge with its nonce ``n_t``, or a refusal (copy not expected, expired, already
+   received, another block count or size) -- nothing is reserved yet;
+3. sender -> target: its proof ``HMAC(token, label | "client" | n_t | n_s | bind)`` (:meth:`CopyAuth.proof`),
+   checked in constant time (:meth:`Expectations.verify`); a wrong proof is refused and leaves the expectation
+   usable by the real sender;
+4. target -> sender: its proof ``HMAC(token, label | "server" | n_s | n_t | bind)`` (:meth:`Expectations.answer`;
+   the sender checks it, so a target that does not know the token is not believed either). Only now does the
+   target claim the expectation (once: a second connection with the same copy id is refused without touching the
+   first), reserve room and count the blocks as arriving.
 
 The chain digest (:func:`chain_digest`) binds the proof to exactly the chain and block count the gateway authorized;
-frames of any other chain are refused block by block. The HMAC primitive (:func:`mac`) is the one the node agents'
-fleet-secret handshake uses too (:mod:`btbctl.engine.agent.peer`).
+the target receives each block against the authorized chain. The node agents' fleet-secret handshake
+(:mod:`btbctl.engine.agent.peer`) is the same handshake under another label and key.
 """
 
 from __future__ import annotations
@@ -33,9 +36,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from btbctl.engine.replication.transport import TransferError, check_copy_id
+from btbctl.engine.replication.wire import (
+    CLIENT,
+    MAX_COPY_PAGES,
+    SERVER,
+    ClientHandshake,
+    HandshakeError,
+    check_nonce,
+    mac,
+    macs_equal,
+    new_nonce,
+    proof_mac,
+)
 
 #: Label mixed into every copy MAC (a version bump changes every MAC).
-COPY_AUTH_LABEL = b"btbctl-copy-auth-v1"
+COPY_AUTH_LABEL = b"btbctl-copy-auth-v2"
+#: Version of the copy handshake (the ``v`` of its hello).
+COPY_AUTH_VERSION = 3
 #: Default time an expectation waits for its sender, seconds (the source connects as soon as it gets the push).
 DEFAULT_EXPECT_TTL_S = 60.0
 #: Longest allowed expectation lifetime, seconds.
@@ -45,25 +62,18 @@ MAX_EXPECTED = 4096
 #: A claimed copy id is remembered this long after its expiry so it cannot be replayed, seconds.
 REPLAY_WINDOW_S = 600.0
 
-#: Most blocks in one authorized copy (as the TCP wire's limit).
-MAX_EXPECTED_BLOCKS = 1 << 16
 
 _HEX = re.compile(r"^[0-9a-f]+\Z")
 _HASH = re.compile(r"^[0-9a-f]{1,64}\Z")
 
 
-class AuthError(ValueError):
+class AuthError(HandshakeError):
     """A copy that is not authorized (unknown, expired, used, wrong proof) or a malformed authorization.
     ``status`` is the HTTP status a control API answers with."""
 
     def __init__(self, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.status = status
-
-
-def mac(key: bytes, label: bytes, *parts: bytes) -> str:
-    """HMAC-SHA256 (hex) of ``label | part | part ...`` joined with NUL bytes, under ``key``."""
-    return hmac.new(key, b"\0".join((label, *parts)), hashlib.sha256).hexdigest()
 
 
 def bearer_ok(header: str | None, token: str) -> bool:
@@ -75,19 +85,9 @@ def bearer_ok(header: str | None, token: str) -> bool:
     )
 
 
-def macs_equal(a: object, b: str) -> bool:
-    """Constant-time comparison of a received MAC (any JSON value) with the expected one."""
-    return isinstance(a, str) and hmac.compare_digest(a.encode("ascii", "replace"), b.encode("ascii"))
-
-
 def new_token() -> str:
     """A fresh per-copy token (256 random bits, hex)."""
     return secrets.token_hex(32)
-
-
-def new_nonce() -> str:
-    """A fresh handshake nonce (128 random bits, hex)."""
-    return secrets.token_hex(16)
 
 
 def check_token(token: object) -> str:
@@ -97,31 +97,14 @@ def check_token(token: object) -> str:
     return token
 
 
-def check_nonce(nonce: object) -> str:
-    """A nonce must be 32..128 lowercase hex digits. Raises :class:`AuthError`."""
-    if not isinstance(nonce, str) or not 32 <= len(nonce) <= 128 or not _HEX.match(nonce):
-        raise AuthError("nonce must be 32..128 lowercase hex digits")
-    return nonce
-
-
 def chain_digest(chain: Sequence[str]) -> str:
     """SHA-256 (hex) of the chain's block hashes, newline-separated."""
     return hashlib.sha256("\n".join(chain).encode("ascii", "replace")).hexdigest()
 
 
-def sender_mac(
-    token: str, copy_id: str, digest: str, blocks: int, block_bytes: int, target_nonce: str, sender_nonce: str
-) -> str:
-    """The sender's proof (step 3 of the module docstring)."""
-    parts = (target_nonce, sender_nonce, copy_id, digest, str(blocks), str(block_bytes))
-    return mac(token.encode(), COPY_AUTH_LABEL, b"sender", *(p.encode() for p in parts))
-
-
-def target_mac(token: str, copy_id: str, target_nonce: str, sender_nonce: str) -> str:
-    """The target's answer (step 4 of the module docstring)."""
-    return mac(
-        token.encode(), COPY_AUTH_LABEL, b"target", sender_nonce.encode(), target_nonce.encode(), copy_id.encode()
-    )
+def copy_bind(copy_id: str, digest: str, blocks: int, block_bytes: int) -> tuple[str, ...]:
+    """What both proofs of a copy's handshake are bound to."""
+    return (copy_id, digest, str(blocks), str(block_bytes))
 
 
 class CopyAuth:
@@ -134,7 +117,9 @@ class CopyAuth:
         self.blocks = len(chain)
         self.block_bytes = block_bytes
         self.digest = chain_digest(chain)
-        self.nonce = new_nonce()
+        self.handshake = ClientHandshake(COPY_AUTH_LABEL, COPY_AUTH_VERSION)
+        self.nonce = self.handshake.nonce
+        self.bind = copy_bind(copy_id, self.digest, self.blocks, block_bytes)
 
     @classmethod
     def for_copy(cls, token: str | None, copy_id: str, chain: Sequence[str], block_bytes: int) -> CopyAuth:
@@ -149,16 +134,23 @@ class CopyAuth:
 
     def hello(self) -> dict[str, object]:
         """Step 1: what the sender announces (no secret in it)."""
-        return {"copy_id": self.copy_id, "blocks": self.blocks, "block_bytes": self.block_bytes, "nonce": self.nonce}
+        return self.handshake.hello(copy_id=self.copy_id, blocks=self.blocks, block_bytes=self.block_bytes)
 
     def proof(self, target_nonce: object) -> str:
         """Step 3: the MAC answering the target's challenge. Raises :class:`AuthError` for a malformed nonce."""
-        n_t = check_nonce(target_nonce)
-        return sender_mac(self.token, self.copy_id, self.digest, self.blocks, self.block_bytes, n_t, self.nonce)
+        try:
+            return self.handshake.proof(target_nonce, self.token.encode(), self.bind)
+        except HandshakeError as e:
+            raise AuthError(str(e)) from None
+
+    def challenge(self, msg: dict) -> dict:
+        """Step 3 on the wire: the ``auth`` frame answering a ``challenge`` frame. Raises :class:`HandshakeError`."""
+        return self.handshake.answer(msg, self.token.encode(), self.bind)
 
     def target_ok(self, target_nonce: str, answer: object) -> bool:
-        """Step 4: whether the target's MAC shows it knows the token."""
-        return macs_equal(answer, target_mac(self.token, self.copy_id, target_nonce, self.nonce))
+        """Step 4: whether the target's MAC (for ``target_nonce``, the one :meth:`proof` answered) shows it knows
+        the token."""
+        return self.handshake.server_ok(answer)
 
 
 @dataclass
@@ -197,7 +189,10 @@ def parse_hello(obj: object) -> Hello:
         raise AuthError("hello.blocks must be a positive integer")
     if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes < 1:
         raise AuthError("hello.block_bytes must be a positive integer")
-    return Hello(copy_id, blocks, block_bytes, check_nonce(obj.get("nonce")))
+    try:
+        return Hello(copy_id, blocks, block_bytes, check_nonce(obj.get("nonce")))
+    except HandshakeError as e:
+        raise AuthError(str(e)) from None
 
 
 class Expectations:
@@ -232,8 +227,8 @@ class Expectations:
         proves it knows ``token``. Raises :class:`AuthError` (409 for an id already expected or used, 429 when full,
         400 for malformed values)."""
         tok = check_token(token)
-        if not chain or len(chain) > MAX_EXPECTED_BLOCKS:
-            raise AuthError(f"chain must have 1..{MAX_EXPECTED_BLOCKS} blocks")
+        if not chain or len(chain) > MAX_COPY_PAGES:
+            raise AuthError(f"chain must have 1..{MAX_COPY_PAGES} blocks")
         if not all(isinstance(h, str) and _HASH.match(h) for h in chain):
             raise AuthError("chain entries must be 1..64 lowercase hex digits")
         if not (isinstance(ttl_s, (int, float)) and not isinstance(ttl_s, bool) and 0 < ttl_s <= MAX_EXPECT_TTL_S):
@@ -269,9 +264,8 @@ class Expectations:
 
     def verify(self, exp: Expected, hello: Hello, target_nonce: str, proof: object) -> None:
         """Step 3: check the sender's MAC (constant time). Raises :class:`AuthError` on a wrong proof."""
-        want = sender_mac(
-            exp.token, exp.copy_id, exp.digest, len(exp.chain), hello.block_bytes, target_nonce, hello.nonce
-        )
+        bind = copy_bind(exp.copy_id, exp.digest, len(exp.chain), hello.block_bytes)
+        want = proof_mac(exp.token.encode(), COPY_AUTH_LABEL, CLIENT, target_nonce, hello.nonce, bind)
         if not macs_equal(proof, want):
             raise AuthError(f"copy {exp.copy_id}: authentication failed (wrong proof of the copy's token)", 403)
 
@@ -286,11 +280,13 @@ class Expectations:
 
     def answer(self, exp: Expected, hello: Hello, target_nonce: str) -> str:
         """Step 4: the target's MAC."""
-        return target_mac(exp.token, exp.copy_id, target_nonce, hello.nonce)
+        bind = copy_bind(exp.copy_id, exp.digest, len(exp.chain), hello.block_bytes)
+        return proof_mac(exp.token.encode(), COPY_AUTH_LABEL, SERVER, hello.nonce, target_nonce, bind)
 
 
 __all__ = [
     "COPY_AUTH_LABEL",
+    "COPY_AUTH_VERSION",
     "DEFAULT_EXPECT_TTL_S",
     "MAX_EXPECTED",
     "MAX_EXPECT_TTL_S",
@@ -300,6 +296,7 @@ __all__ = [
     "Expected",
     "Hello",
     "chain_digest",
+    "copy_bind",
     "check_nonce",
     "check_token",
     "mac",
@@ -307,6 +304,4 @@ __all__ = [
     "new_nonce",
     "new_token",
     "parse_hello",
-    "sender_mac",
-    "target_mac",
 ]

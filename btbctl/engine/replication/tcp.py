@@ -1,21 +1,18 @@
 """TCP transport: the source worker streams a prefix's KV blocks straight to the target worker's transfer port.
 
-Wire format (version 2; all integers big-endian; one copy per connection). Only a copy the gateway authorized is
-received: the sender proves it knows the copy's token (see :mod:`btbctl.engine.replication.auth`) before anything is
-reserved on the target::
+Wire: the frames and the handshake of :mod:`btbctl.engine.replication.wire` (one copy per connection). Only a copy
+the gateway authorized is received: the sender proves it knows the copy's token (key of the handshake, see
+:mod:`btbctl.engine.replication.auth`) before anything is reserved on the target::
 
-    sender -> target   preamble   4s magic b"BTBK" | u16 version (2) | u16 flags (0) | u32 hello_len
-                       hello      hello_len bytes (at most MAX_HELLO_BYTES) of UTF-8 JSON:
-                                  {"copy_id": str, "blocks": n, "block_bytes": int, "nonce": n_s}
-    target -> sender   challenge  one JSON line: {"ok": true, "nonce": n_t}
-                                  or {"ok": false, "error": str, "block": null}
-    sender -> target   proof      u32 proof_len | JSON {"mac": HMAC(token, "sender" | n_t | n_s | copy_id |
-                                  sha256(chain) | n | block_bytes)}
-    target -> sender   accept     one JSON line: {"ok": true, "mac": HMAC(token, "target" | n_s | n_t | copy_id)}
-                                  or {"ok": false, "error": str, "block": null}
-    sender -> target   n frames   u32 index | u8 hash_len | hash (ASCII) | u32 length | u64 xxh3_64(bytes) | bytes
-    target -> sender   reply      one JSON line: {"ok": true, "blocks_verified": n, "bytes": total}
-                                  or {"ok": false, "error": str, "block": k | null}
+    sender -> target   J {"op": "hello", "v": 3, "nonce": n_s, "copy_id": str, "blocks": n, "block_bytes": int}
+    target -> sender   J {"op": "challenge", "nonce": n_t}                      or a refusal
+    sender -> target   J {"op": "auth", "mac": HMAC(token, label | "client" | n_t | n_s | bind)}
+    target -> sender   J {"op": "auth_ok", "mac": HMAC(token, label | "server" | n_s | n_t | bind)}   or a refusal
+    sender -> target   n × P (u32 index | u64 xxh3_64(bytes) | bytes)
+    target -> sender   J {"op": "done", "blocks_verified": n, "bytes": total}   or a refusal
+
+with ``bind = copy_id | sha256(chain) | n | block_bytes`` and a refusal ``J {"op": "refuse", "error": str, "block":
+k | null}``.
 
 The target refuses at the challenge a copy it does not expect (the gateway's ``/btb/expect`` registers each copy's
 id, chain and token), an expired one, one already arriving or received, or one of another block count or size; and
@@ -23,24 +20,25 @@ at the proof a wrong MAC (compared in constant time). A refused connection never
 with the same id. Only after the proof verified is the expectation claimed (once), room reserved and the blocks
 counted as arriving (:meth:`CopySink.begin` with the *authorized* chain).
 
-The target checks every frame as it arrives: the index is the next one, the hash is ``chain[index]``, the length is
-its own block size, the xxh3_64 digest of the bytes matches (wire integrity), and then the sink's content check
-(the emulated worker compares the bytes with ``hashing.block_payload(hash, length)``). The first failure is
-answered with an error reply naming the block, and the connection is closed. Only after all ``n`` blocks
-verified does the target commit the chain (it becomes cached) and answer ``ok``. The target may also send an error
-reply at any time (the sender watches for it while streaming).
+The target checks every frame as it arrives: a page frame, the index is the next one, the length is its own block
+size, the xxh3_64 digest of the bytes matches (wire integrity), and then the sink's content check against the
+authorized ``chain[index]`` (the emulated worker compares the bytes with ``hashing.block_payload(hash, length)``).
+The first failure is answered with an error reply naming the block, and the connection is closed. Only after all
+``n`` blocks verified does the target commit the chain (it becomes cached) and answer ``done``. The target may also
+send an error reply at any time (the sender watches for it while streaming).
 
 Bounds and deadlines (against a hostile or stuck peer): a connection must finish the handshake within
-``auth_timeout_s`` of connecting, and at most ``max_unauthenticated`` connections may be in the handshake at once
-(a new one pushes the oldest out, so idle sockets cannot lock real senders out; they never count against the copy
-slots); at most ``max_connections`` authenticated copies at once, ``max_per_peer`` from one peer address; every
-copy must finish within its deadline ``deadline_base_s + blocks x deadline_per_block_s + bytes /
-min_rate_bytes_per_s`` after authentication (data arriving in fragments does not extend it) and may go quiet for at
-most ``idle_timeout_s``; a copy cut off or broken off leaves nothing warm. Header and proof at most
-:data:`MAX_HELLO_BYTES`; chain at most :data:`MAX_CHAIN_BLOCKS` blocks and the sink's ``max_blocks``; reply lines at
-most :data:`MAX_REPLY_BYTES`. Every state change of an inbound copy is one structured log line on the
-``btbctl.replication`` logger (``event=transfer_authorized|transfer_refused|transfer_timed_out|transfer_done|
-transfer_failed copy_id=... peer=... reason=...``).
+``auth_timeout_s`` of connecting, and at most ``max_unauthenticated`` connections may be in the handshake at once (a
+new one pushes the oldest out, so idle sockets cannot lock real senders out; they never count against the copy
+slots); at most ``max_connections`` authenticated copies at once, ``max_per_peer`` from one peer address; every copy
+must finish within its deadline ``deadline_base_s + blocks x deadline_per_block_s + bytes / min_rate_bytes_per_s``
+after authentication (data arriving in fragments does not extend it) and may go quiet for at most
+``idle_timeout_s``; a copy cut off or broken off leaves nothing warm. Handshake frames at most
+:data:`~btbctl.engine.replication.wire.MAX_PREAUTH_BYTES`; chain at most
+:data:`~btbctl.engine.replication.wire.MAX_COPY_PAGES` blocks and the sink's ``max_blocks``. Every state change of
+an inbound copy is one structured log line on the ``btbctl.replication`` logger
+(``event=transfer_authorized|transfer_refused|transfer_timed_out|transfer_done|transfer_failed copy_id=...
+peer=... reason=...``).
 
 Fault injection (tests only): :class:`FaultPlan`, given to :class:`TcpTransport` or read from the environment
 variable :data:`FAULT_ENV` (``BTBCTL_REPLICATION_FAULT``) by the worker, a comma-separated list of
@@ -54,20 +52,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
-import xxhash
-
 from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.logfmt import log_event
-from btbctl.engine.replication.auth import AuthError, CopyAuth, Expectations, Expected, Hello, new_nonce, parse_hello
+from btbctl.engine.replication.auth import (
+    COPY_AUTH_LABEL,
+    COPY_AUTH_VERSION,
+    AuthError,
+    CopyAuth,
+    Expectations,
+    Expected,
+    Hello,
+    parse_hello,
+)
 from btbctl.engine.replication.transport import (
     Blocks,
     CopyRefused,
@@ -77,24 +80,28 @@ from btbctl.engine.replication.transport import (
     check_copy_id,
     parse_address,
 )
-
-MAGIC = b"BTBK"
-VERSION = 2
-_PREAMBLE = struct.Struct(">4sHHI")
-_FRAME_HEAD = struct.Struct(">IB")
-_FRAME_TAIL = struct.Struct(">IQ")
-_LEN = struct.Struct(">I")
+from btbctl.engine.replication.wire import (
+    AUTH,
+    AUTH_OK,
+    FRAME_HEAD,
+    KIND_PAGE,
+    MAX_COPY_PAGES,
+    MAX_JSON_BYTES,
+    MAX_PAGE_BYTES,
+    MAX_PREAUTH_BYTES,
+    PAGE_HEAD,
+    REFUSE,
+    AsyncFrames,
+    DigestMismatch,
+    FrameError,
+    HandshakeError,
+    ServerHandshake,
+    check_page,
+    json_frame,
+    page_digest,
+)
 
 log = logging.getLogger("btbctl.replication")
-#: Largest hello and proof accepted, bytes (both are read before the sender is authenticated).
-MAX_HELLO_BYTES = 4096
-#: Most blocks in one copy: 65,536 pages of 256 tokens = 16.7M tokens, beyond any model's context.
-MAX_CHAIN_BLOCKS = 1 << 16
-#: Largest block accepted on the wire, bytes (Llama-3.3-70B at 256 tokens per page and full size is 80 MiB; the
-#: emulated worker's blocks are scaled down far below this).
-MAX_BLOCK_BYTES = 128 << 20
-#: Longest reply line, bytes.
-MAX_REPLY_BYTES = 64 << 10
 #: Seconds a connection has to authenticate (a handshake takes milliseconds on loopback and LAN).
 DEFAULT_AUTH_TIMEOUT_S = 5.0
 #: Connections in the handshake at once; a new one pushes the oldest out.
@@ -142,18 +149,8 @@ async def _iterate(blocks: Blocks):
             yield item
 
 
-def _reply(obj: dict) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
-
-
-def _parse_reply(line: bytes, target: str) -> dict:
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        raise TransferError(f"copy to {target}: malformed reply from target") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("ok"), bool):
-        raise TransferError(f"copy to {target}: malformed reply from target")
-    return obj
+def _refusal(error: str, block: int | None = None) -> dict:
+    return {"op": REFUSE, "error": error, "block": block}
 
 
 class TcpTransport:
@@ -199,8 +196,8 @@ class TcpTransport:
         host, port = parse_address(target)
         check_copy_id(copy_id)
         n = len(chain)
-        if not 1 <= n <= MAX_CHAIN_BLOCKS:
-            raise TransferError(f"copy {copy_id}: chain must have 1..{MAX_CHAIN_BLOCKS} blocks, got {n}")
+        if not 1 <= n <= MAX_COPY_PAGES:
+            raise TransferError(f"copy {copy_id}: chain must have 1..{MAX_COPY_PAGES} blocks, got {n}")
         it = _iterate(blocks).__aiter__()
         first: tuple[str, bytes] | None = None
         if block_bytes is None:
@@ -209,8 +206,8 @@ class TcpTransport:
             except StopAsyncIteration:
                 raise TransferError(f"copy {copy_id}: no blocks to send") from None
             block_bytes = len(first[1])
-        if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
-            raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_BLOCK_BYTES} bytes")
+        if not 1 <= block_bytes <= MAX_PAGE_BYTES:
+            raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_PAGE_BYTES} bytes")
         total = n * block_bytes
         auth = CopyAuth.for_copy(token, copy_id, chain, block_bytes)
         try:
@@ -219,21 +216,20 @@ class TcpTransport:
             raise TransferError(f"copy {copy_id}: cannot connect to {target}: {e or 'timed out'}") from None
         sent_blocks = 0
         final: asyncio.Task | None = None
+        frames = AsyncFrames(reader.readexactly, writer.write)
         try:
-            hello = json.dumps(auth.hello(), separators=(",", ":")).encode()
-            writer.write(_PREAMBLE.pack(MAGIC, VERSION, 0, len(hello)) + hello)
+            frames.send_json(auth.hello())
             await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            rep = await self._answer(reader, copy_id, target)
+            challenge = await self._answer(frames, copy_id, target)
             try:
-                proof = json.dumps({"mac": auth.proof(rep.get("nonce"))}).encode()
-            except AuthError:
+                frames.send_json(auth.challenge(challenge))
+            except HandshakeError:
                 raise TransferError(f"copy {copy_id}: malformed challenge from {target}") from None
-            writer.write(_LEN.pack(len(proof)) + proof)
             await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            acc = await self._answer(reader, copy_id, target)
-            if not auth.target_ok(rep["nonce"], acc.get("mac")):
+            acc = await self._answer(frames, copy_id, target)
+            if acc.get("op") != AUTH_OK or not auth.target_ok(challenge["nonce"], acc.get("mac")):
                 raise TransferError(f"copy {copy_id}: {target} failed authentication (it does not know the token)")
-            final = asyncio.ensure_future(reader.readline())
+            final = asyncio.ensure_future(frames.recv_json(MAX_JSON_BYTES))
             if on_accept is not None:
                 on_accept()
             item: tuple[str, bytes] | None = first
@@ -265,28 +261,26 @@ class TcpTransport:
                     )
                 if fault and fault.corrupt_content == k:
                     data = _flip(data)
-                digest = xxhash.xxh3_64_intdigest(data)
+                digest = page_digest(data)
                 if fault and fault.corrupt_wire == k:
                     data = _flip(data)
-                hb = h.encode("ascii")
-                writer.write(_FRAME_HEAD.pack(k, len(hb)) + hb + _FRAME_TAIL.pack(len(data), digest))
-                writer.write(data)
+                frames.send_page(k, data, digest)
                 await asyncio.wait_for(writer.drain(), self.io_timeout_s)
                 sent_blocks = k + 1
                 on_progress(sent_blocks * block_bytes, total)
                 if fault and fault.delay_s > 0:
                     await asyncio.sleep(fault.delay_s)
-            line = await asyncio.wait_for(final, self.io_timeout_s)
-            if not line:
+            try:
+                rep = await asyncio.wait_for(final, self.io_timeout_s)
+            except asyncio.IncompleteReadError:
                 raise TransferError(
                     f"copy {copy_id}: connection to {target} lost after {sent_blocks} of {n} "
                     "blocks (no acknowledgement)"
-                )
-            rep = _parse_reply(line, target)
-            if not rep["ok"]:
+                ) from None
+            if rep.get("op") != "done":
                 blk = rep.get("block")
                 raise TransferError(
-                    f"copy {copy_id}: {target} rejected the copy: {rep.get('error')}",
+                    f"copy {copy_id}: {target} rejected the copy: {rep.get('error', rep.get('op'))}",
                     blk if isinstance(blk, int) else None,
                 )
             if sent_blocks != n:
@@ -295,7 +289,7 @@ class TcpTransport:
             raise TransferError(
                 f"copy {copy_id}: timed out talking to {target} after {sent_blocks} of {n} blocks"
             ) from None
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+        except (OSError, asyncio.IncompleteReadError, FrameError, ValueError) as e:
             # the target may have said why before closing
             reason = await _early_reason(final)
             if reason:
@@ -312,13 +306,16 @@ class TcpTransport:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
-    async def _answer(self, reader: asyncio.StreamReader, copy_id: str, target: str) -> dict:
-        """One handshake answer: the reply object when ``ok``; raises :class:`TransferError` with the refusal."""
-        line = await asyncio.wait_for(reader.readline(), self.connect_timeout_s + self.io_timeout_s)
-        if not line:
-            raise TransferError(f"copy {copy_id}: {target} closed the connection before accepting")
-        rep = _parse_reply(line, target)
-        if not rep["ok"]:
+    async def _answer(self, frames: AsyncFrames, copy_id: str, target: str) -> dict:
+        """One handshake answer; raises :class:`TransferError` with the refusal."""
+        try:
+            wait_s = self.connect_timeout_s + self.io_timeout_s
+            rep = await asyncio.wait_for(frames.recv_json(MAX_PREAUTH_BYTES), wait_s)
+        except asyncio.IncompleteReadError:
+            raise TransferError(f"copy {copy_id}: {target} closed the connection before accepting") from None
+        except FrameError as e:
+            raise TransferError(f"copy to {target}: malformed reply from target ({e})") from None
+        if rep.get("op") == REFUSE:
             raise TransferError(f"copy {copy_id}: {target} refused: {rep.get('error')}")
         return rep
 
@@ -327,15 +324,14 @@ async def _early_reason(final: asyncio.Task | None) -> str | None:
     if final is None:
         return None
     try:
-        line = await asyncio.wait_for(asyncio.shield(final), 0.5)
-        obj = json.loads(line) if line else None
+        obj = await asyncio.wait_for(asyncio.shield(final), 0.5)
     except asyncio.CancelledError:
         if final.cancelled():
             return None
         raise  # the copy itself is being cancelled: never turn that into a "connection lost"
     except Exception:  # noqa: BLE001 - the connection is already lost; any failure reading the reason means none
         return None
-    if isinstance(obj, dict) and obj.get("ok") is False:
+    if isinstance(obj, dict) and obj.get("op") == REFUSE:
         return str(obj.get("error"))
     return None
 
@@ -413,7 +409,7 @@ class TcpReceiver:
 
     async def start(self) -> int:
         """Bind and listen; returns the bound port. Raises OSError when the address is taken."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_REPLY_BYTES)
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -496,7 +492,8 @@ class TcpReceiver:
                 bytes=n * hello.block_bytes,
                 deadline_s=round(self.deadline_s(n, hello.block_bytes), 3),
             )
-            writer.write(_reply({"ok": True, "mac": self.expectations.answer(exp, hello, nonce)}))
+            frames = AsyncFrames(reader.readexactly, writer.write)
+            frames.send_json({"op": AUTH_OK, "mac": self.expectations.answer(exp, hello, nonce)})
             await writer.drain()
             phase = "copy"
             blocks: list[bytes] = []
@@ -506,7 +503,7 @@ class TcpReceiver:
                 self.sink.progress(copy_id, k + 1, received)
             self.sink.commit(copy_id, chain, blocks)
             self._event("transfer_done", copy_id=copy_id, peer=peer_s, blocks=n, bytes=received)
-            writer.write(_reply({"ok": True, "blocks_verified": n, "bytes": received}))
+            frames.send_json({"op": "done", "blocks_verified": n, "bytes": received})
             await writer.drain()
         except (_Reject, CopyRefused) as e:
             if begun and copy_id is not None:
@@ -515,7 +512,7 @@ class TcpReceiver:
             else:
                 self._event("transfer_refused", copy_id=copy_id, peer=peer_s, reason=str(e))
             with contextlib.suppress(Exception):
-                writer.write(_reply({"ok": False, "error": str(e), "block": e.block}))
+                writer.write(json_frame(_refusal(str(e), e.block)))
                 await asyncio.wait_for(writer.drain(), 2.0)
         except _Deadline:
             if begun and copy_id is not None:
@@ -524,7 +521,7 @@ class TcpReceiver:
                 self.sink.fail(copy_id, reason)
                 self._event("transfer_timed_out", copy_id=copy_id, peer=peer_s, reason=reason)
                 with contextlib.suppress(Exception):
-                    writer.write(_reply({"ok": False, "error": reason, "block": None}))
+                    writer.write(json_frame(_refusal(reason)))
                     await asyncio.wait_for(writer.drain(), 2.0)
             else:
                 self._event(
@@ -580,68 +577,55 @@ class TcpReceiver:
             old_writer.transport.abort()
         self._preauth[task] = writer
         deadline = self.clock() + self.auth_timeout_s
-        magic, version, _flags, hlen = _PREAMBLE.unpack(await self._read(reader, _PREAMBLE.size, deadline))
-        if magic != MAGIC:
-            raise _Reject("not a btbctl block transfer (bad magic)")
-        if version != VERSION:
-            raise _Reject(f"unsupported protocol version {version}; this receiver speaks {VERSION}")
-        hello = self._parse_hello(await self._read(reader, self._check_len(hlen, "hello"), deadline))
-        limit = min(MAX_CHAIN_BLOCKS, self.sink.max_blocks)
+        frames = AsyncFrames(lambda n: self._read(reader, n, deadline), writer.write)
+        handshake = ServerHandshake(COPY_AUTH_LABEL, COPY_AUTH_VERSION)
+        try:
+            hello = parse_hello(handshake.read_hello(await frames.recv_json(MAX_PREAUTH_BYTES)))
+        except FrameError as e:
+            raise _Reject(f"not a btbctl block transfer: {e}") from None
+        except HandshakeError as e:  # AuthError too
+            raise _Reject(str(e)) from None
+        limit = min(MAX_COPY_PAGES, self.sink.max_blocks)
         if hello.blocks > limit:
             raise _Reject(f"chain of {hello.blocks} blocks exceeds this receiver's limit of {limit}")
         try:
             exp = self.expectations.lookup(hello, self.sink.block_bytes)
         except AuthError as e:
             raise _Reject(str(e)) from None
-        nonce = new_nonce()
-        writer.write(_reply({"ok": True, "nonce": nonce}))
+        frames.send_json(handshake.challenge())
         await asyncio.wait_for(writer.drain(), max(0.0, deadline - self.clock()) or 0.001)
-        (plen,) = _LEN.unpack(await self._read(reader, _LEN.size, deadline))
         try:
-            proof = json.loads(await self._read(reader, self._check_len(plen, "proof"), deadline))
-        except ValueError:
-            raise _Reject("malformed proof JSON") from None
+            proof = await frames.recv_json(MAX_PREAUTH_BYTES)
+        except FrameError as e:
+            raise _Reject(f"malformed proof: {e}") from None
         try:
-            self.expectations.verify(exp, hello, nonce, proof.get("mac") if isinstance(proof, dict) else None)
+            if proof.get("op") != AUTH:
+                raise AuthError("expected an auth frame")
+            self.expectations.verify(exp, hello, handshake.nonce, proof.get("mac"))
         except AuthError as e:
             raise _Reject(str(e)) from None
         self._preauth.pop(task, None)
-        return exp, hello, nonce
-
-    @staticmethod
-    def _check_len(n: int, what: str) -> int:
-        if not 2 <= n <= MAX_HELLO_BYTES:
-            raise _Reject(f"{what} of {n} bytes outside 2..{MAX_HELLO_BYTES}")
-        return n
-
-    @staticmethod
-    def _parse_hello(raw: bytes) -> Hello:
-        try:
-            obj = json.loads(raw)
-        except ValueError:
-            raise _Reject("malformed hello JSON") from None
-        try:
-            return parse_hello(obj)
-        except AuthError as e:
-            raise _Reject(str(e)) from None
+        return exp, hello, handshake.nonce
 
     async def _read_block(
         self, reader: asyncio.StreamReader, k: int, expect_hash: str, block_bytes: int, deadline: float
     ) -> bytes:
-        index, hlen = _FRAME_HEAD.unpack(await self._read(reader, _FRAME_HEAD.size, deadline))
-        if index != k:
-            raise _Reject(f"block {k}: frame carries index {index}", k)
-        h = (await self._read(reader, hlen, deadline)).decode("ascii", errors="replace")
-        if h != expect_hash:
-            raise _Reject(f"block {k}: hash {h!r} is not chain[{k}] {expect_hash!r}", k)
-        length, digest = _FRAME_TAIL.unpack(await self._read(reader, _FRAME_TAIL.size, deadline))
+        kind, length = FRAME_HEAD.unpack(await self._read(reader, FRAME_HEAD.size, deadline))
+        if kind != KIND_PAGE:
+            raise _Reject(f"block {k}: expected a page frame, got kind {kind}", k)
+        length -= PAGE_HEAD.size
         if length != block_bytes:
             raise _Reject(f"block {k}: length {length} differs from the block size {block_bytes}", k)
+        index, digest = PAGE_HEAD.unpack(await self._read(reader, PAGE_HEAD.size, deadline))
+        if index != k:
+            raise _Reject(f"block {k}: frame carries index {index}", k)
         data = await self._read(reader, length, deadline)
-        if xxhash.xxh3_64_intdigest(data) != digest:
-            raise _Reject(f"block {k} ({h}): xxh3_64 digest mismatch (corrupted in transit)", k)
         try:
-            self.sink.check_block(k, h, data)
+            check_page(k, expect_hash, data, digest, "block")
+        except DigestMismatch as e:
+            raise _Reject(str(e), k) from None
+        try:
+            self.sink.check_block(k, expect_hash, data)
         except CopyRefused as e:
             raise _Reject(str(e), k if e.block is None else e.block) from None
         return data
@@ -654,9 +638,6 @@ def _blocks_in(received: int, block_bytes: int) -> int:
 __all__ = [
     "FAULT_ENV",
     "FaultPlan",
-    "MAX_BLOCK_BYTES",
-    "MAX_CHAIN_BLOCKS",
-    "MAX_HELLO_BYTES",
     "TcpReceiver",
     "TcpTransport",
 ]

@@ -10,8 +10,8 @@ from typing import Any
 from aiohttp import web
 
 from btbctl.engine.limits import MAX_PROMPT_TOKENS
-from btbctl.engine.replication.tcp import MAX_CHAIN_BLOCKS
 from btbctl.engine.worker.http.errors import ApiError
+from btbctl.sglang_l3.frames import MAX_COPY_PAGES
 
 #: Most stop strings accepted.
 MAX_STOP = 16
@@ -95,11 +95,11 @@ def request_id(v: Any) -> str:
 
 
 def chain_field(body: dict) -> list[str]:
-    """The body's ``chain``: at most ``MAX_CHAIN_BLOCKS`` block hashes, lower-case hex of 1..64 digits. Raises
+    """The body's ``chain``: at most ``MAX_COPY_PAGES`` block hashes, lower-case hex of 1..64 digits. Raises
     :class:`ApiError` (400)."""
     chain = body.get("chain")
-    if not isinstance(chain, list) or len(chain) > MAX_CHAIN_BLOCKS:
-        raise ApiError(400, f"chain must be a list of at most {MAX_CHAIN_BLOCKS} block hashes (hex strings)")
+    if not isinstance(chain, list) or len(chain) > MAX_COPY_PAGES:
+        raise ApiError(400, f"chain must be a list of at most {MAX_COPY_PAGES} block hashes (hex strings)")
     out = []
     for h in chain:
         if not isinstance(h, str) or not 1 <= len(h) <= 64:
