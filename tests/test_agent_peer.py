@@ -24,7 +24,8 @@ from btbctl.engine.agent.peer import (
     fanout_plan,
     server_auth,
 )
-from btbctl.engine.replication.wire import FRAME_HEAD, KIND_JSON, ClientHandshake
+from btbctl.engine.replication.wire import ClientHandshake
+from btbctl.sglang_l3.frames import FRAME_HEAD, KIND_JSON
 from btbctl.sglang_l3.keys import page_keys
 
 PAGE = 4 * ALIGN_BYTES

@@ -22,7 +22,8 @@ from btbctl.engine import netguard
 from btbctl.engine.agent.pages import PageStore
 from btbctl.engine.agent.peer import AUTH_LABEL, PROTOCOL_VERSION, Conn, PeerService, client_auth
 from btbctl.engine.gateway import GatewayConfig, serve_gateway
-from btbctl.engine.replication.wire import ClientHandshake, json_frame
+from btbctl.engine.replication.wire import ClientHandshake
+from btbctl.sglang_l3.frames import json_frame
 from gateway_fakes import start_fleet, stop_fleet
 
 ROOT = Path(__file__).resolve().parent.parent / "btbctl"

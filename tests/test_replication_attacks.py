@@ -13,7 +13,8 @@ import struct
 import pytest
 
 from btbctl.engine import hashing
-from btbctl.engine.replication.wire import ChannelError, FrameConn, json_frame, page_digest, page_frame_head
+from btbctl.engine.replication.wire import ChannelError, FrameConn, page_digest
+from btbctl.sglang_l3.frames import json_frame, page_frame_head
 from test_worker_support import authorized_push, start_workers, wait_for
 
 PAGE = 256

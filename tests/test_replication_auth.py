@@ -14,7 +14,8 @@ from btbctl.engine.replication.auth import AuthError, CopyAuth, Expectations, ma
 from btbctl.engine.replication.rdma import RdmaTransport
 from btbctl.engine.replication.tcp import TcpTransport
 from btbctl.engine.replication.transport import TransferError
-from btbctl.engine.replication.wire import AsyncFrames, ClientHandshake, page_frame_head
+from btbctl.engine.replication.wire import AsyncFrames, ClientHandshake
+from btbctl.sglang_l3.frames import page_frame_head
 from test_replication_rdma import FakeDevice, _pairs
 from test_replication_tcp import BLOCK, Sink, _blocks, _chain, _send, handshake, receiving
 

@@ -14,7 +14,8 @@ from btbctl.engine.replication import TRANSPORTS, make_transport
 from btbctl.engine.replication.auth import CopyAuth, new_token
 from btbctl.engine.replication.tcp import FaultPlan, TcpReceiver, TcpTransport
 from btbctl.engine.replication.transport import CopyRefused, TransferError, parse_address
-from btbctl.engine.replication.wire import FRAME_HEAD, KIND_JSON, AsyncFrames, json_frame
+from btbctl.engine.replication.wire import AsyncFrames
+from btbctl.sglang_l3.frames import FRAME_HEAD, KIND_JSON, json_frame
 
 BLOCK = 256
 

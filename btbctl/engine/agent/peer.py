@@ -55,14 +55,8 @@ from typing import ClassVar
 from btbctl.engine.agent.pages import NoRoom, Obj, PageStore, aligned_bytes
 from btbctl.engine.copies import CopyState, copy_origin
 from btbctl.engine.replication.credentials import MAX_AGENT_ID_CHARS, Credentials
-from btbctl.engine.replication.transport import FaultSpec, TransferError, check_copy_id, parse_address
+from btbctl.engine.replication.transport import CopyFaults, TransferError, check_copy_id, parse_address
 from btbctl.engine.replication.wire import (
-    KIND_JSON,
-    KIND_PAGE,
-    MAX_COPY_PAGES,
-    MAX_PAGE_BYTES,
-    MAX_PREAUTH_BYTES,
-    PAGE_HEAD,
     ChannelError,
     ClientHandshake,
     DigestMismatch,
@@ -74,6 +68,7 @@ from btbctl.engine.replication.wire import (
     connect_channel,
     macs_equal,
 )
+from btbctl.sglang_l3.frames import KIND_JSON, KIND_PAGE, MAX_COPY_PAGES, MAX_PAGE_BYTES, MAX_PREAUTH_BYTES, PAGE_HEAD
 
 #: Environment variable with faults an agent injects into the copies it sends (tests only): a comma-separated list
 #: of ``corrupt_wire=K`` (flip a byte of page K after its digest: the target's check must catch it),
@@ -83,15 +78,12 @@ FAULT_ENV = "BTBCTL_AGENT_FAULT"
 
 
 @dataclass(frozen=True)
-class SendFaults(FaultSpec):
-    """Faults a sending agent injects (tests only; see :data:`FAULT_ENV`)."""
+class SendFaults(CopyFaults):
+    """Faults a sending agent injects (tests only; see :data:`FAULT_ENV`): :class:`CopyFaults` and ``truncate``."""
 
     ENV: ClassVar[str] = FAULT_ENV
 
-    corrupt_wire: int | None = None
     truncate: int | None = None
-    close_after: int | None = None
-    delay_s: float = 0.0
 
 
 log = logging.getLogger("btbctl.agent")

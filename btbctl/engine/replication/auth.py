@@ -38,16 +38,17 @@ from dataclasses import dataclass
 from btbctl.engine.replication.transport import TransferError, check_copy_id
 from btbctl.engine.replication.wire import (
     CLIENT,
-    MAX_COPY_PAGES,
     SERVER,
     ClientHandshake,
     HandshakeError,
+    check_hex,
     check_nonce,
     mac,
     macs_equal,
     new_nonce,
     proof_mac,
 )
+from btbctl.sglang_l3.frames import MAX_COPY_PAGES
 
 #: Label mixed into every copy MAC (a version bump changes every MAC).
 COPY_AUTH_LABEL = b"btbctl-copy-auth-v2"
@@ -63,7 +64,6 @@ MAX_EXPECTED = 4096
 REPLAY_WINDOW_S = 600.0
 
 
-_HEX = re.compile(r"^[0-9a-f]+\Z")
 _HASH = re.compile(r"^[0-9a-f]{1,64}\Z")
 
 
@@ -92,9 +92,10 @@ def new_token() -> str:
 
 def check_token(token: object) -> str:
     """A token must be 32..128 lowercase hex digits. Raises :class:`AuthError`."""
-    if not isinstance(token, str) or not 32 <= len(token) <= 128 or not _HEX.match(token):
-        raise AuthError("token must be 32..128 lowercase hex digits")
-    return token
+    try:
+        return check_hex(token, "token")
+    except HandshakeError as e:
+        raise AuthError(str(e)) from None
 
 
 def chain_digest(chain: Sequence[str]) -> str:

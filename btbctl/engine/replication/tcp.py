@@ -34,8 +34,8 @@ slots); at most ``max_connections`` authenticated copies at once, ``max_per_peer
 must finish within its deadline ``deadline_base_s + blocks x deadline_per_block_s + bytes / min_rate_bytes_per_s``
 after authentication (data arriving in fragments does not extend it) and may go quiet for at most
 ``idle_timeout_s``; a copy cut off or broken off leaves nothing warm. Handshake frames at most
-:data:`~btbctl.engine.replication.wire.MAX_PREAUTH_BYTES`; chain at most
-:data:`~btbctl.engine.replication.wire.MAX_COPY_PAGES` blocks and the sink's ``max_blocks``. Every state change of
+:data:`~btbctl.sglang_l3.frames.MAX_PREAUTH_BYTES`; chain at most
+:data:`~btbctl.sglang_l3.frames.MAX_COPY_PAGES` blocks and the sink's ``max_blocks``. Every state change of
 an inbound copy is one structured log line on the ``btbctl.replication`` logger
 (``event=transfer_authorized|transfer_refused|transfer_timed_out|transfer_done|transfer_failed copy_id=...
 peer=... reason=...``).
@@ -61,6 +61,7 @@ from typing import ClassVar
 
 from btbctl.engine.aiotasks import cancel_all
 from btbctl.engine.logfmt import log_event
+from btbctl.engine.replication import wire
 from btbctl.engine.replication.auth import (
     COPY_AUTH_LABEL,
     COPY_AUTH_VERSION,
@@ -73,33 +74,15 @@ from btbctl.engine.replication.auth import (
 )
 from btbctl.engine.replication.transport import (
     Blocks,
+    CopyFaults,
     CopyRefused,
     CopySink,
-    FaultSpec,
     TransferError,
     check_copy_id,
     parse_address,
 )
-from btbctl.engine.replication.wire import (
-    AUTH,
-    AUTH_OK,
-    FRAME_HEAD,
-    KIND_PAGE,
-    MAX_COPY_PAGES,
-    MAX_JSON_BYTES,
-    MAX_PAGE_BYTES,
-    MAX_PREAUTH_BYTES,
-    PAGE_HEAD,
-    REFUSE,
-    AsyncFrames,
-    DigestMismatch,
-    FrameError,
-    HandshakeError,
-    ServerHandshake,
-    check_page,
-    json_frame,
-    page_digest,
-)
+from btbctl.engine.replication.wire import AsyncFrames, DigestMismatch, FrameError, HandshakeError, ServerHandshake
+from btbctl.sglang_l3 import frames
 
 log = logging.getLogger("btbctl.replication")
 #: Seconds a connection has to authenticate (a handshake takes milliseconds on loopback and LAN).
@@ -123,15 +106,12 @@ FAULT_ENV = "BTBCTL_REPLICATION_FAULT"
 
 
 @dataclass(frozen=True)
-class FaultPlan(FaultSpec):
-    """Faults a sender injects (tests only; see the module docstring). ``None`` fields inject nothing."""
+class FaultPlan(CopyFaults):
+    """Faults a sender injects (tests only; see the module docstring): :class:`CopyFaults` and ``corrupt_content``."""
 
     ENV: ClassVar[str] = FAULT_ENV
 
-    corrupt_wire: int | None = None
     corrupt_content: int | None = None
-    close_after: int | None = None
-    delay_s: float = 0.0
 
 
 def _flip(data: bytes) -> bytes:
@@ -150,7 +130,7 @@ async def _iterate(blocks: Blocks):
 
 
 def _refusal(error: str, block: int | None = None) -> dict:
-    return {"op": REFUSE, "error": error, "block": block}
+    return {"op": wire.REFUSE, "error": error, "block": block}
 
 
 class TcpTransport:
@@ -196,8 +176,8 @@ class TcpTransport:
         host, port = parse_address(target)
         check_copy_id(copy_id)
         n = len(chain)
-        if not 1 <= n <= MAX_COPY_PAGES:
-            raise TransferError(f"copy {copy_id}: chain must have 1..{MAX_COPY_PAGES} blocks, got {n}")
+        if not 1 <= n <= frames.MAX_COPY_PAGES:
+            raise TransferError(f"copy {copy_id}: chain must have 1..{frames.MAX_COPY_PAGES} blocks, got {n}")
         it = _iterate(blocks).__aiter__()
         first: tuple[str, bytes] | None = None
         if block_bytes is None:
@@ -206,8 +186,8 @@ class TcpTransport:
             except StopAsyncIteration:
                 raise TransferError(f"copy {copy_id}: no blocks to send") from None
             block_bytes = len(first[1])
-        if not 1 <= block_bytes <= MAX_PAGE_BYTES:
-            raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{MAX_PAGE_BYTES} bytes")
+        if not 1 <= block_bytes <= frames.MAX_PAGE_BYTES:
+            raise TransferError(f"copy {copy_id}: block size {block_bytes} outside 1..{frames.MAX_PAGE_BYTES} bytes")
         total = n * block_bytes
         auth = CopyAuth.for_copy(token, copy_id, chain, block_bytes)
         try:
@@ -216,20 +196,20 @@ class TcpTransport:
             raise TransferError(f"copy {copy_id}: cannot connect to {target}: {e or 'timed out'}") from None
         sent_blocks = 0
         final: asyncio.Task | None = None
-        frames = AsyncFrames(reader.readexactly, writer.write)
+        chan = AsyncFrames(reader.readexactly, writer.write)
         try:
-            frames.send_json(auth.hello())
+            chan.send_json(auth.hello())
             await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            challenge = await self._answer(frames, copy_id, target)
+            challenge = await self._answer(chan, copy_id, target)
             try:
-                frames.send_json(auth.challenge(challenge))
+                chan.send_json(auth.challenge(challenge))
             except HandshakeError:
                 raise TransferError(f"copy {copy_id}: malformed challenge from {target}") from None
             await asyncio.wait_for(writer.drain(), self.io_timeout_s)
-            acc = await self._answer(frames, copy_id, target)
-            if acc.get("op") != AUTH_OK or not auth.target_ok(challenge["nonce"], acc.get("mac")):
+            acc = await self._answer(chan, copy_id, target)
+            if acc.get("op") != wire.AUTH_OK or not auth.target_ok(challenge["nonce"], acc.get("mac")):
                 raise TransferError(f"copy {copy_id}: {target} failed authentication (it does not know the token)")
-            final = asyncio.ensure_future(frames.recv_json(MAX_JSON_BYTES))
+            final = asyncio.ensure_future(chan.recv_json(frames.MAX_JSON_BYTES))
             if on_accept is not None:
                 on_accept()
             item: tuple[str, bytes] | None = first
@@ -261,10 +241,10 @@ class TcpTransport:
                     )
                 if fault and fault.corrupt_content == k:
                     data = _flip(data)
-                digest = page_digest(data)
+                digest = wire.page_digest(data)
                 if fault and fault.corrupt_wire == k:
                     data = _flip(data)
-                frames.send_page(k, data, digest)
+                chan.send_page(k, data, digest)
                 await asyncio.wait_for(writer.drain(), self.io_timeout_s)
                 sent_blocks = k + 1
                 on_progress(sent_blocks * block_bytes, total)
@@ -306,16 +286,16 @@ class TcpTransport:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
-    async def _answer(self, frames: AsyncFrames, copy_id: str, target: str) -> dict:
+    async def _answer(self, chan: AsyncFrames, copy_id: str, target: str) -> dict:
         """One handshake answer; raises :class:`TransferError` with the refusal."""
         try:
             wait_s = self.connect_timeout_s + self.io_timeout_s
-            rep = await asyncio.wait_for(frames.recv_json(MAX_PREAUTH_BYTES), wait_s)
+            rep = await asyncio.wait_for(chan.recv_json(frames.MAX_PREAUTH_BYTES), wait_s)
         except asyncio.IncompleteReadError:
             raise TransferError(f"copy {copy_id}: {target} closed the connection before accepting") from None
         except FrameError as e:
             raise TransferError(f"copy to {target}: malformed reply from target ({e})") from None
-        if rep.get("op") == REFUSE:
+        if rep.get("op") == wire.REFUSE:
             raise TransferError(f"copy {copy_id}: {target} refused: {rep.get('error')}")
         return rep
 
@@ -331,7 +311,7 @@ async def _early_reason(final: asyncio.Task | None) -> str | None:
         raise  # the copy itself is being cancelled: never turn that into a "connection lost"
     except Exception:  # noqa: BLE001 - the connection is already lost; any failure reading the reason means none
         return None
-    if isinstance(obj, dict) and obj.get("op") == REFUSE:
+    if isinstance(obj, dict) and obj.get("op") == wire.REFUSE:
         return str(obj.get("error"))
     return None
 
@@ -492,8 +472,8 @@ class TcpReceiver:
                 bytes=n * hello.block_bytes,
                 deadline_s=round(self.deadline_s(n, hello.block_bytes), 3),
             )
-            frames = AsyncFrames(reader.readexactly, writer.write)
-            frames.send_json({"op": AUTH_OK, "mac": self.expectations.answer(exp, hello, nonce)})
+            chan = AsyncFrames(reader.readexactly, writer.write)
+            chan.send_json({"op": wire.AUTH_OK, "mac": self.expectations.answer(exp, hello, nonce)})
             await writer.drain()
             phase = "copy"
             blocks: list[bytes] = []
@@ -503,7 +483,7 @@ class TcpReceiver:
                 self.sink.progress(copy_id, k + 1, received)
             self.sink.commit(copy_id, chain, blocks)
             self._event("transfer_done", copy_id=copy_id, peer=peer_s, blocks=n, bytes=received)
-            frames.send_json({"op": "done", "blocks_verified": n, "bytes": received})
+            chan.send_json({"op": "done", "blocks_verified": n, "bytes": received})
             await writer.drain()
         except (_Reject, CopyRefused) as e:
             if begun and copy_id is not None:
@@ -512,7 +492,7 @@ class TcpReceiver:
             else:
                 self._event("transfer_refused", copy_id=copy_id, peer=peer_s, reason=str(e))
             with contextlib.suppress(Exception):
-                writer.write(json_frame(_refusal(str(e), e.block)))
+                writer.write(frames.json_frame(_refusal(str(e), e.block)))
                 await asyncio.wait_for(writer.drain(), 2.0)
         except _Deadline:
             if begun and copy_id is not None:
@@ -521,7 +501,7 @@ class TcpReceiver:
                 self.sink.fail(copy_id, reason)
                 self._event("transfer_timed_out", copy_id=copy_id, peer=peer_s, reason=reason)
                 with contextlib.suppress(Exception):
-                    writer.write(json_frame(_refusal(reason)))
+                    writer.write(frames.json_frame(_refusal(reason)))
                     await asyncio.wait_for(writer.drain(), 2.0)
             else:
                 self._event(
@@ -577,29 +557,29 @@ class TcpReceiver:
             old_writer.transport.abort()
         self._preauth[task] = writer
         deadline = self.clock() + self.auth_timeout_s
-        frames = AsyncFrames(lambda n: self._read(reader, n, deadline), writer.write)
+        chan = AsyncFrames(lambda n: self._read(reader, n, deadline), writer.write)
         handshake = ServerHandshake(COPY_AUTH_LABEL, COPY_AUTH_VERSION)
         try:
-            hello = parse_hello(handshake.read_hello(await frames.recv_json(MAX_PREAUTH_BYTES)))
+            hello = parse_hello(handshake.read_hello(await chan.recv_json(frames.MAX_PREAUTH_BYTES)))
         except FrameError as e:
             raise _Reject(f"not a btbctl block transfer: {e}") from None
         except HandshakeError as e:  # AuthError too
             raise _Reject(str(e)) from None
-        limit = min(MAX_COPY_PAGES, self.sink.max_blocks)
+        limit = min(frames.MAX_COPY_PAGES, self.sink.max_blocks)
         if hello.blocks > limit:
             raise _Reject(f"chain of {hello.blocks} blocks exceeds this receiver's limit of {limit}")
         try:
             exp = self.expectations.lookup(hello, self.sink.block_bytes)
         except AuthError as e:
             raise _Reject(str(e)) from None
-        frames.send_json(handshake.challenge())
+        chan.send_json(handshake.challenge())
         await asyncio.wait_for(writer.drain(), max(0.0, deadline - self.clock()) or 0.001)
         try:
-            proof = await frames.recv_json(MAX_PREAUTH_BYTES)
+            proof = await chan.recv_json(frames.MAX_PREAUTH_BYTES)
         except FrameError as e:
             raise _Reject(f"malformed proof: {e}") from None
         try:
-            if proof.get("op") != AUTH:
+            if proof.get("op") != wire.AUTH:
                 raise AuthError("expected an auth frame")
             self.expectations.verify(exp, hello, handshake.nonce, proof.get("mac"))
         except AuthError as e:
@@ -610,18 +590,18 @@ class TcpReceiver:
     async def _read_block(
         self, reader: asyncio.StreamReader, k: int, expect_hash: str, block_bytes: int, deadline: float
     ) -> bytes:
-        kind, length = FRAME_HEAD.unpack(await self._read(reader, FRAME_HEAD.size, deadline))
-        if kind != KIND_PAGE:
+        kind, length = frames.FRAME_HEAD.unpack(await self._read(reader, frames.FRAME_HEAD.size, deadline))
+        if kind != frames.KIND_PAGE:
             raise _Reject(f"block {k}: expected a page frame, got kind {kind}", k)
-        length -= PAGE_HEAD.size
+        length -= frames.PAGE_HEAD.size
         if length != block_bytes:
             raise _Reject(f"block {k}: length {length} differs from the block size {block_bytes}", k)
-        index, digest = PAGE_HEAD.unpack(await self._read(reader, PAGE_HEAD.size, deadline))
+        index, digest = frames.PAGE_HEAD.unpack(await self._read(reader, frames.PAGE_HEAD.size, deadline))
         if index != k:
             raise _Reject(f"block {k}: frame carries index {index}", k)
         data = await self._read(reader, length, deadline)
         try:
-            check_page(k, expect_hash, data, digest, "block")
+            wire.check_page(k, expect_hash, data, digest, "block")
         except DigestMismatch as e:
             raise _Reject(str(e), k) from None
         try:

@@ -190,3 +190,15 @@ class FaultSpec:
         """The plan in :attr:`ENV`, or None when unset or empty."""
         spec = os.environ.get(cls.ENV, "").strip()
         return cls.parse(spec) if spec else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyFaults(FaultSpec):
+    """The faults every copy sender can inject (tests only): ``corrupt_wire=K`` (flip a byte of page K after its
+    digest is computed: the receiver's digest check must catch it), ``close_after=K`` (drop the connection after K
+    pages, as a dying source would), ``delay_s=X`` (sleep X seconds after each page). ``None`` injects nothing;
+    each transport's plan adds its own."""
+
+    corrupt_wire: int | None = None
+    close_after: int | None = None
+    delay_s: float = 0.0

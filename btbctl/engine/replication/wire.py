@@ -4,10 +4,10 @@ Used by the worker-to-worker push (:mod:`~btbctl.engine.replication.tcp`, asynci
 copies (:mod:`~btbctl.engine.agent.peer`, blocking sockets). What each protocol says after the handshake (offers,
 pages, replies) is its own; how it is framed, authenticated and checked is defined here once.
 
-**Frames** (:mod:`btbctl.sglang_l3.frames`, standard-library only so that SGLang's side of the local protocol shares
-them): ``u8 kind | u32 length | body``; kind ``J`` = one JSON object, kind ``P`` = ``u32 index | u64
-xxh3_64(payload) | payload``; limits :data:`MAX_PREAUTH_BYTES`, :data:`MAX_JSON_BYTES`, :data:`MAX_COPY_PAGES`,
-:data:`MAX_PAGE_BYTES`.
+**Frames** (defined in :mod:`btbctl.sglang_l3.frames`, standard-library only so that SGLang's side of the local
+protocol shares them; import them from there): ``u8 kind | u32 length | body``; kind ``J`` = one JSON object, kind
+``P`` = ``u32 index | u64 xxh3_64(payload) | payload``; limits ``MAX_PREAUTH_BYTES``, ``MAX_JSON_BYTES``,
+``MAX_COPY_PAGES``, ``MAX_PAGE_BYTES``.
 
 **Handshake** (mutual HMAC-SHA256 challenge-response, all ``J`` frames of at most :data:`MAX_PREAUTH_BYTES`; nothing
 else is read before it succeeds)::
@@ -50,11 +50,7 @@ import xxhash
 from btbctl.sglang_l3.frames import (
     FRAME_HEAD,
     KIND_JSON,
-    KIND_PAGE,
-    MAX_COPY_PAGES,
     MAX_JSON_BYTES,
-    MAX_PAGE_BYTES,
-    MAX_PREAUTH_BYTES,
     PAGE_HEAD,
     FrameError,
     check_json_head,
@@ -107,11 +103,16 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
+def check_hex(value: object, what: str) -> str:
+    """A nonce or token must be 32..128 lowercase hex digits. Raises :class:`HandshakeError` naming ``what``."""
+    if not isinstance(value, str) or not 32 <= len(value) <= 128 or not _HEX.match(value):
+        raise HandshakeError(f"{what} must be 32..128 lowercase hex digits")
+    return value
+
+
 def check_nonce(nonce: object) -> str:
     """A nonce must be 32..128 lowercase hex digits. Raises :class:`HandshakeError`."""
-    if not isinstance(nonce, str) or not 32 <= len(nonce) <= 128 or not _HEX.match(nonce):
-        raise HandshakeError("nonce must be 32..128 lowercase hex digits")
-    return nonce
+    return check_hex(nonce, "nonce")
 
 
 def proof_mac(key: bytes, label: bytes, role: bytes, peer_nonce: str, own_nonce: str, bind: Sequence[str]) -> str:
@@ -404,15 +405,7 @@ __all__ = [
     "AUTH_OK",
     "CHALLENGE",
     "CLIENT",
-    "FRAME_HEAD",
     "HELLO",
-    "KIND_JSON",
-    "KIND_PAGE",
-    "MAX_COPY_PAGES",
-    "MAX_JSON_BYTES",
-    "MAX_PAGE_BYTES",
-    "MAX_PREAUTH_BYTES",
-    "PAGE_HEAD",
     "REFUSE",
     "SERVER",
     "AsyncFrames",
@@ -420,20 +413,16 @@ __all__ = [
     "ClientHandshake",
     "DigestMismatch",
     "FrameConn",
-    "FrameError",
     "HandshakeError",
     "PageChannel",
     "ServerHandshake",
-    "check_json_head",
+    "check_hex",
     "check_nonce",
     "check_page",
     "connect_channel",
-    "json_frame",
     "mac",
     "macs_equal",
     "new_nonce",
     "page_digest",
-    "page_frame_head",
-    "parse_json_body",
     "proof_mac",
 ]
