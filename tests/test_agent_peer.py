@@ -90,6 +90,43 @@ def _names(n: int, tag: str = "0123456789abcdef") -> list[str]:
     return [f"{tag}.{k}" for k in page_keys(list(range(n * 4)), 4)]
 
 
+class _CountingChannel:
+    """A page channel that wraps the TCP one and counts what goes through it (another transport would replace it)."""
+
+    def __init__(self, inner: Conn, log: list[str]) -> None:
+        self.inner, self.log = inner, log
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("deadline", "idle_timeout_s"):
+            setattr(self.inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def send_page(self, index: int, data: memoryview, digest: int) -> None:
+        self.log.append(f"page {index}")
+        self.inner.send_page(index, data, digest)
+
+    def send_json(self, obj: dict) -> None:
+        self.log.append(str(obj.get("op")))
+        self.inner.send_json(obj)
+
+
+def test_outbound_copies_go_through_the_injected_page_channel(nodes):
+    from btbctl.engine.replication.wire import connect_channel
+
+    log: list[str] = []
+    src = nodes("src", connect=lambda h, p, c, i: _CountingChannel(connect_channel(h, p, c, i), log))
+    dst = nodes("dst")
+    names = _names(3)
+    data = src.fill(names)
+    src.peers.push("c1", names, fanout_plan([{"addr": dst.addr, "token": dst.peers.expect("c1")}], "star"))
+    assert dst.final("c1", "target")["state"] == "done" and dst.read(names) == data
+    assert log == ["hello", "auth", "offer", "page 0", "page 1", "page 2", "end"]
+
+
 @pytest.mark.parametrize("fanout", ["chain", "tree", "star"])
 def test_fan_out_reaches_every_target_verified(nodes, fanout):
     src = nodes("src")
