@@ -5,8 +5,11 @@ Pieces:
 * :mod:`~btbctl.engine.replication.transport`: the :class:`~btbctl.engine.replication.transport.Transport` protocol a
   source uses to push blocks, the receiving side's :class:`~btbctl.engine.replication.transport.CopySink`, the
   errors, and the registry of transports by name (``tcp``, ``rdma``).
-* :mod:`~btbctl.engine.replication.tcp`: the always-available TCP transport (sender and receiver), wire format
-  documented there; every block is checked with xxh3_64 on arrival.
+* :mod:`~btbctl.engine.replication.wire`: the one copy wire the TCP push and the node agents' copies share: frames
+  (defined in :mod:`btbctl.sglang_l3.frames`), the mutual HMAC handshake, the xxh3_64 page check, and the
+  :class:`~btbctl.engine.replication.wire.PageChannel` seam another page transport plugs in at.
+* :mod:`~btbctl.engine.replication.tcp`: the always-available TCP transport (sender and receiver) on that wire;
+  every block is checked with xxh3_64 on arrival.
 * :mod:`~btbctl.engine.replication.credentials`: the node agents' per-node keys and control tokens, derived from the
   fleet secret.
 * :mod:`~btbctl.engine.replication.rdma`: the RDMA transport (pyverbs, imported lazily); raises
