@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway_fakes import GatewayEnv
+from gateway_fakes import GatewayEnv, metric_value
+
+ONE = {"sampling_params": {"max_new_tokens": 1}}  # a non-streamed answer whose end is its first token
 
 
 async def _until(cond, what: str, tries: int = 3000) -> None:
@@ -22,7 +24,7 @@ async def _send_in_order(env: GatewayEnv, texts: list[str]) -> list[asyncio.Futu
     tasks = []
     w = env.gw.state.workers
     for i, text in enumerate(texts):
-        tasks.append(asyncio.ensure_future(env.post("/generate", {"text": text})))
+        tasks.append(asyncio.ensure_future(env.post("/generate", {"text": text, **ONE})))
         await _until(lambda i=i: sum(x.prefilling for x in w) == i + 1, f"request {i} admitted")
     return tasks
 
@@ -36,6 +38,8 @@ async def test_a_paced_worker_gets_at_most_pace_requests_before_a_first_token_an
         await _until(lambda: len(fake.requests) == 2 and w.paced == 4, "2 sent, 4 held")
         await asyncio.sleep(0.1)
         assert len(fake.requests) == 2 and w.paced == 4 and w.sent_prefilling() == 2
+        text = await env.metrics()  # an operator sees them held
+        assert metric_value(text, "btb_held_requests", worker=w.name, reason="paced") == 4
         gate.set()
         assert [st for st, _ in await asyncio.gather(*tasks)] == [200] * 6
         sent = [body["text"] for _, body in fake.requests]
@@ -61,7 +65,7 @@ async def test_unpaced_requests_are_not_held():
     gate = asyncio.Event()
     async with GatewayEnv(1, worker_kw={"first_byte_gate": gate}) as env:
         env.gw.choose = lambda req, excluded: (0, 0)
-        tasks = [asyncio.ensure_future(env.post("/generate", {"text": f"at once {i}"})) for i in range(5)]
+        tasks = [asyncio.ensure_future(env.post("/generate", {"text": f"at once {i}", **ONE})) for i in range(5)]
         await _until(lambda: len(env.fleet[0].requests) == 5, "all 5 at the worker")
         assert env.gw.state.workers[0].paced == 0
         gate.set()
@@ -100,3 +104,18 @@ async def test_a_client_that_leaves_while_held_is_never_sent():
         assert [st for st, _ in await asyncio.gather(tasks[0], tasks[2])] == [200, 200]
         assert [b["text"] for _, b in env.fleet[0].requests] == ["first", "third"]
         await _until(lambda: (w.paced, w.prefilling, w.inflight) == (0, 0, 0), "nothing left counted")
+
+
+async def test_a_held_request_goes_at_its_deadline_or_when_a_first_token_frees_its_turn():
+    async with GatewayEnv(1) as env:
+        dp, w = env.gw.dataplane, env.gw.state.workers[0]
+        loop = asyncio.get_running_loop()
+        w.awaiting_first = 1  # one of the gateway's requests is at the worker without its first token
+        assert await dp._turn(0, w, 1, loop.time() - 1.0) is None  # past its deadline: it goes anyway
+        assert w.paced == 0 and not dp._paced[0]
+        held = asyncio.ensure_future(dp._turn(0, w, 1, loop.time() + 60.0))
+        await _until(lambda: w.paced == 1, "held")
+        assert not held.done()
+        w.awaiting_first = 0  # that request got its first token
+        dp._next_turns(0)
+        assert await held is None and w.paced == 0

@@ -23,9 +23,12 @@ non-streamed answer arrives whole, so its TTFT is its end-to-end latency; measur
 ``max_new_tokens`` 1).
 
 **Pacing.** A route with a pace ``k`` (``Route.pace``: btb_plus's rule 6, a spread burst) is held at the gateway
-until fewer than ``k`` of the gateway's requests at its worker wait for a first token, behind the ones held there
-before it; each first token (or an attempt ending without one) lets the next ones go. A held request whose client
-left is never sent; one held for a worker marked unhealthy is routed again like any other attempt.
+until fewer than ``k`` of the gateway's requests sent to its worker wait for a first token, behind the ones held
+there before it, and at most ``first_byte_timeout_s``; each first token (or an attempt ending without one) lets the
+next ones go. Only a request whose first token the gateway sees before its whole answer is paced (streamed, or
+one output token): a non-streamed answer's slot would last its whole decode. A held request whose client left is
+never sent; one held for a worker marked unhealthy (and silent) is routed again, without spending the retry budget:
+it never reached a worker.
 
 **Retries, never duplicates.** A connection error, a 5xx, or a stream that breaks before its first ``data:``
 chunk marks the worker unhealthy (the health checker revives it once ``/health`` passes again) and, as long as
@@ -255,20 +258,31 @@ class DataPlane:
             w.gated -= 1
             waiting.discard(waiter)
 
-    async def _turn(self, idx: int, w, pace: int) -> str | None:
+    async def _turn(self, idx: int, w, pace: int, deadline: float) -> str | None:
         """Hold a request routed to worker ``idx`` with ``pace`` (``Route.pace``) until fewer than ``pace`` of the
         gateway's requests sent there wait for their first token and every request held there before it has gone
-        (arrival order). Returns None to send it, or why the worker was marked unhealthy meanwhile."""
+        (arrival order), at most until ``deadline`` (loop time; then it goes anyway). Returns None to send it, or
+        why the worker was marked unhealthy meanwhile."""
         queue = self._paced.setdefault(idx, deque())
-        if not queue and w.sent_prefilling() - 1 < pace:  # the others there (this one counts from its routing)
+        if not queue and w.sent_prefilling() < pace:
             return None
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
         item = (pace, fut)
         queue.append(item)
         w.paced += 1  # whoever resolves ``fut`` takes it off (it leaves the gateway's hold then)
+
+        def overdue() -> None:
+            if not fut.done():
+                queue.remove(item)
+                fut.set_result(None)
+                w.paced -= 1
+
+        timer = loop.call_at(deadline, overdue)
         try:
             return await fut
         finally:
+            timer.cancel()
             if fut.cancelled():  # the client went away while it was held: it gives up its place
                 w.paced -= 1
                 try:
@@ -276,6 +290,16 @@ class DataPlane:
                 except ValueError:
                     pass
                 self._next_turns(idx)
+
+    def _went_down(self, w, excluded: Sequence[int]) -> str | None:
+        """Why a request held at the gateway for worker ``w`` (a copy's gate, its turn) should be routed again now
+        that it may go: ``w`` was marked unhealthy meanwhile and another healthy worker outside ``excluded`` can
+        take it (nothing of it reached ``w``); None to send it to ``w``."""
+        if w.healthy:
+            return None
+        if not any(x.healthy and x.index != w.index and x.index not in excluded for x in self.gw.state.workers):
+            return None  # none is healthy: the gateway sends to the ones still answering
+        return w.health_error or "unhealthy"
 
     def _next_turns(self, idx: int) -> None:
         """Let the requests held for worker ``idx`` go, in order, while their pace allows (called when one of the
@@ -565,8 +589,11 @@ class DataPlane:
         loop = asyncio.get_running_loop()
         learned = False
         kv_tokens = req.input_tokens + req.output_tokens  # what the request takes of a worker's KV at its end
+        # whether the request's first token is seen before its whole answer (else a pace slot would last its decode)
+        pace_ok = stream or req.output_tokens <= 1
+        reached = False  # an attempt of it left the gateway: a request only held here is routed again for free
         for attempt in range(self.max_retries + 1):
-            if attempt and not retry.take():
+            if attempt and reached and not retry.take():
                 metrics.retries_denied.inc()
                 self._warn("retry_denied", request=rid, retrying=self.retrying, inflight=self.inflight)
                 metrics.request("none", policy_name, "503")
@@ -580,6 +607,8 @@ class DataPlane:
             if pick is None:
                 break
             idx, pace = pick
+            if not pace_ok:
+                pace = 0
             w = state.workers[idx]
             if attempt:
                 metrics.retries.inc()
@@ -604,6 +633,8 @@ class DataPlane:
                     now = state.clock()
                 w.last_progress_s = now
                 w.end_prefill(rid)
+                if sent:
+                    w.awaiting_first -= 1
                 self._next_turns(idx)
                 if chain:
                     w.hold(chain)
@@ -622,13 +653,17 @@ class DataPlane:
                     # l3: the request waits here until the copies to this worker are proved (a failed one: the
                     # worker computes the prefix itself, as without it); only the worker going down moves it
                     down = await self._through_gates(idx, chain, w, deadline)
+                    if down is None:
+                        down = self._went_down(w, excluded)
                     if down is not None:
                         attempts.append(f"{w.url}: marked unhealthy while the request waited for its copy ({down})")
                         excluded.append(idx)
                         continue
                     deadline = loop.time() + lim.first_byte_timeout_s
                 if pace:
-                    down = await self._turn(idx, w, pace)
+                    down = await self._turn(idx, w, pace, loop.time() + lim.first_byte_timeout_s)
+                    if down is None:
+                        down = self._went_down(w, excluded)
                     if down is not None:
                         attempts.append(f"{w.url}: marked unhealthy while the request waited for its turn ({down})")
                         excluded.append(idx)
@@ -638,6 +673,8 @@ class DataPlane:
                         return web.Response(status=499)
                     deadline = loop.time() + lim.first_byte_timeout_s
                 sent.append(state.clock())
+                w.awaiting_first += 1
+                reached = True
                 counted_kv = w.kv_tokens_of(kv_tokens)
                 kv_epoch = w.send_kv(counted_kv)
                 if state.calibrating and w.inflight == 1 and (stream or req.output_tokens <= 1):
@@ -716,6 +753,8 @@ class DataPlane:
                 gauge.dec()
                 if not prefilled:
                     w.end_prefill(rid)
+                    if sent:
+                        w.awaiting_first -= 1
                     self._next_turns(idx)
                 gw.policy.on_finish(req, idx, state.clock())
         if not attempts:

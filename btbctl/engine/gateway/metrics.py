@@ -148,8 +148,8 @@ class _FiresCollector:
 
 
 class _LiveCollector:
-    """Gauges read from the gateway at scrape: constants, policy, hot prefixes, copies in flight, the cache-aware
-    tree's size."""
+    """Gauges read from the gateway at scrape: constants, policy, hot prefixes, copies in flight, requests held at the
+    gateway, the cache-aware tree's size."""
 
     def __init__(self, src: LiveSource) -> None:
         self._src = src
@@ -178,6 +178,21 @@ class _LiveCollector:
         for mode in sorted(modes.keys() | {"push"}):
             f.add_metric([mode], float(modes.get(mode, 0)))
         yield f
+        held = GaugeMetricFamily(
+            "btb_held_requests",
+            "Requests routed to a worker and held at the gateway: waiting for a copy's proof (gated) or for their "
+            "turn (paced).",
+            labels=("worker", "reason"),
+        )
+        for w in state.workers:
+            held.add_metric([worker_label(w), "gated"], float(w.gated))
+            held.add_metric([worker_label(w), "paced"], float(w.paced))
+        yield held
+        stats = src.policy.stats()
+        if "paced_routes" in stats:
+            pr = CounterMetricFamily("btb_paced_routes", "Hot requests the policy sent with a pace (btb_plus rule 6).")
+            pr.add_metric([], float(stats["paced_routes"]))
+            yield pr
         holder = tree_holder(src.policy)
         tree = holder.tree if holder is not None else None
         tb = GaugeMetricFamily(

@@ -100,6 +100,7 @@ class WorkerState:
         gated: requests routed here that wait at the gateway for an ``l3`` copy's proof (not at the worker yet).
         paced: requests routed here that wait at the gateway for their turn (a route's ``pace``; not at the worker
             yet).
+        awaiting_first: the gateway's requests that left for the worker and have no first byte yet.
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
             ``/server_info`` (``{}`` when it has none; None: not read yet).
@@ -133,6 +134,7 @@ class WorkerState:
     kv_freed_since: int = 0
     gated: int = 0
     paced: int = 0
+    awaiting_first: int = 0
     info: dict | None = None
     server_info: dict | None = None
     metrics: dict | None = None
@@ -174,9 +176,9 @@ class WorkerState:
             self.kv_freed_since += kv_tokens  # in the report's use (or waiting): freed since
 
     def sent_prefilling(self) -> int:
-        """The gateway's requests at the worker without their first token (``prefilling`` less those waiting at the
-        gateway: ``gated`` and ``paced``)."""
-        return self.prefilling - self.gated - self.paced
+        """The gateway's requests at the worker without their first token (``awaiting_first``; ``prefilling`` also
+        counts the ones still at the gateway: gated, paced, or waiting for a push to be accepted)."""
+        return self.awaiting_first
 
     def new_loads(self, loads: dict | None) -> None:
         """A ``/v1/loads`` report (its summary) arrived: what was sent or freed before it is in it now."""

@@ -858,7 +858,8 @@ class BtbPlus(Policy[CostView]):
         the break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
         ``speculative_routes`` (of those, sent to recompute the prefix while another replica held it),
         ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests waiting for
-        a copy), ``paced_routes`` (hot requests sent with a pace, rule 6), ``deepest_above_min`` (hot matches deeper
+        a copy), ``paced_routes`` (hot requests given a pace, rule 6: a gateway holds
+        them for their turn, the simulator does not), ``deepest_above_min`` (hot matches deeper
         than Y), ``tracked_prefixes`` (all depths)."""
         out = dict(self._stats)
         out["tracked_prefixes"] = sum(len(d) for d in self._levels.values())
