@@ -119,3 +119,28 @@ async def test_a_held_request_goes_at_its_deadline_or_when_a_first_token_frees_i
         w.awaiting_first = 0  # that request got its first token
         dp._next_turns(0)
         assert await held is None and w.paced == 0
+
+
+async def test_a_first_token_lets_exactly_one_held_request_go():
+    """A held request let go counts as sent at once (before its task runs), so one first token at a worker with
+    pace 2 lets one request go, not the whole queue."""
+    async with GatewayEnv(1) as env:
+        dp, w = env.gw.dataplane, env.gw.state.workers[0]
+        loop = asyncio.get_running_loop()
+        w.awaiting_first = 2
+        held = [asyncio.ensure_future(dp._turn(0, w, 2, loop.time() + 60.0)) for _ in range(4)]
+        await _until(lambda: w.paced == 4, "4 held")
+        w.awaiting_first = 1  # one first token
+        dp._next_turns(0)
+        assert (w.paced, w.released) == (3, 1)
+        dp._next_turns(0)  # a second event before the released task ran: nothing more to let go
+        assert (w.paced, w.released) == (3, 1)
+        await _until(lambda: held[0].done(), "the first held one went")
+        assert held[0].result() is None and w.released == 0 and not any(t.done() for t in held[1:])
+        w.awaiting_first = 0
+        dp._next_turns(0)
+        assert (w.paced, w.released) == (1, 2)  # pace 2: two more go, one still held
+        for t in held[1:]:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        assert (w.paced, w.released) == (0, 0)

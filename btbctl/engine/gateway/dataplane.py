@@ -275,21 +275,34 @@ class DataPlane:
         def overdue() -> None:
             if not fut.done():
                 queue.remove(item)
-                fut.set_result(None)
-                w.paced -= 1
+                self._let_go(w, fut)
 
         timer = loop.call_at(deadline, overdue)
         try:
-            return await fut
-        finally:
-            timer.cancel()
-            if fut.cancelled():  # the client went away while it was held: it gives up its place
+            res = await fut
+        except asyncio.CancelledError:  # the client went away
+            if fut.cancelled():  # while it was held: it gives up its place
                 w.paced -= 1
                 try:
                     queue.remove(item)
                 except ValueError:
                     pass
-                self._next_turns(idx)
+            elif fut.result() is None:  # after it was let go, before it left
+                w.released -= 1
+            self._next_turns(idx)
+            raise
+        finally:
+            timer.cancel()
+        if res is None:
+            w.released -= 1  # it leaves now (the caller counts it in ``awaiting_first`` before any await)
+        return res
+
+    @staticmethod
+    def _let_go(w, fut: asyncio.Future) -> None:
+        """Let a held request go: it counts as sent from now on (``released``) until it counts itself."""
+        fut.set_result(None)
+        w.paced -= 1
+        w.released += 1
 
     def _went_down(self, w, excluded: Sequence[int]) -> str | None:
         """Why a request held at the gateway for worker ``w`` (a copy's gate, its turn) should be routed again now
@@ -311,8 +324,7 @@ class DataPlane:
         while queue and w.sent_prefilling() < queue[0][0]:
             _, fut = queue.popleft()
             if not fut.done():
-                fut.set_result(None)
-                w.paced -= 1  # it is on its way to the worker now
+                self._let_go(w, fut)
 
     def worker_down(self, idx: int, reason: str) -> None:
         """Worker ``idx`` was marked unhealthy: its attempts still waiting for a first byte, and the requests held

@@ -101,6 +101,7 @@ class WorkerState:
         paced: requests routed here that wait at the gateway for their turn (a route's ``pace``; not at the worker
             yet).
         awaiting_first: the gateway's requests that left for the worker and have no first byte yet.
+        released: requests held for their turn that were let go and have not left yet (they leave at once).
         info: its ``/btb/info`` answer (emulated workers) or None.
         server_info: what :class:`~btbctl.engine.gateway.sglang_metrics.MetricsScraper` needs of its
             ``/server_info`` (``{}`` when it has none; None: not read yet).
@@ -135,6 +136,7 @@ class WorkerState:
     gated: int = 0
     paced: int = 0
     awaiting_first: int = 0
+    released: int = 0
     info: dict | None = None
     server_info: dict | None = None
     metrics: dict | None = None
@@ -176,9 +178,10 @@ class WorkerState:
             self.kv_freed_since += kv_tokens  # in the report's use (or waiting): freed since
 
     def sent_prefilling(self) -> int:
-        """The gateway's requests at the worker without their first token (``awaiting_first``; ``prefilling`` also
-        counts the ones still at the gateway: gated, paced, or waiting for a push to be accepted)."""
-        return self.awaiting_first
+        """The gateway's requests at the worker without their first token, counting the ones let go by their turn
+        (``awaiting_first + released``; ``prefilling`` also counts the ones still at the gateway: gated, paced, or
+        waiting for a push to be accepted)."""
+        return self.awaiting_first + self.released
 
     def new_loads(self, loads: dict | None) -> None:
         """A ``/v1/loads`` report (its summary) arrived: what was sent or freed before it is in it now."""
