@@ -304,6 +304,14 @@ class DataPlane:
         w.paced -= 1
         w.released += 1
 
+    async def _held(self, hold: Awaitable[str | None], w, excluded: Sequence[int], what: str) -> str | None:
+        """Await ``hold`` (a wait at the gateway for worker ``w``: a copy's gate or the request's turn, answering None
+        or why the worker went down); then None to send the request to ``w``, or why it goes elsewhere."""
+        down = await hold
+        if down is None:
+            down = self._went_down(w, excluded)
+        return None if down is None else f"marked unhealthy while the request waited for {what} ({down})"
+
     def _went_down(self, w, excluded: Sequence[int]) -> str | None:
         """Why a request held at the gateway for worker ``w`` (a copy's gate, its turn) should be routed again now
         that it may go: ``w`` was marked unhealthy meanwhile and another healthy worker outside ``excluded`` can
@@ -661,25 +669,23 @@ class DataPlane:
             try:
                 if chain and state.transfers.active:
                     await _await_copy_accepted(state, idx, chain)
+                # Held at the gateway before it leaves: l3, until the copies to this worker are proved (a failed
+                # one: the worker computes the prefix itself, as without it); a paced route, until its turn. Only the
+                # worker going down moves it elsewhere.
+                held = False
+                down = None
                 if chain and state.transfers.active and state.transfers.gate(idx, chain) is not None:
-                    # l3: the request waits here until the copies to this worker are proved (a failed one: the
-                    # worker computes the prefix itself, as without it); only the worker going down moves it
-                    down = await self._through_gates(idx, chain, w, deadline)
-                    if down is None:
-                        down = self._went_down(w, excluded)
-                    if down is not None:
-                        attempts.append(f"{w.url}: marked unhealthy while the request waited for its copy ({down})")
-                        excluded.append(idx)
-                        continue
-                    deadline = loop.time() + lim.first_byte_timeout_s
-                if pace:
-                    down = await self._turn(idx, w, pace, loop.time() + lim.first_byte_timeout_s)
-                    if down is None:
-                        down = self._went_down(w, excluded)
-                    if down is not None:
-                        attempts.append(f"{w.url}: marked unhealthy while the request waited for its turn ({down})")
-                        excluded.append(idx)
-                        continue
+                    held = True
+                    down = await self._held(self._through_gates(idx, chain, w, deadline), w, excluded, "its copy")
+                if down is None and pace:
+                    held = True
+                    turn = self._turn(idx, w, pace, loop.time() + lim.first_byte_timeout_s)
+                    down = await self._held(turn, w, excluded, "its turn")
+                if down is not None:
+                    attempts.append(f"{w.url}: {down}")
+                    excluded.append(idx)
+                    continue
+                if held:
                     if request.transport is None or request.transport.is_closing():  # the client left meanwhile
                         metrics.request(worker_label(w), policy_name, "client_gone")
                         return web.Response(status=499)
