@@ -151,13 +151,21 @@ class ControlApi:
                 raise
             return _err(e.status, e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}")
 
-    async def _json_body(self, request: web.Request, limit: int = MAX_CONTROL_BODY) -> dict | web.Response:
+    @staticmethod
+    async def _body(request: web.Request, limit: int = MAX_CONTROL_BODY) -> bytes | web.Response:
+        """The request's body, or a 413 answer when it is over ``limit`` bytes (declared or read)."""
         cl = request.content_length
         if cl is not None and cl > limit:
             return _err(413, f"a body of {cl} bytes exceeds the limit of {limit} bytes")
         body = await request.read()
         if len(body) > limit:
             return _err(413, f"a body of {len(body)} bytes exceeds the limit of {limit} bytes")
+        return body
+
+    async def _json_body(self, request: web.Request, limit: int = MAX_CONTROL_BODY) -> dict | web.Response:
+        body = await self._body(request, limit)
+        if isinstance(body, web.Response):
+            return body
         try:
             return parse_json_object(body) if body else {}
         except ValueError as e:  # the message is for the client
@@ -327,12 +335,9 @@ class ControlApi:
 
     async def register_agent(self, request: web.Request) -> web.Response:
         """``POST /control/agents``: a node agent announces itself (signed, not the bearer token)."""
-        cl = request.content_length
-        if cl is not None and cl > MAX_CONTROL_BODY:
-            return _err(413, f"a body of {cl} bytes exceeds the limit of {MAX_CONTROL_BODY} bytes")
-        body = await request.read()
-        if len(body) > MAX_CONTROL_BODY:
-            return _err(413, f"a body of {len(body)} bytes exceeds the limit of {MAX_CONTROL_BODY} bytes")
+        body = await self._body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
             answer = self.steering.register_agent(body, request.headers.get(SIGNATURE_HEADER))
         except AnnouncementError as e:
