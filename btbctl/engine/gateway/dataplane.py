@@ -294,7 +294,7 @@ class DataPlane:
         finally:
             timer.cancel()
         if res is None:
-            w.released -= 1  # it leaves now (the caller counts it in ``awaiting_first`` before any await)
+            w.released -= 1  # it leaves now (the caller counts it with ``leave`` before any await)
         return res
 
     @staticmethod
@@ -321,6 +321,12 @@ class DataPlane:
         if not any(x.healthy and x.index != w.index and x.index not in excluded for x in self.gw.state.workers):
             return None  # none is healthy: the gateway sends to the ones still answering
         return w.health_error or "unhealthy"
+
+    def _prefill_ended(self, idx: int, w, rid: object, left: bool) -> None:
+        """Request ``rid`` got its first byte from worker ``idx`` or its attempt there ended without one (``left``:
+        it had left the gateway): the held requests there may go."""
+        w.end_prefill(rid, left)
+        self._next_turns(idx)
 
     def _next_turns(self, idx: int) -> None:
         """Let the requests held for worker ``idx`` go, in order, while their pace allows (called when one of the
@@ -652,10 +658,7 @@ class DataPlane:
                 if now is None:
                     now = state.clock()
                 w.last_progress_s = now
-                w.end_prefill(rid)
-                if sent:
-                    w.awaiting_first -= 1
-                self._next_turns(idx)
+                self._prefill_ended(idx, w, rid, bool(sent))
                 if chain:
                     w.hold(chain)
                 ttft = now - t0
@@ -691,7 +694,7 @@ class DataPlane:
                         return web.Response(status=499)
                     deadline = loop.time() + lim.first_byte_timeout_s
                 sent.append(state.clock())
-                w.awaiting_first += 1
+                w.leave()
                 reached = True
                 counted_kv = w.kv_tokens_of(kv_tokens)
                 kv_epoch = w.send_kv(counted_kv)
@@ -770,10 +773,7 @@ class DataPlane:
                     w.finish_kv(counted_kv, kv_epoch)
                 gauge.dec()
                 if not prefilled:
-                    w.end_prefill(rid)
-                    if sent:
-                        w.awaiting_first -= 1
-                    self._next_turns(idx)
+                    self._prefill_ended(idx, w, rid, bool(sent))
                 gw.policy.on_finish(req, idx, state.clock())
         if not attempts:
             metrics.request("none", policy_name, "503")

@@ -260,9 +260,16 @@ class WorkerState:
         else:
             self.reshaped += 1
 
-    def end_prefill(self, rid: object) -> None:
-        """Request ``rid`` produced its first byte here or ended without one."""
+    def leave(self) -> None:
+        """A request :meth:`start_prefill` counted left the gateway for the worker (``awaiting_first``)."""
+        self.awaiting_first += 1
+
+    def end_prefill(self, rid: object, left: bool = False) -> None:
+        """Request ``rid`` produced its first byte here or ended without one; ``left``: it had left the gateway
+        (:meth:`leave`)."""
         self.prefilling -= 1
+        if left:
+            self.awaiting_first -= 1
         self.version += 1
         self.reshaped += 1
         self.prefill_tokens.pop(rid, None)
