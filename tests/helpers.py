@@ -76,6 +76,7 @@ class FakeFleet:
     * ``queued[r]``: seconds of queued prefill; ``groups[r]``: waiting groups; ``headroom[r]``: KV tokens a copy
       may use.
 
+    * ``after_s``: seconds a copy takes beyond its bytes and the source's prefill (``copy_after_s``; 0: push).
     * ``no_copies``: replicas that cannot take part in a copy (``accepts_copies`` False: a worker without the BTB
       routes); ``prefilling``: per replica, requests without a first token yet (None: ``loads``).
 
@@ -103,6 +104,7 @@ class FakeFleet:
         self.refuse: set[int] = set()
         self.no_copies: set[int] = set()
         self.prefilling: list[int] | None = None
+        self.after_s = 0.0
 
     # -- FleetView ---------------------------------------------------------------------------------------------
 
@@ -157,6 +159,9 @@ class FakeFleet:
 
     def kv_headroom_tokens(self, replica: int) -> int:
         return self.headroom[replica]
+
+    def copy_after_s(self, replica: int, blocks: int) -> float:
+        return self.after_s
 
     # -- the executor and test controls -------------------------------------------------------------------------
 

@@ -95,6 +95,37 @@ def test_copies_trail_a_source_still_computing_and_carry_the_fire_time():
     assert all(hot == fired for *_, hot in view.copies)
 
 
+def test_a_copy_with_steps_after_its_bytes_must_land_before_a_recompute_on_the_target():
+    """An l3 copy (``copy_after_s`` > 0: write-through and proof after its last byte) from a source still computing
+    the prefix lands after the source is done plus those steps, later than an idle target's own recompute started
+    now: no copy, the target recomputes. From a source that holds the prefix it lands long before: copies."""
+
+    def burst(view: FakeFleet, pol: BtbPlus) -> list[int]:
+        return [route(pol, req(burst_chain(PREFIX, i), 5.0 + i * 0.002), view, 5.0 + i * 0.002) for i in range(4)]
+
+    computing = FakeFleet(4)
+    computing.pending[0].update(PREFIX)
+    computing.queued[0] = 8.0  # its prefill of the prefix (7.5 s) and requests queued behind it
+    computing.after_s = 0.05
+    pol = policy(4)
+    chosen = burst(computing, pol)
+    assert computing.copies == [] and pol.stats()["copy_not_paying"] > 0
+    assert set(chosen) - {0}, "the burst may recompute on an idle replica instead of queueing on the source"
+
+    push = FakeFleet(4)  # the same with a push copy (after 0): it trails the source and lands with it
+    push.pending[0].update(PREFIX)
+    push.queued[0] = 8.0
+    burst(push, policy(4))
+    assert push.copies
+
+    holding = FakeFleet(4)
+    holding.cached[0].update(PREFIX)
+    holding.queued[0] = 30.0
+    holding.after_s = 0.05
+    burst(holding, policy(4))
+    assert holding.copies and {src for _, src, _, _, _ in holding.copies} == {0}
+
+
 # -- rule 2: how many replicas ----------------------------------------------------------------------------------------
 
 

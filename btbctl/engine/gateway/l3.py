@@ -364,6 +364,22 @@ class L3Replicator(CopyExecutor):
         ws = self.state.workers
         return 0 <= r < len(ws) and ws[r].healthy
 
+    def after_s(self, target: int, blocks: int) -> float:
+        """Seconds a copy of ``blocks`` pages towards ``target`` takes beyond its bytes and the source's prefill:
+        the source writes its last prefill chunk through to host memory (a page is copied once its chunk is
+        committed and written), then the proof, from the last page at ``target``'s node to ``target`` serving the
+        prefix: as the proofs measured (:class:`~btbctl.engine.gateway.state.CopyMeasures`), before the first the
+        least it takes by the cost model: SGLang loads the prefix from L3 into the GPU and runs the warm-up's
+        one-token step. Host-link figures are ``cost.pcie_bytes_per_s``; the step is ``decode_step_time_s``."""
+        st = self.state
+        cost = st.cost
+        tokens = blocks * st.page_size
+        write_through_s = cost.kv_bytes(min(tokens, st.chunk_tokens)) / cost.pcie_bytes_per_s
+        proof_s = st.copy_measures.proof_s
+        if proof_s is None:
+            proof_s = cost.kv_bytes(tokens) / cost.pcie_bytes_per_s + cost.decode_step_time_s(1, tokens)
+        return write_through_s + proof_s
+
     def accepts_copies(self, r: int) -> bool:
         """Whether worker ``r`` can send or receive an l3 copy now (the policies' ``accepts_copies``): healthy, with
         a node agent. A stock SGLang server qualifies: its pages move between agents, not through BTB routes."""

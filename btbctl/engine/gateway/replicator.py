@@ -160,6 +160,11 @@ class CopyExecutor:
         """Whether worker ``r`` can send or receive a copy now (the policies' ``accepts_copies``)."""
         raise NotImplementedError
 
+    def after_s(self, target: int, blocks: int) -> float:
+        """Seconds from the last byte of a copy of ``blocks`` blocks at worker ``target`` until it serves them
+        from its KV cache: 0 here (push: blocks land in the target's KV cache as they arrive)."""
+        return 0.0
+
     async def replicate(self, chain: Sequence[Hashable], n: int, *, wait_s: float = 10.0) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate). Raises
         :class:`ReplicateError`."""

@@ -191,6 +191,7 @@ class Gateway:
         #: the executor of copy plans, by replication mode (:data:`EXECUTORS`)
         self.replicator: CopyExecutor = EXECUTORS[config.replication](self, config)
         self.state.copy_capable = self.replicator.accepts_copies
+        self.state.copy_after = self.replicator.after_s
         self.replicator.prefix_blocks = lambda: self.constants.prefix_blocks
         self.replicator.block_tokens = lambda: self.page_size
         self.prober = HealthProber(

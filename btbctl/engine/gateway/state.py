@@ -722,6 +722,9 @@ class FleetState:
         self.copy_capable: Callable[[int], bool] | None = None
         #: ``l3``: what the copies measured (agent-to-agent rates, proof time), read by :meth:`copy_status`
         self.copy_measures = CopyMeasures()
+        #: Set by the gateway to its copy executor's ``after_s`` (seconds from a copy's last byte at the target to
+        #: the target serving it); None: 0, the push rule (blocks land in the target's KV cache).
+        self.copy_after: Callable[[int, int], float] | None = None
         #: measured over modelled prefill time on workers that name no presets (None: not measured yet)
         self.prefill_scale: float | None = None
         self._log_scale: float | None = None
@@ -912,13 +915,7 @@ class FleetState:
             if not total and m.page_bytes:
                 total = m.page_bytes * len(t.chain)
             path_rate = m.path_bytes_per_s.get(t.path, 0.0) if t.path is not None else 0.0
-            # the proof: as measured; before the first, the prefix's KV over the host link (the least SGLang's load
-            # from L3 into the GPU takes)
-            after = (
-                m.proof_s
-                if m.proof_s is not None
-                else self.cost.kv_bytes(len(t.chain) * self.page_size) / (self.cost.pcie_bytes_per_s)
-            )
+            after = self.copy_after_s(replica, len(t.chain))
         if t.blocks_available >= 0 and t.chain:  # the source said how far its prefill is
             avail = total * min(1.0, t.blocks_available / len(t.chain))
         else:
@@ -935,6 +932,11 @@ class FleetState:
             path_bytes_per_s=path_rate,
             after_s=after,
         )
+
+    def copy_after_s(self, replica: int, blocks: int) -> float:
+        """Seconds from the last byte of a copy of ``blocks`` blocks at ``replica`` until it can serve them (the
+        executor's :attr:`copy_after`; 0 without one)."""
+        return 0.0 if self.copy_after is None else self.copy_after(replica, blocks)
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`)."""

@@ -115,6 +115,12 @@ class CostView(FleetView, Protocol):
         """Copies in flight sending from or received by ``replica`` (they share its NIC)."""
         ...
 
+    def copy_after_s(self, replica: int, blocks: int) -> float:
+        """Seconds a copy of ``blocks`` blocks towards ``replica`` takes beyond its bytes and the source's prefill
+        before ``replica`` can use it: 0 where blocks land in its KV cache as they arrive (push, the simulators);
+        an ``l3`` copy's write-through and proof (the gateway's ``L3Replicator.after_s``)."""
+        ...
+
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Seconds of decoding ``replica`` must do before its KV cache has room for the requests waiting there plus
         a new one needing ``kv_tokens`` tokens; 0 when they fit now. Adds to :meth:`queued_prefill_s`."""
@@ -219,6 +225,9 @@ class ExcludingView:
 
     def kv_headroom_tokens(self, replica: int) -> int:
         return 0 if replica in self._excluded else self._inner.kv_headroom_tokens(replica)  # type: ignore[attr-defined]
+
+    def copy_after_s(self, replica: int, blocks: int) -> float:
+        return self._inner.copy_after_s(replica, blocks)  # type: ignore[attr-defined]
 
 
 class Policy(Generic[ViewT]):

@@ -26,10 +26,12 @@ weakness REFERENCE.md s1 lists or a point the published rule leaves open. Per re
 4. **Break-even before copying.** For a target ``t`` lacking ``b`` blocks of the prefix:
    ``transfer = bytes(b blocks) / (nic_bytes_per_s / (1 + copies already on the source's or the target's NIC))``
    must be shorter than ``recompute = queued prefill on t + cost.prefill_time_s(b blocks' tokens, context of the
-   blocks t has)``, and ``t`` needs KV headroom (free + evictable tokens) for the ``b`` blocks. Targets are tried in
-   order of the first token they could give this request. When no copy pays, nothing is copied: a burst request
-   may still go to an idle replica and recompute the prefix there (speculative prefill) when that is its best
-   choice under rule 5, and that replica then counts as computing the prefix.
+   blocks t has)``; a copy with steps after its last byte (``view.copy_after_s``: an ``l3`` copy's write-through
+   and proof) must also land (the later of ``transfer`` and the source's remaining prefill, plus those steps)
+   before ``recompute`` is done; and ``t`` needs KV headroom (free + evictable tokens) for the ``b`` blocks.
+   Targets are tried in order of the first token they could give this request. When no copy pays, nothing is
+   copied: a burst request may still go to an idle replica and recompute the prefix there (speculative prefill)
+   when that is its best choice under rule 5, and that replica then counts as computing the prefix.
 5. **Routing by expected TTFT** (every request, hot or not). For each replica ``r``: the request reuses the
    leading blocks resident there, on their way, or to be computed by a request already queued there
    (``view.planned_blocks``) and computes the rest, ``own = cost.prefill_time_s(rest, reused)``. It starts after
@@ -812,13 +814,18 @@ class BtbPlus(Policy[CostView]):
                 if prefill_s is None:
                     prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
                 recompute = (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
-                if not transfer < recompute:
+                # A copy whose blocks land in the target's cache as they arrive (after 0) trails the source and
+                # lands when it finishes, no later than a recompute started now; one with steps after its bytes
+                # (l3: write-through, proof) must also land before that recompute would be done.
+                after = view.copy_after_s(t, send)
+                lands = max(transfer, src_left) + after
+                if not (transfer < recompute and (after <= 0 or lands < recompute)):
                     self._stats["copy_not_paying"] += 1
                     continue
                 if view.kv_headroom_tokens(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
-                ready.append((max(transfer, src_left), t))
+                ready.append((lands, t))
             if not ready:
                 break
             if not by_rate and not picked and self.prune_backlog_pricing:

@@ -739,6 +739,10 @@ class InferSimFleetView:
         """Requests queued on ``replica`` (not admitted yet; an admission computes the first token at once here)."""
         return len(self._sim.replicas[replica].queue)
 
+    def copy_after_s(self, replica: int, blocks: int) -> float:
+        """0: a copy's blocks land in the target's KV cache as they arrive (the push model)."""
+        return 0.0
+
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
         """The scheduled copy of ``chain`` towards ``replica``, or None. In this model the copy moves at the target's
         NIC rate from its start (when the target is free) to its ready time, and never waits for the source: all its

@@ -104,6 +104,10 @@ class SimFleetView:
         sim = self._sim
         return sim.replicas[replica].queued_prefill_s(sim.now)
 
+    def copy_after_s(self, replica: int, blocks: int) -> float:
+        """0: a copy's blocks land in the target's KV cache as they arrive (the push model)."""
+        return 0.0
+
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
         """The in-flight copy of ``chain`` (keyed by its last block) towards ``replica``, or None."""
         c = self._sim._copies_in[replica].get(chain[-1]) if chain else None
