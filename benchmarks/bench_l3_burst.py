@@ -15,6 +15,14 @@ block verified at the target; l3: the target's warm-up proved the prefix from L3
     python benchmarks/bench_l3_burst.py --modes l3 --runs 1 --format json
     sudo python benchmarks/bench_l3_burst.py --hosts 2 --link-gbit 10     # the namespace testbed (below)
     sudo python benchmarks/bench_l3_burst.py --hosts 2 --prefix-tokens 65536 --kv-bytes-scale 256
+    python benchmarks/bench_l3_burst.py --warm-source     # one worker holds the prefix before the burst
+
+Two shapes of burst. By default the prefix is cold: the burst's first request computes it, and a copy can only
+trail that prefill (push: block by block; l3: page by page once each prefill chunk is written through, then the
+target's proof), so on idle workers a copy cannot land before a recompute started at the burst's second request
+and ``btb_plus`` recomputes there instead (rule 4). ``--warm-source`` sends one request of the prefix (its own
+suffix) before each burst and waits for its answer, so one worker holds the prefix when the burst begins, as when
+a job's system prompt or shared document was used shortly before: copies then start from a complete source.
 
 Workers, gateway, agents and the client share this machine's cores, so absolute times depend on it; the ratios
 are taken within one run.
@@ -103,6 +111,23 @@ def _trace(path: Path, seed: int, prefix_tokens: int = PREFIX_TOKENS) -> Path:
     return path
 
 
+def warm_source_trace(trace: Path, out: Path) -> Path:
+    """``out``: one request of ``trace``'s shared prefix (its first request's leading blocks, up to the blocks it
+    shares with the second) with a suffix block of its own, sent at 0 (:func:`one_run`'s ``warm_source``)."""
+    lines = trace.read_text().splitlines()
+    first, second = (json.loads(x) for x in lines[:2])
+    shared = 0
+    for a, b in zip(first["hash_ids"], second["hash_ids"], strict=False):
+        if a != b:
+            break
+        shared += 1
+    page = first["input_length"] // len(first["hash_ids"])
+    prelude = dict(first, arrival_s=0.0, hash_ids=[*first["hash_ids"][:shared], "warm-source"])
+    prelude["input_length"] = page * (shared + 1)
+    out.write_text(json.dumps(prelude) + "\n")
+    return out
+
+
 def _testbed_path() -> None:
     """Put this checkout and its ``tests/`` (the namespace testbed's helpers) first on ``sys.path``."""
     for p in (str(ROOT / "tests"), str(ROOT)):
@@ -176,8 +201,9 @@ def _local_host(url: str) -> str | None:
     return None
 
 
-def one_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS) -> dict:
-    """One fresh fleet in ``mode``: the default policy's burst, then cache_aware's on a fresh prefix."""
+def one_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS, warm_source: bool = False) -> dict:
+    """One fresh fleet in ``mode``: the default policy's burst, then cache_aware's on a fresh prefix (each after
+    one request of its prefix, answered, with ``warm_source``)."""
     cfg = tmp / f"cluster-{mode}.toml"
     cfg.write_text(CLUSTER.format(mode=mode, workers=WORKERS))
     rd = tmp / f"run-{mode}-{run}"
@@ -188,6 +214,9 @@ def one_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS) 
             if policy != "default":
                 _btbctl("tune", "--run-dir", str(rd), f"policy={policy}")
             trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed, prefix_tokens)
+            if warm_source:
+                warm = warm_source_trace(trace, tmp / f"warm-{mode}-{run}-{policy}.jsonl")
+                _btbctl("bench", "--run-dir", str(rd), "--trace", str(warm), "--format", "json")
             rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
             out[policy] = rep
         out["copies"] = [copy_row(c, _local_host, None) for c in out["default"]["copies"] or []]
@@ -210,7 +239,14 @@ def testbed_missing() -> str | None:
 
 
 def one_testbed_run(
-    mode: str, run: int, tmp: Path, tb, servers, kv_bytes_scale: int | None, prefix_tokens: int = PREFIX_TOKENS
+    mode: str,
+    run: int,
+    tmp: Path,
+    tb,
+    servers,
+    kv_bytes_scale: int | None,
+    prefix_tokens: int = PREFIX_TOKENS,
+    warm_source: bool = False,
 ) -> dict:
     """As :func:`one_run`, on the testbed ``tb`` (hosts reached through ``servers``' sshd): the copies of the
     default policy's burst come from ``GET /control/transfers`` once none is in flight."""
@@ -229,6 +265,9 @@ def one_testbed_run(
             if policy != "default":
                 _btbctl("tune", "--run-dir", str(rd), f"policy={policy}")
             trace = _trace(tmp / f"trace-{mode}-{run}-{policy}.jsonl", seed, prefix_tokens)
+            if warm_source:
+                warm = warm_source_trace(trace, tmp / f"warm-{mode}-{run}-{policy}.jsonl")
+                _btbctl("bench", "--run-dir", str(rd), "--trace", str(warm), "--format", "json")
             before = fleet.transfers() if policy == "default" else None
             rep = json.loads(_btbctl("bench", "--run-dir", str(rd), "--trace", str(trace), "--format", "json"))
             out[policy] = rep
@@ -287,7 +326,7 @@ def summarize(mode: str, runs: list[dict]) -> dict:
 def _run_modes(args, tmp: Path) -> list[dict]:
     if not args.hosts:
         return [
-            summarize(m, [one_run(m, i, tmp, args.prefix_tokens) for i in range(args.runs)])
+            summarize(m, [one_run(m, i, tmp, args.prefix_tokens, args.warm_source) for i in range(args.runs)])
             for m in args.modes.split(",")
         ]
     from netns import open_testbed, start_sshd
@@ -299,7 +338,7 @@ def _run_modes(args, tmp: Path) -> list[dict]:
             summarize(
                 m,
                 [
-                    one_testbed_run(m, i, tmp, tb, servers, args.kv_bytes_scale, args.prefix_tokens)
+                    one_testbed_run(m, i, tmp, tb, servers, args.kv_bytes_scale, args.prefix_tokens, args.warm_source)
                     for i in range(args.runs)
                 ],
             )
@@ -337,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         default=PREFIX_TOKENS,
         help=f"tokens of the burst's shared prefix (default {PREFIX_TOKENS}; 256-token pages)",
     )
+    ap.add_argument(
+        "--warm-source",
+        action="store_true",
+        help="send one request of the prefix before each burst (answered), so one worker holds it when it begins",
+    )
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args(argv)
     if args.prefix_tokens < 256 or args.prefix_tokens % 256:
@@ -362,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.hosts
         else "one machine"
     )
-    print(f"{where}; a {args.prefix_tokens}-token prefix; medians over {args.runs} run(s)")
+    warm = ", warm on one worker before each burst" if args.warm_source else ""
+    print(f"{where}; a {args.prefix_tokens}-token prefix{warm}; medians over {args.runs} run(s)")
     for s in out:
         d, ca = s["default"], s["cache_aware"]
         print(

@@ -3,6 +3,7 @@ across a link reports its rate against the link's."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -147,3 +148,15 @@ def test_the_human_report_says_how_close_the_copies_came_to_the_link_rate(monkey
     assert "p95 x1.00, mean x1.00" in out and "requests per worker [[100, 100]]" in out
     assert "phases source/transfer/proof 1.200/0.300/- s" in out
     assert "1 copies, 1 that sent bytes: 250.000 MB in 0.250 s of send_s, 8.000 Gbit/s (0.80 x the link)" in out
+
+
+def test_the_warm_source_request_shares_the_bursts_prefix_and_not_its_suffix(tmp_path):
+    lines = [
+        {"arrival_s": 0.0, "input_length": 768, "output_length": 4, "hash_ids": ["p0", "p1", "s0"]},
+        {"arrival_s": 0.02, "input_length": 768, "output_length": 4, "hash_ids": ["p0", "p1", "s1"]},
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    warm = json.loads(bench.warm_source_trace(trace, tmp_path / "w.jsonl").read_text())
+    assert warm["hash_ids"][:2] == ["p0", "p1"] and warm["hash_ids"][2] not in ("s0", "s1")
+    assert warm["input_length"] == 768 and warm["arrival_s"] == 0.0
