@@ -96,7 +96,7 @@ async def test_a_burst_split_over_two_gateways_fires_as_on_one_and_copies_once(r
 
 
 @needs_redis
-async def test_a_copy_claimed_by_one_gateway_is_awaited_by_the_other(redis_server):  # noqa: F811
+async def test_a_copy_one_gateway_runs_is_in_flight_on_the_other_until_done(redis_server):  # noqa: F811
     fleet = await start_fleet(2, copy_polls=6)
     urls = [w.url for w in fleet]
     try:
@@ -106,11 +106,12 @@ async def test_a_copy_claimed_by_one_gateway_is_awaited_by_the_other(redis_serve
             await _send(http, a, 1)  # fires on a: a claims and runs the copy
             await until(lambda: bool(a.state.transfers.active))
             ta = next(iter(a.state.transfers.active.values()))
-            # b orders the same copy by hand: it loses the claim and waits for a's outcome
-            await until(lambda: ta.state == "running")
-            tb = b.replicator.request_copy(ta.chain, ta.source, ta.target, source_confirmed=True)
-            assert tb is not None
-            await until(lambda: tb.ordered_by is not None)
+            # b learnt of it at once and records it in flight, awaiting a's outcome
+            await until(lambda: bool(b.state.transfers.active))
+            tb = next(iter(b.state.transfers.active.values()))
+            assert b.state.copy_in_flight(tb.target, tb.chain)
+            # ordering it by hand on b too makes no second copy
+            assert b.replicator.request_copy(ta.chain, ta.source, ta.target, source_confirmed=True) is None
             assert tb.ordered_by == a.fleet.gateway_id and tb.target not in b.state.holders(tb.key)
             await until(lambda: not tb.active, timeout_s=10)
             assert tb.state == "done" and tb.target in b.state.holders(tb.key)

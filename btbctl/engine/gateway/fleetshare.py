@@ -11,7 +11,8 @@ are shared, none of them on a request's decision path (which never waits for Red
   arrival of the prefix then fires as it would had it seen them all. A burst split over two gateways thus fires
   on the first arrival after the fleet's ``threshold``-th, as long as the news travels faster than the arrivals.
 * **Copy orders.** Before a copy job starts, the gateway claims ``(prefix key, target URL)`` with
-  ``SET <prefix>:copy:<key>:<target> NX PX <ttl>``. The winner runs the copy and, at its end, publishes the outcome
+  ``SET <prefix>:copy:<key>:<target> NX PX <ttl>``. The winner announces it on ``<prefix>:copies`` (the others record
+  it as in flight, so their policies count it as arriving), runs the copy and, at its end, publishes the outcome
   on ``<prefix>:copies`` (and keeps the claim, marked ``done``, until its TTL ends, for gateways that ask later;
   a failed copy drops the claim so the copy may be ordered again). A gateway that lost the claim keeps its copy
   record in flight (``ordered_by`` names the winner) until the outcome comes, and records the target as holding
@@ -77,6 +78,8 @@ class FleetShare:
         prefix: key and channel prefix shared by the fleet's gateways (non-empty).
         on_arrivals: called with ``(key, arrivals)`` for each prefix another gateway saw arrive.
         on_copy_done: called with ``(chain, target_url, gateway id)`` when another gateway's copy ended done.
+        on_copy_started: called with ``(chain, source_url, target_url, gateway id)`` when another gateway claimed a
+            copy (it runs it now).
         on_tune: called with ``(constants dict, policy name, gateway id)`` when another gateway was tuned.
         retry_s: seconds between reconnection attempts.
         command_timeout_s: timeout of one command, seconds.
@@ -95,6 +98,7 @@ class FleetShare:
         on_arrivals: Callable[[str, int], None],
         on_copy_done: Callable[[tuple, str, str], None],
         on_tune: Callable[[dict, str, str], None],
+        on_copy_started: Callable[[tuple, str, str, str], None] | None = None,
         retry_s: float = DEFAULT_RETRY_S,
         command_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
         claim_ttl_s: float = 600.0,
@@ -114,6 +118,7 @@ class FleetShare:
         self.on_arrivals = on_arrivals
         self.on_copy_done = on_copy_done
         self.on_tune = on_tune
+        self.on_copy_started = on_copy_started
         self.retry_s = retry_s
         self.command_timeout_s = command_timeout_s
         self.claim_ttl_ms = int(claim_ttl_s * 1000)
@@ -258,6 +263,10 @@ class FleetShare:
                         self.on_arrivals(k, n)
             elif channel == self.chan_copies:
                 key, target, state = str(obj["key"]), str(obj["target"]), str(obj["state"])
+                if state == "copying":
+                    if self.on_copy_started is not None:
+                        self.on_copy_started(tuple(obj.get("chain") or ()), str(obj.get("source", "")), target, gw)
+                    return
                 for f in self._waiters.pop((key, target), ()):
                     if not f.done():
                         f.set_result((state, gw))
@@ -270,9 +279,13 @@ class FleetShare:
 
     # -- copy orders --------------------------------------------------------------------------------------------
 
-    async def claim(self, prefix_key: Hashable, target_url: str) -> Claim:
+    async def claim(
+        self, prefix_key: Hashable, target_url: str, chain: Sequence[Hashable] = (), source_url: str = ""
+    ) -> Claim:
         """Claim the copy of ``prefix_key`` (the copied chain's last block hash) to ``target_url`` for this gateway:
-        ``SET NX PX``, one round trip (two when another gateway holds it). Without Redis: ``Claim("alone")``."""
+        ``SET NX PX``, one round trip (two when another gateway holds it). A won claim is announced on the copies
+        channel with ``chain`` and ``source_url`` (state ``copying``), so the other gateways count the copy as
+        arriving before they plan their own. Without Redis: ``Claim("alone")``."""
         client = self._client
         if client is None or not self.connected:
             return Claim("alone")
@@ -281,6 +294,16 @@ class FleetShare:
             mine = json.dumps({"gw": self.gateway_id, "state": "copying"})
             ok = await client.set(k, mine, nx=True, px=self.claim_ttl_ms)
             if ok:
+                if chain:
+                    msg = {
+                        "gw": self.gateway_id,
+                        "key": str(prefix_key),
+                        "target": target_url,
+                        "source": source_url,
+                        "state": "copying",
+                        "chain": [str(c) for c in chain],
+                    }
+                    await client.publish(self.chan_copies, json.dumps(msg))
                 return Claim("self")
             raw = await client.get(k)
         except self._errors as e:  # Redis lost meanwhile: the copy goes ahead unclaimed

@@ -44,20 +44,17 @@ import logging
 import secrets
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from btbctl.engine.chains import prefix_id, short_id
 from btbctl.engine.copies import CopyOutcome, CopyPlan, CopyState, carry_out
 from btbctl.engine.detector import tracked_key
+from btbctl.engine.gateway.fleetshare import Claim, FleetShare
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
 from btbctl.engine.replication.auth import new_token
-
-if TYPE_CHECKING:
-    from btbctl.engine.gateway.fleetshare import FleetShare
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +221,11 @@ class CopyExecutor:
         *,
         manual: bool = False,
         source_confirmed: bool = False,
+        ordered_by: str | None = None,
     ) -> Transfer | None:
         """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
-        :meth:`refusal`). Never blocks: the job runs in a task."""
+        :meth:`refusal`). Never blocks: the job runs in a task. ``ordered_by``: the id of the fleet's gateway that
+        announced it runs this copy (:attr:`orders`); the job then only awaits that gateway's outcome."""
         chain = tuple(chain)
         if self.refusal(chain, source, target) is not None:
             self.refused += 1
@@ -236,7 +235,9 @@ class CopyExecutor:
         self.state.transfers.add(t)
         self._event("copy_accepted", t, **{self.unit: len(chain)}, manual=manual)
         task = asyncio.get_running_loop().create_task(
-            self._job(t, source_confirmed) if self.orders is None else self._ordered_job(t, source_confirmed)
+            self._job(t, source_confirmed)
+            if self.orders is None
+            else self._ordered_job(t, source_confirmed, ordered_by)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -245,15 +246,19 @@ class CopyExecutor:
         self._changed(t)
         return t
 
-    async def _ordered_job(self, t: Transfer, source_confirmed: bool) -> None:
+    async def _ordered_job(self, t: Transfer, source_confirmed: bool, ordered_by: str | None) -> None:
         """Job ``t`` in a fleet of gateways: claim its (prefix, target) for this gateway, then run it; when another
         gateway holds the claim, wait for that copy's outcome instead (the target holds the prefix only if it came
         ``done``). Without Redis the job runs unclaimed."""
         orders = self.orders
         assert orders is not None
-        target_url = self.state.workers[t.target].url
+        ws = self.state.workers
+        target_url = ws[t.target].url
         try:
-            claim = await orders.claim(t.key, target_url)
+            if ordered_by is None:
+                claim = await orders.claim(t.key, target_url, t.chain, ws[t.source].url)
+            else:
+                claim = Claim(ordered_by)
             if claim.owner == "self":
                 self._claimed.add(t.copy_id)
             if claim.mine:

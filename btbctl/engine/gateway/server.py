@@ -747,6 +747,7 @@ class Gateway:
             on_arrivals=lambda key, n: self.detector.fold(key, self.clock(), n),
             on_copy_done=self._fleet_copy_done,
             on_tune=self._fleet_tuned,
+            on_copy_started=self._fleet_copy_started,
             claim_ttl_s=cfg.source_wait_s + cfg.copy_timeout_s + 60.0,
         )
         self.replicator.orders = self.fleet
@@ -762,6 +763,15 @@ class Gateway:
         log_event(log, "fleet_copy_learned", prefix=chain[-1], target=w.name, target_url=w.url, gateway=gateway_id)
         self.bus.mark("prefixes")
         self.bus.mark("fleet")
+
+    def _fleet_copy_started(self, chain: tuple, source_url: str, target_url: str, gateway_id: str) -> None:
+        """Another gateway runs a copy of ``chain`` to ``target_url``: record it here as in flight (its outcome is
+        awaited, never run twice), so this gateway's policy counts it as arriving and orders no other."""
+        by_url = {w.url: w.index for w in self.state.workers}
+        source, target = by_url.get(source_url), by_url.get(target_url)
+        if source is None or target is None or not chain:
+            return
+        self.replicator.request_copy(chain, source, target, source_confirmed=True, ordered_by=gateway_id)
 
     def _fleet_tuned(self, constants: dict, policy: str, gateway_id: str) -> None:
         """Another gateway was tuned: take its constants and policy (recorded in ``tuned_file`` too, not shared
