@@ -13,7 +13,7 @@ are shared, none of them on a request's decision path (which never waits for Red
 * **Copy orders.** Before a copy job starts, the gateway claims ``(prefix key, target URL)`` with
   ``SET <prefix>:copy:<key>:<target> NX PX <ttl>``. The winner announces it on ``<prefix>:copies`` (the others record
   it as in flight, so their policies count it as arriving), runs the copy and, at its end, publishes the outcome
-  on ``<prefix>:copies`` (and keeps the claim, marked ``done``, until its TTL ends, for gateways that ask later;
+  on ``<prefix>:copies`` (and keeps the claim, marked ``done``, a short while for gateways that ask later;
   a failed copy drops the claim so the copy may be ordered again). A gateway that lost the claim keeps its copy
   record in flight (``ordered_by`` names the winner) until the outcome comes, and records the target as holding
   the prefix only when it was done. A ``done`` outcome also makes every other gateway record the target as holding.
@@ -51,6 +51,9 @@ DEFAULT_RETRY_S = 1.0
 DEFAULT_COMMAND_TIMEOUT_S = 1.0
 #: Arrival keys queued at most between two flushes; beyond, new keys are dropped (their counts stay local).
 MAX_PENDING_KEYS = 4096
+#: Seconds a done copy's claim is kept for gateways that missed its publication (a product choice: short, because a
+#: worker may evict the prefix later and a stale ``done`` would make a gateway record it as warm).
+DONE_CLAIM_TTL_S = 30.0
 #: Seconds between checks of a claim owned by another gateway while its outcome is awaited (a missed publication
 #: is found this late at most).
 CLAIM_RECHECK_S = 1.0
@@ -276,6 +279,8 @@ class FleetShare:
                 self.on_tune(dict(obj["constants"]), str(obj["policy"]), gw)
         except (KeyError, TypeError, ValueError) as e:
             log_event(log, "fleet_share_bad_message", logging.WARNING, channel=channel, sender=gw, reason=repr(e))
+        except Exception:  # a bug in a callback: this message is lost, the link to the fleet stays
+            log.exception("fleet message on %s from gateway %s could not be applied", channel, gw)
 
     # -- copy orders --------------------------------------------------------------------------------------------
 
@@ -360,9 +365,9 @@ class FleetShare:
     async def publish_outcome(
         self, prefix_key: Hashable, target_url: str, chain: Sequence[Hashable], done: bool
     ) -> None:
-        """Publish the outcome of this gateway's claimed copy: ``done`` keeps the claim (marked done, fresh TTL) so
-        later claims learn the target is warm; a failure drops it. One pipelined round trip; nothing when Redis is
-        unreachable."""
+        """Publish the outcome of this gateway's claimed copy: ``done`` keeps the claim (marked done) for
+        :data:`DONE_CLAIM_TTL_S` so later claims learn the target is warm; a failure drops it. One pipelined round
+        trip; nothing when Redis is unreachable."""
         client = self._client
         if client is None:
             return
@@ -374,7 +379,7 @@ class FleetShare:
         try:
             pipe = client.pipeline(transaction=False)
             if done:
-                pipe.set(k, json.dumps({"gw": self.gateway_id, "state": "done"}), px=self.claim_ttl_ms)
+                pipe.set(k, json.dumps({"gw": self.gateway_id, "state": "done"}), px=int(DONE_CLAIM_TTL_S * 1000))
             else:
                 pipe.delete(k)
             pipe.publish(self.chan_copies, json.dumps(msg))
