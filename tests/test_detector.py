@@ -291,3 +291,24 @@ def test_declared_bursts_track_a_bounded_number_of_clients():
     for i in range(10):
         assert b.grant(f"c{i}", 2, float(i) / 100, 1.0) == (2, False)
     assert len(b._grants) == 3 and len(b._refused_at) <= 3
+
+
+def test_arrivals_folded_from_another_gateway_count_but_never_fire_alone():
+    d = BurstDetector(C)
+    d.fold("a:3", 10.0)
+    assert d.stats() == {"fires": 0, "tracked": 1, "observed": 0, "dropped": 0}
+    assert d.arrivals_in_window("a:3", 10.5) == 1 and d.prefix_of("a:3") is None
+    det = d.observe(chain("a", 4, "s1"), 10.5)  # the fleet's second arrival: fires here, with the local chain
+    assert det is not None and det.fired and det.arrivals_in_window == 2 and det.prefix == chain("a", 4)
+
+
+def test_folded_arrivals_leave_the_window_and_keep_an_activation_alive():
+    d = BurstDetector(C)
+    d.fold("a:3", 10.0)
+    assert d.observe(chain("a", 4, "s1"), 11.0) is None  # the folded one is one window old: outside
+    assert d.observe(chain("a", 4, "s2"), 11.5).fired
+    d.fold("a:3", 12.2)  # the burst goes on at the other gateway only
+    d.fold("a:3", 12.9)
+    assert d.is_active("a:3", 13.5)
+    det = d.observe(chain("a", 4, "s3"), 13.6)
+    assert det is not None and not det.fired and d.stats()["fires"] == 1

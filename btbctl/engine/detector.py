@@ -194,6 +194,38 @@ class BurstDetector:
             self.on_fire(det)
         return det
 
+    def fold(self, key: Hashable, now_s: float, arrivals: int = 1) -> None:
+        """Count ``arrivals`` (>= 1) of prefix ``key`` that arrived elsewhere (another gateway of the fleet) at
+        ``now_s`` seconds (this detector's clock: the time the news came). They count towards the window and keep an
+        activation alive like local arrivals, but never fire by themselves: only :meth:`observe` (a local arrival,
+        which brings the prefix's block hashes to copy) makes a prefix hot, so the arrival after enough folded ones
+        fires at once. Not counted in ``observed``.
+
+        Cost: O(1) amortised.
+        """
+        keys = self._keys
+        st = keys.get(key)
+        if st is None:
+            st = _KeyState(now_s)
+            keys[key] = st
+        else:
+            if st.hot and now_s - st.last_s >= self.constants.window_s:
+                st.hot = False
+            keys.move_to_end(key)
+        if now_s > st.last_s:
+            st.last_s = now_s
+        if now_s > self._latest_s:
+            self._latest_s = now_s
+        arrivals = max(1, int(arrivals))
+        st.total += arrivals
+        st.times.append((now_s, arrivals))
+        st.in_window += arrivals
+        cutoff = now_s - self.constants.window_s
+        times = st.times
+        while times[0][0] <= cutoff:
+            st.in_window -= times.popleft()[1]
+        self._sweep(now_s, st)
+
     def _sweep(self, now_s: float, keep: _KeyState) -> None:
         """Drop keys unseen for the retention time (oldest first) and enforce ``max_tracked``."""
         keys = self._keys

@@ -238,6 +238,24 @@ class GatewayConfig(BaseModel):
     """l3: after a failed copy or proof, seconds during which no copy of that prefix goes to that worker again."""
     tokenize_timeout_s: float = Field(10.0, gt=0)
     """l3: timeout of one call to a worker's tokenizer (``/v1/tokenize``), seconds."""
+    redis_url: str | None = None
+    """Redis shared by several gateways in front of the same workers (``redis://host:port/db``): they share burst
+    detection (each one's arrivals count in the others' windows), copy orders (one copy per prefix and target,
+    whichever gateway orders it) and tuning (:mod:`btbctl.engine.gateway.fleetshare`). A gateway that cannot reach it
+    works alone until it can. None: this gateway alone."""
+    redis_prefix: str = Field("btb", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """Prefix of the keys and channels the fleet's gateways share in ``redis_url`` (gateways of another fleet on the
+    same Redis need another one)."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        p = urlsplit(v)
+        if p.scheme not in ("redis", "rediss", "unix") or (p.scheme != "unix" and not p.hostname):
+            raise ValueError(f"redis URL {v!r} must look like redis://host:port (or rediss://, unix://)")
+        return v
 
     @field_validator("workers")
     @classmethod

@@ -50,6 +50,7 @@ import aiohttp
 from btbctl.engine.chains import prefix_id, short_id
 from btbctl.engine.copies import CopyOutcome, CopyPlan, CopyState, carry_out
 from btbctl.engine.detector import tracked_key
+from btbctl.engine.gateway.fleetshare import Claim, FleetShare
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import Policy
@@ -151,6 +152,14 @@ class CopyExecutor:
         #: sets them; 0: unknown): a job records the hot prefix it is for and the tokens it copies.
         self.prefix_blocks: Callable[[], int] = lambda: 0
         self.block_tokens: Callable[[], int] = lambda: 0
+        #: The fleet's shared copy orders (:class:`~btbctl.engine.gateway.fleetshare.FleetShare`; the gateway sets it
+        #: with a ``redis_url``): each job claims its (prefix, target) first, and a copy another gateway claimed is
+        #: awaited instead of run. None: this gateway alone.
+        self.orders: FleetShare | None = None
+        #: the ids of the jobs this gateway claimed (their outcome is published when they end)
+        self._claimed: set[str] = set()
+        #: longest wait for another gateway's copy outcome, seconds (the subclasses set their copy timeout)
+        self.order_wait_s: float = 300.0
 
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
         """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""
@@ -217,9 +226,11 @@ class CopyExecutor:
         *,
         manual: bool = False,
         source_confirmed: bool = False,
+        ordered_by: str | None = None,
     ) -> Transfer | None:
         """Start a background copy job; returns its :class:`Transfer`, or None when refused (see
-        :meth:`refusal`). Never blocks: the job runs in a task."""
+        :meth:`refusal`). Never blocks: the job runs in a task. ``ordered_by``: the id of the fleet's gateway that
+        announced it runs this copy (:attr:`orders`); the job then only awaits that gateway's outcome."""
         chain = tuple(chain)
         if self.refusal(chain, source, target) is not None:
             self.refused += 1
@@ -228,13 +239,69 @@ class CopyExecutor:
         t.pushed = asyncio.Event()
         self.state.transfers.add(t)
         self._event("copy_accepted", t, **{self.unit: len(chain)}, manual=manual)
-        task = asyncio.get_running_loop().create_task(self._job(t, source_confirmed))
+        task = asyncio.get_running_loop().create_task(
+            self._job(t, source_confirmed)
+            if self.orders is None
+            else self._ordered_job(t, source_confirmed, ordered_by)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         # a job cancelled before it ran (the gateway stopping) never reaches its own handler: end it here
         task.add_done_callback(lambda _task, t=t: self._fail(t, "gateway stopped") if t.active else None)
         self._changed(t)
         return t
+
+    async def _ordered_job(self, t: Transfer, source_confirmed: bool, ordered_by: str | None) -> None:
+        """Job ``t`` in a fleet of gateways: claim its (prefix, target) for this gateway, then run it; when another
+        gateway holds the claim, wait for that copy's outcome instead (the target holds the prefix only if it came
+        ``done``). Without Redis the job runs unclaimed."""
+        orders = self.orders
+        assert orders is not None
+        ws = self.state.workers
+        target_url = ws[t.target].url
+        try:
+            if ordered_by is None:
+                claim = await orders.claim(t.key, target_url, t.chain, ws[t.source].url)
+            else:
+                claim = Claim(ordered_by)
+            if claim.owner == "self":
+                self._claimed.add(t.copy_id)
+            if claim.mine:
+                await self._job(t, source_confirmed)
+                return
+            t.ordered_by = claim.owner
+            t.routable = False  # never routed to before the other gateway's copy is proven
+            self._event("copy_ordered_elsewhere", t, gateway=claim.owner, done=claim.done)
+            self._changed(t)
+            if claim.done:
+                state, why = "done", f"copy ordered by gateway {claim.owner} already done"
+            else:
+                state, why = await orders.wait_outcome(t.key, target_url, self.order_wait_s)
+            if t.active:
+                if state == "done":
+                    self._finish(t, CopyState.DONE, "copy_done", outcome=CopyOutcome.DONE, ordered_by=claim.owner)
+                else:
+                    self._fail(t, why)
+        except asyncio.CancelledError:
+            if t.active:
+                self._fail(t, "gateway stopped")
+            raise
+        finally:
+            if t.pushed is not None:
+                t.pushed.set()
+
+    def _publish_outcome(self, t: Transfer) -> None:
+        """A claimed job ended: tell the other gateways (in the background)."""
+        orders = self.orders
+        if orders is None or t.copy_id not in self._claimed:
+            return
+        self._claimed.discard(t.copy_id)
+        url = self.state.workers[t.target].url
+        task = asyncio.get_running_loop().create_task(
+            orders.publish_outcome(t.key, url, t.chain, t.state is CopyState.DONE)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _start_manual(
         self, chain: tuple, cands: list[int], holders: list[int], n: int, wait_s: float, why_none: str
@@ -326,6 +393,7 @@ class CopyExecutor:
             **fields,
             reason=reason,
         )
+        self._publish_outcome(t)
         self._changed(t)
         if self.on_finish is not None:
             self.on_finish(t)

@@ -52,6 +52,7 @@ from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.gateway.control_api import build_control_app
 from btbctl.engine.gateway.dataplane import DATA_ROUTES, WORKER_HEADER, DataLimits, DataPlane, build_data_app
 from btbctl.engine.gateway.events import EventBus
+from btbctl.engine.gateway.fleetshare import FleetShare
 from btbctl.engine.gateway.guard import (
     ConnectionGuard,
     RateLimiter,
@@ -80,7 +81,7 @@ from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.httpclient import client_session
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback, local_url
-from btbctl.engine.policies import make_policy
+from btbctl.engine.policies import live_policy_error, make_policy
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.policies.cache_aware import tree_holder
 from btbctl.engine.replication.auth import bearer_ok
@@ -223,6 +224,9 @@ class Gateway:
         self.control_url = ""
         self._stopped = False
         self._request_seq = 0
+        #: the fleet's shared detection, copy orders and tuning (``redis_url``; None: this gateway alone)
+        self.fleet: FleetShare | None = None
+        self._fleet_tasks: set[asyncio.Task] = set()
 
     def _push_executor(self, config: GatewayConfig) -> CopyExecutor:
         """Replication modes ``push`` (the workers' ``/btb`` routes) and ``none`` (the same executor, refusing every
@@ -379,7 +383,10 @@ class Gateway:
 
     def save_tuned(self) -> str | None:
         """Record the constants and policy held now in ``config.tuned_file`` (atomically); return its path, or
-        None when the gateway records nothing. Raises OSError when the file cannot be written (a full disk)."""
+        None when the gateway records nothing. Raises OSError when the file cannot be written (a full disk). The
+        control API calls it once a write is confirmed, so the change also goes to the fleet's other gateways
+        (``redis_url``)."""
+        self._share_tune()
         path = self.config.tuned_file
         if path is None:
             return None
@@ -442,6 +449,10 @@ class Gateway:
         now = self.clock()
         if self._feeds_detector and not excluded:
             self.detector.observe(req.block_hashes, now, req.arrivals)
+        if self.fleet is not None and not excluded:
+            key = tracked_key(req.block_hashes, self.constants.prefix_blocks)
+            if key is not None:
+                self.fleet.note_arrival(key, req.arrivals)
         view = ExcludingView(state, excluded) if excluded else state
         policy = self.policy
         route = policy.route(req, view, now)
@@ -726,6 +737,86 @@ class Gateway:
         self.bus.mark("prefixes")
         self.bus.mark("fleet")
 
+    # -- the fleet's other gateways (redis_url) ------------------------------------------------------------------
+
+    def _join_fleet(self, url: str) -> None:
+        """Share detection, copy orders and tuning with the other gateways on ``url`` (connects in the background)."""
+        cfg = self.config
+        self.fleet = FleetShare(
+            url,
+            cfg.redis_prefix,
+            on_arrivals=lambda key, n: self.detector.fold(key, self.clock(), n),
+            on_copy_done=self._fleet_copy_done,
+            on_tune=self._fleet_tuned,
+            on_copy_started=self._fleet_copy_started,
+            claim_ttl_s=cfg.source_wait_s + cfg.copy_timeout_s + 60.0,
+        )
+        self.replicator.orders = self.fleet
+        self.replicator.order_wait_s = cfg.source_wait_s + cfg.copy_timeout_s
+        self.fleet.start()
+
+    def _fleet_copy_done(self, chain: tuple, target_url: str, gateway_id: str) -> None:
+        """Another gateway's copy of ``chain`` to ``target_url`` ended done: the target holds it from now on."""
+        w = next((w for w in self.state.workers if w.url == target_url), None)
+        if w is None or not chain:
+            return
+        w.hold(chain)
+        log_event(log, "fleet_copy_learned", prefix=chain[-1], target=w.name, target_url=w.url, gateway=gateway_id)
+        self.bus.mark("prefixes")
+        self.bus.mark("fleet")
+
+    def _fleet_copy_started(self, chain: tuple, source_url: str, target_url: str, gateway_id: str) -> None:
+        """Another gateway runs a copy of ``chain`` to ``target_url``: record it here as in flight (its outcome is
+        awaited, never run twice), so this gateway's policy counts it as arriving and orders no other."""
+        by_url = {w.url: w.index for w in self.state.workers}
+        source, target = by_url.get(source_url), by_url.get(target_url)
+        if source is None or target is None or not chain:
+            return
+        self.replicator.request_copy(chain, source, target, source_confirmed=True, ordered_by=gateway_id)
+
+    def _fleet_tuned(self, constants: dict, policy: str, gateway_id: str) -> None:
+        """Another gateway was tuned: take its constants and policy (recorded in ``tuned_file`` too, not shared
+        again); one line with the old and new values."""
+        old, old_policy = self.constants.as_dict(), self.policy.name
+        try:
+            new = self.constants.with_updates(**constants).as_dict()
+            why = live_policy_error(policy) if policy != old_policy else None
+            if why is not None:
+                raise ValueError(f"policy: {why}")
+        except (ConfigError, ValueError, TypeError) as e:
+            log_event(log, "fleet_tune_refused", logging.WARNING, gateway=gateway_id, reason=str(e))
+            return
+        changed = {k: (old[k], new[k]) for k in new if new[k] != old.get(k)}
+        if policy != old_policy:
+            changed["policy"] = (old_policy, policy)
+        if not changed:
+            return
+        self.set_constants(constants)
+        self.set_policy(policy)
+        if self.config.tuned_file:
+            try:
+                save_tuned(self.config.tuned_file, self.constants.as_dict(), self.policy.name, self.config.cluster_file)
+            except OSError as e:
+                log_event(log, "fleet_tune_unsaved", logging.WARNING, reason=e.strerror or str(e))
+        log_event(
+            log,
+            "fleet_tuned",
+            gateway=gateway_id,
+            keys=",".join(changed),
+            old=",".join(f"{k}={v[0]}" for k, v in changed.items()),
+            new=",".join(f"{k}={v[1]}" for k, v in changed.items()),
+        )
+
+    def _share_tune(self) -> None:
+        """Send the constants and policy held now to the fleet's other gateways (in the background)."""
+        if self.fleet is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.fleet.publish_tune(self.constants.as_dict(), self.policy.name)
+        )
+        self._fleet_tasks.add(task)
+        task.add_done_callback(self._fleet_tasks.discard)
+
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     def _settle_page_size(self) -> None:
@@ -794,6 +885,8 @@ class Gateway:
             self._expiry_task = asyncio.create_task(self._expire_agents())
         if cfg.metrics_interval_s > 0:
             self.scraper.start()
+        if cfg.redis_url:
+            self._join_fleet(cfg.redis_url)
         log_event(
             log,
             "gateway_start",
@@ -903,6 +996,8 @@ class Gateway:
         await self.prober.stop()
         await self.scraper.stop()
         await self.replicator.close()
+        if self.fleet is not None:
+            await self.fleet.stop()
         await self.bus.stop()
         if self._session is not None:
             await self._session.close()

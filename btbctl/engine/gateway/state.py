@@ -311,6 +311,9 @@ class Transfer:
             detector fires on and ``btbctl prefixes`` lists; a policy may copy a deeper chain than that, as
             btb_plus does); ``key`` when the chain is no longer than ``prefix_blocks`` or it is unknown.
         copied_tokens: tokens of ``chain`` (blocks x page size; None when the page size is unknown).
+        ordered_by: the id of the gateway of the fleet that runs this copy, when another one does (it won the copy's
+            claim, :mod:`~btbctl.engine.gateway.fleetshare`): this record then waits for that gateway's outcome, and
+            the target is never routed to before it came ``done``. None: this gateway runs it.
         source / target: worker indices.
         state: :class:`~btbctl.engine.copies.CopyState`: ``stalled`` (accepted, not pushed yet: the source is being
             checked or is still computing the prefix), ``running`` (pushed; bytes moving), ``done`` or ``failed``.
@@ -377,6 +380,7 @@ class Transfer:
     overlap_s: float | None = None
     hot_key: str = ""
     copied_tokens: int | None = None
+    ordered_by: str | None = None
 
     @property
     def hot_id(self) -> str:

@@ -150,6 +150,11 @@ class GatewaySection(BaseModel):
     it each start draws a fresh seed); the ones above and the listen addresses, workers and tokens are set by ``up``."""
     ready_timeout_s: float = Field(DEFAULT_EMULATED_READY_TIMEOUT_S, gt=0)
     """Seconds to wait for the gateway to report ready."""
+    replicas: int = Field(1, ge=1, le=16)
+    """Gateways ``up`` starts in front of the same workers (``gateway``, ``gateway-1``, ...; gateway ``i`` listens on
+    ``port + 2i`` and ``control_port + 2i``, or on free ports where those are 0). With more than one they share burst
+    detection, copy orders and tuning through Redis: ``settings.redis_url`` when given, else a ``redis-server``
+    (from PATH) that ``up`` starts for the fleet on a free loopback port and ``down`` stops."""
 
     @field_validator("policy")
     @classmethod

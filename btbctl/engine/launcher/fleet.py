@@ -109,9 +109,9 @@ def gateway_argv(config_path: str, python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "btbctl", "gateway", "--config", config_path]
 
 
-def write_gateway_config(rd: RunDir, data: dict) -> str:
-    """Write the gateway's settings to ``<run dir>/gateway.json`` (mode 0600); return the path."""
-    path = rd.path / "gateway.json"
+def write_gateway_config(rd: RunDir, data: dict, name: str = "gateway") -> str:
+    """Write the settings of gateway ``name`` to ``<run dir>/<name>.json`` (mode 0600); return the path."""
+    path = rd.path / f"{name}.json"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2)
@@ -146,6 +146,9 @@ def check_ports(cluster: ClusterFile, port: int | None = None, control_port: int
             gw.control_port if control_port is None else control_port,
         ),
     ]
+    for i in range(1, gw.replicas):
+        for what, host, p in wanted[:2]:
+            wanted.append((f"{what.split(' (')[0]} of gateway-{i}", host, p + 2 * i if p else 0))
     for inst in cluster.instances():
         if cluster.host_of(inst.spec) is None:
             wanted.append((f"{inst.name} port", inst.spec.host, inst.port))
@@ -337,9 +340,13 @@ def up(
         from btbctl.engine.config import validate
         from btbctl.engine.gateway.config import GatewayConfig
 
+        if gw.replicas > 1 and not gcfg.get("redis_url"):
+            gcfg["redis_url"] = _start_redis(rd, state, started, gw.ready_timeout_s, log)
         validate(GatewayConfig, gcfg, None, "gateway")  # fail here, with the key named, rather than in the child
         started.append(_start_gateway(rd, state, write_gateway_config(rd, gcfg), gw.ready_timeout_s, should_stop))
         log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
+        for i in range(1, gw.replicas):
+            started.append(_start_gateway_replica(rd, state, gcfg, i, gw.ready_timeout_s, should_stop, log))
     except BaseException as exc:
         if keep_partial and not isinstance(exc, KeyboardInterrupt):
             log("--keep-partial: leaving what started running; `btbctl down` stops it")
@@ -444,6 +451,76 @@ def _start_gateway(
         raise BtbctlError(f"the gateway's ready line named no control URL (log {gproc.log})")
     state.complete = True
     rd.save(state)
+    return gproc
+
+
+#: Name of the ``redis-server`` ``up`` starts for a fleet of several gateways (its record's role and log name).
+REDIS_NAME = "redis"
+
+
+def _start_redis(rd: RunDir, state: RunState, started: list[Started], timeout_s: float, log: Log) -> str:
+    """Start a ``redis-server`` for the fleet's gateways on a free loopback port (no persistence), record it in
+    ``state`` (``down`` stops it after the workers) and return its URL once it answers ``PING``. Raises
+    :class:`BtbctlError` when ``redis-server`` is not on PATH or does not answer within ``timeout_s``."""
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise BtbctlError(
+            "gateway.replicas > 1 needs redis-server on PATH (apt-get install redis-server) "
+            "or gateway.settings.redis_url"
+        )
+    port = free_port("127.0.0.1")
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(rd.path)]
+    proc = spawn(REDIS_NAME, argv, rd.log_path(REDIS_NAME))
+    started.append(proc)
+    proc.url = f"redis://127.0.0.1:{port}/0"
+    state.processes.append(proc.record(REDIS_NAME, REDIS_NAME))
+    rd.save(state)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if proc.popen.poll() is not None:
+            raise BtbctlError(f"redis-server exited with status {proc.popen.returncode} (log {proc.log})")
+        if time.monotonic() >= deadline:
+            raise BtbctlError(
+                f"redis-server did not answer on 127.0.0.1:{port} within {timeout_s:g} s (log {proc.log})"
+            )
+        time.sleep(0.05)
+    log(f"redis ready at {proc.url} (shared by the fleet's gateways)")
+    return proc.url
+
+
+def _start_gateway_replica(
+    rd: RunDir,
+    state: RunState,
+    gcfg: dict,
+    i: int,
+    timeout_s: float,
+    should_stop: Callable[[], bool] | None,
+    log: Log,
+) -> Started:
+    """Start gateway ``i`` (>= 1) of the fleet with the first one's settings ``gcfg``, on ``port + 2i`` and
+    ``control_port + 2i`` (free ports where those are 0), its own log and settings file; record it (role
+    ``gateway``) once ready."""
+    name = f"gateway-{i}"
+    cfg = dict(gcfg)
+    cfg["port"] = gcfg["port"] + 2 * i if gcfg.get("port") else 0
+    cfg["control_port"] = gcfg["control_port"] + 2 * i if gcfg.get("control_port") else 0
+    cfg["log_file"] = str(rd.log_path(name))
+    gproc = spawn(name, gateway_argv(write_gateway_config(rd, cfg, name)), rd.log_path(f"{name}.out"))
+    state.processes.append(gproc.record("gateway", "gateway"))
+    rd.save(state)
+    wait_ready(gproc, timeout_s, should_stop=should_stop)
+    _update(state, gproc)
+    rd.save(state)
+    log(f"{name} ready at {_reachable(gproc.url or '')} (control {gproc.extra.get('control')})")
     return gproc
 
 
@@ -620,7 +697,7 @@ def _update(state: RunState, proc: Started) -> None:
 def stop_started(started: list[Started], grace_s: float, log: Log = _nolog) -> None:
     """Stop processes this process started (the gateway, started last, first; then the workers together; then the
     node agents), reaping them."""
-    gw = [p for p in started if p.name == "gateway"]
+    gw = [p for p in started if p.name == "gateway" or p.name.startswith("gateway-")]
     agents = [p for p in started if p.name.startswith("agent-")]
     batches = [gw, [p for p in started if p not in gw and p not in agents], agents]
     for batch in batches:

@@ -1,0 +1,231 @@
+"""Several gateways in front of one fleet, sharing burst detection, copy orders and tuning through a real
+redis-server (``[gateway] redis_url``; :mod:`btbctl.engine.gateway.fleetshare`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from btbctl.engine.gateway import GatewayConfig, serve_gateway
+from gateway_fakes import BURST_CONSTANTS, BURST_TEXT, start_fleet, stop_fleet, until
+from redis_fixture import RedisServer, free_port, needs_redis, redis_server  # noqa: F401 (fixture)
+
+FLEETSHARE_LOG = "btbctl.engine.gateway.fleetshare"
+
+
+def _events(caplog, event: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"event={event} ")]
+
+
+@contextlib.asynccontextmanager
+async def _gateways(urls: list[str], n: int, redis_url: str | None, **cfg):
+    base = {
+        "port": 0,
+        "control_port": 0,
+        "token": "test-token",
+        "health_interval_s": 0.2,
+        "poll_interval_s": 0.02,
+        "policy": "btb",
+        "constants": BURST_CONSTANTS,
+        "redis_url": redis_url,
+    }
+    base.update(cfg)
+    gws = []
+    try:
+        for _ in range(n):
+            gws.append(await serve_gateway(GatewayConfig(workers=urls, **base)))
+        yield gws
+    finally:
+        for gw in gws:
+            await gw.stop()
+
+
+async def _send(http: aiohttp.ClientSession, gw, i: int) -> str:
+    async with http.post(gw.data_url + "/generate", json={"text": BURST_TEXT + str(i)}) as r:
+        assert r.status == 200, await r.text()
+        return r.headers["X-BTB-Worker"]
+
+
+async def _connected(*gws) -> None:
+    await until(lambda: all(gw.fleet is not None and gw.fleet.connected for gw in gws), timeout_s=10)
+
+
+@needs_redis
+async def test_a_burst_split_over_two_gateways_fires_as_on_one_and_copies_once(redis_server):  # noqa: F811
+    fleet = await start_fleet(4)
+    urls = [w.url for w in fleet]
+    try:
+        async with _gateways(urls, 2, redis_server.url) as (a, b), aiohttp.ClientSession() as http:
+            await _connected(a, b)
+            await _send(http, a, 0)
+            # a's arrival reaches b's detector before b's own (the news travels faster than the burst)
+            await until(lambda: b.fleet.folded_arrivals == 1)
+            assert b.detector.stats()["fires"] == 0
+            await _send(http, b, 1)
+            # the fleet's second arrival fires on b, as the second arrival at one gateway would
+            assert b.detector.stats()["fires"] == 1
+            await until(lambda: a.fleet.folded_arrivals == 1)
+            await _send(http, a, 2)
+            assert a.detector.stats()["fires"] == 1  # hot on a too, on its next arrival
+            for i in range(3, 9):
+                await _send(http, (a, b)[i % 2], i)
+            await until(lambda: not a.state.transfers.active and not b.state.transfers.active, timeout_s=10)
+            # each target got one copy, ordered by one gateway; the other waited for its outcome
+            pushes = [(p["body"]["target"], p["body"]["chain"][-1]) for w in fleet for p in w.pushes]
+            assert pushes and all(n == 1 for n in Counter(pushes).values()), pushes
+            own = [t for gw in (a, b) for t in gw.state.transfers.recent if t.ordered_by is None]
+            assert len(own) == len(pushes) and all(t.state == "done" for t in own)
+            key = own[0].chain[-1]
+            # both gateways know every warm replica, and both send the burst's rest over them
+            # (a worker that computed the prefix is known to the gateway that sent it the request only)
+            targets = {t.target for t in own}
+            assert targets <= set(a.state.holders(key)) and targets <= set(b.state.holders(key))
+            assert len(a.state.holders(key)) >= 3 and len(b.state.holders(key)) >= 3
+            before = [len(w.requests) for w in fleet]
+            await asyncio.gather(*(_send(http, (a, b)[i % 2], i) for i in range(10, 22)))
+            used = {i for i, w in enumerate(fleet) if len(w.requests) > before[i]}
+            assert used <= set(a.state.holders(key)) | set(b.state.holders(key)) and len(used) >= 3
+    finally:
+        await stop_fleet(fleet)
+
+
+@needs_redis
+async def test_a_copy_one_gateway_runs_is_in_flight_on_the_other_until_done(redis_server):  # noqa: F811
+    fleet = await start_fleet(2, copy_polls=6)
+    urls = [w.url for w in fleet]
+    try:
+        async with _gateways(urls, 2, redis_server.url) as (a, b), aiohttp.ClientSession() as http:
+            await _connected(a, b)
+            await _send(http, a, 0)
+            await _send(http, a, 1)  # fires on a: a claims and runs the copy
+            await until(lambda: bool(a.state.transfers.active))
+            ta = next(iter(a.state.transfers.active.values()))
+            # b learnt of it at once and records it in flight, awaiting a's outcome
+            await until(lambda: bool(b.state.transfers.active))
+            tb = next(iter(b.state.transfers.active.values()))
+            assert b.state.copy_in_flight(tb.target, tb.chain)
+            # ordering it by hand on b too makes no second copy
+            assert b.replicator.request_copy(ta.chain, ta.source, ta.target, source_confirmed=True) is None
+            assert tb.ordered_by == a.fleet.gateway_id and tb.target not in b.state.holders(tb.key)
+            await until(lambda: not tb.active, timeout_s=10)
+            assert tb.state == "done" and tb.target in b.state.holders(tb.key)
+            assert sum(len(w.pushes) for w in fleet) == 1
+    finally:
+        await stop_fleet(fleet)
+
+
+@needs_redis
+async def test_tuning_one_gateway_reaches_the_other(redis_server, caplog):  # noqa: F811
+    caplog.set_level(logging.INFO)
+    fleet = await start_fleet(2)
+    try:
+        async with _gateways([w.url for w in fleet], 2, redis_server.url) as (a, b), aiohttp.ClientSession() as http:
+            await _connected(a, b)
+            async with http.put(
+                a.control_url + "/control/constants",
+                json={"threshold": 5, "policy": "cache_aware"},
+                headers={"Authorization": "Bearer test-token"},
+            ) as r:
+                assert r.status == 200, await r.text()
+            await until(lambda: b.constants.threshold == 5 and b.policy.name == "cache_aware")
+            lines = _events(caplog, "fleet_tuned")
+            assert len(lines) == 1
+            assert "threshold=2" in lines[0] and "threshold=5" in lines[0] and "policy=btb" in lines[0]
+            assert a.constants.threshold == 5  # and nothing came back to a
+    finally:
+        await stop_fleet(fleet)
+
+
+async def test_without_redis_each_gateway_detects_alone_and_says_so_once(caplog, tmp_path):
+    caplog.set_level(logging.INFO)
+    fleet = await start_fleet(2)
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    try:
+        async with _gateways([w.url for w in fleet], 2, url) as (a, b), aiohttp.ClientSession() as http:
+            for gw in (a, b):
+                gw.fleet.retry_s = 0.05
+            await until(lambda: a.fleet.connected is False and b.fleet.connected is False)
+            await asyncio.sleep(0.3)  # several failed reconnections
+            assert len(_events(caplog, "fleet_share_down")) == 2  # one line per gateway, not per attempt
+            await _send(http, a, 0)
+            await _send(http, b, 1)
+            assert a.detector.stats()["fires"] == b.detector.stats()["fires"] == 0  # one arrival each: alone
+            await _send(http, a, 2)
+            assert a.detector.stats()["fires"] == 1
+            await until(lambda: not a.state.transfers.active)
+            assert all(t.state == "done" and t.ordered_by is None for t in a.state.transfers.recent)
+    finally:
+        await stop_fleet(fleet)
+
+
+@needs_redis
+async def test_a_gateway_falls_back_when_redis_goes_and_returns_with_it(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    srv = RedisServer(tmp_path)
+    srv.start()
+    fleet = await start_fleet(2)
+    try:
+        async with _gateways([w.url for w in fleet], 2, srv.url) as (a, b), aiohttp.ClientSession() as http:
+            for gw in (a, b):
+                gw.fleet.retry_s = 0.05
+            await _connected(a, b)
+            srv.stop()
+            await until(lambda: not a.fleet.connected and not b.fleet.connected, timeout_s=10)
+            await asyncio.sleep(0.3)
+            assert len(_events(caplog, "fleet_share_down")) == 2
+            await _send(http, a, 0)
+            await _send(http, b, 1)
+            assert a.detector.stats()["fires"] == b.detector.stats()["fires"] == 0
+            srv.start()
+            await _connected(a, b)
+            assert len(_events(caplog, "fleet_share_up")) == 4  # at start and back, each gateway
+            await _send(http, a, 2)
+            await until(lambda: b.fleet.folded_arrivals == 1)
+            await _send(http, b, 3)
+            assert b.detector.stats()["fires"] == 1  # b's 2nd + a's 2nd in the window: shared again
+    finally:
+        srv.stop()
+        await stop_fleet(fleet)
+
+
+@needs_redis
+async def test_claims_are_set_once_per_prefix_and_target(redis_server):  # noqa: F811
+    from btbctl.engine.gateway.fleetshare import FleetShare
+
+    def nop(*_a):
+        return None
+
+    x = FleetShare(redis_server.url, "t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, gateway_id="x")
+    y = FleetShare(redis_server.url, "t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, gateway_id="y")
+    x.start()
+    y.start()
+    try:
+        await until(lambda: x.connected and y.connected, timeout_s=10)
+        cx, cy = await asyncio.gather(x.claim("k", "http://w1"), y.claim("k", "http://w1"))
+        assert sorted([cx.owner, cy.owner]) == ["self", "x" if cy.owner == "x" else "y"]
+        loser, winner = (y, x) if cx.owner == "self" else (x, y)
+        waiting = asyncio.ensure_future(loser.wait_outcome("k", "http://w1", 5.0))
+        await asyncio.sleep(0.05)
+        await winner.publish_outcome("k", "http://w1", ("a", "k"), True)
+        state, why = await waiting
+        assert state == "done" and winner.gateway_id in why
+        later = await loser.claim("k", "http://w1")
+        assert later.owner == winner.gateway_id and later.done
+        assert (await x.claim("k", "http://w2")).owner == "self"
+        await x.publish_outcome("k", "http://w2", ("a", "k"), False)  # a failed copy may be ordered again
+        assert (await y.claim("k", "http://w2")).owner == "self"
+    finally:
+        await x.stop()
+        await y.stop()
+
+
+def test_bad_redis_url_is_one_clear_error():
+    with pytest.raises(ValueError, match="redis://host:port"):
+        GatewayConfig(workers=["http://127.0.0.1:1"], redis_url="http://127.0.0.1:6379")
+    assert json.dumps(GatewayConfig(workers=["http://127.0.0.1:1"], redis_url="redis://h:1/0").redis_url)
