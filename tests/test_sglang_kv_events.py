@@ -155,8 +155,8 @@ async def test_holdings_come_from_the_servers_events_and_a_late_gateway_replays(
         sub = late.kv_subscribers[0]
         await _until(lambda: w.held_blocks(chain) == len(chain), "the chain replayed from sequence 0")
         assert sub.replayed >= 1 and sub.feed.resyncs == 0
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"), timeout=30) as r:
-            assert r.status == 200
+        async with aiohttp.ClientSession() as s, s.post(f"{url}/flush_cache") as r:
+            assert r.status == 200, await r.text()
         await _until(lambda: not w.holdings, "the cleared cache")
         assert late.state.holders(chain[0]) == []
     finally:
