@@ -286,3 +286,53 @@ async def test_a_late_gateway_whose_publisher_forgot_the_start_begins_fresh(capl
 
 def test_seq_frames():
     assert seq_bytes(3) == b"\0" * 7 + b"\3"
+
+
+async def test_an_emulated_worker_publishes_what_its_cache_holds_and_the_gateway_follows():
+    from aiohttp.test_utils import TestServer
+
+    from btbctl.engine.gateway.config import GatewayConfig, KvEventsRef
+    from btbctl.engine.gateway.server import serve_gateway
+    from btbctl.engine.worker.config import make_config
+    from btbctl.engine.worker.core import Worker
+    from btbctl.engine.worker.http import build_app
+
+    ev = KvEventsConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", topic="kv", bind=True)
+    cfg = make_config(
+        model_path="qwen3-8b", tp_size=1, zero_delay=True, port=0, page_size=16, kv_events_config=ev.to_json()
+    )
+    worker = Worker(cfg)
+    server = TestServer(build_app(worker), host="127.0.0.1")
+    await server.start_server()
+    await worker.start()
+    worker.ready = True
+    url = f"http://127.0.0.1:{server.port}"
+    gw = await serve_gateway(
+        GatewayConfig(
+            workers=[url],
+            port=0,
+            control_port=0,
+            metrics_interval_s=0,
+            policy="round_robin",
+            kv_events=[KvEventsRef(endpoint=ev.endpoint, replay_endpoint=ev.replay_endpoint, topic="kv")],
+            routing_holdings=False,
+        )
+    )
+    try:
+        import aiohttp
+
+        ids = list(range(1000, 1064))
+        chain = chain_hashes(ids, 16)
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
+            async with s.post(f"{gw.data_url}/generate", json=body) as r:
+                assert r.status == 200
+            w = gw.state.workers[0]
+            await until(lambda: w.held_blocks(chain) == 4, "the worker's stored pages")
+            async with s.post(f"{url}/flush_cache") as r:
+                assert r.status == 200
+            await until(lambda: not w.holdings, "the flushed cache")
+    finally:
+        await gw.stop()
+        await worker.stop()
+        await server.close()
