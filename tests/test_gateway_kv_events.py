@@ -336,3 +336,38 @@ async def test_an_emulated_worker_publishes_what_its_cache_holds_and_the_gateway
         await gw.stop()
         await worker.stop()
         await server.close()
+
+
+def test_the_launcher_gives_each_worker_its_kv_events_ports_and_the_gateway_their_addresses():
+    from btbctl.engine.launcher.cluster import ClusterFile, kv_events_args, kv_events_of, worker_argv
+
+    cluster = ClusterFile.model_validate(
+        {
+            "workers": [
+                {"kind": "emulated", "count": 2, "kv_events": "tcp://127.0.0.1:7000"},
+                {
+                    "kind": "sglang",
+                    "model": "m",
+                    "gpu": "h100",
+                    "chunked_prefill_size": 256,
+                    "kv_events": "tcp://h:9000",
+                },
+                {"kind": "emulated"},
+            ]
+        }
+    )
+    insts = cluster.instances()
+    assert [kv_events_of(i) for i in insts] == [
+        ("tcp://127.0.0.1:7000", "tcp://127.0.0.1:7001"),
+        ("tcp://127.0.0.1:7002", "tcp://127.0.0.1:7003"),
+        ("tcp://h:9000", "tcp://h:9001"),
+        None,
+    ]
+    for inst in insts[1:3]:
+        argv = worker_argv(inst, 8000)
+        flag = argv[argv.index("--kv-events-config") + 1]
+        cfg = KvEventsConfig.from_json(flag)
+        assert cfg.binds() and cfg.replay_endpoint and argv[-2:] == kv_events_args(inst)
+    assert "--kv-events-config" not in worker_argv(insts[3], 8000)
+    with pytest.raises(ValueError, match="tcp://host:port"):
+        ClusterFile.model_validate({"workers": [{"kv_events": "http://x:1"}]})
