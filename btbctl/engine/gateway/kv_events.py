@@ -12,6 +12,11 @@ over a ZMQ SUB socket and a :class:`HoldingsFeed` turns them into that worker's 
   key's parent) so a :class:`BlockRemoved` can drop it. Pages whose parent is unknown (stored before a resync or
   before the gateway started, without a replay) or whose ``block_size`` differs from the gateway's page size cannot
   be keyed: they are counted (``unkeyed_blocks``) and skipped; their extensions are skipped too.
+* **Which prompts match.** Keys recomputed from token ids equal the gateway's chains when the gateway hashed the
+  same token ids: always in ``l3`` mode (the gateway tokenizes with the worker's tokenizer) and for ``input_ids``
+  prompts; in ``push`` mode a text prompt on a real SGLang worker is hashed from the gateway's pseudo-tokens, so its
+  events key other pages than its chain (the routing inference still records it; the emulated worker's tokens are
+  the pseudo-tokens, so there both agree).
 * **Media.** A page is held while any medium (``GPU``, ``CPU_PINNED`` ...) holds it: a device eviction of a page
   HiCache kept on the host leaves it held (a later request loads it back).
 * **Reconciliation: both sources are kept.** The routing inference (a first byte on the worker records its
@@ -62,6 +67,10 @@ log = logging.getLogger("btbctl.gateway")
 
 #: Computes the gateway key of one page: ``(parent key or None, the page's token ids, cache_salt) -> key``.
 Keyer = Callable[[str | None, list[int], str | None], str]
+#: SGLang blocks mapped per worker at most; beyond, the worker is resynced (a product choice: 2**22 blocks are far
+#: more than any worker's cache holds, about 1 GB of maps; a publisher that never removes would otherwise grow them
+#: without bound).
+MAX_EVENT_BLOCKS = 1 << 22
 #: Longest wait for a replay's answer, seconds (the publisher answers from memory; a product choice).
 REPLAY_TIMEOUT_S = 5.0
 
@@ -185,6 +194,8 @@ class HoldingsFeed:
             last = key
         if last is not None and last != parent:
             self.worker.hold(self._chain_to(last))
+        if len(self.keys) > MAX_EVENT_BLOCKS:
+            self.resync(f"more than {MAX_EVENT_BLOCKS} blocks mapped: the publisher's removals are not arriving")
 
     def _chain_to(self, key: str) -> list[str]:
         chain: list[str] = []
