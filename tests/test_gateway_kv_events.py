@@ -288,6 +288,35 @@ def test_seq_frames():
     assert seq_bytes(3) == b"\0" * 7 + b"\3"
 
 
+@pytest.mark.parametrize("replay", [False, True])
+async def test_a_restarted_publisher_resyncs_the_worker(replay):
+    st, feed = feed_for()
+    pub = publisher(replay=replay)
+    sub = KvEventsSubscriber(feed, pub.cfg.endpoint, pub.cfg.replay_endpoint, topic="kv")
+    sub.start()
+    try:
+        await warm(pub, sub)
+        pub.publish([stored([1], None, TOKENS[:4])])
+        for _ in range(30):
+            pub.publish([])
+        await until(lambda: sub.expected == pub.seq, "the old publisher's batches")
+        await pub.close()
+        pub = Publisher(pub.cfg)  # the worker restarted: same addresses, sequence numbers from 0 again
+        pub.start()
+        other = list(range(500, 504))
+        if replay:  # published before the subscriber reconnected: the replay brings it
+            pub.publish([stored([9], None, other)])
+        await warm(pub, sub)
+        if not replay:
+            pub.publish([stored([9], None, other)])
+        w = st.workers[0]
+        await until(lambda: w.held_blocks(chain_hashes(other, PAGE)) == 1, "the new publisher's block")
+        assert feed.resyncs >= 1 and w.held_blocks(chain_hashes(TOKENS[:4], PAGE)) == 0
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
 async def test_an_emulated_worker_publishes_what_its_cache_holds_and_the_gateway_follows():
     from aiohttp.test_utils import TestServer
 

@@ -318,6 +318,7 @@ class KvEventsSubscriber:
         finally:
             sub.close(linger=0)
 
+    _catching_up = False  # a replay ended and no live batch after it was taken yet
     _gap: tuple[int, int] | None = None
     _pending: tuple[int, KVEventBatch] | None = None
 
@@ -334,10 +335,15 @@ class KvEventsSubscriber:
             return
         exp = self.expected
         if exp is not None and seq < exp:
-            if seq == 0:  # the publisher started over: the worker restarted with an empty cache
-                self.feed.resync("the publisher started over at sequence 0 (worker restarted)")
-                self._take(seq, batch)
-            return  # already applied (a replay overlapped the live stream)
+            if self._catching_up:
+                return  # already applied: a replay overlapped the live messages queued meanwhile
+            # the publisher started over (the worker restarted): a fresh start with an empty record
+            self.feed.resync(f"the publisher went back from sequence {exp - 1} to {seq} (worker restarted)")
+            self.expected = exp = None
+            if seq > 0 and self.replay_endpoint is not None:
+                self._gap, self._pending = (0, seq), (seq, batch)
+                return
+        self._catching_up = False
         if exp is None and seq > 0:
             if self.replay_endpoint is None:
                 log_event(log, "kv_events_late_start", worker=self.name, first_seq=seq, note="no replay: starts fresh")
@@ -416,6 +422,7 @@ class KvEventsSubscriber:
                 got += 1
         finally:
             dealer.close(linger=0)
+        self._catching_up = True
         log_event(log, "kv_events_replayed", worker=self.name, from_seq=start, first_seq=first, batches=got)
 
     def _bad(self, why: str) -> None:
