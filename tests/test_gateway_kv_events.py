@@ -84,6 +84,7 @@ def test_stored_pages_become_the_gateways_chain_and_removed_ones_leave_it():
     assert w.held_blocks(chain) == 4 and st.holders(chain[0]) == [0] and st.cached_blocks(0, chain) == 4
     feed.apply(batch(BlockRemoved(block_hashes=[14, 13])))  # leaves first, as SGLang evicts
     assert w.held_blocks(chain) == 2 and st.holders(chain[3]) == []
+    assert st.cached_blocks(0, chain) == 2  # the policies and the copy planner see 2 blocks there, no longer 4
     feed.apply(batch(BlockRemoved(block_hashes=[11, 12])))
     assert st.holders(chain[0]) == [] and not w.holdings and not feed.keys
 

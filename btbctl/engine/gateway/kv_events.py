@@ -32,6 +32,8 @@ over a ZMQ SUB socket and a :class:`HoldingsFeed` turns them into that worker's 
   reaches back, the worker's record is resynced: dropped whole (what was removed meanwhile is unknown) and rebuilt
   from the batches that follow. One ``kv_events_resync`` line says so. A publisher that starts over (sequence
   number 0 again: the worker restarted) is a resync too.
+* **Down and up.** A worker marked down loses its record as before (:meth:`WorkerState.forget`); the feed keeps
+  its maps, so pages stored after it came back are keyed and recorded with their whole prefix again.
 * **Late start.** A subscriber asks the replay socket for everything from sequence number 0 first: while the
   publisher's buffer still holds it the record is exact, else it starts from the oldest batch kept (a resync);
   without a replay socket it starts fresh from the first live batch.
