@@ -401,3 +401,5 @@ def test_the_launcher_gives_each_worker_its_kv_events_ports_and_the_gateway_thei
     assert "--kv-events-config" not in worker_argv(insts[3], 8000)
     with pytest.raises(ValueError, match="tcp://host:port"):
         ClusterFile.model_validate({"workers": [{"kv_events": "http://x:1"}]})
+    with pytest.raises(ValueError, match="run past 65535"):
+        ClusterFile.model_validate({"workers": [{"count": 2, "kv_events": "tcp://x:65533"}]})

@@ -49,21 +49,14 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from btbctl.engine.gateway.state import WorkerState
 from btbctl.engine.hashing import next_chain_hash
-from btbctl.engine.kvevents import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    decode_batch,
-    seq_bytes,
-    seq_of,
-    subscriber_address,
-)
 from btbctl.engine.logfmt import log_event
+
+if TYPE_CHECKING:  # the wire format (msgspec) is imported when a subscriber starts, not with the gateway
+    from btbctl.engine.kvevents import BlockRemoved, BlockStored, KVEventBatch
 
 log = logging.getLogger("btbctl.gateway")
 
@@ -128,6 +121,8 @@ class HoldingsFeed:
 
     def apply(self, batch: KVEventBatch) -> None:
         """Apply one batch's events in order."""
+        from btbctl.engine.kvevents import AllBlocksCleared, BlockRemoved, BlockStored
+
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._stored(ev)
@@ -259,6 +254,8 @@ class KvEventsSubscriber:
         topic: str = "",
         replay_timeout_s: float = REPLAY_TIMEOUT_S,
     ) -> None:
+        from btbctl.engine.kvevents import subscriber_address
+
         self.feed = feed
         self.endpoint = subscriber_address(endpoint)
         self.replay_endpoint = subscriber_address(replay_endpoint) if replay_endpoint else None
@@ -326,6 +323,8 @@ class KvEventsSubscriber:
 
     def _live(self, frames: list[bytes]) -> None:
         """One live message; a gap is left in ``_gap`` (with the message kept) for :meth:`_recover`."""
+        from btbctl.engine.kvevents import decode_batch, seq_of
+
         if len(frames) != 3:
             self._bad(f"{len(frames)} frames instead of 3")
             return
@@ -385,6 +384,8 @@ class KvEventsSubscriber:
         returns is later than ``start`` (its buffer no longer reaches back) or it does not answer, the record is
         resynced first."""
         import zmq
+
+        from btbctl.engine.kvevents import decode_batch, seq_bytes, seq_of
 
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)

@@ -63,6 +63,7 @@ from btbctl.engine.gateway.guard import (
     raise_nofile,
 )
 from btbctl.engine.gateway.health import HealthProber
+from btbctl.engine.gateway.kv_events import HoldingsFeed, KvEventsSubscriber, chain_keyer, l3_keyer
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, PromptTooLong
@@ -218,7 +219,7 @@ class Gateway:
             on_change=lambda _w: self.bus.mark("fleet"),
         )
         #: the KV event subscribers, one per worker with ``kv_events`` (:mod:`btbctl.engine.gateway.kv_events`)
-        self.kv_subscribers: list = []
+        self.kv_subscribers: list[KvEventsSubscriber] = []
         self._runners: list[web.AppRunner] = []
         self.data_url = ""
         self.control_url = ""
@@ -835,12 +836,10 @@ class Gateway:
             raise
 
     def _start_kv_events(self) -> None:
-        """Subscribe to the KV events of every worker that has an endpoint (imports pyzmq only then)."""
+        """Subscribe to the KV events of every worker that has an endpoint (pyzmq and msgspec are imported then)."""
         refs = self.config.kv_events
         if not any(refs):
             return
-        from btbctl.engine.gateway.kv_events import HoldingsFeed, KvEventsSubscriber, chain_keyer, l3_keyer
-
         keyer = l3_keyer if self.replication_mode == "l3" else chain_keyer
         for w, ref in zip(self.state.workers, refs, strict=True):
             if ref is None:

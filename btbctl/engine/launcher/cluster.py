@@ -304,6 +304,8 @@ class WorkerSpec(BaseModel):
             raise ValueError(f"port {self.port} + count {self.count} runs past 65535")
         if self.transfer_port and self.transfer_port + self.count - 1 > 65535:
             raise ValueError(f"transfer_port {self.transfer_port} + count {self.count} runs past 65535")
+        if self.kv_events and int(self.kv_events.rsplit(":", 1)[1]) + 2 * self.count - 1 > 65535:
+            raise ValueError(f"kv_events {self.kv_events}: two ports per worker x count {self.count} run past 65535")
         if self.gpu_ids is not None and len(self.gpu_ids) != self.count * self.tp_size:
             raise ValueError(
                 f"gpu_ids holds {len(self.gpu_ids)} ids; count x tp_size needs {self.count * self.tp_size}"
