@@ -190,14 +190,15 @@ def subscriber_address(endpoint: str) -> str:
 class Publisher:
     """SGLang's ZMQ publisher, on an asyncio loop (the emulated worker's): :meth:`publish` sends a batch at once
     (``[topic, seq, payload]``; PUB never blocks, a slow subscriber loses messages past the high-water mark) and
-    keeps it for replay; a task answers replay requests.
+    keeps it for replay; a task answers replay requests. ``logger`` gets its one ``kv_events_publishing`` line.
 
     Raises (``start``): ``zmq.ZMQError`` when an address cannot be bound.
     """
 
-    def __init__(self, cfg: KvEventsConfig, name: str = "worker") -> None:
+    def __init__(self, cfg: KvEventsConfig, name: str = "worker", logger: logging.Logger = log) -> None:
         self.cfg = cfg
         self.name = name
+        self.log = logger
         self.seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
         self._topic = cfg.topic.encode()
@@ -223,7 +224,7 @@ class Publisher:
             self._replay.bind(self.cfg.replay_endpoint)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
         log_event(
-            log,
+            self.log,
             "kv_events_publishing",
             worker=self.name,
             endpoint=self.cfg.endpoint,

@@ -37,7 +37,7 @@ class WorkerEvents:
     ``zmq.ZMQError`` when an address is taken)."""
 
     def __init__(self, cfg: KvEventsConfig, page_size: int, name: str = "worker") -> None:
-        self.publisher = Publisher(cfg, name)
+        self.publisher = Publisher(cfg, name, log)
         self.page_size = page_size
         self._pages: OrderedDict[Hashable, tuple[Hashable | None, list[int]]] = OrderedDict()
         self._published: set[Hashable] = set()
