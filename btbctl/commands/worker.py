@@ -93,6 +93,12 @@ def worker(
     kv_cache_dtype: Annotated[
         str, typer.Option("--kv-cache-dtype", help="KV dtype (auto, bf16, fp8_e4m3, ...; part of the L3 namespace).")
     ] = "auto",
+    kv_events_config: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-events-config", help="SGLang's KV events (JSON, publisher zmq): publish stored/removed pages."
+        ),
+    ] = None,
     enable_cache_report: Annotated[
         bool, typer.Option("--enable-cache-report", help="Accepted for SGLang compatibility (always on here).")
     ] = False,
@@ -130,6 +136,7 @@ def worker(
         hicache_storage_prefetch_policy=hicache_storage_prefetch_policy,
         hicache_storage_backend_extra_config=hicache_storage_backend_extra_config,
         kv_cache_dtype=kv_cache_dtype,
+        kv_events_config=kv_events_config,
         enable_cache_report=enable_cache_report,
     )
     serve(cfg)

@@ -94,6 +94,14 @@ def chain_from_packed(data: bytes, block_tokens: int) -> list[str]:
     return out
 
 
+def next_chain_hash(prev: str | None, tokens: Sequence[int]) -> str:
+    """Chain hash of the block of ``tokens`` that follows the block hashed ``prev`` (16 hex digits; None: the
+    first block): one step of :func:`chain_hashes`, for blocks learnt one at a time (a worker's KV events). Raises
+    ValueError for a ``prev`` that is not hex, TypeError/OverflowError as :func:`pack_tokens` (``strict``)."""
+    head = bytes.fromhex(prev) if prev else b""
+    return _xxh3_digest(head + pack_tokens(tokens, strict=True)).hex()
+
+
 def block_payload(block_hash: str, nbytes: int) -> bytes:
     """Deterministic content of a KV block in the emulated worker's store: ``nbytes`` bytes of the PCG64 raw bit
     stream seeded with the block's chain hash (NumPy keeps bit-generator streams fixed across releases), so any copy

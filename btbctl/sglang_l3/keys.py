@@ -113,6 +113,20 @@ def page_keys(
     return keys
 
 
+def next_page_key(prior_key: str | None, page: Sequence[int], seed: bytes | None = None) -> str:
+    """The page key of ``page`` after the page keyed ``prior_key`` (None: the first page, seeded with ``seed``, a
+    :func:`namespace_seed` or None): one step of :func:`page_keys`, for pages learnt one at a time (SGLang's KV
+    events). Raises ValueError for a malformed ``prior_key`` or a token id out of range, TypeError for a non-integer
+    one."""
+    h = hashlib.sha256()
+    if prior_key is not None:
+        h.update(bytes.fromhex(prior_key))
+    elif seed is not None:
+        h.update(seed)
+    h.update(_page_payload(page))
+    return h.hexdigest()
+
+
 def page_keys_packed(
     data: bytes | memoryview, page_size: int, extra_key: str | None = None, cache_salt: str | None = None
 ) -> list[str]:
@@ -216,6 +230,7 @@ __all__ = [
     "is_page_key",
     "namespace_seed",
     "object_key",
+    "next_page_key",
     "page_keys",
     "page_keys_packed",
 ]

@@ -32,6 +32,26 @@ class AgentRef(BaseModel):
         return v.rstrip("/")
 
 
+class KvEventsRef(BaseModel):
+    """Where one worker publishes its KV events (SGLang's ``--kv-events-config``; :mod:`btbctl.engine.kvevents`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str
+    """Its PUB address (``tcp://host:port``; a wildcard host means loopback)."""
+    replay_endpoint: str | None = None
+    """Its replay (ROUTER) address; None: a missed batch means a resync of that worker's holdings."""
+    topic: str = ""
+    """Topic of its messages ("" : all)."""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"KV events address {v!r} must look like tcp://host:port")
+        return v
+
+
 class GatewayConfig(BaseModel):
     """Settings of one gateway process (data plane + control API).
 
@@ -236,6 +256,14 @@ class GatewayConfig(BaseModel):
     """l3: longest a warm-up request may take, seconds."""
     l3_exclude_s: float = Field(30.0, gt=0)
     """l3: after a failed copy or proof, seconds during which no copy of that prefix goes to that worker again."""
+    kv_events: list[KvEventsRef | None] = Field(default_factory=list)
+    """For each worker (in ``workers`` order), where it publishes its KV events, or None; empty: none does. The
+    gateway subscribes and keeps that worker's holdings from its events as well
+    (:mod:`btbctl.engine.gateway.kv_events`)."""
+    routing_holdings: bool = True
+    """Record a worker as holding a prompt's chain when its request produced a first byte there (the gateway's own
+    inference). False: for the workers with ``kv_events``, only their events (and confirmed copies) record what
+    they hold."""
     tokenize_timeout_s: float = Field(10.0, gt=0)
     """l3: timeout of one call to a worker's tokenizer (``/v1/tokenize``), seconds."""
     redis_url: str | None = None
@@ -277,6 +305,8 @@ class GatewayConfig(BaseModel):
                 raise ValueError("worker_names must name every worker, in the order of workers")
             if len(set(self.worker_names)) != len(self.worker_names) or not all(self.worker_names):
                 raise ValueError("worker_names must be distinct and non-empty")
+        if self.kv_events and len(self.kv_events) != len(self.workers):
+            raise ValueError("kv_events must have one entry (or null) per worker, in the order of workers")
         if self.replication == "l3":
             if not self.agents and not self.agent_secret_file:
                 raise ValueError(

@@ -660,7 +660,7 @@ class DataPlane:
                 w.last_progress_s = now
                 self._prefill_ended(idx, w, rid, bool(sent))
                 if chain:
-                    w.hold(chain)
+                    w.hold_routed(chain)
                 ttft = now - t0
                 if solo:  # a request alone on its worker: what its prefill really took
                     state.observe_prefill(req.input_tokens, solo[0][0], now - solo[0][1])

@@ -64,6 +64,7 @@ from btbctl.engine.gateway.guard import (
     raise_nofile,
 )
 from btbctl.engine.gateway.health import HealthProber
+from btbctl.engine.gateway.kv_events import HoldingsFeed, KvEventsSubscriber, chain_keyer, l3_keyer
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, PromptTooLong
@@ -219,6 +220,8 @@ class Gateway:
             timeout_s=config.health_timeout_s,
             on_change=lambda _w: self.bus.mark("fleet"),
         )
+        #: the KV event subscribers, one per worker with ``kv_events`` (:mod:`btbctl.engine.gateway.kv_events`)
+        self.kv_subscribers: list[KvEventsSubscriber] = []
         self._runners: list[web.AppRunner] = []
         self.data_url = ""
         self.control_url = ""
@@ -880,6 +883,7 @@ class Gateway:
         self.bus.age("prefixes", self._heat_in_window)
         self.bus.age("ttft", self._ttft_in_window)
         self.bus.start()
+        self._start_kv_events()
         self.prober.start()
         if isinstance(self.replicator, L3Replicator) and self._agent_secret is not None:
             self._expiry_task = asyncio.create_task(self._expire_agents())
@@ -924,6 +928,21 @@ class Gateway:
         except BaseException:
             await self.stop()
             raise
+
+    def _start_kv_events(self) -> None:
+        """Subscribe to the KV events of every worker that has an endpoint (pyzmq and msgspec are imported then)."""
+        refs = self.config.kv_events
+        if not any(refs):
+            return
+        keyer = l3_keyer if self.replication_mode == "l3" else chain_keyer
+        for w, ref in zip(self.state.workers, refs, strict=True):
+            if ref is None:
+                continue
+            w.routing_holdings = self.config.routing_holdings
+            feed = HoldingsFeed(w, keyer, lambda: self.page_size, on_change=lambda: self.bus.mark("fleet"))
+            sub = KvEventsSubscriber(feed, ref.endpoint, ref.replay_endpoint, ref.topic)
+            sub.start()
+            self.kv_subscribers.append(sub)
 
     def _host_guard(self, name: str, bind_host: str) -> Callable:
         """The listener's :func:`host_guard`; refusals count in ``btb_rejected_requests{reason="host"|"origin"}``."""
@@ -993,6 +1012,8 @@ class Gateway:
             self._expiry_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry_task
+        for sub in self.kv_subscribers:
+            await sub.stop()
         await self.prober.stop()
         await self.scraper.stop()
         await self.replicator.close()

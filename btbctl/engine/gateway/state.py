@@ -149,6 +149,9 @@ class WorkerState:
     pending: dict = field(default_factory=dict)
     prefill_chains: dict = field(default_factory=dict)
     prefill_tokens: dict = field(default_factory=dict)
+    routing_holdings: bool = True
+    """Whether a first byte here records the request's chain (:meth:`hold_routed`); off for a worker whose KV events
+    alone record its holdings (``GatewayConfig.routing_holdings``)."""
     version: int = 0
     """Bumped whenever holdings or in-flight prefills change (keys the fleet state's queue estimates)."""
     reshaped: int = 0
@@ -282,6 +285,21 @@ class WorkerState:
 
     def drop_pending(self, chain: Sequence[Hashable]) -> None:
         uncount_blocks(self.pending, chain)
+
+    def drop_blocks(self, keys: Iterable[Hashable]) -> None:
+        """Remove ``keys`` from the record (its KV events said they left the cache; SGLang evicts leaves, so the
+        record stays prefix-closed)."""
+        h = self.holdings
+        for k in keys:
+            h.pop(k, None)
+        self.version += 1
+        self.reshaped += 1
+
+    def hold_routed(self, chain: Sequence[Hashable]) -> None:
+        """A request on this worker produced its first byte: record ``chain`` (:meth:`hold`) unless
+        :attr:`routing_holdings` is off (its KV events alone record it)."""
+        if self.routing_holdings:
+            self.hold(chain)
 
     def forget(self) -> None:
         """Drop the holding record (the worker died or restarted)."""

@@ -245,6 +245,21 @@ class WorkerSpec(BaseModel):
     ``llama-3.3-70b``), if any."""
     ready_timeout_s: float | None = Field(None, gt=0)
     """Seconds to wait for each worker to become ready. None: 60 for emulated, 1,800 for sglang."""
+    kv_events: str | None = None
+    """``tcp://HOST:PORT``: the workers publish SGLang's KV events (``--kv-events-config``, both kinds) and the
+    gateway keeps their holdings from them (:mod:`btbctl.engine.gateway.kv_events`). Worker i publishes on
+    ``PORT + 2i`` and answers replays on ``PORT + 2i + 1`` (bound on every address); HOST is where the gateway
+    connects. Ignored with ``command``. None: no events."""
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv_events_ok(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", v)
+        if m is None or not 1 <= int(m.group(2)) <= 65535:
+            raise ValueError(f"{v!r} must look like tcp://host:port")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -294,6 +309,8 @@ class WorkerSpec(BaseModel):
             raise ValueError(f"port {self.port} + count {self.count} runs past 65535")
         if self.transfer_port and self.transfer_port + self.count - 1 > 65535:
             raise ValueError(f"transfer_port {self.transfer_port} + count {self.count} runs past 65535")
+        if self.kv_events and int(self.kv_events.rsplit(":", 1)[1]) + 2 * self.count - 1 > 65535:
+            raise ValueError(f"kv_events {self.kv_events}: two ports per worker x count {self.count} run past 65535")
         if self.gpu_ids is not None and len(self.gpu_ids) != self.count * self.tp_size:
             raise ValueError(
                 f"gpu_ids holds {len(self.gpu_ids)} ids; count x tp_size needs {self.count * self.tp_size}"
@@ -938,6 +955,28 @@ def command_argv(inst: WorkerInstance, port: int, transfer_port: int = 0) -> lis
     return [_PLACEHOLDER.sub(lambda m: values[m.group(1)], arg) for arg in spec.command]
 
 
+def kv_events_of(inst: WorkerInstance) -> tuple[str, str] | None:
+    """``(PUB address, replay address)`` the gateway connects to for ``inst`` (its entry's ``kv_events``: worker
+    i on ``PORT + 2i`` and ``PORT + 2i + 1``), or None without events."""
+    ev = inst.spec.kv_events
+    if ev is None or inst.spec.command is not None:
+        return None
+    host, port = ev[len("tcp://") :].rsplit(":", 1)
+    base = int(port) + 2 * inst.index
+    return f"tcp://{host}:{base}", f"tcp://{host}:{base + 1}"
+
+
+def kv_events_args(inst: WorkerInstance) -> list[str]:
+    """``["--kv-events-config", JSON]`` of ``inst`` (SGLang's option; the emulated worker takes the same), binding
+    its ports on every address; ``[]`` without events."""
+    ends = kv_events_of(inst)
+    if ends is None:
+        return []
+    pub, replay = (e.rsplit(":", 1)[1] for e in ends)
+    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
+    return ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
+
+
 def worker_argv(
     inst: WorkerInstance,
     port: int,
@@ -950,8 +989,8 @@ def worker_argv(
     if inst.spec.command is not None:
         return command_argv(inst, port, transfer_port)
     if inst.spec.kind == "sglang":
-        return sglang_argv(inst.spec, port, l3=l3)
-    return emulated_argv(inst.spec, port, transfer_port, token_file, l3=l3)
+        return sglang_argv(inst.spec, port, l3=l3) + kv_events_args(inst)
+    return emulated_argv(inst.spec, port, transfer_port, token_file, l3=l3) + kv_events_args(inst)
 
 
 def _num(x: float) -> str:
@@ -975,5 +1014,7 @@ __all__ = [
     "load_cluster",
     "sglang_argv",
     "validate_cluster",
+    "kv_events_args",
+    "kv_events_of",
     "worker_argv",
 ]

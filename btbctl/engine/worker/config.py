@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from btbctl.engine.config import ClusterConfig, validate
 from btbctl.engine.costmodel import DEFAULT_MAX_RUNNING, DEFAULT_MEM_FRACTION, MODELS, model_preset
@@ -98,6 +98,18 @@ class WorkerConfig(BaseModel):
     """SGLang ``--kv-cache-dtype`` (part of the L3 namespace; the emulated timing keeps the preset's KV size)."""
     enable_cache_report: bool = False
     """SGLang ``--enable-cache-report`` (accepted: the emulated OpenAI routes always report cached tokens)."""
+    kv_events_config: str | None = None
+    """SGLang ``--kv-events-config`` (JSON; publisher ``zmq``): publish the cache's stored, removed and cleared pages
+    as SGLang does (:mod:`btbctl.engine.worker.kv_events`). None: no events."""
+
+    @field_validator("kv_events_config")
+    @classmethod
+    def _kv_events(cls, v: str | None) -> str | None:
+        if v is not None:
+            from btbctl.engine.kvevents import KvEventsConfig
+
+            KvEventsConfig.from_json(v)
+        return v
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property

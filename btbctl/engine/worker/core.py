@@ -59,6 +59,17 @@ class Worker:
         self.request_lines = LineBudget(REQUEST_LINES_PER_S, REQUEST_LINES_BURST, clock=self.model.clock)
         self.started_unix = time.time()
         self.hicache = None
+        #: the KV event publisher (``--kv-events-config``), else None
+        self.kv_events = None
+        if cfg.kv_events_config:
+            from btbctl.engine.kvevents import KvEventsConfig
+            from btbctl.engine.worker.kv_events import WorkerEvents
+
+            self.kv_events = WorkerEvents(
+                KvEventsConfig.from_json(cfg.kv_events_config), cfg.page_size, cfg.served_name
+            )
+            self.model.on_insert.append(self.kv_events.inserted)
+            self.model.on_evict.append(self.kv_events.evicted)
         if cfg.enable_hierarchical_cache:
             from btbctl.engine.worker.hicache import HiCache
 
@@ -93,6 +104,8 @@ class Worker:
         self.store.expected("0")  # loads the payload generator now rather than during the first copy
         self.model.start()
         await self.receiver.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def stop(self) -> None:
         """Stop: the transfer port closes (inbound copies are discarded), outbound copies fail, the model stops."""
@@ -102,6 +115,8 @@ class Worker:
         await self.model.stop()
         if self.hicache is not None:
             self.hicache.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     @property
     def transfer_addr(self) -> str:

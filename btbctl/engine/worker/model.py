@@ -101,6 +101,8 @@ class ModelDriver:
         self._task: asyncio.Task | None = None
         #: called with the hash of every block the model evicts
         self.on_evict: list[Callable[[Hashable], None]] = []
+        #: called with the hash of every block the model makes resident (computed or copied)
+        self.on_insert: list[Callable[[Hashable], None]] = []
         #: called with ``(chain, start, stop)`` whenever a prefill commits ``chain[start:stop]`` (write-through)
         self.on_computed: list[Callable[[tuple, int, int], None]] = []
         self.prompt_tokens_total = 0
@@ -200,7 +202,8 @@ class ModelDriver:
         pass  # block waiters are checked after every advance
 
     def block_inserted(self, block_hash: Hashable) -> None:
-        pass
+        for cb in self.on_insert:
+            cb(block_hash)
 
     def block_evicted(self, block_hash: Hashable) -> None:
         for cb in self.on_evict:

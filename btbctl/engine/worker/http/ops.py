@@ -141,6 +141,8 @@ class OpsRoutes(Routes):
         self.w.store.clear()
         if self.w.hicache is not None:
             self.w.hicache.flush()
+        if self.w.kv_events is not None:
+            self.w.kv_events.cleared()
         return web.Response(status=200, text=f"Cache flushed. {dropped} blocks dropped.\n")
 
 

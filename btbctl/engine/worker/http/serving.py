@@ -62,11 +62,20 @@ class ServingRoutes(Routes):
                 raise ApiError(400, f"prompt of {n} tokens exceeds {MAX_PROMPT_TOKENS}")
             extra_key, salt = salt_field(body, "extra_key"), salt_field(body, "cache_salt")
             full = n // self.cfg.page_size * self.cfg.page_size
-            return n, page_keys_packed(data[: full * BYTES_PER_TOKEN], self.cfg.page_size, extra_key, salt)
+            keys = page_keys_packed(data[: full * BYTES_PER_TOKEN], self.cfg.page_size, extra_key, salt)
+            self._learn(keys, text, ids)
+            return n, keys
         n, chain = ids_chain(ids, self.cfg.page_size) if ids is not None else text_chain(text, self.cfg.page_size)
         if n > MAX_PROMPT_TOKENS:
             raise ApiError(400, f"prompt of {n} tokens exceeds {MAX_PROMPT_TOKENS}")
+        self._learn(chain, text, ids)
         return n, chain
+
+    def _learn(self, chain: list[str], text: str | None, ids: list[int] | None) -> None:
+        """With KV events on, the prompt's pages' tokens (what a ``BlockStored`` of them carries)."""
+        ev = self.w.kv_events
+        if ev is not None and chain:
+            ev.learn(chain, ids if ids is not None else text_to_tokens(text or ""))
 
     def _details(self, lr: LiveRequest) -> dict | None:
         """SGLang's ``meta_info.cached_tokens_details`` of ``lr`` (null when nothing was cached)."""
