@@ -227,7 +227,7 @@ class ExcludingView:
         return 0 if replica in self._excluded else self._inner.kv_headroom_tokens(replica)  # type: ignore[attr-defined]
 
     def copy_after_s(self, replica: int, blocks: int) -> float:
-        return self._inner.copy_after_s(replica, blocks)  # type: ignore[attr-defined]
+        return float(self._inner.copy_after_s(replica, blocks))  # type: ignore[attr-defined]
 
 
 class Policy(Generic[ViewT]):
