@@ -175,6 +175,7 @@ def copy_row(c: dict, host_of: Callable[[str], str | None], link_gbit: float | N
     src, dst = host_of(c["source"]), host_of(c["target"])
     row = {
         "outcome": c.get("outcome") or c["state"],
+        "error": c.get("error"),
         "usable_s": c.get("usable_s"),
         "phases_s": c.get("phases_s"),
         "proof_storage_tokens": c.get("proof_storage_tokens"),
