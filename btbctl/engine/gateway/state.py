@@ -625,6 +625,10 @@ class ChainIndex:
         return len(self.parent)
 
 
+#: The groups of a worker with nothing queued (never written to).
+_NO_GROUPS: dict = {}
+
+
 class _Queue:
     """One worker's queued prefill as :meth:`FleetState._queue` counted it: ``total`` seconds, ``groups``
     (``{block: [requests, seconds]}``), the blocks the counted requests compute (``seen``) and how many requests
@@ -779,7 +783,7 @@ class FleetState:
         if not w.healthy:
             return 0
         n = w.pending_or_held(chain)
-        if self.transfers.active:
+        if n < len(chain) and self.transfers.active:  # a copy brings at most the whole chain
             d = self.transfers.depth_to(replica, chain)
             if d > n:
                 return d
@@ -814,6 +818,8 @@ class FleetState:
         prompt blocks), the same floats as a new count (:meth:`_queue_scan`); any other change counts afresh,
         O(prompt blocks) per request."""
         w = self.workers[replica]
+        if not w.prefill_chains and not w.prefill_tokens:
+            return 0.0, _NO_GROUPS  # nothing queued: what a count from scratch gives, without the memo's keys
         tv = self.transfers.version
         cost = self.cost
         memo = self._queues.get(replica)
@@ -888,6 +894,9 @@ class FleetState:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
         yet (arriving by a copy, or computed there by a request sent before them), grouped by the deepest such
         block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`)."""
+        w = self.workers[replica]
+        if not w.prefill_chains:
+            return []  # no request with a chain: none waits for a block
         groups = self._queue(replica)[1]
         return [(b, g[0], g[1]) for b, g in groups.items()] if groups else []
 
@@ -904,7 +913,6 @@ class FleetState:
         t = self._copy(replica, chain)
         if t is None:
             return None
-        now = self.clock()
         total = float(t.bytes_total)
         path_rate, after = 0.0, 0.0
         if t.ready is not None:  # l3: the fleet's measured figures for what is not known yet
@@ -925,7 +933,10 @@ class FleetState:
             avail = 0.0 if t.state is CopyState.STALLED else total
         rate = 0.0
         if avail >= total:
-            rate = path_rate if path_rate and t.source_complete_s is not None else t.bytes_per_s(now)
+            if path_rate and t.source_complete_s is not None:
+                rate = path_rate
+            elif t.started_s is not None:  # else no byte went yet: 0
+                rate = t.bytes_per_s(self.clock())
         return CopyStatus(
             source=t.source,
             total_bytes=total,
