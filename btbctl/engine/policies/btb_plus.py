@@ -122,7 +122,6 @@ class _LazyGroups(dict[int, "_Groups"]):
     """``replica -> BtbPlus.blocked_groups(view, replica, now_s)``, computed on first use (one request's route)."""
 
     def __init__(self, policy: BtbPlus, view: CostView, now_s: float) -> None:
-        super().__init__()
         self._policy, self._view, self._now_s = policy, view, now_s
 
     def __missing__(self, replica: int) -> _Groups:
@@ -249,6 +248,10 @@ class BtbPlus(Policy[CostView]):
         # (new tokens, context tokens) -> prefill seconds under ``_prefill_cost`` (:meth:`prefill_s`)
         self._prefill_cost: ReplicaCost | None = None
         self._prefill_memo: dict[tuple[int, int], float] = {}
+        # (Y, chain blocks) -> the depths observed (:meth:`depths`)
+        self._depths_memo: dict[tuple[int, int], list[int]] = {}
+        # (replica, pace) -> the Route of a decision without copies (frozen: one object serves every such decision)
+        self._routes: dict[tuple[int, int], Route] = {}
         self._stats = {
             "fires": 0,
             "copies_requested": 0,
@@ -320,12 +323,20 @@ class BtbPlus(Policy[CostView]):
     # -- rule 1: the deepest hot prefix -----------------------------------------------------------------------
 
     def depths(self, n_blocks: int) -> list[int]:
-        """Depths observed for a chain of ``n_blocks`` blocks: ``Y, 2Y, 4Y, ...`` up to ``n_blocks``."""
-        out = []
-        d = self.constants.prefix_blocks
-        while d <= n_blocks:
-            out.append(d)
-            d *= 2
+        """Depths observed for a chain of ``n_blocks`` blocks: ``Y, 2Y, 4Y, ...`` up to ``n_blocks`` (remembered per
+        ``(Y, n_blocks)``; the list is shared: read it, never change it)."""
+        y = self.constants.prefix_blocks
+        memo = self._depths_memo
+        out = memo.get((y, n_blocks))
+        if out is None:
+            out = []
+            d = y
+            while d <= n_blocks:
+                out.append(d)
+                d *= 2
+            if len(memo) >= PREFILL_MEMO:
+                memo.clear()
+            memo[(y, n_blocks)] = out
         return out
 
     def detect(self, chain: Sequence[Hashable], now_s: float, arrivals: int = 1) -> tuple[Detection, float] | None:
@@ -449,7 +460,7 @@ class BtbPlus(Policy[CostView]):
         if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
             for d in depths:
                 if d <= there:
-                    st = view.copy_status(replica, chain[:d])
+                    st = view.copy_status(replica, chain if d == len(chain) else chain[:d])
                     if st is not None:
                         ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
         mine: set[Hashable] = set()
@@ -536,8 +547,9 @@ class BtbPlus(Policy[CostView]):
             idle = [r for r in tied if view.load(r) == 0]  # load 0 is the lowest
             tied = sorted(idle + list(quiet)) if idle else quiet
         elif len(tied) > 1:
-            low = min(view.load(r) for r in tied)
-            tied = [r for r in tied if view.load(r) == low]
+            loads = [view.load(r) for r in tied]
+            low = min(loads)
+            tied = [r for r, x in zip(tied, loads, strict=True) if x == low]
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     # -- routing ------------------------------------------------------------------------------------------------
@@ -622,7 +634,14 @@ class BtbPlus(Policy[CostView]):
             ):
                 self._stats["speculative_routes"] += 1
             pace = self._pace(view, prefix, holders, mine[0] - mine[2])
-        return Route(choice, (plan,) if plan is not None else (), pace)
+        if plan is not None:
+            return Route(choice, (plan,), pace)
+        out = self._routes.get((choice, pace))
+        if out is None:
+            if len(self._routes) >= PREFILL_MEMO:
+                self._routes.clear()
+            out = self._routes[(choice, pace)] = Route(choice, (), pace)
+        return out
 
     def _pace(self, view: CostView, prefix: Sequence[Hashable], near: Iterable[int], own_s: float) -> int:
         """Rule 6: the ``Route.pace`` of a request of the hot ``prefix`` whose own prefill takes ``own_s`` seconds
@@ -811,8 +830,8 @@ class BtbPlus(Policy[CostView]):
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
                     prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
-                recompute = (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
-                if not transfer < recompute:
+                # queued prefill is >= 0, so a copy faster than the bare prefill pays without reading the queue
+                if not transfer < prefill_s and not transfer < (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s:
                     self._stats["copy_not_paying"] += 1
                     continue
                 if view.kv_headroom_tokens(t) < send * bt:
