@@ -183,3 +183,51 @@ def test_the_queue_extended_as_requests_are_sent_equals_a_count_from_scratch(n, 
             total, groups = ref.queue(r)
             assert state.queued_prefill_s(r) == total  # the same float, not a close one
             assert state.waiting_groups(r) == [(b, g[0], g[1]) for b, g in groups.items()]
+
+
+def _pending_from_scratch(state: FleetState, replica: int, chain: tuple) -> int:
+    """Leading blocks of ``chain`` held, computed by a request in flight, or arriving by a routable copy in flight
+    on ``replica``, counted block by block (the fleet state's definition, nothing remembered or skipped)."""
+    w = state.workers[replica]
+    if not w.healthy:
+        return 0
+    k = 0
+    while k < len(chain) and (chain[k] in w.holdings or chain[k] in w.pending):
+        k += 1
+    for t in state.transfers.active.values():
+        m = len(t.chain)
+        if t.target == replica and t.routable and m <= len(chain) and tuple(chain[:m]) == tuple(t.chain):
+            k = max(k, m)
+    return k
+
+
+def _idle_from_scratch(state: FleetState) -> list[int]:
+    free = [w for w in state.workers if not w.inflight]
+    idle = [
+        w.index
+        for w in free
+        if not (w.prefilling or w.prefill_chains or w.prefill_tokens or (w.loads and w.loads.get("max_tokens")))
+    ]
+    return idle if len(idle) == len(free) else []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.lists(_event, max_size=60))
+def test_the_reads_kept_between_decisions_equal_a_count_from_scratch(n, events):
+    """After every event: the queued prefill and the waiting groups (kept per worker, and 0 / none without reading
+    the memo on a worker with nothing queued), the leading blocks planned on every worker for every chain (the
+    copies' scan skipped when the whole chain is held or pending), and the idle workers of the route index are what
+    a count from scratch gives."""
+    state = _fleet(n)
+    ref = _FromScratch(state)
+    sent: list = []
+    copies: list = []
+    for event in events:
+        _apply(state, event, sent, copies)
+        for r in range(n):
+            total, groups = ref.queue(r)
+            assert state.queued_prefill_s(r) == total
+            assert state.waiting_groups(r) == [(b, g[0], g[1]) for b, g in groups.items()]
+            for chain in CHAINS:
+                assert state.planned_blocks(r, chain) == _pending_from_scratch(state, r, chain), (r, chain)
+        assert state.route_index().idle_order == _idle_from_scratch(state)

@@ -674,18 +674,17 @@ class WorkerIndex:
 
     def __init__(self, state: FleetState) -> None:
         self._state = state
-        free = [w for w in state.workers if not w.inflight]
-        idle = [
-            w.index
-            for w in free
-            if not w.prefilling
-            and not w.prefill_chains
-            and not w.prefill_tokens
-            and not (w.loads and w.loads.get("max_tokens"))
-        ]
+        idle: list[int] = []
+        for w in state.workers:
+            if w.inflight:
+                continue
+            if w.prefilling or w.prefill_chains or w.prefill_tokens or (w.loads and w.loads.get("max_tokens")):
+                idle = []  # a worker without a request that is not idle: none counts as idle
+                break
+            idle.append(w.index)
         #: idle workers, ascending; none unless every worker without a request is idle (a policy may skip a busy
         #: worker for an idle one only when the busy one loses a tie on load)
-        self.idle_order: list[int] = idle if len(idle) == len(free) else []
+        self.idle_order: list[int] = idle
         self.idle: frozenset[int] = frozenset(self.idle_order)
 
     def holders(self, root: Hashable) -> list[int]:

@@ -674,7 +674,8 @@ class BtbPlus(Policy[CostView]):
         for r in replicas:
             est, harm, start = ests[r]
             own = est - start
-            blocked = sum(g[1] for g in groups[r])
+            gr = groups[r]
+            blocked = sum(g[1] for g in gr) if gr else 0
             behind = max(view.prefill_load(r) - blocked, per_replica * est)
             cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
         return cost
