@@ -647,6 +647,7 @@ class _Queue:
         "seen",
         "requests",
         "short",
+        "listed",
     )
 
     def __init__(self, version: int, reshaped: int, transfers: int, cost: ReplicaCost, page_size: int) -> None:
@@ -657,6 +658,8 @@ class _Queue:
         self.seen: set[Hashable] = set()
         self.requests = 0
         self.short = False
+        #: ``groups`` as :meth:`FleetState.waiting_groups` answers them, built on first read (None: not yet)
+        self.listed: list[tuple[Hashable, int, float]] | None = None
 
 
 class WorkerIndex:
@@ -841,6 +844,7 @@ class FleetState:
             memo = self._queues[replica] = _Queue(w.version, w.reshaped, tv, cost, self.page_size)
         self._queue_scan(replica, memo)
         memo.version = w.version
+        memo.listed = None
         return memo.total, memo.groups
 
     def _queue_scan(self, replica: int, q: _Queue) -> None:
@@ -892,12 +896,18 @@ class FleetState:
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
         yet (arriving by a copy, or computed there by a request sent before them), grouped by the deepest such
-        block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`)."""
+        block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`). The list is kept with the
+        worker's queue until it changes: read it, never change it."""
         w = self.workers[replica]
         if not w.prefill_chains:
             return []  # no request with a chain: none waits for a block
         groups = self._queue(replica)[1]
-        return [(b, g[0], g[1]) for b, g in groups.items()] if groups else []
+        if not groups:
+            return []
+        memo = self._queues[replica]  # the list is built once per count of the queue (shared: read it only)
+        if memo.listed is None:
+            memo.listed = [(b, g[0], g[1]) for b, g in groups.items()]
+        return memo.listed
 
     def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
         t = self.transfers.active.get((replica, chain[-1])) if chain else None

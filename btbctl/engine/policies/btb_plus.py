@@ -794,6 +794,7 @@ class BtbPlus(Policy[CostView]):
             if len(covered) >= cap:
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
         if index is not None:
+            near = near if isinstance(near, (set, frozenset, range)) else set(near)  # membership, per replica below
             free.extend(
                 r
                 for r in range(self.n_replicas)
@@ -819,14 +820,15 @@ class BtbPlus(Policy[CostView]):
         options: list[tuple[float, int, int, tuple[float, float, float]]] = []
         prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
         nic_bps = cost.nic_bytes_per_s
+        cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
             ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
             for t in free:
-                t_have = view.cached_blocks(t, prefix) if t in near else 0
+                t_have = cached(t, prefix) if t in near else 0
                 send = y - t_have
-                share = nic_bps / (1 + max(src_nic, view.nic_copies(t)))
+                share = nic_bps / (1 + max(src_nic, nic_copies(t)))
                 transfer = send * bt * kv / share
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
@@ -837,7 +839,7 @@ class BtbPlus(Policy[CostView]):
                 ):
                     self._stats["copy_not_paying"] += 1
                     continue
-                if view.kv_headroom_tokens(t) < send * bt:
+                if headroom(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
                 ready.append((max(transfer, src_left), t))
