@@ -231,3 +231,29 @@ def test_the_reads_kept_between_decisions_equal_a_count_from_scratch(n, events):
             for chain in CHAINS:
                 assert state.planned_blocks(r, chain) == _pending_from_scratch(state, r, chain), (r, chain)
         assert state.route_index().idle_order == _idle_from_scratch(state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.lists(_event, max_size=40), st.integers(0, 2**16))
+def test_btb_plus_prices_every_worker_as_its_one_by_one_estimate(n, events, seed):
+    """``BtbPlus._estimates`` (the pass over the priced workers, with its common cases inlined) gives each worker the
+    very floats of :meth:`BtbPlus.estimate`, after random events (copies in flight, holdings, queues, loads)."""
+    from btbctl.engine.policies.btb_plus import _LazyGroups
+
+    state = _fleet(n)
+    policy = BtbPlus(n, random.Random(seed), BtbConstants(prefix_blocks=2, threshold=2, window_s=5.0, warm_replicas=3))
+    sent: list = []
+    copies: list = []
+    now = 0.0
+    for i, event in enumerate(events):
+        _apply(state, event, sent, copies)
+        now += 0.01
+        chain = CHAINS[(seed + i) % len(CHAINS)]
+        req = Request(str(i), now, len(chain) * PAGE + i % 3, 4, chain)
+        policy.detect(chain, now)  # the hot prefixes' chains, as a route records them
+        depths = policy.depths(len(chain))
+        ests: dict = {}
+        policy._estimates(state, req, now, depths, _LazyGroups(policy, state, now), range(n), ests, 0.0)
+        for r in range(n):
+            if state.planned_blocks(r, chain) or state.waiting_groups(r):
+                assert ests[r] == policy.estimate(state, r, req, now, depths), (r, ests[r])

@@ -511,9 +511,14 @@ class BtbPlus(Policy[CostView]):
         block of the chain (outside the route index's holders), so that is not asked."""
         chain = req.block_hashes
         inp = req.input_tokens
-        kv_tokens = inp + req.output_tokens
+        out_tokens = req.output_tokens
+        kv_tokens = inp + out_tokens
         have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
+        cached, copy_status = view.cached_blocks, view.copy_status
+        bt = view.block_tokens
+        cost = view.cost
+        n = len(chain)
         for r in replicas:
             g = groups[r]
             if g:
@@ -521,7 +526,19 @@ class BtbPlus(Policy[CostView]):
                 continue
             there = planned(r, chain) if reuses and chain else 0
             if there:
-                out[r] = self.estimate(view, r, req, now_s, depths, g, planned=there)
+                # estimate() with nobody waiting for a hot prefix here, inlined (the same operations)
+                ready = 0.0
+                if depths and there > cached(r, chain):
+                    for d in depths:
+                        if d <= there:
+                            st = copy_status(r, chain if d == n else chain[:d])
+                            if st is not None:
+                                ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
+                have = min(there * bt, inp - 1)
+                own = self.prefill_s(cost, inp - have, have)
+                wait = queued(r) + admission(r, inp - have + out_tokens)
+                start = max(max(0.0, wait), ready)
+                out[r] = (start + own, 0.0, start)
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
                 out[r] = (wait + own0, 0.0, wait)
