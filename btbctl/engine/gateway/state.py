@@ -946,15 +946,9 @@ class FleetState:
                 rate = path_rate
             elif t.started_s is not None:  # else no byte went yet: 0
                 rate = t.bytes_per_s(self.clock())
-        return CopyStatus(
-            source=t.source,
-            total_bytes=total,
-            sent_bytes=float(t.bytes_sent),
-            available_bytes=avail,
-            rate_bytes_per_s=rate,
-            path_bytes_per_s=path_rate,
-            after_s=after,
-        )
+        # source, total_bytes, sent_bytes, available_bytes, rate_bytes_per_s, path_bytes_per_s, after_s (positional:
+        # read per copy target per routing decision)
+        return CopyStatus(t.source, total, float(t.bytes_sent), avail, rate, path_rate, after)
 
     def nic_copies(self, replica: int) -> int:
         """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`)."""

@@ -503,12 +503,14 @@ class BtbPlus(Policy[CostView]):
         out: dict[int, tuple[float, float, float]],
         own0: float,
         reuses: bool = True,
+        planned_out: dict[int, int] | None = None,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
         replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`). ``reuses`` False: none of ``replicas`` plans a
-        block of the chain (outside the route index's holders), so that is not asked."""
+        block of the chain (outside the route index's holders), so that is not asked. ``planned_out``: receives the
+        ``view.planned_blocks`` of the chain read on each replica (not on one where requests wait for a prefix)."""
         chain = req.block_hashes
         inp = req.input_tokens
         out_tokens = req.output_tokens
@@ -525,6 +527,8 @@ class BtbPlus(Policy[CostView]):
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
                 continue
             there = planned(r, chain) if reuses and chain else 0
+            if planned_out is not None and reuses and chain:
+                planned_out[r] = there
             if there:
                 # estimate() with nobody waiting for a hot prefix here, inlined (the same operations)
                 ready = 0.0
@@ -591,8 +595,9 @@ class BtbPlus(Policy[CostView]):
         ests: dict[int, tuple[float, float, float]] = {}
         holders: Collection[int] = range(n) if index is None else (index.holders(chain[0]) if chain else ())
         own0 = self._cold_prefill_s(view, req)
+        planned_of: dict[int, int] = {}  # planned blocks of the chain read while pricing
         if holders:
-            self._estimates(view, req, now_s, depths, groups, holders, ests, own0)
+            self._estimates(view, req, now_s, depths, groups, holders, ests, own0, planned_out=planned_of)
         plan = None
         if hot is not None:
             det, since = hot
@@ -639,7 +644,7 @@ class BtbPlus(Policy[CostView]):
             self._stats["harm_avoiding_routes"] += 1
         copied = len(plan.prefix) if plan is not None and choice in plan.targets[: plan.want] else 0
         if depths:
-            self._note_planned(view, choice, req, now_s, depths, mine[2], copied)
+            self._note_planned(view, choice, req, now_s, depths, mine[2], copied, planned_of.get(choice))
         pace = 0
         if hot is not None:
             prefix = hot[0].prefix
@@ -736,12 +741,16 @@ class BtbPlus(Policy[CostView]):
         depths: Sequence[int],
         start_s: float,
         copied_blocks: int = 0,
+        planned: int | None = None,
     ) -> None:
         """``req`` goes to ``replica``: remember when each depth's prefix it will compute there should be done
         (its start + its prefill up to that depth; queues are FCFS, so later arrivals do not delay it).
-        ``copied_blocks``: leading blocks a copy planned with this route brings there (not computed by it)."""
+        ``copied_blocks``: leading blocks a copy planned with this route brings there (not computed by it);
+        ``planned``: ``view.planned_blocks(replica, chain)`` when already read."""
         chain = req.block_hashes
-        there = max(view.planned_blocks(replica, chain), copied_blocks)
+        if planned is None:
+            planned = view.planned_blocks(replica, chain)
+        there = max(planned, copied_blocks)
         if there >= depths[-1]:
             return
         bt = view.block_tokens
