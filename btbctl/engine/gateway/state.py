@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import islice, takewhile
 
 from btbctl.engine.chains import count_blocks, uncount_blocks
 from btbctl.engine.config import ClusterConfig
@@ -863,11 +863,9 @@ class FleetState:
             k = held
             if copies:
                 k = max(k, self.transfers.depth_to(replica, chain))
-            n = len(chain)
-            while k < n and chain[k] in seen:
-                k += 1
-            for b in chain[k:]:
-                seen.add(b)
+            if k < len(chain) and chain[k] in seen:  # the blocks a request sent before computes: in C, not per block
+                k += len(list(takewhile(seen.__contains__, islice(chain, k, None))))
+            seen.update(islice(chain, k, None))
             have = min(k * bt, tokens - 1) if tokens > 1 else 0
             work = cost.prefill_flops(tokens - have, have) / rate
             total += work
