@@ -253,7 +253,7 @@ def test_btb_plus_prices_every_worker_as_its_one_by_one_estimate(n, events, seed
         policy.detect(chain, now)  # the hot prefixes' chains, as a route records them
         depths = policy.depths(len(chain))
         ests: dict = {}
-        policy._estimates(state, req, now, depths, _LazyGroups(policy, state, now), range(n), ests, 0.0)
+        own0 = policy._cold_prefill_s(state, req)
+        policy._estimates(state, req, now, depths, _LazyGroups(policy, state, now), range(n), ests, own0)
         for r in range(n):
-            if state.planned_blocks(r, chain) or state.waiting_groups(r):
-                assert ests[r] == policy.estimate(state, r, req, now, depths), (r, ests[r])
+            assert ests[r] == policy.estimate(state, r, req, now, depths), (r, ests[r])
