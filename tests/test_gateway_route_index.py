@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.gateway.state import FleetState, Transfer
+from btbctl.engine.policies.base import ExcludingView
 from btbctl.engine.policies.btb_plus import BtbPlus
 from btbctl.engine.trace.model import Request
 
@@ -216,8 +217,9 @@ def _idle_from_scratch(state: FleetState) -> list[int]:
 def test_the_reads_kept_between_decisions_equal_a_count_from_scratch(n, events):
     """After every event: the queued prefill and the waiting groups (kept per worker, and 0 / none without reading
     the memo on a worker with nothing queued), the leading blocks planned on every worker for every chain (the
-    copies' scan skipped when the whole chain is held or pending), and the idle workers of the route index are what
-    a count from scratch gives."""
+    copies' scan skipped when the whole chain is held or pending), whether a copy is arriving (``has_copy``, also
+    through a retry's view that excludes the worker), and the idle workers of the route index are what a count from
+    scratch gives."""
     state = _fleet(n)
     ref = _FromScratch(state)
     sent: list = []
@@ -230,6 +232,8 @@ def test_the_reads_kept_between_decisions_equal_a_count_from_scratch(n, events):
             assert state.waiting_groups(r) == [(b, g[0], g[1]) for b, g in groups.items()]
             for chain in CHAINS:
                 assert state.planned_blocks(r, chain) == _pending_from_scratch(state, r, chain), (r, chain)
+                assert state.has_copy(r, chain) == (state.copy_status(r, chain) is not None)
+                assert not ExcludingView(state, [r]).has_copy(r, chain)
         assert state.route_index().idle_order == _idle_from_scratch(state)
 
 

@@ -911,6 +911,11 @@ class FleetState:
         t = self.transfers.active.get((replica, chain[-1])) if chain else None
         return t if t is not None and t.routable else None
 
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        """Whether :meth:`copy_status` of ``chain`` towards ``replica`` is not None, without building the status (a
+        policy asks it per covered worker per routing decision)."""
+        return self._copy(replica, chain) is not None
+
     def copy_status(self, replica: int, chain: Sequence[Hashable]):
         """The in-flight copy of ``chain`` towards ``replica`` as a ``CopyStatus``, or None. Bytes come from the
         source's progress answers; ``available_bytes`` is the part of the chain the source has computed so far
