@@ -861,10 +861,8 @@ class BtbPlus(Policy[CostView]):
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
                     prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
-                # queued prefill is >= 0, so a copy faster than the bare prefill pays without reading the queue
-                if not transfer < prefill_s and not (
-                    transfer < (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
-                ):
+                recompute = (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
+                if not transfer < recompute:
                     self._stats["copy_not_paying"] += 1
                     continue
                 if headroom(t) < send * bt:
