@@ -125,7 +125,9 @@ class _LazyGroups(dict[int, "_Groups"]):
         self._policy, self._view, self._now_s = policy, view, now_s
 
     def __missing__(self, replica: int) -> _Groups:
-        g = self[replica] = self._policy.blocked_groups(self._view, replica, self._now_s)
+        waiting = self._view.waiting_groups(replica)  # none (the common case): no call to blocked_groups
+        g: _Groups = self._policy.blocked_groups(self._view, replica, self._now_s, waiting) if waiting else []
+        self[replica] = g
         return g
 
 
@@ -406,14 +408,17 @@ class BtbPlus(Policy[CostView]):
         )
         return max(left / share, self.source_ready_s(view, status.source, key, now_s)) + status.after_s
 
-    def blocked_groups(self, view: CostView, replica: int, now_s: float) -> _Groups:
+    def blocked_groups(
+        self, view: CostView, replica: int, now_s: float, waiting: list[tuple[Hashable, int, float]] | None = None
+    ) -> _Groups:
         """The requests waiting on ``replica`` for a hot prefix that is not there yet, by prefix: ``(seconds until
         it is there, requests, seconds of their prefill, key, grace)``, soonest first. The prefix arrives by
         copy (:meth:`copy_lands_s`, grace 0) or is computed there (:meth:`source_ready_s`; grace = one prefill chunk
         at the prefix's context: the step that computes its last block leaves room in the batch for a request
         admitted before the group can run). Requests waiting for other blocks are left out: they count as queued
-        ahead of a new request."""
-        waiting = view.waiting_groups(replica)
+        ahead of a new request. ``waiting``: ``view.waiting_groups(replica)`` when already read."""
+        if waiting is None:
+            waiting = view.waiting_groups(replica)
         if not waiting:
             return []
         out = []
@@ -606,9 +611,10 @@ class BtbPlus(Policy[CostView]):
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
         rest: list[int] = []  # replicas outside the index's holders, not priced yet (no quiet replica)
+        by_index = sorted(ests)  # the priced replicas, ascending
         if index is not None:
             idle = index.idle
-            priced = [r for r in sorted(ests) if r in idle] if ests else []
+            priced = [r for r in by_index if r in idle]
             if len(index.idle_order) > len(priced):
                 quiet = _Without(index.idle_order, priced) if priced else index.idle_order
             else:
@@ -617,7 +623,7 @@ class BtbPlus(Policy[CostView]):
         move = self._move_costs(view, req, holders) if hot is None and holders else None
         if move is not None:
             quiet_cost += move[1]
-        replicas: Sequence[int] = sorted(ests) if len(ests) < n else range(n)
+        replicas: Sequence[int] = by_index if len(ests) < n else range(n)
         cost = self._costs(view, replicas, ests, groups, per_replica, move)
         if rest:
             # A replica of ``rest`` reuses nothing: its estimate is at least ``own0`` (it starts at 0 or later) and
