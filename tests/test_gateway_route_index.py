@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyState
 from btbctl.engine.gateway.state import FleetState, Transfer
+from btbctl.engine.policies.base import ExcludingView
 from btbctl.engine.policies.btb_plus import BtbPlus
 from btbctl.engine.trace.model import Request
 
@@ -183,3 +184,80 @@ def test_the_queue_extended_as_requests_are_sent_equals_a_count_from_scratch(n, 
             total, groups = ref.queue(r)
             assert state.queued_prefill_s(r) == total  # the same float, not a close one
             assert state.waiting_groups(r) == [(b, g[0], g[1]) for b, g in groups.items()]
+
+
+def _pending_from_scratch(state: FleetState, replica: int, chain: tuple) -> int:
+    """Leading blocks of ``chain`` held, computed by a request in flight, or arriving by a routable copy in flight
+    on ``replica``, counted block by block (the fleet state's definition, nothing remembered or skipped)."""
+    w = state.workers[replica]
+    if not w.healthy:
+        return 0
+    k = 0
+    while k < len(chain) and (chain[k] in w.holdings or chain[k] in w.pending):
+        k += 1
+    for t in state.transfers.active.values():
+        m = len(t.chain)
+        if t.target == replica and t.routable and m <= len(chain) and tuple(chain[:m]) == tuple(t.chain):
+            k = max(k, m)
+    return k
+
+
+def _idle_from_scratch(state: FleetState) -> list[int]:
+    free = [w for w in state.workers if not w.inflight]
+    idle = [
+        w.index
+        for w in free
+        if not (w.prefilling or w.prefill_chains or w.prefill_tokens or (w.loads and w.loads.get("max_tokens")))
+    ]
+    return idle if len(idle) == len(free) else []
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 4), st.lists(_event, max_size=60))
+def test_the_reads_kept_between_decisions_equal_a_count_from_scratch(n, events):
+    """After every event: the queued prefill and the waiting groups (kept per worker, and 0 / none without reading
+    the memo on a worker with nothing queued), the leading blocks planned on every worker for every chain (the
+    copies' scan skipped when the whole chain is held or pending), whether a copy is arriving (``has_copy``, also
+    through a retry's view that excludes the worker), and the idle workers of the route index are what a count from
+    scratch gives."""
+    state = _fleet(n)
+    ref = _FromScratch(state)
+    sent: list = []
+    copies: list = []
+    for event in events:
+        _apply(state, event, sent, copies)
+        for r in range(n):
+            total, groups = ref.queue(r)
+            assert state.queued_prefill_s(r) == total
+            assert state.waiting_groups(r) == [(b, g[0], g[1]) for b, g in groups.items()]
+            for chain in CHAINS:
+                assert state.planned_blocks(r, chain) == _pending_from_scratch(state, r, chain), (r, chain)
+                assert state.has_copy(r, chain) == (state.copy_status(r, chain) is not None)
+                assert not ExcludingView(state, [r]).has_copy(r, chain)
+        assert state.route_index().idle_order == _idle_from_scratch(state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.lists(_event, max_size=40), st.integers(0, 2**16))
+def test_btb_plus_prices_every_worker_as_its_one_by_one_estimate(n, events, seed):
+    """``BtbPlus._estimates`` (the pass over the priced workers, with its common cases inlined) gives each worker the
+    very floats of :meth:`BtbPlus.estimate`, after random events (copies in flight, holdings, queues, loads)."""
+    from btbctl.engine.policies.btb_plus import _LazyGroups
+
+    state = _fleet(n)
+    policy = BtbPlus(n, random.Random(seed), BtbConstants(prefix_blocks=2, threshold=2, window_s=5.0, warm_replicas=3))
+    sent: list = []
+    copies: list = []
+    now = 0.0
+    for i, event in enumerate(events):
+        _apply(state, event, sent, copies)
+        now += 0.01
+        chain = CHAINS[(seed + i) % len(CHAINS)]
+        req = Request(str(i), now, len(chain) * PAGE + i % 3, 4, chain)
+        policy.detect(chain, now)  # the hot prefixes' chains, as a route records them
+        depths = policy.depths(len(chain))
+        ests: dict = {}
+        own0 = policy._cold_prefill_s(state, req)
+        policy._estimates(state, req, now, depths, _LazyGroups(policy, state, now), range(n), ests, own0)
+        for r in range(n):
+            assert ests[r] == policy.estimate(state, r, req, now, depths), (r, ests[r])

@@ -184,3 +184,29 @@ def test_the_gateways_detector_sees_each_request_once_whoever_feeds_it_and_keeps
     gw.set_policy(policy)
     arrive(4)
     assert gw.detector.arrivals_in_window(key, gw.clock()) == 5
+
+
+def test_a_copys_rate_is_its_bytes_over_the_time_since_it_started_and_0_before():
+    from btbctl.engine.copies import CopyState
+    from btbctl.engine.gateway.state import Transfer
+
+    now = [10.0]
+    reads = []
+
+    def clock() -> float:
+        reads.append(now[0])
+        return now[0]
+
+    st = FleetState(["http://a", "http://b"], clock=clock)  # type: ignore[arg-type]
+    for w in st.workers:
+        w.healthy = True
+    t = Transfer(copy_id="c0", key="k2", chain=("k1", "k2"), source=0, target=1, state=CopyState.RUNNING)
+    t.bytes_total = 1000
+    st.transfers.add(t)
+    status = st.copy_status(1, ("k1", "k2"))
+    assert status is not None and status.rate_bytes_per_s == 0.0 and status.available_bytes == 1000.0
+    assert reads == []  # nothing sent yet: no rate to read the clock for
+    t.started_s, t.bytes_sent = 8.0, 500
+    status = st.copy_status(1, ("k1", "k2"))
+    assert status is not None and status.rate_bytes_per_s == 250.0 and status.sent_bytes == 500.0
+    assert reads == [10.0]

@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import islice, takewhile
 
 from btbctl.engine.chains import count_blocks, uncount_blocks
 from btbctl.engine.config import ClusterConfig
@@ -647,6 +647,10 @@ class ChainIndex:
         return len(self.parent)
 
 
+#: The groups of a worker with nothing queued (never written to).
+_NO_GROUPS: dict = {}
+
+
 class _Queue:
     """One worker's queued prefill as :meth:`FleetState._queue` counted it: ``total`` seconds, ``groups``
     (``{block: [requests, seconds]}``), the blocks the counted requests compute (``seen``) and how many requests
@@ -665,6 +669,7 @@ class _Queue:
         "seen",
         "requests",
         "short",
+        "listed",
     )
 
     def __init__(self, version: int, reshaped: int, transfers: int, cost: ReplicaCost, page_size: int) -> None:
@@ -675,6 +680,8 @@ class _Queue:
         self.seen: set[Hashable] = set()
         self.requests = 0
         self.short = False
+        #: ``groups`` as :meth:`FleetState.waiting_groups` answers them, built on first read (None: not yet)
+        self.listed: list[tuple[Hashable, int, float]] | None = None
 
 
 class WorkerIndex:
@@ -692,18 +699,17 @@ class WorkerIndex:
 
     def __init__(self, state: FleetState) -> None:
         self._state = state
-        free = [w for w in state.workers if not w.inflight]
-        idle = [
-            w.index
-            for w in free
-            if not w.prefilling
-            and not w.prefill_chains
-            and not w.prefill_tokens
-            and not (w.loads and w.loads.get("max_tokens"))
-        ]
+        idle: list[int] = []
+        for w in state.workers:
+            if w.inflight:
+                continue
+            if w.prefilling or w.prefill_chains or w.prefill_tokens or (w.loads and w.loads.get("max_tokens")):
+                idle = []  # a worker without a request that is not idle: none counts as idle
+                break
+            idle.append(w.index)
         #: idle workers, ascending; none unless every worker without a request is idle (a policy may skip a busy
         #: worker for an idle one only when the busy one loses a tie on load)
-        self.idle_order: list[int] = idle if len(idle) == len(free) else []
+        self.idle_order: list[int] = idle
         self.idle: frozenset[int] = frozenset(self.idle_order)
 
     def holders(self, root: Hashable) -> list[int]:
@@ -804,7 +810,7 @@ class FleetState:
         if not w.healthy:
             return 0
         n = w.pending_or_held(chain)
-        if self.transfers.active:
+        if n < len(chain) and self.transfers.active:  # a copy brings at most the whole chain
             d = self.transfers.depth_to(replica, chain)
             if d > n:
                 return d
@@ -839,6 +845,8 @@ class FleetState:
         prompt blocks), the same floats as a new count (:meth:`_queue_scan`); any other change counts afresh,
         O(prompt blocks) per request."""
         w = self.workers[replica]
+        if not w.prefill_chains and not w.prefill_tokens:
+            return 0.0, _NO_GROUPS  # nothing queued: what a count from scratch gives, without the memo's keys
         tv = self.transfers.version
         cost = self.cost
         memo = self._queues.get(replica)
@@ -861,6 +869,7 @@ class FleetState:
             memo = self._queues[replica] = _Queue(w.version, w.reshaped, tv, cost, self.page_size)
         self._queue_scan(replica, memo)
         memo.version = w.version
+        memo.listed = None
         return memo.total, memo.groups
 
     def _queue_scan(self, replica: int, q: _Queue) -> None:
@@ -879,11 +888,9 @@ class FleetState:
             k = held
             if copies:
                 k = max(k, self.transfers.depth_to(replica, chain))
-            n = len(chain)
-            while k < n and chain[k] in seen:
-                k += 1
-            for b in chain[k:]:
-                seen.add(b)
+            if k < len(chain) and chain[k] in seen:  # the blocks a request sent before computes: in C, not per block
+                k += len(list(takewhile(seen.__contains__, islice(chain, k, None))))
+            seen.update(islice(chain, k, None))
             have = min(k * bt, tokens - 1) if tokens > 1 else 0
             work = cost.prefill_flops(tokens - have, have) / rate
             total += work
@@ -912,13 +919,27 @@ class FleetState:
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
         yet (arriving by a copy, or computed there by a request sent before them), grouped by the deepest such
-        block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`)."""
+        block: ``(block hash, requests, seconds of their prefill)`` (see :meth:`_queue`). The list is kept with the
+        worker's queue until it changes: read it, never change it."""
+        w = self.workers[replica]
+        if not w.prefill_chains:
+            return []  # no request with a chain: none waits for a block
         groups = self._queue(replica)[1]
-        return [(b, g[0], g[1]) for b, g in groups.items()] if groups else []
+        if not groups:
+            return []
+        memo = self._queues[replica]  # the list is built once per count of the queue (shared: read it only)
+        if memo.listed is None:
+            memo.listed = [(b, g[0], g[1]) for b, g in groups.items()]
+        return memo.listed
 
     def _copy(self, replica: int, chain: Sequence[Hashable]) -> Transfer | None:
         t = self.transfers.active.get((replica, chain[-1])) if chain else None
         return t if t is not None and t.routable else None
+
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        """Whether :meth:`copy_status` of ``chain`` towards ``replica`` is not None, without building the status (a
+        policy asks it per covered worker per routing decision)."""
+        return self._copy(replica, chain) is not None
 
     def copy_status(self, replica: int, chain: Sequence[Hashable]):
         """The in-flight copy of ``chain`` towards ``replica`` as a ``CopyStatus``, or None. Bytes come from the
@@ -929,7 +950,6 @@ class FleetState:
         t = self._copy(replica, chain)
         if t is None:
             return None
-        now = self.clock()
         total = float(t.bytes_total)
         path_rate, after = 0.0, 0.0
         if t.ready is not None:  # l3: the fleet's measured figures for what is not known yet
@@ -944,16 +964,13 @@ class FleetState:
             avail = 0.0 if t.state is CopyState.STALLED else total
         rate = 0.0
         if avail >= total:
-            rate = path_rate if path_rate and t.source_complete_s is not None else t.bytes_per_s(now)
-        return CopyStatus(
-            source=t.source,
-            total_bytes=total,
-            sent_bytes=float(t.bytes_sent),
-            available_bytes=avail,
-            rate_bytes_per_s=rate,
-            path_bytes_per_s=path_rate,
-            after_s=after,
-        )
+            if path_rate and t.source_complete_s is not None:
+                rate = path_rate
+            elif t.started_s is not None:  # else no byte went yet: 0
+                rate = t.bytes_per_s(self.clock())
+        # source, total_bytes, sent_bytes, available_bytes, rate_bytes_per_s, path_bytes_per_s, after_s (positional:
+        # read per copy target per routing decision)
+        return CopyStatus(t.source, total, float(t.bytes_sent), avail, rate, path_rate, after)
 
     def copy_after_s(self, replica: int, blocks: int) -> float:
         """Seconds from the last byte of a copy of ``blocks`` blocks at ``replica`` until it can serve them (the

@@ -223,6 +223,11 @@ class ExcludingView:
     def copy_status(self, replica: int, chain: Sequence[Hashable]) -> CopyStatus | None:
         return None if replica in self._excluded else self._inner.copy_status(replica, chain)  # type: ignore[attr-defined]
 
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        """Whether :meth:`copy_status` is not None (defined here so that the inner view's own ``has_copy``, when it
+        has one, is never reached past the exclusion)."""
+        return self.copy_status(replica, chain) is not None
+
     def kv_headroom_tokens(self, replica: int) -> int:
         return 0 if replica in self._excluded else self._inner.kv_headroom_tokens(replica)  # type: ignore[attr-defined]
 

@@ -124,11 +124,12 @@ class _LazyGroups(dict[int, "_Groups"]):
     """``replica -> BtbPlus.blocked_groups(view, replica, now_s)``, computed on first use (one request's route)."""
 
     def __init__(self, policy: BtbPlus, view: CostView, now_s: float) -> None:
-        super().__init__()
         self._policy, self._view, self._now_s = policy, view, now_s
 
     def __missing__(self, replica: int) -> _Groups:
-        g = self[replica] = self._policy.blocked_groups(self._view, replica, self._now_s)
+        waiting = self._view.waiting_groups(replica)  # none (the common case): no call to blocked_groups
+        g: _Groups = self._policy.blocked_groups(self._view, replica, self._now_s, waiting) if waiting else []
+        self[replica] = g
         return g
 
 
@@ -251,6 +252,10 @@ class BtbPlus(Policy[CostView]):
         # (new tokens, context tokens) -> prefill seconds under ``_prefill_cost`` (:meth:`prefill_s`)
         self._prefill_cost: ReplicaCost | None = None
         self._prefill_memo: dict[tuple[int, int], float] = {}
+        # (Y, chain blocks) -> the depths observed (:meth:`depths`)
+        self._depths_memo: dict[tuple[int, int], list[int]] = {}
+        # (replica, pace) -> the Route of a decision without copies (frozen: one object serves every such decision)
+        self._routes: dict[tuple[int, int], Route] = {}
         self._stats = {
             "fires": 0,
             "copies_requested": 0,
@@ -322,12 +327,20 @@ class BtbPlus(Policy[CostView]):
     # -- rule 1: the deepest hot prefix -----------------------------------------------------------------------
 
     def depths(self, n_blocks: int) -> list[int]:
-        """Depths observed for a chain of ``n_blocks`` blocks: ``Y, 2Y, 4Y, ...`` up to ``n_blocks``."""
-        out = []
-        d = self.constants.prefix_blocks
-        while d <= n_blocks:
-            out.append(d)
-            d *= 2
+        """Depths observed for a chain of ``n_blocks`` blocks: ``Y, 2Y, 4Y, ...`` up to ``n_blocks`` (remembered per
+        ``(Y, n_blocks)``; the list is shared: read it, never change it)."""
+        y = self.constants.prefix_blocks
+        memo = self._depths_memo
+        out = memo.get((y, n_blocks))
+        if out is None:
+            out = []
+            d = y
+            while d <= n_blocks:
+                out.append(d)
+                d *= 2
+            if len(memo) >= PREFILL_MEMO:
+                memo.clear()
+            memo[(y, n_blocks)] = out
         return out
 
     def detect(self, chain: Sequence[Hashable], now_s: float, arrivals: int = 1) -> tuple[Detection, float] | None:
@@ -397,14 +410,17 @@ class BtbPlus(Policy[CostView]):
         )
         return max(left / share, self.source_ready_s(view, status.source, key, now_s)) + status.after_s
 
-    def blocked_groups(self, view: CostView, replica: int, now_s: float) -> _Groups:
+    def blocked_groups(
+        self, view: CostView, replica: int, now_s: float, waiting: list[tuple[Hashable, int, float]] | None = None
+    ) -> _Groups:
         """The requests waiting on ``replica`` for a hot prefix that is not there yet, by prefix: ``(seconds until
         it is there, requests, seconds of their prefill, key, grace)``, soonest first. The prefix arrives by
         copy (:meth:`copy_lands_s`, grace 0) or is computed there (:meth:`source_ready_s`; grace = one prefill chunk
         at the prefix's context: the step that computes its last block leaves room in the batch for a request
         admitted before the group can run). Requests waiting for other blocks are left out: they count as queued
-        ahead of a new request."""
-        waiting = view.waiting_groups(replica)
+        ahead of a new request. ``waiting``: ``view.waiting_groups(replica)`` when already read."""
+        if waiting is None:
+            waiting = view.waiting_groups(replica)
         if not waiting:
             return []
         out = []
@@ -451,7 +467,7 @@ class BtbPlus(Policy[CostView]):
         if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
             for d in depths:
                 if d <= there:
-                    st = view.copy_status(replica, chain[:d])
+                    st = view.copy_status(replica, chain if d == len(chain) else chain[:d])
                     if st is not None:
                         ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
         mine: set[Hashable] = set()
@@ -494,25 +510,46 @@ class BtbPlus(Policy[CostView]):
         out: dict[int, tuple[float, float, float]],
         own0: float,
         reuses: bool = True,
+        planned_out: dict[int, int] | None = None,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
         replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`). ``reuses`` False: none of ``replicas`` plans a
-        block of the chain (outside the route index's holders), so that is not asked."""
+        block of the chain (outside the route index's holders), so that is not asked. ``planned_out``: receives the
+        ``view.planned_blocks`` of the chain read on each replica (not on one where requests wait for a prefix)."""
         chain = req.block_hashes
         inp = req.input_tokens
-        kv_tokens = inp + req.output_tokens
+        out_tokens = req.output_tokens
+        kv_tokens = inp + out_tokens
         have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
+        cached, copy_status = view.cached_blocks, view.copy_status
+        bt = view.block_tokens
+        cost = view.cost
+        n = len(chain)
         for r in replicas:
             g = groups[r]
             if g:
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
                 continue
             there = planned(r, chain) if reuses and chain else 0
+            if planned_out is not None and reuses and chain:
+                planned_out[r] = there
             if there:
-                out[r] = self.estimate(view, r, req, now_s, depths, g, planned=there)
+                # estimate() with nobody waiting for a hot prefix here, inlined (the same operations)
+                ready = 0.0
+                if depths and there > cached(r, chain):
+                    for d in depths:
+                        if d <= there:
+                            st = copy_status(r, chain if d == n else chain[:d])
+                            if st is not None:
+                                ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
+                have = min(there * bt, inp - 1)
+                own = self.prefill_s(cost, inp - have, have)
+                wait = queued(r) + admission(r, inp - have + out_tokens)
+                start = max(max(0.0, wait), ready)
+                out[r] = (start + own, 0.0, start)
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
                 out[r] = (wait + own0, 0.0, wait)
@@ -538,8 +575,9 @@ class BtbPlus(Policy[CostView]):
             idle = [r for r in tied if view.load(r) == 0]  # load 0 is the lowest
             tied = sorted(idle + list(quiet)) if idle else quiet
         elif len(tied) > 1:
-            low = min(view.load(r) for r in tied)
-            tied = [r for r in tied if view.load(r) == low]
+            loads = [view.load(r) for r in tied]
+            low = min(loads)
+            tied = [r for r, x in zip(tied, loads, strict=True) if x == low]
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     # -- routing ------------------------------------------------------------------------------------------------
@@ -564,8 +602,9 @@ class BtbPlus(Policy[CostView]):
         ests: dict[int, tuple[float, float, float]] = {}
         holders: Collection[int] = range(n) if index is None else (index.holders(chain[0]) if chain else ())
         own0 = self._cold_prefill_s(view, req)
+        planned_of: dict[int, int] = {}  # planned blocks of the chain read while pricing
         if holders:
-            self._estimates(view, req, now_s, depths, groups, holders, ests, own0)
+            self._estimates(view, req, now_s, depths, groups, holders, ests, own0, planned_out=planned_of)
         plan = None
         if hot is not None:
             det, since = hot
@@ -574,9 +613,10 @@ class BtbPlus(Policy[CostView]):
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
         rest: list[int] = []  # replicas outside the index's holders, not priced yet (no quiet replica)
+        by_index = sorted(ests)  # the priced replicas, ascending
         if index is not None:
             idle = index.idle
-            priced = [r for r in sorted(ests) if r in idle] if ests else []
+            priced = [r for r in by_index if r in idle]
             if len(index.idle_order) > len(priced):
                 quiet = _Without(index.idle_order, priced) if priced else index.idle_order
             else:
@@ -585,7 +625,7 @@ class BtbPlus(Policy[CostView]):
         move = self._move_costs(view, req, holders) if hot is None and holders else None
         if move is not None:
             quiet_cost += move[1]
-        replicas: Sequence[int] = sorted(ests) if len(ests) < n else range(n)
+        replicas: Sequence[int] = by_index if len(ests) < n else range(n)
         cost = self._costs(view, replicas, ests, groups, per_replica, move)
         if rest:
             # A replica of ``rest`` reuses nothing: its estimate is at least ``own0`` (it starts at 0 or later) and
@@ -612,7 +652,7 @@ class BtbPlus(Policy[CostView]):
             self._stats["harm_avoiding_routes"] += 1
         copied = len(plan.prefix) if plan is not None and choice in plan.targets[: plan.want] else 0
         if depths:
-            self._note_planned(view, choice, req, now_s, depths, mine[2], copied)
+            self._note_planned(view, choice, req, now_s, depths, mine[2], copied, planned_of.get(choice))
         pace = 0
         if hot is not None:
             prefix = hot[0].prefix
@@ -624,7 +664,14 @@ class BtbPlus(Policy[CostView]):
             ):
                 self._stats["speculative_routes"] += 1
             pace = self._pace(view, prefix, holders, mine[0] - mine[2])
-        return Route(choice, (plan,) if plan is not None else (), pace)
+        if plan is not None:
+            return Route(choice, (plan,), pace)
+        out = self._routes.get((choice, pace))
+        if out is None:
+            if len(self._routes) >= PREFILL_MEMO:
+                self._routes.clear()
+            out = self._routes[(choice, pace)] = Route(choice, (), pace)
+        return out
 
     def _pace(self, view: CostView, prefix: Sequence[Hashable], near: Iterable[int], own_s: float) -> int:
         """Rule 6: the ``Route.pace`` of a request of the hot ``prefix`` whose own prefill takes ``own_s`` seconds
@@ -657,7 +704,8 @@ class BtbPlus(Policy[CostView]):
         for r in replicas:
             est, harm, start = ests[r]
             own = est - start
-            blocked = sum(g[1] for g in groups[r])
+            gr = groups[r]
+            blocked = sum(g[1] for g in gr) if gr else 0
             behind = max(view.prefill_load(r) - blocked, per_replica * est)
             cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
         return cost
@@ -701,12 +749,16 @@ class BtbPlus(Policy[CostView]):
         depths: Sequence[int],
         start_s: float,
         copied_blocks: int = 0,
+        planned: int | None = None,
     ) -> None:
         """``req`` goes to ``replica``: remember when each depth's prefix it will compute there should be done
         (its start + its prefill up to that depth; queues are FCFS, so later arrivals do not delay it).
-        ``copied_blocks``: leading blocks a copy planned with this route brings there (not computed by it)."""
+        ``copied_blocks``: leading blocks a copy planned with this route brings there (not computed by it);
+        ``planned``: ``view.planned_blocks(replica, chain)`` when already read."""
         chain = req.block_hashes
-        there = max(view.planned_blocks(replica, chain), copied_blocks)
+        if planned is None:
+            planned = view.planned_blocks(replica, chain)
+        there = max(planned, copied_blocks)
         if there >= depths[-1]:
             return
         bt = view.block_tokens
@@ -757,13 +809,15 @@ class BtbPlus(Policy[CostView]):
         idle: Collection[int] = () if index is None else index.idle
         accepts = view.accepts_copies
         refused = self.refusals.refused if self.refusals else None
+        # ``copy_status(r, prefix) is not None``; a view may answer it without building the status (the gateway's)
+        has_copy = getattr(view, "has_copy", None) or (lambda r, c: view.copy_status(r, c) is not None)
         # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
         # the fleet is not looked at; the others can only be free targets.
         for r in near if index is None else sorted(near):
             if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
                 covered.append(r)
-            elif view.copy_status(r, prefix) is not None:
+            elif has_copy(r, prefix):
                 covered.append(r)
             elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
@@ -776,6 +830,7 @@ class BtbPlus(Policy[CostView]):
             if len(covered) >= cap:
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
         if index is not None:
+            near = near if isinstance(near, (set, frozenset, range)) else set(near)  # membership, per replica below
             free.extend(
                 r
                 for r in range(self.n_replicas)
@@ -801,14 +856,15 @@ class BtbPlus(Policy[CostView]):
         options: list[tuple[float, int, int, tuple[float, float, float]]] = []
         prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
         nic_bps = cost.nic_bytes_per_s
+        cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
             ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
             for t in free:
-                t_have = view.cached_blocks(t, prefix) if t in near else 0
+                t_have = cached(t, prefix) if t in near else 0
                 send = y - t_have
-                share = nic_bps / (1 + max(src_nic, view.nic_copies(t)))
+                share = nic_bps / (1 + max(src_nic, nic_copies(t)))
                 transfer = send * bt * kv / share
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
@@ -822,7 +878,7 @@ class BtbPlus(Policy[CostView]):
                 if not (transfer < recompute and (after <= 0 or lands < recompute)):
                     self._stats["copy_not_paying"] += 1
                     continue
-                if view.kv_headroom_tokens(t) < send * bt:
+                if headroom(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
                 ready.append((lands, t))
