@@ -160,6 +160,9 @@ class FakeFleet:
     def kv_headroom_tokens(self, replica: int) -> int:
         return self.headroom[replica]
 
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return self.copy_status(replica, chain) is not None
+
     def copy_after_s(self, replica: int, blocks: int) -> float:
         return self.after_s
 

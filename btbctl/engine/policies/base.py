@@ -111,6 +111,10 @@ class CostView(FleetView, Protocol):
         """The in-flight copy of ``chain`` (keyed by its last block) towards ``replica``, or None."""
         ...
 
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        """Whether :meth:`copy_status` is not None (a view may answer it without building the status)."""
+        ...
+
     def nic_copies(self, replica: int) -> int:
         """Copies in flight sending from or received by ``replica`` (they share its NIC)."""
         ...

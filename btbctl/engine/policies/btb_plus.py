@@ -809,8 +809,7 @@ class BtbPlus(Policy[CostView]):
         idle: Collection[int] = () if index is None else index.idle
         accepts = view.accepts_copies
         refused = self.refusals.refused if self.refusals else None
-        # ``copy_status(r, prefix) is not None``; a view may answer it without building the status (the gateway's)
-        has_copy = getattr(view, "has_copy", None) or (lambda r, c: view.copy_status(r, c) is not None)
+        has_copy = view.has_copy
         # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
         # the fleet is not looked at; the others can only be free targets.
         for r in near if index is None else sorted(near):

@@ -739,6 +739,9 @@ class InferSimFleetView:
         """Requests queued on ``replica`` (not admitted yet; an admission computes the first token at once here)."""
         return len(self._sim.replicas[replica].queue)
 
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return self.copy_status(replica, chain) is not None
+
     def copy_after_s(self, replica: int, blocks: int) -> float:
         """0: a copy's blocks land in the target's KV cache as they arrive (the push model)."""
         return 0.0

@@ -104,6 +104,9 @@ class SimFleetView:
         sim = self._sim
         return sim.replicas[replica].queued_prefill_s(sim.now)
 
+    def has_copy(self, replica: int, chain: Sequence[Hashable]) -> bool:
+        return self.copy_status(replica, chain) is not None
+
     def copy_after_s(self, replica: int, blocks: int) -> float:
         """0: a copy's blocks land in the target's KV cache as they arrive (the push model)."""
         return 0.0
