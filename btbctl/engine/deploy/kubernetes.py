@@ -11,10 +11,15 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   agent map: each node's agent registers with the ``NAME-control`` Service (``--gateway``), signed with a key of
   the fleet secret (mounted in the gateway to check it), naming the workers whose HiCache stores connected to its
   socket; each worker's extra config carries its own URL (``$(POD_NAME)``) for that.
-* ``NAME-gateway`` Deployment (one replica, ``Recreate``: the detector and the map of which worker holds which
-  prefix live in the gateway; two gateways would each see half of every burst) running ``up``'s own gateway
-  command line (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
-  ``gateway_service_type``) and ``NAME-control`` Service (control API, always ClusterIP).
+* ``NAME-gateway`` Deployment of ``[gateway] replicas`` gateways running ``up``'s own gateway command line
+  (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
+  ``gateway_service_type``) and ``NAME-control`` Service (control API, always ClusterIP). One gateway is
+  ``Recreate`` (two at once would each see half of every burst). Several share burst detection, copy orders and
+  tuning through Redis (:mod:`~btbctl.engine.gateway.fleetshare`) and roll one at a time: ``gateway.settings.
+  redis_url`` when given (refused with a password in it, which would land in the ConfigMap), else ``NAME-redis``
+  (``redis.yaml``: a StatefulSet of one :data:`REDIS_IMAGE` pod behind a headless Service, no persistence, no
+  password, reachable from the gateways' pods only). Several gateways in replication mode ``l3`` are refused: the
+  agents register through the one control Service and each would reach one gateway only.
 * ``NAME-workers`` headless Service and one StatefulSet per ``[[workers]]`` entry (``NAME-<entry name>``, or
   ``NAME-workers<N>``): stable pod names and DNS (``NAME-x-0.NAME-workers.NS.svc.DOMAIN``) for the gateway's worker
   list, all pods started at once as ``up`` does. Each container's command line is the launcher's own
@@ -23,6 +28,10 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   (:func:`~btbctl.engine.launcher.ssh.remote_argv`): flags are never written here. SGLang workers ask for
   ``tp_size`` GPUs (``gpu_resource``), run on the nodes of ``node_selector``/``tolerations`` with the environment of
   ``secret_env``, get a memory-backed ``/dev/shm`` and, with ``model_cache_gib``, a volume per pod for the weights.
+  An entry with ``kv_events = "tcp://HOST:PORT"`` publishes on PORT and replays on PORT + 1 in every pod (each pod
+  has its own addresses; ``up`` spreads one host's workers over PORT + 2i), with the launcher's
+  ``--kv-events-config`` (:func:`~btbctl.engine.launcher.cluster.kv_events_args`) and container ports
+  ``kv-events``/``kv-replay``; ``gateway.json`` lists each pod's endpoints at its DNS name (:func:`kv_events_ref`).
   Emulated workers run on any node, without those. Real and emulated workers never share a served model name
   (:func:`check_one_kind_per_model`).
 * ``NAME-agent`` DaemonSet and headless Service: one ``btbctl agent`` per node (host network, see below), its Unix
@@ -56,8 +65,8 @@ Security: every pod runs as a non-root user (:data:`RUN_AS_USER`) under the runt
 container may escalate privileges, all capabilities are dropped, and the gateway's and the agents' root file systems
 are read-only (a ``/tmp`` volume each). The agents' init container alone runs as root, with ``CHOWN`` and ``FOWNER``
 only, to hand the host folder of the socket to that user. ``networkpolicy.yaml`` admits the gateway's data port from
-every pod of the namespace (from anywhere when its Service is not ClusterIP), and its control port and the workers'
-ports only from this fleet's pods; the agents, on the host network, are outside NetworkPolicy and authenticate every
+every pod of the namespace (from anywhere when its Service is not ClusterIP), its control port and the workers'
+ports (KV events included) only from this fleet's pods, and the rendered Redis's port only from the gateways; the agents, on the host network, are outside NetworkPolicy and authenticate every
 connection themselves.
 """
 
