@@ -66,8 +66,8 @@ container may escalate privileges, all capabilities are dropped, and the gateway
 are read-only (a ``/tmp`` volume each). The agents' init container alone runs as root, with ``CHOWN`` and ``FOWNER``
 only, to hand the host folder of the socket to that user. ``networkpolicy.yaml`` admits the gateway's data port from
 every pod of the namespace (from anywhere when its Service is not ClusterIP), its control port and the workers'
-ports (KV events included) only from this fleet's pods, and the rendered Redis's port only from the gateways; the agents, on the host network, are outside NetworkPolicy and authenticate every
-connection themselves.
+ports (KV events included) only from this fleet's pods, and the rendered Redis's port only from the gateways; the
+agents, on the host network, are outside NetworkPolicy and authenticate every connection themselves.
 """
 
 from __future__ import annotations
