@@ -2,7 +2,8 @@
 ``slow``): the Redis from its rendered command line, both gateways from the rendered ``gateway.json`` and the
 workers from the StatefulSet's command line, each with what Kubernetes would fill in (the pods' addresses, here one
 loopback address per pod, in place of their DNS names and of ``0.0.0.0``; the mounted Secret). Both gateways join
-the Redis, subscribe to every worker's KV events and replay socket at its pod's address, and serve a request."""
+the Redis and subscribe to every worker's KV events and replay socket at its pod's address; a request through one
+gateway makes the other record the worker's holdings from that worker's events alone (routing inference off)."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_rendered_gateways_join_the_redis_and_subscribe_to_every_workers_kv_events(tmp_path):
+def test_two_rendered_gateways_share_a_redis_and_hold_from_every_workers_kv_events(tmp_path):
     base = _free_on_all(3)  # HTTP, KV events, replay: the same three in every pod
     data = read_toml(EMULATED)
     data["gateway"].update(replicas=2, page_size=16, settings={"routing_holdings": False})
@@ -106,7 +107,12 @@ def test_two_rendered_gateways_join_the_redis_and_subscribe_to_every_workers_kv_
         argv[argv.index("--dir") + 1] = str(redis_dir)
         procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for i, ip in enumerate(POD_IPS):  # each pod's container, on its own address
-            argv = [filled(a).replace(kube.BIND_ALL, ip).replace("tcp://*:", f"tcp://{ip}:") for a in worker_argv]
+            argv = [filled(a).replace(kube.BIND_ALL, ip) for a in worker_argv]
+            # its events bound on the pod's address alone (a specific host alone would make the publisher connect)
+            ev = json.loads(argv[argv.index("--kv-events-config") + 1])
+            for key in ("endpoint", "replay_endpoint"):
+                ev[key] = ev[key].replace("tcp://*:", f"tcp://{ip}:")
+            argv[argv.index("--kv-events-config") + 1] = json.dumps({**ev, "bind": True})
             argv[0] = sys.executable
             log = open(tmp_path / f"worker{i}.log", "w")
             procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
@@ -146,6 +152,12 @@ def test_two_rendered_gateways_join_the_redis_and_subscribe_to_every_workers_kv_
             "POST", gateways[0][0] + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
         )
         assert st == 200, ans
+
+        def held_by_the_other() -> bool:  # it never saw the request: its record comes from the worker's events
+            st, fleet = _http("GET", gateways[1][1] + "/control/fleet")
+            return st == 200 and sorted(w["held_blocks"] for w in fleet["workers"]) == [0, 4]
+
+        _wait(held_by_the_other, 30, "the second gateway to hold the first one's request from the KV events")
         for _, _, log in gateways:
             text = log.read_text()
             assert "event=fleet_share_up" in text, text[-3000:]
