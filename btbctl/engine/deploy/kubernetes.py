@@ -11,10 +11,15 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   agent map: each node's agent registers with the ``NAME-control`` Service (``--gateway``), signed with a key of
   the fleet secret (mounted in the gateway to check it), naming the workers whose HiCache stores connected to its
   socket; each worker's extra config carries its own URL (``$(POD_NAME)``) for that.
-* ``NAME-gateway`` Deployment (one replica, ``Recreate``: the detector and the map of which worker holds which
-  prefix live in the gateway; two gateways would each see half of every burst) running ``up``'s own gateway
-  command line (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
-  ``gateway_service_type``) and ``NAME-control`` Service (control API, always ClusterIP).
+* ``NAME-gateway`` Deployment of ``[gateway] replicas`` gateways running ``up``'s own gateway command line
+  (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
+  ``gateway_service_type``) and ``NAME-control`` Service (control API, always ClusterIP). One gateway is
+  ``Recreate`` (two at once would each see half of every burst). Several share burst detection, copy orders and
+  tuning through Redis (:mod:`~btbctl.engine.gateway.fleetshare`) and roll one at a time: ``gateway.settings.
+  redis_url`` when given (refused with a password in it, which would land in the ConfigMap), else ``NAME-redis``
+  (``redis.yaml``: a StatefulSet of one :data:`REDIS_IMAGE` pod behind a headless Service, no persistence, no
+  password, reachable from the gateways' pods only). Several gateways in replication mode ``l3`` are refused: the
+  agents register through the one control Service and each would reach one gateway only.
 * ``NAME-workers`` headless Service and one StatefulSet per ``[[workers]]`` entry (``NAME-<entry name>``, or
   ``NAME-workers<N>``): stable pod names and DNS (``NAME-x-0.NAME-workers.NS.svc.DOMAIN``) for the gateway's worker
   list, all pods started at once as ``up`` does. Each container's command line is the launcher's own
@@ -23,6 +28,10 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   (:func:`~btbctl.engine.launcher.ssh.remote_argv`): flags are never written here. SGLang workers ask for
   ``tp_size`` GPUs (``gpu_resource``), run on the nodes of ``node_selector``/``tolerations`` with the environment of
   ``secret_env``, get a memory-backed ``/dev/shm`` and, with ``model_cache_gib``, a volume per pod for the weights.
+  An entry with ``kv_events = "tcp://HOST:PORT"`` publishes on PORT and replays on PORT + 1 in every pod (each pod
+  has its own addresses; ``up`` spreads one host's workers over PORT + 2i), with the launcher's
+  ``--kv-events-config`` (:func:`~btbctl.engine.launcher.cluster.kv_events_args`) and container ports
+  ``kv-events``/``kv-replay``; ``gateway.json`` lists each pod's endpoints at its DNS name (:func:`kv_events_ref`).
   Emulated workers run on any node, without those. Real and emulated workers never share a served model name
   (:func:`check_one_kind_per_model`).
 * ``NAME-agent`` DaemonSet and headless Service: one ``btbctl agent`` per node (host network, see below), its Unix
@@ -56,9 +65,9 @@ Security: every pod runs as a non-root user (:data:`RUN_AS_USER`) under the runt
 container may escalate privileges, all capabilities are dropped, and the gateway's and the agents' root file systems
 are read-only (a ``/tmp`` volume each). The agents' init container alone runs as root, with ``CHOWN`` and ``FOWNER``
 only, to hand the host folder of the socket to that user. ``networkpolicy.yaml`` admits the gateway's data port from
-every pod of the namespace (from anywhere when its Service is not ClusterIP), and its control port and the workers'
-ports only from this fleet's pods; the agents, on the host network, are outside NetworkPolicy and authenticate every
-connection themselves.
+every pod of the namespace (from anywhere when its Service is not ClusterIP), its control port and the workers'
+ports (KV events included) only from this fleet's pods, and the rendered Redis's port only from the gateways; the
+agents, on the host network, are outside NetworkPolicy and authenticate every connection themselves.
 """
 
 from __future__ import annotations
@@ -81,6 +90,8 @@ from btbctl.engine.launcher.cluster import (
     ClusterFile,
     WorkerInstance,
     hicache_args,
+    kv_events_args,
+    kv_events_of,
     worker_argv,
 )
 from btbctl.engine.launcher.kubernetes import KubernetesSection
@@ -105,7 +116,12 @@ _REFERENCE_WORDS = {"file", "path", "dir", "name", "id"}
 #: How every rendered file starts (``btbctl deploy render`` writes it in its header).
 RENDERED_MARK = "# Rendered by `btbctl deploy render"
 #: Files a render writes only for some cluster files (a later render without them removes its own old copy).
-OPTIONAL_FILES = ("namespace.yaml", "agents.yaml")
+OPTIONAL_FILES = ("namespace.yaml", "agents.yaml", "redis.yaml")
+#: Image of the Redis the gateways share when ``[gateway] replicas`` > 1 and no ``redis_url`` is given: the official
+#: Debian-based image (an overlay's ``images`` entry renames it for a mirror).
+REDIS_IMAGE = "redis:7.4.2-bookworm"
+#: Port of that Redis.
+REDIS_PORT = 6379
 
 _WORKER_TOKEN = f"{SECRET_DIR}/worker-token"
 _CONTROL_TOKEN = f"{SECRET_DIR}/control-token"
@@ -153,16 +169,55 @@ def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
     if k8s.agents is False and l3:
         raise ConfigError("kubernetes.agents", "replication mode l3 needs a node agent on every node (its L3 tier)")
     agents = k8s.agents if k8s.agents is not None else any(w.kind == "sglang" for w in cluster.workers)
+    redis_url = _redis_url(cluster, k8s)
     workers = _workers(cluster, k8s, agents)
     files = []
     if k8s.create_namespace:
         files.append(Manifest("namespace.yaml", [_namespace(k8s, agents)]))
-    files.append(Manifest("gateway.yaml", _gateway(cluster, k8s, workers.urls)))
+    files.append(Manifest("gateway.yaml", _gateway(cluster, k8s, workers, redis_url)))
     files.append(Manifest("workers.yaml", workers.objects))
     if agents:
         files.append(Manifest("agents.yaml", _agents(cluster, k8s)))
-    files.append(Manifest("networkpolicy.yaml", _network_policies(cluster, k8s)))
+    own_redis = cluster.gateway.replicas > 1 and "redis_url" not in cluster.gateway.settings
+    if own_redis:
+        files.append(Manifest("redis.yaml", _redis(k8s)))
+    files.append(Manifest("networkpolicy.yaml", _network_policies(cluster, k8s, own_redis)))
     return files
+
+
+def _redis_url(cluster: ClusterFile, k8s: KubernetesSection) -> str | None:
+    """The Redis the gateways share: None with one gateway; ``gateway.settings.redis_url`` when given (refused when
+    it holds a password, which the render would write into the ConfigMap), else the rendered ``NAME-redis``.
+    Several gateways in replication mode ``l3`` are refused: the node agents register through the one control
+    Service, so each agent would reach one gateway only."""
+    gw = cluster.gateway
+    if gw.replicas == 1:
+        return None
+    if cluster.replication_mode == "l3":
+        raise ConfigError(
+            "gateway.replicas",
+            f"is {gw.replicas}, but in replication mode l3 on Kubernetes the node agents register through the one "
+            f"{k8s.name}-control Service and each would reach one gateway only; use replicas = 1 (or replication "
+            "push)",
+        )
+    given = gw.settings.get("redis_url")
+    if given is None:
+        return redis_url(k8s)
+    from urllib.parse import urlsplit
+
+    if urlsplit(str(given)).password is not None:
+        raise ConfigError(
+            "gateway.settings.redis_url",
+            "holds a password, which the render would write into the gateway's ConfigMap (it never writes secret "
+            "values): give a Redis that the gateway pods reach without one (NetworkPolicy), or leave redis_url out "
+            "and the render adds a Redis of the fleet's own",
+        )
+    return str(given)
+
+
+def redis_url(k8s: KubernetesSection) -> str:
+    """The URL of the rendered Redis (``NAME-redis-0`` under its headless Service ``NAME-redis``), database 0."""
+    return f"redis://{k8s.name}-redis-0.{k8s.name}-redis.{k8s.namespace}.svc.{k8s.cluster_domain}:{REDIS_PORT}/0"
 
 
 def worker_pod_argv(
@@ -177,7 +232,8 @@ def worker_pod_argv(
     local = WorkerInstance(
         name=inst.name,
         entry=inst.entry,
-        index=inst.index,
+        # every pod has its own addresses: the KV event ports of worker 0 (kv_events' PORT, PORT + 1) serve them all
+        index=0,
         spec=spec,
         port=port,
         transfer_port=inst.transfer_port,
@@ -195,9 +251,32 @@ def worker_pod_argv(
     return worker_argv(local, port, local.transfer_port, token_file=_WORKER_TOKEN, l3=l3)
 
 
+def worker_host(k8s: KubernetesSection, pod: str) -> str:
+    """Worker pod ``pod``'s stable DNS name under the headless workers Service."""
+    return f"{pod}.{k8s.name}-workers.{k8s.namespace}.svc.{k8s.cluster_domain}"
+
+
 def worker_url(k8s: KubernetesSection, pod: str, port: int) -> str:
     """The URL the gateway knows worker pod ``pod`` by (its stable DNS name under the headless workers Service)."""
-    return f"http://{pod}.{k8s.name}-workers.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}"
+    return f"http://{worker_host(k8s, pod)}:{port}"
+
+
+def kv_events_ref(inst: WorkerInstance, k8s: KubernetesSection, pod: str) -> dict | None:
+    """Where the gateway subscribes to worker pod ``pod``'s KV events (a ``KvEventsRef`` as a dict: the entry's
+    ``kv_events`` PORT and PORT + 1 on the pod's DNS name, the topic of its ``--kv-events-config``), or None when
+    ``inst``'s entry publishes none. Both come from the launcher's :func:`kv_events_of` and :func:`kv_events_args`
+    for worker 0 of the entry, whose ports every pod uses."""
+    ev = inst.spec.kv_events
+    if ev is None:
+        return None
+    port = int(ev.rsplit(":", 1)[1])
+    pod_spec = inst.spec.model_copy(update={"kv_events": f"tcp://{worker_host(k8s, pod)}:{port}"})
+    local = WorkerInstance(inst.name, inst.entry, 0, pod_spec, inst.port, inst.transfer_port, None)
+    ends = kv_events_of(local)
+    if ends is None:  # a command override publishes nothing the launcher knows of
+        return None
+    topic = json.loads(kv_events_args(local)[1])["topic"]
+    return {"endpoint": ends[0], "replay_endpoint": ends[1], "topic": topic}
 
 
 def control_service_url(cluster: ClusterFile, k8s: KubernetesSection) -> str:
@@ -334,6 +413,8 @@ def _container_security(read_only_root: bool) -> dict:
 GATEWAY_RESOURCES = {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 #: An emulated worker's container: a CPU-only process whose KV store holds bytes scaled down (``kv_bytes_scale``).
 EMULATED_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+#: The shared Redis's container (several gateways): small keys and pub/sub only.
+REDIS_RESOURCES = {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
 #: CPUs and memory (GiB) an SGLang worker requests per GPU (tokenizer, scheduler, host KV tier).
 SGLANG_CPU_PER_GPU = 8
 SGLANG_MEMORY_GIB_PER_GPU = 32
@@ -343,10 +424,11 @@ _TMP_MOUNT = {"name": "tmp", "mountPath": "/tmp"}
 _TMP_VOLUME = {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
 
-def _network_policies(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict]:
+def _network_policies(cluster: ClusterFile, k8s: KubernetesSection, own_redis: bool = False) -> list[dict]:
     """Ingress rules: the gateway's data port from every pod of the namespace (from anywhere when its Service is
     exposed beyond the cluster), its control port only from this fleet's pods (from anywhere in replication mode
-    ``l3``, where the node agents register from the host network), the workers' ports only from this fleet's pods.
+    ``l3``, where the node agents register from the host network), the workers' ports (HTTP and KV events) only
+    from this fleet's pods, and with ``own_redis`` the rendered Redis's port only from the gateways.
     The agents run on the host network, where NetworkPolicy does not apply: their peer port authenticates every
     connection with the fleet secret and their control API needs the token."""
     gw = cluster.gateway
@@ -363,13 +445,18 @@ def _network_policies(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict
     # no pod selector matches: the port is open, and every request on it is authenticated (bearer token on all
     # routes, as the listener is not on loopback; registrations signed with a node key)
     gateway = _ingress_policy(k8s, "gateway", [data_from, control_from])
-    return [gateway, _ingress_policy(k8s, "worker", [{"from": [fleet]}])]
+    policies = [gateway, _ingress_policy(k8s, "worker", [{"from": [fleet]}])]
+    if own_redis:
+        gateways = {"podSelector": {"matchLabels": _labels(k8s, "gateway")}}
+        redis_from = {"from": [gateways], "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}
+        policies.append(_ingress_policy(k8s, "redis", [redis_from]))
+    return policies
 
 
 def _ingress_policy(k8s: KubernetesSection, component: str, ingress: list[dict]) -> dict:
-    """A NetworkPolicy ``NAME-<component>s`` (``NAME-gateway`` for the gateway) admitting only ``ingress`` to the
+    """A NetworkPolicy ``NAME-<component>s`` (``NAME-gateway``, ``NAME-redis``) admitting only ``ingress`` to the
     pods of ``component``."""
-    name = f"{k8s.name}-gateway" if component == "gateway" else f"{k8s.name}-{component}s"
+    name = f"{k8s.name}-{component}" if component in ("gateway", "redis") else f"{k8s.name}-{component}s"
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -431,7 +518,7 @@ def _secret_volume(k8s: KubernetesSection, keys: list[str]) -> dict:
     }
 
 
-def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> list[dict]:
+def _gateway(cluster: ClusterFile, k8s: KubernetesSection, workers: _Workers, redis_url: str | None) -> list[dict]:
     from btbctl.engine.config import validate
     from btbctl.engine.gateway.config import GatewayConfig
     from btbctl.engine.launcher.fleet import gateway_argv
@@ -442,7 +529,7 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
     if port == control_port:
         raise ConfigError("gateway.control_port", f"port {control_port} is already gateway.port")
     config = cluster.gateway_config(
-        urls, port=port, control_port=control_port, token_file=_CONTROL_TOKEN, worker_token_file=_WORKER_TOKEN
+        workers.urls, port=port, control_port=control_port, token_file=_CONTROL_TOKEN, worker_token_file=_WORKER_TOKEN
     )
     config.update({"host": BIND_ALL, "control_host": BIND_ALL})
     # l3: which node agent serves which worker only pod placement decides, so the agents register with the gateway
@@ -451,6 +538,10 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
     config["replication"] = cluster.replication_mode
     if cluster.replication_mode == "l3":
         config.update(agents=[], worker_agents=[], agent_secret_file=_FLEET_SECRET, agent_token_file=_CONTROL_TOKEN)
+    if any(workers.kv_events):  # the workers' KV events, at the pods' DNS names (as `up` lists them)
+        config["kv_events"] = list(workers.kv_events)
+    if redis_url is not None:  # several gateways: one Redis shares detection, copy orders and tuning
+        config["redis_url"] = redis_url
     validate(GatewayConfig, config, None, "gateway")
     text = json.dumps(config, indent=2) + "\n"
     name = f"{k8s.name}-gateway"
@@ -486,8 +577,14 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
         "kind": "Deployment",
         "metadata": _meta(k8s, name, "gateway"),
         "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
+            "replicas": gw.replicas,
+            # one gateway: Recreate (two at once would each see half of every burst); several share what they see
+            # through Redis, so they roll one at a time and keep serving
+            "strategy": (
+                {"type": "Recreate"}
+                if gw.replicas == 1
+                else {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+            ),
             "selector": {"matchLabels": _labels(k8s, "gateway")},
             "template": {
                 "metadata": {
@@ -537,10 +634,73 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, urls: list[str]) -> l
     return [config_map, deployment, data_service, control_service]
 
 
+def _redis(k8s: KubernetesSection) -> list[dict]:
+    """``NAME-redis``: the Redis the gateways share (:func:`redis_url`), a StatefulSet of one (a stable DNS name)
+    behind a headless Service, no persistence (what it holds is seconds of arrivals and copy claims; a restarted one
+    is joined again by every gateway), no password: only the gateways' pods reach it (NetworkPolicy)."""
+    name = f"{k8s.name}-redis"
+    selector = _labels(k8s, "redis")
+    container = {
+        "name": "redis",
+        "image": REDIS_IMAGE,
+        "imagePullPolicy": k8s.image_pull_policy,
+        "command": [
+            "redis-server",
+            "--port",
+            str(REDIS_PORT),
+            "--bind",
+            BIND_ALL,
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            "/tmp",
+        ],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": copy.deepcopy(REDIS_RESOURCES),
+        "volumeMounts": [_TMP_MOUNT],
+        "securityContext": _container_security(True),
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(k8s, name, "redis"),
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**selector, **k8s.labels}},
+                "spec": {"securityContext": _pod_security(), "containers": [container], "volumes": [_TMP_VOLUME]},
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(k8s, name, "redis"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector,
+            "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}],
+        },
+    }
+    return [statefulset, service]
+
+
 @dataclass
 class _Workers:
+    """The workers' objects, and per worker pod (in the gateway's order) its URL and where it publishes KV events
+    (a ``KvEventsRef`` dict, or None)."""
+
     objects: list[dict]
     urls: list[str]
+    kv_events: list[dict | None]
 
 
 def _entry_name(cluster: ClusterFile, k8s: KubernetesSection, e: int) -> str:
@@ -561,6 +721,7 @@ def _workers(cluster: ClusterFile, k8s: KubernetesSection, agents: bool) -> _Wor
     headless = f"{k8s.name}-workers"
     objects: list[dict] = []
     urls: list[str] = []
+    kv_refs: list[dict | None] = []
     ports: dict[int, str] = {}
     seen: dict[str, int] = {}
     by_entry: dict[int, list[WorkerInstance]] = {}
@@ -583,8 +744,9 @@ def _workers(cluster: ClusterFile, k8s: KubernetesSection, agents: bool) -> _Wor
         if len(argvs) != 1:  # pragma: no cover - guarded by the {name}/{index} check above
             raise ConfigError(f"workers.{e}", "the workers of this entry would need different command lines")
         argv = list(next(iter(argvs)))
-        for i in range(spec.count):
-            urls.append(worker_url(k8s, f"{name}-{i}", port))
+        for inst in by_entry[e]:
+            urls.append(worker_url(k8s, f"{name}-{inst.index}", port))
+            kv_refs.append(kv_events_ref(inst, k8s, f"{name}-{inst.index}"))
         objects.append(_statefulset(cluster, k8s, e, name, headless, argv, port, agents))
     service = {
         "apiVersion": "v1",
@@ -598,7 +760,7 @@ def _workers(cluster: ClusterFile, k8s: KubernetesSection, agents: bool) -> _Wor
             "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for p, n in ports.items()],
         },
     }
-    return _Workers([service, *objects], urls)
+    return _Workers([service, *objects], urls, kv_refs)
 
 
 def _statefulset(
@@ -652,7 +814,7 @@ def _statefulset(
         "image": (k8s.sglang_image or k8s.image) if spec.kind == "sglang" else k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
         "command": argv,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}, *_kv_event_ports(spec)],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5},
         # loading weights takes minutes: ready_timeout_s bounds the start, as it bounds `btbctl up`'s wait
         "startupProbe": {
@@ -695,6 +857,18 @@ def _statefulset(
     if claims:
         sts["spec"]["volumeClaimTemplates"] = claims
     return sts
+
+
+def _kv_event_ports(spec: Any) -> list[dict]:
+    """The container ports of an entry's KV events (its ``kv_events`` PORT: publisher, PORT + 1: replay; the same in
+    every pod), none without events or with a ``command`` override."""
+    if spec.kv_events is None or spec.command is not None:
+        return []
+    port = int(spec.kv_events.rsplit(":", 1)[1])
+    return [
+        {"name": "kv-events", "containerPort": port, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": port + 1, "protocol": "TCP"},
+    ]
 
 
 def _place_on_gpu_nodes(pod_spec: dict, k8s: KubernetesSection) -> None:
@@ -959,9 +1133,12 @@ __all__ = [
     "dump",
     "dump_all",
     "kustomization",
+    "kv_events_ref",
     "objects",
+    "redis_url",
     "render",
     "worker_pod_argv",
+    "worker_host",
     "worker_url",
     "worker_resources",
     "write",
