@@ -21,8 +21,9 @@ block verified at the target; l3: the target's warm-up proved the prefix from L3
 ``--gateways 2``: per run, the default policy's burst on a fresh fleet with one gateway, then the same burst (same
 seed) on a fresh fleet with two (``[gateway] replicas = 2``, sharing the fleet through a local redis-server), split
 by alternating requests over the two gateways' URLs, one ``btbctl bench --target`` process each, started together;
-their ``--requests-out`` lines are merged for TTFT p50 / p95 / mean. Reported: the medians of both and of the
-per-run ratios (2 gateways / 1). Needs redis-server.
+their ``--requests-out`` lines are merged for TTFT p50 / p95 / mean. The one-gateway burst is split the same way
+over two client processes (both to that gateway), so the client side is the same and only the gateways differ.
+Reported: the medians of both and of the per-run ratios (2 gateways / 1). Needs redis-server.
 
 Two shapes of burst. By default the prefix is cold: the burst's first request computes it, and a copy can only
 trail that prefill (push: block by block; l3: page by page once each prefill chunk is written through, then the
@@ -285,7 +286,8 @@ def replay_split(urls: list[str], trace: Path, tmp: Path) -> dict:
 
 def gateways_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS, warm_source: bool = False) -> dict:
     """One burst (the default policy's, seed ``100 + 2 * run``) on a fresh fleet with one gateway, then the same
-    burst on a fresh fleet with two (``[gateway] replicas = 2``, the burst split half/half over them). Returns
+    burst on a fresh fleet with two (``[gateway] replicas = 2``), the burst split half/half over two client
+    processes either way (both to the one gateway, or one to each of the two). Returns
     ``{"1": ..., "2": ...}`` of :func:`replay_split`."""
     from btbctl.engine.launcher.rundir import RunDir
 
@@ -304,7 +306,8 @@ def gateways_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOK
             if warm_source:
                 warm = warm_source_trace(trace, tmp / f"warm-{mode}-{run}-gw{n}.jsonl")
                 _btbctl("bench", "--target", urls[0], "--trace", str(warm), "--format", "json")
-            out[str(n)] = replay_split(urls, trace, tmp)
+            # two client processes either way (one a gateway, or both on the one), so only the gateways differ
+            out[str(n)] = replay_split(urls * (2 // n), trace, tmp)
         finally:
             _btbctl("down", "--run-dir", str(rd), timeout=120)
     return out
