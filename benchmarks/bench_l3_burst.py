@@ -16,6 +16,14 @@ block verified at the target; l3: the target's warm-up proved the prefix from L3
     sudo python benchmarks/bench_l3_burst.py --hosts 2 --link-gbit 10     # the namespace testbed (below)
     sudo python benchmarks/bench_l3_burst.py --hosts 2 --prefix-tokens 65536 --kv-bytes-scale 256
     python benchmarks/bench_l3_burst.py --warm-source     # one worker holds the prefix before the burst
+    python benchmarks/bench_l3_burst.py --modes l3 --gateways 2   # 2 gateways vs 1 on the same burst
+
+``--gateways 2``: per run, the default policy's burst on a fresh fleet with one gateway, then the same burst (same
+seed) on a fresh fleet with two (``[gateway] replicas = 2``, sharing the fleet through a local redis-server), split
+by alternating requests over the two gateways' URLs, one ``btbctl bench --target`` process each, started together;
+their ``--requests-out`` lines are merged for TTFT p50 / p95 / mean. The one-gateway burst is split the same way
+over two client processes (both to that gateway), so the client side is the same and only the gateways differ.
+Reported: the medians of both and of the per-run ratios (2 gateways / 1). Needs redis-server.
 
 Two shapes of burst. By default the prefix is cold: the burst's first request computes it, and a copy can only
 trail that prefill (push: block by block; l3: page by page once each prefill chunk is written through, then the
@@ -226,6 +234,108 @@ def one_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS, 
         _btbctl("down", "--run-dir", str(rd), timeout=120)
 
 
+def _gateway_cluster(mode: str, gateways: int) -> str:
+    """:data:`CLUSTER` in ``mode`` with ``[gateway] replicas = gateways`` (several gateways share the fleet)."""
+    text = CLUSTER.format(mode=mode, workers=WORKERS)
+    return text.replace("[gateway]\n", f"[gateway]\nreplicas = {gateways}\n", 1) if gateways > 1 else text
+
+
+def split_trace(trace: Path, parts: int, tmp: Path) -> list[Path]:
+    """``trace`` split by alternating lines into ``parts`` files (arrival times kept), request ``i`` in part
+    ``i % parts``."""
+    lines = trace.read_text().splitlines()
+    out = []
+    for k in range(parts):
+        p = tmp / f"{trace.stem}-part{k}.jsonl"
+        p.write_text("".join(line + "\n" for line in lines[k::parts]))
+        out.append(p)
+    return out
+
+
+def replay_split(urls: list[str], trace: Path, tmp: Path) -> dict:
+    """Replay ``trace`` split half/half (one part a URL, :func:`split_trace`) with one ``btbctl bench --target``
+    process per gateway, all started together; their ``--requests-out`` lines merged. Returns ``ttft_s`` (the
+    summary of the merged answered requests' TTFTs, seconds), ``requests``, ``errors`` and ``per_gateway`` (requests
+    each part sent)."""
+    from btbctl.engine.stats import summarize as summarize_s
+
+    env = {k: v for k, v in os.environ.items() if k not in ("BTBCTL_RUN_DIR", "BTBCTL_DEBUG")}
+    parts = split_trace(trace, len(urls), tmp)
+    procs = []
+    for k, (url, part) in enumerate(zip(urls, parts, strict=True)):
+        res = tmp / f"{trace.stem}-part{k}-requests.jsonl"
+        argv = [sys.executable, "-m", "btbctl", "bench", "--target", url, "--trace", str(part), "--format", "json"]
+        procs.append((res, subprocess.Popen([*argv, "--requests-out", str(res)], cwd=ROOT, env=env, text=True,
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)))  # fmt: skip
+    rows: list[dict] = []
+    per_gateway = []
+    for res, proc in procs:
+        _, err = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"btbctl bench exited {proc.returncode}: {err.strip()[-800:]}")
+        got = [json.loads(line) for line in res.read_text().splitlines() if line.strip()]
+        per_gateway.append(len(got))
+        rows += got
+    ok = [r for r in rows if r["status"] == "ok" and r.get("ttft_s") is not None]
+    return {
+        "ttft_s": summarize_s(r["ttft_s"] for r in ok),
+        "requests": len(rows),
+        "errors": len(rows) - len(ok),
+        "per_gateway": per_gateway,
+    }
+
+
+def gateways_run(mode: str, run: int, tmp: Path, prefix_tokens: int = PREFIX_TOKENS, warm_source: bool = False) -> dict:
+    """One burst (the default policy's, seed ``100 + 2 * run``) on a fresh fleet with one gateway, then the same
+    burst on a fresh fleet with two (``[gateway] replicas = 2``), the burst split half/half over two client
+    processes either way (both to the one gateway, or one to each of the two). Returns
+    ``{"1": ..., "2": ...}`` of :func:`replay_split`."""
+    from btbctl.engine.launcher.rundir import RunDir
+
+    trace = _trace(tmp / f"trace-{mode}-{run}-gw.jsonl", 100 + 2 * run, prefix_tokens)
+    out = {}
+    for n in (1, 2):
+        cfg = tmp / f"cluster-{mode}-gw{n}.toml"
+        cfg.write_text(_gateway_cluster(mode, n))
+        rd = tmp / f"run-{mode}-{run}-gw{n}"
+        _btbctl("up", "-d", "-c", str(cfg), "--run-dir", str(rd), timeout=300)
+        try:
+            state = RunDir(rd).load()
+            urls = [p.url for p in state.processes if p.role == "gateway"]
+            if len(urls) != n:
+                raise SystemExit(f"expected {n} gateways in {rd}, found {len(urls)}")
+            if warm_source:
+                warm = warm_source_trace(trace, tmp / f"warm-{mode}-{run}-gw{n}.jsonl")
+                _btbctl("bench", "--target", urls[0], "--trace", str(warm), "--format", "json")
+            # two client processes either way (one a gateway, or both on the one), so only the gateways differ
+            out[str(n)] = replay_split(urls * (2 // n), trace, tmp)
+        finally:
+            _btbctl("down", "--run-dir", str(rd), timeout=120)
+    return out
+
+
+def summarize_gateways(mode: str, runs: list[dict]) -> dict:
+    """Medians over ``runs`` (of :func:`gateways_run`) of TTFT p50 / p95 / mean with 1 and 2 gateways, and of the
+    per-run ratios (2 gateways / 1)."""
+
+    def med(f) -> float:
+        return statistics.median(f(r) for r in runs)
+
+    return {
+        "mode": mode,
+        "runs": len(runs),
+        **{
+            f"gateways_{n}": {k: med(lambda r, n=n, k=k: r[n]["ttft_s"][k]) for k in ("p50", "p95", "mean")}
+            for n in ("1", "2")
+        },
+        "ratio_p95": med(lambda r: r["2"]["ttft_s"]["p95"] / r["1"]["ttft_s"]["p95"]),
+        "ratio_mean": med(lambda r: r["2"]["ttft_s"]["mean"] / r["1"]["ttft_s"]["mean"]),
+        "ratios_p95": [r["2"]["ttft_s"]["p95"] / r["1"]["ttft_s"]["p95"] for r in runs],
+        "errors": {n: sum(r[n]["errors"] for r in runs) for n in ("1", "2")},
+        "per_gateway": [r["2"]["per_gateway"] for r in runs],
+    }
+
+
 def testbed_missing() -> str | None:
     """Why the namespace testbed cannot run here (root, iproute2, sshd), or None."""
     _testbed_path()
@@ -325,6 +435,13 @@ def summarize(mode: str, runs: list[dict]) -> dict:
 
 
 def _run_modes(args, tmp: Path) -> list[dict]:
+    if args.gateways == 2:
+        return [
+            summarize_gateways(
+                m, [gateways_run(m, i, tmp, args.prefix_tokens, args.warm_source) for i in range(args.runs)]
+            )
+            for m in args.modes.split(",")
+        ]
     if not args.hosts:
         return [
             summarize(m, [one_run(m, i, tmp, args.prefix_tokens, args.warm_source) for i in range(args.runs)])
@@ -382,6 +499,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="send one request of the prefix before each burst (answered), so one worker holds it when it begins",
     )
+    ap.add_argument(
+        "--gateways",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: per run, the default policy's burst on a fleet with one gateway, then on one with two "
+        "([gateway] replicas = 2, the burst split half/half over them); reports both and the p95 ratio",
+    )
     ap.add_argument("--format", choices=("human", "json"), default="human")
     args = ap.parse_args(argv)
     if args.prefix_tokens < 256 or args.prefix_tokens % 256:
@@ -392,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--link-gbit must be > 0 and --kv-bytes-scale >= 1")
     if args.kv_bytes_scale is not None and not args.hosts:
         ap.error("--kv-bytes-scale is for the testbed (--hosts 2 or 4); one machine keeps the worker's default")
+    if args.gateways == 2 and args.hosts:
+        ap.error("--gateways 2 runs on one machine only (no --hosts)")
     if args.hosts:
         why = testbed_missing()
         if why:
@@ -409,6 +536,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     warm = ", warm on one worker before each burst" if args.warm_source else ""
     print(f"{where}; a {args.prefix_tokens}-token prefix{warm}; medians over {args.runs} run(s)")
+    if args.gateways == 2:
+        for s in out:
+            one, two = s["gateways_1"], s["gateways_2"]
+            print(
+                f"{s['mode']:5} 1 gateway p50/p95/mean {one['p50']:.3f}/{one['p95']:.3f}/{one['mean']:.3f} s; "
+                f"2 gateways {two['p50']:.3f}/{two['p95']:.3f}/{two['mean']:.3f} s; p95 x{s['ratio_p95']:.2f} "
+                f"(runs {', '.join(f'x{x:.2f}' for x in s['ratios_p95'])}), mean x{s['ratio_mean']:.2f}; "
+                f"errors {s['errors']['1']}/{s['errors']['2']}; requests per gateway {s['per_gateway']}"
+            )
+        return 0
     for s in out:
         d, ca = s["default"], s["cache_aware"]
         print(
