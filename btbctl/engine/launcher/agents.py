@@ -172,18 +172,16 @@ def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: 
 
 def registered(control_url: str, token: str | None, timeout_s: float = 2.0) -> dict[str, list[str]]:
     """``{agent name: [worker names]}`` of the agents the gateway at ``control_url`` knows now (``GET
-    /control/agents``, with the control token; never through a proxy). Raises OSError/ValueError when it does not
-    answer with JSON."""
-    import json
-    import urllib.request
+    /control/agents``, with the control token; never through a proxy). Raises OSError (not
+    200), ValueError (not JSON) or :func:`~btbctl.engine.httpclient.request_failures` (no answer)."""
+    from btbctl.engine.httpclient import http_client
 
-    from btbctl.engine.httpclient import urlopen
-
-    req = urllib.request.Request(control_url.rstrip("/") + "/control/agents")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    with urlopen(req, timeout=timeout_s) as resp:
-        body = json.loads(resp.read())
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with http_client(timeout=timeout_s) as client:
+        resp = client.get(control_url.rstrip("/") + "/control/agents", headers=headers)
+        if resp.status_code != 200:
+            raise OSError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        body = resp.json()
     return {a["name"]: list(a.get("workers") or ()) for a in body.get("agents", ())}
 
 
@@ -204,6 +202,8 @@ def wait_registered(
         BtbctlError: one line naming the first agent not registered after ``timeout_s`` seconds and why (what the
             gateway holds for it, and the last ``agent_announce_failed`` line of its log in ``logs``).
     """
+    from btbctl.engine.httpclient import request_failures
+
     deadline = clock() + timeout_s
     got: dict[str, list[str]] = {}
     err = ""
@@ -211,7 +211,7 @@ def wait_registered(
         try:
             got = registered(control_url, token)
             err = ""
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, *request_failures()) as e:
             err = f"{control_url}/control/agents did not answer: {e}"
         missing = [n for n, ws in expect.items() if n not in got or not set(ws) <= set(got[n])]
         if not missing:
