@@ -12,6 +12,10 @@ socket S``). Behaviour switches, from the environment:
 * ``STANDIN_CHILD=1``: start a child process (same process group) that sleeps; its pid goes to
   ``STANDIN_CHILD_PID_FILE``.
 * ``STANDIN_DELAY_S``: seconds to wait before listening.
+
+Registration (replication l3): a worker whose HiCache extra config names ``agent_socket`` and ``worker_url`` writes
+that URL into the folder ``<agent_socket>.workers`` (as a real store names it in its hello); an agent started with
+``--gateway URL`` announces itself there every 0.3 s, signed like a real agent, naming the URLs in that folder.
 """
 
 import json
@@ -29,6 +33,49 @@ def _arg(name, default):
         if a == name and i + 1 < len(argv):
             return argv[i + 1]
     return default
+
+
+def _note_worker():
+    """A worker: leave its ``worker_url`` where the stand-in agent of its ``agent_socket`` reads it."""
+    extra = _arg("--hicache-storage-backend-extra-config", None)
+    if extra is None:
+        return
+    cfg = json.loads(extra)
+    if cfg.get("worker_url") and cfg.get("agent_socket"):
+        d = cfg["agent_socket"] + ".workers"
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, str(abs(hash(cfg["worker_url"])))), "w") as f:
+            f.write(cfg["worker_url"])
+
+
+def _announce_forever(gateway, control_url, peer, sock):
+    """An agent: announce to ``gateway`` every 0.3 s (signed with its node key, from its ``--secret-file``)."""
+    import urllib.request
+
+    from btbctl.engine.replication.credentials import parse_credentials
+    from btbctl.engine.replication.registration import REGISTER_PATH, SIGNATURE_HEADER, Announcement, sign
+
+    with open(_arg("--secret-file", ""), "rb") as f:
+        cred = parse_credentials(f.read(), _arg("--agent-id", None), "--secret-file")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    while True:
+        d = sock + ".workers"
+        workers = []
+        if os.path.isdir(d):
+            for name in sorted(os.listdir(d)):
+                with open(os.path.join(d, name)) as f:
+                    workers.append(f.read().strip())
+        body = Announcement(cred.agent_id, cred.agent_id, peer, control_url, tuple(workers), 3.0, time.time()).body()
+        req = urllib.request.Request(
+            gateway.rstrip("/") + REGISTER_PATH,
+            data=body,
+            headers={SIGNATURE_HEADER: sign(cred.node_key, body), "Content-Type": "application/json"},
+        )
+        try:
+            opener.open(req, timeout=2).read()
+        except OSError:
+            pass
+        time.sleep(0.3)
 
 
 def main():
@@ -82,8 +129,15 @@ def main():
             listener = socket.create_server((phost.strip("[]") or "127.0.0.1", int(pport)))
             peer = f"{phost}:{listener.getsockname()[1]}"
         print(f"ready peer {peer} control {host}:{srv.server_address[1]} socket {sock}", flush=True)
-    elif os.environ.get("STANDIN_READY_LINE") == "1":
-        print(f"ready http://{host}:{srv.server_address[1]}", flush=True)
+        if _arg("--gateway", None):
+            import threading
+
+            args = (_arg("--gateway", None), f"http://{host}:{srv.server_address[1]}", peer, sock)
+            threading.Thread(target=_announce_forever, args=args, daemon=True).start()
+    else:
+        _note_worker()
+        if os.environ.get("STANDIN_READY_LINE") == "1":
+            print(f"ready http://{host}:{srv.server_address[1]}", flush=True)
     srv.serve_forever()
 
 

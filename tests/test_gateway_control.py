@@ -383,7 +383,7 @@ def test_the_control_api_page_documents_every_route_model_and_field():
     page = (Path(__file__).resolve().parents[1] / "docs" / "control-api.md").read_text(encoding="utf-8")
     app = build_control_app(None, None, EventBus(), open_reads=True)  # only the routing table is read
     routes = {f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.method != "HEAD"}
-    assert len(routes) == 12
+    assert len(routes) == 13
     for route in routes:
         assert f"`{route}" in page, route
     models = [

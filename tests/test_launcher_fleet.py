@@ -235,11 +235,15 @@ extra_args = ["--load-format", "dummy"]
         "512",
         "--agent-id",
         "agent-local",
+        "--gateway",
+        st["control_url"],
+        "--register-interval-s",
+        "2",
     ]
     assert sock.endswith("agent.sock")
     extra_config = (
         '{"backend_name":"btb","module_path":"btbctl.sglang_l3","class_name":"BtbL3Store","interface_v1":1,'
-        f'"agent_socket":"{sock}","timeout_s":2.0,"prefetch_threshold":256}}'
+        f'"agent_socket":"{sock}","timeout_s":2.0,"prefetch_threshold":256,"worker_url":"{{url}}"}}'
     )
     for w in st["workers"]:
         argv = http_json(w["url"] + "/argv")
@@ -277,7 +281,7 @@ extra_args = ["--load-format", "dummy"]
             "--hicache-storage-backend",
             "dynamic",
             "--hicache-storage-backend-extra-config",
-            extra_config,
+            extra_config.replace("{url}", w["url"]),
             "--kv-cache-dtype",
             "auto",
             "--enable-cache-report",

@@ -92,6 +92,10 @@ class Steering(Protocol):
         """Take a node agent's signed announcement (:mod:`btbctl.engine.replication.registration`); the answer.
         Raises :class:`~btbctl.engine.replication.registration.AnnouncementError`."""
 
+    def registered_agents(self) -> dict:
+        """``{"agents": [{"name", "control_url", "peer_addr", "workers": [names], "static", "expires_in_s"}]}``: the
+        node agents the l3 executor knows now (empty list in other modes)."""
+
     def save_tuned(self) -> str | None:
         """Record the constants and policy held now (the run directory's ``tuned.json``); the path, or None when
         nothing is recorded. Raises OSError when the record cannot be written."""
@@ -333,6 +337,10 @@ class ControlApi:
 
     # -- events -------------------------------------------------------------------------------------------------
 
+    async def agents(self, request: web.Request) -> web.Response:
+        """``GET /control/agents``: the node agents known now (registered or from the settings)."""
+        return web.json_response(self.steering.registered_agents())
+
     async def register_agent(self, request: web.Request) -> web.Response:
         """``POST /control/agents``: a node agent announces itself (signed, not the bearer token)."""
         body = await self._body(request)
@@ -433,5 +441,6 @@ def build_control_app(
     r.add_post("/control/flush", api.flush)
     r.add_get("/control/replications/{prefix}", api.replications)
     r.add_get("/control/events", api.events)
+    r.add_get(REGISTER_PATH, api.agents)
     r.add_post(REGISTER_PATH, api.register_agent)
     return app

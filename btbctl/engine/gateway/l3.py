@@ -272,6 +272,27 @@ class L3Replicator(CopyExecutor):
         """Each worker's node agent by name (None: none now), in worker order."""
         return [self.agents[a]["name"] if a >= 0 else None for a in self.worker_agents]
 
+    def agent_views(self) -> list[dict]:
+        """The agents known now: ``{"name", "control_url", "peer_addr", "workers": [worker names], "static": from the
+        settings, "expires_in_s": seconds until a registration lapses (None: from the settings)}``."""
+        now = self.state.clock()
+        out = []
+        for i, a in enumerate(self.agents):
+            exp = self._expires.get(a["name"])
+            if a["name"] not in self._static and exp is None:
+                continue  # a registration that lapsed
+            out.append(
+                {
+                    "name": a["name"],
+                    "control_url": a["control_url"],
+                    "peer_addr": a["peer_addr"],
+                    "workers": [self.state.workers[r].name for r, x in enumerate(self.worker_agents) if x == i],
+                    "static": a["name"] in self._static,
+                    "expires_in_s": None if exp is None else round(max(0.0, exp - now), 3),
+                }
+            )
+        return out
+
     # -- agents that register --------------------------------------------------------------------------------------
 
     def pinned(self, r: int, name: str) -> bool:

@@ -305,6 +305,11 @@ class Gateway:
         rep = self.replicator
         return rep.agent_names() if isinstance(rep, L3Replicator) else None
 
+    def registered_agents(self) -> dict:
+        """``GET /control/agents``: ``{"agents": [...]}`` (:meth:`L3Replicator.agent_views`; empty unless l3)."""
+        rep = self.replicator
+        return {"agents": rep.agent_views() if isinstance(rep, L3Replicator) else []}
+
     def register_agent(self, body: bytes, signature: str | None) -> dict:
         """Take a node agent's announcement (``POST /control/agents``,
         :mod:`~btbctl.engine.replication.registration`): verified against the fleet secret, its worker URLs matched

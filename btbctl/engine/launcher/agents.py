@@ -78,8 +78,14 @@ def local_socket_path(rd: RunDir) -> str:
     return str(d / (hashlib.sha256(str(rd.path).encode()).hexdigest()[:16] + ".sock"))
 
 
-def plan_agents(cluster: ClusterFile, rd: RunDir) -> list[AgentPlan]:
-    """The agents of ``cluster`` (:meth:`ClusterFile.agent_hosts`): this machine's first, then one per host."""
+#: Seconds between an agent's announcements when ``up`` starts it registering (it is dropped after 3 missed).
+REGISTER_INTERVAL_S = 2.0
+
+
+def plan_agents(cluster: ClusterFile, rd: RunDir, gateway: str | None = None) -> list[AgentPlan]:
+    """The agents of ``cluster`` (:meth:`ClusterFile.agent_hosts`): this machine's first, then one per host.
+    ``gateway``: the gateway's control URL as this machine reaches it; the local agent then registers there
+    (``--gateway``, every :data:`REGISTER_INTERVAL_S`) instead of the gateway's settings naming it."""
     rep = cluster.replication
     out = []
     for host in cluster.agent_hosts():
@@ -95,6 +101,8 @@ def plan_agents(cluster: ClusterFile, rd: RunDir) -> list[AgentPlan]:
                 arena_mib=rep.arena_mib,
                 agent_id="agent-local",
             )
+            if gateway is not None:
+                argv += ["--gateway", gateway, "--register-interval-s", f"{REGISTER_INTERVAL_S:g}"]
             out.append(AgentPlan("agent-local", None, sock, argv))
         else:
             name = f"agent-{host.name}"
@@ -162,7 +170,74 @@ def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: 
         time.sleep(poll_s)
 
 
+def registered(control_url: str, token: str | None, timeout_s: float = 2.0) -> dict[str, list[str]]:
+    """``{agent name: [worker names]}`` of the agents the gateway at ``control_url`` knows now (``GET
+    /control/agents``, with the control token; never through a proxy). Raises OSError (not
+    200), ValueError (not JSON) or :func:`~btbctl.engine.httpclient.request_failures` (no answer)."""
+    from btbctl.engine.httpclient import http_client
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with http_client(timeout=timeout_s) as client:
+        resp = client.get(control_url.rstrip("/") + "/control/agents", headers=headers)
+        if resp.status_code != 200:
+            raise OSError(f"HTTP {resp.status_code}: {resp.text[:200]}")
+        body = resp.json()
+    return {a["name"]: list(a.get("workers") or ()) for a in body.get("agents", ())}
+
+
+def wait_registered(
+    control_url: str,
+    token: str | None,
+    expect: dict[str, list[str]],
+    logs: dict[str, Path],
+    timeout_s: float,
+    should_stop=None,
+    clock=time.monotonic,
+    sleep=time.sleep,
+) -> dict[str, list[str]]:
+    """Wait until every agent of ``expect`` (``{agent name: [worker names it serves]}``) registered with the
+    gateway at ``control_url`` naming those workers; returns what the gateway holds then.
+
+    Raises:
+        BtbctlError: one line naming the first agent not registered after ``timeout_s`` seconds and why (what the
+            gateway holds for it, and the last ``agent_announce_failed`` line of its log in ``logs``).
+    """
+    from btbctl.engine.httpclient import request_failures
+
+    deadline = clock() + timeout_s
+    got: dict[str, list[str]] = {}
+    err = ""
+    while True:
+        try:
+            got = registered(control_url, token)
+            err = ""
+        except (OSError, ValueError, *request_failures()) as e:
+            err = f"{control_url}/control/agents did not answer: {e}"
+        missing = [n for n, ws in expect.items() if n not in got or not set(ws) <= set(got[n])]
+        if not missing:
+            return got
+        if clock() >= deadline:
+            name = missing[0]
+            if err:
+                why = err
+            elif name not in got:
+                why = "the gateway has no registration of it"
+            else:
+                why = f"it registered workers {','.join(got[name]) or 'none'}, not {','.join(expect[name])}"
+            try:
+                lines = logs[name].read_text(encoding="utf-8", errors="replace").splitlines()
+            except (KeyError, OSError):
+                lines = []
+            failed = [ln for ln in lines if "agent_announce_failed" in ln]
+            tail = f"; its log: {failed[-1].strip()[:300]}" if failed else ""
+            raise BtbctlError(f"{name} did not register with the gateway within {timeout_s:g} s: {why}{tail}")
+        if should_stop is not None and should_stop():
+            raise KeyboardInterrupt
+        sleep(0.1)
+
+
 __all__ = [
+    "REGISTER_INTERVAL_S",
     "AGENT_READY",
     "AgentPlan",
     "REMOTE_SECRET",
@@ -172,5 +247,7 @@ __all__ = [
     "local_socket_path",
     "parse_ready",
     "plan_agents",
+    "registered",
     "wait_local_ready",
+    "wait_registered",
 ]

@@ -268,7 +268,15 @@ def up(
             from btbctl.engine.launcher import agents as agents_mod
 
             rd.new_agent_secret()
-            plans = agents_mod.plan_agents(cluster, rd)
+            gateway_control = None
+            if _registers(cluster):
+                # the agents register with the gateway (its control URL as this machine reaches it), so its port is
+                # fixed now
+                gw_host = cluster.gateway.control_host
+                if not (cluster.gateway.control_port if control_port is None else control_port):
+                    control_port = free_port(gw_host)
+                gateway_control = _reachable(_url(gw_host, int(control_port or cluster.gateway.control_port)))
+            plans = agents_mod.plan_agents(cluster, rd, gateway=gateway_control)
             agent_plans = {(p.host.name if p.host else None): p for p in plans}
             credentials = rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
             local_agent = agent_plans.get(None)
@@ -290,9 +298,14 @@ def up(
             wport = inst.port
             tport = inst.transfer_port
             expect_ready_line = spec.kind == "emulated" and spec.command is None
+            worker_url = None
+            if agent_plans and _registers(cluster):
+                # its store names this URL to the agent, which announces it: the URL the gateway knows it by
+                wport = wport or free_port(spec.host)
+                worker_url = _reachable(_url(spec.host, wport))
             if not wport and not expect_ready_line:
                 wport = free_port(spec.host)
-            l3 = hicache_args(cluster, spec, inst.entry, agent_plans[None].socket) if agent_plans else None
+            l3 = hicache_args(cluster, spec, inst.entry, agent_plans[None].socket, worker_url) if agent_plans else None
             argv = worker_argv(inst, wport, tport, token_file=str(rd.worker_token_path), l3=l3)
             proc = spawn(inst.name, argv, rd.log_path(inst.name), env=inst.env())
             started.append(proc)
@@ -352,6 +365,8 @@ def up(
         log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
         for i in range(1, gw.replicas):
             started.append(_start_gateway_replica(rd, state, gcfg, i, gw.ready_timeout_s, should_stop, log))
+        if agent_plans and _registers(cluster):
+            _wait_registered(cluster, state, rd, agent_plans, log, should_stop)
     except BaseException as exc:
         if keep_partial and not isinstance(exc, KeyboardInterrupt):
             log("--keep-partial: leaving what started running; `btbctl down` stops it")
@@ -584,12 +599,31 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
     return state
 
 
+def _registers(cluster: ClusterFile) -> bool:
+    """Whether the node agents of ``cluster`` register with the gateway (``POST /control/agents``) instead of its
+    settings naming them: an ``l3`` fleet whose agents all run on this machine. Agents on ``[[hosts]]`` are still
+    named in the settings (the gateway's control API listens on loopback; their workers' URLs are known only once
+    started there), and so are the agents of a fleet with several gateways (``[gateway] replicas``: an agent
+    registers with the first gateway only)."""
+    return (
+        cluster.replication_mode == "l3"
+        and all(h is None for h in cluster.agent_hosts())
+        and cluster.gateway.replicas == 1
+    )
+
+
 def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> dict:
-    """The gateway's replication settings: the mode, and in ``l3`` mode the agents (control URL, peer address),
-    which agent each worker uses (by position), the agents' token file and the fan-out."""
+    """The gateway's replication settings: the mode, and in ``l3`` mode the agents' fleet secret file (it checks
+    their registrations and derives each agent's token) and the fan-out; with agents on ``[[hosts]]``
+    (:func:`_registers` false) also the agents (control URL, peer address) and which agent each worker uses (by
+    position)."""
     mode = cluster.replication_mode
     out: dict = {"replication": mode}
     if mode != "l3":
+        return out
+    out["agent_secret_file"] = str(rd.agent_secret_path)  # the gateway derives each agent's control token
+    out["l3_fanout"] = cluster.replication.fanout
+    if _registers(cluster):
         return out
     recs = {r.host or None: r for r in state.agents()}
     order = [h.name if h is not None else None for h in cluster.agent_hosts()]
@@ -599,9 +633,32 @@ def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> di
     out["worker_agents"] = [
         order.index(cluster.host_of(i.spec).name if cluster.host_of(i.spec) else None) for i in cluster.instances()
     ]
-    out["agent_secret_file"] = str(rd.agent_secret_path)  # the gateway derives each agent's control token
-    out["l3_fanout"] = cluster.replication.fanout
     return out
+
+
+def _wait_registered(
+    cluster: ClusterFile, state: RunState, rd: RunDir, agent_plans: dict, log: Log, should_stop
+) -> None:
+    """Wait until every planned agent registered with the gateway naming the workers it serves (bounded by the
+    replication section's ``ready_timeout_s``); one ``log`` line. Raises :class:`BtbctlError` naming the agent that
+    did not and why."""
+    from btbctl.engine.launcher import agents as agents_mod
+
+    hosts = {ap.name: (ap.host.name if ap.host else None) for ap in agent_plans.values()}
+    expect = {
+        n: [i.name for i in cluster.instances() if (getattr(cluster.host_of(i.spec), "name", None)) == h]
+        for n, h in hosts.items()
+    }
+    token = rd.token_path.read_text(encoding="utf-8").strip() if rd.token_path.exists() else None
+    got = agents_mod.wait_registered(
+        state.control_url or "",
+        token,
+        expect,
+        {n: rd.log_path(n) for n in expect},
+        cluster.replication.ready_timeout_s,
+        should_stop=should_stop,
+    )
+    log("agents registered with the gateway: " + "; ".join(f"{n} ({','.join(got[n]) or 'no workers'})" for n in expect))
 
 
 def _start_remote(

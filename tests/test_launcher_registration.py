@@ -1,0 +1,134 @@
+"""``btbctl up`` of an ``l3`` fleet on this machine: the gateway's settings name no node agent; the agent registers
+with the gateway's control API (``--gateway``), ``up`` reports the fleet ready only once it did, copies are proved
+through it, and an agent killed and started again registers again, with all its workers, without the gateway being
+restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from btbctl.engine.launcher.rundir import RunDir
+from launcher_helpers import cli, cli_json, http_json
+
+pytestmark = pytest.mark.slow
+
+CLUSTER = """
+[gateway]
+policy = "btb"  # copies as soon as the detector fires
+port = 0
+control_port = 0
+
+[btb]
+prefix_blocks = 4
+warm_replicas = 2
+
+[replication]
+mode = "l3"
+arena_mib = 64
+
+[[workers]]
+name = "w"
+count = 3
+time_scale = 10.0
+kv_bytes_scale = 64
+ready_timeout_s = 30.0
+"""
+
+
+def _agents(control: str, token: str) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(control + "/control/agents", headers={"Authorization": f"Bearer {token}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=5) as resp:
+        return {a["name"]: a for a in json.loads(resp.read())["agents"]}
+
+
+def _complete(url: str, token: str, prompt: str) -> None:
+    """One completion straight to a worker (its token), answered."""
+    import urllib.request
+
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=30) as resp:
+        assert resp.status == 200
+
+
+def _proved_copies(run_dir, control: str, seed: int, want: int) -> list[dict]:
+    """Run a burst (its own prefix, ``seed``) and wait until ``want`` l3 copies in all are done; the done ones."""
+    rep = cli_json(
+        "bench",
+        "--run-dir",
+        str(run_dir),
+        "--burst-size",
+        "12",
+        "--prefix-blocks",
+        "4",
+        "--spread-s",
+        "1.0",
+        "--seed",
+        str(seed),
+        timeout=90,
+    )
+    assert rep["errors"] == 0, rep
+    done: list[dict] = []
+    for _ in range(300):
+        tr = http_json(control + "/control/transfers")
+        done = [t for t in tr["transfers"] if t["mode"] == "l3" and t["state"] == "done"]
+        if tr["in_flight"] == 0 and len(done) >= want:
+            break
+        time.sleep(0.1)
+    return done
+
+
+def test_up_registers_the_agent_and_a_restarted_agent_registers_again(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CLUSTER)
+    run_dir = tmp_path / "run"
+    try:
+        st = cli_json("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), timeout=90)
+        rd = RunDir(run_dir)
+        settings = json.loads((rd.path / "gateway.json").read_text())
+        assert "agents" not in settings and "worker_agents" not in settings
+        assert settings["agent_secret_file"] == str(rd.agent_secret_path)
+        control = st["control_url"].rstrip("/")
+        token = rd.token_path.read_text().strip()
+        agents = _agents(control, token)
+        assert list(agents) == ["agent-local"]
+        assert agents["agent-local"]["workers"] == ["w-0", "w-1", "w-2"] and not agents["agent-local"]["static"]
+        assert [(a["name"], a["alive"]) for a in st["agents"]] == [("agent-local", True)]  # status shows it
+
+        done = _proved_copies(run_dir, control, seed=1, want=1)
+        assert done and all(t["proof"] is not None for t in done), done
+
+        # the agent dies; the test starts it again (same ports); the gateway, untouched, takes its registration
+        old = rd.load().agents()[0]
+        os.killpg(old.pgid, signal.SIGKILL)
+        res = cli_json("restart", "agent-local", "--run-dir", str(run_dir), "--grace-s", "1")
+        assert res["old_pid"] == old.pid
+        gateway_pid = next(p.pid for p in rd.load().processes if p.role == "gateway")
+        # the workers' stores connect to the new agent when they next store or load pages (a call on the dead
+        # connection fails and drops it; the next connects): two requests each
+        wtoken = rd.worker_token_path.read_text().strip()
+        for k in range(2):
+            for i, w in enumerate(st["workers"]):
+                _complete(w["url"], wtoken, f"wake {i} {k} " * 600)
+        for _ in range(100):
+            agents = _agents(control, token)
+            if agents.get("agent-local", {}).get("workers") == ["w-0", "w-1", "w-2"]:
+                break
+            time.sleep(0.1)
+        assert agents["agent-local"]["workers"] == ["w-0", "w-1", "w-2"], agents
+        assert next(p.pid for p in rd.load().processes if p.role == "gateway") == gateway_pid
+    finally:
+        cli("down", "--run-dir", str(run_dir), "--grace-s", "2", check=False)
