@@ -153,30 +153,9 @@ class BurstDetector:
         y = self.constants.prefix_blocks
         if len(chain) < y:
             return None
-        window = self.constants.window_s
-        key = chain[y - 1]
-        keys = self._keys
         self._observed += 1
-        st = keys.get(key)
-        if st is None:
-            st = _KeyState(now_s)
-            keys[key] = st
-        else:
-            if st.hot and now_s - st.last_s >= window:
-                st.hot = False  # a gap of a whole window ended the activation
-            keys.move_to_end(key)
-        if now_s > st.last_s:
-            st.last_s = now_s
-        if now_s > self._latest_s:
-            self._latest_s = now_s
-        arrivals = max(1, int(arrivals))
-        st.total += arrivals
-        times = st.times
-        times.append((now_s, arrivals))
-        st.in_window += arrivals
-        cutoff = now_s - window
-        while times[0][0] <= cutoff:
-            st.in_window -= times.popleft()[1]
+        key = chain[y - 1]
+        st = self._count(key, now_s, arrivals)
         count = st.in_window
         self._sweep(now_s, st)
         if count < self.constants.threshold and not st.hot:
@@ -203,14 +182,21 @@ class BurstDetector:
 
         Cost: O(1) amortised.
         """
+        self._sweep(now_s, self._count(key, now_s, arrivals))
+
+    def _count(self, key: Hashable, now_s: float, arrivals: int) -> _KeyState:
+        """Count ``arrivals`` (at least 1) of ``key`` at ``now_s`` (:meth:`observe` and :meth:`fold`): the key's
+        state, created or moved to the newest end, its activation ended by a gap of a whole window, and its window
+        count with the arrivals older than the window dropped."""
+        window = self.constants.window_s
         keys = self._keys
         st = keys.get(key)
         if st is None:
             st = _KeyState(now_s)
             keys[key] = st
         else:
-            if st.hot and now_s - st.last_s >= self.constants.window_s:
-                st.hot = False
+            if st.hot and now_s - st.last_s >= window:
+                st.hot = False  # a gap of a whole window ended the activation
             keys.move_to_end(key)
         if now_s > st.last_s:
             st.last_s = now_s
@@ -218,13 +204,13 @@ class BurstDetector:
             self._latest_s = now_s
         arrivals = max(1, int(arrivals))
         st.total += arrivals
-        st.times.append((now_s, arrivals))
-        st.in_window += arrivals
-        cutoff = now_s - self.constants.window_s
         times = st.times
+        times.append((now_s, arrivals))
+        st.in_window += arrivals
+        cutoff = now_s - window
         while times[0][0] <= cutoff:
             st.in_window -= times.popleft()[1]
-        self._sweep(now_s, st)
+        return st
 
     def _sweep(self, now_s: float, keep: _KeyState) -> None:
         """Drop keys unseen for the retention time (oldest first) and enforce ``max_tracked``."""
