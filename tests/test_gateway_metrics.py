@@ -116,3 +116,12 @@ async def test_every_metric_the_example_dashboard_reads_exists():
     used = _dashboard_metric_names()
     assert len(used) >= 10
     assert used <= names, f"the dashboard reads metrics the gateway does not export: {sorted(used - names)}"
+
+
+async def test_copies_btb_plus_left_out_for_a_recompute_are_counted():
+    async with GatewayEnv(2, policy="btb_plus", constants=BURST_CONSTANTS) as env:
+        m = await env.metrics()
+        assert metric_value(m, "btb_copies_not_paying_total") == 0
+        env.gw.policy._stats["copy_not_paying"] += 3  # the policy's own count, as rule 4 keeps it
+        m = await env.metrics()
+        assert metric_value(m, "btb_copies_not_paying_total") == 3

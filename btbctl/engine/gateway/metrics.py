@@ -193,6 +193,14 @@ class _LiveCollector:
             pr = CounterMetricFamily("btb_paced_routes", "Hot requests the policy sent with a pace (btb_plus rule 6).")
             pr.add_metric([], float(stats["paced_routes"]))
             yield pr
+        if "copy_not_paying" in stats:
+            cn = CounterMetricFamily(
+                "btb_copies_not_paying",
+                "Copy targets the policy priced and left out: the copy would land after a recompute there would be "
+                "done (btb_plus rule 4).",
+            )
+            cn.add_metric([], float(stats["copy_not_paying"]))
+            yield cn
         holder = tree_holder(src.policy)
         tree = holder.tree if holder is not None else None
         tb = GaugeMetricFamily(
