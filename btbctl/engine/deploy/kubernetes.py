@@ -90,10 +90,9 @@ from btbctl.engine.launcher.cluster import (
     ClusterFile,
     WorkerInstance,
     hicache_args,
-    kv_events_args,
-    kv_events_of,
     worker_argv,
 )
+from btbctl.engine.launcher.cluster import kv_events_ref as launcher_kv_events_ref
 from btbctl.engine.launcher.kubernetes import KubernetesSection
 
 #: Where the Secret's files are mounted in every pod that needs them.
@@ -263,20 +262,15 @@ def worker_url(k8s: KubernetesSection, pod: str, port: int) -> str:
 
 def kv_events_ref(inst: WorkerInstance, k8s: KubernetesSection, pod: str) -> dict | None:
     """Where the gateway subscribes to worker pod ``pod``'s KV events (a ``KvEventsRef`` as a dict: the entry's
-    ``kv_events`` PORT and PORT + 1 on the pod's DNS name, the topic of its ``--kv-events-config``), or None when
-    ``inst``'s entry publishes none. Both come from the launcher's :func:`kv_events_of` and :func:`kv_events_args`
-    for worker 0 of the entry, whose ports every pod uses."""
+    ``kv_events`` PORT and PORT + 1 on the pod's DNS name), or None when ``inst``'s entry publishes none: the
+    launcher's :func:`kv_events_ref` for worker 0 of the entry, whose ports every pod uses."""
     ev = inst.spec.kv_events
     if ev is None:
         return None
     port = int(ev.rsplit(":", 1)[1])
     pod_spec = inst.spec.model_copy(update={"kv_events": f"tcp://{worker_host(k8s, pod)}:{port}"})
-    local = WorkerInstance(inst.name, inst.entry, 0, pod_spec, inst.port, inst.transfer_port, None)
-    ends = kv_events_of(local)
-    if ends is None:  # a command override publishes nothing the launcher knows of
-        return None
-    topic = json.loads(kv_events_args(local)[1])["topic"]
-    return {"endpoint": ends[0], "replay_endpoint": ends[1], "topic": topic}
+    pod_inst = WorkerInstance(inst.name, inst.entry, 0, pod_spec, inst.port, inst.transfer_port, None)
+    return launcher_kv_events_ref(pod_inst)
 
 
 def control_service_url(cluster: ClusterFile, k8s: KubernetesSection) -> str:

@@ -329,7 +329,7 @@ class Gateway:
                 "this gateway takes no agent registrations (replication l3 with agent_secret_file)", 404
             )
         ann = verify(body, signature, self._agent_secret, self.wall_clock())
-        by_url = {w.url: w.index for w in self.state.workers}
+        by_url = self.state.index_of_url
         mine = [by_url[u] for u in ann.workers if u in by_url and not rep.pinned(by_url[u], ann.agent)]
         pinned = [u for u in ann.workers if u in by_url and rep.pinned(by_url[u], ann.agent)]
         unknown = [u for u in ann.workers if u not in by_url]
@@ -562,8 +562,7 @@ class Gateway:
         if status != 200:  # a worker's 4xx is the prompt's fault (e.g. token ids out of its vocabulary): the caller's
             code = 400 if 400 <= status < 500 and status not in (408, 429) else 502
             raise ReplicateError(code, f"computing the prompt failed: HTTP {status}: {' '.join(text.split())}")
-        by_url = {w.url: w.index for w in self.state.workers}
-        computed_by = by_url.get(worker or "", -1)
+        computed_by = self.state.index_of_url.get(worker or "", -1)
         outcome = await self.replicate(tuple(chain), n)
         key = tracked_key(chain, self.constants.prefix_blocks)
         hot = None if key is None else str(key)
@@ -765,9 +764,10 @@ class Gateway:
 
     def _fleet_copy_done(self, chain: tuple, target_url: str, gateway_id: str) -> None:
         """Another gateway's copy of ``chain`` to ``target_url`` ended done: the target holds it from now on."""
-        w = next((w for w in self.state.workers if w.url == target_url), None)
-        if w is None or not chain:
+        idx = self.state.index_of_url.get(target_url)
+        if idx is None or not chain:
             return
+        w = self.state.workers[idx]
         w.hold(chain)
         log_event(log, "fleet_copy_learned", prefix=chain[-1], target=w.name, target_url=w.url, gateway=gateway_id)
         self.bus.mark("prefixes")
@@ -776,7 +776,7 @@ class Gateway:
     def _fleet_copy_started(self, chain: tuple, source_url: str, target_url: str, gateway_id: str) -> None:
         """Another gateway runs a copy of ``chain`` to ``target_url``: record it here as in flight (its outcome is
         awaited, never run twice), so this gateway's policy counts it as arriving and orders no other."""
-        by_url = {w.url: w.index for w in self.state.workers}
+        by_url = self.state.index_of_url
         source, target = by_url.get(source_url), by_url.get(target_url)
         if source is None or target is None or not chain:
             return

@@ -740,6 +740,8 @@ class FleetState:
     def __init__(self, urls: Iterable[str], clock: Clock | None = None, names: Sequence[str] | None = None) -> None:
         urls = list(urls)
         self.workers = [WorkerState(i, u.rstrip("/"), names[i] if names else f"w{i}") for i, u in enumerate(urls)]
+        #: worker URL (as in :attr:`workers`) -> its index
+        self.index_of_url: dict[str, int] = {w.url: w.index for w in self.workers}
         self.clock = clock or Clock()
         self.transfers = TransferTable()
         self.ttft = TtftSeries()

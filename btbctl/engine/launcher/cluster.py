@@ -966,6 +966,17 @@ def kv_events_of(inst: WorkerInstance) -> tuple[str, str] | None:
     return f"tcp://{host}:{base}", f"tcp://{host}:{base + 1}"
 
 
+#: The topic a worker's KV events are published under (its ``--kv-events-config``) and the gateway subscribes to.
+KV_EVENTS_TOPIC = "kv"
+
+
+def kv_events_ref(inst: WorkerInstance) -> dict | None:
+    """The gateway's ``kv_events`` entry for ``inst`` (a ``KvEventsRef`` as a dict: :func:`kv_events_of`'s
+    addresses and :data:`KV_EVENTS_TOPIC`), or None without events."""
+    ends = kv_events_of(inst)
+    return None if ends is None else {"endpoint": ends[0], "replay_endpoint": ends[1], "topic": KV_EVENTS_TOPIC}
+
+
 def kv_events_args(inst: WorkerInstance) -> list[str]:
     """``["--kv-events-config", JSON]`` of ``inst`` (SGLang's option; the emulated worker takes the same), binding
     its ports on every address; ``[]`` without events."""
@@ -973,7 +984,12 @@ def kv_events_args(inst: WorkerInstance) -> list[str]:
     if ends is None:
         return []
     pub, replay = (e.rsplit(":", 1)[1] for e in ends)
-    cfg = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}
+    cfg = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+        "topic": KV_EVENTS_TOPIC,
+    }
     return ["--kv-events-config", json.dumps(cfg, separators=(",", ":"))]
 
 
@@ -1014,7 +1030,9 @@ __all__ = [
     "load_cluster",
     "sglang_argv",
     "validate_cluster",
+    "KV_EVENTS_TOPIC",
     "kv_events_args",
     "kv_events_of",
+    "kv_events_ref",
     "worker_argv",
 ]

@@ -37,7 +37,7 @@ from pathlib import Path
 from btbctl.engine.control.client import ControlClient
 from btbctl.engine.control.schema import WORKER_NUMBERS
 from btbctl.engine.errors import BtbctlError
-from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, hicache_args, kv_events_of, worker_argv
+from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, hicache_args, kv_events_ref, worker_argv
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (
     LOCK_FILE,
@@ -347,11 +347,9 @@ def up(
             if applied_policy:
                 state.policy = policy = applied_policy
         gcfg["worker_names"] = [i.name for i in cluster.instances()]
-        kv_ends = [kv_events_of(i) for i in cluster.instances()]
-        if any(kv_ends):
-            gcfg["kv_events"] = [
-                None if e is None else {"endpoint": e[0], "replay_endpoint": e[1], "topic": "kv"} for e in kv_ends
-            ]
+        kv_refs = [kv_events_ref(i) for i in cluster.instances()]
+        if any(kv_refs):
+            gcfg["kv_events"] = kv_refs
         gcfg["log_file"] = str(rd.log_path("gateway"))
         gcfg["tuned_file"] = str(rd.tuned_path)
         gcfg["cluster_file"] = cluster_path

@@ -438,6 +438,28 @@ class BtbPlus(Policy[CostView]):
         out.sort(key=lambda g: g[0])
         return out
 
+    def _copies_land_s(
+        self,
+        view: CostView,
+        replica: int,
+        chain: Sequence[Hashable],
+        there: int,
+        depths: Sequence[int],
+        now_s: float,
+    ) -> float:
+        """Seconds until the copies towards ``replica`` of the leading ``depths`` of ``chain`` (up to ``there``
+        blocks, those planned there) have landed (:meth:`copy_lands_s`); 0 when ``replica`` holds them already or
+        none is on its way."""
+        ready = 0.0
+        if there > view.cached_blocks(replica, chain):
+            n = len(chain)
+            for d in depths:
+                if d <= there:
+                    st = view.copy_status(replica, chain if d == n else chain[:d])
+                    if st is not None:
+                        ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
+        return ready
+
     def estimate(
         self,
         view: CostView,
@@ -464,12 +486,8 @@ class BtbPlus(Policy[CostView]):
             planned = view.planned_blocks(replica, chain) if chain else 0
         there = max(planned, copied_blocks)
         ready = 0.0 if ready_s is None else ready_s
-        if ready_s is None and there and depths and there > view.cached_blocks(replica, chain):
-            for d in depths:
-                if d <= there:
-                    st = view.copy_status(replica, chain if d == len(chain) else chain[:d])
-                    if st is not None:
-                        ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
+        if ready_s is None and there and depths:
+            ready = self._copies_land_s(view, replica, chain, there, depths, now_s)
         mine: set[Hashable] = set()
         if ready_s is None and there and groups:
             for lands, _, _, key, _ in groups:  # prefixes this request itself waits for (copied or computed here)
@@ -524,10 +542,8 @@ class BtbPlus(Policy[CostView]):
         kv_tokens = inp + out_tokens
         have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
-        cached, copy_status = view.cached_blocks, view.copy_status
         bt = view.block_tokens
         cost = view.cost
-        n = len(chain)
         for r in replicas:
             g = groups[r]
             if g:
@@ -538,13 +554,7 @@ class BtbPlus(Policy[CostView]):
                 planned_out[r] = there
             if there:
                 # estimate() with nobody waiting for a hot prefix here, inlined (the same operations)
-                ready = 0.0
-                if depths and there > cached(r, chain):
-                    for d in depths:
-                        if d <= there:
-                            st = copy_status(r, chain if d == n else chain[:d])
-                            if st is not None:
-                                ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
+                ready = self._copies_land_s(view, r, chain, there, depths, now_s) if depths else 0.0
                 have = min(there * bt, inp - 1)
                 own = self.prefill_s(cost, inp - have, have)
                 wait = queued(r) + admission(r, inp - have + out_tokens)
