@@ -317,6 +317,7 @@ def test_both_clients_send_the_one_definition_of_each_endpoint():
         assert sync_sig == inspect.signature(getattr(AsyncControlClient, name)), name
     calls = {
         "fleet": {},
+        "agents": {},
         "prefixes": {"top": 7},
         "transfers": {"limit": 9},
         "ttft": {"window_s": 30.0, "step_s": 0.5},

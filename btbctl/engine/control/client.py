@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from btbctl.engine.control.schema import (
     EVENT_MODELS,
+    AgentsAnswer,
     Answer,
     ConstantsAnswer,
     ConstantsUpdate,
@@ -203,6 +204,10 @@ class Endpoints:
         return Endpoint("GET", "/control/fleet", FleetAnswer)
 
     @staticmethod
+    def agents() -> Endpoint[AgentsAnswer]:
+        return Endpoint("GET", "/control/agents", AgentsAnswer)
+
+    @staticmethod
     def prefixes(top: int) -> Endpoint[PrefixesAnswer]:
         return Endpoint("GET", "/control/prefixes", PrefixesAnswer, params={"top": str(top)})
 
@@ -360,6 +365,10 @@ class AsyncControlClient(_Base):
         """``GET /control/fleet``."""
         return await self.send(Endpoints.fleet())
 
+    async def agents(self) -> AgentsAnswer:
+        """``GET /control/agents``."""
+        return await self.send(Endpoints.agents())
+
     async def prefixes(self, top: int = 10) -> PrefixesAnswer:
         """``GET /control/prefixes?top=N`` (1..1000)."""
         return await self.send(Endpoints.prefixes(top))
@@ -509,6 +518,10 @@ class ControlClient(_Base):
     def fleet(self) -> FleetAnswer:
         """``GET /control/fleet``."""
         return self.send(Endpoints.fleet())
+
+    def agents(self) -> AgentsAnswer:
+        """``GET /control/agents``."""
+        return self.send(Endpoints.agents())
 
     def prefixes(self, top: int = 10) -> PrefixesAnswer:
         """``GET /control/prefixes?top=N``."""

@@ -530,6 +530,30 @@ class FlushAnswer(Answer):
     """Workers whose cache was emptied."""
 
 
+class AgentView(Answer):
+    """A node agent the gateway knows (``GET /control/agents``)."""
+
+    name: str
+    """The agent's name (``agent-local``, ``agent-<host>``)."""
+    control_url: str
+    """Its control API."""
+    peer_addr: str
+    """``host:port`` other agents copy to."""
+    workers: list[str]
+    """Names of the workers that use it."""
+    static: bool
+    """Named in the gateway's settings (else registered)."""
+    expires_in_s: float | None
+    """Seconds until its registration lapses (None: from the settings)."""
+
+
+class AgentsAnswer(Answer):
+    """``GET /control/agents``: the node agents the gateway knows now (replication ``l3``; empty otherwise)."""
+
+    agents: list[AgentView]
+    """Registered or from the settings."""
+
+
 class AgentRegistrationAnswer(Answer):
     """``POST /control/agents``: a node agent's announcement as the gateway took it."""
 
@@ -644,6 +668,8 @@ def dump(model: BaseModel) -> Any:
 
 __all__ = [
     "AgentRegistrationAnswer",
+    "AgentView",
+    "AgentsAnswer",
     "Answer",
     "Body",
     "ConstantsAnswer",

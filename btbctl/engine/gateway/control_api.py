@@ -24,6 +24,7 @@ from btbctl.engine.constants import WARM_REPLICAS_ALIAS, BtbConstants
 from btbctl.engine.control.schema import (
     PROMPT_KEYS,
     AgentRegistrationAnswer,
+    AgentsAnswer,
     ErrorAnswer,
     ErrorDetail,
     FlushAnswer,
@@ -339,7 +340,7 @@ class ControlApi:
 
     async def agents(self, request: web.Request) -> web.Response:
         """``GET /control/agents``: the node agents known now (registered or from the settings)."""
-        return web.json_response(self.steering.registered_agents())
+        return _ok(AgentsAnswer(**self.steering.registered_agents()))
 
     async def register_agent(self, request: web.Request) -> web.Response:
         """``POST /control/agents``: a node agent announces itself (signed, not the bearer token)."""

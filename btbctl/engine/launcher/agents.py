@@ -172,17 +172,13 @@ def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: 
 
 def registered(control_url: str, token: str | None, timeout_s: float = 2.0) -> dict[str, list[str]]:
     """``{agent name: [worker names]}`` of the agents the gateway at ``control_url`` knows now (``GET
-    /control/agents``, with the control token; never through a proxy). Raises OSError (not
-    200), ValueError (not JSON) or :func:`~btbctl.engine.httpclient.request_failures` (no answer)."""
-    from btbctl.engine.httpclient import http_client
+    /control/agents`` through :class:`~btbctl.engine.control.client.ControlClient`). Raises
+    :class:`~btbctl.engine.control.client.ControlApiError` (no answer, an HTTP error, not the documented shape)."""
+    from btbctl.engine.control.client import ControlClient
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with http_client(timeout=timeout_s) as client:
-        resp = client.get(control_url.rstrip("/") + "/control/agents", headers=headers)
-        if resp.status_code != 200:
-            raise OSError(f"HTTP {resp.status_code}: {resp.text[:200]}")
-        body = resp.json()
-    return {a["name"]: list(a.get("workers") or ()) for a in body.get("agents", ())}
+    with ControlClient(control_url, token, timeout_s=timeout_s) as client:
+        answer = client.agents()
+    return {a.name: list(a.workers) for a in answer.agents}
 
 
 def wait_registered(
@@ -202,7 +198,7 @@ def wait_registered(
         BtbctlError: one line naming the first agent not registered after ``timeout_s`` seconds and why (what the
             gateway holds for it, and the last ``agent_announce_failed`` line of its log in ``logs``).
     """
-    from btbctl.engine.httpclient import request_failures
+    from btbctl.engine.control.client import ControlApiError
 
     deadline = clock() + timeout_s
     got: dict[str, list[str]] = {}
@@ -211,7 +207,7 @@ def wait_registered(
         try:
             got = registered(control_url, token)
             err = ""
-        except (OSError, ValueError, *request_failures()) as e:
+        except ControlApiError as e:
             err = f"{control_url}/control/agents did not answer: {e}"
         missing = [n for n, ws in expect.items() if n not in got or not set(ws) <= set(got[n])]
         if not missing:
