@@ -466,6 +466,11 @@ def _run_modes(args, tmp: Path) -> list[dict]:
         tb.close()
 
 
+def _ttft(t: dict) -> str:
+    """TTFT ``p50/p95/mean`` of a summary, seconds."""
+    return f"{t['p50']:.3f}/{t['p95']:.3f}/{t['mean']:.3f}"
+
+
 def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -540,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in out:
             one, two = s["gateways_1"], s["gateways_2"]
             print(
-                f"{s['mode']:5} 1 gateway p50/p95/mean {one['p50']:.3f}/{one['p95']:.3f}/{one['mean']:.3f} s; "
-                f"2 gateways {two['p50']:.3f}/{two['p95']:.3f}/{two['mean']:.3f} s; p95 x{s['ratio_p95']:.2f} "
+                f"{s['mode']:5} 1 gateway p50/p95/mean {_ttft(one)} s; "
+                f"2 gateways {_ttft(two)} s; p95 x{s['ratio_p95']:.2f} "
                 f"(runs {', '.join(f'x{x:.2f}' for x in s['ratios_p95'])}), mean x{s['ratio_mean']:.2f}; "
                 f"errors {s['errors']['1']}/{s['errors']['2']}; requests per gateway {s['per_gateway']}"
             )
@@ -549,8 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in out:
         d, ca = s["default"], s["cache_aware"]
         print(
-            f"{s['mode']:5} default p50/p95/mean {d['p50']:.3f}/{d['p95']:.3f}/{d['mean']:.3f} s; cache_aware "
-            f"{ca['p50']:.3f}/{ca['p95']:.3f}/{ca['mean']:.3f} s; p95 x{s['ratio_p95']:.2f}, "
+            f"{s['mode']:5} default p50/p95/mean {_ttft(d)} s; cache_aware "
+            f"{_ttft(ca)} s; p95 x{s['ratio_p95']:.2f}, "
             f"mean x{s['ratio_mean']:.2f}; errors {s['errors']}; requests per worker {s['requests_per_worker']}"
         )
         outcomes = sorted({c["outcome"] for c in s["copies"]})
