@@ -240,6 +240,11 @@ DEFAULT_MEM_FRACTION = 0.9
 #: Per-iteration scheduler/launch overhead, seconds. Estimate: order of SGLang's per-batch CPU overhead that its
 #: overlap scheduler hides only partly; small against 70B step times.
 DEFAULT_STEP_OVERHEAD_S = 0.002
+#: L3 (node agent) to host read rate per TP rank, bytes/s: the emulated worker's HiCache prefetch. Estimate: a
+#: memcpy out of the agent's shared-memory arena per rank's storage thread; benchmarks/bench_agent.py measured
+#: ``batch_get_v1`` at 6.5 GB/s on a shared 2-core machine (README), a GPU server's cores do more
+#: (benchmarks/bench_gpu_costmodel.py reads it on a GPU server).
+L3_READ_BYTES_PER_S_PER_RANK = 10e9
 #: SGLang's ``--chunked-prefill-size`` default for 80 GB-class GPUs (sglang server_args: 8192 tokens).
 DEFAULT_CHUNKED_PREFILL_TOKENS = 8192
 #: SGLang caps running requests per instance; Infer-Sim uses 256.

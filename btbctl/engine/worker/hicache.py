@@ -53,6 +53,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from btbctl.engine.costmodel import L3_READ_BYTES_PER_S_PER_RANK
 from btbctl.engine.hashing import block_payload
 from btbctl.engine.worker.config import MIN_BLOCK_BYTES, StorageSettings, WorkerConfig, check_settings
 from btbctl.engine.worker.model import ModelDriver, NoRoom
@@ -60,10 +61,6 @@ from btbctl.sglang_l3.keys import Namespace
 
 log = logging.getLogger("btbctl.worker")
 
-#: L3 (node agent) to host read rate per TP rank, bytes/s. Estimate: a memcpy out of the agent's shared-memory
-#: arena per rank's storage thread; benchmarks/bench_agent.py measured ``batch_get_v1`` at 6.5 GB/s on a shared
-#: 2-core machine (README), a GPU server's cores do more.
-L3_READ_BYTES_PER_S_PER_RANK = 10e9
 #: SGLang's default host/device pool ratio in cache mode (``--hicache-ratio``, ``arg_groups/fields/memory.py``).
 DEFAULT_HICACHE_RATIO = 2.0
 #: Name SGLang reports as ``storage_backend``: the backend class's name (``output_streamer.py:89-100``).
@@ -554,7 +551,6 @@ __all__ = [
     "HiCache",
     "HostTier",
     "L3Tier",
-    "L3_READ_BYTES_PER_S_PER_RANK",
     "STORAGE_BACKEND_NAME",
     "StorageSettings",
     "check_settings",
