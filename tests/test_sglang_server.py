@@ -20,7 +20,18 @@ import pytest
 
 from btbctl.sglang_l3.keys import page_keys
 from launcher_helpers import http_json
-from sglang_server import PAGE, SglangFleet, check_standin_log, details, generate, ids, metrics_text, start, stop
+from sglang_server import (
+    PAGE,
+    SglangFleet,
+    check_standin_log,
+    details,
+    generate,
+    ids,
+    metrics_text,
+    sglang_number,
+    start,
+    stop,
+)
 
 pytestmark = [pytest.mark.sglang_server, pytest.mark.timeout(900)]
 
@@ -127,6 +138,52 @@ def test_greedy_output_after_an_l3_load_equals_the_computed_one(fleet):
         time.sleep(0.5)  # pragma: no cover - the write-through was still on its way
     assert details(loaded)["storage"] >= PREFIX_TOKENS, loaded["meta_info"]
     assert loaded["output_ids"] == computed["output_ids"] and len(computed["output_ids"]) == 16
+
+
+def _prefetched(url: str) -> float:
+    return sglang_number(metrics_text(url), "sglang:prefetched_tokens_total")
+
+
+def _together(url: str, prefix: list[int], n: int) -> list[dict]:
+    """``n`` requests of ``prefix`` + their own 8 tokens, sent at the same instant; their cached-token splits."""
+    go = threading.Barrier(n)
+    out: list[dict] = [{}] * n
+
+    def one(i: int) -> None:
+        go.wait()
+        out[i] = details(generate(url, prefix + ids(8, seed=900 + i)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_a_warm_up_reads_the_prefix_from_l3_once_and_the_burst_after_it_finds_it_on_the_device(fleet):
+    """Why the gateway holds a copy's target until the warm-up's proof: requests sent together to a server whose
+    L3 alone holds the prefix each prefetch it (SGLang 0.5.23 reads it once per request, one read at a time; the
+    emulated worker does the same), while after one warm-up every request finds it on the device."""
+    a, b = fleet.workers
+    n = 4
+    for seed, warm_up in ((31, True), (37, False)):
+        prefix = ids(2 * PREFIX_TOKENS, seed=seed)
+        generate(a, prefix + [1])
+        fleet.wait_written(page_keys(prefix, PAGE))
+        before = _prefetched(b)
+        if warm_up:
+            assert details(generate(b, prefix + [2]))["storage"] == len(prefix)
+        splits = _together(b, prefix, n)
+        read = _prefetched(b) - before
+        assert all(s["device"] + s["storage"] >= len(prefix) for s in splits), splits  # nobody recomputed it
+        if warm_up:
+            assert read == len(prefix) and all(s["device"] >= len(prefix) for s in splits), (read, splits)
+        else:
+            assert sum(s["storage"] > 0 for s in splits) >= 1 and len(prefix) <= read <= n * len(prefix), (
+                read,
+                splits,
+            )
 
 
 def test_replicate_by_hand_proves_the_copy(fleet):

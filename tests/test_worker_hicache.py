@@ -6,6 +6,7 @@ metric names, and one-line refusals of flags the emulation cannot honour."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -173,6 +174,36 @@ def test_threshold_policies_and_tiers(agent, workers):
         time.sleep(0.02)
     else:
         raise AssertionError(f"best_effort read did not land in the host tier: {got}")
+
+
+def test_requests_that_arrive_while_a_load_from_l3_runs_read_the_pages_again_and_reuse_the_first_load(agent, workers):
+    """As a real SGLang 0.5.23 server does (tests/test_sglang_differential.py): every one of 4 requests sent
+    together for a prefix held only in L3 reads it (SGLang prefetches per request, one read at a time per worker),
+    the first to be admitted reports ``storage`` and the others the pages that load put on the device."""
+    ids = list(range(70_000, 70_000 + PAGE * 8))
+    flags = _flags(agent.socket)
+    flags[flags.index("--time-scale") + 1] = "0.05"  # a load of the prefix takes ~80 ms of wall time
+    src = workers(*_flags(agent.socket))
+    _gen(src, ids + [1])
+    _wait_backup(src, len(ids))
+    w = workers(*flags)
+    go = threading.Barrier(4)
+    metas: list[dict] = [{}] * 4
+
+    def one(i: int) -> None:
+        go.wait()
+        metas[i] = _gen(w, ids + [10 + i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    splits = sorted((m["cached_tokens_details"]["device"], m["cached_tokens_details"]["storage"]) for m in metas)
+    assert splits == [(0, 512), (512, 0), (512, 0), (512, 0)], metas
+    got = parse_sglang_metrics(w.get("/metrics")[1])
+    assert got["storage_prefetched_tokens_total"] == 4 * 512  # read four times
+    assert got["load_back_tokens_total"] == 512  # onto the device once
 
 
 def test_host_tier_serves_what_the_device_evicted(agent, workers):

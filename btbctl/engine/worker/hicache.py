@@ -23,16 +23,21 @@ unified_radix_cache.py`` ``prefetch_from_storage`` / ``check_prefetch_progress``
   (SGLang's ``new_input_tokens``, up to prompt - 1 tokens), the L3 tier is asked for the leading run of those pages
   (``sglang:storage_prefetch_hit_tokens_total``) and the hit is read (``sglang:prefetched_tokens_total``), unless
   the prefetches in flight already hold half the host pool (SGLang's rate limit). Pages a request in flight on
-  this worker is computing or loading are not fetched again: the request waits for them.
+  this worker is computing are not fetched: the request waits for them. Pages another request is still loading
+  from L3 are fetched again, as SGLang's scheduler does (each request's prefetch is its own operation until the
+  first load's pages are in the radix tree; measured on a real 0.5.23 server: 4 requests sent together for a
+  2,048-token prefix held only in L3 read 8,192 tokens, one reporting ``storage`` and three ``device``); the
+  request then waits for its own read and reuses the first load's pages (``device``).
 * **Prefetch policy.** ``wait_complete``: the request is not admitted before its prefetch is complete. ``timeout``:
   it waits at most ``prefetch_timeout_base + prefetch_timeout_per_ki_token x hit pages x page_size / 1024`` model
   seconds (extra config, defaults 1.0 and 0.25) and gets the pages read by then. ``best_effort``: it is admitted at
   once without the prefetch's pages (on an idle worker SGLang's first admission poll comes before the read), which
   land in the host tier for later requests.
 * **Timing** (model seconds, divided by ``--time-scale`` on the wall clock): L3 to host at
-  :data:`L3_READ_BYTES_PER_S_PER_RANK` per TP rank, host to device at the replica's PCIe bandwidth (cost model),
-  for the real KV size of the pages. While pages load they count as arriving on the device (requests needing them
-  wait, others go ahead), exactly like a pushed copy.
+  :data:`L3_READ_BYTES_PER_S_PER_RANK` per TP rank, one read at a time per worker (SGLang's one
+  ``prefetch_io_aux_func`` thread runs the prefetches in turn), host to device at the replica's PCIe bandwidth
+  (cost model), for the real KV size of the pages. While pages load they count as arriving on the device
+  (requests needing them wait, others go ahead), exactly like a pushed copy.
 * **Answer.** ``meta_info.cached_tokens_details`` is SGLang's ``{"device", "host"}`` plus ``"storage"`` and
   ``"storage_backend"`` (``"BtbL3Store"``) with an L3 tier, or null when no token was cached
   (``output_streamer.py:102``); tokens are split as SGLang's ``split_cached_prefix_by_tier`` does (storage and host
@@ -335,6 +340,10 @@ class HiCache:
             self.l3 = L3Tier(self.settings, nss)
             threading.Thread(target=self.l3.register, name="btbctl-hicache-hello", daemon=True).start()
         self.prefetch_occupied_tokens = 0
+        #: page key -> loads from L3 in flight here that carry it (a request needing one fetches it again)
+        self._l3_loading: dict[str, int] = {}
+        #: model time at which this worker's one L3 read thread is free
+        self._l3_free_at_s = 0.0
         self._hits: dict[str, int] = {}
         self._writes: list[list[str]] = []
         self._write_wake = threading.Condition()
@@ -380,6 +389,22 @@ class HiCache:
             t += nbytes / self.l3_bytes_per_s
         return t
 
+    def _l3_read_s(self, pages: int) -> float:
+        """Model seconds from now until a read of ``pages`` pages from L3 ends on this worker's one read thread,
+        which it then holds until that time (reads queue behind each other)."""
+        now = self.model.model_now()
+        start = max(now, self._l3_free_at_s)
+        self._l3_free_at_s = start + self._load_s(pages, True) - self._load_s(pages, False)
+        return self._l3_free_at_s - now
+
+    def _mark_loading(self, keys: Sequence[str], add: bool) -> None:
+        for k in keys:
+            n = self._l3_loading.get(k, 0) + (1 if add else -1)
+            if n > 0:
+                self._l3_loading[k] = n
+            else:
+                self._l3_loading.pop(k, None)
+
     async def admit(self, chain: Sequence[str], prompt_tokens: int) -> Admission:
         """Match ``chain`` (the prompt's page keys) on the device, host and L3 tiers and start loading what the
         request will reuse, before it is submitted to the model (see the module docstring). Call
@@ -398,7 +423,9 @@ class HiCache:
             d = model.cached_blocks(chain[:max_pages])
             h = self.host.run(chain, d, max_pages)
             start = d + h
-            busy = model.pending_blocks(chain[:max_pages]) > start  # in flight here: the request waits for it
+            # being computed here: the request waits for it; being loaded from L3 by another request: fetched again
+            again = start < max_pages and chain[start] in self._l3_loading
+            busy = not again and model.pending_blocks(chain[:max_pages]) > start
             if not busy and (max_pages - start) * ps >= s.prefetch_threshold:
                 if self.prefetch_occupied_tokens >= self.host_capacity_tokens // 2:
                     log.info(
@@ -416,6 +443,13 @@ class HiCache:
                     if self.metrics is not None:
                         self.metrics.storage_hit_tokens.inc(hit * ps)
                         self.metrics.prefetched_tokens.inc(read * ps)
+                    # another request's load of these pages may have begun while the agent answered
+                    again = again or chain[start] in self._l3_loading
+                    if again and read:
+                        # its own read, in turn after the load in flight; the pages it then finds are that load's
+                        wait_s = self._l3_read_s(read)
+                        if not model.zero:
+                            await asyncio.sleep(wait_s / model.scale)
         # the state may have moved while the agent answered: match again, synchronously from here to submit
         d = model.cached_blocks(chain[:max_pages])
         h = self.host.run(chain, d, max_pages)
@@ -427,7 +461,13 @@ class HiCache:
         if sp and policy == "best_effort":
             # admitted before the read lands: the pages go to the host tier for later requests
             pages = list(chain[d + h : d + h + sp])
-            self._later(self._load_s(sp, True), lambda: self.host.add(pages))
+            self._mark_loading(pages, True)
+
+            def to_host(pages=pages) -> None:
+                self._mark_loading(pages, False)
+                self.host.add(pages)
+
+            self._later(self._load_s(sp, False) + self._l3_read_s(sp), to_host)
             sp = 0
         elif sp and policy == "timeout":
             budget = s.prefetch_timeout_base + s.prefetch_timeout_per_ki_token * adm.hit_pages * ps / 1024
@@ -439,17 +479,20 @@ class HiCache:
         adm.device_pages, adm.host_pages, adm.storage_pages = d, h, sp
         n = h + sp
         if n:
-            load = self._load_s(h, False) + self._load_s(sp, True)
             try:
                 inc = model.begin_copy(tuple(chain[: d + n]))
             except NoRoom:  # the device is full of running requests: the request computes the pages
                 adm.host_pages = adm.storage_pages = 0
                 return adm
+            load = self._load_s(h + sp, False) + (self._l3_read_s(sp) if sp else 0.0)
+            from_l3 = list(chain[d + h : d + n])
+            self._mark_loading(from_l3, True)
             self.host.add(list(chain[d + h : d + n]))
             if self.metrics is not None:
                 self.metrics.load_back_tokens.inc(n * ps)
 
-            def landed(inc=inc) -> None:
+            def landed(inc=inc, from_l3=from_l3) -> None:
+                self._mark_loading(from_l3, False)
                 model.end_copy(inc, True)
 
             self._later(max(load, wait_s), landed)
