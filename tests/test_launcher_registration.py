@@ -14,6 +14,7 @@ import pytest
 
 from btbctl.engine.launcher.rundir import RunDir
 from launcher_helpers import cli, cli_json, http_json
+from redis_fixture import needs_redis
 
 pytestmark = pytest.mark.slow
 
@@ -64,12 +65,14 @@ def _complete(url: str, token: str, prompt: str) -> None:
         assert resp.status == 200
 
 
-def _proved_copies(run_dir, control: str, seed: int, want: int) -> list[dict]:
-    """Run a burst (its own prefix, ``seed``) and wait until ``want`` l3 copies in all are done; the done ones."""
+def _proved_copies(run_dir, control: str, seed: int, want: int, target: str | None = None) -> list[dict]:
+    """Run a burst (its own prefix, ``seed``; through ``target``, default the fleet's first gateway) and wait until
+    ``want`` l3 copies in all are done at the gateway of ``control``; the done ones."""
     rep = cli_json(
         "bench",
         "--run-dir",
         str(run_dir),
+        *(("--target", target) if target else ()),
         "--burst-size",
         "12",
         "--prefix-blocks",
@@ -130,5 +133,30 @@ def test_up_registers_the_agent_and_a_restarted_agent_registers_again(tmp_path):
             time.sleep(0.1)
         assert agents["agent-local"]["workers"] == ["w-0", "w-1", "w-2"], agents
         assert next(p.pid for p in rd.load().processes if p.role == "gateway") == gateway_pid
+    finally:
+        cli("down", "--run-dir", str(run_dir), "--grace-s", "2", check=False)
+
+
+@needs_redis
+def test_an_l3_fleet_of_two_gateways_registers_its_agent_with_each_and_either_proves_copies(tmp_path):
+    cfg = tmp_path / "two.toml"
+    cfg.write_text(CLUSTER.replace("[gateway]\n", "[gateway]\nreplicas = 2\n", 1))
+    run_dir = tmp_path / "run"
+    try:
+        cli_json("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), timeout=120)
+        rd = RunDir(run_dir)
+        gws = [p for p in rd.load().processes if p.role == "gateway"]
+        assert [g.name for g in gws] == ["gateway", "gateway-1"]
+        for name in ("gateway", "gateway-1"):
+            settings = json.loads((rd.path / f"{name}.json").read_text())
+            assert "agents" not in settings and "worker_agents" not in settings, name
+        token = rd.token_path.read_text().strip()
+        controls = [rd.load().control_url.rstrip("/"), gws[1].extra["control"].rstrip("/")]
+        for control in controls:  # up waited for both registrations
+            agents = _agents(control, token)
+            assert agents["agent-local"]["workers"] == ["w-0", "w-1", "w-2"], (control, agents)
+        # a burst through the second gateway alone: its copies go through the agent it learned by registration
+        done = _proved_copies(run_dir, controls[1], seed=7, want=1, target=gws[1].url)
+        assert done and all(t["proof"] is not None for t in done), done
     finally:
         cli("down", "--run-dir", str(run_dir), "--grace-s", "2", check=False)

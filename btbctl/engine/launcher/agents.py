@@ -24,6 +24,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,10 +83,11 @@ def local_socket_path(rd: RunDir) -> str:
 REGISTER_INTERVAL_S = 2.0
 
 
-def plan_agents(cluster: ClusterFile, rd: RunDir, gateway: str | None = None) -> list[AgentPlan]:
+def plan_agents(cluster: ClusterFile, rd: RunDir, gateways: Sequence[str] = ()) -> list[AgentPlan]:
     """The agents of ``cluster`` (:meth:`ClusterFile.agent_hosts`): this machine's first, then one per host.
-    ``gateway``: the gateway's control URL as this machine reaches it; the local agent then registers there
-    (``--gateway``, every :data:`REGISTER_INTERVAL_S`) instead of the gateway's settings naming it."""
+    ``gateways``: the control URLs of the fleet's gateways as this machine reaches them; the local agent then
+    registers with each (``--gateway``, every :data:`REGISTER_INTERVAL_S`) instead of the gateways' settings naming
+    it."""
     rep = cluster.replication
     out = []
     for host in cluster.agent_hosts():
@@ -101,8 +103,10 @@ def plan_agents(cluster: ClusterFile, rd: RunDir, gateway: str | None = None) ->
                 arena_mib=rep.arena_mib,
                 agent_id="agent-local",
             )
-            if gateway is not None:
-                argv += ["--gateway", gateway, "--register-interval-s", f"{REGISTER_INTERVAL_S:g}"]
+            if gateways:
+                for url in gateways:
+                    argv += ["--gateway", url]
+                argv += ["--register-interval-s", f"{REGISTER_INTERVAL_S:g}"]
             out.append(AgentPlan("agent-local", None, sock, argv))
         else:
             name = f"agent-{host.name}"

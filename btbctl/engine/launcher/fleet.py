@@ -264,19 +264,19 @@ def up(
         remote = [i for i in cluster.instances() if cluster.host_of(i.spec) is not None]
         agent_plans = {}
         credentials: dict[str, tuple[str, str]] = {}  # agent -> (credentials text, control token)
+        control_ports: list[int] = []  # fixed up front where agents register with the gateways
+        gateway_controls: list[str] = []
         if cluster.replication_mode == "l3":
             from btbctl.engine.launcher import agents as agents_mod
 
             rd.new_agent_secret()
-            gateway_control = None
             if _registers(cluster):
-                # the agents register with the gateway (its control URL as this machine reaches it), so its port is
-                # fixed now
-                gw_host = cluster.gateway.control_host
-                if not (cluster.gateway.control_port if control_port is None else control_port):
-                    control_port = free_port(gw_host)
-                gateway_control = _reachable(_url(gw_host, int(control_port or cluster.gateway.control_port)))
-            plans = agents_mod.plan_agents(cluster, rd, gateway=gateway_control)
+                # the agents register with every gateway (its control URL as this machine reaches it), so their
+                # control ports are fixed now
+                control_ports = _control_ports(cluster, control_port)
+                control_port = control_ports[0]
+                gateway_controls = [_reachable(_url(cluster.gateway.control_host, p)) for p in control_ports]
+            plans = agents_mod.plan_agents(cluster, rd, gateways=gateway_controls)
             agent_plans = {(p.host.name if p.host else None): p for p in plans}
             credentials = rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
             local_agent = agent_plans.get(None)
@@ -362,9 +362,21 @@ def up(
         started.append(_start_gateway(rd, state, write_gateway_config(rd, gcfg), gw.ready_timeout_s, should_stop))
         log(f"gateway ready at {state.gateway_url} (control {state.control_url}, policy {policy})")
         for i in range(1, gw.replicas):
-            started.append(_start_gateway_replica(rd, state, gcfg, i, gw.ready_timeout_s, should_stop, log))
+            started.append(
+                _start_gateway_replica(
+                    rd,
+                    state,
+                    gcfg,
+                    i,
+                    gw.ready_timeout_s,
+                    should_stop,
+                    log,
+                    control_ports[i] if control_ports else None,
+                )
+            )
         if agent_plans and _registers(cluster):
-            _wait_registered(cluster, state, rd, agent_plans, log, should_stop)
+            for url in gateway_controls:
+                _wait_registered(cluster, url, rd, agent_plans, log, should_stop)
     except BaseException as exc:
         if keep_partial and not isinstance(exc, KeyboardInterrupt):
             log("--keep-partial: leaving what started running; `btbctl down` stops it")
@@ -523,14 +535,17 @@ def _start_gateway_replica(
     timeout_s: float,
     should_stop: Callable[[], bool] | None,
     log: Log,
+    control_port: int | None = None,
 ) -> Started:
     """Start gateway ``i`` (>= 1) of the fleet with the first one's settings ``gcfg``, on ``port + 2i`` and
-    ``control_port + 2i`` (free ports where those are 0), its own log and settings file; record it (role
-    ``gateway``) once ready."""
+    ``control_port`` (default ``+ 2i`` of the first's; free ports where those are 0), its own log and settings
+    file; record it (role ``gateway``) once ready."""
     name = f"gateway-{i}"
     cfg = dict(gcfg)
     cfg["port"] = gcfg["port"] + 2 * i if gcfg.get("port") else 0
-    cfg["control_port"] = gcfg["control_port"] + 2 * i if gcfg.get("control_port") else 0
+    if control_port is None:
+        control_port = gcfg["control_port"] + 2 * i if gcfg.get("control_port") else 0
+    cfg["control_port"] = control_port
     cfg["log_file"] = str(rd.log_path(name))
     gproc = spawn(name, gateway_argv(write_gateway_config(rd, cfg, name)), rd.log_path(f"{name}.out"))
     state.processes.append(gproc.record("gateway", "gateway"))
@@ -598,16 +613,27 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
 
 
 def _registers(cluster: ClusterFile) -> bool:
-    """Whether the node agents of ``cluster`` register with the gateway (``POST /control/agents``) instead of its
-    settings naming them: an ``l3`` fleet whose agents all run on this machine. Agents on ``[[hosts]]`` are still
-    named in the settings (the gateway's control API listens on loopback; their workers' URLs are known only once
-    started there), and so are the agents of a fleet with several gateways (``[gateway] replicas``: an agent
-    registers with the first gateway only)."""
-    return (
-        cluster.replication_mode == "l3"
-        and all(h is None for h in cluster.agent_hosts())
-        and cluster.gateway.replicas == 1
-    )
+    """Whether the node agents of ``cluster`` register with the gateways (``POST /control/agents``, with each of
+    ``[gateway] replicas``) instead of their settings naming them: an ``l3`` fleet whose agents all run on this
+    machine. Agents on ``[[hosts]]`` are still named in the settings (the gateways' control API listens on
+    loopback; their workers' URLs are known only once started there)."""
+    return cluster.replication_mode == "l3" and all(h is None for h in cluster.agent_hosts())
+
+
+def _control_ports(cluster: ClusterFile, control_port: int | None) -> list[int]:
+    """The control ports of the fleet's ``[gateway] replicas`` gateways, fixed before the agents that register with
+    them start: ``control_port`` (or the cluster file's) and ``+ 2i`` for gateway ``i``, as
+    :func:`_start_gateway_replica` numbers them; distinct free ports where it is 0."""
+    gw = cluster.gateway
+    base = gw.control_port if control_port is None else control_port
+    if base:
+        return [int(base) + 2 * i for i in range(gw.replicas)]
+    ports: list[int] = []
+    while len(ports) < gw.replicas:
+        p = free_port(gw.control_host)
+        if p not in ports:
+            ports.append(p)
+    return ports
 
 
 def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> dict:
@@ -635,11 +661,11 @@ def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> di
 
 
 def _wait_registered(
-    cluster: ClusterFile, state: RunState, rd: RunDir, agent_plans: dict, log: Log, should_stop
+    cluster: ClusterFile, control_url: str, rd: RunDir, agent_plans: dict, log: Log, should_stop
 ) -> None:
-    """Wait until every planned agent registered with the gateway naming the workers it serves (bounded by the
-    replication section's ``ready_timeout_s``); one ``log`` line. Raises :class:`BtbctlError` naming the agent that
-    did not and why."""
+    """Wait until every planned agent registered with the gateway at ``control_url`` naming the workers it serves
+    (bounded by the replication section's ``ready_timeout_s``); one ``log`` line. Raises :class:`BtbctlError` naming
+    the agent that did not and why."""
     from btbctl.engine.launcher import agents as agents_mod
 
     hosts = {ap.name: (ap.host.name if ap.host else None) for ap in agent_plans.values()}
@@ -649,14 +675,17 @@ def _wait_registered(
     }
     token = rd.token_path.read_text(encoding="utf-8").strip() if rd.token_path.exists() else None
     got = agents_mod.wait_registered(
-        state.control_url or "",
+        control_url,
         token,
         expect,
         {n: rd.log_path(n) for n in expect},
         cluster.replication.ready_timeout_s,
         should_stop=should_stop,
     )
-    log("agents registered with the gateway: " + "; ".join(f"{n} ({','.join(got[n]) or 'no workers'})" for n in expect))
+    log(
+        f"agents registered with the gateway at {control_url}: "
+        + "; ".join(f"{n} ({','.join(got[n]) or 'no workers'})" for n in expect)
+    )
 
 
 def _start_remote(
