@@ -359,6 +359,21 @@ async def test_an_emulated_worker_publishes_what_its_cache_holds_and_the_gateway
                 assert r.status == 200
             w = gw.state.workers[0]
             await until(lambda: w.held_blocks(chain) == 4, "the worker's stored pages")
+            async with s.get(f"{gw.data_url}/metrics") as r:
+                text = await r.text()
+            from prometheus_client.parser import text_string_to_metric_families
+
+            got = {
+                (m.name, tuple(sorted(m.labels.items()))): m.value
+                for fam in text_string_to_metric_families(text)
+                for m in fam.samples
+                if m.name.startswith("btb_kv_events")
+            }
+            me = (("worker", w.name),)
+            assert got[("btb_kv_events_blocks_total", (("kind", "stored"), *me))] >= 4, got
+            live, replay = (got[("btb_kv_events_batches_total", (("via", v), *me))] for v in ("live", "replay"))
+            assert live + replay >= 1, got  # the gateway's first batch may come through the replay socket
+            assert got[("btb_kv_events_resyncs_total", me)] == 0 and got[("btb_kv_events_connected", me)] == 1, got
             async with s.post(f"{url}/flush_cache") as r:
                 assert r.status == 200
             await until(lambda: not w.holdings, "the flushed cache")

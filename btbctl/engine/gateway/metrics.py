@@ -54,6 +54,14 @@ name                                type      meaning
                                               ``cache_tree_max_blocks`` (read at scrape)
 ``btb_cache_tree_bytes``            gauge     the same tree's estimated bytes, bounded by
                                               ``cache_tree_max_bytes`` (read at scrape)
+``btb_kv_events_batches_total``     counter   KV-event batches applied from ``worker``'s publisher, by ``via``
+                                              (``live``, ``replay``: recovered through its replay socket)
+``btb_kv_events_blocks_total``      counter   blocks in those events by ``kind`` (``stored``, ``removed``,
+                                              ``unkeyed``: pages the gateway could not key, skipped)
+``btb_kv_events_resyncs_total``     counter   times ``worker``'s holdings were dropped and rebuilt after
+                                              events were missed (or its publisher restarted)
+``btb_kv_events_connected``         gauge     1 while the subscription to ``worker``'s publisher is set up
+                                              (the four read at scrape; only for workers with KV events)
 =================================== ========= ==========================================================
 
 Every ``worker`` label comes from :func:`worker_label` (the worker's name, never its URL).
@@ -63,7 +71,7 @@ TTFT buckets span 1 ms to 60 s (sub-millisecond answers of zero-delay workers up
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -132,6 +140,12 @@ class LiveSource(Protocol):
 
     @property
     def state(self) -> Any: ...
+
+    @property
+    def kv_subscribers(self) -> Sequence[Any]:
+        """The KV-event subscriptions (:class:`~btbctl.engine.gateway.kv_events.KvEventsSubscriber`), one per
+        worker that publishes."""
+        ...
 
 
 class _FiresCollector:
@@ -211,9 +225,39 @@ class _LiveCollector:
         ty = GaugeMetricFamily("btb_cache_tree_bytes", "Estimated bytes of the cache-aware prefix tree (bounded).")
         ty.add_metric([], float(tree.estimated_bytes()) if tree is not None else 0.0)
         yield ty
+        yield from _kv_events_families(src.kv_subscribers)
 
     def describe(self):
         return []
+
+
+def _kv_events_families(subs: Sequence[Any]):
+    """The ``btb_kv_events_*`` families of the subscriptions ``subs`` (none when no worker publishes)."""
+    if not subs:
+        return
+    batches = CounterMetricFamily(
+        "btb_kv_events_batches", "KV-event batches applied, by worker and how they came.", labels=("worker", "via")
+    )
+    blocks = CounterMetricFamily(
+        "btb_kv_events_blocks", "Blocks in applied KV events, by worker and kind.", labels=("worker", "kind")
+    )
+    resyncs = CounterMetricFamily(
+        "btb_kv_events_resyncs", "Holdings dropped and rebuilt after missed KV events.", labels=("worker",)
+    )
+    connected = GaugeMetricFamily(
+        "btb_kv_events_connected", "1 while the subscription to the worker's publisher is set up.", labels=("worker",)
+    )
+    for sub in subs:
+        feed = sub.feed
+        w = worker_label(feed.worker)
+        batches.add_metric([w, "live"], float(sub.batches - sub.replayed))
+        batches.add_metric([w, "replay"], float(sub.replayed))
+        blocks.add_metric([w, "stored"], float(feed.stored_blocks))
+        blocks.add_metric([w, "removed"], float(feed.removed_blocks))
+        blocks.add_metric([w, "unkeyed"], float(feed.unkeyed_blocks))
+        resyncs.add_metric([w], float(feed.resyncs))
+        connected.add_metric([w], 1.0 if sub.connected else 0.0)
+    yield from (batches, blocks, resyncs, connected)
 
 
 class GatewayMetrics:
