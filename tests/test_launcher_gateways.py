@@ -4,6 +4,8 @@ share; ``down`` stops them all."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -11,7 +13,7 @@ import pytest
 
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.logfmt import parse_line
-from launcher_helpers import FREE_PORTS, cli_json, recorded_pids, wait_gone
+from launcher_helpers import FREE_PORTS, cli, cli_json, recorded_pids, wait_gone
 from redis_fixture import needs_redis
 
 CLUSTER = """
@@ -90,3 +92,36 @@ def test_up_starts_two_gateways_sharing_a_redis_and_down_stops_them(tmp_path, ru
     out = cli_json("down", "--run-dir", str(run_dir))
     assert {"gateway", "gateway-1", "redis"} <= set(out["stopped"] + out["killed"])
     assert wait_gone(pids) == []
+
+
+@pytest.mark.slow
+@needs_redis
+def test_status_shows_every_gateway_and_restart_brings_a_second_one_back_on_its_ports(tmp_path, run_dir):
+    cfg = tmp_path / "two.toml"
+    cfg.write_text(CLUSTER)
+    try:
+        st = cli_json("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), *FREE_PORTS)
+        assert [(g["name"], g["alive"], g["reachable"]) for g in st["gateways"]] == [
+            ("gateway", True, True),
+            ("gateway-1", True, True),
+        ]
+        second = st["gateways"][1]
+        assert second["url"] != st["gateway_url"] and second["control_url"] != st["control_url"]
+        rec = next(p for p in RunDir(run_dir).load().processes if p.name == "gateway-1")
+        os.killpg(rec.pgid, signal.SIGKILL)
+        assert wait_gone([rec.pid]) == []
+        st = json.loads(cli("status", "--run-dir", str(run_dir), "--format", "json", check=False).stdout)
+        assert st["verdict"] == "degraded" and any("gateway-1 is not running" in p for p in st["problems"]), st
+        human = cli("status", "--run-dir", str(run_dir), check=False).stdout
+        assert "gateway-1" in human and "down" in human, human
+        res = cli_json("restart", "gateway-1", "--run-dir", str(run_dir))
+        assert res["old_pid"] == rec.pid and res["pid"] != rec.pid
+        st = cli_json("status", "--run-dir", str(run_dir))
+        assert st["verdict"] == "up", st["problems"]
+        again = st["gateways"][1]
+        assert (again["url"], again["control_url"], again["reachable"]) == (second["url"], second["control_url"], True)
+        with httpx.Client(timeout=30) as http:  # it serves again
+            r = http.post(again["url"] + "/generate", json={"text": "after the restart", "sampling_params": {}})
+            assert r.status_code == 200, r.text
+    finally:
+        cli("down", "--run-dir", str(run_dir), check=False)

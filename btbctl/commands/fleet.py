@@ -83,6 +83,9 @@ def _render_status(out: Output, st: dict) -> None:
     state = "up" if gw.get("reachable") else ("process running, API not answering" if gw.get("alive") else "down")
     c.print(f"gateway {st.get('gateway_url') or '-'} ({state}), policy {st.get('policy') or '-'}")
     c.print(f"control {st.get('control_url') or '-'}")
+    for g in (st.get("gateways") or [])[1:]:  # [gateway] replicas
+        gstate = "up" if g.get("reachable") else ("process running, API not answering" if g.get("alive") else "down")
+        c.print(f"{g['name']} {g.get('url') or '-'} ({gstate}), control {g.get('control_url') or '-'}")
     rows = [
         {
             "name": w["name"],

@@ -41,6 +41,7 @@ from btbctl.engine.launcher.cluster import ClusterFile, WorkerInstance, hicache_
 from btbctl.engine.launcher.local import Started, health_ok, spawn, stop_groups, stop_records, wait_ready
 from btbctl.engine.launcher.rundir import (
     LOCK_FILE,
+    ProcessRecord,
     RunDir,
     RunState,
     check_fleet_name,
@@ -557,6 +558,49 @@ def _start_gateway_replica(
     return gproc
 
 
+def restart_gateway_replica(rd: RunDir, rec: ProcessRecord, timeout_s: float, log: Log = _nolog) -> ProcessRecord:
+    """Start gateway replica ``rec`` (``gateway-1``, ...: ``[gateway] replicas``; already stopped) again with its
+    settings (``<run dir>/<name>.json``) on the ports it had, the last confirmed tuning applied; record it once
+    ready and return the new record.
+
+    Raises:
+        BtbctlError: its settings are gone or damaged; it did not become ready (it is left stopped).
+    """
+    from urllib.parse import urlsplit
+
+    from btbctl.engine.config import validate
+    from btbctl.engine.gateway.config import GatewayConfig
+
+    cfg_path = rd.path / f"{rec.name}.json"
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BtbctlError(f"cannot read the settings of {rec.name} {cfg_path}: {e}; restart the whole fleet") from None
+    tuned = rd.load_tuned()
+    if tuned is not None:
+        _apply_tuning(cfg, tuned, "this fleet", rd, log)
+    for key, url in (("port", rec.url), ("control_port", (rec.extra or {}).get("control"))):
+        if url and not cfg.get(key):  # a port picked at up: take the same one again
+            cfg[key] = urlsplit(url).port
+    validate(GatewayConfig, cfg, None, "gateway")
+    gproc = spawn(rec.name, gateway_argv(write_gateway_config(rd, cfg, rec.name)), rd.log_path(f"{rec.name}.out"))
+    try:
+        wait_ready(gproc, timeout_s)
+    except BaseException:
+        if gproc.popen.poll() is None or group_members(gproc.pid):
+            stop_groups([(gproc.pid, gproc.popen)], grace_s=5.0)
+        raise
+    state = rd.load()
+    if state is None:
+        raise BtbctlError(f"the run state of {rd.path} disappeared while {rec.name} restarted (pid {gproc.pid} runs)")
+    new = gproc.record("gateway", "gateway")
+    state.processes = [new if p.name == rec.name else p for p in state.processes]
+    _update(state, gproc)
+    rd.save(state)
+    log(f"{rec.name} ready at {_reachable(gproc.url or '')} (control {gproc.extra.get('control')}, pid {gproc.pid})")
+    return new
+
+
 @holding_lock(create=False)
 def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> RunState:
     """Start the gateway again in front of the workers recorded in ``rd`` (after it died), with the settings it
@@ -1047,6 +1091,7 @@ def status(rd: RunDir) -> dict:
         {"verdict": "up" | "degraded", "problems": [line],
          "gateway_url", "control_url", "run_dir", "policy", "detached", "replication",
          "gateway": {"pid", "alive", "reachable"},
+         "gateways": [{"name", "url", "control_url", "pid", "alive", "reachable"}],
          "workers": [{"name", "host", "url", "healthy", "alive", "pid", "kind", "inflight", "health_error",
                       "replication", "metrics_source", "running", "waiting", "kv_used_tokens", "kv_cached_tokens",
                       "kv_capacity_tokens", "kv_use", "host_tier_tokens", "host_tier_capacity_tokens",
@@ -1064,7 +1109,9 @@ def status(rd: RunDir) -> dict:
     are the node agents of ``l3`` mode (empty otherwise); each is probed (:func:`probe_agent`: process, control
     ``/health``, a TCP connection to its copy port): ``healthy`` when all answer, else ``problem`` says what does
     not, the verdict is ``degraded``, and the workers that use it say so (``replication`` ``l3 (agent down)``,
-    ``agent_down`` its name, ``health_error`` why). Raises :class:`BtbctlError` when nothing is recorded.
+    ``agent_down`` its name, ``health_error`` why). ``gateways`` lists every gateway of the fleet (``[gateway]
+    replicas``; the first is ``gateway``), each ``reachable`` when its control API answers ``/control/constants``;
+    one not running or not answering is a problem. Raises :class:`BtbctlError` when nothing is recorded.
     """
     state = rd.load()
     if state is None:
@@ -1159,6 +1206,26 @@ def status(rd: RunDir) -> dict:
         problems.append("the gateway is not running" + (" (`btbctl up --gateway-only` restarts it)" if workers else ""))
     elif fleet is None:
         problems.append("the gateway's control API does not answer")
+    gateways = []
+    for rec in (p for p in state.processes if p.role == "gateway"):
+        first = rec is gw
+        alive = gw_alive if first else record_is_ours(rec)
+        control = state.control_url if first else (rec.extra or {}).get("control")
+        reachable = fleet is not None if first else bool(alive and control and _control_answers(control))
+        gateways.append(
+            {
+                "name": rec.name,
+                "url": state.gateway_url if first else rec.url,
+                "control_url": control,
+                "pid": rec.pid,
+                "alive": alive,
+                "reachable": reachable,
+            }
+        )
+        if not first and not alive:
+            problems.append(f"{rec.name} is not running (`btbctl restart {rec.name}` restarts it)")
+        elif not first and not reachable:
+            problems.append(f"{rec.name}'s control API does not answer")
     problems += [f"{w['name']}: {w['health_error'] or 'unhealthy'}" for w in workers if not w["healthy"]]
     problems += [
         f"{a['name']}: {a['problem']} (`btbctl restart {a['name']}` restarts it)" for a in agents if a["problem"]
@@ -1177,9 +1244,20 @@ def status(rd: RunDir) -> dict:
             "alive": gw_alive,
             "reachable": fleet is not None,
         },
+        "gateways": gateways,
         "workers": workers,
         "agents": agents,
     }
+
+
+def _control_answers(control_url: str) -> bool:
+    """Whether a gateway's control API answers ``GET /control/constants`` within 3 s."""
+    try:
+        with ControlClient(control_url, timeout_s=3.0) as api:
+            api.constants()
+    except BtbctlError:
+        return False
+    return True
 
 
 __all__ = [
@@ -1193,6 +1271,7 @@ __all__ = [
     "status",
     "stop_started",
     "supervise",
+    "restart_gateway_replica",
     "up",
     "up_gateway_only",
 ]

@@ -148,12 +148,16 @@ def restart(rd: RunDir, name: str, grace_s: float = 10.0, timeout_s: float | Non
         )
     old_pid = rec.pid
     stopped = _stop(rec, grace_s)
-    if rec.role == "gateway":
+    if rec.role == "gateway" and rec is not state.gateway():  # gateway-1, ...: [gateway] replicas
+        from btbctl.engine.launcher.fleet import restart_gateway_replica
+
+        new = restart_gateway_replica(rd, rec, timeout_s or 60.0)
+    elif rec.role == "gateway":
         from btbctl.engine.launcher.fleet import up_gateway_only
 
-        state = up_gateway_only(rd, timeout_s=timeout_s or 60.0)
-        new = state.gateway()
-        assert new is not None
+        first = up_gateway_only(rd, timeout_s=timeout_s or 60.0).gateway()
+        assert first is not None
+        new = first
     else:
         new = _restart_one(rd, state, rec, timeout_s or _ready_timeout(state, rec))
     out = {"name": name, "role": rec.role, "old_pid": old_pid, "pid": new.pid, "url": new.url, "stop": stopped}
