@@ -716,7 +716,7 @@ class WorkerIndex:
         """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers))."""
         out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
         more = self._state.transfers.targets_of(root)
-        if more and not all(r in out for r in more):
+        if more and not set(out).issuperset(more):
             out = sorted(set(more).union(out))
         return out
 
