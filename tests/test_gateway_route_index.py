@@ -6,6 +6,7 @@ as requests are sent, are the numbers a count from scratch gives."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given, settings
@@ -50,13 +51,18 @@ def _fleet(n: int) -> FleetState:
     return state
 
 
+#: request ids, unique as the gateway's (``Gateway.next_request_id``): an id counted from the requests still in flight
+#: came back after a finish and overwrote a request in flight (a state the gateway never reaches)
+_RIDS = itertools.count()
+
+
 def _apply(state: FleetState, event: tuple, sent: list, copies: list) -> None:
     """One event on ``state``; ``sent``: ``(worker, rid, prefilling)`` in flight, ``copies``: transfers."""
     kind, r, a, b = event
     n = len(state.workers)
     w = state.workers[r % n]
     if kind == "send":
-        rid = f"q{len(sent)}-{a}"
+        rid = f"q{next(_RIDS)}-{a}"
         w.inflight += 1
         w.start_prefill(rid, CHAINS[a], b * PAGE)
         sent.append([w.index, rid, True])
@@ -91,7 +97,7 @@ def _apply(state: FleetState, event: tuple, sent: list, copies: list) -> None:
     elif kind == "health":
         w.healthy = bool(a)
     elif kind == "short":  # a prompt shorter than one block: tokens, no chain
-        rid = f"q{len(sent)}-short"
+        rid = f"q{next(_RIDS)}-short"
         w.inflight += 1
         w.start_prefill(rid, (), a)
         sent.append([w.index, rid, True])

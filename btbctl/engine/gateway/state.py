@@ -716,7 +716,7 @@ class WorkerIndex:
         """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers))."""
         out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
         more = self._state.transfers.targets_of(root)
-        if more and not all(r in out for r in more):
+        if more and not set(out).issuperset(more):
             out = sorted(set(more).union(out))
         return out
 
@@ -912,6 +912,9 @@ class FleetState:
         """Seconds of prefill compute queued on ``replica``: the requests the gateway has there without a first
         byte yet, each for the prompt tokens it computes (see :meth:`_queue`). The gateway sees only its own
         requests, and counts a request's prefill as queued until its first byte (no elapsed part)."""
+        w = self.workers[replica]
+        if not w.prefill_chains and not w.prefill_tokens:
+            return 0.0  # nothing queued (asked per worker per routing decision): _queue's answer without the call
         return self._queue(replica)[0]
 
     #: Leading blocks resident, arriving by copy, or being computed by a request the gateway has in flight there
@@ -980,8 +983,9 @@ class FleetState:
         return 0.0 if self.copy_after is None else self.copy_after(replica, blocks)
 
     def nic_copies(self, replica: int) -> int:
-        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`)."""
-        return self.transfers.nic_copies(replica)
+        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`, read here without the call: asked
+        per copy target per routing decision)."""
+        return self.transfers._nic.get(replica, 0)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Coarse estimate from the worker's last ``/v1/loads`` brought up to date with what the gateway sent since:

@@ -604,9 +604,9 @@ class BtbPlus(Policy[CostView]):
         loses the tie on load. Without a quiet replica every replica is priced. The choice (and the random draw)
         is the same as without the index."""
         chain = req.block_hashes
-        hot = self.detect(chain, now_s, req.arrivals) if chain else None
         n = self.n_replicas
         depths = self.depths(len(chain))
+        hot = self.detect(chain, now_s, req.arrivals) if chain else None
         index = route_index(view) if self.use_route_index else None
         groups = _LazyGroups(self, view, now_s)
         ests: dict[int, tuple[float, float, float]] = {}
@@ -666,14 +666,16 @@ class BtbPlus(Policy[CostView]):
         pace = 0
         if hot is not None:
             prefix = hot[0].prefix
+            # the planned blocks of the prefix read while pricing, when the prefix is the whole chain (the same query)
+            known = planned_of if len(prefix) == len(chain) and prefix == chain else None
             self._stats["hot_routes"] += 1
             if (
                 not copied
-                and view.planned_blocks(choice, prefix) < len(prefix)
+                and (known[choice] if known and choice in known else view.planned_blocks(choice, prefix)) < len(prefix)
                 and any(view.cached_blocks(r, prefix) >= len(prefix) for r in holders if r != choice)
             ):
                 self._stats["speculative_routes"] += 1
-            pace = self._pace(view, prefix, holders, mine[0] - mine[2])
+            pace = self._pace(view, prefix, holders, mine[0] - mine[2], known)
         if plan is not None:
             return Route(choice, (plan,), pace)
         out = self._routes.get((choice, pace))
@@ -683,16 +685,24 @@ class BtbPlus(Policy[CostView]):
             out = self._routes[(choice, pace)] = Route(choice, (), pace)
         return out
 
-    def _pace(self, view: CostView, prefix: Sequence[Hashable], near: Iterable[int], own_s: float) -> int:
+    def _pace(
+        self,
+        view: CostView,
+        prefix: Sequence[Hashable],
+        near: Iterable[int],
+        own_s: float,
+        known: dict[int, int] | None = None,
+    ) -> int:
         """Rule 6: the ``Route.pace`` of a request of the hot ``prefix`` whose own prefill takes ``own_s`` seconds
         on its replica; 0 unless at least two of ``near`` (the replicas that may hold any of it) hold, receive or
-        will compute all of it."""
+        will compute all of it. ``known``: ``view.planned_blocks(replica, prefix)`` already read, by replica."""
         if own_s <= 0:
             return 0
         y = len(prefix)
         spread = 0
+        planned = view.planned_blocks
         for r in near:
-            if view.planned_blocks(r, prefix) >= y:
+            if (known[r] if known and r in known else planned(r, prefix)) >= y:
                 spread += 1
                 if spread == 2:
                     self._stats["paced_routes"] += 1
@@ -711,13 +721,14 @@ class BtbPlus(Policy[CostView]):
         """Rule 5's cost of each of ``replicas`` (priced in ``ests``): expected TTFT + harm + its own prefill x the
         requests expected behind it (+ the move cost away from the chain's home), seconds."""
         cost = []
+        load = view.prefill_load
+        home, move_s = move if move is not None else (-1, 0.0)
         for r in replicas:
             est, harm, start = ests[r]
-            own = est - start
             gr = groups[r]
             blocked = sum(g[1] for g in gr) if gr else 0
-            behind = max(view.prefill_load(r) - blocked, per_replica * est)
-            cost.append(est + harm + own * behind + (move[1] if move is not None and r != move[0] else 0.0))
+            behind = max(load(r) - blocked, per_replica * est)
+            cost.append(est + harm + (est - start) * behind + (move_s if move is not None and r != home else 0.0))
         return cost
 
     @staticmethod
@@ -866,6 +877,7 @@ class BtbPlus(Policy[CostView]):
         prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
         nic_bps = cost.nic_bytes_per_s
         cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
+        queued, copy_after = view.queued_prefill_s, view.copy_after_s
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
@@ -878,11 +890,11 @@ class BtbPlus(Policy[CostView]):
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
                     prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
-                recompute = (0.0 if t in idle else view.queued_prefill_s(t)) + prefill_s
+                recompute = (0.0 if t in idle else queued(t)) + prefill_s
                 # A copy whose blocks land in the target's cache as they arrive (after 0) trails the source and
                 # lands when it finishes, no later than a recompute started now; one with steps after its bytes
                 # (l3: write-through, proof) must also land before that recompute would be done.
-                after = view.copy_after_s(t, send)
+                after = copy_after(t, send)
                 lands = max(transfer, src_left) + after
                 if not (transfer < recompute and (after <= 0 or lands < recompute)):
                     self._stats["copy_not_paying"] += 1
