@@ -454,13 +454,16 @@ class L3Replicator(CopyExecutor):
         return True
 
     def _backed(self, r: int, chain: Sequence[Hashable]) -> None:
-        """Worker ``r``'s agent holds pages of ``chain``: it is a copy source of the prefix again."""
-        held = self._unbacked.get(r)
-        if held:
-            held.difference_update(chain)
-            if not held:
-                del self._unbacked[r]
-        self._source_excluded.pop((r, chain[-1]), None)
+        """Worker ``r``'s agent holds pages of ``chain``: every worker it serves is a copy source of the prefix again
+        (the workers of a node share its agent's pages)."""
+        a = self.worker_agents[r]
+        for x in [r] if a < 0 else [x for x, b in enumerate(self.worker_agents) if b == a]:
+            held = self._unbacked.get(x)
+            if held:
+                held.difference_update(chain)
+                if not held:
+                    del self._unbacked[x]
+            self._source_excluded.pop((x, chain[-1]), None)
 
     def copy_source(self, chain: Sequence[Hashable], source: int, excluded: Collection[int] = ()) -> int:
         """The worker to copy ``chain`` from when a plan names ``source``: ``source``, unless it is :meth:`unbacked`
@@ -623,10 +626,10 @@ class L3Replicator(CopyExecutor):
                     continue
         if not holders:
             raise ReplicateError(409, f"no healthy worker holds prefix {chain[-1]} ({len(chain)} pages)")
-        # holders whose agent may have the pages first (one that restarted since lost them)
-        holders = [
-            r for r in holders if not self.unbacked(r, chain) and not self.source_excluded(r, chain[-1])
-        ] or holders
+        # holders whose agent may have the pages first (one that restarted since lost them), never an excluded one
+        # while another is not
+        usable = [r for r in holders if not self.source_excluded(r, chain[-1])] or holders
+        holders = [r for r in usable if not self.unbacked(r, chain)] or usable
         return await self._start_manual(
             chain,
             cands,
