@@ -179,7 +179,8 @@ class AgentClient:
         if on_new_arena is not None:
             self._on_new_arena = on_new_arena
         with self._lock:
-            if self._watcher is None and not self._closed.is_set():
+            self._closed.clear()  # a closed client held again is open again
+            if self._watcher is None or not self._watcher.is_alive():
                 self._watcher = threading.Thread(target=self._watch, name="btbctl-l3-hold", daemon=True)
                 self._watcher.start()
         self._hold_once()
