@@ -671,7 +671,7 @@ async def test_a_copy_from_a_holder_whose_agent_holds_none_of_the_pages_fails_af
 
     monkeypatch.setattr(l3_mod, "SOURCE_GRACE_S", 0.2)
     caplog.set_level(logging.INFO, logger="btbctl")
-    async with _L3Bed(tmp_path) as bed:
+    async with _L3Bed(tmp_path, (0, 1, 0)) as bed:
         bed.rep.source_wait_s = 600.0
         bed.state.workers[0].hold(bed.chain)  # recorded holder; its agent evicted the pages (no restart seen)
         t = bed.rep.request_copy(bed.chain, 0, 1)
@@ -679,11 +679,17 @@ async def test_a_copy_from_a_holder_whose_agent_holds_none_of_the_pages_fails_af
         await asyncio.wait_for(asyncio.shield(t.ready), 20)
         assert t.outcome == "failed" and "after 0.2 s and the source is not computing it" in t.error, t.error
         assert not _lines(caplog, "agent_restarted") and bed.rep.source_excluded(0, bed.chain[-1])
-        # pages seen in its agent later make it a source again
+        assert bed.rep.request_copy(bed.chain, 0, 1) is None  # refused while excluded: no job waits again
+        # worker 2, on the same node, computes the prefix: its agent holds the pages, and worker 0 may send them too
         bed.write(0, 0x11)
-        bed.rep._source_excluded.clear()
-        t = await bed.copy()
+        bed.state.workers[2].hold(bed.chain)
+        t = bed.rep.request_copy(bed.chain, 2, 1)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
         assert t.outcome == "proved", t.error
+        assert not bed.rep.source_excluded(0, bed.chain[-1])
+        restored = _lines(caplog, "l3_source_restored")
+        assert len(restored) == 1 and "workers=w0" in restored[0] and "agent=agent-0" in restored[0], restored
 
 
 async def test_a_copy_trailing_the_sources_prefill_still_waits_for_its_write_through(tmp_path):

@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import mmap
 import os
-import select
 import socket
 import threading
 import time
@@ -201,10 +200,11 @@ class AgentClient:
             c = self._held
             if c is not None:
                 try:
-                    ready, _, _ = select.select([c.sock], [], [], 0)
-                    if not ready or c.sock.recv(1, socket.MSG_PEEK):
+                    if c.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
                         continue  # open (an agent never sends on it unasked)
-                except (OSError, ValueError):
+                except (BlockingIOError, InterruptedError):
+                    continue  # open, nothing to read
+                except OSError:
                     pass
                 with self._lock:
                     if self._held is c:

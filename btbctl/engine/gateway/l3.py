@@ -54,7 +54,8 @@ seconds (an exclusion). No client request is involved in a job: a failure loses 
 
 Every state change is one structured log line (``event=l3_copy_accepted|l3_copy_started|l3_copy_proved|
 l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded|l3_source_excluded``, with copy id, prefix,
-source, target, bytes, seconds, outcome; ``agent_registered|agent_dropped|agent_restarted`` for the agents).
+source, target, bytes, seconds, outcome; ``l3_source_restored`` when an agent is seen holding pages of a prefix
+its workers could not send; ``agent_registered|agent_dropped|agent_restarted`` for the agents).
 """
 
 from __future__ import annotations
@@ -457,13 +458,25 @@ class L3Replicator(CopyExecutor):
         """Worker ``r``'s agent holds pages of ``chain``: every worker it serves is a copy source of the prefix again
         (the workers of a node share its agent's pages)."""
         a = self.worker_agents[r]
+        restored = []
         for x in [r] if a < 0 else [x for x, b in enumerate(self.worker_agents) if b == a]:
+            was = self.unbacked(x, chain) or (x, chain[-1]) in self._source_excluded
             held = self._unbacked.get(x)
             if held:
                 held.difference_update(chain)
                 if not held:
                     del self._unbacked[x]
             self._source_excluded.pop((x, chain[-1]), None)
+            if was:
+                restored.append(self.state.workers[x].name)
+        if restored:
+            log_event(
+                log,
+                "l3_source_restored",
+                prefix=chain[-1],
+                agent=self.agents[a]["name"] if a >= 0 else None,
+                workers=",".join(restored),
+            )
 
     def copy_source(self, chain: Sequence[Hashable], source: int, excluded: Collection[int] = ()) -> int:
         """The worker to copy ``chain`` from when a plan names ``source``: ``source``, unless it is :meth:`unbacked`
