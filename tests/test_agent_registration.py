@@ -49,6 +49,16 @@ def test_a_signed_fresh_announcement_is_taken():
     got = verify(body, sig, SECRET, NOW + 5)
     assert got.agent == "node-a" and got.workers == ("http://w0:1", "http://w1:1")
     assert got.peer_addr == "10.0.0.5:7500" and got.control_url == "http://10.0.0.5:7501"
+    assert got.instance is None and b"instance" not in body  # an agent that names no incarnation
+
+
+def test_an_announcement_names_the_agents_incarnation():
+    body, sig = _signed(_ann(instance="9f3c0a1b2c3d4e5f"))
+    assert verify(body, sig, SECRET, NOW).instance == "9f3c0a1b2c3d4e5f"
+    for bad in ("", 7, "x" * 65):
+        body, sig = _signed(_ann(instance=bad))
+        with pytest.raises(AnnouncementError, match=r"instance must be a string of 1\.\.64 characters"):
+            verify(body, sig, SECRET, NOW)
 
 
 @pytest.mark.parametrize(

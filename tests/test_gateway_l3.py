@@ -606,3 +606,130 @@ def test_a_trailing_warm_up_adds_at_least_the_prefetch_threshold_and_there_are_f
     assert trail_step_pages(64, 256) == 8  # 16k tokens: eight steps of 2,048 tokens
     assert trail_step_pages(4, 16) == 16  # 64 tokens: below SGLang's prefetch threshold, no trailing warm-up
     assert trail_step_pages(1024, 64) == 1024 // TRAIL_STEPS
+
+
+# -- a source whose agent lost the pages (restarted, or evicted them) is not waited for --------------------------
+
+
+class _Policy:
+    """A policy that only hears how its copy plans went."""
+
+    def __init__(self) -> None:
+        self.results: list[tuple[int, bool]] = []
+
+    def on_copy_result(self, plan, target, ok, now_s) -> None:
+        self.results.append((target, ok))
+
+
+def _lines(caplog, event: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if f"event={event} " in r.getMessage() + " "]
+
+
+async def test_a_copy_from_a_holder_whose_agent_restarted_fails_at_once_and_another_holder_is_the_source(
+    tmp_path, caplog
+):
+    from btbctl.engine.copies import CopyPlan
+
+    caplog.set_level(logging.INFO, logger="btbctl")
+    # worker 0 on agent 0; workers 1 and 2 on agent 1, whose store holds the prefix (worker 2 wrote it through)
+    async with _L3Bed(tmp_path, (0, 1, 1)) as bed:
+        rep = bed.rep
+        rep.source_wait_s = 600.0  # a source wait would outlast the test's bound
+        rep.observe_instance("agent-0", "incarnation-before")  # the agent the source computed the prefix under
+        bed.state.workers[0].hold(bed.chain)  # the gateway recorded worker 0 as holding it ...
+        bed.state.workers[0].add_pending(bed.chain)  # ... and sent it a request of it (a hit there: nothing written)
+        bed.write(1, 0x11)
+        bed.state.workers[2].hold(bed.chain)
+        # agent 0 restarted (its store is empty): the job sees its new instance and does not wait for the pages
+        t = rep.request_copy(bed.chain, 0, 1)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        assert t.outcome == "failed" and t.ready.result() is False
+        assert "holds none of the prefix's 4 pages: it restarted" in t.error, t.error
+        restarted = _lines(caplog, "agent_restarted")
+        assert len(restarted) == 1 and "old_instance=incarnation-before" in restarted[0], restarted
+        assert f"instance={bed.agents[0].instance}" in restarted[0] and "workers=w0" in restarted[0]
+        # the source is excluded for the prefix, not the target; nothing is marked warm
+        assert rep.unbacked(0, bed.chain) and rep.source_excluded(0, bed.chain[-1])
+        assert not rep.excluded(1, bed.chain[-1]) and bed.state.workers[1].held_blocks(bed.chain) == 0
+        assert len(_lines(caplog, "l3_source_excluded")) == 1 and not _lines(caplog, "l3_target_excluded")
+        assert "not computing it" in rep.refusal(bed.chain, 0, 1)
+        # a policy's plan from worker 0 is carried out from worker 2, whose agent holds the pages
+        policy = _Policy()
+        assert rep.execute(CopyPlan(bed.chain, 0, (1,), 1), policy) == [1]
+        assert policy.results == [(1, True)]
+        t2 = next(x for x in bed.state.transfers.active.values() if x.target == 1)
+        assert t2.source == 2
+        await asyncio.wait_for(asyncio.shield(t2.ready), 20)
+        assert t2.outcome == "proved" and t2.ready.result() is True, t2.error
+
+
+async def test_a_copy_from_a_holder_whose_agent_holds_none_of_the_pages_fails_after_the_grace(
+    tmp_path, caplog, monkeypatch
+):
+    from btbctl.engine.gateway import l3 as l3_mod
+
+    monkeypatch.setattr(l3_mod, "SOURCE_GRACE_S", 0.2)
+    caplog.set_level(logging.INFO, logger="btbctl")
+    async with _L3Bed(tmp_path, (0, 1, 0)) as bed:
+        bed.rep.source_wait_s = 600.0
+        bed.state.workers[0].hold(bed.chain)  # recorded holder; its agent evicted the pages (no restart seen)
+        t = bed.rep.request_copy(bed.chain, 0, 1)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        assert t.outcome == "failed" and "after 0.2 s and the source is not computing it" in t.error, t.error
+        assert not _lines(caplog, "agent_restarted") and bed.rep.source_excluded(0, bed.chain[-1])
+        assert bed.rep.request_copy(bed.chain, 0, 1) is None  # refused while excluded: no job waits again
+        # worker 2, on the same node, computes the prefix: its agent holds the pages, and worker 0 may send them too
+        bed.write(0, 0x11)
+        bed.state.workers[2].hold(bed.chain)
+        t = bed.rep.request_copy(bed.chain, 2, 1)
+        assert t is not None
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        assert t.outcome == "proved", t.error
+        assert not bed.rep.source_excluded(0, bed.chain[-1])
+        restored = _lines(caplog, "l3_source_restored")
+        assert len(restored) == 1 and "workers=w0" in restored[0] and "agent=agent-0" in restored[0], restored
+
+
+async def test_a_copy_trailing_the_sources_prefill_still_waits_for_its_write_through(tmp_path):
+    async with _L3Bed(tmp_path) as bed:
+        bed.state.workers[0].add_pending(bed.chain)  # a request computing the prefix there, nothing written yet
+        t = bed.rep.request_copy(bed.chain, 0, 1)
+        assert t is not None
+        await until(lambda: t.state.value == "running")  # the push waits at the source's agent for the pages
+        assert not t.ready.done()
+        bed.write(0, 0x11)
+        await asyncio.wait_for(asyncio.shield(t.ready), 20)
+        assert t.outcome == "proved", t.error
+
+
+def test_a_new_agent_instance_marks_the_prefixes_its_workers_held_unbacked(caplog):
+    caplog.set_level(logging.INFO, logger="btbctl")
+    state = FleetState(["http://w0", "http://w1"])
+    for w in state.workers:
+        w.healthy = True
+    rep = L3Replicator(
+        state,
+        lambda: None,
+        agents=[],
+        worker_agents=[],
+        agent_token="t",
+        prefix_tokens=_Prefixes(),
+        page_size=lambda: 16,
+    )
+    chain = ("a", "b", "c")
+    assert rep.register("node-a", "http://a:1", "a:2", [0, 1], 15.0, instance="one")
+    state.workers[0].hold(chain)
+    assert not rep.unbacked(0, chain)
+    # restarted: it announces again, with none of its workers connected yet (they lose their agent meanwhile)
+    assert rep.register("node-a", "http://a:1", "a:2", [], 15.0, instance="two")
+    assert rep.agent_names() == [None, None]
+    assert rep.unbacked(0, chain) and not rep.unbacked(1, chain)
+    assert rep.register("node-a", "http://a:1", "a:2", [0, 1], 15.0, instance="two")
+    assert rep.copy_source(chain, 0) == 0  # no other holder: as planned (the job finds out)
+    state.workers[1].hold(chain)
+    assert rep.copy_source(chain, 0) == 1
+    lines = _lines(caplog, "agent_restarted")
+    assert len(lines) == 1 and "old_instance=one" in lines[0] and "unbacked_blocks=3" in lines[0], lines
+    assert not rep.register("node-a", "http://a:1", "a:2", [0, 1], 15.0, instance="two")  # a renewal

@@ -1,7 +1,8 @@
 """``btbctl up`` of an ``l3`` fleet on this machine: the gateway's settings name no node agent; the agent registers
 with the gateway's control API (``--gateway``), ``up`` reports the fleet ready only once it did, copies are proved
-through it, and an agent killed and started again registers again, with all its workers, without the gateway being
-restarted."""
+through it, and an agent killed and started again registers again, with all its workers (their stores say hello to
+it at once), without the gateway being restarted; a copy of a prefix computed before the restart fails at once, with
+the reason, until new traffic writes the prefix's pages to the new agent, and then is proved."""
 
 from __future__ import annotations
 
@@ -50,19 +51,40 @@ def _agents(control: str, token: str) -> dict:
         return {a["name"]: a for a in json.loads(resp.read())["agents"]}
 
 
-def _complete(url: str, token: str, prompt: str) -> None:
-    """One completion straight to a worker (its token), answered."""
+def _generate(url: str, token: str, text: str) -> None:
+    """One ``/generate`` of ``text`` straight to a worker (its token), answered (as ``prewarm`` computes a text)."""
     import urllib.request
 
-    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1}).encode()
+    body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 1}}).encode()
     req = urllib.request.Request(
-        url + "/v1/completions",
+        url + "/generate",
         data=body,
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(req, timeout=30) as resp:
         assert resp.status == 200
+
+
+def _backed_up_tokens(url: str, token: str) -> float:
+    """The worker's ``sglang:backuped_tokens_total`` (tokens written through to L3)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(req, timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("sglang:backuped_tokens_total"))
+
+
+def _replicate(run_dir, prefix: str) -> dict:
+    """``btbctl replicate`` of ``prefix`` to one more worker (exit 0 or 1: done or failed); its JSON."""
+    proc = cli(
+        "replicate", "--prefix", prefix, "-n", "1", "--timeout-s", "20", "--run-dir", str(run_dir),
+        "--format", "json", check=False, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr
+    return json.loads(proc.stdout)
 
 
 def _proved_copies(run_dir, control: str, seed: int, want: int, target: str | None = None) -> list[dict]:
@@ -113,6 +135,12 @@ def test_up_registers_the_agent_and_a_restarted_agent_registers_again(tmp_path):
 
         done = _proved_copies(run_dir, control, seed=1, want=1)
         assert done and all(t["proof"] is not None for t in done), done
+        # a prompt computed on one worker and copied to another: both hold it, in their own tiers and the agent's
+        text = "an old system prompt that two workers hold " * 120
+        prompt = tmp_path / "prompt.txt"
+        prompt.write_text(text)
+        pre = cli_json("prewarm", str(prompt), "-n", "1", "--run-dir", str(run_dir), "--timeout-s", "60", timeout=90)
+        assert pre["status"] == "done" and len(pre["holders"]) == 2, pre
 
         # the agent dies; the test starts it again (same ports); the gateway, untouched, takes its registration
         old = rd.load().agents()[0]
@@ -120,12 +148,7 @@ def test_up_registers_the_agent_and_a_restarted_agent_registers_again(tmp_path):
         res = cli_json("restart", "agent-local", "--run-dir", str(run_dir), "--grace-s", "1")
         assert res["old_pid"] == old.pid
         gateway_pid = next(p.pid for p in rd.load().processes if p.role == "gateway")
-        # the workers' stores connect to the new agent when they next store or load pages (a call on the dead
-        # connection fails and drops it; the next connects): two requests each
-        wtoken = rd.worker_token_path.read_text().strip()
-        for k in range(2):
-            for i, w in enumerate(st["workers"]):
-                _complete(w["url"], wtoken, f"wake {i} {k} " * 600)
+        # no request needed: the workers' stores say hello to the new agent at once, and it announces them
         for _ in range(100):
             agents = _agents(control, token)
             if agents.get("agent-local", {}).get("workers") == ["w-0", "w-1", "w-2"]:
@@ -133,6 +156,24 @@ def test_up_registers_the_agent_and_a_restarted_agent_registers_again(tmp_path):
             time.sleep(0.1)
         assert agents["agent-local"]["workers"] == ["w-0", "w-1", "w-2"], agents
         assert next(p.pid for p in rd.load().processes if p.role == "gateway") == gateway_pid
+
+        # the new agent's store is empty and the holders keep the prompt in their own tiers: a copy from one of them
+        # fails at once with the reason (no wait for pages that cannot come), and nothing is marked warm
+        rep = _replicate(run_dir, pre["prefix"])
+        assert rep["status"] == "failed" and len(rep["copies"]) == 1, rep
+        assert "it restarted after the source computed the prefix" in rep["copies"][0]["error"], rep
+        # new traffic on the holders: they serve the prompt from their device and (emulated workers; SGLang would
+        # not) write its pages through to the new agent again; then a copy from the other holder is proved
+        wtoken = rd.worker_token_path.read_text().strip()
+        before = {u: _backed_up_tokens(u, wtoken) for u in pre["holders"]}
+        for u in pre["holders"]:
+            _generate(u, wtoken, text)
+        for _ in range(100):
+            if all(_backed_up_tokens(u, wtoken) > before[u] for u in pre["holders"]):
+                break
+            time.sleep(0.1)
+        rep = _replicate(run_dir, pre["prefix"])
+        assert rep["status"] == "done" and rep["copies"][0]["outcome"] == "proved", rep
     finally:
         cli("down", "--run-dir", str(run_dir), "--grace-s", "2", check=False)
 

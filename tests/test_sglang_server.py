@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -263,6 +264,52 @@ async def _snapshot(src):
         return await src.snapshot()
     finally:
         await src.close()
+
+
+def test_a_restarted_agent_gets_both_servers_back_and_a_prefix_they_kept_is_not_waited_for(fleet):
+    """SGLang's stores say hello to a restarted agent at once (it announces both servers again without a request),
+    but SGLang keeps the pages it backed up before marked so and never writes them to the new, empty agent: a copy
+    of such a prefix fails at once with the reason, instead of waiting ``l3_source_wait_s`` for pages that cannot
+    come; a prefix computed after the restart is copied and proved as before."""
+    import json
+
+    from btbctl.engine.launcher.rundir import RunDir
+
+    before = ids(PREFIX_TOKENS + 8, seed=29)
+    generate(fleet.gateway, before)
+    chain = page_keys(before, PAGE)
+    fleet.wait_written(chain[: PREFIX_TOKENS // PAGE])
+    pid = max(
+        (p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)), key=lambda p: p["prefix_blocks"]
+    )["id"]
+    fleet.cli("restart", "agent-local", "--grace-s", "1")
+    token = RunDir(fleet.run_dir).token_path.read_text().strip()
+    req = urllib.request.Request(fleet.control + "/control/agents", headers={"Authorization": f"Bearer {token}"})
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            agents = json.loads(r.read())["agents"]
+        if len(agents) == 1 and len(agents[0]["workers"]) == 2:
+            break
+        assert time.monotonic() < deadline, agents
+        time.sleep(0.2)
+
+    proc = fleet.cli("replicate", "--prefix", pid, "-n", "1", "--timeout-s", "20", "--format", "json", check=False)
+    rep = json.loads(proc.stdout)
+    assert proc.returncode == 1 and rep["status"] == "failed", (rep, proc.stderr)
+    assert "it restarted after the source computed the prefix" in rep["copies"][0]["error"], rep
+
+    after = ids(PREFIX_TOKENS + 8, seed=31)
+    generate(fleet.gateway, after)
+    chain = page_keys(after, PAGE)
+    fleet.wait_written(chain[: PREFIX_TOKENS // PAGE])
+    pid = max(
+        (p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)), key=lambda p: p["prefix_blocks"]
+    )["id"]
+    fleet.cli("replicate", "--prefix", pid, "-n", "1")
+    rec = http_json(fleet.control + f"/control/replications/{pid}")
+    done = [c for c in rec["copies"] if c["state"] == "done"]
+    assert done and done[-1]["proof_storage_tokens"] >= done[-1]["covered_tokens"], rec
 
 
 def test_the_agent_killed_mid_copy_fails_the_copy_and_sglang_keeps_serving(fleet):

@@ -300,3 +300,35 @@ def test_flags_the_emulation_cannot_honour_are_one_line_errors(flags, key, words
     with pytest.raises(ConfigError) as err:
         make_config(model_path="llama-3.3-70b", **flags)
     assert err.value.key == key and words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_restarted_agent_gets_the_workers_hello_at_once_and_reused_pages_written_again(tmp_path, workers):
+    """The agent dies and a new one starts on the same socket with an empty store: the worker's ranks say hello to it
+    without waiting for traffic, and the next request reusing the prefix from the device writes its pages through
+    again (SGLang would not: its host tier keeps them marked backed up; see btbctl/sglang_l3/store.py)."""
+    from agent_helpers import wait_for
+
+    old = start_agent(tmp_path, "node", arena_mib=32)
+    try:
+        a = workers(*_flags(old.socket))
+        _gen(a, PREFIX + [5])
+        _wait_backup(a, len(PREFIX))
+        nss = a.get("/server_info")[1]["btb"]["hicache"]["namespaces"]
+        keys = page_keys(PREFIX, PAGE)
+        assert sorted(old.call("POST", "/v1/has", {"keys": keys})[1]["complete"]) == sorted(nss)
+    finally:
+        old.kill()
+    new = start_agent(tmp_path, "node", arena_mib=32)
+    try:
+        # no request yet: the ranks' held connections said hello again, so the new agent knows their namespaces
+        wait_for(lambda: sorted(new.call("GET", "/v1/info")[1]["namespaces"]) == sorted(nss), what="hello again")
+        assert new.call("POST", "/v1/has", {"keys": keys})[1]["complete"] == []  # its store is empty
+        m = _gen(a, PREFIX + [7])  # a device hit: nothing computed ...
+        assert m["cached_tokens_details"]["device"] == len(PREFIX)
+        # ... and still written through to the new agent, whose store did not hold the pages
+        wait_for(
+            lambda: sorted(new.call("POST", "/v1/has", {"keys": keys})[1]["complete"]) == sorted(nss),
+            what="the prefix written through again",
+        )
+    finally:
+        new.stop()

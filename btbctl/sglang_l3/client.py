@@ -5,6 +5,11 @@ Each thread gets its own connection (SGLang's prefetch and backup threads call t
 is mapped once per agent incarnation (``arena_id``); when the agent restarts, the next ``hello`` maps the new one.
 Every call is bounded by ``timeout_s`` (the socket timeout covers each send and receive; a call is one request and
 one reply). Failures raise :class:`AgentUnavailable`; the store turns them into misses.
+
+The connection :meth:`AgentClient.hold` opens is kept for the client's life and watched: when the agent closes it
+(it stopped), a background thread says hello again every :data:`RECONNECT_BACKOFF_S` until an agent answers, so a
+restarted agent knows (and announces) the worker without waiting for its next store or load, and reports the new
+incarnation to ``on_new_arena``.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from btbctl.sglang_l3.wire import WireError, encode, recv_frame, recv_frame_with_fds
 
 #: Seconds a store waits before trying an agent that refused a connection again (a down agent costs one failed
 #: connect per this interval per thread, not one per call).
 RECONNECT_BACKOFF_S = 1.0
+#: Seconds between looks at the held connection (how soon a store notices its agent stopped, and how long closing
+#: the client may leave its watcher running).
+WATCH_POLL_S = 0.2
 
 
 class AgentUnavailable(Exception):
@@ -100,6 +109,9 @@ class AgentClient:
         self._arena: Arena | None = None
         self._lock = threading.Lock()
         self._down_until = 0.0
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._on_new_arena: Callable[[str, str], None] | None = None
 
     # -- connections ------------------------------------------------------------------------------------------
 
@@ -126,7 +138,7 @@ class AgentClient:
             if not rep.get("ok") or not fds:
                 raise AgentUnavailable("hello", f"agent refused hello: {rep.get('error', 'no arena fd')}")
             with self._lock:
-                arena = self._arena
+                arena = before = self._arena
                 if arena is None or arena.arena_id != rep.get("arena_id"):
                     arena = _shared_arena(fds[0], int(rep["arena_bytes"]), str(rep["arena_id"]))
                     self._arena = arena
@@ -139,25 +151,72 @@ class AgentClient:
         finally:
             for fd in fds:
                 os.close(fd)
+        cb = self._on_new_arena
+        if cb is not None and before is not None and before is not arena:
+            cb(before.arena_id, arena.arena_id)
         return _Conn(s, arena, rep.get("ns_id"))
 
     def conn(self) -> _Conn:
-        """This thread's connection (connecting on first use). Raises :class:`AgentUnavailable`."""
+        """This thread's connection (connecting on first use, and again when another connection found a new agent:
+        this one is to the old). Raises :class:`AgentUnavailable`."""
         c = getattr(self._local, "conn", None)
+        if c is not None and c.arena is not self._arena:
+            self._drop()
+            c = None
         if c is None:
             c = self._connect()
             self._local.conn = c
         return c
 
-    def hold(self) -> None:
+    def hold(self, on_new_arena: Callable[[str, str], None] | None = None) -> None:
         """Say hello now on a connection kept open for the client's life (not one thread's), so the agent knows
-        this store's namespace and worker from the start. Raises :class:`AgentUnavailable`."""
+        this store's namespace and worker from the start, and keep it: a background thread says hello again when
+        the agent closes it (see the module docstring), and calls ``on_new_arena(old_arena_id, new_arena_id)`` (in
+        the thread that connected: the watcher, or a store or load) when an agent answers with another arena than
+        the one before (it restarted). The watcher starts even when this first hello fails (raises
+        :class:`AgentUnavailable` then)."""
+        if on_new_arena is not None:
+            self._on_new_arena = on_new_arena
+        with self._lock:
+            self._closed.clear()  # a closed client held again is open again
+            if self._watcher is None or not self._watcher.is_alive():
+                self._watcher = threading.Thread(target=self._watch, name="btbctl-l3-hold", daemon=True)
+                self._watcher.start()
+        self._hold_once()
+
+    def _hold_once(self) -> None:
         c = self._connect()
         with self._lock:
             old, self._held = self._held, c
+            if self._closed.is_set():  # closed meanwhile: keep nothing open
+                old, self._held = c, None
         if old is not None:
             with contextlib.suppress(OSError):
                 old.sock.close()
+
+    def _watch(self) -> None:
+        """The held connection's watcher (see :meth:`hold`)."""
+        while not self._closed.wait(WATCH_POLL_S):
+            c = self._held
+            if c is not None:
+                try:
+                    if c.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        continue  # open (an agent never sends on it unasked)
+                except (BlockingIOError, InterruptedError):
+                    continue  # open, nothing to read
+                except OSError:
+                    pass
+                with self._lock:
+                    if self._held is c:
+                        self._held = None
+                with contextlib.suppress(OSError):
+                    c.sock.close()
+            if self._closed.is_set():
+                return
+            try:
+                self._hold_once()
+            except AgentUnavailable:
+                self._closed.wait(RECONNECT_BACKOFF_S)
 
     def _drop(self) -> None:
         c = getattr(self._local, "conn", None)
@@ -197,6 +256,7 @@ class AgentClient:
             self._drop()
 
     def close(self) -> None:
+        self._closed.set()
         self._drop()
         with self._lock:
             held, self._held = self._held, None
@@ -207,4 +267,4 @@ class AgentClient:
 
 memmove = ctypes.memmove
 
-__all__ = ["AgentClient", "AgentUnavailable", "Arena", "RECONNECT_BACKOFF_S", "memmove"]
+__all__ = ["AgentClient", "AgentUnavailable", "Arena", "RECONNECT_BACKOFF_S", "WATCH_POLL_S", "memmove"]

@@ -26,6 +26,14 @@ for MHA, one per layer for MLA; ``page_first``/``page_first_direct``: K and V, o
 The generic path stores the pool's flat data page (``get_data_page(i, flat=True)``, ``pool_host/mha.py:713-725``).
 The two orders differ for ``layer_first``, so the interface is part of the namespace.
 
+Agent restart: the connection said hello on at start-up is kept and watched (:meth:`AgentClient.hold
+<btbctl.sglang_l3.client.AgentClient.hold>`), so a restarted agent learns this store's namespace and worker at once
+and announces the worker again. What it cannot do through SGLang's storage-backend API: tell SGLang that the new
+agent's store is empty. SGLang writes a page to L3 only when its host tier backs it up, and it keeps its pages
+marked backed up, so the prefixes this worker computed before the restart stay out of the new agent until SGLang
+evicts and recomputes them (the gateway then copies them from another holder or has them recomputed; see
+``btbctl/engine/gateway/l3.py``). One log line says so at each restart.
+
 Failure policy: nothing on the data path raises or blocks past ``timeout_s``. Any failure is a miss (``get``:
 None/False; ``set``: False; ``exists``: 0) and is logged once per kind. Configuration errors (unknown keys, bad
 values) raise ``ValueError`` with one line at construction, when SGLang starts.
@@ -114,7 +122,7 @@ class BtbL3Store(HiCacheStorage):
         self.ns_id = self.namespace.ns_id
         self.client = AgentClient(self.socket_path, self.timeout_s, self.namespace.describe(), self.worker_url)
         try:  # hello now, on a connection kept open: the agent announces this worker to the gateway while connected
-            self.client.hold()
+            self.client.hold(self._agent_restarted)
         except AgentUnavailable as e:
             log.info("btbctl L3 store: agent not reachable at start-up (%s); it connects on first use", e)
         log.info(
@@ -123,6 +131,15 @@ class BtbL3Store(HiCacheStorage):
             self.namespace.describe(),
             self.page_bytes,
             self.socket_path,
+        )
+
+    def _agent_restarted(self, old_arena_id: str, new_arena_id: str) -> None:
+        log.warning(
+            "btbctl L3 store: the agent at %s restarted (arena %s -> %s) with an empty store; pages SGLang backed up "
+            "before are not written to it again until SGLang evicts and recomputes them",
+            self.socket_path,
+            old_arena_id,
+            new_arena_id,
         )
 
     def _warn_once(self, kind: str, message: str) -> None:

@@ -148,6 +148,8 @@ class Agent:
         except CredentialsError as e:
             raise ConfigError("--secret-file", str(e)) from None
         self.agent_id = self.credentials.agent_id
+        #: this process's incarnation: a restarted agent (same id, an empty page store) names a new one
+        self.instance = secrets.token_hex(8)
         if cfg.gateways:
             if cfg.register_interval_s <= 0:
                 raise ConfigError("--register-interval-s", f"must be > 0, got {cfg.register_interval_s}")
@@ -272,6 +274,7 @@ class Agent:
             "agent_started",
             {
                 "agent": self.agent_id,
+                "instance": self.instance,
                 "peer": f"{cfg.peer_host}:{self.peer_port}",
                 "control": f"{cfg.control_host}:{self.control_port}",
                 "socket": cfg.socket_path,
@@ -301,6 +304,7 @@ class Agent:
             workers=tuple(self.local.workers() if self.local is not None else ()),
             ttl_s=REGISTER_TTL_PERIODS * cfg.register_interval_s,
             sent_at=sent_at,
+            instance=self.instance,
         ).body()
 
     async def announce(self, session, gateway: str) -> str | None:
@@ -395,6 +399,7 @@ class Agent:
         assert self.store is not None
         return {
             "agent": self.agent_id,
+            "instance": self.instance,
             "peer_addr": f"{self.cfg.peer_host}:{self.peer_port}",
             "control_port": self.control_port,
             "socket": self.cfg.socket_path,

@@ -29,7 +29,7 @@ by default every namespace this node knows (each TP rank of a worker registers i
 * ``POST /v1/copies/{copy_id}/cancel`` -> ``{"cancelled": bool}``.
 * ``POST /v1/pin {"keys", "namespaces"?, "ttl_s"}`` / ``POST /v1/unpin {"keys", "namespaces"?}``: hold a hot
   prefix's pages against eviction.
-* ``GET /v1/info``: agent id, peer address, arena use, namespaces.
+* ``GET /v1/info``: agent id, its ``instance`` (new at every start), peer address, arena use, namespaces.
 
 Errors: ``{"error": one line}`` with 400 (bad input), 401/403 (token), 404, 409 (pages not held), 507 (no room).
 """

@@ -34,6 +34,18 @@ with ``mode="l3"``):
    target computed the prefix; False: the copy failed, and the request is routed again). A target never gets a
    request of the prefix while its pages are incomplete.
 
+**A source whose pages cannot arrive is not waited for.** A job starts streaming from its source when the source's
+agent holds a leading page of the prefix, or when the source is computing the prefix (a request of it in flight
+there that the gateway did not record it as holding: the copy trails that prefill). A recorded holder whose agent
+holds none of the pages writes none (SGLang writes a page through once, when its host tier first backs it up; a
+hit on a backed-up page writes nothing): the job waits at most :data:`SOURCE_GRACE_S` for a first page (the
+write-through of a prefill that just ended) and fails at once when the source held the prefix before its agent
+last restarted. An agent's restart is seen as a new ``instance`` (in its registration and ``GET /v1/info``): the
+prefixes its workers were recorded as holding then are *unbacked* there (one ``agent_restarted`` line) until the
+agent is seen holding their pages. Such a failure (``l3_copy_failed``, then ``l3_source_excluded``) excludes the
+source, not the target, from copies of the prefix for ``exclude_s``; a policy's plan from an unbacked or excluded
+source is carried out from another recorded holder whose agent may have the pages, else from it as planned.
+
 Bounds: at most ``max_copies`` jobs in flight in the fleet and ``max_copies_per_agent`` from or to one agent (more
 are refused, and the policy may ask again on a later arrival); the source's pages must all land within
 ``source_wait_s``, the copy end within ``copy_timeout_s`` after that, the warm-up within ``warmup_timeout_s``. Any
@@ -41,27 +53,30 @@ failed step ends the job ``failed`` with the reason, and the target gets no copy
 seconds (an exclusion). No client request is involved in a job: a failure loses none.
 
 Every state change is one structured log line (``event=l3_copy_accepted|l3_copy_started|l3_copy_proved|
-l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded``, with copy id, prefix, source, target, bytes,
-seconds, outcome).
+l3_copy_failed|l3_proof_short|l3_proof_untrusted|l3_target_excluded|l3_source_excluded``, with copy id, prefix,
+source, target, bytes, seconds, outcome; ``l3_source_restored`` when an agent is seen holding pages of a prefix
+its workers could not send; ``agent_registered|agent_dropped|agent_restarted`` for the agents).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 
-from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyState, copy_origin, is_write_origin
+from btbctl.engine.copies import ORIGIN_COPY_PREFIX, CopyOutcome, CopyPlan, CopyState, copy_origin, is_write_origin
 from btbctl.engine.gateway.replicator import CopyExecutor, ReplicateError, ReplicateOutcome
 from btbctl.engine.gateway.state import FleetState, Transfer
 from btbctl.engine.gateway.tokens import PrefixTokens
 from btbctl.engine.logfmt import log_event
+from btbctl.engine.policies.base import Policy
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +95,18 @@ EXPECT_TTL_S = 120.0
 #: Copy ids this gateway ordered that it remembers (oldest forgotten first): their pages count in later proofs on the
 #: same node (a same-node job reading pages an earlier copy brought). A product choice: hours of copies.
 MAX_ORDERED_COPIES = 1 << 16
+#: Longest wait for a first page of the prefix in the source's agent when the source is not computing the prefix,
+#: seconds: the write-through of the last chunk of a prefill that just ended (SGLang writes a chunk's pages through
+#: within 100-200 ms of committing it, see the module docstring; a product choice with room for a loaded host).
+SOURCE_GRACE_S = 2.0
 
 
 class AgentCallError(Exception):
     """An agent answered badly or not at all (one line)."""
+
+
+class SourceLost(Exception):
+    """The source's agent holds none of the prefix's pages and the source is not writing them (one line)."""
 
 
 def _namespace_groups(info: dict) -> list[list[str]]:
@@ -257,6 +280,17 @@ class L3Replicator(CopyExecutor):
         #: registered agents' expiry (the state's clock), by name; the static ones of the config never expire
         self._expires: dict[str, float] = {}
         self._static = set(self._index)
+        #: each agent's incarnation as last seen (registration or ``/v1/info``), by name
+        self._instances: dict[str, str] = {}
+        #: the agent that last served each worker (kept while it has none, to know whose restart it missed)
+        self._last_agent: dict[int, str] = {
+            r: self.agents[a]["name"] for r, a in enumerate(self.worker_agents) if a >= 0
+        }
+        #: per worker, the blocks it was recorded as holding when its agent last restarted (their pages are not in
+        #: the new agent until seen there)
+        self._unbacked: dict[int, set[Hashable]] = {}
+        #: (source, prefix key) -> until when (the state's clock) copies of the prefix from that source are refused
+        self._source_excluded: dict[tuple[int, Hashable], float] = {}
 
     # -- eligibility ---------------------------------------------------------------------------------------------
 
@@ -303,13 +337,23 @@ class L3Replicator(CopyExecutor):
         return a >= 0 and self.agents[a]["name"] in self._static and self.agents[a]["name"] != name
 
     def register(
-        self, name: str, control_url: str, peer_addr: str, workers: Sequence[int], ttl_s: float, **fields: object
+        self,
+        name: str,
+        control_url: str,
+        peer_addr: str,
+        workers: Sequence[int],
+        ttl_s: float,
+        instance: str | None = None,
+        **fields: object,
     ) -> bool:
         """Record agent ``name``'s announcement: it serves the workers of indices ``workers`` (they leave the agent
         they had, unless :meth:`pinned` to an agent of the settings), at ``control_url`` / ``peer_addr``, until
         ``ttl_s`` seconds from now (the state's clock) unless it announces again. A re-registration replaces the
-        previous one: workers it no longer names lose their agent. Logs one ``agent_registered`` line (old and new)
-        when anything changed; returns whether it did. ``fields`` (``node``, ...) go into that line."""
+        previous one: workers it no longer names lose their agent. ``instance``: the agent's incarnation (None: an
+        agent that names none); a new one is a restart (:meth:`observe_instance`). Logs one ``agent_registered`` line
+        (old and new) when anything changed; returns whether it did. ``fields`` (``node``, ...) go into that line."""
+        old_instance = self._instances.get(name)
+        self.observe_instance(name, instance)
         now = self.state.clock()
         new = {"name": name, "control_url": control_url, "peer_addr": peer_addr}
         i = self._index.get(name)
@@ -333,7 +377,10 @@ class L3Replicator(CopyExecutor):
             elif a == i:
                 self.worker_agents[r] = -1
         after = [r for r, a in enumerate(self.worker_agents) if a == i]
-        same = old is not None and old == new and before == after and not moved
+        for r in after:
+            self._last_agent[r] = name
+        renewed = instance is None or instance == old_instance
+        same = old is not None and old == new and before == after and not moved and renewed
         if same:
             return False
         names = lambda rs: ",".join(self.state.workers[r].name for r in rs) or None
@@ -350,9 +397,116 @@ class L3Replicator(CopyExecutor):
             workers=names(after),
             taken_from=",".join(f"{self.state.workers[r].name}:{a}" for r, a in moved.items()) or None,
             ttl_s=ttl_s,
+            old_instance=old_instance,
+            instance=instance,
             **fields,
         )
         return True
+
+    def observe_instance(self, name: str, instance: object) -> bool:
+        """Agent ``name`` names incarnation ``instance`` (its registration or ``GET /v1/info``; anything but a
+        non-empty string is ignored). A new one after another means the agent restarted with an empty page store:
+        the prefixes the workers it served were recorded as holding are *unbacked* there from now on (not a copy
+        source until its agent is seen holding their pages; :meth:`unbacked`). One ``agent_restarted`` line;
+        returns whether it restarted."""
+        if not isinstance(instance, str) or not instance:
+            return False
+        old = self._instances.get(name)
+        self._instances[name] = instance
+        if old is None or old == instance:
+            return False
+        served = sorted(r for r, a in self._last_agent.items() if a == name)
+        blocks = 0
+        for r in served:
+            held = set(self.state.workers[r].holdings)
+            self._unbacked[r] = held
+            blocks += len(held)
+        # its pages of a prefix are gone: a source exclusion learned from the old incarnation says nothing now
+        for k in [k for k in self._source_excluded if k[0] in served]:
+            del self._source_excluded[k]
+        log_event(
+            log,
+            "agent_restarted",
+            logging.WARNING,
+            agent=name,
+            old_instance=old,
+            instance=instance,
+            workers=",".join(self.state.workers[r].name for r in served) or None,
+            unbacked_blocks=blocks,
+        )
+        return True
+
+    def unbacked(self, r: int, chain: Sequence[Hashable]) -> bool:
+        """Whether worker ``r`` was recorded as holding ``chain`` when its node agent last restarted, and its agent
+        was not seen holding the prefix's pages since: a request of it there reuses the worker's own tiers and
+        writes nothing to the new agent."""
+        held = self._unbacked.get(r)
+        return bool(held) and bool(chain) and chain[-1] in held
+
+    def source_excluded(self, r: int, key: Hashable) -> bool:
+        """Whether copies of prefix ``key`` from worker ``r`` are refused now (a copy from it found its agent
+        without the pages and ``r`` not writing them, within ``exclude_s``)."""
+        until = self._source_excluded.get((r, key))
+        if until is None:
+            return False
+        if until <= self.state.clock():
+            del self._source_excluded[(r, key)]
+            return False
+        return True
+
+    def _backed(self, r: int, chain: Sequence[Hashable]) -> None:
+        """Worker ``r``'s agent holds pages of ``chain``: every worker it serves is a copy source of the prefix again
+        (the workers of a node share its agent's pages)."""
+        a = self.worker_agents[r]
+        restored = []
+        for x in [r] if a < 0 else [x for x, b in enumerate(self.worker_agents) if b == a]:
+            was = self.unbacked(x, chain) or (x, chain[-1]) in self._source_excluded
+            held = self._unbacked.get(x)
+            if held:
+                held.difference_update(chain)
+                if not held:
+                    del self._unbacked[x]
+            self._source_excluded.pop((x, chain[-1]), None)
+            if was:
+                restored.append(self.state.workers[x].name)
+        if restored:
+            log_event(
+                log,
+                "l3_source_restored",
+                prefix=chain[-1],
+                agent=self.agents[a]["name"] if a >= 0 else None,
+                workers=",".join(restored),
+            )
+
+    def copy_source(self, chain: Sequence[Hashable], source: int, excluded: Collection[int] = ()) -> int:
+        """The worker to copy ``chain`` from when a plan names ``source``: ``source``, unless it is :meth:`unbacked`
+        or :meth:`source_excluded` for the prefix and another worker (not in ``excluded``) that accepts copies is
+        recorded as holding it and is neither; then the least loaded of those (ties: lower index)."""
+        if not chain or not (self.unbacked(source, chain) or self.source_excluded(source, chain[-1])):
+            return source
+        ws = self.state.workers
+        n = len(chain)
+        others = [
+            r
+            for r in range(len(ws))
+            if r != source
+            and r not in excluded
+            and self.accepts_copies(r)
+            and ws[r].held_blocks(chain) >= n
+            and not self.unbacked(r, chain)
+            and not self.source_excluded(r, chain[-1])
+        ]
+        if not others:
+            return source
+        return min(others, key=lambda r: (ws[r].inflight, r))
+
+    def execute(self, plan: CopyPlan, policy: Policy, excluded: Collection[int] = ()) -> list[int]:
+        """:meth:`CopyExecutor.execute` of ``plan`` from :meth:`copy_source` (a holder whose agent may have the
+        pages when the planned source's cannot)."""
+        source = self.copy_source(plan.prefix, plan.source, tuple(excluded) + tuple(plan.targets))
+        if source != plan.source:
+            plan = dataclasses.replace(plan, source=source)
+        return super().execute(plan, policy, excluded)
 
     def expire(self) -> list[str]:
         """Drop the registered agents whose announcement ran out (the state's clock): their workers lose their agent
@@ -428,6 +582,11 @@ class L3Replicator(CopyExecutor):
         for what, r in (("source", source), ("target", target)):
             if not self.has_agent(r):
                 return f"the {what} has no node agent (none registered it)"
+        if self.source_excluded(source, chain[-1]):
+            return (
+                "the source's node agent held none of the prefix's pages and the source was not computing it "
+                "(excluded as its source for exclude_s)"
+            )
         tw = self.state.workers[target]
         if tw.held_blocks(chain) >= len(chain):
             return "target already holds the prefix"
@@ -480,6 +639,10 @@ class L3Replicator(CopyExecutor):
                     continue
         if not holders:
             raise ReplicateError(409, f"no healthy worker holds prefix {chain[-1]} ({len(chain)} pages)")
+        # holders whose agent may have the pages first (one that restarted since lost them), never an excluded one
+        # while another is not
+        usable = [r for r in holders if not self.source_excluded(r, chain[-1])] or holders
+        holders = [r for r in usable if not self.unbacked(r, chain)] or usable
         return await self._start_manual(
             chain,
             cands,
@@ -517,6 +680,14 @@ class L3Replicator(CopyExecutor):
         self._excluded[(t.target, t.key)] = self.state.clock() + self.exclude_s
         self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind, **self._phase_fields(t))
         self._event("target_excluded", t, for_s=self.exclude_s, reason=reason)
+
+    def _fail_source(self, t: Transfer, reason: str) -> None:
+        """End ``t`` failed because its source's pages cannot arrive (:class:`SourceLost`): the source, not the
+        target, is excluded from copies of this prefix for ``exclude_s`` (one ``l3_source_excluded`` line)."""
+        self.proofs[CopyOutcome.FAILED.value] += 1
+        self._source_excluded[(t.source, t.key)] = self.state.clock() + self.exclude_s
+        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=CopyOutcome.FAILED, **self._phase_fields(t))
+        self._event("source_excluded", t, for_s=self.exclude_s, reason=reason)
 
     def _done(self, t: Transfer, warmups: int) -> None:
         self.proofs["proved"] += 1
@@ -568,28 +739,64 @@ class L3Replicator(CopyExecutor):
         return None
 
     async def _groups(self, agent: dict) -> list[list[str]]:
+        """The agent's namespace groups (``GET /v1/info``; its ``instance`` goes to :meth:`observe_instance`)."""
         st, info = await self._call(agent, "GET", "/v1/info")
         if st != 200:
             raise AgentCallError(f"agent {agent['name']}: /v1/info answered {st}")
+        self.observe_instance(agent["name"], info.get("instance"))
         return _namespace_groups(info)
 
+    def _computing(self, t: Transfer) -> bool:
+        """Whether the pages of ``t``'s prefix are on their way to its source's agent: a request of it in flight at
+        the source (no first byte yet) while the source is not recorded as holding it and was not holding it when
+        its agent last restarted (a request on a holder reuses its own tiers and writes nothing), or a copy of it to
+        the source in flight."""
+        w = self.state.workers[t.source]
+        n = len(t.chain)
+        if self.state.transfers.depth_to(t.source, t.chain) >= n:
+            return True
+        return w.held_blocks(t.chain) < n and w.pending_or_held(t.chain) >= n and not self.unbacked(t.source, t.chain)
+
     async def _source_group(self, t: Transfer, agent: dict, keys: list) -> list[str] | str:
-        """The namespaces the source's pages of ``keys`` are (or will be) written to on ``agent``: the one group its
-        workers registered, else the group holding the longest leading run (waited for while none holds a page);
-        or why none."""
-        deadline = self.state.clock() + self.source_wait_s
+        """The namespaces the source's pages of ``keys`` are (or will be) written to on ``agent``: the group holding
+        the longest leading run when one holds a page; while the source computes the prefix (:meth:`_computing`),
+        the one group its workers registered (the stream trails the prefill), else such a run waited for up to
+        ``source_wait_s``; or why none. Raises :class:`SourceLost` when the source is not computing the prefix and
+        its agent holds none of its pages: at once when the source is :meth:`unbacked`, else after
+        :data:`SOURCE_GRACE_S` (the write-through of a prefill that just ended)."""
+        clock = self.state.clock
+        deadline = clock() + self.source_wait_s
+        grace_end: float | None = None
         errors = 0
         while True:
             try:
                 groups = await self._groups(agent)
-                if len(groups) == 1:
-                    return groups[0]
+                best, run = None, 0
                 if groups:
                     st, has = await self._call(agent, "POST", "/v1/has", {"keys": keys})
                     runs = has.get("namespaces") or {} if st == 200 else {}
                     best = max(groups, key=lambda g: min(int(runs.get(ns, 0)) for ns in g))
-                    if min(int(runs.get(ns, 0)) for ns in best) > 0:
-                        return best
+                    run = min(int(runs.get(ns, 0)) for ns in best)
+                if best is not None and run > 0:
+                    self._backed(t.source, t.chain)
+                    return best
+                if self._computing(t):
+                    if len(groups) == 1:
+                        return groups[0]
+                else:
+                    where = f"the source's node agent {agent['name']} holds none of the prefix's {len(keys)} pages"
+                    if self.unbacked(t.source, t.chain):
+                        raise SourceLost(
+                            f"{where}: it restarted after the source computed the prefix, which the source keeps in "
+                            "its own tiers without writing it again"
+                        )
+                    if grace_end is None:
+                        grace_end = clock() + min(self.source_wait_s, SOURCE_GRACE_S)
+                    elif clock() >= grace_end:
+                        raise SourceLost(
+                            f"{where} after {min(self.source_wait_s, SOURCE_GRACE_S):g} s and the source is not "
+                            "computing it"
+                        )
                 errors = 0
             except AgentCallError as e:
                 errors += 1
@@ -597,7 +804,7 @@ class L3Replicator(CopyExecutor):
                     return f"source agent unreachable: {e}"
             if not self._usable(t.source):
                 return "source became unhealthy"
-            if self.state.clock() >= deadline:
+            if clock() >= deadline:
                 return f"no namespace on the source's agent received the prefix within {self.source_wait_s:g} s"
             await asyncio.sleep(POLL_S)
 
@@ -645,6 +852,8 @@ class L3Replicator(CopyExecutor):
                 self._fail(t, *reason)
             elif reason is not None:
                 self._fail(t, reason)
+        except SourceLost as e:
+            self._fail_source(t, str(e))
         except asyncio.CancelledError:
             if t.active:
                 self._fail(t, "gateway stopped")
@@ -1108,4 +1317,12 @@ class L3Replicator(CopyExecutor):
         return why, outcome
 
 
-__all__ = ["AgentCallError", "CALL_TIMEOUT_S", "L3Replicator", "POLL_S", "classify_proof"]
+__all__ = [
+    "AgentCallError",
+    "CALL_TIMEOUT_S",
+    "L3Replicator",
+    "POLL_S",
+    "SOURCE_GRACE_S",
+    "SourceLost",
+    "classify_proof",
+]

@@ -341,6 +341,7 @@ class Gateway:
             ann.peer_addr,
             mine,
             ann.ttl_s,
+            instance=ann.instance,
             node=ann.node,
             unknown_workers=",".join(unknown) or None,
             pinned_workers=",".join(pinned) or None,

@@ -4,11 +4,13 @@ checks. One definition, used by the agent that sends and the gateway that receiv
 An announcement is a JSON object (:class:`Announcement`)::
 
     {"agent": "node-a", "node": "node-a", "peer_addr": "10.0.0.5:7500", "control_url": "http://10.0.0.5:7501",
-     "workers": ["http://w0:30000", ...], "ttl_s": 15.0, "sent_at": 1733270400.0}
+     "workers": ["http://w0:30000", ...], "ttl_s": 15.0, "sent_at": 1733270400.0, "instance": "9f3c0a1b2c3d4e5f"}
 
 ``workers``: the URLs of the workers whose HiCache L3 tier is this agent (the worker URLs the gateway knows);
 ``ttl_s``: how long the gateway keeps the announcement without a new one, seconds; ``sent_at``: the sender's Unix
-time.
+time; ``instance`` (optional): the agent process's incarnation (:data:`MAX_INSTANCE_CHARS` characters at most, new
+at every start; ``GET /v1/info`` names it too): a new one under the same name means the agent restarted with an
+empty page store.
 
 Signature: header :data:`SIGNATURE_HEADER` = ``HMAC(register_key(N), "btbctl-agent-register-v1" | body)`` (hex) over
 the exact body bytes, where ``register_key(N) = HMAC(node_key(N), "btbctl-agent-register-v1")`` and ``node_key(N)``
@@ -41,7 +43,9 @@ MAX_ANNOUNCED_WORKERS = 256
 #: Bounds of ``ttl_s``, seconds.
 MIN_TTL_S, MAX_TTL_S = 0.1, 3600.0
 #: Keys of an announcement, in the order they are written.
-FIELDS = ("agent", "node", "peer_addr", "control_url", "workers", "ttl_s", "sent_at")
+FIELDS = ("agent", "node", "peer_addr", "control_url", "workers", "ttl_s", "sent_at", "instance")
+#: Longest ``instance``, characters (an agent sends 16 hex digits).
+MAX_INSTANCE_CHARS = 64
 
 
 class AnnouncementError(ValueError):
@@ -63,10 +67,11 @@ class Announcement:
     workers: tuple[str, ...]
     ttl_s: float
     sent_at: float
+    instance: str | None = None
 
     def body(self) -> bytes:
-        """The JSON body that is signed and sent."""
-        d = {k: getattr(self, k) for k in FIELDS}
+        """The JSON body that is signed and sent (``instance`` only when set)."""
+        d = {k: getattr(self, k) for k in FIELDS if k != "instance" or self.instance is not None}
         d["workers"] = list(self.workers)
         return json.dumps(d, separators=(",", ":")).encode()
 
@@ -143,13 +148,17 @@ def verify(body: bytes, signature: str | None, fleet_secret: bytes, now_s: float
             "a replay, or a node clock out of sync",
             403,
         )
-    return Announcement(agent, node, str(peer), control_url, urls, float(ttl), float(sent))
+    instance = obj.get("instance")
+    if instance is not None and (not isinstance(instance, str) or not 1 <= len(instance) <= MAX_INSTANCE_CHARS):
+        raise AnnouncementError(f"instance must be a string of 1..{MAX_INSTANCE_CHARS} characters")
+    return Announcement(agent, node, str(peer), control_url, urls, float(ttl), float(sent), instance)
 
 
 __all__ = [
     "Announcement",
     "AnnouncementError",
     "FIELDS",
+    "MAX_INSTANCE_CHARS",
     "MAX_ANNOUNCED_WORKERS",
     "MAX_CLOCK_SKEW_S",
     "REGISTER_LABEL",

@@ -33,6 +33,13 @@ unified_radix_cache.py`` ``prefetch_from_storage`` / ``check_prefetch_progress``
   seconds (extra config, defaults 1.0 and 0.25) and gets the pages read by then. ``best_effort``: it is admitted at
   once without the prefetch's pages (on an idle worker SGLang's first admission poll comes before the read), which
   land in the host tier for later requests.
+* **Agent restart.** The store's held connection to the agent is watched (:meth:`AgentClient.hold
+  <btbctl.sglang_l3.client.AgentClient.hold>`): when the agent restarts, every rank says hello to the new one at once
+  (the agent announces the worker again without waiting for traffic), and the pages the host tier held then are
+  marked *unbacked* (one ``hicache_l3_unbacked`` line): the new agent's store is empty, and where SGLang would not
+  write a backed-up page again, the next request that reuses such a page from the device or host tier writes it
+  through (``write_through``, ``write_through_selective``), or its eviction from the device writes it back
+  (``write_back``), as SGLang does for a page whose host copy is not marked backed up.
 * **Timing** (model seconds, divided by ``--time-scale`` on the wall clock): L3 to host at
   :data:`L3_READ_BYTES_PER_S_PER_RANK` per TP rank, one read at a time per worker (SGLang's one
   ``prefetch_io_aux_func`` thread runs the prefetches in turn), host to device at the replica's PCIe bandwidth
@@ -55,11 +62,12 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from btbctl.engine.costmodel import L3_READ_BYTES_PER_S_PER_RANK
 from btbctl.engine.hashing import block_payload
+from btbctl.engine.logfmt import log_event
 from btbctl.engine.worker.config import MIN_BLOCK_BYTES, StorageSettings, WorkerConfig, check_settings
 from btbctl.engine.worker.model import ModelDriver, NoRoom
 from btbctl.sglang_l3.keys import Namespace
@@ -151,6 +159,13 @@ class L3Tier:
         self.ns_ids = [ns.ns_id for ns in namespaces]
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        #: called with the new arena id when a rank's client finds the agent restarted (from that client's thread)
+        self.on_new_arena: Callable[[str], None] | None = None
+
+    def _arena_changed(self, old_arena_id: str, new_arena_id: str) -> None:
+        cb = self.on_new_arena
+        if cb is not None:
+            cb(new_arena_id)
 
     def _fail(self, kind: str, e: BaseException) -> None:
         with self._lock:
@@ -182,15 +197,16 @@ class L3Tier:
 
     def register(self) -> None:
         """Say hello to the agent for every rank, so it knows this worker's namespaces from the start (as SGLang's
-        ``BtbL3Store`` does when SGLang registers its host pool at start-up), not only after the first write."""
+        ``BtbL3Store`` does when SGLang registers its host pool at start-up), not only after the first write; each
+        rank's connection stays open and says hello again to a restarted agent (:attr:`on_new_arena`)."""
         from btbctl.sglang_l3.client import AgentUnavailable
 
         for c in self.clients:
             try:
-                c.hold()  # open for the worker's life: the agent announces this worker while it is connected
+                # open for the worker's life: the agent announces this worker while it is connected
+                c.hold(self._arena_changed)
             except AgentUnavailable as e:
                 self._fail("hello", e)
-                return
 
     def exists(self, keys: list[str]) -> int:
         """Leading run of ``keys`` held by every rank."""
@@ -338,7 +354,13 @@ class HiCache:
                 for r in range(tp)
             ]
             self.l3 = L3Tier(self.settings, nss)
+            self.l3.on_new_arena = self._agent_restarted
             threading.Thread(target=self.l3.register, name="btbctl-hicache-hello", daemon=True).start()
+        #: the agent's arena a rank last found new (set from the store's threads), and the one the marks follow
+        self._new_arena: str | None = None
+        self._marked_arena: str | None = None
+        #: host-tier pages the agent (restarted since they were backed up) does not hold: written again on reuse
+        self._unbacked: set[str] = set()
         self.prefetch_occupied_tokens = 0
         #: page key -> loads from L3 in flight here that carry it (a request needing one fetches it again)
         self._l3_loading: dict[str, int] = {}
@@ -413,6 +435,7 @@ class HiCache:
         ps = self.page_size
         max_pages = min(len(chain), max(0, prompt_tokens - 1) // ps)
         adm = Admission()
+        self._take_restart()
         if max_pages == 0:
             return adm
         read = 0
@@ -453,6 +476,8 @@ class HiCache:
         # the state may have moved while the agent answered: match again, synchronously from here to submit
         d = model.cached_blocks(chain[:max_pages])
         h = self.host.run(chain, d, max_pages)
+        if self._unbacked and self.cfg.hicache_write_policy != "write_back":
+            self._rewrite([str(k) for k in chain[: d + h]])
         sp = 0
         if read and start >= 0:
             sp = max(0, min(start + read, max_pages) - (d + h)) if start <= d + h else 0
@@ -535,8 +560,43 @@ class HiCache:
         self._backup(keys)
 
     def _evicted(self, key) -> None:
-        if key not in self.host:
-            self._backup([str(key)])
+        self._take_restart()
+        k = str(key)
+        if key not in self.host or k in self._unbacked:
+            self._unbacked.discard(k)
+            self._backup([k])
+
+    # -- agent restart ----------------------------------------------------------------------------------------
+
+    def _agent_restarted(self, arena_id: str) -> None:
+        """A rank's store found the agent restarted (new arena ``arena_id``; any thread): the marks follow at the
+        next admission or eviction, on the event loop (:meth:`_take_restart`)."""
+        self._new_arena = arena_id
+
+    def _take_restart(self) -> None:
+        """Mark the host tier's pages unbacked once per new arena (see the module docstring); one
+        ``hicache_l3_unbacked`` line."""
+        arena = self._new_arena
+        if arena is None or arena == self._marked_arena:
+            return
+        self._marked_arena = arena
+        self._unbacked = set(self.host.pages)
+        log_event(
+            log,
+            "hicache_l3_unbacked",
+            logging.WARNING,
+            worker=self.settings.worker_url if self.settings else None,
+            arena=arena,
+            pages=len(self._unbacked),
+            write_policy=self.cfg.hicache_write_policy,
+        )
+
+    def _rewrite(self, keys: list[str]) -> None:
+        """Write ``keys`` (pages a request reuses from the device or host tier) through again where unbacked."""
+        again = [k for k in keys if k in self._unbacked]
+        if again:
+            self._unbacked.difference_update(again)
+            self._backup(again)
 
     def _backup(self, keys: list[str]) -> None:
         if not keys:
@@ -576,6 +636,7 @@ class HiCache:
         """SGLang's ``/flush_cache`` empties the host tier too (L3 is left alone)."""
         self.host.clear()
         self._hits.clear()
+        self._unbacked.clear()
 
     def close(self) -> None:
         for h in list(self._loads):
