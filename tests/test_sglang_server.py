@@ -141,6 +141,12 @@ def test_greedy_output_after_an_l3_load_equals_the_computed_one(fleet):
     assert loaded["output_ids"] == computed["output_ids"] and len(computed["output_ids"]) == 16
 
 
+def _longest_prefix(fleet: SglangFleet, chain: list[str]) -> str:
+    """The id of the longest prefix of ``chain`` the gateway tracks (``btbctl prefixes``)."""
+    mine = [p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)]
+    return max(mine, key=lambda p: p["prefix_blocks"])["id"]
+
+
 def _prefetched(url: str) -> float:
     return sglang_number(metrics_text(url), "sglang:prefetched_tokens_total")
 
@@ -168,7 +174,7 @@ def test_a_warm_up_reads_the_prefix_from_l3_once_and_the_burst_after_it_finds_it
     emulated worker does the same), while after one warm-up every request finds it on the device."""
     a, b = fleet.workers
     n = 4
-    for seed, warm_up in ((31, True), (37, False)):
+    for seed, warm_up in ((131, True), (137, False)):  # seeds no other test of the module uses
         prefix = ids(2 * PREFIX_TOKENS, seed=seed)
         generate(a, prefix + [1])
         fleet.wait_written(page_keys(prefix, PAGE))
@@ -207,9 +213,7 @@ def test_a_target_that_computed_the_prefix_itself_is_never_reported_as_a_copy(fl
     prompt = ids(PREFIX_TOKENS + 8, seed=23)
     generate(fleet.gateway, prompt)  # one worker computes it, as the gateway records
     chain = page_keys(prompt, PAGE)
-    pid = max(
-        (p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)), key=lambda p: p["prefix_blocks"]
-    )["id"]
+    pid = _longest_prefix(fleet, chain)
     rec = http_json(fleet.control + f"/control/replications/{pid}")
     other = next(u for u in fleet.workers if u not in [h.rstrip("/") for h in rec["holders"]])
     # the other worker computes it too, behind the gateway's back: its device holds it, not by any copy
@@ -279,9 +283,7 @@ def test_a_restarted_agent_gets_both_servers_back_and_a_prefix_they_kept_is_not_
     generate(fleet.gateway, before)
     chain = page_keys(before, PAGE)
     fleet.wait_written(chain[: PREFIX_TOKENS // PAGE])
-    pid = max(
-        (p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)), key=lambda p: p["prefix_blocks"]
-    )["id"]
+    pid = _longest_prefix(fleet, chain)
     fleet.cli("restart", "agent-local", "--grace-s", "1")
     token = RunDir(fleet.run_dir).token_path.read_text().strip()
     req = urllib.request.Request(fleet.control + "/control/agents", headers={"Authorization": f"Bearer {token}"})
@@ -303,9 +305,7 @@ def test_a_restarted_agent_gets_both_servers_back_and_a_prefix_they_kept_is_not_
     generate(fleet.gateway, after)
     chain = page_keys(after, PAGE)
     fleet.wait_written(chain[: PREFIX_TOKENS // PAGE])
-    pid = max(
-        (p for p in fleet.json("prefixes")["prefixes"] if p["id"] in set(chain)), key=lambda p: p["prefix_blocks"]
-    )["id"]
+    pid = _longest_prefix(fleet, chain)
     fleet.cli("replicate", "--prefix", pid, "-n", "1")
     rec = http_json(fleet.control + f"/control/replications/{pid}")
     done = [c for c in rec["copies"] if c["state"] == "done"]

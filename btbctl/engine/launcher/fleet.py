@@ -558,6 +558,26 @@ def _start_gateway_replica(
     return gproc
 
 
+def _settings_again(rd: RunDir, name: str, url: str | None, control_url: str | None, log: Log) -> dict:
+    """The settings gateway ``name`` ran with (``<run dir>/<name>.json``) for a start again: the last confirmed
+    tuning applied, and the ports it was given as 0 at ``up`` (picked by the process) pinned to those of ``url`` and
+    ``control_url``, so it comes back where it was. Raises :class:`BtbctlError` when the file is gone or damaged."""
+    from urllib.parse import urlsplit
+
+    path = rd.path / f"{name}.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BtbctlError(f"cannot read the settings of {name} {path}: {e}; restart the whole fleet") from None
+    tuned = rd.load_tuned()
+    if tuned is not None:
+        _apply_tuning(cfg, tuned, "this fleet", rd, log)
+    for key, at in (("port", url), ("control_port", control_url)):
+        if at and not cfg.get(key):
+            cfg[key] = urlsplit(at).port
+    return cfg
+
+
 def restart_gateway_replica(rd: RunDir, rec: ProcessRecord, timeout_s: float, log: Log = _nolog) -> ProcessRecord:
     """Start gateway replica ``rec`` (``gateway-1``, ...: ``[gateway] replicas``; already stopped) again with its
     settings (``<run dir>/<name>.json``) on the ports it had, the last confirmed tuning applied; record it once
@@ -566,22 +586,10 @@ def restart_gateway_replica(rd: RunDir, rec: ProcessRecord, timeout_s: float, lo
     Raises:
         BtbctlError: its settings are gone or damaged; it did not become ready (it is left stopped).
     """
-    from urllib.parse import urlsplit
-
     from btbctl.engine.config import validate
     from btbctl.engine.gateway.config import GatewayConfig
 
-    cfg_path = rd.path / f"{rec.name}.json"
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BtbctlError(f"cannot read the settings of {rec.name} {cfg_path}: {e}; restart the whole fleet") from None
-    tuned = rd.load_tuned()
-    if tuned is not None:
-        _apply_tuning(cfg, tuned, "this fleet", rd, log)
-    for key, url in (("port", rec.url), ("control_port", (rec.extra or {}).get("control"))):
-        if url and not cfg.get(key):  # a port picked at up: take the same one again
-            cfg[key] = urlsplit(url).port
+    cfg = _settings_again(rd, rec.name, rec.url, (rec.extra or {}).get("control"), log)
     validate(GatewayConfig, cfg, None, "gateway")
     gproc = spawn(rec.name, gateway_argv(write_gateway_config(rd, cfg, rec.name)), rd.log_path(f"{rec.name}.out"))
     try:
@@ -629,19 +637,7 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
             f"worker(s) {', '.join(gone) or 'none'} of {rd.path} are no longer running; restart the whole fleet "
             f"(`btbctl down`, then `btbctl up`)"
         )
-    cfg_path = rd.path / "gateway.json"
-    try:
-        gcfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BtbctlError(f"cannot read the gateway settings {cfg_path}: {e}; restart the whole fleet") from None
-    tuned = rd.load_tuned()
-    if tuned is not None:
-        _apply_tuning(gcfg, tuned, "this fleet", rd, log)
-    for key, url in (("port", state.gateway_url), ("control_port", state.control_url)):
-        if url and not gcfg.get(key):  # a port picked at up: take the same one again
-            from urllib.parse import urlsplit
-
-            gcfg[key] = urlsplit(url).port
+    gcfg = _settings_again(rd, "gateway", state.gateway_url, state.control_url, log)
     gcfg["log_file"] = str(rd.log_path("gateway"))
     gcfg["tuned_file"] = str(rd.tuned_path)
     gcfg.setdefault("cluster_file", state.cluster_file)
