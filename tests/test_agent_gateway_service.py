@@ -141,3 +141,22 @@ def test_the_cli_refuses_a_bad_gateway_service_in_one_line(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--gateway-service" in err and "https://gw:7000" in err and len(err.strip().splitlines()) == 1
+
+
+async def test_a_real_agent_process_resolves_its_gateway_service_with_the_system_resolver(tmp_path):
+    """``btbctl agent --gateway-service http://localhost:P``: the option reaches the agent, ``localhost`` resolves
+    through ``getaddrinfo`` and the gateway on 127.0.0.1:P holds the registration."""
+    from agent_helpers import start_agent
+
+    secret = tmp_path / "fleet-secret"
+    secret.write_bytes(SECRET)
+    l3 = {"replication": "l3", "agent_secret_file": str(secret)}
+    async with GatewayEnv(1, page_size=16, control_host="127.0.0.1", control_port=0, **l3) as env:
+        port = int(env.control.rpartition(":")[2])
+        extra = ["--gateway-service", f"http://localhost:{port}", "--register-interval-s", str(INTERVAL_S)]
+        agent = await asyncio.to_thread(start_agent, tmp_path, "node-b", secret=SECRET, extra=extra)
+        try:
+            await _holds(env, ["node-b"])
+            assert "event=gateway_service_resolved" in agent.log() and "127.0.0.1" in agent.log()
+        finally:
+            agent.stop()
