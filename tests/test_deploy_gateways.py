@@ -153,14 +153,70 @@ def test_an_external_redis_url_is_used_and_one_with_a_password_is_refused():
     assert e.value.key == "gateway.settings.redis_url" and "hunter2" not in str(e.value)
 
 
-def test_several_gateways_in_l3_are_refused_with_the_reason(tmp_path, capsys):
+def test_several_gateways_in_l3_render_a_headless_control_service_the_agents_register_through(tmp_path, capsys):
+    """An l3 fleet of two gateways: the agents resolve the headless ``btb-control-pods`` (every gateway pod, ready or
+    not) at each announcement (``--gateway-service``) instead of one ClusterIP Service, the gateways share a Redis,
+    and the gateway policy admits the control port on every gateway pod from the host network."""
+    from btbctl.engine.agent.agent import parse_gateway_service
+
+    cluster = _cluster(EXAMPLE, replicas=2, kv_events=False)
+    k8s = cluster.kubernetes
+    assert k8s is not None
+    objs = kube.objects(kube.render(cluster))
+    for obj in objs:
+        for version in VERSIONS:
+            kv.validate(obj, version, strict=True)
+    config = _gateway_config(objs)
+    GatewayConfig.model_validate(config)
+    assert config["replication"] == "l3" and config["agents"] == [] and config["agent_secret_file"]
+    assert config["redis_url"] == kube.redis_url(k8s) and _by(objs, "StatefulSet", "btb-redis")
+    control_port = config["control_port"]
+
+    (dep,) = _by(objs, "Deployment", "btb-gateway")
+    assert dep["spec"]["replicas"] == 2
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    (pods,) = _by(objs, "Service", "btb-control-pods")
+    assert pods["spec"]["clusterIP"] == "None" and pods["spec"]["publishNotReadyAddresses"] is True
+    assert pods["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert all(pod_labels[k] == v for k, v in pods["spec"]["selector"].items())
+    (port,) = pods["spec"]["ports"]
+    assert port["port"] == control_port and port["targetPort"] == "control"
+    (gc,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {"name": "control", "containerPort": control_port, "protocol": "TCP"} in gc["ports"]
+    assert _by(objs, "Service", "btb-control")  # still there, for status, tune and the dashboard
+
+    (ds,) = _by(objs, "DaemonSet", "btb-agent")
+    argv = ds["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--gateway" not in argv
+    url = argv[argv.index("--gateway-service") + 1]
+    assert url == f"http://btb-control-pods.llm.svc.cluster.local:{control_port}"
+    assert url == kube.control_pods_service_url(cluster, k8s)
+    assert parse_gateway_service(url) == ("btb-control-pods.llm.svc.cluster.local", control_port)
+    assert ds["spec"]["template"]["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"  # the host network resolves it
+
+    # the gateway policy selects every gateway pod and admits the control port from anywhere (the agents'
+    # addresses are the nodes'), so a pod's own address is covered as the ClusterIP was
+    (pol,) = _by(objs, "NetworkPolicy", "btb-gateway")
+    assert all(pod_labels[k] == v for k, v in pol["spec"]["podSelector"]["matchLabels"].items())
+    (rule,) = [r for r in pol["spec"]["ingress"] if {"protocol": "TCP", "port": control_port} in r["ports"]]
+    assert "from" not in rule
+
+    # one gateway: the ClusterIP Service and --gateway, as before
+    one = kube.objects(kube.render(_cluster(EXAMPLE, replicas=1, kv_events=False)))
+    assert not _by(one, "Service", "btb-control-pods")
+    argv = _by(one, "DaemonSet", "btb-agent")[0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--gateway-service" not in argv and argv[argv.index("--gateway") + 1] == kube.control_service_url(
+        cluster, k8s
+    )
+
+    # the command renders it (it refused before)
     path = tmp_path / "c.toml"
     path.write_text((EXAMPLE.read_text()).replace("[gateway]\n", "[gateway]\nreplicas = 2\n", 1))
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e:  # standalone typer: exits 0 on success
         main(["deploy", "render", "-c", str(path)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "gateway.replicas" in err and "l3" in err and len(err.strip().splitlines()) == 1
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "name: btb-control-pods" in out and f"- {url}" in out
 
 
 def test_a_later_render_with_one_gateway_removes_its_redis_file(tmp_path):

@@ -69,6 +69,15 @@ def agent(
             "address, control URL and the workers connected to its socket, signed with its node key.",
         ),
     ] = None,
+    gateway_service: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--gateway-service",
+            metavar="URL",
+            help="http://NAME:PORT whose NAME resolves to every gateway (a headless Service; repeatable): at each "
+            "announcement this agent resolves it and registers with every address, besides --gateway.",
+        ),
+    ] = None,
     register_interval_s: Annotated[
         float,
         typer.Option(
@@ -85,7 +94,7 @@ def agent(
     """Run the node agent. Prints 'ready peer HOST:PORT control HOST:PORT socket PATH' when listening."""
     from urllib.parse import urlsplit
 
-    from btbctl.engine.agent.agent import AgentConfig, read_secret, run
+    from btbctl.engine.agent.agent import AgentConfig, parse_gateway_service, read_secret, run
     from btbctl.engine.errors import ConfigError
     from btbctl.engine.replication.transport import TransferError, parse_address
 
@@ -106,6 +115,8 @@ def agent(
     for url in gateway or ():
         if urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname:
             raise ConfigError("--gateway", f"{url!r} must be the gateway's control URL (http://host:port)")
+    for url in gateway_service or ():
+        parse_gateway_service(url)
     peer_host, peer_port = addr("--peer", peer)
     control_host, control_port = addr("--control", control)
     token = read_secret(control_token_file, "control token file").decode() if control_token_file else None
@@ -124,6 +135,7 @@ def agent(
             transport=transport,
             file_dir=file_dir,
             gateways=tuple(gateway or ()),
+            gateway_services=tuple(gateway_service or ()),
             register_interval_s=register_interval_s,
         )
     )

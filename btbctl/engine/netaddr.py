@@ -16,6 +16,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def hostport(host: str, port: int) -> str:
+    """``host:port``, an IPv6 literal bracketed (``[fd00::1]:7500``), as a URL's authority or a copy address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def local_url(url: str) -> str:
     """``url`` (``http://host:port``) as this machine reaches it: a wildcard bind address (``0.0.0.0``, ``::``)
     becomes the loopback address of its family; any other host stays."""
@@ -62,4 +67,4 @@ def browser_refusal(host: str | None, origin: str | None, method: str, bind_host
     return None
 
 
-__all__ = ["browser_refusal", "is_loopback"]
+__all__ = ["browser_refusal", "hostport", "is_loopback"]

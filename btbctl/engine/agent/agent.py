@@ -10,6 +10,11 @@ slices below 4 GiB, WRITE planning, completions, verification before commit) liv
 :mod:`btbctl.engine.replication.rdma` and is tested against a fake device layer; ``--transport auto`` probes for a
 device at start and logs why it uses TCP (no device here; where one exists, the pyverbs device layer for the
 arena is still missing), ``--transport rdma`` refuses to start with that reason.
+
+Registration (replication mode ``l3``): every ``register_interval_s`` the agent announces itself to each gateway
+of ``--gateway`` (a control URL) and, with ``--gateway-service http://NAME:PORT``, to every address NAME resolves
+to at that moment (a headless Service: one record per gateway pod), so that each of several gateways behind one
+name holds its registration; a change of the resolved set is logged.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from btbctl.engine.agent.events import AgentMetrics
@@ -31,7 +37,7 @@ from btbctl.engine.agent.peer import PeerService
 from btbctl.engine.errors import BtbctlError, ConfigError
 from btbctl.engine.fileio import ReadRefused, read_bounded
 from btbctl.engine.logfmt import log_event
-from btbctl.engine.netaddr import is_loopback
+from btbctl.engine.netaddr import hostport, is_loopback
 from btbctl.engine.replication.credentials import CredentialsError, parse_credentials
 
 log = logging.getLogger("btbctl.agent")
@@ -71,6 +77,9 @@ class AgentConfig:
             node key; :mod:`~btbctl.engine.replication.registration`): its node, copy address, control URL and the
             workers connected to its socket, every ``register_interval_s``; empty: it registers nowhere (the
             gateway has it in its config).
+        gateway_services: ``http://NAME:PORT`` URLs whose host name names every gateway (a headless Service, one
+            address record per gateway pod): at each announcement NAME is resolved and every address gets one, as
+            ``http://IP:PORT``, besides ``gateways``.
         register_interval_s: seconds between announcements; each holds for :data:`REGISTER_TTL_PERIODS` of them.
     """
 
@@ -92,6 +101,7 @@ class AgentConfig:
     peer_max_unauthenticated: int = 64
     peer_max_per_peer: int = 16
     gateways: tuple[str, ...] = ()
+    gateway_services: tuple[str, ...] = ()
     register_interval_s: float = 5.0
 
 
@@ -99,6 +109,35 @@ class AgentConfig:
 REGISTER_TTL_PERIODS = 3
 #: Timeout of one announcement, seconds.
 REGISTER_TIMEOUT_S = 5.0
+
+#: Resolves a host name and port to IP addresses (TCP), as :func:`resolve_tcp` does; raises :class:`OSError`.
+Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
+
+
+def parse_gateway_service(url: str) -> tuple[str, int]:
+    """The host name and port of a ``--gateway-service`` URL (``http://NAME:PORT``, no path). Raises
+    :class:`ConfigError` naming the option."""
+    from urllib.parse import urlsplit
+
+    bad = ConfigError(
+        "--gateway-service", f"{url!r} must be http://NAME:PORT, NAME naming every gateway (a headless Service)"
+    )
+    try:
+        p = urlsplit(url)
+        port = p.port
+    except ValueError:
+        raise bad from None
+    if p.scheme != "http" or not p.hostname or not port or p.path not in ("", "/") or p.query or p.username:
+        raise bad
+    return p.hostname, port
+
+
+async def resolve_tcp(host: str, port: int) -> list[str]:
+    """Every address ``host`` resolves to for TCP (``loop.getaddrinfo``), sorted, without repeats. Raises
+    :class:`OSError` (``socket.gaierror``) when it does not resolve."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def read_secret(path: str, what: str = "secret file") -> bytes:
@@ -125,7 +164,8 @@ class Agent:
     """A running agent (see the module docstring). Build with a config, then :meth:`start` in a running event loop
     and :meth:`close`."""
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, resolve: Resolver = resolve_tcp) -> None:
+        """``resolve``: how the names of ``gateway_services`` become addresses (tests give their own)."""
         if cfg.transport not in TRANSPORTS:
             raise ConfigError("--transport", f"unknown transport {cfg.transport!r}; valid: {', '.join(TRANSPORTS)}")
         if cfg.transport == "rdma":
@@ -150,13 +190,17 @@ class Agent:
         self.agent_id = self.credentials.agent_id
         #: this process's incarnation: a restarted agent (same id, an empty page store) names a new one
         self.instance = secrets.token_hex(8)
-        if cfg.gateways:
+        self._services = {url: parse_gateway_service(url) for url in cfg.gateway_services}
+        self.resolve = resolve
+        if cfg.gateways or cfg.gateway_services:
             if cfg.register_interval_s <= 0:
                 raise ConfigError("--register-interval-s", f"must be > 0, got {cfg.register_interval_s}")
             for name, host in (("--peer", cfg.peer_host), ("--control", cfg.control_host)):
                 if host in ("0.0.0.0", "::", ""):
                     raise ConfigError(
-                        name, f"with --gateway, {name} must be an address other nodes reach (not {host or 'empty'})"
+                        name,
+                        f"with --gateway or --gateway-service, {name} must be an address other nodes reach "
+                        f"(not {host or 'empty'})",
                     )
         self._announcer: asyncio.Task | None = None
         self.control_token = cfg.control_token
@@ -283,7 +327,7 @@ class Agent:
             },
         )
 
-        if cfg.gateways:
+        if cfg.gateways or cfg.gateway_services:
             self._announcer = asyncio.create_task(self._announce_forever())
 
     def announcement(self, sent_at: float) -> bytes:
@@ -292,10 +336,6 @@ class Agent:
         from btbctl.engine.replication.registration import Announcement
 
         cfg = self.cfg
-
-        def hostport(host: str, port: int) -> str:
-            return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
         return Announcement(
             agent=self.agent_id,
             node=self.agent_id,
@@ -324,18 +364,63 @@ class Agent:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return f"{type(e).__name__}: {e}"
 
+    async def _resolve_services(self, resolved: dict[str, tuple[bool, tuple[str, ...]]]) -> list[str]:
+        """The control URLs (``http://IP:PORT``) of every gateway the ``gateway_services`` name now, updating
+        ``resolved`` (per service URL: whether its last resolution succeeded, and the addresses in use). A change of
+        a service's addresses is one ``gateway_service_resolved`` line (old and new); a failed resolution keeps
+        the addresses of the last one (a gateway that is gone fails its announcement) and is one
+        ``agent_announce_failed`` line naming the service, again only after a success."""
+        urls: list[str] = []
+        for service, (host, port) in self._services.items():
+            ok_before, old = resolved.get(service, (True, ()))
+            try:
+                new = tuple(sorted(set(await self.resolve(host, port))))
+            except OSError as e:
+                if ok_before:
+                    log_event(
+                        log,
+                        "agent_announce_failed",
+                        logging.WARNING,
+                        gateway_service=service,
+                        error=f"cannot resolve {host}: {type(e).__name__}: {e}",
+                        kept=",".join(old) or None,
+                    )
+                resolved[service] = (False, old)
+            else:
+                if not ok_before or service not in resolved or new != old:
+                    self.event(
+                        "gateway_service_resolved",
+                        {
+                            "gateway_service": service,
+                            "addresses": ",".join(new) or None,
+                            "old_addresses": ",".join(old) or None,
+                            "added": ",".join(a for a in new if a not in old) or None,
+                            "removed": ",".join(a for a in old if a not in new) or None,
+                        },
+                    )
+                resolved[service] = (True, new)
+            urls.extend(f"http://{hostport(ip, port)}" for ip in resolved[service][1])
+        return urls
+
     async def _announce_forever(self) -> None:
-        """Announce to every gateway each ``register_interval_s``; one line per change of outcome (or of the
-        workers announced) per gateway."""
+        """Announce to every gateway (``gateways``, and every address of ``gateway_services`` resolved anew) each
+        ``register_interval_s``; one line per change of outcome (or of the workers announced) per gateway, the
+        outcome of a gateway no longer resolved forgotten (it is logged again if it comes back)."""
         import aiohttp
 
         from btbctl.engine.httpclient import client_session
 
         last: dict[str, tuple] = {}
+        resolved: dict[str, tuple[bool, tuple[str, ...]]] = {}
         async with client_session(timeout=aiohttp.ClientTimeout(total=REGISTER_TIMEOUT_S)) as session:
             while True:
                 workers = tuple(self.local.workers()) if self.local is not None else ()
-                for gw in self.cfg.gateways:
+                targets = list(self.cfg.gateways)
+                targets += [u for u in await self._resolve_services(resolved) if u not in targets]
+                for gw in list(last):
+                    if gw not in targets:
+                        del last[gw]
+                for gw in targets:
                     why = await self.announce(session, gw)
                     now = (why is None, workers if why is None else None)
                     if last.get(gw) != now:
@@ -448,7 +533,10 @@ __all__ = [
     "DEFAULT_SOCKET",
     "MIN_SECRET_BYTES",
     "TRANSPORTS",
+    "Resolver",
     "is_loopback",
+    "parse_gateway_service",
     "read_secret",
+    "resolve_tcp",
     "run",
 ]

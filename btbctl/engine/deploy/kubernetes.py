@@ -10,7 +10,11 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   workers by their stable DNS names, tokens read from the mounted Secret. In replication mode ``l3`` it has no
   agent map: each node's agent registers with the ``NAME-control`` Service (``--gateway``), signed with a key of
   the fleet secret (mounted in the gateway to check it), naming the workers whose HiCache stores connected to its
-  socket; each worker's extra config carries its own URL (``$(POD_NAME)``) for that.
+  socket; each worker's extra config carries its own URL (``$(POD_NAME)``) for that. With several gateways each
+  must hold every registration, so the agents register instead through ``NAME-control-pods``
+  (``--gateway-service``), a headless Service with one address record per gateway pod (not-ready ones included,
+  so a gateway learns the agents before it takes traffic): at each announcement an agent resolves it and
+  registers with every gateway.
 * ``NAME-gateway`` Deployment of ``[gateway] replicas`` gateways running ``up``'s own gateway command line
   (:func:`~btbctl.engine.launcher.fleet.gateway_argv`); ``NAME-gateway`` Service (data plane,
   ``gateway_service_type``) and ``NAME-control`` Service (control API, always ClusterIP). One gateway is
@@ -18,8 +22,7 @@ What a cluster file becomes (``NAME`` is ``kubernetes.name``, every object in ``
   tuning through Redis (:mod:`~btbctl.engine.gateway.fleetshare`) and roll one at a time: ``gateway.settings.
   redis_url`` when given (refused with a password in it, which would land in the ConfigMap), else ``NAME-redis``
   (``redis.yaml``: a StatefulSet of one :data:`REDIS_IMAGE` pod behind a headless Service, no persistence, no
-  password, reachable from the gateways' pods only). Several gateways in replication mode ``l3`` are refused: the
-  agents register through the one control Service and each would reach one gateway only.
+  password, reachable from the gateways' pods only).
 * ``NAME-workers`` headless Service and one StatefulSet per ``[[workers]]`` entry (``NAME-<entry name>``, or
   ``NAME-workers<N>``): stable pod names and DNS (``NAME-x-0.NAME-workers.NS.svc.DOMAIN``) for the gateway's worker
   list, all pods started at once as ``up`` does. Each container's command line is the launcher's own
@@ -186,19 +189,10 @@ def _render(cluster: ClusterFile, k8s: KubernetesSection) -> list[Manifest]:
 
 def _redis_url(cluster: ClusterFile, k8s: KubernetesSection) -> str | None:
     """The Redis the gateways share: None with one gateway; ``gateway.settings.redis_url`` when given (refused when
-    it holds a password, which the render would write into the ConfigMap), else the rendered ``NAME-redis``.
-    Several gateways in replication mode ``l3`` are refused: the node agents register through the one control
-    Service, so each agent would reach one gateway only."""
+    it holds a password, which the render would write into the ConfigMap), else the rendered ``NAME-redis``."""
     gw = cluster.gateway
     if gw.replicas == 1:
         return None
-    if cluster.replication_mode == "l3":
-        raise ConfigError(
-            "gateway.replicas",
-            f"is {gw.replicas}, but in replication mode l3 on Kubernetes the node agents register through the one "
-            f"{k8s.name}-control Service and each would reach one gateway only; use replicas = 1 (or replication "
-            "push)",
-        )
     given = gw.settings.get("redis_url")
     if given is None:
         return redis_url(k8s)
@@ -279,11 +273,34 @@ def control_service_url(cluster: ClusterFile, k8s: KubernetesSection) -> str:
     return f"http://{k8s.name}-control.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}"
 
 
-def agent_argv(k8s: KubernetesSection, gateway: str | None = None) -> list[str]:
+def control_pods_service(k8s: KubernetesSection) -> str:
+    """Name of the headless Service of the gateways' control ports (several gateways in replication mode ``l3``)."""
+    return f"{k8s.name}-control-pods"
+
+
+def control_pods_service_url(cluster: ClusterFile, k8s: KubernetesSection) -> str:
+    """``http://NAME-control-pods.NS.svc.DOMAIN:PORT``: the name that resolves to every gateway pod (one address
+    record each), what the node agents of several gateways register through (``--gateway-service``)."""
+    port = cluster.gateway.control_port or DEFAULT_CONTROL_PORT
+    return f"http://{control_pods_service(k8s)}.{k8s.namespace}.svc.{k8s.cluster_domain}:{port}"
+
+
+def agents_register_with(cluster: ClusterFile, k8s: KubernetesSection) -> list[str]:
+    """The registration flags of the node agents: none outside replication mode ``l3``; ``--gateway`` and the
+    ``NAME-control`` Service with one gateway; ``--gateway-service`` and the ``NAME-control-pods`` headless Service
+    with several (a ClusterIP Service would take each agent to one gateway only)."""
+    if cluster.replication_mode != "l3":
+        return []
+    if cluster.gateway.replicas == 1:
+        return ["--gateway", control_service_url(cluster, k8s)]
+    return ["--gateway-service", control_pods_service_url(cluster, k8s)]
+
+
+def agent_argv(k8s: KubernetesSection, register: list[str] | None = None) -> list[str]:
     """The node agent's command line (``btbctl agent``); ``$(HOST_IP)`` and ``$(NODE_NAME)`` are filled in by the
-    kubelet from the pod's environment (downward API). ``gateway``: the control URL it registers with (replication
-    mode ``l3``: it announces its node, its addresses and the workers connected to its socket)."""
-    reg = ["--gateway", gateway] if gateway is not None else []
+    kubelet from the pod's environment (downward API). ``register``: the flags naming the gateways it registers
+    with (:func:`agents_register_with`; replication mode ``l3``: it announces its node, its addresses and the
+    workers connected to its socket)."""
     return [
         k8s.python,
         "-m",
@@ -303,7 +320,7 @@ def agent_argv(k8s: KubernetesSection, gateway: str | None = None) -> list[str]:
         str(k8s.agent_arena_mib),
         "--agent-id",
         "$(NODE_NAME)",
-        *reg,
+        *(register or []),
     ]
 
 
@@ -437,7 +454,9 @@ def _network_policies(cluster: ClusterFile, k8s: KubernetesSection, own_redis: b
         control_from["from"] = [fleet]
     # l3: the node agents register on the control port from the host network, whose source addresses (the nodes')
     # no pod selector matches: the port is open, and every request on it is authenticated (bearer token on all
-    # routes, as the listener is not on loopback; registrations signed with a node key)
+    # routes, as the listener is not on loopback; registrations signed with a node key). The policy is per pod, so
+    # it covers the port however it is reached: the NAME-control Service or, with several gateways, each pod's
+    # own address from the NAME-control-pods headless Service
     gateway = _ingress_policy(k8s, "gateway", [data_from, control_from])
     policies = [gateway, _ingress_policy(k8s, "worker", [{"from": [fleet]}])]
     if own_redis:
@@ -625,7 +644,24 @@ def _gateway(cluster: ClusterFile, k8s: KubernetesSection, workers: _Workers, re
             "ports": [{"name": "control", "port": control_port, "targetPort": "control", "protocol": "TCP"}],
         },
     }
-    return [config_map, deployment, data_service, control_service]
+    objects = [config_map, deployment, data_service, control_service]
+    if cluster.replication_mode == "l3" and gw.replicas > 1:
+        # the node agents resolve this name at each announcement and register with every gateway pod it lists;
+        # not-ready pods too: a gateway should know the agents before its data plane takes traffic
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _meta(k8s, control_pods_service(k8s), "gateway"),
+                "spec": {
+                    "clusterIP": "None",
+                    "publishNotReadyAddresses": True,
+                    "selector": _labels(k8s, "gateway"),
+                    "ports": [{"name": "control", "port": control_port, "targetPort": "control", "protocol": "TCP"}],
+                },
+            }
+        )
+    return objects
 
 
 def _redis(k8s: KubernetesSection) -> list[dict]:
@@ -908,12 +944,11 @@ def _check_agent_socket(argv: list[str], socket: str, e: int) -> None:
 def _agents(cluster: ClusterFile, k8s: KubernetesSection) -> list[dict]:
     name = f"{k8s.name}-agent"
     selector = _labels(k8s, "agent")
-    l3 = cluster.replication_mode == "l3"
     container = {
         "name": "agent",
         "image": k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
-        "command": agent_argv(k8s, control_service_url(cluster, k8s) if l3 else None),
+        "command": agent_argv(k8s, agents_register_with(cluster, k8s)),
         "env": [
             {"name": "HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -1121,6 +1156,9 @@ __all__ = [
     "SECRET_DIR",
     "Manifest",
     "agent_argv",
+    "agents_register_with",
+    "control_pods_service",
+    "control_pods_service_url",
     "control_service_url",
     "check_no_secret_values",
     "check_one_kind_per_model",
