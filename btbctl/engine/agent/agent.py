@@ -433,7 +433,7 @@ class Agent:
                                     "gateway": gw,
                                     "workers": ",".join(workers) or None,
                                     "old_workers": ",".join(old[1] or ()) if old and old[0] else None,
-                                    "ttl_s": REGISTER_TTL_PERIODS * self.cfg.register_interval_s,
+                                    "ttl_s": round(REGISTER_TTL_PERIODS * self.cfg.register_interval_s, 6),
                                 },
                             )
                         else:
