@@ -108,6 +108,15 @@ def test_status_shows_every_gateway_and_restart_brings_a_second_one_back_on_its_
         second = st["gateways"][1]
         assert second["url"] != st["gateway_url"] and second["control_url"] != st["control_url"]
         rec = next(p for p in RunDir(run_dir).load().processes if p.name == "gateway-1")
+        # damaged settings: one line, and the running gateway-1 is left alone
+        settings = run_dir / "gateway-1.json"
+        good = settings.read_text()
+        settings.write_text("{")
+        bad = cli("restart", "gateway-1", "--run-dir", str(run_dir), check=False)
+        assert bad.returncode != 0 and "cannot read the settings of gateway-1" in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+        assert wait_gone([rec.pid], 0.5) == [rec.pid]  # still running
+        settings.write_text(good)
         os.killpg(rec.pgid, signal.SIGKILL)
         assert wait_gone([rec.pid]) == []
         st = json.loads(cli("status", "--run-dir", str(run_dir), "--format", "json", check=False).stdout)

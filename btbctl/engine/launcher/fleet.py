@@ -578,19 +578,24 @@ def _settings_again(rd: RunDir, name: str, url: str | None, control_url: str | N
     return cfg
 
 
-def restart_gateway_replica(rd: RunDir, rec: ProcessRecord, timeout_s: float, log: Log = _nolog) -> ProcessRecord:
-    """Start gateway replica ``rec`` (``gateway-1``, ...: ``[gateway] replicas``; already stopped) again with its
-    settings (``<run dir>/<name>.json``) on the ports it had, the last confirmed tuning applied; record it once
-    ready and return the new record.
+def restart_gateway_replica(
+    rd: RunDir, rec: ProcessRecord, stop: Callable[[], str], timeout_s: float, log: Log = _nolog
+) -> tuple[ProcessRecord, str]:
+    """Restart gateway replica ``rec`` (``gateway-1``, ...: ``[gateway] replicas``) with its settings (``<run
+    dir>/<name>.json``) on the ports it had, the last confirmed tuning applied: the settings are read and checked
+    first, then ``stop()`` ends the running one (its outcome is returned), then it is started and recorded once
+    ready. Returns the new record and what ``stop()`` said.
 
     Raises:
-        BtbctlError: its settings are gone or damaged; it did not become ready (it is left stopped).
+        BtbctlError: its settings are gone or damaged (nothing was stopped); it did not become ready (it is left
+            stopped).
     """
     from btbctl.engine.config import validate
     from btbctl.engine.gateway.config import GatewayConfig
 
     cfg = _settings_again(rd, rec.name, rec.url, (rec.extra or {}).get("control"), log)
     validate(GatewayConfig, cfg, None, "gateway")
+    stopped = stop()
     gproc = spawn(rec.name, gateway_argv(write_gateway_config(rd, cfg, rec.name)), rd.log_path(f"{rec.name}.out"))
     try:
         wait_ready(gproc, timeout_s)
@@ -606,7 +611,7 @@ def restart_gateway_replica(rd: RunDir, rec: ProcessRecord, timeout_s: float, lo
     _update(state, gproc)
     rd.save(state)
     log(f"{rec.name} ready at {_reachable(gproc.url or '')} (control {gproc.extra.get('control')}, pid {gproc.pid})")
-    return new
+    return new, stopped
 
 
 @holding_lock(create=False)

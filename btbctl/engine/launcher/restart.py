@@ -147,18 +147,20 @@ def restart(rd: RunDir, name: str, grace_s: float = 10.0, timeout_s: float | Non
             f"a foreground `btbctl up` (pid {state.owner_pid}) holds {rd.path}; restart it there (Ctrl-C, then up)"
         )
     old_pid = rec.pid
-    stopped = _stop(rec, grace_s)
     if rec.role == "gateway" and rec is not state.gateway():  # gateway-1, ...: [gateway] replicas
         from btbctl.engine.launcher.fleet import restart_gateway_replica
 
-        new = restart_gateway_replica(rd, rec, timeout_s or 60.0)
+        # its settings are read and checked before it is stopped: a damaged file leaves it running
+        new, stopped = restart_gateway_replica(rd, rec, lambda: _stop(rec, grace_s), timeout_s or 60.0)
     elif rec.role == "gateway":
         from btbctl.engine.launcher.fleet import up_gateway_only
 
+        stopped = _stop(rec, grace_s)
         first = up_gateway_only(rd, timeout_s=timeout_s or 60.0).gateway()
         assert first is not None
         new = first
     else:
+        stopped = _stop(rec, grace_s)
         new = _restart_one(rd, state, rec, timeout_s or _ready_timeout(state, rec))
     out = {"name": name, "role": rec.role, "old_pid": old_pid, "pid": new.pid, "url": new.url, "stop": stopped}
     log(format_event("process_restart", {**out, "run_dir": str(rd.path)}))
