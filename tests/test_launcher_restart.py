@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher import fleet
 from btbctl.engine.launcher.local import spawn, stop_groups
 from btbctl.engine.launcher.rundir import RunDir, RunState
@@ -218,3 +219,28 @@ def test_stopped_agent_degrades_status_and_restart_brings_each_process_back(tmp_
         assert [w["url"] for w in st3["workers"]] == [w["url"] for w in st["workers"]]
     finally:
         cli("down", "--run-dir", str(run_dir), "--grace-s", "2", check=False)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "3"])
+def test_restart_gateway_replica_settings_not_an_object(tmp_path, text):
+    """A gateway-1.json that parses but is not a JSON object is damaged: one-line error, nothing stopped or
+    started."""
+    from btbctl.engine.launcher.fleet import restart_gateway_replica
+    from btbctl.engine.launcher.rundir import ProcessRecord
+
+    (tmp_path / "gateway-1.json").write_text(text, encoding="utf-8")
+    rec = ProcessRecord(
+        name="gateway-1",
+        role="gateway",
+        kind="gateway",
+        pid=1,
+        pgid=1,
+        start_time="0",
+        argv=[],
+        log="x",
+        url="http://127.0.0.1:9",
+    )
+    stops: list[int] = []
+    with pytest.raises(BtbctlError, match="cannot read the settings of gateway-1"):
+        restart_gateway_replica(RunDir(tmp_path), rec, lambda: stops.append(1) or "stopped", 1.0)
+    assert stops == []

@@ -567,6 +567,8 @@ def _settings_again(rd: RunDir, name: str, url: str | None, control_url: str | N
     path = rd.path / f"{name}.json"
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(cfg, dict):
+            raise ValueError(f"not a JSON object but {type(cfg).__name__}")
     except (OSError, ValueError) as e:
         raise BtbctlError(f"cannot read the settings of {name} {path}: {e}; restart the whole fleet") from None
     tuned = rd.load_tuned()
