@@ -17,8 +17,9 @@ def is_loopback(host: str) -> bool:
 
 
 def hostport(host: str, port: int) -> str:
-    """``host:port``, an IPv6 literal bracketed (``[fd00::1]:7500``), as a URL's authority or a copy address."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """``host:port``, an IPv6 literal bracketed (``[fd00::1]:7500``; one given bracketed stays so), as a URL's
+    authority or a copy address."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def local_url(url: str) -> str:

@@ -33,6 +33,7 @@ from btbctl.engine.launcher.cluster import ClusterFile, agent_argv
 from btbctl.engine.launcher.hosts import HostSpec
 from btbctl.engine.launcher.local import Started, health_ok, not_ready
 from btbctl.engine.launcher.rundir import RunDir
+from btbctl.engine.netaddr import hostport
 
 #: An agent's ready line (``btbctl agent`` prints it once its three endpoints listen).
 AGENT_READY = re.compile(r"^ready peer (\S+) control (\S+) socket (\S+)\s*$", re.MULTILINE)
@@ -42,10 +43,6 @@ MAX_SOCKET_PATH = 100
 REMOTE_SECRET = "agent.keys"
 REMOTE_TOKEN = "agent.token"
 REMOTE_SOCKET = "agent.sock"
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 @dataclass
@@ -98,8 +95,8 @@ def plan_agents(cluster: ClusterFile, rd: RunDir, gateways: Sequence[str] = ()) 
                 secret_file=str(rd.agent_credentials_path("agent-local")),
                 token_file=str(rd.agent_control_token_path("agent-local")),
                 socket=sock,
-                peer=_hostport(rep.local_peer_host, rep.peer_port),
-                control=_hostport("127.0.0.1", rep.control_port),
+                peer=hostport(rep.local_peer_host, rep.peer_port),
+                control=hostport("127.0.0.1", rep.control_port),
                 arena_mib=rep.arena_mib,
                 agent_id="agent-local",
             )
@@ -115,8 +112,8 @@ def plan_agents(cluster: ClusterFile, rd: RunDir, gateways: Sequence[str] = ()) 
                 secret_file=REMOTE_SECRET,
                 token_file=REMOTE_TOKEN,
                 socket=REMOTE_SOCKET,
-                peer=_hostport(host.bind_address, rep.peer_port),
-                control=_hostport(host.bind_address, rep.control_port),
+                peer=hostport(host.bind_address, rep.peer_port),
+                control=hostport(host.bind_address, rep.control_port),
                 arena_mib=rep.arena_mib,
                 agent_id=name,
             )
