@@ -983,9 +983,8 @@ class FleetState:
         return 0.0 if self.copy_after is None else self.copy_after(replica, blocks)
 
     def nic_copies(self, replica: int) -> int:
-        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`, read here without the call: asked
-        per copy target per routing decision)."""
-        return self.transfers._nic.get(replica, 0)
+        """Copies in flight from or to ``replica`` (:meth:`TransferTable.nic_copies`)."""
+        return self.transfers.nic_copies(replica)
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
         """Coarse estimate from the worker's last ``/v1/loads`` brought up to date with what the gateway sent since:
