@@ -89,7 +89,7 @@ import math
 import random
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import TypeVar, overload
 
 from btbctl.engine.constants import BtbConstants
@@ -667,15 +667,20 @@ class BtbPlus(Policy[CostView]):
         if hot is not None:
             prefix = hot[0].prefix
             # the planned blocks of the prefix read while pricing, when the prefix is the whole chain (the same query)
-            known = planned_of if len(prefix) == len(chain) and prefix == chain else None
+            known = planned_of if len(prefix) == len(chain) and prefix == chain else {}
+
+            def planned(r: int) -> int:
+                got = known.get(r)
+                return view.planned_blocks(r, prefix) if got is None else got
+
             self._stats["hot_routes"] += 1
             if (
                 not copied
-                and (known[choice] if known and choice in known else view.planned_blocks(choice, prefix)) < len(prefix)
+                and planned(choice) < len(prefix)
                 and any(view.cached_blocks(r, prefix) >= len(prefix) for r in holders if r != choice)
             ):
                 self._stats["speculative_routes"] += 1
-            pace = self._pace(view, prefix, holders, mine[0] - mine[2], known)
+            pace = self._pace(len(prefix), holders, mine[0] - mine[2], planned)
         if plan is not None:
             return Route(choice, (plan,), pace)
         out = self._routes.get((choice, pace))
@@ -685,24 +690,15 @@ class BtbPlus(Policy[CostView]):
             out = self._routes[(choice, pace)] = Route(choice, (), pace)
         return out
 
-    def _pace(
-        self,
-        view: CostView,
-        prefix: Sequence[Hashable],
-        near: Iterable[int],
-        own_s: float,
-        known: dict[int, int] | None = None,
-    ) -> int:
-        """Rule 6: the ``Route.pace`` of a request of the hot ``prefix`` whose own prefill takes ``own_s`` seconds
-        on its replica; 0 unless at least two of ``near`` (the replicas that may hold any of it) hold, receive or
-        will compute all of it. ``known``: ``view.planned_blocks(replica, prefix)`` already read, by replica."""
+    def _pace(self, y: int, near: Iterable[int], own_s: float, planned: Callable[[int], int]) -> int:
+        """Rule 6: the ``Route.pace`` of a request of the hot prefix of ``y`` blocks whose own prefill takes
+        ``own_s`` seconds on its replica; 0 unless at least two of ``near`` (the replicas that may hold any of it)
+        hold, receive or will compute all of it (``planned(replica)``: the view's planned blocks of the prefix)."""
         if own_s <= 0:
             return 0
-        y = len(prefix)
         spread = 0
-        planned = view.planned_blocks
         for r in near:
-            if (known[r] if known and r in known else planned(r, prefix)) >= y:
+            if planned(r) >= y:
                 spread += 1
                 if spread == 2:
                     self._stats["paced_routes"] += 1
