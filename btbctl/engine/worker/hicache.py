@@ -404,19 +404,20 @@ class HiCache:
 
     # -- admission --------------------------------------------------------------------------------------------
 
-    def _load_s(self, pages: int, from_l3: bool) -> float:
-        nbytes = pages * self.page_size * self.kv_bytes_per_token
-        t = nbytes / self.pcie_bytes_per_s
-        if from_l3:
-            t += nbytes / self.l3_bytes_per_s
-        return t
+    def _load_s(self, pages: int) -> float:
+        """Model seconds to move ``pages`` pages host to device (the replica's PCIe bandwidth)."""
+        return pages * self.page_size * self.kv_bytes_per_token / self.pcie_bytes_per_s
+
+    def _l3_s(self, pages: int) -> float:
+        """Model seconds to read ``pages`` pages from L3 to host (:data:`L3_READ_BYTES_PER_S_PER_RANK` per rank)."""
+        return pages * self.page_size * self.kv_bytes_per_token / self.l3_bytes_per_s
 
     def _l3_read_s(self, pages: int) -> float:
         """Model seconds from now until a read of ``pages`` pages from L3 ends on this worker's one read thread,
         which it then holds until that time (reads queue behind each other)."""
         now = self.model.model_now()
         start = max(now, self._l3_free_at_s)
-        self._l3_free_at_s = start + self._load_s(pages, True) - self._load_s(pages, False)
+        self._l3_free_at_s = start + self._l3_s(pages)
         return self._l3_free_at_s - now
 
     def _mark_loading(self, keys: Sequence[str], add: bool) -> None:
@@ -492,11 +493,11 @@ class HiCache:
                 self._mark_loading(pages, False)
                 self.host.add(pages)
 
-            self._later(self._load_s(sp, False) + self._l3_read_s(sp), to_host)
+            self._later(self._load_s(sp) + self._l3_read_s(sp), to_host)
             sp = 0
         elif sp and policy == "timeout":
             budget = s.prefetch_timeout_base + s.prefetch_timeout_per_ki_token * adm.hit_pages * ps / 1024
-            per_page = self._load_s(1, True) - self._load_s(1, False)
+            per_page = self._l3_s(1)
             done = min(sp, int(budget / per_page)) if per_page > 0 else sp
             if done < sp:
                 wait_s = budget
@@ -509,7 +510,7 @@ class HiCache:
             except NoRoom:  # the device is full of running requests: the request computes the pages
                 adm.host_pages = adm.storage_pages = 0
                 return adm
-            load = self._load_s(h + sp, False) + (self._l3_read_s(sp) if sp else 0.0)
+            load = self._load_s(h + sp) + (self._l3_read_s(sp) if sp else 0.0)
             from_l3 = list(chain[d + h : d + n])
             self._mark_loading(from_l3, True)
             self.host.add(list(chain[d + h : d + n]))
