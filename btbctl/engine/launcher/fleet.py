@@ -149,7 +149,7 @@ def check_ports(cluster: ClusterFile, port: int | None = None, control_port: int
     ]
     for i in range(1, gw.replicas):
         for what, host, p in wanted[:2]:
-            wanted.append((f"{what.split(' (')[0]} of gateway-{i}", host, p + 2 * i if p else 0))
+            wanted.append((f"{what.split(' (')[0]} of gateway-{i}", host, _replica_port(p, i)))
     for inst in cluster.instances():
         if cluster.host_of(inst.spec) is None:
             wanted.append((f"{inst.name} port", inst.spec.host, inst.port))
@@ -376,8 +376,7 @@ def up(
                 )
             )
         if agent_plans and _registers(cluster):
-            for url in gateway_controls:
-                _wait_registered(cluster, url, rd, agent_plans, log, should_stop)
+            _wait_registered(cluster, gateway_controls, rd, agent_plans, log, should_stop)
     except BaseException as exc:
         if keep_partial and not isinstance(exc, KeyboardInterrupt):
             log("--keep-partial: leaving what started running; `btbctl down` stops it")
@@ -543,10 +542,8 @@ def _start_gateway_replica(
     file; record it (role ``gateway``) once ready."""
     name = f"gateway-{i}"
     cfg = dict(gcfg)
-    cfg["port"] = gcfg["port"] + 2 * i if gcfg.get("port") else 0
-    if control_port is None:
-        control_port = gcfg["control_port"] + 2 * i if gcfg.get("control_port") else 0
-    cfg["control_port"] = control_port
+    cfg["port"] = _replica_port(gcfg.get("port"), i)
+    cfg["control_port"] = _replica_port(gcfg.get("control_port"), i) if control_port is None else control_port
     cfg["log_file"] = str(rd.log_path(name))
     gproc = spawn(name, gateway_argv(write_gateway_config(rd, cfg, name)), rd.log_path(f"{name}.out"))
     state.processes.append(gproc.record("gateway", "gateway"))
@@ -667,14 +664,20 @@ def _registers(cluster: ClusterFile) -> bool:
     return cluster.replication_mode == "l3" and all(h is None for h in cluster.agent_hosts())
 
 
+def _replica_port(base: int | None, i: int) -> int:
+    """The port of gateway ``i`` of ``[gateway] replicas`` (0: the first) whose first gateway has ``base``:
+    ``base + 2i``, or 0 (picked by the process) when ``base`` is."""
+    return int(base) + 2 * i if base else 0
+
+
 def _control_ports(cluster: ClusterFile, control_port: int | None) -> list[int]:
     """The control ports of the fleet's ``[gateway] replicas`` gateways, fixed before the agents that register with
-    them start: ``control_port`` (or the cluster file's) and ``+ 2i`` for gateway ``i``, as
-    :func:`_start_gateway_replica` numbers them; distinct free ports where it is 0."""
+    them start: ``control_port`` (or the cluster file's) numbered by :func:`_replica_port`; distinct free ports
+    where it is 0."""
     gw = cluster.gateway
     base = gw.control_port if control_port is None else control_port
     if base:
-        return [int(base) + 2 * i for i in range(gw.replicas)]
+        return [_replica_port(base, i) for i in range(gw.replicas)]
     ports: list[int] = []
     while len(ports) < gw.replicas:
         p = free_port(gw.control_host)
@@ -708,11 +711,11 @@ def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> di
 
 
 def _wait_registered(
-    cluster: ClusterFile, control_url: str, rd: RunDir, agent_plans: dict, log: Log, should_stop
+    cluster: ClusterFile, control_urls: list[str], rd: RunDir, agent_plans: dict, log: Log, should_stop
 ) -> None:
-    """Wait until every planned agent registered with the gateway at ``control_url`` naming the workers it serves
-    (bounded by the replication section's ``ready_timeout_s``); one ``log`` line. Raises :class:`BtbctlError` naming
-    the agent that did not and why."""
+    """Wait until every planned agent registered with each gateway of ``control_urls`` naming the workers it
+    serves (each bounded by the replication section's ``ready_timeout_s``); one ``log`` line per gateway. Raises
+    :class:`BtbctlError` naming the agent that did not and why."""
     from btbctl.engine.launcher import agents as agents_mod
 
     hosts = {ap.name: (ap.host.name if ap.host else None) for ap in agent_plans.values()}
@@ -721,18 +724,15 @@ def _wait_registered(
         for n, h in hosts.items()
     }
     token = rd.token_path.read_text(encoding="utf-8").strip() if rd.token_path.exists() else None
-    got = agents_mod.wait_registered(
-        control_url,
-        token,
-        expect,
-        {n: rd.log_path(n) for n in expect},
-        cluster.replication.ready_timeout_s,
-        should_stop=should_stop,
-    )
-    log(
-        f"agents registered with the gateway at {control_url}: "
-        + "; ".join(f"{n} ({','.join(got[n]) or 'no workers'})" for n in expect)
-    )
+    logs = {n: rd.log_path(n) for n in expect}
+    for control_url in control_urls:
+        got = agents_mod.wait_registered(
+            control_url, token, expect, logs, cluster.replication.ready_timeout_s, should_stop=should_stop
+        )
+        log(
+            f"agents registered with the gateway at {control_url}: "
+            + "; ".join(f"{n} ({','.join(got[n]) or 'no workers'})" for n in expect)
+        )
 
 
 def _start_remote(
