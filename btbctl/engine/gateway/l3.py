@@ -446,11 +446,16 @@ class L3Replicator(CopyExecutor):
     def source_excluded(self, r: int, key: Hashable) -> bool:
         """Whether copies of prefix ``key`` from worker ``r`` are refused now (a copy from it found its agent
         without the pages and ``r`` not writing them, within ``exclude_s``)."""
-        until = self._source_excluded.get((r, key))
+        return self._in_force(self._source_excluded, (r, key))
+
+    def _in_force(self, exclusions: dict[tuple[int, Hashable], float], k: tuple[int, Hashable]) -> bool:
+        """Whether the exclusion ``k`` of ``exclusions`` (worker, prefix key -> until when, the state's clock) holds
+        now; one that ran out is forgotten."""
+        until = exclusions.get(k)
         if until is None:
             return False
         if until <= self.state.clock():
-            del self._source_excluded[(r, key)]
+            del exclusions[k]
             return False
         return True
 
@@ -561,13 +566,7 @@ class L3Replicator(CopyExecutor):
         return self._usable(r) and self.has_agent(r)
 
     def excluded(self, target: int, key: Hashable) -> bool:
-        until = self._excluded.get((target, key))
-        if until is None:
-            return False
-        if until <= self.state.clock():
-            del self._excluded[(target, key)]
-            return False
-        return True
+        return self._in_force(self._excluded, (target, key))
 
     def refusal(self, chain: Sequence[Hashable], source: int, target: int) -> str | None:
         """Why a copy of ``chain`` from ``source`` to ``target`` would be refused, or None when it would start."""
@@ -669,25 +668,21 @@ class L3Replicator(CopyExecutor):
             t.ready.set_result(state is CopyState.DONE or outcome is CopyOutcome.COMPUTED)
         super()._finish(t, state, event, reason, **fields)
 
-    def _fail(self, t: Transfer, reason: str, kind: CopyOutcome = CopyOutcome.FAILED) -> None:
-        """End ``t`` failed (``kind``: ``short``, ``computed`` or ``failed``); exclude its target from this prefix
-        for ``exclude_s`` unless it computed the prefix itself (then it holds it)."""
+    def _fail(self, t: Transfer, reason: str, kind: CopyOutcome = CopyOutcome.FAILED, exclude: str = "target") -> None:
+        """End ``t`` failed (``kind``: ``short``, ``computed`` or ``failed``) and exclude from copies of this prefix
+        for ``exclude_s`` its ``exclude`` worker: the ``target`` (unless it computed the prefix itself: then it holds
+        it), or the ``source`` whose pages cannot arrive (:class:`SourceLost`); one ``l3_target_excluded`` or
+        ``l3_source_excluded`` line."""
         self.proofs[kind.value] += 1
         if kind is CopyOutcome.COMPUTED:
             self.state.workers[t.target].hold(t.chain)
-            self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind, **self._phase_fields(t))
-            return
-        self._excluded[(t.target, t.key)] = self.state.clock() + self.exclude_s
+        elif exclude == "source":
+            self._source_excluded[(t.source, t.key)] = self.state.clock() + self.exclude_s
+        else:
+            self._excluded[(t.target, t.key)] = self.state.clock() + self.exclude_s
         self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=kind, **self._phase_fields(t))
-        self._event("target_excluded", t, for_s=self.exclude_s, reason=reason)
-
-    def _fail_source(self, t: Transfer, reason: str) -> None:
-        """End ``t`` failed because its source's pages cannot arrive (:class:`SourceLost`): the source, not the
-        target, is excluded from copies of this prefix for ``exclude_s`` (one ``l3_source_excluded`` line)."""
-        self.proofs[CopyOutcome.FAILED.value] += 1
-        self._source_excluded[(t.source, t.key)] = self.state.clock() + self.exclude_s
-        self._finish(t, CopyState.FAILED, "copy_failed", reason, outcome=CopyOutcome.FAILED, **self._phase_fields(t))
-        self._event("source_excluded", t, for_s=self.exclude_s, reason=reason)
+        if kind is not CopyOutcome.COMPUTED:
+            self._event(f"{exclude}_excluded", t, for_s=self.exclude_s, reason=reason)
 
     def _done(self, t: Transfer, warmups: int) -> None:
         self.proofs["proved"] += 1
@@ -853,7 +848,7 @@ class L3Replicator(CopyExecutor):
             elif reason is not None:
                 self._fail(t, reason)
         except SourceLost as e:
-            self._fail_source(t, str(e))
+            self._fail(t, str(e), exclude="source")
         except asyncio.CancelledError:
             if t.active:
                 self._fail(t, "gateway stopped")
