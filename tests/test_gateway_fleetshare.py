@@ -229,3 +229,38 @@ def test_bad_redis_url_is_one_clear_error():
     with pytest.raises(ValueError, match="redis://host:port"):
         GatewayConfig(workers=["http://127.0.0.1:1"], redis_url="http://127.0.0.1:6379")
     assert json.dumps(GatewayConfig(workers=["http://127.0.0.1:1"], redis_url="redis://h:1/0").redis_url)
+
+
+@needs_redis
+async def test_stop_ends_the_link_even_while_it_is_closing_a_lost_connection(tmp_path, monkeypatch):
+    """A stop that lands while the link cleans up after losing Redis ends it (it once swallowed the cancel and
+    reconnected for ever, so the gateway's stop never returned)."""
+    import redis.asyncio.client as rclient
+
+    from btbctl.engine.gateway.fleetshare import FleetShare
+
+    srv = RedisServer(tmp_path)
+    srv.start()
+    closing = asyncio.Event()
+    aclose = rclient.PubSub.aclose
+
+    async def slow_aclose(self, *a, **k):
+        closing.set()
+        await asyncio.sleep(0.5)
+        return await aclose(self, *a, **k)
+
+    def nop(*_a):
+        return None
+
+    x = FleetShare(srv.url, "t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, retry_s=0.05)
+    x.start()
+    try:
+        await until(lambda: x.connected, timeout_s=10)
+        monkeypatch.setattr(rclient.PubSub, "aclose", slow_aclose)
+        srv.stop()
+        await asyncio.wait_for(closing.wait(), 10)
+        done, _ = await asyncio.wait({asyncio.ensure_future(x.stop())}, timeout=5)
+        assert done, "stop() did not return while the link was closing"
+        assert x.connected is False and x._task is None
+    finally:
+        srv.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 from collections.abc import Callable, Coroutine, Iterable
@@ -17,10 +16,9 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     if task is None:
         return
     task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+    await asyncio.wait((task,))  # a cancel of the caller still reaches the caller (``await task`` would blur them)
+    if not task.cancelled():
+        task.result()  # re-raises what the task ended with
 
 
 async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
@@ -28,9 +26,8 @@ async def cancel_all(tasks: Iterable[asyncio.Task]) -> None:
     tasks = list(tasks)
     for t in tasks:
         t.cancel()
-    for t in tasks:
-        with contextlib.suppress(BaseException):
-            await t
+    # gather, not a suppress around each await: a cancel of the caller itself must still reach the caller
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def every(interval_s: float, fn: Callable[[], Coroutine[Any, Any, Any]], *, at_once: bool) -> asyncio.Task:

@@ -39,6 +39,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.logfmt import log_event
 
 log = logging.getLogger(__name__)
@@ -150,10 +151,7 @@ class FleetShare:
     async def stop(self) -> None:
         """Disconnect and stop reconnecting. Idempotent."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
         for futs in self._waiters.values():
             for f in futs:
                 if not f.done():
@@ -213,15 +211,21 @@ class FleetShare:
                 self._transition(False, f"{type(e).__name__}: {e}")
             finally:
                 self._client = None
-                if flusher is not None:
-                    flusher.cancel()
-                    with contextlib.suppress(BaseException):
-                        await flusher
-                with contextlib.suppress(BaseException):
-                    await pubsub.aclose()
-                with contextlib.suppress(BaseException):
-                    await client.aclose()
+                # A cancel that lands during this cleanup must end the loop, not be swallowed by it (``stop`` would
+                # wait for ever): the cleanup runs shielded and only its own errors are ignored.
+                await asyncio.shield(self._close_link(flusher, pubsub, client))
             await asyncio.sleep(self.retry_s)
+
+    @staticmethod
+    async def _close_link(flusher: asyncio.Task | None, pubsub: Any, client: Any) -> None:
+        """Stop the flusher and close one connection's subscription and client; their errors are ignored (the link
+        is gone either way)."""
+        if flusher is not None:
+            flusher.cancel()
+            await asyncio.gather(flusher, return_exceptions=True)
+        for closing in (pubsub.aclose, client.aclose):
+            with contextlib.suppress(Exception):
+                await closing()
 
     # -- arrivals -----------------------------------------------------------------------------------------------
 

@@ -221,8 +221,7 @@ class TcpTransport:
                         await asyncio.wait((nxt, final), return_when=asyncio.FIRST_COMPLETED)
                     if not nxt.done():  # the target answered (an error) or closed while the source computes
                         nxt.cancel()
-                        with contextlib.suppress(BaseException):
-                            await nxt
+                        await asyncio.gather(nxt, return_exceptions=True)
                         break
                     try:
                         item = nxt.result()
@@ -280,8 +279,7 @@ class TcpTransport:
         finally:
             if final is not None and not final.done():
                 final.cancel()
-                with contextlib.suppress(BaseException):
-                    await final
+                await asyncio.gather(final, return_exceptions=True)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
@@ -535,7 +533,7 @@ class TcpReceiver:
                 else:
                     self._per_peer.pop(host, None)
             writer.close()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
             if task is not None:
                 self._tasks.discard(task)
