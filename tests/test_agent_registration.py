@@ -228,6 +228,54 @@ async def test_the_gateway_takes_signed_registrations_without_its_bearer_token_a
         await until(lambda: gw.replicator.agent_names() == [None, None], timeout_s=5.0)
 
 
+async def test_the_registration_listener_takes_signed_announcements_and_nothing_else(tmp_path, caplog):
+    """``register_hosts``: a listener for agents on other machines while the control API stays on loopback; it
+    takes a signed registration and refuses every other request, with or without the bearer token."""
+    caplog.set_level(logging.INFO)
+    secret = tmp_path / "fleet-secret"
+    secret.write_bytes(SECRET)
+    cfg = {"replication": "l3", "agent_secret_file": str(secret), "register_hosts": ["127.0.0.1"]}
+    async with GatewayEnv(2, page_size=16, **cfg) as env:
+        gw = env.gw
+        [reg] = gw.register_urls
+        assert reg != env.control and reg.startswith("http://127.0.0.1:")
+        assert any(f"event=register_listen urls={reg}" in r.getMessage() for r in caplog.records)
+        await until(lambda: all(w.healthy for w in gw.state.workers))
+        ann = _ann("node-a", workers=(gw.state.workers[1].url,), sent_at=gw.wall_clock())
+        body, sig = _signed(ann)
+        async with env.http.post(reg + "/control/agents", data=body) as r:  # unsigned
+            assert r.status == 401, await r.text()
+        forged = sign(node_key(SECRET, "node-b"), body)  # signed by another agent's key
+        async with env.http.post(reg + "/control/agents", data=body, headers={SIGNATURE_HEADER: forged}) as r:
+            assert r.status in (401, 403), await r.text()
+        async with env.http.post(reg + "/control/agents", data=body, headers={SIGNATURE_HEADER: sig}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["workers"] == ["w1"]
+        assert gw.replicator.agent_names() == [None, "node-a"]
+        auth = {"Authorization": f"Bearer {gw.token}"}
+        for method, path in [("GET", "/control/fleet"), ("PUT", "/control/constants"), ("GET", "/control/agents")]:
+            async with env.http.request(method, reg + path, json={"threshold": 9}) as r:
+                assert r.status == 401, (method, path, r.status)
+            async with env.http.request(method, reg + path, json={"threshold": 9}, headers=auth) as r:
+                assert r.status in (404, 405), (method, path, r.status)
+        assert gw.constants.threshold != 9
+
+
+def test_a_registration_listener_needs_l3_with_the_fleet_secret_and_a_fixed_port_for_several_addresses():
+    from btbctl.engine.gateway.config import GatewayConfig
+
+    base = {"workers": ["http://127.0.0.1:1"], "register_hosts": ["127.0.0.1"]}
+    with pytest.raises(ValueError, match="register_hosts needs replication l3 with agent_secret_file"):
+        GatewayConfig(**base)
+    l3 = {"replication": "l3", "agent_secret_file": "/x"}
+    with pytest.raises(ValueError, match="register_port must be fixed"):
+        GatewayConfig(**{**base, **l3, "register_hosts": ["127.0.0.1", "10.0.0.1"]})
+    with pytest.raises(ValueError, match="is not a host name or IP address"):
+        GatewayConfig(**{**base, **l3, "register_hosts": ["-oProxy"]})
+    cfg = GatewayConfig(**{**base, **l3, "register_hosts": ["127.0.0.1", "10.0.0.1"], "register_port": 9000})
+    assert cfg.register_port == 9000
+
+
 async def test_a_gateway_without_the_fleet_secret_takes_no_registrations():
     async with GatewayEnv(1) as env:
         body, sig = _signed(_ann(sent_at=env.gw.wall_clock()))

@@ -399,6 +399,43 @@ def _sglang_l3_line(port: int, socket_path: str, python: str, extra: list[str], 
     ]
 
 
+def test_every_l3_agent_registers_the_local_one_on_the_control_api_a_hosts_one_on_the_registration_listener(
+    tmp_path, monkeypatch
+):
+    from btbctl.engine import netaddr
+    from btbctl.engine.errors import BtbctlError
+    from btbctl.engine.launcher import fleet
+    from btbctl.engine.launcher.agents import plan_agents
+    from btbctl.engine.launcher.rundir import RunDir
+
+    c = validate_cluster({**SGLANG_L3_FLEET, "gateway": {"replicas": 2, "register_port": 9100}})
+    asked = []
+    monkeypatch.setattr(netaddr, "source_address", lambda host, port: asked.append((host, port)) or "10.0.0.11")
+    reg = fleet._registration(c)
+    assert asked == [("10.0.0.12", 22)]  # the address this machine sends from towards gpu-b's SSH port
+    assert reg == fleet.Registration(
+        ["10.0.0.11"], [9100, 9102], {"gpu-b": ["http://10.0.0.11:9100", "http://10.0.0.11:9102"]}
+    )
+    controls = ["http://127.0.0.1:8001", "http://127.0.0.1:8003"]
+    local, remote = plan_agents(c, RunDir(tmp_path / "run"), gateways=controls, host_gateways=reg.host_gateways)
+    reg_args = ["--register-interval-s", "2"]
+    assert local.argv[-6:] == ["--gateway", controls[0], "--gateway", controls[1], *reg_args]
+    far = reg.host_gateways["gpu-b"]
+    assert remote.argv[-6:] == ["--gateway", far[0], "--gateway", far[1], *reg_args]
+    # a fixed register_host wins (a NAT between); no route to a host and none set: one line naming both
+    c2 = validate_cluster({**SGLANG_L3_FLEET, "gateway": {"register_host": "192.0.2.7", "register_port": 9200}})
+    assert fleet._registration(c2).host_gateways == {"gpu-b": ["http://192.0.2.7:9200"]}
+
+    def no_route(host, port):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(netaddr, "source_address", no_route)
+    with pytest.raises(BtbctlError, match=r"host gpu-b: no route .* set \[gateway\] register_host"):
+        fleet._registration(c)
+    with pytest.raises(ConfigError, match="register_host"):
+        validate_cluster({**SGLANG_L3_FLEET, "gateway": {"register_host": "a b"}})
+
+
 def test_sglang_fleet_in_l3_mode_gets_exactly_the_hicache_flags(tmp_path):
     from btbctl.engine.launcher.agents import REMOTE_SOCKET, plan_agents
     from btbctl.engine.launcher.cluster import hicache_args

@@ -19,7 +19,17 @@ import pytest
 
 from launcher_helpers import cli
 from netns import make_testbed, require_sshd  # noqa: F401 - fixture
-from netns_fleet import PAGE, PREFIX_BLOCKS, ROOT, check_answers, check_proofs, metric, start_fleet, stop_fleet
+from netns_fleet import (
+    PAGE,
+    PREFIX_BLOCKS,
+    ROOT,
+    check_answers,
+    check_proofs,
+    http_json,
+    metric,
+    start_fleet,
+    stop_fleet,
+)
 
 pytestmark = pytest.mark.netns
 
@@ -72,6 +82,15 @@ def test_l3_burst_moves_pages_agent_to_agent_and_spreads_once_proved(make_testbe
             assert a["peer"].startswith(host.address + ":") and fleet.pid(a["name"]) in host.pids()
         status = json.loads(cli("status", "--run-dir", str(fleet.run_dir), "--format", "json").stdout)
         assert [w["replication"] for w in status["workers"]] == ["l3"] * 4
+        # no setting names an agent: each host's agent registered on the gateway's registration listener, at the
+        # operator's address on the hosts' link, while the control API stayed on loopback
+        settings = json.loads((fleet.run_dir / "gateway.json").read_text())
+        assert "agents" not in settings and "worker_agents" not in settings
+        assert settings["register_hosts"] == [tb.operator.address] and settings["control_host"] == "127.0.0.1"
+        agents = {a["name"]: a for a in http_json(fleet.control + "/control/agents")["agents"]}
+        assert sorted(agents) == sorted(f"agent-{h.name}" for h in tb.hosts)
+        for a in agents.values():
+            assert not a["static"] and len(a["workers"]) == 2, a
 
         n = 48
         report, lines = fleet.bench(seed=1, n=n, spread_s=1.5)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import re
+
+#: DNS names (RFC 1123 labels) or IP literals; nothing a shell or ssh option parser could read as anything else.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*\.?\Z")
 
 
 def is_loopback(host: str) -> bool:
@@ -14,6 +19,42 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def is_address(value: str) -> bool:
+    """Whether ``value`` is an IP literal (v4 or v6, optionally in brackets) or ``localhost``."""
+    if value in ("localhost", ""):
+        return True
+    try:
+        ipaddress.ip_address(value.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def check_hostname(value: str) -> str:
+    """Return ``value`` if it is an IP literal or a DNS host name; raise ``ValueError`` otherwise (so that an
+    address can never carry shell metacharacters or start with ``-``)."""
+    if is_address(value) and value:
+        return value
+    if not _HOSTNAME.match(value):
+        raise ValueError(f"{value!r} is not a host name or IP address (letters, digits, '-' and '.' only)")
+    return value
+
+
+def source_address(host: str, port: int) -> str:
+    """The address this machine sends from towards ``host`` (a name or IP literal) on ``port``: what a process
+    there reaches this machine at, short of a NAT in between. Learnt from the routing table (a UDP socket is
+    connected, nothing is sent). Raises ``OSError`` when ``host`` does not resolve or has no route."""
+    import socket
+
+    target = host.strip("[]")
+    family = socket.AF_INET6 if ":" in target else socket.AF_INET
+    infos = socket.getaddrinfo(target, port, 0 if not is_address(target) else family, socket.SOCK_DGRAM)
+    af, _, _, _, addr = infos[0]
+    with socket.socket(af, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return str(s.getsockname()[0])
 
 
 def hostport(host: str, port: int) -> str:

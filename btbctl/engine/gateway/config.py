@@ -87,6 +87,13 @@ class GatewayConfig(BaseModel):
     """Control API listen address (loopback by default; on another address reads need the token too)."""
     control_port: int = Field(8001, ge=0, le=65535)
     """Control API port (0: any free port)."""
+    register_hosts: list[str] = Field(default_factory=list)
+    """l3: addresses of a registration-only listener (``POST /control/agents`` and nothing else; every announcement
+    is signed with the agent's node key, :mod:`~btbctl.engine.replication.registration`), for node agents on other
+    machines while the control API stays on loopback (``btbctl up`` sets it for the agents of ``[[hosts]]``). Empty:
+    agents register on the control API only."""
+    register_port: int = Field(0, ge=0, le=65535)
+    """Port of the ``register_hosts`` listener, the same on each address (0: a free port; one address only)."""
     policy: str = "btb_plus"
     """Routing policy name (``btbctl.engine.policies.POLICIES``; default ``btb_plus``, ``btb`` is the published
     rule); changeable at run time."""
@@ -285,6 +292,15 @@ class GatewayConfig(BaseModel):
             raise ValueError(f"redis URL {v!r} must look like redis://host:port (or rediss://, unix://)")
         return v
 
+    @field_validator("register_hosts")
+    @classmethod
+    def _register_hosts(cls, v: list[str]) -> list[str]:
+        from btbctl.engine.netaddr import check_hostname
+
+        if len(set(v)) != len(v):
+            raise ValueError("register_hosts must be distinct")
+        return [check_hostname(h) for h in v]
+
     @field_validator("workers")
     @classmethod
     def _urls(cls, v: list[str]) -> list[str]:
@@ -316,6 +332,11 @@ class GatewayConfig(BaseModel):
                 raise ValueError("worker_agents must name one agent per worker")
             if any(not 0 <= i < len(self.agents) for i in self.worker_agents):
                 raise ValueError(f"worker_agents entries must be in 0..{len(self.agents) - 1}")
+        if self.register_hosts:
+            if self.replication != "l3" or not self.agent_secret_file:
+                raise ValueError("register_hosts needs replication l3 with agent_secret_file (it takes registrations)")
+            if self.register_port == 0 and len(self.register_hosts) > 1:
+                raise ValueError("register_port must be fixed (not 0) with several register_hosts")
         return self
 
     def progress_window(self) -> float:

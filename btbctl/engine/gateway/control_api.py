@@ -445,3 +445,15 @@ def build_control_app(
     r.add_get(REGISTER_PATH, api.agents)
     r.add_post(REGISTER_PATH, api.register_agent)
     return app
+
+
+def build_register_app(
+    reports: Reports, steering: Steering, bus: EventBus, *, middlewares: Sequence[Any] = ()
+) -> web.Application:
+    """The registration-only :class:`aiohttp.web.Application` (``GatewayConfig.register_hosts``): ``POST
+    /control/agents`` (signed by the agent's node key) and nothing else; any other request is refused as on the
+    control API without a token (401), or 404 with one."""
+    api = ControlApi(reports, steering, bus, open_reads=False)
+    app = web.Application(client_max_size=MAX_CONTROL_BODY, middlewares=[*middlewares, api.middleware])
+    app.router.add_post(REGISTER_PATH, api.register_agent)
+    return app

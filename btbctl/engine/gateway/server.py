@@ -49,7 +49,7 @@ from btbctl.engine.detector import BurstDetector, DeclaredBursts, tracked_key
 from btbctl.engine.errors import ConfigError
 from btbctl.engine.fileio import read_text_bounded
 from btbctl.engine.gateway.config import GatewayConfig
-from btbctl.engine.gateway.control_api import build_control_app
+from btbctl.engine.gateway.control_api import build_control_app, build_register_app
 from btbctl.engine.gateway.dataplane import DATA_ROUTES, WORKER_HEADER, DataLimits, DataPlane, build_data_app
 from btbctl.engine.gateway.events import EventBus
 from btbctl.engine.gateway.fleetshare import FleetShare
@@ -225,6 +225,8 @@ class Gateway:
         self._runners: list[web.AppRunner] = []
         self.data_url = ""
         self.control_url = ""
+        #: the registration-only listener's URLs (``register_hosts``; empty without)
+        self.register_urls: list[str] = []
         self._stopped = False
         self._request_seq = 0
         #: the fleet's shared detection, copy orders and tuning (``redis_url``; None: this gateway alone)
@@ -931,9 +933,24 @@ class Gateway:
             self.control_url = await self._listen(
                 control, cfg.control_host, cfg.control_port, "control_port", False, control_guard
             )
+            await self._listen_register(reports)
         except BaseException:
             await self.stop()
             raise
+
+    async def _listen_register(self, reports: Reports) -> None:
+        """The registration-only listener on each of ``register_hosts`` (one port for all: ``register_port``, or the
+        one the first address got); its URLs are :attr:`register_urls`. Nothing without ``register_hosts``."""
+        cfg = self.config
+        port = cfg.register_port
+        for host in cfg.register_hosts:
+            app = build_register_app(reports, self, self.bus, middlewares=[self._host_guard("register", host)])
+            guard = self._guard("register", cfg.control_max_connections, max_per_peer=cfg.control_max_per_peer)
+            url = await self._listen(app, host, port, "register_port", False, guard)
+            port = int(url.rsplit(":", 1)[1])
+            self.register_urls.append(url)
+        if self.register_urls:
+            log_event(log, "register_listen", urls=",".join(self.register_urls))
 
     def _start_kv_events(self) -> None:
         """Subscribe to the KV events of every worker that has an endpoint (pyzmq and msgspec are imported then)."""

@@ -14,6 +14,12 @@ Addresses: the agent on this machine binds its control API to loopback and its p
 host's ``bind_address``, since the gateway (here) drives its control API and other agents copy to it. Every route of
 a control API beyond loopback needs the agent's token, ``/metrics`` included, and the peer port authenticates every
 connection with the link key of the two agents (:mod:`~btbctl.engine.replication.credentials`) before anything else.
+
+Registration: every agent announces itself and the workers connected to its socket to each gateway (signed with its
+node key, :mod:`~btbctl.engine.replication.registration`), so no gateway setting names an agent. This machine's agent
+posts to the gateways' control APIs; a host's agent to each gateway's registration-only listener
+(``GatewayConfig.register_hosts``), at the address that host reaches this machine by, while the control APIs stay
+on loopback.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,44 +86,48 @@ def local_socket_path(rd: RunDir) -> str:
 REGISTER_INTERVAL_S = 2.0
 
 
-def plan_agents(cluster: ClusterFile, rd: RunDir, gateways: Sequence[str] = ()) -> list[AgentPlan]:
-    """The agents of ``cluster`` (:meth:`ClusterFile.agent_hosts`): this machine's first, then one per host.
-    ``gateways``: the control URLs of the fleet's gateways as this machine reaches them; the local agent then
-    registers with each (``--gateway``, every :data:`REGISTER_INTERVAL_S`) instead of the gateways' settings naming
-    it."""
+def plan_agents(
+    cluster: ClusterFile,
+    rd: RunDir,
+    gateways: Sequence[str] = (),
+    host_gateways: Mapping[str, Sequence[str]] | None = None,
+) -> list[AgentPlan]:
+    """The agents of ``cluster`` (:meth:`ClusterFile.agent_hosts`): this machine's first, then one per host. Each
+    registers (``--gateway``, every :data:`REGISTER_INTERVAL_S`) with every gateway at the URLs it reaches them by:
+    ``gateways`` (their control APIs, from this machine) for the local agent, ``host_gateways[host name]`` (their
+    registration listeners) for a host's; an agent given none registers nowhere."""
     rep = cluster.replication
     out = []
     for host in cluster.agent_hosts():
         if host is None:
-            sock = local_socket_path(rd)
+            name, sock, urls = "agent-local", local_socket_path(rd), gateways
             argv = agent_argv(
                 rep.python or sys.executable,
-                secret_file=str(rd.agent_credentials_path("agent-local")),
-                token_file=str(rd.agent_control_token_path("agent-local")),
+                secret_file=str(rd.agent_credentials_path(name)),
+                token_file=str(rd.agent_control_token_path(name)),
                 socket=sock,
                 peer=hostport(rep.local_peer_host, rep.peer_port),
                 control=hostport("127.0.0.1", rep.control_port),
                 arena_mib=rep.arena_mib,
-                agent_id="agent-local",
+                agent_id=name,
             )
-            if gateways:
-                for url in gateways:
-                    argv += ["--gateway", url]
-                argv += ["--register-interval-s", f"{REGISTER_INTERVAL_S:g}"]
-            out.append(AgentPlan("agent-local", None, sock, argv))
         else:
-            name = f"agent-{host.name}"
+            name, sock, urls = f"agent-{host.name}", REMOTE_SOCKET, (host_gateways or {}).get(host.name, ())
             argv = list(host.command_prefix) + agent_argv(
                 rep.python or host.python,
                 secret_file=REMOTE_SECRET,
                 token_file=REMOTE_TOKEN,
-                socket=REMOTE_SOCKET,
+                socket=sock,
                 peer=hostport(host.bind_address, rep.peer_port),
                 control=hostport(host.bind_address, rep.control_port),
                 arena_mib=rep.arena_mib,
                 agent_id=name,
             )
-            out.append(AgentPlan(name, host, REMOTE_SOCKET, argv))
+        for url in urls:
+            argv += ["--gateway", url]
+        if urls:
+            argv += ["--register-interval-s", f"{REGISTER_INTERVAL_S:g}"]
+        out.append(AgentPlan(name, host, sock, argv))
     return out
 
 

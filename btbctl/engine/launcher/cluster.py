@@ -71,7 +71,7 @@ from btbctl.engine.costmodel import (
     model_preset,
 )
 from btbctl.engine.errors import ConfigError
-from btbctl.engine.launcher.hosts import HostSpec, is_address
+from btbctl.engine.launcher.hosts import HostSpec, check_hostname, is_address
 from btbctl.engine.launcher.kubernetes import KubernetesSection
 from btbctl.engine.limits import MAX_REQUEST_BODY_BYTES
 from btbctl.engine.netaddr import is_loopback
@@ -150,11 +150,23 @@ class GatewaySection(BaseModel):
     it each start draws a fresh seed); the ones above and the listen addresses, workers and tokens are set by ``up``."""
     ready_timeout_s: float = Field(DEFAULT_EMULATED_READY_TIMEOUT_S, gt=0)
     """Seconds to wait for the gateway to report ready."""
+    register_host: str | None = None
+    """``l3`` with ``[[hosts]]``: the address the node agents on those hosts reach this machine at, where each gateway
+    takes their registrations on a listener of its own (signed announcements only; the control API stays on
+    ``control_host``). Default: the address this machine sends from towards each host (a NAT or a proxy in between
+    needs it set)."""
+    register_port: int = Field(0, ge=0, le=65535)
+    """Port of that listener (gateway ``i`` uses ``register_port + 2i``); 0 picks free ports at ``up``."""
     replicas: int = Field(1, ge=1, le=16)
     """Gateways ``up`` starts in front of the same workers (``gateway``, ``gateway-1``, ...; gateway ``i`` listens on
     ``port + 2i`` and ``control_port + 2i``, or on free ports where those are 0). With more than one they share burst
     detection, copy orders and tuning through Redis: ``settings.redis_url`` when given, else a ``redis-server``
     (from PATH) that ``up`` starts for the fleet on a free loopback port and ``down`` stops."""
+
+    @field_validator("register_host")
+    @classmethod
+    def _register_host(cls, v: str | None) -> str | None:
+        return v if v is None else check_hostname(v)
 
     @field_validator("policy")
     @classmethod
@@ -675,6 +687,8 @@ GATEWAY_SET_BY_UP = (
     "agent_token_file",
     "agent_secret_file",
     "l3_fanout",
+    "register_hosts",
+    "register_port",
 )
 
 

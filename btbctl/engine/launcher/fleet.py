@@ -31,7 +31,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from btbctl.engine.control.client import ControlClient
@@ -52,6 +53,7 @@ from btbctl.engine.launcher.rundir import (
     record_is_ours,
     runs_root,
 )
+from btbctl.engine.netaddr import hostport
 from btbctl.engine.wording import plural
 
 Log = Callable[[str], None]
@@ -147,8 +149,11 @@ def check_ports(cluster: ClusterFile, port: int | None = None, control_port: int
             gw.control_port if control_port is None else control_port,
         ),
     ]
+    if gw.register_host and gw.register_port and any(h is not None for h in cluster.agent_hosts()):
+        wanted.append(("gateway registration port ([gateway] register_port)", gw.register_host, gw.register_port))
+    first = list(wanted)  # gateway 0's ports; gateway i's are numbered from them
     for i in range(1, gw.replicas):
-        for what, host, p in wanted[:2]:
+        for what, host, p in first:
             wanted.append((f"{what.split(' (')[0]} of gateway-{i}", host, _replica_port(p, i)))
     for inst in cluster.instances():
         if cluster.host_of(inst.spec) is None:
@@ -265,19 +270,20 @@ def up(
         remote = [i for i in cluster.instances() if cluster.host_of(i.spec) is not None]
         agent_plans = {}
         credentials: dict[str, tuple[str, str]] = {}  # agent -> (credentials text, control token)
-        control_ports: list[int] = []  # fixed up front where agents register with the gateways
+        # l3: the agents register with every gateway, so the gateways' ports are fixed now: this machine's agent
+        # registers on their control API, the agents of [[hosts]] on their registration listener
+        control_ports: list[int] = []
         gateway_controls: list[str] = []
+        reg = Registration()
         if cluster.replication_mode == "l3":
             from btbctl.engine.launcher import agents as agents_mod
 
             rd.new_agent_secret()
-            if _registers(cluster):
-                # the agents register with every gateway (its control URL as this machine reaches it), so their
-                # control ports are fixed now
-                control_ports = _control_ports(cluster, control_port)
-                control_port = control_ports[0]
-                gateway_controls = [_reachable(_url(cluster.gateway.control_host, p)) for p in control_ports]
-            plans = agents_mod.plan_agents(cluster, rd, gateways=gateway_controls)
+            control_ports = _control_ports(cluster, control_port)
+            control_port = control_ports[0]
+            gateway_controls = [_reachable(_url(cluster.gateway.control_host, p)) for p in control_ports]
+            reg = _registration(cluster)
+            plans = agents_mod.plan_agents(cluster, rd, gateways=gateway_controls, host_gateways=reg.host_gateways)
             agent_plans = {(p.host.name if p.host else None): p for p in plans}
             credentials = rd.write_agent_credentials([p.name for p in plans], [p.name for p in plans if p.host is None])
             local_agent = agent_plans.get(None)
@@ -300,7 +306,7 @@ def up(
             tport = inst.transfer_port
             expect_ready_line = spec.kind == "emulated" and spec.command is None
             worker_url = None
-            if agent_plans and _registers(cluster):
+            if agent_plans:
                 # its store names this URL to the agent, which announces it: the URL the gateway knows it by
                 wport = wport or free_port(spec.host)
                 worker_url = _reachable(_url(spec.host, wport))
@@ -341,7 +347,9 @@ def up(
             token_file=str(rd.token_path),
             worker_token_file=str(rd.worker_token_path),
         )
-        gcfg.update(_replication_config(cluster, state, rd))
+        gcfg.update(_replication_config(cluster, rd))
+        if reg.hosts:
+            gcfg.update(register_hosts=reg.hosts, register_port=reg.ports[0])
         if tuned is not None:
             where = "the default fleet" if cluster_path is None else "this cluster file"
             applied_policy = _apply_tuning(gcfg, tuned, where, rd, log, keep_policy=policy_given)
@@ -373,9 +381,10 @@ def up(
                     should_stop,
                     log,
                     control_ports[i] if control_ports else None,
+                    reg.ports[i] if reg.ports else None,
                 )
             )
-        if agent_plans and _registers(cluster):
+        if agent_plans:
             _wait_registered(cluster, gateway_controls, rd, agent_plans, log, should_stop)
     except BaseException as exc:
         if keep_partial and not isinstance(exc, KeyboardInterrupt):
@@ -536,14 +545,17 @@ def _start_gateway_replica(
     should_stop: Callable[[], bool] | None,
     log: Log,
     control_port: int | None = None,
+    register_port: int | None = None,
 ) -> Started:
     """Start gateway ``i`` (>= 1) of the fleet with the first one's settings ``gcfg``, on ``port + 2i`` and
-    ``control_port`` (default ``+ 2i`` of the first's; free ports where those are 0), its own log and settings
-    file; record it (role ``gateway``) once ready."""
+    ``control_port`` (default ``+ 2i`` of the first's; free ports where those are 0) and, with a registration
+    listener, ``register_port``; its own log and settings file; record it (role ``gateway``) once ready."""
     name = f"gateway-{i}"
     cfg = dict(gcfg)
     cfg["port"] = _replica_port(gcfg.get("port"), i)
     cfg["control_port"] = _replica_port(gcfg.get("control_port"), i) if control_port is None else control_port
+    if register_port is not None:
+        cfg["register_port"] = register_port
     cfg["log_file"] = str(rd.log_path(name))
     gproc = spawn(name, gateway_argv(write_gateway_config(rd, cfg, name)), rd.log_path(f"{name}.out"))
     state.processes.append(gproc.record("gateway", "gateway"))
@@ -656,14 +668,6 @@ def up_gateway_only(rd: RunDir, log: Log = _nolog, timeout_s: float = 60.0) -> R
     return state
 
 
-def _registers(cluster: ClusterFile) -> bool:
-    """Whether the node agents of ``cluster`` register with the gateways (``POST /control/agents``, with each of
-    ``[gateway] replicas``) instead of their settings naming them: an ``l3`` fleet whose agents all run on this
-    machine. Agents on ``[[hosts]]`` are still named in the settings (the gateways' control API listens on
-    loopback; their workers' URLs are known only once started there)."""
-    return cluster.replication_mode == "l3" and all(h is None for h in cluster.agent_hosts())
-
-
 def _replica_port(base: int | None, i: int) -> int:
     """The port of gateway ``i`` of ``[gateway] replicas`` (0: the first) whose first gateway has ``base``:
     ``base + 2i``, or 0 (picked by the process) when ``base`` is."""
@@ -675,38 +679,74 @@ def _control_ports(cluster: ClusterFile, control_port: int | None) -> list[int]:
     them start: ``control_port`` (or the cluster file's) numbered by :func:`_replica_port`; distinct free ports
     where it is 0."""
     gw = cluster.gateway
-    base = gw.control_port if control_port is None else control_port
+    return _fixed_ports(gw.control_port if control_port is None else control_port, [gw.control_host], gw.replicas)
+
+
+def _fixed_ports(base: int, hosts: Sequence[str], n: int) -> list[int]:
+    """``n`` ports of gateways ``0..n-1`` fixed before they start: ``base`` numbered by :func:`_replica_port`, or,
+    where it is 0, distinct ports free on every address of ``hosts`` now."""
     if base:
-        return [_replica_port(base, i) for i in range(gw.replicas)]
+        return [_replica_port(base, i) for i in range(n)]
     ports: list[int] = []
-    while len(ports) < gw.replicas:
-        p = free_port(gw.control_host)
-        if p not in ports:
+    while len(ports) < n:
+        p = free_port(hosts[0])
+        if p not in ports and all(_port_free(h, p) for h in hosts[1:]):
             ports.append(p)
     return ports
 
 
-def _replication_config(cluster: ClusterFile, state: RunState, rd: RunDir) -> dict:
+@dataclass(frozen=True)
+class Registration:
+    """Where the node agents of ``[[hosts]]`` register (l3): the registration listener's addresses ``hosts``, the
+    port of each gateway (``ports[i]``: gateway ``i``), and for each host by name the URLs its agent announces to
+    (one per gateway). Empty without agents on hosts."""
+
+    hosts: list[str] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    host_gateways: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _registration(cluster: ClusterFile) -> Registration:
+    """The :class:`Registration` of an l3 fleet: each host's agent reaches this machine at ``[gateway]
+    register_host``, else at the address this machine sends from towards that host. Raises :class:`BtbctlError`
+    naming a host no address leads to."""
+    from btbctl.engine.netaddr import source_address
+
+    gw = cluster.gateway
+    remote = [h for h in cluster.agent_hosts() if h is not None]
+    if not remote:
+        return Registration()
+    reach: dict[str, str] = {}
+    for h in remote:
+        if gw.register_host is not None:
+            reach[h.name] = gw.register_host
+            continue
+        try:
+            reach[h.name] = source_address(h.address, h.port)
+        except OSError as e:
+            raise BtbctlError(
+                f"host {h.name}: no route from this machine to {h.address} ({e.strerror or e}), so its node agent "
+                "could not register; set [gateway] register_host to the address it reaches this machine at"
+            ) from None
+    hosts = sorted(set(reach.values()))
+    ports = _fixed_ports(gw.register_port, hosts, gw.replicas)
+    return Registration(
+        hosts,
+        ports,
+        {name: [f"http://{hostport(addr, p)}" for p in ports] for name, addr in reach.items()},
+    )
+
+
+def _replication_config(cluster: ClusterFile, rd: RunDir) -> dict:
     """The gateway's replication settings: the mode, and in ``l3`` mode the agents' fleet secret file (it checks
-    their registrations and derives each agent's token) and the fan-out; with agents on ``[[hosts]]``
-    (:func:`_registers` false) also the agents (control URL, peer address) and which agent each worker uses (by
-    position)."""
+    their registrations and derives each agent's token) and the fan-out. The agents are not named: they register
+    (``POST /control/agents``)."""
     mode = cluster.replication_mode
     out: dict = {"replication": mode}
     if mode != "l3":
         return out
     out["agent_secret_file"] = str(rd.agent_secret_path)  # the gateway derives each agent's control token
     out["l3_fanout"] = cluster.replication.fanout
-    if _registers(cluster):
-        return out
-    recs = {r.host or None: r for r in state.agents()}
-    order = [h.name if h is not None else None for h in cluster.agent_hosts()]
-    out["agents"] = [
-        {"name": recs[k].name, "control_url": recs[k].url, "peer_addr": recs[k].extra.get("peer")} for k in order
-    ]
-    out["worker_agents"] = [
-        order.index(cluster.host_of(i.spec).name if cluster.host_of(i.spec) else None) for i in cluster.instances()
-    ]
     return out
 
 
@@ -783,7 +823,7 @@ def _start_remote(
                 name=ap.name,
                 argv=ap.argv,
                 files=[(REMOTE_SECRET, credentials[ap.name][0] + "\n"), (REMOTE_TOKEN, credentials[ap.name][1] + "\n")],
-                l3_args=lambda inst, sock=ap.socket: hicache_args(cluster, inst.spec, inst.entry, sock),
+                l3_args=lambda inst, url, sock=ap.socket: hicache_args(cluster, inst.spec, inst.entry, sock, url),
                 env=dict(cluster.replication.env),
                 ready_timeout_s=cluster.replication.ready_timeout_s,
             )

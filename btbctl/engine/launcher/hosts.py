@@ -22,13 +22,12 @@ reaches the remote shell quoted (:func:`shlex.join`).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from btbctl.engine.netaddr import is_loopback
+from btbctl.engine.netaddr import check_hostname, is_address, is_loopback
 
 #: Default SSH port (IANA).
 DEFAULT_SSH_PORT = 22
@@ -42,33 +41,9 @@ DEFAULT_START_TIMEOUT_S = 30.0
 DEFAULT_WORKDIR = ".btbctl"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
-#: DNS names (RFC 1123 labels) or IP literals; nothing a shell or ssh option parser could read as anything else.
-_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*\.?\Z")
 #: POSIX portable user names (letters, digits, '.', '_', '-', not starting with '-').
 _USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
-
-
-def is_address(value: str) -> bool:
-    """Whether ``value`` is an IP literal (v4 or v6, optionally in brackets) or ``localhost``."""
-    if value in ("localhost", ""):
-        return True
-    try:
-        ipaddress.ip_address(value.strip("[]"))
-        return True
-    except ValueError:
-        return False
-
-
-def check_hostname(value: str) -> str:
-    """Return ``value`` if it is an IP literal or a DNS host name; raise ``ValueError`` otherwise (so that an
-    address can never carry shell metacharacters or start with ``-``)."""
-    if is_address(value) and value:
-        return value
-    if not _HOSTNAME.match(value):
-        raise ValueError(f"{value!r} is not a host name or IP address (letters, digits, '-' and '.' only)")
-    return value
 
 
 class HostSpec(BaseModel):

@@ -391,7 +391,8 @@ class AgentLaunch:
         name: ``agent-<host>``.
         argv: its command line (secrets are files in the run folder there, named in ``files``).
         files: ``(file name, content)`` written into the run folder (mode 0600) over stdin before it starts.
-        l3_args: the HiCache flags of each of the host's workers.
+        l3_args: the HiCache flags of each of the host's workers, given the worker and the URL the gateway will
+            know it by (its store names that URL to the agent, which announces it).
         env: extra environment of the agent.
         ready_timeout_s: how long to wait for it.
     """
@@ -399,7 +400,7 @@ class AgentLaunch:
     name: str
     argv: list[str]
     files: list[tuple[str, str]]
-    l3_args: Callable[[WorkerInstance], list[str]]
+    l3_args: Callable[[WorkerInstance, str], list[str]]
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 30.0
 
@@ -705,9 +706,10 @@ async def start_host(
         for inst in instances:
             py = inst.spec.python or host.python
             port = inst.port
-            if not port and not expects_ready_line(inst):
+            if not port and (agent is not None or not expects_ready_line(inst)):
+                # (l3: the port is fixed now, for the URL the worker's store names to the agent)
                 port = await _pick_port(conn, host, py, host.start_timeout_s)
-            l3 = agent.l3_args(inst) if agent is not None else None
+            l3 = agent.l3_args(inst, _url(host.bind_address, port)) if agent is not None else None
             argv = remote_argv(inst, host, port, inst.transfer_port, "worker.token", l3=l3)
             w = RemoteWorker(
                 name=inst.name,
