@@ -264,3 +264,38 @@ async def test_stop_ends_the_link_even_while_it_is_closing_a_lost_connection(tmp
         assert x.connected is False and x._task is None
     finally:
         srv.stop()
+
+
+@needs_redis
+async def test_stop_ends_the_link_even_when_the_redis_client_swallows_the_cancel(redis_server, monkeypatch):  # noqa: F811
+    """redis-py can swallow a cancel that lands inside a command (seen under load): the link's loop and its
+    flusher then carry on as if nothing happened. stop() must end them all the same, and promptly."""
+    import redis.asyncio.client as rclient
+
+    from btbctl.engine.gateway.fleetshare import FleetShare
+
+    get_message = rclient.PubSub.get_message
+    swallowed = []
+
+    async def swallowing_get_message(self, *a, **k):
+        try:
+            return await get_message(self, *a, **k)
+        except asyncio.CancelledError:
+            swallowed.append("get_message")
+            return None
+
+    def nop(*_a):
+        return None
+
+    x = FleetShare(redis_server.url, "t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, retry_s=0.05)
+    x.start()
+    try:
+        await until(lambda: x.connected, timeout_s=10)
+        monkeypatch.setattr(rclient.PubSub, "get_message", swallowing_get_message)
+        await asyncio.sleep(0.6)  # the loop is inside the patched get_message now
+        task = x._task
+        done, _ = await asyncio.wait({asyncio.ensure_future(x.stop())}, timeout=5)
+        assert done, "stop() did not return after the client swallowed its cancel"
+        assert swallowed == ["get_message"] and task is not None and task.done()
+    finally:
+        await x.stop()

@@ -39,7 +39,6 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from btbctl.engine.aiotasks import cancel_and_wait
 from btbctl.engine.logfmt import log_event
 
 log = logging.getLogger(__name__)
@@ -135,6 +134,8 @@ class FleetShare:
         self._pending: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        #: set by :meth:`stop`: the link's loops end at their next turn
+        self._closing = False
         self._waiters: dict[tuple[str, str], list[asyncio.Future]] = {}
         #: counters: arrivals sent and folded, messages that could not be sent
         self.sent_arrivals = 0
@@ -149,9 +150,21 @@ class FleetShare:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        """Disconnect and stop reconnecting. Idempotent."""
+        """Disconnect and stop reconnecting. Idempotent; returns within about ``command_timeout_s`` + 1 s.
+
+        The link's tasks also stop on :attr:`_closing` at their next turn, not only on the cancel: redis-py can
+        swallow a cancel that lands inside a command (seen under load with 8.2), which would otherwise leave the
+        link reconnecting, or its flusher waiting, for ever.
+        """
+        self._closing = True
+        self._wake.set()
         task, self._task = self._task, None
-        await cancel_and_wait(task)
+        if task is not None:
+            task.cancel()
+            done, _ = await asyncio.wait((task,), timeout=self.command_timeout_s + 1.0)
+            if not done:
+                task.cancel()
+                log_event(log, "fleet_share_stop_slow", logging.WARNING, url=self.url, waited_s=self.command_timeout_s)
         for futs in self._waiters.values():
             for f in futs:
                 if not f.done():
@@ -184,7 +197,7 @@ class FleetShare:
     async def _run(self) -> None:
         import redis.asyncio as aioredis
 
-        while True:
+        while not self._closing:
             client = aioredis.from_url(
                 self.url,
                 socket_connect_timeout=self.command_timeout_s,
@@ -199,7 +212,7 @@ class FleetShare:
                 self._client = client
                 self._transition(True)
                 flusher = asyncio.get_running_loop().create_task(self._flush_loop(client))
-                while True:
+                while not self._closing:
                     if flusher.done():
                         flusher.result()  # re-raises what stopped it
                     msg = await pubsub.get_message(timeout=min(self.retry_s, 0.5))
@@ -216,16 +229,16 @@ class FleetShare:
                 await asyncio.shield(self._close_link(flusher, pubsub, client))
             await asyncio.sleep(self.retry_s)
 
-    @staticmethod
-    async def _close_link(flusher: asyncio.Task | None, pubsub: Any, client: Any) -> None:
-        """Stop the flusher and close one connection's subscription and client; their errors are ignored (the link
-        is gone either way)."""
+    async def _close_link(self, flusher: asyncio.Task | None, pubsub: Any, client: Any) -> None:
+        """Stop the flusher and close one connection's subscription and client, each step bounded by
+        ``command_timeout_s``; their errors are ignored (the link is gone either way)."""
         if flusher is not None:
             flusher.cancel()
-            await asyncio.gather(flusher, return_exceptions=True)
+            self._wake.set()  # a flusher whose cancel was swallowed sees its client gone at its next turn
+            await asyncio.wait((flusher,), timeout=self.command_timeout_s)
         for closing in (pubsub.aclose, client.aclose):
             with contextlib.suppress(Exception):
-                await closing()
+                await asyncio.wait_for(closing(), self.command_timeout_s)
 
     # -- arrivals -----------------------------------------------------------------------------------------------
 
@@ -242,9 +255,12 @@ class FleetShare:
         self._wake.set()
 
     async def _flush_loop(self, client: Any) -> None:
-        while True:
+        """Publish the queued arrivals in batches over ``client`` until it is no longer the link's (or on stop)."""
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
+            if self._client is not client:
+                return
             if not self._pending:
                 continue
             batch, self._pending = self._pending, {}
