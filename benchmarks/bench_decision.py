@@ -3,7 +3,7 @@
 
     python benchmarks/bench_decision.py [--decisions 10000] [--rounds 3] [--clock cpu] [--format json]
 
-The decision is the gateway's own :meth:`~btbctl.engine.gateway.server.Gateway.choose` on a real
+The decision is the gateway's own :meth:`~btbctl.engine.gateway.lifecycle.RequestLifecycle.pick` on a real
 :class:`~btbctl.engine.gateway.server.Gateway` (never started: no sockets) whose 16 workers are marked healthy,
 BTB-capable and copy-capable, with their fleet state (:class:`~btbctl.engine.gateway.state.FleetState`, the
 policies' view) filled in: every prompt's 256-block chain held by two workers, 0-7 requests in flight on each.
@@ -15,7 +15,7 @@ flight for the whole run, as during a burst. Each decision routes one request of
 detector's prefix) in turn, so the detector sees each prefix arriving over and over and the prefixes turn hot.
 
 Reported per policy (``btb``, ``btb_plus``, ``cache_aware``, and ``round_robin`` as the floor of the same call
-path): p50/p99/mean of ``choose()`` in microseconds over ``--decisions`` decisions (the median over ``--rounds``
+path): p50/p99/mean of ``pick()`` in microseconds over ``--decisions`` decisions (the median over ``--rounds``
 interleaved rounds, each on a fresh gateway, with every round's p99 to show the spread), and the ratio to the
 round-robin p50. Separately, the cost of turning the prompt into its chain (xxh3 over the 256 KB of packed tokens:
 :func:`btbctl.engine.gateway.prompt.chain_from_packed`), which the gateway pays once per request before the
@@ -102,7 +102,7 @@ async def bench_policy(
     for w in ws:
         w.inflight = (w.index * 5) % 8
     clock = gw.clock
-    choose = gw.choose
+    choose = gw.lifecycle.pick
     times: list[int] = []
     picked = [0] * WORKERS
     warm = min(1000, decisions // 10)
@@ -169,7 +169,8 @@ def main() -> int:
         print(json.dumps({**out, "hashing": hashing}))
         return 0
     print(
-        f"decision = Gateway.choose() (detector + policy route), {WORKERS} workers, {BLOCKS * PAGE}-token prompts "
+        f"decision = RequestLifecycle.pick() (detector + policy route), {WORKERS} workers, "
+        f"{BLOCKS * PAGE}-token prompts "
         f"({BLOCKS} blocks of {PAGE}), {args.prompts} prompts in turn, {args.decisions} decisions, {args.clock} clock, "
         f"median of {args.rounds} interleaved rounds"
     )

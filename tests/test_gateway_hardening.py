@@ -182,10 +182,10 @@ def test_gateway_body_limit_is_at_most_the_workers():
 
 @pytest.mark.slow  # end to end (processes, a fleet or an sshd): out of the main suite's time budget
 async def test_a_big_prompt_is_hashed_off_the_event_loop(monkeypatch):
-    from btbctl.engine.gateway import dataplane
+    from btbctl.engine.gateway import lifecycle
 
     seen: list[tuple[int, float, float]] = []  # (thread, start, end) of each hashing
-    real = dataplane.chain_from_packed
+    real = lifecycle.chain_from_packed
 
     def timed(data, page_size):
         t = time.perf_counter()
@@ -193,7 +193,7 @@ async def test_a_big_prompt_is_hashed_off_the_event_loop(monkeypatch):
         seen.append((threading.get_ident(), t, time.perf_counter()))
         return out
 
-    monkeypatch.setattr(dataplane, "chain_from_packed", timed)
+    monkeypatch.setattr(lifecycle, "chain_from_packed", timed)
     async with GatewayEnv(
         2, page_size=1, max_chain_blocks=1 << 21, policy="round_robin", worker_kw={"hash_prompts": False}
     ) as env:
@@ -223,10 +223,10 @@ async def test_the_chain_is_bounded_to_its_leading_blocks():
 
 
 async def test_a_prompt_over_the_token_limit_gets_413_before_hashing(monkeypatch):
-    from btbctl.engine.gateway import dataplane
+    from btbctl.engine.gateway import lifecycle
 
     calls = []
-    monkeypatch.setattr(dataplane, "chain_from_packed", lambda d, p: calls.append(p) or ())
+    monkeypatch.setattr(lifecycle, "chain_from_packed", lambda d, p: calls.append(p) or ())
     async with GatewayEnv(2, page_size=1, max_prompt_tokens=1000) as env:
         status, ans = await env.post("/generate", {"input_ids": list(range(1001))})
         assert status == 413 and "1001" in ans["error"]["message"], ans

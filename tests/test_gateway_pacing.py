@@ -32,7 +32,7 @@ async def _send_in_order(env: GatewayEnv, texts: list[str]) -> list[asyncio.Futu
 async def test_a_paced_worker_gets_at_most_pace_requests_before_a_first_token_and_the_rest_in_order():
     gate = asyncio.Event()
     async with GatewayEnv(2, worker_kw={"first_byte_gate": gate}) as env:
-        env.gw.choose = lambda req, excluded: (0, 2)  # every request to worker 0, at most 2 there at a time
+        env.gw.lifecycle.pick = lambda req, excluded: (0, 2)  # every request to worker 0, at most 2 there at a time
         w, fake = env.gw.state.workers[0], env.fleet[0]
         tasks = await _send_in_order(env, [f"paced {i}" for i in range(6)])
         await _until(lambda: len(fake.requests) == 2 and w.paced == 4, "2 sent, 4 held")
@@ -52,7 +52,7 @@ async def test_a_paced_worker_gets_at_most_pace_requests_before_a_first_token_an
 async def test_pace_one_sends_a_burst_one_at_a_time_in_arrival_order():
     gate = asyncio.Event()
     async with GatewayEnv(1, worker_kw={"first_byte_gate": gate}) as env:
-        env.gw.choose = lambda req, excluded: (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (0, 1)
         texts = [f"one by one {i}" for i in range(5)]
         tasks = await _send_in_order(env, texts)
         await _until(lambda: env.gw.state.workers[0].paced == 4, "4 held")
@@ -64,7 +64,7 @@ async def test_pace_one_sends_a_burst_one_at_a_time_in_arrival_order():
 async def test_unpaced_requests_are_not_held():
     gate = asyncio.Event()
     async with GatewayEnv(1, worker_kw={"first_byte_gate": gate}) as env:
-        env.gw.choose = lambda req, excluded: (0, 0)
+        env.gw.lifecycle.pick = lambda req, excluded: (0, 0)
         tasks = [asyncio.ensure_future(env.post("/generate", {"text": f"at once {i}", **ONE})) for i in range(5)]
         await _until(lambda: len(env.fleet[0].requests) == 5, "all 5 at the worker")
         assert env.gw.state.workers[0].paced == 0
@@ -76,7 +76,7 @@ async def test_requests_held_for_a_worker_that_goes_down_go_elsewhere_once():
     gate = asyncio.Event()
     async with GatewayEnv(2) as env:
         env.fleet[0].first_byte_gate = gate
-        env.gw.choose = lambda req, excluded: (1, 0) if 0 in excluded else (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (1, 0) if 0 in excluded else (0, 1)
         texts = [f"held {i}" for i in range(4)]
         tasks = await _send_in_order(env, texts)
         w0 = env.gw.state.workers[0]
@@ -94,7 +94,7 @@ async def test_requests_held_for_a_worker_that_goes_down_go_elsewhere_once():
 async def test_a_client_that_leaves_while_held_is_never_sent():
     gate = asyncio.Event()
     async with GatewayEnv(1, worker_kw={"first_byte_gate": gate}) as env:
-        env.gw.choose = lambda req, excluded: (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (0, 1)
         tasks = await _send_in_order(env, ["first", "leaves", "third"])
         w = env.gw.state.workers[0]
         await _until(lambda: w.paced == 2, "2 held")

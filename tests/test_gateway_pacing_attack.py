@@ -15,7 +15,7 @@ async def test_paced_requests_that_waited_for_a_push_copy_are_not_held_forever()
     meanwhile they count as sent. When the copy is accepted, the first finds the second "sent" and is held; the
     second finds a queue and is held: nothing is at the worker, so no first token ever releases them."""
     async with GatewayEnv(2) as env:
-        env.gw.choose = lambda req, excluded: (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (0, 1)
         w, fake = env.gw.state.workers[0], env.fleet[0]
         chain = tuple(fake.chain_of("/generate", {"text": BURST_TEXT}))
         pushed = asyncio.Event()
@@ -68,7 +68,7 @@ async def test_a_non_streamed_answer_holds_its_pace_slot_only_until_its_first_to
         for r in fake.runner.app.router.routes():
             if r.method == "POST" and r.resource.canonical == "/generate":
                 r._handler = generate
-        env.gw.choose = lambda req, excluded: (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (0, 1)
         tasks = [asyncio.ensure_future(env.post("/generate", {"text": f"long answer {i}"})) for i in range(2)]
         try:
             try:
@@ -89,7 +89,7 @@ async def test_a_request_released_in_the_same_tick_its_worker_goes_down_is_not_s
     gate = asyncio.Event()
     async with GatewayEnv(2, first_byte_timeout_s=30.0) as env:
         env.fleet[0].first_byte_gate = gate
-        env.gw.choose = lambda req, excluded: (1, 0) if 0 in excluded else (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (1, 0) if 0 in excluded else (0, 1)
         dp = env.gw.dataplane
         w0 = env.gw.state.workers[0]
         tasks = [asyncio.ensure_future(env.post("/generate", {"text": "first", **ONE}))]
@@ -124,7 +124,7 @@ async def test_counters_return_to_zero_after_a_paced_storm_with_leavers_failures
     """A storm on two workers with pace 2: clients that leave while held, 4xx answers, a worker that fails with
     500s; every request that stays is answered once, and ``paced``, ``prefilling``, ``inflight`` end at 0."""
     async with GatewayEnv(3, worker_kw={"first_byte_delay_s": 0.02}) as env:
-        env.gw.choose = lambda req, excluded: next(((i, 2) for i in (0, 1, 2) if i not in excluded), None)
+        env.gw.lifecycle.pick = lambda req, excluded: next(((i, 2) for i in (0, 1, 2) if i not in excluded), None)
         env.fleet[0].fail = "500"
         tasks = [asyncio.ensure_future(env.post("/generate", {"text": f"storm {i}"})) for i in range(40)]
         await asyncio.sleep(0.03)
@@ -149,7 +149,7 @@ async def test_requests_held_for_a_worker_that_goes_down_are_routed_again_withou
     gate = asyncio.Event()
     async with GatewayEnv(2) as env:
         env.fleet[0].first_byte_gate = gate
-        env.gw.choose = lambda req, excluded: (1, 0) if 0 in excluded else (0, 1)
+        env.gw.lifecycle.pick = lambda req, excluded: (1, 0) if 0 in excluded else (0, 1)
         w0 = env.gw.state.workers[0]
         tasks = [asyncio.ensure_future(env.post("/generate", {"text": "sent", **ONE}))]
         await until(lambda: len(env.fleet[0].requests) == 1)

@@ -170,7 +170,7 @@ def test_the_gateways_detector_sees_each_request_once_whoever_feeds_it_and_keeps
     chain = tuple(f"b{i}" for i in range(8))  # deeper than Y = 2: btb_plus also tracks depths 4 and 8 itself
 
     def arrive(i: int) -> None:
-        gw.choose(Request(f"r{i}", 0.0, 8 * 16, 4, block_hashes=chain), [])
+        gw.lifecycle.pick(Request(f"r{i}", 0.0, 8 * 16, 4, block_hashes=chain), [])
 
     for i in range(3):
         arrive(i)

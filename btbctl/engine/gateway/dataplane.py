@@ -50,7 +50,6 @@ import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -60,24 +59,13 @@ from aiohttp.payload import BytesPayload
 from prometheus_client import CONTENT_TYPE_LATEST
 from yarl import URL
 
-from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import api_error_body
 from btbctl.engine.gateway.guard import RateLimiter, is_local_exhaustion, overloaded
-from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
-from btbctl.engine.gateway.prompt import (
-    PromptError,
-    PromptTooLong,
-    chain_from_packed,
-    output_tokens_of,
-    parse_json_object,
-    prompt_of,
-)
+from btbctl.engine.gateway.lifecycle import EXPECTED_REQUESTS_HEADER, Attempt, Refusal
+from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.state import FleetState
-from btbctl.engine.gateway.tokens import L3Prompts
-from btbctl.engine.hashing import BYTES_PER_TOKEN
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import log_event
-from btbctl.engine.policies.base import Policy
 from btbctl.engine.trace.model import Request
 from btbctl.engine.wording import plural
 
@@ -88,12 +76,6 @@ _FORWARD_HEADERS = {"Content-Type": "application/json"}
 WORKER_HEADER = "X-BTB-Worker"
 #: The prompt routes: the name the prompt parser knows each by, and its path (the same on the workers).
 DATA_ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
-#: Request header of a batch client declaring its burst: how many requests of this prompt it is about to send
-#: (an integer >= 1). The detector counts the request as that many arrivals, within the client's bound
-#: (``declared_requests_max``); the header is not forwarded to the worker.
-EXPECTED_REQUESTS_HEADER = "X-BTB-Expected-Requests"
-#: Largest value the header may carry (what is granted is bounded far lower, per client).
-MAX_EXPECTED_REQUESTS = 1_000_000_000
 #: Bytes of stream preamble (chunks without a ``data:`` line, e.g. SSE comments) held back before the first data
 #: chunk; past this the stream is passed on anyway.
 _PREAMBLE_LIMIT = 65536
@@ -137,10 +119,9 @@ async def error_middleware(request: web.Request, handler):
         return json_error(500, "internal gateway error", "internal_error")
 
 
-class Router(Protocol):
-    """What the data plane asks of the gateway: the fleet state (workers, copies, chains, TTFT), the metrics, the
-    shared upstream session, the page size and constants in force, the policy (its name and ``on_finish``), the
-    routing decision, and two notifications."""
+class Fleet(Protocol):
+    """What the data plane reads of the gateway to move bytes: the workers (and the copies that gate them), the
+    metrics it counts refusals and retries in, the shared upstream session."""
 
     @property
     def state(self) -> FleetState: ...
@@ -151,36 +132,53 @@ class Router(Protocol):
     @property
     def session(self) -> aiohttp.ClientSession: ...
 
-    @property
-    def page_size(self) -> int: ...
 
-    @property
-    def constants(self) -> BtbConstants: ...
+class Lifecycle(Protocol):
+    """What the data plane reports a request's events to (:class:`~btbctl.engine.gateway.lifecycle.RequestLifecycle`,
+    whose docstrings say what each means)."""
 
-    @property
-    def policy(self) -> Policy: ...
+    async def admit(
+        self, route: str, body: bytes, declared: str | None, client: str, arrival_s: float
+    ) -> tuple[Request, bool] | Refusal:
+        """The request of ``body`` (arrived at ``arrival_s``) and whether it asks for a stream, or why it is
+        refused."""
 
-    @property
-    def l3_prompts(self) -> L3Prompts | None:
-        """Replication mode ``l3``: the prompts' token ids and SGLang page keys; None in the other modes."""
+    async def prompt_chain(self, route: str, body: bytes) -> tuple[dict, tuple, int]:
+        """A body's parsed object, its prompt's chain and its length in tokens."""
 
-    def choose(self, req: Request, excluded: Sequence[int]) -> tuple[int, int] | None:
-        """The worker for ``req`` outside ``excluded`` and its pace (``Route.pace``: 0, send at once), or None when
-        none is available."""
+    def pick(self, req: Request, excluded: Sequence[int]) -> tuple[int, int] | None:
+        """The worker for ``req`` outside ``excluded`` and its pace (0: send at once), or None when none is
+        available."""
 
-    def worker_failed(self, idx: int, reason: str, kind: str = "error") -> None:
+    def start(self, req: Request, idx: int, pace: int) -> Attempt:
+        """An attempt of ``req`` on worker ``idx`` begins."""
+
+    def sent(self, a: Attempt, first_token_seen_early: bool) -> None:
+        """Attempt ``a`` leaves the gateway for its worker now."""
+
+    def first_byte(self, a: Attempt, now: float | None = None) -> None:
+        """The first byte of ``a``'s answer came."""
+
+    def answered(self, a: Attempt, status: str) -> None:
+        """``a``'s answer went to the client with ``status``."""
+
+    def unanswered(self, a: Attempt | None, status: str) -> None:
+        """The request ended without an answer (``a``: the attempt that was on, None: no worker was reached)."""
+
+    def worker_failed(self, idx: int, reason: str, kind: str) -> None:
         """A forwarded request failed on worker ``idx``: ``kind`` ``refused`` (connection error, broken answer),
         ``error`` (5xx) or ``slow`` (no first byte or data in time)."""
 
-    def next_request_id(self) -> str:
-        """A fresh request id."""
+    def end(self, a: Attempt) -> None:
+        """Attempt ``a`` is over."""
 
-    def mark_changed(self, kind: str) -> None:
-        """Something behind the control API's ``kind`` events changed (``prefixes``, ``ttft``)."""
 
-    def declare(self, client: str, extra: int) -> int:
-        """Extra detector arrivals granted to ``client`` (its address) that declared ``extra`` more requests
-        (within its bound per window)."""
+@dataclass(frozen=True)
+class Retry:
+    """An attempt's explicit outcome when the request goes to another worker: why (``<worker URL>: <reason>``, one
+    entry of the 502's ``attempts``)."""
+
+    why: str
 
 
 @dataclass(frozen=True)
@@ -209,15 +207,17 @@ class DataLimits:
 
 
 class DataPlane:
-    """Request handlers in front of the workers, routed by a :class:`Router`.
+    """Request handlers in front of the workers: they move the bytes and report each request's events to ``life``.
 
     Args:
-        gw: the router (the gateway).
+        gw: the fleet the bytes go to (the gateway).
+        life: the request lifecycle (admission, routing, accounting).
         limits: body, prompt, in-flight and upstream time limits.
     """
 
-    def __init__(self, gw: Router, limits: DataLimits | None = None) -> None:
+    def __init__(self, gw: Fleet, life: Lifecycle, limits: DataLimits | None = None) -> None:
         self.gw = gw
+        self.life = life
         self.limits = lim = limits or DataLimits()
         self.max_body = lim.max_body_bytes
         self.max_retries = lim.max_retries
@@ -231,7 +231,6 @@ class DataPlane:
         #: per worker index: (pace, future) of the requests held at the gateway for their turn, in arrival order;
         #: a future's result is None (its turn) or why the worker went down
         self._paced: dict[int, deque[tuple[int, asyncio.Future]]] = {}
-        self._pool: ThreadPoolExecutor | None = None
         self.limiter = RateLimiter()
 
     async def _through_gates(self, idx: int, chain, w, deadline: float) -> str | None:
@@ -322,12 +321,6 @@ class DataPlane:
             return None  # none is healthy: the gateway sends to the ones still answering
         return w.health_error or "unhealthy"
 
-    def _prefill_ended(self, idx: int, w, rid: object, left: bool) -> None:
-        """Request ``rid`` got its first byte from worker ``idx`` or its attempt there ended without one (``left``:
-        it had left the gateway): the held requests there may go."""
-        w.end_prefill(rid, left)
-        self._next_turns(idx)
-
     def _next_turns(self, idx: int) -> None:
         """Let the requests held for worker ``idx`` go, in order, while their pace allows (called when one of the
         gateway's requests there got its first token or ended without one)."""
@@ -352,12 +345,6 @@ class DataPlane:
             if not fut.done():
                 fut.set_result(reason)
                 w.paced -= 1
-
-    def close(self) -> None:
-        """Stop the prompt-hashing thread pool (after the listener stopped)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     def _warn(self, event: str, **fields: Any) -> None:
         """A structured warning, at most one per event and interval (repeats are counted in the next line)."""
@@ -435,7 +422,7 @@ class DataPlane:
     async def _admitted(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
         gw = self.gw
         lim = self.limits
-        t0 = gw.state.clock()
+        t0 = gw.state.clock()  # its arrival: TTFT counts from here
         cl = request.content_length
         if cl is not None and cl > self.max_body:
             gw.metrics.reject(413)
@@ -444,102 +431,23 @@ class DataPlane:
             body = await _read_within(request.content, request.read, lim.body_timeout_s)
         except asyncio.TimeoutError:
             return json_error(408, f"the request body did not arrive within {lim.body_timeout_s:g} s")
-        try:
-            obj, chain, n_tokens = await self.prompt_chain(route, body)
-        except _PromptTooLong as e:
-            return json_error(413, str(e))
-        except PromptError as e:
-            gw.metrics.reject(400)
-            return json_error(400, str(e))
-        arrivals = 1
-        declared = request.headers.get(EXPECTED_REQUESTS_HEADER)
-        if declared is not None:
-            expected = _expected_requests(declared)
-            if expected is None:
-                gw.metrics.reject(400)
-                return json_error(
-                    400,
-                    f"{EXPECTED_REQUESTS_HEADER}: must be an integer in [1, {MAX_EXPECTED_REQUESTS}], "
-                    f"got {declared[:40]!r}",
-                )
-            if expected > 1 and len(chain) >= gw.constants.prefix_blocks:  # shorter prompts are never tracked
-                arrivals += gw.declare(request.remote or "unknown", expected - 1)
-        req = Request(
-            request_id=gw.next_request_id(),
-            arrival_s=t0,
-            input_tokens=max(1, n_tokens),
-            output_tokens=output_tokens_of(route, obj),
-            block_hashes=chain,
-            arrivals=arrivals,
+        admitted = await self.life.admit(
+            route, body, request.headers.get(EXPECTED_REQUESTS_HEADER), request.remote or "unknown", t0
         )
-        stream = obj.get("stream") is True
-        return await self._forward(request, path, body, req, stream, t0)
+        if isinstance(admitted, Refusal):
+            if admitted.counted:
+                gw.metrics.reject(admitted.status)
+            return json_error(admitted.status, admitted.message)
+        req, stream = admitted
+        retry = _RetrySlot(self)
+        try:
+            return await self._attempts(request, path, body, req, stream, retry)
+        finally:
+            retry.release()
 
     async def prompt_chain(self, route: str, body: bytes) -> tuple[dict, tuple, int]:
-        """A request body's parsed object, its prompt's chain of block hashes (in mode ``l3``: SGLang's page keys
-        of its token ids) and its length in tokens, as the data plane routes it (big bodies are parsed off the
-        event loop).
-
-        Raises:
-            PromptError: malformed body or prompt (400); :class:`~btbctl.engine.gateway.prompt.PromptTooLong` over
-                ``max_prompt_tokens`` (413).
-        """
-        lim = self.limits
-        l3 = self.gw.l3_prompts
-        page_size = self.gw.page_size
-        if len(body) > lim.offload_bytes:  # a big prompt: parse and hash it off the event loop
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="btb-prompt")
-            loop = asyncio.get_running_loop()
-            obj, chain, n_tokens = await loop.run_in_executor(
-                self._pool, self._prepare, route, body, page_size, l3 is None
-            )
-        else:
-            obj, chain, n_tokens = self._prepare(route, body, page_size, l3 is None)
-        if l3 is not None:  # SGLang fleets: the chain is SGLang's page keys of the token ids
-            big = len(body) > lim.offload_bytes
-            chain, n_tokens = await l3.chain(
-                route,
-                obj,
-                page_size,
-                max_tokens=lim.max_prompt_tokens,
-                max_blocks=lim.max_chain_blocks,
-                offload=self._offload if big else None,
-            )
-        return obj, chain, n_tokens
-
-    async def _offload(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` in the prompt-hashing thread pool (a big prompt's ids and page keys)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="btb-prompt")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
-
-    def _prepare(self, route: str, body: bytes, page_size: int, hash_it: bool) -> tuple[dict, tuple, int]:
-        """The parsed body, the prompt's chain (empty unless ``hash_it``) and its length in tokens; the length is
-        checked against ``max_prompt_tokens`` before hashing. Runs in a thread for big bodies.
-
-        Raises:
-            PromptError: malformed body or prompt (400).
-            _PromptTooLong: over ``max_prompt_tokens`` (413).
-        """
-        obj = parse_json_object(body)
-        if not hash_it:
-            return obj, (), 0
-        data, n_tokens = prompt_of(route, obj)
-        if n_tokens > self.limits.max_prompt_tokens:
-            raise _PromptTooLong(
-                f"prompt of {n_tokens} tokens exceeds the limit of {self.limits.max_prompt_tokens} tokens"
-            )
-        keep = self.limits.max_chain_blocks * page_size * BYTES_PER_TOKEN  # the leading blocks only
-        return obj, chain_from_packed(data[:keep] if len(data) > keep else data, page_size), n_tokens
-
-    def _learn(self, chain: tuple) -> None:
-        """A worker answered ``chain``'s request successfully: the chain index may know it now (never before, so
-        refused or failed requests cannot evict good prefixes from it)."""
-        gw = self.gw
-        gw.state.chains.add(chain)
-        if len(chain) >= gw.constants.prefix_blocks:
-            gw.mark_changed("prefixes")
+        """:meth:`~btbctl.engine.gateway.lifecycle.RequestLifecycle.prompt_chain` (the gateway's prewarm asks)."""
+        return await self.life.prompt_chain(route, body)
 
     async def _until_first_byte(self, aw: Awaitable[Any], idx: int, deadline: float) -> Any:
         """Await ``aw`` (the upstream request or a read before the first byte) until ``deadline`` (loop time) or
@@ -585,15 +493,6 @@ class DataPlane:
             raise _Abandoned(reason)
         raise asyncio.TimeoutError(f"no first byte within {self.limits.first_byte_timeout_s:g} s")
 
-    async def _forward(
-        self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, t0: float
-    ) -> web.StreamResponse:
-        retry = _RetrySlot(self)
-        try:
-            return await self._attempts(request, path, body, req, stream, t0, retry)
-        finally:
-            retry.release()
-
     def retry_allowance(self) -> int:
         """Retries that may be in flight now: ``retry_budget_percent`` of the requests in flight, at least
         ``retry_budget_min``."""
@@ -601,185 +500,61 @@ class DataPlane:
         return max(lim.retry_budget_min, int(self.inflight * lim.retry_budget_percent / 100))
 
     async def _attempts(
-        self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, t0: float, retry: _RetrySlot
+        self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, retry: _RetrySlot
     ) -> web.StreamResponse:
-        gw = self.gw
-        state = gw.state
-        metrics = gw.metrics
-        policy_name = gw.policy.name
-        chain = req.block_hashes
-        rid = req.request_id
+        """Route ``req`` and try it on its worker; on a :class:`Retry` (nothing reached the client) route it again
+        with that worker excluded, at most ``max_retries`` more times, within the fleet's retry budget once an
+        attempt reached a worker; then 502 (503 when no worker was available at all)."""
+        life = self.life
+        metrics = self.gw.metrics
         excluded: list[int] = []
         attempts: list[str] = []
         lim = self.limits
-        loop = asyncio.get_running_loop()
-        learned = False
-        kv_tokens = req.input_tokens + req.output_tokens  # what the request takes of a worker's KV at its end
         # whether the request's first token is seen before its whole answer (else a pace slot would last its decode)
         pace_ok = stream or req.output_tokens <= 1
         reached = False  # an attempt of it left the gateway: a request only held here is routed again for free
-        for attempt in range(self.max_retries + 1):
-            if attempt and reached and not retry.take():
+        for n in range(self.max_retries + 1):
+            if n and reached and not retry.take():
                 metrics.retries_denied.inc()
-                self._warn("retry_denied", request=rid, retrying=self.retrying, inflight=self.inflight)
-                metrics.request("none", policy_name, "503")
+                self._warn("retry_denied", request=req.request_id, retrying=self.retrying, inflight=self.inflight)
+                life.unanswered(None, "503")
                 metrics.reject(503, "retry_budget")
                 return overloaded(
                     lim.retry_after_s,
                     f"no retry left in the fleet's retry budget after {plural(len(attempts), 'attempt')}: "
                     + "; ".join(attempts)[:500],
                 )
-            pick = gw.choose(req, excluded)
+            pick = life.pick(req, excluded)
             if pick is None:
                 break
             idx, pace = pick
-            if not pace_ok:
-                pace = 0
-            w = state.workers[idx]
-            if attempt:
+            a = life.start(req, idx, pace if pace_ok else 0)
+            if n:
                 metrics.retries.inc()
-                log_event(log, "request_retry", request=rid, attempt=attempt, worker=w.name, after=attempts[-1][:200])
-            w.inflight += 1
-            w.start_prefill(rid, chain, req.input_tokens)
-            gauge = metrics.inflight_gauge(worker_label(w))
-            gauge.inc()
-            prefilled = False
-            counted_kv = kv_epoch = 0  # KV tokens this attempt counts at the worker (once it leaves the gateway)
-            solo: list[tuple[int, float]] = []  # (cached tokens, sent at) of a calibration sample (see below)
-            sent: list[float] = []  # when the request left for the worker (after any wait at a copy's gate)
-
-            # w and idx bound as defaults: the callback belongs to this attempt's worker
-            def first_byte(now: float | None = None, w=w, idx=idx, solo=solo, sent=sent) -> None:
-                nonlocal prefilled, learned
-                prefilled = True
-                if chain and not learned:
-                    learned = True
-                    self._learn(chain)
-                if now is None:
-                    now = state.clock()
-                w.last_progress_s = now
-                self._prefill_ended(idx, w, rid, bool(sent))
-                if chain:
-                    w.hold_routed(chain)
-                ttft = now - t0
-                if solo:  # a request alone on its worker: what its prefill really took
-                    state.observe_prefill(req.input_tokens, solo[0][0], now - solo[0][1])
-                state.record_ttft(idx, now, ttft, now - sent[0] if sent else None)
-                metrics.observe_ttft(worker_label(w), ttft, policy_name)
-                gw.mark_changed("ttft")
-
-            deadline = loop.time() + lim.first_byte_timeout_s
+                log_event(
+                    log,
+                    "request_retry",
+                    request=req.request_id,
+                    attempt=n,
+                    worker=a.worker.name,
+                    after=attempts[-1][:200],
+                )
             try:
-                if chain and state.transfers.active:
-                    await _await_copy_accepted(state, idx, chain)
-                # Held at the gateway before it leaves: l3, until the copies to this worker are proved (a failed
-                # one: the worker computes the prefix itself, as without it); a paced route, until its turn. Only the
-                # worker going down moves it elsewhere.
-                held = False
-                down = None
-                if chain and state.transfers.active and state.transfers.gate(idx, chain) is not None:
-                    held = True
-                    down = await self._held(self._through_gates(idx, chain, w, deadline), w, excluded, "its copy")
-                if down is None and pace:
-                    held = True
-                    turn = self._turn(idx, w, pace, loop.time() + lim.first_byte_timeout_s)
-                    down = await self._held(turn, w, excluded, "its turn")
-                if down is not None:
-                    attempts.append(f"{w.url}: {down}")
-                    excluded.append(idx)
-                    continue
-                if held:
-                    if request.transport is None or request.transport.is_closing():  # the client left meanwhile
-                        metrics.request(worker_label(w), policy_name, "client_gone")
-                        return web.Response(status=499)
-                    deadline = loop.time() + lim.first_byte_timeout_s
-                sent.append(state.clock())
-                w.leave()
-                reached = True
-                counted_kv = w.kv_tokens_of(kv_tokens)
-                kv_epoch = w.send_kv(counted_kv)
-                if state.calibrating and w.inflight == 1 and (stream or req.output_tokens <= 1):
-                    solo.append((w.held_blocks(chain) * gw.page_size if chain else 0, sent[0]))
-                try:
-                    resp = await self._until_first_byte(
-                        gw.session.post(
-                            self._url(w.url, path),
-                            # a ready payload: aiohttp skips looking its type up in its payload registry
-                            data=BytesPayload(body, content_type="application/json"),
-                            headers=_FORWARD_HEADERS,
-                        ),
-                        idx,
-                        deadline,
-                    )
-                except _Abandoned as e:
-                    attempts.append(f"{w.url}: marked unhealthy before its first byte ({e})")
-                    excluded.append(idx)
-                    continue
-                except _UPSTREAM_ERRORS as e:
-                    if is_local_exhaustion(e):  # our descriptors, not the worker's fault
-                        metrics.reject(503, "descriptors")
-                        self._warn("upstream_connect_refused", reason="descriptors", worker=w.url, error=_describe(e))
-                        return overloaded(lim.retry_after_s, "the gateway is out of descriptors; retry shortly")
-                    reason = _describe(e)
-                    attempts.append(f"{w.url}: {reason}")
-                    gw.worker_failed(idx, reason, _kind(e))
-                    excluded.append(idx)
-                    continue
-                t_head = state.clock()
-                try:
-                    status = resp.status
-                    if status >= 500:
-                        try:
-                            detail = (await asyncio.wait_for(resp.read(), lim.idle_timeout_s))[:200].decode(
-                                "utf-8", "replace"
-                            )
-                        except _UPSTREAM_ERRORS:
-                            detail = ""
-                        reason = f"HTTP {status}" + (f": {detail}" if detail else "")
-                        attempts.append(f"{w.url}: {reason}")
-                        gw.worker_failed(idx, reason)
-                        excluded.append(idx)
-                        continue
-                    ctype = resp.headers.get("Content-Type", "application/json")
-                    if not (stream and status == 200 and ctype.startswith("text/event-stream")):
-                        try:
-                            payload = await _read_within(resp.content, resp.read, lim.idle_timeout_s)
-                        except _UPSTREAM_ERRORS as e:
-                            reason = f"answer broke off: {_describe(e)}"
-                            attempts.append(f"{w.url}: {reason}")
-                            gw.worker_failed(idx, reason, _kind(e))
-                            excluded.append(idx)
-                            continue
-                        if status < 300:
-                            first_byte(t_head)
-                        w.last_progress_s = state.clock()  # it answered: alive, whatever its /health says
-                        # a 4xx is the client's: passed through as is, the worker stays healthy
-                        w.served += 1
-                        metrics.request(worker_label(w), policy_name, str(status))
-                        metrics.observe_duration(worker_label(w), state.clock() - t0)
-                        return web.Response(
-                            status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url}
-                        )
-                    return await self._stream(
-                        request, resp, w, idx, policy_name, ctype, first_byte, attempts, excluded, t0, deadline
-                    )
-                finally:
-                    resp.release()
-            except _RetryStream:
-                continue
+                outcome = await self._attempt(request, path, body, a, stream, excluded)
             finally:
-                w.inflight -= 1
-                if counted_kv:
-                    w.finish_kv(counted_kv, kv_epoch)
-                gauge.dec()
-                if not prefilled:
-                    self._prefill_ended(idx, w, rid, bool(sent))
-                gw.policy.on_finish(req, idx, state.clock())
+                life.end(a)
+                if not a.prefilled:
+                    self._next_turns(idx)
+            reached = reached or a.sent_s is not None
+            if not isinstance(outcome, Retry):
+                return outcome
+            attempts.append(outcome.why)
+            excluded.append(idx)
         if not attempts:
-            metrics.request("none", policy_name, "503")
+            life.unanswered(None, "503")
             metrics.reject(503)
             return json_error(503, "no healthy worker", "unavailable")
-        metrics.request("none", policy_name, "502")
+        life.unanswered(None, "502")
         return json_error(
             502,
             f"no worker could serve the request after {plural(len(attempts), 'attempt')}",
@@ -787,23 +562,105 @@ class DataPlane:
             attempts=attempts,
         )
 
-    async def _stream(
-        self,
-        request: web.Request,
-        resp: aiohttp.ClientResponse,
-        w,
-        idx: int,
-        policy_name: str,
-        ctype: str,
-        first_byte,
-        attempts: list[str],
-        excluded: list[int],
-        t0: float,
-        deadline: float,
-    ) -> web.StreamResponse:
+    def _failed(self, a: Attempt, reason: str, kind: str | None = None) -> Retry:
+        """Attempt ``a`` failed before anything reached the client: the request goes elsewhere; with ``kind``
+        (see :meth:`Lifecycle.worker_failed`) its worker is marked unhealthy first."""
+        if kind is not None:
+            self.life.worker_failed(a.idx, reason, kind)
+        return Retry(f"{a.worker.url}: {reason}")
+
+    def _first_byte(self, a: Attempt, now: float | None = None) -> None:
+        self.life.first_byte(a, now)
+        self._next_turns(a.idx)  # its prefill ended: the requests held for their turn there may go
+
+    async def _attempt(
+        self, request: web.Request, path: str, body: bytes, a: Attempt, stream: bool, excluded: Sequence[int]
+    ) -> web.StreamResponse | Retry:
+        """One attempt (``excluded``: the workers the request failed on before): held at the gateway while a copy
+        to its worker is unresolved or its turn has not come, then forwarded; the answer (passed through, or
+        streamed), or a :class:`Retry` when nothing reached the client."""
         gw = self.gw
-        clock = gw.state.clock
+        state = gw.state
+        req = a.req
+        chain = req.block_hashes
+        idx, w = a.idx, a.worker
+        lim = self.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + lim.first_byte_timeout_s
+        if chain and state.transfers.active:
+            await _await_copy_accepted(state, idx, chain)
+        # Held at the gateway before it leaves: l3, until the copies to this worker are proved (a failed one: the
+        # worker computes the prefix itself, as without it); a paced route, until its turn. Only the worker going
+        # down moves it elsewhere.
+        held = False
+        down = None
+        if chain and state.transfers.active and state.transfers.gate(idx, chain) is not None:
+            held = True
+            down = await self._held(self._through_gates(idx, chain, w, deadline), w, excluded, "its copy")
+        if down is None and a.pace:
+            held = True
+            turn = self._turn(idx, w, a.pace, loop.time() + lim.first_byte_timeout_s)
+            down = await self._held(turn, w, excluded, "its turn")
+        if down is not None:
+            return Retry(f"{w.url}: {down}")
+        if held:
+            if request.transport is None or request.transport.is_closing():  # the client left meanwhile
+                self.life.unanswered(a, "client_gone")
+                return web.Response(status=499)
+            deadline = loop.time() + lim.first_byte_timeout_s
+        self.life.sent(a, stream or req.output_tokens <= 1)
+        try:
+            resp = await self._until_first_byte(
+                gw.session.post(
+                    self._url(w.url, path),
+                    # a ready payload: aiohttp skips looking its type up in its payload registry
+                    data=BytesPayload(body, content_type="application/json"),
+                    headers=_FORWARD_HEADERS,
+                ),
+                idx,
+                deadline,
+            )
+        except _Abandoned as e:
+            return self._failed(a, f"marked unhealthy before its first byte ({e})")
+        except _UPSTREAM_ERRORS as e:
+            if is_local_exhaustion(e):  # our descriptors, not the worker's fault
+                gw.metrics.reject(503, "descriptors")
+                self._warn("upstream_connect_refused", reason="descriptors", worker=w.url, error=_describe(e))
+                return overloaded(lim.retry_after_s, "the gateway is out of descriptors; retry shortly")
+            return self._failed(a, _describe(e), _kind(e))
+        t_head = state.clock()
+        try:
+            status = resp.status
+            if status >= 500:
+                try:
+                    detail = (await asyncio.wait_for(resp.read(), lim.idle_timeout_s))[:200].decode("utf-8", "replace")
+                except _UPSTREAM_ERRORS:
+                    detail = ""
+                return self._failed(a, f"HTTP {status}" + (f": {detail}" if detail else ""), "error")
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if stream and status == 200 and ctype.startswith("text/event-stream"):
+                return await self._stream(request, resp, a, ctype, deadline)
+            try:
+                payload = await _read_within(resp.content, resp.read, lim.idle_timeout_s)
+            except _UPSTREAM_ERRORS as e:
+                return self._failed(a, f"answer broke off: {_describe(e)}", _kind(e))
+            if status < 300:
+                self._first_byte(a, t_head)
+            w.last_progress_s = state.clock()  # it answered: alive, whatever its /health says
+            # a 4xx is the client's: passed through as is, the worker stays healthy
+            self.life.answered(a, str(status))
+            return web.Response(status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url})
+        finally:
+            resp.release()
+
+    async def _stream(
+        self, request: web.Request, resp: aiohttp.ClientResponse, a: Attempt, ctype: str, deadline: float
+    ) -> web.StreamResponse | Retry:
+        """Pass a streamed answer through: its preamble up to the first ``data:`` chunk is held back (a failure
+        before it is a :class:`Retry`); from the first chunk sent on, the answer is committed to this worker."""
+        clock = self.gw.state.clock
         idle = self.limits.idle_timeout_s
+        idx, w = a.idx, a.worker
         content = resp.content
         held: list[bytes] = []
         size = 0
@@ -818,16 +675,10 @@ class DataPlane:
                 if b"data:" in chunk or size >= _PREAMBLE_LIMIT:
                     break
         except _Abandoned as e:
-            attempts.append(f"{w.url}: marked unhealthy before its first byte ({e})")
-            excluded.append(idx)
-            raise _RetryStream() from None
+            return self._failed(a, f"marked unhealthy before its first byte ({e})")
         except _UPSTREAM_ERRORS as e:
-            reason = f"stream broke before its first byte: {_describe(e)}"
-            attempts.append(f"{w.url}: {reason}")
-            gw.worker_failed(idx, reason, _kind(e))
-            excluded.append(idx)
-            raise _RetryStream() from None
-        first_byte()
+            return self._failed(a, f"stream broke before its first byte: {_describe(e)}", _kind(e))
+        self._first_byte(a)
         out = web.StreamResponse(
             status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: w.url}
         )
@@ -837,7 +688,7 @@ class DataPlane:
             await out.write(b"".join(held))
         except (ConnectionResetError, RuntimeError):  # the client went away
             resp.close()
-            gw.metrics.request(worker_label(w), policy_name, "client_gone")
+            self.life.unanswered(a, "client_gone")
             return out
         # From here on the answer is committed to this worker: never retried.
         tail = b"".join(held)[-_DONE_TAIL:]
@@ -847,7 +698,7 @@ class DataPlane:
             except _UPSTREAM_ERRORS as e:
                 why = f"no data for {idle:g} s (idle timeout)" if isinstance(e, asyncio.TimeoutError) else _describe(e)
                 reason = f"stream broke after its first byte: {why}"
-                gw.worker_failed(idx, reason, _kind(e))
+                self.life.worker_failed(idx, reason, _kind(e))
                 if _DONE_MARK in tail:  # the client already has the whole answer: it counts as served
                     break
                 status = "stream_error"
@@ -877,23 +728,10 @@ class DataPlane:
             await out.write_eof()
         except (ConnectionResetError, RuntimeError):
             pass
-        if status == "200":
-            w.served += 1
-        else:
+        if status != "200":
             resp.close()  # stop the worker's side of an abandoned or broken stream
-        gw.metrics.request(worker_label(w), policy_name, status)
-        gw.metrics.observe_duration(worker_label(w), gw.state.clock() - t0)
+        self.life.answered(a, status)
         return out
-
-
-def _expected_requests(raw: str) -> int | None:
-    """The value of :data:`EXPECTED_REQUESTS_HEADER`, or None when it is not an integer in
-    ``[1, MAX_EXPECTED_REQUESTS]``."""
-    text = raw.strip()
-    if not (text.isascii() and text.isdigit()) or len(text) > 10:  # ASCII: str.isdigit() also takes '²' and '３'
-        return None
-    n = int(text)
-    return n if 1 <= n <= MAX_EXPECTED_REQUESTS else None
 
 
 async def _read_within(content: aiohttp.StreamReader, read: Callable[[], Awaitable[bytes]], timeout_s: float) -> bytes:
@@ -916,10 +754,6 @@ async def _await_copy_accepted(state, idx: int, chain) -> None:
         await asyncio.wait_for(t.pushed.wait(), COPY_ACCEPT_WAIT_S)
     except asyncio.TimeoutError:
         pass
-
-
-class _RetryStream(Exception):
-    """Internal: a stream failed before its first byte reached the client."""
 
 
 class _RetrySlot:
@@ -949,9 +783,6 @@ class _RetrySlot:
 
 class _Abandoned(Exception):
     """Internal: the worker was marked unhealthy while an attempt waited for its first byte."""
-
-
-_PromptTooLong = PromptTooLong
 
 
 def _kind(e: BaseException) -> str:

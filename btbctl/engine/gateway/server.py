@@ -35,7 +35,7 @@ import random
 import secrets
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
@@ -66,6 +66,7 @@ from btbctl.engine.gateway.guard import (
 from btbctl.engine.gateway.health import HealthProber
 from btbctl.engine.gateway.kv_events import HoldingsFeed, KvEventsSubscriber, chain_keyer, l3_keyer
 from btbctl.engine.gateway.l3 import L3Replicator
+from btbctl.engine.gateway.lifecycle import PromptLimits, RequestLifecycle
 from btbctl.engine.gateway.metrics import GatewayMetrics, worker_label
 from btbctl.engine.gateway.prompt import PromptError, PromptTooLong
 from btbctl.engine.gateway.replicator import (
@@ -83,10 +84,8 @@ from btbctl.engine.httpclient import client_session
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback, local_url
 from btbctl.engine.policies import live_policy_error, make_policy
-from btbctl.engine.policies.base import ExcludingView, Policy
-from btbctl.engine.policies.cache_aware import tree_holder
+from btbctl.engine.policies.base import Policy
 from btbctl.engine.replication.auth import bearer_ok
-from btbctl.engine.trace.model import Request
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +164,7 @@ class Gateway:
         #: seed of the policies' random source: the configured one, else fresh for this process
         self.seed: int = config.seed if config.seed is not None else secrets.randbits(63)
         self.rng = random.Random(self.seed)
-        self.policy: Policy = make_policy(config.policy, len(config.workers), self.rng, self.constants)
-        self._feeds_detector = False
+        first_policy = make_policy(config.policy, len(config.workers), self.rng, self.constants)
         self.page_size = config.page_size or DEFAULT_PAGE_SIZE
         self._page_size_fixed = config.page_size is not None
         self.token = load_token(config)
@@ -212,6 +210,24 @@ class Gateway:
         )
         self.state.progress_window_s = config.progress_window()
         self._fallback = False  # routing to workers that are not healthy but answering (none is healthy)
+        #: the request path: admission, routing, copy orders, accounting (:mod:`~btbctl.engine.gateway.lifecycle`)
+        self.lifecycle = RequestLifecycle(
+            state=self.state,
+            detector=self.detector,
+            executor=self.replicator,
+            metrics=self.metrics,
+            constants=self.constants,
+            rng=self.rng,
+            declared=self.declared,
+            limits=PromptLimits(config.max_prompt_tokens, config.max_chain_blocks, config.offload_bytes),
+            clock=self.clock,
+            mark=self.bus.mark,
+            page_size=lambda: self.page_size,
+            worker_failed=self.worker_failed,
+            on_fallback=self._falling_back,
+            l3_prompts=self.l3_prompts,
+        )
+        self.lifecycle.policy = first_policy
         self.scraper = MetricsScraper(
             self.state.workers,
             lambda: self.session,
@@ -228,7 +244,6 @@ class Gateway:
         #: the registration-only listener's URLs (``register_hosts``; empty without)
         self.register_urls: list[str] = []
         self._stopped = False
-        self._request_seq = 0
         #: the fleet's shared detection, copy orders and tuning (``redis_url``; None: this gateway alone)
         self.fleet: FleetShare | None = None
         self._fleet_tasks: set[asyncio.Task] = set()
@@ -371,13 +386,6 @@ class Gateway:
             if rep.expire():
                 self.bus.mark("fleet")
 
-    def next_request_id(self) -> str:
-        self._request_seq += 1
-        return str(self._request_seq)
-
-    def mark_changed(self, kind: str) -> None:
-        self.bus.mark(kind)
-
     def token_ok(self, header: str | None) -> bool:
         """Whether an ``Authorization`` header carries the bearer token (constant-time comparison; nothing counted:
         the control listener's connection budget asks this of every request)."""
@@ -404,21 +412,16 @@ class Gateway:
         save_tuned(path, self.constants.as_dict(), self.policy.name, self.config.cluster_file)
         return path
 
+    @property
+    def policy(self) -> Policy:
+        """The routing policy in use (the request lifecycle's; swap it with :meth:`set_policy`)."""
+        return self.lifecycle.policy
+
     def _install_policy(self, new: Policy, old: Policy | None) -> None:
-        new.configure(block_tokens=self.page_size)
-        # one detector for the gateway's life (heat survives swaps), fed once per request: by the policy when it
-        # observes through it, else by the gateway
-        self._feeds_detector = not new.share_detector(self.detector)
-        if old is not None:
-            src, dst = tree_holder(old), tree_holder(new)
-            if src is not None and dst is not None:
-                dst.tree = src.tree  # keep the cache-aware affinity learned so far
-        holder = tree_holder(new)
-        if holder is not None:  # one bound on the whole tree, all workers together
-            holder.tree.set_bounds(
-                max_blocks=self.config.cache_tree_max_blocks, max_bytes=self.config.cache_tree_max_bytes
-            )
-        self.policy = new
+        """Route with ``new`` from the next request (:meth:`RequestLifecycle.install_policy`, under this gateway's
+        bounds of a cache-aware tree)."""
+        cfg = self.config
+        self.lifecycle.install_policy(new, old, cfg.cache_tree_max_blocks, cfg.cache_tree_max_bytes)
 
     def set_policy(self, name: str) -> None:
         """Swap the routing policy now (next request). The detector, the holding record, loads and transfers are
@@ -440,7 +443,7 @@ class Gateway:
             ConfigError: unknown key or invalid value (the key is named).
         """
         new = self.constants.with_updates(**updates)
-        self.constants = new
+        self.constants = self.lifecycle.constants = new
         self.policy.set_constants(new)
         self.detector.set_constants(new)  # no-op when the policy already retuned it
         self.bus.mark("constants")
@@ -448,61 +451,6 @@ class Gateway:
         return new
 
     # -- routing ------------------------------------------------------------------------------------------------
-
-    def choose(self, req: Request, excluded: Sequence[int]) -> tuple[int, int] | None:
-        """The worker for ``req`` and its pace (``Route.pace``): the policy's choice, unless that worker is
-        unavailable (unhealthy or in ``excluded``), in which case the least-loaded available one (ties at random)
-        with pace 0. None when no worker is available. The route's copy plans go to the replicator (never to or
-        from an excluded worker). Feeds the detector when the policy does not (once per request: not again on a
-        retry; a BTB-style policy observes the arrival again when asked again, a rare double count after a
-        failure)."""
-        state = self.state
-        now = self.clock()
-        if self._feeds_detector and not excluded:
-            self.detector.observe(req.block_hashes, now, req.arrivals)
-        if self.fleet is not None and not excluded:
-            key = tracked_key(req.block_hashes, self.constants.prefix_blocks)
-            if key is not None:
-                self.fleet.note_arrival(key, req.arrivals)
-        view = ExcludingView(state, excluded) if excluded else state
-        policy = self.policy
-        route = policy.route(req, view, now)
-        for plan in route.copies:
-            self.replicator.execute(plan, policy, excluded)
-        idx = route.replica
-        ws = state.workers
-        if 0 <= idx < len(ws) and ws[idx].healthy and idx not in excluded:
-            self._falling_back(False)
-            return idx, route.pace
-        open_ = [w for w in ws if w.healthy and w.index not in excluded]
-        if open_:
-            self._falling_back(False)
-        else:  # none is healthy: the ones still answering rather than refusing the request
-            open_ = state.fallback(excluded)
-            if not open_:
-                return None
-            self._falling_back(True)
-        low = min(w.inflight for w in open_)
-        return self.rng.choice([w.index for w in open_ if w.inflight == low]), 0
-
-    def declare(self, client: str, extra: int) -> int:
-        """Extra detector arrivals granted to ``client`` (an address) that declared ``extra`` more requests of its
-        prompt: at most what is left of ``declared_requests_max`` in the trailing ``window_s``. What is asked
-        beyond is dropped, with one ``declared_burst_capped`` line per client and window."""
-        window_s = self.constants.window_s
-        granted, first_refusal = self.declared.grant(client, extra, self.clock(), window_s)
-        if first_refusal:
-            log_event(
-                log,
-                "declared_burst_capped",
-                logging.WARNING,
-                client=client,
-                asked=extra,
-                granted=granted,
-                cap=self.declared.max_extra,
-                window_s=window_s,
-            )
-        return granted
 
     def _falling_back(self, on: bool) -> None:
         """Routing falls back to workers that are not healthy but answering (``on``), or no longer: one line per
@@ -543,7 +491,7 @@ class Gateway:
             raise ReplicateError(503, "the gateway is not serving yet")
         body = json.dumps(obj).encode()
         try:
-            _, chain, n_tokens = await dp.prompt_chain(route, body)
+            _, chain, n_tokens = await self.lifecycle.prompt_chain(route, body)
         except PromptTooLong as e:
             raise ReplicateError(413, f"prompt: {e}") from None
         except PromptError as e:
@@ -763,6 +711,7 @@ class Gateway:
         )
         self.replicator.orders = self.fleet
         self.replicator.order_wait_s = cfg.source_wait_s + cfg.copy_timeout_s
+        self.lifecycle.fleet = self.fleet
         self.fleet.start()
 
     def _fleet_copy_done(self, chain: tuple, target_url: str, gateway_id: str) -> None:
@@ -907,10 +856,7 @@ class Gateway:
             workers=",".join(w.name for w in self.state.workers),
             **self.constants.as_dict(),
         )
-        self.dataplane = DataPlane(
-            self,
-            DataLimits.from_config(cfg, max_inflight=max_inflight),
-        )
+        self.dataplane = DataPlane(self, self.lifecycle, DataLimits.from_config(cfg, max_inflight=max_inflight))
         data_guard = self._guard("data", max_conns)
         control_guard = self._guard(
             "control",
@@ -1045,8 +991,7 @@ class Gateway:
         await self.bus.stop()
         if self._session is not None:
             await self._session.close()
-        if self.dataplane is not None:
-            self.dataplane.close()
+        self.lifecycle.close()
         for guard in self.guards:
             guard.close()
         if self._restore_loop_handler is not None:
