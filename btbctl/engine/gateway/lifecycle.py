@@ -53,7 +53,6 @@ from btbctl.engine.gateway.tokens import L3Prompts
 from btbctl.engine.hashing import BYTES_PER_TOKEN
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import ExcludingView, Policy
-from btbctl.engine.policies.cache_aware import tree_holder
 from btbctl.engine.trace.model import Request
 
 log = logging.getLogger("btbctl.engine.gateway.server")
@@ -149,10 +148,10 @@ class RequestLifecycle:
         new.configure(block_tokens=self.page_size())
         self._feeds_detector = not new.share_detector(self.detector)
         if old is not None:
-            src, dst = tree_holder(old), tree_holder(new)
+            src, dst = old.tree_holder(), new.tree_holder()
             if src is not None and dst is not None:
                 dst.tree = src.tree  # keep the cache-aware affinity learned so far
-        holder = tree_holder(new)
+        holder = new.tree_holder()
         if holder is not None:
             holder.tree.set_bounds(max_blocks=tree_max_blocks, max_bytes=tree_max_bytes)
         self.policy = new

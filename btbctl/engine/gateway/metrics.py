@@ -78,7 +78,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from btbctl.engine.constants import BtbConstants
-from btbctl.engine.policies.cache_aware import tree_holder
 
 #: Histogram buckets of ``btb_ttft_seconds`` and ``btb_request_duration_seconds``, seconds.
 LATENCY_BUCKETS = (
@@ -215,7 +214,7 @@ class _LiveCollector:
             )
             cn.add_metric([], float(stats["copy_not_paying"]))
             yield cn
-        holder = tree_holder(src.policy)
+        holder = src.policy.tree_holder()
         tree = holder.tree if holder is not None else None
         tb = GaugeMetricFamily(
             "btb_cache_tree_blocks", "Blocks in the cache-aware prefix tree, all workers together (bounded)."

@@ -291,6 +291,13 @@ class Policy(Generic[ViewT]):
         default, for policies without a detector."""
         return False
 
+    def tree_holder(self) -> Any:
+        """Declared capability: the policy whose cache-aware prefix tree (``.tree``, a
+        :class:`~btbctl.engine.policies.cache_aware.PrefixTree`) routes this policy's requests -- itself, or the
+        cache-aware policy it falls back to -- so the gateway can bound the tree, report it and carry it across a
+        policy swap; None, the default: it routes by none."""
+        return None
+
     def stats(self) -> dict[str, int]:
         """Counters for reports (e.g. detector fires); empty by default."""
         return {}

@@ -112,6 +112,10 @@ class Btb(Policy[FleetView]):
         self.detector = detector
         return True
 
+    def tree_holder(self) -> CacheAware:
+        """The cache-aware policy it falls back to for requests without a hot prefix."""
+        return self.fallback
+
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         chain = req.block_hashes
         det = self.detector.observe(chain, now_s, req.arrivals)

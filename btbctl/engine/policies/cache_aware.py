@@ -488,6 +488,10 @@ class CacheAware(Policy[FleetView]):
 
     # -- the rule -----------------------------------------------------------------------------------------------
 
+    def tree_holder(self) -> CacheAware:
+        """It routes by its own prefix tree."""
+        return self
+
     def route(self, req: Request, view: FleetView, now_s: float) -> Route:
         return Route(self.choose(req, view, now_s))
 
@@ -553,11 +557,3 @@ def check_tree_bounds(max_blocks: object, max_bytes: object) -> None:
         raise ConfigError(
             "cache_tree_max_bytes", f"must be an integer >= {MIN_CACHE_TREE_BYTES} (1 MiB), got {max_bytes!r}"
         )
-
-
-def tree_holder(policy: object) -> CacheAware | None:
-    """The policy carrying a cache-aware prefix tree in ``policy`` (itself or its ``fallback``), or None."""
-    if isinstance(policy, CacheAware):
-        return policy
-    fb = getattr(policy, "fallback", None)
-    return fb if isinstance(fb, CacheAware) else None
