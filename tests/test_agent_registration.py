@@ -259,6 +259,13 @@ async def test_the_registration_listener_takes_signed_announcements_and_nothing_
             async with env.http.request(method, reg + path, json={"threshold": 9}, headers=auth) as r:
                 assert r.status in (404, 405), (method, path, r.status)
         assert gw.constants.threshold != 9
+        # a body over the control API's limit is refused before it is read whole, and nothing is registered
+        from btbctl.engine.gateway.control_api import MAX_CONTROL_BODY
+
+        big = b"{" + b" " * (MAX_CONTROL_BODY + 10) + b"}"
+        async with env.http.post(reg + "/control/agents", data=big, headers={SIGNATURE_HEADER: sig}) as r:
+            assert r.status == 413, r.status
+        assert gw.replicator.agent_names() == [None, "node-a"]
 
 
 def test_a_registration_listener_needs_l3_with_the_fleet_secret_and_a_fixed_port_for_several_addresses():
