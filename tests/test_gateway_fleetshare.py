@@ -299,3 +299,72 @@ async def test_stop_ends_the_link_even_when_the_redis_client_swallows_the_cancel
         assert swallowed == ["get_message"] and task is not None and task.done()
     finally:
         await x.stop()
+
+
+@needs_redis
+async def test_two_gateways_ordering_the_same_l3_copy_make_one_and_both_count_it_done(tmp_path, redis_server):  # noqa: F811
+    """Replication mode l3 claims its copies through the same orders as push: two gateways (two l3 executors over
+    the same node agents) ordering one prefix to one target at once make one agent-to-agent copy with one warm-up
+    proof; the other waits for that outcome and counts the target warm too."""
+    import aiohttp as _aiohttp
+
+    from btbctl.engine.gateway.fleetshare import FleetShare
+    from btbctl.engine.gateway.l3 import L3Replicator
+    from btbctl.engine.gateway.state import FleetState
+    from btbctl.engine.replication.credentials import control_token
+    from test_gateway_l3 import _FLEET_SECRET, _TOKENS_PER_PAGE, _L3Bed, _Prefixes
+
+    def nop(*_a):
+        return None
+
+    async with _L3Bed(tmp_path) as bed:
+        bed.write(0, 0x21)  # the source's node holds the prefix
+        warmups = []
+        bed.during_warmup = lambda: warmups.append(1)
+        other_state = FleetState([w.url for w in bed.state.workers])
+        for w in other_state.workers:
+            w.healthy = True
+        async with _aiohttp.ClientSession() as session:
+            other = L3Replicator(
+                other_state,
+                lambda: session,
+                agents=[
+                    {
+                        "name": f"agent-{i}",
+                        "control_url": f"http://127.0.0.1:{a.control_port}",
+                        "peer_addr": f"127.0.0.1:{a.peer_port}",
+                    }
+                    for i, a in enumerate(bed.agents)
+                ],
+                worker_agents=bed.worker_agents,
+                agent_token=None,
+                agent_tokens={f"agent-{i}": control_token(_FLEET_SECRET, f"agent-{i}") for i in range(2)},
+                prefix_tokens=_Prefixes(),
+                page_size=lambda: _TOKENS_PER_PAGE,
+                source_wait_s=5.0,
+                copy_timeout_s=5.0,
+                warmup_timeout_s=5.0,
+            )
+            shares = [
+                FleetShare(redis_server.url, "l3t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, gateway_id=g)
+                for g in ("gw-a", "gw-b")
+            ]
+            for share, rep in zip(shares, (bed.rep, other), strict=True):
+                share.start()
+                rep.orders = share
+                rep.order_wait_s = 20.0
+            try:
+                await until(lambda: all(s.connected for s in shares), timeout_s=10)
+                ta = bed.rep.request_copy(bed.chain, 0, 1)
+                tb = other.request_copy(bed.chain, 0, 1)
+                assert ta is not None and tb is not None
+                await until(lambda: not ta.active and not tb.active, timeout_s=30)
+                assert ta.state == tb.state == "done", (ta.state, ta.reason, tb.state, tb.reason)
+                owners = sorted(t.ordered_by or "self" for t in (ta, tb))
+                assert owners in (["gw-a", "self"], ["gw-b", "self"]), owners  # one ran it, one waited for it
+                assert len(warmups) == 1  # one proof, by the gateway that ran the copy
+                assert bed.read(1) == bed.read(0)  # the pages crossed once, intact
+            finally:
+                for s in shares:
+                    await s.stop()
+                await other.close()
