@@ -69,7 +69,8 @@ def test_config_values_of_the_wrong_type_or_not_finite_are_refused(capsys, tmp_p
     cfg.write_text(toml)
     code, out, err = run(capsys, "dry-run", "-c", str(cfg), *SMALL)
     assert code == 2 and out == ""
-    assert one_error_line(err).startswith(f"btbctl: error: {cfg}: {key}: ")
+    line = toml.count("\n")  # the key is on the file's last line
+    assert one_error_line(err).startswith(f"btbctl: error: {cfg}:{line}: {key}: ")
 
 
 def test_dry_run_on_a_directory_says_so(capsys, tmp_path):
@@ -221,7 +222,8 @@ def test_report_names_the_workload_of_a_missing_trace(capsys, tmp_path):
     m.write_text(MATRIX.format(path="missing.jsonl"))
     code, _, err = run(capsys, "report", str(m), "--out", str(tmp_path / "r"))
     assert code == 2
-    assert one_error_line(err).startswith(f"btbctl: error: {m}: workloads.0.trace.path: ")
+    line = next(i for i, x in enumerate(m.read_text().splitlines(), 1) if "missing.jsonl" in x)
+    assert one_error_line(err).startswith(f"btbctl: error: {m}:{line}: workloads.0.trace.path: ")
 
 
 def test_report_errors_carry_no_pydantic_prefix(capsys, tmp_path):
@@ -229,7 +231,7 @@ def test_report_errors_carry_no_pydantic_prefix(capsys, tmp_path):
     m.write_text('setups = ["70b_h100x4"]\npolicies = ["btb"]\nworkloads = []\n')
     code, _, err = run(capsys, "report", str(m))
     assert code == 2
-    assert one_error_line(err) == f"btbctl: error: {m}: workloads: at least one workload is needed"
+    assert one_error_line(err) == f"btbctl: error: {m}:3: workloads: at least one workload is needed"
 
 
 # -- devices are not traces ----------------------------------------------------------------------------------------

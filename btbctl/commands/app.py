@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     except BtbctlError as e:
         if debug:
             raise
-        sys.stderr.write(error_line(str(e)))
+        sys.stderr.write(error_line(_located(e)))
         sys.exit(e.exit_code)
     except OSError as e:
         # The machine, not btbctl, failed (a full disk during `up`, descriptors exhausted): one line naming the
@@ -251,6 +251,19 @@ def main(argv: list[str] | None = None) -> None:
             raise
         sys.stderr.write("btbctl: interrupted\n")
         sys.exit(130)
+
+
+def _located(e: Exception) -> str:
+    """``str(e)``; for a bad key of a TOML file, with the line it is on: ``FILE:LINE: key: what is valid``."""
+    from btbctl.engine.errors import ConfigError
+
+    if isinstance(e, ConfigError) and e.path and e.key != "file" and str(e.path).endswith(".toml"):
+        from btbctl.engine.config import toml_key_line
+
+        line = toml_key_line(e.path, e.key)
+        if line is not None:
+            return f"{e.path}:{line}: {e.key}: {e.reason}"
+    return str(e)
 
 
 #: OSError numbers that describe the machine's state rather than a bug: shown as one line by :func:`main`.

@@ -170,6 +170,54 @@ def read_toml(path, what: str = "config") -> dict:
         raise ConfigError("file", f"cannot read {what}: arrays or tables nested too deeply", spath) from None
 
 
+def toml_key_line(path: str, key: str) -> int | None:
+    """The 1-based line of ``path`` (a TOML file) where dotted ``key`` (``gateway.port``, ``workers.1.count``: an
+    index counts the ``[[workers]]`` tables) is set, or, for a key the file does not set, the header of the deepest
+    table of it that the file has; None when neither is found or the file cannot be read. A plain line scan (table
+    headers and ``key =`` lines, dotted keys included; a key set inside an inline table is found at the line of that
+    table's key): good enough to point a user at a line, never used to read values."""
+    from btbctl.engine.fileio import CONFIG_LIMIT_BYTES, ReadRefused, read_bounded
+
+    try:
+        text = read_bounded(path, limit_bytes=CONFIG_LIMIT_BYTES).decode("utf-8", "replace")
+    except (OSError, ReadRefused):
+        return None
+    want = key.split(".")
+    table: list[str] = []
+    arrays: dict[tuple[str, ...], int] = {}
+    best: tuple[int, int] | None = None  # (depth, line) of the deepest header on the key's path
+
+    def indexed(name: list[str]) -> list[str]:
+        """``name`` with the current index after each array of tables on its way (``workloads.trace`` inside the
+        second ``[[workloads]]``: ``workloads.1.trace``)."""
+        out: list[str] = []
+        for i, part in enumerate(name):
+            out.append(part)
+            n = arrays.get(tuple(name[: i + 1]))
+            if n is not None and i < len(name) - 1:
+                out.append(str(n))
+        return out
+
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if line.startswith("[["):
+            name = [p.strip().strip('"') for p in line[2:].split("]]", 1)[0].split(".")]
+            n = arrays[tuple(name)] = arrays.get(tuple(name), -1) + 1
+            table = [*indexed(name), str(n)]
+        elif line.startswith("["):
+            table = indexed([p.strip().strip('"') for p in line[1:].split("]", 1)[0].split(".")])
+        elif "=" in line and not line.startswith("#"):
+            full = table + [p.strip().strip('"') for p in line.split("=", 1)[0].split(".")]
+            if full == want[: len(full)]:
+                return lineno
+            continue
+        else:
+            continue
+        if table == want[: len(table)] and (best is None or len(table) > best[0]):
+            best = (len(table), lineno)
+    return best[1] if best is not None else None
+
+
 def toml_error(path: str, err: Exception) -> ConfigError:
     """A :class:`ConfigError` for a TOML syntax error, with the 1-based line (and column) in the key position."""
     import re
