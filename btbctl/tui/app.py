@@ -306,7 +306,7 @@ class Dashboard(App):
         Binding("question_mark", "help", "help", key_display="?"),
         Binding("p", "pause", "pause"),
         Binding("r", "replicate", "replicate"),
-        Binding("w", "prewarm", "prewarm", show=False),
+        Binding("w", "prewarm", "prewarm"),
         Binding("c", "policy", "policy"),
         Binding("e", "edit", "edit"),
         Binding("1", "panel(1)", "prefixes", show=False),
