@@ -71,6 +71,24 @@ def test_break_even_copies_over_a_fast_fabric_and_not_over_a_slow_one(nic_gbps, 
         assert stats["copy_not_paying"] > 0 and stats["copies_requested"] == 0
 
 
+def test_a_targets_queue_counts_towards_its_recompute():
+    """Over a fabric slower than an idle replica's own prefill of the prefix, a copy pays only towards a replica
+    whose queue makes its recompute later still: the busy replica gets it, the idle ones recompute."""
+    c = cost(2.0)
+    transfer = 256 * BT * c.model.kv_bytes_per_token / c.nic_bytes_per_s
+    bare = c.prefill_time_s(256 * BT)
+    assert bare < transfer < bare + 30.0  # ~21 s against ~7.5 s idle, ~37.5 s behind a 30 s queue
+    view = FakeFleet(4, cost=c)
+    view.cached[0].update(PREFIX)
+    view.queued[0] = 30.0
+    view.queued[1] = 30.0
+    pol = policy(4)
+    for i in range(40):
+        route(pol, req(burst_chain(PREFIX, i), i * 0.01), view, i * 0.01)
+    assert view.copies and {tgt for _, _, tgt, _, _ in view.copies} == {1}
+    assert pol.stats()["copy_not_paying"] > 0  # the idle replicas 2 and 3
+
+
 def test_no_copy_without_headroom_on_the_target():
     view = FakeFleet(2)
     view.cached[0].update(PREFIX)
