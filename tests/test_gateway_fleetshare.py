@@ -56,6 +56,24 @@ async def _connected(*gws) -> None:
     await until(lambda: all(gw.fleet is not None and gw.fleet.connected for gw in gws), timeout_s=10)
 
 
+def _bare_share(url: str, prefix: str = "t", **kw):
+    """A started :class:`FleetShare` on ``url`` whose callbacks do nothing."""
+    from btbctl.engine.gateway.fleetshare import FleetShare
+
+    def nop(*_a):
+        return None
+
+    share = FleetShare(url, prefix, on_arrivals=nop, on_copy_done=nop, on_tune=nop, **kw)
+    share.start()
+    return share
+
+
+async def _stops_within(share, timeout_s: float = 5.0) -> bool:
+    """Whether ``share.stop()`` returns within ``timeout_s``."""
+    done, _ = await asyncio.wait({asyncio.ensure_future(share.stop())}, timeout=timeout_s)
+    return bool(done)
+
+
 @needs_redis
 async def test_a_burst_split_over_two_gateways_fires_as_on_one_and_copies_once(redis_server):  # noqa: F811
     fleet = await start_fleet(4)
@@ -237,8 +255,6 @@ async def test_stop_ends_the_link_even_while_it_is_closing_a_lost_connection(tmp
     reconnected for ever, so the gateway's stop never returned)."""
     import redis.asyncio.client as rclient
 
-    from btbctl.engine.gateway.fleetshare import FleetShare
-
     srv = RedisServer(tmp_path)
     srv.start()
     closing = asyncio.Event()
@@ -249,18 +265,13 @@ async def test_stop_ends_the_link_even_while_it_is_closing_a_lost_connection(tmp
         await asyncio.sleep(0.5)
         return await aclose(self, *a, **k)
 
-    def nop(*_a):
-        return None
-
-    x = FleetShare(srv.url, "t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, retry_s=0.05)
-    x.start()
+    x = _bare_share(srv.url, retry_s=0.05)
     try:
         await until(lambda: x.connected, timeout_s=10)
         monkeypatch.setattr(rclient.PubSub, "aclose", slow_aclose)
         srv.stop()
         await asyncio.wait_for(closing.wait(), 10)
-        done, _ = await asyncio.wait({asyncio.ensure_future(x.stop())}, timeout=5)
-        assert done, "stop() did not return while the link was closing"
+        assert await _stops_within(x), "stop() did not return while the link was closing"
         assert x.connected is False and x._task is None
     finally:
         srv.stop()
@@ -272,8 +283,6 @@ async def test_stop_ends_the_link_even_when_the_redis_client_swallows_the_cancel
     flusher then carry on as if nothing happened. stop() must end them all the same, and promptly."""
     import redis.asyncio.client as rclient
 
-    from btbctl.engine.gateway.fleetshare import FleetShare
-
     get_message = rclient.PubSub.get_message
     swallowed = []
 
@@ -284,18 +293,13 @@ async def test_stop_ends_the_link_even_when_the_redis_client_swallows_the_cancel
             swallowed.append("get_message")
             return None
 
-    def nop(*_a):
-        return None
-
-    x = FleetShare(redis_server.url, "t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, retry_s=0.05)
-    x.start()
+    x = _bare_share(redis_server.url, retry_s=0.05)
     try:
         await until(lambda: x.connected, timeout_s=10)
         monkeypatch.setattr(rclient.PubSub, "get_message", swallowing_get_message)
         await asyncio.sleep(0.6)  # the loop is inside the patched get_message now
         task = x._task
-        done, _ = await asyncio.wait({asyncio.ensure_future(x.stop())}, timeout=5)
-        assert done, "stop() did not return after the client swallowed its cancel"
+        assert await _stops_within(x), "stop() did not return after the client swallowed its cancel"
         assert swallowed == ["get_message"] and task is not None and task.done()
     finally:
         await x.stop()
@@ -306,65 +310,29 @@ async def test_two_gateways_ordering_the_same_l3_copy_make_one_and_both_count_it
     """Replication mode l3 claims its copies through the same orders as push: two gateways (two l3 executors over
     the same node agents) ordering one prefix to one target at once make one agent-to-agent copy with one warm-up
     proof; the other waits for that outcome and counts the target warm too."""
-    import aiohttp as _aiohttp
+    from test_gateway_l3 import _L3Bed
 
-    from btbctl.engine.gateway.fleetshare import FleetShare
-    from btbctl.engine.gateway.l3 import L3Replicator
-    from btbctl.engine.gateway.state import FleetState
-    from btbctl.engine.replication.credentials import control_token
-    from test_gateway_l3 import _FLEET_SECRET, _TOKENS_PER_PAGE, _L3Bed, _Prefixes
-
-    def nop(*_a):
-        return None
-
-    async with _L3Bed(tmp_path) as bed:
+    async with _L3Bed(tmp_path) as bed, aiohttp.ClientSession() as session:
         bed.write(0, 0x21)  # the source's node holds the prefix
         warmups = []
         bed.during_warmup = lambda: warmups.append(1)
-        other_state = FleetState([w.url for w in bed.state.workers])
-        for w in other_state.workers:
-            w.healthy = True
-        async with _aiohttp.ClientSession() as session:
-            other = L3Replicator(
-                other_state,
-                lambda: session,
-                agents=[
-                    {
-                        "name": f"agent-{i}",
-                        "control_url": f"http://127.0.0.1:{a.control_port}",
-                        "peer_addr": f"127.0.0.1:{a.peer_port}",
-                    }
-                    for i, a in enumerate(bed.agents)
-                ],
-                worker_agents=bed.worker_agents,
-                agent_token=None,
-                agent_tokens={f"agent-{i}": control_token(_FLEET_SECRET, f"agent-{i}") for i in range(2)},
-                prefix_tokens=_Prefixes(),
-                page_size=lambda: _TOKENS_PER_PAGE,
-                source_wait_s=5.0,
-                copy_timeout_s=5.0,
-                warmup_timeout_s=5.0,
-            )
-            shares = [
-                FleetShare(redis_server.url, "l3t", on_arrivals=nop, on_copy_done=nop, on_tune=nop, gateway_id=g)
-                for g in ("gw-a", "gw-b")
-            ]
-            for share, rep in zip(shares, (bed.rep, other), strict=True):
-                share.start()
-                rep.orders = share
-                rep.order_wait_s = 20.0
-            try:
-                await until(lambda: all(s.connected for s in shares), timeout_s=10)
-                ta = bed.rep.request_copy(bed.chain, 0, 1)
-                tb = other.request_copy(bed.chain, 0, 1)
-                assert ta is not None and tb is not None
-                await until(lambda: not ta.active and not tb.active, timeout_s=30)
-                assert ta.state == tb.state == "done", (ta.state, ta.reason, tb.state, tb.reason)
-                owners = sorted(t.ordered_by or "self" for t in (ta, tb))
-                assert owners in (["gw-a", "self"], ["gw-b", "self"]), owners  # one ran it, one waited for it
-                assert len(warmups) == 1  # one proof, by the gateway that ran the copy
-                assert bed.read(1) == bed.read(0)  # the pages crossed once, intact
-            finally:
-                for s in shares:
-                    await s.stop()
-                await other.close()
+        other = bed.replicator(session)
+        shares = [_bare_share(redis_server.url, "l3t", gateway_id=g) for g in ("gw-a", "gw-b")]
+        for share, rep in zip(shares, (bed.rep, other), strict=True):
+            rep.orders = share
+            rep.order_wait_s = 20.0
+        try:
+            await until(lambda: all(s.connected for s in shares), timeout_s=10)
+            ta = bed.rep.request_copy(bed.chain, 0, 1)
+            tb = other.request_copy(bed.chain, 0, 1)
+            assert ta is not None and tb is not None
+            await until(lambda: not ta.active and not tb.active, timeout_s=30)
+            assert ta.state == tb.state == "done", (ta.state, ta.reason, tb.state, tb.reason)
+            owners = sorted(t.ordered_by or "self" for t in (ta, tb))
+            assert owners in (["gw-a", "self"], ["gw-b", "self"]), owners  # one ran it, one waited for it
+            assert len(warmups) == 1  # one proof, by the gateway that ran the copy
+            assert bed.read(1) == bed.read(0)  # the pages crossed once, intact
+        finally:
+            for s in shares:
+                await s.stop()
+            await other.close()

@@ -327,13 +327,23 @@ class _L3Bed:
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
         url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        self.state = FleetState([url] * len(self.worker_agents))
-        for w in self.state.workers:
-            w.healthy = True
+        self.url = url
         self.session = aiohttp.ClientSession()
-        self.rep = L3Replicator(
-            self.state,
-            lambda: self.session,
+        self.rep = self.replicator(self.session)
+        self.state = self.rep.state
+        return self
+
+    def replicator(self, session) -> L3Replicator:
+        """An :class:`L3Replicator` over this bed's agents and workers (a fleet state of its own, every worker
+        healthy), as one gateway would have; ``session``: its HTTP session."""
+        from btbctl.engine.replication.credentials import control_token
+
+        state = FleetState([self.url] * len(self.worker_agents))
+        for w in state.workers:
+            w.healthy = True
+        return L3Replicator(
+            state,
+            lambda: session,
             agents=[
                 {
                     "name": f"agent-{i}",
@@ -351,7 +361,6 @@ class _L3Bed:
             copy_timeout_s=5.0,
             warmup_timeout_s=5.0,
         )
-        return self
 
     async def __aexit__(self, *exc):
         await self.rep.close()
