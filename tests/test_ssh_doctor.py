@@ -196,3 +196,38 @@ def test_doctor_l3_on_a_host_probes_the_worker_python(sshd, tmp_path):
     assert row["btbctl"] and row["l3"]["sglang_l3"] == {str(bare): "ModuleNotFoundError: No module named 'btbctl'"}
     assert "in a btbctl" in _backend_problem(row, bare)
     assert not any("node agent" in p for p in row["problems"]), row  # the agent runs with the host's Python
+
+
+@pytest.mark.slow  # end to end (an sshd): out of the main suite's time budget
+def test_doctor_checks_that_a_hosts_agent_reaches_the_registration_address(sshd, tmp_path):
+    """l3 with a node agent on a host: doctor listens where that agent would register and has the host connect;
+    an address that is not this machine's is reported as not checked, not as a problem."""
+    cfg = write_cluster(tmp_path / "c.toml", [host_table(sshd, "good", "127.0.0.1")], [{"name": "g", "host": "good"}])
+    l3 = "\n[replication]\nmode = 'l3'\narena_mib = 1\n"
+    cfg.write_text(cfg.read_text() + l3)
+    res = json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)
+    [row] = [r for r in res["hosts"] if r["host"] == "good"]
+    assert row["register"] == "ok", row
+    assert not [p for p in row["problems"] if "registration" in p], row
+    nat = cfg.read_text().replace("[gateway]\n", "[gateway]\nregister_host = '192.0.2.7'\n", 1)
+    if "[gateway]" not in nat:
+        nat = "[gateway]\nregister_host = '192.0.2.7'\n" + cfg.read_text()
+    cfg.write_text(nat)
+    res = json.loads(cli("doctor", "-c", str(cfg), "--format", "json", check=False).stdout)
+    [row] = [r for r in res["hosts"] if r["host"] == "good"]
+    assert row["register"].startswith("not checked: cannot listen on 192.0.2.7 here"), row
+    assert not [p for p in row["problems"] if "registration" in p], row
+    # a registration address the host cannot reach (nothing listens there): a problem naming it and the fix
+    import asyncio
+
+    from btbctl.engine.launcher import doctor as doc
+    from btbctl.engine.launcher.cluster import load_cluster
+
+    host = load_cluster(str(cfg)).hosts[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    row = asyncio.run(doc._check_host(host, [], doc._Needs(host.python, register=("127.0.0.1", closed))))
+    assert row["register"].startswith("ConnectionRefusedError"), row
+    [p] = [p for p in row["problems"] if "registration address" in p]
+    assert f"127.0.0.1:{closed}" in p and "register_host" in p

@@ -53,6 +53,8 @@ def _render(out: Output, res: dict) -> None:
     for r in res["hosts"]:
         for p in r["problems"]:
             out.console.print(f"{r['host']}: {p}")
+        if str(r.get("register") or "").startswith("not checked"):
+            out.console.print(f"{r['host']}: registration address {r['register']}")
     out.console.print("all hosts ready" if res["ok"] else "problems found")
 
 

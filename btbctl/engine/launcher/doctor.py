@@ -15,6 +15,12 @@ room for the agent's arena (``replication.arena_mib``, allocated when the agent 
 ``{"arena_mib", "shm_free_mib", "sglang_l3": {python: "ok" | why not}}`` (None in other modes). The agent's Python
 and other interpreters than the row's own are probed with :data:`IMPORT_PROBE_CODE` (over the same SSH connection
 on a host).
+
+Where a host runs a node agent, its agent must reach the gateways' registration listener on this machine
+(``[gateway] register_host``, else the address this machine sends from towards the host): doctor listens there on a
+free port for the check and has the host's Python connect to it. A row then carries ``register``: ``"ok"``, why
+not (a problem: the agent could not register), or why it was not checked (an address that is not this machine's,
+such as a NAT's).
 """
 
 from __future__ import annotations
@@ -103,6 +109,17 @@ print(json.dumps(out))
 """
 )
 
+# argv: ADDRESS PORT; prints one JSON object {"register": "ok" | why not}: whether this host reaches ADDRESS:PORT.
+REACH_PROBE_CODE = r"""
+import json, socket, sys
+try:
+    socket.create_connection((sys.argv[1].strip("[]"), int(sys.argv[2])), timeout=5).close()
+    out = "ok"
+except OSError as e:
+    out = "%s: %s" % (type(e).__name__, e.strerror or e)
+print(json.dumps({"register": out}))
+"""
+
 # argv: [agent]; prints {"btbctl", "sglang_l3", "agent"}: what one interpreter of a place imports (a worker's or the
 # node agent's Python). With "agent": whether `python -m btbctl agent` can start there ("ok" or why not: the agent
 # needs btbctl with its dependencies, which a --no-deps install leaves out).
@@ -163,6 +180,9 @@ class _Needs:
     l3_pythons: list[tuple[str, str]] = field(default_factory=list)
     gpu_ids: set[int] = field(default_factory=set)
     """GPU ids the workers of this place ask for (``gpu_ids`` of their ``[[workers]]`` entries)."""
+    register: tuple[str, int] | str | None = None
+    """A host's node agent: ``(address, port)`` of this machine it must reach to register (doctor listens there),
+    or why that is not checked; None: no agent on a host."""
 
     def add(self, python: str, role: str) -> None:
         if (python, role) not in self.l3_pythons:
@@ -212,6 +232,7 @@ def _row(name: str, address: str) -> dict:
         "gpus": None,
         "rdma": None,
         "l3": None,
+        "register": None,
         "problems": [],
     }
 
@@ -329,6 +350,20 @@ async def _check_host(host: HostSpec, ports: list[int], needs: _Needs) -> dict:
             argv = list(host.command_prefix) + [py, "-c", IMPORT_PROBE_CODE] + (["agent"] if agent else [])
             irc, iout = await ssh.run_script(conn, '"$@"', argv, timeout_s=PROBE_TIMEOUT_S)
             others[py] = _import_result(irc, iout, irc == ssh.EXIT_NOT_FOUND)
+        if isinstance(needs.register, tuple):
+            addr, port = needs.register
+            argv = list(host.command_prefix) + [host.python, "-c", REACH_PROBE_CODE, addr, str(port)]
+            _, rout = await ssh.run_script(conn, '"$@"', argv, timeout_s=PROBE_TIMEOUT_S)
+            reach = _parse_probe(rout)
+            row["register"] = str(reach.get("register")) if reach else "the reach probe printed nothing"
+            if row["register"] != "ok":
+                row["problems"].append(
+                    f"this host cannot reach this machine's registration address {addr}:{port} "
+                    f"({row['register']}): its node agent could not register with the gateways; let it through, "
+                    "or set [gateway] register_host to the address the host reaches this machine at"
+                )
+        elif needs.register is not None:
+            row["register"] = needs.register
     except asyncio.TimeoutError:
         row["problems"].append(f"the probe did not finish within {PROBE_TIMEOUT_S:g} s")
         return row
@@ -409,7 +444,8 @@ def doctor(cluster: ClusterFile) -> dict:
     Returns ``{"ok": bool, "hosts": [row]}``; a row (keys stable) is ``{"host", "address", "reachable", "auth",
     "python", "btbctl", "sglang", "ports": {port: "free" | reason}, "gpus": [line] | None (no nvidia-smi),
     "rdma": [device], "l3": {"arena_mib", "shm_free_mib", "sglang_l3": {python: "ok" | why}} | None,
-    "problems": [line]}``. ``ok`` is true when no row has problems. Hosts are checked in parallel. In replication
+    "register": "ok" | why not | None (no node agent on a host), "problems": [line]}``. ``ok`` is true when no row
+    has problems. Hosts are checked in parallel. In replication
     mode ``l3`` the agent's Python must start ``btbctl agent``, every SGLang worker's Python must import
     ``btbctl.sglang_l3`` (SGLang loads the L3 backend from it) and the agent's arena must fit in ``/dev/shm``.
     """
@@ -418,9 +454,14 @@ def doctor(cluster: ClusterFile) -> dict:
     remote = [(h, places.get(h.name, (h.bind_address, []))[1]) for h in cluster.hosts]
 
     async def _all():
-        return await asyncio.gather(
-            *[_check_host(h, ports, needs.get(h.name) or _Needs(h.python)) for h, ports in remote]
-        )
+        servers = await _registration_listeners(cluster, needs)
+        try:
+            return await asyncio.gather(
+                *[_check_host(h, ports, needs.get(h.name) or _Needs(h.python)) for h, ports in remote]
+            )
+        finally:
+            for srv in servers:
+                srv.close()
 
     rows = []
     for key, (bind, ports) in places.items():
@@ -428,6 +469,37 @@ def doctor(cluster: ClusterFile) -> dict:
             rows.append(_check_local(bind, ports, needs.get(key) or _Needs(sys.executable, btbctl=True)))
     rows += asyncio.run(_all()) if remote else []
     return {"ok": not any(r["problems"] for r in rows), "hosts": rows}
+
+
+async def _registration_listeners(cluster: ClusterFile, needs: dict[str, _Needs]) -> list[asyncio.Server]:
+    """For each host with a node agent: listen on a free port of the address its agent would register at (set in
+    its ``_Needs.register``; connections are closed at once), or say why that is not checked. Returns the
+    listeners (the caller closes them)."""
+    from btbctl.engine.netaddr import source_address
+
+    servers: list[asyncio.Server] = []
+    by_addr: dict[str, tuple[str, int] | str] = {}
+
+    async def drop(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    for h in cluster.agent_hosts():
+        if h is None or h.name not in needs:
+            continue
+        try:
+            addr = cluster.gateway.register_host or source_address(h.address, h.port)
+        except OSError as e:
+            needs[h.name].register = f"not checked: no route from this machine to {h.address} ({e.strerror or e})"
+            continue
+        if addr not in by_addr:
+            try:
+                srv = await asyncio.start_server(drop, addr.strip("[]"), 0)
+                servers.append(srv)
+                by_addr[addr] = (addr, srv.sockets[0].getsockname()[1])
+            except OSError as e:
+                by_addr[addr] = f"not checked: cannot listen on {addr} here ({e.strerror or e}; a NAT's address?)"
+        needs[h.name].register = by_addr[addr]
+    return servers
 
 
 def _agent_places(cluster: ClusterFile) -> list[tuple[HostSpec | None, str]]:
@@ -439,4 +511,4 @@ def _agent_places(cluster: ClusterFile) -> list[tuple[HostSpec | None, str]]:
     return out
 
 
-__all__ = ["IMPORT_PROBE_CODE", "L3_INSTALL", "PROBE_CODE", "doctor", "l3_fix"]
+__all__ = ["IMPORT_PROBE_CODE", "L3_INSTALL", "PROBE_CODE", "REACH_PROBE_CODE", "doctor", "l3_fix"]
