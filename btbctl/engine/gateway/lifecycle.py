@@ -55,6 +55,7 @@ from btbctl.engine.logfmt import log_event
 from btbctl.engine.policies.base import ExcludingView, Policy
 from btbctl.engine.trace.model import Request
 
+#: the gateway's operations log (the lines of a request's path keep the logger they always had)
 log = logging.getLogger("btbctl.engine.gateway.server")
 
 #: Request header of a batch client declaring its burst: how many requests of this prompt it is about to send
