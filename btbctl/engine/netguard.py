@@ -413,6 +413,13 @@ LISTENERS: dict[str, dict[str, str]] = {
         "header_timeout": "auth_timeout_s",
         "idle_timeout": "idle_timeout_s",
     },
+    "doctor registration check": {
+        "module": "btbctl.engine.launcher.doctor",
+        "opener": "_registration_listeners",
+        "cap": "REACH_BACKLOG",
+        "exempt": "lives for one `btbctl doctor` run and closes every connection as soon as it is accepted, reading "
+        "nothing: bounded by its backlog, no head or idle timeout to keep",
+    },
     "agent local socket": {
         "module": "btbctl.engine.agent.local",
         "opener": "LocalServer",

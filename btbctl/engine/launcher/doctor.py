@@ -109,6 +109,9 @@ print(json.dumps(out))
 """
 )
 
+#: Listen backlog of the registration check's listener (its connections are closed as soon as accepted).
+REACH_BACKLOG = 16
+
 # argv: ADDRESS PORT; prints one JSON object {"register": "ok" | why not}: whether this host reaches ADDRESS:PORT.
 REACH_PROBE_CODE = r"""
 import json, socket, sys
@@ -493,7 +496,7 @@ async def _registration_listeners(cluster: ClusterFile, needs: dict[str, _Needs]
             continue
         if addr not in by_addr:
             try:
-                srv = await asyncio.start_server(drop, addr.strip("[]"), 0)
+                srv = await asyncio.start_server(drop, addr.strip("[]"), 0, backlog=REACH_BACKLOG)
                 servers.append(srv)
                 by_addr[addr] = (addr, srv.sockets[0].getsockname()[1])
             except OSError as e:
