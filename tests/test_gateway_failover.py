@@ -75,9 +75,25 @@ async def _one(client: httpx.AsyncClient, url: str, i: int, stream: bool) -> tup
         return "error", f"{type(exc).__name__}: {exc}"
 
 
+def _kill_and_wait_dead(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGKILL ``pid`` and return once it is dead (gone, or a zombie: its sockets closed). A SIGKILL takes effect
+    asynchronously: until then the kernel still queues connections on its listening socket, so they reached it."""
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.0005)
+
+
 async def _burst(url: str, kill) -> tuple[dict[int, tuple[str, str]], float]:
     """Send the burst (a new connection per request, every third one streamed); call ``kill`` at ``KILL_AT_S``.
-    Returns each request's outcome and the monotonic time of the kill."""
+    Returns each request's outcome and the monotonic time ``kill`` returned (the victim dead)."""
     limits = httpx.Limits(max_keepalive_connections=0)
     results: dict[int, tuple[str, str]] = {}
     killed_at = 0.0
@@ -87,8 +103,8 @@ async def _burst(url: str, kill) -> tuple[dict[int, tuple[str, str]], float]:
         for i in range(N_REQUESTS):
             at = t0 + BURST_S * i / N_REQUESTS
             if not killed_at and at >= t0 + KILL_AT_S:
-                killed_at = time.monotonic()
                 kill()
+                killed_at = time.monotonic()  # dead by now: what reached it before is pinned to it
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             tasks.append(asyncio.create_task(_one(client, url, i, stream=i % 3 == 0)))
         for i, out in enumerate(await asyncio.gather(*tasks)):
@@ -112,7 +128,7 @@ def test_sigkill_one_of_two_gateways_mid_burst(tmp_path, run_dir):
         with httpx.Client(timeout=30, trust_env=False) as http:
             before = sum(_num_requests(http, w.url) for w in workers)
             with TcpBalancer(backends) as lb:
-                results, killed_at = asyncio.run(_burst(lb.url, lambda: os.kill(victim.pid, signal.SIGKILL)))
+                results, killed_at = asyncio.run(_burst(lb.url, lambda: _kill_and_wait_dead(victim.pid)))
                 links = {int(link.label): link for link in lb.snapshot() if link.label}
             # the workers finish what they had (an aborted stream is not counted): wait until their total settles
             seen, end = -1.0, time.monotonic() + 20

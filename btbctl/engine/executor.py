@@ -244,8 +244,12 @@ def _run_ray(
                 if progress:
                     progress(1)
     finally:
-        for ref in pending:  # after a failure: do not leave the rest running on a shared cluster
-            ray.cancel(ref, force=False)
+        if pending:  # after a failure: do not leave the rest running on a shared cluster
+            # only the runs not finished yet: cancelling one that is finishing or being retried meanwhile has
+            # crashed Ray's driver (a failed check in its task manager, Ray 2.x)
+            _, running = ray.wait(pending, num_returns=len(pending), timeout=0)
+            for ref in running:
+                ray.cancel(ref, force=False)
         if started:
             ray.shutdown()
     return results, {"executor": "ray", "jobs": cpus}
