@@ -568,7 +568,6 @@ class BtbPlus(Policy[CostView]):
         bt = view.block_tokens
         cost = view.cost
         ask = reuses and bool(chain)
-        owns: dict[int, float] = {}  # blocks reused -> own prefill (the same few on every replica)
         planned_out = reads.planned if reads is not None and ask else None
         cached_out = reads.cached if reads is not None else None
         for r in replicas:
@@ -589,9 +588,7 @@ class BtbPlus(Policy[CostView]):
                     if there > c:
                         ready = self._copies_land_s(view, r, chain, there, depths, now_s, c, reads)
                 have = min(there * bt, inp - 1)
-                own = owns.get(have)
-                if own is None:
-                    own = owns[have] = self.prefill_s(cost, inp - have, have)
+                own = self.prefill_s(cost, inp - have, have)
                 wait = queued(r) + admission(r, inp - have + out_tokens)
                 start = max(max(0.0, wait), ready)
                 out[r] = (start + own, 0.0, start)
@@ -694,7 +691,7 @@ class BtbPlus(Policy[CostView]):
         if rest and ests[choice][0] > own0 * (1 + 1e-9) + 1e-12:
             # the unpriced estimates (>= own0) may be below the chosen one's: priced for the count below
             self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
-        low_est = min([e[0] for e in ests.values()], default=math.inf)
+        low_est = min((e[0] for e in ests.values()), default=math.inf)
         if quiet:
             low_est = min(low_est, own0)
         mine = ests.get(choice, (own0, 0.0, 0.0))  # not priced: a quiet replica
