@@ -133,20 +133,6 @@ class _LazyGroups(dict[int, "_Groups"]):
         return g
 
 
-class _ChainReads:
-    """What one route read of the request's chain on each replica, so that a later step of the same decision asks
-    the view once (the view does not change during a decision): ``planned`` (``view.planned_blocks``), ``cached``
-    (``view.cached_blocks``) and ``copying`` (``view.has_copy`` of the whole chain), replica -> answer, each filled
-    where it was read."""
-
-    __slots__ = ("planned", "cached", "copying")
-
-    def __init__(self) -> None:
-        self.planned: dict[int, int] = {}
-        self.cached: dict[int, int] = {}
-        self.copying: dict[int, bool] = {}
-
-
 class _Without(Sequence[int]):
     """``order`` (ascending) without the members ``skip`` (ascending, a few), indexed without copying ``order``:
     O(len(skip) x log len(order)) per item."""
@@ -460,23 +446,16 @@ class BtbPlus(Policy[CostView]):
         there: int,
         depths: Sequence[int],
         now_s: float,
-        cached: int | None = None,
-        reads: _ChainReads | None = None,
     ) -> float:
         """Seconds until the copies towards ``replica`` of the leading ``depths`` of ``chain`` (up to ``there``
         blocks, those planned there) have landed (:meth:`copy_lands_s`); 0 when ``replica`` holds them already or
-        none is on its way. ``cached``: ``view.cached_blocks(replica, chain)`` when already read; ``reads``: records
-        whether a copy of the whole chain is on its way (when asked)."""
-        if cached is None:
-            cached = view.cached_blocks(replica, chain)
+        none is on its way."""
         ready = 0.0
-        if there > cached:
+        if there > view.cached_blocks(replica, chain):
             n = len(chain)
             for d in depths:
                 if d <= there:
                     st = view.copy_status(replica, chain if d == n else chain[:d])
-                    if d == n and reads is not None:
-                        reads.copying[replica] = st is not None
                     if st is not None:
                         ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
         return ready
@@ -549,44 +528,33 @@ class BtbPlus(Policy[CostView]):
         out: dict[int, tuple[float, float, float]],
         own0: float,
         reuses: bool = True,
-        reads: _ChainReads | None = None,
+        planned_out: dict[int, int] | None = None,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
         replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`). ``reuses`` False: none of ``replicas`` plans a
-        block of the chain (outside the route index's holders), so that is not asked. ``reads``: receives the
-        ``view.planned_blocks`` (and ``cached_blocks``, copies) of the chain read on each replica (not on one where
-        requests wait for a prefix)."""
+        block of the chain (outside the route index's holders), so that is not asked. ``planned_out``: receives the
+        ``view.planned_blocks`` of the chain read on each replica (not on one where requests wait for a prefix)."""
         chain = req.block_hashes
         inp = req.input_tokens
         out_tokens = req.output_tokens
         kv_tokens = inp + out_tokens
         have0 = min(0, inp - 1)  # estimate's ``have`` with nothing there
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
-        cached = view.cached_blocks
         bt = view.block_tokens
         cost = view.cost
-        ask = reuses and bool(chain)
-        planned_out = reads.planned if reads is not None and ask else None
-        cached_out = reads.cached if reads is not None else None
         for r in replicas:
             g = groups[r]
             if g:
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
                 continue
-            there = planned(r, chain) if ask else 0
-            if planned_out is not None:
+            there = planned(r, chain) if reuses and chain else 0
+            if planned_out is not None and reuses and chain:
                 planned_out[r] = there
             if there:
                 # estimate() with nobody waiting for a hot prefix here, inlined (the same operations)
-                ready = 0.0
-                if depths:
-                    c = cached(r, chain)
-                    if cached_out is not None:
-                        cached_out[r] = c
-                    if there > c:
-                        ready = self._copies_land_s(view, r, chain, there, depths, now_s, c, reads)
+                ready = self._copies_land_s(view, r, chain, there, depths, now_s) if depths else 0.0
                 have = min(there * bt, inp - 1)
                 own = self.prefill_s(cost, inp - have, have)
                 wait = queued(r) + admission(r, inp - have + out_tokens)
@@ -644,18 +612,13 @@ class BtbPlus(Policy[CostView]):
         ests: dict[int, tuple[float, float, float]] = {}
         holders: Collection[int] = range(n) if index is None else (index.holders(chain[0]) if chain else ())
         own0 = self._cold_prefill_s(view, req)
-        reads = _ChainReads()  # the chain's blocks and copies read on each replica while pricing
-        planned_of = reads.planned
+        planned_of: dict[int, int] = {}  # planned blocks of the chain read while pricing
         if holders:
-            self._estimates(view, req, now_s, depths, groups, holders, ests, own0, reads=reads)
+            self._estimates(view, req, now_s, depths, groups, holders, ests, own0, planned_out=planned_of)
         plan = None
-        # whether the hot prefix is the whole chain (then what pricing read of the chain holds for the prefix)
-        whole = hot is not None and len(hot[0].prefix) == len(chain) and hot[0].prefix == chain
         if hot is not None:
             det, since = hot
-            plan = self._warm(
-                req, det, since, view, now_s, ests, groups, depths, index, holders, reads if whole else None
-            )
+            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index, holders)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
@@ -704,7 +667,7 @@ class BtbPlus(Policy[CostView]):
         if hot is not None:
             prefix = hot[0].prefix
             # the planned blocks of the prefix read while pricing, when the prefix is the whole chain (the same query)
-            known = planned_of if whole else {}
+            known = planned_of if len(prefix) == len(chain) and prefix == chain else {}
 
             def planned(r: int) -> int:
                 got = known.get(r)
@@ -836,14 +799,12 @@ class BtbPlus(Policy[CostView]):
         depths: Sequence[int],
         index: RouteIndex | None = None,
         near: Collection[int] | None = None,
-        reads: _ChainReads | None = None,
     ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
         their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
         fallbacks the executor tries when it refuses a picked one. ``index``: the view's route index (replicas
         outside its holders of the prefix's root hold, receive and plan none of it; its idle ones queue nothing),
-        None to look at every replica; ``near``: its holders of the prefix's root when already read; ``reads``: what
-        the route read of the prefix on each replica so far (when the prefix is the request's whole chain)."""
+        None to look at every replica; ``near``: its holders of the prefix's root when already read."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -865,22 +826,16 @@ class BtbPlus(Policy[CostView]):
         idle: Collection[int] = () if index is None else index.idle
         accepts = view.accepts_copies
         refused = self.refusals.refused if self.refusals else None
-        has_copy, cached, planned = view.has_copy, view.cached_blocks, view.planned_blocks
-        if reads is None:
-            reads = _ChainReads()
-        cached_of, copying_of, planned_of = reads.cached, reads.copying, reads.planned
+        has_copy = view.has_copy
         # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
         # the fleet is not looked at; the others can only be free targets.
         for r in near if index is None else sorted(near):
-            c = cached_of.get(r)
-            if c is None:
-                c = cached_of[r] = cached(r, prefix)
-            if c >= y:
+            if view.cached_blocks(r, prefix) >= y:
                 holders.append(r)
                 covered.append(r)
-            elif copying_of[r] if r in copying_of else has_copy(r, prefix):
+            elif has_copy(r, prefix):
                 covered.append(r)
-            elif (planned_of[r] if r in planned_of else planned(r, prefix)) >= y:
+            elif view.planned_blocks(r, prefix) >= y:
                 computing.append(r)  # computing it, or a request queued there will
                 covered.append(r)
             elif accepts(r) and not (refused and refused(r, now_s, hold_s)):
@@ -924,7 +879,7 @@ class BtbPlus(Policy[CostView]):
             by_rate = len(covered) < want
             ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
             for t in free:
-                t_have = (cached_of[t] if t in cached_of else cached(t, prefix)) if t in near else 0
+                t_have = cached(t, prefix) if t in near else 0
                 send = y - t_have
                 share = nic_bps / (1 + max(src_nic, nic_copies(t)))
                 transfer = send * bt * kv / share
