@@ -886,18 +886,15 @@ class BtbPlus(Policy[CostView]):
                 prefill_s = prefills.get(t_have)
                 if prefill_s is None:
                     prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
+                recompute = (0.0 if t in idle else queued(t)) + prefill_s
                 # A copy whose blocks land in the target's cache as they arrive (after 0) trails the source and
                 # lands when it finishes, no later than a recompute started now; one with steps after its bytes
                 # (l3: write-through, proof) must also land before that recompute would be done.
                 after = copy_after(t, send)
                 lands = max(transfer, src_left) + after
-                # The queue only adds to the recompute (a queue >= 0 plus prefill_s rounds to no less than
-                # prefill_s), so a copy with no steps after its bytes that beats the bare prefill pays without it.
-                if not (after <= 0 and transfer < prefill_s):
-                    recompute = (0.0 if t in idle else queued(t)) + prefill_s
-                    if not (transfer < recompute and (after <= 0 or lands < recompute)):
-                        self._stats["copy_not_paying"] += 1
-                        continue
+                if not (transfer < recompute and (after <= 0 or lands < recompute)):
+                    self._stats["copy_not_paying"] += 1
+                    continue
                 if headroom(t) < send * bt:
                     self._stats["copy_no_room"] += 1
                     continue
