@@ -143,9 +143,6 @@ class Lifecycle(Protocol):
         """The request of ``body`` (arrived at ``arrival_s``) and whether it asks for a stream, or why it is
         refused."""
 
-    async def prompt_chain(self, route: str, body: bytes) -> tuple[dict, tuple, int]:
-        """A body's parsed object, its prompt's chain and its length in tokens."""
-
     def pick(self, req: Request, excluded: Sequence[int]) -> tuple[int, int] | None:
         """The worker for ``req`` outside ``excluded`` and its pace (0: send at once), or None when none is
         available."""
@@ -444,10 +441,6 @@ class DataPlane:
             return await self._attempts(request, path, body, req, stream, retry)
         finally:
             retry.release()
-
-    async def prompt_chain(self, route: str, body: bytes) -> tuple[dict, tuple, int]:
-        """:meth:`~btbctl.engine.gateway.lifecycle.RequestLifecycle.prompt_chain` (the gateway's prewarm asks)."""
-        return await self.life.prompt_chain(route, body)
 
     async def _until_first_byte(self, aw: Awaitable[Any], idx: int, deadline: float) -> Any:
         """Await ``aw`` (the upstream request or a read before the first byte) until ``deadline`` (loop time) or

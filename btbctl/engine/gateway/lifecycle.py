@@ -132,7 +132,7 @@ class RequestLifecycle:
     page_size: Callable[[], int]
     worker_failed: Callable[[int, str, str], None]
     on_fallback: Callable[[bool], None]
-    policy: Policy = field(init=False)
+    policy: Policy
     l3_prompts: L3Prompts | None = None
     fleet: FleetShare | None = None
     _feeds_detector: bool = field(default=False, init=False)

@@ -156,15 +156,15 @@ class Gateway:
         self.config = config
         self.clock = Clock()
         self.state = FleetState(config.workers, self.clock, config.worker_names)
-        self.constants: BtbConstants = config.constants
-        self.detector = BurstDetector(self.constants)
+        constants = config.constants
+        self.detector = BurstDetector(constants)
         self.detector.on_fire = self._detector_fired
         #: the per-client bound on declared bursts (``X-BTB-Expected-Requests``)
         self.declared = DeclaredBursts(config.declared_requests_max)
         #: seed of the policies' random source: the configured one, else fresh for this process
         self.seed: int = config.seed if config.seed is not None else secrets.randbits(63)
         self.rng = random.Random(self.seed)
-        first_policy = make_policy(config.policy, len(config.workers), self.rng, self.constants)
+        first_policy = make_policy(config.policy, len(config.workers), self.rng, constants)
         self.page_size = config.page_size or DEFAULT_PAGE_SIZE
         self._page_size_fixed = config.page_size is not None
         self.token = load_token(config)
@@ -216,7 +216,7 @@ class Gateway:
             detector=self.detector,
             executor=self.replicator,
             metrics=self.metrics,
-            constants=self.constants,
+            constants=constants,
             rng=self.rng,
             declared=self.declared,
             limits=PromptLimits(config.max_prompt_tokens, config.max_chain_blocks, config.offload_bytes),
@@ -226,8 +226,8 @@ class Gateway:
             worker_failed=self.worker_failed,
             on_fallback=self._falling_back,
             l3_prompts=self.l3_prompts,
+            policy=first_policy,
         )
-        self.lifecycle.policy = first_policy
         self.scraper = MetricsScraper(
             self.state.workers,
             lambda: self.session,
@@ -244,8 +244,6 @@ class Gateway:
         #: the registration-only listener's URLs (``register_hosts``; empty without)
         self.register_urls: list[str] = []
         self._stopped = False
-        #: the fleet's shared detection, copy orders and tuning (``redis_url``; None: this gateway alone)
-        self.fleet: FleetShare | None = None
         self._fleet_tasks: set[asyncio.Task] = set()
 
     def _push_executor(self, config: GatewayConfig) -> CopyExecutor:
@@ -417,6 +415,17 @@ class Gateway:
         """The routing policy in use (the request lifecycle's; swap it with :meth:`set_policy`)."""
         return self.lifecycle.policy
 
+    @property
+    def constants(self) -> BtbConstants:
+        """BTB's four constants in force (the request lifecycle's; change them with :meth:`set_constants`)."""
+        return self.lifecycle.constants
+
+    @property
+    def fleet(self) -> FleetShare | None:
+        """The fleet's shared detection, copy orders and tuning (``redis_url``; None: this gateway alone); the
+        request lifecycle's, which notes arrivals in it."""
+        return self.lifecycle.fleet
+
     def _install_policy(self, new: Policy, old: Policy | None) -> None:
         """Route with ``new`` from the next request (:meth:`RequestLifecycle.install_policy`, under this gateway's
         bounds of a cache-aware tree)."""
@@ -443,7 +452,7 @@ class Gateway:
             ConfigError: unknown key or invalid value (the key is named).
         """
         new = self.constants.with_updates(**updates)
-        self.constants = self.lifecycle.constants = new
+        self.lifecycle.constants = new
         self.policy.set_constants(new)
         self.detector.set_constants(new)  # no-op when the policy already retuned it
         self.bus.mark("constants")
@@ -700,7 +709,7 @@ class Gateway:
     def _join_fleet(self, url: str) -> None:
         """Share detection, copy orders and tuning with the other gateways on ``url`` (connects in the background)."""
         cfg = self.config
-        self.fleet = FleetShare(
+        fleet = self.lifecycle.fleet = FleetShare(
             url,
             cfg.redis_prefix,
             on_arrivals=lambda key, n: self.detector.fold(key, self.clock(), n),
@@ -709,10 +718,9 @@ class Gateway:
             on_copy_started=self._fleet_copy_started,
             claim_ttl_s=cfg.source_wait_s + cfg.copy_timeout_s + 60.0,
         )
-        self.replicator.orders = self.fleet
+        self.replicator.orders = fleet
         self.replicator.order_wait_s = cfg.source_wait_s + cfg.copy_timeout_s
-        self.lifecycle.fleet = self.fleet
-        self.fleet.start()
+        fleet.start()
 
     def _fleet_copy_done(self, chain: tuple, target_url: str, gateway_id: str) -> None:
         """Another gateway's copy of ``chain`` to ``target_url`` ended done: the target holds it from now on."""
