@@ -428,6 +428,14 @@ class ClusterFile(BaseModel):
                 out.append(h)
         return sorted(out, key=lambda h: (h is not None, self.hosts.index(h) if h is not None else -1))
 
+    def register_address(self, host: HostSpec) -> str:
+        """The address the node agent on ``host`` reaches this machine at, to register with the gateways: ``[gateway]
+        register_host``, else the address this machine sends from towards ``host``
+        (:func:`~btbctl.engine.netaddr.source_address`). Raises ``OSError`` when no route leads to ``host``."""
+        from btbctl.engine.netaddr import source_address
+
+        return self.gateway.register_host or source_address(host.address, host.port)
+
     def host_of(self, spec: WorkerSpec) -> HostSpec | None:
         """The ``[[hosts]]`` entry a worker entry runs on, or None for this machine."""
         for h in self.hosts:

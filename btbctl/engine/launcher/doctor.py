@@ -478,8 +478,6 @@ async def _registration_listeners(cluster: ClusterFile, needs: dict[str, _Needs]
     """For each host with a node agent: listen on a free port of the address its agent would register at (set in
     its ``_Needs.register``; connections are closed at once), or say why that is not checked. Returns the
     listeners (the caller closes them)."""
-    from btbctl.engine.netaddr import source_address
-
     servers: list[asyncio.Server] = []
     by_addr: dict[str, tuple[str, int] | str] = {}
 
@@ -490,7 +488,7 @@ async def _registration_listeners(cluster: ClusterFile, needs: dict[str, _Needs]
         if h is None or h.name not in needs:
             continue
         try:
-            addr = cluster.gateway.register_host or source_address(h.address, h.port)
+            addr = cluster.register_address(h)
         except OSError as e:
             needs[h.name].register = f"not checked: no route from this machine to {h.address} ({e.strerror or e})"
             continue

@@ -710,19 +710,14 @@ def _registration(cluster: ClusterFile) -> Registration:
     """The :class:`Registration` of an l3 fleet: each host's agent reaches this machine at ``[gateway]
     register_host``, else at the address this machine sends from towards that host. Raises :class:`BtbctlError`
     naming a host no address leads to."""
-    from btbctl.engine.netaddr import source_address
-
     gw = cluster.gateway
     remote = [h for h in cluster.agent_hosts() if h is not None]
     if not remote:
         return Registration()
     reach: dict[str, str] = {}
     for h in remote:
-        if gw.register_host is not None:
-            reach[h.name] = gw.register_host
-            continue
         try:
-            reach[h.name] = source_address(h.address, h.port)
+            reach[h.name] = cluster.register_address(h)
         except OSError as e:
             raise BtbctlError(
                 f"host {h.name}: no route from this machine to {h.address} ({e.strerror or e}), so its node agent "
