@@ -147,10 +147,10 @@ class Lifecycle(Protocol):
         """The worker for ``req`` outside ``excluded`` and its pace (0: send at once), or None when none is
         available."""
 
-    def start(self, req: Request, idx: int, pace: int) -> Attempt:
-        """An attempt of ``req`` on worker ``idx`` begins."""
+    def start(self, req: Request, idx: int, pace: int, early: bool) -> Attempt:
+        """An attempt of ``req`` on worker ``idx`` begins (``early``: its first token is seen before its answer)."""
 
-    def sent(self, a: Attempt, first_token_seen_early: bool) -> None:
+    def sent(self, a: Attempt) -> None:
         """Attempt ``a`` leaves the gateway for its worker now."""
 
     def first_byte(self, a: Attempt, now: float | None = None) -> None:
@@ -503,8 +503,7 @@ class DataPlane:
         excluded: list[int] = []
         attempts: list[str] = []
         lim = self.limits
-        # whether the request's first token is seen before its whole answer (else a pace slot would last its decode)
-        pace_ok = stream or req.output_tokens <= 1
+        early = stream or req.output_tokens <= 1  # its first token is seen before its whole answer
         reached = False  # an attempt of it left the gateway: a request only held here is routed again for free
         for n in range(self.max_retries + 1):
             if n and reached and not retry.take():
@@ -521,7 +520,7 @@ class DataPlane:
             if pick is None:
                 break
             idx, pace = pick
-            a = life.start(req, idx, pace if pace_ok else 0)
+            a = life.start(req, idx, pace, early)
             if n:
                 metrics.retries.inc()
                 log_event(
@@ -601,7 +600,7 @@ class DataPlane:
                 self.life.unanswered(a, "client_gone")
                 return web.Response(status=499)
             deadline = loop.time() + lim.first_byte_timeout_s
-        self.life.sent(a, stream or req.output_tokens <= 1)
+        self.life.sent(a)
         try:
             resp = await self._until_first_byte(
                 gw.session.post(

@@ -91,7 +91,8 @@ class Attempt:
     """One try of a request on one worker, from :meth:`RequestLifecycle.start` to :meth:`RequestLifecycle.end`.
 
     Attributes:
-        req: the request; ``idx`` / ``worker``: where it is tried; ``pace``: the route's pace (0: none);
+        req: the request; ``idx`` / ``worker``: where it is tried; ``pace``: the route's pace (0: none); ``early``:
+            its first token is seen before its whole answer (see :meth:`RequestLifecycle.start`);
             ``policy_name``: the policy that routed it (its metrics' label).
         sent_s: when it left the gateway (after any hold), clock seconds; None while held.
         prefilled: its first byte came.
@@ -103,6 +104,7 @@ class Attempt:
     idx: int
     worker: WorkerState
     pace: int
+    early: bool
     gauge: Any
     policy_name: str
     sent_s: float | None = None
@@ -304,19 +306,20 @@ class RequestLifecycle:
 
     # -- 3. an attempt on a worker ----------------------------------------------------------------------------------
 
-    def start(self, req: Request, idx: int, pace: int) -> Attempt:
-        """An attempt of ``req`` on worker ``idx`` begins: it counts in the worker's load and prefill queue now."""
+    def start(self, req: Request, idx: int, pace: int, early: bool) -> Attempt:
+        """An attempt of ``req`` on worker ``idx`` with the route's ``pace`` begins: it counts in the worker's load
+        and prefill queue now. ``early``: the gateway sees its first token before its whole answer (streamed, or one
+        output token); only then is it paced (else a pace slot would last its decode)."""
         w = self.state.workers[idx]
         w.inflight += 1
         w.start_prefill(req.request_id, req.block_hashes, req.input_tokens)
         gauge = self.metrics.inflight_gauge(worker_label(w))
         gauge.inc()
-        return Attempt(req, idx, w, pace, gauge, self.policy.name)
+        return Attempt(req, idx, w, pace if early else 0, early, gauge, self.policy.name)
 
-    def sent(self, a: Attempt, first_token_seen_early: bool) -> None:
+    def sent(self, a: Attempt) -> None:
         """Attempt ``a`` leaves the gateway for its worker now: its KV use counts there from now on; alone on its
-        worker (and ``first_token_seen_early``: streamed or one output token), it is a calibration sample of the
-        prefill rate."""
+        worker (and ``a.early``), it is a calibration sample of the prefill rate."""
         state = self.state
         w = a.worker
         req = a.req
@@ -324,7 +327,7 @@ class RequestLifecycle:
         w.leave()
         a.counted_kv = w.kv_tokens_of(req.input_tokens + req.output_tokens)
         a.kv_epoch = w.send_kv(a.counted_kv)
-        if state.calibrating and w.inflight == 1 and first_token_seen_early:
+        if state.calibrating and w.inflight == 1 and a.early:
             chain = req.block_hashes
             a.solo_tokens = w.held_blocks(chain) * self.page_size() if chain else 0
 
