@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from btbctl.engine.launcher.rundir import RunDir
+from btbctl.engine.launcher.rundir import RunDir, process_start_time
 from launcher_helpers import FREE_PORTS, cli_json, force_cleanup, recorded_pids, wait_gone
 from redis_fixture import needs_redis
 from tcp_balancer import TcpBalancer
@@ -80,14 +80,7 @@ def _kill_and_wait_dead(pid: int, timeout_s: float = 5.0) -> None:
     asynchronously: until then the kernel still queues connections on its listening socket, so they reached it."""
     os.kill(pid, signal.SIGKILL)
     end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            return
-        if state in ("Z", "X"):
-            return
+    while process_start_time(pid) is not None and time.monotonic() < end:
         time.sleep(0.0005)
 
 
