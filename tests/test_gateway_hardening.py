@@ -9,6 +9,7 @@ run, and waits are bounded by the configured timeouts.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
@@ -156,14 +157,17 @@ async def test_event_subscribers_are_capped():
 
 async def test_local_descriptor_exhaustion_upstream_is_not_blamed_on_the_worker(monkeypatch):
     async with GatewayEnv(2, policy="round_robin") as env:
-        real_post = env.gw.session.post
+        loop = asyncio.get_running_loop()
+        real_connect = loop.create_connection
+        worker_ports = {int(w.url.rsplit(":", 1)[1]) for w in env.gw.state.workers}
 
-        def post(url, *a, **kw):
-            if "/generate" in str(url):
-                raise aiohttp.ClientOSError(24, "Too many open files")
-            return real_post(url, *a, **kw)
+        async def connect(factory, host=None, port=None, **kw):
+            if port in worker_ports:  # the gateway's process is out of descriptors, the test client is not
+                raise OSError(errno.EMFILE, "Too many open files")
+            return await real_connect(factory, host, port, **kw)
 
-        monkeypatch.setattr(env.gw.session, "post", post)
+        assert env.gw.upstream.open_connections == 0  # nothing forwarded yet: the request connects
+        monkeypatch.setattr(loop, "create_connection", connect)
         async with env.http.post(env.url + "/generate", json={"text": TEXT}) as r:
             assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
         assert all(w.healthy and w.failed == 0 for w in env.gw.state.workers)

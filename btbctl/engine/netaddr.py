@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 
@@ -10,6 +11,7 @@ _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*\.?\Z")
 
 
+@functools.lru_cache(maxsize=1024)  # asked on every request of a listener, of a handful of distinct names
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an IP literal, bracketed or not, or ``localhost``) reaches only this machine
     (127.0.0.0/8, ::1). A name other than ``localhost`` is not assumed to be local."""
@@ -89,6 +91,7 @@ def _host_of(authority: str) -> str:
     return a.rsplit(":", 1)[0] if a.count(":") == 1 else a
 
 
+@functools.lru_cache(maxsize=1024)  # on every request; a pure function of a few header values
 def browser_refusal(host: str | None, origin: str | None, method: str, bind_host: str) -> str | None:
     """Why an HTTP request to a listener bound to ``bind_host`` is refused, or None. ``host``, ``origin``: its
     ``Host`` and ``Origin`` headers (None when absent).

@@ -49,21 +49,20 @@ import asyncio
 import json
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
-from aiohttp.payload import BytesPayload
 from prometheus_client import CONTENT_TYPE_LATEST
-from yarl import URL
 
 from btbctl.engine.errors import api_error_body
 from btbctl.engine.gateway.guard import RateLimiter, is_local_exhaustion, overloaded
 from btbctl.engine.gateway.lifecycle import EXPECTED_REQUESTS_HEADER, Attempt, Refusal
 from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.state import FleetState
+from btbctl.engine.gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from btbctl.engine.limits import MAX_PROMPT_TOKENS, MAX_REQUEST_BODY_BYTES
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.trace.model import Request
@@ -71,7 +70,6 @@ from btbctl.engine.wording import plural
 
 log = logging.getLogger(__name__)
 
-_FORWARD_HEADERS = {"Content-Type": "application/json"}
 #: Response header naming the worker (base URL) that answered; ``btbctl bench`` counts answers per worker by it.
 WORKER_HEADER = "X-BTB-Worker"
 #: The prompt routes: the name the prompt parser knows each by, and its path (the same on the workers).
@@ -121,7 +119,8 @@ async def error_middleware(request: web.Request, handler):
 
 class Fleet(Protocol):
     """What the data plane reads of the gateway to move bytes: the workers (and the copies that gate them), the
-    metrics it counts refusals and retries in, the shared upstream session."""
+    metrics it counts refusals and retries in, the connections to the workers (the pool forwards requests; the
+    shared aiohttp session serves the rest)."""
 
     @property
     def state(self) -> FleetState: ...
@@ -131,6 +130,9 @@ class Fleet(Protocol):
 
     @property
     def session(self) -> aiohttp.ClientSession: ...
+
+    @property
+    def upstream(self) -> UpstreamPool: ...
 
 
 class Lifecycle(Protocol):
@@ -218,7 +220,6 @@ class DataPlane:
         self.limits = lim = limits or DataLimits()
         self.max_body = lim.max_body_bytes
         self.max_retries = lim.max_retries
-        self._urls: dict[tuple[str, str], URL] = {}
         #: requests admitted and not answered yet
         self.inflight = 0
         #: requests on a second or later attempt now (the retry budget's count)
@@ -349,14 +350,6 @@ class DataPlane:
         if ok:
             log_event(log, event, logging.WARNING, repeats_held=held or None, **fields)
 
-    def _url(self, base: str, path: str) -> URL:
-        """The parsed upstream URL (cached: parsing a URL per request costs more than routing it)."""
-        key = (base, path)
-        u = self._urls.get(key)
-        if u is None:
-            u = self._urls[key] = URL(base + path)
-        return u
-
     # -- routes -------------------------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -425,7 +418,9 @@ class DataPlane:
             gw.metrics.reject(413)
             return json_error(413, f"request body of {cl} bytes exceeds the limit of {self.max_body} bytes")
         try:
-            body = await _read_within(request.content, request.read, lim.body_timeout_s)
+            # without the timeout's task and timer when the body is all buffered (usually so: it came with its head)
+            read = request.read()
+            body = await (read if request.content.is_eof() else asyncio.wait_for(read, lim.body_timeout_s))
         except asyncio.TimeoutError:
             return json_error(408, f"the request body did not arrive within {lim.body_timeout_s:g} s")
         admitted = await self.life.admit(
@@ -480,7 +475,7 @@ class DataPlane:
         await asyncio.wait((task,))
         if not task.cancelled() and task.exception() is None:
             res = task.result()
-            if isinstance(res, aiohttp.ClientResponse):
+            if isinstance(res, UpstreamResponse):
                 res.close()
         if reason is not None:
             raise _Abandoned(reason)
@@ -602,16 +597,7 @@ class DataPlane:
             deadline = loop.time() + lim.first_byte_timeout_s
         self.life.sent(a)
         try:
-            resp = await self._until_first_byte(
-                gw.session.post(
-                    self._url(w.url, path),
-                    # a ready payload: aiohttp skips looking its type up in its payload registry
-                    data=BytesPayload(body, content_type="application/json"),
-                    headers=_FORWARD_HEADERS,
-                ),
-                idx,
-                deadline,
-            )
+            resp = await self._until_first_byte(gw.upstream.post(w.url, path, body), idx, deadline)
         except _Abandoned as e:
             return self._failed(a, f"marked unhealthy before its first byte ({e})")
         except _UPSTREAM_ERRORS as e:
@@ -625,15 +611,15 @@ class DataPlane:
             status = resp.status
             if status >= 500:
                 try:
-                    detail = (await asyncio.wait_for(resp.read(), lim.idle_timeout_s))[:200].decode("utf-8", "replace")
+                    detail = (await _read_within(resp, lim.idle_timeout_s))[:200].decode("utf-8", "replace")
                 except _UPSTREAM_ERRORS:
                     detail = ""
                 return self._failed(a, f"HTTP {status}" + (f": {detail}" if detail else ""), "error")
-            ctype = resp.headers.get("Content-Type", "application/json")
+            ctype = resp.headers.get("content-type", "application/json")
             if stream and status == 200 and ctype.startswith("text/event-stream"):
                 return await self._stream(request, resp, a, ctype, deadline)
             try:
-                payload = await _read_within(resp.content, resp.read, lim.idle_timeout_s)
+                payload = await _read_within(resp, lim.idle_timeout_s)
             except _UPSTREAM_ERRORS as e:
                 return self._failed(a, f"answer broke off: {_describe(e)}", _kind(e))
             if status < 300:
@@ -646,22 +632,21 @@ class DataPlane:
             resp.release()
 
     async def _stream(
-        self, request: web.Request, resp: aiohttp.ClientResponse, a: Attempt, ctype: str, deadline: float
+        self, request: web.Request, resp: UpstreamResponse, a: Attempt, ctype: str, deadline: float
     ) -> web.StreamResponse | Retry:
         """Pass a streamed answer through: its preamble up to the first ``data:`` chunk is held back (a failure
         before it is a :class:`Retry`); from the first chunk sent on, the answer is committed to this worker."""
         clock = self.gw.state.clock
         idle = self.limits.idle_timeout_s
         idx, w = a.idx, a.worker
-        content = resp.content
         held: list[bytes] = []
         size = 0
         # Before the first data chunk nothing has reached the client: a failure here is retried elsewhere.
         try:
             while True:
-                chunk = await self._until_first_byte(content.readany(), idx, deadline)
+                chunk = await self._until_first_byte(resp.readany(), idx, deadline)
                 if not chunk:
-                    raise aiohttp.ClientPayloadError("stream ended before any data")
+                    raise UpstreamError("stream ended before any data")
                 held.append(chunk)
                 size += len(chunk)
                 if b"data:" in chunk or size >= _PREAMBLE_LIMIT:
@@ -686,7 +671,7 @@ class DataPlane:
         tail = b"".join(held)[-_DONE_TAIL:]
         while True:
             try:
-                chunk = await asyncio.wait_for(content.readany(), idle)
+                chunk = await asyncio.wait_for(resp.readany(), idle)
             except _UPSTREAM_ERRORS as e:
                 why = f"no data for {idle:g} s (idle timeout)" if isinstance(e, asyncio.TimeoutError) else _describe(e)
                 reason = f"stream broke after its first byte: {why}"
@@ -726,12 +711,12 @@ class DataPlane:
         return out
 
 
-async def _read_within(content: aiohttp.StreamReader, read: Callable[[], Awaitable[bytes]], timeout_s: float) -> bytes:
-    """``await read()`` (a whole body), at most ``timeout_s``; without the timeout's task and timer when the body
-    is already all buffered (``content`` at its end: usually so for small bodies, which arrive with their head)."""
-    if content.is_eof():
-        return await read()
-    return await asyncio.wait_for(read(), timeout_s)
+async def _read_within(resp: UpstreamResponse, timeout_s: float) -> bytes:
+    """``resp``'s whole body, waiting at most ``timeout_s``; without the timeout's task and timer when the body is
+    already all buffered (usually so for small bodies, which arrive with their head)."""
+    if resp.at_eof():
+        return resp.body()
+    return await asyncio.wait_for(resp.read(), timeout_s)
 
 
 async def _await_copy_accepted(state, idx: int, chain) -> None:

@@ -80,6 +80,7 @@ from btbctl.engine.gateway.reports import EVENT_TOP_PREFIXES, EVENT_TRANSFERS, R
 from btbctl.engine.gateway.sglang_metrics import MetricsScraper
 from btbctl.engine.gateway.state import Clock, FleetState, Transfer, WorkerState
 from btbctl.engine.gateway.tokens import L3Prompts
+from btbctl.engine.gateway.upstream import UpstreamPool
 from btbctl.engine.httpclient import client_session
 from btbctl.engine.logfmt import log_event
 from btbctl.engine.netaddr import is_loopback, local_url
@@ -180,6 +181,7 @@ class Gateway:
         self._restore_loop_handler: Callable[[], None] | None = None
         self.reports = Reports(self)
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self.replication_mode = config.replication
         #: l3: the prompts' token ids and SGLang page keys (None in the other modes)
         self.l3_prompts: L3Prompts | None = None
@@ -309,6 +311,12 @@ class Gateway:
         """The shared upstream HTTP session (open between :meth:`start` and :meth:`stop`)."""
         assert self._session is not None, "gateway not started"
         return self._session
+
+    @property
+    def upstream(self) -> UpstreamPool:
+        """The data plane's connections to the workers (open between :meth:`start` and :meth:`stop`)."""
+        assert self._upstream is not None, "gateway not started"
+        return self._upstream
 
     @property
     def policy_name(self) -> str:
@@ -822,7 +830,15 @@ class Gateway:
             control_max_connections=cfg.control_max_connections,
         )
         self._restore_loop_handler = install_accept_error_limiter(asyncio.get_running_loop(), self.limiter)
-        # upstream sockets: one per request in flight, plus room for health probes and copies (in the reserve)
+        # upstream sockets: the data plane's pool holds one per request in flight; the session (health probes,
+        # tokenization, copies) as before, one per request in flight plus room in the reserve. A request holds
+        # one of them at a time; idle ones close after keepalive_timeout_s.
+        self._upstream = UpstreamPool(
+            limit=min(cfg.max_connections, max_inflight),
+            keepalive_timeout_s=cfg.keepalive_timeout_s,
+            connect_timeout_s=cfg.connect_timeout_s,
+            total_timeout_s=cfg.upstream_timeout_s,
+        )
         connector = aiohttp.TCPConnector(
             limit=min(cfg.max_connections, max_inflight + cfg.fd_reserve // 2),
             limit_per_host=0,
@@ -999,6 +1015,8 @@ class Gateway:
         await self.bus.stop()
         if self._session is not None:
             await self._session.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         self.lifecycle.close()
         for guard in self.guards:
             guard.close()
