@@ -267,3 +267,18 @@ async def test_the_total_timeout_and_a_refused_connect_are_told_apart():
     await p.close()
     with pytest.raises(UpstreamError, match="closed"):
         await p.post("http://127.0.0.1:1", "/generate", b"{}")
+
+
+async def test_an_endless_answer_head_is_cut_off():
+    async def endless(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(2000):
+            writer.write(b"X-Junk-%d: %s\r\n" % (i, b"j" * 100))
+            await writer.drain()
+
+    async with Server(lambda c, n: endless) as srv:
+        p = pool()
+        with pytest.raises(UpstreamError, match="head over"):
+            await p.post(srv.base, "/generate", b"{}")
+        assert p.open_connections == 0
+        await p.close()

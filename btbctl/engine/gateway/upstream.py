@@ -29,6 +29,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+#: Longest answer head accepted from a worker, bytes of header names and values (a product bound; SGLang's answers
+#: carry a few hundred); beyond it the connection is dropped and the attempt fails.
+MAX_HEAD_BYTES = 65536
 #: Buffered bytes of an answer past which the worker's socket stops being read (until the buffer is taken).
 _HIGH_WATER_BYTES = 1 << 18
 
@@ -161,6 +164,7 @@ class _Connection(asyncio.Protocol):
         self.head: asyncio.Future[UpstreamResponse] | None = None
         self.resp: UpstreamResponse | None = None
         self.headers: dict[str, str] = {}
+        self.head_bytes = 0
         self.complete = False
         self.keep_alive = False
         self.closed = False
@@ -180,7 +184,8 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._broken(UpstreamError(f"invalid HTTP answer: {e}"))
+            cause = e.__context__ if isinstance(e.__context__, UpstreamError) else None
+            self._broken(cause or UpstreamError(f"invalid HTTP answer: {e}"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -201,6 +206,9 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ------------------------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_bytes += len(name) + len(value)
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise UpstreamError(f"answer head over {MAX_HEAD_BYTES} bytes")  # out of feed_data: the connection goes
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -234,6 +242,7 @@ class _Connection(asyncio.Protocol):
         self.head = head
         self.resp = None
         self.headers = {}
+        self.head_bytes = 0
         self.complete = self.keep_alive = False
         head.add_done_callback(self._head_done)
         if total_s is not None:
