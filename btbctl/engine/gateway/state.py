@@ -45,6 +45,8 @@ RECENT_TRANSFERS = 200
 #: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain). A product
 #: choice: 2**18 entries are at most about 40 MB and cover 1,000 distinct 256-block prefixes.
 CHAIN_INDEX_BLOCKS = 1 << 18
+#: Roots whose holders a :class:`WorkerIndex` keeps (cleared when full; it lives until a worker changes).
+KEPT_HOLDER_ROOTS = 4096
 #: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.admission_wait_s` (EWMA weight of a new
 #: sample); a product choice.
 TTFT_EWMA_ALPHA = 0.2
@@ -789,9 +791,12 @@ class WorkerIndex:
       unless it is every worker with load 0 (so a worker left out of it has a higher load).
     * :meth:`holders`: the workers whose record holds a chain's root, or computes it, or that receive a copy of a
       chain starting with it (a superset of those where :meth:`FleetState.planned_blocks` can be > 0).
+
+    It reads only the workers (and the copies, which stamp theirs), so it stands while no worker's stamp moves
+    (:attr:`Stamps.tick`): the fleet state gives the same index, with the holders it found, until then.
     """
 
-    __slots__ = ("_state", "idle", "idle_order")
+    __slots__ = ("_state", "idle", "idle_order", "_holders")
 
     def __init__(self, state: FleetState) -> None:
         self._state = state
@@ -807,9 +812,19 @@ class WorkerIndex:
         #: worker for an idle one only when the busy one loses a tie on load)
         self.idle_order: list[int] = idle
         self.idle: frozenset[int] = frozenset(self.idle_order)
+        self._holders: dict[Hashable, list[int]] = {}  # root -> holders (read by every decision on it)
 
     def holders(self, root: Hashable) -> list[int]:
-        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers))."""
+        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers) the first time per
+        root; the list is kept with the index: read it, never change it)."""
+        out = self._holders.get(root)
+        if out is None:
+            if len(self._holders) >= KEPT_HOLDER_ROOTS:
+                self._holders.clear()
+            out = self._holders[root] = self._find_holders(root)
+        return out
+
+    def _find_holders(self, root: Hashable) -> list[int]:
         out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
         more = self._state.transfers.targets_of(root)
         if more and not set(out).issuperset(more):
@@ -863,6 +878,8 @@ class FleetState:
         self._cost_guessed = False
         self._scaled: tuple | None = None
         self._queues: dict[int, _Queue] = {}  # replica -> its queued prefill (see _queue)
+        # [the route index, the tick it was read at] (items written: an attribute would stamp the fleet)
+        self._kept_index: list = [None, -1]
         #: how long a sign of life keeps a worker from counting as dead, seconds (the gateway's
         #: ``progress_window_s``; see :meth:`WorkerState.alive`)
         self.progress_window_s = 6.0
@@ -912,8 +929,13 @@ class FleetState:
         return self.workers[replica].inflight
 
     def route_index(self) -> WorkerIndex:
-        """The fleet-wide lookups that let a policy skip workers (:class:`WorkerIndex`, read now)."""
-        return WorkerIndex(self)
+        """The fleet-wide lookups that let a policy skip workers (:class:`WorkerIndex`, read now; the same object while
+        no worker changed since, :attr:`Stamps.tick`)."""
+        kept = self._kept_index
+        tick = self.stamps.tick
+        if kept[0] is None or kept[1] != tick:
+            kept[0], kept[1] = WorkerIndex(self), tick
+        return kept[0]
 
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         w = self.workers[replica]

@@ -628,27 +628,29 @@ class BtbPlus(Policy[CostView]):
             marks, fleet, state = stamps.worker, stamps.fleet, self._state_stamp
             shape = (chain[-1], len(chain), inp, out_tokens)
         for r in replicas:
+            if keep:
+                key = (r, shape)
+                p = prices.get(key)
+                if p is not None and p.fleet == fleet and p.cost is cost and p.state == state:
+                    for d, m in p.deps:
+                        if marks[d] != m:
+                            break
+                    else:
+                        # kept where nobody waited for a hot prefix; that stands with the replica's stamp and the
+                        # policy's (its waiting requests, the prefixes known hot)
+                        if r not in groups:
+                            groups[r] = []
+                        out[r] = p.est
+                        if planned_out is not None:
+                            planned_out[r] = p.there
+                        continue
+                deps: list[int] | None = [r]
+            else:
+                deps = None
             g = groups[r]
             if g:
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
                 continue
-            if keep:
-                key = (r, shape)
-                p = prices.get(key)
-                if (
-                    p is not None
-                    and p.fleet == fleet
-                    and p.cost is cost
-                    and p.state == state
-                    and all(marks[d] == m for d, m in p.deps)
-                ):
-                    out[r] = p.est
-                    if planned_out is not None:
-                        planned_out[r] = p.there
-                    continue
-                deps: list[int] | None = [r]
-            else:
-                deps = None
             there = planned(r, chain) if reuses and chain else 0
             if planned_out is not None and reuses and chain:
                 planned_out[r] = there
