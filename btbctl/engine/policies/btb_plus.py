@@ -165,6 +165,27 @@ class _Price:
         self.est, self.there, self.deps, self.fleet, self.cost, self.state = est, there, deps, fleet, cost, state
 
 
+class _Landings:
+    """Rule 4's checks of copy targets (:meth:`BtbPlus._landings`), kept with what they read: ``ready`` (``(seconds
+    until the copy would land, target)`` of the targets it pays for), the counts of targets it does not pay for
+    (``not_paying``) and without room (``no_room``), the view's ``fleet`` stamp, the ``cost`` model object and the
+    targets' stamps (``marks``, in the targets' order)."""
+
+    __slots__ = ("ready", "not_paying", "no_room", "fleet", "cost", "marks")
+
+    def __init__(
+        self,
+        ready: tuple[tuple[float, int], ...],
+        not_paying: int,
+        no_room: int,
+        fleet: int,
+        cost: ReplicaCost,
+        marks: tuple[int, ...],
+    ) -> None:
+        self.ready, self.not_paying, self.no_room = ready, not_paying, no_room
+        self.fleet, self.cost, self.marks = fleet, cost, marks
+
+
 class _Without(Sequence[int]):
     """``order`` (ascending) without the members ``skip`` (ascending, a few), indexed without copying ``order``:
     O(len(skip) x log len(order)) per item."""
@@ -293,10 +314,10 @@ class BtbPlus(Policy[CostView]):
         self._routes: dict[tuple[int, int], Route] = {}
         # (replica, chain's last block, chain blocks, input tokens, output tokens) -> _Price: rule 5's estimate of a
         # request shape on a replica, kept while the view's change stamps it read and ``_state_stamp`` stand
-        self._prices: dict[tuple, _Price] = {}
+        self._prices: dict[tuple[int, tuple[Hashable, int, int, int]], _Price] = {}
         # (prefix key, Y, source NIC copies, source's prefill left, targets) -> _landings' answer, its counts and the
         # fleet stamp, cost model and targets' stamps it was read under
-        self._kept_landings: dict[tuple, tuple] = {}
+        self._kept_landings: dict[tuple[Hashable, int, int, float, tuple[int, ...]], _Landings] = {}
         # bumped whenever ``_prefixes`` or ``_ready_at`` change as a kept price could have read them (:meth:`_remember`)
         self._state_stamp = 0
         self._stats = {
@@ -1048,13 +1069,13 @@ class BtbPlus(Policy[CostView]):
             kept = self._kept_landings.get(key)
             if (
                 kept is not None
-                and kept[3] == stamps.fleet
-                and kept[4] is cost
-                and all(marks[t] == m for t, m in zip(free, kept[5], strict=True))
+                and kept.fleet == stamps.fleet
+                and kept.cost is cost
+                and all(marks[t] == m for t, m in zip(free, kept.marks, strict=True))
             ):
-                self._stats["copy_not_paying"] += kept[1]
-                self._stats["copy_no_room"] += kept[2]
-                return kept[0]
+                self._stats["copy_not_paying"] += kept.not_paying
+                self._stats["copy_no_room"] += kept.no_room
+                return kept.ready
         bt = view.block_tokens
         kv = cost.model.kv_bytes_per_token
         nic_bps = cost.nic_bytes_per_s
@@ -1089,13 +1110,8 @@ class BtbPlus(Policy[CostView]):
             if len(self._kept_landings) >= PREFILL_MEMO:
                 self._kept_landings.clear()
             marks = stamps.worker
-            self._kept_landings[key] = (
-                tuple(ready),
-                not_paying,
-                no_room,
-                stamps.fleet,
-                cost,
-                tuple(marks[t] for t in free),
+            self._kept_landings[key] = _Landings(
+                tuple(ready), not_paying, no_room, stamps.fleet, cost, tuple(marks[t] for t in free)
             )
         return ready
 
