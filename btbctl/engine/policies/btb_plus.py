@@ -318,6 +318,9 @@ class BtbPlus(Policy[CostView]):
         # (prefix key, Y, source NIC copies, source's prefill left, targets) -> _landings' answer, its counts and the
         # fleet stamp, cost model and targets' stamps it was read under
         self._kept_landings: dict[tuple[Hashable, int, int, float, tuple[int, ...]], _Landings] = {}
+        # (prefix key, Y, replicas wanted) -> (the replicas that may hold it, their stamps) when they covered it
+        # (:meth:`_warm`)
+        self._kept_cover: dict[tuple[Hashable, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         # bumped whenever ``_prefixes`` or ``_ready_at`` change as a kept price could have read them (:meth:`_remember`)
         self._state_stamp = 0
         self._stats = {
@@ -345,6 +348,7 @@ class BtbPlus(Policy[CostView]):
         super().set_constants(constants)
         self._prices.clear()  # keyed under the depths of the old Y
         self._kept_landings.clear()
+        self._kept_cover.clear()
         if constants.prefix_blocks != old_y:
             self._levels.clear()
             self._hot_since.clear()
@@ -937,7 +941,8 @@ class BtbPlus(Policy[CostView]):
         fallbacks the executor tries when it refuses a picked one. ``index``: the view's route index (replicas
         outside its holders of the prefix's root hold, receive and plan none of it; its idle ones queue nothing),
         None to look at every replica; ``near``: its holders of the prefix's root when already read; ``stamps``: the
-        view's change stamps (:meth:`_landings` keeps its answer under them), None: none."""
+        view's change stamps (whether the prefix is covered, and :meth:`_landings`' answer, are kept under them), None:
+        none."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -960,6 +965,18 @@ class BtbPlus(Policy[CostView]):
         accepts = view.accepts_copies
         refused = self.refusals.refused if self.refusals else None
         has_copy = view.has_copy
+        # Whether the replicas that may hold, receive or plan the prefix cover it depends only on each of them (what it
+        # holds, receives, plans): kept under their stamps
+        cover_key = (prefix[-1], y, cap)
+        if stamps is not None and index is not None:
+            kept_cover = self._kept_cover.get(cover_key)
+            if kept_cover is not None and kept_cover[0] == tuple(near):
+                marks = stamps.worker
+                for r, m in zip(kept_cover[0], kept_cover[1], strict=True):
+                    if marks[r] != m:
+                        break
+                else:
+                    return None  # covered, as when kept
         # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
         # the fleet is not looked at; the others can only be free targets.
         for r in near if index is None else sorted(near):
@@ -977,6 +994,11 @@ class BtbPlus(Policy[CostView]):
             else:
                 continue
             if len(covered) >= cap:
+                if stamps is not None and index is not None:
+                    if len(self._kept_cover) >= PREFILL_MEMO:
+                        self._kept_cover.clear()
+                    kept_near = tuple(near)
+                    self._kept_cover[cover_key] = (kept_near, tuple(stamps.worker[q] for q in kept_near))
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
         if index is not None:
             near = near if isinstance(near, (set, frozenset, range)) else set(near)  # membership, per replica below
