@@ -63,7 +63,7 @@ async def test_rejected_requests_are_counted_by_reason():
         for w in env.fleet:
             await w.kill()
         for w in env.gw.state.workers:
-            env.gw.worker_failed(w.index, "test")
+            env.gw.lifecycle.worker_failed(w.index, "test")
         assert (await env.post("/generate", {"text": BURST_TEXT}))[0] == 503
         m = await env.metrics()
         assert metric_value(m, "btb_rejected_requests_total", reason="bad_request", status="400") == 1

@@ -101,7 +101,7 @@ async def test_a_request_released_in_the_same_tick_its_worker_goes_down_is_not_s
         def release_then_down(idx: int) -> None:
             original(idx)
             if idx == 0 and w0.healthy:  # the health checker marks it down in the same tick
-                env.gw._mark_unhealthy(w0, "test: frozen")
+                env.gw.lifecycle.worker_down(w0, "test: frozen")
                 dp.worker_down(0, "test: frozen")
 
         dp._next_turns = release_then_down

@@ -117,7 +117,10 @@ async def test_push_goes_out_while_the_source_still_prefills():
         source = next(w for w in env.fleet if w.pushes)
         assert source.matches and all(p["body"]["chain"][-1] in source.computing for p in source.pushes)
         ts = list(gw.state.transfers.active.values())
-        assert ts and all(t.state == "running" and not t.waited for t in ts)  # pushed, never stalled
+        # running once the gateway read the source's 202 (the push reached the source above; its answer may not
+        # have been read yet), and never held back waiting for the source
+        await until(lambda: all(t.state == "running" for t in ts))
+        assert ts and not any(t.waited for t in ts)  # pushed, never stalled
         # the targets count the prefix as arriving: the published rule does not copy to them again
         chain = tuple(source.pushes[0]["body"]["chain"])
         assert all(gw.state.pending_blocks(t.target, chain) == len(chain) for t in ts)

@@ -15,9 +15,12 @@ the Gateway API Inference Extension and llm-d's scheduler name:
    in its load, its prefill and its KV use from the moment it is routed / it left the gateway.
 4. :meth:`~RequestLifecycle.first_byte`: the prefill ended; the worker holds the prompt's blocks, TTFT is
    recorded, the chain index learns the prompt.
-5. :meth:`~RequestLifecycle.served` (the answer went out) or :meth:`~RequestLifecycle.worker_failed` (the data
+5. :meth:`~RequestLifecycle.answered` (the answer went out) or :meth:`~RequestLifecycle.worker_failed` (the data
    plane retries elsewhere while nothing reached the client; the retry is the data plane's explicit decision) and,
    for every attempt, :meth:`~RequestLifecycle.end`.
+6. Workers removed and added: :meth:`~RequestLifecycle.worker_down` (a failed health check or forwarded request:
+   out of the routing; the data plane's attempts waiting there hear of it through ``on_worker_down``),
+   :meth:`~RequestLifecycle.worker_up` and :meth:`~RequestLifecycle.worker_degraded` (the health prober's).
 
 The lifecycle owns the request path's pieces: the fleet state, the detector, the policy (swapped with
 :meth:`~RequestLifecycle.install_policy`) and the copy executor; the data plane knows only this object
@@ -132,11 +135,14 @@ class RequestLifecycle:
     clock: Callable[[], float]
     mark: Callable[[str], None]
     page_size: Callable[[], int]
-    worker_failed: Callable[[int, str, str], None]
     on_fallback: Callable[[bool], None]
     policy: Policy
     l3_prompts: L3Prompts | None = None
     fleet: FleetShare | None = None
+    reroute_on_unhealthy: bool = True
+    #: ``(worker index, reason)``: the data plane's attempts waiting there give up on a worker that went down
+    #: silent (set by whoever wires the data plane to this lifecycle)
+    on_worker_down: Callable[[int, str], None] | None = None
     _feeds_detector: bool = field(default=False, init=False)
     _request_seq: int = field(default=0, init=False)
     _pool: ThreadPoolExecutor | None = field(default=None, init=False)
@@ -392,6 +398,71 @@ class RequestLifecycle:
         if not a.prefilled:
             w.end_prefill(a.req.request_id, a.sent_s is not None)
         self.policy.on_finish(a.req, a.idx, self.state.clock())
+
+    # -- 6. workers removed from and added back to the routing -----------------------------------------------------
+
+    def worker_failed(self, idx: int, reason: str, kind: str = "error") -> None:
+        """A forwarded request failed on worker ``idx`` (``kind``: ``refused``, a connection error or a broken
+        answer; ``error``, a 5xx; ``slow``, no first byte in time): it is marked unhealthy now."""
+        w = self.state.workers[idx]
+        w.failed += 1
+        w.failure_kind = kind
+        self.worker_down(w, reason)
+
+    def worker_down(self, w: WorkerState, reason: str) -> None:
+        """``w`` failed (its health check, or a forwarded request): out of the routing, its holdings forgotten. Its
+        requests still waiting for a first byte are sent elsewhere only when it shows no sign of life either (a
+        frozen or dead process): a worker that is answering keeps them, and each one that fails fails over on its
+        own."""
+        w.health_error = reason
+        w.degraded = None
+        if w.healthy:
+            w.healthy = False
+            w.forget()
+            self.metrics.healthy.labels(worker_label(w)).set(0)
+            alive = self.state.alive(w)
+            log_event(
+                log,
+                "worker_down",
+                logging.WARNING,
+                worker=w.name,
+                url=w.url,
+                reason=reason.splitlines()[0],
+                answering=alive or None,
+            )
+            if self.on_worker_down is not None and self.reroute_on_unhealthy and not alive:
+                self.on_worker_down(w.index, reason)
+        self.mark("fleet")
+
+    def worker_up(self, w: WorkerState, degraded: str | None = None) -> None:
+        """``w`` passed its check after being down, unidentified or degraded (or, with ``degraded``, shows signs
+        of life while down: it comes back degraded). A worker coming back may have restarted: its holdings and
+        times are forgotten."""
+        if w.healthy and w.degraded is not None and degraded is None:  # /health passes again: it was up all along
+            w.degraded = None
+            log_event(log, "worker_recovered", worker=w.name, url=w.url)
+            self.mark("fleet")
+            return
+        w.forget()  # a worker coming back may have restarted with an empty cache
+        w.ttft_ewma_s = None  # ... and its old times say nothing of it now (the healthy ones' stand in)
+        w.server_info = None  # ... or with other flags: the scraper reads its /server_info again
+        if not w.healthy:
+            log_event(log, "worker_up", worker=w.name, url=w.url, degraded=degraded)
+        w.healthy = True
+        w.health_error = None
+        w.degraded = degraded
+        self.metrics.healthy.labels(worker_label(w)).set(1)
+
+    def worker_degraded(self, w: WorkerState, reason: str) -> None:
+        """``w``'s ``/health`` timed out but it shows signs of life: busy, not dead. It stays (or comes back) in
+        the routing, with ``degraded`` saying why; one line when it becomes degraded."""
+        was = w.degraded
+        if not w.healthy:
+            self.worker_up(w, degraded=reason)
+        elif was is None:
+            log_event(log, "worker_degraded", logging.WARNING, worker=w.name, url=w.url, reason=reason)
+        w.degraded = reason
+        self.mark("fleet")
 
     def close(self) -> None:
         """Stop the prompt-hashing thread pool (after the listener stopped)."""

@@ -204,11 +204,13 @@ class Gateway:
             interval_s=config.health_interval_s,
             timeout_s=config.health_timeout_s,
             unhealthy_after=config.unhealthy_after,
-            on_down=self._mark_unhealthy,
+            # a worker removed from and added back to the routing: the request lifecycle's (bound late: it is
+            # built below)
+            on_down=lambda w, reason: self.lifecycle.worker_down(w, reason),
             on_info=self._worker_info,
-            on_up=self._worker_up,
+            on_up=lambda w: self.lifecycle.worker_up(w),
             on_loads=self._worker_loads,
-            on_degraded=self._worker_degraded,
+            on_degraded=lambda w, reason: self.lifecycle.worker_degraded(w, reason),
             progress_window_s=config.progress_window(),
         )
         self.state.progress_window_s = config.progress_window()
@@ -226,8 +228,8 @@ class Gateway:
             clock=self.clock,
             mark=self.bus.mark,
             page_size=lambda: self.page_size,
-            worker_failed=self.worker_failed,
             on_fallback=self._falling_back,
+            reroute_on_unhealthy=config.reroute_on_unhealthy,
             l3_prompts=self.l3_prompts,
             policy=first_policy,
         )
@@ -481,14 +483,6 @@ class Gateway:
             else:
                 log_event(log, "routing_fallback_end", healthy=sum(w.healthy for w in self.state.workers))
 
-    def worker_failed(self, idx: int, reason: str, kind: str = "error") -> None:
-        """A forwarded request failed on worker ``idx`` (``kind``: ``refused``, a connection error or a broken
-        answer; ``error``, a 5xx; ``slow``, no first byte in time): mark it unhealthy now."""
-        w = self.state.workers[idx]
-        w.failed += 1
-        w.failure_kind = kind
-        self._mark_unhealthy(w, reason)
-
     async def replicate(self, chain: tuple, n: int) -> ReplicateOutcome:
         """Copy ``chain`` to ``n`` more workers now (the control API's manual replicate; see
         :meth:`~btbctl.engine.gateway.replicator.Replicator.replicate`)."""
@@ -563,41 +557,6 @@ class Gateway:
 
     # -- worker health (the prober's callbacks) -----------------------------------------------------------------
 
-    def _mark_unhealthy(self, w: WorkerState, reason: str) -> None:
-        """``w`` failed (its health check, or a forwarded request). Its requests still waiting for a first byte are
-        sent elsewhere only when it shows no sign of life either (a frozen or dead process): a worker that is
-        answering keeps them, and each one that fails fails over on its own."""
-        w.health_error = reason
-        w.degraded = None
-        if w.healthy:
-            w.healthy = False
-            w.forget()
-            self.metrics.healthy.labels(worker_label(w)).set(0)
-            alive = self.state.alive(w)
-            log_event(
-                log,
-                "worker_down",
-                logging.WARNING,
-                worker=w.name,
-                url=w.url,
-                reason=reason.splitlines()[0],
-                answering=alive or None,
-            )
-            if self.dataplane is not None and self.config.reroute_on_unhealthy and not alive:
-                self.dataplane.worker_down(w.index, reason)
-        self.bus.mark("fleet")
-
-    def _worker_degraded(self, w: WorkerState, reason: str) -> None:
-        """``w``'s ``/health`` timed out but it shows signs of life: busy, not dead. It stays (or comes back) in
-        the routing, with ``degraded`` saying why; one line when it becomes degraded."""
-        was = w.degraded
-        if not w.healthy:
-            self._worker_up(w, degraded=reason)
-        elif was is None:
-            log_event(log, "worker_degraded", logging.WARNING, worker=w.name, url=w.url, reason=reason)
-        w.degraded = reason
-        self.bus.mark("fleet")
-
     def _worker_info(self, w: WorkerState, info: dict | None) -> None:
         if info is None:  # no /btb routes: a plain SGLang server
             w.btb = False
@@ -625,24 +584,6 @@ class Gateway:
         cap = info.get("capacity_tokens")
         if isinstance(cap, int) and cap > 0:
             w.capacity_blocks = max(1, cap // self.page_size)
-
-    def _worker_up(self, w: WorkerState, degraded: str | None = None) -> None:
-        """``w`` passed its check after being down, unidentified or degraded (or, with ``degraded``, shows signs
-        of life while down: it comes back degraded)."""
-        if w.healthy and w.degraded is not None and degraded is None:  # /health passes again: it was up all along
-            w.degraded = None
-            log_event(log, "worker_recovered", worker=w.name, url=w.url)
-            self.bus.mark("fleet")
-            return
-        w.forget()  # a worker coming back may have restarted with an empty cache
-        w.ttft_ewma_s = None  # ... and its old times say nothing of it now (the healthy ones' stand in)
-        w.server_info = None  # ... or with other flags: the scraper reads its /server_info again
-        if not w.healthy:
-            log_event(log, "worker_up", worker=w.name, url=w.url, degraded=degraded)
-        w.healthy = True
-        w.health_error = None
-        w.degraded = degraded
-        self.metrics.healthy.labels(worker_label(w)).set(1)
 
     def _heat_in_window(self, now_s: float) -> bool:
         """Whether a tracked prefix has arrivals in the detector's window at ``now_s`` (its heat decays with time
@@ -882,6 +823,7 @@ class Gateway:
             **self.constants.as_dict(),
         )
         self.dataplane = DataPlane(self, self.lifecycle, DataLimits.from_config(cfg, max_inflight=max_inflight))
+        self.lifecycle.on_worker_down = self.dataplane.worker_down
         data_guard = self._guard("data", max_conns)
         control_guard = self._guard(
             "control",
