@@ -205,6 +205,10 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes past the answer's end (a second answer to one request): never any request's
+            raise UpstreamError("bytes after the answer's end")  # out of feed_data: the connection goes
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head_bytes += len(name) + len(value)
         if self.head_bytes > MAX_HEAD_BYTES:
