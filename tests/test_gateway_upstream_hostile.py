@@ -4,6 +4,10 @@ that never end, the pool closed during traffic; no answer reaches another reques
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from test_gateway_upstream import OK, Server, pool
 
 
@@ -33,4 +37,44 @@ async def test_a_stray_partial_answer_after_the_answer_never_reaches_the_next_re
         resp = await p.post(srv.base, "/generate", b"{}")
         assert await resp.read() == b"fresh"
         resp.release()
+        await p.close()
+
+
+async def until(pred, what: str) -> None:
+    """Wait (at most about 2 s of loop turns) until ``pred()``."""
+    for _ in range(400):
+        if pred():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.mark.timeout(10)  # broken, the loop spins: only pytest-timeout ends it
+async def test_at_the_limit_an_idle_connection_the_worker_closed_is_not_taken_for_a_free_slot():
+    """With ``limit`` connections busy, an idle one the worker closed meanwhile is no connection to close for a
+    new request: the request waits (before, the loop spun on it for ever)."""
+    close_it = asyncio.Event()
+
+    async def ok_then_close(writer):
+        writer.write(OK)
+        await writer.drain()
+        await close_it.wait()
+        writer.close()
+
+    async with Server(lambda c, n: ok_then_close) as a, Server(lambda c, n: None) as b:
+        p = pool(limit=1, total_timeout_s=0.1)
+        resp = await p.post(a.base, "/generate", b"{}")
+        await resp.read()
+        resp.release()
+        assert p.idle_connections(a.base) == 1
+        close_it.set()  # the worker closes its side of the idle connection
+        await until(lambda: p.open_connections == 0, "the pool saw the close")
+        busy = p.post(b.base, "/generate", b"{}")  # takes the one connection; b never answers
+        await b.got_request.wait()
+        waiting = p.post(b.base + "/", "/generate", b"{}")  # another target: waits for a slot
+        with pytest.raises(asyncio.TimeoutError):
+            await busy
+        with pytest.raises(asyncio.TimeoutError):  # the slot freed by the timeout: sent, then timed out itself
+            await waiting
+        assert len(b.requests) == 2 and p.open_connections == 0
         await p.close()

@@ -471,10 +471,14 @@ class UpstreamPool:
         conn.send(data, head, self.total_timeout_s)
 
     def _close_oldest_idle(self) -> bool:
+        """Close the idle connection unused the longest; False when none is open."""
         oldest: _Connection | None = None
         for t in self._targets.values():
-            if t.idle and (oldest is None or t.idle[0].idle_since < oldest.idle_since):
-                oldest = t.idle[0]
+            idle = t.idle
+            while idle and idle[0].closed:  # the worker closed it while idle: no slot to free there
+                idle.popleft()
+            if idle and (oldest is None or idle[0].idle_since < oldest.idle_since):
+                oldest = idle[0]
         if oldest is None:
             return False
         oldest.abort()
