@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from btbctl.engine.gateway.upstream import UpstreamError
 from test_gateway_upstream import OK, Server, pool
 
 
@@ -77,4 +78,39 @@ async def test_at_the_limit_an_idle_connection_the_worker_closed_is_not_taken_fo
         with pytest.raises(asyncio.TimeoutError):  # the slot freed by the timeout: sent, then timed out itself
             await waiting
         assert len(b.requests) == 2 and p.open_connections == 0
+        await p.close()
+
+
+async def test_a_request_sent_while_the_pool_closes_fails_and_leaves_no_connection_open():
+    async with Server(lambda c, n: OK) as srv:
+        p = pool()
+        head = p.post(srv.base, "/generate", b"{}")  # its connection not opened yet
+        await p.close()
+        with pytest.raises(UpstreamError, match="closed"):
+            await head
+        assert p.open_connections == 0 and srv.requests == []
+
+
+async def test_a_connection_lost_as_it_opens_fails_its_request_and_frees_its_slot(monkeypatch):
+    """The worker resets a connection right as it opens, and the pool learns of it before its connect resumes
+    (on Python 3.11 ``wait_for`` runs the connect in a task of its own: one more loop turn)."""
+    loop = asyncio.get_running_loop()
+    connect = loop.create_connection
+
+    async def connect_then_reset(*a, **kw):
+        transport, protocol = await connect(*a, **kw)
+        transport.abort()
+        await asyncio.sleep(0)  # connection_lost runs before the pool sees the connection
+        return transport, protocol
+
+    async with Server(lambda c, n: OK) as srv:
+        p = pool(limit=1)
+        monkeypatch.setattr(loop, "create_connection", connect_then_reset)
+        with pytest.raises(UpstreamError, match="as it opened"):
+            await asyncio.wait_for(p.post(srv.base, "/generate", b"{}"), 1.0)  # broken: no answer ever
+        assert p.open_connections == 0
+        monkeypatch.undo()
+        resp = await asyncio.wait_for(p.post(srv.base, "/generate", b"{}"), 1.0)  # its slot is free
+        assert await resp.read() == b'{"ok":true}'
+        resp.release()
         await p.close()

@@ -32,6 +32,8 @@ import httptools
 #: Longest answer head accepted from a worker, bytes of header names and values (a product bound; SGLang's answers
 #: carry a few hundred); beyond it the connection is dropped and the attempt fails.
 MAX_HEAD_BYTES = 65536
+#: Why a request fails once the pool is closed (the gateway stops).
+_CLOSED = "the gateway's upstream pool is closed"
 #: Buffered bytes of an answer past which the worker's socket stops being read (until the buffer is taken).
 _HIGH_WATER_BYTES = 1 << 18
 
@@ -383,7 +385,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         head: asyncio.Future[UpstreamResponse] = loop.create_future()
         if self._closed:
-            head.set_exception(UpstreamError("the gateway's upstream pool is closed"))
+            head.set_exception(UpstreamError(_CLOSED))
             return head
         t = self._targets.get(base)
         if t is None:
@@ -408,7 +410,7 @@ class UpstreamPool:
         while self._slots:
             f = self._slots.popleft()
             if not f.done():
-                f.set_exception(UpstreamError("the gateway's upstream pool is closed"))
+                f.set_exception(UpstreamError(_CLOSED))
 
     # -- internals ------------------------------------------------------------------------------------------------
 
@@ -441,6 +443,8 @@ class UpstreamPool:
                     if idle is not None:
                         idle.send(data, head, self.total_timeout_s)
                         return
+            if self._closed:  # closed while this request waited or before its task began
+                raise UpstreamError(_CLOSED)
             self._connecting += 1
             try:
                 _, conn = await asyncio.wait_for(
@@ -462,6 +466,12 @@ class UpstreamPool:
             self._next_slot()
             if not head.done():
                 head.set_exception(e)
+            return
+        if conn.closed or self._closed:  # lost as it opened (the loss found no slot to free), or the pool closed
+            conn.abort()
+            self._next_slot()
+            if not head.done():
+                head.set_exception(UpstreamError(_CLOSED if self._closed else "connection closed as it opened"))
             return
         self._open.add(conn)
         if head.done():  # abandoned while connecting: the connection is the pool's for the next request
