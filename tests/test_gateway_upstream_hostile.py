@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from btbctl.engine.gateway.upstream import UpstreamError
+from btbctl.engine.gateway.upstream import MAX_HEAD_BYTES, UpstreamError
 from test_gateway_upstream import OK, Server, pool
 
 
@@ -113,4 +113,22 @@ async def test_a_connection_lost_as_it_opens_fails_its_request_and_frees_its_slo
         resp = await asyncio.wait_for(p.post(srv.base, "/generate", b"{}"), 1.0)  # its slot is free
         assert await resp.read() == b'{"ok":true}'
         resp.release()
+        await p.close()
+
+
+async def test_one_endless_header_line_is_cut_off_like_an_endless_head():
+    """One header value that never ends (the parser keeps a header line whole until it ends): the head is cut off
+    past MAX_HEAD_BYTES received, not when the line ends."""
+
+    async def endless(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Junk: ")
+        for _ in range(64 * MAX_HEAD_BYTES // 4096):  # ends (broken pool: a head the total timeout fails)
+            writer.write(b"j" * 4096)
+            await writer.drain()
+
+    async with Server(lambda c, n: endless) as srv:
+        p = pool(total_timeout_s=2.0)
+        with pytest.raises(UpstreamError, match="head over"):
+            await p.post(srv.base, "/generate", b"{}")
+        assert p.open_connections == 0
         await p.close()

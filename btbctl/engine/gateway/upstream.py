@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-#: Longest answer head accepted from a worker, bytes of header names and values (a product bound; SGLang's answers
-#: carry a few hundred); beyond it the connection is dropped and the attempt fails.
+#: Longest answer head accepted from a worker, bytes (status line and headers, informational answers included; a
+#: product bound, SGLang's answers carry a few hundred); beyond it the connection is dropped and the attempt fails.
 MAX_HEAD_BYTES = 65536
 #: Why a request fails once the pool is closed (the gateway stops).
 _CLOSED = "the gateway's upstream pool is closed"
@@ -183,11 +183,18 @@ class _Connection(asyncio.Protocol):
         if self.head is None:  # bytes on an idle connection: not an answer to anything of ours
             self.abort()
             return
+        heading = self.resp is None
+        if heading:  # counted as they come: the parser keeps a header line whole however long it grows
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             cause = e.__context__ if isinstance(e.__context__, UpstreamError) else None
             self._broken(cause or UpstreamError(f"invalid HTTP answer: {e}"))
+            self.abort()
+            return
+        if heading and self.resp is None and self.head_bytes > MAX_HEAD_BYTES:
+            self._broken(UpstreamError(f"answer head over {MAX_HEAD_BYTES} bytes"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -212,9 +219,6 @@ class _Connection(asyncio.Protocol):
             raise UpstreamError("bytes after the answer's end")  # out of feed_data: the connection goes
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value)
-        if self.head_bytes > MAX_HEAD_BYTES:
-            raise UpstreamError(f"answer head over {MAX_HEAD_BYTES} bytes")  # out of feed_data: the connection goes
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
