@@ -5,6 +5,8 @@ that never end, the pool closed during traffic; no answer reaches another reques
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 
 import pytest
 
@@ -132,3 +134,35 @@ async def test_one_endless_header_line_is_cut_off_like_an_endless_head():
             await p.post(srv.base, "/generate", b"{}")
         assert p.open_connections == 0
         await p.close()
+
+
+async def test_a_body_delimited_by_the_close_ends_only_at_the_worker_s_clean_close():
+    """A stream without length or chunks ends at the connection's end, but not at a reset (the worker died) nor
+    when the gateway's pool closes under it: the data plane must see a broken stream, not a whole one."""
+
+    async def reset(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        linger = struct.pack("ii", 1, 0)  # close with a reset
+        writer.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+        writer.transport.abort()
+
+    async def hang(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
+        await writer.drain()
+        await asyncio.Event().wait()  # the rest never comes
+
+    async with Server(lambda c, n: reset if c == 1 else hang) as srv:
+        p = pool()
+        resp = await p.post(srv.base, "/generate", b"{}")
+        assert await resp.readany() == b"data: 1\n\n"
+        with pytest.raises(UpstreamError, match="before the answer's end"):
+            await resp.readany()
+        resp.release()
+        resp = await p.post(srv.base, "/generate", b"{}")
+        assert await resp.readany() == b"data: 1\n\n"
+        await p.close()
+        with pytest.raises(UpstreamError, match="before the answer's end"):
+            await resp.readany()
+        resp.release()

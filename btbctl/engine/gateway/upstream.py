@@ -198,11 +198,12 @@ class _Connection(asyncio.Protocol):
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        ours = self.closed  # aborted by the pool or the answer's reader, not ended by the worker
         self.closed = True
         self.pool._lost(self)
         resp = self.resp
         if resp is not None and not self.complete:
-            if self._until_close():  # a body delimited by the connection's end: this is its end
+            if exc is None and not ours and self._until_close():  # a body delimited by the worker's clean close
                 self.complete = True
                 resp._end()
             else:
