@@ -10,6 +10,7 @@ import struct
 
 import pytest
 
+from btbctl.engine.gateway.dataplane import DataPlane
 from btbctl.engine.gateway.upstream import MAX_HEAD_BYTES, UpstreamError
 from test_gateway_upstream import OK, Server, pool
 
@@ -166,3 +167,23 @@ async def test_a_body_delimited_by_the_close_ends_only_at_the_worker_s_clean_clo
         with pytest.raises(UpstreamError, match="before the answer's end"):
             await resp.readany()
         resp.release()
+
+
+async def test_a_request_given_up_as_its_answer_head_arrives_closes_that_answer():
+    """The data plane's wait for a first byte is cancelled (its handler ends) just as the head came: the answer it
+    will never read is closed, not left holding a connection against the limit."""
+    async with Server(lambda c, n: OK) as srv:
+        p = pool(limit=1)
+        dp = DataPlane(gw=None, life=None)
+        head = p.post(srv.base, "/generate", b"{}")
+        await asyncio.wait((head,))  # the head is in, the waiter not woken yet
+        waiting = asyncio.create_task(dp._until_first_byte(head, 0, asyncio.get_running_loop().time() + 5.0))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert p.open_connections == 0
+        resp = await asyncio.wait_for(p.post(srv.base, "/generate", b"{}"), 1.0)  # its slot is free
+        assert await resp.read() == b'{"ok":true}'
+        resp.release()
+        await p.close()

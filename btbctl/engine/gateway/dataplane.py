@@ -463,6 +463,7 @@ class DataPlane:
             await waiter
         except asyncio.CancelledError:
             task.cancel()
+            task.add_done_callback(_close_answer)  # an answer head it has (or gets) is nobody's: closed
             raise
         finally:
             timer.cancel()
@@ -473,10 +474,7 @@ class DataPlane:
         reason = waiter.result()
         task.cancel()
         await asyncio.wait((task,))
-        if not task.cancelled() and task.exception() is None:
-            res = task.result()
-            if isinstance(res, UpstreamResponse):
-                res.close()
+        _close_answer(task)
         if reason is not None:
             raise _Abandoned(reason)
         raise asyncio.TimeoutError(f"no first byte within {self.limits.first_byte_timeout_s:g} s")
@@ -709,6 +707,15 @@ class DataPlane:
             resp.close()  # stop the worker's side of an abandoned or broken stream
         self.life.answered(a, status)
         return out
+
+
+def _close_answer(task: asyncio.Future) -> None:
+    """Close the answer head ``task`` (an upstream request nobody waits for any more) ended with, if any: its
+    connection is dropped instead of held against the pool's limit."""
+    if not task.cancelled() and task.exception() is None:
+        res = task.result()
+        if isinstance(res, UpstreamResponse):
+            res.close()
 
 
 async def _read_within(resp: UpstreamResponse, timeout_s: float) -> bytes:
