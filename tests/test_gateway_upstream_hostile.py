@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import threading
 
 import pytest
 
@@ -187,3 +188,74 @@ async def test_a_request_given_up_as_its_answer_head_arrives_closes_that_answer(
         assert await resp.read() == b'{"ok":true}'
         resp.release()
         await p.close()
+
+
+class CloseOnCue:
+    """A worker in a thread (blocking sockets): answers each request on its first connection with OK, closes that
+    connection when ``close`` is set (signalling ``closed``), then answers on later connections as usual."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.close, self.closed = threading.Event(), threading.Event()
+        self.requests = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _answer(self, c: socket.socket, until_cue: bool) -> None:
+        c.settimeout(0.05)
+        buf = b""
+        while True:
+            if until_cue and self.close.is_set():
+                c.close()
+                self.closed.set()
+                return
+            try:
+                data = c.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                c.close()
+                return
+            buf += data
+            if b"\r\n\r\n{}" in buf:  # one whole request of the tests' body
+                buf = b""
+                self.requests += 1
+                c.sendall(OK)
+
+    def _run(self) -> None:
+        first = True
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(c, first), daemon=True).start()
+            first = False
+
+    def stop(self) -> None:
+        self.sock.close()
+
+
+async def test_a_request_sent_on_an_idle_connection_the_worker_just_closed_goes_on_a_new_one():
+    """The worker closes an idle keep-alive connection as the gateway sends on it (the close not seen yet): the
+    request is sent again on a new connection, not failed (which would mark a healthy worker down)."""
+    srv = CloseOnCue()
+    try:
+        p = pool()
+        resp = await p.post(srv.base, "/generate", b"{}")
+        assert await resp.read() == b'{"ok":true}'
+        resp.release()
+        srv.close.set()
+        assert srv.closed.wait(2.0)  # blocks the loop: the pool cannot have seen the close yet
+        resp = await asyncio.wait_for(p.post(srv.base, "/generate", b"{}"), 2.0)
+        assert await resp.read() == b'{"ok":true}'
+        resp.release()
+        assert srv.requests == 2
+        await p.close()
+    finally:
+        srv.stop()

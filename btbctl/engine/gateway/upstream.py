@@ -11,8 +11,9 @@ tokenization, copies) keeps the shared aiohttp session.
   aborts the connection (its answer can never be read by the next request).
 * A connection goes back to the pool only after its answer was read whole and the worker keeps it alive; the
   most recently used one is reused first, and one idle for more than ``keepalive_timeout_s`` is closed (below
-  uvicorn's default of 5 s, so the gateway, not the worker, closes an idle connection: no request is sent on a
-  connection the worker is closing).
+  uvicorn's default of 5 s, so the gateway, not the worker, closes an idle connection). A request sent on a
+  reused connection that the worker closes before any byte of the answer (it closed it idle as the request left)
+  is sent once more, on a new connection: a worker closing idle connections is not a failed worker.
 * ``limit``: connections open at once over all workers; a request beyond it waits for one to come back or close.
 * Failures are :class:`UpstreamError` (a :class:`ConnectionError`), :class:`asyncio.TimeoutError`, or the
   :class:`OSError` of the connect (its ``errno`` kept: ``EMFILE`` is the gateway's own exhaustion).
@@ -23,11 +24,16 @@ tokenization, copies) keeps the shared aiohttp session.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections import deque
 from urllib.parse import urlsplit
 
 import httptools
+
+from btbctl.engine.logfmt import log_event
+
+log = logging.getLogger(__name__)
 
 #: Longest answer head accepted from a worker, bytes (status line and headers, informational answers included; a
 #: product bound, SGLang's answers carry a few hundred); beyond it the connection is dropped and the attempt fails.
@@ -173,6 +179,8 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
+        self.data = b""  # the request on the way (head and body), kept until its answer's first byte
+        self.requests = 0  # requests sent on this connection
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------------------
 
@@ -183,6 +191,7 @@ class _Connection(asyncio.Protocol):
         if self.head is None:  # bytes on an idle connection: not an answer to anything of ours
             self.abort()
             return
+        self.data = b""  # the worker answers: the request is never sent again
         heading = self.resp is None
         if heading:  # counted as they come: the parser keeps a header line whole however long it grows
             self.head_bytes += len(data)
@@ -208,10 +217,17 @@ class _Connection(asyncio.Protocol):
                 resp._end()
             else:
                 resp._fail(UpstreamError(f"connection closed before the answer's end ({exc or 'EOF'})"))
-        self._broken(UpstreamError(f"connection closed before the answer ({exc or 'EOF'})"))
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        head = self.head
+        if not ours and self.data and self.requests > 1 and head is not None and not head.done():
+            # closed by the worker as it idled, before this request reached it: once more, on a new connection
+            log_event(log, "upstream_resend", logging.DEBUG, worker=self.target.host_header.decode(), error=exc)
+            self.pool._open_new(self.target, self.data, head)
+            self.data = b""
+            return
+        self._broken(UpstreamError(f"connection closed before the answer ({exc or 'EOF'})"))
 
     # -- httptools callbacks ------------------------------------------------------------------------------------
 
@@ -251,6 +267,8 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes, head: asyncio.Future[UpstreamResponse], total_s: float | None) -> None:
         """Write one request (head and body in ``data``); its answer's head resolves ``head``."""
         self.head = head
+        self.data = data
+        self.requests += 1
         self.resp = None
         self.headers = {}
         self.head_bytes = 0
@@ -284,6 +302,7 @@ class _Connection(asyncio.Protocol):
 
     def done_with(self, resp: UpstreamResponse) -> None:
         if self.complete and self.keep_alive and not self.closed and self.resp is resp:
+            self.data = b""
             if self.paused:
                 self.resume()
             self.head = None
@@ -400,8 +419,7 @@ class UpstreamPool:
         if conn is not None:
             conn.send(data, head, self.total_timeout_s)
         else:
-            task = loop.create_task(self._open_and_send(t, data, head))
-            head.add_done_callback(lambda h: task.cancel() if h.cancelled() else None)
+            self._open_new(t, data, head)
         return head
 
     async def close(self) -> None:
@@ -418,6 +436,11 @@ class UpstreamPool:
                 f.set_exception(UpstreamError(_CLOSED))
 
     # -- internals ------------------------------------------------------------------------------------------------
+
+    def _open_new(self, t: _Target, data: bytes, head: asyncio.Future[UpstreamResponse]) -> None:
+        """Send ``data`` to ``t`` on a new connection, within the limit (cancelling ``head`` abandons it)."""
+        task = asyncio.get_running_loop().create_task(self._open_and_send(t, data, head))
+        head.add_done_callback(lambda h: task.cancel() if h.cancelled() else None)
 
     def _take_idle(self, t: _Target, now: float) -> _Connection | None:
         idle = t.idle
