@@ -259,3 +259,31 @@ async def test_a_request_sent_on_an_idle_connection_the_worker_just_closed_goes_
         await p.close()
     finally:
         srv.stop()
+
+
+async def test_an_answer_s_failure_is_told_by_its_first_cause_not_by_the_close_that_follows():
+    """The total timeout passing while nobody reads, or a broken chunk, is what the reader is told: not the
+    connection's close that follows (the data plane tells a slow worker from a refusing one by it)."""
+
+    async def half(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nhalf")
+
+    async def bad_chunk(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\nZZ\r\nxx\r\n")
+
+    async with Server(lambda c, n: half if c == 1 else bad_chunk) as srv:
+        p = pool(total_timeout_s=0.05)
+        resp = await p.post(srv.base, "/generate", b"{}")
+        await until(lambda: resp._conn.closed, "the total timeout closed the connection")
+        await asyncio.sleep(0)  # and its close came
+        assert await resp.readany() == b"half"
+        with pytest.raises(asyncio.TimeoutError):
+            await resp.readany()
+        resp.release()
+        p.total_timeout_s = None
+        resp = await p.post(srv.base, "/generate", b"{}")
+        assert await resp.readany() == b"hello"
+        with pytest.raises(UpstreamError, match="invalid HTTP"):
+            await resp.readany()
+        resp.release()
+        await p.close()

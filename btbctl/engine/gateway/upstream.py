@@ -156,7 +156,7 @@ class UpstreamResponse:
         self._wake()
 
     def _fail(self, exc: BaseException) -> None:
-        if not self._eof:
+        if not self._eof and self._exc is None:  # the first cause (the close that follows it says less)
             self._exc = exc
         self._wake()
 
@@ -199,7 +199,10 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             cause = e.__context__ if isinstance(e.__context__, UpstreamError) else None
-            self._broken(cause or UpstreamError(f"invalid HTTP answer: {e}"))
+            exc = cause or UpstreamError(f"invalid HTTP answer: {e}")
+            if self.resp is not None and not self.complete:
+                self.resp._fail(exc)
+            self._broken(exc)
             self.abort()
             return
         if heading and self.resp is None and self.head_bytes > MAX_HEAD_BYTES:
