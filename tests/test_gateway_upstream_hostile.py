@@ -10,9 +10,11 @@ import struct
 import threading
 
 import pytest
+from aiohttp import web
 
 from btbctl.engine.gateway.dataplane import DataPlane
 from btbctl.engine.gateway.upstream import MAX_HEAD_BYTES, UpstreamError
+from gateway_fakes import FakeWorker, GatewayEnv
 from test_gateway_upstream import OK, Server, pool
 
 
@@ -287,3 +289,30 @@ async def test_an_answer_s_failure_is_told_by_its_first_cause_not_by_the_close_t
             await resp.readany()
         resp.release()
         await p.close()
+
+
+async def test_a_worker_s_endless_error_body_is_not_read_whole(monkeypatch):
+    """A 5xx answer's body is read only as far as the attempt's reason needs (its first bytes), not whole: a worker
+    answering 500 with a giant body is cut off, the request goes on to fail cleanly."""
+    size = 64 << 20
+    outcome: list[str] = []
+
+    async def generate(self, request):
+        await request.read()
+        resp = web.StreamResponse(status=500, headers={"Content-Type": "text/plain", "Content-Length": str(size)})
+        await resp.prepare(request)
+        try:
+            for _ in range(size // 65536):
+                await resp.write(b"e" * 65536)
+        except ConnectionError:
+            outcome.append("cut off")
+            raise
+        outcome.append("sent whole")
+        return resp
+
+    monkeypatch.setattr(FakeWorker, "generate", generate)
+    async with GatewayEnv(1) as env:
+        status, body = await env.post("/generate", {"text": "hello there"})
+        assert status == 502 and "HTTP 500: eeee" in body["error"]["attempts"][0]
+        await until(lambda: outcome, "the worker is done sending")
+        assert outcome == ["cut off"]

@@ -80,6 +80,9 @@ _PREAMBLE_LIMIT = 65536
 #: Longest a request routed to the target of a copy not pushed yet waits for the push, seconds (a push is a
 #: ``/btb/match`` and a ``/btb/push`` call, milliseconds on loopback or a LAN; a product choice).
 COPY_ACCEPT_WAIT_S = 0.5
+#: Bytes of a worker's 5xx answer kept as the attempt's reason (an entry of the 502's ``attempts``); only about
+#: as much of its body is read, the rest is dropped with the connection.
+_ERROR_DETAIL_BYTES = 200
 #: End-of-answer event of an SSE stream (SGLang and OpenAI), and how many trailing bytes are kept to spot it.
 _DONE_MARK = b"data: [DONE]"
 _DONE_TAIL = 64
@@ -609,7 +612,8 @@ class DataPlane:
             status = resp.status
             if status >= 500:
                 try:
-                    detail = (await _read_within(resp, lim.idle_timeout_s))[:200].decode("utf-8", "replace")
+                    head = await _read_prefix(resp, _ERROR_DETAIL_BYTES, lim.idle_timeout_s)
+                    detail = head[:_ERROR_DETAIL_BYTES].decode("utf-8", "replace")
                 except _UPSTREAM_ERRORS:
                     detail = ""
                 return self._failed(a, f"HTTP {status}" + (f": {detail}" if detail else ""), "error")
@@ -716,6 +720,24 @@ def _close_answer(task: asyncio.Future) -> None:
         res = task.result()
         if isinstance(res, UpstreamResponse):
             res.close()
+
+
+async def _read_prefix(resp: UpstreamResponse, size_bytes: int, timeout_s: float) -> bytes:
+    """The start of ``resp``'s body: at least ``size_bytes`` unless it is shorter (more when more came at once),
+    waiting at most ``timeout_s`` in all; the rest is left unread (releasing the answer then drops its connection).
+
+    Raises:
+        UpstreamError: the connection broke first.
+        asyncio.TimeoutError: ``timeout_s`` passed.
+    """
+
+    async def prefix() -> bytes:
+        out = b""
+        while len(out) < size_bytes and (chunk := await resp.readany()):
+            out += chunk
+        return out
+
+    return await asyncio.wait_for(prefix(), timeout_s)
 
 
 async def _read_within(resp: UpstreamResponse, timeout_s: float) -> bytes:
