@@ -1,6 +1,8 @@
 """The data plane's HTTP/1.1 client to the workers (btbctl.engine.gateway.upstream) against hostile and broken
-workers and racy callers, over real sockets: stale bytes after an answer, connections lost at every phase, heads
-that never end, the pool closed during traffic; no answer reaches another request and the ``limit`` never leaks."""
+workers and racy callers, over real sockets: stray bytes after an answer, connections lost at every phase (as they
+open, idle, as a request leaves on them), heads that never end, bodies cut by a reset, giant error bodies, the pool
+closed during traffic; no answer reaches another request, the ``limit`` never leaks, and a failure is told by its
+first cause."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from aiohttp import web
 
 from btbctl.engine.gateway.dataplane import DataPlane
 from btbctl.engine.gateway.upstream import MAX_HEAD_BYTES, UpstreamError
-from gateway_fakes import FakeWorker, GatewayEnv
+from gateway_fakes import FakeWorker, GatewayEnv, until
 from test_gateway_upstream import OK, Server, pool
 
 
@@ -47,15 +49,6 @@ async def test_a_stray_partial_answer_after_the_answer_never_reaches_the_next_re
         await p.close()
 
 
-async def until(pred, what: str) -> None:
-    """Wait (at most about 2 s of loop turns) until ``pred()``."""
-    for _ in range(400):
-        if pred():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never: {what}")
-
-
 @pytest.mark.timeout(10)  # broken, the loop spins: only pytest-timeout ends it
 async def test_at_the_limit_an_idle_connection_the_worker_closed_is_not_taken_for_a_free_slot():
     """With ``limit`` connections busy, an idle one the worker closed meanwhile is no connection to close for a
@@ -75,7 +68,7 @@ async def test_at_the_limit_an_idle_connection_the_worker_closed_is_not_taken_fo
         resp.release()
         assert p.idle_connections(a.base) == 1
         close_it.set()  # the worker closes its side of the idle connection
-        await until(lambda: p.open_connections == 0, "the pool saw the close")
+        await until(lambda: p.open_connections == 0)
         busy = p.post(b.base, "/generate", b"{}")  # takes the one connection; b never answers
         await b.got_request.wait()
         waiting = p.post(b.base + "/", "/generate", b"{}")  # another target: waits for a slot
@@ -276,7 +269,7 @@ async def test_an_answer_s_failure_is_told_by_its_first_cause_not_by_the_close_t
     async with Server(lambda c, n: half if c == 1 else bad_chunk) as srv:
         p = pool(total_timeout_s=0.05)
         resp = await p.post(srv.base, "/generate", b"{}")
-        await until(lambda: resp._conn.closed, "the total timeout closed the connection")
+        await until(lambda: resp._conn.closed)
         await asyncio.sleep(0)  # and its close came
         assert await resp.readany() == b"half"
         with pytest.raises(asyncio.TimeoutError):
@@ -314,5 +307,5 @@ async def test_a_worker_s_endless_error_body_is_not_read_whole(monkeypatch):
     async with GatewayEnv(1) as env:
         status, body = await env.post("/generate", {"text": "hello there"})
         assert status == 502 and "HTTP 500: eeee" in body["error"]["attempts"][0]
-        await until(lambda: outcome, "the worker is done sending")
+        await until(lambda: outcome)
         assert outcome == ["cut off"]
