@@ -80,6 +80,9 @@ _PREAMBLE_LIMIT = 65536
 #: Longest a request routed to the target of a copy not pushed yet waits for the push, seconds (a push is a
 #: ``/btb/match`` and a ``/btb/push`` call, milliseconds on loopback or a LAN; a product choice).
 COPY_ACCEPT_WAIT_S = 0.5
+#: Bytes of a worker's 5xx answer kept as the attempt's reason (an entry of the 502's ``attempts``); only about
+#: as much of its body is read, the rest is dropped with the connection.
+_ERROR_DETAIL_BYTES = 200
 #: End-of-answer event of an SSE stream (SGLang and OpenAI), and how many trailing bytes are kept to spot it.
 _DONE_MARK = b"data: [DONE]"
 _DONE_TAIL = 64
@@ -463,6 +466,7 @@ class DataPlane:
             await waiter
         except asyncio.CancelledError:
             task.cancel()
+            task.add_done_callback(_close_answer)  # an answer head it has (or gets) is nobody's: closed
             raise
         finally:
             timer.cancel()
@@ -473,10 +477,7 @@ class DataPlane:
         reason = waiter.result()
         task.cancel()
         await asyncio.wait((task,))
-        if not task.cancelled() and task.exception() is None:
-            res = task.result()
-            if isinstance(res, UpstreamResponse):
-                res.close()
+        _close_answer(task)
         if reason is not None:
             raise _Abandoned(reason)
         raise asyncio.TimeoutError(f"no first byte within {self.limits.first_byte_timeout_s:g} s")
@@ -611,7 +612,8 @@ class DataPlane:
             status = resp.status
             if status >= 500:
                 try:
-                    detail = (await _read_within(resp, lim.idle_timeout_s))[:200].decode("utf-8", "replace")
+                    head = await _read_prefix(resp, _ERROR_DETAIL_BYTES, lim.idle_timeout_s)
+                    detail = head[:_ERROR_DETAIL_BYTES].decode("utf-8", "replace")
                 except _UPSTREAM_ERRORS:
                     detail = ""
                 return self._failed(a, f"HTTP {status}" + (f": {detail}" if detail else ""), "error")
@@ -709,6 +711,33 @@ class DataPlane:
             resp.close()  # stop the worker's side of an abandoned or broken stream
         self.life.answered(a, status)
         return out
+
+
+def _close_answer(task: asyncio.Future) -> None:
+    """Close the answer head ``task`` (an upstream request nobody waits for any more) ended with, if any: its
+    connection is dropped instead of held against the pool's limit."""
+    if not task.cancelled() and task.exception() is None:
+        res = task.result()
+        if isinstance(res, UpstreamResponse):
+            res.close()
+
+
+async def _read_prefix(resp: UpstreamResponse, size_bytes: int, timeout_s: float) -> bytes:
+    """The start of ``resp``'s body: at least ``size_bytes`` unless it is shorter (more when more came at once),
+    waiting at most ``timeout_s`` in all; the rest is left unread (releasing the answer then drops its connection).
+
+    Raises:
+        UpstreamError: the connection broke first.
+        asyncio.TimeoutError: ``timeout_s`` passed.
+    """
+
+    async def prefix() -> bytes:
+        out = b""
+        while len(out) < size_bytes and (chunk := await resp.readany()):
+            out += chunk
+        return out
+
+    return await asyncio.wait_for(prefix(), timeout_s)
 
 
 async def _read_within(resp: UpstreamResponse, timeout_s: float) -> bytes:

@@ -11,8 +11,9 @@ tokenization, copies) keeps the shared aiohttp session.
   aborts the connection (its answer can never be read by the next request).
 * A connection goes back to the pool only after its answer was read whole and the worker keeps it alive; the
   most recently used one is reused first, and one idle for more than ``keepalive_timeout_s`` is closed (below
-  uvicorn's default of 5 s, so the gateway, not the worker, closes an idle connection: no request is sent on a
-  connection the worker is closing).
+  uvicorn's default of 5 s, so the gateway, not the worker, closes an idle connection). A request sent on a
+  reused connection that the worker closes before any byte of the answer (it closed it idle as the request left)
+  is sent once more, on a new connection: a worker closing idle connections is not a failed worker.
 * ``limit``: connections open at once over all workers; a request beyond it waits for one to come back or close.
 * Failures are :class:`UpstreamError` (a :class:`ConnectionError`), :class:`asyncio.TimeoutError`, or the
   :class:`OSError` of the connect (its ``errno`` kept: ``EMFILE`` is the gateway's own exhaustion).
@@ -23,15 +24,22 @@ tokenization, copies) keeps the shared aiohttp session.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections import deque
 from urllib.parse import urlsplit
 
 import httptools
 
-#: Longest answer head accepted from a worker, bytes of header names and values (a product bound; SGLang's answers
-#: carry a few hundred); beyond it the connection is dropped and the attempt fails.
+from btbctl.engine.logfmt import log_event
+
+log = logging.getLogger(__name__)
+
+#: Longest answer head accepted from a worker, bytes (status line and headers, informational answers included; a
+#: product bound, SGLang's answers carry a few hundred); beyond it the connection is dropped and the attempt fails.
 MAX_HEAD_BYTES = 65536
+#: Why a request fails once the pool is closed (the gateway stops).
+_CLOSED = "the gateway's upstream pool is closed"
 #: Buffered bytes of an answer past which the worker's socket stops being read (until the buffer is taken).
 _HIGH_WATER_BYTES = 1 << 18
 
@@ -148,7 +156,7 @@ class UpstreamResponse:
         self._wake()
 
     def _fail(self, exc: BaseException) -> None:
-        if not self._eof:
+        if not self._eof and self._exc is None:  # the first cause (the close that follows it says less)
             self._exc = exc
         self._wake()
 
@@ -171,6 +179,8 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
+        self.data = b""  # the request on the way (head and body), kept until its answer's first byte
+        self.requests = 0  # requests sent on this connection
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------------------
 
@@ -181,34 +191,54 @@ class _Connection(asyncio.Protocol):
         if self.head is None:  # bytes on an idle connection: not an answer to anything of ours
             self.abort()
             return
+        self.data = b""  # the worker answers: the request is never sent again
+        heading = self.resp is None
+        if heading:  # counted as they come: the parser keeps a header line whole however long it grows
+            self.head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             cause = e.__context__ if isinstance(e.__context__, UpstreamError) else None
-            self._broken(cause or UpstreamError(f"invalid HTTP answer: {e}"))
+            exc = cause or UpstreamError(f"invalid HTTP answer: {e}")
+            if self.resp is not None and not self.complete:
+                self.resp._fail(exc)
+            self._broken(exc)
+            self.abort()
+            return
+        if heading and self.resp is None and self.head_bytes > MAX_HEAD_BYTES:
+            self._broken(UpstreamError(f"answer head over {MAX_HEAD_BYTES} bytes"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        ours = self.closed  # aborted by the pool or the answer's reader, not ended by the worker
         self.closed = True
         self.pool._lost(self)
         resp = self.resp
         if resp is not None and not self.complete:
-            if self._until_close():  # a body delimited by the connection's end: this is its end
+            if exc is None and not ours and self._until_close():  # a body delimited by the worker's clean close
                 self.complete = True
                 resp._end()
             else:
                 resp._fail(UpstreamError(f"connection closed before the answer's end ({exc or 'EOF'})"))
-        self._broken(UpstreamError(f"connection closed before the answer ({exc or 'EOF'})"))
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        head = self.head
+        if not ours and self.data and self.requests > 1 and head is not None and not head.done():
+            # closed by the worker as it idled, before this request reached it: once more, on a new connection
+            log_event(log, "upstream_resend", logging.DEBUG, worker=self.target.host_header.decode(), error=exc)
+            self.pool._open_new(self.target, self.data, head)
+            self.data = b""
+            return
+        self._broken(UpstreamError(f"connection closed before the answer ({exc or 'EOF'})"))
 
     # -- httptools callbacks ------------------------------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes past the answer's end (a second answer to one request): never any request's
+            raise UpstreamError("bytes after the answer's end")  # out of feed_data: the connection goes
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value)
-        if self.head_bytes > MAX_HEAD_BYTES:
-            raise UpstreamError(f"answer head over {MAX_HEAD_BYTES} bytes")  # out of feed_data: the connection goes
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -240,6 +270,8 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes, head: asyncio.Future[UpstreamResponse], total_s: float | None) -> None:
         """Write one request (head and body in ``data``); its answer's head resolves ``head``."""
         self.head = head
+        self.data = data
+        self.requests += 1
         self.resp = None
         self.headers = {}
         self.head_bytes = 0
@@ -273,6 +305,7 @@ class _Connection(asyncio.Protocol):
 
     def done_with(self, resp: UpstreamResponse) -> None:
         if self.complete and self.keep_alive and not self.closed and self.resp is resp:
+            self.data = b""
             if self.paused:
                 self.resume()
             self.head = None
@@ -379,7 +412,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         head: asyncio.Future[UpstreamResponse] = loop.create_future()
         if self._closed:
-            head.set_exception(UpstreamError("the gateway's upstream pool is closed"))
+            head.set_exception(UpstreamError(_CLOSED))
             return head
         t = self._targets.get(base)
         if t is None:
@@ -389,8 +422,7 @@ class UpstreamPool:
         if conn is not None:
             conn.send(data, head, self.total_timeout_s)
         else:
-            task = loop.create_task(self._open_and_send(t, data, head))
-            head.add_done_callback(lambda h: task.cancel() if h.cancelled() else None)
+            self._open_new(t, data, head)
         return head
 
     async def close(self) -> None:
@@ -404,9 +436,14 @@ class UpstreamPool:
         while self._slots:
             f = self._slots.popleft()
             if not f.done():
-                f.set_exception(UpstreamError("the gateway's upstream pool is closed"))
+                f.set_exception(UpstreamError(_CLOSED))
 
     # -- internals ------------------------------------------------------------------------------------------------
+
+    def _open_new(self, t: _Target, data: bytes, head: asyncio.Future[UpstreamResponse]) -> None:
+        """Send ``data`` to ``t`` on a new connection, within the limit (cancelling ``head`` abandons it)."""
+        task = asyncio.get_running_loop().create_task(self._open_and_send(t, data, head))
+        head.add_done_callback(lambda h: task.cancel() if h.cancelled() else None)
 
     def _take_idle(self, t: _Target, now: float) -> _Connection | None:
         idle = t.idle
@@ -437,6 +474,8 @@ class UpstreamPool:
                     if idle is not None:
                         idle.send(data, head, self.total_timeout_s)
                         return
+            if self._closed:  # closed while this request waited or before its task began
+                raise UpstreamError(_CLOSED)
             self._connecting += 1
             try:
                 _, conn = await asyncio.wait_for(
@@ -459,6 +498,12 @@ class UpstreamPool:
             if not head.done():
                 head.set_exception(e)
             return
+        if conn.closed or self._closed:  # lost as it opened (the loss found no slot to free), or the pool closed
+            conn.abort()
+            self._next_slot()
+            if not head.done():
+                head.set_exception(UpstreamError(_CLOSED if self._closed else "connection closed as it opened"))
+            return
         self._open.add(conn)
         if head.done():  # abandoned while connecting: the connection is the pool's for the next request
             conn.head = None
@@ -467,10 +512,14 @@ class UpstreamPool:
         conn.send(data, head, self.total_timeout_s)
 
     def _close_oldest_idle(self) -> bool:
+        """Close the idle connection unused the longest; False when none is open."""
         oldest: _Connection | None = None
         for t in self._targets.values():
-            if t.idle and (oldest is None or t.idle[0].idle_since < oldest.idle_since):
-                oldest = t.idle[0]
+            idle = t.idle
+            while idle and idle[0].closed:  # the worker closed it while idle: no slot to free there
+                idle.popleft()
+            if idle and (oldest is None or idle[0].idle_since < oldest.idle_since):
+                oldest = idle[0]
         if oldest is None:
             return False
         oldest.abort()
