@@ -226,7 +226,7 @@ class _Connection(asyncio.Protocol):
         head = self.head
         if not ours and self.data and self.requests > 1 and head is not None and not head.done():
             # closed by the worker as it idled, before this request reached it: once more, on a new connection
-            log_event(log, "upstream_resend", logging.DEBUG, worker=self.target.host_header.decode(), error=exc)
+            log_event(log, "upstream_resend", logging.INFO, worker=self.target.host_header.decode(), error=exc)
             self.pool._open_new(self.target, self.data, head)
             self.data = b""
             return
