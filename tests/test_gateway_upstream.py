@@ -62,6 +62,14 @@ class Server:
             writer.close()
 
 
+async def answer(p: UpstreamPool, base: str) -> bytes:
+    """One request through ``p``: its whole answer (its connection back to the pool)."""
+    resp = await p.post(base, "/generate", b"{}")
+    out = await resp.read()
+    resp.release()
+    return out
+
+
 def pool(**kw) -> UpstreamPool:
     return UpstreamPool(**{"limit": 8, "keepalive_timeout_s": 4.0, "connect_timeout_s": 2.0, **kw})
 
@@ -111,9 +119,7 @@ async def test_an_answer_not_read_whole_is_never_reused():
         p = pool()
         resp = await p.post(srv.base, "/generate", b"{}")
         resp.close()
-        resp = await p.post(srv.base, "/generate", b"{}")
-        await resp.read()
-        resp.release()
+        await answer(p, srv.base)
         assert srv.connections == 2
         await p.close()
 
@@ -158,9 +164,7 @@ async def test_a_chunked_stream_arrives_in_order_and_its_end_frees_the_connectio
             got += chunk
         assert got == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" and resp.at_eof()
         resp.release()
-        resp = await p.post(srv.base, "/generate", b"{}")
-        await resp.read()
-        resp.release()
+        await answer(p, srv.base)
         assert srv.connections == 1
         await p.close()
 
@@ -209,13 +213,9 @@ async def test_with_a_limit_of_one_a_second_request_waits_for_the_first_connecti
 async def test_an_idle_connection_past_the_keepalive_timeout_is_closed_not_reused():
     async with Server(lambda c, n: OK) as srv:
         p = pool(keepalive_timeout_s=4.0)
-        resp = await p.post(srv.base, "/generate", b"{}")
-        await resp.read()
-        resp.release()
+        await answer(p, srv.base)
         p._targets[srv.base].idle[0].idle_since -= 5.0  # idle for 5 s by the pool's clock
-        resp = await p.post(srv.base, "/generate", b"{}")
-        await resp.read()
-        resp.release()
+        await answer(p, srv.base)
         assert srv.connections == 2 and p.open_connections == 1
         await p.close()
 
