@@ -28,7 +28,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice, takewhile
-from typing import Any, ClassVar
 
 from btbctl.engine.chains import count_blocks, uncount_blocks
 from btbctl.engine.config import ClusterConfig
@@ -45,8 +44,6 @@ RECENT_TRANSFERS = 200
 #: Block hashes kept in the chain index (parent pointers, to turn a prefix id back into its chain). A product
 #: choice: 2**18 entries are at most about 40 MB and cover 1,000 distinct 256-block prefixes.
 CHAIN_INDEX_BLOCKS = 1 << 18
-#: Roots whose holders a :class:`WorkerIndex` keeps (cleared when full; it lives until a worker changes).
-KEPT_HOLDER_ROOTS = 4096
 #: Smoothing of the per-worker TTFT estimate behind :meth:`FleetState.admission_wait_s` (EWMA weight of a new
 #: sample); a product choice.
 TTFT_EWMA_ALPHA = 0.2
@@ -55,68 +52,6 @@ MEASURE_EWMA_ALPHA = 0.3
 #: Bounds of :attr:`FleetState.prefill_scale` (a CPU test server is about 10^3 slower than the default guess).
 MIN_PREFILL_SCALE = 1e-2
 MAX_PREFILL_SCALE = 1e5
-
-
-#: Fields of a :class:`WorkerState` that other workers' answers read too: ``info`` (the fleet's cost model and prefill
-#: chunk, :attr:`FleetState.cost` / :attr:`FleetState.chunk_tokens`).
-FLEET_WIDE_FIELDS = frozenset({"info"})
-#: Fields of a :class:`WorkerState` that the answers of the workers without a TTFT of their own read
-#: (:meth:`FleetState.ttft_estimate_s`: the mean of the healthy workers').
-TTFT_FIELDS = frozenset({"ttft_ewma_s", "healthy"})
-
-
-class Stamps:
-    """Change stamps of a :class:`FleetState`, so that a policy can keep what it priced from the fleet state
-    between routing decisions (the view's ``stamps()``, :class:`~btbctl.engine.policies.base.CostView`).
-
-    Every change takes the next value of one counter (:attr:`tick`, strictly increasing). ``worker[r]`` is the tick
-    of the latest change of anything the view's answers about worker ``r`` read (its own fields and records, the
-    copies in flight from or to it, and, while it has no TTFT of its own, the other workers' TTFT and health);
-    :attr:`fleet` that of anything every worker's answers read (the page size, the cost model and its calibration,
-    the copy executor's rules, the measured copy figures, any worker's ``/btb/info``). The writers cannot forget:
-    :class:`WorkerState`, :class:`Transfer` and :class:`FleetState` stamp every attribute they are given
-    (``__setattr__``), and the in-place changes of their records go through methods that do. The passage of time
-    is not a change: an answer that reads the clock (a copy's measured rate) is the reader's to leave unkept.
-
-    Attributes:
-        tick: the latest stamp (0: nothing changed yet).
-        worker: per worker, the stamp of its latest change (read it; never write it).
-        fleet: the stamp of the latest fleet-wide change.
-    """
-
-    __slots__ = ("tick", "worker", "fleet", "_workers")
-
-    def __init__(self, workers: Sequence[WorkerState]) -> None:
-        self.tick = 0
-        self.worker = [0] * len(workers)
-        self.fleet = 0
-        self._workers = workers
-
-    def worker_changed(self, index: int, name: str) -> None:
-        """Field ``name`` of worker ``index`` was written."""
-        self.tick += 1
-        t = self.tick
-        if 0 <= index < len(self.worker):
-            self.worker[index] = t
-        if name in FLEET_WIDE_FIELDS:
-            self.fleet = t
-        elif name in TTFT_FIELDS:
-            for w in self._workers:
-                if w.ttft_ewma_s is None:
-                    self.worker[w.index] = t
-
-    def copy_changed(self, source: int, target: int) -> None:
-        """A copy from ``source`` to ``target`` started, progressed or ended."""
-        self.tick += 1
-        n = len(self.worker)
-        for r in (source, target):
-            if 0 <= r < n:
-                self.worker[r] = self.tick
-
-    def fleet_changed(self) -> None:
-        """Something every worker's answers read changed."""
-        self.tick += 1
-        self.fleet = self.tick
 
 
 class Clock:
@@ -222,14 +157,6 @@ class WorkerState:
     reshaped: int = 0
     """Bumped by every change of :attr:`version` except a request with a chain joining the end of the in-flight
     prefills (:meth:`start_prefill`): while it stands, the queue estimate extends by the requests sent since."""
-    stamps: ClassVar[Stamps | None] = None
-    """The fleet's :class:`Stamps` (set per worker by its :class:`FleetState`; None: a worker on its own)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        stamps = self.stamps
-        if stamps is not None:
-            stamps.worker_changed(self.index, name)
 
     def kv_tokens_of(self, kv_tokens: int) -> int:
         """What a request of ``kv_tokens`` (prompt + requested output) can take of this worker's KV: at most all of
@@ -355,13 +282,9 @@ class WorkerState:
 
     def add_pending(self, chain: Sequence[Hashable]) -> None:
         count_blocks(self.pending, chain)
-        if self.stamps is not None:
-            self.stamps.worker_changed(self.index, "pending")
 
     def drop_pending(self, chain: Sequence[Hashable]) -> None:
         uncount_blocks(self.pending, chain)
-        if self.stamps is not None:
-            self.stamps.worker_changed(self.index, "pending")
 
     def drop_blocks(self, keys: Iterable[Hashable]) -> None:
         """Remove ``keys`` from the record (its KV events said they left the cache; SGLang evicts leaves, so the
@@ -476,14 +399,6 @@ class Transfer:
     hot_key: str = ""
     copied_tokens: int | None = None
     ordered_by: str | None = None
-    stamps: ClassVar[Stamps | None] = None
-    """The fleet's :class:`Stamps` once a :class:`TransferTable` with stamps holds it (None before)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-        stamps = self.stamps
-        if stamps is not None:
-            stamps.copy_changed(self.source, self.target)
 
     @property
     def hot_id(self) -> str:
@@ -536,9 +451,7 @@ class Transfer:
 class TransferTable:
     """Copies in flight (indexed by ``(target, prefix key)``) and the most recent finished ones."""
 
-    def __init__(self, recent: int = RECENT_TRANSFERS, stamps: Stamps | None = None) -> None:
-        #: the fleet's change stamps (:class:`Stamps`): a copy's start, progress and end stamp its two workers
-        self.stamps = stamps
+    def __init__(self, recent: int = RECENT_TRANSFERS) -> None:
         self.by_id: dict[str, Transfer] = {}
         self.active: dict[tuple[int, Hashable], Transfer] = {}
         #: the active copies by target (``depth_to`` runs per worker on every routing decision)
@@ -569,9 +482,6 @@ class TransferTable:
                     del self._roots[t.chain[0]]
 
     def add(self, t: Transfer) -> None:
-        if self.stamps is not None:
-            object.__setattr__(t, "stamps", self.stamps)  # its later changes stamp its workers
-            self.stamps.copy_changed(t.source, t.target)
         self.by_id[t.copy_id] = t
         old = self.active.get((t.target, t.key))
         if old is not None:
@@ -584,8 +494,6 @@ class TransferTable:
     def finish(self, t: Transfer) -> None:
         """Move ``t`` (already ``done`` or ``failed``) to the recent list."""
         self.version += 1
-        if self.stamps is not None:
-            self.stamps.copy_changed(t.source, t.target)
         if self.active.get((t.target, t.key)) is t:
             del self.active[(t.target, t.key)]
             self._count(t, -1)
@@ -669,8 +577,6 @@ class CopyMeasures:
     path_bytes_per_s: dict[tuple[str, str], float] = field(default_factory=dict)
     proof_s: float | None = None
     page_bytes: float | None = None
-    stamps: Stamps | None = field(default=None, repr=False, compare=False)
-    """The fleet's :class:`Stamps`: every new measure is a fleet-wide change (None: none kept)."""
 
     @staticmethod
     def _mix(old: float | None, new: float) -> float:
@@ -682,14 +588,10 @@ class CopyMeasures:
             self.path_bytes_per_s[path] = self._mix(self.path_bytes_per_s.get(path), nbytes / send_s)
         if nbytes > 0 and pages > 0:
             self.page_bytes = self._mix(self.page_bytes, nbytes / pages)
-        if self.stamps is not None:
-            self.stamps.fleet_changed()
 
     def proved(self, seconds: float) -> None:
         if math.isfinite(seconds):
             self.proof_s = self._mix(self.proof_s, max(0.0, seconds))
-        if self.stamps is not None:
-            self.stamps.fleet_changed()
 
 
 class ChainIndex:
@@ -791,12 +693,9 @@ class WorkerIndex:
       unless it is every worker with load 0 (so a worker left out of it has a higher load).
     * :meth:`holders`: the workers whose record holds a chain's root, or computes it, or that receive a copy of a
       chain starting with it (a superset of those where :meth:`FleetState.planned_blocks` can be > 0).
-
-    It reads only the workers (and the copies, which stamp theirs), so it stands while no worker's stamp moves
-    (:attr:`Stamps.tick`): the fleet state gives the same index, with the holders it found, until then.
     """
 
-    __slots__ = ("_state", "idle", "idle_order", "_holders")
+    __slots__ = ("_state", "idle", "idle_order")
 
     def __init__(self, state: FleetState) -> None:
         self._state = state
@@ -812,19 +711,9 @@ class WorkerIndex:
         #: worker for an idle one only when the busy one loses a tie on load)
         self.idle_order: list[int] = idle
         self.idle: frozenset[int] = frozenset(self.idle_order)
-        self._holders: dict[Hashable, list[int]] = {}  # root -> holders (read by every decision on it)
 
     def holders(self, root: Hashable) -> list[int]:
-        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers) the first time per
-        root; the list is kept with the index: read it, never change it)."""
-        out = self._holders.get(root)
-        if out is None:
-            if len(self._holders) >= KEPT_HOLDER_ROOTS:
-                self._holders.clear()
-            out = self._holders[root] = self._find_holders(root)
-        return out
-
-    def _find_holders(self, root: Hashable) -> list[int]:
+        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers))."""
         out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
         more = self._state.transfers.targets_of(root)
         if more and not set(out).issuperset(more):
@@ -850,16 +739,11 @@ class FleetState:
 
     def __init__(self, urls: Iterable[str], clock: Clock | None = None, names: Sequence[str] | None = None) -> None:
         urls = list(urls)
-        workers = [WorkerState(i, u.rstrip("/"), names[i] if names else f"w{i}") for i, u in enumerate(urls)]
-        #: change stamps of everything the policies read here (:class:`Stamps`, :meth:`change_stamps`)
-        self.stamps = Stamps(workers)
-        for w in workers:
-            object.__setattr__(w, "stamps", self.stamps)
-        self.workers = workers
+        self.workers = [WorkerState(i, u.rstrip("/"), names[i] if names else f"w{i}") for i, u in enumerate(urls)]
         #: worker URL (as in :attr:`workers`) -> its index
         self.index_of_url: dict[str, int] = {w.url: w.index for w in self.workers}
         self.clock = clock or Clock()
-        self.transfers = TransferTable(stamps=self.stamps)
+        self.transfers = TransferTable()
         self.ttft = TtftSeries()
         self.chains = ChainIndex()
         self.page_size = 256
@@ -867,7 +751,7 @@ class FleetState:
         #: rule below.
         self.copy_capable: Callable[[int], bool] | None = None
         #: ``l3``: what the copies measured (agent-to-agent rates, proof time), read by :meth:`copy_status`
-        self.copy_measures = CopyMeasures(stamps=self.stamps)
+        self.copy_measures = CopyMeasures()
         #: Set by the gateway to its copy executor's ``after_s`` (seconds from a copy's last byte at the target to
         #: the target serving it); None: 0, the push rule (blocks land in the target's KV cache).
         self.copy_after: Callable[[int, int], float] | None = None
@@ -878,24 +762,9 @@ class FleetState:
         self._cost_guessed = False
         self._scaled: tuple | None = None
         self._queues: dict[int, _Queue] = {}  # replica -> its queued prefill (see _queue)
-        # [the route index, the tick it was read at] (items written: an attribute would stamp the fleet)
-        self._kept_index: list = [None, -1]
         #: how long a sign of life keeps a worker from counting as dead, seconds (the gateway's
         #: ``progress_window_s``; see :meth:`WorkerState.alive`)
         self.progress_window_s = 6.0
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        """Every attribute given (the page size, the copy executor's rules, the calibration, the cost model) is a
-        fleet-wide change (:class:`Stamps`)."""
-        object.__setattr__(self, name, value)
-        stamps = self.__dict__.get("stamps")
-        if stamps is not None:
-            stamps.fleet_changed()
-
-    def change_stamps(self) -> Stamps:
-        """The change stamps of this view's answers (:class:`Stamps`; the policies' optional
-        ``change_stamps``, :func:`~btbctl.engine.policies.base.change_stamps`)."""
-        return self.stamps
 
     def alive(self, w: WorkerState) -> bool:
         """Whether ``w`` showed a sign of life within :attr:`progress_window_s`."""
@@ -929,13 +798,8 @@ class FleetState:
         return self.workers[replica].inflight
 
     def route_index(self) -> WorkerIndex:
-        """The fleet-wide lookups that let a policy skip workers (:class:`WorkerIndex`, read now; the same object while
-        no worker changed since, :attr:`Stamps.tick`)."""
-        kept = self._kept_index
-        tick = self.stamps.tick
-        if kept[0] is None or kept[1] != tick:
-            kept[0], kept[1] = WorkerIndex(self), tick
-        return kept[0]
+        """The fleet-wide lookups that let a policy skip workers (:class:`WorkerIndex`, read now)."""
+        return WorkerIndex(self)
 
     def cached_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         w = self.workers[replica]

@@ -178,29 +178,6 @@ def route_index(view: FleetView) -> RouteIndex | None:
     return get() if get is not None else None
 
 
-class ChangeStamps(Protocol):
-    """Change stamps a view may offer (``view.change_stamps()``, optional: a view without the method, or one
-    returning None, offers none) so that a policy can keep what it priced from the view between routing decisions.
-    Stamps only grow; a policy compares them for equality with the ones it read when it priced."""
-
-    @property
-    def worker(self) -> Sequence[int]:
-        """Per replica: changes whenever any answer of the view about that replica may change, except through the
-        passage of time (an answer that reads a clock, such as a copy's measured rate, is never kept)."""
-        ...
-
-    @property
-    def fleet(self) -> int:
-        """Changes whenever the view's answers about every replica may change (cost model, block size, ...)."""
-        ...
-
-
-def change_stamps(view: FleetView) -> ChangeStamps | None:
-    """The view's :class:`ChangeStamps`, or None when it offers none."""
-    get = getattr(view, "change_stamps", None)
-    return get() if get is not None else None
-
-
 #: The view a policy reads: :class:`FleetView`, or :class:`CostView` for a policy that sets ``needs_cost_view``
 #: (contravariant: a policy that reads a FleetView can be given any richer view).
 ViewT = TypeVar("ViewT", bound=FleetView, contravariant=True)
@@ -227,10 +204,6 @@ class ExcludingView:
 
     def route_index(self) -> None:
         """None: the inner view's index knows nothing of the excluded replicas."""
-        return None
-
-    def change_stamps(self) -> None:
-        """None: the inner view's stamps do not cover the exclusion."""
         return None
 
     def load(self, replica: int) -> int:
@@ -370,14 +343,4 @@ def least_loaded(view: FleetView, candidates: Sequence[int], rng: random.Random 
     return rng.choice(tied)
 
 
-__all__ = [
-    "ChangeStamps",
-    "CopyRefusals",
-    "CostView",
-    "ExcludingView",
-    "FleetView",
-    "Policy",
-    "Route",
-    "ViewT",
-    "least_loaded",
-]
+__all__ = ["CopyRefusals", "CostView", "ExcludingView", "FleetView", "Policy", "Route", "ViewT", "least_loaded"]

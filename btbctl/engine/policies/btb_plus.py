@@ -96,16 +96,7 @@ from btbctl.engine.constants import BtbConstants
 from btbctl.engine.copies import CopyPlan, CopyStatus
 from btbctl.engine.costmodel import ReplicaCost
 from btbctl.engine.detector import BurstDetector, Detection
-from btbctl.engine.policies.base import (
-    ChangeStamps,
-    CopyRefusals,
-    CostView,
-    Policy,
-    Route,
-    RouteIndex,
-    change_stamps,
-    route_index,
-)
+from btbctl.engine.policies.base import CopyRefusals, CostView, Policy, Route, RouteIndex, route_index
 from btbctl.engine.trace.model import Request
 
 #: Seconds of arrivals behind the recent arrival rate of rule 5 (a product choice: long against one request's time to
@@ -121,9 +112,6 @@ RATE_SLOTS = 60
 PACE_HORIZON_S = 0.1
 #: Prompt shapes whose prefill time :meth:`BtbPlus.prefill_s` remembers (cleared when full).
 PREFILL_MEMO = 4096
-
-#: Marks a price that read the time (a copy's measured rate, a landing this policy expects at a moment): not kept.
-_TIMED = -1
 
 #: Groups of a replica's waiting requests that wait for a hot prefix not there yet:
 #: (seconds until it is there, requests, seconds of their prefill, prefix key, seconds of grace).
@@ -143,47 +131,6 @@ class _LazyGroups(dict[int, "_Groups"]):
         g: _Groups = self._policy.blocked_groups(self._view, replica, self._now_s, waiting) if waiting else []
         self[replica] = g
         return g
-
-
-class _Price:
-    """Rule 5's estimate of one request shape on one replica with nobody waiting there for a hot prefix
-    (:meth:`BtbPlus._estimates`), kept with what it read: ``est`` (expected TTFT, harm, start; seconds), ``there``
-    (the chain's planned blocks there), ``deps`` (``(replica, its change stamp)`` of each replica read), ``fleet``
-    (the view's fleet stamp), ``cost`` (the cost model object) and ``state`` (the policy's ``_state_stamp``)."""
-
-    __slots__ = ("est", "there", "deps", "fleet", "cost", "state")
-
-    def __init__(
-        self,
-        est: tuple[float, float, float],
-        there: int,
-        deps: tuple[tuple[int, int], ...],
-        fleet: int,
-        cost: ReplicaCost,
-        state: int,
-    ) -> None:
-        self.est, self.there, self.deps, self.fleet, self.cost, self.state = est, there, deps, fleet, cost, state
-
-
-class _Landings:
-    """Rule 4's checks of copy targets (:meth:`BtbPlus._landings`), kept with what they read: ``ready`` (``(seconds
-    until the copy would land, target)`` of the targets it pays for), the counts of targets it does not pay for
-    (``not_paying``) and without room (``no_room``), the view's ``fleet`` stamp, the ``cost`` model object and the
-    targets' stamps (``marks``, in the targets' order)."""
-
-    __slots__ = ("ready", "not_paying", "no_room", "fleet", "cost", "marks")
-
-    def __init__(
-        self,
-        ready: tuple[tuple[float, int], ...],
-        not_paying: int,
-        no_room: int,
-        fleet: int,
-        cost: ReplicaCost,
-        marks: tuple[int, ...],
-    ) -> None:
-        self.ready, self.not_paying, self.no_room = ready, not_paying, no_room
-        self.fleet, self.cost, self.marks = fleet, cost, marks
 
 
 class _Without(Sequence[int]):
@@ -284,9 +231,6 @@ class BtbPlus(Policy[CostView]):
     #: Whether :meth:`_warm` skips pricing copy targets when none can beat the covered replicas (exact: the same
     #: plans; off only to check that).
     prune_backlog_pricing = True
-    #: Whether :meth:`_estimates` keeps rule 5's estimates between decisions under a view's change stamps (exact:
-    #: the same decisions; off only to check that).
-    keep_prices = True
     summary = (
         "BTB+: deepest hot prefix, copies sized by arrival rate and checked against recompute, expected-TTFT routing"
     )
@@ -312,17 +256,6 @@ class BtbPlus(Policy[CostView]):
         self._depths_memo: dict[tuple[int, int], list[int]] = {}
         # (replica, pace) -> the Route of a decision without copies (frozen: one object serves every such decision)
         self._routes: dict[tuple[int, int], Route] = {}
-        # (replica, chain's last block, chain blocks, input tokens, output tokens) -> _Price: rule 5's estimate of a
-        # request shape on a replica, kept while the view's change stamps it read and ``_state_stamp`` stand
-        self._prices: dict[tuple[int, tuple[Hashable, int, int, int]], _Price] = {}
-        # (prefix key, Y, source NIC copies, source's prefill left, targets) -> _landings' answer, its counts and the
-        # fleet stamp, cost model and targets' stamps it was read under
-        self._kept_landings: dict[tuple[Hashable, int, int, float, tuple[int, ...]], _Landings] = {}
-        # (prefix key, Y, replicas wanted) -> (the replicas that may hold it, their stamps) when they covered it
-        # (:meth:`_warm`)
-        self._kept_cover: dict[tuple[Hashable, int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        # bumped whenever ``_prefixes`` or ``_ready_at`` change as a kept price could have read them (:meth:`_remember`)
-        self._state_stamp = 0
         self._stats = {
             "fires": 0,
             "copies_requested": 0,
@@ -346,9 +279,6 @@ class BtbPlus(Policy[CostView]):
         Z keeps it (see :meth:`BurstDetector.set_constants`); M applies at once."""
         old_y = self.constants.prefix_blocks
         super().set_constants(constants)
-        self._prices.clear()  # keyed under the depths of the old Y
-        self._kept_landings.clear()
-        self._kept_cover.clear()
         if constants.prefix_blocks != old_y:
             self._levels.clear()
             self._hot_since.clear()
@@ -389,16 +319,10 @@ class BtbPlus(Policy[CostView]):
         return v
 
     def _remember(self, memo: OrderedDict[_K, _V], key: _K, value: _V) -> None:
-        # An input of the kept prices changes (``_state_stamp``): a prefix's chain, new or another or forgotten; an
-        # expected landing where none was (a price that read one read the time, so it was not kept).
-        if (memo is self._prefixes and memo.get(key) != value) or (memo is self._ready_at and key not in memo):
-            self._state_stamp += 1
         memo[key] = value
         memo.move_to_end(key)
         while len(memo) > self.max_tracked:
             memo.popitem(last=False)
-            if memo is self._prefixes:
-                self._state_stamp += 1
 
     # -- rule 1: the deepest hot prefix -----------------------------------------------------------------------
 
@@ -451,15 +375,10 @@ class BtbPlus(Policy[CostView]):
 
     # -- rule 5: when copies land, expected TTFT --------------------------------------------------------------
 
-    def source_ready_s(
-        self, view: CostView, source: int, key: Hashable, now_s: float, deps: list[int] | None = None
-    ) -> float:
+    def source_ready_s(self, view: CostView, source: int, key: Hashable, now_s: float) -> float:
         """Seconds until ``source`` holds the prefix whose last block is ``key``: 0 when it does; the prefill of the
         blocks it lacks while it computes them; when a request queued there will compute them, the time this policy
-        expected when it sent that request (if still ahead), else the source's queued prefill plus that prefill.
-        ``deps``: receives ``source`` (the answer reads it) and :data:`_TIMED` when the answer reads ``now_s``."""
-        if deps is not None:
-            deps.append(source)
+        expected when it sent that request (if still ahead), else the source's queued prefill plus that prefill."""
         chain = self._prefixes.get(key)
         rest = 0.0
         if chain is not None:
@@ -472,26 +391,15 @@ class BtbPlus(Policy[CostView]):
             if view.pending_blocks(source, chain) >= n:
                 return rest
         at = self._ready_at.get((source, key))
-        if at is not None:
-            if deps is not None:
-                deps.append(_TIMED)
-            if at > now_s:
-                return at - now_s
+        if at is not None and at > now_s:
+            return at - now_s
         return view.queued_prefill_s(source) + rest
 
-    def copy_lands_s(
-        self, view: CostView, status: CopyStatus, key: Hashable, now_s: float, deps: list[int] | None = None
-    ) -> float:
+    def copy_lands_s(self, view: CostView, status: CopyStatus, key: Hashable, now_s: float) -> float:
         """Seconds until the copy described by ``status`` (of the prefix whose last block is ``key``) has landed and
         the target can use it: remaining bytes at its rate; while it trails the source's compute, the later of
         :meth:`source_ready_s` and the remaining bytes at the path's measured rate (else a fair share of the
-        source's NIC); plus the copy's ``after_s`` (an ``l3`` copy's proof). ``deps``: as :meth:`source_ready_s`'s
-        (a rate measured as bytes sent over the time since sending started, which the status gives once every block
-        is available and bytes went, counts as reading the time, also while it reads 0)."""
-        if deps is not None and (
-            status.rate_bytes_per_s > 0 or (status.sent_bytes > 0 and status.available_bytes >= status.total_bytes)
-        ):
-            deps.append(_TIMED)
+        source's NIC); plus the copy's ``after_s`` (an ``l3`` copy's proof)."""
         left = max(0.0, status.total_bytes - status.sent_bytes)
         if status.available_bytes >= status.total_bytes and status.rate_bytes_per_s > 0:
             return left / status.rate_bytes_per_s + status.after_s
@@ -500,9 +408,7 @@ class BtbPlus(Policy[CostView]):
             or status.path_bytes_per_s
             or view.cost.nic_bytes_per_s / max(1, view.nic_copies(status.source))
         )
-        if deps is not None:
-            deps.append(status.source)  # its NIC's copies
-        return max(left / share, self.source_ready_s(view, status.source, key, now_s, deps)) + status.after_s
+        return max(left / share, self.source_ready_s(view, status.source, key, now_s)) + status.after_s
 
     def blocked_groups(
         self, view: CostView, replica: int, now_s: float, waiting: list[tuple[Hashable, int, float]] | None = None
@@ -540,11 +446,10 @@ class BtbPlus(Policy[CostView]):
         there: int,
         depths: Sequence[int],
         now_s: float,
-        deps: list[int] | None = None,
     ) -> float:
         """Seconds until the copies towards ``replica`` of the leading ``depths`` of ``chain`` (up to ``there``
         blocks, those planned there) have landed (:meth:`copy_lands_s`); 0 when ``replica`` holds them already or
-        none is on its way. ``deps``: as :meth:`copy_lands_s`'s."""
+        none is on its way."""
         ready = 0.0
         if there > view.cached_blocks(replica, chain):
             n = len(chain)
@@ -552,7 +457,7 @@ class BtbPlus(Policy[CostView]):
                 if d <= there:
                     st = view.copy_status(replica, chain if d == n else chain[:d])
                     if st is not None:
-                        ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s, deps))
+                        ready = max(ready, self.copy_lands_s(view, st, chain[d - 1], now_s))
         return ready
 
     def estimate(
@@ -624,20 +529,13 @@ class BtbPlus(Policy[CostView]):
         own0: float,
         reuses: bool = True,
         planned_out: dict[int, int] | None = None,
-        stamps: ChangeStamps | None = None,
     ) -> None:
         """:meth:`estimate` of ``req`` on each of ``replicas`` into ``out``, the same floats, with the common case
         inlined: on a replica where the request reuses nothing (no block of its chain planned there) and nobody
         waits for a hot prefix, the estimate is the queue plus the cold prefill, which is the same on all such
         replicas (``own0``: the cold prefill, :meth:`_cold_prefill_s`). ``reuses`` False: none of ``replicas`` plans a
         block of the chain (outside the route index's holders), so that is not asked. ``planned_out``: receives the
-        ``view.planned_blocks`` of the chain read on each replica (not on one where requests wait for a prefix).
-
-        ``stamps``: the view's :class:`~btbctl.engine.policies.base.ChangeStamps` (None: none). With them, an
-        estimate where nobody waits for a hot prefix is kept (:class:`_Price`) and given again for the same request
-        shape (chain, input and output tokens) while the stamps of the replicas it read (the replica, and a copy's
-        source), the fleet stamp, the cost model and the policy's own inputs stand; one that read the time is not
-        kept."""
+        ``view.planned_blocks`` of the chain read on each replica (not on one where requests wait for a prefix)."""
         chain = req.block_hashes
         inp = req.input_tokens
         out_tokens = req.output_tokens
@@ -646,32 +544,7 @@ class BtbPlus(Policy[CostView]):
         planned, queued, admission = view.planned_blocks, view.queued_prefill_s, view.admission_wait_s
         bt = view.block_tokens
         cost = view.cost
-        keep = stamps is not None and reuses and bool(chain)
-        if keep:
-            assert stamps is not None
-            prices = self._prices
-            marks, fleet, state = stamps.worker, stamps.fleet, self._state_stamp
-            shape = (chain[-1], len(chain), inp, out_tokens)
         for r in replicas:
-            if keep:
-                key = (r, shape)
-                p = prices.get(key)
-                if p is not None and p.fleet == fleet and p.cost is cost and p.state == state:
-                    for d, m in p.deps:
-                        if marks[d] != m:
-                            break
-                    else:
-                        # kept where nobody waited for a hot prefix; that stands with the replica's stamp and the
-                        # policy's (its waiting requests, the prefixes known hot)
-                        if r not in groups:
-                            groups[r] = []
-                        out[r] = p.est
-                        if planned_out is not None:
-                            planned_out[r] = p.there
-                        continue
-                deps: list[int] | None = [r]
-            else:
-                deps = None
             g = groups[r]
             if g:
                 out[r] = self.estimate(view, r, req, now_s, depths, g)
@@ -681,20 +554,15 @@ class BtbPlus(Policy[CostView]):
                 planned_out[r] = there
             if there:
                 # estimate() with nobody waiting for a hot prefix here, inlined (the same operations)
-                ready = self._copies_land_s(view, r, chain, there, depths, now_s, deps) if depths else 0.0
+                ready = self._copies_land_s(view, r, chain, there, depths, now_s) if depths else 0.0
                 have = min(there * bt, inp - 1)
                 own = self.prefill_s(cost, inp - have, have)
                 wait = queued(r) + admission(r, inp - have + out_tokens)
                 start = max(max(0.0, wait), ready)
-                est = (start + own, 0.0, start)
+                out[r] = (start + own, 0.0, start)
             else:
                 wait = queued(r) + admission(r, kv_tokens - have0)
-                est = (wait + own0, 0.0, wait)
-            out[r] = est
-            if deps is not None and _TIMED not in deps:
-                if len(prices) >= PREFILL_MEMO:
-                    prices.clear()
-                prices[key] = _Price(est, there, tuple((d, marks[d]) for d in set(deps)), fleet, cost, state)
+                out[r] = (wait + own0, 0.0, wait)
 
     def _cold_prefill_s(self, view: CostView, req: Request) -> float:
         """:meth:`estimate`'s ``own`` on a replica holding nothing of ``req``'s chain, seconds."""
@@ -745,15 +613,12 @@ class BtbPlus(Policy[CostView]):
         holders: Collection[int] = range(n) if index is None else (index.holders(chain[0]) if chain else ())
         own0 = self._cold_prefill_s(view, req)
         planned_of: dict[int, int] = {}  # planned blocks of the chain read while pricing
-        stamps = change_stamps(view) if self.keep_prices else None
         if holders:
-            self._estimates(
-                view, req, now_s, depths, groups, holders, ests, own0, planned_out=planned_of, stamps=stamps
-            )
+            self._estimates(view, req, now_s, depths, groups, holders, ests, own0, planned_out=planned_of)
         plan = None
         if hot is not None:
             det, since = hot
-            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index, holders, stamps)
+            plan = self._warm(req, det, since, view, now_s, ests, groups, depths, index, holders)
         self.arrivals.add(now_s)
         per_replica = self.arrivals.per_s(now_s) / n  # requests/s per replica, recent
         quiet: Sequence[int] = ()
@@ -934,15 +799,12 @@ class BtbPlus(Policy[CostView]):
         depths: Sequence[int],
         index: RouteIndex | None = None,
         near: Collection[int] | None = None,
-        stamps: ChangeStamps | None = None,
     ) -> CopyPlan | None:
         """The plan topping up copies of ``det.prefix`` (rules 2-4), or None. Targets it picks are priced as if
         their copies start (``ests`` updated with the copy's landing time); the targets it did not pick follow as
         fallbacks the executor tries when it refuses a picked one. ``index``: the view's route index (replicas
         outside its holders of the prefix's root hold, receive and plan none of it; its idle ones queue nothing),
-        None to look at every replica; ``near``: its holders of the prefix's root when already read; ``stamps``: the
-        view's change stamps (whether the prefix is covered, and :meth:`_landings`' answer, are kept under them), None:
-        none."""
+        None to look at every replica; ``near``: its holders of the prefix's root when already read."""
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
@@ -965,18 +827,6 @@ class BtbPlus(Policy[CostView]):
         accepts = view.accepts_copies
         refused = self.refusals.refused if self.refusals else None
         has_copy = view.has_copy
-        # Whether the replicas that may hold, receive or plan the prefix cover it depends only on each of them (what it
-        # holds, receives, plans): kept under their stamps
-        cover_key = (prefix[-1], y, cap)
-        if stamps is not None and index is not None:
-            kept_cover = self._kept_cover.get(cover_key)
-            if kept_cover is not None and kept_cover[0] == tuple(near):
-                marks = stamps.worker
-                for r, m in zip(kept_cover[0], kept_cover[1], strict=True):
-                    if marks[r] != m:
-                        break
-                else:
-                    return None  # covered, as when kept
         # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
         # the fleet is not looked at; the others can only be free targets.
         for r in near if index is None else sorted(near):
@@ -994,11 +844,6 @@ class BtbPlus(Policy[CostView]):
             else:
                 continue
             if len(covered) >= cap:
-                if stamps is not None and index is not None:
-                    if len(self._kept_cover) >= PREFILL_MEMO:
-                        self._kept_cover.clear()
-                    kept_near = tuple(near)
-                    self._kept_cover[cover_key] = (kept_near, tuple(stamps.worker[q] for q in kept_near))
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
         if index is not None:
             near = near if isinstance(near, (set, frozenset, range)) else set(near)  # membership, per replica below
@@ -1021,14 +866,39 @@ class BtbPlus(Policy[CostView]):
         else:
             self._stats["no_source"] += 1
             return None
+        kv = cost.model.kv_bytes_per_token
         src_nic = view.nic_copies(source)
         picked: list[int] = []
         options: list[tuple[float, int, int, tuple[float, float, float]]] = []
         prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
+        nic_bps = cost.nic_bytes_per_s
+        cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
+        queued, copy_after = view.queued_prefill_s, view.copy_after_s
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
-            ready = self._landings(view, prefix, free, src_nic, src_left, near, idle, prefills, stamps)
+            ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
+            for t in free:
+                t_have = cached(t, prefix) if t in near else 0
+                send = y - t_have
+                share = nic_bps / (1 + max(src_nic, nic_copies(t)))
+                transfer = send * bt * kv / share
+                prefill_s = prefills.get(t_have)
+                if prefill_s is None:
+                    prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
+                recompute = (0.0 if t in idle else queued(t)) + prefill_s
+                # A copy whose blocks land in the target's cache as they arrive (after 0) trails the source and
+                # lands when it finishes, no later than a recompute started now; one with steps after its bytes
+                # (l3: write-through, proof) must also land before that recompute would be done.
+                after = copy_after(t, send)
+                lands = max(transfer, src_left) + after
+                if not (transfer < recompute and (after <= 0 or lands < recompute)):
+                    self._stats["copy_not_paying"] += 1
+                    continue
+                if headroom(t) < send * bt:
+                    self._stats["copy_no_room"] += 1
+                    continue
+                ready.append((lands, t))
             if not ready:
                 break
             if not by_rate and not picked and self.prune_backlog_pricing:
@@ -1060,82 +930,6 @@ class BtbPlus(Policy[CostView]):
             return None
         fallbacks = tuple(o[2] for o in options if o[2] not in picked)
         return CopyPlan(prefix, source, tuple(picked) + fallbacks, len(picked), since)
-
-    def _landings(
-        self,
-        view: CostView,
-        prefix: tuple[Hashable, ...],
-        free: Sequence[int],
-        src_nic: int,
-        src_left: float,
-        near: Collection[int],
-        idle: Collection[int],
-        prefills: dict[int, float],
-        stamps: ChangeStamps | None,
-    ) -> Sequence[tuple[float, int]]:
-        """Rule 4's break-even and headroom checks of a copy of ``prefix`` to each of ``free`` from a source with
-        ``src_nic`` copies on its NIC and ``src_left`` seconds of prefill of it left: ``(seconds until the copy
-        would land, target)`` of the targets it pays for, in ``free``'s order (the others counted in
-        ``copy_not_paying`` / ``copy_no_room``). ``near``: the replicas that may hold some of it (none of the others
-        does); ``idle``: replicas known to queue nothing (route index);
-        ``prefills``: blocks a target holds -> seconds to compute the rest of the prefix there (filled here).
-
-        With the view's ``stamps`` the answer is kept (with its counts) for the same prefix, targets, ``src_nic``
-        and ``src_left`` while the targets' stamps, the fleet stamp and the cost model stand: it reads nothing else
-        of the view (the time only through ``src_left``)."""
-        y = len(prefix)
-        cost = view.cost
-        key = (prefix[-1], y, src_nic, src_left, tuple(free))
-        if stamps is not None:
-            marks = stamps.worker
-            kept = self._kept_landings.get(key)
-            if (
-                kept is not None
-                and kept.fleet == stamps.fleet
-                and kept.cost is cost
-                and all(marks[t] == m for t, m in zip(free, kept.marks, strict=True))
-            ):
-                self._stats["copy_not_paying"] += kept.not_paying
-                self._stats["copy_no_room"] += kept.no_room
-                return kept.ready
-        bt = view.block_tokens
-        kv = cost.model.kv_bytes_per_token
-        nic_bps = cost.nic_bytes_per_s
-        cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
-        queued, copy_after = view.queued_prefill_s, view.copy_after_s
-        ready: list[tuple[float, int]] = []  # (when the copy would land, target) of the targets it pays for
-        not_paying = no_room = 0
-        for t in free:
-            t_have = cached(t, prefix) if t in near else 0
-            send = y - t_have
-            share = nic_bps / (1 + max(src_nic, nic_copies(t)))
-            transfer = send * bt * kv / share
-            prefill_s = prefills.get(t_have)
-            if prefill_s is None:
-                prefill_s = prefills[t_have] = self.prefill_s(cost, send * bt, t_have * bt)
-            recompute = (0.0 if t in idle else queued(t)) + prefill_s
-            # A copy whose blocks land in the target's cache as they arrive (after 0) trails the source and
-            # lands when it finishes, no later than a recompute started now; one with steps after its bytes
-            # (l3: write-through, proof) must also land before that recompute would be done.
-            after = copy_after(t, send)
-            lands = max(transfer, src_left) + after
-            if not (transfer < recompute and (after <= 0 or lands < recompute)):
-                not_paying += 1
-                continue
-            if headroom(t) < send * bt:
-                no_room += 1
-                continue
-            ready.append((lands, t))
-        self._stats["copy_not_paying"] += not_paying
-        self._stats["copy_no_room"] += no_room
-        if stamps is not None:
-            if len(self._kept_landings) >= PREFILL_MEMO:
-                self._kept_landings.clear()
-            marks = stamps.worker
-            self._kept_landings[key] = _Landings(
-                tuple(ready), not_paying, no_room, stamps.fleet, cost, tuple(marks[t] for t in free)
-            )
-        return ready
 
     def stats(self) -> dict[str, int]:
         """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the executor
