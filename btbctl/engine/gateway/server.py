@@ -197,22 +197,6 @@ class Gateway:
         self.state.copy_after = self.replicator.after_s
         self.replicator.prefix_blocks = lambda: self.constants.prefix_blocks
         self.replicator.block_tokens = lambda: self.page_size
-        self.prober = HealthProber(
-            self.state.workers,
-            lambda: self.session,
-            self.clock,
-            interval_s=config.health_interval_s,
-            timeout_s=config.health_timeout_s,
-            unhealthy_after=config.unhealthy_after,
-            # a worker removed from and added back to the routing: the request lifecycle's (bound late: it is
-            # built below)
-            on_down=lambda w, reason: self.lifecycle.worker_down(w, reason),
-            on_info=self._worker_info,
-            on_up=lambda w: self.lifecycle.worker_up(w),
-            on_loads=self._worker_loads,
-            on_degraded=lambda w, reason: self.lifecycle.worker_degraded(w, reason),
-            progress_window_s=config.progress_window(),
-        )
         self.state.progress_window_s = config.progress_window()
         self._fallback = False  # routing to workers that are not healthy but answering (none is healthy)
         #: the request path: admission, routing, copy orders, accounting (:mod:`~btbctl.engine.gateway.lifecycle`)
@@ -232,6 +216,21 @@ class Gateway:
             reroute_on_unhealthy=config.reroute_on_unhealthy,
             l3_prompts=self.l3_prompts,
             policy=first_policy,
+        )
+        self.prober = HealthProber(
+            self.state.workers,
+            lambda: self.session,
+            self.clock,
+            interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s,
+            unhealthy_after=config.unhealthy_after,
+            # a worker removed from and added back to the routing: the request lifecycle's
+            on_down=self.lifecycle.worker_down,
+            on_info=self._worker_info,
+            on_up=self.lifecycle.worker_up,
+            on_loads=self._worker_loads,
+            on_degraded=self.lifecycle.worker_degraded,
+            progress_window_s=config.progress_window(),
         )
         self.scraper = MetricsScraper(
             self.state.workers,

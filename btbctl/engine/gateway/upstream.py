@@ -99,11 +99,7 @@ class UpstreamResponse:
                 raise self._exc
             if self._eof:
                 return b""
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._more()
         return self.body()
 
     async def read(self) -> bytes:
@@ -115,14 +111,18 @@ class UpstreamResponse:
         while not self._eof:
             if self._exc is not None:
                 raise self._exc
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._more()
         if self._exc is not None:
             raise self._exc
         return self.body()
+
+    async def _more(self) -> None:
+        """Wait until the connection feeds, ends or fails the answer."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def release(self) -> None:
         """Done with the answer: its connection goes back to the pool if the answer was read whole and the worker
@@ -262,8 +262,7 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.resp is not None:
-            self.resp._end()
+        self.resp._end()
 
     # -- used by the pool and the answer --------------------------------------------------------------------------
 
@@ -506,8 +505,7 @@ class UpstreamPool:
             return
         self._open.add(conn)
         if head.done():  # abandoned while connecting: the connection is the pool's for the next request
-            conn.head = None
-            self._idle_conn(conn, t, loop.time())
+            self._idle_conn(conn, loop.time())
             return
         conn.send(data, head, self.total_timeout_s)
 
@@ -526,12 +524,12 @@ class UpstreamPool:
         return True
 
     def _idle(self, conn: _Connection) -> None:
-        self._idle_conn(conn, conn.target, asyncio.get_running_loop().time())
+        self._idle_conn(conn, asyncio.get_running_loop().time())
         self._next_slot()  # a request waiting for a connection takes this one, or closes it for its own worker
 
-    def _idle_conn(self, conn: _Connection, t: _Target, now: float) -> None:
+    def _idle_conn(self, conn: _Connection, now: float) -> None:
         conn.idle_since = now
-        t.idle.append(conn)
+        conn.target.idle.append(conn)
         if self._sweep is None:
             self._sweep = asyncio.get_running_loop().call_later(self.keepalive_timeout_s, self._sweep_idle)
 
