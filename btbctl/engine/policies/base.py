@@ -120,9 +120,9 @@ class CostView(FleetView, Protocol):
         ...
 
     def copy_after_s(self, replica: int, blocks: int) -> float:
-        """Seconds a copy of ``blocks`` blocks towards ``replica`` takes beyond its bytes and the source's prefill
-        before ``replica`` can use it: 0 where blocks land in its KV cache as they arrive (push, the simulators);
-        an ``l3`` copy's write-through and proof (the gateway's ``L3Replicator.after_s``)."""
+        """Seconds (>= 0) a copy of ``blocks`` blocks towards ``replica`` takes beyond its bytes and the source's
+        prefill before ``replica`` can use it: 0 where blocks land in its KV cache as they arrive (push, the
+        simulators); an ``l3`` copy's write-through and proof (the gateway's ``L3Replicator.after_s``)."""
         ...
 
     def admission_wait_s(self, replica: int, kv_tokens: int) -> float:

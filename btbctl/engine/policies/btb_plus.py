@@ -874,6 +874,21 @@ class BtbPlus(Policy[CostView]):
         nic_bps = cost.nic_bytes_per_s
         cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
         queued, copy_after = view.queued_prefill_s, view.copy_after_s
+        if len(covered) >= want and self.prune_backlog_pricing and all(r in ests for r in covered):
+            # Only a copy beyond the rate target is possible (the loop's backlog case below, nothing picked yet), for
+            # an earlier first token than every covered replica's. No copy lands before its bytes at the source's
+            # NIC share (at most ``nic_bps / (1 + src_nic)``) nor before the source has the prefix, and ``after``
+            # is >= 0: when even that bound (a hair lower, against rounding) plus ``suffix_s`` does not beat the
+            # covered replicas, no target can, and the loop's pruning would give the same None. Checked before the
+            # targets' break-even and headroom checks, which cost more than the rest of a decision in a burst's
+            # steady state.
+            least = y  # the fewest blocks a target lacks (one outside ``near`` holds none)
+            for t in free:
+                if t in near:
+                    least = min(least, y - cached(t, prefix))
+            bound = max(least * bt * kv * (1 + src_nic) / nic_bps * (1 - 1e-9), src_left)
+            if not bound + suffix_s < min(ests[r][0] for r in covered):
+                return None
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
@@ -935,7 +950,8 @@ class BtbPlus(Policy[CostView]):
         """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the executor
         started), ``copies_refused`` (attempts it refused), ``rate_copies`` / ``backlog_copies`` (copies planned for the
         arrival-rate target / for an earlier first token), ``copy_not_paying`` / ``copy_no_room`` (targets skipped by
-        the break-even or headroom check), ``no_source``, ``hot_routes`` (requests with an active prefix),
+        the break-even or headroom check; targets are not checked when no copy beyond the rate target could beat the
+        covered replicas), ``no_source``, ``hot_routes`` (requests with an active prefix),
         ``speculative_routes`` (of those, sent to recompute the prefix while another replica held it),
         ``harm_avoiding_routes`` (requests sent elsewhere than their lowest expected TTFT to spare requests waiting for
         a copy), ``paced_routes`` (hot requests given a pace, rule 6: a gateway holds
