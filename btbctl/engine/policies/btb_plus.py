@@ -829,8 +829,10 @@ class BtbPlus(Policy[CostView]):
         has_copy = view.has_copy
         # The replicas that may hold, receive or plan the prefix first (ascending): when they cover it, the rest of
         # the fleet is not looked at; the others can only be free targets.
+        least = y  # the fewest blocks a free target lacks (one outside ``near`` holds none of the prefix)
         for r in near if index is None else sorted(near):
-            if view.cached_blocks(r, prefix) >= y:
+            have = view.cached_blocks(r, prefix)
+            if have >= y:
                 holders.append(r)
                 covered.append(r)
             elif has_copy(r, prefix):
@@ -840,11 +842,32 @@ class BtbPlus(Policy[CostView]):
                 covered.append(r)
             elif accepts(r) and not (refused and refused(r, now_s, hold_s)):
                 free.append(r)
+                least = min(least, y - have)
                 continue
             else:
                 continue
             if len(covered) >= cap:
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
+        want = self.rate_target(det.arrivals_in_window, suffix_s)
+        found = self._source(view, holders, computing, key, now_s)
+        kv = cost.model.kv_bytes_per_token
+        nic_bps = cost.nic_bytes_per_s
+        if (
+            found is not None
+            and len(covered) >= want
+            and self.prune_backlog_pricing
+            and all(r in ests for r in covered)
+        ):
+            # Only a copy beyond the rate target is possible (the loop's backlog case below, nothing picked yet), for
+            # an earlier first token than every covered replica's. No copy lands before its bytes at the source's
+            # NIC share (at most ``nic_bps / (1 + its copies)``) nor before the source has the prefix, and
+            # ``after`` is >= 0: when even that bound (a hair lower, against rounding) plus ``suffix_s`` does not
+            # beat the covered replicas, no target can, and the loop's pruning would give the same None. Checked
+            # before the rest of the fleet is looked at and the targets' break-even and headroom checks, which cost
+            # more than the rest of a decision in a burst's steady state.
+            bound = max(least * bt * kv * (1 + view.nic_copies(found[0])) / nic_bps * (1 - 1e-9), found[1])
+            if not bound + suffix_s < min(ests[r][0] for r in covered):
+                return None
         if index is not None:
             near = near if isinstance(near, (set, frozenset, range)) else set(near)  # membership, per replica below
             free.extend(
@@ -855,40 +878,16 @@ class BtbPlus(Policy[CostView]):
             free.sort()
         if not free:
             return None
-        want = self.rate_target(det.arrivals_in_window, suffix_s)
-        senders = [r for r in holders if view.accepts_copies(r)]
-        feeders = [r for r in computing if view.accepts_copies(r)]
-        if senders:
-            source = min(senders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r))
-            src_left = 0.0
-        elif feeders:
-            src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in feeders)
-        else:
+        if found is None:
             self._stats["no_source"] += 1
             return None
-        kv = cost.model.kv_bytes_per_token
+        source, src_left = found
         src_nic = view.nic_copies(source)
         picked: list[int] = []
         options: list[tuple[float, int, int, tuple[float, float, float]]] = []
         prefills: dict[int, float] = {}  # blocks a target holds -> seconds to compute the rest of the prefix there
-        nic_bps = cost.nic_bytes_per_s
         cached, nic_copies, headroom = view.cached_blocks, view.nic_copies, view.kv_headroom_tokens
         queued, copy_after = view.queued_prefill_s, view.copy_after_s
-        if len(covered) >= want and self.prune_backlog_pricing and all(r in ests for r in covered):
-            # Only a copy beyond the rate target is possible (the loop's backlog case below, nothing picked yet), for
-            # an earlier first token than every covered replica's. No copy lands before its bytes at the source's
-            # NIC share (at most ``nic_bps / (1 + src_nic)``) nor before the source has the prefix, and ``after``
-            # is >= 0: when even that bound (a hair lower, against rounding) plus ``suffix_s`` does not beat the
-            # covered replicas, no target can, and the loop's pruning would give the same None. Checked before the
-            # targets' break-even and headroom checks, which cost more than the rest of a decision in a burst's
-            # steady state.
-            least = y  # the fewest blocks a target lacks (one outside ``near`` holds none)
-            for t in free:
-                if t in near:
-                    least = min(least, y - cached(t, prefix))
-            bound = max(least * bt * kv * (1 + src_nic) / nic_bps * (1 - 1e-9), src_left)
-            if not bound + suffix_s < min(ests[r][0] for r in covered):
-                return None
         while free and len(covered) < cap:
             options = []
             by_rate = len(covered) < want
@@ -945,6 +944,22 @@ class BtbPlus(Policy[CostView]):
             return None
         fallbacks = tuple(o[2] for o in options if o[2] not in picked)
         return CopyPlan(prefix, source, tuple(picked) + fallbacks, len(picked), since)
+
+    def _source(
+        self, view: CostView, holders: Sequence[int], computing: Sequence[int], key: Hashable, now_s: float
+    ) -> tuple[int, float] | None:
+        """Rule 3's source of a copy of the prefix whose last block is ``key``: ``(replica, seconds until it holds
+        the prefix)``: of ``holders`` that can send, the least busy NIC, then the least queued prefill (0 s);
+        else of ``computing`` that can send, the one done soonest (:meth:`source_ready_s`); None without one."""
+        accepts = view.accepts_copies
+        senders = [r for r in holders if accepts(r)]
+        if senders:
+            return min(senders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r)), 0.0
+        feeders = [r for r in computing if accepts(r)]
+        if feeders:
+            src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in feeders)
+            return source, src_left
+        return None
 
     def stats(self) -> dict[str, int]:
         """Integer counters: ``fires`` (activations over all depths), ``copies_requested`` (copies the executor
