@@ -11,7 +11,7 @@ import asyncio
 import json
 
 from btbctl.engine.gateway.dataplane import error_middleware
-from btbctl.engine.gateway.httpserver import HttpApp, HttpServer, Request, Response, StreamResponse, json_response
+from btbctl.engine.gateway.httpserver import HttpApp, HttpRequest, HttpServer, Response, StreamResponse, json_response
 from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http
 
 #: Bodies over this are refused (413) by the test server.
@@ -69,7 +69,7 @@ class App:
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection("127.0.0.1", self.port)
 
-    async def echo(self, request: Request) -> Response:
+    async def echo(self, request: HttpRequest) -> Response:
         self.busy += 1
         self.max_busy = max(self.max_busy, self.busy)
         try:
@@ -79,10 +79,10 @@ class App:
         finally:
             self.busy -= 1
 
-    async def hello(self, request: Request) -> Response:
+    async def hello(self, request: HttpRequest) -> Response:
         return json_response({"hello": request.headers.get("X-Name", "")})
 
-    async def stream(self, request: Request) -> StreamResponse:
+    async def stream(self, request: HttpRequest) -> StreamResponse:
         await request.read()
         out = StreamResponse(200, {"Content-Type": "text/event-stream"})
         try:
@@ -97,7 +97,7 @@ class App:
             self.stream_done.set()
         return out
 
-    async def wait(self, request: Request) -> Response:
+    async def wait(self, request: HttpRequest) -> Response:
         await request.read()
         self.waiting.set()
         try:

@@ -62,14 +62,12 @@ from btbctl.engine.gateway.httpserver import (
     Answer,
     HttpApp,
     HttpError,
+    HttpRequest,
     HttpServer,
     Middleware,
     Response,
     StreamResponse,
     json_response,
-)
-from btbctl.engine.gateway.httpserver import (
-    Request as HttpRequest,
 )
 from btbctl.engine.gateway.lifecycle import EXPECTED_REQUESTS_HEADER, Attempt, Refusal
 from btbctl.engine.gateway.metrics import GatewayMetrics

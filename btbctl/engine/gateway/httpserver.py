@@ -9,8 +9,8 @@ worker keep aiohttp.
 
 * **Requests**: one at a time per connection, in the order they arrived (pipelined ones wait their turn, at most
   :data:`MAX_PIPELINED` parsed ahead: then the socket stops being read). A handler starts once the request head is
-  complete; :meth:`Request.read` waits for the body (``Content-Length`` or chunked), sending ``100 Continue`` first
-  when the client asked for it. A body over ``max_body_bytes`` is not kept: :meth:`Request.read` raises
+  complete; :meth:`HttpRequest.read` waits for the body (``Content-Length`` or chunked), sending ``100 Continue`` first
+  when the client asked for it. A body over ``max_body_bytes`` is not kept: :meth:`HttpRequest.read` raises
   :class:`HttpError` 413. The rest of a body the handler did not read is dropped as it arrives (the connection
   serves on; it closes instead when the client waits for a ``100 Continue`` it never got). A pipelined request's
   body is read ahead up to 64 KiB; the rest waits in the socket for its turn. A client's end of stream
@@ -61,9 +61,9 @@ _AHEAD_BODY_BYTES = 65536
 #: What a handler answers: a :class:`Response`, a :class:`StreamResponse`, or any object with ``status``,
 #: ``body`` and ``headers`` (written as a :class:`Response`).
 Answer = Any
-Handler = Callable[["Request"], Awaitable[Answer]]
+Handler = Callable[["HttpRequest"], Awaitable[Answer]]
 #: ``middleware(request, handler)``: aiohttp's middleware signature (the guards' middlewares are shared).
-Middleware = Callable[["Request", Handler], Awaitable[Answer]]
+Middleware = Callable[["HttpRequest", Handler], Awaitable[Answer]]
 
 
 class HttpError(Exception):
@@ -76,10 +76,16 @@ class HttpError(Exception):
 
 
 class Headers(dict):
-    """A request's headers: names in lower case, the last value of a repeated one; :meth:`get` takes any case."""
+    """A request's headers: names in lower case, the last value of a repeated one; looked up in any case."""
 
     def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
         return dict.get(self, name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, name.lower())
 
 
 class Response:
@@ -125,11 +131,11 @@ class StreamResponse:
     def prepared(self) -> bool:
         return self._conn is not None
 
-    async def prepare(self, request: Request) -> None:
+    async def prepare(self, request: HttpRequest) -> None:
         conn = request._conn
         conn.check_open()
         self._conn = conn
-        conn.send_head(request, self.status, self.headers, None)
+        conn.send_body(conn.head(request, self.status, self.headers, None))
 
     async def write(self, data: bytes) -> None:
         conn = self._conn
@@ -152,7 +158,7 @@ class StreamResponse:
         await conn.drain()
 
 
-class Request:
+class HttpRequest:
     """One request as the handlers see it.
 
     Attributes:
@@ -259,6 +265,8 @@ class Request:
 
 #: Reason phrases of the status codes (HTTP/1.1 wants one; the client ignores it).
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
+#: Status lines of the common answers, built once.
+_STATUS_LINES = {s: b"HTTP/1.1 %d %s\r\n" % (s, _REASONS[s].encode()) for s in (200, 400, 404, 413, 429, 502, 503)}
 
 
 class _Clock:
@@ -294,11 +302,12 @@ class _Connection(asyncio.Protocol):
         self.reading_paused = False
         self.writing_paused = False
         self.drain_waiter: asyncio.Future[None] | None = None
-        self.queue: deque[Request] = deque()  # complete heads waiting for their turn
-        self.current: Request | None = None  # the request being answered
+        self.queue: deque[HttpRequest] = deque()  # complete heads waiting for their turn
+        self.current: HttpRequest | None = None  # the request being answered
         self.task: asyncio.Task | None = None
         self.idle: asyncio.TimerHandle | None = None
-        self.parsing: Request | None = None  # the request whose head or body is arriving
+        self.idle_since: float | None = None  # loop time of the last answer, while no request head came since
+        self.parsing: HttpRequest | None = None  # the request whose head or body is arriving
         self.url = b""
         self.headers = Headers()
         self.in_head = False
@@ -369,12 +378,10 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.in_head = False
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
+        self.idle_since = None
         p = self.parser
         path = self.url.split(b"?", 1)[0].decode("utf-8", "surrogateescape")
-        req = Request(self, p.get_method().decode("latin-1"), path, self.headers, p.get_http_version())
+        req = HttpRequest(self, p.get_method().decode("latin-1"), path, self.headers, p.get_http_version())
         req.keep_alive = p.should_keep_alive()
         self.parsing = req
         if self.current is None:
@@ -405,11 +412,11 @@ class _Connection(asyncio.Protocol):
 
     # -- answering ----------------------------------------------------------------------------------------------
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: HttpRequest) -> None:
         self.current = req
         self.task = asyncio.get_running_loop().create_task(self._serve(req))
 
-    async def _serve(self, req: Request) -> None:
+    async def _serve(self, req: HttpRequest) -> None:
         server = self.server
         try:
             ans = await server.app.handle(req)
@@ -421,7 +428,10 @@ class _Connection(asyncio.Protocol):
             if not self.closed:
                 log.exception("unhandled error on %s %s", req.method, req.path)
                 ans = json_response(api_error_body(500, "internal gateway error", "internal_error"), 500)
-        if not self.closed and ans is not None:
+        if self.closed:
+            if ans is not None and not (isinstance(ans, StreamResponse) and ans.prepared):
+                server.answered(req, ans.status)  # counted and logged as any answer, though nobody takes it
+        elif ans is not None:
             try:
                 if isinstance(ans, StreamResponse):
                     if not ans.prepared:
@@ -433,14 +443,13 @@ class _Connection(asyncio.Protocol):
                 pass
         self._next(req)
 
-    def _answer(self, req: Request, ans: Answer) -> None:
+    def _answer(self, req: HttpRequest, ans: Answer) -> None:
         """Write a whole answer (a :class:`Response` or anything with ``status``, ``body`` and ``headers``)."""
         body = ans.body if isinstance(ans, Response) else _body_of(ans)
-        self.send_head(req, ans.status, ans.headers, len(body))
-        if req.method != "HEAD" and body:
-            self.transport.write(body)  # type: ignore[union-attr]
+        head = self.head(req, ans.status, ans.headers, len(body))
+        self.transport.write(head if req.method == "HEAD" else head + body)  # type: ignore[union-attr]
 
-    def _next(self, req: Request) -> None:
+    def _next(self, req: HttpRequest) -> None:
         """``req``'s answer is out: the next request's turn, or the idle wait, or the close."""
         self.current = None
         self.task = None
@@ -469,12 +478,23 @@ class _Connection(asyncio.Protocol):
         elif self.bad is not None:
             self._refuse(*self.bad)
         else:
-            self.idle = asyncio.get_running_loop().call_later(server.guard.idle_timeout_s, self._idle_due)
+            loop = asyncio.get_running_loop()
+            self.idle_since = loop.time()
+            if self.idle is None:
+                self.idle = loop.call_at(self.idle_since + server.guard.idle_timeout_s, self._idle_due)
 
     def _idle_due(self) -> None:
+        """The idle timer: armed once and moved on while requests keep coming (not one timer per answer)."""
         self.idle = None
-        if self.current is None and not self.closed:
+        since = self.idle_since
+        if since is None or self.closed:
+            return  # a request head came: the timer is armed again after its answer
+        due = since + self.server.guard.idle_timeout_s
+        loop = asyncio.get_running_loop()
+        if loop.time() >= due:
             self.abort()
+        else:
+            self.idle = loop.call_at(due, self._idle_due)
 
     def _refuse(self, status: int, message: str) -> None:
         """A request that is not HTTP/1.x (or whose head is too long): answered once the ones before it are, then
@@ -499,32 +519,28 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # type: ignore[union-attr]
 
-    def send_head(self, req: Request, status: int, headers: Mapping[str, str], length: int | None) -> None:
-        """The answer's head; ``length`` None: a chunked body follows (or, to an HTTP/1.0 client, a body to the
-        connection's close)."""
+    def head(self, req: HttpRequest, status: int, headers: Mapping[str, str], length: int | None) -> bytes:
+        """The answer's head (the answer counts as sent from here); ``length`` None: a chunked body follows (or, to
+        an HTTP/1.0 client, a body up to the connection's close). A ``Connection: close`` among ``headers``
+        closes the connection after the answer."""
         req.status = status
         self.server.answered(req, status)
-        keep = req.keep_alive and not self.server.stopping
-        out = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Unknown").encode())]
-        for k, v in headers.items():
-            if k.lower() == "connection":
-                keep = keep and v.lower() != "close"
-                continue
-            out.append(f"{k}: {v}\r\n".encode("latin-1"))
+        keep = req.keep_alive and not self.server.stopping and headers.get("Connection") != "close"
+        fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items() if k != "Connection"])
         if length is not None:
-            out.append(b"Content-Length: %d\r\n" % length)
+            framing = b"Content-Length: %d\r\n" % length
             self.chunked = False
         elif req.version == "1.0":
-            keep = False
-            self.chunked = False
+            framing = b""
+            keep = self.chunked = False
         else:
-            out.append(b"Transfer-Encoding: chunked\r\n")
+            framing = b"Transfer-Encoding: chunked\r\n"
             self.chunked = True
         if not keep:
             req.keep_alive = False
-            out.append(b"Connection: close\r\n")
-        out.append(b"Date: %b\r\n\r\n" % _DATE.date())
-        self.transport.write(b"".join(out))  # type: ignore[union-attr]
+            framing += b"Connection: close\r\n"
+        line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Unknown").encode())
+        return b"%b%b%bDate: %b\r\n\r\n" % (line, fields.encode("latin-1"), framing, _DATE.date())
 
     def send_body(self, data: bytes) -> None:
         self.transport.write(data)  # type: ignore[union-attr]
@@ -569,7 +585,7 @@ class HttpApp:
         self,
         routes: Mapping[tuple[str, str], Handler],
         middlewares: Sequence[Middleware] = (),
-        on_answer: Callable[[Request, int], None] | None = None,
+        on_answer: Callable[[HttpRequest, int], None] | None = None,
     ) -> None:
         self.routes = dict(routes)
         self.middlewares = list(middlewares)
@@ -597,7 +613,7 @@ class HttpApp:
             handler = _bind(mw, handler)
         return handler
 
-    def handle(self, request: Request) -> Awaitable[Answer]:
+    def handle(self, request: HttpRequest) -> Awaitable[Answer]:
         """The answer to ``request`` (through the middlewares)."""
         handler = self._chains.get((request.method, request.path))
         if handler is not None:
@@ -605,16 +621,16 @@ class HttpApp:
         return (self._refused if request.path in self._paths else self._missing)(request)
 
 
-async def _not_found(request: Request) -> Answer:
+async def _not_found(request: HttpRequest) -> Answer:
     raise HttpError(404, f"Not Found: {request.method} {request.path}")
 
 
-async def _not_allowed(request: Request) -> Answer:
+async def _not_allowed(request: HttpRequest) -> Answer:
     raise HttpError(405, f"Method Not Allowed: {request.method} {request.path}")
 
 
 def _bind(mw: Middleware, inner: Handler) -> Handler:
-    def handler(request: Request) -> Awaitable[Answer]:
+    def handler(request: HttpRequest) -> Awaitable[Answer]:
         return mw(request, inner)
 
     return handler
@@ -625,7 +641,7 @@ class HttpServer:
 
     Args:
         app: the routes and middlewares.
-        max_body_bytes: longest request body kept (beyond: 413 at :meth:`Request.read`).
+        max_body_bytes: longest request body kept (beyond: 413 at :meth:`HttpRequest.read`).
     """
 
     def __init__(self, app: HttpApp, *, max_body_bytes: int) -> None:
@@ -683,7 +699,7 @@ class HttpServer:
         self.conns.discard(conn)
         self.guard.connection_lost(conn)
 
-    def answered(self, req: Request, status: int) -> None:
+    def answered(self, req: HttpRequest, status: int) -> None:
         hook = self.app.on_answer
         if hook is not None:
             hook(req, status)

@@ -65,8 +65,7 @@ from btbctl.engine.gateway.guard import (
     raise_nofile,
 )
 from btbctl.engine.gateway.health import HealthProber
-from btbctl.engine.gateway.httpserver import HttpServer
-from btbctl.engine.gateway.httpserver import Request as HttpRequest
+from btbctl.engine.gateway.httpserver import HttpRequest, HttpServer
 from btbctl.engine.gateway.kv_events import HoldingsFeed, KvEventsSubscriber, chain_keyer, l3_keyer
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.lifecycle import PromptLimits, RequestLifecycle
