@@ -354,3 +354,60 @@ async def test_stop_closes_idle_connections_and_cancels_handlers_past_the_timeou
         assert not app.server.conns
         w1.close()
         w2.close()
+
+
+async def test_a_client_that_leaves_before_its_body_ends_fails_the_read_quietly(caplog):
+    async with App() as app:
+        r, w = await app.connect()
+        w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nonly part")
+        for _ in range(100):
+            if app.busy:
+                break
+            await asyncio.sleep(0.01)
+        w.transport.abort()
+        for _ in range(100):
+            if not app.busy:
+                break
+            await asyncio.sleep(0.01)
+        assert app.busy == 0 and not app.answered and not app.server.conns
+        assert "unhandled error" not in caplog.text
+
+
+async def test_an_answer_whose_client_left_is_still_reported():
+    async with App() as app:
+        r, w = await app.connect()
+        w.write(post("/wait", b""))
+        await asyncio.wait_for(app.waiting.wait(), 5)
+        w.transport.abort()
+        for _ in range(100):
+            if not app.server.conns:
+                break
+            await asyncio.sleep(0.01)
+        app.release.set()
+        for _ in range(100):
+            if app.answered:
+                break
+            await asyncio.sleep(0.01)
+        assert app.answered == [("/wait", 200)]
+
+
+async def test_a_pipelined_body_waits_in_the_socket_for_its_turn():
+    async with App() as app:
+        r, w = await app.connect()
+        w.write(post("/wait", b""))
+        await asyncio.wait_for(app.waiting.wait(), 5)
+        w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(2048):  # 2 MiB: far more than is read ahead of its turn
+            w.write(b"400\r\n" + b"z" * 1024 + b"\r\n")
+        (conn,) = app.server.conns
+        for _ in range(100):
+            if conn.reading_paused:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.reading_paused and conn.queue[0]._size < 1 << 20  # the read ahead, at most one more read
+        app.release.set()
+        assert (await read_answer(r))[0] == 200
+        w.write(b"0\r\n\r\n")
+        status, _, body = await read_answer(r)
+        assert status == 413  # the whole body came once its turn did (and is over the limit)
+        w.close()
