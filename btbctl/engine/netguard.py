@@ -295,7 +295,10 @@ class ConnectionGuard:
             self.authed += 1
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def middleware(self, request: Any, handler: Any) -> Any:
+        """First middleware of the listener: the cap and the authenticated budget for each request. ``request``:
+        aiohttp's, or a :class:`GuardedServer`'s (its ``protocol`` the key given to :meth:`connection_made`, with
+        ``headers``, ``content_length`` and ``read()``); answers what ``handler`` does, or a 503."""
         c = self.conns.get(request.protocol)
         if c is None:
             return await handler(request)
