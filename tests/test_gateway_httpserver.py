@@ -173,8 +173,8 @@ async def test_a_body_over_the_limit_is_413_in_the_error_shape_and_the_connectio
         w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         for _ in range(3):
             w.write(b"800\r\n" + b"y" * 2048 + b"\r\n")
-        w.write(b"0\r\n\r\n")
-        status, _, body = await read_answer(r)
+        status, _, body = await read_answer(r)  # refused before the body's end
+        w.write(b"800\r\n" + b"y" * 2048 + b"\r\n0\r\n\r\n")  # the rest is dropped
         err = json.loads(body)["error"]
         assert status == 413 and "Maximum request body size 4096 exceeded" in err["message"], body
         assert err["type"] == "invalid_request_error" and app.metrics.rejected == [413]
@@ -409,5 +409,5 @@ async def test_a_pipelined_body_waits_in_the_socket_for_its_turn():
         assert (await read_answer(r))[0] == 200
         w.write(b"0\r\n\r\n")
         status, _, body = await read_answer(r)
-        assert status == 413  # the whole body came once its turn did (and is over the limit)
+        assert status == 413  # its body is read again once its turn came (and is over the limit)
         w.close()

@@ -9,12 +9,12 @@ worker keep aiohttp.
 
 * **Requests**: one at a time per connection, in the order they arrived (pipelined ones wait their turn, at most
   :data:`MAX_PIPELINED` parsed ahead: then the socket stops being read). A handler starts once the request head is
-  complete; :meth:`HttpRequest.read` waits for the body (``Content-Length`` or chunked), sending ``100 Continue`` first
-  when the client asked for it. A body over ``max_body_bytes`` is not kept: :meth:`HttpRequest.read` raises
-  :class:`HttpError` 413. The rest of a body the handler did not read is dropped as it arrives (the connection
-  serves on; it closes instead when the client waits for a ``100 Continue`` it never got). A pipelined request's
-  body is read ahead up to 64 KiB; the rest waits in the socket for its turn. A client's end of stream
-  closes the connection (as aiohttp's server does).
+  complete; :meth:`HttpRequest.read` waits for the body (``Content-Length`` or chunked), sending ``100 Continue``
+  first when the client asked for it. A body over ``max_body_bytes`` is not kept: :meth:`HttpRequest.read` raises
+  :class:`HttpError` 413 once that much came. The rest of a body the handler did not read is dropped as it arrives
+  (the connection serves on; it closes instead when the client waits for a ``100 Continue`` it never got). A
+  pipelined request's body is read ahead up to 64 KiB; the rest waits in the socket for its turn. A client's end
+  of stream closes the connection (as aiohttp's server does).
 * **Answers**: a :class:`Response` (whole body), or a :class:`StreamResponse` (chunked transfer encoding; its
   :meth:`~StreamResponse.write` waits while the client's socket buffer is over the transport's high-water mark, so
   a slow client slows the reading of what it is sent). Any object with ``status``, ``body`` and ``headers`` is
@@ -221,14 +221,15 @@ class HttpRequest:
         """The whole body.
 
         Raises:
-            HttpError: 413, the body is over the server's ``max_body_bytes``.
+            HttpError: 413, the body is over the server's ``max_body_bytes`` (as soon as that many bytes came; the
+                rest is dropped as it arrives).
             ConnectionResetError: the client left before the body's end.
         """
         if not self._complete:
             if self._continue:
                 self._continue = False
                 self._conn.send_continue()
-            while not self._complete:
+            while not self._complete and not self._too_large:
                 if self._conn.closed:
                     raise ConnectionResetError("the client closed the connection before the request body's end")
                 self._waiter = asyncio.get_running_loop().create_future()
@@ -259,6 +260,7 @@ class HttpRequest:
             if not self._too_large:
                 self._too_large = True
                 self._body = []
+                self._wake()
             return
         self._body.append(data)
 
