@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from btbctl.engine.gateway.dataplane import error_middleware
 from btbctl.engine.gateway.httpserver import HttpApp, HttpRequest, HttpServer, Response, StreamResponse, json_response
@@ -257,7 +258,7 @@ async def test_an_idle_keep_alive_connection_is_closed():
 async def test_a_malformed_request_gets_400_and_the_connection_closes():
     async with App() as app:
         r, w = await app.connect()
-        w.write(b"NOT HTTP AT ALL\r\n\r\n")
+        w.write(b"GET /hello HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
         status, headers, body = await read_answer(r)
         assert status == 400 and headers["connection"] == "close"
         assert json.loads(body)["error"]["type"] == "invalid_request_error"
@@ -411,3 +412,31 @@ async def test_a_pipelined_body_waits_in_the_socket_for_its_turn():
         status, _, body = await read_answer(r)
         assert status == 413  # its body is read again once its turn came (and is over the limit)
         w.close()
+
+
+async def test_a_method_the_parser_does_not_know_is_405():
+    async with App() as app:
+        r, w = await app.connect()
+        w.write(b"FROB /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = await read_answer(r)
+        assert status == 405 and "Method Not Allowed" in json.loads(body)["error"]["message"]
+        assert await closed(r)
+        w.close()
+
+
+async def test_the_gateway_data_listener_logs_access_and_errors_and_answers_head(caplog):
+    from gateway_fakes import GatewayEnv
+
+    caplog.set_level(logging.INFO)
+    async with GatewayEnv(1, access_log=True) as env:
+        status, _ = await env.post("/generate", {"text": "hello"})
+        assert status == 200
+        async with env.http.head(env.url + "/health") as r:
+            assert r.status == 200 and await r.read() == b""
+        async with env.http.get(env.url + "/nope") as r:
+            assert r.status == 404
+    access = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
+    assert any('"POST /generate HTTP/1.1" 200' in m for m in access), access
+    assert any('"GET /nope HTTP/1.1" 404' in m for m in access), access
+    errors = [r.getMessage() for r in caplog.records if "request_error" in r.getMessage()]
+    assert len(errors) == 1 and "status=404" in errors[0] and "path=/nope" in errors[0], errors

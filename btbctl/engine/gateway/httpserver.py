@@ -22,7 +22,8 @@ worker keep aiohttp.
   is answered as ``GET`` without the body.
 * **Errors**: an unknown path raises :class:`HttpError` 404, a known path with another method 405, inside the
   middlewares (so they are answered in the app's error shape); a request that is not HTTP/1.x or whose head is over
-  :data:`MAX_REQUEST_HEAD_BYTES` gets a JSON 400 (431) and the connection closes.
+  :data:`MAX_REQUEST_HEAD_BYTES` gets a JSON 400 (431; 405 for a method the parser does not know) and the
+  connection closes; no middleware runs for it (as for aiohttp's own 400 answers).
 * **Connections**: the guard sees each connection open and close and runs its middleware first (cap, per-peer cap,
   head timeout of a fresh connection, 503 over the cap); a connection with no complete request head within
   ``idle_timeout_s`` of its last answer is closed. A client that leaves does not cancel its handler (as aiohttp's
@@ -332,6 +333,9 @@ class _Connection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.closing = True  # no protocol switch here: what follows the head is not HTTP/1.1
+        except httptools.HttpParserInvalidMethodError:  # a method no route has (aiohttp's router said 405 too)
+            self._refuse(405, "Method Not Allowed: a method no route takes")
+            return
         except httptools.HttpParserError as e:
             self._refuse(400, f"malformed HTTP request: {e}")
             return
