@@ -5,14 +5,14 @@ worker (one definition each).
 **Descriptors.** At start a long-running server raises its ``RLIMIT_NOFILE`` soft limit to the hard limit
 (:func:`raise_nofile`).
 
-**Connections.** :class:`ConnectionGuard` watches one listener (aiohttp's ``web.Server``, or a
-:class:`GuardedServer` that reports its connections itself): a connection that has
-not delivered a complete request head within ``header_timeout_s`` (a fresh or half-sent one) is closed, an idle
-keep-alive connection is closed after ``idle_timeout_s``, and when the cap is reached a new connection closes the
-oldest one that is not serving a request (half-sent or idle keep-alive; one that never served a request only once
-it was open half of ``header_timeout_s``: a burst's fresh connections have their request heads in flight and must
-not evict each other), so idle connections can never starve real clients for long. When no connection can go, the
-new one's request is answered 503 with ``Retry-After`` and the connection closes.
+**Connections.** :class:`ConnectionGuard` watches one listener (aiohttp's ``web.Server``, or a :class:`GuardedServer`
+that reports its connections itself): a connection that has not delivered a complete request head within
+``header_timeout_s`` (a fresh or half-sent one) is closed, an idle keep-alive connection is closed after
+``idle_timeout_s``, and when the cap is reached a new connection closes the oldest one that is not serving a request
+(half-sent or idle keep-alive; one that never served a request only once it was open half of ``header_timeout_s``: a
+burst's fresh connections have their request heads in flight and must not evict each other), so idle connections can
+never starve real clients for long. When no connection can go, the new one's request is answered 503 with
+``Retry-After`` and the connection closes.
 
 *Authenticated budget.* With ``authorized`` (a check of a request's credentials), a connection whose request carries
 valid credentials leaves the unauthenticated budget: it never counts against ``max_connections``, is never evicted
@@ -409,6 +409,8 @@ async def listen_http(
     ``guard.idle_timeout_s``. Returns ``(runner, bound port)``; the caller awaits ``runner.cleanup()`` and closes
     the guard. Raises OSError when the address cannot be bound."""
     if not isinstance(app, web.Application):
+        if runner_kwargs:
+            raise TypeError(f"listen_http: {', '.join(runner_kwargs)} apply to an aiohttp app only")
         return await app.listen(
             host, port, guard, backlog=backlog, access_log=access_log, shutdown_timeout_s=shutdown_timeout
         )
