@@ -5,13 +5,14 @@ worker (one definition each).
 **Descriptors.** At start a long-running server raises its ``RLIMIT_NOFILE`` soft limit to the hard limit
 (:func:`raise_nofile`).
 
-**Connections.** :class:`ConnectionGuard` watches one aiohttp listener (a ``web.Server``): a connection that has
-not delivered a complete request head within ``header_timeout_s`` (a fresh or half-sent one) is closed, an idle
-keep-alive connection is closed after ``idle_timeout_s``, and when the cap is reached a new connection closes the
-oldest one that is not serving a request (half-sent or idle keep-alive; one that never served a request only once
-it was open half of ``header_timeout_s``: a burst's fresh connections have their request heads in flight and must
-not evict each other), so idle connections can never starve real clients for long. When no connection can go, the
-new one's request is answered 503 with ``Retry-After`` and the connection closes.
+**Connections.** :class:`ConnectionGuard` watches one listener (aiohttp's ``web.Server``, or a :class:`GuardedServer`
+that reports its connections itself): a connection that has not delivered a complete request head within
+``header_timeout_s`` (a fresh or half-sent one) is closed, an idle keep-alive connection is closed after
+``idle_timeout_s``, and when the cap is reached a new connection closes the oldest one that is not serving a request
+(half-sent or idle keep-alive; one that never served a request only once it was open half of ``header_timeout_s``: a
+burst's fresh connections have their request heads in flight and must not evict each other), so idle connections can
+never starve real clients for long. When no connection can go, the new one's request is answered 503 with
+``Retry-After`` and the connection closes.
 
 *Authenticated budget.* With ``authorized`` (a check of a request's credentials), a connection whose request carries
 valid credentials leaves the unauthenticated budget: it never counts against ``max_connections``, is never evicted
@@ -20,8 +21,9 @@ for an unauthenticated one, and is served even while unauthenticated connections
 unauthenticated connections: a new one closes that peer's oldest one not serving a request (by the same rule as
 at the cap), else its request is answered 503.
 
-Every listener is opened by :func:`listen_http` (aiohttp) or declares its limits in :data:`LISTENERS` (the agent's
-threaded copy port): no listener without a connection cap, a request-head timeout and an idle timeout.
+Every listener is opened by :func:`listen_http` (an aiohttp app, or a :class:`GuardedServer`: the gateway's data
+plane) or declares its limits in :data:`LISTENERS` (the agent's threaded copy port): no listener without a
+connection cap, a request-head timeout and an idle timeout.
 
 **Local exhaustion.** :func:`is_local_exhaustion` tells this process's own ``EMFILE``/``ENFILE`` (no descriptor left
 to connect upstream) from a peer failing: the former is answered 503 and never blamed on a worker.
@@ -31,10 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import resource
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -177,6 +180,7 @@ class ConnectionGuard:
             self._sweeper = None
 
     def install(self, server: web.Server) -> None:
+        """Watch the connections of aiohttp's ``server`` and start the sweeps."""
         made, lost = server.connection_made, server.connection_lost
 
         def connection_made(handler: Any, transport: Any) -> None:
@@ -189,8 +193,20 @@ class ConnectionGuard:
 
         server.connection_made = connection_made  # type: ignore[method-assign]
         server.connection_lost = connection_lost  # type: ignore[method-assign]
+        self.start_sweeps()
+
+    def start_sweeps(self) -> None:
+        """Start the sweeps back to the cap (a :class:`GuardedServer` calls it once it listens)."""
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
+
+    def connection_made(self, key: Any, transport: Any) -> None:
+        """A :class:`GuardedServer`'s connection ``key`` (its requests' ``protocol``) opened on ``transport``."""
+        self._made(key, transport)
+
+    def connection_lost(self, key: Any) -> None:
+        """A :class:`GuardedServer`'s connection ``key`` closed."""
+        self._lost(key)
 
     def _reject(self, reason: str) -> None:
         self.closed[reason] += 1
@@ -279,7 +295,10 @@ class ConnectionGuard:
             self.authed += 1
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def middleware(self, request: Any, handler: Any) -> Any:
+        """First middleware of the listener: the cap and the authenticated budget for each request. ``request``:
+        aiohttp's, or a :class:`GuardedServer`'s (its ``protocol`` the key given to :meth:`connection_made`, with
+        ``headers``, ``content_length`` and ``read()``); answers what ``handler`` does, or a 503."""
         c = self.conns.get(request.protocol)
         if c is None:
             return await handler(request)
@@ -294,7 +313,7 @@ class ConnectionGuard:
             if (request.content_length or 0) <= _DRAIN_BYTES:  # read a small body first: closing on unread
                 try:  # bytes resets the connection, and the client might miss the answer
                     await asyncio.wait_for(request.read(), 1.0)
-                except (asyncio.TimeoutError, OSError, web.HTTPException):
+                except Exception:  # noqa: BLE001 - a best-effort drain: too slow, too large or gone, the 503 follows
                     pass
             return overloaded(self.retry_after_s, f"the {self.name} listener is at its connection cap")
         c.busy += 1
@@ -308,17 +327,17 @@ class ConnectionGuard:
             c.served += 1
 
 
-def overloaded(retry_after_s: int, message: str) -> web.Response:
-    """A 503 ``{"error": ...}`` answer with ``Retry-After`` that closes the connection."""
-    import json
-
+def overload_parts(retry_after_s: int, message: str) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of a 503 ``{"error": ...}`` answer with ``Retry-After`` that closes the connection."""
     body = {"error": {"message": message, "type": "overloaded", "code": 503}}
-    return web.Response(
-        status=503,
-        text=json.dumps(body),
-        content_type="application/json",
-        headers={"Retry-After": str(retry_after_s), "Connection": "close"},
-    )
+    headers = {"Content-Type": "application/json", "Retry-After": str(retry_after_s), "Connection": "close"}
+    return json.dumps(body).encode(), headers
+
+
+def overloaded(retry_after_s: int, message: str) -> web.Response:
+    """:func:`overload_parts` as an aiohttp answer."""
+    body, headers = overload_parts(retry_after_s, message)
+    return web.Response(status=503, body=body, headers=headers)
 
 
 def install_accept_error_limiter(loop: asyncio.AbstractEventLoop, limiter: RateLimiter) -> Callable[[], None]:
@@ -356,8 +375,26 @@ def install_accept_error_limiter(loop: asyncio.AbstractEventLoop, limiter: RateL
     return restore
 
 
+class GuardedServer(Protocol):
+    """A listener that is not aiohttp's but runs under a :class:`ConnectionGuard`: it reports each connection
+    (:meth:`ConnectionGuard.connection_made`, :meth:`~ConnectionGuard.connection_lost`), runs the guard's middleware
+    first, closes an idle keep-alive connection after ``guard.idle_timeout_s`` and starts the guard's sweeps."""
+
+    async def listen(
+        self,
+        host: str,
+        port: int,
+        guard: ConnectionGuard,
+        *,
+        backlog: int,
+        access_log: logging.Logger | None,
+        shutdown_timeout_s: float,
+    ) -> tuple[Any, int]:
+        """Listen; ``(an object whose ``cleanup()`` stops it, bound port)``. Raises OSError when it cannot bind."""
+
+
 async def listen_http(
-    app: web.Application,
+    app: web.Application | GuardedServer,
     host: str,
     port: int,
     guard: ConnectionGuard,
@@ -366,10 +403,17 @@ async def listen_http(
     backlog: int = 1024,
     shutdown_timeout: float = 1.0,
     **runner_kwargs: Any,
-) -> tuple[web.AppRunner, int]:
-    """Open an aiohttp listener under ``guard`` (its cap, head timeout and idle timeout): the guard's middleware goes
-    first, idle keep-alive connections close after ``guard.idle_timeout_s``. Returns ``(runner, bound port)``; the
-    caller cleans the runner up and closes the guard. Raises OSError when the address cannot be bound."""
+) -> tuple[Any, int]:
+    """Open a listener under ``guard`` (its cap, head timeout and idle timeout): an aiohttp ``app`` or a
+    :class:`GuardedServer`. The guard's middleware goes first, idle keep-alive connections close after
+    ``guard.idle_timeout_s``. Returns ``(runner, bound port)``; the caller awaits ``runner.cleanup()`` and closes
+    the guard. Raises OSError when the address cannot be bound."""
+    if not isinstance(app, web.Application):
+        if runner_kwargs:
+            raise TypeError(f"listen_http: {', '.join(runner_kwargs)} apply to an aiohttp app only")
+        return await app.listen(
+            host, port, guard, backlog=backlog, access_log=access_log, shutdown_timeout_s=shutdown_timeout
+        )
     app.middlewares.insert(0, guard.middleware)
     runner = web.AppRunner(
         app,

@@ -5,6 +5,7 @@ Modules, one purpose each (imports point down this list, never up):
 * :mod:`.server`: the wiring: :class:`~.server.Gateway` (builds the pieces, swaps policy and constants, lifecycle),
   :func:`~.server.serve_gateway`, :func:`~.server.run_gateway`;
 * :mod:`.dataplane`: the OpenAI-compatible and SGLang-native routes (forwarding, streaming, retries, TTFT);
+* :mod:`.httpserver`: the data listener's HTTP/1.1 server (asyncio protocols, ``httptools``);
 * :mod:`.control_api`: the control API's handlers (routes in ``docs/control-api.md``);
 * :mod:`.reports`: the control API's answers, as the models of :mod:`btbctl.engine.control.schema`;
 * :mod:`.health`: the workers' health prober;
@@ -13,8 +14,9 @@ Modules, one purpose each (imports point down this list, never up):
 * :mod:`.state`: the fleet state (workers, holdings, copies, chains, TTFT), the policies' view;
 * :mod:`.config`, :mod:`.prompt`, :mod:`.metrics`: settings, request bodies to block chains, Prometheus metrics.
 
-Importing this package loads only the settings; the server side (aiohttp's web server, the policies) is imported
-on first use of :class:`Gateway`, :func:`serve_gateway` or :func:`run_gateway`, so CLI start-up stays fast.
+Importing this package loads only the settings; the server side (aiohttp, the data plane's HTTP server, the
+policies) is imported on first use of :class:`Gateway`, :func:`serve_gateway` or :func:`run_gateway`, so CLI
+start-up stays fast.
 """
 
 from __future__ import annotations

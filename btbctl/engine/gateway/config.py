@@ -228,7 +228,8 @@ class GatewayConfig(BaseModel):
     copy_timeout_s: float = Field(300.0, gt=0)
     """Longest time a pushed copy may take, seconds."""
     access_log: bool = False
-    """Log every data-plane request (aiohttp's access log) on stderr."""
+    """Log every data-plane request on stderr (one line each: peer, request line, status; logger ``aiohttp.access``,
+    the name it had when the data plane was an aiohttp app)."""
     replication: Literal["push", "l3", "none"] = "push"
     """How copies are made: ``push`` (the workers' ``/btb/push``), ``l3`` (node agents and warm-up proofs,
     :mod:`btbctl.engine.gateway.l3`) or ``none`` (routing only)."""

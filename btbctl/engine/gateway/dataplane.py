@@ -49,16 +49,26 @@ import asyncio
 import json
 import logging
 from collections import deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import aiohttp
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from btbctl.engine.errors import api_error_body
-from btbctl.engine.gateway.guard import RateLimiter, is_local_exhaustion, overloaded
+from btbctl.engine.gateway.guard import RateLimiter, is_local_exhaustion, overload_parts
+from btbctl.engine.gateway.httpserver import (
+    Answer,
+    HttpApp,
+    HttpError,
+    HttpRequest,
+    HttpServer,
+    Middleware,
+    Response,
+    StreamResponse,
+    json_response,
+)
 from btbctl.engine.gateway.lifecycle import EXPECTED_REQUESTS_HEADER, Attempt, Refusal
 from btbctl.engine.gateway.metrics import GatewayMetrics
 from btbctl.engine.gateway.state import FleetState
@@ -88,36 +98,38 @@ _DONE_MARK = b"data: [DONE]"
 _DONE_TAIL = 64
 #: Exceptions that mean "the worker failed us" on the upstream side.
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
-#: The gateway's metrics on the data app (the error middleware counts the requests aiohttp refused).
-METRICS_KEY = web.AppKey("btb_metrics", GatewayMetrics)
 
 
-def json_error(status: int, message: str, kind: str | None = None, **extra) -> web.Response:
+def json_error(status: int, message: str, kind: str | None = None, **extra) -> Response:
     """An error answer in the shape the emulated worker uses too (:func:`~btbctl.engine.errors.api_error_body`)."""
-    body = api_error_body(status, message, kind, **extra)
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json")
+    return json_response(api_error_body(status, message, kind, **extra), status)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    """Turn aiohttp's HTTP errors (404 unknown route, 405, 413 body too large) and unexpected exceptions into
-    JSON errors; the process never dies on a request."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = "not_found" if e.status == 404 else "invalid_request_error"
-        metrics = request.app.get(METRICS_KEY)
-        if metrics is not None:
+def overloaded(retry_after_s: int, message: str) -> Response:
+    """A 503 with ``Retry-After`` that closes the connection (:func:`~btbctl.engine.netguard.overload_parts`)."""
+    body, headers = overload_parts(retry_after_s, message)
+    return Response(503, body, headers)
+
+
+def error_middleware(metrics: GatewayMetrics) -> Middleware:
+    """A middleware turning the server's HTTP errors (404 unknown route, 405, 413 body too large; counted in
+    ``metrics``) and unexpected exceptions into JSON errors; the process never dies on a request."""
+
+    async def middleware(request: HttpRequest, handler) -> Answer:
+        try:
+            return await handler(request)
+        except HttpError as e:
             metrics.reject(e.status)
-        msg = e.text if e.status == 413 else f"{e.reason}: {request.method} {request.path}"
-        return json_error(e.status, msg, kind)
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_error(500, "internal gateway error", "internal_error")
+            return json_error(e.status, e.message, "not_found" if e.status == 404 else "invalid_request_error")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if request.transport is None or request.transport.is_closing():
+                raise  # the client left (a read or write on its connection failed): nobody to answer
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return json_error(500, "internal gateway error", "internal_error")
+
+    return middleware
 
 
 class Fleet(Protocol):
@@ -355,16 +367,16 @@ class DataPlane:
 
     # -- routes -------------------------------------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: HttpRequest) -> Answer:
         return await self._handle(request, "generate", DATA_ROUTES["generate"])
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: HttpRequest) -> Answer:
         return await self._handle(request, "completions", DATA_ROUTES["completions"])
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: HttpRequest) -> Answer:
         return await self._handle(request, "chat", DATA_ROUTES["chat"])
 
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: HttpRequest) -> Answer:
         """200 ``ok`` while a worker is healthy; 200 ``degraded`` while none is but some still answer requests
         (the gateway routes to them, :meth:`FleetState.fallback`; a load balancer must keep sending); else 503."""
         state = self.gw.state
@@ -372,15 +384,14 @@ class DataPlane:
         n = sum(1 for w in ws if w.healthy)
         answering = n or len(state.fallback(()))
         status = "ok" if n else ("degraded" if answering else "unavailable")
-        return web.json_response(
-            {"status": status, "healthy": n, "answering": answering, "total": len(ws)},
-            status=200 if answering else 503,
+        return json_response(
+            {"status": status, "healthy": n, "answering": answering, "total": len(ws)}, 200 if answering else 503
         )
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def metrics(self, request: HttpRequest) -> Answer:
+        return Response(200, self.gw.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: HttpRequest) -> Answer:
         gw = self.gw
         up = [w for w in gw.state.workers if w.healthy] or gw.state.fallback(())
         for w in sorted(up, key=lambda w: w.inflight):
@@ -388,10 +399,8 @@ class DataPlane:
                 async with gw.session.get(f"{w.url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
                     body = await resp.read()
                     if resp.status < 500:
-                        return web.Response(
-                            status=resp.status,
-                            body=body,
-                            headers={"Content-Type": resp.headers.get("Content-Type", "application/json")},
+                        return Response(
+                            resp.status, body, content_type=resp.headers.get("Content-Type", "application/json")
                         )
             except _UPSTREAM_ERRORS:
                 continue
@@ -400,7 +409,7 @@ class DataPlane:
 
     # -- the request path ---------------------------------------------------------------------------------------
 
-    async def _handle(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+    async def _handle(self, request: HttpRequest, route: str, path: str) -> Answer:
         lim = self.limits
         if self.inflight >= lim.max_inflight:
             self.gw.metrics.reject(503, "inflight")
@@ -412,7 +421,7 @@ class DataPlane:
         finally:
             self.inflight -= 1
 
-    async def _admitted(self, request: web.Request, route: str, path: str) -> web.StreamResponse:
+    async def _admitted(self, request: HttpRequest, route: str, path: str) -> Answer:
         gw = self.gw
         lim = self.limits
         t0 = gw.state.clock()  # its arrival: TTFT counts from here
@@ -423,7 +432,7 @@ class DataPlane:
         try:
             # without the timeout's task and timer when the body is all buffered (usually so: it came with its head)
             read = request.read()
-            body = await (read if request.content.is_eof() else asyncio.wait_for(read, lim.body_timeout_s))
+            body = await (read if request.at_eof() else asyncio.wait_for(read, lim.body_timeout_s))
         except asyncio.TimeoutError:
             return json_error(408, f"the request body did not arrive within {lim.body_timeout_s:g} s")
         admitted = await self.life.admit(
@@ -489,8 +498,8 @@ class DataPlane:
         return max(lim.retry_budget_min, int(self.inflight * lim.retry_budget_percent / 100))
 
     async def _attempts(
-        self, request: web.Request, path: str, body: bytes, req: Request, stream: bool, retry: _RetrySlot
-    ) -> web.StreamResponse:
+        self, request: HttpRequest, path: str, body: bytes, req: Request, stream: bool, retry: _RetrySlot
+    ) -> Answer:
         """Route ``req`` and try it on its worker; on a :class:`Retry` (nothing reached the client) route it again
         with that worker excluded, at most ``max_retries`` more times, within the fleet's retry budget once an
         attempt reached a worker; then 502 (503 when no worker was available at all)."""
@@ -562,8 +571,8 @@ class DataPlane:
         self._next_turns(a.idx)  # its prefill ended: the requests held for their turn there may go
 
     async def _attempt(
-        self, request: web.Request, path: str, body: bytes, a: Attempt, stream: bool, excluded: Sequence[int]
-    ) -> web.StreamResponse | Retry:
+        self, request: HttpRequest, path: str, body: bytes, a: Attempt, stream: bool, excluded: Sequence[int]
+    ) -> Answer | Retry:
         """One attempt (``excluded``: the workers the request failed on before): held at the gateway while a copy
         to its worker is unresolved or its turn has not come, then forwarded; the answer (passed through, or
         streamed), or a :class:`Retry` when nothing reached the client."""
@@ -594,7 +603,7 @@ class DataPlane:
         if held:
             if request.transport is None or request.transport.is_closing():  # the client left meanwhile
                 self.life.unanswered(a, "client_gone")
-                return web.Response(status=499)
+                return Response(499)
             deadline = loop.time() + lim.first_byte_timeout_s
         self.life.sent(a)
         try:
@@ -629,13 +638,13 @@ class DataPlane:
             w.last_progress_s = state.clock()  # it answered: alive, whatever its /health says
             # a 4xx is the client's: passed through as is, the worker stays healthy
             self.life.answered(a, str(status))
-            return web.Response(status=status, body=payload, headers={"Content-Type": ctype, WORKER_HEADER: w.url})
+            return Response(status, payload, {"Content-Type": ctype, WORKER_HEADER: w.url})
         finally:
             resp.release()
 
     async def _stream(
-        self, request: web.Request, resp: UpstreamResponse, a: Attempt, ctype: str, deadline: float
-    ) -> web.StreamResponse | Retry:
+        self, request: HttpRequest, resp: UpstreamResponse, a: Attempt, ctype: str, deadline: float
+    ) -> Answer | Retry:
         """Pass a streamed answer through: its preamble up to the first ``data:`` chunk is held back (a failure
         before it is a :class:`Retry`); from the first chunk sent on, the answer is committed to this worker."""
         clock = self.gw.state.clock
@@ -658,9 +667,7 @@ class DataPlane:
         except _UPSTREAM_ERRORS as e:
             return self._failed(a, f"stream broke before its first byte: {_describe(e)}", _kind(e))
         self._first_byte(a)
-        out = web.StreamResponse(
-            status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: w.url}
-        )
+        out = StreamResponse(200, {"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: w.url})
         status = "200"
         try:
             await out.prepare(request)
@@ -801,15 +808,19 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def build_data_app(dp: DataPlane, middlewares: Sequence[Any] = ()) -> web.Application:
-    """The data-plane :class:`aiohttp.web.Application` of ``dp`` (``middlewares`` run before the error
-    middleware)."""
-    app = web.Application(client_max_size=dp.max_body, middlewares=[*middlewares, error_middleware])
-    app[METRICS_KEY] = dp.gw.metrics
-    app.router.add_post(DATA_ROUTES["generate"], dp.generate)
-    app.router.add_post(DATA_ROUTES["completions"], dp.completions)
-    app.router.add_post(DATA_ROUTES["chat"], dp.chat)
-    app.router.add_get("/v1/models", dp.models)
-    app.router.add_get("/health", dp.health)
-    app.router.add_get("/metrics", dp.metrics)
-    return app
+def build_data_app(
+    dp: DataPlane, middlewares: Sequence[Middleware] = (), on_answer: Callable[[HttpRequest, int], None] | None = None
+) -> HttpServer:
+    """The data-plane server of ``dp`` (``middlewares`` run before the error middleware; ``on_answer`` is called
+    with each request and its answer's status); open it with :func:`~btbctl.engine.netguard.listen_http`."""
+    get, post = "GET", "POST"
+    routes = {
+        (post, DATA_ROUTES["generate"]): dp.generate,
+        (post, DATA_ROUTES["completions"]): dp.completions,
+        (post, DATA_ROUTES["chat"]): dp.chat,
+        (get, "/v1/models"): dp.models,
+        (get, "/health"): dp.health,
+        (get, "/metrics"): dp.metrics,
+    }
+    app = HttpApp(routes, [*middlewares, error_middleware(dp.gw.metrics)], on_answer)
+    return HttpServer(app, max_body_bytes=dp.max_body)

@@ -25,6 +25,7 @@ from btbctl.engine.netguard import (
     is_local_exhaustion,
     listen_http,
     nofile_target,
+    overload_parts,
     overloaded,
     raise_nofile,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "is_local_exhaustion",
     "listen_http",
     "nofile_target",
+    "overload_parts",
     "overloaded",
     "raise_nofile",
 ]

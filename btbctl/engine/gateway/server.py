@@ -65,6 +65,7 @@ from btbctl.engine.gateway.guard import (
     raise_nofile,
 )
 from btbctl.engine.gateway.health import HealthProber
+from btbctl.engine.gateway.httpserver import HttpRequest, HttpServer
 from btbctl.engine.gateway.kv_events import HoldingsFeed, KvEventsSubscriber, chain_keyer, l3_keyer
 from btbctl.engine.gateway.l3 import L3Replicator
 from btbctl.engine.gateway.lifecycle import PromptLimits, RequestLifecycle
@@ -242,7 +243,7 @@ class Gateway:
         )
         #: the KV event subscribers, one per worker with ``kv_events`` (:mod:`btbctl.engine.gateway.kv_events`)
         self.kv_subscribers: list[KvEventsSubscriber] = []
-        self._runners: list[web.AppRunner] = []
+        self._runners: list[web.AppRunner | HttpServer] = []
         self.data_url = ""
         self.control_url = ""
         #: the registration-only listener's URLs (``register_hosts``; empty without)
@@ -612,15 +613,15 @@ class Gateway:
             policy=self.policy.name,
         )
 
-    async def _log_response(self, request: web.Request, response: web.StreamResponse) -> None:
+    def _log_response(self, request: HttpRequest, status: int) -> None:
         """Data plane: one line per answer with a 4xx or 5xx status (successes are counted by the metrics only);
         identical lines are held back and counted by the log's repeat filter."""
-        if response.status >= 400:
+        if status >= 400:
             log_event(
                 log,
                 "request_error",
-                logging.WARNING if response.status >= 500 else logging.INFO,
-                status=response.status,
+                logging.WARNING if status >= 500 else logging.INFO,
+                status=status,
                 method=request.method,
                 path=request.path,
                 peer=request.remote,
@@ -830,8 +831,9 @@ class Gateway:
             authorized=lambda request: self.token_ok(request.headers.get("Authorization")),
             max_per_peer=cfg.control_max_per_peer,
         )
-        data = build_data_app(self.dataplane, middlewares=[self._host_guard("data", cfg.host)])
-        data.on_response_prepare.append(self._log_response)
+        data = build_data_app(
+            self.dataplane, middlewares=[self._host_guard("data", cfg.host)], on_answer=self._log_response
+        )
         control = build_control_app(
             reports,
             self,
@@ -917,7 +919,13 @@ class Gateway:
         return guard
 
     async def _listen(
-        self, app: web.Application, host: str, port: int, key: str, access_log: bool, guard: ConnectionGuard
+        self,
+        app: web.Application | HttpServer,
+        host: str,
+        port: int,
+        key: str,
+        access_log: bool,
+        guard: ConnectionGuard,
     ) -> str:
         try:
             runner, bound = await listen_http(
