@@ -250,6 +250,21 @@ async def test_an_endless_unread_body_is_cut_off_by_the_idle_timeout():
             feeder.cancel()
 
 
+async def test_hundreds_of_idle_connections_are_closed_and_the_books_balance():
+    async with HostileApp(max_connections=16) as app:
+        idle = [await app.connect() for _ in range(200)]
+        r, w = await app.connect()
+        w.write(GET_HELLO)
+        status, _, _ = await answer_within(r, 5.0)
+        assert status in (200, 503)  # served or refused in the error shape, never left hanging
+        assert all(await asyncio.gather(*(closed(ri) for ri, _ in idle)))
+        w.close()
+        for _, wi in idle:
+            wi.close()
+        await until(lambda: not app.server.conns and not app.guard.conns)
+        assert app.guard.closed["header_timeout"] + app.guard.closed["evicted"] >= 200 - 16
+
+
 # -- defects -----------------------------------------------------------------------------------------------------
 
 
@@ -561,14 +576,24 @@ async def test_a_100_continue_request_over_the_limit_is_413_with_connection_clos
         w.close()
 
 
-@pytest.mark.parametrize("when", ["before the first byte", "mid-stream"])
-async def test_a_streaming_client_that_leaves_is_counted_client_gone_once_and_frees_its_worker(when):
+NOT_STREAMED = pytest.param(
+    "not streamed",
+    marks=pytest.mark.xfail(
+        strict=True,
+        reason="a client that leaves while its non-streamed request is at a worker is counted answered 200, not "
+        "client_gone (the data plane never looks; so before the new server too)",
+    ),
+)
+
+
+@pytest.mark.parametrize("when", ["before the first byte", "mid-stream", NOT_STREAMED])
+async def test_a_client_that_leaves_is_counted_client_gone_once_and_frees_its_worker(when):
     gate = asyncio.Event()
-    key = "first_byte_gate" if when == "before the first byte" else "chunk_gate"
+    key = "chunk_gate" if when == "mid-stream" else "first_byte_gate"
     async with GatewayEnv(1, worker_kw={key: gate}) as env:
         port = int(env.url.rsplit(":", 1)[1])
         r, w = await asyncio.open_connection("127.0.0.1", port)
-        body = json.dumps({"text": "hello there", "stream": True}).encode()
+        body = json.dumps({"text": "hello there", "stream": when != "not streamed"}).encode()
         w.write(
             b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%b" % (port, len(body), body)
