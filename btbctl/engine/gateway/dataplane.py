@@ -124,8 +124,8 @@ def error_middleware(metrics: GatewayMetrics) -> Middleware:
         except asyncio.CancelledError:
             raise
         except Exception:
-            if request.transport is None or request.transport.is_closing():
-                raise  # the client left (a read or write on its connection failed): nobody to answer
+            if request.transport is None or request.transport.is_closing() or request.status is not None:
+                raise  # the client left, or the answer had started (the server cuts it): no error answer
             log.exception("unhandled error on %s %s", request.method, request.path)
             return json_error(500, "internal gateway error", "internal_error")
 

@@ -7,14 +7,18 @@ cookies, forms, websockets, compression, static files). This server does only th
 aiohttp's server CPU per request (``benchmarks/bench_router.py``); the control API, the agent and the emulated
 worker keep aiohttp.
 
-* **Requests**: one at a time per connection, in the order they arrived (pipelined ones wait their turn, at most
-  :data:`MAX_PIPELINED` parsed ahead: then the socket stops being read). A handler starts once the request head is
+* **Requests**: one at a time per connection, in the order they arrived (pipelined ones wait their turn; once
+  :data:`MAX_PIPELINED` wait, the socket stops being read: the parser takes a whole read, so one read of tiny
+  requests may queue more), and the next one's turn comes once the client took the answer before it (the transport's
+  write buffer under its high-water mark). A handler starts once the request head is
   complete; :meth:`HttpRequest.read` waits for the body (``Content-Length`` or chunked), sending ``100 Continue``
   first when the client asked for it. A body over ``max_body_bytes`` is not kept: :meth:`HttpRequest.read` raises
   :class:`HttpError` 413 once that much came. The rest of a body the handler did not read is dropped as it arrives
   (the connection serves on; it closes instead when the client waits for a ``100 Continue`` it never got). A
   pipelined request's body is read ahead up to 64 KiB; the rest waits in the socket for its turn. A client's end
-  of stream closes the connection (as aiohttp's server does).
+  of stream closes the connection (as aiohttp's server does). A request with an ``Upgrade`` header stays HTTP/1.1
+  (no protocol is switched: its body and the requests after it are read as such; ``CONNECT`` closes). A target in
+  absolute form (``http://host/path``) is routed by its path, and a path is percent-decoded.
 * **Answers**: a :class:`Response` (whole body), or a :class:`StreamResponse` (chunked transfer encoding; its
   :meth:`~StreamResponse.write` waits while the client's socket buffer is over the transport's high-water mark, so
   a slow client slows the reading of what it is sent). Any object with ``status``, ``body`` and ``headers`` is
@@ -23,11 +27,14 @@ worker keep aiohttp.
 * **Errors**: an unknown path raises :class:`HttpError` 404, a known path with another method 405, inside the
   middlewares (so they are answered in the app's error shape); a request that is not HTTP/1.x or whose head is over
   :data:`MAX_REQUEST_HEAD_BYTES` gets a JSON 400 (431; 405 for a method the parser does not know) and the
-  connection closes; no middleware runs for it (as for aiohttp's own 400 answers).
+  connection closes; no middleware runs for it (as for aiohttp's own 400 answers). A malformed body fails its
+  :meth:`HttpRequest.read` with 400 and the connection closes after the answer. A handler that fails before its
+  answer started is answered 500; after (a stream), the connection is cut, never a second head.
 * **Connections**: the guard sees each connection open and close and runs its middleware first (cap, per-peer cap,
   head timeout of a fresh connection, 503 over the cap); a connection with no complete request head within
-  ``idle_timeout_s`` of its last answer is closed. A client that leaves does not cancel its handler (as aiohttp's
-  default): the handler sees ``request.transport.is_closing()`` and a :exc:`ConnectionResetError` from any write.
+  ``idle_timeout_s`` of its last answer (once all of it was handed to the socket) is closed. A client that leaves
+  does not cancel its handler (as aiohttp's default): the handler sees ``request.transport.is_closing()`` and a
+  :exc:`ConnectionResetError` from any write.
 * **Stop** (:meth:`HttpServer.cleanup`): no new connection; idle ones close at once, busy ones after their current
   answer; handlers still running after ``shutdown_timeout_s`` are cancelled and their connections aborted.
 """
@@ -43,6 +50,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from email.utils import formatdate
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import httptools
 
@@ -178,6 +186,7 @@ class HttpRequest:
         "_conn",
         "_continue",
         "_drop",
+        "_error",
         "_size",
         "_too_large",
         "_waiter",
@@ -211,6 +220,7 @@ class HttpRequest:
         self._complete = False
         self._too_large = False
         self._drop = False
+        self._error: HttpError | None = None  # the body turned out malformed (then the connection closes)
         self._continue = headers.get("expect", "").lower() == "100-continue"
         self._waiter: asyncio.Future[None] | None = None
 
@@ -226,11 +236,15 @@ class HttpRequest:
                 rest is dropped as it arrives).
             ConnectionResetError: the client left before the body's end.
         """
-        if not self._complete:
+        limit = self._conn.server.max_body_bytes
+        if not self._complete and self._continue and self.content_length is not None and self.content_length > limit:
+            self._too_large = True  # refused before the client is invited to send it: it may send it anyway
+            self.keep_alive = False
+        if not self._complete and not self._too_large:
             if self._continue:
                 self._continue = False
                 self._conn.send_continue()
-            while not self._complete and not self._too_large:
+            while not self._complete and not self._too_large and self._error is None:
                 if self._conn.closed:
                     raise ConnectionResetError("the client closed the connection before the request body's end")
                 self._waiter = asyncio.get_running_loop().create_future()
@@ -238,11 +252,11 @@ class HttpRequest:
                     await self._waiter
                 finally:
                     self._waiter = None
+        if self._error is not None:
+            raise self._error
         if self._too_large:
-            raise HttpError(
-                413,
-                f"Maximum request body size {self._conn.server.max_body_bytes} exceeded, actual body size {self._size}",
-            )
+            size = self._size if self.content_length is None else max(self._size, self.content_length)
+            raise HttpError(413, f"Maximum request body size {limit} exceeded, actual body size {size}")
         body = self._body
         return body[0] if len(body) == 1 else b"".join(body)
 
@@ -314,9 +328,13 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers = Headers()
         self.in_head = False
-        self.head_bytes = 0
+        self.head_bytes = 0  # of the head being parsed: its URL and whole header lines, and reads wholly inside it
+        self.read_counted = 0  # head bytes the callbacks counted during the current read
+        self.done_in_read = 0  # requests whose end the current read held
+        self.upgraded: HttpRequest | None = None  # a request with an Upgrade header, its body not parsed yet
         self.chunked = False  # the answer being sent uses chunked transfer encoding
         self.bad: tuple[int, str] | None = None  # a request that could not be parsed: answered, then close
+        self.resumed: HttpRequest | None = None  # the request whose body the next parsed head frames
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------------------
 
@@ -329,18 +347,26 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing or self.bad is not None:
             return  # nothing after a request answered with a close is read
+        # A read that ends inside a head and holds nothing else (it started inside the head, or between requests
+        # with no request completed before the head began) counts whole: its part the callbacks did not see is a
+        # header line being read, which the parser keeps whole however long it grows. (A read that also completed
+        # requests before the head began counts only what the callbacks saw: at most one read more.)
+        whole = self.in_head or self.parsing is None
+        self.read_counted = 0
+        self.done_in_read = 0
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.closing = True  # no protocol switch here: what follows the head is not HTTP/1.1
+        except httptools.HttpParserUpgrade as e:
+            self._not_upgraded(data, e.args[0] if e.args else len(data))
+            return
         except httptools.HttpParserInvalidMethodError:  # a method no route has (aiohttp's router said 405 too)
             self._refuse(405, "Method Not Allowed: a method no route takes")
             return
         except httptools.HttpParserError as e:
-            self._refuse(400, f"malformed HTTP request: {e}")
+            self._malformed(431 if self.head_bytes > MAX_REQUEST_HEAD_BYTES else 400, e)
             return
-        if self.in_head:  # counted as they come: the parser keeps a header line whole however long it grows
-            self.head_bytes += len(data)
+        if self.in_head and whole and not self.done_in_read:
+            self.head_bytes += max(0, len(data) - self.read_counted)
             if self.head_bytes > MAX_REQUEST_HEAD_BYTES:
                 self._refuse(431, f"request head over {MAX_REQUEST_HEAD_BYTES} bytes")
 
@@ -378,17 +404,63 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def _count_head(self, n: int) -> None:
+        """``n`` more bytes of the head being parsed; past :data:`MAX_REQUEST_HEAD_BYTES` the parse stops (431)."""
+        self.head_bytes += n
+        self.read_counted += n
+        if self.head_bytes > MAX_REQUEST_HEAD_BYTES:
+            raise _HeadTooLong  # stops the parser: answered 431 by data_received
+
+    def _malformed(self, status: int, e: Exception) -> None:
+        """The parser failed: a head over the limit (431) or not HTTP/1.x (400). A request whose body it was
+        reading fails its :meth:`HttpRequest.read` with 400 (answered in the app's error shape, then the
+        connection closes); otherwise the connection answers ``status`` after the requests before it and closes."""
+        message = f"request head over {MAX_REQUEST_HEAD_BYTES} bytes" if status == 431 else f"malformed HTTP: {e}"
+        req = self.parsing
+        if req is not None:  # its head was complete: the body is malformed
+            self.parsing = None
+            self.bad = (status, message)  # nothing after it is read
+            req.keep_alive = False
+            req._error = HttpError(400, f"malformed request body: {e}")
+            req._wake()
+            return
+        self._refuse(status, message)
+
+    def _not_upgraded(self, data: bytes, offset: int) -> None:
+        """The parser stopped after the head of a request with an ``Upgrade`` header, taking what follows for
+        another protocol. No protocol is switched here: the request stays HTTP/1.1, so a new parser reads its body
+        (the framing of its head) and the requests after it, from ``offset`` of ``data``."""
+        req = self.upgraded
+        self.upgraded = None
+        if req is None or req.method == "CONNECT":
+            self.closing = True  # a tunnel: what follows is not HTTP/1.1
+            return
+        framing = "Transfer-Encoding: chunked" if "transfer-encoding" in req.headers else None
+        if framing is None:
+            framing = f"Content-Length: {req.content_length or 0}"
+        self.parser = httptools.HttpRequestParser(self)
+        self.resumed = req
+        self.data_received(f"POST / HTTP/1.1\r\n{framing}\r\n\r\n".encode() + data[offset:])
 
     def on_headers_complete(self) -> None:
         self.in_head = False
         self.idle_since = None
         p = self.parser
-        path = self.url.split(b"?", 1)[0].decode("utf-8", "surrogateescape")
-        req = HttpRequest(self, p.get_method().decode("latin-1"), path, self.headers, p.get_http_version())
+        resumed = self.resumed
+        if resumed is not None:  # the framing head of an Upgrade request's body (_not_upgraded): its body follows
+            self.resumed = None
+            self.parsing = resumed
+            return
+        req = HttpRequest(self, p.get_method().decode("latin-1"), _path(self.url), self.headers, p.get_http_version())
         req.keep_alive = p.should_keep_alive()
+        if p.should_upgrade():
+            self.upgraded = req
         self.parsing = req
         if self.current is None:
             self._start(req)
@@ -412,7 +484,8 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         req = self.parsing
         self.parsing = None
-        if req is not None:
+        self.done_in_read += 1
+        if req is not None and req is not self.upgraded:  # an Upgrade request's body comes after (_not_upgraded)
             req._complete = True
             req._wake()
 
@@ -433,7 +506,10 @@ class _Connection(asyncio.Protocol):
             ans = None  # the client left: nobody to answer
             if not self.closed:
                 log.exception("unhandled error on %s %s", req.method, req.path)
-                ans = json_response(api_error_body(500, "internal gateway error", "internal_error"), 500)
+                if req.status is not None:  # its answer had started: cut it (a second head would be its body)
+                    self.abort()
+                else:
+                    ans = _internal_error()
         if self.closed:
             if ans is not None and not (isinstance(ans, StreamResponse) and ans.prepared):
                 server.answered(req, ans.status)  # counted and logged as any answer, though nobody takes it
@@ -445,8 +521,15 @@ class _Connection(asyncio.Protocol):
                     await ans.write_eof()
                 else:
                     self._answer(req, ans)
+                await self.drain()  # the next pipelined answer waits until the client takes this one
             except ConnectionError:
                 pass
+            except Exception:  # an answer that cannot be written (a header outside latin-1)
+                log.exception("cannot write the answer to %s %s", req.method, req.path)
+                if req.status is None and not self.closed:  # nothing of it went out: a 500 instead
+                    self._answer(req, _internal_error())
+                else:
+                    self.abort()
         self._next(req)
 
     def _answer(self, req: HttpRequest, ans: Answer) -> None:
@@ -495,8 +578,10 @@ class _Connection(asyncio.Protocol):
         since = self.idle_since
         if since is None or self.closed:
             return  # a request head came: the timer is armed again after its answer
-        due = since + self.server.guard.idle_timeout_s
         loop = asyncio.get_running_loop()
+        if self.transport is not None and self.transport.get_write_buffer_size():
+            self.idle_since = since = loop.time()  # the last answer is still going out: idle from when it is
+        due = since + self.server.guard.idle_timeout_s
         if loop.time() >= due:
             self.abort()
         else:
@@ -528,11 +613,21 @@ class _Connection(asyncio.Protocol):
     def head(self, req: HttpRequest, status: int, headers: Mapping[str, str], length: int | None) -> bytes:
         """The answer's head (the answer counts as sent from here); ``length`` None: a chunked body follows (or, to
         an HTTP/1.0 client, a body up to the connection's close). A ``Connection: close`` among ``headers``
-        closes the connection after the answer."""
+        closes the connection after the answer, and so does a body the client holds back for a ``100 Continue`` it
+        was not sent (it may still send it).
+
+        Raises:
+            UnicodeEncodeError: a header outside latin-1 (nothing counts as sent then).
+        """
+        fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items() if k != "Connection"]).encode("latin-1")
         req.status = status
         self.server.answered(req, status)
-        keep = req.keep_alive and not self.server.stopping and headers.get("Connection") != "close"
-        fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items() if k != "Connection"])
+        keep = (
+            req.keep_alive
+            and not self.server.stopping
+            and headers.get("Connection") != "close"
+            and not (req._continue and not req._complete)
+        )
         if length is not None:
             framing = b"Content-Length: %d\r\n" % length
             self.chunked = False
@@ -545,8 +640,10 @@ class _Connection(asyncio.Protocol):
         if not keep:
             req.keep_alive = False
             framing += b"Connection: close\r\n"
+        elif req.version == "1.0":
+            framing += b"Connection: keep-alive\r\n"  # an HTTP/1.0 client closes unless told
         line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, "Unknown").encode())
-        return b"%b%b%bDate: %b\r\n\r\n" % (line, fields.encode("latin-1"), framing, _DATE.date())
+        return b"%b%b%bDate: %b\r\n\r\n" % (line, fields, framing, _DATE.date())
 
     def send_body(self, data: bytes) -> None:
         self.transport.write(data)  # type: ignore[union-attr]
@@ -569,6 +666,28 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         if not self.closed and self.transport is not None:
             self.transport.abort()
+
+
+def _internal_error() -> Response:
+    """The 500 answer to a request whose handler failed (or whose answer could not be written)."""
+    return json_response(api_error_body(500, "internal gateway error", "internal_error"), 500)
+
+
+class _HeadTooLong(Exception):
+    """Raised from a parser callback to stop a head past :data:`MAX_REQUEST_HEAD_BYTES`."""
+
+
+def _path(url: bytes) -> str:
+    """The path of a request target: origin form (``/p?q``), or absolute form (``http://host/p``, RFC 9112 3.2.2),
+    percent-decoded (UTF-8; bytes that are not stay as surrogate escapes, matching no route)."""
+    if url[:1] != b"/" and b"://" in url[:16]:
+        url = url.split(b"://", 1)[1]
+        slash = url.find(b"/")
+        url = url[slash:] if slash >= 0 else b"/"
+    path = url.split(b"?", 1)[0]
+    if b"%" in path:
+        path = unquote_to_bytes(path)
+    return path.decode("utf-8", "surrogateescape")
 
 
 def _body_of(ans: Any) -> bytes:
