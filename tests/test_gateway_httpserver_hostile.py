@@ -537,17 +537,7 @@ async def test_a_100_continue_request_over_the_limit_is_413_with_connection_clos
         w.close()
 
 
-NOT_STREAMED = pytest.param(
-    "not streamed",
-    marks=pytest.mark.xfail(
-        strict=True,
-        reason="a client that leaves while its non-streamed request is at a worker is counted answered 200, not "
-        "client_gone (the data plane never looks; so before the new server too)",
-    ),
-)
-
-
-@pytest.mark.parametrize("when", ["before the first byte", "mid-stream", NOT_STREAMED])
+@pytest.mark.parametrize("when", ["before the first byte", "mid-stream", "not streamed"])
 async def test_a_client_that_leaves_is_counted_client_gone_once_and_frees_its_worker(when):
     gate = asyncio.Event()
     key = "chunk_gate" if when == "mid-stream" else "first_byte_gate"

@@ -636,6 +636,9 @@ class DataPlane:
             if status < 300:
                 self._first_byte(a, t_head)
             w.last_progress_s = state.clock()  # it answered: alive, whatever its /health says
+            if request.transport is None or request.transport.is_closing():  # the client left meanwhile
+                self.life.answered(a, "client_gone")
+                return Response(499)
             # a 4xx is the client's: passed through as is, the worker stays healthy
             self.life.answered(a, str(status))
             return Response(status, payload, {"Content-Type": ctype, WORKER_HEADER: w.url})
