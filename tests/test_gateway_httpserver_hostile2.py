@@ -186,6 +186,39 @@ async def test_an_http2_preface_is_refused_and_closed():
         w.close()
 
 
+DUPLICATED = {
+    "Host": b"GET /hello HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: evil.example\r\n\r\n",
+    "Transfer-Encoding": b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(
+            DUPLICATED["Host"],
+            id="Host",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a request with two Host headers is served (the last one wins in Headers; the host guard "
+                "checks that one, a proxy in front may check the first): RFC 9112 3.2 wants 400, and aiohttp's "
+                "parser refused a duplicated singleton header (Host, Content-Type, ...) with 400",
+            ),
+        ),
+        pytest.param(DUPLICATED["Transfer-Encoding"], id="Transfer-Encoding"),
+    ],
+)
+async def test_a_duplicated_singleton_header_is_refused(raw):
+    async with HostileApp() as app:
+        r, w = await app.connect()
+        w.write(raw)
+        status, _, body = await answer_within(r)
+        assert status == 400, body
+        assert app.answered == []
+        w.close()
+
+
 # -- trailers -----------------------------------------------------------------------------------------------------
 
 
