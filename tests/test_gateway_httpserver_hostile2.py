@@ -17,6 +17,7 @@ import pytest
 from btbctl.engine.gateway.dataplane import error_middleware
 from btbctl.engine.gateway.httpserver import HttpApp, HttpRequest, HttpServer, Response, json_response
 from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http
+from gateway_fakes import GatewayEnv, metric_value, until
 from test_gateway_httpserver import MAX_BODY, closed, post, read_head
 from test_gateway_httpserver_hostile import ANSWER_WAIT_S, GET_HELLO, HostileApp, answer_within, read_all, settled
 
@@ -374,10 +375,38 @@ async def test_a_stream_nobody_reads_does_not_hold_the_connection_cap_forever():
         w.write(post("/stream", b""))
         await settled(lambda: app.written)
         assert 0 < app.written < app.chunks  # stuck in the drain wait
-        gone = await until_gone(app, polls=int(20 * app.guard.idle_timeout_s / 0.01))  # 20 idle timeouts
+        gone = await until_gone(app, polls=int(10 * app.guard.idle_timeout_s / 0.01))  # 10 idle timeouts
         r2, w2 = await app.connect()
         w2.write(GET_HELLO)
         status, _, _ = await answer_within(r2, 5.0)
         w.transport.abort()
         w2.close()
         assert gone and status == 200
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="in the gateway, a streamed answer whose client never reads holds its request in flight (and its worker "
+    "slot and upstream connection) for as long as the client keeps the connection open: the write waits for the "
+    "client with no timeout, and no timeout of the data plane applies (aiohttp's server did the same)",
+)
+async def test_a_gateway_stream_nobody_reads_does_not_stay_in_flight_forever():
+    async with GatewayEnv(1, header_timeout_s=0.3, idle_timeout_s=0.3, worker_kw={"chunks": 400_000}) as env:
+        port = int(env.url.rsplit(":", 1)[1])
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"text": "hello there", "stream": True}).encode()
+        w.write(
+            b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (port, len(body), body)
+        )
+        await until(lambda: env.fleet[0].requests)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10 * 0.3  # ten of the data plane's timeouts
+        for _ in range(1000):
+            inflight = metric_value(await env.metrics(), "btb_inflight_requests")
+            if inflight == 0 or loop.time() > end:
+                break
+            await asyncio.sleep(0.05)
+        w.transport.abort()
+        assert inflight == 0
