@@ -15,7 +15,15 @@ import socket
 import pytest
 
 from btbctl.engine.gateway.dataplane import error_middleware
-from btbctl.engine.gateway.httpserver import HttpApp, HttpRequest, HttpServer, Response, StreamResponse, json_response
+from btbctl.engine.gateway.httpserver import (
+    MAX_REQUEST_HEAD_BYTES,
+    HttpApp,
+    HttpRequest,
+    HttpServer,
+    Response,
+    StreamResponse,
+    json_response,
+)
 from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http
 from gateway_fakes import GatewayEnv, metric_value, until
 from test_gateway_httpserver import MAX_BODY, closed, post, read_head
@@ -374,6 +382,31 @@ async def test_a_long_head_starting_after_a_whole_request_in_its_read_is_still_4
         assert got == b"" or (got.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 431 " in got), got[-200:]
         assert await until_gone(app) and app.answered == [("/hello", 200)]
         w.transport.abort()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a head under the limit whose last read starts inside a header line is refused 431: the read before was "
+    "counted whole and on_header counts the whole line again in the last read (62,496 bytes counted as 66,304); "
+    "every line is under aiohttp's 8190-byte bound, so aiohttp's server served it",
+)
+async def test_a_head_under_the_limit_split_inside_a_header_line_is_served():
+    async with HostileApp() as app:
+        r, w = await app.connect()
+        lines = b"".join(b"X-H%d: %b\r\n" % (i, b"v" * 7800) for i in range(8))  # each line under 8190 bytes
+        head = b"GET /hello HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n"
+        assert len(head) < MAX_REQUEST_HEAD_BYTES
+        cut = len(head) - 4000  # inside the last header line
+        w.write(head[:cut])
+        for _ in range(200):  # until the server has read (and counted) the first part
+            if app.server.conns and app.conn().head_bytes >= cut:
+                break
+            await asyncio.sleep(0.01)
+        assert app.conn().head_bytes >= cut
+        w.write(head[cut:])
+        status, _, body = await answer_within(r)
+        assert status == 200, body
+        w.close()
 
 
 # -- clients that never read their answer -------------------------------------------------------------------------
