@@ -1,6 +1,7 @@
 """The data plane's HTTP/1.1 server (btbctl.engine.gateway.httpserver) against hostile clients, second round: the
-mends of the first (the parser re-fed after an ``Upgrade`` header, percent-decoded paths, the drain wait before the
-next answer) and what the first round did not try (trailers, an HTTP/2 preface).
+mends of the first (the parser re-fed after an ``Upgrade`` header, percent-decoded paths, the head-size accounting,
+the drain wait before the next answer) and what the first round did not try (trailers, duplicated singleton headers,
+an HTTP/2 preface, HEAD on a streamed route, a stream nobody reads, in the gateway too).
 
 Each ``xfail(strict=True)`` test is a defect that stands (its reason says which, and what aiohttp's server did);
 the others are attacks that hold. Timeouts are configured small; waits are bounded, nothing asserts a wall time.
