@@ -404,7 +404,7 @@ async def test_a_head_over_the_limit_is_431_even_when_its_end_comes_in_the_same_
 
 
 async def test_a_small_head_after_many_pipelined_requests_in_one_read_is_not_431():
-    async with HostileApp() as app:
+    async with HostileApp(idle_timeout_s=5.0) as app:  # 275 KB of answers to read on a busy machine
         r, w = await app.connect()
         w.write(post("/wait", b""))
         await asyncio.wait_for(app.waiting.wait(), ANSWER_WAIT_S)

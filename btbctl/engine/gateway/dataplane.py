@@ -826,4 +826,4 @@ def build_data_app(
         (get, "/metrics"): dp.metrics,
     }
     app = HttpApp(routes, [*middlewares, error_middleware(dp.gw.metrics)], on_answer)
-    return HttpServer(app, max_body_bytes=dp.max_body)
+    return HttpServer(app, max_body_bytes=dp.max_body, singletons=(EXPECTED_REQUESTS_HEADER,))

@@ -18,12 +18,16 @@ worker keep aiohttp.
   pipelined request's body is read ahead up to 64 KiB; the rest waits in the socket for its turn. A client's end
   of stream closes the connection (as aiohttp's server does). A request with an ``Upgrade`` header stays HTTP/1.1
   (no protocol is switched: its body and the requests after it are read as such; ``CONNECT`` closes). A target in
-  absolute form (``http://host/path``) is routed by its path, and a path is percent-decoded.
+  absolute form (``http://host/path``) is routed by its path, and a path is percent-decoded (an encoded slash
+  stays encoded). A repeated ``Host``, ``Authorization``, ``Content-Type``, ``Expect`` or app-named header (the
+  data plane's declared-burst header) is a 400. Trailers of a
+  chunked body are read and dropped (never taken for headers); they and the chunk framing are bounded as a head is.
 * **Answers**: a :class:`Response` (whole body), or a :class:`StreamResponse` (chunked transfer encoding; its
   :meth:`~StreamResponse.write` waits while the client's socket buffer is over the transport's high-water mark, so
-  a slow client slows the reading of what it is sent). Any object with ``status``, ``body`` and ``headers`` is
+  a slow client slows the reading of what it is sent; one that takes nothing for :data:`STALLED_IDLE_TIMEOUTS`
+  idle timeouts is cut off). Any object with ``status``, ``body`` and ``headers`` is
   written like a :class:`Response` (the connection guard's 503 and the host guard's 403 are aiohttp's). ``HEAD``
-  is answered as ``GET`` without the body.
+  is answered as ``GET`` without the body (a stream's chunks too).
 * **Errors**: an unknown path raises :class:`HttpError` 404, a known path with another method 405, inside the
   middlewares (so they are answered in the app's error shape); a request that is not HTTP/1.x or whose head is over
   :data:`MAX_REQUEST_HEAD_BYTES` gets a JSON 400 (431; 405 for a method the parser does not know) and the
@@ -62,6 +66,10 @@ log = logging.getLogger(__name__)
 #: Longest request head accepted (request line and headers), bytes: aiohttp's server bounds a line at 8190 bytes
 #: and 128 headers; clients of the data plane send a few hundred bytes.
 MAX_REQUEST_HEAD_BYTES = 65536
+#: Idle timeouts a client may take nothing of an answer before it is cut off (a product choice: long against a
+#: reader's pauses, which an idle connection's timeout would cut, and short against a client that never reads
+#: holding a worker's stream, a handler and a place under the connection cap: 80 s at the gateway's default 10 s).
+STALLED_IDLE_TIMEOUTS = 8
 #: Requests parsed ahead of the one being answered on a connection (pipelining) before its socket stops being read.
 MAX_PIPELINED = 8
 #: Body bytes of a request parsed ahead (pipelined) before the socket stops being read until its turn comes.
@@ -128,13 +136,14 @@ class StreamResponse:
     Raises (each method): ConnectionResetError once the client's connection is closed.
     """
 
-    __slots__ = ("_conn", "_eof", "headers", "status")
+    __slots__ = ("_conn", "_eof", "_head_only", "headers", "status")
 
     def __init__(self, status: int = 200, headers: Mapping[str, str] | None = None) -> None:
         self.status = status
         self.headers = dict(headers) if headers else {}
         self._conn: _Connection | None = None
         self._eof = False
+        self._head_only = False  # the answer to a HEAD request: its head only
 
     @property
     def prepared(self) -> bool:
@@ -144,13 +153,14 @@ class StreamResponse:
         conn = request._conn
         conn.check_open()
         self._conn = conn
+        self._head_only = request.method == "HEAD"
         conn.send_body(conn.head(request, self.status, self.headers, None))
 
     async def write(self, data: bytes) -> None:
         conn = self._conn
         if conn is None or self._eof:
             raise RuntimeError("write before prepare or after write_eof")
-        if not data:
+        if not data or self._head_only:
             return
         conn.check_open()
         conn.send_body(b"%x\r\n%b\r\n" % (len(data), data) if conn.chunked else data)
@@ -162,7 +172,7 @@ class StreamResponse:
             return
         self._eof = True
         conn.check_open()
-        if conn.chunked:
+        if conn.chunked and not self._head_only:
             conn.send_body(b"0\r\n\r\n")
         await conn.drain()
 
@@ -212,6 +222,7 @@ class HttpRequest:
         self.headers = headers
         self.version = version
         cl = headers.get("content-length")
+        cl = None if cl is None else cl.strip(" \t")  # the parser accepts (and checked) padding around the digits
         self.content_length = int(cl) if cl is not None and cl.isdigit() else None
         self.keep_alive = True
         self.status: int | None = None  # the answer's, once its head is sent
@@ -330,6 +341,11 @@ class _Connection(asyncio.Protocol):
         self.in_head = False
         self.head_bytes = 0  # of the head being parsed: its URL and whole header lines, and reads wholly inside it
         self.read_counted = 0  # head bytes the callbacks counted during the current read
+        self.raw_pending = 0  # head bytes counted raw for the header line being read (recounted whole at its end)
+        self.trailer_bytes = 0  # of the trailers of a chunked body
+        self.framing_bytes = 0  # of a body's reads that were not body (chunk framing, trailers)
+        self.chunks = 0  # chunks of the body being read
+        self.body_in_read = 0  # body bytes of the current read
         self.done_in_read = 0  # requests whose end the current read held
         self.upgraded: HttpRequest | None = None  # a request with an Upgrade header, its body not parsed yet
         self.chunked = False  # the answer being sent uses chunked transfer encoding
@@ -351,24 +367,51 @@ class _Connection(asyncio.Protocol):
         # with no request completed before the head began) counts whole: its part the callbacks did not see is a
         # header line being read, which the parser keeps whole however long it grows. (A read that also completed
         # requests before the head began counts only what the callbacks saw: at most one read more.)
-        whole = self.in_head or self.parsing is None
-        self.read_counted = 0
-        self.done_in_read = 0
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade as e:
-            self._not_upgraded(data, e.args[0] if e.args else len(data))
-            return
-        except httptools.HttpParserInvalidMethodError:  # a method no route has (aiohttp's router said 405 too)
-            self._refuse(405, "Method Not Allowed: a method no route takes")
-            return
-        except httptools.HttpParserError as e:
-            self._malformed(431 if self.head_bytes > MAX_REQUEST_HEAD_BYTES else 400, e)
-            return
+        while True:
+            whole = self.in_head or self.parsing is None
+            in_body = self.parsing if not self.in_head else None  # a body (chunked: and trailers) being read
+            self.read_counted = 0
+            self.done_in_read = 0
+            self.body_in_read = 0
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as e:
+                rest = self._not_upgraded(data, e.args[0] if e.args else len(data))
+                if rest is None:
+                    return
+                data = rest  # the upgrade request's body and what follows, for the new parser (a loop, not a
+                continue  # call per request: thousands of them may come in one read)
+            except _Refused as e:
+                self._malformed(e.status, e)
+                return
+            except httptools.HttpParserError as e:
+                if isinstance(e.__context__, _Refused):
+                    self._malformed(e.__context__.status, e.__context__)
+                    return
+                self._parse_error(e)
+                return
+            break
+        if in_body is not None and self.parsing is in_body and not self.done_in_read:
+            # what of a read wholly inside a body is not body: chunk framing and trailers (a trailer line the parser
+            # keeps whole however long it grows), bounded as a head is, plus a few bytes per chunk
+            self.framing_bytes += max(0, len(data) - self.body_in_read)
+            if self.framing_bytes > MAX_REQUEST_HEAD_BYTES + _CHUNK_FRAMING_BYTES * self.chunks:
+                self._malformed(400, _Refused(400, f"chunk framing or trailers over {MAX_REQUEST_HEAD_BYTES} bytes"))
+                return
         if self.in_head and whole and not self.done_in_read:
-            self.head_bytes += max(0, len(data) - self.read_counted)
+            extra = max(0, len(data) - self.read_counted)
+            self.head_bytes += extra
+            self.raw_pending += extra
             if self.head_bytes > MAX_REQUEST_HEAD_BYTES:
                 self._refuse(431, f"request head over {MAX_REQUEST_HEAD_BYTES} bytes")
+
+    def _parse_error(self, e: httptools.HttpParserError) -> None:
+        if isinstance(
+            e, httptools.HttpParserInvalidMethodError
+        ):  # a method no route has (aiohttp's router said 405 too)
+            self._refuse(405, "Method Not Allowed: a method no route takes")
+        else:
+            self._malformed(431 if self.head_bytes > MAX_REQUEST_HEAD_BYTES else 400, e)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -400,28 +443,41 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers = Headers()
         self.in_head = True
-        self.head_bytes = 0
+        self.head_bytes = self.raw_pending = self.trailer_bytes = self.framing_bytes = self.chunks = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
         self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:  # a trailer (after a chunked body): counted, never taken for a header of the head
+            self.trailer_bytes += len(name) + len(value) + 4
+            if self.trailer_bytes > MAX_REQUEST_HEAD_BYTES:
+                raise _Refused(400, f"trailers over {MAX_REQUEST_HEAD_BYTES} bytes")
+            return
+        self.head_bytes -= self.raw_pending  # that part of this line was counted raw: now it counts whole
+        self.raw_pending = 0
         self._count_head(len(name) + len(value) + 4)
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key = name.decode("latin-1").lower()
+        if key in self.server.singletons and key in self.headers:
+            raise _Refused(400, f"a repeated {key} header")
+        self.headers[key] = value.decode("latin-1")
 
     def _count_head(self, n: int) -> None:
         """``n`` more bytes of the head being parsed; past :data:`MAX_REQUEST_HEAD_BYTES` the parse stops (431)."""
         self.head_bytes += n
         self.read_counted += n
         if self.head_bytes > MAX_REQUEST_HEAD_BYTES:
-            raise _HeadTooLong  # stops the parser: answered 431 by data_received
+            raise _Refused(431, f"request head over {MAX_REQUEST_HEAD_BYTES} bytes")  # stops the parser
 
     def _malformed(self, status: int, e: Exception) -> None:
         """The parser failed: a head over the limit (431) or not HTTP/1.x (400). A request whose body it was
         reading fails its :meth:`HttpRequest.read` with 400 (answered in the app's error shape, then the
         connection closes); otherwise the connection answers ``status`` after the requests before it and closes."""
-        message = f"request head over {MAX_REQUEST_HEAD_BYTES} bytes" if status == 431 else f"malformed HTTP: {e}"
+        if isinstance(e, _Refused):
+            message = e.message
+        else:
+            message = f"request head over {MAX_REQUEST_HEAD_BYTES} bytes" if status == 431 else f"malformed HTTP: {e}"
         req = self.parsing
         if req is not None:  # its head was complete: the body is malformed
             self.parsing = None
@@ -432,21 +488,22 @@ class _Connection(asyncio.Protocol):
             return
         self._refuse(status, message)
 
-    def _not_upgraded(self, data: bytes, offset: int) -> None:
+    def _not_upgraded(self, data: bytes, offset: int) -> bytes | None:
         """The parser stopped after the head of a request with an ``Upgrade`` header, taking what follows for
-        another protocol. No protocol is switched here: the request stays HTTP/1.1, so a new parser reads its body
-        (the framing of its head) and the requests after it, from ``offset`` of ``data``."""
+        another protocol. No protocol is switched here: the request stays HTTP/1.1, so a new parser is to read its
+        body (the framing of its head) and the requests after it: returns what to feed it (a framing head, then
+        ``data`` from ``offset``), None for a tunnel (``CONNECT``: the connection closes after its answer)."""
         req = self.upgraded
         self.upgraded = None
         if req is None or req.method == "CONNECT":
             self.closing = True  # a tunnel: what follows is not HTTP/1.1
-            return
+            return None
         framing = "Transfer-Encoding: chunked" if "transfer-encoding" in req.headers else None
         if framing is None:
             framing = f"Content-Length: {req.content_length or 0}"
         self.parser = httptools.HttpRequestParser(self)
         self.resumed = req
-        self.data_received(f"POST / HTTP/1.1\r\n{framing}\r\n\r\n".encode() + data[offset:])
+        return f"POST / HTTP/1.1\r\n{framing}\r\n\r\n".encode() + data[offset:]
 
     def on_headers_complete(self) -> None:
         self.in_head = False
@@ -474,7 +531,11 @@ class _Connection(asyncio.Protocol):
             self.reading_paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
 
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
+
     def on_body(self, body: bytes) -> None:
+        self.body_in_read += len(body)
         req = self.parsing
         if req is not None:
             req._feed(body)
@@ -649,17 +710,23 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)  # type: ignore[union-attr]
 
     async def drain(self) -> None:
-        """Wait while the transport's write buffer is over its high-water mark.
+        """Wait while the transport's write buffer is over its high-water mark, at most
+        :data:`STALLED_IDLE_TIMEOUTS` of the guard's ``idle_timeout_s`` (a client that takes nothing of an answer for
+        that long is cut off: its handler, the worker's stream and the connection's place under the cap go).
 
         Raises:
-            ConnectionResetError: the connection closed meanwhile.
+            ConnectionResetError: the connection closed meanwhile, or was cut off.
         """
         if not self.writing_paused:
             return
         self.check_open()
-        self.drain_waiter = asyncio.get_running_loop().create_future()
+        self.drain_waiter = waiter = asyncio.get_running_loop().create_future()
+        wait_s = self.server.guard.idle_timeout_s * STALLED_IDLE_TIMEOUTS
         try:
-            await self.drain_waiter
+            await asyncio.wait_for(waiter, wait_s)
+        except asyncio.TimeoutError:  # the client takes nothing: its connection (and the handler's slot) goes
+            self.abort()
+            raise ConnectionResetError(f"the client took nothing of the answer for {wait_s:g} s") from None
         finally:
             self.drain_waiter = None
 
@@ -673,8 +740,21 @@ def _internal_error() -> Response:
     return json_response(api_error_body(500, "internal gateway error", "internal_error"), 500)
 
 
-class _HeadTooLong(Exception):
-    """Raised from a parser callback to stop a head past :data:`MAX_REQUEST_HEAD_BYTES`."""
+class _Refused(Exception):
+    """Raised from a parser callback to stop the parse: answered ``status`` (a head past
+    :data:`MAX_REQUEST_HEAD_BYTES`: 431; trailers past it or a repeated singleton header: 400), then close."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+#: Bytes of chunk framing (size line, extensions, line ends) allowed per chunk beyond the head-sized allowance.
+_CHUNK_FRAMING_BYTES = 64
+#: Headers a request may carry once (RFC 9110 5.3: a repeat of a field defined as one value is an error; aiohttp's
+#: server refused these repeated too); ``Content-Length`` and ``Transfer-Encoding`` the parser checks itself.
+_SINGLETONS = frozenset({"host", "authorization", "content-type", "expect"})
 
 
 def _path(url: bytes) -> str:
@@ -682,11 +762,12 @@ def _path(url: bytes) -> str:
     percent-decoded (UTF-8; bytes that are not stay as surrogate escapes, matching no route)."""
     if url[:1] != b"/" and b"://" in url[:16]:
         url = url.split(b"://", 1)[1]
-        slash = url.find(b"/")
-        url = url[slash:] if slash >= 0 else b"/"
+        ends = [i for i in (url.find(b"/"), url.find(b"?"), url.find(b"#")) if i >= 0]
+        end = min(ends) if ends else len(url)  # the authority ends at the first of them
+        url = url[end:] if url[end : end + 1] == b"/" else b"/"
     path = url.split(b"?", 1)[0]
-    if b"%" in path:
-        path = unquote_to_bytes(path)
+    if b"%" in path:  # an encoded slash stays encoded: it is part of a segment, never a separator
+        path = b"%2F".join(unquote_to_bytes(p) for p in path.replace(b"%2f", b"%2F").split(b"%2F"))
     return path.decode("utf-8", "surrogateescape")
 
 
@@ -767,13 +848,15 @@ class HttpServer:
     Args:
         app: the routes and middlewares.
         max_body_bytes: longest request body kept (beyond: 413 at :meth:`HttpRequest.read`).
+        singletons: more headers a request may carry once (the app's own), beyond :data:`_SINGLETONS`.
     """
 
-    def __init__(self, app: HttpApp, *, max_body_bytes: int) -> None:
+    def __init__(self, app: HttpApp, *, max_body_bytes: int, singletons: Sequence[str] = ()) -> None:
         if max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must be >= 0, not {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.singletons = _SINGLETONS | {h.lower() for h in singletons}
         self.access_log: logging.Logger | None = None
         self.shutdown_timeout_s = 1.0
         self.guard: ConnectionGuard = None  # type: ignore[assignment]  # set by listen
