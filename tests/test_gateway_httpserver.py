@@ -48,15 +48,18 @@ class App:
         self.waiting = asyncio.Event()
         self.cancelled = False
 
-    async def __aenter__(self) -> App:
-        routes = {
+    def routes(self) -> dict:
+        """``{(method, path): handler}`` served (a subclass adds its own)."""
+        return {
             ("POST", "/echo"): self.echo,
             ("GET", "/hello"): self.hello,
             ("POST", "/stream"): self.stream,
             ("POST", "/wait"): self.wait,
         }
+
+    async def __aenter__(self) -> App:
         on_answer = lambda r, status: self.answered.append((r.path, status))
-        app = HttpApp(routes, [error_middleware(self.metrics)], on_answer)
+        app = HttpApp(self.routes(), [error_middleware(self.metrics)], on_answer)
         self.server = HttpServer(app, max_body_bytes=MAX_BODY)
         self.guard = ConnectionGuard("test", retry_after_s=1, limiter=RateLimiter(), **self.guard_kw)
         self.runner, self.port = await listen_http(self.server, "127.0.0.1", 0, self.guard, shutdown_timeout=0.3)

@@ -15,19 +15,15 @@ import socket
 
 import pytest
 
-from btbctl.engine.gateway.dataplane import error_middleware
 from btbctl.engine.gateway.httpserver import (
     MAX_PIPELINED,
     MAX_REQUEST_HEAD_BYTES,
-    HttpApp,
     HttpRequest,
-    HttpServer,
     Response,
     StreamResponse,
 )
-from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http
 from gateway_fakes import GatewayEnv, metric_value, until
-from test_gateway_httpserver import MAX_BODY, App, closed, post, read_answer, read_head
+from test_gateway_httpserver import App, closed, post, read_answer, read_head
 
 #: Body of ``GET /big``: an answer far larger than its request (as ``/metrics`` is).
 BIG_BYTES = 16384
@@ -39,21 +35,13 @@ class HostileApp(App):
     """:class:`App` plus ``GET /big`` (an answer of ``big_bytes``, 16 KiB unless set), ``POST /boom`` (a stream
     that fails after its first chunk) and ``GET /unwritable`` (an answer whose head cannot be encoded)."""
 
-    async def __aenter__(self) -> HostileApp:
-        routes = {
-            ("POST", "/echo"): self.echo,
-            ("GET", "/hello"): self.hello,
-            ("POST", "/wait"): self.wait,
+    def routes(self) -> dict:
+        return {
+            **super().routes(),
             ("GET", "/big"): self.big,
             ("POST", "/boom"): self.boom,
             ("GET", "/unwritable"): self.unwritable,
         }
-        on_answer = lambda r, status: self.answered.append((r.path, status))
-        app = HttpApp(routes, [error_middleware(self.metrics)], on_answer)
-        self.server = HttpServer(app, max_body_bytes=MAX_BODY)
-        self.guard = ConnectionGuard("test", retry_after_s=1, limiter=RateLimiter(), **self.guard_kw)
-        self.runner, self.port = await listen_http(self.server, "127.0.0.1", 0, self.guard, shutdown_timeout=0.3)
-        return self
 
     big_bytes = BIG_BYTES
 

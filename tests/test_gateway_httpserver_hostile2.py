@@ -15,17 +15,13 @@ import socket
 
 import pytest
 
-from btbctl.engine.gateway.dataplane import error_middleware
 from btbctl.engine.gateway.httpserver import (
     MAX_REQUEST_HEAD_BYTES,
-    HttpApp,
     HttpRequest,
-    HttpServer,
     Response,
     StreamResponse,
     json_response,
 )
-from btbctl.engine.netguard import ConnectionGuard, RateLimiter, listen_http
 from gateway_fakes import GatewayEnv, metric_value, until
 from test_gateway_httpserver import MAX_BODY, closed, post, read_head
 from test_gateway_httpserver_hostile import ANSWER_WAIT_S, GET_HELLO, HostileApp, answer_within, read_all, settled
@@ -35,22 +31,13 @@ class Hostile2App(HostileApp):
     """:class:`HostileApp` plus ``POST /seen`` (reads the body, then answers the ``X-Name`` header it sees) and
     ``GET /v1/models`` (a route of two segments, as the gateway's), ``GET /gstream`` (a streamed GET answer)."""
 
-    async def __aenter__(self) -> Hostile2App:
-        routes = {
-            ("POST", "/echo"): self.echo,
-            ("GET", "/hello"): self.hello,
-            ("POST", "/stream"): self.stream,
+    def routes(self) -> dict:
+        return {
+            **super().routes(),
             ("POST", "/seen"): self.seen,
             ("GET", "/v1/models"): self.models,
-            ("GET", "/big"): self.big,
             ("GET", "/gstream"): self.gstream,
         }
-        on_answer = lambda r, status: self.answered.append((r.path, status))
-        app = HttpApp(routes, [error_middleware(self.metrics)], on_answer)
-        self.server = HttpServer(app, max_body_bytes=MAX_BODY)
-        self.guard = ConnectionGuard("test", retry_after_s=1, limiter=RateLimiter(), **self.guard_kw)
-        self.runner, self.port = await listen_http(self.server, "127.0.0.1", 0, self.guard, shutdown_timeout=0.3)
-        return self
 
     async def seen(self, request: HttpRequest) -> Response:
         await request.read()
@@ -405,7 +392,7 @@ async def test_a_gateway_stream_nobody_reads_does_not_stay_in_flight_forever():
         )
         await until(lambda: env.fleet[0].requests)
         loop = asyncio.get_running_loop()
-        end = loop.time() + 20 * 0.3  # twenty idle timeouts: the stall cut-off (STALLED_IDLE_TIMEOUTS) and slack
+        end = loop.time() + 60 * 0.3  # the stall cut-off (8 idle timeouts) and room for a busy machine
         for _ in range(1000):
             inflight = metric_value(await env.metrics(), "btb_inflight_requests")
             if inflight == 0 or loop.time() > end:
