@@ -45,7 +45,6 @@ import sys
 import time
 
 from btbctl.engine.copies import CopyOutcome, CopyState
-from btbctl.engine.gateway import server as gateway_server
 from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.gateway.prompt import chain_from_packed
 from btbctl.engine.gateway.server import GC_THRESHOLDS, Gateway
@@ -100,13 +99,8 @@ def median_round(runs: list[dict]) -> dict:
 
 def gateway(policy: str, seed: int, clock: MovedClock | None = None) -> tuple[Gateway, list[int]]:
     urls = [f"http://127.0.0.1:{20000 + i}" for i in range(WORKERS)]
-    real_clock = gateway_server.Clock
-    if clock is not None:  # the gateway's components take its clock when built
-        gateway_server.Clock = lambda: clock  # type: ignore[assignment,misc]
-    try:
-        gw = Gateway(GatewayConfig(workers=urls, policy=policy, page_size=PAGE, seed=seed, token="x"))
-    finally:
-        gateway_server.Clock = real_clock  # type: ignore[misc]
+    cfg = GatewayConfig(workers=urls, policy=policy, page_size=PAGE, seed=seed, token="x")
+    gw = Gateway(cfg, clock)  # type: ignore[arg-type]
     for w in gw.state.workers:
         w.healthy = True
         w.health_error = None
@@ -149,6 +143,7 @@ async def bench_policy(
     warm = min(1000, decisions // 10)
     events: list[tuple[float, int, str, object]] = []  # --live: (time, order, what, attempt or copy)
     busy_until = [0.0] * WORKERS  # --live: when each worker's FIFO prefill queue is through
+    landing: set[str] = set()  # --live: copies whose landing is scheduled
     for i in range(decisions + warm):
         if moved is not None:
             moved.now = i / live_rate
@@ -168,7 +163,7 @@ async def bench_policy(
             if pick is not None:
                 picked[pick[0]] += 1
         if moved is not None and pick is not None:
-            live_start(gw, req, pick, events, busy_until, i)
+            live_start(gw, req, pick, events, busy_until, landing, i)
     out = {"policy": policy, "decisions": decisions, **percentiles(times)}
     await asyncio.sleep(0)  # let the copy jobs' (empty) tasks run
     out["copies_started"] = len(gw.state.transfers.all())
@@ -179,10 +174,16 @@ async def bench_policy(
 
 
 def live_start(
-    gw: Gateway, req: Request, pick: tuple[int, int], events: list, busy_until: list[float], order: int
+    gw: Gateway,
+    req: Request,
+    pick: tuple[int, int],
+    events: list,
+    busy_until: list[float],
+    landing: set[str],
+    order: int,
 ) -> None:
     """``--live``: start ``req`` on the picked worker as the data plane does, schedule its first byte and its end,
-    and the landing of the copies ordered for it."""
+    and the landing of the copies ordered for it (``landing``: the ids of the copies whose landing is scheduled)."""
     life, now = gw.lifecycle, gw.clock()
     idx, pace = pick
     a = life.start(req, idx, pace, True)
@@ -193,8 +194,8 @@ def live_start(
     heapq.heappush(events, (first, 2 * order, "first_byte", a))
     heapq.heappush(events, (first + LIVE_DECODE_S, 2 * order + 1, "end", a))
     for t in gw.state.transfers.all():
-        if t.active and not getattr(t, "_bench_landing", False):
-            t._bench_landing = True  # type: ignore[attr-defined]
+        if t.active and t.copy_id not in landing:
+            landing.add(t.copy_id)
             heapq.heappush(events, (now + LIVE_COPY_S, 2 * order, "copy_done", t))
 
 

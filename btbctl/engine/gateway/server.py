@@ -141,6 +141,8 @@ class Gateway:
 
     Attributes:
         config: the settings.
+        clock: seconds since start (``now_s`` of every component); default a monotonic :class:`Clock` (a
+            benchmark or a test moves its own).
         state: live :class:`~btbctl.engine.gateway.state.FleetState` (also the policies' view).
         policy: the routing policy in use (swap with :meth:`set_policy`).
         constants: BTB's four constants in force (change with :meth:`set_constants`).
@@ -155,9 +157,9 @@ class Gateway:
         data_url / control_url: ``http://host:port`` of the listeners (after start).
     """
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, clock: Clock | None = None) -> None:
         self.config = config
-        self.clock = Clock()
+        self.clock = clock or Clock()
         self.state = FleetState(config.workers, self.clock, config.worker_names)
         constants = config.constants
         self.detector = BurstDetector(constants)
