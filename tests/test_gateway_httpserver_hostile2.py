@@ -3,8 +3,8 @@ mends of the first (the parser re-fed after an ``Upgrade`` header, percent-decod
 the drain wait before the next answer) and what the first round did not try (trailers, duplicated singleton headers,
 an HTTP/2 preface, HEAD on a streamed route, a stream nobody reads, in the gateway too).
 
-Each ``xfail(strict=True)`` test is a defect that stands (its reason says which, and what aiohttp's server did);
-the others are attacks that hold. Timeouts are configured small; waits are bounded, nothing asserts a wall time.
+Each test is an attack that holds (the defects this round found are mended; each test failed before its mend).
+Timeouts are configured small; waits are bounded, nothing asserts a wall time.
 """
 
 from __future__ import annotations

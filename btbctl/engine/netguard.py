@@ -185,10 +185,10 @@ class ConnectionGuard:
 
         def connection_made(handler: Any, transport: Any) -> None:
             made(handler, transport)
-            self._made(handler, transport)
+            self.connection_made(handler, transport)
 
         def connection_lost(handler: Any, exc: BaseException | None) -> None:
-            self._lost(handler)
+            self.connection_lost(handler)
             lost(handler, exc)
 
         server.connection_made = connection_made  # type: ignore[method-assign]
@@ -199,14 +199,6 @@ class ConnectionGuard:
         """Start the sweeps back to the cap (a :class:`GuardedServer` calls it once it listens)."""
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
-
-    def connection_made(self, key: Any, transport: Any) -> None:
-        """A :class:`GuardedServer`'s connection ``key`` (its requests' ``protocol``) opened on ``transport``."""
-        self._made(key, transport)
-
-    def connection_lost(self, key: Any) -> None:
-        """A :class:`GuardedServer`'s connection ``key`` closed."""
-        self._lost(key)
 
     def _reject(self, reason: str) -> None:
         self.closed[reason] += 1
@@ -225,7 +217,9 @@ class ConnectionGuard:
                 repeats_held=held or None,
             )
 
-    def _made(self, handler: Any, transport: Any) -> None:
+    def connection_made(self, key: Any, transport: Any) -> None:
+        """Connection ``key`` (its requests' ``protocol``: aiohttp's handler, or a :class:`GuardedServer`'s
+        connection) opened on ``transport``."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         c = _Conn(transport, now)
@@ -234,8 +228,8 @@ class ConnectionGuard:
         if self.unauthenticated >= self.max_connections:
             self._evict(now)
         c.over_cap = self.unauthenticated >= self.max_connections or self._peer_full(c.peer, 0)
-        self.conns[handler] = c
-        c.timer = loop.call_later(self.header_timeout_s, self._head_due, handler)
+        self.conns[key] = c
+        c.timer = loop.call_later(self.header_timeout_s, self._head_due, key)
 
     def _peer_full(self, peer: str, extra: int) -> bool:
         """Whether ``peer`` holds ``max_per_peer`` + ``extra`` unauthenticated connections or more."""
@@ -263,7 +257,7 @@ class ConnectionGuard:
         return True
 
     def _close(self, handler: Any) -> None:
-        c = self._lost(handler)
+        c = self.connection_lost(handler)
         if c is not None:
             c.transport.abort()
 
@@ -274,9 +268,9 @@ class ConnectionGuard:
             self._close(handler)
             self._reject("header_timeout")
 
-    def _lost(self, handler: Any) -> _Conn | None:
-        """Forget ``handler``'s connection (its budget and timer); returns it, None when unknown."""
-        c = self.conns.pop(handler, None)
+    def connection_lost(self, key: Any) -> _Conn | None:
+        """Connection ``key`` closed: forgotten (its budget and timer); its record, None when it was not watched."""
+        c = self.conns.pop(key, None)
         if c is None:
             return None
         if c.authed:

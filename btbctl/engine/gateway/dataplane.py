@@ -113,7 +113,8 @@ def overloaded(retry_after_s: int, message: str) -> Response:
 
 def error_middleware(metrics: GatewayMetrics) -> Middleware:
     """A middleware turning the server's HTTP errors (404 unknown route, 405, 413 body too large; counted in
-    ``metrics``) and unexpected exceptions into JSON errors; the process never dies on a request."""
+    ``metrics``) into JSON errors. An unexpected exception is the server's to answer (500, or the answer cut when it
+    had started; :mod:`~btbctl.engine.gateway.httpserver`): the process never dies on a request."""
 
     async def middleware(request: HttpRequest, handler) -> Answer:
         try:
@@ -121,13 +122,6 @@ def error_middleware(metrics: GatewayMetrics) -> Middleware:
         except HttpError as e:
             metrics.reject(e.status)
             return json_error(e.status, e.message, "not_found" if e.status == 404 else "invalid_request_error")
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            if request.transport is None or request.transport.is_closing() or request.status is not None:
-                raise  # the client left, or the answer had started (the server cuts it): no error answer
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            return json_error(500, "internal gateway error", "internal_error")
 
     return middleware
 
@@ -601,7 +595,7 @@ class DataPlane:
         if down is not None:
             return Retry(f"{w.url}: {down}")
         if held:
-            if request.transport is None or request.transport.is_closing():  # the client left meanwhile
+            if request.gone:  # the client left meanwhile
                 self.life.unanswered(a, "client_gone")
                 return Response(499)
             deadline = loop.time() + lim.first_byte_timeout_s
@@ -636,7 +630,7 @@ class DataPlane:
             if status < 300:
                 self._first_byte(a, t_head)
             w.last_progress_s = state.clock()  # it answered: alive, whatever its /health says
-            if request.transport is None or request.transport.is_closing():  # the client left meanwhile
+            if request.gone:  # the client left meanwhile
                 self.life.answered(a, "client_gone")
                 return Response(499)
             # a 4xx is the client's: passed through as is, the worker stays healthy

@@ -235,6 +235,11 @@ class HttpRequest:
         self._continue = headers.get("expect", "").lower() == "100-continue"
         self._waiter: asyncio.Future[None] | None = None
 
+    @property
+    def gone(self) -> bool:
+        """Whether the client closed the connection (nobody takes an answer any more)."""
+        return self._conn.closed or self.transport.is_closing()
+
     def at_eof(self) -> bool:
         """Whether the whole body has arrived (a small one usually comes with the head)."""
         return self._complete
@@ -381,10 +386,7 @@ class _Connection(asyncio.Protocol):
                     return
                 data = rest  # the upgrade request's body and what follows, for the new parser (a loop, not a
                 continue  # call per request: thousands of them may come in one read)
-            except _Refused as e:
-                self._malformed(e.status, e)
-                return
-            except httptools.HttpParserError as e:
+            except httptools.HttpParserError as e:  # a callback's _Refused comes as its context
                 if isinstance(e.__context__, _Refused):
                     self._malformed(e.__context__.status, e.__context__)
                     return
@@ -406,9 +408,9 @@ class _Connection(asyncio.Protocol):
                 self._refuse(431, f"request head over {MAX_REQUEST_HEAD_BYTES} bytes")
 
     def _parse_error(self, e: httptools.HttpParserError) -> None:
-        if isinstance(
-            e, httptools.HttpParserInvalidMethodError
-        ):  # a method no route has (aiohttp's router said 405 too)
+        """The parser failed: 405 for a method no route takes (aiohttp's router said 405 too), else
+        :meth:`_malformed`."""
+        if isinstance(e, httptools.HttpParserInvalidMethodError):
             self._refuse(405, "Method Not Allowed: a method no route takes")
         else:
             self._malformed(431 if self.head_bytes > MAX_REQUEST_HEAD_BYTES else 400, e)
