@@ -4,6 +4,8 @@ itself is checked for every implementation in test_fleet_views.py)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from btbctl.engine.gateway.state import ChainIndex, FleetState, WorkerState
 from btbctl.engine.policies.base import ExcludingView
@@ -22,6 +24,57 @@ def test_holding_record_is_prefix_closed_under_lru_eviction():
     assert len(w.holdings) == 6
     assert w.held_blocks(a) == 3 and w.held_blocks(b) == 4  # the oldest leaf went first, the root stayed
     assert w.held_blocks(a[:2]) == 2
+
+
+# a chain: a root (tree t) and its first k blocks of branch b; roots are never inner blocks (hashes are chained)
+_chains = st.builds(
+    lambda t, b, k: (f"r{t}", *(f"r{t}/{b}/{i}" for i in range(1, k))),
+    st.integers(0, 3),
+    st.integers(0, 2),
+    st.integers(1, 5),
+)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("hold"), st.integers(0, 2), _chains),
+        st.tuples(st.just("start"), st.integers(0, 2), _chains),
+        st.tuples(st.just("end"), st.integers(0, 2), st.integers(0, 30)),
+        st.tuples(st.just("drop"), st.integers(0, 2), _chains),
+        st.tuples(st.just("forget"), st.integers(0, 2), st.none()),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_ops, st.integers(2, 12))
+def test_the_root_index_is_the_scan_of_holdings_and_pending_blocks(ops, capacity):
+    """:attr:`FleetState.roots` (what :meth:`WorkerIndex.holders` reads) equals the scan it replaced, ``root in
+    holdings or root in pending`` per worker, through holds with LRU eviction, drops, forgets and requests starting
+    and ending."""
+    fs = FleetState(["http://a", "http://b", "http://c"])
+    started: list[tuple[int, str]] = []
+    for w in fs.workers:
+        w.capacity_blocks = capacity
+    for n, (op, r, arg) in enumerate(ops):
+        w = fs.workers[r]
+        if op == "hold":
+            w.hold(arg)
+        elif op == "start":
+            w.start_prefill(f"q{n}", arg)
+            started.append((r, f"q{n}"))
+        elif op == "end" and started:
+            r0, rid = started.pop(arg % len(started))
+            fs.workers[r0].end_prefill(rid)
+        elif op == "drop":
+            w.drop_blocks(arg[-2:])
+        elif op == "forget":
+            w.forget()
+        for t in range(4):
+            root = f"r{t}"
+            scan = [x.index for x in fs.workers if root in x.holdings or root in x.pending]
+            assert sorted(fs.roots.get(root, ())) == scan, (n, op, root)
+            assert fs.route_index().holders(root) == scan
+        assert all(fs.roots.values())  # no empty entry is kept
 
 
 def test_pending_counts_until_the_first_byte():

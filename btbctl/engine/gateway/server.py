@@ -157,7 +157,7 @@ class Gateway:
         data_url / control_url: ``http://host:port`` of the listeners (after start).
     """
 
-    def __init__(self, config: GatewayConfig, clock: Clock | None = None) -> None:
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self.clock = clock or Clock()
         self.state = FleetState(config.workers, self.clock, config.worker_names)

@@ -157,6 +157,11 @@ class WorkerState:
     reshaped: int = 0
     """Bumped by every change of :attr:`version` except a request with a chain joining the end of the in-flight
     prefills (:meth:`start_prefill`): while it stands, the queue estimate extends by the requests sent since."""
+    roots: set = field(default_factory=set)
+    """The roots (first blocks) of the chains recorded here (:meth:`hold`) that are still in :attr:`holdings`."""
+    root_index: dict | None = None
+    """The fleet's ``root -> {worker index}`` of the workers whose holdings or pending blocks hold that root
+    (:attr:`FleetState.roots`, kept up to date by the methods below; None: a worker outside a fleet state)."""
 
     def kv_tokens_of(self, kv_tokens: int) -> int:
         """What a request of ``kv_tokens`` (prompt + requested output) can take of this worker's KV: at most all of
@@ -211,10 +216,41 @@ class WorkerState:
                 h.move_to_end(b)
             else:
                 h[b] = None
+        if chain and chain[0] not in self.roots:
+            self.roots.add(chain[0])
+            self._root_in(chain[0])
         over = len(h) - self.capacity_blocks
         while over > 0:
-            h.popitem(last=False)
+            self._left(h.popitem(last=False)[0])
             over -= 1
+
+    def _root_in(self, root: Hashable) -> None:
+        """``root`` is held or pending here now (:attr:`root_index`)."""
+        index = self.root_index
+        if index is not None:
+            here = index.get(root)
+            if here is None:
+                index[root] = {self.index}
+            else:
+                here.add(self.index)
+
+    def _root_out(self, root: Hashable) -> None:
+        """``root`` is neither held nor pending here any more (:attr:`root_index`)."""
+        index = self.root_index
+        if index is not None:
+            here = index.get(root)
+            if here is not None:
+                here.discard(self.index)
+                if not here:
+                    del index[root]
+
+    def _left(self, block: Hashable) -> None:
+        """``block`` left :attr:`holdings`: a root of the record leaves :attr:`roots` (and the fleet's index unless a
+        request here still computes it)."""
+        if block in self.roots:
+            self.roots.discard(block)
+            if block not in self.pending:
+                self._root_out(block)
 
     def held_blocks(self, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` recorded as resident here (binary search; the record is prefix-closed)."""
@@ -282,9 +318,13 @@ class WorkerState:
 
     def add_pending(self, chain: Sequence[Hashable]) -> None:
         count_blocks(self.pending, chain)
+        if chain:
+            self._root_in(chain[0])
 
     def drop_pending(self, chain: Sequence[Hashable]) -> None:
         uncount_blocks(self.pending, chain)
+        if chain and chain[0] not in self.pending and chain[0] not in self.roots:
+            self._root_out(chain[0])
 
     def drop_blocks(self, keys: Iterable[Hashable]) -> None:
         """Remove ``keys`` from the record (its KV events said they left the cache; SGLang evicts leaves, so the
@@ -292,6 +332,7 @@ class WorkerState:
         h = self.holdings
         for k in keys:
             h.pop(k, None)
+            self._left(k)
         self.version += 1
         self.reshaped += 1
 
@@ -304,6 +345,8 @@ class WorkerState:
     def forget(self) -> None:
         """Drop the holding record (the worker died or restarted)."""
         self.holdings.clear()
+        for root in list(self.roots):
+            self._left(root)
         self.version += 1
         self.reshaped += 1
 
@@ -635,7 +678,7 @@ class ChainIndex:
     def find(self, prefix: str, limit: int = 6) -> list[Hashable]:
         """Known hashes starting with ``prefix`` (case-insensitive hex), at most ``limit``."""
         prefix = prefix.lower()
-        out = []
+        out: list[Hashable] = []
         for h in self.parent:
             if isinstance(h, str) and h.startswith(prefix):
                 out.append(h)
@@ -713,8 +756,10 @@ class WorkerIndex:
         self.idle: frozenset[int] = frozenset(self.idle_order)
 
     def holders(self, root: Hashable) -> list[int]:
-        """Workers that may plan a block of a chain starting with ``root``, ascending (O(workers))."""
-        out = [w.index for w in self._state.workers if root in w.holdings or root in w.pending]
+        """Workers that may plan a block of a chain starting with ``root``, ascending (the fleet's root index,
+        :attr:`FleetState.roots`, and the copies in flight: O(those workers))."""
+        here = self._state.roots.get(root)
+        out = sorted(here) if here else []
         more = self._state.transfers.targets_of(root)
         if more and not set(out).issuperset(more):
             out = sorted(set(more).union(out))
@@ -737,9 +782,16 @@ class FleetState:
     :meth:`queued_prefill_s`, copy landing from :meth:`copy_status`) and spreads them over the copy targets.
     """
 
-    def __init__(self, urls: Iterable[str], clock: Clock | None = None, names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, urls: Iterable[str], clock: Callable[[], float] | None = None, names: Sequence[str] | None = None
+    ) -> None:
         urls = list(urls)
         self.workers = [WorkerState(i, u.rstrip("/"), names[i] if names else f"w{i}") for i, u in enumerate(urls)]
+        #: root block -> the workers whose holdings or pending blocks hold it (each worker keeps it up to date:
+        #: :attr:`WorkerState.root_index`); a request's chain starts with its root, and every chain recorded here does
+        self.roots: dict[Hashable, set[int]] = {}
+        for w in self.workers:
+            w.root_index = self.roots
         #: worker URL (as in :attr:`workers`) -> its index
         self.index_of_url: dict[str, int] = {w.url: w.index for w in self.workers}
         self.clock = clock or Clock()
@@ -758,9 +810,9 @@ class FleetState:
         #: measured over modelled prefill time on workers that name no presets (None: not measured yet)
         self.prefill_scale: float | None = None
         self._log_scale: float | None = None
-        self._cost = None
+        self._cost: ReplicaCost | None = None
         self._cost_guessed = False
-        self._scaled: tuple | None = None
+        self._scaled: tuple[float, ReplicaCost] | None = None
         self._queues: dict[int, _Queue] = {}  # replica -> its queued prefill (see _queue)
         #: how long a sign of life keeps a worker from counting as dead, seconds (the gateway's
         #: ``progress_window_s``; see :meth:`WorkerState.alive`)
@@ -805,9 +857,10 @@ class FleetState:
         w = self.workers[replica]
         return w.held_blocks(chain) if w.healthy else 0
 
-    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+    def planned_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
         """Leading blocks of ``chain`` recorded as resident on ``replica``, being computed there by a request the
-        gateway has in flight, or arriving there by a copy in flight (0 when unavailable)."""
+        gateway has in flight, or arriving there by a copy in flight (0 when unavailable). The gateway does not see
+        the worker's own queue apart from its requests, so these are also its :meth:`pending_blocks`."""
         w = self.workers[replica]
         if not w.healthy:
             return 0
@@ -917,9 +970,9 @@ class FleetState:
             return 0.0  # nothing queued (asked per worker per routing decision): _queue's answer without the call
         return self._queue(replica)[0]
 
-    #: Leading blocks resident, arriving by copy, or being computed by a request the gateway has in flight there
-    #: (the gateway does not see the worker's own queue apart from its requests, so this is :meth:`pending_blocks`).
-    planned_blocks = pending_blocks
+    def pending_blocks(self, replica: int, chain: Sequence[Hashable]) -> int:
+        """:meth:`planned_blocks` (a method of its own, not an alias: the compiled build, README "Compiled core")."""
+        return self.planned_blocks(replica, chain)
 
     def waiting_groups(self, replica: int) -> list[tuple[Hashable, int, float]]:
         """Requests the gateway has on ``replica`` without a first byte that wait for blocks not resident there
@@ -1023,8 +1076,8 @@ class FleetState:
             used = int(w.loads.get("used_tokens") or 0)
             # requests finished since freed at most what the report had in use (they counted their whole output)
             return max(0, min(cap, cap - used - w.kv_sent_since + min(w.kv_freed_since, used)))
-        cap = (w.info or {}).get("capacity_tokens")
-        return max(0, int(cap) - w.kv_tokens_inflight) if isinstance(cap, int) else 0
+        capacity = (w.info or {}).get("capacity_tokens")
+        return max(0, capacity - w.kv_tokens_inflight) if isinstance(capacity, int) else 0
 
     @property
     def block_tokens(self) -> int:
@@ -1042,7 +1095,7 @@ class FleetState:
         return default_chunked_prefill_tokens(self.cost.gpu)
 
     @property
-    def cost(self):
+    def cost(self) -> ReplicaCost:
         """Cost model of one replica: from the first worker whose ``/btb/info`` names known model/GPU presets
         (``model_preset``, ``gpu``, ``tp_size``); else (real SGLang workers, which name none) the default cluster's
         (Llama-3.3-70B on 4xH100) **calibrated** by what the fleet measured: its prefill and decode times scaled by
@@ -1084,10 +1137,11 @@ class FleetState:
         that was alone on its worker got its first byte ``seconds`` after it was sent: move :attr:`prefill_scale`
         (measured over modelled time, EWMA of its logarithm, weight :data:`MEASURE_EWMA_ALPHA`, clamped to
         [:data:`MIN_PREFILL_SCALE`, :data:`MAX_PREFILL_SCALE`])."""
-        if not self.calibrating or seconds <= 0:
+        base = self._cost if self.calibrating else None  # ``calibrating`` settles the model
+        if base is None or seconds <= 0:
             return
         cached = min(cached_tokens, max(0, new_tokens - 1))
-        modelled = self._cost.prefill_time_s(new_tokens - cached, cached)
+        modelled = base.prefill_time_s(new_tokens - cached, cached)
         if modelled <= 0:
             return
         x = math.log(min(MAX_PREFILL_SCALE, max(MIN_PREFILL_SCALE, seconds / modelled)))
