@@ -147,26 +147,30 @@ def test_a_copy_with_steps_after_its_bytes_must_land_before_a_recompute_on_the_t
 # -- rule 2: how many replicas ----------------------------------------------------------------------------------------
 
 
-def test_skipping_copy_pricing_that_cannot_win_changes_no_route_or_plan(monkeypatch):
+class _CountingFleet(FakeFleet):
+    """Counts the replicas priced (:meth:`BtbPlus.estimate` asks each for its admission wait once; so does the
+    routing of every replica it prices, the same in both runs compared)."""
+
+    priced = 0
+
+    def admission_wait_s(self, replica: int, kv_tokens: int) -> float:
+        self.priced += 1
+        return super().admission_wait_s(replica, kv_tokens)
+
+
+def test_skipping_copy_pricing_that_cannot_win_changes_no_route_or_plan():
     """Beyond the rate target a copy is made only for an earlier first token than every covered replica's; when
     no target's landing time plus the suffix beats them, :meth:`BtbPlus._warm` skips pricing the targets. The
     routes, the copies and the counters are those of pricing every target, in scenarios where the skip happens
     and where backlog copies are made."""
     priced = {True: 0, False: 0}
-    real = BtbPlus.estimate
-
-    def counting(self, *a, **k):
-        priced[self.prune_backlog_pricing] += 1
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(BtbPlus, "estimate", counting)
     backlog = 0
     for seed in range(12):
         outcomes = []
         for prune in (True, False):
             rnd = random.Random(seed)
             n = 10
-            view = FakeFleet(n, [rnd.randrange(8) for _ in range(n)], cost(nic_gbps=rnd.choice((100.0, 400.0))))
+            view = _CountingFleet(n, [rnd.randrange(8) for _ in range(n)], cost(nic_gbps=rnd.choice((100.0, 400.0))))
             for h in rnd.sample(range(n), 2):
                 view.cached[h].update(PREFIX)
             view.queued = [rnd.uniform(0.0, 3.0) for _ in range(n)]
@@ -179,6 +183,7 @@ def test_skipping_copy_pricing_that_cannot_win_changes_no_route_or_plan(monkeypa
                 for r in rnd.sample(range(n), 2):
                     view.queued[r] = rnd.uniform(0.0, 3.0)
             outcomes.append((picks, view.copies, pol.stats()))
+            priced[prune] += view.priced
         assert outcomes[0] == outcomes[1], seed
         backlog += outcomes[0][2]["backlog_copies"]
     assert priced[True] < priced[False]  # the skip happened

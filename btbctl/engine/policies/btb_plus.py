@@ -162,7 +162,7 @@ class _Without(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         at = set(self._at)
-        return (r for i, r in enumerate(self._order) if i not in at)
+        return iter([r for i, r in enumerate(self._order) if i not in at])
 
 
 class ArrivalRate:
