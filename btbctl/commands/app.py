@@ -188,7 +188,9 @@ app = BtbTyper(
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"btbctl {__version__}")
+        from btbctl.engine.compiled import core_build
+
+        typer.echo(f"btbctl {__version__} (routing core: {core_build()})")
         raise typer.Exit()
 
 

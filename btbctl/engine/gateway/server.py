@@ -42,6 +42,7 @@ import aiohttp
 from aiohttp import web
 
 from btbctl.engine import aiotasks
+from btbctl.engine.compiled import core_build
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.control.schema import TTFT_RECENT_WINDOW_S
 from btbctl.engine.control.tuned import save_tuned
@@ -821,6 +822,7 @@ class Gateway:
             "gateway_start",
             policy=self.policy.name,
             seed=self.seed,
+            routing_core=core_build(),
             workers=",".join(w.name for w in self.state.workers),
             **self.constants.as_dict(),
         )
