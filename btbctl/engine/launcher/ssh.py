@@ -514,6 +514,7 @@ async def poll(conn, host: HostSpec, remote_dir: str, workers: list[RemoteWorker
 
 
 def _classify_exit(w: RemoteWorker) -> SshFailure:
+    """Why ``w`` failed to start: its port is taken (its log says so; it may still be up), else how it exited."""
     state = w.state
     last = log_tail(w.log, 1)
     busy = port_busy_line(w.log)
@@ -534,7 +535,8 @@ async def wait_ready(
 
     Raises:
         SshFailure: a worker exited (``port busy``, ``command not found`` or ``exited at once``, with its last log
-            line) or did not answer within its ``ready_timeout_s`` (``health timeout``).
+            line), logged that its port is taken (``port busy``, also while it stays up: SGLang's process outlives
+            its HTTP server's bind error), or did not answer within its ``ready_timeout_s`` (``health timeout``).
         KeyboardInterrupt: ``should_stop()`` turned true.
     """
     t0 = time.monotonic()
@@ -542,7 +544,7 @@ async def wait_ready(
     while pending:
         await poll(conn, host, remote_dir, workers)
         for w in list(pending):
-            if w.state != "alive":
+            if w.state != "alive" or port_busy_line(w.log) is not None:
                 raise _classify_exit(w)
             url = None
             if w.inst is not None and expects_ready_line(w.inst):
@@ -579,14 +581,15 @@ async def wait_agent(conn, host: HostSpec, remote_dir: str, w: RemoteWorker, tim
     machine; fill ``w.url`` (its control URL) and ``w.extra`` (``peer``, ``control``, ``socket``).
 
     Raises:
-        SshFailure: it exited (``port busy``, ``command not found``, ``exited at once``) or ``health timeout``.
+        SshFailure: it exited (``port busy``, ``command not found``, ``exited at once``), logged that its port is
+            taken (``port busy``, also while it stays up) or ``health timeout``.
     """
     from btbctl.engine.launcher.agents import control_url, parse_ready
 
     t0 = time.monotonic()
     while True:
         await poll(conn, host, remote_dir, [w])
-        if w.state != "alive":
+        if w.state != "alive" or port_busy_line(w.log) is not None:
             raise _classify_exit(w)
         info = parse_ready(log_head(w.log))
         if info is not None:
