@@ -12,6 +12,8 @@ socket S``). Behaviour switches, from the environment:
 * ``STANDIN_CHILD=1``: start a child process (same process group) that sleeps; its pid goes to
   ``STANDIN_CHILD_PID_FILE``.
 * ``STANDIN_DELAY_S``: seconds to wait before listening.
+* ``STANDIN_STAY_UP_ON_BIND_ERROR=1``: when its port is taken, log the bind error as uvicorn does (SGLang's HTTP
+  server: asyncio's message) and stay up, as SGLang's process does while its scheduler children live.
 
 Registration (replication l3): a worker whose HiCache extra config names ``agent_socket`` and ``worker_url`` writes
 that URL into the folder ``<agent_socket>.workers`` (as a real store names it in its hello); an agent started with
@@ -118,7 +120,15 @@ def main():
         def log_message(self, *args):
             pass
 
-    srv = ThreadingHTTPServer((host, port), Handler)
+    try:
+        srv = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        if os.environ.get("STANDIN_STAY_UP_ON_BIND_ERROR") != "1":
+            raise
+        msg = f"error while attempting to bind on address {(host, port)!r}: {str(e.strerror).lower()}"
+        print(f"ERROR:    [Errno {e.errno}] {msg}", flush=True)
+        while True:
+            time.sleep(60)
     if agent:
         import socket
 

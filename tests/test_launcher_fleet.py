@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -178,6 +179,39 @@ env = {{ STANDIN_EXIT = "7" }}
     # the two emulated workers that had started are gone too
     started = [int(line.split("pid ")[1].rstrip(")")) for line in proc.stderr.splitlines() if "pid " in line]
     assert wait_gone(started) == []
+
+
+@pytest.mark.slow
+def test_up_fails_at_once_when_a_worker_cannot_bind_its_port_but_stays_up(tmp_path, run_dir):
+    """A server whose port is taken may log the bind error and stay up (SGLang: its scheduler children keep it);
+    `up` fails on that log line, not after the ready timeout (10 min here), and stops the worker and its child.
+
+    `up` refuses a taken port it knows of before starting anything, so the port is one the worker's own command
+    line names (what `up` cannot check), held by a socket of this test."""
+    pid_file = tmp_path / "child.pid"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        cfg = tmp_path / "busy.toml"
+        cfg.write_text(f"""
+[[workers]]
+name = "busy"
+command = ["{sys.executable}", "{STANDIN}", "--port", "{taken}"]
+env = {{ STANDIN_STAY_UP_ON_BIND_ERROR = "1", STANDIN_CHILD = "1", STANDIN_CHILD_PID_FILE = "{pid_file}" }}
+ready_timeout_s = 600.0
+""")
+        proc = cli("up", "-d", "-c", str(cfg), "--run-dir", str(run_dir), *FREE_PORTS, check=False, timeout=120)
+    _one_error_line(
+        proc,
+        f"busy-0: port busy: 127.0.0.1:{taken} is taken by another process",
+        f"bind on address ('127.0.0.1', {taken}): address already in use",
+        after_progress=True,
+    )
+    assert RunDir(run_dir).load() is None
+    started = [int(line.split("pid ")[1].rstrip(")")) for line in proc.stderr.splitlines() if "pid " in line]
+    assert len(started) == 1
+    assert wait_gone([*started, int(pid_file.read_text())]) == []
 
 
 @pytest.mark.slow

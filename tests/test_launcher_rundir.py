@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -140,6 +141,115 @@ def test_wait_ready_times_out(tmp_path):
         with pytest.raises(BtbctlError, match=r"slow was not ready after 0.5 s"):
             wait_ready(p, 0.5)
         assert p.popen.poll() is None  # it gave up while the process was still starting (it waits 30 s)
+    finally:
+        stop_group(p.pid, 5.0, popen=p.popen)
+
+
+#: The ready timeout of the port-busy tests: far longer than they take when the busy line is noticed (about a
+#: second), so a wait that ignored it fails them with "not ready after 30 s".
+BUSY_WAIT_S = 30.0
+
+
+def _script(tmp_path: Path, name: str, code: str):
+    """``python -c CODE`` spawned as ``name``, its log in ``tmp_path``."""
+    return spawn(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+def _wait_logged(p, text: str, bound_s: float = 20.0) -> None:
+    """Wait (at most ``bound_s``) until ``p``'s log holds ``text``, so what comes next sees it printed."""
+    deadline = time.monotonic() + bound_s
+    while text not in p.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert text in p.log.read_text()
+
+
+def test_wait_ready_fails_at_once_when_its_port_is_taken_though_the_process_stays_up(tmp_path):
+    """As SGLang does: uvicorn logs asyncio's bind error and the server process stays up (its scheduler children
+    keep it), so only the log tells; the wait ends long before its timeout, naming the address."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        code = (
+            "import asyncio, time\n"
+            "try:\n"
+            f"    asyncio.run(asyncio.start_server(lambda r, w: None, '127.0.0.1', {taken}))\n"
+            "except OSError as e:\n"
+            "    print('ERROR:    %s' % e, flush=True)\n"
+            "time.sleep(600)\n"
+        )
+        p = _script(tmp_path, "sg-0", code)
+        try:
+            with pytest.raises(BtbctlError) as err:
+                wait_ready(p, BUSY_WAIT_S, health_url=f"http://127.0.0.1:{taken}")
+            busy = f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {taken}): "
+            assert str(err.value) == (
+                f"sg-0: port busy: 127.0.0.1:{taken} is taken by another process, so it cannot listen "
+                f"(log {p.log}): {busy}address already in use"
+            )
+            assert p.popen.poll() is None  # still up: stopping it is the caller's
+        finally:
+            stop_group(p.pid, 5.0, popen=p.popen)
+    assert not _alive(p.pid)
+
+
+#: The emulated worker's error (it exits) when its IPv6 port is taken: asyncio's bind error names a 4-tuple.
+EMULATED_BUSY_V6 = (
+    "btbctl: error: cannot listen on ::1: error while attempting to bind on address ('::1', 7001, 0, 0): "
+    "address already in use"
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "health", "where", "exits"),
+    [
+        ("OSError: [Errno 98] Address already in use", True, "HEALTH", False),
+        ("OSError: [Errno 98] Address already in use", False, "a port it binds", False),
+        (EMULATED_BUSY_V6, False, "[::1]:7001", True),
+    ],
+)
+def test_a_port_busy_line_names_the_address_it_has(tmp_path, line, health, where, exits):
+    """The address comes from the line when it names one, else from the health URL; a process that printed the
+    line and exited is reported the same way (not as a plain early exit)."""
+    port = free_port()
+    then = "import sys; sys.exit(2)" if exits else "import time; time.sleep(600)"
+    p = _script(tmp_path, "w-0", f"print({line!r}, flush=True)\n{then}")
+    try:
+        with pytest.raises(BtbctlError) as err:
+            wait_ready(p, BUSY_WAIT_S, health_url=f"http://127.0.0.1:{port}" if health else None)
+        where = f"127.0.0.1:{port}" if where == "HEALTH" else where
+        assert str(err.value) == (
+            f"w-0: port busy: {where} is taken by another process, so it cannot listen (log {p.log}): {line}"
+        )
+    finally:
+        stop_group(p.pid, 5.0, popen=p.popen)
+
+
+def test_a_port_busy_line_after_a_long_start_is_found_in_the_log_tail(tmp_path):
+    """The busy line lands past the head read for the ready line (SGLang logs a lot while loading)."""
+    filler = "x" * 99
+    code = f"for i in range(1000): print({filler!r})\nprint('OSError: [Errno 98] Address already in use', flush=True)\n"
+    p = _script(tmp_path, "w-0", code + "import time; time.sleep(600)")
+    try:
+        _wait_logged(p, "Address already in use")
+        assert p.log.stat().st_size > 65536
+        with pytest.raises(BtbctlError, match=r"^w-0: port busy: a port it binds is taken .*Address already in use$"):
+            wait_ready(p, BUSY_WAIT_S)
+    finally:
+        stop_group(p.pid, 5.0, popen=p.popen)
+
+
+def test_wait_ready_keeps_waiting_through_unrelated_log_lines(tmp_path):
+    p = _script(
+        tmp_path,
+        "w-0",
+        "print('loading weights: address space 4 GiB, port 30000', flush=True)\nimport time; time.sleep(600)",
+    )
+    try:
+        _wait_logged(p, "loading weights")
+        with pytest.raises(BtbctlError, match=r"^w-0 was not ready after 0.3 s .*loading weights"):
+            wait_ready(p, 0.3)
+        assert p.popen.poll() is None
     finally:
         stop_group(p.pid, 5.0, popen=p.popen)
 

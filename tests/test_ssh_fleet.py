@@ -18,6 +18,8 @@ from btbctl.engine.launcher.rundir import RunDir, group_members, process_start_t
 from launcher_helpers import cli, force_cleanup, wait_gone
 from sshd_fixture import host_table
 
+STANDIN = Path(__file__).with_name("_standin.py")
+
 #: Fleets started and stopped over a real sshd: the slow stage (`pytest -m slow`).
 pytestmark = pytest.mark.slow
 
@@ -217,6 +219,31 @@ def test_port_already_taken(sshd, tmp_path, run_dir):
         bad = host_table(sshd, "node-b", "127.0.0.2")
         line = _fail_up(_good_and(sshd, tmp_path, bad, {"port": taken}), run_dir, sshd)
     assert "host node-b" in line and "b-0: port busy" in line and "127.0.0.2" in line
+
+
+def test_port_taken_while_the_worker_stays_up(sshd, tmp_path, run_dir):
+    """A server that logs its bind error and stays up (SGLang: its scheduler children keep it) fails `up` on that
+    line, not after its ready timeout (10 min here); it and its child are stopped."""
+    pid_file = tmp_path / "child.pid"
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        bad = host_table(sshd, "node-b", "127.0.0.2")
+        worker = {
+            "port": taken,
+            "command": [sys.executable, str(STANDIN), "--host", "{host}", "--port", "{port}"],
+            "env": {
+                "STANDIN_STAY_UP_ON_BIND_ERROR": "1",
+                "STANDIN_CHILD": "1",
+                "STANDIN_CHILD_PID_FILE": str(pid_file),
+            },
+            "ready_timeout_s": 600.0,
+        }
+        line = _fail_up(_good_and(sshd, tmp_path, bad, worker), run_dir, sshd)
+    assert "host node-b" in line and "b-0: port busy: ERROR:    [Errno 98]" in line
+    assert f"bind on address ('127.0.0.2', {taken}): address already in use" in line
+    assert wait_gone([int(pid_file.read_text())]) == []
 
 
 def test_down_reports_an_unreachable_host_and_keeps_its_workers(sshd, tmp_path, run_dir):

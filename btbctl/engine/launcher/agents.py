@@ -37,7 +37,7 @@ from pathlib import Path
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import ClusterFile, agent_argv
 from btbctl.engine.launcher.hosts import HostSpec
-from btbctl.engine.launcher.local import Started, health_ok, not_ready
+from btbctl.engine.launcher.local import Started, health_ok, log_head, not_ready
 from btbctl.engine.launcher.rundir import RunDir
 from btbctl.engine.netaddr import hostport
 
@@ -159,11 +159,7 @@ def wait_local_ready(proc: Started, timeout_s: float, should_stop=None, poll_s: 
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            head = proc.log.read_bytes()[:65536].decode("utf-8", "replace")
-        except OSError:
-            head = ""
-        info = parse_ready(head)
+        info = parse_ready(log_head(proc.log))
         if info is not None:
             url = control_url(info["control"])
             if health_ok(url):

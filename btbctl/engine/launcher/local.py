@@ -5,7 +5,8 @@
   goes to a log file.
 * :func:`wait_ready` waits until the process prints a ready line (``ready http://HOST:PORT ...``, as the emulated
   worker and the gateway do) or, when a health URL is given, until ``GET <url>/health`` answers 2xx (how a real
-  SGLang server is recognised), and fails early when the process exits.
+  SGLang server is recognised), and fails early when the process exits or its log says its port is taken (a
+  server whose bind failed may stay alive: SGLang's scheduler and detokenizer children keep its process up).
 * :func:`stop_group` sends SIGTERM to a process group, waits a grace period, then SIGKILLs what is left.
 """
 
@@ -21,11 +22,13 @@ import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.httpclient import urlopen
 from btbctl.engine.launcher.rundir import ProcessRecord, group_members, process_start_time, record_is_ours
 from btbctl.engine.logfmt import ROTATE_BACKUPS, ROTATE_BYTES
+from btbctl.engine.netaddr import hostport
 
 #: The first line a btbctl process prints once it accepts connections: ``ready <url> [key value]...``
 #: (emulated worker: ``ready http://H:P transfer H:TP``; gateway: ``ready http://H:P control http://H:CP``).
@@ -35,6 +38,24 @@ READY_LINE = re.compile(r"^ready (https?://\S+)((?: \S+ \S+)*)\s*$", re.MULTILIN
 DEFAULT_GRACE_S = 10.0
 #: Lines of a failed process's log quoted in the error (enough for a Python exception's last frame and message).
 LOG_TAIL_LINES = 5
+#: Bytes at the head of a log searched for the ready line (it is among a process's first lines) and the port-busy
+#: text; the SSH launcher searches its mirror of a remote log the same way.
+LOG_HEAD_BYTES = 65536
+#: Bytes at the end of a log read for its last lines and the port-busy text (a few lines of any length).
+LOG_TAIL_BYTES = 8192
+#: Seconds an exited process's log writer is given to write its last lines before the log is read for the error
+#: (it exits once the pipe is closed; a child of the process still holding the pipe keeps it open).
+LOG_DRAIN_S = 1.0
+#: Log text by which a process that could not bind its port is recognised (``strerror(EADDRINUSE)`` on Linux and
+#: macOS, as the emulated worker and SGLang's uvicorn print it).
+PORT_BUSY_TEXT = ("Address already in use", "address already in use")
+#: The cause both launchers name when a worker's port is taken (:class:`~btbctl.engine.launcher.ssh.SshFailure`'s
+#: ``cause`` tag; the local error's word).
+PORT_BUSY = "port busy"
+#: The address in asyncio's bind error, which uvicorn (SGLang) and aiohttp (the emulated worker) print:
+#: ``error while attempting to bind on address ('127.0.0.1', 30000): address already in use`` (CPython's
+#: ``BaseEventLoop.create_server``; an IPv6 address is a 4-tuple there).
+BIND_ADDRESS = re.compile(r"bind on address \('([^']*)', (\d+)")
 
 
 @dataclass
@@ -161,14 +182,57 @@ def spawn(
     )
 
 
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` non-empty lines of a log, joined with `` | `` (for one-line error messages)."""
+def log_head(path: Path) -> str:
+    """The first :data:`LOG_HEAD_BYTES` of a log as text ("" when it cannot be read)."""
     try:
-        data = path.read_bytes()[-8192:].decode("utf-8", "replace")
+        with open(path, "rb") as f:
+            return f.read(LOG_HEAD_BYTES).decode("utf-8", "replace")
     except OSError:
         return ""
-    tail = [ln.strip() for ln in data.splitlines() if ln.strip()][-lines:]
+
+
+def _read_tail(path: Path) -> str:
+    """The last :data:`LOG_TAIL_BYTES` of a log as text, read from there (not the whole file); "" when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))
+            return f.read(LOG_TAIL_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` non-empty lines of a log, joined with `` | `` (for one-line error messages)."""
+    tail = [ln.strip() for ln in _read_tail(path).splitlines() if ln.strip()][-lines:]
     return " | ".join(tail)
+
+
+def port_busy_line(path: Path, head: str | None = None) -> str | None:
+    """The last line of a log's head or tail that holds :data:`PORT_BUSY_TEXT` (stripped), None when none does.
+
+    Reads at most :data:`LOG_HEAD_BYTES` + :data:`LOG_TAIL_BYTES` (``head``: the head already read, by
+    :func:`log_head`), so it is cheap enough to run on every poll of a starting process.
+    """
+    text = (log_head(path) if head is None else head) + "\n" + _read_tail(path)
+    if not any(t in text for t in PORT_BUSY_TEXT):
+        return None
+    return [ln.strip() for ln in text.splitlines() if any(t in ln for t in PORT_BUSY_TEXT)][-1]
+
+
+def port_busy(proc: Started, line: str, health_url: str | None = None) -> BtbctlError:
+    """The error for ``proc`` whose log says (``line``) that a port it binds is taken: one line naming it, the
+    address (from ``line`` when it names one, else ``health_url``'s) and its log."""
+    m = BIND_ADDRESS.search(line)
+    url = urlsplit(health_url) if health_url is not None else None
+    if m is not None:
+        where = hostport(m.group(1), int(m.group(2)))
+    elif url is not None and url.port is not None:
+        where = url.netloc
+    else:
+        where = "a port it binds"
+    return BtbctlError(
+        f"{proc.name}: {PORT_BUSY}: {where} is taken by another process, so it cannot listen (log {proc.log}): {line}"
+    )
 
 
 def not_ready(proc: Started, rc: int | None, timeout_s: float) -> BtbctlError:
@@ -199,22 +263,30 @@ def wait_ready(
     """Wait until ``proc`` is ready; fill in ``proc.url`` and ``proc.extra`` and return it.
 
     Ready means: its log holds a :data:`READY_LINE` (its URL becomes ``proc.url``), or ``health_url`` is given and
-    ``GET <health_url>/health`` answers 2xx (then ``proc.url = health_url``).
+    ``GET <health_url>/health`` answers 2xx (then ``proc.url = health_url``). Each poll reads only the log's head
+    and tail (:func:`port_busy_line`).
 
     Raises:
-        BtbctlError: the process exited first (status and the last log lines in the message), or ``timeout_s``
-            passed (the process is left running; the caller stops it).
+        BtbctlError: its log says a port it binds is taken (:func:`port_busy`, at once, whether it exited or stays
+            up), the process exited first (status and the last log lines in the message), or ``timeout_s`` passed.
+            A process still running is left so; the caller stops its group.
     """
     deadline = time.monotonic() + timeout_s
     last_health = 0.0
     while True:
-        m = _ready_match(proc.log)
+        head = log_head(proc.log)
+        m = READY_LINE.search(head)
         if m is not None:
             proc.url = m.group(1).rstrip("/")
             words = m.group(2).split()
             proc.extra = dict(zip(words[0::2], words[1::2], strict=False))
             return proc
-        rc = proc.popen.poll()
+        rc = proc.popen.poll()  # before the log is searched, so an exit just after a busy line is told by that line
+        if rc is not None:
+            _drain(proc)
+        busy = port_busy_line(proc.log, head)
+        if busy is not None:
+            raise port_busy(proc, busy, health_url)
         if rc is not None:
             raise not_ready(proc, rc, timeout_s)
         now = time.monotonic()
@@ -230,13 +302,14 @@ def wait_ready(
         time.sleep(poll_s)
 
 
-def _ready_match(log: Path):
+def _drain(proc: Started) -> None:
+    """Give an exited process's log writer up to :data:`LOG_DRAIN_S` to write what is still in the pipe."""
+    if proc.writer is None:
+        return
     try:
-        with open(log, "rb") as f:
-            head = f.read(65536).decode("utf-8", "replace")
-    except OSError:
-        return None
-    return READY_LINE.search(head)
+        proc.writer.wait(timeout=LOG_DRAIN_S)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def stop_group(pgid: int, grace_s: float = DEFAULT_GRACE_S, popen: subprocess.Popen | None = None) -> bool:
@@ -320,10 +393,15 @@ def stop_records(recs: list[ProcessRecord], grace_s: float = DEFAULT_GRACE_S) ->
 
 
 __all__ = [
+    "PORT_BUSY",
+    "PORT_BUSY_TEXT",
     "READY_LINE",
     "Started",
     "health_ok",
+    "log_head",
     "log_tail",
+    "port_busy",
+    "port_busy_line",
     "spawn",
     "stop_group",
     "stop_groups",

@@ -43,24 +43,17 @@ from typing import Any
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import WorkerInstance, worker_argv
 from btbctl.engine.launcher.hosts import HostSpec
-from btbctl.engine.launcher.local import health_ok, log_tail
+from btbctl.engine.launcher.local import PORT_BUSY, READY_LINE, health_ok, log_head, log_tail, port_busy_line
 from btbctl.engine.launcher.rundir import ProcessRecord
 
 #: Seconds between two polls of a host while waiting for its workers (one SSH round trip each).
 POLL_INTERVAL_S = 0.2
 #: Largest slice of one log fetched per poll, bytes (1 MiB keeps a poll short even behind a chatty worker).
 LOG_CHUNK_BYTES = 1 << 20
-#: Bytes at the head of a log searched for the ready line (the same 64 KiB as the local launcher).
-READY_SEARCH_BYTES = 65536
 #: Exit status POSIX shells give for a command that was not found.
 EXIT_NOT_FOUND = 127
 #: Exit status of the launch script when the working directory cannot be created or entered.
 EXIT_NO_WORKDIR = 125
-#: Log text by which a worker that could not bind its port is recognised (``strerror(EADDRINUSE)`` on Linux and
-#: macOS, as the emulated worker and SGLang's uvicorn print it).
-PORT_BUSY_TEXT = ("Address already in use", "address already in use")
-
-_READY = re.compile(r"^ready (https?://\S+)((?: \S+ \S+)*)\s*$", re.MULTILINE)
 
 # Positional arguments: DIR NAME NENV ENV... ARGV...
 LAUNCH_SCRIPT = r"""
@@ -521,24 +514,18 @@ async def poll(conn, host: HostSpec, remote_dir: str, workers: list[RemoteWorker
 
 
 def _classify_exit(w: RemoteWorker) -> SshFailure:
+    """Why ``w`` failed to start: its port is taken (its log says so; it may still be up), else how it exited."""
     state = w.state
     last = log_tail(w.log, 1)
-    if any(t in (_head(w.log) + last) for t in PORT_BUSY_TEXT):
-        return SshFailure(w.host, "port busy", last, worker=w.name)
+    busy = port_busy_line(w.log)
+    if busy is not None:
+        return SshFailure(w.host, PORT_BUSY, busy, worker=w.name)
     if state.startswith("exit:"):
         status = state[5:] or "?"
         if status == str(EXIT_NOT_FOUND):
             return SshFailure(w.host, "command not found", last or w.argv[0], worker=w.name)
         return SshFailure(w.host, "exited at once", f"status {status}" + (f": {last}" if last else ""), worker=w.name)
     return SshFailure(w.host, "exited at once", "killed by a signal" + (f": {last}" if last else ""), worker=w.name)
-
-
-def _head(path: Path) -> str:
-    try:
-        with open(path, "rb") as f:
-            return f.read(READY_SEARCH_BYTES).decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 async def wait_ready(
@@ -548,7 +535,8 @@ async def wait_ready(
 
     Raises:
         SshFailure: a worker exited (``port busy``, ``command not found`` or ``exited at once``, with its last log
-            line) or did not answer within its ``ready_timeout_s`` (``health timeout``).
+            line), logged that its port is taken (``port busy``, also while it stays up: SGLang's process outlives
+            its HTTP server's bind error), or did not answer within its ``ready_timeout_s`` (``health timeout``).
         KeyboardInterrupt: ``should_stop()`` turned true.
     """
     t0 = time.monotonic()
@@ -556,11 +544,11 @@ async def wait_ready(
     while pending:
         await poll(conn, host, remote_dir, workers)
         for w in list(pending):
-            if w.state != "alive":
+            if w.state != "alive" or port_busy_line(w.log) is not None:
                 raise _classify_exit(w)
             url = None
             if w.inst is not None and expects_ready_line(w.inst):
-                m = _READY.search(_head(w.log))
+                m = READY_LINE.search(log_head(w.log))
                 if m is not None:
                     url = m.group(1).rstrip("/")
                     words = m.group(2).split()
@@ -593,16 +581,17 @@ async def wait_agent(conn, host: HostSpec, remote_dir: str, w: RemoteWorker, tim
     machine; fill ``w.url`` (its control URL) and ``w.extra`` (``peer``, ``control``, ``socket``).
 
     Raises:
-        SshFailure: it exited (``port busy``, ``command not found``, ``exited at once``) or ``health timeout``.
+        SshFailure: it exited (``port busy``, ``command not found``, ``exited at once``), logged that its port is
+            taken (``port busy``, also while it stays up) or ``health timeout``.
     """
     from btbctl.engine.launcher.agents import control_url, parse_ready
 
     t0 = time.monotonic()
     while True:
         await poll(conn, host, remote_dir, [w])
-        if w.state != "alive":
+        if w.state != "alive" or port_busy_line(w.log) is not None:
             raise _classify_exit(w)
-        info = parse_ready(_head(w.log))
+        info = parse_ready(log_head(w.log))
         if info is not None:
             url = control_url(info["control"], host.bind_address)
             if await asyncio.to_thread(health_ok, url):
