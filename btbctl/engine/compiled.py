@@ -19,7 +19,6 @@ COMPILED_MODULES = (
     "btbctl.engine.policies.btb_plus",
     "btbctl.engine.policies.clairvoyant",
     "btbctl.engine.gateway.state",
-    "btbctl.engine.trace.model",
 )
 
 
