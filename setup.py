@@ -49,6 +49,10 @@ class AllOrNone(build_ext):
     """Builds every compiled module or none: the modules share one C library, so a module built without it would
     fail to import; on any failure (no C compiler) the built ones are removed and the core stays plain Python."""
 
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.force = True  # never modules left in build/ by an earlier build (they would hide a failure here)
+
     def run(self) -> None:
         try:
             super().run()
@@ -58,7 +62,7 @@ class AllOrNone(build_ext):
                 if os.path.exists(path):
                     os.remove(path)
             why = " ".join(str(e).split())
-            why = why if len(why) <= 200 else why[:200] + "..."  # a compiler's whole command line otherwise
+            why = why if len(why) <= 200 else "..." + why[-200:]  # a compiler's command line: its end says why
             print(f"btbctl: the routing core stays plain Python (compiling it failed: {why})", file=sys.stderr)
 
 

@@ -133,7 +133,10 @@ def test_sigkill_one_of_two_gateways_mid_burst(tmp_path, run_dir):
                 time.sleep(0.5)
             served = seen - before
         assert len(links) == N_REQUESTS, f"{N_REQUESTS - len(links)} requests left no record at the balancer"
-        pinned = {i for i, link in links.items() if link.backend == 1 and link.connected_s < killed_at}
+        # a connection the victim took (its final backend) was made before its death: a later one is refused there and
+        # goes to the live gateway (checked below); the balancer's own connect time can lag the kernel's on a busy
+        # machine, so it does not decide what was pinned
+        pinned = {i for i, link in links.items() if link.backend == 1}
         failed = {i: why for i, (outcome, why) in results.items() if outcome != "ok"}
         answered = N_REQUESTS - len(failed)
         after_kill = [link for link in links.values() if link.opened_s > killed_at + 0.2]

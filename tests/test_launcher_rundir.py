@@ -14,7 +14,7 @@ import pytest
 
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.fleet import check_no_live_run, down, free_port
-from btbctl.engine.launcher.local import spawn, stop_group, stop_record, wait_ready
+from btbctl.engine.launcher.local import same_btbctl_env, spawn, stop_group, stop_record, wait_ready
 from btbctl.engine.launcher.rundir import (
     ProcessRecord,
     RunDir,
@@ -252,6 +252,28 @@ def test_wait_ready_keeps_waiting_through_unrelated_log_lines(tmp_path):
         assert p.popen.poll() is None
     finally:
         stop_group(p.pid, 5.0, popen=p.popen)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH needs Python 3.11")
+def test_a_btbctl_child_imports_this_btbctl_not_a_checkout_in_its_working_directory(tmp_path, monkeypatch):
+    """``btbctl up`` run from a checkout starts its gateway and workers (``python -m btbctl ...``) on the btbctl it
+    runs itself (the installed build, README "Compiled core"), not on the checkout ``-m`` would put first."""
+    fake = tmp_path / "checkout" / "btbctl"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text("print('the checkout in the working directory')\n")
+    monkeypatch.chdir(fake.parent)
+    log = tmp_path / "child.log"
+    proc = spawn("child", [sys.executable, "-m", "btbctl", "--version"], log)
+    assert proc.popen.wait(timeout=60) == 0
+    proc.writer.wait(timeout=10)
+    assert log.read_text().startswith("btbctl "), log.read_text()
+    # other programs, and btbctl under another interpreter, keep their environment
+    env = {"PYTHONPATH": "/x"}
+    assert same_btbctl_env(["python3.9", "-m", "btbctl"], env) is env
+    assert same_btbctl_env([sys.executable, "-m", "sglang.launch_server"], env) is env
+    mine = same_btbctl_env([sys.executable, "-m", "btbctl.engine.launcher.logcap"], env)
+    assert mine["PYTHONSAFEPATH"] == "1" and mine["PYTHONPATH"].endswith(":/x")
 
 
 def test_spawn_of_a_missing_program_is_a_user_error(tmp_path):

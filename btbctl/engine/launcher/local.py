@@ -108,6 +108,19 @@ class Started:
         )
 
 
+def same_btbctl_env(argv: list[str], env: dict[str, str]) -> dict[str, str]:
+    """``env`` for ``argv``, with, when it runs a btbctl module with this interpreter (``[sys.executable, "-m",
+    "btbctl...", ...]``), what makes the child import the btbctl this process runs: this btbctl's directory first
+    on ``PYTHONPATH`` and ``PYTHONSAFEPATH=1`` (Python 3.11+: the working directory is not put before it, so a
+    checkout in the directory ``btbctl up`` runs from does not replace the installed, possibly compiled, build:
+    README "Compiled core"). Other programs (SGLang, a worker's own ``python``) get ``env`` unchanged."""
+    if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m" or argv[2].partition(".")[0] != "btbctl":
+        return env
+    root = str(Path(__file__).resolve().parents[3])  # the directory holding this btbctl package
+    path = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": root + (os.pathsep + path if path else ""), "PYTHONSAFEPATH": "1"}
+
+
 def spawn(
     name: str,
     argv: list[str],
@@ -120,7 +133,8 @@ def spawn(
     first, mode 0600) through a size-capped writer (:mod:`~btbctl.engine.launcher.logcap`: rotated at
     ``max_bytes``, ``backups`` old files kept).
 
-    ``env`` adds to (and overrides) this process's environment. Raises :class:`BtbctlError` when the program
+    ``env`` adds to (and overrides) this process's environment; a btbctl module run by this interpreter imports the
+    btbctl this process runs (:func:`same_btbctl_env`). Raises :class:`BtbctlError` when the program
     cannot be started (not found, not executable).
     """
     if not argv or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
@@ -129,6 +143,7 @@ def spawn(
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
+    full_env = same_btbctl_env(argv, full_env)
     log.parent.mkdir(parents=True, exist_ok=True)
     for old in log.parent.glob(log.name + ".*"):
         if old.name[len(log.name) + 1 :].isdigit():
@@ -402,6 +417,7 @@ __all__ = [
     "log_tail",
     "port_busy",
     "port_busy_line",
+    "same_btbctl_env",
     "spawn",
     "stop_group",
     "stop_groups",
