@@ -152,9 +152,11 @@ def spawn(
     os.fchmod(fd, 0o600)
     os.close(fd)  # the file exists (readers wait on it) before either process starts
     r, w = os.pipe()
+    writer_argv = [sys.executable, "-m", "btbctl.engine.launcher.logcap", str(log), str(max_bytes), str(backups)]
     try:
         writer = subprocess.Popen(
-            [sys.executable, "-m", "btbctl.engine.launcher.logcap", str(log), str(max_bytes), str(backups)],
+            writer_argv,
+            env=same_btbctl_env(writer_argv, dict(os.environ)),
             stdin=r,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
