@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 #: Provenance of a page in a node's L3 store that a worker of the node wrote through (``l3`` replication); with the
 #: writing process when known: ``write:pid=<pid>`` (:func:`write_origin`).
@@ -86,9 +87,9 @@ class CopyOutcome(str, Enum):
         return self.value
 
 
-@dataclass(frozen=True, slots=True)
-class CopyStatus:
-    """Progress of a copy in flight towards a replica (what policies read through the cost view).
+class CopyStatus(NamedTuple):
+    """Progress of a copy in flight towards a replica (what policies read through the cost view). A named tuple:
+    immutable, and about 2.5x cheaper to build than a frozen dataclass (a routing decision reads one per copy target).
 
     Attributes:
         source: the replica sending it.

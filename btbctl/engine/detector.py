@@ -29,6 +29,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from heapq import nlargest
+from typing import NamedTuple
 
 from btbctl.engine.constants import BtbConstants
 from btbctl.engine.errors import ConfigError
@@ -39,9 +40,9 @@ from btbctl.engine.errors import ConfigError
 DEFAULT_RETENTION_S = 60.0
 
 
-@dataclass(frozen=True, slots=True)
-class Detection:
-    """Answer of :meth:`BurstDetector.observe` for an arrival of a hot prefix.
+class Detection(NamedTuple):
+    """Answer of :meth:`BurstDetector.observe` for an arrival of a hot prefix (a named tuple: immutable, and cheaper
+    to build than a frozen dataclass, once per routing decision during a burst).
 
     Attributes:
         key: ``chain[prefix_blocks - 1]``, the hash that identifies the whole prefix.
