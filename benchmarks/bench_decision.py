@@ -14,7 +14,8 @@ flight for the whole run, as during a burst. Each decision routes one request of
 256 blocks of 256 tokens (65,536 tokens; the published ``prefix_blocks`` is 256, so the whole prompt is the
 detector's prefix) in turn, so the detector sees each prefix arriving over and over and the prefixes turn hot.
 
-Reported per policy (``btb``, ``btb_plus``, ``cache_aware``, and ``round_robin`` as the floor of the same call
+The routing core's build (compiled or plain Python, README "Compiled core") is printed with the figures. Reported
+per policy (``btb``, ``btb_plus``, ``cache_aware``, and ``round_robin`` as the floor of the same call
 path): p50/p99/mean of ``pick()`` in microseconds over ``--decisions`` decisions (the median over ``--rounds``
 interleaved rounds, each on a fresh gateway, with every round's p99 to show the spread), and the ratio to the
 round-robin p50. Separately, the cost of turning the prompt into its chain (xxh3 over the 256 KB of packed tokens:
@@ -44,6 +45,7 @@ import statistics
 import sys
 import time
 
+from btbctl.engine.compiled import core_build
 from btbctl.engine.copies import CopyOutcome, CopyState
 from btbctl.engine.gateway.config import GatewayConfig
 from btbctl.engine.gateway.prompt import chain_from_packed
@@ -260,6 +262,7 @@ def main() -> int:
         r["with_hashing_p99_us"] = r["p99_us"] + hashing["p99_us"]
     if args.format == "json":
         out = {"workers": WORKERS, "prompt_tokens": BLOCKS * PAGE, "clock": args.clock, "live": args.live}
+        out["routing_core"] = core_build()
         out["decisions"] = rows
         print(json.dumps({**out, "hashing": hashing}))
         return 0
@@ -268,7 +271,7 @@ def main() -> int:
         f"{BLOCKS * PAGE}-token prompts "
         f"({BLOCKS} blocks of {PAGE}), {args.prompts} prompts in turn, {args.decisions} decisions, {args.clock} clock, "
         f"{f'live at {args.rate:g}/s' if args.live else 'static fleet'}, "
-        f"median of {args.rounds} interleaved rounds"
+        f"median of {args.rounds} interleaved rounds, routing core {core_build()}"
     )
     print(
         f"{'policy':12} {'p50 us':>8} {'p99 us':>8} {'mean us':>8} {'p50/rr':>7} {'copies':>6} {'fires':>6} "

@@ -8,12 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from btbctl.engine.compiled import core_build
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decision.py"
 
 
 def test_bench_decision_smoke():
     cmd = [sys.executable, str(BENCH), "--decisions", "300", "--rounds", "2", "--prompts", "2", "--hash-runs", "5"]
     out = json.loads(subprocess.run([*cmd, "--format", "json"], check=True, capture_output=True, text=True).stdout)
+    assert out["routing_core"] == core_build()  # the build it measured: this installation's
     rows = {r["policy"]: r for r in out["decisions"]}
     assert set(rows) == {"round_robin", "btb", "btb_plus", "cache_aware"}
     for r in rows.values():
