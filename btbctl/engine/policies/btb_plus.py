@@ -120,16 +120,22 @@ _K = TypeVar("_K")
 _V = TypeVar("_V")
 
 
-class _LazyGroups(dict[int, "_Groups"]):
-    """``replica -> BtbPlus.blocked_groups(view, replica, now_s)``, computed on first use (one request's route)."""
+class _LazyGroups:
+    """``groups[replica]`` is ``BtbPlus.blocked_groups(view, replica, now_s)``, computed on first use (one request's
+    route). A plain class rather than a dict with ``__missing__``: the compiled build calls it natively."""
+
+    __slots__ = ("_policy", "_view", "_now_s", "_known")
 
     def __init__(self, policy: BtbPlus, view: CostView, now_s: float) -> None:
         self._policy, self._view, self._now_s = policy, view, now_s
+        self._known: dict[int, _Groups] = {}
 
-    def __missing__(self, replica: int) -> _Groups:
-        waiting = self._view.waiting_groups(replica)  # none (the common case): no call to blocked_groups
-        g: _Groups = self._policy.blocked_groups(self._view, replica, self._now_s, waiting) if waiting else []
-        self[replica] = g
+    def __getitem__(self, replica: int) -> _Groups:
+        g = self._known.get(replica)
+        if g is None:
+            waiting = self._view.waiting_groups(replica)  # none (the common case): no call to blocked_groups
+            g = self._policy.blocked_groups(self._view, replica, self._now_s, waiting) if waiting else []
+            self._known[replica] = g
         return g
 
 
