@@ -434,3 +434,8 @@ def test_loads_summary_shapes():
     assert summarize_loads({"loads": [rank]})["running"] == 2
     assert summarize_loads(rank)["waiting"] == 1
     assert summarize_loads({"x": 1}) is None and summarize_loads("x") is None
+    # JSON's NaN and Infinity (Python's json reads both) count as absent, never fail the probe
+    odd = json.loads(
+        '{"num_running_reqs": NaN, "num_waiting_reqs": Infinity, "num_used_tokens": 5, "token_usage": NaN}'
+    )
+    assert summarize_loads(odd) == {"running": 0, "waiting": 0, "used_tokens": 5, "max_tokens": 0, "token_usage": None}

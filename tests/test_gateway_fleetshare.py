@@ -243,6 +243,34 @@ async def test_claims_are_set_once_per_prefix_and_target(redis_server):  # noqa:
         await y.stop()
 
 
+def test_a_copy_message_whose_chain_is_not_block_hashes_is_dropped_with_one_line(caplog):
+    """A peer's copy announcement is applied only with a chain of block hashes (strings): numbers, or anything but a
+    list, is a ``fleet_share_bad_message`` line and neither a copy in flight nor holdings."""
+    from btbctl.engine.gateway.fleetshare import FleetShare
+
+    started, done = [], []
+    share = FleetShare(
+        "redis://127.0.0.1:1/0",
+        "t",
+        on_arrivals=lambda k, n: None,
+        on_copy_done=lambda *a: done.append(a),
+        on_tune=lambda *a: None,
+        on_copy_started=lambda *a: started.append(a),
+        gateway_id="me",
+    )
+    msg = {"gw": "other", "key": "c", "target": "http://w1", "source": "http://w0"}
+    caplog.set_level(logging.WARNING, logger="btbctl.engine.gateway.fleetshare")
+    for chain in ([1, 2, 3], "abc", [["a"]], {"a": 1}):
+        for state in ("copying", "done"):
+            share._on_message(share.chan_copies, json.dumps({**msg, "state": state, "chain": chain}))
+    assert started == [] and done == []
+    assert sum("fleet_share_bad_message" in r.getMessage() for r in caplog.records) == 8
+    share._on_message(share.chan_copies, json.dumps({**msg, "state": "copying", "chain": ["a", "b", "c"]}))
+    share._on_message(share.chan_copies, json.dumps({**msg, "state": "done", "chain": ["a", "b", "c"]}))
+    assert started == [(("a", "b", "c"), "http://w0", "http://w1", "other")]
+    assert done == [(("a", "b", "c"), "http://w1", "other")]
+
+
 def test_bad_redis_url_is_one_clear_error():
     with pytest.raises(ValueError, match="redis://host:port"):
         GatewayConfig(workers=["http://127.0.0.1:1"], redis_url="http://127.0.0.1:6379")

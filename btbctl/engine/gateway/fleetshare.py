@@ -286,15 +286,18 @@ class FleetShare:
                         self.on_arrivals(k, n)
             elif channel == self.chan_copies:
                 key, target, state = str(obj["key"]), str(obj["target"]), str(obj["state"])
+                chain = obj.get("chain") or []
+                if not isinstance(chain, list) or not all(isinstance(b, str) for b in chain):
+                    raise TypeError("chain: expected a list of block hashes (strings)")
                 if state == "copying":
                     if self.on_copy_started is not None:
-                        self.on_copy_started(tuple(obj.get("chain") or ()), str(obj.get("source", "")), target, gw)
+                        self.on_copy_started(tuple(chain), str(obj.get("source", "")), target, gw)
                     return
                 for f in self._waiters.pop((key, target), ()):
                     if not f.done():
                         f.set_result((state, gw))
                 if state == "done":
-                    self.on_copy_done(tuple(obj.get("chain") or ()), target, gw)
+                    self.on_copy_done(tuple(chain), target, gw)
             elif channel == self.chan_tune:
                 self.on_tune(dict(obj["constants"]), str(obj["policy"]), gw)
         except (KeyError, TypeError, ValueError) as e:

@@ -20,6 +20,7 @@ means for the fleet is the callbacks' business.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,11 +59,11 @@ def summarize_loads(body: Any) -> dict | None:
             ("max_total_num_tokens", "max_tokens"),
         ):
             v = r.get(src)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 out[dst] += int(v)
                 seen = True
         u = r.get("token_usage")
-        if isinstance(u, (int, float)) and not isinstance(u, bool):
+        if isinstance(u, (int, float)) and not isinstance(u, bool) and math.isfinite(u):
             usage.append(float(u))
     if not seen and not usage:
         return None

@@ -622,7 +622,7 @@ class Replicator(CopyExecutor):
             ans = json.loads(text)
             t.bytes_total = int(ans.get("bytes", 0) or 0)
             t.blocks_available = int(ans.get("blocks_available", 0) or 0)
-        except (ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError, OverflowError):  # OverflowError: int(Infinity)
             pass
         t.state = CopyState.RUNNING
         t.started_s = self.state.clock()
