@@ -544,11 +544,12 @@ async def wait_ready(
     while pending:
         await poll(conn, host, remote_dir, workers)
         for w in list(pending):
-            if w.state != "alive" or port_busy_line(w.log) is not None:
+            head = log_head(w.log)  # read once per poll: the busy line and the ready line are searched in it
+            if w.state != "alive" or port_busy_line(w.log, head) is not None:
                 raise _classify_exit(w)
             url = None
             if w.inst is not None and expects_ready_line(w.inst):
-                m = READY_LINE.search(log_head(w.log))
+                m = READY_LINE.search(head)
                 if m is not None:
                     url = m.group(1).rstrip("/")
                     words = m.group(2).split()
@@ -589,9 +590,10 @@ async def wait_agent(conn, host: HostSpec, remote_dir: str, w: RemoteWorker, tim
     t0 = time.monotonic()
     while True:
         await poll(conn, host, remote_dir, [w])
-        if w.state != "alive" or port_busy_line(w.log) is not None:
+        head = log_head(w.log)
+        if w.state != "alive" or port_busy_line(w.log, head) is not None:
             raise _classify_exit(w)
-        info = parse_ready(log_head(w.log))
+        info = parse_ready(head)
         if info is not None:
             url = control_url(info["control"], host.bind_address)
             if await asyncio.to_thread(health_ok, url):
