@@ -102,7 +102,7 @@ def median_round(runs: list[dict]) -> dict:
 def gateway(policy: str, seed: int, clock: MovedClock | None = None) -> tuple[Gateway, list[int]]:
     urls = [f"http://127.0.0.1:{20000 + i}" for i in range(WORKERS)]
     cfg = GatewayConfig(workers=urls, policy=policy, page_size=PAGE, seed=seed, token="x")
-    gw = Gateway(cfg, clock)  # type: ignore[arg-type]
+    gw = Gateway(cfg, clock)
     for w in gw.state.workers:
         w.healthy = True
         w.health_error = None
