@@ -759,11 +759,10 @@ class WorkerIndex:
         """Workers that may plan a block of a chain starting with ``root``, ascending (the fleet's root index,
         :attr:`FleetState.roots`, and the copies in flight: O(those workers))."""
         here = self._state.roots.get(root)
-        out = sorted(here) if here else []
         more = self._state.transfers.targets_of(root)
-        if more and not set(out).issuperset(more):
-            out = sorted(set(more).union(out))
-        return out
+        if not more:
+            return sorted(here) if here else []
+        return sorted(here.union(more) if here else more)
 
 
 class FleetState:

@@ -89,7 +89,7 @@ import math
 import random
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Sequence
 from typing import TypeVar, overload
 
 from btbctl.engine.constants import BtbConstants
@@ -118,6 +118,25 @@ PREFILL_MEMO = 4096
 _Groups = list[tuple[float, int, float, Hashable, float]]
 _K = TypeVar("_K")
 _V = TypeVar("_V")
+
+
+#: An empty map of planned blocks read (see :func:`_planned`); never written.
+_NOT_READ: dict[int, int] = {}
+
+
+def _lowest(values: Iterable[float]) -> float:
+    """The least of ``values``, inf when empty (a loop: ``min(default=)`` is a generic call in the compiled build)."""
+    low = math.inf
+    for v in values:
+        if v < low:
+            low = v
+    return low
+
+
+def _planned(view: CostView, known: dict[int, int], replica: int, prefix: Sequence[Hashable]) -> int:
+    """``view.planned_blocks(replica, prefix)``, from ``known`` (read while pricing) when there."""
+    got = known.get(replica)
+    return view.planned_blocks(replica, prefix) if got is None else got
 
 
 class _LazyGroups:
@@ -580,20 +599,40 @@ class BtbPlus(Policy[CostView]):
         self, view: CostView, replicas: Sequence[int], cost: Sequence[float], quiet: Sequence[int], quiet_cost: float
     ) -> int:
         """The lowest cost; ties go to the lower load, then at random (one draw from the tied replicas in ascending
-        order). ``quiet``: more replicas, all at cost
-        ``quiet_cost`` and load 0 (disjoint from ``replicas``)."""
-        best = min(cost, default=math.inf)
-        if quiet:
-            best = min(best, quiet_cost)
+        order). ``quiet``: more replicas, all at cost ``quiet_cost`` and load 0 (disjoint from ``replicas``).
+
+        Plain loops, no ``min(default=)`` or ``zip(strict=)``: builtins called with keywords are generic calls that
+        cost more than the loop in the compiled build (README "Compiled core")."""
+        best = math.inf
+        for c in cost:
+            if c < best:
+                best = c
+        if quiet and quiet_cost < best:
+            best = quiet_cost
         top = best * (1 + 1e-9) + 1e-12
-        tied: Sequence[int] = [r for r, c in zip(replicas, cost, strict=True) if c <= top]
+        tied: list[int] = []
+        for i in range(len(cost)):
+            if cost[i] <= top:
+                tied.append(replicas[i])
+        load = view.load
         if quiet and quiet_cost <= top:
-            idle = [r for r in tied if view.load(r) == 0]  # load 0 is the lowest
-            tied = sorted(idle + list(quiet)) if idle else quiet
+            idle = [r for r in tied if load(r) == 0]  # load 0 is the lowest
+            if not idle:
+                return quiet[0] if len(quiet) == 1 else self.rng.choice(quiet)
+            idle.extend(quiet)
+            idle.sort()
+            tied = idle
         elif len(tied) > 1:
-            loads = [view.load(r) for r in tied]
-            low = min(loads)
-            tied = [r for r, x in zip(tied, loads, strict=True) if x == low]
+            low = -1
+            lowest: list[int] = []
+            for r in tied:
+                x = load(r)
+                if low < 0 or x < low:
+                    low = x
+                    lowest = [r]
+                elif x == low:
+                    lowest.append(r)
+            tied = lowest
         return tied[0] if len(tied) == 1 else self.rng.choice(tied)
 
     # -- routing ------------------------------------------------------------------------------------------------
@@ -649,7 +688,7 @@ class BtbPlus(Policy[CostView]):
             # above the tie window of the best priced cost (``_best``'s), none of them can be chosen or tie: they
             # are left unpriced (the same choice and the same random draw).
             floor = own0 + (move[1] if move is not None else 0.0)
-            if not floor > min(cost, default=math.inf) * (1 + 1e-9) + 1e-12:
+            if not floor > _lowest(cost) * (1 + 1e-9) + 1e-12:
                 self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
                 by = dict(zip(replicas, cost, strict=True))
                 by.update(zip(rest, self._costs(view, rest, ests, groups, per_replica, move), strict=True))
@@ -660,9 +699,12 @@ class BtbPlus(Policy[CostView]):
         if rest and ests[choice][0] > own0 * (1 + 1e-9) + 1e-12:
             # the unpriced estimates (>= own0) may be below the chosen one's: priced for the count below
             self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
-        low_est = min((e[0] for e in ests.values()), default=math.inf)
-        if quiet:
-            low_est = min(low_est, own0)
+        low_est = math.inf
+        for e in ests.values():
+            if e[0] < low_est:
+                low_est = e[0]
+        if quiet and own0 < low_est:
+            low_est = own0
         mine = ests.get(choice, (own0, 0.0, 0.0))  # not priced: a quiet replica
         if mine[0] > low_est * (1 + 1e-9) + 1e-12:
             self._stats["harm_avoiding_routes"] += 1
@@ -673,20 +715,17 @@ class BtbPlus(Policy[CostView]):
         if hot is not None:
             prefix = hot[0].prefix
             # the planned blocks of the prefix read while pricing, when the prefix is the whole chain (the same query)
-            known = planned_of if len(prefix) == len(chain) and prefix == chain else {}
-
-            def planned(r: int) -> int:
-                got = known.get(r)
-                return view.planned_blocks(r, prefix) if got is None else got
-
+            # (``is`` first: the detector's prefix of a chain exactly Y blocks long is the chain itself, and comparing
+            # two 256-block tuples element by element costs about a microsecond)
+            known = planned_of if prefix is chain or (len(prefix) == len(chain) and prefix == chain) else _NOT_READ
             self._stats["hot_routes"] += 1
             if (
                 not copied
-                and planned(choice) < len(prefix)
+                and _planned(view, known, choice, prefix) < len(prefix)
                 and any(view.cached_blocks(r, prefix) >= len(prefix) for r in holders if r != choice)
             ):
                 self._stats["speculative_routes"] += 1
-            pace = self._pace(len(prefix), holders, mine[0] - mine[2], planned)
+            pace = self._pace(view, prefix, holders, mine[0] - mine[2], known)
         if plan is not None:
             return Route(choice, (plan,), pace)
         out = self._routes.get((choice, pace))
@@ -696,15 +735,18 @@ class BtbPlus(Policy[CostView]):
             out = self._routes[(choice, pace)] = Route(choice, (), pace)
         return out
 
-    def _pace(self, y: int, near: Iterable[int], own_s: float, planned: Callable[[int], int]) -> int:
-        """Rule 6: the ``Route.pace`` of a request of the hot prefix of ``y`` blocks whose own prefill takes
-        ``own_s`` seconds on its replica; 0 unless at least two of ``near`` (the replicas that may hold any of it)
-        hold, receive or will compute all of it (``planned(replica)``: the view's planned blocks of the prefix)."""
+    def _pace(
+        self, view: CostView, prefix: Sequence[Hashable], near: Iterable[int], own_s: float, known: dict[int, int]
+    ) -> int:
+        """Rule 6: the ``Route.pace`` of a request of the hot ``prefix`` whose own prefill takes ``own_s`` seconds on
+        its replica; 0 unless at least two of ``near`` (the replicas that may hold any of it) hold, receive or will
+        compute all of it (the view's planned blocks of the prefix; ``known``: those already read, by replica)."""
         if own_s <= 0:
             return 0
+        y = len(prefix)
         spread = 0
         for r in near:
-            if planned(r) >= y:
+            if _planned(view, known, r, prefix) >= y:
                 spread += 1
                 if spread == 2:
                     self._stats["paced_routes"] += 1
