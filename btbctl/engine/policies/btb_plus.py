@@ -856,11 +856,6 @@ class BtbPlus(Policy[CostView]):
         prefix = det.prefix
         y = len(prefix)
         key = prefix[-1]
-        cost = view.cost
-        bt = view.block_tokens
-        inp = req.input_tokens
-        ptoks = min(y * bt, inp - 1)
-        suffix_s = self.prefill_s(cost, inp - ptoks, ptoks)
         hold_s = self.constants.window_s
         holders: list[int] = []
         computing: list[int] = []
@@ -896,6 +891,11 @@ class BtbPlus(Policy[CostView]):
                 continue
             if len(covered) >= cap:
                 return None  # covered already (the steady state of a burst): the rest of the fleet is not looked at
+        cost = view.cost
+        bt = view.block_tokens
+        inp = req.input_tokens
+        ptoks = min(y * bt, inp - 1)
+        suffix_s = self.prefill_s(cost, inp - ptoks, ptoks)
         want = self.rate_target(det.arrivals_in_window, suffix_s)
         found = self._source(view, holders, computing, key, now_s)
         kv = cost.model.kv_bytes_per_token
