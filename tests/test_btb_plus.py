@@ -7,6 +7,8 @@ import random
 from collections.abc import Hashable, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from btbctl.engine.config import ClusterConfig
 from btbctl.engine.constants import BtbConstants
@@ -293,6 +295,37 @@ def test_ties_are_broken_by_load_then_seeded_rng():
     view.loads = [2, 1, 1]
     picks = {route(BtbPlus(3, random.Random(s)), req(("x",)), view, 0.0) for s in range(20)}
     assert picks == {1, 2}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    costs=st.lists(st.sampled_from([1.0, 1.0 + 1e-12, 2.0, 3.0]), min_size=0, max_size=6),
+    loads=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    quiet=st.lists(st.integers(6, 9), unique=True, max_size=4),
+    quiet_cost=st.sampled_from([1.0, 1.5, 4.0]),
+    seed=st.integers(0, 3),
+)
+def test_the_choice_is_the_lowest_cost_then_the_lowest_load_then_one_seeded_draw(costs, loads, quiet, quiet_cost, seed):
+    """``_best`` against its rule written out: the tie window, load 0 for the quiet replicas, then one draw from the
+    tied replicas in ascending order (the same draw, so the same rng state after it)."""
+    if not costs and not quiet:
+        return
+    replicas = list(range(len(costs)))
+    quiet = sorted(quiet)
+    view = FakeFleet(10)
+    view.loads = loads
+    pol = BtbPlus(10, random.Random(seed))
+    got = pol._best(view, replicas, costs, quiet, quiet_cost)
+    every = list(zip(replicas, costs, strict=True)) + [(r, quiet_cost) for r in quiet]
+    top = min(c for _, c in every) * (1 + 1e-9) + 1e-12
+    tied = sorted(r for r, c in every if c <= top)
+    load = {r: (0 if r in quiet else loads[r]) for r in tied}
+    low = min(load.values())
+    tied = [r for r in tied if load[r] == low]
+    ref = random.Random(seed)
+    want = tied[0] if len(tied) == 1 else ref.choice(tied)
+    assert got == want
+    assert pol.rng.random() == ref.random()
 
 
 def test_set_constants_retunes_live():

@@ -312,3 +312,10 @@ def test_folded_arrivals_leave_the_window_and_keep_an_activation_alive():
     assert d.is_active("a:3", 13.5)
     det = d.observe(chain("a", 4, "s3"), 13.6)
     assert det is not None and not det.fired and d.stats()["fires"] == 1
+
+
+def test_a_detection_reads_its_fields_and_shows_the_prefix_by_length():
+    det = BurstDetector(BtbConstants(prefix_blocks=2, threshold=1, window_s=1.0)).observe(("a", "b", "c"), 5.0)
+    assert det is not None
+    assert (det.key, det.prefix, det.arrivals_in_window, det.fired, det.now_s) == ("b", ("a", "b"), 1, True, 5.0)
+    assert repr(det) == "Detection(key='b', prefix=<2 blocks>, arrivals_in_window=1, fired=True, now_s=5.0)"

@@ -90,8 +90,8 @@ class CopyOutcome(str, Enum):
 class CopyStatus:
     """Progress of a copy in flight towards a replica (what policies read through the cost view): a value, read only
     (``Final`` attributes; equal when every field is). A plain class: the compiled build (README "Compiled core")
-    builds it natively, about 10x cheaper than a named tuple's Python ``__new__`` (a routing decision reads one per
-    copy target).
+    builds it natively, where a named tuple's ``__new__`` is Python (a ``FleetState.copy_status`` answer took 0.8 us
+    with one, 0.3 us now; a routing decision reads one per copy target).
 
     Attributes:
         source: the replica sending it.
@@ -152,8 +152,11 @@ class CopyStatus:
         return hash(self._fields())
 
     def __repr__(self) -> str:
-        names = self.__slots__
-        return "CopyStatus(" + ", ".join(f"{k}={v!r}" for k, v in zip(names, self._fields(), strict=True)) + ")"
+        return (
+            f"CopyStatus(source={self.source!r}, total_bytes={self.total_bytes!r}, sent_bytes={self.sent_bytes!r}, "
+            f"available_bytes={self.available_bytes!r}, rate_bytes_per_s={self.rate_bytes_per_s!r}, "
+            f"path_bytes_per_s={self.path_bytes_per_s!r}, after_s={self.after_s!r})"
+        )
 
     @property
     def state(self) -> CopyState:
