@@ -12,7 +12,10 @@ plans (a :class:`~btbctl.engine.gateway.state.Transfer` recorded, a task created
 body, the copy job itself (network calls, off the decision path), which does nothing here, so the copies stay in
 flight for the whole run, as during a burst. Each decision routes one request of a burst: ``--prompts`` prompts of
 256 blocks of 256 tokens (65,536 tokens; the published ``prefix_blocks`` is 256, so the whole prompt is the
-detector's prefix) in turn, so the detector sees each prefix arriving over and over and the prefixes turn hot.
+detector's prefix) in turn, so the detector sees each prefix arriving over and over and the prefixes turn hot. Each
+request carries a chain of its own (:func:`fresh`: new string objects, as the gateway's hashing makes per request),
+so the decision pays what it pays live: the hashes of its blocks computed in its lookups, and no comparison of two
+chains finding the same objects.
 
 The routing core's build (compiled or plain Python, README "Compiled core") is printed with the figures. Reported
 per policy (``btb``, ``btb_plus``, ``cache_aware``, and ``round_robin`` as the floor of the same call
@@ -78,6 +81,11 @@ class MovedClock:
 def prompts(n: int) -> list[bytes]:
     """``n`` distinct 64k-token prompts, packed uint32 (what the data plane hashes)."""
     return [pack_tokens([(p * 7919 + i * 31) % 50000 for i in range(BLOCKS * PAGE)]) for p in range(n)]
+
+
+def fresh(chain: tuple[str, ...]) -> tuple[str, ...]:
+    """An equal chain of new string objects (their hashes not computed yet), as a request's own hashing gives."""
+    return tuple([(h + "-")[:-1] for h in chain])
 
 
 def percentiles(ns: list[int]) -> dict:
@@ -155,7 +163,7 @@ async def bench_policy(
             arrival_s=clock(),
             input_tokens=BLOCKS * PAGE,
             output_tokens=1,
-            block_hashes=chains[i % len(chains)],
+            block_hashes=fresh(chains[i % len(chains)]),
         )
         t = clock_ns()
         pick = choose(req, ())

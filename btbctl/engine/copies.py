@@ -88,10 +88,11 @@ class CopyOutcome(str, Enum):
 
 
 class CopyStatus:
-    """Progress of a copy in flight towards a replica (what policies read through the cost view): a value, read only
-    (``Final`` attributes; equal when every field is). A plain class: the compiled build (README "Compiled core")
-    builds it natively, where a named tuple's ``__new__`` is Python (a ``FleetState.copy_status`` answer took 0.8 us
-    with one, 0.3 us now; a routing decision reads one per copy target).
+    """Progress of a copy in flight towards a replica (what policies read through the cost view): a value (equal when
+    every field is), read only (``Final`` attributes: mypy refuses an assignment, the compiled build raises). A plain
+    class: the compiled build (README "Compiled core") builds it natively, where a named tuple's ``__new__`` is Python
+    (a ``FleetState.copy_status`` answer took 0.8 us with one, 0.3 us now; a routing decision reads one per copy
+    target).
 
     Attributes:
         source: the replica sending it.
@@ -146,10 +147,13 @@ class CopyStatus:
         )
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CopyStatus) and self._fields() == other._fields()
+        return self is other or (isinstance(other, CopyStatus) and self._fields() == other._fields())
 
     def __hash__(self) -> int:
         return hash(self._fields())
+
+    def __reduce__(self) -> tuple[type[CopyStatus], tuple[int, float, float, float, float, float, float]]:
+        return CopyStatus, self._fields()  # pickle and copy (a compiled class has no default for its arguments)
 
     def __repr__(self) -> str:
         return (

@@ -41,10 +41,10 @@ DEFAULT_RETENTION_S = 60.0
 
 
 class Detection:
-    """Answer of :meth:`BurstDetector.observe` for an arrival of a hot prefix, read only (``Final`` attributes). A
-    plain class: the compiled build (README "Compiled core") builds it natively, where a named tuple's ``__new__`` is
-    Python (:meth:`BurstDetector.observe` of a hot prefix took 1.2 us with one, 0.8 us now; once per depth per routing
-    decision during a burst).
+    """Answer of :meth:`BurstDetector.observe` for an arrival of a hot prefix, read only (``Final`` attributes: mypy
+    refuses an assignment, the compiled build raises). A plain class: the compiled build (README "Compiled core") builds
+    it natively, where a named tuple's ``__new__`` is Python (:meth:`BurstDetector.observe` of a hot prefix took 1.2 us
+    with one, 0.8 us now; once per depth per routing decision during a burst).
 
     Attributes:
         key: ``chain[prefix_blocks - 1]``, the hash that identifies the whole prefix.
@@ -64,6 +64,10 @@ class Detection:
         self.arrivals_in_window: Final[int] = arrivals_in_window
         self.fired: Final[bool] = fired
         self.now_s: Final[float] = now_s
+
+    def __reduce__(self) -> tuple[type[Detection], tuple[Hashable, tuple[Hashable, ...], int, bool, float]]:
+        # pickle and copy (a compiled class has no default for its arguments)
+        return Detection, (self.key, self.prefix, self.arrivals_in_window, self.fired, self.now_s)
 
     def __repr__(self) -> str:
         return (
