@@ -63,6 +63,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from btbctl.engine.compiled import core_build
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.httpclient import client_session, urlopen
 from btbctl.engine.launcher.bench import BenchOptions, block_text, replay
@@ -493,6 +494,7 @@ def main() -> int:
         ratios["btbctl_over_smg_throughput_runs"] = thr_runs
     result = {
         "smg_version": SMG_VERSION if not args.skip_smg else None,
+        "routing_core": core_build(),  # the btbctl the gateway runs: this interpreter's, started with -m
         "burst": burst,
         "overhead": over,
         "ratios": ratios,
@@ -500,6 +502,7 @@ def main() -> int:
     if args.format == "json":
         print(json.dumps(result, indent=2))
         return 0
+    print(f"btbctl routing core: {core_build()}")
     print(f"burst: {args.burst_size} requests over {args.spread_s:g} s, 4 emulated Llama-3.3-70B workers (4xH100)")
     print(
         f"{'router':22} {'run':>3} {'prefix':>7} {'mean ms':>8} {'p50 ms':>8} {'p95 ms':>8} {'served':>14} "
