@@ -916,7 +916,7 @@ class BtbPlus(Policy[CostView]):
             # before the rest of the fleet is looked at and the targets' break-even and headroom checks, which cost
             # more than the rest of a decision in a burst's steady state.
             bound = max(least * bt * kv * (1 + view.nic_copies(found[0])) / nic_bps * (1 - 1e-9), found[1])
-            if not bound + suffix_s < min(ests[r][0] for r in covered):
+            if not bound + suffix_s < _lowest([ests[r][0] for r in covered]):
                 return None
         if index is not None:
             near = near if isinstance(near, (set, frozenset, range)) else set(near)  # membership, per replica below
@@ -971,15 +971,15 @@ class BtbPlus(Policy[CostView]):
                 # suffix (``suffix_s``: the request's chain extends the prefix, so ``y`` blocks are there), so
                 # when no landing time plus ``suffix_s`` beats the covered replicas, no target can: skip pricing
                 # them (with nothing picked, the options are not needed as fallbacks either).
-                best_covered = min(ests[r][0] for r in covered)
-                if not min(ready)[0] + suffix_s < best_covered:
+                best_covered = _lowest([ests[r][0] for r in covered])
+                if not _lowest([lands for lands, _ in ready]) + suffix_s < best_covered:
                     break
             for lands, t in ready:
                 est = self.estimate(view, t, req, now_s, depths, groups[t], lands, y)
                 options.append((est[0], view.load(t), t, est))
             options.sort()
             ttft, _, target, est = options.pop(0)
-            if not by_rate and not ttft < min(ests[r][0] for r in covered):
+            if not by_rate and not ttft < _lowest([ests[r][0] for r in covered]):
                 options.insert(0, (ttft, 0, target, est))
                 break
             free.remove(target)
@@ -1002,9 +1002,16 @@ class BtbPlus(Policy[CostView]):
         the prefix)``: of ``holders`` that can send, the least busy NIC, then the least queued prefill (0 s);
         else of ``computing`` that can send, the one done soonest (:meth:`source_ready_s`); None without one."""
         accepts = view.accepts_copies
-        senders = [r for r in holders if accepts(r)]
-        if senders:
-            return min(senders, key=lambda r: (view.nic_copies(r), view.queued_prefill_s(r), r)), 0.0
+        # (copies on its NIC, queued prefill s, replica) of the best holder: a loop, as min(key=) is a generic call
+        # in the compiled build
+        best: tuple[int, float, int] | None = None
+        for r in holders:
+            if accepts(r):
+                k = (view.nic_copies(r), view.queued_prefill_s(r), r)
+                if best is None or k < best:
+                    best = k
+        if best is not None:
+            return best[2], 0.0
         feeders = [r for r in computing if accepts(r)]
         if feeders:
             src_left, source = min((self.source_ready_s(view, r, key, now_s), r) for r in feeders)
