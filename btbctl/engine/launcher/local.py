@@ -108,6 +108,16 @@ class Started:
         )
 
 
+def parse_ready_line(text: str) -> tuple[str, dict[str, str]] | None:
+    """The URL (without a trailing ``/``) and the ``key value`` words of the first :data:`READY_LINE` in ``text``, or
+    None."""
+    m = READY_LINE.search(text)
+    if m is None:
+        return None
+    words = m.group(2).split()
+    return m.group(1).rstrip("/"), dict(zip(words[0::2], words[1::2], strict=False))
+
+
 def same_btbctl_env(argv: list[str], env: dict[str, str]) -> dict[str, str]:
     """``env`` for ``argv``, with, when it runs a btbctl module with this interpreter (``[sys.executable, "-m",
     "btbctl...", ...]``), what makes the child import the btbctl this process runs: this btbctl's directory first
@@ -292,11 +302,9 @@ def wait_ready(
     last_health = 0.0
     while True:
         head = log_head(proc.log)
-        m = READY_LINE.search(head)
-        if m is not None:
-            proc.url = m.group(1).rstrip("/")
-            words = m.group(2).split()
-            proc.extra = dict(zip(words[0::2], words[1::2], strict=False))
+        ready = parse_ready_line(head)
+        if ready is not None:
+            proc.url, proc.extra = ready
             return proc
         rc = proc.popen.poll()  # before the log is searched, so an exit just after a busy line is told by that line
         if rc is not None:
@@ -417,6 +425,7 @@ __all__ = [
     "health_ok",
     "log_head",
     "log_tail",
+    "parse_ready_line",
     "port_busy",
     "port_busy_line",
     "same_btbctl_env",

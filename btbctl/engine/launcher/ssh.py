@@ -43,7 +43,7 @@ from typing import Any
 from btbctl.engine.errors import BtbctlError
 from btbctl.engine.launcher.cluster import WorkerInstance, worker_argv
 from btbctl.engine.launcher.hosts import HostSpec
-from btbctl.engine.launcher.local import PORT_BUSY, READY_LINE, health_ok, log_head, log_tail, port_busy_line
+from btbctl.engine.launcher.local import PORT_BUSY, health_ok, log_head, log_tail, parse_ready_line, port_busy_line
 from btbctl.engine.launcher.rundir import ProcessRecord
 
 #: Seconds between two polls of a host while waiting for its workers (one SSH round trip each).
@@ -549,11 +549,9 @@ async def wait_ready(
                 raise _classify_exit(w)
             url = None
             if w.inst is not None and expects_ready_line(w.inst):
-                m = READY_LINE.search(head)
-                if m is not None:
-                    url = m.group(1).rstrip("/")
-                    words = m.group(2).split()
-                    w.extra = dict(zip(words[0::2], words[1::2], strict=False))
+                ready = parse_ready_line(head)
+                if ready is not None:
+                    url, w.extra = ready
             else:
                 url = w.extra.get("health_url")
             if url is not None and await asyncio.to_thread(health_ok, url):
