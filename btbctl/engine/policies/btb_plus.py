@@ -603,25 +603,18 @@ class BtbPlus(Policy[CostView]):
 
         Plain loops, no ``min(default=)`` or ``zip(strict=)``: builtins called with keywords are generic calls that
         cost more than the loop in the compiled build (README "Compiled core")."""
-        best = math.inf
-        for c in cost:
-            if c < best:
-                best = c
+        best = _lowest(cost)
         if quiet and quiet_cost < best:
             best = quiet_cost
         top = best * (1 + 1e-9) + 1e-12
-        tied: list[int] = []
-        for i in range(len(cost)):
-            if cost[i] <= top:
-                tied.append(replicas[i])
+        tied = [replicas[i] for i in range(len(cost)) if cost[i] <= top]
         load = view.load
         if quiet and quiet_cost <= top:
             idle = [r for r in tied if load(r) == 0]  # load 0 is the lowest
-            if not idle:
-                return quiet[0] if len(quiet) == 1 else self.rng.choice(quiet)
-            idle.extend(quiet)
-            idle.sort()
-            tied = idle
+            if idle:
+                idle.extend(quiet)
+                idle.sort()
+            tied = idle or list(quiet)
         elif len(tied) > 1:
             low = load(tied[0])
             lowest = [tied[0]]
@@ -700,10 +693,7 @@ class BtbPlus(Policy[CostView]):
         if rest and ests[choice][0] > own0 * (1 + 1e-9) + 1e-12:
             # the unpriced estimates (>= own0) may be below the chosen one's: priced for the count below
             self._estimates(view, req, now_s, depths, groups, rest, ests, own0, reuses=False)
-        low_est = math.inf
-        for e in ests.values():
-            if e[0] < low_est:
-                low_est = e[0]
+        low_est = _lowest([e[0] for e in ests.values()])
         if quiet and own0 < low_est:
             low_est = own0
         mine = ests.get(choice, (own0, 0.0, 0.0))  # not priced: a quiet replica
