@@ -15,8 +15,8 @@ ENV PYTHONUNBUFFERED=1 \
 
 COPY pyproject.toml setup.py README.md /opt/btbctl-src/
 COPY btbctl /opt/btbctl-src/btbctl
-# every dependency has wheels for amd64 and arm64; gcc compiles the routing core (setup.py, README "Compiled core":
-# the gateway's decisions about 2x faster) and goes with the sources once installed; --version names the build
+# every dependency has wheels for amd64 and arm64; gcc compiles the routing core (setup.py; README "Compiled core"
+# gives its speed-up) and goes with the sources once installed; --version names the build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && cd /opt/btbctl-src \
  && python3 -m pip install . \

@@ -26,13 +26,18 @@ COMPILED = [
 BUILDS = {"bdist_wheel", "build", "build_ext", "install"}
 
 
+def stays_plain(why: str) -> None:
+    """The one line saying the core installs as plain Python, and why (``pip install -v`` shows it)."""
+    print(f"btbctl: the routing core stays plain Python ({why})", file=sys.stderr)
+
+
 def ext_modules() -> list:
     if os.environ.get("BTBCTL_PURE_PYTHON") or "editable_wheel" in sys.argv or not BUILDS.intersection(sys.argv):
         return []
     try:
         from mypyc.build import mypycify
     except ImportError as e:
-        print(f"btbctl: the routing core stays plain Python (no mypyc: {e})", file=sys.stderr)
+        stays_plain(f"no mypyc: {e}")
         return []
     try:
         # the running Python's version (pyproject's [tool.mypy] checks the oldest supported one); notes about the
@@ -40,7 +45,7 @@ def ext_modules() -> list:
         version = f"--python-version={sys.version_info[0]}.{sys.version_info[1]}"
         exts = mypycify([version, "--no-warn-unused-configs", *COMPILED], opt_level="3", group_name="btbctl_core")
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure to compile falls back to plain Python
-        print(f"btbctl: the routing core stays plain Python (mypyc failed: {e})", file=sys.stderr)
+        stays_plain(f"mypyc failed: {e}")
         return []
     return exts
 
@@ -63,7 +68,7 @@ class AllOrNone(build_ext):
                     os.remove(path)
             why = " ".join(str(e).split())
             why = why if len(why) <= 200 else "..." + why[-200:]  # a compiler's command line: its end says why
-            print(f"btbctl: the routing core stays plain Python (compiling it failed: {why})", file=sys.stderr)
+            stays_plain(f"compiling it failed: {why}")
 
 
 setup(ext_modules=ext_modules(), cmdclass={"build_ext": AllOrNone})

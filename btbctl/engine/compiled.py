@@ -3,7 +3,8 @@
 ``pip install .`` compiles :data:`COMPILED_MODULES` with mypyc (``setup.py`` reads this file without importing the
 package) where mypyc and a C compiler are there; an editable install, ``BTBCTL_PURE_PYTHON=1`` or a missing compiler
 leaves them plain Python. Both behave the same (the suite's stored routes and summaries are the check); the compiled
-one decides about 3x faster (``benchmarks/bench_decision.py``). Standard library only.
+one decides faster (README "Compiled core" gives the figures of ``benchmarks/bench_decision.py``). Standard library
+only.
 """
 
 from __future__ import annotations
